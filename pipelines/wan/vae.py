@@ -1,0 +1,362 @@
+"""Wan 2.1 causal video VAE in JAX: config, loader, random init, chunked encode and decode.
+
+Numerical reference: diffusers `AutoencoderKLWan` (Wan 2.1 VAE, `is_residual=False`), used by Wan 2.1
+and Wan 2.2 A14B; the layers live in `vae_layers.py`. Public layouts follow diffusers: latents
+`[B, C, F, Hl, Wl]`, video `[B, 3, frames, height, width]` in [-1, 1], with frames = 1 + 4(F - 1)
+and height, width = 8Hl, 8Wl (`decode(..., video_layout="BFHWC")` returns the pipeline's
+`[B, frames, height, width, 3]` directly). Internally everything is channels-last.
+
+Both directions run causally over time, one chunk at a time, exactly as diffusers does: the decoder
+takes one latent frame per chunk (the first gives 1 video frame, each later one 4), the encoder takes
+the first video frame, then 4 frames per chunk. The per-conv feature cache is a dict pytree carried
+from chunk to chunk; the first chunk and the later chunks are two jitted programs, compiled once per
+(config, batch, spatial size, dtype) whatever the number of frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines.checkpoint import CheckpointError, check_state_dict, read_config, read_safetensors_folder
+from pipelines.wan import vae_layers as L
+
+# Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
+WAN21_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+ENCODER_CHUNK = 4  # video frames per encoder chunk after the first frame (diffusers `_encode`)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanVAEConfig:
+  """`AutoencoderKLWan` config; field names and defaults are diffusers' (the released Wan 2.1 VAE).
+
+  Only the Wan 2.1 topology is supported: `is_residual=False` and `patch_size=None` (the Wan 2.2
+  TI2V-5B VAE, z_dim 48, is not). `dropout` is accepted and ignored (inference).
+  """
+  base_dim: int = 96
+  decoder_base_dim: int | None = None
+  z_dim: int = 16
+  dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+  num_res_blocks: int = 2
+  attn_scales: tuple[float, ...] = ()
+  temperal_downsample: tuple[bool, ...] = (False, True, True)
+  dropout: float = 0.0
+  latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+  latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+  is_residual: bool = False
+  in_channels: int = 3
+  out_channels: int = 3
+  patch_size: int | None = None
+  scale_factor_temporal: int | None = 4
+  scale_factor_spatial: int | None = 8
+
+  def __post_init__(self):
+    for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
+      object.__setattr__(self, name, tuple(getattr(self, name)))
+    if self.is_residual or self.patch_size is not None:
+      raise ValueError(
+          f"only the Wan 2.1 VAE topology is implemented; got {self.is_residual=}, {self.patch_size=} "
+          "(the Wan 2.2 TI2V-5B VAE)")
+    for name in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
+      raise ValueError(f"{self.decoder_base_dim=} must be >= 1 or None")
+    if len(self.dim_mult) < 1 or min(self.dim_mult) < 1:
+      raise ValueError(f"{self.dim_mult=} must be a non-empty list of positive multipliers")
+    if len(self.temperal_downsample) != len(self.dim_mult) - 1:
+      raise ValueError(f"{self.temperal_downsample=} needs len(dim_mult) - 1 = {len(self.dim_mult) - 1} entries")
+    if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
+      raise ValueError(f"latents_mean/std need {self.z_dim=} entries, got {len(self.latents_mean)}, "
+                       f"{len(self.latents_std)}")
+    if self.scale_factor_spatial is not None and self.scale_factor_spatial != self.spatial_factor:
+      raise ValueError(f"{self.scale_factor_spatial=} disagrees with {self.dim_mult=} "
+                       f"(2 ** {len(self.dim_mult) - 1} = {self.spatial_factor})")
+    if self.scale_factor_temporal is not None and self.scale_factor_temporal != self.temporal_factor:
+      raise ValueError(f"{self.scale_factor_temporal=} disagrees with {self.temperal_downsample=} "
+                       f"(2 ** {sum(self.temperal_downsample)} = {self.temporal_factor})")
+
+  @property
+  def spatial_factor(self) -> int:
+    return 2 ** (len(self.dim_mult) - 1)
+
+  @property
+  def temporal_factor(self) -> int:
+    return 2 ** sum(self.temperal_downsample)
+
+  @classmethod
+  def from_diffusers(cls, raw: Mapping[str, Any]) -> WanVAEConfig:
+    """From a diffusers vae `config.json` dict; `_`-prefixed keys are metadata and skipped.
+
+    Raises:
+      ValueError: `_class_name` is not AutoencoderKLWan, an unknown key, or a failed validation.
+    """
+    class_name = raw.get("_class_name", "AutoencoderKLWan")
+    if class_name != "AutoencoderKLWan":
+      raise ValueError(f"expected an AutoencoderKLWan config, got {class_name=}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in raw if not k.startswith("_") and k not in fields)
+    if unknown:
+      raise ValueError(f"unknown AutoencoderKLWan config keys {unknown}; known: {sorted(fields)}")
+    return cls(**{k: v for k, v in raw.items() if k in fields})
+
+  def encoder_layers(self) -> tuple[L.Layer, ...]:
+    return L.encoder_layers(
+        in_channels=self.in_channels, dim=self.base_dim, z_dim=self.z_dim, dim_mult=self.dim_mult,
+        num_res_blocks=self.num_res_blocks, attn_scales=self.attn_scales,
+        temperal_downsample=self.temperal_downsample)
+
+  def decoder_layers(self) -> tuple[L.Layer, ...]:
+    return L.decoder_layers(
+        out_channels=self.out_channels, dim=self.decoder_base_dim or self.base_dim, z_dim=self.z_dim,
+        dim_mult=self.dim_mult, num_res_blocks=self.num_res_blocks,
+        temperal_upsample=self.temperal_downsample[::-1])
+
+  def quant_layers(self) -> tuple[L.CausalConv, L.CausalConv]:
+    """`quant_conv` (after the encoder) and `post_quant_conv` (before the decoder), both 1x1x1."""
+    return (L.CausalConv("quant_conv", 2 * self.z_dim, 2 * self.z_dim, 1),
+            L.CausalConv("post_quant_conv", self.z_dim, self.z_dim, 1))
+
+  def param_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Checkpoint-layout shape of every `AutoencoderKLWan` state-dict key."""
+    return L.param_shapes((*self.encoder_layers(), *self.quant_layers(), *self.decoder_layers()))
+
+
+VAE_PRESETS = {
+    "wan2.1": WanVAEConfig(),
+    # The parity-test topology: every layer kind, 3 channels wide.
+    "tiny": WanVAEConfig(base_dim=3, dim_mult=(1, 1, 1, 1), num_res_blocks=1),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WanVAE:
+  """Config (static) + parameters (diffusers key -> JAX-layout array, see `vae_layers`)."""
+  config: WanVAEConfig = dataclasses.field(metadata=dict(static=True))
+  params: dict[str, jax.Array]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.params["post_quant_conv.weight"].dtype
+
+
+class LatentDistribution(NamedTuple):
+  """diffusers' DiagonalGaussianDistribution parameters, each [B, C, F, Hl, Wl]; logvar in [-30, 20]."""
+  mean: jax.Array
+  logvar: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and init
+
+
+def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+  """Loads a diffusers `vae/` folder (config.json + safetensors, diffusers key names).
+
+  Args:
+    folder: the `vae/` folder of a diffusers Wan checkpoint.
+    dtype: parameter dtype (fp32 for parity tests, bf16 for inference).
+
+  Raises:
+    CheckpointError: folder/config/safetensors problems (see `pipelines.checkpoint`), an invalid or
+      unsupported config, or one error listing every missing, unexpected and mis-shaped key.
+  """
+  try:
+    config = WanVAEConfig.from_diffusers(read_config(folder))
+  except CheckpointError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"{folder!r}: unsupported or invalid AutoencoderKLWan config: {e}") from e
+  state = read_safetensors_folder(folder)
+  check_state_dict(state, config.param_shapes(), where=folder)
+  params = {k: jnp.asarray(L.to_jax_layout(k, np.asarray(v)), dtype=dtype) for k, v in state.items()}
+  return WanVAE(config, params)
+
+
+def init_vae(config: WanVAEConfig, key: jax.Array, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+  """Random weights (PyTorch's default conv init: U(+-1/sqrt(fan_in)) for weights and biases; gammas 1)."""
+  shapes = config.param_shapes()
+  params = {}
+  for i, (name, shape) in enumerate(sorted(shapes.items())):
+    if name.endswith(".gamma"):
+      value = jnp.ones(shape, jnp.float32)
+    else:
+      fan_in = int(np.prod(shapes[name.removesuffix(".bias") + ".weight"][1:]))
+      bound = fan_in ** -0.5
+      value = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound, bound)
+    params[name] = L.to_jax_layout(name, value).astype(dtype)
+  return WanVAE(config, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Latent normalisation (as WanPipeline applies it)
+
+
+def _stats(config: WanVAEConfig, dtype) -> tuple[jax.Array, jax.Array]:
+  shape = (1, config.z_dim, 1, 1, 1)
+  mean = jnp.asarray(config.latents_mean, jnp.float32).reshape(shape).astype(dtype)
+  inv_std = (1.0 / jnp.asarray(config.latents_std, jnp.float32)).reshape(shape).astype(dtype)
+  return mean, inv_std
+
+
+def denormalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
+  """Diffusion-space latents [B, C, F, Hl, Wl] -> VAE-space: `latents / (1 / std) + mean`.
+
+  Written exactly as WanPipeline does (stats in the latents' dtype, divide by the reciprocal), so
+  the rounding matches diffusers bit for bit in fp32.
+  """
+  mean, inv_std = _stats(config, latents.dtype)
+  return latents / inv_std + mean
+
+
+def normalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
+  """VAE-space latents [B, C, F, Hl, Wl] -> diffusion space: `(latents - mean) * (1 / std)`."""
+  mean, inv_std = _stats(config, latents.dtype)
+  return (latents - mean) * inv_std
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode
+
+
+def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+  cfg = vae.config
+  post_quant = cfg.quant_layers()[1]
+  x, _ = L.run_layers(vae.params, (post_quant,), z_BTHWC, None, first_chunk=cache is None)
+  x, cache = L.run_layers(vae.params, cfg.decoder_layers(), x, cache, first_chunk=cache is None)
+  return jnp.clip(x, -1.0, 1.0), cache
+
+
+_decode_first_chunk = jax.jit(lambda vae, z: _decode_chunk(vae, None, z))
+_decode_next_chunk = jax.jit(_decode_chunk, donate_argnums=1)
+
+
+def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
+  if latents.ndim != 5:
+    raise ValueError(f"latents must be [B, C, F, Hl, Wl], got {latents.shape=}")
+  B, C, F, Hl, Wl = latents.shape
+  if C != config.z_dim:
+    raise ValueError(f"latents have {C=} channels but the VAE has {config.z_dim=}")
+  if min(B, F, Hl, Wl) < 1:
+    raise ValueError(f"latents {latents.shape=} have an empty axis (zero frames?)")
+
+
+def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> jax.Array:
+  """Decodes VAE-space latents into a video in [-1, 1] (diffusers `AutoencoderKLWan.decode`).
+
+  Apply `denormalize_latents` first to latents coming from the diffusion model, as WanPipeline does.
+
+  Args:
+    vae: the model; latents are cast to its dtype, and the video comes back in it.
+    latents: [B, C, F, Hl, Wl] with C == config.z_dim.
+    video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, 8Hl, 8Wl]) or "BFHWC" (the
+      pipeline's [B, frames, 8Hl, 8Wl, 3], the internal layout: no transpose).
+
+  Returns:
+    The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
+
+  Raises:
+    ValueError: latents not 5-D, wrong channel count, an empty axis, or an unknown `video_layout`.
+
+  Time chunking: latent frame 0 goes through `_decode_first_chunk` (no cache; upsample3d's time
+  conv skipped, so it yields 1 frame), frames 1..F-1 each through `_decode_next_chunk` (4 frames),
+  carrying the cache. The two programs are compiled once per (config, B, Hl, Wl, dtype). Only one
+  chunk's activations plus the cache are live at a time; the decoded frames accumulate.
+
+  Peak memory, 81 frames at 480x832 (latents [1, 16, 21, 60, 104]), Wan 2.1 config (base_dim 96,
+  dim_mult [1, 2, 4, 4], z_dim 16), B = 1. ESTIMATE, from the activation sizes of this config
+  (1 value of one [4 frames, 480, 832] plane at 96 channels = 153 MB fp32):
+    - feature cache (2 frames of every 3x3x3 conv input): 3.40 GB fp32, dominated by the 7 convs
+      at full resolution (7 x 2 x 480 x 832 x 96 x 4 B = 2.15 GB);
+    - largest transient of a later chunk: upsample2d input after the nearest-neighbour repeat
+      [4, 480, 832, 192] = 1.23 GB, its conv output [4, 480, 832, 96] = 0.61 GB; a full-resolution
+      causal conv holds concat(cache, x) [6, 480, 832, 96] = 0.92 GB + its output 0.61 GB + the
+      residual 0.61 GB; the mid-block attention scores [6240, 6240] fp32 = 0.16 GB are small;
+    - decoded video [1, 81, 480, 832, 3] = 0.39 GB, weights 0.25 GB (fp32, whole VAE);
+    => about 6-7 GB in fp32 and about half in bf16 (norm and softmax statistics stay fp32).
+  XLA's own view: `memory_analysis()` of the compiled later-chunk program, lowered on CPU from
+  abstract shapes (fp32, donated cache), reports arguments 3.4 GB (cache + weights + latent frame),
+  outputs 3.4 GB (aliased with the donated cache) and temporaries 4.0 GB, so about 7.4 GB live
+  per chunk step, plus the 0.39 GB of accumulated video. Not measured on an accelerator.
+  """
+  _check_latents(vae.config, latents)
+  if video_layout not in ("BCFHW", "BFHWC"):
+    raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
+  z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
+  chunk, cache = _decode_first_chunk(vae, z_BFHWC[:, :1])
+  chunks = [chunk]
+  for i in range(1, z_BFHWC.shape[1]):
+    chunk, cache = _decode_next_chunk(vae, cache, z_BFHWC[:, i:i + 1])
+    chunks.append(chunk)
+  video_BFHWC = jnp.concatenate(chunks, axis=1)
+  if video_layout == "BFHWC":
+    return video_BFHWC
+  return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# Encode
+
+
+def _encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+  cfg = vae.config
+  h, cache = L.run_layers(vae.params, cfg.encoder_layers(), x_BTHWC, cache, first_chunk=cache is None)
+  h, _ = L.run_layers(vae.params, cfg.quant_layers()[:1], h, None, first_chunk=False)
+  return h, cache
+
+
+_encode_first_chunk = jax.jit(lambda vae, x: _encode_chunk(vae, None, x))
+_encode_next_chunk = jax.jit(_encode_chunk, donate_argnums=1)
+
+
+def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
+  """Encodes a video into the latent Gaussian (diffusers `AutoencoderKLWan.encode(x).latent_dist`).
+
+  Args:
+    vae: the model; the video is cast to its dtype.
+    video: [B, 3, frames, height, width] in [-1, 1] (diffusers layout), frames = 1 + 4k, height and
+      width multiples of 8.
+
+  Returns:
+    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / 8, width / 8]; the
+    latent is `mean` (diffusers' `.mode()`); apply `normalize_latents` for the diffusion model.
+
+  Raises:
+    ValueError: video not 5-D, wrong channel count, frames not 1 + 4k (diffusers would silently drop
+      the extra frames), or height/width not multiples of the spatial factor.
+
+  Time chunking as diffusers `_encode`: frame 0 alone, then chunks of 4 frames, each one latent frame
+  (temporal factor 4); the cache is carried as in `decode`.
+  """
+  cfg = vae.config
+  if video.ndim != 5:
+    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
+  B, C, frames, height, width = video.shape
+  if C != cfg.in_channels:
+    raise ValueError(f"video has {C=} channels but the VAE expects {cfg.in_channels=}")
+  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
+    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
+  f = cfg.spatial_factor
+  if height < f or width < f or height % f or width % f:
+    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
+  x_BFHWC = jnp.transpose(video.astype(vae.dtype), (0, 2, 3, 4, 1))
+  h, cache = _encode_first_chunk(vae, x_BFHWC[:, :1])
+  chunks = [h]
+  for start in range(1, frames, ENCODER_CHUNK):
+    h, cache = _encode_next_chunk(vae, cache, x_BFHWC[:, start:start + ENCODER_CHUNK])
+    chunks.append(h)
+  h_BCFHW = jnp.transpose(jnp.concatenate(chunks, axis=1), (0, 4, 1, 2, 3))
+  mean, logvar = jnp.split(h_BCFHW, 2, axis=1)
+  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))

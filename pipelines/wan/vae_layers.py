@@ -1,0 +1,327 @@
+"""Layers of the Wan 2.1 causal video VAE (diffusers `AutoencoderKLWan`), functional and channels-last.
+
+Source of the math: diffusers `models/autoencoders/autoencoder_kl_wan.py` (`WanCausalConv3d`,
+`WanRMS_norm`, `WanResidualBlock`, `WanAttentionBlock`, `WanResample`, `WanEncoder3d`,
+`WanDecoder3d`). Shape letters follow DESIGN.md; inside the VAE a level's activations are
+`[B, T, H, W, C]`: T frames, H x W pixels and C channels *at that level* (T = 1 or 4 in the encoder's
+input chunks, 1, 2 or 4 in the decoder; H, W between Hl, Wl and 8Hl, 8Wl). Channels-last is the
+layout `lax.conv_general_dilated` is fastest with on GPU and TPU.
+
+Parameters are one flat dict keyed by diffusers' state-dict names (`decoder.up_blocks.0.resnets.1.
+conv1.weight`), with values in JAX layout: conv kernels `[kt, kh, kw, I, O]` (2D convs get kt = 1),
+biases `[O]`, RMS-norm gammas `[C]`. `param_shapes` gives the checkpoint-layout shapes for the same
+keys and `to_jax_layout` converts one tensor.
+
+Feature cache. diffusers runs the encoder and decoder one time chunk at a time and, for every causal
+conv with a temporal kernel of 3, keeps the last CACHE_T = 2 frames of that conv's *input*
+(`feat_cache`). On the first chunk the cache is empty and the conv zero-pads instead; after a 1-frame
+chunk diffusers keeps one frame and zero-pads the missing one next time. Both are exactly a 2-frame
+cache that starts at zeros, which is what this module carries: `cache_out[name]` is always the last
+2 frames of `concat(cache_in[name], x)`, so every chunk after the first sees the same cache shapes
+and one compiled program serves them all. Two layers differ on the first chunk, reproduced by the
+`first_chunk` flag:
+  - upsample3d: diffusers marks its cache "Rep" and skips the time conv (1 frame stays 1 frame), and
+    the next chunk's time conv zero-pads rather than seeing that frame: a zero cache.
+  - downsample3d: the first chunk skips the stride-2 time conv and stores its input; later chunks
+    prepend the stored last frame (a 1-frame cache) before the valid stride-2 time conv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+CACHE_T = 2  # frames of causal-conv input carried between chunks (diffusers' CACHE_T)
+RMS_EPS = 1e-12  # torch.nn.functional.normalize's default eps (clamps the L2 norm, not its square)
+LOGVAR_RANGE = (-30.0, 20.0)  # diffusers' DiagonalGaussianDistribution clamp
+
+Params = Mapping[str, jax.Array]
+Cache = dict[str, jax.Array]
+_CONV_DIMS = ("NDHWC", "DHWIO", "NDHWC")
+
+
+# ----------------------------------------------------------------------------------------------
+# Architecture description (one source for parameter shapes and for the forward pass)
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalConv:
+  """`WanCausalConv3d` with a cubic kernel of side `kernel` (3: cached causal conv, 1: pointwise)."""
+  name: str
+  in_dim: int
+  out_dim: int
+  kernel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ResBlock:
+  """`WanResidualBlock`: RMS-norm, SiLU, causal conv, twice; 1x1x1 conv shortcut when dims differ."""
+  name: str
+  in_dim: int
+  out_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnBlock:
+  """`WanAttentionBlock`: single-head self-attention over the H x W pixels of each frame."""
+  name: str
+  dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resample:
+  """`WanResample` in mode upsample2d / upsample3d / downsample2d / downsample3d."""
+  name: str
+  mode: str
+  dim: int
+  out_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSiLU:
+  """The heads' `norm_out` (`WanRMS_norm`) followed by SiLU."""
+  name: str
+  dim: int
+
+
+Layer = CausalConv | ResBlock | AttnBlock | Resample | NormSiLU
+
+
+def _mid_block(name: str, dim: int) -> list[Layer]:
+  # WanMidBlock(num_layers=1): resnet, attention, resnet.
+  return [ResBlock(f"{name}.resnets.0", dim, dim), AttnBlock(f"{name}.attentions.0", dim),
+          ResBlock(f"{name}.resnets.1", dim, dim)]
+
+
+def encoder_layers(
+    *, in_channels: int, dim: int, z_dim: int, dim_mult: Sequence[int], num_res_blocks: int,
+    attn_scales: Sequence[float], temperal_downsample: Sequence[bool]) -> tuple[Layer, ...]:
+  """`WanEncoder3d` (is_residual=False) as a layer sequence; it outputs 2 * z_dim channels."""
+  dims = [dim * u for u in (1, *dim_mult)]
+  layers: list[Layer] = [CausalConv("encoder.conv_in", in_channels, dims[0], 3)]
+  down: list[Layer] = []
+  scale = 1.0
+  for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+    for _ in range(num_res_blocks):
+      down.append(ResBlock(f"encoder.down_blocks.{len(down)}", in_dim, out_dim))
+      if scale in attn_scales:
+        down.append(AttnBlock(f"encoder.down_blocks.{len(down)}", out_dim))
+      in_dim = out_dim
+    if i != len(dim_mult) - 1:
+      mode = "downsample3d" if temperal_downsample[i] else "downsample2d"
+      down.append(Resample(f"encoder.down_blocks.{len(down)}", mode, out_dim, out_dim))
+      scale /= 2.0
+  layers += down
+  layers += _mid_block("encoder.mid_block", dims[-1])
+  layers += [NormSiLU("encoder.norm_out", dims[-1]), CausalConv("encoder.conv_out", dims[-1], 2 * z_dim, 3)]
+  return tuple(layers)
+
+
+def decoder_layers(
+    *, out_channels: int, dim: int, z_dim: int, dim_mult: Sequence[int], num_res_blocks: int,
+    temperal_upsample: Sequence[bool]) -> tuple[Layer, ...]:
+  """`WanDecoder3d` (is_residual=False) as a layer sequence."""
+  dims = [dim * u for u in (dim_mult[-1], *dim_mult[::-1])]
+  layers: list[Layer] = [CausalConv("decoder.conv_in", z_dim, dims[0], 3)]
+  layers += _mid_block("decoder.mid_block", dims[0])
+  for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+    if i > 0:
+      in_dim //= 2  # Wan 2.1: each upsampler halves the channels (`upsample_out_dim = dim // 2`).
+    for j in range(num_res_blocks + 1):
+      layers.append(ResBlock(f"decoder.up_blocks.{i}.resnets.{j}", in_dim, out_dim))
+      in_dim = out_dim
+    if i != len(dim_mult) - 1:
+      mode = "upsample3d" if temperal_upsample[i] else "upsample2d"
+      layers.append(Resample(f"decoder.up_blocks.{i}.upsamplers.0", mode, out_dim, out_dim // 2))
+  layers += [NormSiLU("decoder.norm_out", dims[-1]), CausalConv("decoder.conv_out", dims[-1], out_channels, 3)]
+  return tuple(layers)
+
+
+def param_shapes(layers: Sequence[Layer]) -> dict[str, tuple[int, ...]]:
+  """Checkpoint-layout (PyTorch) shape of every parameter the layers use, keyed by diffusers name."""
+  shapes: dict[str, tuple[int, ...]] = {}
+
+  def conv(name, in_dim, out_dim, kernel):
+    shapes[f"{name}.weight"] = (out_dim, in_dim, *kernel)
+    shapes[f"{name}.bias"] = (out_dim,)
+
+  for layer in layers:
+    match layer:
+      case CausalConv(name, i, o, k):
+        conv(name, i, o, (k, k, k))
+      case ResBlock(name, i, o):
+        shapes[f"{name}.norm1.gamma"] = (i, 1, 1, 1)
+        conv(f"{name}.conv1", i, o, (3, 3, 3))
+        shapes[f"{name}.norm2.gamma"] = (o, 1, 1, 1)
+        conv(f"{name}.conv2", o, o, (3, 3, 3))
+        if i != o:
+          conv(f"{name}.conv_shortcut", i, o, (1, 1, 1))
+      case AttnBlock(name, d):
+        shapes[f"{name}.norm.gamma"] = (d, 1, 1)
+        conv(f"{name}.to_qkv", d, 3 * d, (1, 1))
+        conv(f"{name}.proj", d, d, (1, 1))
+      case Resample(name, mode, d, o):
+        conv(f"{name}.resample.1", d, o, (3, 3))
+        if mode == "upsample3d":
+          conv(f"{name}.time_conv", d, 2 * d, (3, 1, 1))
+        elif mode == "downsample3d":
+          conv(f"{name}.time_conv", d, d, (3, 1, 1))
+      case NormSiLU(name, d):
+        shapes[f"{name}.gamma"] = (d, 1, 1, 1)
+      case _:
+        raise ValueError(f"unknown layer {layer=}")
+  return shapes
+
+
+def to_jax_layout(key: str, value):
+  """Checkpoint (PyTorch) layout -> JAX layout for one parameter; works on numpy and jax arrays.
+
+  Conv3d `[O, I, kt, kh, kw]` -> `[kt, kh, kw, I, O]`; Conv2d `[O, I, kh, kw]` -> `[1, kh, kw, I, O]`;
+  gammas `[C, 1, 1(, 1)]` -> `[C]`; biases unchanged.
+
+  Raises:
+    ValueError: a weight that is neither 4-D nor 5-D.
+  """
+  if key.endswith(".gamma"):
+    return value.reshape(value.shape[0])
+  if key.endswith(".weight"):
+    if value.ndim == 5:
+      return value.transpose(2, 3, 4, 1, 0)
+    if value.ndim == 4:
+      return value.transpose(2, 3, 1, 0)[None]
+    raise ValueError(f"conv weight {key!r} must be 4-D or 5-D, got {value.shape=}")
+  return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives (x: [B, T, H, W, C])
+
+
+def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), padding) -> jax.Array:
+  """Plain 3D conv, kernel `w: [kt, kh, kw, I, O]`, explicit ((t), (h), (w)) padding pairs."""
+  return lax.conv_general_dilated(x, w, stride, padding, dimension_numbers=_CONV_DIMS) + b
+
+
+def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cache_out: Cache) -> jax.Array:
+  """`WanCausalConv3d` with stride 1: [B, T, H, W, I] -> [B, T, H, W, O], zero 'same' padding in space.
+
+  A temporal kernel of 3 sees the cached last 2 input frames (zeros when `cache_in` is None) and
+  updates `cache_out[name]`; a temporal kernel of 1 is pointwise in time and uses no cache.
+  """
+  w, b = p[f"{name}.weight"], p[f"{name}.bias"]
+  kt, kh, kw = w.shape[:3]
+  if kt > 1:
+    prev = cache_in[name] if cache_in is not None else jnp.zeros((x.shape[0], kt - 1, *x.shape[2:]), x.dtype)
+    x = jnp.concatenate([prev, x], axis=1)
+    cache_out[name] = x[:, -CACHE_T:]
+  return conv3d(x, w, b, padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)))
+
+
+def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
+  """`WanRMS_norm`: F.normalize over channels (L2 norm clamped at 1e-12) * sqrt(C) * gamma.
+
+  The statistic is fp32 for every input dtype; the normalised value is cast back before the scale,
+  as diffusers does for bf16/fp16.
+  """
+  x32 = x.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
+  return (x32 / jnp.maximum(norm, RMS_EPS)).astype(x.dtype) * (x.shape[-1] ** 0.5) * gamma
+
+
+def res_block(p: Params, blk: ResBlock, x: jax.Array, cache_in: Cache | None, cache_out: Cache) -> jax.Array:
+  """`WanResidualBlock` (dropout is inference-off): [B, T, H, W, in_dim] -> [B, T, H, W, out_dim]."""
+  n = blk.name
+  h = causal_conv(p, f"{n}.conv_shortcut", x, cache_in, cache_out) if blk.in_dim != blk.out_dim else x
+  x = jax.nn.silu(rms_norm(x, p[f"{n}.norm1.gamma"]))
+  x = causal_conv(p, f"{n}.conv1", x, cache_in, cache_out)
+  x = jax.nn.silu(rms_norm(x, p[f"{n}.norm2.gamma"]))
+  x = causal_conv(p, f"{n}.conv2", x, cache_in, cache_out)
+  return x + h
+
+
+def attn_block(p: Params, blk: AttnBlock, x_BTHWC: jax.Array) -> jax.Array:
+  """`WanAttentionBlock`: per-frame single-head attention over H*W pixels, scale 1/sqrt(C).
+
+  Logits and softmax are fp32 (`preferred_element_type`); the block is frame-local, so it needs no
+  cache. Memory: one [H*W, H*W] fp32 score matrix per frame (156 MB at 480p latents, 60 x 104).
+  """
+  n = blk.name
+  B, T, H, W, C = x_BTHWC.shape
+  h = rms_norm(x_BTHWC, p[f"{n}.norm.gamma"])
+  qkv = conv3d(h, p[f"{n}.to_qkv.weight"], p[f"{n}.to_qkv.bias"], padding=((0, 0),) * 3)
+  qkv_XSC = qkv.reshape(B * T, H * W, 3 * C)  # X = B * T frames, S = H * W pixels
+  q, k, v = jnp.split(qkv_XSC, 3, axis=-1)
+  logits = jnp.einsum("XSC,XRC->XSR", q, k, preferred_element_type=jnp.float32) * (C ** -0.5)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  o_XSC = jnp.einsum("XSR,XRC->XSC", probs, v)
+  o = conv3d(o_XSC.reshape(B, T, H, W, C), p[f"{n}.proj.weight"], p[f"{n}.proj.bias"], padding=((0, 0),) * 3)
+  return x_BTHWC + o
+
+
+def resample(p: Params, blk: Resample, x: jax.Array, cache_in: Cache | None, cache_out: Cache,
+             first_chunk: bool) -> jax.Array:
+  """`WanResample` with diffusers' feature-cache semantics (see the module docstring).
+
+  upsample3d: [B, T, H, W, C] -> [B, 2T, 2H, 2W, C/2] (T stays 1 on the first chunk);
+  upsample2d: -> [B, T, 2H, 2W, C/2]; downsample2d: -> [B, T, H/2, W/2, C];
+  downsample3d: -> [B, T/2, H/2, W/2, C] (T stays 1 on the first chunk).
+  """
+  n, mode = blk.name, blk.mode
+  if mode == "upsample3d":
+    if first_chunk:
+      cache_out[f"{n}.time_conv"] = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
+    else:
+      x = causal_conv(p, f"{n}.time_conv", x, cache_in, cache_out)  # [B, T, H, W, 2C]
+      B, T, H, W, C2 = x.shape
+      # torch reshapes channels as (2, C) and interleaves the pair along time: t0a, t0b, t1a, ...
+      x = x.reshape(B, T, H, W, 2, C2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(B, 2 * T, H, W, C2 // 2)
+  w, b = p[f"{n}.resample.1.weight"], p[f"{n}.resample.1.bias"]
+  match mode:
+    case "upsample2d" | "upsample3d":
+      # nn.Upsample(scale 2, "nearest-exact") is a plain repeat for an integer factor of 2.
+      x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)
+      x = conv3d(x, w, b, padding=((0, 0), (1, 1), (1, 1)))
+    case "downsample2d" | "downsample3d":
+      # nn.ZeroPad2d((0, 1, 0, 1)) pads right and bottom only, then a valid stride-2 3x3 conv.
+      x = conv3d(x, w, b, stride=(1, 2, 2), padding=((0, 0), (0, 1), (0, 1)))
+    case _:
+      raise ValueError(f"unknown resample {mode=}")
+  if mode == "downsample3d":
+    key = f"{n}.time_conv"
+    if first_chunk:
+      cache_out[key] = x[:, -1:]
+    else:
+      last = x[:, -1:]
+      x = conv3d(jnp.concatenate([cache_in[key], x], axis=1), p[f"{key}.weight"], p[f"{key}.bias"],
+                 stride=(2, 1, 1), padding=((0, 0),) * 3)
+      cache_out[key] = last
+  return x
+
+
+def run_layers(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache | None, *,
+               first_chunk: bool) -> tuple[jax.Array, Cache]:
+  """Runs an encoder or decoder layer sequence on one time chunk; returns (output, new cache).
+
+  `cache_in` is None exactly on the first chunk (all caches start at zeros); the returned cache has
+  the same keys and shapes for every chunk, so later chunks share one compiled program.
+  """
+  cache_out: Cache = {}
+  for layer in layers:
+    match layer:
+      case CausalConv():
+        x = causal_conv(p, layer.name, x, cache_in, cache_out)
+      case ResBlock():
+        x = res_block(p, layer, x, cache_in, cache_out)
+      case AttnBlock():
+        x = attn_block(p, layer, x)
+      case Resample():
+        x = resample(p, layer, x, cache_in, cache_out, first_chunk)
+      case NormSiLU():
+        x = jax.nn.silu(rms_norm(x, p[f"{layer.name}.gamma"]))
+      case _:
+        raise ValueError(f"unknown layer {layer=}")
+  return x, cache_out
