@@ -1,0 +1,65 @@
+"""Prompt tokenisation for the UMT5 text encoder.
+
+A real Wan checkpoint ships its tokenizer (google/umt5-xxl SentencePiece, 256,384 ids) in
+`<pipeline>/tokenizer/`; it is loaded with transformers `AutoTokenizer`. The built-in tiny model
+(`umt5.PRESETS["tiny"]`, 384 ids) pairs with `default_tokenizer()`, ByT5's byte tokenizer, which
+needs no files. Tokenisation follows `WanPipeline._get_t5_prompt_embeds`: pad to `max_length`,
+truncate, add the EOS special token, return the attention mask.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+  """A checkpoint folder has no `tokenizer/` subfolder."""
+
+
+def load_tokenizer(folder: str) -> Any:
+  """Loads `folder/tokenizer/` with `transformers.AutoTokenizer`.
+
+  Args:
+    folder: a diffusers pipeline folder (holding `text_encoder/`, `tokenizer/`, ...).
+
+  Raises:
+    TokenizerNotFoundError: `folder/tokenizer/` does not exist. A real checkpoint's encoder only
+      understands the ids of its own tokenizer, so there is deliberately no fallback; use
+      `default_tokenizer()` only with the built-in tiny encoder.
+  """
+  path = os.path.join(folder, "tokenizer")
+  if not os.path.isdir(path):
+    raise TokenizerNotFoundError(
+        f"{folder!r} has no tokenizer/ folder; a real Wan checkpoint needs its UMT5 tokenizer "
+        "(download the pipeline's tokenizer/ next to text_encoder/). The ByT5 default_tokenizer() "
+        "only fits the built-in tiny encoder.")
+  import transformers
+  return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def default_tokenizer() -> Any:
+  """ByT5 byte tokenizer (384 ids, pad 0, eos 1), for the built-in tiny encoder; reads no files."""
+  import transformers
+  return transformers.ByT5Tokenizer()
+
+
+def tokenize(tokenizer: Any, prompts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Tokenises prompts as WanPipeline does.
+
+  Returns:
+    (input_ids, attention_mask): int32 [B, L] each, L = max_length; mask 1 for real tokens.
+
+  Raises:
+    ValueError: no prompts or `max_length` < 1.
+  """
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if not prompts or max_length < 1:
+    raise ValueError(f"need at least one prompt and max_length >= 1; got {len(prompts)=} {max_length=}")
+  out = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
+                  add_special_tokens=True, return_attention_mask=True, return_tensors="np")
+  return out["input_ids"].astype(np.int32), out["attention_mask"].astype(np.int32)

@@ -1,0 +1,319 @@
+"""UMT5 text encoder (the Wan prompt encoder) as pure JAX functions over a params pytree.
+
+Numerical reference: transformers `UMT5EncoderModel` (models/umt5/modeling_umt5.py). What makes it
+UMT5 rather than T5:
+- every layer has its own relative position bias (T5 shares layer 0's), bidirectional buckets:
+  half the buckets for keys to the right, within each half `max_exact` exact distances and
+  log-spaced buckets up to `relative_attention_max_distance` (Mesh TensorFlow
+  `_relative_position_bucket`);
+- no 1/sqrt(H) logit scaling (folded into the q init);
+- pre-norm T5 RMSNorm (no mean, no bias; variance in fp32), gated-GELU(tanh) FFN, final RMSNorm.
+
+Shape letters (see DESIGN.md section 1): B batch, L text tokens (queries), S text tokens (keys; S == L),
+D model width (`d_model`), N heads, H head dim (`d_kv`; N * H need not equal D). Extra letters here:
+V vocabulary, G FFN width (`d_ff`), Q relative-position buckets, Y layers.
+
+Params pytree (layers stacked on a leading Y axis so `encode` is one `lax.scan`):
+  embedding [V, D]; final_norm [D];
+  layers: attn_norm [Y, D], q/k/v [Y, D, N, H], o [Y, N, H, D], rel_bias [Y, Q, N],
+          ffn_norm [Y, D], wi_0/wi_1 [Y, D, G], wo [Y, G, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines import checkpoint
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class UMT5Config:
+  """Encoder hyper-parameters, named as in a transformers UMT5 `config.json`."""
+  vocab_size: int = 384
+  d_model: int = 32
+  d_kv: int = 8
+  d_ff: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  layer_norm_epsilon: float = 1e-6
+  feed_forward_proj: str = "gated-gelu"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"UMT5Config.{name} must be positive, got {getattr(self, name)=}")
+    nb = self.relative_attention_num_buckets
+    if nb < 4 or nb % 2:
+      raise ValueError(f"relative_attention_num_buckets must be even and >= 4 (bidirectional: half per "
+                       f"direction, half of those exact), got {nb=}")
+    max_exact = nb // 4
+    if self.relative_attention_max_distance <= max_exact:
+      raise ValueError(f"{self.relative_attention_max_distance=} must exceed the exact range {max_exact=} "
+                       "(num_buckets // 4) or the log buckets are empty")
+    if self.feed_forward_proj != "gated-gelu":
+      raise ValueError(f"{self.feed_forward_proj=} is not supported; UMT5 (Wan) uses 'gated-gelu' "
+                       "(transformers maps it to tanh-approximate gelu_new)")
+
+  @classmethod
+  def from_dict(cls, config: Mapping[str, Any]) -> "UMT5Config":
+    """Reads a transformers UMT5 `config.json` dict (unknown keys are ignored).
+
+    Raises:
+      ValueError: a decoder config (`is_decoder`), a model type other than umt5/t5, or values that
+        fail `__post_init__`.
+    """
+    model_type = config.get("model_type", "umt5")
+    if model_type not in ("umt5", "t5"):
+      raise ValueError(f"expected a UMT5 config, got {model_type=}")
+    if config.get("is_decoder", False):
+      raise ValueError("config has is_decoder=True; the text encoder needs the encoder stack config")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in config.items() if k in fields})
+
+
+# Wan 2.1 / 2.2 text encoder (google/umt5-xxl encoder). The tiny preset goes with `default_tokenizer()`
+# (ByT5: 256 bytes + 3 specials + 125 sentinels = 384 ids).
+PRESETS: dict[str, UMT5Config] = {
+    "tiny": UMT5Config(),
+    "umt5-xxl": UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                           num_heads=64),
+}
+
+
+def relative_position_buckets(length_q: int, length_k: int, num_buckets: int,
+                              max_distance: int) -> np.ndarray:
+  """Bidirectional T5 relative-position buckets, computed on host.
+
+  Mirrors transformers `UMT5Attention._relative_position_bucket` (encoder branch) including its
+  float32 log and truncation, so bucket edges agree with the reference bit for bit.
+
+  Returns:
+    int32 [L, S]: bucket of (key position - query position).
+  """
+  rel = np.arange(length_k, dtype=np.int64)[None, :] - np.arange(length_q, dtype=np.int64)[:, None]
+  half = num_buckets // 2
+  buckets = (rel > 0).astype(np.int64) * half
+  rel = np.abs(rel)
+  max_exact = half // 2
+  is_small = rel < max_exact
+  with np.errstate(divide="ignore"):  # log(0) for rel == 0 lands in the is_small branch
+    ratio = np.log((rel.astype(np.float32) / np.float32(max_exact)).astype(np.float32))
+  ratio = (ratio / np.float32(math.log(max_distance / max_exact))).astype(np.float32)
+  ratio = (ratio * np.float32(half - max_exact)).astype(np.float32)
+  large = max_exact + np.where(is_small, 0, ratio).astype(np.int64)
+  large = np.minimum(large, half - 1)
+  return (buckets + np.where(is_small, rel, large)).astype(np.int32)
+
+
+def rms_norm(x_BLD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
+  """T5 RMSNorm: variance in fp32, no mean subtraction, no bias (transformers `UMT5LayerNorm`).
+
+  The normalised value is cast to the weight dtype when the weight is half precision, so the output
+  dtype is the weight's (bf16 weights) or fp32 (fp32 weights), as in the reference.
+  """
+  var = jnp.mean(jnp.square(x_BLD.astype(jnp.float32)), axis=-1, keepdims=True)
+  y = x_BLD.astype(jnp.float32) * jax.lax.rsqrt(var + eps)
+  if weight_D.dtype in (jnp.bfloat16, jnp.float16):
+    y = y.astype(weight_D.dtype)
+  return weight_D * y
+
+
+def _layer(x_BLD: jax.Array, lp: Params, bias_BNLS: jax.Array, cfg: UMT5Config) -> jax.Array:
+  """One encoder block: pre-norm self-attention with this layer's position bias, then gated FFN."""
+  dtype = lp["q"].dtype
+  h = rms_norm(x_BLD, lp["attn_norm"], cfg.layer_norm_epsilon).astype(dtype)
+  q = jnp.einsum("BLD,DNH->BLNH", h, lp["q"])
+  k = jnp.einsum("BSD,DNH->BSNH", h, lp["k"])
+  v = jnp.einsum("BSD,DNH->BSNH", h, lp["v"])
+  # No 1/sqrt(H) scale: UMT5 folds it into the q initialisation (modeling_umt5.py, `self.scaling = 1.0`).
+  logits = jnp.einsum("BLNH,BSNH->BNLS", q, k, preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(logits + bias_BNLS, axis=-1).astype(dtype)
+  att = jnp.einsum("BNLS,BSNH->BLNH", probs, v)
+  x_BLD = x_BLD + jnp.einsum("BLNH,NHD->BLD", att, lp["o"]).astype(jnp.float32)
+
+  h = rms_norm(x_BLD, lp["ffn_norm"], cfg.layer_norm_epsilon).astype(dtype)
+  gate = jax.nn.gelu(jnp.einsum("BLD,DG->BLG", h, lp["wi_0"]), approximate=True)  # gelu_new == tanh
+  up = jnp.einsum("BLD,DG->BLG", h, lp["wi_1"])
+  wo = lp["wo"]  # transformers keeps `wo` in fp32 (`_keep_in_fp32_modules`) and casts its input to it
+  out = jnp.einsum("BLG,GD->BLD", (gate * up).astype(wo.dtype), wo)
+  return x_BLD + out.astype(jnp.float32)
+
+
+def encode(params: Params, input_ids: jax.Array, attention_mask: jax.Array, *,
+           config: UMT5Config) -> jax.Array:
+  """Encodes token ids into text embeddings (transformers `UMT5EncoderModel(...).last_hidden_state`).
+
+  Jit with `config` static: `jax.jit(encode, static_argnames="config")`.
+
+  Args:
+    params: pytree from `load_umt5` / `init_umt5_params`.
+    input_ids: int [B, L] token ids in [0, V).
+    attention_mask: [B, L], nonzero for real tokens, 0 for padding. Padded keys are excluded;
+      padded query rows are still computed (as in the reference) and should be ignored or zeroed
+      by the caller (WanPipeline zeroes rows past each prompt's length).
+    config: the model config (static).
+
+  Returns:
+    [B, L, D] in the final-norm weight dtype (the params dtype). The residual stream is carried in
+    fp32 (in bf16 transformers promotes it to fp32 at the first fp32 `wo`; here it is fp32 from
+    the start), attention logits and softmax are fp32.
+
+  Raises:
+    ValueError: `input_ids` and `attention_mask` shapes differ or are not rank 2.
+  """
+  if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+    raise ValueError(f"input_ids and attention_mask must both be [B, L]; got {input_ids.shape=} "
+                     f"{attention_mask.shape=}")
+  length = input_ids.shape[1]
+  buckets_LS = relative_position_buckets(length, length, config.relative_attention_num_buckets,
+                                         config.relative_attention_max_distance)
+  # Additive key mask with the dtype minimum (as transformers' eager path): a row with every key
+  # masked averages uniformly instead of producing NaN.
+  key_bias_B11S = jnp.where(attention_mask[:, None, None, :] != 0, 0.0,
+                            jnp.finfo(jnp.float32).min).astype(jnp.float32)
+  x_BLD = params["embedding"][input_ids].astype(jnp.float32)
+
+  def body(x, lp):
+    pos_NLS = jnp.transpose(lp["rel_bias"][buckets_LS], (2, 0, 1)).astype(jnp.float32)
+    return _layer(x, lp, pos_NLS[None] + key_bias_B11S, config), None
+
+  x_BLD, _ = jax.lax.scan(body, x_BLD, params["layers"])
+  return rms_norm(x_BLD, params["final_norm"], config.layer_norm_epsilon)
+
+
+# --- checkpoint layout -------------------------------------------------------------------------------
+
+def _block_keys(i: int) -> dict[str, str]:
+  a = f"encoder.block.{i}.layer.0."
+  f = f"encoder.block.{i}.layer.1."
+  return {
+      "attn_norm": a + "layer_norm.weight", "q": a + "SelfAttention.q.weight",
+      "k": a + "SelfAttention.k.weight", "v": a + "SelfAttention.v.weight",
+      "o": a + "SelfAttention.o.weight", "rel_bias": a + "SelfAttention.relative_attention_bias.weight",
+      "ffn_norm": f + "layer_norm.weight", "wi_0": f + "DenseReluDense.wi_0.weight",
+      "wi_1": f + "DenseReluDense.wi_1.weight", "wo": f + "DenseReluDense.wo.weight",
+  }
+
+
+def checkpoint_shapes(config: UMT5Config) -> dict[str, tuple[int, ...]]:
+  """Checkpoint key -> torch-layout shape, as `UMT5EncoderModel.save_pretrained` writes them.
+
+  The tied input embedding is saved once, as `shared.weight` (`encoder.embed_tokens.weight` is its
+  tied alias and is accepted by `load_umt5` in its place or next to it).
+  """
+  c = config
+  inner = c.num_heads * c.d_kv
+  shapes = {"shared.weight": (c.vocab_size, c.d_model), "encoder.final_layer_norm.weight": (c.d_model,)}
+  per_layer = {"attn_norm": (c.d_model,), "q": (inner, c.d_model), "k": (inner, c.d_model),
+               "v": (inner, c.d_model), "o": (c.d_model, inner),
+               "rel_bias": (c.relative_attention_num_buckets, c.num_heads), "ffn_norm": (c.d_model,),
+               "wi_0": (c.d_ff, c.d_model), "wi_1": (c.d_ff, c.d_model), "wo": (c.d_model, c.d_ff)}
+  for i in range(c.num_layers):
+    for name, key in _block_keys(i).items():
+      shapes[key] = per_layer[name]
+  return shapes
+
+
+def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, *,
+                           dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True) -> Params:
+  """Converts a checked torch-layout state dict into the params pytree (see module docstring).
+
+  Args:
+    state: key -> host array with the shapes of `checkpoint_shapes(config)`.
+    dtype: dtype of every weight except `wo`.
+    keep_wo_in_fp32: keep the FFN output projections in fp32 as transformers does
+      (`_keep_in_fp32_modules = ["wo"]`); set False to halve their memory in bf16.
+  """
+  c = config
+  n, h = c.num_heads, c.d_kv
+
+  def conv(name: str, w: np.ndarray) -> np.ndarray:
+    if name in ("q", "k", "v"):  # torch Linear [N*H, D] -> [D, N, H]
+      return w.T.reshape(c.d_model, n, h)
+    if name == "o":  # [D, N*H] -> [N, H, D]
+      return w.T.reshape(n, h, c.d_model)
+    if name in ("wi_0", "wi_1", "wo"):
+      return w.T
+    return w
+
+  layers = {}
+  for name in _block_keys(0):
+    stacked = np.stack([conv(name, np.asarray(state[_block_keys(i)[name]], np.float32))
+                        for i in range(c.num_layers)])
+    layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
+    layers[name] = jnp.asarray(stacked, dtype=layer_dtype)
+  return {
+      "embedding": jnp.asarray(np.asarray(state["shared.weight"], np.float32), dtype=dtype),
+      "final_norm": jnp.asarray(np.asarray(state["encoder.final_layer_norm.weight"], np.float32),
+                                dtype=dtype),
+      "layers": layers,
+  }
+
+
+def load_umt5(folder: str, *, dtype: Any = jnp.float32,
+              keep_wo_in_fp32: bool = True) -> tuple[UMT5Config, Params]:
+  """Loads a transformers `UMT5EncoderModel` folder (a pipeline's `text_encoder/`).
+
+  Args:
+    folder: the text encoder folder itself (config.json + safetensors, sharded index supported).
+    dtype: weight dtype (bf16 for real checkpoints); `wo` stays fp32 unless `keep_wo_in_fp32=False`.
+
+  Returns:
+    (config, params).
+
+  Raises:
+    checkpoint.CheckpointError: missing folder/config, pickle-only weights, missing, unexpected or
+      mis-shaped keys (all listed in one message), tied embedding copies that disagree.
+    ValueError: an unsupported config (see `UMT5Config`).
+  """
+  config = UMT5Config.from_dict(checkpoint.read_config(folder))
+  state = dict(checkpoint.read_safetensors_folder(folder))
+  alias = "encoder.embed_tokens.weight"
+  if alias in state:
+    if "shared.weight" not in state:
+      state["shared.weight"] = state.pop(alias)
+    else:
+      tied = state.pop(alias)
+      if tied.shape != state["shared.weight"].shape or not np.array_equal(tied, state["shared.weight"]):
+        raise checkpoint.CheckpointError(
+            f"{folder!r}: {alias} and shared.weight are both present but differ; UMT5 ties them")
+  checkpoint.check_state_dict(state, checkpoint_shapes(config), where=os.fspath(folder))
+  return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32)
+
+
+def init_umt5_params(config: UMT5Config, key: jax.Array, *, dtype: Any = jnp.float32,
+                     keep_wo_in_fp32: bool = True) -> Params:
+  """Random params with transformers' UMT5 init (Mesh TensorFlow stds), e.g. for the tiny preset.
+
+  Stds: embedding 1; q (D*H)^-1/2; k, v, rel_bias D^-1/2; o (N*H)^-1/2; wi D^-1/2; wo G^-1/2;
+  norms 1 (`UMT5PreTrainedModel._init_weights`).
+  """
+  c = config
+  y, d, n, h, g = c.num_layers, c.d_model, c.num_heads, c.d_kv, c.d_ff
+  keys = iter(jax.random.split(key, 9))
+
+  def normal(shape, std, out_dtype=dtype):
+    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(out_dtype)
+
+  layers = {
+      "attn_norm": jnp.ones((y, d), dtype), "ffn_norm": jnp.ones((y, d), dtype),
+      "q": normal((y, d, n, h), (d * h) ** -0.5), "k": normal((y, d, n, h), d ** -0.5),
+      "v": normal((y, d, n, h), d ** -0.5), "o": normal((y, n, h, d), (n * h) ** -0.5),
+      "rel_bias": normal((y, c.relative_attention_num_buckets, n), d ** -0.5),
+      "wi_0": normal((y, d, g), d ** -0.5), "wi_1": normal((y, d, g), d ** -0.5),
+      "wo": normal((y, g, d), g ** -0.5, jnp.float32 if keep_wo_in_fp32 else dtype),
+  }
+  return {"embedding": normal((c.vocab_size, d), 1.0), "final_norm": jnp.ones((d,), dtype),
+          "layers": layers}
