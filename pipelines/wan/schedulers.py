@@ -199,7 +199,10 @@ def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.nd
       rhos = np.linalg.solve(r[:-1, :-1], b[:-1]).astype(np.float32)
     tables[prefix + "cx"][step] = _F32(sigma_t / sigma_s0)
     tables[prefix + "cm0"][step] = _F32(alpha_t * h_phi_1)
-    tables[prefix + "cres"][step] = _F32(alpha_t * b_h)
+    # A first-order predictor has no residual term. diffusers still multiplies alpha_t * B(h) by 0,
+    # which is NaN for bh1 (B(h) = h = -inf) at a zero final sigma; a 0 coefficient is exact instead.
+    has_residual = corrector or order > 1
+    tables[prefix + "cres"][step] = _F32(alpha_t * b_h) if has_residual else _F32(0)
     tables[prefix + "rho"][step, :len(rhos)] = rhos
     tables[prefix + "rk"][step, :len(rks)] = rks
 
