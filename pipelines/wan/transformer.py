@@ -1,0 +1,518 @@
+"""Wan video transformer (diffusers' `WanTransformer3DModel`) in Flax NNX, sequence-parallel.
+
+Glossary (DESIGN.md section 1): B batch, C latent channels, F / Hl / Wl latent frames / height /
+width, T video tokens = (F/pt) * (Hl/ph) * (Wl/pw), L text tokens, N heads, H head dim,
+D = N * H, E ffn width, Z layers, U / R Ulysses / ring degrees.
+
+Order of ops and dtypes are those of diffusers (models/transformers/transformer_wan.py) loaded
+with `torch_dtype=dtype`: every parameter is in `dtype` except the `_keep_in_fp32_modules` ones
+(`time_embedder`, both `scale_shift_table`s, the cross-attention `norm2` affine), which stay fp32,
+so the timestep MLP, all AdaLN modulation and every LayerNorm run in fp32 and are rounded to
+`dtype` where diffusers calls `type_as`. Linear layers accumulate in fp32 and round once.
+
+Sequence parallelism (DESIGN.md section 2): with a mesh, the video tokens are padded to a multiple
+of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole forward; every
+token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
+token count as `kv_valid_len` (padded keys masked), cross-attention is a local `shard_map` against
+replicated text K/V (no mask: diffusers' Wan cross-attention uses none), and padded rows are
+dropped before unpatchify. RoPE rows are global positions (the padded table is sharded with the
+tokens). The blocks' weights are stacked on a leading Z axis and run by one `lax.scan`, so the
+block is traced and compiled once whatever the depth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import attention
+import producers
+from pipelines.wan.transformer_config import WanTransformerConfig
+
+# Tokens are sharded over both mesh axes jointly, ring-major (DESIGN.md section 2).
+TOKEN_AXES = (attention.RING_AXIS, attention.ULYSSES_AXIS)
+# diffusers `WanTransformer3DModel._keep_in_fp32_modules` that own parameters ("rope", "norm1",
+# "norm3" own none); a parameter whose path holds one of these names is kept fp32.
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
+
+
+def keeps_fp32(path: tuple[str, ...]) -> bool:
+  """Whether the parameter at `path` (our module path) stays fp32 whatever the model dtype."""
+  return any(name in path for name in KEEP_IN_FP32)
+
+
+def _silu(x: jax.Array) -> jax.Array:
+  """torch's SiLU on CPU/GPU computes in fp32 and rounds once to x.dtype."""
+  return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+  """torch's GELU(approximate="tanh"): fp32 compute, one rounding to x.dtype."""
+  return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+  """torch `nn.Linear`: y = x W + b with kernel [I, O] (torch's weight transposed).
+
+  The input is cast to the kernel's dtype (as diffusers feeds each Linear its own dtype), the
+  product accumulates in fp32, the fp32 bias is added and the result is rounded once to the kernel
+  dtype. Stacked (scanned) copies carry a leading Z axis on both arrays.
+  """
+
+  def __init__(self, kernel: jax.Array, bias: jax.Array):
+    self.kernel = nnx.Param(kernel)  # [I, O]
+    self.bias = nnx.Param(bias)  # [O]
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.kernel[...]
+    y = jnp.einsum("...I,IO->...O", x.astype(kernel.dtype), kernel,
+                   preferred_element_type=jnp.float32)
+    return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+
+
+class MLP(nnx.Module):
+  """linear_1 -> activation -> linear_2 (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+  def __init__(self, params: Mapping[str, Any], activation):
+    self.linear_1 = Dense(**params["linear_1"])
+    self.linear_2 = Dense(**params["linear_2"])
+    self.activation = activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.linear_2(self.activation(self.linear_1(x)))
+
+
+class PatchEmbedding(nnx.Module):
+  """Conv3d with kernel = stride = (pt, ph, pw), as one einsum over non-overlapping patches.
+
+  kernel [pt, ph, pw, C, D] (torch's [D, C, pt, ph, pw] transposed), bias [D].
+  """
+
+  def __init__(self, kernel: jax.Array, bias: jax.Array):
+    self.kernel = nnx.Param(kernel)
+    self.bias = nnx.Param(bias)
+
+  def __call__(self, latents: jax.Array) -> jax.Array:
+    """[B, C, F, Hl, Wl] -> [B, T, D] in the kernel dtype, tokens in (f, h, w) row-major order."""
+    kernel = self.kernel[...]
+    pt, ph, pw, _, _ = kernel.shape
+    b, c, f, h, w = latents.shape
+    # lowercase letters: p/q/r are offsets inside a (pt, ph, pw) patch.
+    x = latents.astype(kernel.dtype).reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
+    y = jnp.einsum("BCFpHqWr,pqrCD->BFHWD", x, kernel, preferred_element_type=jnp.float32)
+    y = (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+    return y.reshape(b, -1, y.shape[-1])
+
+
+def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
+  """Sinusoidal embedding, diffusers `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`.
+
+  Args:
+    timestep: [B], any real dtype (fractional timesteps allowed).
+    dim: even embedding width.
+
+  Returns:
+    float32 [B, dim] = [cos(t * f_i), sin(t * f_i)], f_i = max_period ** (-i / (dim / 2)).
+
+  Math: diffusers embeddings.get_timestep_embedding (DDPM sinusoidal embedding).
+  """
+  half = dim // 2
+  exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half  # [dim/2]
+  args = timestep.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # [B, dim/2]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class ConditionEmbedder(nnx.Module):
+  """diffusers `WanTimeTextImageEmbedding` without the image branch."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.time_embedder = MLP(params["time_embedder"], _silu)  # fp32 (kept in fp32)
+    self.time_proj = Dense(**params["time_proj"])
+    self.text_embedder = MLP(params["text_embedder"], _gelu_tanh)
+
+  def __call__(self, timestep: jax.Array, text: jax.Array, *, freq_dim: int):
+    """timestep [B], text [B, L, text_dim] in the model dtype.
+
+    Returns:
+      temb [B, D] and time_proj [B, 6, D] in the model dtype, text [B, L, D].
+    """
+    sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [B, freq_dim]
+    temb = self.time_embedder(sinusoid).astype(text.dtype)  # diffusers: .type_as(text)
+    time_proj = self.time_proj(_silu(temb))  # [B, 6 * D]
+    time_proj = time_proj.reshape(time_proj.shape[0], 6, -1)
+    return temb, time_proj, self.text_embedder(text)
+
+
+class Attention(nnx.Module):
+  """diffusers `WanAttention` weights: to_q/to_k/to_v/to_out [D, D], RMSNorm gains norm_q/norm_k [D]."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.to_q = Dense(**params["to_q"])
+    self.to_k = Dense(**params["to_k"])
+    self.to_v = Dense(**params["to_v"])
+    self.to_out = Dense(**params["to_out"])
+    self.norm_q = nnx.Param(params["norm_q"])
+    self.norm_k = nnx.Param(params["norm_k"])
+
+
+class LayerNorm(nnx.Module):
+  """diffusers `FP32LayerNorm(D, eps, elementwise_affine=True)`: fp32 stats and affine, weight/bias [D]."""
+
+  def __init__(self, weight: jax.Array, bias: jax.Array):
+    self.weight = nnx.Param(weight)
+    self.bias = nnx.Param(bias)
+
+  def __call__(self, x: jax.Array, *, eps: float) -> jax.Array:
+    """[B, T, D] -> fp32 [B, T, D] (the caller rounds, as diffusers' `type_as` does)."""
+    x_f32 = x.astype(jnp.float32)
+    mean = jnp.mean(x_f32, axis=-1, keepdims=True)
+    centred = x_f32 - mean
+    variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(variance + eps)
+    return normed * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+
+
+class FeedForward(nnx.Module):
+  """diffusers `FeedForward(D, inner_dim=E, activation_fn="gelu-approximate")`: [D, E] -> GELU-tanh -> [E, D]."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.proj_in = Dense(**params["proj_in"])
+    self.proj_out = Dense(**params["proj_out"])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.proj_out(_gelu_tanh(self.proj_in(x)))
+
+
+def _identity_rope(tokens: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) = (1, 0) [tokens, H/2]: turns `producers.rmsnorm_rope` into a plain RMSNorm.
+
+  Exact: the rotation computes x * 1 - y * 0 = x in fp32 and rounds an already-rounded value.
+  """
+  return (jnp.ones((tokens, head_dim // 2), jnp.float32),
+          jnp.zeros((tokens, head_dim // 2), jnp.float32))
+
+
+class SequenceLayout:
+  """Where the video tokens live: one device (mesh None) or sharded over ("ring", "ulysses").
+
+  Attributes:
+    mesh: the (ring, ulysses) mesh or None.
+    tokens: T, the valid token count.
+    padded_tokens: T rounded up to a multiple of U * R (== T without a mesh).
+  """
+
+  def __init__(self, mesh: Mesh | None, tokens: int):
+    self.mesh = mesh
+    self.tokens = tokens
+    self.padded_tokens = tokens
+    if mesh is not None:
+      missing = [a for a in TOKEN_AXES if a not in mesh.axis_names]
+      if missing:
+        raise ValueError(f"mesh axes {mesh.axis_names} lack {missing}; build it with attention.make_mesh")
+      shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+      self.padded_tokens = -(-tokens // shards) * shards
+
+  @property
+  def padding(self) -> int:
+    return self.padded_tokens - self.tokens
+
+  def constrain(self, x: jax.Array) -> jax.Array:
+    """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding; a no-op without a mesh."""
+    if self.mesh is None:
+      return x
+    spec = P(None, TOKEN_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def constrain_table(self, x: jax.Array) -> jax.Array:
+    """Pins axis 0 (tokens) of a [T, H/2] RoPE table to the sequence sharding."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
+
+  def kv_valid_len(self, batch: int) -> jax.Array | None:
+    """int32 [B] valid key count when tokens were padded, else None."""
+    return jnp.full((batch,), self.tokens, jnp.int32) if self.padding else None
+
+  def self_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """[B, T, N, H] x3 -> [B, T, N, H]: local attention, or USP over the mesh."""
+    if self.mesh is None:
+      return attention.local_attention(q, k, v)
+    return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]))
+
+  def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
+    if self.mesh is None:
+      return attention.local_attention(q, k, v)
+    q_spec = P(None, TOKEN_AXES, None, None)
+    return jax.shard_map(attention.local_attention, mesh=self.mesh,
+                         in_specs=(q_spec, P(), P()), out_specs=q_spec)(q, k, v)
+
+
+class WanBlock(nnx.Module):
+  """diffusers `WanTransformerBlock`; built with a leading Z axis on every array and scanned."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.attn1 = Attention(params["attn1"])
+    self.attn2 = Attention(params["attn2"])
+    self.norm2 = LayerNorm(**params["norm2"]) if "norm2" in params else None
+    self.ffn = FeedForward(params["ffn"])
+    self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
+
+  def __call__(self, x: jax.Array, text: jax.Array, time_proj: jax.Array, rope: tuple[jax.Array, jax.Array],
+               *, config: WanTransformerConfig, layout: SequenceLayout) -> jax.Array:
+    """One block.
+
+    Args:
+      x: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
+      text: [B, L, D] projected text states (replicated).
+      time_proj: [B, 6, D] timestep projection in the model dtype.
+      rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
+
+    Returns:
+      [B, T, D] in x.dtype.
+    """
+    dtype, eps, heads = x.dtype, config.eps, config.num_attention_heads
+    b, t, d = x.shape
+    head_dim = d // heads
+    mod = self.scale_shift_table[...][None] + time_proj.astype(jnp.float32)  # fp32 [B, 6, D]
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = jnp.split(mod, 6, axis=1)
+
+    # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
+    h = producers.layernorm_adaln(x, scale_msa, shift_msa, eps=eps)
+    a = self.attn1
+    q = producers.rmsnorm_rope(a.to_q(h), a.norm_q[...], *rope, num_heads=heads, eps=eps)
+    k = producers.rmsnorm_rope(a.to_k(h), a.norm_k[...], *rope, num_heads=heads, eps=eps)
+    v = a.to_v(h).reshape(b, t, heads, head_dim)
+    o = layout.self_attention(q, k, v).reshape(b, t, d)  # [B, T, D]
+    x = (x.astype(jnp.float32) + a.to_out(o).astype(jnp.float32) * gate_msa).astype(dtype)
+    x = layout.constrain(x)
+
+    # 2. Cross-attention: affine LayerNorm (fp32), text K/V replicated, plain residual.
+    h = x if self.norm2 is None else self.norm2(x, eps=eps).astype(dtype)
+    a = self.attn2
+    q_rope = _identity_rope(t, head_dim)
+    k_rope = _identity_rope(text.shape[1], head_dim)
+    q = producers.rmsnorm_rope(a.to_q(h), a.norm_q[...], *q_rope, num_heads=heads, eps=eps)
+    k = producers.rmsnorm_rope(a.to_k(text), a.norm_k[...], *k_rope, num_heads=heads, eps=eps)
+    v = a.to_v(text).reshape(b, -1, heads, head_dim)
+    o = layout.cross_attention(q, k, v).reshape(b, t, d)
+    x = layout.constrain(x + a.to_out(o))
+
+    # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
+    h = producers.layernorm_adaln(x, c_scale_msa, c_shift_msa, eps=eps)
+    f = self.ffn(h)
+    x = (x.astype(jnp.float32) + f.astype(jnp.float32) * c_gate_msa).astype(dtype)
+    return layout.constrain(x)
+
+
+class WanTransformer(nnx.Module):
+  """diffusers `WanTransformer3DModel` (text-to-video) as an NNX module; run it with `forward`.
+
+  Parameter tree (our layout; `transformer_loading` maps diffusers keys onto it):
+    patch_embedding.{kernel [pt, ph, pw, C, D], bias [D]}
+    condition_embedder.{time_embedder.linear_1 [freq_dim, D], time_embedder.linear_2 [D, D],
+      time_proj [D, 6D], text_embedder.linear_1 [text_dim, D], text_embedder.linear_2 [D, D]}
+    blocks.{attn1, attn2}.{to_q, to_k, to_v, to_out} [Z, D, D], .{norm_q, norm_k} [Z, D],
+      blocks.norm2.{weight, bias} [Z, D] (when cross_attn_norm), blocks.ffn.proj_in [Z, D, E],
+      blocks.ffn.proj_out [Z, E, D], blocks.scale_shift_table [Z, 6, D]
+    scale_shift_table [2, D], proj_out [D, C_out * pt * ph * pw]
+  (every Dense has .kernel [I, O] and .bias [O]).
+  """
+
+  def __init__(self, config: WanTransformerConfig, params: Mapping[str, Any]):
+    self.config = config
+    self.patch_embedding = PatchEmbedding(**params["patch_embedding"])
+    self.condition_embedder = ConditionEmbedder(params["condition_embedder"])
+    self.blocks = WanBlock(params["blocks"])
+    self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [2, D]
+    self.proj_out = Dense(**params["proj_out"])
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The activation dtype (that of every parameter not kept in fp32)."""
+    return self.patch_embedding.kernel.dtype
+
+
+def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None:
+  if latents.ndim != 5 or latents.shape[1] != config.in_channels:
+    raise ValueError(f"latents must be [B, C={config.in_channels}, F, Hl, Wl], got {latents.shape=}")
+  batch = latents.shape[0]
+  grid = latents.shape[2:]
+  if any(n % p for n, p in zip(grid, config.patch_size)):
+    raise ValueError(f"latent grid (F, Hl, Wl)={grid} must be divisible by {config.patch_size=}")
+  tokens_grid = tuple(n // p for n, p in zip(grid, config.patch_size))
+  if max(tokens_grid) > config.rope_max_seq_len:
+    raise ValueError(f"token grid {tokens_grid} exceeds {config.rope_max_seq_len=} (diffusers' RoPE table)")
+  if timestep.shape != (batch,):
+    raise ValueError(f"timestep must be [B]=[{batch}] (per-token timesteps are not supported), "
+                     f"got {timestep.shape=}")
+  if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
+    raise ValueError(f"encoder_hidden_states must be [B={batch}, L, text_dim={config.text_dim}], "
+                     f"got {text.shape=}")
+
+
+def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
+            encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+  """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
+
+  Args:
+    model: a `WanTransformer` (from `load_transformer` or `init_transformer`).
+    latents: [B, C, F, Hl, Wl]; cast to the model dtype (diffusers' pipeline feeds
+      `latents.to(transformer_dtype)`). F, Hl, Wl divisible by the patch size.
+    timestep: [B] diffusion timesteps (0..1000, fractional allowed).
+    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
+    mesh: None for one device, or a mesh with axes ("ring", "ulysses") (`attention.make_mesh`):
+      the forward then runs sequence-parallel over U * R devices (static under jit).
+
+  Returns:
+    [B, C_out, F, Hl, Wl] in the model dtype.
+
+  Raises:
+    ValueError: shapes that do not fit the config, or a mesh without the sequence axes.
+  """
+  config = model.config
+  _check_inputs(config, latents, timestep, encoder_hidden_states)
+  dtype = model.dtype
+  b, _, f, h, w = latents.shape
+  pt, ph, pw = config.patch_size
+  grid = (f // pt, h // ph, w // pw)
+  layout = SequenceLayout(mesh, math.prod(grid))
+
+  x = model.patch_embedding(latents.astype(dtype))  # [B, T, D]
+  temb, time_proj, text = model.condition_embedder(
+      timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
+  # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
+  cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
+  rope = (layout.constrain_table(cos), layout.constrain_table(sin))
+  x = layout.constrain(jnp.pad(x, ((0, 0), (0, layout.padding), (0, 0))))
+
+  def body(x, block):
+    return block(x, text, time_proj, rope, config=config, layout=layout), None
+
+  x, _ = jax.lax.scan(body, x, model.blocks)
+
+  # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
+  mod = model.scale_shift_table[...][None] + temb[:, None, :].astype(jnp.float32)  # [B, 2, D]
+  shift, scale = jnp.split(mod, 2, axis=1)
+  x = producers.layernorm_adaln(x, scale, shift, eps=config.eps)
+  x = model.proj_out(x)[:, : layout.tokens]  # [B, T, pt * ph * pw * C_out]
+  x = x.reshape(b, *grid, pt, ph, pw, config.out_channels)
+  x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C_out, F/pt, pt, Hl/ph, ph, Wl/pw, pw]
+  return x.reshape(b, config.out_channels, f, h, w)
+
+
+def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
+  """Our parameter tree (nested dicts of shape tuples), `WanTransformer`'s layout."""
+  d, z, e = config.dim, config.num_layers, config.ffn_dim
+  pt, ph, pw = config.patch_size
+
+  def dense(i, o, layers=()):
+    return {"kernel": (*layers, i, o), "bias": (*layers, o)}
+
+  def attn():
+    return {**{n: dense(d, d, (z,)) for n in ("to_q", "to_k", "to_v", "to_out")},
+            "norm_q": (z, d), "norm_k": (z, d)}
+
+  blocks = {"attn1": attn(), "attn2": attn(),
+            "ffn": {"proj_in": dense(d, e, (z,)), "proj_out": dense(e, d, (z,))},
+            "scale_shift_table": (z, 6, d)}
+  if config.cross_attn_norm:
+    blocks["norm2"] = {"weight": (z, d), "bias": (z, d)}
+  return {
+      "patch_embedding": {"kernel": (pt, ph, pw, config.in_channels, d), "bias": (d,)},
+      "condition_embedder": {
+          "time_embedder": {"linear_1": dense(config.freq_dim, d), "linear_2": dense(d, d)},
+          "time_proj": dense(d, 6 * d),
+          "text_embedder": {"linear_1": dense(config.text_dim, d), "linear_2": dense(d, d)},
+      },
+      "blocks": blocks,
+      "scale_shift_table": (2, d),
+      "proj_out": dense(d, config.out_channels * config.patch_volume),
+  }
+
+
+def _map_with_path(fn, tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Applies fn(path, leaf) to every non-dict leaf of a nested dict."""
+  return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, Mapping) else fn((*path, k), v)
+          for k, v in tree.items()}
+
+
+def build_transformer(config: WanTransformerConfig, params: Mapping[str, Any],
+                      dtype: jnp.dtype = jnp.float32) -> WanTransformer:
+  """Builds the module from a nested dict of arrays in our layout, casting per diffusers' policy.
+
+  Every array is cast to `dtype` except those under `KEEP_IN_FP32`, which become fp32.
+
+  Raises:
+    ValueError: an array's shape differs from `param_shapes(config)` (names all of them).
+  """
+  shapes = param_shapes(config)
+  bad = []
+
+  def cast(path, shape):
+    value = _lookup(params, path)
+    if value is None or tuple(value.shape) != tuple(shape):
+      bad.append(f"{'.'.join(path)}: got {None if value is None else tuple(value.shape)}, want {shape}")
+      return None
+    return jnp.asarray(value, jnp.float32 if keeps_fp32(path) else dtype)
+
+  arrays = _map_with_path(cast, shapes)
+  if bad:
+    raise ValueError(f"parameters do not fit {config}:\n  " + "\n  ".join(bad))
+  return WanTransformer(config, arrays)
+
+
+def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]):
+  for key in path:
+    if not isinstance(tree, Mapping) or key not in tree:
+      return None
+    tree = tree[key]
+  return tree
+
+
+def init_transformer(config: WanTransformerConfig, seed: int = 0,
+                     dtype: jnp.dtype = jnp.float32) -> WanTransformer:
+  """Random initialisation with torch's defaults (what diffusers gives before loading weights).
+
+  Linear / Conv3d kernels and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)); RMSNorm / LayerNorm
+  gains 1, biases 0; scale_shift_tables ~ N(0, 1) / sqrt(D) (diffusers' init). Drawn in fp32
+  with numpy on the host (no per-parameter XLA compiles: those cost ~10 s for the tiny config on
+  CPU) and cast as in `build_transformer`.
+  """
+  shapes = param_shapes(config)
+  rng = np.random.default_rng(seed)
+  fan_in = {"patch_embedding": config.in_channels * config.patch_volume}
+
+  def draw(path, shape):
+    if path[-1] == "scale_shift_table":
+      return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(config.dim))
+    if path[-1] in ("norm_q", "norm_k") or path[-2:] == ("norm2", "weight"):
+      return np.ones(shape, np.float32)
+    if path[-2:] == ("norm2", "bias"):
+      return np.zeros(shape, np.float32)
+    # Dense / Conv kernel [..., I, O] ([pt, ph, pw, C, D]) or its bias, sharing its fan-in.
+    kernel_shape = _lookup(shapes, (*path[:-1], "kernel"))
+    bound = np.float32(1.0 / math.sqrt(fan_in.get(path[0], kernel_shape[-2])))
+    value = rng.random(shape, np.float32)
+    value *= 2 * bound
+    value -= bound
+    return value
+
+  def draw_and_cast(path, shape):
+    # Cast leaf by leaf so that at most one fp32 host copy is alive at a time (1.3B: 5 GB fp32).
+    return jnp.asarray(draw(path, shape), jnp.float32 if keeps_fp32(path) else dtype)
+
+  params = _map_with_path(draw_and_cast, shapes)
+  return build_transformer(config, params, dtype)
+
+
+def count_params(model: WanTransformer) -> int:
+  """Total number of parameters."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,127 @@
+"""Configuration of the Wan video transformer (diffusers' `WanTransformer3DModel` config.json).
+
+Field names and meanings follow diffusers so that `WanTransformerConfig.from_dict(config_json)`
+reads a diffusers `transformer/config.json` unchanged. Only the text-to-video variants are
+supported (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 T2V A14B experts): the image-conditioning fields
+(`image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`) must be null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+# diffusers config.json keys that carry no model information.
+_IGNORED_KEYS = ("_class_name", "_diffusers_version", "_name_or_path")
+# Image-to-video fields: accepted only when null (I2V / TI2V is not implemented).
+_I2V_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class WanTransformerConfig:
+  """Shape and numerics of a Wan transformer; defaults are Wan 2.1 T2V 1.3B.
+
+  Attributes:
+    patch_size: (pt, ph, pw) Conv3d patch = stride over (F, Hl, Wl).
+    num_attention_heads: N.
+    attention_head_dim: H (even; RoPE splits it into t/h/w parts as diffusers does).
+    in_channels: C of the input latents.
+    out_channels: C of the predicted noise.
+    text_dim: width of the text encoder states (4096 for UMT5-XXL).
+    freq_dim: width of the sinusoidal timestep embedding.
+    ffn_dim: hidden width of the feed-forward network.
+    num_layers: number of transformer blocks.
+    cross_attn_norm: affine LayerNorm before cross-attention (True for every released Wan).
+    qk_norm: only "rms_norm_across_heads" (RMSNorm over the full D for q and k).
+    eps: epsilon of every LayerNorm / RMSNorm.
+    rope_max_seq_len: largest position per grid axis that diffusers' RoPE table covers.
+  """
+
+  patch_size: tuple[int, int, int] = (1, 2, 2)
+  num_attention_heads: int = 12
+  attention_head_dim: int = 128
+  in_channels: int = 16
+  out_channels: int = 16
+  text_dim: int = 4096
+  freq_dim: int = 256
+  ffn_dim: int = 8960
+  num_layers: int = 30
+  cross_attn_norm: bool = True
+  qk_norm: str = "rms_norm_across_heads"
+  eps: float = 1e-6
+  rope_max_seq_len: int = 1024
+
+  def __post_init__(self):
+    object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+    if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+      raise ValueError(f"{self.patch_size=} must be three positive ints (pt, ph, pw)")
+    for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
+                 "text_dim", "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    if self.attention_head_dim % 2:
+      raise ValueError(f"{self.attention_head_dim=} must be even (RoPE rotates pairs of channels)")
+    if self.freq_dim % 2:
+      raise ValueError(f"{self.freq_dim=} must be even (half sine, half cosine)")
+    if self.qk_norm != "rms_norm_across_heads":
+      raise ValueError(
+          f"{self.qk_norm=} is not supported; every released Wan uses 'rms_norm_across_heads' "
+          "(diffusers applies that RMSNorm whatever this field says)")
+    if not self.eps > 0:
+      raise ValueError(f"{self.eps=} must be > 0")
+
+  @property
+  def dim(self) -> int:
+    """D = N * H, the model width."""
+    return self.num_attention_heads * self.attention_head_dim
+
+  @property
+  def patch_volume(self) -> int:
+    """pt * ph * pw."""
+    return math.prod(self.patch_size)
+
+  @classmethod
+  def from_dict(cls, config: Mapping[str, Any]) -> WanTransformerConfig:
+    """Reads a diffusers `WanTransformer3DModel` config.json dict.
+
+    Raises:
+      ValueError: an image-conditioning field is set (I2V is not supported) or a key is unknown.
+    """
+    config = dict(config)
+    for key in _IGNORED_KEYS:
+      config.pop(key, None)
+    for key in _I2V_KEYS:
+      value = config.pop(key, None)
+      if value is not None:
+        raise ValueError(
+            f"{key}={value!r}: image-conditioned Wan (I2V/TI2V) is not supported; "
+            "only text-to-video checkpoints (this field null) load")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+      raise ValueError(f"unknown Wan transformer config keys {unknown}; known: {sorted(fields)}")
+    if config.get("out_channels") is None and "in_channels" in config:
+      config["out_channels"] = config["in_channels"]  # diffusers: out_channels or in_channels
+    if "patch_size" in config:
+      config["patch_size"] = tuple(config["patch_size"])
+    return cls(**config)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The diffusers config.json fields (round-trips through `from_dict`)."""
+    out = dataclasses.asdict(self)
+    out["patch_size"] = list(self.patch_size)
+    return out
+
+
+PRESETS: dict[str, WanTransformerConfig] = {
+    "wan2.1-t2v-1.3b": WanTransformerConfig(),
+    "wan2.1-t2v-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+    # Wan 2.2 T2V A14B: two experts with exactly the 14B architecture.
+    "wan2.2-t2v-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+    # Embedded default for tests and smoke runs: every code path, seconds to compile on CPU.
+    "tiny": WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32,
+                                 ffn_dim=64, num_layers=2),
+}

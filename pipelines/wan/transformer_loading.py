@@ -1,0 +1,119 @@
+"""Loading diffusers `WanTransformer3DModel` folders into `WanTransformer` (safetensors only).
+
+A diffusers `transformer/` folder holds `config.json` and `diffusion_pytorch_model*.safetensors`
+(sharded with a `*.safetensors.index.json` for the 14B models). Keys map one to one onto our
+parameter tree (`transformer.param_shapes`): Linear weights [O, I] are transposed to [I, O], the
+Conv3d patch weight [D, C, pt, ph, pw] to [pt, ph, pw, C, D], the `scale_shift_table`s lose their
+leading 1, and the per-block tensors `blocks.{i}.*` are stacked on a leading Z axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines import checkpoint
+from pipelines.wan.transformer import WanTransformer, build_transformer
+from pipelines.wan.transformer_config import WanTransformerConfig
+
+# How a diffusers tensor becomes ours.
+_LINEAR, _CONV3D, _TABLE, _COPY = "linear", "conv3d", "table", "copy"
+
+
+def _linear(prefix: str, path: tuple[str, ...], out_dim: int, in_dim: int):
+  yield f"{prefix}.weight", (out_dim, in_dim), (*path, "kernel"), _LINEAR
+  yield f"{prefix}.bias", (out_dim,), (*path, "bias"), _COPY
+
+
+def checkpoint_layout(config: WanTransformerConfig) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...], int | None, str]]:
+  """Yields (diffusers key, diffusers shape, our path, layer index or None, transform)."""
+  d, e = config.dim, config.ffn_dim
+  pt, ph, pw = config.patch_size
+  top = [
+      ("patch_embedding.weight", (d, config.in_channels, pt, ph, pw), ("patch_embedding", "kernel"), _CONV3D),
+      ("patch_embedding.bias", (d,), ("patch_embedding", "bias"), _COPY),
+      *_linear("condition_embedder.time_embedder.linear_1",
+               ("condition_embedder", "time_embedder", "linear_1"), d, config.freq_dim),
+      *_linear("condition_embedder.time_embedder.linear_2",
+               ("condition_embedder", "time_embedder", "linear_2"), d, d),
+      *_linear("condition_embedder.time_proj", ("condition_embedder", "time_proj"), 6 * d, d),
+      *_linear("condition_embedder.text_embedder.linear_1",
+               ("condition_embedder", "text_embedder", "linear_1"), d, config.text_dim),
+      *_linear("condition_embedder.text_embedder.linear_2",
+               ("condition_embedder", "text_embedder", "linear_2"), d, d),
+      ("scale_shift_table", (1, 2, d), ("scale_shift_table",), _TABLE),
+      *_linear("proj_out", ("proj_out",), config.out_channels * config.patch_volume, d),
+  ]
+  for key, shape, path, kind in top:
+    yield key, shape, path, None, kind
+  block = [("scale_shift_table", (1, 6, d), ("scale_shift_table",), _TABLE)]
+  for attn in ("attn1", "attn2"):
+    for proj in ("to_q", "to_k", "to_v"):
+      block += _linear(f"{attn}.{proj}", (attn, proj), d, d)
+    block += _linear(f"{attn}.to_out.0", (attn, "to_out"), d, d)
+    block += [(f"{attn}.norm_q.weight", (d,), (attn, "norm_q"), _COPY),
+              (f"{attn}.norm_k.weight", (d,), (attn, "norm_k"), _COPY)]
+  if config.cross_attn_norm:
+    block += [("norm2.weight", (d,), ("norm2", "weight"), _COPY),
+              ("norm2.bias", (d,), ("norm2", "bias"), _COPY)]
+  block += _linear("ffn.net.0.proj", ("ffn", "proj_in"), e, d)
+  block += _linear("ffn.net.2", ("ffn", "proj_out"), d, e)
+  for i in range(config.num_layers):
+    for key, shape, path, kind in block:
+      yield f"blocks.{i}.{key}", shape, ("blocks", *path), i, kind
+
+
+def _to_ours(array: np.ndarray, kind: str) -> np.ndarray:
+  match kind:
+    case "linear":
+      return array.T
+    case "conv3d":
+      return array.transpose(2, 3, 4, 1, 0)  # [D, C, pt, ph, pw] -> [pt, ph, pw, C, D]
+    case "table":
+      return array[0]
+    case "copy":
+      return array
+    case _:
+      raise ValueError(f"unknown transform {kind=}")
+
+
+def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32) -> WanTransformer:
+  """Loads a diffusers `WanTransformer3DModel` folder (config.json + safetensors).
+
+  Args:
+    folder: the `transformer/` folder (single file or sharded with an index).
+    dtype: activation / parameter dtype; `KEEP_IN_FP32` parameters stay fp32 as in diffusers.
+
+  Returns:
+    The `WanTransformer`, parameters on the default device.
+
+  Raises:
+    checkpoint.CheckpointError: no folder / config, pickle-only weights (refused: unpickling can
+      execute code), unreadable files, or keys missing / unexpected / mis-shaped (one error that
+      lists them all).
+    ValueError: a config this model does not support (e.g. image-to-video fields set).
+  """
+  config = WanTransformerConfig.from_dict(checkpoint.read_config(folder))
+  state = checkpoint.read_safetensors_folder(folder)
+  layout = list(checkpoint_layout(config))
+  checkpoint.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=folder)
+
+  params: dict = {}
+  stacked: dict[tuple[str, ...], list] = {}
+  for key, _, path, layer, kind in layout:
+    value = _to_ours(state.pop(key), kind)
+    if layer is None:
+      _set(params, path, value)
+    else:
+      stacked.setdefault(path, [None] * config.num_layers)[layer] = value
+  for path, layers in stacked.items():
+    _set(params, path, np.stack(layers))
+  return build_transformer(config, params, dtype)
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
