@@ -35,6 +35,11 @@ def reference(tmp_path_factory):
   return model, str(folder)
 
 
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+  return tokenizer.default_tokenizer()  # ~1 s to build; shared
+
+
 def batch(length, seed=0):
   """ids [3, L] and a mask with full, half-padded and single-token rows."""
   ids = np.random.RandomState(seed).randint(2, TINY_HF["vocab_size"], (3, length))
@@ -86,11 +91,11 @@ def test_relative_position_buckets_match_transformers(num_buckets, max_distance)
   np.testing.assert_array_equal(ours, ref)
 
 
-def test_padding_is_respected():
+def test_padding_is_respected(byte_tokenizer):
   # Valid rows do not depend on how many padded tokens follow (keys masked, positions relative).
   config = umt5.PRESETS["tiny"]
-  params = umt5.init_umt5_params(config, jax.random.key(0))
-  tok = tokenizer.default_tokenizer()
+  params = umt5.init_umt5_params(config, 0)
+  tok = byte_tokenizer
   ids16, mask16 = tokenizer.tokenize(tok, ["a cat", "a dog runs"], 16)
   ids40, mask40 = tokenizer.tokenize(tok, ["a cat", "a dog runs"], 40)
   out16 = np.asarray(ENCODE(params, ids16, mask16, config=config))
@@ -174,15 +179,15 @@ def test_config_from_dict_and_validation(reference):
   with pytest.raises(ValueError, match="is_decoder"):
     umt5.UMT5Config.from_dict({"is_decoder": True})
   with pytest.raises(ValueError, match="attention_mask"):
-    umt5.encode(umt5.init_umt5_params(cfg, jax.random.key(0)), jnp.zeros((2, 5), jnp.int32),
+    umt5.encode(umt5.init_umt5_params(cfg, 0), jnp.zeros((2, 5), jnp.int32),
                 jnp.ones((2, 6), jnp.int32), config=cfg)
 
 
 def test_init_is_seeded_and_has_reference_shapes():
   cfg = umt5.PRESETS["tiny"]
-  a = umt5.init_umt5_params(cfg, jax.random.key(1))
-  b = umt5.init_umt5_params(cfg, jax.random.key(1))
-  c = umt5.init_umt5_params(cfg, jax.random.key(2))
+  a = umt5.init_umt5_params(cfg, 1)
+  b = umt5.init_umt5_params(cfg, 1)
+  c = umt5.init_umt5_params(cfg, 2)
   jax.tree.map(np.testing.assert_array_equal, a, b)
   assert not np.array_equal(a["embedding"], c["embedding"])
   assert a["embedding"].shape == (384, cfg.d_model)
@@ -190,10 +195,11 @@ def test_init_is_seeded_and_has_reference_shapes():
                                            cfg.num_heads)
 
 
-def test_tokenizer_helpers(tmp_path):
+def test_tokenizer_helpers(tmp_path, byte_tokenizer):
   with pytest.raises(tokenizer.TokenizerNotFoundError, match="tokenizer/"):
     tokenizer.load_tokenizer(str(tmp_path))
-  default = tokenizer.default_tokenizer()
+  default = byte_tokenizer
+  assert isinstance(default, transformers.ByT5Tokenizer) and len(default) == umt5.PRESETS["tiny"].vocab_size
   default.save_pretrained(tmp_path / "tokenizer")
   loaded = tokenizer.load_tokenizer(str(tmp_path))
   ids, mask = tokenizer.tokenize(loaded, ["hello", "a much longer prompt than that"], 12)

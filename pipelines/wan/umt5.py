@@ -293,19 +293,20 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32,
   return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32)
 
 
-def init_umt5_params(config: UMT5Config, key: jax.Array, *, dtype: Any = jnp.float32,
+def init_umt5_params(config: UMT5Config, seed: int = 0, *, dtype: Any = jnp.float32,
                      keep_wo_in_fp32: bool = True) -> Params:
   """Random params with transformers' UMT5 init (Mesh TensorFlow stds), e.g. for the tiny preset.
 
   Stds: embedding 1; q (D*H)^-1/2; k, v, rel_bias D^-1/2; o (N*H)^-1/2; wi D^-1/2; wo G^-1/2;
-  norms 1 (`UMT5PreTrainedModel._init_weights`).
+  norms 1 (`UMT5PreTrainedModel._init_weights`). Drawn on host with numpy's PCG64 from `seed`
+  (eager jax.random costs seconds of compiles per shape on CPU; this is for small test models).
   """
   c = config
   y, d, n, h, g = c.num_layers, c.d_model, c.num_heads, c.d_kv, c.d_ff
-  keys = iter(jax.random.split(key, 9))
+  rng = np.random.default_rng(seed)
 
   def normal(shape, std, out_dtype=dtype):
-    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(out_dtype)
+    return jnp.asarray((std * rng.standard_normal(shape)).astype(np.float32), dtype=out_dtype)
 
   layers = {
       "attn_norm": jnp.ones((y, d), dtype), "ffn_norm": jnp.ones((y, d), dtype),
