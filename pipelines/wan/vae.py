@@ -186,17 +186,24 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
 
 
 def init_vae(config: WanVAEConfig, key: jax.Array, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
-  """Random weights (PyTorch's default conv init: U(+-1/sqrt(fan_in)) for weights and biases; gammas 1)."""
-  shapes = config.param_shapes()
+  """Random weights: PyTorch's default conv init, U(+-1/sqrt(fan_in)) for weights and biases; gammas 1.
+
+  One `jax.random.uniform` call for all parameters, sliced on the host (per-tensor random calls
+  would compile one tiny program per distinct shape).
+  """
+  shapes = sorted(config.param_shapes().items())
+  sizes = [int(np.prod(s)) for _, s in shapes]
+  u = np.asarray(jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0))
+  offsets = np.cumsum([0, *sizes])
+  weight_shapes = dict(shapes)
   params = {}
-  for i, (name, shape) in enumerate(sorted(shapes.items())):
+  for (name, shape), start, size in zip(shapes, offsets, sizes):
     if name.endswith(".gamma"):
-      value = jnp.ones(shape, jnp.float32)
+      value = np.ones(shape, np.float32)
     else:
-      fan_in = int(np.prod(shapes[name.removesuffix(".bias") + ".weight"][1:]))
-      bound = fan_in ** -0.5
-      value = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound, bound)
-    params[name] = L.to_jax_layout(name, value).astype(dtype)
+      fan_in = int(np.prod(weight_shapes[name.rsplit(".", 1)[0] + ".weight"][1:]))
+      value = u[start:start + size].reshape(shape) * np.float32(fan_in ** -0.5)
+    params[name] = jnp.asarray(L.to_jax_layout(name, value), dtype)
   return WanVAE(config, params)
 
 
@@ -214,8 +221,8 @@ def _stats(config: WanVAEConfig, dtype) -> tuple[jax.Array, jax.Array]:
 def denormalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
   """Diffusion-space latents [B, C, F, Hl, Wl] -> VAE-space: `latents / (1 / std) + mean`.
 
-  Written exactly as WanPipeline does (stats in the latents' dtype, divide by the reciprocal), so
-  the rounding matches diffusers bit for bit in fp32.
+  Written as WanPipeline does (stats cast to the latents' dtype, divide by the reciprocal of std)
+  so the rounding follows diffusers; XLA:CPU's vectorised division can still differ by 1 ulp.
   """
   mean, inv_std = _stats(config, latents.dtype)
   return latents / inv_std + mean
@@ -276,20 +283,26 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   chunk's activations plus the cache are live at a time; the decoded frames accumulate.
 
   Peak memory, 81 frames at 480x832 (latents [1, 16, 21, 60, 104]), Wan 2.1 config (base_dim 96,
-  dim_mult [1, 2, 4, 4], z_dim 16), B = 1. ESTIMATE, from the activation sizes of this config
-  (1 value of one [4 frames, 480, 832] plane at 96 channels = 153 MB fp32):
-    - feature cache (2 frames of every 3x3x3 conv input): 3.40 GB fp32, dominated by the 7 convs
-      at full resolution (7 x 2 x 480 x 832 x 96 x 4 B = 2.15 GB);
-    - largest transient of a later chunk: upsample2d input after the nearest-neighbour repeat
-      [4, 480, 832, 192] = 1.23 GB, its conv output [4, 480, 832, 96] = 0.61 GB; a full-resolution
-      causal conv holds concat(cache, x) [6, 480, 832, 96] = 0.92 GB + its output 0.61 GB + the
-      residual 0.61 GB; the mid-block attention scores [6240, 6240] fp32 = 0.16 GB are small;
-    - decoded video [1, 81, 480, 832, 3] = 0.39 GB, weights 0.25 GB (fp32, whole VAE);
-    => about 6-7 GB in fp32 and about half in bf16 (norm and softmax statistics stay fp32).
-  XLA's own view: `memory_analysis()` of the compiled later-chunk program, lowered on CPU from
-  abstract shapes (fp32, donated cache), reports arguments 3.4 GB (cache + weights + latent frame),
-  outputs 3.4 GB (aliased with the donated cache) and temporaries 4.0 GB, so about 7.4 GB live
-  per chunk step, plus the 0.39 GB of accumulated video. Not measured on an accelerator.
+  dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
+  accelerator. It was obtained from (a) the exact activation shapes of this config via
+  `jax.eval_shape`, and (b) `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`:
+  XLA's `memory_analysis()` of the compiled later-chunk program, lowered on CPU from abstract
+  shapes (nothing allocated). Numbers, fp32 / bf16:
+    - feature cache (last 2 input frames of all 32 cached convs): 3.78 / 1.89 GB, dominated by the
+      7 full-resolution convs (7 x 2 x 480 x 832 x 96 x 4 B = 2.15 GB fp32);
+    - decoder weights 0.29 / 0.14 GB (whole VAE, encoder included: 0.51 / 0.25 GB);
+    - per-chunk temporaries (XLA buffer assignment): 4.92 / 4.16 GB. The largest single ones: the
+      upsample2d input after the nearest-neighbour repeat [4, 480, 832, 192] = 1.23 GB fp32 and a
+      full-resolution causal conv's concat(cache, x) [6, 480, 832, 96] = 0.92 GB; the mid-block
+      attention scores [6240, 6240] fp32 are 0.16 GB. The bf16 figure is pessimistic: XLA:CPU
+      upcasts bf16 convolutions to fp32, which GPU/TPU do not;
+    - the cache output aliases the donated cache input, so one step holds about 9.0 GB fp32
+      (arguments 4.07 + temporaries 4.92) or 6.2 GB bf16 (2.04 + 4.16);
+    - the decoded video, 81 x 480 x 832 x 3 = 0.39 / 0.19 GB, accumulates beside it (plus one copy
+      for the final concatenation and one for the BCFHW transpose).
+  => peak about 10 GB in fp32 and about 7 GB in bf16, independent of the number of frames (the
+  first chunk is smaller: 4.4 GB fp32), where an unchunked decode would hold the activations of
+  all 21 chunks at once.
   """
   _check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
@@ -304,6 +317,22 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   if video_layout == "BFHWC":
     return video_BFHWC
   return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
+
+
+def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
+                                dtype: jnp.dtype = jnp.float32):
+  """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
+
+  Nothing is allocated: weights, cache and latent frame are `jax.ShapeDtypeStruct`s; the result is
+  the backend's `CompiledMemoryStats` (argument, output, alias and temp sizes in bytes) for the
+  default backend. This is how the peak-memory estimate in `decode`'s docstring was obtained.
+  """
+  params = {k: jax.ShapeDtypeStruct(L.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
+            for k, s in config.param_shapes().items()}
+  vae = WanVAE(config, params)
+  z = jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, config.z_dim), dtype)
+  _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
+  return _decode_next_chunk.lower(vae, cache, z).compile().memory_analysis()
 
 
 # ----------------------------------------------------------------------------------------------
