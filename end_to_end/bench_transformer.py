@@ -1,0 +1,83 @@
+"""Benchmark: compile time and per-step time of the Wan transformer (random init), not a test.
+
+Default: the Wan 2.1 1.3B architecture (30 layers, D 1536, N 12, ffn 8960) at 17 frames 128x128
+(latents [1, 16, 5, 16, 16] -> 320 tokens) with 512 text tokens, fp32, one device:
+
+  python -m end_to_end.bench_transformer
+  python -m end_to_end.bench_transformer --dtype bfloat16 --batch 2
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m end_to_end.bench_transformer \
+      --ring 2 --ulysses 2       # sequence-parallel (fake CPU devices)
+
+Compile time is `jit(...).lower(...).compile()` wall time; the step time is the mean over
+`--steps` calls after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention
+from pipelines.wan.transformer import count_params, forward, init_transformer
+from pipelines.wan.transformer_config import PRESETS
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="wan2.1-t2v-1.3b", choices=sorted(PRESETS))
+  parser.add_argument("--frames", type=int, default=17)
+  parser.add_argument("--height", type=int, default=128)
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--text-len", type=int, default=512)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--ring", type=int, default=0, help="ring degree R (0: no mesh)")
+  parser.add_argument("--ulysses", type=int, default=0, help="Ulysses degree U (0: no mesh)")
+  args = parser.parse_args()
+
+  config = PRESETS[args.preset]
+  dtype = jnp.dtype(args.dtype)
+  mesh = None
+  if args.ring or args.ulysses:
+    mesh = attention.make_mesh(ulysses=max(args.ulysses, 1), ring=max(args.ring, 1))
+  frames = (args.frames - 1) // 4 + 1
+  latent_shape = (args.batch, config.in_channels, frames, args.height // 8, args.width // 8)
+  tokens = np.prod([n // p for n, p in zip(latent_shape[2:], config.patch_size)])
+  print(f"{args.preset}: {config.num_layers} layers, D={config.dim}, N={config.num_attention_heads}, "
+        f"ffn={config.ffn_dim}; {dtype.name}; latents {latent_shape} -> {tokens} tokens, "
+        f"text {args.text_len}; mesh {None if mesh is None else dict(mesh.shape)}; "
+        f"backend {jax.default_backend()} x{jax.device_count()}")
+
+  start = time.perf_counter()
+  model = init_transformer(config, seed=0, dtype=dtype)
+  jax.block_until_ready(jax.tree.leaves(model))
+  print(f"random init: {count_params(model) / 1e9:.3f} B params in {time.perf_counter() - start:.1f} s")
+
+  rng = np.random.default_rng(0)
+  latents = jnp.asarray(rng.standard_normal(latent_shape, np.float32))
+  timestep = jnp.full((args.batch,), 500.0, jnp.float32)
+  text = jnp.asarray(rng.standard_normal((args.batch, args.text_len, config.text_dim), np.float32))
+
+  step = jax.jit(forward, static_argnames=("mesh",))
+  start = time.perf_counter()
+  compiled = step.lower(model, latents, timestep, text, mesh=mesh).compile()
+  print(f"compile: {time.perf_counter() - start:.1f} s")
+
+  out = compiled(model, latents, timestep, text)
+  out.block_until_ready()
+  times = []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    compiled(model, latents, timestep, text).block_until_ready()
+    times.append(time.perf_counter() - start)
+  print(f"step: {np.mean(times):.2f} s mean over {args.steps} (min {np.min(times):.2f} s); "
+        f"output {out.shape} {out.dtype}, finite={bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))}")
+
+
+if __name__ == "__main__":
+  main()
