@@ -225,6 +225,17 @@ def test_loader_reports_bad_keys(tmp_path, edit, message):
     load_transformer(_broken_copy(tmp_path, edit))
 
 
+def test_loader_reads_sharded_folder(tmp_path):
+  """A folder split into several safetensors files with an index loads to the same parameters."""
+  name = "n2h12"
+  folder = str(tmp_path / "transformer")
+  _torch_model(name, torch.float32).save_pretrained(folder, safe_serialization=True, max_shard_size="20KB")
+  assert any(n.endswith(".safetensors.index.json") for n in os.listdir(folder))
+  single, sharded = _ours(name, jnp.float32), load_transformer(folder, jnp.float32)
+  for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_loader_refuses_pickle_only(tmp_path):
   (tmp_path / "config.json").write_text(open(os.path.join(_folder("n2h12"), "config.json")).read())
   (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"not loaded")
