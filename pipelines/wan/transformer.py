@@ -34,10 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import attention
 import producers
+from attention.mesh import SEQUENCE_AXES, SEQUENCE_SPEC, mesh_degrees
 from pipelines.wan.transformer_config import WanTransformerConfig
 
-# Tokens are sharded over both mesh axes jointly, ring-major (DESIGN.md section 2).
-TOKEN_AXES = (attention.RING_AXIS, attention.ULYSSES_AXIS)
 # diffusers `WanTransformer3DModel._keep_in_fp32_modules` that own parameters ("rope", "norm1",
 # "norm3" own none); a parameter whose path holds one of these names is kept fp32.
 KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
@@ -213,10 +212,8 @@ class SequenceLayout:
     self.tokens = tokens
     self.padded_tokens = tokens
     if mesh is not None:
-      missing = [a for a in TOKEN_AXES if a not in mesh.axis_names]
-      if missing:
-        raise ValueError(f"mesh axes {mesh.axis_names} lack {missing}; build it with attention.make_mesh")
-      shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+      ulysses, ring = mesh_degrees(mesh)  # ValueError unless the mesh has both axes
+      shards = ulysses * ring
       self.padded_tokens = -(-tokens // shards) * shards
 
   @property
@@ -227,14 +224,13 @@ class SequenceLayout:
     """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding; a no-op without a mesh."""
     if self.mesh is None:
       return x
-    spec = P(None, TOKEN_AXES, *([None] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, SEQUENCE_SPEC))
 
   def constrain_table(self, x: jax.Array) -> jax.Array:
     """Pins axis 0 (tokens) of a [T, H/2] RoPE table to the sequence sharding."""
     if self.mesh is None:
       return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(SEQUENCE_AXES, None)))
 
   def kv_valid_len(self, batch: int) -> jax.Array | None:
     """int32 [B] valid key count when tokens were padded, else None."""
@@ -250,7 +246,7 @@ class SequenceLayout:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
     if self.mesh is None:
       return attention.local_attention(q, k, v)
-    q_spec = P(None, TOKEN_AXES, None, None)
+    q_spec = P(None, SEQUENCE_AXES, None, None)
     return jax.shard_map(attention.local_attention, mesh=self.mesh,
                          in_specs=(q_spec, P(), P()), out_specs=q_spec)(q, k, v)
 
