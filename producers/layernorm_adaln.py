@@ -53,7 +53,9 @@ def layernorm_adaln(x: jax.Array, scale: jax.Array, shift: jax.Array, *,
     ValueError: x not 3-D, or scale / shift not [B, 1, D] or [B, T, D].
 
   Math: diffusers WanTransformerBlock norm1/norm3 + modulation (module doc); the LayerNorm is the
-  two-pass biased-variance form of torch's `F.layer_norm`.
+  two-pass biased-variance form of torch's `F.layer_norm`. XLA's FMA contraction inside the fusion
+  (variance sum, modulation) puts fp32 results within 3 ulps of |LayerNorm(x) * (1 + scale)| of
+  `layernorm_adaln_reference` (measured; tests/test_producers.py); bf16 within 1 ulp.
   """
   _check_inputs(x, scale, shift)
   x_f32 = x.astype(jnp.float32)  # [B, T, D]

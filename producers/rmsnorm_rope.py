@@ -73,10 +73,11 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.Array
 
   Math: diffusers WanAttnProcessor norm_q/norm_k + apply_rotary_emb (module doc). Instead of
   diffusers' repeat-interleaved [T, H] tables and strided writes, the pairs are rotated as a
-  [..., H/2, 2] view against the [T, H/2] half-tables: the same products and sums, so fp32
-  results match `rmsnorm_rope_reference` to the bit on the test shapes. (At T=32,760 XLA:CPU's
-  fused reduction moves the statistic by 1 ulp on ~30% of tokens; the rotation's subtraction can
-  turn that into a few ulps of a small output element.)
+  [..., H/2, 2] view against the [T, H/2] half-tables: the same products and sums. Inside the
+  jit XLA contracts x1 * cos - x2 * sin into an FMA (one rounding where the eager reference and
+  torch round twice), so fp32 results agree with `rmsnorm_rope_reference` to <= 2 ulps of the
+  rotated pair's norm (tests/test_producers.py) and with diffusers to <= 1e-6; bf16 results carry
+  diffusers' two roundings and agree to 1 bf16 ulp.
 
   Memory: on XLA:CPU (jax 0.10.2) the reduction and the normalisation form one YNNPACK fusion that
   cannot take the pair rotation, so one fp32 [B, T, D] temporary remains (201 MB at T=32,760,

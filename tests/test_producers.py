@@ -10,7 +10,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import producers
-from attention.mesh import SEQUENCE_AXES, SEQUENCE_SPEC, make_mesh
 from producers.layernorm_adaln import layer_norm_reference
 from producers import (layernorm_adaln, layernorm_adaln_reference, rmsnorm_rope,
                        rmsnorm_rope_reference, wan_rope_table, wan_rope_table_reference)
@@ -207,16 +206,18 @@ def test_rmsnorm_rope_four_shards_concatenate_to_unsharded(dtype):
                               num_heads=num_heads, out_scale=Q_SCALE))
   looped = np.asarray(jnp.concatenate(parts, axis=1), np.float32)
 
-  # Traced offsets inside shard_map, as USP runs it: device (r, u) holds chunk r * U + u.
-  mesh = make_mesh(ulysses=2, ring=2)
+  # Traced offsets inside shard_map, as USP runs it (a 1-D mesh: only the offsets matter here).
+  mesh = jax.make_mesh((shards,), ("tokens",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:shards])
+  token_spec = P(None, "tokens")
 
   def per_shard(x_shard, weight):
-    start = jax.lax.axis_index(SEQUENCE_AXES) * shard_len
+    start = jax.lax.axis_index("tokens") * shard_len
     cos_s, sin_s = wan_rope_table(GRID, head_dim, start=start, length=shard_len)
     return rmsnorm_rope(x_shard, weight, cos_s, sin_s, num_heads=num_heads, out_scale=Q_SCALE)
 
-  sharded_fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(SEQUENCE_SPEC, P()),
-                                     out_specs=SEQUENCE_SPEC))
+  sharded_fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, P()),
+                                     out_specs=token_spec))
   sharded = np.asarray(sharded_fn(x_padded, weight), np.float32)
 
   for got in (looped, sharded):
