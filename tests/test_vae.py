@@ -10,14 +10,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import diffusers
 import pytest
+
 import torch
 from safetensors.torch import load_file, save_file
 
 from pipelines.checkpoint import CheckpointError
 from pipelines.wan import vae as V
-
-diffusers = pytest.importorskip("diffusers")
+from pipelines.wan import vae_layers
 
 CONFIGS = {
     "tiny": dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
@@ -45,7 +46,7 @@ def models(request, tmp_path_factory):
 @pytest.mark.parametrize("frames", [1, 2, 3])
 def test_decode_parity(models, frames):
   ref, vae, _ = models
-  batch = 2  # one compile per config serves all frame counts
+  batch = 2 if vae.config.base_dim == 3 else 1  # batch 2 where it is cheap
   z = torch.randn(batch, 16, frames, 4, 6, generator=torch.Generator().manual_seed(frames))
   with torch.no_grad():
     want = ref.decode(z).sample.numpy()
@@ -72,6 +73,7 @@ def test_encode_parity(models, frames):
     assert err <= TOL, f"encode {name} max error {err:.3g} > {TOL}"
 
 
+@pytest.mark.parametrize("models", ["tiny"], indirect=True)
 def test_later_chunks_share_one_program(models):
   # F latent frames must not compile F programs: frames 2.. reuse the same next-chunk executable.
   _, vae, _ = models
@@ -83,6 +85,7 @@ def test_later_chunks_share_one_program(models):
   assert V._decode_next_chunk._cache_size() == size, "a longer video compiled a new chunk program"
 
 
+@pytest.mark.parametrize("models", ["tiny"], indirect=True)
 def test_loader_reports_shape_mismatch(models, tmp_path):
   _, _, folder = models
   state = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
@@ -111,16 +114,15 @@ def test_config_reads_released_wan21_config():
   cfg = V.WanVAEConfig.from_diffusers(raw)
   assert cfg == V.VAE_PRESETS["wan2.1"]
   assert (cfg.spatial_factor, cfg.temporal_factor) == (8, 4)
-  ref_shapes = {k: tuple(v.shape) for k, v in diffusers.AutoencoderKLWan(**raw_fields(raw)).state_dict().items()}
+  with torch.device("meta"):  # shapes only, no 127M-parameter allocation
+    ref = diffusers.AutoencoderKLWan(**{k: v for k, v in raw.items() if not k.startswith("_")})
+  ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
   assert cfg.param_shapes() == ref_shapes
   with pytest.raises(ValueError, match="unknown AutoencoderKLWan config keys"):
     V.WanVAEConfig.from_diffusers({**raw, "clip_output": True})
 
 
-def raw_fields(raw):
-  return {k: v for k, v in raw.items() if not k.startswith("_")}
-
-
+@pytest.mark.parametrize("models", ["tiny"], indirect=True)
 def test_bad_inputs_raise(models):
   _, vae, _ = models
   with pytest.raises(ValueError, match="C=4 channels"):
@@ -152,7 +154,7 @@ def test_init_decodes_and_bf16_keeps_dtype():
   cfg = V.VAE_PRESETS["tiny"]
   vae = V.init_vae(cfg, jax.random.key(0))
   assert {k: v.shape for k, v in vae.params.items()} == {
-      k: V.L.to_jax_layout(k, np.empty(s)).shape for k, s in cfg.param_shapes().items()}
+      k: vae_layers.to_jax_layout(k, np.empty(s)).shape for k, s in cfg.param_shapes().items()}
   z = jax.random.normal(jax.random.key(1), (2, 16, 2, 4, 6))  # the parity tests' (compiled) shapes
   video = V.decode(vae, z)
   assert video.shape == (2, 3, 5, 32, 48) and video.dtype == jnp.float32

@@ -246,7 +246,12 @@ def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array) -> tup
   return jnp.clip(x, -1.0, 1.0), cache
 
 
-_decode_first_chunk = jax.jit(lambda vae, z: _decode_chunk(vae, None, z))
+@jax.jit
+def _decode_first_chunk(vae: WanVAE, z_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+  return _decode_chunk(vae, None, z_BTHWC)
+
+
+# The cache is donated: its buffers are reused for the new cache instead of holding two copies.
 _decode_next_chunk = jax.jit(_decode_chunk, donate_argnums=1)
 
 
@@ -280,7 +285,8 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   Time chunking: latent frame 0 goes through `_decode_first_chunk` (no cache; upsample3d's time
   conv skipped, so it yields 1 frame), frames 1..F-1 each through `_decode_next_chunk` (4 frames),
   carrying the cache. The two programs are compiled once per (config, B, Hl, Wl, dtype). Only one
-  chunk's activations plus the cache are live at a time; the decoded frames accumulate.
+  chunk's activations plus the cache are live at a time; the decoded frames accumulate. Call it
+  outside `jit`: under an outer trace the Python loop over frames would be unrolled.
 
   Peak memory, 81 frames at 480x832 (latents [1, 16, 21, 60, 104]), Wan 2.1 config (base_dim 96,
   dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
@@ -346,7 +352,11 @@ def _encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tup
   return h, cache
 
 
-_encode_first_chunk = jax.jit(lambda vae, x: _encode_chunk(vae, None, x))
+@jax.jit
+def _encode_first_chunk(vae: WanVAE, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+  return _encode_chunk(vae, None, x_BTHWC)
+
+
 _encode_next_chunk = jax.jit(_encode_chunk, donate_argnums=1)
 
 
