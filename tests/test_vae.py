@@ -7,12 +7,11 @@ tiny test config (every layer kind, 3 channels) and the real Wan 2.1 topology at
 import json
 import os
 
+import diffusers
 import jax
 import jax.numpy as jnp
 import numpy as np
-import diffusers
 import pytest
-
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -16,7 +16,7 @@ from chunk to chunk; the first chunk and the later chunks are two jitted program
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
