@@ -1,0 +1,338 @@
+"""Blockwise local attention with two exact paths sharing one block structure.
+
+* LSE scan: online softmax in base 2 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
+  Alg. 1): running max m, running sum l, rescaling of (o, l) whenever m grows.
+* fixed-m: m is pinned per row from a Cauchy-Schwarz bound (`attention.fixed_m`, DESIGN.md section 4),
+  so there is no running max and no rescaling: l and o are plain sums.
+
+Both use one carry layout (o, l, m) so a ring step can pick either with `lax.cond`. Queries arrive
+pre-scaled by scale * log2(e) so the kernels use exp2. Internal layout is heads-major:
+q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v [B, K, S, H].
+
+Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from attention import fixed_m as fm
+from attention.masks import validate_qkv
+
+Mode = Literal["lse", "fixed_m"]
+IMPLEMENTATIONS = ("auto", "fixed_m", "lse")
+# Position given to padded key slots: far from every real position, so every mask rejects it.
+PAD_POSITION = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tunables of the blockwise kernels (static; hashable).
+
+  Attributes:
+    block_q: query rows per block (outer loop, `lax.map`). Bounds the live logits to
+      [B, N, block_q, block_kv].
+    block_kv: keys per block (inner loop, `lax.scan`).
+  Defaults measured on a 2-core CPU at T = S = 4096, N = 12, H = 128 (end_to_end/bench_attention.py).
+  """
+
+  block_q: int = 512
+  block_kv: int = 512
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val <= 0:
+        raise ValueError(f"BlockSizes.{name} must be a positive int, got {name}={val!r}")
+
+  @classmethod
+  def get_default(cls) -> "BlockSizes":
+    return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+  """Running state of one query set against any number of key blocks (fp32).
+
+  Attributes:
+    o: [B, K, G, T, H] unnormalised output sum_j 2^(s_ij - m_i) v_j.
+    l: [B, K, G, T] sum_j 2^(s_ij - m_i).
+    m: [B, K, G, T] the row offset: running max (LSE, -inf before any key) or the pinned
+      b_i = q~_i . k_mean + m_i (fixed-m).
+  """
+
+  o: jax.Array
+  l: jax.Array
+  m: jax.Array
+
+
+jax.tree_util.register_dataclass(Carry, data_fields=["o", "l", "m"], meta_fields=[])
+
+
+def init_carry(q_BKGTH: jax.Array, row_offset_BKGT: jax.Array | None = None) -> Carry:
+  """Empty carry: LSE when row_offset is None (m = -inf), else fixed-m with m pinned to it."""
+  B, K, G, T, H = q_BKGTH.shape
+  m = jnp.full((B, K, G, T), -jnp.inf, jnp.float32) if row_offset_BKGT is None else row_offset_BKGT
+  return Carry(jnp.zeros((B, K, G, T, H), jnp.float32), jnp.zeros((B, K, G, T), jnp.float32), m)
+
+
+def _precision(dtype):
+  # fp32 inputs get true fp32 matmuls (GPUs would otherwise use TF32); bf16 uses the native path.
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _block_update(carry: Carry, q, k, v, mask, mode: Mode) -> Carry:
+  """One [T_blk, S_blk] block: q [B,K,G,Tb,H], k/v [B,K,Sb,H], mask None or bool [B|1, Tb, Sb]."""
+  prec = _precision(q.dtype)
+  s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32, precision=prec)
+  if mask is not None:
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+  if mode == "fixed_m":
+    p = jnp.exp2(s - carry.m[..., None])
+    l = carry.l + jnp.sum(p, axis=-1)
+    o = carry.o + jnp.einsum(
+        "BKGTS,BKSH->BKGTH", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    return Carry(o, l, carry.m)
+  m_new = jnp.maximum(carry.m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet stay at l = o = 0
+  alpha = jnp.exp2(carry.m - m_safe)
+  p = jnp.exp2(s - m_safe[..., None])
+  l = alpha * carry.l + jnp.sum(p, axis=-1)
+  o = alpha[..., None] * carry.o + jnp.einsum(
+      "BKGTS,BKSH->BKGTH", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+  return Carry(o, l, m_new)
+
+
+def attend(
+    carry: Carry,
+    q_BKGTH: jax.Array,
+    k_BKSH: jax.Array,
+    v_BKSH: jax.Array,
+    *,
+    mode: Mode,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    kv_limit: jax.Array | None = None,
+    window: int | None = None,
+    causal: bool = False,
+    block_sizes: BlockSizes = BlockSizes(),
+) -> Carry:
+  """Accumulates the keys k/v into the carry of queries q, block by block.
+
+  Args:
+    carry: from `init_carry` or a previous `attend` (e.g. the previous ring step).
+    q_BKGTH: queries pre-scaled by scale * log2(e); T a multiple of block_q (or T <= block_q).
+    k_BKSH, v_BKSH: keys/values; S a multiple of block_kv (or S <= block_kv).
+    mode: "lse" or "fixed_m" (must match how the carry was initialised).
+    q_pos: int [T] global query positions.
+    kv_pos: int [S] global key positions; padded slots hold `PAD_POSITION`.
+    kv_limit: None (no key mask needed) or int [B]: keys at positions >= it are masked.
+    window, causal: as in `attention_reference`.
+    block_sizes: static tunables.
+
+  Returns:
+    The updated Carry; `finish` turns it into the output.
+  """
+  B, K, G, T, H = q_BKGTH.shape
+  S = k_BKSH.shape[2]
+  bq, bk = min(block_sizes.block_q, T), min(block_sizes.block_kv, S)
+  if T % bq or S % bk:
+    raise ValueError(f"{T=} and {S=} must be multiples of block_q={bq} and block_kv={bk}; pad first")
+  nq, nk = T // bq, S // bk
+  needs_mask = kv_limit is not None or window is not None or causal
+
+  def kv_blocks(x):  # [B, K, S, H] -> [nk, B, K, bk, H]
+    return jnp.moveaxis(x.reshape(B, K, nk, bk, H), 2, 0)
+
+  ks, vs, kps = kv_blocks(k_BKSH), kv_blocks(v_BKSH), kv_pos.reshape(nk, bk)
+
+  def one_q_block(args):
+    q_blk, c_blk, qp = args
+
+    def step(c, xs):
+      k_blk, v_blk, kp = xs
+      mask = None
+      if needs_mask:
+        mask = jnp.ones((1, bq, bk), bool)
+        if kv_limit is not None:
+          mask = mask & (kp[None, None, :] < kv_limit[:, None, None])
+        diff = qp[:, None] - kp[None, :]
+        if causal:
+          mask = mask & (diff >= 0)[None]
+        if window is not None:
+          mask = mask & (jnp.abs(diff) <= window)[None]
+      return _block_update(c, q_blk, k_blk, v_blk, mask, mode), None
+
+    if nk == 1:
+      return step(c_blk, (ks[0], vs[0], kps[0]))[0]
+    return jax.lax.scan(step, c_blk, (ks, vs, kps))[0]
+
+  if nq == 1:
+    return one_q_block((q_BKGTH, carry, q_pos))
+
+  def q_blocks(x, axis=3):  # split T (axis 3) into [nq, ..., bq, ...]
+    shape = x.shape[:axis] + (nq, bq) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+  def merge_q(x, axis=3):
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (T,) + x.shape[axis + 2:])
+
+  c_blocks = Carry(q_blocks(carry.o), q_blocks(carry.l), q_blocks(carry.m))
+  out = jax.lax.map(one_q_block, (q_blocks(q_BKGTH), c_blocks, q_pos.reshape(nq, bq)))
+  return Carry(merge_q(out.o), merge_q(out.l), merge_q(out.m))
+
+
+def finish(carry: Carry) -> jax.Array:
+  """o / l as fp32 [B, K, G, T, H]; rows that saw no valid key give 0, not NaN."""
+  l = carry.l[..., None]
+  return jnp.where(l > 0, carry.o / jnp.where(l > 0, l, 1.0), 0.0)
+
+
+def carry_lse(carry: Carry) -> jax.Array:
+  """Base-2 log-sum-exp per row, fp32 [B, K, G, T] (-inf for rows with no valid key)."""
+  return jnp.where(carry.l > 0, carry.m + jnp.log2(jnp.where(carry.l > 0, carry.l, 1.0)), -jnp.inf)
+
+
+def merge_partials(o_a, lse_a, o_b, lse_b):
+  """Merges two normalised partial outputs of the same rows over disjoint key sets (base 2).
+
+  lse = max(a, b) + log2(2^(a - max) + 2^(b - max)); o = weights-averaged. Fully masked partials
+  (lse = -inf) are guarded: merging with one gives the other unchanged; both gives (0, -inf).
+
+  Args:
+    o_a, o_b: [..., T, H] normalised outputs; lse_a, lse_b: [..., T] base-2 LSEs.
+  """
+  mx = jnp.maximum(lse_a, lse_b)
+  mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  wa, wb = jnp.exp2(lse_a - mx_safe), jnp.exp2(lse_b - mx_safe)
+  tot = wa + wb
+  safe = jnp.where(tot > 0, tot, 1.0)
+  o = (wa[..., None] * o_a + wb[..., None] * o_b) / safe[..., None]
+  lse = jnp.where(tot > 0, mx_safe + jnp.log2(safe), -jnp.inf)
+  return o, lse
+
+
+def scale_queries(q_BTNH: jax.Array, scale: float) -> jax.Array:
+  """q~ = q * scale * log2(e), computed in fp32 and cast back to q's dtype."""
+  return (q_BTNH.astype(jnp.float32) * (scale * fm.LOG2E)).astype(q_BTNH.dtype)
+
+
+def _pad_axis(x, axis, size):
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def _round_up(n, m):
+  return -(-n // m) * m
+
+
+def local_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    kv_valid_len: jax.Array | None = None,
+    window: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | None = None,
+    q_prescaled: bool = False,
+) -> jax.Array:
+  """Exact blockwise attention on one device.
+
+  Args:
+    q: [B, T, N, H].
+    k, v: [B, S, K, H], N % K == 0 (GQA: query head n reads kv head n // (N // K)).
+    kv_valid_len: None or int [B]; keys at positions >= it are padding. Rows with no visible valid
+      key return 0.
+    window: None or w: query i sees key j only when |i - j| <= w (i - w <= j <= i with causal).
+    causal: key j visible to query i only when j <= i.
+    scale: logit scale, default 1 / sqrt(H).
+    implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
+      input the output is all NaN, never a silently wrong number) or "auto" (the gate picks with
+      `lax.cond`, fixed-m when eligible).
+    block_sizes: `BlockSizes`, default `BlockSizes.get_default()`.
+    q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
+
+  Returns:
+    [B, T, N, H] in q's dtype (softmax and accumulation in fp32).
+
+  Raises:
+    ValueError: bad ranks/shapes/dtypes, N % K != 0, bad window or block sizes, or an unknown
+      implementation, before any compute.
+  """
+  validate_qkv(q, k, v, kv_valid_len=kv_valid_len, window=window)
+  block_sizes = BlockSizes.get_default() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+  match implementation:
+    case "auto" | "fixed_m" | "lse":
+      pass
+    case _:
+      raise ValueError(f"unknown {implementation=}; expected one of {IMPLEMENTATIONS}")
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  return _local_attention(
+      q, k, v, kv_valid_len, window=None if window is None else int(window), causal=bool(causal),
+      scale=scale, implementation=implementation, block_sizes=block_sizes,
+      q_prescaled=bool(q_prescaled))
+
+
+@functools.partial(jax.jit, static_argnames=("window", "causal", "scale", "implementation", "block_sizes", "q_prescaled"))
+def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementation, block_sizes,
+                     q_prescaled):
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  q_scaled = q if q_prescaled else scale_queries(q, scale)
+  bq = min(block_sizes.block_q, T)
+  bk = min(block_sizes.block_kv, S)
+  T_pad, S_pad = _round_up(T, bq), _round_up(S, bk)
+  sizes = BlockSizes(bq, bk)
+
+  q_BKGTH = _pad_axis(q_scaled.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
+  k_BKSH = _pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
+  v_BKSH = _pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
+  q_pos = jnp.arange(T_pad, dtype=jnp.int32)
+  kv_pos = jnp.where(jnp.arange(S_pad) < S, jnp.arange(S_pad), PAD_POSITION).astype(jnp.int32)
+  kv_limit = None
+  if kv_valid_len is not None:
+    kv_limit = jnp.minimum(kv_valid_len.astype(jnp.int32), S)
+  elif S_pad != S:
+    kv_limit = jnp.full((B,), S, jnp.int32)
+  windowed = window is not None or causal
+  attend_kw = dict(q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, window=window, causal=causal,
+                   block_sizes=sizes)
+
+  def lse_path():
+    return finish(attend(init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw))
+
+  def fixed_m_path(stats, c_max):
+    b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed)
+    return finish(attend(init_carry(q_BKGTH, b), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw))
+
+  if implementation == "lse":
+    out = lse_path()
+  else:
+    stats = fm.local_key_stats(k, v, kv_valid_len)
+    q_norm_max = jnp.max(fm.query_norms(q_scaled), axis=1)  # [B, N]
+    gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count,
+                           windowed=windowed)
+    if implementation == "fixed_m":
+      out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
+    else:
+      out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
+  out = out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+  return out.astype(q.dtype)
+
