@@ -13,9 +13,9 @@ so the timestep MLP, all AdaLN modulation and every LayerNorm run in fp32 and ar
 Sequence parallelism (DESIGN.md section 2): with a mesh, the video tokens are padded to a multiple
 of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole forward; every
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
-token count as `kv_valid_len` (padded keys masked), cross-attention is a local `shard_map` against
-replicated text K/V (no mask: diffusers' Wan cross-attention uses none), and padded rows are
-dropped before unpatchify. RoPE rows are global positions (the padded table is sharded with the
+token count as `kv_valid_len` (padded keys masked), cross-attention is `attention.cross_attention`
+(local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
+and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is sharded with the
 tokens). The blocks' weights are stacked on a leading Z axis and run by one `lax.scan`, so the
 block is traced and compiled once whatever the depth.
 """
@@ -246,9 +246,7 @@ class SequenceLayout:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
     if self.mesh is None:
       return attention.local_attention(q, k, v)
-    q_spec = P(None, SEQUENCE_AXES, None, None)
-    return jax.shard_map(attention.local_attention, mesh=self.mesh,
-                         in_specs=(q_spec, P(), P()), out_specs=q_spec)(q, k, v)
+    return attention.cross_attention(q, k, v, mesh=self.mesh)
 
 
 class WanBlock(nnx.Module):
