@@ -1,0 +1,620 @@
+"""Wan text-to-video pipeline (diffusers' `WanPipeline`) over a (ring, ulysses) mesh.
+
+Glossary (DESIGN.md section 1): B videos (prompts), C latent channels, F / Hl / Wl latent frames /
+height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / ring degrees.
+
+What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py, `__call__`):
+1. prompts cleaned (`prompt_clean`), tokenised to L, UMT5-encoded; rows past each prompt's true
+   length zeroed (diffusers trims to the true length, then pads with zeros);
+2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed
+   + i)`), so the same seed gives the same video on every mesh and a batch equals its prompts run
+   alone with seeds seed, seed + 1, ...;
+3. the scheduler's timesteps on the host; for step k the expert is `transformer` while
+   t_k >= boundary_ratio * num_train_timesteps, else `transformer_2` (Wan 2.2 A14B), each with its
+   own guidance scale;
+4. one jitted program per shape does the transformer forward on [cond; uncond] (classifier-free
+   guidance batched: 2B rows, one forward), the guidance mix `uncond + g * (cond - uncond)` in the
+   model dtype and the scheduler step; latents and solver state are donated. Both experts share
+   the program (same graph, same shapes; the weights and g are arguments);
+5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`).
+
+Classifier-free guidance is on when `guidance_scale > 1` (diffusers: only the first scale decides).
+The negative prompt defaults to "" as in diffusers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import attention
+from attention.mesh import mesh_degrees
+from pipelines import checkpoint
+from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan.transformer import WanTransformer, forward, init_transformer
+from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer_loading import load_transformer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# The embedded default ("tiny"): every code path, random weights from a fixed seed. 8 heads so that
+# every Ulysses degree in {1, 2, 4, 8} divides N; text_dim = the tiny UMT5's d_model.
+TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_dim=16, text_dim=32,
+                                        ffn_dim=256, num_layers=2)
+TINY_SEED = 0
+TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
+
+
+# --- settings and their checks (cheap; run before any compute) -----------------------------------
+
+def prompt_clean(text: str) -> str:
+  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
+
+  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
+  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
+  """
+  text = html.unescape(html.unescape(text)).strip()
+  return re.sub(r"\s+", " ", text).strip()
+
+
+def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
+  """Frames as diffusers accepts them: k * temporal_factor + 1, rounded down with a warning.
+
+  Raises:
+    ValueError: `num_frames` < 1.
+  """
+  if not isinstance(num_frames, (int, np.integer)) or num_frames < 1:
+    raise ValueError(f"{num_frames=} must be a positive int (Wan uses 4k+1, e.g. 81)")
+  if num_frames % temporal_factor != 1:
+    rounded = max(num_frames // temporal_factor * temporal_factor + 1, 1)
+    warnings.warn(f"{num_frames=}: num_frames - 1 must be divisible by {temporal_factor}; rounding "
+                  f"to {rounded} as diffusers does (pass {rounded} to silence this)", stacklevel=2)
+    return rounded
+  return int(num_frames)
+
+
+def check_size(height: int, width: int, multiple: int = 16) -> None:
+  """Raises ValueError unless height and width are positive multiples of `multiple` (16 for Wan:
+  VAE factor 8 x patch 2), naming the nearest valid sizes."""
+  for name, value in (("height", height), ("width", width)):
+    if not isinstance(value, (int, np.integer)) or value < multiple or value % multiple:
+      lower = max(multiple, int(value) // multiple * multiple) if isinstance(value, (int, np.integer)) else multiple
+      raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple} (VAE factor 8 x "
+                       f"patch 2); use {lower} or {lower + multiple}")
+
+
+def parse_mesh(spec: str) -> tuple[int, int]:
+  """Parses "U=2,R=2" (any order, either may be left out: "U=4" means R=1) into (U, R).
+
+  Raises:
+    ValueError: a malformed spec, a repeated or unknown axis, or a degree < 1.
+  """
+  degrees = {}
+  for part in str(spec).replace(" ", "").split(","):
+    match = re.fullmatch(r"([URur])=(\d+)", part)
+    if match is None:
+      raise ValueError(f"mesh {spec=} is malformed at {part!r}; write e.g. 'U=2,R=2', 'R=2,U=4' or 'U=4' "
+                       "(U: Ulysses degree, R: ring degree)")
+    axis, value = match.group(1).upper(), int(match.group(2))
+    if axis in degrees:
+      raise ValueError(f"mesh {spec=} gives {axis} twice; give each of U and R at most once")
+    if value < 1:
+      raise ValueError(f"mesh {spec=}: {axis}={value} must be >= 1")
+    degrees[axis] = value
+  return degrees.get("U", 1), degrees.get("R", 1)
+
+
+def working_meshes(heads: int, devices: int) -> list[tuple[int, int]]:
+  """The (U, R) with U * R == devices and heads % U == 0."""
+  return [(u, devices // u) for u in range(1, devices + 1) if devices % u == 0 and heads % u == 0]
+
+
+def check_mesh(ulysses: int, ring: int, *, heads: int, device_count: int) -> None:
+  """Raises ValueError when a (U, R) mesh cannot run a model with `heads` heads on `device_count`
+  devices: more devices than exist, or N not divisible by U (names the (U, R) that work)."""
+  if ulysses * ring > device_count:
+    raise ValueError(
+        f"mesh U={ulysses},R={ring} needs {ulysses * ring} devices but {device_count} are visible; use a "
+        f"mesh of at most {device_count} devices (on CPU, the generate command simulates more devices, "
+        f"or set XLA_FLAGS=--xla_force_host_platform_device_count={ulysses * ring} before JAX starts)")
+  if heads % ulysses:
+    options = ", ".join(f"U={u},R={r}" for u, r in working_meshes(heads, ulysses * ring))
+    raise ValueError(f"the model has {heads} heads, not divisible by the Ulysses degree U={ulysses}; "
+                     f"with {ulysses * ring} devices use one of: {options}")
+
+
+def resolve_mesh(mesh: Mesh | str | None, heads: int) -> Mesh | None:
+  """A `Mesh` (checked), a spec string built into one over `jax.devices()`, or None (one device).
+
+  Raises:
+    ValueError: see `parse_mesh` and `check_mesh`.
+  """
+  if mesh is None:
+    return None
+  if isinstance(mesh, str):
+    ulysses, ring = parse_mesh(mesh)
+    check_mesh(ulysses, ring, heads=heads, device_count=jax.device_count())
+    return attention.make_mesh(ulysses=ulysses, ring=ring)
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be None, a jax.sharding.Mesh or a string like 'U=2,R=2'; got {type(mesh)=}")
+  ulysses, ring = mesh_degrees(mesh)
+  check_mesh(ulysses, ring, heads=heads, device_count=ulysses * ring)
+  return mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineIndex:
+  """What a diffusers Wan folder holds, read from its JSON files only (no weights).
+
+  Attributes:
+    folder: the pipeline folder.
+    transformer: config of `transformer/`.
+    has_transformer_2: `transformer_2/` is present and named in model_index.json.
+    boundary_ratio: Wan 2.2 expert switch (None for Wan 2.1).
+  """
+  folder: str
+  transformer: WanTransformerConfig
+  has_transformer_2: bool
+  boundary_ratio: float | None
+
+  @classmethod
+  def read(cls, folder: str) -> PipelineIndex:
+    """Reads model_index.json and transformer/config.json.
+
+    Raises:
+      checkpoint.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline, an
+        image/TI2V pipeline (`expand_timesteps`), `boundary_ratio` without `transformer_2/` or
+        outside (0, 1), a missing component folder.
+    """
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+      raise checkpoint.CheckpointError(
+          f"{folder!r} has no model_index.json; pass a diffusers-format Wan pipeline folder (holding "
+          "model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/)")
+    try:
+      with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    except json.JSONDecodeError as e:
+      raise checkpoint.CheckpointError(f"{path!r} is not valid JSON: {e}") from e
+    name = index.get("_class_name", "WanPipeline")
+    if name != "WanPipeline":
+      raise checkpoint.CheckpointError(f"{path!r}: {name=}; only text-to-video WanPipeline folders load")
+    if index.get("expand_timesteps"):
+      raise checkpoint.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
+    for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
+      if not os.path.isdir(os.path.join(folder, component)):
+        raise checkpoint.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
+    named_2 = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
+    has_2 = named_2 and os.path.isdir(os.path.join(folder, "transformer_2"))
+    boundary = index.get("boundary_ratio")
+    if boundary is not None:
+      if not 0 < float(boundary) < 1:
+        raise checkpoint.CheckpointError(f"{path!r}: boundary_ratio={boundary} must be in (0, 1)")
+      if not has_2:
+        raise checkpoint.CheckpointError(
+            f"{path!r} sets boundary_ratio={boundary} (Wan 2.2 two experts) but {folder!r} has no "
+            "transformer_2/ named in model_index.json; add the low-noise expert or drop boundary_ratio")
+      boundary = float(boundary)
+    config = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
+    return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  """What `WanPipeline.run` returns.
+
+  Attributes:
+    frames: float32 [B, frames, height, width, 3] in [0, 1].
+    timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
+      "denoise_per_step" (mean), "decode", "total".
+    settings: the resolved call (sizes after rounding, steps, guidance, shift, seed, mesh, dtype).
+  """
+  frames: np.ndarray
+  timings: dict[str, float]
+  settings: dict[str, Any]
+
+
+# --- the jitted denoise step -----------------------------------------------------------------------
+
+TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one trace per shape
+
+
+def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
+                  text: jax.Array, guidance: jax.Array, *, mesh: Mesh | None, cfg: bool):
+  """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
+
+  Args:
+    graphdef, params: `nnx.split` of a `WanTransformer` (static graph, array state).
+    latents: float32 [B, C, F, Hl, Wl] (donated).
+    solver: `UniPCState` or `FlowEulerState` (donated).
+    text: [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim].
+    guidance: float32 [] scale of this step's expert.
+    mesh: None or the (ring, ulysses) mesh (static).
+    cfg: classifier-free guidance on (static).
+
+  Returns:
+    (latents float32 [B, C, F, Hl, Wl], new solver state).
+  """
+  TRACE_COUNT["denoise_step"] += 1
+  model = nnx.merge(graphdef, params)
+  x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
+  if cfg:
+    x = jnp.concatenate([x, x], axis=0)
+  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  noise = forward(model, x, timestep, text, mesh=mesh)  # model dtype
+  if cfg:
+    cond, uncond = jnp.split(noise, 2, axis=0)
+    # torch: scalar * tensor computes in fp32 ("opmath") and rounds once to the tensor dtype.
+    mix = (guidance * (cond - uncond).astype(jnp.float32)).astype(noise.dtype)
+    noise = uncond + mix
+  new_latents, solver = solver.step(noise, latents)
+  # Euler returns the model dtype (as diffusers); fp32 holds those values exactly and keeps one
+  # signature for every step.
+  return new_latents.astype(latents.dtype), solver
+
+
+# Compiled steps by (graph, mesh, cfg, abstract arguments): pipelines with the same architecture
+# (both experts of Wan 2.2, or two loads of one folder) share one executable per shape.
+_COMPILED_STEPS: dict[Any, Any] = {}
+_denoise_step_jit = jax.jit(_denoise_step, static_argnums=0, static_argnames=("mesh", "cfg"),
+                            donate_argnames=("latents", "solver"))
+
+
+@jax.jit
+def _masked_text(embeds: jax.Array, mask: jax.Array) -> jax.Array:
+  """[B, L, D] embeddings with rows past each prompt's true length zeroed (mask int [B, L])."""
+  return jnp.where(mask[..., None] > 0, embeds, jnp.zeros((), embeds.dtype))
+
+
+_encode_jit = jax.jit(umt5.encode, static_argnames="config")
+
+
+@jax.jit
+def _to_unit_range(video: jax.Array) -> jax.Array:
+  """[-1, 1] -> [0, 1] as diffusers' `VaeImageProcessor.denormalize`, in the video dtype, then fp32."""
+  return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
+
+
+class WanPipeline:
+  """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
+
+  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`).
+
+  Attributes:
+    transformer_config: config shared by both experts.
+    boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
+    scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
+    dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
+    name: where the weights came from (folder path or "tiny").
+  """
+
+  def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
+               transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
+               scheduler_config: schedulers.SchedulerConfig, boundary_ratio: float | None = None,
+               name: str = ""):
+    if len(transformers) not in (1, 2) or (len(transformers) == 2) != (boundary_ratio is not None):
+      raise ValueError(f"need one transformer, or two with a boundary_ratio; got {len(transformers)=} "
+                       f"{boundary_ratio=}")
+    configs = {t.config for t in transformers}
+    if len(configs) != 1:
+      raise ValueError(f"both experts must share one config, got {configs}")
+    self.transformer_config = transformers[0].config
+    self.text_encoder_config, self._text_params = text_encoder
+    if self.text_encoder_config.d_model != self.transformer_config.text_dim:
+      raise ValueError(f"text encoder d_model={self.text_encoder_config.d_model} != transformer "
+                       f"text_dim={self.transformer_config.text_dim}")
+    if vae.config.z_dim != self.transformer_config.in_channels:
+      raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer in_channels="
+                       f"{self.transformer_config.in_channels}")
+    self.tokenizer = tokenizer
+    self.vae = vae
+    self.scheduler_config = scheduler_config
+    self.boundary_ratio = boundary_ratio
+    self.name = name
+    self.dtype = transformers[0].dtype
+    split = [nnx.split(t) for t in transformers]
+    self._graphdef = split[0][0]
+    self._experts = [state for _, state in split]  # placed on the call's devices by `_place`
+    self._placement: Any = "unplaced"
+
+  # --- construction ---
+
+  @classmethod
+  def from_pretrained(cls, folder: str, dtype: str = "float32", vae_dtype: str = "float32") -> WanPipeline:
+    """Loads a diffusers-format Wan folder (safetensors only).
+
+    Args:
+      folder: holds model_index.json, transformer/ (+ transformer_2/ and `boundary_ratio` in
+        model_index.json for Wan 2.2 A14B), text_encoder/, tokenizer/, vae/, scheduler/.
+      dtype: "float32" or "bfloat16": transformer(s) and text encoder (diffusers' `torch_dtype`).
+      vae_dtype: the VAE's dtype; float32 by default as Wan's reference code and diffusers' Wan
+        examples run it.
+
+    Raises:
+      ValueError: an unknown dtype.
+      checkpoint.CheckpointError: see `PipelineIndex.read` and the component loaders.
+      tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
+    """
+    model_dtype, vae_dt = _dtype(dtype), _dtype(vae_dtype)
+    index = PipelineIndex.read(folder)
+    scheduler_config = schedulers.scheduler_config_from_dict(
+        _read_json(os.path.join(folder, "scheduler", "scheduler_config.json")))
+    names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
+    if index.has_transformer_2 and index.boundary_ratio is None:
+      warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
+                    "it is not loaded", stacklevel=2)
+    experts = [load_transformer(os.path.join(folder, n), model_dtype) for n in names]
+    text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype)
+    return cls(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder,
+               transformers=experts, vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt),
+               scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
+               name=os.path.abspath(folder))
+
+  @classmethod
+  def tiny(cls, dtype: str = "float32") -> WanPipeline:
+    """The embedded default: random weights from a fixed seed, ByT5 byte tokenizer (no files).
+
+    Transformer `TINY_TRANSFORMER` (8 heads x 16, 2 layers), UMT5 `umt5.PRESETS["tiny"]`, VAE
+    `vae.VAE_PRESETS["tiny"]` (fp32), UniPC with flow shift 3. Produces noise-like videos; it exists
+    so that every code path runs with no download.
+    """
+    model_dtype = _dtype(dtype)
+    te_config = umt5.PRESETS["tiny"]
+    return cls(
+        tokenizer=tokenization.default_tokenizer(),
+        text_encoder=(te_config, umt5.init_umt5_params(te_config, TINY_SEED, dtype=model_dtype)),
+        transformers=[init_transformer(TINY_TRANSFORMER, TINY_SEED, model_dtype)],
+        vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(TINY_SEED)),
+        scheduler_config=TINY_SCHEDULER, name="tiny")
+
+  # --- helpers ---
+
+  @property
+  def num_experts(self) -> int:
+    return len(self._experts)
+
+  def _place(self, mesh: Mesh | None) -> None:
+    """Puts the experts' weights on the call's devices (replicated over the mesh; DESIGN.md 2)."""
+    key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()))
+    if self._placement == key:
+      return
+    sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                else NamedSharding(mesh, P()))
+    self._experts = [jax.device_put(state, sharding) for state in self._experts]
+    self._placement = key
+
+  def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool):
+    """The compiled `_denoise_step` for these shapes, dtypes and shardings (compiled once each)."""
+    args = (params, latents, solver, text, guidance)
+    leaves, treedef = jax.tree.flatten(args)
+    key = (self._graphdef, mesh, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    if key not in _COMPILED_STEPS:
+      _COMPILED_STEPS[key] = _denoise_step_jit.lower(self._graphdef, *args, mesh=mesh, cfg=cfg).compile()
+    return _COMPILED_STEPS[key]
+
+  def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> jax.Array:
+    """Cleaned, tokenised and UMT5-encoded prompts, zero past each true length.
+
+    Returns:
+      [len(prompts), L, text_dim] in the model dtype (diffusers casts to the transformer dtype).
+    """
+    ids, mask = tokenization.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts],
+                                      max_sequence_length)
+    embeds = _encode_jit(self._text_params, jnp.asarray(ids), jnp.asarray(mask),
+                         config=self.text_encoder_config)
+    return _masked_text(embeds, jnp.asarray(mask)).astype(self.dtype)
+
+  def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+    """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
+    cfg = self.vae.config
+    return (batch, self.transformer_config.in_channels, (num_frames - 1) // cfg.temporal_factor + 1,
+            height // cfg.spatial_factor, width // cfg.spatial_factor)
+
+  def check_inputs(self, prompt, negative_prompt, *, height: int, width: int, num_frames: int,
+                   num_inference_steps: int, guidance_scale: float, guidance_scale_2: float | None,
+                   flow_shift: float | None, seed: int | None, latents, max_sequence_length: int,
+                   mesh) -> dict[str, Any]:
+    """Validates a call and resolves it (no compute); `__call__` documents the arguments.
+
+    Returns:
+      dict with prompts, negative_prompts (None without CFG), height, width, num_frames (rounded),
+      steps, guidance (g1, g2), cfg, scheduler config, seed, latents (None or float32 numpy),
+      max_sequence_length and mesh (None or a `Mesh`).
+
+    Raises:
+      ValueError: every bad argument, each message naming the value and the fix.
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+      raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+    check_size(height, width, self.vae.config.spatial_factor * self.transformer_config.patch_size[1])
+    num_frames = round_num_frames(num_frames, self.vae.config.temporal_factor)
+    if not isinstance(num_inference_steps, (int, np.integer)) or num_inference_steps < 1:
+      raise ValueError(f"{num_inference_steps=} must be a positive int")
+    if not isinstance(max_sequence_length, (int, np.integer)) or max_sequence_length < 1:
+      raise ValueError(f"{max_sequence_length=} must be a positive int (Wan uses 512)")
+    if guidance_scale_2 is not None and self.boundary_ratio is None:
+      raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
+                       "has one transformer: leave it None")
+    g1 = float(guidance_scale)
+    g2 = g1 if guidance_scale_2 is None else float(guidance_scale_2)
+    cfg = g1 > 1.0
+    negatives = None
+    if cfg:
+      negative_prompt = "" if negative_prompt is None else negative_prompt
+      negatives = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
+      if len(negatives) != len(prompts) or not all(isinstance(n, str) for n in negatives):
+        raise ValueError(f"negative_prompt must be a str or a list of {len(prompts)} str (one per "
+                         f"prompt), got {negative_prompt!r}")
+    scheduler_config = self.scheduler_config
+    if flow_shift is not None:
+      field = "flow_shift" if isinstance(scheduler_config, schedulers.UniPCConfig) else "shift"
+      scheduler_config = dataclasses.replace(scheduler_config, **{field: float(flow_shift)})
+    shape = self.latent_shape(len(prompts), height, width, num_frames)
+    if latents is not None:
+      if seed is not None:
+        raise ValueError(f"give either seed ({seed=}) or latents, not both")
+      latents = np.asarray(latents, np.float32)
+      if latents.shape != shape:
+        raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for "
+                         f"{len(prompts)} prompt(s), {num_frames} frames at {height}x{width}")
+    elif seed is None:
+      seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+    elif not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise ValueError(f"{seed=} must be a non-negative int")
+    mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
+    return dict(prompts=prompts, negative_prompts=negatives, height=int(height), width=int(width),
+                num_frames=num_frames, steps=int(num_inference_steps), guidance=(g1, g2), cfg=cfg,
+                scheduler=scheduler_config, seed=None if latents is not None else int(seed),
+                latents=latents, latent_shape=shape, max_sequence_length=int(max_sequence_length),
+                mesh=mesh)
+
+  # --- the call ---
+
+  def __call__(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] | None = None,
+               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int = 50,
+               guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
+               max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
+               guidance_scale_2: float | None = None, flow_shift: float | None = None,
+               progress: bool = False) -> np.ndarray:
+    """Generates videos; diffusers `WanPipeline.__call__(..., output_type="np").frames`.
+
+    Args:
+      prompt: one prompt or a list (B videos).
+      negative_prompt: str or list of B str; default "" (used only with guidance_scale > 1).
+      height, width: multiples of 16.
+      num_frames: 4k + 1 (otherwise rounded down with a warning, as diffusers does).
+      num_inference_steps: scheduler steps.
+      guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns
+        the unconditional pass off.
+      seed: noise seed (video i uses seed + i); None draws one (reported in `run(...).settings`).
+      latents: explicit float32 noise [B, C, F, Hl, Wl] (diffusers' `latents`) instead of a seed.
+      max_sequence_length: L, text tokens (prompts truncated / zero-padded to it).
+      mesh: None (one device), a (ring, ulysses) `Mesh`, or a spec such as "U=2,R=2".
+      guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
+      flow_shift: overrides the scheduler config's shift.
+      progress: show a tqdm bar over the denoising steps.
+
+    Returns:
+      float32 numpy [B, frames, height, width, 3] in [0, 1].
+
+    Raises:
+      ValueError: see `check_inputs` (raised before any compute).
+    """
+    return self.run(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
+                    guidance_scale, seed, latents, max_sequence_length, mesh,
+                    guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, progress=progress).frames
+
+  def run(self, prompt, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
+          num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
+          latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
+          guidance_scale_2: float | None = None, flow_shift: float | None = None,
+          progress: bool = False, on_step: Callable[[int, float], None] | None = None) -> GenerationResult:
+    """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
+
+    `on_step(k, seconds)` is called after each denoising step.
+    """
+    s = self.check_inputs(prompt, negative_prompt, height=height, width=width, num_frames=num_frames,
+                          num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                          guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, seed=seed,
+                          latents=latents, max_sequence_length=max_sequence_length, mesh=mesh)
+    mesh = s["mesh"]
+    timings: dict[str, float] = {}
+    start_all = time.perf_counter()
+
+    start = time.perf_counter()
+    texts = s["prompts"] + (s["negative_prompts"] or [])
+    text = jax.block_until_ready(self.encode_prompts(texts, s["max_sequence_length"]))
+    timings["text_encode"] = time.perf_counter() - start
+
+    latents = s["latents"]
+    if latents is None:
+      latents = np.concatenate([np.random.default_rng(s["seed"] + i).standard_normal((1, *s["latent_shape"][1:]),
+                                                                                      np.float32)
+                                for i in range(len(s["prompts"]))])
+    schedule = s["scheduler"].set_timesteps(s["steps"])
+    solver = schedule.init_state(latents.shape, jnp.float32)
+    self._place(mesh)
+    replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                  else NamedSharding(mesh, P()))
+    latents, solver, text = jax.device_put((latents, solver, text), replicated)
+
+    boundary = (None if self.boundary_ratio is None
+                else self.boundary_ratio * s["scheduler"].num_train_timesteps)
+    experts = [0 if boundary is None or t >= boundary else 1 for t in schedule.timesteps]
+    guidance = [jax.device_put(jnp.float32(s["guidance"][e]), replicated) for e in experts]
+
+    start = time.perf_counter()
+    step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], mesh=mesh,
+                               cfg=s["cfg"])
+    timings["compile"] = time.perf_counter() - start
+
+    step_times = []
+    bar = None
+    if progress:
+      from tqdm.auto import tqdm
+      bar = tqdm(total=s["steps"], desc="denoise", unit="step")
+    for k, expert in enumerate(experts):
+      start = time.perf_counter()
+      latents, solver = step(self._experts[expert], latents, solver, text, guidance[k])
+      jax.block_until_ready(latents)
+      step_times.append(time.perf_counter() - start)
+      if bar is not None:
+        bar.update(1)
+      if on_step is not None:
+        on_step(k, step_times[-1])
+    if bar is not None:
+      bar.close()
+    timings["denoise"] = float(sum(step_times))
+    timings["denoise_per_step"] = float(np.mean(step_times))
+
+    start = time.perf_counter()
+    frames = self.decode(np.asarray(latents))
+    timings["decode"] = time.perf_counter() - start
+    timings["total"] = time.perf_counter() - start_all
+    settings = {k: s[k] for k in ("height", "width", "num_frames", "steps", "cfg", "seed",
+                                  "max_sequence_length")}
+    settings.update(
+        prompts=s["prompts"], negative_prompts=s["negative_prompts"], guidance_scale=s["guidance"][0],
+        guidance_scale_2=s["guidance"][1] if self.boundary_ratio is not None else None,
+        scheduler=dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
+        experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
+        mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
+        explicit_latents=s["latents"] is not None)
+    return GenerationResult(frames=frames, timings=timings, settings=settings)
+
+  def decode(self, latents: np.ndarray) -> np.ndarray:
+    """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1]."""
+    z = wan_vae.denormalize_latents(self.vae.config, jnp.asarray(latents).astype(self.vae.dtype))
+    video = wan_vae.decode(self.vae, z, video_layout="BFHWC")
+    return np.asarray(_to_unit_range(video))
+
+
+def _dtype(name: str) -> jnp.dtype:
+  if name not in DTYPES:
+    raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  if not os.path.isfile(path):
+    raise checkpoint.CheckpointError(f"{path!r} is missing; the scheduler/ folder needs scheduler_config.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise checkpoint.CheckpointError(f"{path!r} is not valid JSON: {e}") from e
