@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -89,9 +90,12 @@ def _write_mp4(frames: np.ndarray, path: str, fps: float) -> None:
   _, height, width, _ = frames.shape
   # yuv420p (what players expect) needs even sizes; Wan sizes are multiples of 16.
   writer = imageio_ffmpeg.write_frames(path, (width, height), fps=fps, codec="libx264",
-                                       pix_fmt_out="yuv420p", quality=8, macro_block_size=1,
-                                       output_params=["-f", "mp4"])
-  writer.send(None)
+                                       pix_fmt_out="yuv420p", quality=8, macro_block_size=1)
+  with warnings.catch_warnings():
+    # ffmpeg starts with fork + exec (subprocess), which is safe; Python's generic warning about
+    # forking a multithreaded (JAX) process does not apply.
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+    writer.send(None)
   for frame in frames:
     writer.send(np.ascontiguousarray(frame))
   writer.close()

@@ -1,0 +1,383 @@
+"""`generate`: a Wan text-to-video clip from the command line, sequence-parallel over a mesh.
+
+  generate --prompt "a red fox running through snow" --mesh U=2,R=2 --out fox.mp4
+  generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 \
+      --prompt "..." --out clip.mp4
+
+`--model tiny` (the default) is the embedded random-weight model: it needs no download and makes
+noise-like videos; a diffusers-format folder gives real videos. On the CPU backend a mesh needing
+more devices than are visible is simulated with that many CPU devices (XLA's
+--xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
+
+Every argument is checked before any model is loaded. Output (mp4 via imageio-ffmpeg, .gif, or a
+folder of PNG frames) and its JSON sidecar are written to a temporary name and renamed into place;
+an existing output is replaced only with --overwrite. Exit status 0 on success, 2 on a usage error.
+
+Also `python -m pipelines.generate ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+from typing import Any
+
+from pipelines import video_io
+
+_DEVICE_FLAG = "xla_force_host_platform_device_count"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """Published sampling defaults of a Wan release.
+
+  Attributes:
+    width, height: pixels.
+    frames: video frames (4k + 1).
+    steps: denoising steps.
+    shift: flow shift of the scheduler.
+    guidance: one CFG scale, or (high-noise, low-noise) for the two Wan 2.2 experts.
+    source: where the numbers come from.
+  """
+  width: int
+  height: int
+  frames: int
+  steps: int
+  shift: float
+  guidance: tuple[float, ...]
+  source: str
+
+  def __post_init__(self):
+    if len(self.guidance) not in (1, 2):
+      raise ValueError(f"{self.guidance=} needs one scale or two (high-noise, low-noise expert)")
+
+
+PRESETS: dict[str, Preset] = {
+    # diffusers Wan docs / Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler config (flow_shift 3.0 at 480p).
+    "wan2.1-t2v-1.3b": Preset(832, 480, 81, 50, 3.0, (5.0,), "diffusers WanPipeline docs (480p: shift 3.0)"),
+    # Wan2.1 generate.py defaults for t2v-14B (shift 5.0, guide scale 5.0, 50 steps) at 1280*720.
+    "wan2.1-t2v-14b": Preset(1280, 720, 81, 50, 5.0, (5.0,), "Wan2.1 generate.py; diffusers docs (720p: shift 5.0)"),
+    # Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, 40 steps, sample_guide_scale (3.0 low
+    # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
+    "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py"),
+    # The embedded random model: small enough for a laptop CPU (about a minute on 2 cores).
+    "tiny": Preset(256, 256, 17, 8, 3.0, (5.0,), "this project (smoke runs)"),
+}
+# A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
+FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
+
+
+class UsageError(ValueError):
+  """A command-line argument that cannot work; the message says what to do instead."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--prompt", required=True, help="what the video shows")
+  p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
+  p.add_argument("--model", default="tiny",
+                 help="a diffusers-format Wan folder, or 'tiny' (embedded random weights; default)")
+  p.add_argument("--preset", default=None,
+                 help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
+                      "diffusers' defaults for a folder)")
+  p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
+                                               "(Wan's 832*480 also accepted)")
+  p.add_argument("--frames", type=int, default=None, help="frames, 4k+1 (e.g. 81); others round down")
+  p.add_argument("--steps", type=int, default=None, help="denoising steps")
+  p.add_argument("--guidance", default=None,
+                 help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off")
+  p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
+  p.add_argument("--seed", type=int, default=None, help="noise seed (default: random, reported)")
+  p.add_argument("--mesh", default="U=1,R=1", help="sequence-parallel mesh, e.g. U=2,R=2 (also R=2,U=2, "
+                                                   "U=4): U Ulysses degree, R ring degree")
+  p.add_argument("--devices", type=int, default=None,
+                 help="simulate N CPU devices (must equal U*R of --mesh); automatic when the mesh needs it")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
+  p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (Wan: 512)")
+  p.add_argument("--out", default="output.mp4", help="*.mp4, *.gif, or a folder for PNG frames")
+  p.add_argument("--fps", type=float, default=16.0, help="frames per second of the output (Wan: 16)")
+  p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The validated request (everything that can be checked without JAX or weights)."""
+  prompt: str
+  negative_prompt: str
+  model: str
+  preset: str | None
+  width: int
+  height: int
+  frames: int
+  steps: int
+  guidance: tuple[float, ...]
+  shift: float | None
+  seed: int | None
+  ulysses: int
+  ring: int
+  devices: int | None
+  dtype: str
+  max_sequence_length: int
+  out: str
+  fps: float
+  overwrite: bool
+
+
+def parse_size(text: str) -> tuple[int, int]:
+  """"832x480" or "832*480" -> (width, height).
+
+  Raises:
+    UsageError: anything else.
+  """
+  match = re.fullmatch(r"\s*(\d+)\s*[x*X]\s*(\d+)\s*", text)
+  if match is None:
+    raise UsageError(f"--size {text!r} is malformed; write WIDTHxHEIGHT, e.g. 832x480 or 1280x720")
+  return int(match.group(1)), int(match.group(2))
+
+
+def parse_guidance(text: str) -> tuple[float, ...]:
+  """"5.0" -> (5.0,); "4.0,3.0" -> (4.0, 3.0).
+
+  Raises:
+    UsageError: not one or two numbers.
+  """
+  try:
+    values = tuple(float(v) for v in text.split(","))
+  except ValueError:
+    values = ()
+  if len(values) not in (1, 2):
+    raise UsageError(f"--guidance {text!r} must be one number (e.g. 5.0) or two, 'HIGH,LOW', for the "
+                     "two Wan 2.2 experts (e.g. 4.0,3.0)")
+  return values
+
+
+def plan_run(args: argparse.Namespace) -> Plan:
+  """Checks every argument that needs neither JAX nor weights.
+
+  Raises:
+    UsageError / ValueError: each bad argument, with what to do instead.
+  """
+  from pipelines.pipeline import check_size, parse_mesh, round_num_frames  # light: no compute
+
+  tiny = args.model == "tiny"
+  if not tiny and not os.path.isdir(args.model):
+    raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
+                     "(model_index.json, transformer/, ...) or 'tiny' for the embedded default")
+  preset_name = args.preset or ("tiny" if tiny else None)
+  if preset_name is not None and preset_name not in PRESETS:
+    raise UsageError(f"unknown --preset {preset_name!r}; use one of {', '.join(PRESETS)}")
+  preset = PRESETS[preset_name] if preset_name else FOLDER_DEFAULTS
+  width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  check_size(height, width)
+  frames = args.frames if args.frames is not None else preset.frames
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    frames = round_num_frames(frames)
+  for w in caught:
+    print(f"generate: warning: {w.message}", file=sys.stderr)
+  steps = args.steps if args.steps is not None else preset.steps
+  if steps < 1:
+    raise UsageError(f"--steps {steps} must be >= 1")
+  guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
+  shift = args.shift if args.shift is not None else (preset.shift if preset_name else None)
+  if shift is not None and not shift > 0:
+    raise UsageError(f"--shift {shift} must be > 0 (Wan: 3.0 at 480p, 5.0 at 720p, 12.0 for Wan 2.2)")
+  if args.seed is not None and args.seed < 0:
+    raise UsageError(f"--seed {args.seed} must be >= 0")
+  if args.max_sequence_length < 1:
+    raise UsageError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (Wan: 512)")
+  if not args.fps > 0:
+    raise UsageError(f"--fps {args.fps} must be > 0 (Wan: 16)")
+  try:
+    ulysses, ring = parse_mesh(args.mesh)
+  except ValueError as e:
+    raise UsageError(f"--mesh: {e}") from e
+  if args.devices is not None:
+    if args.devices < 1:
+      raise UsageError(f"--devices {args.devices} must be >= 1")
+    if args.devices != ulysses * ring:
+      raise UsageError(f"--devices {args.devices} does not match --mesh U={ulysses},R={ring} "
+                       f"({ulysses * ring} devices); pass --devices {ulysses * ring} or a mesh with "
+                       f"U*R = {args.devices}")
+  video_io.check_output(args.out, overwrite=args.overwrite)
+  return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
+              preset=preset_name, width=width, height=height, frames=frames, steps=steps,
+              guidance=guidance, shift=shift, seed=args.seed, ulysses=ulysses, ring=ring,
+              devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
+              max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
+              overwrite=args.overwrite)
+
+
+def _request_cpu_devices(plan: Plan) -> int | None:
+  """Asks XLA for U*R (or --devices) CPU devices; returns the count asked for, None if not needed.
+
+  Only takes effect if the JAX backend has not started yet (hence before any compute); a count the
+  user already put in XLA_FLAGS is respected.
+  """
+  wanted = plan.devices or plan.ulysses * plan.ring
+  flags = os.environ.get("XLA_FLAGS", "")
+  match = re.search(rf"--{_DEVICE_FLAG}=(\d+)", flags)
+  if match is not None:
+    if plan.devices is not None and int(match.group(1)) != plan.devices:
+      raise UsageError(f"XLA_FLAGS already sets --{_DEVICE_FLAG}={match.group(1)} but --devices "
+                       f"{plan.devices} was given; drop one of them")
+    return None
+  if wanted <= 1:
+    return None
+  os.environ["XLA_FLAGS"] = f"{flags} --{_DEVICE_FLAG}={wanted}".strip()
+  return wanted
+
+
+def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
+  """Checks the mesh against the visible devices and the model; returns a note for the summary.
+
+  Raises:
+    UsageError: --devices on an accelerator backend, a device count JAX did not honour, a mesh
+      larger than the devices, heads not divisible by U.
+  """
+  import jax
+  from pipelines.pipeline import check_mesh
+
+  backend, count = jax.default_backend(), jax.device_count()
+  if plan.devices is not None:
+    if backend != "cpu":
+      raise UsageError(f"--devices simulates CPU devices, but JAX runs on {backend} with {count} devices; "
+                       "drop --devices (or set JAX_PLATFORMS=cpu to simulate on the CPU)")
+    if count != plan.devices:
+      raise UsageError(f"--devices {plan.devices} asked for {plan.devices} CPU devices but JAX sees {count} "
+                       "(its backend started before generate could set XLA_FLAGS); run generate in a "
+                       f"fresh process or set XLA_FLAGS=--{_DEVICE_FLAG}={plan.devices}")
+  try:
+    check_mesh(plan.ulysses, plan.ring, heads=heads, device_count=count)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+  used = plan.ulysses * plan.ring
+  if backend == "cpu" and requested is not None and count == requested:
+    note = f"simulating {count} CPU devices for the mesh (--{_DEVICE_FLAG}={count})"
+  else:
+    note = f"{count} {backend} device(s)"
+  if used < count:
+    note += f"; the mesh uses the first {used}"
+  return note
+
+
+def _model_heads_and_experts(plan: Plan) -> tuple[int, int]:
+  """(N, number of experts) from the JSON files only."""
+  from pipelines.pipeline import TINY_TRANSFORMER, PipelineIndex
+
+  if plan.model == "tiny":
+    return TINY_TRANSFORMER.num_attention_heads, 1
+  index = PipelineIndex.read(plan.model)
+  return index.transformer.num_attention_heads, 2 if index.boundary_ratio is not None else 1
+
+
+def _versions() -> dict[str, str]:
+  from importlib import metadata
+  out = {"python": platform.python_version()}
+  for name in ("wan-usp-jax", "jax", "jaxlib", "flax", "numpy", "imageio-ffmpeg", "transformers"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = "not installed"
+  return out
+
+
+def _fmt(seconds: float) -> str:
+  return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """A plan that passed the checks needing JAX (devices, model config)."""
+  plan: Plan
+  device_note: str
+
+
+def check_plan(plan: Plan) -> Checked:
+  """The checks that need JAX's device list or the model's JSON files (still no weights, no compute).
+
+  Raises:
+    UsageError: see `_check_devices`, and two guidance scales for a one-expert model.
+    checkpoint.CheckpointError: a folder that is not a Wan pipeline.
+  """
+  requested = _request_cpu_devices(plan)
+  heads, experts = _model_heads_and_experts(plan)
+  device_note = _check_devices(plan, requested, heads)
+  if len(plan.guidance) == 2 and experts == 1:
+    raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
+                     f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
+  return Checked(plan, device_note)
+
+
+def run(checked: Checked) -> dict[str, Any]:
+  """Loads the model, generates, writes the video and its sidecar; returns the sidecar dict."""
+  import attention
+  from pipelines.pipeline import WanPipeline
+
+  plan = checked.plan
+  start = time.perf_counter()
+  pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
+          else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
+  load_s = time.perf_counter() - start
+  mesh = None
+  if plan.ulysses * plan.ring > 1:
+    mesh = attention.make_mesh(ulysses=plan.ulysses, ring=plan.ring)
+  mesh_text = f"U={plan.ulysses},R={plan.ring}"
+  print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
+        file=sys.stderr)
+
+  result = pipe.run(plan.prompt, plan.negative_prompt, height=plan.height, width=plan.width,
+                    num_frames=plan.frames, num_inference_steps=plan.steps,
+                    guidance_scale=plan.guidance[0],
+                    guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None,
+                    flow_shift=plan.shift, seed=plan.seed, max_sequence_length=plan.max_sequence_length,
+                    mesh=mesh, progress=True)
+  start = time.perf_counter()
+  out = video_io.write_video(result.frames[0], plan.out, fps=plan.fps, overwrite=plan.overwrite)
+  timings = {"load": load_s, **result.timings, "write": time.perf_counter() - start}
+  frames, height, width = result.frames.shape[1:4]
+  sidecar = {
+      "output": os.path.abspath(out), "prompt": plan.prompt, "negative_prompt": plan.negative_prompt,
+      "seed": result.settings["seed"], "model": pipe.name, "preset": plan.preset,
+      "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note},
+      "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
+      "settings": result.settings, "timings_s": timings, "versions": _versions(),
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  video_io.write_json(sidecar, video_io.sidecar_path(plan.out), overwrite=plan.overwrite)
+  print(f"generate: wrote {out} ({frames} frames {width}x{height} @ {plan.fps:g} fps, seed "
+        f"{result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
+        f"{_fmt(timings['text_encode'])}, compile {_fmt(timings['compile'])}, denoise "
+        f"{_fmt(timings['denoise_per_step'])}/step x {plan.steps}, decode {_fmt(timings['decode'])}, "
+        f"total {_fmt(timings['total'] + load_s + timings['write'])}")
+  return sidecar
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Console entry point; returns the exit status (0 ok, 2 usage error, before any compute)."""
+  args = build_parser().parse_args(argv)
+  try:
+    checked = check_plan(plan_run(args))
+  except ValueError as e:  # UsageError, OutputError, CheckpointError, the pipeline's checks
+    print(f"generate: error: {e}", file=sys.stderr)
+    return 2
+  try:
+    run(checked)
+  except video_io.OutputError as e:  # the output appeared while generating
+    print(f"generate: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
