@@ -259,51 +259,55 @@ class WanBlock(nnx.Module):
     self.ffn = FeedForward(params["ffn"])
     self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
 
-  def __call__(self, x: jax.Array, text: jax.Array, time_proj: jax.Array, rope: tuple[jax.Array, jax.Array],
-               *, config: WanTransformerConfig, layout: SequenceLayout) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, text_BLD: jax.Array, time_proj_B6D: jax.Array,
+               rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
+               layout: SequenceLayout) -> jax.Array:
     """One block.
 
     Args:
-      x: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
-      text: [B, L, D] projected text states (replicated).
-      time_proj: [B, 6, D] timestep projection in the model dtype.
+      x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
+      text_BLD: [B, L, D] projected text states (replicated).
+      time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
 
     Returns:
-      [B, T, D] in x.dtype.
+      [B, T, D] in x's dtype.
     """
-    dtype, eps, heads = x.dtype, config.eps, config.num_attention_heads
-    b, t, d = x.shape
+    dtype, eps, heads = x_BTD.dtype, config.eps, config.num_attention_heads
+    b, t, d = x_BTD.shape
     head_dim = d // heads
-    mod = self.scale_shift_table[...][None] + time_proj.astype(jnp.float32)  # fp32 [B, 6, D]
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = jnp.split(mod, 6, axis=1)
+    f32 = jnp.float32
+    mod_B6D = self.scale_shift_table[...][None] + time_proj_B6D.astype(f32)  # fp32
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = jnp.split(mod_B6D, 6, axis=1)
 
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
-    h = producers.layernorm_adaln(x, scale_msa, shift_msa, eps=eps)
+    h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
     a = self.attn1
-    q = producers.rmsnorm_rope(a.to_q(h), a.norm_q[...], *rope, num_heads=heads, eps=eps)
-    k = producers.rmsnorm_rope(a.to_k(h), a.norm_k[...], *rope, num_heads=heads, eps=eps)
-    v = a.to_v(h).reshape(b, t, heads, head_dim)
-    o = layout.self_attention(q, k, v).reshape(b, t, d)  # [B, T, D]
-    x = (x.astype(jnp.float32) + a.to_out(o).astype(jnp.float32) * gate_msa).astype(dtype)
-    x = layout.constrain(x)
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *rope, num_heads=heads, eps=eps)
+    k_BTNH = producers.rmsnorm_rope(a.to_k(h_BTD), a.norm_k[...], *rope, num_heads=heads, eps=eps)
+    v_BTNH = a.to_v(h_BTD).reshape(b, t, heads, head_dim)
+    o_BTD = layout.self_attention(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
+    x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
+    x_BTD = layout.constrain(x_BTD)
 
-    # 2. Cross-attention: affine LayerNorm (fp32), text K/V replicated, plain residual.
-    h = x if self.norm2 is None else self.norm2(x, eps=eps).astype(dtype)
+    # 2. Cross-attention: affine LayerNorm (fp32), q/k RMSNorm (no RoPE), text K/V replicated,
+    #    plain residual in the model dtype.
+    h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps).astype(dtype)
     a = self.attn2
-    q_rope = _identity_rope(t, head_dim)
-    k_rope = _identity_rope(text.shape[1], head_dim)
-    q = producers.rmsnorm_rope(a.to_q(h), a.norm_q[...], *q_rope, num_heads=heads, eps=eps)
-    k = producers.rmsnorm_rope(a.to_k(text), a.norm_k[...], *k_rope, num_heads=heads, eps=eps)
-    v = a.to_v(text).reshape(b, -1, heads, head_dim)
-    o = layout.cross_attention(q, k, v).reshape(b, t, d)
-    x = layout.constrain(x + a.to_out(o))
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *_identity_rope(t, head_dim),
+                                    num_heads=heads, eps=eps)
+    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...],
+                                    *_identity_rope(text_BLD.shape[1], head_dim),
+                                    num_heads=heads, eps=eps)
+    v_BLNH = a.to_v(text_BLD).reshape(b, -1, heads, head_dim)
+    o_BTD = layout.cross_attention(q_BTNH, k_BLNH, v_BLNH).reshape(b, t, d)
+    x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
 
     # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
-    h = producers.layernorm_adaln(x, c_scale_msa, c_shift_msa, eps=eps)
-    f = self.ffn(h)
-    x = (x.astype(jnp.float32) + f.astype(jnp.float32) * c_gate_msa).astype(dtype)
-    return layout.constrain(x)
+    h_BTD = producers.layernorm_adaln(x_BTD, c_scale_msa, c_shift_msa, eps=eps)
+    f_BTD = self.ffn(h_BTD)
+    x_BTD = (x_BTD.astype(f32) + f_BTD.astype(f32) * c_gate_msa).astype(dtype)
+    return layout.constrain(x_BTD)
 
 
 class WanTransformer(nnx.Module):
@@ -379,25 +383,25 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   grid = (f // pt, h // ph, w // pw)
   layout = SequenceLayout(mesh, math.prod(grid))
 
-  x = model.patch_embedding(latents.astype(dtype))  # [B, T, D]
-  temb, time_proj, text = model.condition_embedder(
+  x_BTD = model.patch_embedding(latents.astype(dtype))
+  temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
       timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
-  x = layout.constrain(jnp.pad(x, ((0, 0), (0, layout.padding), (0, 0))))
+  x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
 
-  def body(x, block):
-    return block(x, text, time_proj, rope, config=config, layout=layout), None
+  def body(x_BTD, block):
+    return block(x_BTD, text_BLD, time_proj_B6D, rope, config=config, layout=layout), None
 
-  x, _ = jax.lax.scan(body, x, model.blocks)
+  x_BTD, _ = jax.lax.scan(body, x_BTD, model.blocks)
 
   # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
-  mod = model.scale_shift_table[...][None] + temb[:, None, :].astype(jnp.float32)  # [B, 2, D]
-  shift, scale = jnp.split(mod, 2, axis=1)
-  x = producers.layernorm_adaln(x, scale, shift, eps=config.eps)
-  x = model.proj_out(x)[:, : layout.tokens]  # [B, T, pt * ph * pw * C_out]
-  x = x.reshape(b, *grid, pt, ph, pw, config.out_channels)
+  mod_B2D = model.scale_shift_table[...][None] + temb_BD[:, None, :].astype(jnp.float32)
+  shift, scale = jnp.split(mod_B2D, 2, axis=1)
+  x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
+  x_BTP = model.proj_out(x_BTD)[:, : layout.tokens]  # P = pt * ph * pw * C_out
+  x = x_BTP.reshape(b, *grid, pt, ph, pw, config.out_channels)
   x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C_out, F/pt, pt, Hl/ph, ph, Wl/pw, pw]
   return x.reshape(b, config.out_channels, f, h, w)
 
