@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from attention import fixed_m as fm
 from attention.masks import validate_qkv
+from attention.padding import pad_axis, round_up
 
 Mode = Literal["lse", "fixed_m"]
 IMPLEMENTATIONS = ("auto", "fixed_m", "lse")
@@ -224,19 +225,6 @@ def scale_queries(q_BTNH: jax.Array, scale: float) -> jax.Array:
   return (q_BTNH.astype(jnp.float32) * (scale * fm.LOG2E)).astype(q_BTNH.dtype)
 
 
-def _pad_axis(x, axis, size):
-  pad = size - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
-
-
-def _round_up(n, m):
-  return -(-n // m) * m
-
-
 def local_attention(
     q: jax.Array,
     k: jax.Array,
@@ -298,12 +286,12 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   q_scaled = q if q_prescaled else scale_queries(q, scale)
   bq = min(block_sizes.block_q, T)
   bk = min(block_sizes.block_kv, S)
-  T_pad, S_pad = _round_up(T, bq), _round_up(S, bk)
+  T_pad, S_pad = round_up(T, bq), round_up(S, bk)
   sizes = BlockSizes(bq, bk)
 
-  q_BKGTH = _pad_axis(q_scaled.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
-  k_BKSH = _pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
-  v_BKSH = _pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
+  q_BKGTH = pad_axis(q_scaled.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
+  k_BKSH = pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
+  v_BKSH = pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
   q_pos = jnp.arange(T_pad, dtype=jnp.int32)
   kv_pos = jnp.where(jnp.arange(S_pad) < S, jnp.arange(S_pad), PAD_POSITION).astype(jnp.int32)
   kv_limit = None

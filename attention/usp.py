@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from attention import blockwise as bw
 from attention import fixed_m as fm
 from attention.masks import validate_qkv
+from attention.padding import pad_axis, round_up
 from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, mesh_degrees
 
 _SEQ = P(None, SEQUENCE_AXES)
@@ -53,19 +54,6 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> N
     raise ValueError(
         f"kv heads K={num_kv_heads} and U={ulysses}: need K % U == 0 or U % K == 0 (kv heads are "
         f"repeated U/K times in grouped order); with {ulysses * ring} devices use one of (U, R) = {ok}")
-
-
-def _round_up(n, m):
-  return -(-n // m) * m
-
-
-def _pad_to(x, axis, size, value=0):
-  pad = size - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def _split_heads_for_a2a(x, U):
@@ -134,8 +122,8 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
   D = U * R
   if K < U:  # grouped order: rank u gets kv head u // (U // K), next to its query heads
     k, v = jnp.repeat(k, U // K, axis=2), jnp.repeat(v, U // K, axis=2)
-  T_pad, S_pad = _round_up(T, D), _round_up(S, D)
-  q, k, v = _pad_to(q, 1, T_pad), _pad_to(k, 1, S_pad), _pad_to(v, 1, S_pad)
+  T_pad, S_pad = round_up(T, D), round_up(S, D)
+  q, k, v = pad_axis(q, 1, T_pad), pad_axis(k, 1, S_pad), pad_axis(v, 1, S_pad)
   if kv_valid_len is None:
     limit = jnp.full((B,), S, jnp.int32)
   else:
@@ -192,11 +180,11 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
   G = hq // hk
 
   bq, bk = min(block_sizes.block_q, Tg), min(block_sizes.block_kv, Sg)
-  Tg_pad, Sg_pad = _round_up(Tg, bq), _round_up(Sg, bk)
+  Tg_pad, Sg_pad = round_up(Tg, bq), round_up(Sg, bk)
   sizes = bw.BlockSizes(bq, bk)
-  q_BKGTH = _pad_to(qg.reshape(B, Tg, hk, G, H).transpose(0, 2, 3, 1, 4), 3, Tg_pad)
-  kbuf = jnp.stack([_pad_to(kg.transpose(0, 2, 1, 3), 2, Sg_pad),
-                    _pad_to(vg.transpose(0, 2, 1, 3), 2, Sg_pad)])  # packed K/V [2, B, hk, Sg, H]
+  q_BKGTH = pad_axis(qg.reshape(B, Tg, hk, G, H).transpose(0, 2, 3, 1, 4), 3, Tg_pad)
+  kbuf = jnp.stack([pad_axis(kg.transpose(0, 2, 1, 3), 2, Sg_pad),
+                    pad_axis(vg.transpose(0, 2, 1, 3), 2, Sg_pad)])  # packed K/V [2, B, hk, Sg, H]
   q_pos = r * Tg + jnp.arange(Tg_pad, dtype=jnp.int32)
   kv_limit = limit if masked else None
 
@@ -269,16 +257,16 @@ def cross_attention(
   """
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
   U, R = mesh_degrees(mesh)
-  T_pad = _round_up(T, U * R)
+  T_pad = round_up(T, U * R)
   local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
                             block_sizes=block_sizes)
   if kv_valid_len is None:
     fn = lambda q, k, v: local(q, k, v)
-    args = (_pad_to(q, 1, T_pad), k, v)
+    args = (pad_axis(q, 1, T_pad), k, v)
     specs = (_SEQ, P(), P())
   else:
     fn = lambda q, k, v, vl: local(q, k, v, kv_valid_len=vl)
-    args = (_pad_to(q, 1, T_pad), k, v, kv_valid_len)
+    args = (pad_axis(q, 1, T_pad), k, v, kv_valid_len)
     specs = (_SEQ, P(), P(), P())
   out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=_SEQ, check_vma=False)(*args)
   return out[:, :T]

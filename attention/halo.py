@@ -1,0 +1,208 @@
+"""Sliding-window attention with halo exchange, and the per-layer strategy switch.
+
+For a layer whose query i sees only keys with |i - j| <= w (or i - w <= j <= i, causal), a
+sequence shard needs just w neighbouring keys from each side (DESIGN.md section 5). Each device
+sends the tail (head) of its K/V to the next (previous) devices with `ppermute`, so a layer moves
+O(w) tokens per device instead of all-gathering the whole sequence. A window wider than a shard
+takes ceil(w / shard) hops, each one more `ppermute`.
+
+Tokens are sharded over (ring, ulysses) jointly, ring-major: device (r, u) holds chunk r * U + u.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from attention import blockwise as bw
+from attention.masks import validate_qkv
+from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, mesh_degrees
+from attention.padding import pad_axis, round_up
+from attention.usp import usp_attention
+
+Strategy = Literal["usp", "halo", "all_gather"]
+STRATEGIES = ("usp", "halo", "all_gather")
+_SEQ = P(None, SEQUENCE_AXES)
+
+
+def _check_window_inputs(q, k, v, kv_valid_len, window):
+  validate_qkv(q, k, v, kv_valid_len=kv_valid_len, window=window)
+  if window is None:
+    raise ValueError("window attention needs an int window >= 0, got window=None (use usp_attention)")
+  if q.shape[1] != k.shape[1]:
+    raise ValueError(f"window attention is self-attention: need T == S, got q.shape={q.shape} k.shape={k.shape}")
+
+
+def halo_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    window: int,
+    causal: bool = False,
+    kv_valid_len: jax.Array | None = None,
+    scale: float | None = None,
+    block_sizes: bw.BlockSizes | None = None,
+) -> jax.Array:
+  """Exact sliding-window attention with only the window's K/V exchanged between neighbours.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, T, K, H] (self-attention, N % K == 0).
+    mesh: the (ring, ulysses) mesh; the sequence is split over all U * R devices.
+    window: w >= 0: query i sees key j when |i - j| <= w (i - w <= j <= i with `causal`). Any w
+      works; w wider than a shard costs ceil(w / shard) hops per direction.
+    causal, kv_valid_len, scale, block_sizes: as in `local_attention`.
+
+  Returns:
+    [B, T, N, H] in q's dtype, sharded over the sequence. Per call: ceil(w / shard) (causal) or
+    2 * ceil(w / shard) collective-permutes of at most w tokens each, nothing else. The LSE path
+    is used (a window's rows see keys far below any global fixed-m bound).
+
+  Raises:
+    ValueError: as `local_attention`, window None, or T != S.
+  """
+  _check_window_inputs(q, k, v, kv_valid_len, window)
+  B, T, N, H = q.shape
+  U, R = mesh_degrees(mesh)
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  block_sizes = bw.BlockSizes.get_default() if block_sizes is None else block_sizes
+  return _halo(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
+               scale=scale, block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes"))
+def _halo(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes):
+  B, T, N, H = q.shape
+  U, R = mesh_degrees(mesh)
+  D = U * R
+  T_pad = round_up(T, D)
+  q, k, v = (pad_axis(x, 1, T_pad) for x in (q, k, v))
+  limit = jnp.full((B,), T, jnp.int32) if kv_valid_len is None else jnp.minimum(kv_valid_len, T).astype(jnp.int32)
+  body = functools.partial(_halo_body, U=U, R=R, window=window, causal=causal, scale=scale,
+                           block_sizes=block_sizes)
+  out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
+                      check_vma=False)(q, k, v, limit)
+  return out[:, :T]
+
+
+def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
+  B, Tl, N, H = q.shape
+  K = k.shape[2]
+  D = U * R
+  r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
+  u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
+  chunk = r * U + u
+  kv = jnp.stack([k, v])  # packed [2, B, Tl, K, H]: one permute per hop moves both
+  own_pos = chunk * Tl + jnp.arange(Tl)
+  pieces, positions = [kv], [own_pos]
+  hops = min(-(-window // Tl), D - 1) if window > 0 else 0
+  for h in range(1, hops + 1):
+    n = min(Tl, window - (h - 1) * Tl)
+    # From chunk - h: its last n rows (keys just before mine).
+    tail = jax.lax.ppermute(kv[:, :, Tl - n:], SEQUENCE_AXES, [(j, j + h) for j in range(D - h)])
+    src = chunk - h
+    pos = jnp.where(src >= 0, src * Tl + Tl - n + jnp.arange(n), bw.PAD_POSITION)
+    pieces.insert(0, tail)
+    positions.insert(0, pos)
+    if not causal:  # from chunk + h: its first n rows
+      head = jax.lax.ppermute(kv[:, :, :n], SEQUENCE_AXES, [(j + h, j) for j in range(D - h)])
+      src = chunk + h
+      pieces.append(head)
+      positions.append(jnp.where(src < D, src * Tl + jnp.arange(n), bw.PAD_POSITION))
+  kv = jnp.concatenate(pieces, axis=2)
+  kv_pos = jnp.concatenate(positions).astype(jnp.int32)
+  return _attend_positions(q, kv[0], kv[1], own_pos, kv_pos, limit, window=window, causal=causal,
+                           scale=scale, block_sizes=block_sizes)
+
+
+def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, block_sizes):
+  """LSE attention of q [B, T, N, H] to k/v [B, S, K, H] at explicit global positions."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  bq, bk = min(block_sizes.block_q, T), min(block_sizes.block_kv, S)
+  T_pad, S_pad = round_up(T, bq), round_up(S, bk)
+  qs = bw.scale_queries(q, scale)
+  q_BKGTH = pad_axis(qs.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
+  k_BKSH = pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
+  v_BKSH = pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
+  q_pos = pad_axis(q_pos.astype(jnp.int32), 0, T_pad)
+  kv_pos = pad_axis(kv_pos, 0, S_pad, value=bw.PAD_POSITION)
+  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", q_pos=q_pos,
+                    kv_pos=kv_pos, kv_limit=limit, window=window, causal=causal,
+                    block_sizes=bw.BlockSizes(bq, bk))
+  out = bw.finish(carry)[:, :, :, :T]
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
+
+
+def all_gather_window_attention(q, k, v, *, mesh, window, causal=False, kv_valid_len=None,
+                                scale=None, block_sizes=None):
+  """Sliding-window attention that all-gathers K/V over the mesh (the simple, O(T) baseline).
+
+  Same arguments and result as `halo_attention`; one all-gather of the packed K/V per call.
+  """
+  _check_window_inputs(q, k, v, kv_valid_len, window)
+  B, T, N, H = q.shape
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  block_sizes = bw.BlockSizes.get_default() if block_sizes is None else block_sizes
+  return _gathered(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
+                   scale=scale, block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes"))
+def _gathered(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes):
+  B, T, N, H = q.shape
+  U, R = mesh_degrees(mesh)
+  T_pad = round_up(T, U * R)
+  q, k, v = (pad_axis(x, 1, T_pad) for x in (q, k, v))
+  limit = jnp.full((B,), T, jnp.int32) if kv_valid_len is None else jnp.minimum(kv_valid_len, T).astype(jnp.int32)
+
+  def body(q, k, v, limit):
+    Tl = q.shape[1]
+    r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
+    u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
+    kv = jax.lax.all_gather(jnp.stack([k, v]), SEQUENCE_AXES, axis=2, tiled=True) if U * R > 1 else jnp.stack([k, v])
+    q_pos = (r * U + u) * Tl + jnp.arange(Tl)
+    return _attend_positions(q, kv[0], kv[1], q_pos, jnp.arange(kv.shape[2], dtype=jnp.int32), limit,
+                             window=window, causal=causal, scale=scale, block_sizes=block_sizes)
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
+                      check_vma=False)(q, k, v, limit)
+  return out[:, :T]
+
+
+def sequence_parallel_attention(
+    q, k, v, *, mesh, window: int | None = None, causal: bool = False, kv_valid_len=None,
+    strategy: Strategy | None = None, implementation: str = "auto", scale=None, block_sizes=None):
+  """Per-layer strategy switch: global layers use USP, sliding-window layers halo or all-gather.
+
+  Args:
+    strategy: None picks "usp" for a global layer (window None) and "halo" for a windowed one;
+      "usp" needs window None and not causal; "halo" / "all_gather" need a window.
+    Other arguments: as in `usp_attention` / `halo_attention`.
+
+  Raises:
+    ValueError: an unknown strategy or one that does not fit the layer.
+  """
+  if strategy is None:
+    strategy = "usp" if window is None else "halo"
+  match strategy:
+    case "usp":
+      if window is not None or causal:
+        raise ValueError(f"strategy 'usp' is for global (non-windowed, non-causal) layers, got {window=} {causal=}")
+      return usp_attention(q, k, v, mesh=mesh, kv_valid_len=kv_valid_len,
+                           implementation=implementation, scale=scale, block_sizes=block_sizes)
+    case "halo":
+      return halo_attention(q, k, v, mesh=mesh, window=window, causal=causal,
+                            kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes)
+    case "all_gather":
+      return all_gather_window_attention(q, k, v, mesh=mesh, window=window, causal=causal,
+                                         kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes)
+    case _:
+      raise ValueError(f"unknown {strategy=}; expected one of {STRATEGIES}")
