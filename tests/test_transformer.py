@@ -224,7 +224,8 @@ def _broken_copy(tmp_path, edit) -> str:
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda s: s.pop("blocks.1.attn2.norm_k.weight"), r"missing keys \(1\).*blocks\.1\.attn2\.norm_k\.weight"),
+    (lambda s: s.pop("blocks.1.attn2.norm_k.weight"),
+     r"missing keys \(1\).*blocks\.1\.attn2\.norm_k\.weight"),
     (lambda s: s.update({"blocks.0.extra.weight": np.ones(3, np.float32)}),
      r"unexpected keys \(1\).*blocks\.0\.extra\.weight"),
     (lambda s: s.update({"proj_out.weight": np.ones((16, 25), np.float32)}),

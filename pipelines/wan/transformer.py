@@ -15,9 +15,9 @@ of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole f
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
 token count as `kv_valid_len` (padded keys masked), cross-attention is `attention.cross_attention`
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
-and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is sharded with the
-tokens). The blocks' weights are stacked on a leading Z axis and run by one `lax.scan`, so the
-block is traced and compiled once whatever the depth.
+and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
+sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
+`lax.scan`, so the block is traced and compiled once whatever the depth.
 """
 
 from __future__ import annotations
@@ -179,7 +179,10 @@ class LayerNorm(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-  """diffusers `FeedForward(D, inner_dim=E, activation_fn="gelu-approximate")`: [D, E] -> GELU-tanh -> [E, D]."""
+  """diffusers `FeedForward(D, inner_dim=E, activation_fn="gelu-approximate")`.
+
+  [B, T, D] -> proj_in [D, E] -> GELU-tanh -> proj_out [E, D] -> [B, T, D].
+  """
 
   def __init__(self, params: Mapping[str, Any]):
     self.proj_in = Dense(**params["proj_in"])

@@ -27,7 +27,10 @@ def _linear(prefix: str, path: tuple[str, ...], out_dim: int, in_dim: int):
   yield f"{prefix}.bias", (out_dim,), (*path, "bias"), _COPY
 
 
-def checkpoint_layout(config: WanTransformerConfig) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...], int | None, str]]:
+LayoutEntry = tuple[str, tuple[int, ...], tuple[str, ...], int | None, str]
+
+
+def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
   """Yields (diffusers key, diffusers shape, our path, layer index or None, transform)."""
   d, e = config.dim, config.ffn_dim
   pt, ph, pw = config.patch_size
