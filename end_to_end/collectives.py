@@ -1,0 +1,164 @@
+"""Collectives of one attention call, read from the compiled HLO, next to the theoretical minimum.
+
+  python -m end_to_end.collectives --mesh U=2,R=2 --tokens 32760 --heads 12 --head-dim 128 --dtype bfloat16
+  python -m end_to_end.collectives --mesh U=2,R=4 --topology v6e:2x4   # TPU AOT (needs libtpu)
+
+Lowers and compiles `attention.usp_attention` (or `--kind halo --window W`) for abstract inputs of
+the given shape on the given mesh, then counts each collective in the compiled HLO with the bytes
+its buffer holds per device. The theoretical minimum for USP (DESIGN.md section 3) is 2 all-to-alls
+(q/k/v in, output back), R - 1 permutes of the packed K/V shard, and two tiny all-reduces for the
+fixed-m gate. With `--topology` it compiles for that TPU topology on this machine (libtpu needed:
+`pip install --no-deps --target DIR "libtpu==0.0.42.*"` and put DIR on PYTHONPATH) and also prints
+`memory_analysis()` and `cost_analysis()`. This is a compile-time report, not a runtime measurement.
+On CPU it asks for enough fake devices itself when JAX has not started yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+_OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s8": 1, "u8": 1}
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+  """'U=2,R=4' (any order; missing axis = 1) -> (U, R). Raises ValueError on anything else."""
+  vals = {"U": 1, "R": 1}
+  for part in text.replace(" ", "").split(","):
+    m = re.fullmatch(r"([UR])=(\d+)", part)
+    if not m or int(m.group(2)) < 1:
+      raise ValueError(f"bad mesh {text!r}: expected e.g. 'U=2,R=4' with positive integers")
+    vals[m.group(1)] = int(m.group(2))
+  return vals["U"], vals["R"]
+
+
+def _shape_bytes(shape_text: str) -> int:
+  """Bytes of an HLO result type such as 'bf16[1,64,8,32]' or a tuple '(f32[2], f32[2])'."""
+  total = 0
+  for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", shape_text):
+    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    total += n * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+def hlo_collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """{op: {count, bytes}} over the compiled HLO; bytes = result buffer per device."""
+  table = {op: {"count": 0, "bytes": 0} for op in _OPS}
+  for line in hlo.splitlines():
+    for op in _OPS:
+      m = re.search(rf"=\s*(.+?)\s+{op}(?:-start)?\(", line)
+      if m:
+        table[op]["count"] += 1
+        table[op]["bytes"] += _shape_bytes(m.group(1))
+  return table
+
+
+def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
+  """Theoretical per-device collectives of one USP call (DESIGN.md section 3)."""
+  D = U * R
+  Kp = max(K, U)
+  Tl = -(-T // D)
+  qkv = B * Tl * (N + 2 * Kp) * H * dtype_bytes
+  out = B * Tl * N * H * dtype_bytes
+  kv_shard = 2 * B * (U * Tl) * (Kp // U) * H * dtype_bytes
+  a2a = {"count": 2 if U > 1 else 0, "bytes": (qkv + out) if U > 1 else 0}
+  return {
+      "all-to-all": a2a,
+      "collective-permute": {"count": R - 1, "bytes": (R - 1) * kv_shard},
+      "all-reduce": {"count": 2 if D > 1 else 0, "bytes": (B * Kp * H + B * (N + 2 * Kp)) * 4 if D > 1 else 0},
+      "all-gather": {"count": 0, "bytes": 0},
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--mesh", default="U=2,R=2")
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--tokens", type=int, default=32760, help="T = S (Wan 1.3B 480p x 81 frames: 32760)")
+  ap.add_argument("--heads", type=int, default=12)
+  ap.add_argument("--kv-heads", type=int, default=None)
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--kind", choices=("usp", "halo"), default="usp")
+  ap.add_argument("--window", type=int, default=256, help="halo only")
+  ap.add_argument("--implementation", default="auto")
+  ap.add_argument("--topology", help="TPU topology for AOT compile, e.g. v6e:2x2 (needs libtpu)")
+  ap.add_argument("--json", help="write the report as JSON here")
+  args = ap.parse_args(argv)
+  U, R = parse_mesh(args.mesh)
+  if args.topology is None and "jax" not in sys.modules:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={U * R}".strip()
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+
+  from attention import SEQUENCE_SPEC, make_mesh, usp_attention
+  from attention.halo import halo_attention
+
+  if args.topology:
+    from jax.experimental import topologies
+    try:
+      topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - report why the optional TPU path is unavailable
+      raise SystemExit(f"cannot build TPU topology {args.topology!r} ({e}); install libtpu: "
+                       "pip install --no-deps --target DIR 'libtpu==0.0.42.*' and add DIR to PYTHONPATH")
+    devices = topo.devices
+    backend = f"tpu AOT {args.topology}"
+  else:
+    devices = jax.devices()
+    backend = jax.default_backend()
+  mesh = make_mesh(ulysses=U, ring=R, devices=devices)
+  K = args.kv_heads or args.heads
+  dtype = jnp.dtype(args.dtype)
+  sh = NamedSharding(mesh, SEQUENCE_SPEC)
+  T_pad = -(-args.tokens // (U * R)) * (U * R)
+  q = jax.ShapeDtypeStruct((args.batch, T_pad, args.heads, args.head_dim), dtype, sharding=sh)
+  kv = jax.ShapeDtypeStruct((args.batch, T_pad, K, args.head_dim), dtype, sharding=sh)
+  if args.kind == "usp":
+    fn = lambda q, k, v: usp_attention(q, k, v, mesh=mesh, implementation=args.implementation)
+  else:
+    fn = lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=args.window)
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(q, kv, kv).compile()
+  compile_s = time.perf_counter() - t0
+  table = hlo_collectives(compiled.as_text())
+  minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
+  print(f"{args.kind} attention  backend={backend}  mesh U={U} R={R}  q [B,T,N,H]={q.shape} "
+        f"kv heads={K} dtype={args.dtype}  compile {compile_s:.2f} s")
+  print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
+  for op in _OPS:
+    row = f"{op:20s} {table[op]['count']:6d} {table[op]['bytes'] / 2**20:11.3f}"
+    if minimum:
+      row += f" {minimum[op]['count']:10d} {minimum[op]['bytes'] / 2**20:9.3f}"
+    print(row)
+  report = dict(kind=args.kind, backend=backend, mesh=dict(U=U, R=R), shape=list(q.shape), kv_heads=K,
+                dtype=args.dtype, compile_s=compile_s, collectives=table, minimum=minimum)
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    report["memory_analysis"] = {f: int(getattr(mem, f, 0)) for f in fields}
+    print("memory_analysis (per device): " + ", ".join(f"{f.replace('_size_in_bytes', '')}={v / 2**20:.1f} MiB"
+                                                       for f, v in report["memory_analysis"].items()))
+  cost = compiled.cost_analysis()
+  if cost:
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    report["cost_analysis"] = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")}
+    print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
+  if args.topology:
+    print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=2)
+  return report
+
+
+if __name__ == "__main__":
+  main()
