@@ -598,10 +598,16 @@ class WanPipeline:
     return GenerationResult(frames=frames, timings=timings, settings=settings)
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
-    """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1]."""
-    z = wan_vae.denormalize_latents(self.vae.config, jnp.asarray(latents).astype(self.vae.dtype))
-    video = wan_vae.decode(self.vae, z, video_layout="BFHWC")
-    return np.asarray(_to_unit_range(video))
+    """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
+
+    One video at a time (the VAE treats videos independently): the decoder compiles once per
+    spatial size whatever B, and only one video's activations are live.
+    """
+    videos = []
+    for one in np.asarray(latents)[:, None]:
+      z = wan_vae.denormalize_latents(self.vae.config, jnp.asarray(one).astype(self.vae.dtype))
+      videos.append(np.asarray(_to_unit_range(wan_vae.decode(self.vae, z, video_layout="BFHWC"))))
+    return np.concatenate(videos)
 
 
 def _dtype(name: str) -> jnp.dtype:

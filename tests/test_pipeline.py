@@ -1,0 +1,275 @@
+"""Tests for pipelines/pipeline.py: diffusers parity, mesh invariance, batching, one compile, checks.
+
+Reference: a tiny diffusers `WanPipeline` (random weights, ByT5 tokenizer so nothing is downloaded)
+saved with `save_pretrained` and read back by `WanPipeline.from_pretrained`; both run with the same
+explicit latents, prompts and settings (`output_type="np"`). Two folders: Wan 2.1 style (one
+transformer, UniPC) and Wan 2.2 style (transformer_2 + boundary_ratio 0.875, flow-match Euler), so
+both schedulers and the expert switch are covered. Latent grid F=3, Hl=6, Wl=8 (36 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import attention
+from pipelines import WanPipeline
+from pipelines import pipeline as wan_pipeline
+from pipelines.checkpoint import CheckpointError
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["a red fox running through snow", "  two &amp; cats\n on a   roof "]
+NEGATIVES = ["blurry, low quality", ""]
+# Latents [B, 16, 3, 6, 10] -> 45 tokens: every mesh but 1x1 pads. One size for every test here, so
+# the VAE decoder compiles once.
+SIZE = dict(height=48, width=80, num_frames=9)
+MAX_LEN = 32
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+  """PSNR in dB of two videos in [0, 1] (inf when identical)."""
+  mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+  return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+  """Weights large enough that every step visibly changes the latents (default init barely does)."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      if "norm" in name and name.endswith("weight"):
+        p.copy_(1.0 + 0.2 * noise)
+      elif "scale_shift_table" in name:
+        p.copy_(0.3 * noise)
+      elif p.ndim == 1:
+        p.copy_(0.1 * noise)
+      else:
+        p.copy_(noise / np.sqrt(int(np.prod(p.shape[1:]))))
+
+
+def _save_diffusers_pipeline(folder: str, *, two_experts: bool) -> None:
+  torch.manual_seed(0)
+  # The embedded default's architecture (and the tiny UMT5 / VAE presets' below), so the compiled
+  # programs are shared with the tiny-model tests.
+  config = wan_pipeline.TINY_TRANSFORMER.to_dict()
+  experts = [diffusers.WanTransformer3DModel(**config) for _ in range(2 if two_experts else 1)]
+  for i, expert in enumerate(experts):
+    _randomize(expert, seed=10 + i)
+  vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True])
+  text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
+      vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+      relative_attention_num_buckets=32, feed_forward_proj="gated-gelu"))
+  if two_experts:
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+  else:
+    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=3.0, num_train_timesteps=1000)
+  pipe = diffusers.WanPipeline(tokenizer=transformers.ByT5Tokenizer(), text_encoder=text_encoder, vae=vae,
+                               scheduler=scheduler, transformer=experts[0],
+                               transformer_2=experts[1] if two_experts else None,
+                               boundary_ratio=0.875 if two_experts else None)
+  pipe.save_pretrained(folder, safe_serialization=True)
+
+
+LATENTS = np.random.default_rng(1).standard_normal((2, 16, 3, 6, 10)).astype(np.float32)
+# (folder, steps, guidance, guidance_2): CFG on at 2 and 4 steps; one CFG-off case.
+CASES = [("wan21", 2, 4.0, None), ("wan21", 4, 4.0, None), ("wan21", 2, 1.0, None),
+         ("wan22", 2, 4.0, 3.0), ("wan22", 4, 4.0, 3.0)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  """Saved diffusers pipelines and their reference videos for every case in CASES."""
+  root = tmp_path_factory.mktemp("wan_pipelines")
+  out = {"refs": {}}
+  for name in ("wan21", "wan22"):
+    folder = str(root / name)
+    _save_diffusers_pipeline(folder, two_experts=name == "wan22")
+    # Reloaded, as a user would: modules in eval mode (a fresh UMT5 has dropout 0.1 on).
+    pipe = diffusers.WanPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    out[name] = folder
+    for case in CASES:
+      if case[0] != name:
+        continue
+      _, steps, g1, g2 = case
+      kwargs = {} if g2 is None else {"guidance_scale_2": g2}
+      with torch.no_grad():
+        out["refs"][case] = pipe(PROMPTS, negative_prompt=NEGATIVES, **SIZE, num_inference_steps=steps,
+                                 guidance_scale=g1, latents=torch.from_numpy(LATENTS.copy()),
+                                 max_sequence_length=MAX_LEN, output_type="np", **kwargs).frames
+  return out
+
+
+@pytest.fixture(scope="module")
+def loaded(folders):
+  return {name: WanPipeline.from_pretrained(folders[name]) for name in ("wan21", "wan22")}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return WanPipeline.tiny()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}steps-g{c[2]}")
+def test_diffusers_parity(folders, loaded, case):
+  name, steps, g1, g2 = case
+  ref = folders["refs"][case]
+  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  result = loaded[name].run(PROMPTS, NEGATIVES, **SIZE, num_inference_steps=steps, guidance_scale=g1,
+                            guidance_scale_2=g2, latents=LATENTS, max_sequence_length=MAX_LEN)
+  assert wan_pipeline.TRACE_COUNT["denoise_step"] - before <= 1  # one program for all steps, both experts
+  assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape == (2, 9, 48, 80, 3)
+  assert 0 <= result.frames.min() and result.frames.max() <= 1
+  value = psnr(result.frames, ref)
+  print(f"PSNR {case}: {value:.1f} dB")
+  assert value >= 50, f"{case}: PSNR {value:.1f} dB < 50 dB against diffusers"
+  assert result.settings["cfg"] == (g1 > 1)
+  if name == "wan22":  # t >= 875 -> transformer, else transformer_2: both run in every case here
+    assert set(result.settings["experts_per_step"]) == {0, 1}, result.settings["experts_per_step"]
+
+
+def test_parity_is_sensitive(folders):
+  """The reference videos move with the settings, so 50 dB is a real bar (not a saturated VAE)."""
+  refs = folders["refs"]
+  assert min(float(r.std()) for r in refs.values()) > 0.02
+  for a, b in ((("wan21", 2, 4.0, None), ("wan21", 4, 4.0, None)),
+               (("wan21", 2, 4.0, None), ("wan21", 2, 1.0, None)),
+               (("wan22", 2, 4.0, 3.0), ("wan22", 4, 4.0, 3.0))):
+    assert psnr(refs[a], refs[b]) < 45, f"{a} vs {b}: the reference barely depends on the settings"
+
+
+def test_repeat_call_compiles_nothing(loaded):
+  """A second call with the same shapes reuses the program (the parity cases compiled it)."""
+  kwargs = dict(**SIZE, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=3.0, seed=3,
+                max_sequence_length=MAX_LEN)
+  first = loaded["wan22"].run(PROMPTS, NEGATIVES, **kwargs)
+  traced = wan_pipeline.TRACE_COUNT["denoise_step"]
+  again = loaded["wan22"].run(PROMPTS, NEGATIVES, **kwargs)
+  assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
+  assert again.timings["compile"] < 0.1
+  np.testing.assert_array_equal(first.frames, again.frames)
+
+
+# (R, U) meshes of the acceptance list.
+MESHES = [(1, 1), (2, 2), (1, 4), (4, 1), (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+  return tiny(PROMPTS[0], **SIZE, num_inference_steps=2, seed=7, max_sequence_length=MAX_LEN)
+
+
+@pytest.mark.parametrize("ring,ulysses", MESHES, ids=[f"R{r}xU{u}" for r, u in MESHES])
+def test_mesh_invariance(tiny, tiny_reference, ring, ulysses):
+  mesh = attention.make_mesh(ulysses=ulysses, ring=ring)
+  frames = tiny(PROMPTS[0], **SIZE, num_inference_steps=2, seed=7, max_sequence_length=MAX_LEN,
+                mesh=mesh)
+  value = psnr(frames, tiny_reference)
+  print(f"PSNR mesh R={ring} U={ulysses} vs one device: {value:.1f} dB")
+  assert value >= 60, f"mesh R={ring},U={ulysses}: PSNR {value:.1f} dB < 60 dB against one device"
+
+
+def test_mesh_string_spec(tiny, tiny_reference):
+  frames = tiny(PROMPTS[0], **SIZE, num_inference_steps=2, seed=7, max_sequence_length=MAX_LEN,
+                mesh="R=2,U=2")
+  assert psnr(frames, tiny_reference) >= 60
+
+
+def test_batch_equals_each_alone(tiny):
+  """Video i of a batch uses seed + i, so a batch is its prompts run alone with consecutive seeds."""
+  kwargs = dict(**SIZE, num_inference_steps=2, max_sequence_length=MAX_LEN)
+  both = tiny(PROMPTS, NEGATIVES, seed=11, **kwargs)
+  first = tiny(PROMPTS[0], NEGATIVES[0], seed=11, **kwargs)
+  second = tiny([PROMPTS[1]], [NEGATIVES[1]], seed=12, **kwargs)
+  assert both.shape == (2, 9, 48, 80, 3) and first.shape == (1, 9, 48, 80, 3)
+  assert psnr(both[:1], first) >= 60 and psnr(both[1:], second) >= 60
+  assert psnr(first, second) < 40  # different prompts and noise give different videos
+
+
+# --- checks before compute ---
+
+def test_prompt_clean_matches_diffusers():
+  from diffusers.pipelines.wan import pipeline_wan
+  if pipeline_wan.is_ftfy_available():
+    pytest.skip("diffusers uses ftfy here; the comparison assumes its ftfy-free path")
+  for text in PROMPTS + ["\t tabs\tand\n\nnewlines ", "&amp;lt;b&amp;gt; html", "plain"]:
+    assert wan_pipeline.prompt_clean(text) == pipeline_wan.prompt_clean(text)
+
+
+def test_round_num_frames_warns_like_diffusers():
+  with pytest.warns(UserWarning, match="rounding to 81"):
+    assert wan_pipeline.round_num_frames(83) == 81
+  assert wan_pipeline.round_num_frames(81) == 81
+  with pytest.raises(ValueError, match="positive int"):
+    wan_pipeline.round_num_frames(0)
+
+
+@pytest.mark.parametrize("spec,expected", [("U=2,R=2", (2, 2)), ("R=2,U=4", (4, 2)), ("U=4", (4, 1)),
+                                           ("r=3", (1, 3)), ("U=1,R=1", (1, 1))])
+def test_parse_mesh(spec, expected):
+  assert wan_pipeline.parse_mesh(spec) == expected
+
+
+@pytest.mark.parametrize("spec,match", [("U2", "malformed"), ("U=2,U=2", "twice"), ("U=0", ">= 1"),
+                                        ("X=2", "malformed")])
+def test_parse_mesh_errors(spec, match):
+  with pytest.raises(ValueError, match=match):
+    wan_pipeline.parse_mesh(spec)
+
+
+CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(height=40), r"height=40 must be a positive multiple of 16 .*; use 32 or 48"),
+    (dict(width=100), "width=100 must be a positive multiple of 16"),
+    (dict(mesh="U=3,R=1"), r"8 heads, not divisible by the Ulysses degree U=3; .* U=1,R=3"),
+    (dict(mesh="U=4,R=4"), "needs 16 devices but 8 are visible"),
+    (dict(guidance_scale_2=2.0), "guidance_scale_2=2.0 is only used by two-expert"),
+    (dict(seed=1, latents=np.zeros((1, 16, 2, 4, 4), np.float32)), "either seed"),
+    (dict(negative_prompt=["a", "b"]), "one per prompt"),
+    (dict(num_inference_steps=0), "num_inference_steps=0 must be a positive int"),
+    (dict(max_sequence_length=0), "max_sequence_length=0"),
+    (dict(mesh=3), "mesh must be None"),
+])
+def test_call_checks(tiny, kwargs, match):
+  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  with pytest.raises(ValueError, match=match):
+    tiny("a fox", **{**CALL, **kwargs})
+  assert wan_pipeline.TRACE_COUNT["denoise_step"] == before  # failed before any compute
+
+
+def test_latents_shape_ok_and_wrong(tiny):
+  good = np.zeros((1, 16, 2, 4, 4), np.float32)
+  with pytest.raises(ValueError, match=r"=\(1, 16, 3, 4, 4\) for 1 prompt"):
+    tiny.check_inputs("a fox", None, **{**CALL, "num_frames": 9}, guidance_scale=5.0, guidance_scale_2=None,
+                      flow_shift=None, seed=None, latents=good, mesh=None)
+  resolved = tiny.check_inputs("a fox", None, **CALL, guidance_scale=5.0, guidance_scale_2=None,
+                               flow_shift=2.0, seed=None, latents=good, mesh=None)
+  assert resolved["scheduler"].flow_shift == 2.0 and resolved["negative_prompts"] == [""]
+
+
+def test_from_pretrained_errors(tmp_path, folders):
+  with pytest.raises(CheckpointError, match="no model_index.json"):
+    WanPipeline.from_pretrained(str(tmp_path))
+  with pytest.raises(ValueError, match="dtype='float16' is not supported"):
+    WanPipeline.from_pretrained(folders["wan21"], dtype="float16")
+  # boundary_ratio without transformer_2 (a Wan 2.1 folder claiming to be Wan 2.2).
+  index = json.loads(open(os.path.join(folders["wan21"], "model_index.json")).read())
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  for entry in os.listdir(folders["wan21"]):
+    if entry != "model_index.json":
+      os.symlink(os.path.join(folders["wan21"], entry), copy / entry)
+  (copy / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
+  with pytest.raises(CheckpointError, match="no transformer_2/"):
+    WanPipeline.from_pretrained(str(copy))
