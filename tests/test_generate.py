@@ -1,0 +1,163 @@
+"""Tests for pipelines/generate.py and pipelines/video_io.py: the command end to end, every check.
+
+The end-to-end run is a fresh subprocess without XLA_FLAGS, so the command itself must simulate the
+mesh's CPU devices; the checks run in-process (this process already has 8 fake CPU devices, see
+conftest.py) and must fail before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipelines import generate, video_io
+from pipelines import pipeline as wan_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "a red fox running through snow"
+
+
+def _decode_mp4(path: str) -> tuple[tuple[int, int], int]:
+  """((width, height), frame count) as ffmpeg reads the file back."""
+  import imageio_ffmpeg
+  reader = imageio_ffmpeg.read_frames(path)
+  meta = next(reader)
+  return tuple(meta["size"]), sum(1 for _ in reader)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
+def test_command_writes_a_decodable_video(tmp_path):
+  out = tmp_path / "fox.mp4"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--mesh", "U=2,R=2",
+         "--size", "64x48", "--frames", "9", "--steps", "2", "--seed", "5", "--out", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert "simulating 4 CPU devices" in proc.stderr
+  assert "text encode" in proc.stdout and "compile" in proc.stdout and "/step x 2" in proc.stdout
+  assert _decode_mp4(str(out)) == ((64, 48), 9)
+  sidecar = json.loads((tmp_path / "fox.json").read_text())
+  assert sidecar["prompt"] == PROMPT and sidecar["seed"] == 5 and sidecar["model"] == "tiny"
+  assert sidecar["mesh"]["U"] == 2 and sidecar["mesh"]["R"] == 2
+  assert sidecar["video"] == {"frames": 9, "height": 48, "width": 64, "fps": 16.0}
+  assert {"text_encode", "compile", "denoise_per_step", "decode"} <= set(sidecar["timings_s"])
+  assert {"jax", "flax", "python"} <= set(sidecar["versions"])
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp files left
+
+
+def test_gif_and_frames_outputs(tmp_path, capsys):
+  """In-process run (one device) to a .gif; the frames-folder writer on the same frames.
+
+  Sizes as in test_pipeline.py, so that in one session the compiled programs are reused.
+  """
+  out = tmp_path / "clip.gif"
+  argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",
+          "--max-sequence-length", "32", "--out", str(out)]
+  assert generate.main(argv) == 0
+  import imageio.v3 as iio
+  gif = iio.imread(out, index=None)
+  assert gif.shape[:3] == (9, 48, 80)
+  assert "wrote" in capsys.readouterr().out
+  # Same output again: refused without --overwrite, replaced with it.
+  assert generate.main(argv) == 2
+  assert "exists; pass --overwrite" in capsys.readouterr().err
+  assert generate.main(argv + ["--overwrite"]) == 0
+
+  frames = np.linspace(0, 1, 3 * 16 * 16 * 3, dtype=np.float32).reshape(3, 16, 16, 3)
+  folder = str(tmp_path / "frames") + os.sep
+  assert video_io.output_kind(folder) == "frames"
+  video_io.write_video(frames, folder)
+  names = sorted(os.listdir(tmp_path / "frames"))
+  assert names == ["frame_00000.png", "frame_00001.png", "frame_00002.png"]
+  np.testing.assert_array_equal(iio.imread(tmp_path / "frames" / names[2]), video_io.to_uint8(frames)[2])
+  with pytest.raises(video_io.OutputError, match="overwrite"):
+    video_io.write_video(frames, folder)
+  video_io.write_video(frames[:1], folder, overwrite=True)
+  assert os.listdir(tmp_path / "frames") == ["frame_00000.png"]
+
+
+BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--preset", "wan3"], "unknown --preset 'wan3'; use one of wan2.1-t2v-1.3b"),
+    (["--size", "40x32"], "width=40 must be a positive multiple of 16"),
+    (["--size", "32x50"], "height=50 must be a positive multiple of 16"),
+    (["--size", "big"], "--size 'big' is malformed; write WIDTHxHEIGHT"),
+    (["--mesh", "U=4,R=4"], "needs 16 devices but 8 are visible"),
+    (["--mesh", "U=2,R=2", "--devices", "8"], "--devices 8 does not match --mesh U=2,R=2"),
+    (["--mesh", "U=3,R=2"], "8 heads, not divisible by the Ulysses degree U=3; with 6 devices use one of: "
+                            "U=1,R=6, U=2,R=3"),
+    (["--mesh", "U2"], "--mesh: mesh spec='U2' is malformed"),
+    (["--devices", "4", "--mesh", "U=2,R=2"], "XLA_FLAGS already sets"),
+    (["--guidance", "4.0,3.0"], "two guidance scales (4.0, 3.0) need a two-expert"),
+    (["--guidance", "a,b,c"], "must be one number"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+    (["--shift", "-1"], "--shift -1.0 must be > 0"),
+    (["--model", "/no/such/folder"], "is not a folder"),
+    (["--out", "/no/such/dir/fox.mp4"], "does not exist ('/no/such/dir'); create it first"),
+    (["--out", "fox.avi"], "suffix '.avi'; use .mp4"),
+])
+def test_checks_before_compute(tmp_path, capsys, extra, message):
+  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  argv = BASE + ["--out", str(tmp_path / "x.mp4")] + extra
+  assert generate.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err, err
+  assert wan_pipeline.TRACE_COUNT["denoise_step"] == before
+  assert not os.path.exists(tmp_path / "x.mp4")
+
+
+def test_unwritable_output(tmp_path, capsys):
+  a_file = tmp_path / "file"
+  a_file.write_text("")
+  assert generate.main(BASE + ["--out", str(a_file / "fox.mp4")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  if os.geteuid() != 0:  # root may write anywhere
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert generate.main(BASE + ["--out", str(locked / "fox.mp4")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+  (tmp_path / "fox.mp4").write_bytes(b"old")
+  assert generate.main(BASE + ["--out", str(tmp_path / "fox.mp4")]) == 2
+  assert "exists; pass --overwrite" in capsys.readouterr().err
+  assert (tmp_path / "fox.mp4").read_bytes() == b"old"
+  (tmp_path / "other.json").write_text("{}")  # the sidecar counts too
+  assert generate.main(BASE + ["--out", str(tmp_path / "other.gif")]) == 2
+  assert "other.json' exists" in capsys.readouterr().err
+
+
+def test_frames_round_with_a_warning(tmp_path, capsys):
+  args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", "10", "--out", str(tmp_path / "a.mp4")])
+  plan = generate.plan_run(args)
+  assert plan.frames == 9
+  assert "rounding to 9 as diffusers does" in capsys.readouterr().err
+
+
+def test_presets_are_the_published_defaults(tmp_path):
+  p = generate.PRESETS
+  assert (p["wan2.1-t2v-1.3b"].width, p["wan2.1-t2v-1.3b"].height, p["wan2.1-t2v-1.3b"].frames) == (832, 480, 81)
+  assert (p["wan2.1-t2v-1.3b"].steps, p["wan2.1-t2v-1.3b"].shift, p["wan2.1-t2v-1.3b"].guidance) == (50, 3.0, (5.0,))
+  assert (p["wan2.1-t2v-14b"].width, p["wan2.1-t2v-14b"].height, p["wan2.1-t2v-14b"].shift) == (1280, 720, 5.0)
+  a14b = p["wan2.2-t2v-a14b"]
+  assert (a14b.width, a14b.height, a14b.frames, a14b.steps, a14b.shift, a14b.guidance) == (
+      1280, 720, 81, 40, 12.0, (4.0, 3.0))
+  args = generate.build_parser().parse_args(["--prompt", "x", "--preset", "wan2.1-t2v-14b",
+                                             "--size", "480x272", "--steps", "3",
+                                             "--out", str(tmp_path / "a.mp4")])
+  plan = generate.plan_run(args)  # flags override the preset, the rest comes from it
+  assert (plan.width, plan.height, plan.steps, plan.frames, plan.shift) == (480, 272, 3, 81, 5.0)
+
+
+@pytest.mark.parametrize("text,expected", [("832x480", (832, 480)), ("1280*720", (1280, 720))])
+def test_parse_size(text, expected):
+  assert generate.parse_size(text) == expected
