@@ -8,7 +8,8 @@ the given shape on the given mesh, then counts each collective in the compiled H
 its buffer holds per device. The theoretical minimum for USP (DESIGN.md section 3) is 2 all-to-alls
 (q/k/v in, output back), R - 1 permutes of the packed K/V shard, and two tiny all-reduces for the
 fixed-m gate. With `--topology` it compiles for that TPU topology on this machine (libtpu needed:
-`pip install --no-deps --target DIR "libtpu==0.0.42.*"` and put DIR on PYTHONPATH) and also prints
+`pip install --no-deps --target DIR "libtpu==0.0.42.*"`, put DIR on PYTHONPATH, and run with
+JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 so libtpu does not wait for a TPU metadata server) and also prints
 `memory_analysis()` and `cost_analysis()`. This is a compile-time report, not a runtime measurement.
 On CPU it asks for enough fake devices itself when JAX has not started yet.
 """
@@ -52,10 +53,14 @@ def hlo_collectives(hlo: str) -> dict[str, dict[str, int]]:
   table = {op: {"count": 0, "bytes": 0} for op in _OPS}
   for line in hlo.splitlines():
     for op in _OPS:
-      m = re.search(rf"=\s*(.+?)\s+{op}(?:-start)?\(", line)
+      m = re.search(rf"=\s*(.+?)\s+{op}(-start)?\(", line)
       if m:
+        result = m.group(1)
+        if m.group(2) and op == "collective-permute" and result.startswith("("):
+          # Async start ops return (operand, output, contexts...): count the output once.
+          result = re.findall(r"[a-z]+\d*\[[\d,]*\]", result)[1]
         table[op]["count"] += 1
-        table[op]["bytes"] += _shape_bytes(m.group(1))
+        table[op]["bytes"] += _shape_bytes(result)
   return table
 
 
@@ -109,7 +114,8 @@ def main(argv=None):
       topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
     except Exception as e:  # noqa: BLE001 - report why the optional TPU path is unavailable
       raise SystemExit(f"cannot build TPU topology {args.topology!r} ({e}); install libtpu: "
-                       "pip install --no-deps --target DIR 'libtpu==0.0.42.*' and add DIR to PYTHONPATH")
+                       "pip install --no-deps --target DIR 'libtpu==0.0.42.*', add DIR to PYTHONPATH "
+                       "and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1") from e
     devices = topo.devices
     backend = f"tpu AOT {args.topology}"
   else:
@@ -154,6 +160,8 @@ def main(argv=None):
     print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
   if args.topology:
     print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
+  elif backend == "cpu" and dtype == jnp.bfloat16:
+    print("note: XLA:CPU converts bf16 collectives to f32, so bytes read 2x an accelerator's")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=2)
