@@ -1,8 +1,7 @@
 """`generate`: a Wan text-to-video clip from the command line, sequence-parallel over a mesh.
 
   generate --prompt "a red fox running through snow" --mesh U=2,R=2 --out fox.mp4
-  generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 \
-      --prompt "..." --out clip.mp4
+  generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 --prompt "..."
 
 `--model tiny` (the default) is the embedded random-weight model: it needs no download and makes
 noise-like videos; a diffusers-format folder gives real videos. On the CPU backend a mesh needing
