@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import math
 import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
