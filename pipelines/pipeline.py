@@ -218,11 +218,13 @@ class GenerationResult:
 
   Attributes:
     frames: float32 [B, frames, height, width, 3] in [0, 1].
+    latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
     timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
       "denoise_per_step" (mean), "decode", "total".
     settings: the resolved call (sizes after rounding, steps, guidance, shift, seed, mesh, dtype).
   """
   frames: np.ndarray
+  latents: np.ndarray
   timings: dict[str, float]
   settings: dict[str, Any]
 
@@ -582,7 +584,8 @@ class WanPipeline:
     timings["denoise_per_step"] = float(np.mean(step_times))
 
     start = time.perf_counter()
-    frames = self.decode(np.asarray(latents))
+    latents = np.asarray(latents)
+    frames = self.decode(latents)
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
     settings = {k: s[k] for k in ("height", "width", "num_frames", "steps", "cfg", "seed",
@@ -594,7 +597,7 @@ class WanPipeline:
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
         explicit_latents=s["latents"] is not None)
-    return GenerationResult(frames=frames, timings=timings, settings=settings)
+    return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].

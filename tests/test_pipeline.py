@@ -133,6 +133,7 @@ def test_diffusers_parity(folders, loaded, case):
   print(f"PSNR {case}: {value:.1f} dB")
   assert value >= 50, f"{case}: PSNR {value:.1f} dB < 50 dB against diffusers"
   assert result.settings["cfg"] == (g1 > 1)
+  assert result.latents.shape == LATENTS.shape and result.latents.dtype == np.float32
   if name == "wan22":  # t >= 875 -> transformer, else transformer_2: both run in every case here
     assert set(result.settings["experts_per_step"]) == {0, 1}, result.settings["experts_per_step"]
 
