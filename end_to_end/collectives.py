@@ -93,6 +93,8 @@ def main(argv=None):
   ap.add_argument("--kind", choices=("usp", "halo"), default="usp")
   ap.add_argument("--window", type=int, default=256, help="halo only")
   ap.add_argument("--implementation", default="auto")
+  ap.add_argument("--block-q", type=int, default=None, help="BlockSizes.block_q (default: library default)")
+  ap.add_argument("--block-kv", type=int, default=None, help="BlockSizes.block_kv")
   ap.add_argument("--topology", help="TPU topology for AOT compile, e.g. v6e:2x2 (needs libtpu)")
   ap.add_argument("--json", help="write the report as JSON here")
   args = ap.parse_args(argv)
@@ -105,7 +107,7 @@ def main(argv=None):
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
 
-  from attention import SEQUENCE_SPEC, make_mesh, usp_attention
+  from attention import SEQUENCE_SPEC, BlockSizes, make_mesh, usp_attention
   from attention.halo import halo_attention
 
   if args.topology:
@@ -128,17 +130,20 @@ def main(argv=None):
   T_pad = -(-args.tokens // (U * R)) * (U * R)
   q = jax.ShapeDtypeStruct((args.batch, T_pad, args.heads, args.head_dim), dtype, sharding=sh)
   kv = jax.ShapeDtypeStruct((args.batch, T_pad, K, args.head_dim), dtype, sharding=sh)
+  default = BlockSizes.get_default()
+  sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv)
   if args.kind == "usp":
-    fn = lambda q, k, v: usp_attention(q, k, v, mesh=mesh, implementation=args.implementation)
+    fn = lambda q, k, v: usp_attention(q, k, v, mesh=mesh, implementation=args.implementation,
+                                       block_sizes=sizes)
   else:
-    fn = lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=args.window)
+    fn = lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=args.window, block_sizes=sizes)
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(q, kv, kv).compile()
   compile_s = time.perf_counter() - t0
   table = hlo_collectives(compiled.as_text())
   minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
   print(f"{args.kind} attention  backend={backend}  mesh U={U} R={R}  q [B,T,N,H]={q.shape} "
-        f"kv heads={K} dtype={args.dtype}  compile {compile_s:.2f} s")
+        f"kv heads={K} dtype={args.dtype}  blocks {sizes.block_q}x{sizes.block_kv}  compile {compile_s:.2f} s")
   print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
   for op in _OPS:
     row = f"{op:20s} {table[op]['count']:6d} {table[op]['bytes'] / 2**20:11.3f}"
