@@ -1,0 +1,259 @@
+"""Quality check: does a faster setting (bf16, a mesh, the fixed-m path) give the same video?
+
+  python -m end_to_end.quality                                   # tiny model, bf16 on U=2,R=2
+  python -m end_to_end.quality --dtype float32 --mesh U=2,R=2 --min-psnr 60
+  python -m end_to_end.quality --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
+  python -m end_to_end.quality --model ./Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
+      --frames 81 --steps 50 --dtype bfloat16 --mesh U=4,R=2
+
+Runs `WanPipeline` once as the REFERENCE (float32, one device, attention forced onto the LSE
+path: online softmax, the textbook algorithm) and once per CANDIDATE (a dtype, a (ring, ulysses)
+mesh, an attention path: "auto" = the pipeline's default, fixed-m whenever the mesh-uniform gate
+admits it; "lse" = forced LSE), all with the same prompt, negative prompt, settings and the same
+explicit initial latents (drawn once from --seed; `--candidate-seed` draws the candidate's from
+another seed: a positive control that must fail). For each candidate it prints PSNR (dB, data
+range 1) and SSIM (scikit-image, data_range=1.0, channel_axis=-1) per frame, their mean and their
+minimum over frames, and the max abs difference of the final latents (before the VAE).
+
+A candidate passes when, for its dtype, PSNR >= --min-psnr and SSIM >= --min-ssim, both taken
+over frames as --gate says (mean, the default, or min), and max |latent diff| <= --max-latent-diff
+when that is given. Exit status: 0 when
+every candidate passes, 1 when any fails, 2 on a usage error. A mesh larger than the visible
+device count is simulated on CPU (fake devices, set before JAX starts).
+
+Matrix (`--matrix`): dtypes {float32, bfloat16} x meshes {1x1, 2x2, 1x4, 4x1, 2x4} (R x U: U=1,R=1;
+U=2,R=2; U=4,R=1; U=1,R=4; U=4,R=2) x attention {auto, lse}: 20 candidates, one reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from end_to_end.collectives import parse_mesh  # no JAX import: fake devices can still be requested
+
+DTYPES = ("float32", "bfloat16")
+MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
+MATRIX_ATTENTION = ("auto", "lse")
+REFERENCE_ATTENTION = "lse"
+_DEVICE_FLAG = "xla_force_host_platform_device_count"
+
+
+class UsageError(ValueError):
+  """A bad command line (exit status 2)."""
+
+
+def parse_thresholds(text: str | None, flag: str) -> dict[str, float]:
+  """'35' (every dtype) or 'float32=60,bfloat16=35' -> {dtype: value}; None -> {}.
+
+  Raises:
+    UsageError: malformed text or an unknown dtype.
+  """
+  if text is None:
+    return {}
+  text = text.replace(" ", "")
+  try:
+    if "=" not in text:
+      return {dtype: float(text) for dtype in DTYPES}
+    out = {}
+    for part in text.split(","):
+      dtype, value = part.split("=")
+      if dtype not in DTYPES:
+        raise UsageError(f"{flag} {text!r}: unknown dtype {dtype!r}; use {' / '.join(DTYPES)}")
+      out[dtype] = float(value)
+    return out
+  except ValueError as e:
+    if isinstance(e, UsageError):
+      raise
+    raise UsageError(f"{flag} {text!r} is malformed; write e.g. '35' or 'float32=60,bfloat16=35'") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", default="tiny", help="'tiny' (embedded random weights) or a diffusers Wan folder")
+  ap.add_argument("--prompt", default="a red fox running through snow")
+  ap.add_argument("--negative-prompt", default=None, help="default '' (as diffusers)")
+  ap.add_argument("--height", type=int, default=48)
+  ap.add_argument("--width", type=int, default=64)
+  ap.add_argument("--frames", type=int, default=9, help="4k + 1")
+  ap.add_argument("--steps", type=int, default=4)
+  ap.add_argument("--guidance", type=float, default=5.0)
+  ap.add_argument("--max-sequence-length", type=int, default=512)
+  ap.add_argument("--seed", type=int, default=0, help="seed of the initial latents (reference and candidates)")
+  ap.add_argument("--candidate-seed", type=int, default=None,
+                  help="draw the candidates' initial latents from this seed instead (positive control: must fail)")
+  ap.add_argument("--dtype", action="append", choices=DTYPES, help="candidate dtype (repeatable; default bfloat16)")
+  ap.add_argument("--mesh", action="append", help="candidate mesh 'U=2,R=2' (repeatable; default U=2,R=2)")
+  ap.add_argument("--attention", action="append", choices=("auto", "lse", "fixed_m"),
+                  help="candidate attention path (repeatable; default auto)")
+  ap.add_argument("--matrix", action="store_true",
+                  help="candidates = {float32, bfloat16} x {1x1, 2x2, 1x4, 4x1, 2x4} x {auto, lse}")
+  ap.add_argument("--min-psnr", default="float32=60,bfloat16=35",
+                  help="dB: '35' (every dtype) or 'float32=60,bfloat16=35' (the default)")
+  ap.add_argument("--min-ssim", default="float32=0.99,bfloat16=0.98",
+                  help="'0.98' (every dtype) or 'float32=0.99,bfloat16=0.98' (the default)")
+  ap.add_argument("--gate", choices=("mean", "min"), default="mean",
+                  help="compare the thresholds with the mean over frames (default) or the worst frame")
+  ap.add_argument("--max-latent-diff", default=None,
+                  help="max |final latents - reference| allowed, e.g. 'float32=1e-4' (default: not checked)")
+  ap.add_argument("--per-frame", action="store_true", help="print per-frame values in matrix mode too")
+  ap.add_argument("--json", help="write the report here")
+  return ap
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+  """Validated candidates and thresholds from the command line (no JAX).
+
+  Raises:
+    UsageError: --matrix with explicit candidate axes, bad meshes or thresholds.
+  """
+  if args.matrix and (args.dtype or args.mesh or args.attention):
+    raise UsageError("--matrix sets --dtype, --mesh and --attention itself; drop them or drop --matrix")
+  dtypes = list(DTYPES) if args.matrix else (args.dtype or ["bfloat16"])
+  meshes = list(MATRIX_MESHES) if args.matrix else (args.mesh or ["U=2,R=2"])
+  attentions = list(MATRIX_ATTENTION) if args.matrix else (args.attention or ["auto"])
+  try:
+    degrees = {spec: parse_mesh(spec) for spec in meshes}
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+  if args.steps < 1 or args.frames < 1 or args.max_sequence_length < 1:
+    raise UsageError(f"--steps ({args.steps}), --frames ({args.frames}) and --max-sequence-length "
+                     f"({args.max_sequence_length}) must be positive")
+  candidates = [dict(dtype=d, mesh=m, ulysses=degrees[m][0], ring=degrees[m][1], attention=a)
+                for d, m, a in itertools.product(dtypes, meshes, attentions)]
+  return dict(candidates=candidates, devices=max(c["ulysses"] * c["ring"] for c in candidates),
+              min_psnr=parse_thresholds(args.min_psnr, "--min-psnr"),
+              min_ssim=parse_thresholds(args.min_ssim, "--min-ssim"),
+              max_latent_diff=parse_thresholds(args.max_latent_diff, "--max-latent-diff"))
+
+
+def _request_cpu_devices(count: int) -> None:
+  """Asks XLA for `count` fake CPU devices when JAX has not started yet (harmless on GPU/TPU)."""
+  if "jax" in sys.modules:
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _DEVICE_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --{_DEVICE_FLAG}={max(count, 1)}".strip()
+
+
+def judge(metrics: dict[str, Any], dtype: str, thresholds: dict[str, Any], gate: str) -> list[str]:
+  """The threshold failures of one candidate (empty when it passes); gate "mean" or "min"."""
+  failures = []
+  psnr, ssim = metrics[f"psnr_{gate}"], metrics[f"ssim_{gate}"]
+  if dtype in thresholds["min_psnr"] and psnr < thresholds["min_psnr"][dtype]:
+    failures.append(f"{gate} PSNR {psnr:.2f} dB < {thresholds['min_psnr'][dtype]} dB")
+  if dtype in thresholds["min_ssim"] and ssim < thresholds["min_ssim"][dtype]:
+    failures.append(f"{gate} SSIM {ssim:.5f} < {thresholds['min_ssim'][dtype]}")
+  limit = thresholds["max_latent_diff"].get(dtype)
+  if limit is not None and metrics["max_abs_latent_diff"] > limit:
+    failures.append(f"max |latent diff| {metrics['max_abs_latent_diff']:.3e} > {limit:.3e}")
+  return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    p = plan(args)
+  except UsageError as e:
+    parser.print_usage(sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  _request_cpu_devices(p["devices"])
+
+  import jax
+  import numpy as np
+
+  from end_to_end.pipeline_hooks import captured_latents, forced_attention
+  from end_to_end.video_metrics import compare_videos, max_abs_diff
+  from pipelines.pipeline import WanPipeline
+
+  if jax.device_count() < p["devices"]:
+    print(f"error: the largest candidate mesh needs {p['devices']} devices but JAX sees "
+          f"{jax.device_count()}; start with XLA_FLAGS=--{_DEVICE_FLAG}={p['devices']} on CPU",
+          file=sys.stderr)
+    return 2
+
+  pipes: dict[str, WanPipeline] = {}
+
+  def pipeline(dtype: str) -> WanPipeline:
+    if dtype not in pipes:
+      pipes[dtype] = (WanPipeline.tiny(dtype) if args.model == "tiny"
+                      else WanPipeline.from_pretrained(args.model, dtype=dtype))
+    return pipes[dtype]
+
+  call = dict(height=args.height, width=args.width, num_frames=args.frames,
+              num_inference_steps=args.steps, guidance_scale=args.guidance,
+              max_sequence_length=args.max_sequence_length)
+  shape = pipeline("float32").latent_shape(1, args.height, args.width, args.frames)
+
+  def draw(seed: int) -> np.ndarray:  # the pipeline's own rule for video 0 of a seed
+    return np.random.default_rng(seed).standard_normal(shape, np.float32)
+
+  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray):
+    pipe = pipeline(dtype)
+    with forced_attention(implementation), captured_latents(pipe) as final:
+      result = pipe.run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh, **call)
+    return result, final[-1]
+
+  print(f"backend {jax.default_backend()} x{jax.device_count()}; model {args.model!r}; "
+        f"{args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance {args.guidance}, "
+        f"L={args.max_sequence_length}; latents {shape} from seed {args.seed}")
+  start = time.perf_counter()
+  ref, ref_latents = generate("float32", None, REFERENCE_ATTENTION, draw(args.seed))
+  print(f"reference: float32, one device, attention {REFERENCE_ATTENTION} forced "
+        f"({time.perf_counter() - start:.1f} s)")
+
+  candidate_seed = args.seed if args.candidate_seed is None else args.candidate_seed
+  candidate_latents = draw(candidate_seed)
+  print(f"{'dtype':9s} {'mesh RxU':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
+        f"{'SSIM mean':>9s} {'SSIM min':>9s} {'max|dlat|':>10s} {'sec':>6s}  verdict")
+  rows = []
+  for c in p["candidates"]:
+    start = time.perf_counter()
+    out, latents = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents)
+    seconds = time.perf_counter() - start
+    metrics = compare_videos(ref.frames, out.frames)
+    metrics["max_abs_latent_diff"] = max_abs_diff(ref_latents, latents)
+    failures = judge(metrics, c["dtype"], p, args.gate)
+    rows.append(dict(dtype=c["dtype"], mesh=dict(U=c["ulysses"], R=c["ring"]), attention=c["attention"],
+                     seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
+                     failures=failures, **metrics))
+    verdict = "pass" if not failures else "FAIL: " + "; ".join(failures)
+    print(f"{c['dtype']:9s} {c['ring']}x{c['ulysses']:<6d} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
+          f"{metrics['psnr_min']:9.2f} {metrics['ssim_mean']:9.5f} {metrics['ssim_min']:9.5f} "
+          f"{metrics['max_abs_latent_diff']:10.3e} {seconds:6.1f}  {verdict}")
+    if args.per_frame or len(p["candidates"]) == 1:
+      print("  per-frame PSNR dB: " + " ".join(f"{v:.2f}" for v in metrics["psnr_per_frame"]))
+      print("  per-frame SSIM:    " + " ".join(f"{v:.5f}" for v in metrics["ssim_per_frame"]))
+
+  passed = all(r["passed"] for r in rows)
+  print(f"{sum(r['passed'] for r in rows)}/{len(rows)} candidates pass "
+        f"({args.gate} over frames: PSNR >= {p['min_psnr']}, SSIM >= {p['min_ssim']}"
+        + (f", max latent diff {p['max_latent_diff']}" if p["max_latent_diff"] else "") + ")")
+  if args.json:
+    report = dict(
+        backend=jax.default_backend(), device_count=jax.device_count(), model=args.model,
+        settings=dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+                      width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
+                      max_sequence_length=args.max_sequence_length, seed=args.seed,
+                      candidate_seed=candidate_seed, latent_shape=list(shape)),
+        reference=dict(dtype="float32", mesh=None, attention=REFERENCE_ATTENTION, timings=ref.timings),
+        thresholds=dict(min_psnr=p["min_psnr"], min_ssim=p["min_ssim"], max_latent_diff=p["max_latent_diff"],
+                        gate=f"{args.gate} over frames"),
+        metric_notes=dict(psnr="dB, data range 1, identical frames capped at 200 dB",
+                          ssim="skimage structural_similarity, data_range=1.0, channel_axis=-1, 7x7 window"),
+        candidates=rows, passed=passed)
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=2)
+  return 0 if passed else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
