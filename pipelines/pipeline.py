@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import attention
+from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
 from pipelines import checkpoint
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
@@ -235,7 +236,8 @@ TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one
 
 
 def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
-                  text: jax.Array, guidance: jax.Array, *, mesh: Mesh | None, cfg: bool):
+                  text: jax.Array, guidance: jax.Array, *, mesh: Mesh | None, cfg: bool,
+                  attention_implementation: str = "auto"):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -246,6 +248,7 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
     guidance: float32 [] scale of this step's expert.
     mesh: None or the (ring, ulysses) mesh (static).
     cfg: classifier-free guidance on (static).
+    attention_implementation: "auto" | "lse" | "fixed_m" for the transformer (static).
 
   Returns:
     (latents float32 [B, C, F, Hl, Wl], new solver state).
@@ -256,7 +259,8 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
   if cfg:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  noise = forward(model, x, timestep, text, mesh=mesh)  # model dtype
+  noise = forward(model, x, timestep, text, mesh=mesh,
+                  attention_implementation=attention_implementation)  # model dtype
   if cfg:
     cond, uncond = jnp.split(noise, 2, axis=0)
     # torch: scalar * tensor computes in fp32 ("opmath") and rounds once to the tensor dtype.
@@ -265,13 +269,19 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
   new_latents, solver = solver.step(noise, latents)
   # Euler returns the model dtype (as diffusers); fp32 holds those values exactly and keeps one
   # signature for every step.
-  return new_latents.astype(latents.dtype), solver
+  out = (new_latents.astype(latents.dtype), solver)
+  if mesh is not None:
+    # Pin the carried state to the replicated layout it came in with: otherwise GSPMD may hand it
+    # back sharded and the next call of this compiled step rejects its own output.
+    out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P()))
+  return out
 
 
 # Compiled steps by (graph, mesh, cfg, abstract arguments): pipelines with the same architecture
 # (both experts of Wan 2.2, or two loads of one folder) share one executable per shape.
 _COMPILED_STEPS: dict[Any, Any] = {}
-_denoise_step_jit = jax.jit(_denoise_step, static_argnums=0, static_argnames=("mesh", "cfg"),
+_denoise_step_jit = jax.jit(_denoise_step, static_argnums=0,
+                            static_argnames=("mesh", "cfg", "attention_implementation"),
                             donate_argnames=("latents", "solver"))
 
 
@@ -398,13 +408,17 @@ class WanPipeline:
     self._experts = [jax.device_put(state, sharding) for state in self._experts]
     self._placement = key
 
-  def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool):
+  def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
+                     attention_implementation: str = "auto"):
     """The compiled `_denoise_step` for these shapes, dtypes and shardings (compiled once each)."""
     args = (params, latents, solver, text, guidance)
     leaves, treedef = jax.tree.flatten(args)
-    key = (self._graphdef, mesh, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    key = (self._graphdef, mesh, cfg, attention_implementation, treedef,
+           tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in _COMPILED_STEPS:
-      _COMPILED_STEPS[key] = _denoise_step_jit.lower(self._graphdef, *args, mesh=mesh, cfg=cfg).compile()
+      _COMPILED_STEPS[key] = _denoise_step_jit.lower(
+          self._graphdef, *args, mesh=mesh, cfg=cfg,
+          attention_implementation=attention_implementation).compile()
     return _COMPILED_STEPS[key]
 
   def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> jax.Array:
@@ -524,11 +538,16 @@ class WanPipeline:
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
           latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
-          progress: bool = False, on_step: Callable[[int, float], None] | None = None) -> GenerationResult:
+          progress: bool = False, on_step: Callable[[int, float], None] | None = None,
+          attention_implementation: str = "auto") -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
-    `on_step(k, seconds)` is called after each denoising step.
+    `on_step(k, seconds)` is called after each denoising step. `attention_implementation`
+    ("auto" | "lse" | "fixed_m") picks the transformer's attention path (part of the compiled
+    step's cache key).
     """
+    if attention_implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
     s = self.check_inputs(prompt, negative_prompt, height=height, width=width, num_frames=num_frames,
                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                           guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, seed=seed,
@@ -561,7 +580,7 @@ class WanPipeline:
 
     start = time.perf_counter()
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], mesh=mesh,
-                               cfg=s["cfg"])
+                               cfg=s["cfg"], attention_implementation=attention_implementation)
     timings["compile"] = time.perf_counter() - start
 
     step_times = []
@@ -596,7 +615,7 @@ class WanPipeline:
         scheduler=dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
-        explicit_latents=s["latents"] is not None)
+        explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation)
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
 
   def decode(self, latents: np.ndarray) -> np.ndarray:

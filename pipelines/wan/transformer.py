@@ -210,9 +210,10 @@ class SequenceLayout:
     padded_tokens: T rounded up to a multiple of U * R (== T without a mesh).
   """
 
-  def __init__(self, mesh: Mesh | None, tokens: int):
+  def __init__(self, mesh: Mesh | None, tokens: int, attention_implementation: str = "auto"):
     self.mesh = mesh
     self.tokens = tokens
+    self.implementation = attention_implementation
     self.padded_tokens = tokens
     if mesh is not None:
       ulysses, ring = mesh_degrees(mesh)  # ValueError unless the mesh has both axes
@@ -242,14 +243,15 @@ class SequenceLayout:
   def self_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """[B, T, N, H] x3 -> [B, T, N, H]: local attention, or USP over the mesh."""
     if self.mesh is None:
-      return attention.local_attention(q, k, v)
-    return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]))
+      return attention.local_attention(q, k, v, implementation=self.implementation)
+    return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]),
+                                   implementation=self.implementation)
 
   def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
     if self.mesh is None:
-      return attention.local_attention(q, k, v)
-    return attention.cross_attention(q, k, v, mesh=self.mesh)
+      return attention.local_attention(q, k, v, implementation=self.implementation)
+    return attention.cross_attention(q, k, v, mesh=self.mesh, implementation=self.implementation)
 
 
 class WanBlock(nnx.Module):
@@ -360,7 +362,8 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
 
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
-            encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+            encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
+            attention_implementation: str = "auto") -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   Args:
@@ -371,6 +374,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
     mesh: None for one device, or a mesh with axes ("ring", "ulysses") (`attention.make_mesh`):
       the forward then runs sequence-parallel over U * R devices (static under jit).
+    attention_implementation: "auto" (fixed-m where the mesh-uniform gate admits it, else LSE),
+      "lse" or "fixed_m" (forced; NaN where the gate rejects), for every self- and
+      cross-attention (static under jit).
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -384,7 +390,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   b, _, f, h, w = latents.shape
   pt, ph, pw = config.patch_size
   grid = (f // pt, h // ph, w // pw)
-  layout = SequenceLayout(mesh, math.prod(grid))
+  if attention_implementation not in attention.IMPLEMENTATIONS:
+    raise ValueError(f"unknown {attention_implementation=}; expected one of {attention.IMPLEMENTATIONS}")
+  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation)
 
   x_BTD = model.patch_embedding(latents.astype(dtype))
   temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
