@@ -1,0 +1,166 @@
+"""Ahead-of-time compile of one denoising step for a TPU topology, on a machine without a TPU.
+
+What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
+guidance mix, flow-UniPC update; `pipelines.pipeline._denoise_step`, mirrored by `denoise_step`
+below until the pipeline exposes it) for abstract inputs: weights replicated over the mesh (DESIGN.md
+section 2), latents / solver state / text replicated, video tokens sharded over (ring, ulysses)
+inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
+
+Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
+output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
+wall time, and the collectives in the compiled HLO (`end_to_end.collectives.hlo_collectives`).
+This is a COMPILE-TIME report, not a runtime measurement: no step is executed.
+
+libtpu: `pip install --no-deps --target DIR "libtpu==0.0.42.*"`, DIR on PYTHONPATH, and run with
+JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost so that libtpu does not wait
+for a TPU metadata server. Only one process at a time may hold libtpu (/tmp/libtpu_lockfile).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# (transformer preset, height, width, flow shift) compiled by `--aot`: the issue's two targets.
+AOT_TARGETS = (("wan2.1-t2v-1.3b", 480, 832, 3.0), ("wan2.1-t2v-14b", 720, 1280, 5.0))
+AOT_FRAMES = 81
+AOT_TEXT_LEN = 512
+
+
+class TopologyUnavailable(RuntimeError):
+  """The TPU topology could not be built here (no libtpu, locked, unknown name)."""
+
+
+def topology_devices(name: str) -> list[Any]:
+  """The devices of TPU topology `name` (e.g. "v6e:2x4") for AOT compilation.
+
+  Raises:
+    TopologyUnavailable: libtpu missing or unusable, with how to fix it.
+  """
+  from jax.experimental import topologies
+
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+  except Exception as e:  # noqa: BLE001 - the optional TPU path: say why it is unavailable, then stop
+    raise TopologyUnavailable(
+        f"cannot build TPU topology {name!r}: {e}. Install libtpu (pip install --no-deps --target DIR "
+        "'libtpu==0.0.42.*'), put DIR on PYTHONPATH and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 "
+        "TPU_WORKER_HOSTNAMES=localhost; only one process may hold libtpu at a time") from e
+
+
+def default_degrees(devices: int, heads: int) -> tuple[int, int]:
+  """(U, R) with U * R == devices and the largest U that divides `heads` (Ulysses is the cheaper
+  axis on one ICI island; DESIGN.md section 2)."""
+  ulysses = max(u for u in range(1, devices + 1) if devices % u == 0 and heads % u == 0)
+  return ulysses, devices // ulysses
+
+
+def denoise_step(graphdef, params, latents, solver, text, guidance, *, mesh):
+  """Mirror of the pipeline's `_denoise_step` with CFG on (latents float32 [B, C, F, Hl, Wl], text
+  [2B, L, text_dim] cond rows then uncond rows, guidance float32 [])."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from pipelines.wan.transformer import forward
+
+  model = nnx.merge(graphdef, params)
+  x = latents.astype(model.dtype)
+  x = jnp.concatenate([x, x], axis=0)
+  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  noise = forward(model, x, timestep, text, mesh=mesh)
+  cond, uncond = jnp.split(noise, 2, axis=0)
+  noise = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(noise.dtype)
+  new_latents, solver = solver.step(noise, latents)
+  return new_latents.astype(latents.dtype), solver
+
+
+def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
+                         dtype: str, text_len: int, flow_shift: float, ulysses: int | None = None,
+                         ring: int | None = None) -> dict[str, Any]:
+  """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
+
+  Returns:
+    dict: model, mesh {U, R}, latent shape, tokens, compile_s, memory_analysis (bytes per device),
+    cost_analysis, collectives ({op: {count, bytes}}).
+
+  Raises:
+    ValueError: a mesh that does not fit the devices or heads.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import attention
+  from end_to_end.collectives import hlo_collectives
+  from pipelines.wan import schedulers
+  from pipelines.wan.transformer import build_transformer, param_shapes
+  from pipelines.wan.transformer_config import PRESETS
+
+  config = PRESETS[preset]
+  if ulysses is None or ring is None:
+    ulysses, ring = default_degrees(len(devices), config.num_attention_heads)
+  if ulysses * ring != len(devices):
+    raise ValueError(f"mesh U={ulysses},R={ring} needs {ulysses * ring} devices; the topology has {len(devices)}")
+  attention.check_heads(config.num_attention_heads, config.num_attention_heads, ulysses, ring)
+  mesh = attention.make_mesh(ulysses=ulysses, ring=ring, devices=devices)
+  replicated = NamedSharding(mesh, P())
+  model_dtype = jnp.dtype(dtype)
+
+  def zeros(tree):
+    return {k: zeros(v) if isinstance(v, dict) else jnp.zeros(v, jnp.float32) for k, v in tree.items()}
+
+  abstract = nnx.eval_shape(lambda: build_transformer(config, zeros(param_shapes(config)), model_dtype))
+  graphdef, state = nnx.split(abstract)
+
+  def spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+  latent_shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+  solver = schedulers.UniPCConfig(flow_shift=flow_shift).set_timesteps(50).init_state(latent_shape, jnp.float32)
+  args = (jax.tree.map(spec, state), spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
+          jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
+          spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), model_dtype)),
+          spec(jax.ShapeDtypeStruct((), jnp.float32)))
+  step = jax.jit(denoise_step, static_argnums=0, static_argnames="mesh", donate_argnums=(2, 3))
+  start = time.perf_counter()
+  compiled = step.lower(graphdef, *args, mesh=mesh).compile()
+  compile_s = time.perf_counter() - start
+
+  report: dict[str, Any] = dict(
+      model=preset, dtype=dtype, height=height, width=width, frames=frames, text_len=text_len,
+      latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
+      mesh=dict(U=ulysses, R=ring), devices=len(devices), compile_s=compile_s,
+      collectives=hlo_collectives(compiled.as_text()))
+  memory = compiled.memory_analysis()
+  if memory is not None:
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes", "alias_size_in_bytes")
+    report["memory_analysis"] = {f: int(getattr(memory, f, 0)) for f in fields}
+  cost = compiled.cost_analysis()
+  if cost:
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    report["cost_analysis"] = {k: float(v) for k, v in cost.items()
+                               if k in ("flops", "bytes accessed", "transcendentals")}
+  return report
+
+
+def format_report(rows: list[dict[str, Any]], topology: str) -> str:
+  """The AOT table as text (GiB per device, TFLOP per device, collective counts / MiB)."""
+  lines = [f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
+           "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
+           f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
+           f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"{r['model']:16s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}")
+      continue
+    mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
+    coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+    lines.append(
+        f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
+        f"{'U=%d,R=%d' % (r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
+        f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
+        f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")
+  return "\n".join(lines)

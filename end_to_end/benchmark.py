@@ -1,0 +1,294 @@
+"""End-to-end runtime of text-to-video generation by stage, ours and (optionally) diffusers'.
+
+  python -m end_to_end.benchmark --preset tiny --compare diffusers
+  python -m end_to_end.benchmark --preset 1.3b-width --compare diffusers --json bench.json   # CPU
+  python -m end_to_end.benchmark --preset wan2.1-1.3b --compare diffusers --steps 10          # 1 GPU
+  python -m end_to_end.benchmark --preset wan2.1-14b --mesh U=4,R=2                           # 8 chips
+  python -m end_to_end.benchmark --model ./Wan2.1-T2V-1.3B-Diffusers --compare diffusers      # real weights
+  python -m end_to_end.benchmark --aot v6e:2x4 --json aot.json       # TPU compile report, no TPU needed
+
+Presets (`end_to_end/bench_presets.py`): tiny; 1.3b-width (the real Wan 1.3B block width with 2
+of its 30 blocks, at a CPU-sized video); wan2.1-1.3b and wan2.1-14b (the real architectures at
+480p / 720p x 81 frames) for accelerators. Weights are random (timing depends on shapes only).
+
+Stages (`end_to_end/timed_runs.py`): load (our random init, or from_pretrained of a folder), text
+encode, compile (our jitted denoise step; diffusers is eager: 0), denoise per step (min and
+median over steps), all steps, VAE decode, total (the call, load excluded). `--runs 2` (default)
+calls each pipeline twice with the same inputs: run 1 is what one video costs from a fresh
+process (ours compiles text encoder, step and VAE there), run 2 is the steady state. The ratio
+column is ours / diffusers on the last run (< 1: ours is faster).
+
+`--compare diffusers` builds diffusers' random-weight pipeline for the preset with torch's
+default init, saves it with `save_pretrained` (to --folder, default a temporary folder), and loads
+BOTH pipelines from it: the very same weights. Both run the same prompt, negative prompt, size,
+steps, guidance, sequence length and the same explicit initial latents, in this process, one
+after the other; their videos are compared (PSNR) as a check that the settings match. diffusers
+runs on --torch-device (default: cuda when available, else cpu), ours on JAX's default backend.
+
+`--aot TOPOLOGY` (e.g. v6e:2x4, v5e:4x4; needs libtpu, see `end_to_end/aot.py`) compiles the
+denoise step of Wan 1.3B at 480p and Wan 14B at 720p (81 frames, bf16, CFG) for that TPU
+topology here and prints per-device memory and cost analysis, compile time and collectives. It is
+a compile-time report, not a runtime measurement. If the topology cannot be initialised within
+--aot-init-timeout seconds, or at all, it says why and exits with status 3.
+Exit status: 0 on success, 2 on a usage error, 3 when the TPU topology is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from end_to_end.collectives import parse_mesh  # no JAX import: fake devices can still be requested
+
+PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
+ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
+_DEVICE_FLAG = "xla_force_host_platform_device_count"
+_TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.benchmark", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+  ap.add_argument("--model", help="a diffusers Wan folder to load instead of the preset's random weights "
+                  "(the preset still gives the run settings)")
+  ap.add_argument("--height", type=int)
+  ap.add_argument("--width", type=int)
+  ap.add_argument("--frames", type=int, help="4k + 1")
+  ap.add_argument("--steps", type=int)
+  ap.add_argument("--layers", type=int, help="override the transformer's number of blocks")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+  ap.add_argument("--guidance", type=float)
+  ap.add_argument("--max-sequence-length", type=int)
+  ap.add_argument("--prompt", default="a red fox running through snow, cinematic")
+  ap.add_argument("--negative-prompt", default="blurry, low quality")
+  ap.add_argument("--seed", type=int, default=0, help="weights and initial latents")
+  ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
+  ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
+  ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
+  ap.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
+  ap.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, removed)")
+  ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
+  ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
+  ap.add_argument("--aot-init-timeout", type=float, default=120.0,
+                  help="seconds allowed for libtpu to build the topology before giving up")
+  ap.add_argument("--json", help="write the report here")
+  return ap
+
+
+def resolve_preset(args: argparse.Namespace):
+  """The preset with the command-line overrides applied (ValueError on bad values)."""
+  from end_to_end.bench_presets import PRESETS
+
+  preset = PRESETS[args.preset]
+  overrides = {k: getattr(args, a) for k, a in (
+      ("height", "height"), ("width", "width"), ("frames", "frames"), ("steps", "steps"), ("dtype", "dtype"),
+      ("guidance", "guidance"), ("max_sequence_length", "max_sequence_length")) if getattr(args, a) is not None}
+  if args.layers is not None:
+    if args.layers < 1:
+      raise ValueError(f"--layers {args.layers} must be >= 1")
+    overrides["transformer"] = dataclasses.replace(preset.transformer, num_layers=args.layers)
+  return dataclasses.replace(preset, **overrides)
+
+
+def _versions() -> dict[str, str]:
+  import importlib.metadata as md
+
+  out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
+  for name in ("jax", "jaxlib", "flax", "torch", "diffusers", "transformers"):
+    try:
+      out[name] = md.version(name)
+    except md.PackageNotFoundError:
+      out[name] = "not installed"
+  return out
+
+
+def _fmt(v: float | None) -> str:
+  return "-" if v is None else f"{v:.3f}"
+
+
+def print_table(report: dict[str, Any]) -> None:
+  """Stage table: ours (and diffusers) per run, ratio ours/diffusers on the last run."""
+  ours, theirs = report["ours"], report.get("diffusers")
+  runs = len(ours["runs"])
+  names = ["cold", "warm"][:runs] if runs <= 2 else [f"run{i + 1}" for i in range(runs)]
+  header = f"{'stage (s)':20s}" + "".join(f" {'ours ' + n:>11s}" for n in names)
+  if theirs:
+    header += "".join(f" {'diffusers ' + n:>15s}" for n in names) + f" {'ours/diffusers':>15s}"
+  print(header)
+  for row in ROWS:
+    def value(side, i):
+      return side["load_s"] if row == "load" else side["runs"][i][row]
+    line = f"{row:20s}" + "".join(f" {_fmt(value(ours, i) if row != 'load' or i == 0 else None):>11s}"
+                                  for i in range(runs))
+    if theirs:
+      line += "".join(f" {_fmt(value(theirs, i) if row != 'load' or i == 0 else None):>15s}" for i in range(runs))
+      ratio = report["ratios"].get(row)
+      line += f" {'n/a' if ratio is None else f'{ratio:.2f}x':>15s}"
+    print(line)
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+  """ours / diffusers per stage on the last run (load: the one load); None where diffusers is 0."""
+  out = {}
+  for row in ROWS:
+    a = ours["load_s"] if row == "load" else ours["runs"][-1][row]
+    b = theirs["load_s"] if row == "load" else theirs["runs"][-1][row]
+    out[row] = a / b if b > 0 else None
+  return out
+
+
+def run_aot(args: argparse.Namespace) -> int:
+  """`--aot`: compile the two targets for the topology and print the table (exit 3: no topology)."""
+  for key, value in _TPU_OFFLINE_ENV.items():
+    os.environ.setdefault(key, value)
+  from end_to_end import aot
+
+  print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
+  # libtpu can block inside C (e.g. waiting for a metadata server); a watchdog thread ends the
+  # process then, which a Python-level timeout could not.
+  faulthandler.dump_traceback_later(args.aot_init_timeout, exit=True)
+  try:
+    devices = aot.topology_devices(args.aot)
+  except aot.TopologyUnavailable as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
+  finally:
+    faulthandler.cancel_dump_traceback_later()
+  mesh = parse_mesh(args.aot_mesh) if args.aot_mesh else (None, None)
+  rows = []
+  for preset, height, width, shift in aot.AOT_TARGETS:
+    print(f"compiling {preset} {aot.AOT_FRAMES}x{height}x{width} for {args.aot} ...", flush=True)
+    try:
+      rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
+                                           frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
+                                           text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
+                                           ulysses=mesh[0], ring=mesh[1]))
+    except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
+      rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
+                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+  print(aot.format_report(rows, args.aot))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
+                     versions=_versions(), rows=rows), f, indent=2)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    ulysses, ring = parse_mesh(args.mesh) if args.mesh else (1, 1)
+    if args.aot_mesh:
+      parse_mesh(args.aot_mesh)
+    if args.runs < 1:
+      raise ValueError(f"--runs {args.runs} must be >= 1")
+    if args.aot and (args.compare or args.model or args.mesh):
+      raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
+  except ValueError as e:
+    parser.print_usage(sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.aot:
+    return run_aot(args)
+  if args.mesh and "jax" not in sys.modules and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_DEVICE_FLAG}={ulysses * ring}".strip()
+
+  try:
+    preset = resolve_preset(args)
+  except ValueError as e:
+    parser.print_usage(sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+  import jax
+  import numpy as np
+
+  from end_to_end import bench_presets, timed_runs
+  from end_to_end.video_metrics import max_abs_diff, psnr_per_frame
+  from pipelines.pipeline import WanPipeline
+
+  torch_device = args.torch_device
+  if args.compare and torch_device is None:
+    import torch
+    torch_device = "cuda" if torch.cuda.is_available() else "cpu"
+
+  call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=preset.height,
+              width=preset.width, frames=preset.frames, steps=preset.steps, guidance=preset.guidance,
+              max_sequence_length=preset.max_sequence_length)
+  latents = np.random.default_rng(args.seed).standard_normal(preset.latent_shape, np.float32)
+  print(f"preset {args.preset}: {preset.description}")
+  t = preset.transformer
+  print(f"  transformer {t.num_layers} layers D={t.dim} N={t.num_attention_heads} ffn={t.ffn_dim}; text encoder "
+        f"{preset.text_encoder.num_layers} layers d={preset.text_encoder.d_model}; {preset.dtype}; "
+        f"{preset.frames}x{preset.height}x{preset.width} -> latents {preset.latent_shape}, {preset.tokens} tokens; "
+        f"{preset.steps} steps, guidance {preset.guidance}, L={preset.max_sequence_length}")
+  print(f"  ours: JAX {jax.default_backend()} x{jax.device_count()}, mesh {args.mesh or 'none (one device)'}"
+        + (f"; diffusers: torch {torch_device}" if args.compare else ""), flush=True)
+
+  folder, temporary = args.model, False
+  if args.compare and folder is None:
+    folder = args.folder or tempfile.mkdtemp(prefix="wan_bench_")
+    temporary = args.folder is None
+    start = time.perf_counter()
+    bench_presets.save_diffusers_pipeline(preset, folder, seed=args.seed)
+    print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)", flush=True)
+  report: dict[str, Any] = dict(
+      kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
+      settings=dict(call, dtype=preset.dtype, seed=args.seed, latent_shape=list(preset.latent_shape),
+                    tokens=preset.tokens, transformer=preset.transformer.to_dict(),
+                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh),
+      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions())
+  try:
+    start = time.perf_counter()
+    ours_pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
+                 else bench_presets.init_ours(preset, seed=args.seed))
+    ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
+                runs=[])
+    for i in range(args.runs):
+      stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh, **call)
+      ours["runs"].append(stages)
+      print(f"  ours run {i + 1}: total {stages['total']:.2f} s", flush=True)
+    report["ours"] = ours
+    del ours_pipe
+    if args.compare:
+      import torch
+      report["torch_threads"] = torch.get_num_threads()
+      start = time.perf_counter()
+      pipe = timed_runs.load_diffusers(folder, dtype=preset.dtype, device=torch_device)
+      theirs = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained", device=torch_device, runs=[])
+      for i in range(args.runs):
+        stages, frames, final = timed_runs.run_diffusers(pipe, latents=latents, device=torch_device, **call)
+        theirs["runs"].append(stages)
+        print(f"  diffusers run {i + 1}: total {stages['total']:.2f} s", flush=True)
+      report["diffusers"] = theirs
+      report["ratios"] = ratios(ours, theirs)
+      report["agreement"] = dict(psnr_mean_db=float(np.mean(psnr_per_frame(frames, ours_frames))),
+                                 max_abs_latent_diff=max_abs_diff(final, ours_latents))
+  finally:
+    if temporary:
+      shutil.rmtree(folder, ignore_errors=True)
+
+  print_table(report)
+  if args.compare:
+    a = report["agreement"]
+    print(f"same video? ours vs diffusers: PSNR {a['psnr_mean_db']:.1f} dB, max |latent diff| "
+          f"{a['max_abs_latent_diff']:.2e} (a check that both ran the same weights and settings)")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

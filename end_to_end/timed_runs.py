@@ -1,0 +1,126 @@
+"""One timed text-to-video call of our `WanPipeline` or of diffusers' `WanPipeline`, by stage.
+
+Stages (seconds; the same names for both pipelines):
+  text_encode          tokenise + UMT5-encode prompt and negative prompt
+  compile              our jitted denoise step's lower + compile (0 when cached); diffusers runs
+                       eager PyTorch and has no such stage (reported as 0.0)
+  denoise_step_min     fastest denoising step (transformer on cond and uncond, guidance, UniPC)
+  denoise_step_median  median step
+  denoise              all steps
+  decode               VAE decode of the final latents (incl. our per-video loop)
+  total                the whole call, prompt in, frames out (model load excluded; it is timed apart)
+Our first call also compiles the text encoder and the VAE inside "text_encode" / "decode" (JAX
+compiles on first use); a second call with the same shapes shows the steady state.
+Accelerator work is waited for at each stage boundary (`block_until_ready`, `cuda.synchronize`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+STAGES = ("text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
+
+
+def _summary(text_encode: float, compile_s: float, steps: list[float], decode: float, total: float) -> dict[str, Any]:
+  return dict(text_encode=text_encode, compile=compile_s, denoise_step_min=min(steps),
+              denoise_step_median=statistics.median(steps), denoise=sum(steps), decode=decode, total=total,
+              step_times=list(steps))
+
+
+def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndarray, height: int, width: int,
+             frames: int, steps: int, guidance: float, max_sequence_length: int,
+             mesh: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+  """One `pipe.run` call.
+
+  Returns:
+    (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
+    final latents float32 [1, C, F, Hl, Wl]).
+  """
+  from end_to_end.pipeline_hooks import captured_latents
+
+  step_times: list[float] = []
+  with captured_latents(pipe) as final:
+    result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
+                      num_inference_steps=steps, guidance_scale=guidance, latents=latents,
+                      max_sequence_length=max_sequence_length, mesh=mesh,
+                      on_step=lambda k, seconds: step_times.append(seconds))
+  t = result.timings
+  return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),
+          result.frames, final[-1])
+
+
+def load_diffusers(folder: str, *, dtype: str, device: str):
+  """diffusers `WanPipeline.from_pretrained(folder)` in `dtype` with the VAE in float32 (as our
+  pipeline and diffusers' Wan examples run it), moved to `device`, progress bar off."""
+  import diffusers
+  import torch
+
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  vae = diffusers.AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
+  pipe = diffusers.WanPipeline.from_pretrained(folder, vae=vae, torch_dtype=torch_dtype).to(device)
+  pipe.set_progress_bar_config(disable=True)
+  return pipe
+
+
+def run_diffusers(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndarray, height: int,
+                  width: int, frames: int, steps: int, guidance: float, max_sequence_length: int,
+                  device: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+  """One diffusers `WanPipeline.__call__(..., output_type="np")`, timed by wrapping
+  `encode_prompt` and `vae.decode` and by `callback_on_step_end` (step k ends at its callback;
+  step 0 starts when the prompt encoding returns: the gap holds only timestep and latent set-up).
+
+  Returns:
+    (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
+    final latents float32 [1, C, F, Hl, Wl]).
+  """
+  import torch
+
+  def sync():
+    if device.startswith("cuda"):
+      torch.cuda.synchronize()
+
+  marks: dict[str, Any] = {"steps": []}
+  encode, decode = pipe.encode_prompt, pipe.vae.decode
+
+  def timed_encode(*args, **kwargs):
+    start = time.perf_counter()
+    out = encode(*args, **kwargs)
+    sync()
+    marks["encoded"] = time.perf_counter()
+    marks["text_encode"] = marks["encoded"] - start
+    return out
+
+  def timed_decode(*args, **kwargs):
+    sync()
+    start = time.perf_counter()
+    out = decode(*args, **kwargs)
+    sync()
+    marks["decode"] = time.perf_counter() - start
+    return out
+
+  def on_step(_pipe, _i, _t, tensors):
+    sync()
+    marks["steps"].append(time.perf_counter())
+    marks["latents"] = tensors["latents"].detach().float().cpu().numpy()
+    return {}
+
+  pipe.encode_prompt, pipe.vae.decode = timed_encode, timed_decode
+  try:
+    start = time.perf_counter()
+    with torch.no_grad():
+      out = pipe(prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=frames,
+                 num_inference_steps=steps, guidance_scale=guidance,
+                 latents=torch.from_numpy(np.array(latents, np.float32)).to(device),
+                 max_sequence_length=max_sequence_length, output_type="np", callback_on_step_end=on_step)
+    sync()
+    total = time.perf_counter() - start
+  finally:
+    del pipe.encode_prompt, pipe.vae.decode
+  ends = [marks["encoded"], *marks["steps"]]
+  step_times = [b - a for a, b in zip(ends, ends[1:])]
+  return (_summary(marks["text_encode"], 0.0, step_times, marks["decode"], total),
+          np.asarray(out.frames, np.float32), marks["latents"])
