@@ -170,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   import numpy as np
 
-  from end_to_end.pipeline_hooks import captured_latents, forced_attention
   from end_to_end.video_metrics import compare_videos, max_abs_diff
   from pipelines.pipeline import WanPipeline
 
@@ -197,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     return np.random.default_rng(seed).standard_normal(shape, np.float32)
 
   def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray):
-    pipe = pipeline(dtype)
-    with forced_attention(implementation), captured_latents(pipe) as final:
-      result = pipe.run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh, **call)
-    return result, final[-1]
+    result = pipeline(dtype).run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh,
+                                 attention_implementation=implementation, **call)
+    return result, result.latents
 
   print(f"backend {jax.default_backend()} x{jax.device_count()}; model {args.model!r}; "
         f"{args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance {args.guidance}, "

@@ -40,17 +40,14 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
     (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
     final latents float32 [1, C, F, Hl, Wl]).
   """
-  from end_to_end.pipeline_hooks import captured_latents
-
   step_times: list[float] = []
-  with captured_latents(pipe) as final:
-    result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
-                      num_inference_steps=steps, guidance_scale=guidance, latents=latents,
-                      max_sequence_length=max_sequence_length, mesh=mesh,
-                      on_step=lambda k, seconds: step_times.append(seconds))
+  result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
+                    num_inference_steps=steps, guidance_scale=guidance, latents=latents,
+                    max_sequence_length=max_sequence_length, mesh=mesh,
+                    on_step=lambda k, seconds: step_times.append(seconds))
   t = result.timings
   return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),
-          result.frames, final[-1])
+          result.frames, result.latents)
 
 
 def load_diffusers(folder: str, *, dtype: str, device: str):
