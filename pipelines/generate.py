@@ -8,9 +8,21 @@ noise-like videos; a diffusers-format folder gives real videos. On the CPU backe
 more devices than are visible is simulated with that many CPU devices (XLA's
 --xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
 
-Every argument is checked before any model is loaded. Output (mp4 via imageio-ffmpeg, .gif, or a
-folder of PNG frames) and its JSON sidecar are written to a temporary name and renamed into place;
-an existing output is replaced only with --overwrite. Exit status 0 on success, 2 on a usage error.
+Multi-host: start the same command once per process with `--coordinator HOST:PORT
+--num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID);
+the mesh spans every process's devices (U*R = all of them), and only process 0 writes the output:
+
+  generate --prompt "..." --mesh U=2,R=2 --seed 1 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+  generate --prompt "..." --mesh U=2,R=2 --seed 1 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1
+
+Every argument is checked before any model is loaded, and every weight file's header before any
+compute. Output (mp4 via imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and
+its JSON sidecar are written to a temporary name and renamed into place; an existing output is
+replaced only with --overwrite, and a failed or interrupted run leaves neither. The latents are
+checked for NaN/inf after every step (--no-nan-guard turns that off).
+
+Exit status: 0 success; 2 a usage or checkpoint error (before any compute); 1 a failure while
+running (non-finite latents, coordinator unreachable); 130 interrupted (Ctrl-C).
 
 Also `python -m pipelines.generate ...`.
 """
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import re
@@ -28,7 +41,7 @@ import time
 import warnings
 from typing import Any
 
-from pipelines import video_io
+from pipelines import checkpoint, distributed, video_io
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -102,9 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (Wan: 512)")
-  p.add_argument("--out", default="output.mp4", help="*.mp4, *.gif, or a folder for PNG frames")
+  p.add_argument("--out", default="output.mp4",
+                 help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
   p.add_argument("--fps", type=float, default=16.0, help="frames per second of the output (Wan: 16)")
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
+                 help="do not stop when the latents become NaN/inf (checked after every step)")
+  g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
+  g.add_argument("--coordinator", default=None,
+                 help=f"HOST:PORT of process 0 (default ${distributed.ENV_COORDINATOR})")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help=f"processes in the run (default ${distributed.ENV_NUM_PROCESSES})")
+  g.add_argument("--process-id", type=int, default=None,
+                 help=f"this process, 0..N-1; 0 writes the output (default ${distributed.ENV_PROCESS_ID})")
+  g.add_argument("--coordinator-timeout", type=int, default=distributed.DEFAULT_TIMEOUT_S,
+                 help="seconds to wait for the coordinator and every process (default %(default)s)")
   return p
 
 
@@ -130,6 +155,13 @@ class Plan:
   out: str
   fps: float
   overwrite: bool
+  nan_guard: bool = True
+  processes: distributed.ProcessSpec | None = None  # None: a single-process run
+
+  @property
+  def writes(self) -> bool:
+    """This process writes the output (process 0, or the only one)."""
+    return self.processes is None or self.processes.process_id == 0
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -188,8 +220,10 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if steps < 1:
     raise UsageError(f"--steps {steps} must be >= 1")
   guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
+  if not all(math.isfinite(g) for g in guidance):
+    raise UsageError(f"--guidance {args.guidance!r} must be finite (Wan: 5.0; <= 1 turns CFG off)")
   shift = args.shift if args.shift is not None else (preset.shift if preset_name else None)
-  if shift is not None and not shift > 0:
+  if shift is not None and not (math.isfinite(shift) and shift > 0):
     raise UsageError(f"--shift {shift} must be > 0 (Wan: 3.0 at 480p, 5.0 at 720p, 12.0 for Wan 2.2)")
   if args.seed is not None and args.seed < 0:
     raise UsageError(f"--seed {args.seed} must be >= 0")
@@ -208,26 +242,38 @@ def plan_run(args: argparse.Namespace) -> Plan:
       raise UsageError(f"--devices {args.devices} does not match --mesh U={ulysses},R={ring} "
                        f"({ulysses * ring} devices); pass --devices {ulysses * ring} or a mesh with "
                        f"U*R = {args.devices}")
-  video_io.check_output(args.out, overwrite=args.overwrite)
+  try:
+    processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id,
+                                         timeout_s=args.coordinator_timeout)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+  if processes is not None and (ulysses * ring) % processes.num_processes:
+    raise UsageError(f"--mesh U={ulysses},R={ring} ({ulysses * ring} devices) must split evenly over "
+                     f"--num-processes {processes.num_processes}; e.g. U=<devices per process>,"
+                     f"R={processes.num_processes}")
+  if processes is None or processes.process_id == 0:  # only process 0 writes
+    video_io.check_output(args.out, overwrite=args.overwrite)
   return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
               preset=preset_name, width=width, height=height, frames=frames, steps=steps,
               guidance=guidance, shift=shift, seed=args.seed, ulysses=ulysses, ring=ring,
               devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
-              overwrite=args.overwrite)
+              overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes)
 
 
 def _request_cpu_devices(plan: Plan) -> int | None:
-  """Asks XLA for U*R (or --devices) CPU devices; returns the count asked for, None if not needed.
+  """Asks XLA for U*R (or --devices) CPU devices (split over the processes of a multi-process run);
+  returns the count asked for in this process, None if not needed.
 
   Only takes effect if the JAX backend has not started yet (hence before any compute); a count the
   user already put in XLA_FLAGS is respected.
   """
-  wanted = plan.devices or plan.ulysses * plan.ring
+  processes = plan.processes.num_processes if plan.processes is not None else 1
+  wanted = (plan.devices or plan.ulysses * plan.ring) // processes
   flags = os.environ.get("XLA_FLAGS", "")
   match = re.search(rf"--{_DEVICE_FLAG}=(\d+)", flags)
   if match is not None:
-    if plan.devices is not None and int(match.group(1)) != plan.devices:
+    if plan.devices is not None and int(match.group(1)) * processes != plan.devices:
       raise UsageError(f"XLA_FLAGS already sets --{_DEVICE_FLAG}={match.group(1)} but --devices "
                        f"{plan.devices} was given; drop one of them")
     return None
@@ -258,25 +304,31 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
                        f"fresh process or set XLA_FLAGS=--{_DEVICE_FLAG}={plan.devices}")
   try:
     check_mesh(plan.ulysses, plan.ring, heads=heads, device_count=count)
+    distributed.check_mesh_spans_processes(plan.ulysses * plan.ring)
   except ValueError as e:
     raise UsageError(str(e)) from e
   used = plan.ulysses * plan.ring
-  if backend == "cpu" and requested is not None and count == requested:
-    note = f"simulating {count} CPU devices for the mesh (--{_DEVICE_FLAG}={count})"
+  local = jax.local_device_count()
+  if backend == "cpu" and requested is not None and local == requested:
+    note = f"simulating {local} CPU devices for the mesh (--{_DEVICE_FLAG}={local})"
   else:
-    note = f"{count} {backend} device(s)"
+    note = f"{local} {backend} device(s)"
+  if jax.process_count() > 1:
+    note += f" in each of {jax.process_count()} processes ({count} in all; this is process {jax.process_index()})"
   if used < count:
     note += f"; the mesh uses the first {used}"
   return note
 
 
 def _model_heads_and_experts(plan: Plan) -> tuple[int, int]:
-  """(N, number of experts) from the JSON files only."""
+  """(N, number of experts) from the JSON files; a folder's weight files are checked too
+  (safetensors present, headers intact), reading no tensor data."""
   from pipelines.pipeline import TINY_TRANSFORMER, PipelineIndex
 
   if plan.model == "tiny":
     return TINY_TRANSFORMER.num_attention_heads, 1
   index = PipelineIndex.read(plan.model)
+  index.check_weights()
   return index.transformer.num_attention_heads, 2 if index.boundary_ratio is not None else 1
 
 
@@ -305,12 +357,20 @@ class Checked:
 def check_plan(plan: Plan) -> Checked:
   """The checks that need JAX's device list or the model's JSON files (still no weights, no compute).
 
+  A multi-process run joins JAX's distributed runtime here, after the model checks and before
+  JAX's backend starts.
+
   Raises:
     UsageError: see `_check_devices`, and two guidance scales for a one-expert model.
-    checkpoint.CheckpointError: a folder that is not a Wan pipeline.
+    checkpoint.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    distributed.DistributedError: the coordinator was not reached in time.
   """
   requested = _request_cpu_devices(plan)
   heads, experts = _model_heads_and_experts(plan)
+  if plan.processes is not None:
+    print(f"generate: process {plan.processes.process_id} of {plan.processes.num_processes}: joining "
+          f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
+    distributed.initialize(plan.processes)
   device_note = _check_devices(plan, requested, heads)
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
@@ -320,17 +380,24 @@ def check_plan(plan: Plan) -> Checked:
 
 def run(checked: Checked) -> dict[str, Any]:
   """Loads the model, generates, writes the video and its sidecar; returns the sidecar dict."""
+  import jax
+  import numpy as np
+
   import attention
   from pipelines.pipeline import WanPipeline
 
   plan = checked.plan
+  seed = plan.seed
+  if seed is None and jax.process_count() > 1:  # one random seed for all: process 0's
+    from jax.experimental import multihost_utils
+    seed = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.SeedSequence().entropy % 2 ** 31)))
   start = time.perf_counter()
   pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
   load_s = time.perf_counter() - start
   mesh = None
   if plan.ulysses * plan.ring > 1:
-    mesh = attention.make_mesh(ulysses=plan.ulysses, ring=plan.ring)
+    mesh = attention.make_mesh(ulysses=plan.ulysses, ring=plan.ring, devices=jax.devices())
   mesh_text = f"U={plan.ulysses},R={plan.ring}"
   print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
         file=sys.stderr)
@@ -339,8 +406,11 @@ def run(checked: Checked) -> dict[str, Any]:
                     num_frames=plan.frames, num_inference_steps=plan.steps,
                     guidance_scale=plan.guidance[0],
                     guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None,
-                    flow_shift=plan.shift, seed=plan.seed, max_sequence_length=plan.max_sequence_length,
-                    mesh=mesh, progress=True)
+                    flow_shift=plan.shift, seed=seed, max_sequence_length=plan.max_sequence_length,
+                    mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes)
+  if not plan.writes:
+    print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
+    return {}
   start = time.perf_counter()
   out = video_io.write_video(result.frames[0], plan.out, fps=plan.fps, overwrite=plan.overwrite)
   timings = {"load": load_s, **result.timings, "write": time.perf_counter() - start}
@@ -348,7 +418,8 @@ def run(checked: Checked) -> dict[str, Any]:
   sidecar = {
       "output": os.path.abspath(out), "prompt": plan.prompt, "negative_prompt": plan.negative_prompt,
       "seed": result.settings["seed"], "model": pipe.name, "preset": plan.preset,
-      "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note},
+      "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
+               "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
       "settings": result.settings, "timings_s": timings, "versions": _versions(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -363,19 +434,35 @@ def run(checked: Checked) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Console entry point; returns the exit status (0 ok, 2 usage error, before any compute)."""
+  """Console entry point; returns the exit status (module docstring: 0, 1, 2 or 130)."""
   args = build_parser().parse_args(argv)
   try:
-    checked = check_plan(plan_run(args))
-  except ValueError as e:  # UsageError, OutputError, CheckpointError, the pipeline's checks
-    print(f"generate: error: {e}", file=sys.stderr)
-    return 2
-  try:
-    run(checked)
-  except video_io.OutputError as e:  # the output appeared while generating
-    print(f"generate: error: {e}", file=sys.stderr)
-    return 2
-  return 0
+    try:
+      checked = check_plan(plan_run(args))
+    except ValueError as e:  # UsageError, OutputError, CheckpointError, the pipeline's checks
+      print(f"generate: error: {e}", file=sys.stderr)
+      return 2
+    except distributed.DistributedError as e:
+      print(f"generate: error: {e}", file=sys.stderr)
+      return 1
+    from pipelines.pipeline import NonFiniteLatentsError  # JAX has started by now
+
+    try:
+      run(checked)
+    except (video_io.OutputError, checkpoint.CheckpointError) as e:  # loading; output appeared meanwhile
+      print(f"generate: error: {e}", file=sys.stderr)
+      return 2
+    except NonFiniteLatentsError as e:
+      print(f"generate: error: {e}", file=sys.stderr)
+      return 1
+    except KeyboardInterrupt:
+      # Outputs are written to a temporary name and renamed into place; an interrupt before the
+      # rename removes the temporary file, so nothing is left under --out.
+      print(f"generate: interrupted; nothing written to {args.out}", file=sys.stderr)
+      return 130
+    return 0
+  finally:
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
 4. one jitted program per shape does the transformer forward on [cond; uncond] (classifier-free
    guidance batched: 2B rows, one forward), the guidance mix `uncond + g * (cond - uncond)` in the
    model dtype and the scheduler step; latents and solver state are donated. Both experts share
-   the program (same graph, same shapes; the weights and g are arguments);
+   the program (same graph, same shapes; the weights and g are arguments). The step also returns
+   `isfinite(latents).all()` (one reduction, no extra dispatch); with `nan_guard` (default) a
+   non-finite step stops the run with `NonFiniteLatentsError` naming the step;
 5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`).
 
 Classifier-free guidance is on when `guidance_scale > 1` (diffusers: only the first scale decides).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 import os
 import re
 import time
@@ -43,13 +46,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import attention
 from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
-from pipelines import checkpoint
+from pipelines import checkpoint, distributed
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class NonFiniteLatentsError(FloatingPointError):
+  """The latents became NaN or inf during denoising; the run stopped before decoding."""
 
 # The embedded default ("tiny"): every code path, random weights from a fixed seed. 8 heads so that
 # every Ulysses degree in {1, 2, 4, 8} divides N; text_dim = the tiny UMT5's d_model.
@@ -140,19 +147,24 @@ def check_mesh(ulysses: int, ring: int, *, heads: int, device_count: int) -> Non
 def resolve_mesh(mesh: Mesh | str | None, heads: int) -> Mesh | None:
   """A `Mesh` (checked), a spec string built into one over `jax.devices()`, or None (one device).
 
+  In a multi-process run (`pipelines.distributed`) the mesh spans every process's devices.
+
   Raises:
-    ValueError: see `parse_mesh` and `check_mesh`.
+    ValueError: see `parse_mesh`, `check_mesh` and `distributed.check_mesh_spans_processes`.
   """
   if mesh is None:
+    distributed.check_mesh_spans_processes(None)
     return None
   if isinstance(mesh, str):
     ulysses, ring = parse_mesh(mesh)
     check_mesh(ulysses, ring, heads=heads, device_count=jax.device_count())
-    return attention.make_mesh(ulysses=ulysses, ring=ring)
+    distributed.check_mesh_spans_processes(ulysses * ring)
+    return attention.make_mesh(ulysses=ulysses, ring=ring, devices=jax.devices())
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be None, a jax.sharding.Mesh or a string like 'U=2,R=2'; got {type(mesh)=}")
   ulysses, ring = mesh_degrees(mesh)
   check_mesh(ulysses, ring, heads=heads, device_count=ulysses * ring)
+  distributed.check_mesh_spans_processes(ulysses * ring)
   return mesh
 
 
@@ -212,19 +224,45 @@ class PipelineIndex:
     config = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
     return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary)
 
+  @property
+  def weight_folders(self) -> list[str]:
+    """The component folders whose safetensors are loaded, in loading order."""
+    names = ["transformer"] + (["transformer_2"] if self.boundary_ratio is not None else [])
+    return [os.path.join(self.folder, n) for n in names + ["text_encoder", "vae"]]
+
+  def check_weights(self) -> None:
+    """File-level checks of every weight file, reading headers only (no tensor data): safetensors
+    present (pickle-only folders refused) and not truncated or corrupt. Key names and shapes are
+    checked when a component loads (`checkpoint.check_state_dict`).
+
+    Raises:
+      checkpoint.CheckpointError: the first bad folder or file, naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for component in self.weight_folders:
+      for path in checkpoint.safetensors_files(component):
+        try:
+          with safe_open(path, framework="numpy"):
+            pass
+        except (SafetensorError, OSError) as e:
+          raise checkpoint.CheckpointError(
+              f"cannot read {path!r} (truncated or corrupt safetensors file: {e}); download or "
+              "convert it again") from e
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
   """What `WanPipeline.run` returns.
 
   Attributes:
-    frames: float32 [B, frames, height, width, 3] in [0, 1].
+    frames: float32 [B, frames, height, width, 3] in [0, 1]; None when run with `decode=False`.
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
     timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
       "denoise_per_step" (mean), "decode", "total".
     settings: the resolved call (sizes after rounding, steps, guidance, shift, seed, mesh, dtype).
   """
-  frames: np.ndarray
+  frames: np.ndarray | None
   latents: np.ndarray
   timings: dict[str, float]
   settings: dict[str, Any]
@@ -251,7 +289,8 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
     attention_implementation: "auto" | "lse" | "fixed_m" for the transformer (static).
 
   Returns:
-    (latents float32 [B, C, F, Hl, Wl], new solver state).
+    (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite). The flag is
+    one reduction in the same program, so the NaN guard costs no extra dispatch.
   """
   TRACE_COUNT["denoise_step"] += 1
   model = nnx.merge(graphdef, params)
@@ -269,7 +308,8 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
   new_latents, solver = solver.step(noise, latents)
   # Euler returns the model dtype (as diffusers); fp32 holds those values exactly and keeps one
   # signature for every step.
-  out = (new_latents.astype(latents.dtype), solver)
+  new_latents = new_latents.astype(latents.dtype)
+  out = (new_latents, solver, jnp.isfinite(new_latents).all())
   if mesh is not None:
     # Pin the carried state to the replicated layout it came in with: otherwise GSPMD may hand it
     # back sharded and the next call of this compiled step rejects its own output.
@@ -362,6 +402,7 @@ class WanPipeline:
     """
     model_dtype, vae_dt = _dtype(dtype), _dtype(vae_dtype)
     index = PipelineIndex.read(folder)
+    index.check_weights()  # a truncated last file fails now, not after loading the others
     scheduler_config = schedulers.scheduler_config_from_dict(
         _read_json(os.path.join(folder, "scheduler", "scheduler_config.json")))
     names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
@@ -405,7 +446,7 @@ class WanPipeline:
       return
     sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                 else NamedSharding(mesh, P()))
-    self._experts = [jax.device_put(state, sharding) for state in self._experts]
+    self._experts = [distributed.put_replicated(state, sharding) for state in self._experts]
     self._placement = key
 
   def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
@@ -467,6 +508,9 @@ class WanPipeline:
                        "has one transformer: leave it None")
     g1 = float(guidance_scale)
     g2 = g1 if guidance_scale_2 is None else float(guidance_scale_2)
+    for name, value in (("guidance_scale", g1), ("guidance_scale_2", g2)):
+      if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number (Wan: 5.0; <= 1 turns CFG off)")
     cfg = g1 > 1.0
     negatives = None
     if cfg:
@@ -477,6 +521,8 @@ class WanPipeline:
                          f"prompt), got {negative_prompt!r}")
     scheduler_config = self.scheduler_config
     if flow_shift is not None:
+      if not (math.isfinite(float(flow_shift)) and float(flow_shift) > 0):
+        raise ValueError(f"{flow_shift=} must be a finite number > 0 (Wan: 3.0 at 480p, 5.0 at 720p)")
       field = "flow_shift" if isinstance(scheduler_config, schedulers.UniPCConfig) else "shift"
       scheduler_config = dataclasses.replace(scheduler_config, **{field: float(flow_shift)})
     shape = self.latent_shape(len(prompts), height, width, num_frames)
@@ -487,7 +533,13 @@ class WanPipeline:
       if latents.shape != shape:
         raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for "
                          f"{len(prompts)} prompt(s), {num_frames} frames at {height}x{width}")
+      if not np.isfinite(latents).all():
+        raise ValueError(f"latents hold {int((~np.isfinite(latents)).sum())} NaN/inf values; pass "
+                         "finite noise (or a seed)")
     elif seed is None:
+      if jax.process_count() > 1:
+        raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
+                         "process draws the same noise; pass seed=...")
       seed = int(np.random.SeedSequence().entropy % (2 ** 31))
     elif not isinstance(seed, (int, np.integer)) or seed < 0:
       raise ValueError(f"{seed=} must be a non-negative int")
@@ -539,12 +591,25 @@ class WanPipeline:
           latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
           progress: bool = False, on_step: Callable[[int, float], None] | None = None,
-          attention_implementation: str = "auto") -> GenerationResult:
+          attention_implementation: str = "auto", nan_guard: bool = True,
+          decode: bool = True) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     `on_step(k, seconds)` is called after each denoising step. `attention_implementation`
     ("auto" | "lse" | "fixed_m") picks the transformer's attention path (part of the compiled
-    step's cache key).
+    step's cache key). `nan_guard` (default on) stops the run with `NonFiniteLatentsError` after
+    the first step whose latents hold NaN/inf, instead of decoding garbage; the check is a flag the
+    compiled step returns anyway, so turning it off saves only a scalar read per step.
+    `decode=False` skips the VAE (`frames` is None): for the processes of a multi-process run
+    that do not write the video.
+
+    Multi-process runs (`pipelines.distributed.initialize` first, then the same call with the
+    same seed on every process): the mesh must span all processes' devices; inputs become global
+    arrays built from each process's identical host copy; every process returns the result.
+
+    Raises:
+      ValueError: see `check_inputs` (raised before any compute).
+      NonFiniteLatentsError: latents became NaN/inf (with `nan_guard`), naming the step.
     """
     if attention_implementation not in IMPLEMENTATIONS:
       raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
@@ -571,12 +636,12 @@ class WanPipeline:
     self._place(mesh)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
-    latents, solver, text = jax.device_put((latents, solver, text), replicated)
+    latents, solver, text = distributed.put_replicated((latents, solver, text), replicated)
 
     boundary = (None if self.boundary_ratio is None
                 else self.boundary_ratio * s["scheduler"].num_train_timesteps)
     experts = [0 if boundary is None or t >= boundary else 1 for t in schedule.timesteps]
-    guidance = [jax.device_put(jnp.float32(s["guidance"][e]), replicated) for e in experts]
+    guidance = [distributed.put_replicated(np.float32(s["guidance"][e]), replicated) for e in experts]
 
     start = time.perf_counter()
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], mesh=mesh,
@@ -588,23 +653,31 @@ class WanPipeline:
     if progress:
       from tqdm.auto import tqdm
       bar = tqdm(total=s["steps"], desc="denoise", unit="step")
-    for k, expert in enumerate(experts):
-      start = time.perf_counter()
-      latents, solver = step(self._experts[expert], latents, solver, text, guidance[k])
-      jax.block_until_ready(latents)
-      step_times.append(time.perf_counter() - start)
+    try:
+      for k, expert in enumerate(experts):
+        start = time.perf_counter()
+        latents, solver, finite = step(self._experts[expert], latents, solver, text, guidance[k])
+        jax.block_until_ready(latents)
+        if nan_guard and not bool(distributed.to_host(finite)):
+          raise NonFiniteLatentsError(
+              f"latents hold NaN/inf after denoising step {k + 1}/{s['steps']} (timestep "
+              f"{float(schedule.timesteps[k]):.1f}, expert {expert}); stopped before decoding, "
+              "nothing was written. Usual causes: NaN/inf in the weights, or overflow in bfloat16 "
+              "(try dtype='float32'); nan_guard=False (generate --no-nan-guard) lets it finish anyway")
+        step_times.append(time.perf_counter() - start)
+        if bar is not None:
+          bar.update(1)
+        if on_step is not None:
+          on_step(k, step_times[-1])
+    finally:
       if bar is not None:
-        bar.update(1)
-      if on_step is not None:
-        on_step(k, step_times[-1])
-    if bar is not None:
-      bar.close()
+        bar.close()
     timings["denoise"] = float(sum(step_times))
     timings["denoise_per_step"] = float(np.mean(step_times))
 
     start = time.perf_counter()
-    latents = np.asarray(latents)
-    frames = self.decode(latents)
+    latents = distributed.to_host(latents)
+    frames = self.decode(latents) if decode else None
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
     settings = {k: s[k] for k in ("height", "width", "num_frames", "steps", "cfg", "seed",

@@ -1,7 +1,8 @@
-"""Writing generated videos: mp4 (imageio-ffmpeg, H.264), gif, or a folder of PNG frames; atomically.
+"""Writing generated videos: mp4 (imageio-ffmpeg, H.264), gif, npy, or a folder of PNG frames; atomically.
 
 Frames are float [frames, height, width, 3] in [0, 1] (the pipeline's output for one video),
-quantised with rounding to uint8. Every write goes to a temporary name in the destination's own
+quantised with rounding to uint8, except .npy, which keeps them as float32 (for exact comparisons,
+e.g. a multi-process run against a single-process one). Every write goes to a temporary name in the destination's own
 directory and is renamed into place with `os.replace`, so a crash never leaves a half-written file
 under the requested name, and an existing output is replaced only when `overwrite` is set.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-VIDEO_SUFFIXES = (".mp4", ".gif")
+VIDEO_SUFFIXES = (".mp4", ".gif", ".npy")
 
 
 class OutputError(ValueError):
@@ -25,7 +26,7 @@ class OutputError(ValueError):
 
 
 def output_kind(path: str) -> str:
-  """"mp4", "gif" or "frames" (a path ending in a separator or without a suffix is a folder).
+  """"mp4", "gif", "npy" or "frames" (a path ending in a separator or without a suffix is a folder).
 
   Raises:
     OutputError: another suffix.
@@ -38,7 +39,7 @@ def output_kind(path: str) -> str:
   if suffix in VIDEO_SUFFIXES:
     return suffix[1:]
   raise OutputError(f"output {path!r} has suffix {suffix!r}; use .mp4 (H.264 via imageio-ffmpeg), .gif, "
-                    "or a folder path (no suffix, or ending in '/') for PNG frames")
+                    ".npy (float32 frames), or a folder path (no suffix, or ending in '/') for PNG frames")
 
 
 def sidecar_path(path: str) -> str:
@@ -57,6 +58,12 @@ def check_output(path: str, *, overwrite: bool) -> None:
   output_kind(path)
   parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep) or path))
   if not os.path.isdir(parent):
+    ancestor = parent
+    while not os.path.lexists(ancestor):
+      ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):  # e.g. --out some_file/fox.mp4: fails for root too
+      raise OutputError(f"the directory of output {path!r} cannot exist: {ancestor!r} is a file, not a "
+                        "directory; choose another --out")
     raise OutputError(f"the directory of output {path!r} does not exist ({parent!r}); create it first")
   if not os.access(parent, os.W_OK | os.X_OK):
     raise OutputError(f"cannot write to {parent!r} (the directory of output {path!r}); choose a writable "
@@ -111,7 +118,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
 
   Args:
     frames: float [F, H, W, 3] in [0, 1].
-    path: *.mp4, *.gif, or a folder (frame_00000.png, ...).
+    path: *.mp4, *.gif, *.npy (float32, not quantised), or a folder (frame_00000.png, ...).
     fps: frames per second (Wan: 16).
     overwrite: replace an existing output.
 
@@ -122,6 +129,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
   if not fps > 0:
     raise ValueError(f"{fps=} must be > 0")
   kind = output_kind(path)
+  floats = np.asarray(frames, np.float32)
   frames = to_uint8(frames)
   path = path.rstrip(os.sep) or path
   if kind == "frames":
@@ -137,7 +145,10 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
     return path
   temp = _temp_name(path, "." + kind)
   try:
-    (_write_mp4 if kind == "mp4" else _write_gif)(frames, temp, fps)
+    if kind == "npy":
+      np.save(temp, floats)
+    else:
+      (_write_mp4 if kind == "mp4" else _write_gif)(frames, temp, fps)
     _replace(temp, path, overwrite)
   except BaseException:
     if os.path.exists(temp):

@@ -1,0 +1,246 @@
+"""Multi-process (multi-host) runs on JAX's distributed runtime: start, place, gather, stop.
+
+One process per host (or, for tests, several on one machine), all started with the same arguments
+and a distinct process id. `initialize` connects them through the coordinator (process 0 hosts
+it); afterwards `jax.devices()` lists every process's devices, so the (ring, ulysses) mesh spans
+hosts (ring outer, DESIGN.md section 2). Every process computes the same host values (prompts are
+encoded and noise is drawn from the seed on each), and `put_replicated` turns them into global
+arrays with `jax.make_array_from_callback`; nothing is broadcast. `to_host` reads a result back on
+every process; only process 0 writes files (`is_main_process`).
+
+Settings come from flags or, when a flag is not given, from the environment:
+  JAX_COORDINATOR_ADDRESS  HOST:PORT of process 0's coordinator (the name jax itself reads)
+  JAX_NUM_PROCESSES        number of processes
+  JAX_PROCESS_ID           this process's id, 0 .. N-1
+On CPU, cross-process collectives use gloo (`jax_cpu_collectives_implementation`), which is what
+makes a multi-process run testable on one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+DEFAULT_TIMEOUT_S = 120
+
+
+class DistributedError(RuntimeError):
+  """The distributed runtime could not start (coordinator unreachable, started too late, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+  """Where this process sits in a multi-process run.
+
+  Attributes:
+    coordinator: "HOST:PORT" of process 0's coordinator service.
+    num_processes: N >= 1.
+    process_id: 0 .. N - 1; process 0 hosts the coordinator and writes the outputs.
+    timeout_s: how long to wait for the coordinator and every process to connect (and, at the
+      end, for every process to reach shutdown).
+  """
+  coordinator: str
+  num_processes: int
+  process_id: int
+  timeout_s: int = DEFAULT_TIMEOUT_S
+
+  def __post_init__(self):
+    if re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})", self.coordinator) is None:
+      raise ValueError(f"coordinator={self.coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234 "
+                       "(process 0's address and a free port, the same on every process)")
+    port = int(self.coordinator.rsplit(":", 1)[1])
+    if not 0 < port < 65536:
+      raise ValueError(f"coordinator={self.coordinator!r}: port {port} must be in 1..65535")
+    if self.num_processes < 1:
+      raise ValueError(f"num_processes={self.num_processes} must be >= 1")
+    if not 0 <= self.process_id < self.num_processes:
+      raise ValueError(f"process_id={self.process_id} must be in 0..{self.num_processes - 1} "
+                       f"(num_processes={self.num_processes})")
+    if self.timeout_s < 1:
+      raise ValueError(f"timeout_s={self.timeout_s} must be >= 1 second")
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+  text = env.get(name)
+  if text is None or text == "":
+    return None
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={text!r} must be an integer") from None
+
+
+def process_spec(coordinator: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, *, timeout_s: int = DEFAULT_TIMEOUT_S,
+                 env: Mapping[str, str] | None = None) -> ProcessSpec | None:
+  """The multi-process settings from arguments, each falling back to its environment variable.
+
+  Returns:
+    None for a single-process run (none of the three given anywhere, or one process without a
+    coordinator), else a checked `ProcessSpec`.
+
+  Raises:
+    ValueError: only some of the three given, or a bad value (naming the flag and variable).
+  """
+  env = os.environ if env is None else env
+  coordinator = coordinator if coordinator is not None else (env.get(ENV_COORDINATOR) or None)
+  num_processes = num_processes if num_processes is not None else _env_int(env, ENV_NUM_PROCESSES)
+  process_id = process_id if process_id is not None else _env_int(env, ENV_PROCESS_ID)
+  given = {"--coordinator / " + ENV_COORDINATOR: coordinator,
+           "--num-processes / " + ENV_NUM_PROCESSES: num_processes,
+           "--process-id / " + ENV_PROCESS_ID: process_id}
+  if all(v is None for v in given.values()):
+    return None
+  if coordinator is None and num_processes == 1 and process_id in (None, 0):
+    return None
+  missing = [name for name, v in given.items() if v is None]
+  if missing:
+    raise ValueError(f"a multi-process run needs all of coordinator, num_processes and process_id; "
+                     f"missing {missing} (given: {coordinator=}, {num_processes=}, {process_id=})")
+  return ProcessSpec(coordinator, num_processes, process_id, timeout_s)
+
+
+def _unreachable_message(spec: ProcessSpec, what: str) -> str:
+  return (f"process {spec.process_id} of {spec.num_processes}: {what} within {spec.timeout_s} s; "
+          f"start every process with the same --coordinator (process 0's address and a free port; "
+          f"here {spec.coordinator}) and --num-processes {spec.num_processes}, distinct --process-id "
+          f"0..{spec.num_processes - 1}, or raise --coordinator-timeout")
+
+
+def _wait_for_coordinator(spec: ProcessSpec, deadline: float) -> None:
+  """Polls process 0's coordinator port with plain TCP connects until it answers or `deadline`.
+
+  Raises:
+    DistributedError: the port never accepted a connection.
+  """
+  host, port = spec.coordinator.rsplit(":", 1)
+  host = host.strip("[]")
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1.0):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise DistributedError(_unreachable_message(
+            spec, f"could not reach the coordinator at {spec.coordinator} ({e})")) from e
+      time.sleep(0.2)
+
+
+def _give_up(spec: ProcessSpec) -> None:
+  """Watchdog: JAX's runtime aborts the process (no Python exception) when the connect deadline
+  passes, so this says why first and exits with status 1."""
+  print(f"error: {_unreachable_message(spec, 'not every process connected to the coordinator')}",
+        file=sys.stderr, flush=True)
+  os._exit(1)
+
+
+def initialize(spec: ProcessSpec) -> None:
+  """Joins the run: `jax.distributed.initialize` with gloo CPU collectives, before JAX's backend.
+
+  Processes other than 0 first wait (up to `spec.timeout_s`) for the coordinator's port to accept
+  connections, which turns a wrong address or a missing process 0 into a `DistributedError`. JAX's
+  own connect then waits for all processes; it aborts the process without a Python exception when
+  its deadline passes, so a watchdog thread prints the reason and exits with status 1 just before
+  that (the only way to fail cleanly there; nothing has been computed or written at that point).
+
+  Raises:
+    DistributedError: JAX's backend already started in this process, or the coordinator was not
+      reachable within `spec.timeout_s`.
+  """
+  import jax
+
+  deadline = time.monotonic() + spec.timeout_s
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if spec.process_id != 0:
+    _wait_for_coordinator(spec, deadline)
+  watchdog = threading.Timer(max(deadline - time.monotonic(), 0.1), _give_up, args=(spec,))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    # JAX's deadline is later than the watchdog's, so the watchdog reports first.
+    jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
+                               process_id=spec.process_id, cluster_detection_method="deactivate",
+                               initialization_timeout=spec.timeout_s + 30,
+                               shutdown_timeout_seconds=spec.timeout_s)
+  except RuntimeError as e:
+    if not jax.distributed.is_initialized() and "before any JAX calls" in str(e):
+      raise DistributedError("the distributed runtime must start before JAX's backend; call "
+                             "pipelines.distributed.initialize (or pass --coordinator to generate) "
+                             "before any jax.devices() or computation") from e
+    raise DistributedError(_unreachable_message(spec, f"joining the run failed ({e})")) from e
+  finally:
+    watchdog.cancel()
+
+
+def shutdown() -> None:
+  """Leaves the run (a barrier with the other processes, bounded by the spec's timeout); no-op
+  when the runtime is not started."""
+  import jax
+  if jax.distributed.is_initialized():
+    jax.distributed.shutdown()
+
+
+def is_main_process() -> bool:
+  """True on process 0 (and in a single-process run): the one that writes outputs."""
+  import jax
+  return jax.process_index() == 0
+
+
+def put_replicated(tree: Any, sharding: Any) -> Any:
+  """Places a pytree of host values (numpy or single-process jax arrays) with `sharding`.
+
+  Single process: `jax.device_put`. Multi-process: each leaf is read to the host and assembled with
+  `jax.make_array_from_callback`, every process filling its own devices from its own (identical)
+  copy, so no data crosses hosts.
+  """
+  import jax
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+
+  def one(leaf):
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(one, tree)
+
+
+def to_host(x: Any) -> np.ndarray:
+  """A jax array as numpy on every process: a replicated global array is read from a local shard
+  (no communication); a sharded one is all-gathered across processes."""
+  import jax
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def check_mesh_spans_processes(mesh_devices: int | None) -> None:
+  """In a multi-process run the mesh must hold every process's devices (a process with no device
+  in the mesh would have no part of the computation).
+
+  Raises:
+    ValueError: no mesh, or a mesh smaller than `jax.device_count()`.
+  """
+  import jax
+  if jax.process_count() == 1:
+    return
+  total = jax.device_count()
+  if mesh_devices != total:
+    raise ValueError(
+        f"a {jax.process_count()}-process run needs a mesh over all {total} devices "
+        f"({jax.local_device_count()} per process), got {mesh_devices or 1}; pass a mesh with "
+        f"U*R = {total}, e.g. U={jax.local_device_count()},R={jax.process_count()} (Ulysses within a "
+        "host, ring across hosts)")
