@@ -43,7 +43,7 @@ class BlockSizes:
   Defaults measured on a 2-core CPU at T = S = 4096, N = 12, H = 128 (end_to_end/bench_attention.py).
   """
 
-  block_q: int = 512
+  block_q: int = 1024
   block_kv: int = 512
 
   def __post_init__(self):

@@ -5,7 +5,8 @@
 Prints, for fp32 and bf16, the median wall time of `jax.nn.dot_product_attention` (dense, XLA),
 `attention.local_attention(implementation="lse")` and `(implementation="fixed_m")`, and the ratios
 dense / blockwise and LSE / fixed-m. Times are medians over --repeats calls after one warm-up
-(compile excluded). Ratios from the same run are what to compare across machines.
+(compile excluded), taken round-robin over the three so that load from other processes hits all
+of them alike. Ratios from the same run are what to compare across machines.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import numpy as np
 from attention import BlockSizes, local_attention
 
 
-def _time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
+def _time_interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
+  """Median seconds per call of each fn, timed round-robin so load spikes hit them all alike."""
+  for fn in fns.values():
+    jax.block_until_ready(fn(*args))  # compile + warm up
+  times = {name: [] for name in fns}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -41,7 +45,7 @@ def main(argv=None):
   ap.add_argument("--block-q", type=int, default=BlockSizes().block_q)
   ap.add_argument("--block-kv", type=int, default=BlockSizes().block_kv)
   ap.add_argument("--dtypes", default="float32,bfloat16")
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--json", help="also write the results as JSON to this path")
   args = ap.parse_args(argv)
   sizes = BlockSizes(args.block_q, args.block_kv)
@@ -59,9 +63,8 @@ def main(argv=None):
     dense = jax.jit(jax.nn.dot_product_attention)
     lse = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="lse", block_sizes=sizes))
     fixed = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m", block_sizes=sizes))
-    t_dense = _time(dense, q, k, v, repeats=args.repeats)
-    t_lse = _time(lse, q, k, v, repeats=args.repeats)
-    t_fixed = _time(fixed, q, k, v, repeats=args.repeats)
+    t = _time_interleaved(dict(dense=dense, lse=lse, fixed=fixed), (q, k, v), args.repeats)
+    t_dense, t_lse, t_fixed = t["dense"], t["lse"], t["fixed"]
     o_dense, o_lse, o_fixed = (np.asarray(f(q, k, v), np.float32) for f in (dense, lse, fixed))
     row = dict(dtype=name, dense_s=t_dense, lse_s=t_lse, fixed_m_s=t_fixed,
                dense_over_lse=t_dense / t_lse, dense_over_fixed_m=t_dense / t_fixed,
