@@ -200,6 +200,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
   """
   from pipelines.pipeline import check_size, parse_mesh, round_num_frames  # light: no compute
 
+  if not args.prompt.strip():
+    raise UsageError(f"--prompt {args.prompt!r} is empty; describe the video, e.g. --prompt "
+                     "'a red fox running through snow'")
   tiny = args.model == "tiny"
   if not tiny and not os.path.isdir(args.model):
     raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
@@ -211,6 +214,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
   check_size(height, width)
   frames = args.frames if args.frames is not None else preset.frames
+  if frames < 1:
+    raise UsageError(f"--frames {frames} must be >= 1 (Wan: 4k+1, e.g. 81)")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     frames = round_num_frames(frames)

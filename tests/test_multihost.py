@@ -1,0 +1,129 @@
+"""Tests for pipelines/distributed.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices.
+
+The processes are fresh interpreters on 127.0.0.1 (a free port picked at run time, gloo CPU
+collectives, no XLA_FLAGS: the command splits the mesh's 4 devices over the 2 processes itself).
+Their video (.npy float32 frames, unquantised) must equal the single-process 4-device run of the
+same command, which runs in this process meanwhile (8 fake devices; the mesh uses the first 4).
+Every process started here is bounded by a timeout and killed by PID in a `finally`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pipelines import distributed, generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--prompt", "a red fox running through snow", "--mesh", "U=2,R=2", "--size", "32x32",
+        "--frames", "5", "--steps", "2", "--seed", "3", "--max-sequence-length", "8"]
+TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+  """This environment without the test harness's device count or any inherited distributed
+  settings."""
+  drop = {"XLA_FLAGS", distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+          distributed.ENV_PROCESS_ID}
+  return {**{k: v for k, v in os.environ.items() if k not in drop}, "JAX_PLATFORMS": "cpu"}
+
+
+def _start(argv: list[str], log: str) -> subprocess.Popen:
+  with open(log, "w") as f:  # the child keeps its own descriptor
+    return subprocess.Popen([sys.executable, "-m", "pipelines.generate", *argv], cwd=ROOT, env=_env(),
+                            stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+  deadline = time.monotonic() + timeout_s
+  return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.kill()  # by PID (SIGKILL to p.pid)
+      p.wait()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+  mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+  return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
+def test_two_processes_equal_one(tmp_path):
+  out, ref = tmp_path / "multi.npy", tmp_path / "single.npy"
+  coordinator = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      procs.append(_start(ARGS + ["--out", str(out), "--coordinator", coordinator, "--num-processes", "2",
+                                  "--process-id", str(i), "--coordinator-timeout", "60"], logs[i]))
+    assert generate.main(ARGS + ["--out", str(ref)]) == 0  # single process, 4 of 8 devices
+    codes = _wait_all(procs, TIMEOUT_S)
+  finally:
+    _end(procs)
+  text = [open(log).read() for log in logs]
+  assert codes == [0, 0], text
+  assert "in each of 2 processes (4 in all; this is process 0)" in text[0], text[0]
+  assert "process 1 done; process 0 writes" in text[1], text[1]
+  multi, single = np.load(out), np.load(ref)
+  assert multi.shape == single.shape == (5, 32, 32, 3)
+  assert psnr(multi, single) >= 60, f"{psnr(multi, single)=:.1f} dB"
+  assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.json", "single.npy", "single.json",
+                                                 "process0.log", "process1.log"])
+
+
+def test_unreachable_coordinator_fails_clearly(tmp_path):
+  """Process 1 with no coordinator listening: a DistributedError (exit 1) after the timeout.
+  Process 0 whose peer never comes: the watchdog's message and exit 1 (JAX itself would abort)."""
+  ports = [_free_port(), _free_port()]  # separate ports: the two must not find each other
+  logs = [str(tmp_path / f"p{i}.log") for i in range(2)]
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      procs.append(_start(ARGS + ["--coordinator", f"127.0.0.1:{ports[i]}", "--num-processes", "2",
+                                  "--process-id", str(i), "--coordinator-timeout", "3",
+                                  "--out", str(tmp_path / f"{i}.mp4")], logs[i]))
+    codes = _wait_all(procs, 60)
+  finally:
+    _end(procs)
+  text = [open(log).read() for log in logs]
+  assert codes == [1, 1], text
+  assert (f"process 1 of 2: could not reach the coordinator at 127.0.0.1:{ports[1]}" in text[1]
+          and "within 3 s" in text[1]), text[1]
+  assert "process 0 of 2: not every process connected to the coordinator within 3 s" in text[0], text[0]
+  assert not [n for n in os.listdir(tmp_path) if not n.endswith(".log")]
+
+
+@pytest.mark.parametrize("kwargs,env,match", [
+    (dict(coordinator="127.0.0.1:1234", num_processes=2), {}, "missing .*--process-id / JAX_PROCESS_ID"),
+    (dict(coordinator="127.0.0.1", num_processes=2, process_id=0), {}, "must be HOST:PORT"),
+    (dict(coordinator="h:1", num_processes=2, process_id=2), {}, r"process_id=2 must be in 0\.\.1"),
+    (dict(), {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' must be an integer"),
+])
+def test_process_spec_errors(kwargs, env, match):
+  with pytest.raises(ValueError, match=match):
+    distributed.process_spec(**kwargs, env=env)
+
+
+def test_process_spec_from_environment():
+  env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+  assert distributed.process_spec(env=env) == distributed.ProcessSpec("10.0.0.1:1234", 4, 3)
+  assert distributed.process_spec(process_id=1, env=env).process_id == 1  # a flag wins
+  assert distributed.process_spec(env={}) is None
+  assert distributed.process_spec(num_processes=1, env={}) is None  # one process needs no runtime
