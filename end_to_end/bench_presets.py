@@ -154,5 +154,17 @@ def save_diffusers_pipeline(preset: BenchPreset, folder: str, seed: int = 0) -> 
   pipe.save_pretrained(folder, safe_serialization=True)
 
 
+def check_saved_pipeline(preset: BenchPreset, folder: str) -> None:
+  """Raises ValueError unless `folder`'s transformer and text encoder configs are the preset's
+  (a reused --folder must hold the architecture being benchmarked)."""
+  from pipelines import checkpoint
+
+  saved = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
+  text = UMT5Config.from_dict(checkpoint.read_config(os.path.join(folder, "text_encoder")))
+  if saved != preset.transformer or text != preset.text_encoder:
+    raise ValueError(f"{folder=} holds another architecture (transformer {saved}, text encoder {text}) "
+                     f"than the preset; remove it or pass a new --folder")
+
+
 def _vae_kwargs(config: WanVAEConfig) -> dict[str, Any]:
   return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
   ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
   ap.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
-  ap.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, removed)")
+  ap.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, "
+                  "removed); a folder already holding one (model_index.json) is reused as it is")
   ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--aot-init-timeout", type=float, default=120.0,
@@ -240,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
   if args.compare and folder is None:
     folder = args.folder or tempfile.mkdtemp(prefix="wan_bench_")
     temporary = args.folder is None
-    start = time.perf_counter()
-    bench_presets.save_diffusers_pipeline(preset, folder, seed=args.seed)
-    print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)", flush=True)
+    if os.path.isfile(os.path.join(folder, "model_index.json")):
+      bench_presets.check_saved_pipeline(preset, folder)
+      print(f"  reusing the pipeline saved in {folder}")
+    else:
+      start = time.perf_counter()
+      bench_presets.save_diffusers_pipeline(preset, folder, seed=args.seed)
+      print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)",
+            flush=True)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
       settings=dict(call, dtype=preset.dtype, seed=args.seed, latent_shape=list(preset.latent_shape),
