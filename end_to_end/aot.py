@@ -13,7 +13,8 @@ This is a COMPILE-TIME report, not a runtime measurement: no step is executed.
 
 libtpu: `pip install --no-deps --target DIR "libtpu==0.0.42.*"`, DIR on PYTHONPATH, and run with
 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost so that libtpu does not wait
-for a TPU metadata server. Only one process at a time may hold libtpu (/tmp/libtpu_lockfile).
+for a TPU metadata server (`benchmark --aot` sets these, and ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that
+libtpu's one-process lock, which guards real chips, does not refuse a second compile-only process).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def topology_devices(name: str) -> list[Any]:
     raise TopologyUnavailable(
         f"cannot build TPU topology {name!r}: {e}. Install libtpu (pip install --no-deps --target DIR "
         "'libtpu==0.0.42.*'), put DIR on PYTHONPATH and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 "
-        "TPU_WORKER_HOSTNAMES=localhost; only one process may hold libtpu at a time") from e
+        "TPU_WORKER_HOSTNAMES=localhost (ALLOW_MULTIPLE_LIBTPU_LOAD=1 if another process holds libtpu)") from e
 
 
 def default_degrees(devices: int, heads: int) -> tuple[int, int]:

@@ -52,7 +52,10 @@ from end_to_end.collectives import parse_mesh  # no JAX import: fake devices can
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
-_TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+# libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
+# (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
+_TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
+                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def build_parser() -> argparse.ArgumentParser:
