@@ -48,8 +48,8 @@ def sidecar_path(path: str) -> str:
   return (os.path.splitext(path)[0] if output_kind(path) != "frames" else path) + ".json"
 
 
-def check_output(path: str, *, overwrite: bool) -> None:
-  """Fails before any compute if `path` (and its sidecar) cannot be written.
+def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
+  """Fails before any compute if `path` (and, with `sidecar`, its sidecar) cannot be written.
 
   Raises:
     OutputError: a bad suffix, a missing or unwritable directory, or an existing output or
@@ -68,7 +68,7 @@ def check_output(path: str, *, overwrite: bool) -> None:
   if not os.access(parent, os.W_OK | os.X_OK):
     raise OutputError(f"cannot write to {parent!r} (the directory of output {path!r}); choose a writable "
                       "location with --out")
-  for target in (path, sidecar_path(path)):
+  for target in (path, sidecar_path(path)) if sidecar else (path,):
     if os.path.lexists(target.rstrip(os.sep) or target) and not overwrite:
       raise OutputError(f"{target!r} exists; pass --overwrite to replace it, or choose another --out")
 
@@ -123,11 +123,13 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
     overwrite: replace an existing output.
 
   Raises:
-    OutputError: see `check_output` (checked again just before the rename).
+    OutputError: see `check_output` (the video's own path, checked before encoding and again just
+      before the rename).
     ValueError: frames not [F, H, W, 3] or fps <= 0.
   """
   if not fps > 0:
     raise ValueError(f"{fps=} must be > 0")
+  check_output(path, overwrite=overwrite, sidecar=False)
   kind = output_kind(path)
   floats = np.asarray(frames, np.float32)
   frames = to_uint8(frames)

@@ -118,7 +118,7 @@ def test_unwritable_output(tmp_path, capsys):
   a_file = tmp_path / "file"
   a_file.write_text("")
   assert generate.main(BASE + ["--out", str(a_file / "fox.mp4")]) == 2
-  assert "does not exist" in capsys.readouterr().err
+  assert "is a file, not a directory" in capsys.readouterr().err
   if os.geteuid() != 0:  # root may write anywhere
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)

@@ -1,0 +1,301 @@
+"""Reliability: bad inputs fail early and clearly (public API and CLI), NaN guard, Ctrl-C safety.
+
+Each bad input is one table row with the exact error it must give. "Before compute" is asserted
+for real: `WanPipeline.encode_prompts`, `_compiled_step` and `decode` (the only ways a call reaches
+XLA) are replaced by tripwires for the table tests, and the denoise step's trace counter must not
+move. Model folders are minimal diffusers layouts written here (12-head tiny transformer; weights
+in checkpoint layout from `checkpoint_layout`): loading fails on the transformer, so the other
+components hold only a placeholder safetensors file. Tests run as root, which ignores file
+permissions, so "output directory not writable" is a path below a regular file (fails for root too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from pipelines import generate, video_io
+from pipelines import pipeline as wan_pipeline
+from pipelines.checkpoint import CheckpointError
+from pipelines.pipeline import TINY_SCHEDULER, TINY_TRANSFORMER, NonFiniteLatentsError, WanPipeline
+from pipelines.wan import tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan.transformer import init_transformer
+from pipelines.wan.transformer_loading import checkpoint_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "a red fox running through snow"
+# One small size for every run here (and in test_multihost / test_pipeline's checks): shared programs.
+CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8)
+HEADS12 = dataclasses.replace(TINY_TRANSFORMER, num_attention_heads=12)
+
+
+def _pipeline(transformer) -> WanPipeline:
+  """The tiny pipeline's components around another transformer."""
+  te = umt5.PRESETS["tiny"]
+  return WanPipeline(tokenizer=tokenization.default_tokenizer(),
+                     text_encoder=(te, umt5.init_umt5_params(te, 0)), transformers=[transformer],
+                     vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(0)),
+                     scheduler_config=TINY_SCHEDULER, name="test")
+
+
+@pytest.fixture(scope="module")
+def pipes() -> dict[str, WanPipeline]:
+  return {"tiny": WanPipeline.tiny(), "heads12": _pipeline(init_transformer(HEADS12, 0))}
+
+
+@pytest.fixture(scope="module")
+def nan_pipe() -> WanPipeline:
+  """The tiny pipeline with every transformer weight NaN."""
+  graphdef, state = nnx.split(init_transformer(TINY_TRANSFORMER, 0))
+  state = jax.tree.map(lambda x: x * np.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  return _pipeline(nnx.merge(graphdef, state))
+
+
+def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, index: bool = True) -> str:
+  """A diffusers Wan folder: model_index.json, component folders, a 12-head transformer config and
+  `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE."""
+  os.makedirs(folder)
+  if index:
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+  for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
+    (folder / component).mkdir()
+  (folder / "transformer" / "config.json").write_text(json.dumps(HEADS12.to_dict()))
+  (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+      {"_class_name": "UniPCMultistepScheduler", "use_flow_sigmas": True,
+       "prediction_type": "flow_prediction", "flow_shift": 3.0}))
+  for component in ("text_encoder", "vae"):
+    save_file({"placeholder": np.zeros(1, np.float32)}, str(folder / component / "model.safetensors"))
+  for name, data in (transformer_files or {}).items():
+    (folder / "transformer" / name).write_bytes(data)
+  return str(folder)
+
+
+def _transformer_bytes(tmp, wrong_shape: str | None = None) -> bytes:
+  """A full 12-head transformer checkpoint (zeros) in diffusers layout; `wrong_shape` gets one
+  extra row."""
+  state = {}
+  for key, shape, *_ in checkpoint_layout(HEADS12):
+    shape = (shape[0] + 1, *shape[1:]) if key == wrong_shape else shape
+    state[key] = np.zeros(shape, np.float32)
+  path = str(tmp / "transformer.safetensors")
+  save_file(state, path)
+  with open(path, "rb") as f:
+    return f.read()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+  base = tmp_path_factory.mktemp("folders")
+  good = _transformer_bytes(base)
+  st = "diffusion_pytorch_model.safetensors"
+  return {
+      "no_index": _write_folder(base / "no_index", {st: good}, index=False),
+      "pickle": _write_folder(base / "pickle", {"diffusion_pytorch_model.bin": b"\x80\x04not loaded"}),
+      "truncated": _write_folder(base / "truncated", {st: good[: len(good) // 2]}),
+      "mismatch": _write_folder(base / "mismatch", {st: _transformer_bytes(base, "proj_out.weight")}),
+  }
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+  """Tripwires on every way a call reaches XLA; yields the list of what was reached."""
+  reached = []
+  for name in ("encode_prompts", "_compiled_step", "decode"):
+    def tripwire(*args, _name=name, **kwargs):
+      reached.append(_name)
+      raise AssertionError(f"compute reached: WanPipeline.{_name}")
+    monkeypatch.setattr(WanPipeline, name, tripwire)
+  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  yield reached
+  assert reached == [] and wan_pipeline.TRACE_COUNT["denoise_step"] == before
+
+
+# --- the public API ------------------------------------------------------------------------------
+
+def _existing(tmp_path) -> str:
+  (tmp_path / "old.mp4").write_bytes(b"old")
+  return str(tmp_path / "old.mp4")
+
+
+def _under_a_file(tmp_path) -> str:
+  (tmp_path / "a_file").write_text("")
+  return str(tmp_path / "a_file" / "fox.mp4")
+
+
+API_CASES = [  # (id, call(pipes, folders, tmp_path), exception, message regex)
+    ("empty prompt list", lambda p, f, t: p["tiny"]([], **CALL), ValueError,
+     r"prompt must be a str or a non-empty list of str, got \[\]"),
+    ("prompt/negative batch mismatch", lambda p, f, t: p["tiny"](["a", "b"], ["x"], **CALL), ValueError,
+     r"negative_prompt must be a str or a list of 2 str \(one per prompt\), got \['x'\]"),
+    ("frames 0", lambda p, f, t: p["tiny"](PROMPT, **{**CALL, "num_frames": 0}), ValueError,
+     r"num_frames=0 must be a positive int \(Wan uses 4k\+1, e.g. 81\)"),
+    ("frames -3", lambda p, f, t: p["tiny"](PROMPT, **{**CALL, "num_frames": -3}), ValueError,
+     r"num_frames=-3 must be a positive int"),
+    ("height not a multiple of 16", lambda p, f, t: p["tiny"](PROMPT, **{**CALL, "height": 40}), ValueError,
+     r"height=40 must be a positive multiple of 16 \(VAE factor 8 x patch 2\); use 32 or 48"),
+    ("steps 0", lambda p, f, t: p["tiny"](PROMPT, **{**CALL, "num_inference_steps": 0}), ValueError,
+     r"num_inference_steps=0 must be a positive int"),
+    ("NaN guidance", lambda p, f, t: p["tiny"](PROMPT, **CALL, guidance_scale=math.nan), ValueError,
+     r"guidance_scale=nan must be a finite number"),
+    ("NaN latents", lambda p, f, t: p["tiny"](PROMPT, **CALL, latents=np.full((1, 16, 2, 4, 4), np.nan)),
+     ValueError, r"latents hold 512 NaN/inf values; pass finite noise"),
+    ("mesh U=0", lambda p, f, t: p["tiny"](PROMPT, **CALL, mesh="U=0"), ValueError,
+     r"mesh spec='U=0': U=0 must be >= 1"),
+    ("mesh U=8 with 12 heads", lambda p, f, t: p["heads12"](PROMPT, **CALL, mesh="U=8"), ValueError,
+     r"the model has 12 heads, not divisible by the Ulysses degree U=8; with 8 devices use one of: "
+     r"U=1,R=8, U=2,R=4, U=4,R=2"),
+    ("mesh U=3 with 8 heads", lambda p, f, t: p["tiny"](PROMPT, **CALL, mesh="U=3"), ValueError,
+     r"the model has 8 heads, not divisible by the Ulysses degree U=3; with 3 devices use one of: U=1,R=3"),
+    ("mesh bigger than the devices", lambda p, f, t: p["tiny"](PROMPT, **CALL, mesh="U=4,R=4"), ValueError,
+     r"mesh U=4,R=4 needs 16 devices but 8 are visible"),
+    ("unknown dtype", lambda p, f, t: WanPipeline.tiny("float16"), ValueError,
+     r"dtype='float16' is not supported; use one of \['bfloat16', 'float32'\]"),
+    ("folder without model_index.json", lambda p, f, t: WanPipeline.from_pretrained(f["no_index"]),
+     CheckpointError, r"has no model_index.json; pass a diffusers-format Wan pipeline folder"),
+    ("pickle-only checkpoint", lambda p, f, t: WanPipeline.from_pretrained(f["pickle"]), CheckpointError,
+     r"holds only pickle-format weights \['diffusion_pytorch_model.bin'\]; pickle files can execute code"),
+    ("truncated safetensors", lambda p, f, t: WanPipeline.from_pretrained(f["truncated"]), CheckpointError,
+     r"cannot read .*diffusion_pytorch_model.safetensors' \(truncated or corrupt safetensors file"),
+    ("key shape mismatch", lambda p, f, t: WanPipeline.from_pretrained(f["mismatch"]), CheckpointError,
+     r"does not fit the model config:\n  shape mismatches \(1\): \['proj_out.weight: checkpoint "
+     r"\(65, 192\) vs model \(64, 192\)'\]"),
+    ("output directory missing", lambda p, f, t: video_io.check_output(str(t / "no" / "x.mp4"), overwrite=False),
+     video_io.OutputError, r"the directory of output .* does not exist .*; create it first"),
+    ("output directory is a file", lambda p, f, t: video_io.check_output(_under_a_file(t), overwrite=False),
+     video_io.OutputError, r"cannot exist: .*a_file' is a file, not a directory"),
+    ("existing output", lambda p, f, t: video_io.write_video(np.zeros((1, 16, 16, 3)), _existing(t)),
+     video_io.OutputError, r"old.mp4' exists; pass --overwrite to replace it"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_api_rejects_before_compute(pipes, folders, tmp_path, no_compute, call, error, match):
+  with pytest.raises(error, match=match):
+    call(pipes, folders, tmp_path)
+
+
+def test_api_accepts_u3_with_12_heads(pipes):
+  """U=3 divides 12 heads: accepted (the check must not reject a mesh that works)."""
+  resolved = pipes["heads12"].check_inputs(
+      PROMPT, None, **CALL, guidance_scale=5.0, guidance_scale_2=None, flow_shift=None, seed=0,
+      latents=None, mesh="U=3")
+  assert dict(resolved["mesh"].shape) == {"ring": 1, "ulysses": 3}
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+CLI_CASES = [  # (id, extra arguments ({folder} and {tmp} filled in), message)
+    ("empty prompt", ["--prompt", ""], "--prompt '' is empty; describe the video"),
+    ("frames 0", ["--frames", "0"], "--frames 0 must be >= 1 (Wan: 4k+1, e.g. 81)"),
+    ("size not a multiple of 16", ["--size", "40x32"],
+     "width=40 must be a positive multiple of 16 (VAE factor 8 x patch 2); use 32 or 48"),
+    ("steps 0", ["--steps", "0"], "--steps 0 must be >= 1"),
+    ("NaN guidance", ["--guidance", "nan"], "--guidance 'nan' must be finite"),
+    ("mesh U=0", ["--mesh", "U=0"], "--mesh: mesh spec='U=0': U=0 must be >= 1"),
+    ("mesh U=8 with 12 heads", ["--model", "{mismatch}", "--mesh", "U=8"],
+     "the model has 12 heads, not divisible by the Ulysses degree U=8; with 8 devices use one of: "
+     "U=1,R=8, U=2,R=4, U=4,R=2"),
+    ("mesh U=3 with 8 heads", ["--mesh", "U=3"],
+     "the model has 8 heads, not divisible by the Ulysses degree U=3"),
+    ("mesh bigger than the devices", ["--mesh", "U=4,R=4"], "mesh U=4,R=4 needs 16 devices but 8 are visible"),
+    ("unknown dtype", ["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    ("folder without model_index.json", ["--model", "{no_index}"], "has no model_index.json"),
+    ("pickle-only checkpoint", ["--model", "{pickle}"],
+     "holds only pickle-format weights ['diffusion_pytorch_model.bin']"),
+    ("truncated safetensors", ["--model", "{truncated}"], "(truncated or corrupt safetensors file"),
+    ("key shape mismatch", ["--model", "{mismatch}"],
+     "shape mismatches (1): ['proj_out.weight: checkpoint (65, 192) vs model (64, 192)']"),
+    ("output directory missing", ["--out", "{tmp}/no/x.mp4"], "does not exist"),
+    ("output directory is a file", ["--out", "{tmp}/a_file/x.mp4"], "a_file' is a file, not a directory"),
+    ("existing output", ["--out", "{tmp}/old.mp4"], "old.mp4' exists; pass --overwrite"),
+]
+
+
+def _main(argv: list[str]) -> int:
+  try:
+    return generate.main(argv)
+  except SystemExit as e:  # argparse
+    return e.code
+
+
+@pytest.mark.parametrize("extra,message", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_rejects_before_compute(folders, tmp_path, capsys, no_compute, extra, message):
+  _existing(tmp_path)
+  _under_a_file(tmp_path)
+  extra = [a.format(tmp=tmp_path, **folders) for a in extra]
+  argv = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1",
+          "--out", str(tmp_path / "x.mp4"), *extra]
+  assert _main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err, err
+  assert sorted(os.listdir(tmp_path)) == ["a_file", "old.mp4"]  # nothing written
+  assert (tmp_path / "old.mp4").read_bytes() == b"old"
+
+
+# --- NaN guard ------------------------------------------------------------------------------------
+
+def test_nan_guard_stops_at_the_first_bad_step(nan_pipe):
+  steps = []
+  with pytest.raises(NonFiniteLatentsError, match=r"latents hold NaN/inf after denoising step 1/2 "
+                                                   r"\(timestep \d+\.\d, expert 0\); stopped before decoding"):
+    nan_pipe.run(PROMPT, **{**CALL, "num_inference_steps": 2}, seed=0, on_step=lambda k, s: steps.append(k))
+  assert steps == []
+  result = nan_pipe.run(PROMPT, **{**CALL, "num_inference_steps": 2}, seed=0, nan_guard=False, decode=False)
+  assert np.isnan(result.latents).all() and result.frames is None
+
+
+def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(WanPipeline, "tiny", classmethod(lambda cls, dtype="float32": nan_pipe))
+  out = tmp_path / "fox.mp4"
+  argv = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "2",
+          "--max-sequence-length", "8", "--out", str(out)]
+  assert generate.main(argv) == 1
+  assert "generate: error: latents hold NaN/inf after denoising step 1/2" in capsys.readouterr().err
+  assert os.listdir(tmp_path) == []
+  plan = generate.plan_run(generate.build_parser().parse_args(argv + ["--no-nan-guard"]))
+  assert plan.nan_guard is False
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------
+
+def test_interrupt_during_denoising_leaves_no_output(tmp_path):
+  out = tmp_path / "fox.mp4"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # ~20 ms per step at this size on one CPU device (1 ms at 32x32): a window of ~20 s to interrupt.
+  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "128x128", "--frames",
+         "17", "--steps", "1000", "--max-sequence-length", "8", "--seed", "0", "--out", str(out)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, stderr=subprocess.PIPE)
+  err = b""
+  try:
+    deadline = time.monotonic() + 120
+    while b"denoise:" not in err:  # the progress bar appears when the first step starts
+      assert time.monotonic() < deadline and proc.poll() is None, err.decode(errors="replace")
+      if select.select([proc.stderr], [], [], 1.0)[0]:
+        err += os.read(proc.stderr.fileno(), 65536)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)
+    code = proc.wait(timeout=60)
+    err += proc.stderr.read()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  text = err.decode(errors="replace")
+  assert code == 130, text
+  assert "generate: interrupted; nothing written to" in text, text
+  assert "1000/1000" not in text  # it really stopped mid-way
+  assert os.listdir(tmp_path) == []  # no output, no sidecar, no temporary file
