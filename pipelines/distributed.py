@@ -9,11 +9,17 @@ arrays with `jax.make_array_from_callback`; nothing is broadcast. `to_host` read
 every process; only process 0 writes files (`is_main_process`).
 
 Settings come from flags or, when a flag is not given, from the environment:
-  JAX_COORDINATOR_ADDRESS  HOST:PORT of process 0's coordinator (the name jax itself reads)
-  JAX_NUM_PROCESSES        number of processes
-  JAX_PROCESS_ID           this process's id, 0 .. N-1
-On CPU, cross-process collectives use gloo (`jax_cpu_collectives_implementation`), which is what
-makes a multi-process run testable on one machine.
+  JAX_COORDINATOR_ADDRESS  HOST:PORT of process 0's coordinator (jax.distributed reads it too)
+  JAX_NUM_PROCESSES        number of processes   (read here; jax 0.10 itself does not)
+  JAX_PROCESS_ID           this process's id, 0 .. N-1   (read here; jax 0.10 itself does not)
+All three are passed to `jax.distributed.initialize` explicitly, with cluster auto-detection
+(Slurm, Open MPI, TPU, Kubernetes) off: what was given is what runs. On CPU, cross-process
+collectives use gloo (`jax_cpu_collectives_implementation`), which is what makes a multi-process
+run testable on one machine.
+
+Faults: a process that cannot reach the coordinator, or a coordinator whose peers do not all
+connect, fails after the timeout with a message saying so (`initialize`). A process that dies
+mid-run is detected by JAX's heartbeat (100 s by default); the survivors then abort.
 """
 
 from __future__ import annotations

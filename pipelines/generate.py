@@ -319,7 +319,8 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
   else:
     note = f"{local} {backend} device(s)"
   if jax.process_count() > 1:
-    note += f" in each of {jax.process_count()} processes ({count} in all; this is process {jax.process_index()})"
+    note += (f" in each of {jax.process_count()} processes ({count} in all; this is process "
+             f"{jax.process_index()})")
   if used < count:
     note += f"; the mesh uses the first {used}"
   return note

@@ -397,7 +397,8 @@ class WanPipeline:
 
     Raises:
       ValueError: an unknown dtype.
-      checkpoint.CheckpointError: see `PipelineIndex.read` and the component loaders.
+      checkpoint.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` (every
+        weight file's header, before any tensor is read) and the component loaders.
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     model_dtype, vae_dt = _dtype(dtype), _dtype(vae_dtype)
@@ -557,7 +558,7 @@ class WanPipeline:
                guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
                max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
-               progress: bool = False) -> np.ndarray:
+               progress: bool = False, nan_guard: bool = True) -> np.ndarray:
     """Generates videos; diffusers `WanPipeline.__call__(..., output_type="np").frames`.
 
     Args:
@@ -575,16 +576,19 @@ class WanPipeline:
       guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
       flow_shift: overrides the scheduler config's shift.
       progress: show a tqdm bar over the denoising steps.
+      nan_guard: stop with `NonFiniteLatentsError` at the first step whose latents hold NaN/inf.
 
     Returns:
       float32 numpy [B, frames, height, width, 3] in [0, 1].
 
     Raises:
       ValueError: see `check_inputs` (raised before any compute).
+      NonFiniteLatentsError: see `nan_guard`.
     """
     return self.run(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
                     guidance_scale, seed, latents, max_sequence_length, mesh,
-                    guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, progress=progress).frames
+                    guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, progress=progress,
+                    nan_guard=nan_guard).frames
 
   def run(self, prompt, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,

@@ -1,10 +1,11 @@
-"""Writing generated videos: mp4 (imageio-ffmpeg, H.264), gif, npy, or a folder of PNG frames; atomically.
+"""Writing generated videos atomically: mp4 (imageio-ffmpeg, H.264), gif, npy, or PNG frames.
 
 Frames are float [frames, height, width, 3] in [0, 1] (the pipeline's output for one video),
 quantised with rounding to uint8, except .npy, which keeps them as float32 (for exact comparisons,
-e.g. a multi-process run against a single-process one). Every write goes to a temporary name in the destination's own
-directory and is renamed into place with `os.replace`, so a crash never leaves a half-written file
-under the requested name, and an existing output is replaced only when `overwrite` is set.
+e.g. a multi-process run against a single-process one). Every write goes to a temporary name in
+the destination's own directory and is renamed into place with `os.replace`, so a crash or Ctrl-C
+never leaves a half-written file under the requested name (the temporary file is removed), and an
+existing output is replaced only when `overwrite` is set.
 """
 
 from __future__ import annotations
