@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# (transformer preset, height, width, flow shift) compiled by `--aot`: the issue's two targets.
-AOT_TARGETS = (("wan2.1-t2v-1.3b", 480, 832, 3.0), ("wan2.1-t2v-14b", 720, 1280, 5.0))
+# name -> (transformer preset, height, width, flow shift) compiled by `--aot`: the issue's two targets.
+AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0)}
 AOT_FRAMES = 81
 AOT_TEXT_LEN = 512
 
@@ -147,21 +147,22 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   return report
 
 
-def format_report(rows: list[dict[str, Any]], topology: str) -> str:
-  """The AOT table as text (GiB per device, TFLOP per device, collective counts / MiB)."""
-  lines = [f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
-           "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
-           f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
-           f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)"]
-  for r in rows:
-    if "error" in r:
-      lines.append(f"{r['model']:16s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}")
-      continue
-    mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
-    coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
-    lines.append(
-        f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
-        f"{'U=%d,R=%d' % (r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
-        f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
-        f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")
-  return "\n".join(lines)
+def format_header(topology: str) -> str:
+  """The AOT table's title and column names."""
+  return "\n".join([
+      f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
+      "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
+      f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
+      f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)"])
+
+
+def format_row(r: dict[str, Any]) -> str:
+  """One row of the AOT table (GiB per device, TFLOP per device, collective counts / MiB)."""
+  if "error" in r:
+    return f"{r['model']:16s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}"
+  mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
+  coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+  return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
+          f"{'U=%d,R=%d' % (r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
+          f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
+          f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, "
                   "removed); a folder already holding one (model_index.json) is reused as it is")
   ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
+  ap.add_argument("--aot-models", default="1.3b,14b",
+                  help="which --aot targets: 1.3b (480x832) and/or 14b (720x1280), comma-separated")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--aot-init-timeout", type=float, default=120.0,
                   help="seconds allowed for libtpu to build the topology before giving up")
@@ -170,8 +172,9 @@ def run_aot(args: argparse.Namespace) -> int:
     faulthandler.cancel_dump_traceback_later()
   mesh = parse_mesh(args.aot_mesh) if args.aot_mesh else (None, None)
   rows = []
-  for preset, height, width, shift in aot.AOT_TARGETS:
-    print(f"compiling {preset} {aot.AOT_FRAMES}x{height}x{width} for {args.aot} ...", flush=True)
+  print(aot.format_header(args.aot), flush=True)
+  for name in args.aot_models.split(","):
+    preset, height, width, shift = aot.AOT_TARGETS[name]
     try:
       rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
                                            frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
@@ -180,11 +183,11 @@ def run_aot(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
       rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-  print(aot.format_report(rows, args.aot))
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                     versions=_versions(), rows=rows), f, indent=2)
+    print(aot.format_row(rows[-1]), flush=True)
+    if args.json:  # after every model: a long compile that is stopped keeps the rows done so far
+      with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
+                       versions=_versions(), rows=rows), f, indent=2)
   return 0
 
 
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
       parse_mesh(args.aot_mesh)
     if args.runs < 1:
       raise ValueError(f"--runs {args.runs} must be >= 1")
+    if any(name not in ("1.3b", "14b") for name in args.aot_models.split(",")):
+      raise ValueError(f"--aot-models {args.aot_models!r}: use 1.3b, 14b or 1.3b,14b")
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
   except ValueError as e:

@@ -120,7 +120,8 @@ def test_benchmark_usage_errors_exit_2(capsys):
   assert benchmark.main(["--aot", "v6e:2x4", "--compare", "diffusers"]) == 2
   assert benchmark.main(["--runs", "0"]) == 2
   assert benchmark.main(["--mesh", "X=2"]) == 2
-  assert capsys.readouterr().err.count("error:") == 3
+  assert benchmark.main(["--aot", "v6e:2x4", "--aot-models", "7b"]) == 2
+  assert capsys.readouterr().err.count("error:") == 4
 
 
 # --- AOT (the same code path on CPU devices: no libtpu needed) -----------------------------------
@@ -139,4 +140,4 @@ def test_aot_compile_denoise_step_on_cpu_mesh():
   # Every layer's self-attention (scanned: one body) exchanges over Ulysses and permutes over ring.
   assert report["collectives"]["all-to-all"]["count"] >= 2
   assert report["collectives"]["collective-permute"]["count"] >= 1
-  assert "failed" not in aot.format_report([report], "cpu")
+  assert "failed" not in aot.format_row(report) and "NOT a runtime" in aot.format_header("cpu")
