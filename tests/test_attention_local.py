@@ -65,12 +65,14 @@ def _reference_f64(q, k, v, kv_valid_len=None, window=None):
   return np.einsum("bnts,bsnh->btnh", p / np.where(denom > 0, denom, 1.0), v)  # no key -> 0
 
 
-@functools.partial(jax.jit, static_argnames="window")
-def _all_paths(q, k, v, vl, window):
+@functools.partial(jax.jit, static_argnames=("window", "causal"))
+def _all_paths(q, k, v, vl, window, causal=False):
   # One compiled program for the three paths and the fp32 reference keeps the grid fast.
-  outs = {impl: local_attention(q, k, v, kv_valid_len=vl, window=window, implementation=impl,
-                                block_sizes=SIZES) for impl in ("lse", "fixed_m", "auto")}
-  outs["reference"] = attention_reference(q, k, v, kv_valid_len=vl, window=window)
+  outs = {impl: local_attention(q, k, v, kv_valid_len=vl, window=window, causal=causal,
+                                implementation=impl, block_sizes=SIZES)
+          for impl in ("lse", "fixed_m", "auto")}
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  outs["reference"] = attention_reference(*f32, kv_valid_len=vl, window=window, causal=causal)
   return outs
 
 
@@ -92,19 +94,15 @@ def test_matches_reference_fp32(T, S, NK, H, padded, windowed):
   assert _err(outs["fixed_m"], outs["lse"]) <= 1e-6
 
 
-@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID[::3])
+@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID[::4])
 def test_matches_reference_bf16(T, S, NK, H, padded, windowed):
   N, K = NK
   q, k, v = _inputs(2, T, S, N, K, H, dtype=jnp.bfloat16)
   vl = _valid_len(2, S, padded)
-  window = 5 if windowed else None
-  ref = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                            kv_valid_len=vl, window=window)
+  outs = _all_paths(q, k, v, vl, 5 if windowed else None)
   for impl in ("lse", "fixed_m", "auto"):
-    out = local_attention(q, k, v, kv_valid_len=vl, window=window, implementation=impl,
-                          block_sizes=SIZES)
-    assert out.dtype == jnp.bfloat16
-    assert _err(out, ref) <= 2e-2, (impl, _err(out, ref))
+    assert outs[impl].dtype == jnp.bfloat16
+    assert _err(outs[impl], outs["reference"]) <= 2e-2, (impl, _err(outs[impl], outs["reference"]))
 
 
 def test_padding_changes_the_answer():
@@ -117,11 +115,9 @@ def test_padding_changes_the_answer():
 def test_causal_and_window_match_reference():
   q, k, v = _inputs(1, 300, 300, 4, 2, 64)
   for window, causal in ((None, True), (16, True), (0, False)):
-    ref = attention_reference(q, k, v, window=window, causal=causal)
-    for impl in ("lse", "fixed_m"):
-      out = local_attention(q, k, v, window=window, causal=causal, implementation=impl,
-                            block_sizes=SIZES)
-      assert _err(out, ref) <= 2e-6, (window, causal, impl)
+    outs = _all_paths(q, k, v, None, window, causal)
+    for impl in ("lse", "fixed_m", "auto"):
+      assert _err(outs[impl], outs["reference"]) <= 2e-6, (window, causal, impl)
 
 
 def test_rows_without_keys_are_zero():
@@ -211,11 +207,15 @@ def test_per_q_block_bound_is_exact():
   b_row = fixed_m.row_offsets(qs, stats, gate.c_max)
   b_blk = fixed_m.row_offsets(qs, stats, gate.c_max, q_block=64)
   assert bool(jnp.all(b_blk >= b_row - 1e-4))  # a block bound is never below its rows' bound
-  for b in (b_row, b_blk):
+  @jax.jit
+  def fixed_m_with(b):
     carry = blockwise.attend(blockwise.init_carry(qs, b), qs, ks, vs, mode="fixed_m",
                              q_pos=jnp.arange(T), kv_pos=jnp.arange(S), block_sizes=BlockSizes(64, 300))
-    out = blockwise.finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-    assert _err(out, attention_reference(q, k, v)) <= 2e-6
+    return blockwise.finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+  ref = attention_reference(q, k, v)
+  for b in (b_row, b_blk):
+    assert _err(fixed_m_with(b), ref) <= 2e-6
 
 
 def test_merge_partials_equals_full_and_guards_empty():
@@ -224,6 +224,7 @@ def test_merge_partials_equals_full_and_guards_empty():
   qs = blockwise.scale_queries(q, 1 / 8).reshape(B, T, N, 1, H).transpose(0, 2, 3, 1, 4)
   ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
+  @functools.partial(jax.jit, static_argnums=(0, 1))
   def part(lo, hi):
     c = blockwise.attend(blockwise.init_carry(qs), qs, ks[:, :, lo:hi], vs[:, :, lo:hi], mode="lse",
                          q_pos=jnp.arange(T), kv_pos=jnp.arange(lo, hi), block_sizes=BlockSizes(16, 96))

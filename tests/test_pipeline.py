@@ -190,11 +190,11 @@ def test_forced_attention_paths_agree(tiny, tiny_reference):
   # rejected its own output: two steps here keep that fixed.
   kwargs = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=3,
                 max_sequence_length=MAX_LEN, mesh="U=2,R=2")
+  # "auto" (the default) is what every other mesh test runs; here the two forced paths.
   runs = {impl: tiny.run(PROMPTS[0], attention_implementation=impl, **kwargs)
-          for impl in ("lse", "fixed_m", "auto")}
+          for impl in ("lse", "fixed_m")}
   assert runs["lse"].settings["attention_implementation"] == "lse"
   assert psnr(runs["lse"].frames, runs["fixed_m"].frames) >= 60
-  assert psnr(runs["lse"].frames, runs["auto"].frames) >= 60
   with pytest.raises(ValueError, match="attention_implementation"):
     tiny.run(PROMPTS[0], attention_implementation="flash", **kwargs)
 
