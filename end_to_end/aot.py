@@ -9,7 +9,10 @@ inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
 wall time, and the collectives in the compiled HLO (`end_to_end.collectives.hlo_collectives`).
-This is a COMPILE-TIME report, not a runtime measurement: no step is executed.
+This is a COMPILE-TIME report, not a runtime measurement: no step is executed. XLA's cost analysis
+and the HLO collective count see each loop body once (the transformer blocks are one `lax.scan`, the
+attention runs block loops), so FLOPs, bytes accessed and collective counts are per program text,
+not per step (a step runs the block body num_layers times); memory_analysis is exact.
 
 libtpu: `pip install --no-deps --target DIR "libtpu==0.0.42.*"`, DIR on PYTHONPATH, and run with
 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost so that libtpu does not wait
@@ -153,7 +156,9 @@ def format_header(topology: str) -> str:
       f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
       "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
       f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
-      f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)"])
+      f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)",
+      "(TFLOP, GB accessed and collectives count each loop body ONCE: the blocks run in one lax.scan "
+      "and attention in block loops, so these are per program text, not per step)"])
 
 
 def format_row(r: dict[str, Any]) -> str:
