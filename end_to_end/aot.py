@@ -1,8 +1,8 @@
 """Ahead-of-time compile of one denoising step for a TPU topology, on a machine without a TPU.
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
-guidance mix, flow-UniPC update; `pipelines.pipeline._denoise_step`, mirrored by `denoise_step`
-below until the pipeline exposes it) for abstract inputs: weights replicated over the mesh (DESIGN.md
+guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.denoise_step` with CFG
+on) for abstract inputs: weights replicated over the mesh (DESIGN.md
 section 2), latents / solver state / text replicated, video tokens sharded over (ring, ulysses)
 inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
 
@@ -22,6 +22,7 @@ libtpu's one-process lock, which guards real chips, does not refuse a second com
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -57,25 +58,6 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
   axis on one ICI island; DESIGN.md section 2)."""
   ulysses = max(u for u in range(1, devices + 1) if devices % u == 0 and heads % u == 0)
   return ulysses, devices // ulysses
-
-
-def denoise_step(graphdef, params, latents, solver, text, guidance, *, mesh):
-  """Mirror of the pipeline's `_denoise_step` with CFG on (latents float32 [B, C, F, Hl, Wl], text
-  [2B, L, text_dim] cond rows then uncond rows, guidance float32 [])."""
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from pipelines.wan.transformer import forward
-
-  model = nnx.merge(graphdef, params)
-  x = latents.astype(model.dtype)
-  x = jnp.concatenate([x, x], axis=0)
-  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  noise = forward(model, x, timestep, text, mesh=mesh)
-  cond, uncond = jnp.split(noise, 2, axis=0)
-  noise = uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(noise.dtype)
-  new_latents, solver = solver.step(noise, latents)
-  return new_latents.astype(latents.dtype), solver
 
 
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
@@ -127,7 +109,10 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
           spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), model_dtype)),
           spec(jax.ShapeDtypeStruct((), jnp.float32)))
-  step = jax.jit(denoise_step, static_argnums=0, static_argnames="mesh", donate_argnums=(2, 3))
+  from pipelines.pipeline import denoise_step
+
+  step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="mesh",
+                 donate_argnums=(2, 3))
   start = time.perf_counter()
   compiled = step.lower(graphdef, *args, mesh=mesh).compile()
   compile_s = time.perf_counter() - start

@@ -273,7 +273,7 @@ class GenerationResult:
 TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one trace per shape
 
 
-def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
+def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
                   text: jax.Array, guidance: jax.Array, *, mesh: Mesh | None, cfg: bool,
                   attention_implementation: str = "auto"):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
@@ -320,7 +320,7 @@ def _denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array,
 # Compiled steps by (graph, mesh, cfg, abstract arguments): pipelines with the same architecture
 # (both experts of Wan 2.2, or two loads of one folder) share one executable per shape.
 _COMPILED_STEPS: dict[Any, Any] = {}
-_denoise_step_jit = jax.jit(_denoise_step, static_argnums=0,
+_denoise_step_jit = jax.jit(denoise_step, static_argnums=0,
                             static_argnames=("mesh", "cfg", "attention_implementation"),
                             donate_argnames=("latents", "solver"))
 
@@ -452,7 +452,7 @@ class WanPipeline:
 
   def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
                      attention_implementation: str = "auto"):
-    """The compiled `_denoise_step` for these shapes, dtypes and shardings (compiled once each)."""
+    """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each)."""
     args = (params, latents, solver, text, guidance)
     leaves, treedef = jax.tree.flatten(args)
     key = (self._graphdef, mesh, cfg, attention_implementation, treedef,
