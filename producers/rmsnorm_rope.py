@@ -31,13 +31,15 @@ def _check_inputs(x, weight, cos, sin, num_heads: int) -> tuple[int, int, int, i
   if not isinstance(num_heads, int) or num_heads <= 0 or width % num_heads:
     raise ValueError(f"D must equal N * H: {width=} is not divisible by {num_heads=}")
   head_dim = width // num_heads
-  if head_dim % 2:
+  if head_dim % 2 and cos is not None:
     raise ValueError(f"RoPE rotates channel pairs, so H must be even; got {head_dim=} "
                      f"(D={width}, N={num_heads})")
   if weight.shape != (width,):
     raise ValueError(f"RMSNorm weight must be [D] = [{width}], got {weight.shape=}")
+  if (cos is None) != (sin is None):
+    raise ValueError("pass both rotary tables cos and sin, or neither (plain RMSNorm)")
   want = (tokens, head_dim // 2)
-  if cos.shape != want or sin.shape != want:
+  if cos is not None and (cos.shape != want or sin.shape != want):
     raise ValueError(f"rotary tables must be [T, H/2] = {list(want)} for x.shape={x.shape} and "
                      f"{num_heads=}, got {cos.shape=} {sin.shape=}; build them with "
                      f"wan_rope_table(grid, {head_dim}, start=..., length={tokens}) (is the grid "
@@ -52,14 +54,15 @@ def _mean_last(v: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "out_scale"))
-def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.Array, *,
+def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: jax.Array | None, *,
                  num_heads: int, eps: float = 1e-6, out_scale: float | None = None) -> jax.Array:
   """RMSNorm over D (fp32 statistics) -> [B, T, N, H] -> Wan RoPE (-> * out_scale), one jit.
 
   Args:
     x: [B, T, D] projected q or k, any float dtype (bf16 or fp32 in practice).
     weight: [D] RMSNorm gain (norm_q / norm_k weight), any float dtype; applied in fp32.
-    cos, sin: float32 [T, H/2] from `wan_rope_table` for these tokens' global positions.
+    cos, sin: float32 [T, H/2] from `wan_rope_table` for these tokens' global positions, or both
+      None for no rotation (Wan's cross-attention q/k: RMSNorm across heads only).
     num_heads: N (static).
     eps: RMSNorm epsilon (static); Wan uses 1e-6.
     out_scale: optional static float multiplied into the fp32 result before the final rounding
@@ -93,6 +96,10 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.Array
     # ~25% of bf16 outputs by 1 ulp against diffusers; reduce_precision is the rounding XLA keeps.
     info = jnp.finfo(x.dtype)
     y = jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  if cos is None:
+    if out_scale is not None:
+      y = y * out_scale
+    return y.reshape(batch, tokens, num_heads, head_dim).astype(x.dtype)
   pairs = y.reshape(batch, tokens, num_heads, head_dim // 2, 2)
   x1, x2 = pairs[..., 0], pairs[..., 1]  # [B, T, N, H/2]
   cos_b = cos[None, :, None, :]  # [1, T, 1, H/2]

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import producers
 from producers.layernorm_adaln import layer_norm_reference
+from producers.rmsnorm_rope import rms_norm_reference
 from producers import (layernorm_adaln, layernorm_adaln_reference, rmsnorm_rope,
                        rmsnorm_rope_reference, wan_rope_table, wan_rope_table_reference)
 
@@ -322,3 +323,18 @@ def test_traced_start_needs_static_length():
   cos, _ = jax.jit(lambda s: wan_rope_table(GRID, 64, start=s, length=8))(jnp.int32(100))
   np.testing.assert_array_equal(np.asarray(cos), wan_rope_table_reference(GRID, 64, start=100,
                                                                            length=8)[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rmsnorm_without_rotation_is_plain_rmsnorm(dtype):
+  # Wan's cross-attention q/k: RMSNorm across heads, no RoPE (cos = sin = None).
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((2, 9, 64)), dtype)
+  weight = jnp.asarray(rng.standard_normal(64), dtype)
+  out = producers.rmsnorm_rope(x, weight, None, None, num_heads=4)
+  ref = rms_norm_reference(x, weight).reshape(2, 9, 4, 16)
+  assert out.shape == (2, 9, 4, 16) and out.dtype == dtype
+  tol = 0 if dtype == jnp.bfloat16 else 2e-6
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+  with pytest.raises(ValueError, match="both rotary tables"):
+    producers.rmsnorm_rope(x, weight, jnp.ones((9, 8)), None, num_heads=4)

@@ -192,15 +192,6 @@ class FeedForward(nnx.Module):
     return self.proj_out(_gelu_tanh(self.proj_in(x)))
 
 
-def _identity_rope(tokens: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
-  """(cos, sin) = (1, 0) [tokens, H/2]: turns `producers.rmsnorm_rope` into a plain RMSNorm.
-
-  Exact: the rotation computes x * 1 - y * 0 = x in fp32 and rounds an already-rounded value.
-  """
-  return (jnp.ones((tokens, head_dim // 2), jnp.float32),
-          jnp.zeros((tokens, head_dim // 2), jnp.float32))
-
-
 class SequenceLayout:
   """Where the video tokens live: one device (mesh None) or sharded over ("ring", "ulysses").
 
@@ -299,11 +290,9 @@ class WanBlock(nnx.Module):
     #    plain residual in the model dtype.
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps).astype(dtype)
     a = self.attn2
-    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *_identity_rope(t, head_dim),
-                                    num_heads=heads, eps=eps)
-    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...],
-                                    *_identity_rope(text_BLD.shape[1], head_dim),
-                                    num_heads=heads, eps=eps)
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
+    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...], None, None, num_heads=heads,
+                                    eps=eps)
     v_BLNH = a.to_v(text_BLD).reshape(b, -1, heads, head_dim)
     o_BTD = layout.cross_attention(q_BTNH, k_BLNH, v_BLNH).reshape(b, t, d)
     x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
