@@ -95,8 +95,10 @@ def usp_attention(
     q_prescaled: q already multiplied by scale * log2(e).
 
   Returns:
-    [B, T, N, H] in q's dtype, sharded `P(None, ("ring", "ulysses"))`. T and S need not be
-    multiples of U * R: they are padded (padded keys masked, padded rows dropped).
+    [B, T, N, H] in q's dtype, sharded `P(None, ("ring", "ulysses"))` when T is a multiple of
+    U * R. T and S need not be: they are padded (padded keys masked) and the padded rows dropped,
+    which leaves an uneven length that XLA lays out as it chooses (callers that keep tokens
+    sharded, like the Wan transformer, pad once themselves and pass `kv_valid_len`).
 
   Raises:
     ValueError: bad shapes/dtypes, unknown implementation, heads that do not split over U (the

@@ -82,23 +82,27 @@ def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--mesh", default="U=2,R=2")
-  ap.add_argument("--batch", type=int, default=1)
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.collectives", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--mesh", default="U=2,R=2", help="Ulysses and ring degrees, e.g. U=2,R=4 (default U=2,R=2)")
+  ap.add_argument("--batch", type=int, default=1, help="B (default 1)")
   ap.add_argument("--tokens", type=int, default=32760, help="T = S (Wan 1.3B 480p x 81 frames: 32760)")
-  ap.add_argument("--heads", type=int, default=12)
-  ap.add_argument("--kv-heads", type=int, default=None)
-  ap.add_argument("--head-dim", type=int, default=128)
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--kind", choices=("usp", "halo"), default="usp")
-  ap.add_argument("--window", type=int, default=256, help="halo only")
-  ap.add_argument("--implementation", default="auto")
+  ap.add_argument("--heads", type=int, default=12, help="N query heads (default 12, Wan 1.3B)")
+  ap.add_argument("--kv-heads", type=int, default=None, help="K kv heads (default N)")
+  ap.add_argument("--head-dim", type=int, default=128, help="H (default 128)")
+  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="q/k/v dtype")
+  ap.add_argument("--kind", choices=("usp", "halo"), default="usp", help="attention call to compile")
+  ap.add_argument("--window", type=int, default=256, help="halo only: window w")
+  ap.add_argument("--implementation", default="auto", choices=("auto", "lse", "fixed_m"))
   ap.add_argument("--block-q", type=int, default=None, help="BlockSizes.block_q (default: library default)")
   ap.add_argument("--block-kv", type=int, default=None, help="BlockSizes.block_kv")
   ap.add_argument("--topology", help="TPU topology for AOT compile, e.g. v6e:2x2 (needs libtpu)")
   ap.add_argument("--json", help="write the report as JSON here")
   args = ap.parse_args(argv)
-  U, R = parse_mesh(args.mesh)
+  try:
+    U, R = parse_mesh(args.mesh)
+  except ValueError as e:
+    ap.error(str(e))
   if args.topology is None and "jax" not in sys.modules:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:

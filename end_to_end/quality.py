@@ -191,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
               num_inference_steps=args.steps, guidance_scale=args.guidance,
               max_sequence_length=args.max_sequence_length)
   shape = pipeline("float32").latent_shape(1, args.height, args.width, args.frames)
+  # Every candidate's mesh and the call's sizes are checked before the (long) reference run.
+  from pipelines.pipeline import check_mesh
+  try:
+    heads = pipeline("float32").transformer_config.num_attention_heads
+    for c in p["candidates"]:
+      check_mesh(c["ulysses"], c["ring"], heads=heads, device_count=jax.device_count())
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
   def draw(seed: int) -> np.ndarray:  # the pipeline's own rule for video 0 of a seed
     return np.random.default_rng(seed).standard_normal(shape, np.float32)

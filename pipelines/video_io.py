@@ -165,7 +165,7 @@ def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> s
   temp = _temp_name(path, ".json")
   try:
     with open(temp, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=2, default=str)
+      json.dump(data, f, indent=2, default=str, ensure_ascii=False)
       f.write("\n")
     _replace(temp, path, overwrite)
   except BaseException:
