@@ -210,3 +210,9 @@ def test_tokenizer_helpers(tmp_path, byte_tokenizer):
   assert ids[0, 5] == default.eos_token_id and mask[1].all()  # second prompt truncated to 12
   with pytest.raises(ValueError, match="max_length"):
     tokenizer.tokenize(default, ["x"], 0)
+
+
+def test_tokenize_warns_when_it_truncates():
+  with pytest.warns(UserWarning, match=r"prompt\(s\) \[1\] are longer than max_sequence_length=16"):
+    ids, mask = tokenizer.tokenize(tokenizer.default_tokenizer(), ["short", "x" * 40], 16)
+  assert ids.shape == (2, 16) and int(mask[1].sum()) == 16

@@ -10,6 +10,7 @@ truncate, add the EOS special token, return the attention mask.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,4 +63,11 @@ def tokenize(tokenizer: Any, prompts: Sequence[str], max_length: int) -> tuple[n
     raise ValueError(f"need at least one prompt and max_length >= 1; got {len(prompts)=} {max_length=}")
   out = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
                   add_special_tokens=True, return_attention_mask=True, return_tensors="np")
+  full = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+  cut = [i for i, ids in enumerate(full) if len(ids) > max_length]
+  if cut:
+    # diffusers' Wan pipeline truncates silently; say so, since the video ignores the rest.
+    warnings.warn(f"prompt(s) {cut} are longer than max_sequence_length={max_length} tokens "
+                  f"({[len(full[i]) for i in cut]} tokens) and were truncated; raise "
+                  "max_sequence_length or shorten them", stacklevel=2)
   return out["input_ids"].astype(np.int32), out["attention_mask"].astype(np.int32)
