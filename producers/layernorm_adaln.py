@@ -58,12 +58,31 @@ def layernorm_adaln(x: jax.Array, scale: jax.Array, shift: jax.Array, *,
   `layernorm_adaln_reference` (measured; tests/test_producers.py); bf16 within 1 ulp.
   """
   _check_inputs(x, scale, shift)
+  normed = _normalize_f32(x, eps)
+  out = normed * (1.0 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
+  return out.astype(x.dtype)
+
+
+def _normalize_f32(x: jax.Array, eps: float) -> jax.Array:
+  """(x - mean) / sqrt(var + eps) over D in fp32, torch's two-pass biased variance. -> fp32."""
   x_f32 = x.astype(jnp.float32)  # [B, T, D]
   mean = _mean_last(x_f32)  # [B, T, 1]
   centred = x_f32 - mean
   variance = _mean_last(jnp.square(centred))  # [B, T, 1]
-  normed = centred * jax.lax.rsqrt(variance + eps)
-  out = normed * (1.0 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
+  return centred * jax.lax.rsqrt(variance + eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, *, eps: float = 1e-6) -> jax.Array:
+  """diffusers `FP32LayerNorm(D, eps, elementwise_affine=True)`: fp32 statistics and affine.
+
+  Wan's cross-attention `norm2`. Args: x [B, T, D] any float dtype; weight, bias [D] (kept fp32 by
+  diffusers in bf16 models); eps static. Returns [B, T, D] in x.dtype (one rounding, as
+  FP32LayerNorm's `.to(origin_dtype)`). Raises ValueError when weight/bias are not [D].
+  """
+  if weight.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
+    raise ValueError(f"weight and bias must be [D]=[{x.shape[-1]}], got {weight.shape=} {bias.shape=}")
+  out = _normalize_f32(x, eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
   return out.astype(x.dtype)
 
 

@@ -338,3 +338,22 @@ def test_rmsnorm_without_rotation_is_plain_rmsnorm(dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
   with pytest.raises(ValueError, match="both rotary tables"):
     producers.rmsnorm_rope(x, weight, jnp.ones((9, 8)), None, num_heads=4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_affine_layer_norm_matches_torch(dtype):
+  # diffusers FP32LayerNorm(D, elementwise_affine=True): Wan's cross-attention norm2.
+  import torch
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((2, 7, 48)).astype(np.float32)
+  w, b = rng.standard_normal(48).astype(np.float32), rng.standard_normal(48).astype(np.float32)
+  xj = jnp.asarray(x, dtype)
+  out = producers.layer_norm(xj, jnp.asarray(w), jnp.asarray(b))
+  ref = torch.nn.functional.layer_norm(torch.from_numpy(np.asarray(xj, np.float32)), (48,),
+                                       torch.from_numpy(w), torch.from_numpy(b), 1e-6)
+  ref = np.asarray(jnp.asarray(ref.numpy()).astype(dtype), np.float32)
+  assert out.dtype == dtype
+  tol = 4e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=tol, rtol=0)
+  with pytest.raises(ValueError, match="weight and bias"):
+    producers.layer_norm(xj, jnp.asarray(w[:4]), jnp.asarray(b))

@@ -169,13 +169,8 @@ class LayerNorm(nnx.Module):
     self.bias = nnx.Param(bias)
 
   def __call__(self, x: jax.Array, *, eps: float) -> jax.Array:
-    """[B, T, D] -> fp32 [B, T, D] (the caller rounds, as diffusers' `type_as` does)."""
-    x_f32 = x.astype(jnp.float32)
-    mean = jnp.mean(x_f32, axis=-1, keepdims=True)
-    centred = x_f32 - mean
-    variance = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
-    normed = centred * jax.lax.rsqrt(variance + eps)
-    return normed * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    """[B, T, D] -> [B, T, D] in x.dtype (`producers.layer_norm`)."""
+    return producers.layer_norm(x, self.weight[...], self.bias[...], eps=eps)
 
 
 class FeedForward(nnx.Module):
@@ -288,7 +283,7 @@ class WanBlock(nnx.Module):
 
     # 2. Cross-attention: affine LayerNorm (fp32), q/k RMSNorm (no RoPE), text K/V replicated,
     #    plain residual in the model dtype.
-    h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps).astype(dtype)
+    h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
     q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
     k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...], None, None, num_heads=heads,
