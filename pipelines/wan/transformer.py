@@ -227,11 +227,15 @@ class SequenceLayout:
     return jnp.full((batch,), self.tokens, jnp.int32) if self.padding else None
 
   def self_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """[B, T, N, H] x3 -> [B, T, N, H]: local attention, or USP over the mesh."""
+    """[B, T, N, H] x3 -> [B, T, N, H]: local attention, or USP over the mesh.
+
+    q arrives pre-scaled by H^-1/2 * log2(e) (applied by the q producer in fp32
+    before its one rounding), so the base-2 kernels use it as is.
+    """
     if self.mesh is None:
-      return attention.local_attention(q, k, v, implementation=self.implementation)
+      return attention.local_attention(q, k, v, implementation=self.implementation, q_prescaled=True)
     return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]),
-                                   implementation=self.implementation)
+                                   implementation=self.implementation, q_prescaled=True)
 
   def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
@@ -274,7 +278,8 @@ class WanBlock(nnx.Module):
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
     a = self.attn1
-    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *rope, num_heads=heads, eps=eps)
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *rope, num_heads=heads, eps=eps,
+                                    out_scale=head_dim ** -0.5 * math.log2(math.e))
     k_BTNH = producers.rmsnorm_rope(a.to_k(h_BTD), a.norm_k[...], *rope, num_heads=heads, eps=eps)
     v_BTNH = a.to_v(h_BTD).reshape(b, t, heads, head_dim)
     o_BTD = layout.self_attention(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
