@@ -93,7 +93,6 @@ def _halo(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes):
 
 def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
   B, Tl, N, H = q.shape
-  K = k.shape[2]
   D = U * R
   r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
   u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0

@@ -105,7 +105,7 @@ def usp_attention(
       message names the workable (U, R)), before any compute.
   """
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
-  S, K = k.shape[1], k.shape[2]
+  K = k.shape[2]
   U, R = mesh_degrees(mesh)
   check_heads(N, K, U, R)
   if implementation not in bw.IMPLEMENTATIONS:
