@@ -20,6 +20,7 @@ import attention
 from pipelines import WanPipeline
 from pipelines import pipeline as wan_pipeline
 from pipelines.checkpoint import CheckpointError
+from torch_weights import randomize
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -38,22 +39,6 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
   return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
-def _randomize(module: torch.nn.Module, seed: int) -> None:
-  """Weights large enough that every step visibly changes the latents (default init barely does)."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in module.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      if "norm" in name and name.endswith("weight"):
-        p.copy_(1.0 + 0.2 * noise)
-      elif "scale_shift_table" in name:
-        p.copy_(0.3 * noise)
-      elif p.ndim == 1:
-        p.copy_(0.1 * noise)
-      else:
-        p.copy_(noise / np.sqrt(int(np.prod(p.shape[1:]))))
-
-
 def _save_diffusers_pipeline(folder: str, *, two_experts: bool) -> None:
   torch.manual_seed(0)
   # The embedded default's architecture (and the tiny UMT5 / VAE presets' below), so the compiled
@@ -61,7 +46,7 @@ def _save_diffusers_pipeline(folder: str, *, two_experts: bool) -> None:
   config = wan_pipeline.TINY_TRANSFORMER.to_dict()
   experts = [diffusers.WanTransformer3DModel(**config) for _ in range(2 if two_experts else 1)]
   for i, expert in enumerate(experts):
-    _randomize(expert, seed=10 + i)
+    randomize(expert, seed=10 + i)
   vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                    temperal_downsample=[False, True, True])
   text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(

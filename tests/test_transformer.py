@@ -26,6 +26,7 @@ from pipelines.checkpoint import CheckpointError
 from pipelines.wan.transformer import forward, init_transformer, param_shapes
 from pipelines.wan.transformer_config import PRESETS, WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
+from torch_weights import randomize
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -42,23 +43,6 @@ BATCH = 2
 forward_jit = jax.jit(forward, static_argnames=("mesh",))
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-  """Non-trivial weights everywhere, including norm gains/biases and modulation tables."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      if "norm" in name and name.endswith("weight"):
-        p.copy_(1.0 + 0.3 * noise)
-      elif "scale_shift_table" in name:
-        p.copy_(0.5 * noise)
-      elif p.ndim == 1:
-        p.copy_(0.2 * noise)
-      else:
-        fan_in = int(np.prod(p.shape[1:]))
-        p.copy_(noise / np.sqrt(fan_in))
-
-
 _FOLDERS: dict[str, str] = {}
 
 
@@ -73,7 +57,7 @@ def _saved_models(tmp_path_factory):
 def _folder(name: str) -> str:
   if name not in _FOLDERS:
     model = diffusers.WanTransformer3DModel(**TORCH_CONFIGS[name], **COMMON)
-    _randomize(model, seed=sum(map(ord, name)))
+    randomize(model, seed=sum(map(ord, name)), spread=1.6)
     _FOLDERS[name] = os.path.join(_FOLDERS["root"], name, "transformer")
     model.save_pretrained(_FOLDERS[name], safe_serialization=True)
   return _FOLDERS[name]
