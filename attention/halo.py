@@ -67,24 +67,28 @@ def halo_attention(
   Raises:
     ValueError: as `local_attention`, window None, or T != S.
   """
+  return _window_call(q, k, v, kv_valid_len, mesh=mesh, window=window, causal=causal, scale=scale,
+                      block_sizes=block_sizes, exchange="halo")
+
+
+def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange):
+  """Checks, defaults, then the jitted program (shared by the halo and all-gather exchanges)."""
   _check_window_inputs(q, k, v, kv_valid_len, window)
-  B, T, N, H = q.shape
-  U, R = mesh_degrees(mesh)
-  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   block_sizes = bw.BlockSizes.get_default() if block_sizes is None else block_sizes
-  return _halo(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
-               scale=scale, block_sizes=block_sizes)
+  return _window_attention(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
+                           scale=scale, block_sizes=block_sizes, exchange=exchange)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes"))
-def _halo(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes):
+@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes", "exchange"))
+def _window_attention(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange):
   B, T, N, H = q.shape
   U, R = mesh_degrees(mesh)
-  D = U * R
-  T_pad = round_up(T, D)
+  T_pad = round_up(T, U * R)
   q, k, v = (pad_axis(x, 1, T_pad) for x in (q, k, v))
   limit = jnp.full((B,), T, jnp.int32) if kv_valid_len is None else jnp.minimum(kv_valid_len, T).astype(jnp.int32)
-  body = functools.partial(_halo_body, U=U, R=R, window=window, causal=causal, scale=scale,
+  body = _halo_body if exchange == "halo" else _gathered_body
+  body = functools.partial(body, U=U, R=R, window=window, causal=causal, scale=scale,
                            block_sizes=block_sizes)
   out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
                       check_vma=False)(q, k, v, limit)
@@ -146,34 +150,20 @@ def all_gather_window_attention(q, k, v, *, mesh, window, causal=False, kv_valid
 
   Same arguments and result as `halo_attention`; one all-gather of the packed K/V per call.
   """
-  _check_window_inputs(q, k, v, kv_valid_len, window)
-  B, T, N, H = q.shape
-  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-  block_sizes = bw.BlockSizes.get_default() if block_sizes is None else block_sizes
-  return _gathered(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
-                   scale=scale, block_sizes=block_sizes)
+  return _window_call(q, k, v, kv_valid_len, mesh=mesh, window=window, causal=causal, scale=scale,
+                      block_sizes=block_sizes, exchange="all_gather")
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes"))
-def _gathered(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes):
-  B, T, N, H = q.shape
-  U, R = mesh_degrees(mesh)
-  T_pad = round_up(T, U * R)
-  q, k, v = (pad_axis(x, 1, T_pad) for x in (q, k, v))
-  limit = jnp.full((B,), T, jnp.int32) if kv_valid_len is None else jnp.minimum(kv_valid_len, T).astype(jnp.int32)
-
-  def body(q, k, v, limit):
-    Tl = q.shape[1]
-    r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
-    u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
-    kv = jax.lax.all_gather(jnp.stack([k, v]), SEQUENCE_AXES, axis=2, tiled=True) if U * R > 1 else jnp.stack([k, v])
-    q_pos = (r * U + u) * Tl + jnp.arange(Tl)
-    return _attend_positions(q, kv[0], kv[1], q_pos, jnp.arange(kv.shape[2], dtype=jnp.int32), limit,
-                             window=window, causal=causal, scale=scale, block_sizes=block_sizes)
-
-  out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
-                      check_vma=False)(q, k, v, limit)
-  return out[:, :T]
+def _gathered_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
+  Tl = q.shape[1]
+  r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
+  u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
+  kv = jnp.stack([k, v])
+  if U * R > 1:
+    kv = jax.lax.all_gather(kv, SEQUENCE_AXES, axis=2, tiled=True)
+  q_pos = (r * U + u) * Tl + jnp.arange(Tl)
+  return _attend_positions(q, kv[0], kv[1], q_pos, jnp.arange(kv.shape[2], dtype=jnp.int32), limit,
+                           window=window, causal=causal, scale=scale, block_sizes=block_sizes)
 
 
 def sequence_parallel_attention(
