@@ -47,11 +47,10 @@ import tempfile
 import time
 from typing import Any
 
-from end_to_end.collectives import parse_mesh  # no JAX import: fake devices can still be requested
+from end_to_end.collectives import parse_mesh, request_cpu_devices  # no JAX import: fake devices can still be requested
 
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
-_DEVICE_FLAG = "xla_force_host_platform_device_count"
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
 _TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
@@ -210,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if args.aot:
     return run_aot(args)
-  if args.mesh and "jax" not in sys.modules and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_DEVICE_FLAG}={ulysses * ring}".strip()
+  if args.mesh:
+    request_cpu_devices(ulysses * ring)
 
   try:
     preset = resolve_preset(args)

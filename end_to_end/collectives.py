@@ -39,6 +39,19 @@ def parse_mesh(text: str) -> tuple[int, int]:
   return vals["U"], vals["R"]
 
 
+DEVICE_FLAG = "xla_force_host_platform_device_count"
+
+
+def request_cpu_devices(count: int) -> None:
+  """Asks XLA for `count` fake CPU devices when JAX has not started yet and XLA_FLAGS does not
+  already set a count (harmless on GPU/TPU, where the flag only affects the CPU backend)."""
+  if "jax" in sys.modules:
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if DEVICE_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --{DEVICE_FLAG}={max(count, 1)}".strip()
+
+
 def _shape_bytes(shape_text: str) -> int:
   """Bytes of an HLO result type such as 'bf16[1,64,8,32]' or a tuple '(f32[2], f32[2])'."""
   total = 0
@@ -103,10 +116,8 @@ def main(argv=None):
     U, R = parse_mesh(args.mesh)
   except ValueError as e:
     ap.error(str(e))
-  if args.topology is None and "jax" not in sys.modules:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={U * R}".strip()
+  if args.topology is None:
+    request_cpu_devices(U * R)
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding

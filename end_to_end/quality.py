@@ -30,18 +30,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from typing import Any
 
-from end_to_end.collectives import parse_mesh  # no JAX import: fake devices can still be requested
+# collectives imports no JAX at module level, so fake devices can still be requested here.
+from end_to_end.collectives import DEVICE_FLAG, parse_mesh, request_cpu_devices
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
 MATRIX_ATTENTION = ("auto", "lse")
 REFERENCE_ATTENTION = "lse"
-_DEVICE_FLAG = "xla_force_host_platform_device_count"
 
 
 class UsageError(ValueError):
@@ -133,15 +132,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
               max_latent_diff=parse_thresholds(args.max_latent_diff, "--max-latent-diff"))
 
 
-def _request_cpu_devices(count: int) -> None:
-  """Asks XLA for `count` fake CPU devices when JAX has not started yet (harmless on GPU/TPU)."""
-  if "jax" in sys.modules:
-    return
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _DEVICE_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --{_DEVICE_FLAG}={max(count, 1)}".strip()
-
-
 def judge(metrics: dict[str, Any], dtype: str, thresholds: dict[str, Any], gate: str) -> list[str]:
   """The threshold failures of one candidate (empty when it passes); gate "mean" or "min"."""
   failures = []
@@ -165,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.print_usage(sys.stderr)
     print(f"error: {e}", file=sys.stderr)
     return 2
-  _request_cpu_devices(p["devices"])
+  request_cpu_devices(p["devices"])
 
   import jax
   import numpy as np
@@ -175,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
   if jax.device_count() < p["devices"]:
     print(f"error: the largest candidate mesh needs {p['devices']} devices but JAX sees "
-          f"{jax.device_count()}; start with XLA_FLAGS=--{_DEVICE_FLAG}={p['devices']} on CPU",
+          f"{jax.device_count()}; start with XLA_FLAGS=--{DEVICE_FLAG}={p['devices']} on CPU",
           file=sys.stderr)
     return 2
 
