@@ -10,11 +10,13 @@ existing output is replaced only when `overwrite` is set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -146,33 +148,35 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
       shutil.rmtree(temp, ignore_errors=True)
       raise
     return path
-  temp = _temp_name(path, "." + kind)
-  try:
+  with _atomic_file(path, "." + kind, overwrite) as temp:
     if kind == "npy":
       np.save(temp, floats)
     else:
       (_write_mp4 if kind == "mp4" else _write_gif)(frames, temp, fps)
-    _replace(temp, path, overwrite)
-  except BaseException:
-    if os.path.exists(temp):
-      os.remove(temp)
-    raise
   return path
 
 
 def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> str:
   """Writes a JSON file atomically (same temp-then-rename rule as `write_video`)."""
-  temp = _temp_name(path, ".json")
-  try:
+  with _atomic_file(path, ".json", overwrite) as temp:
     with open(temp, "w", encoding="utf-8") as f:
       json.dump(data, f, indent=2, default=str, ensure_ascii=False)
       f.write("\n")
+  return path
+
+
+@contextlib.contextmanager
+def _atomic_file(path: str, suffix: str, overwrite: bool) -> Iterator[str]:
+  """Yields a temporary name beside `path`; renames it into place on success, removes it on any
+  error or interrupt (so a half-written file never appears under `path`)."""
+  temp = _temp_name(path, suffix)
+  try:
+    yield temp
     _replace(temp, path, overwrite)
   except BaseException:
     if os.path.exists(temp):
       os.remove(temp)
     raise
-  return path
 
 
 def _replace(temp: str, path: str, overwrite: bool) -> None:
