@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import fixed_m as fm
-from attention.masks import validate_qkv
+from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
 
 Mode = Literal["lse", "fixed_m"]
@@ -88,10 +88,93 @@ def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _block_update(carry: Carry, q, k, v, mask, mode: Mode) -> Carry:
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+  """The one block set-up of an attention call: real lengths, block sizes and the padding.
+
+  Every blockwise path (`local_attention`, each device of `usp_attention`, the halo/all-gather
+  window paths) builds its layout here and hands it to `attend`, which masks the padded key slots
+  (slot index >= S) *by construction*, whatever the caller's other masks: a padded key can never
+  join a softmax. Padded query rows (index >= T) are computed on zero queries and dropped by
+  `unpad_rows`; they feed no statistic that a real row reads (their norm is 0, so the fixed-m
+  maxima ignore them).
+
+  Attributes:
+    T: real query rows; S: real key slots (a slot may still be masked by position, e.g. a
+      halo neighbour that does not exist, or a key beyond `kv_valid_len`).
+    block_q: query rows per block (<= T); block_kv: keys per block (<= S).
+  """
+
+  T: int
+  S: int
+  block_q: int
+  block_kv: int
+
+  @classmethod
+  def make(cls, T: int, S: int, block_sizes: "BlockSizes") -> "BlockLayout":
+    """Blocks of min(block_q, T) x min(block_kv, S); T and S padded up to multiples of them."""
+    return cls(T, S, min(block_sizes.block_q, T), min(block_sizes.block_kv, S))
+
+  @property
+  def T_pad(self) -> int:
+    return round_up(self.T, self.block_q)
+
+  @property
+  def S_pad(self) -> int:
+    return round_up(self.S, self.block_kv)
+
+  @property
+  def kv_padded(self) -> bool:
+    """Static: some key slots are block padding (so `attend` must mask)."""
+    return self.S_pad != self.S
+
+  def pad_q(self, x_BKGTH: jax.Array) -> jax.Array:
+    """[B, K, G, T, H] (or a carry field [B, K, G, T]) zero-padded to T_pad rows."""
+    return pad_axis(x_BKGTH, 3, self.T_pad)
+
+  def pad_kv(self, x_BKSH: jax.Array) -> jax.Array:
+    """[B, K, S, H] zero-padded to S_pad slots (masked by `attend`)."""
+    return pad_axis(x_BKSH, 2, self.S_pad)
+
+  def q_positions(self, pos_T: jax.Array) -> jax.Array:
+    """int32 [T_pad]: the real rows' global positions, then PAD_POSITION."""
+    return pad_axis(pos_T.astype(jnp.int32), 0, self.T_pad, value=PAD_POSITION)
+
+  def kv_positions(self, pos_S: jax.Array) -> jax.Array:
+    """int32 [S_pad]: the real slots' global positions, then PAD_POSITION."""
+    return pad_axis(pos_S.astype(jnp.int32), 0, self.S_pad, value=PAD_POSITION)
+
+  def unpad_rows(self, x_BKGTH: jax.Array) -> jax.Array:
+    """Drops the padded query rows (axis 3)."""
+    return x_BKGTH[:, :, :, :self.T]
+
+
+def query_scaling(q: jax.Array, scale: float, q_prescaled: bool) -> tuple[jax.Array, float]:
+  """How q meets the base-2 kernels with at most one rounding of q: returns (q_in, logit_scale).
+
+  The kernels compute s = (q_in . k) * logit_scale in fp32 and use exp2, so q_in * logit_scale must
+  equal q * scale * log2(e):
+    * q_prescaled: q already carries the factor (e.g. `producers.rmsnorm_rope` applies it in fp32
+      before its one rounding): (q, 1).
+    * fp32 q: the factor is folded into q in fp32 (one fp32 rounding, no per-logit multiply).
+    * bf16 / fp16 q: q is used as given and the fp32 logits are scaled, so q is not rounded a
+      second time (re-rounding q * scale * log2(e) to bf16 doubles q's error; with logit spreads of
+      4 it made the output error 8x that of `jax.nn.dot_product_attention`).
+  """
+  if q_prescaled:
+    return q, 1.0
+  factor = float(scale) * fm.LOG2E
+  if jnp.finfo(q.dtype).bits >= 32:
+    return (q.astype(jnp.float32) * factor).astype(q.dtype), 1.0
+  return q, factor
+
+
+def _block_update(carry: Carry, q, k, v, mask, mode: Mode, logit_scale: float) -> Carry:
   """One [T_blk, S_blk] block: q [B,K,G,Tb,H], k/v [B,K,Sb,H], mask None or bool [B|1, Tb, Sb]."""
   prec = _precision(q.dtype)
   s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32, precision=prec)
+  if logit_scale != 1.0:
+    s = s * logit_scale
   if mask is not None:
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
   if mode == "fixed_m":
@@ -117,62 +200,66 @@ def attend(
     v_BKSH: jax.Array,
     *,
     mode: Mode,
+    layout: BlockLayout,
     q_pos: jax.Array,
     kv_pos: jax.Array,
     kv_limit: jax.Array | None = None,
     window: int | None = None,
     causal: bool = False,
-    block_sizes: BlockSizes = BlockSizes(),
+    logit_scale: float = 1.0,
 ) -> Carry:
   """Accumulates the keys k/v into the carry of queries q, block by block.
 
   Args:
-    carry: from `init_carry` or a previous `attend` (e.g. the previous ring step).
-    q_BKGTH: queries pre-scaled by scale * log2(e); T a multiple of block_q (or T <= block_q).
-    k_BKSH, v_BKSH: keys/values; S a multiple of block_kv (or S <= block_kv).
+    carry: from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad rows.
+    q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e).
+    k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
+      always: callers cannot forget the block padding.
     mode: "lse" or "fixed_m" (must match how the carry was initialised).
-    q_pos: int [T] global query positions.
-    kv_pos: int [S] global key positions; padded slots hold `PAD_POSITION`.
-    kv_limit: None (no key mask needed) or int [B]: keys at positions >= it are masked.
+    layout: the call's `BlockLayout`.
+    q_pos: int [T_pad] global query positions (`layout.q_positions`).
+    kv_pos: int [S_pad] global key positions (`layout.kv_positions`); slots that hold no key
+      carry `PAD_POSITION`.
+    kv_limit: None or int [B]: keys at positions >= it are masked.
     window, causal: as in `attention_reference`.
-    block_sizes: static tunables.
+    logit_scale: static fp32 factor applied to the logits (see `query_scaling`).
 
   Returns:
     The updated Carry; `finish` turns it into the output.
+
+  Raises:
+    ValueError: shapes that do not match the layout.
   """
   B, K, G, T, H = q_BKGTH.shape
   S = k_BKSH.shape[2]
-  bq, bk = min(block_sizes.block_q, T), min(block_sizes.block_kv, S)
-  if T % bq or S % bk:
-    raise ValueError(f"{T=} and {S=} must be multiples of block_q={bq} and block_kv={bk}; pad first")
+  if T != layout.T_pad or S != layout.S_pad or q_pos.shape != (T,) or kv_pos.shape != (S,):
+    raise ValueError(f"q rows {T}, k slots {S}, q_pos {q_pos.shape}, kv_pos {kv_pos.shape} do not "
+                     f"match {layout} (T_pad={layout.T_pad}, S_pad={layout.S_pad}); pad with the layout")
+  bq, bk = layout.block_q, layout.block_kv
   nq, nk = T // bq, S // bk
-  needs_mask = kv_limit is not None or window is not None or causal
+  needs_mask = kv_limit is not None or window is not None or causal or layout.kv_padded
 
   def kv_blocks(x):  # [B, K, S, H] -> [nk, B, K, bk, H]
     return jnp.moveaxis(x.reshape(B, K, nk, bk, H), 2, 0)
 
   ks, vs, kps = kv_blocks(k_BKSH), kv_blocks(v_BKSH), kv_pos.reshape(nk, bk)
+  block_ids = jnp.arange(nk, dtype=jnp.int32)
 
   def one_q_block(args):
     q_blk, c_blk, qp = args
 
     def step(c, xs):
-      k_blk, v_blk, kp = xs
+      k_blk, v_blk, kp, j = xs
       mask = None
       if needs_mask:
-        mask = jnp.ones((1, bq, bk), bool)
-        if kv_limit is not None:
-          mask = mask & (kp[None, None, :] < kv_limit[:, None, None])
-        diff = qp[:, None] - kp[None, :]
-        if causal:
-          mask = mask & (diff >= 0)[None]
-        if window is not None:
-          mask = mask & (jnp.abs(diff) <= window)[None]
-      return _block_update(c, q_blk, k_blk, v_blk, mask, mode), None
+        mask = key_mask(qp, kp, kv_valid_len=kv_limit, window=window, causal=causal)
+        if layout.kv_padded:  # block padding: by slot index, independent of kv_pos
+          mask = mask & ((j * bk + jnp.arange(bk)) < layout.S)[None, None, :]
+      return _block_update(c, q_blk, k_blk, v_blk, mask, mode, logit_scale), None
 
     if nk == 1:
-      return step(c_blk, (ks[0], vs[0], kps[0]))[0]
-    return jax.lax.scan(step, c_blk, (ks, vs, kps))[0]
+      return step(c_blk, (ks[0], vs[0], kps[0], block_ids[0]))[0]
+    return jax.lax.scan(step, c_blk, (ks, vs, kps, block_ids))[0]
 
   if nq == 1:
     return one_q_block((q_BKGTH, carry, q_pos))
@@ -218,11 +305,6 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
   o = (wa[..., None] * o_a + wb[..., None] * o_b) / safe[..., None]
   lse = jnp.where(tot > 0, mx_safe + jnp.log2(safe), -jnp.inf)
   return o, lse
-
-
-def scale_queries(q_BTNH: jax.Array, scale: float) -> jax.Array:
-  """q~ = q * scale * log2(e), computed in fp32 and cast back to q's dtype."""
-  return (q_BTNH.astype(jnp.float32) * (scale * fm.LOG2E)).astype(q_BTNH.dtype)
 
 
 def local_attention(
@@ -283,44 +365,34 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  q_scaled = q if q_prescaled else scale_queries(q, scale)
-  bq = min(block_sizes.block_q, T)
-  bk = min(block_sizes.block_kv, S)
-  T_pad, S_pad = round_up(T, bq), round_up(S, bk)
-  sizes = BlockSizes(bq, bk)
-
-  q_BKGTH = pad_axis(q_scaled.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
-  k_BKSH = pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
-  v_BKSH = pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
-  q_pos = jnp.arange(T_pad, dtype=jnp.int32)
-  kv_pos = jnp.where(jnp.arange(S_pad) < S, jnp.arange(S_pad), PAD_POSITION).astype(jnp.int32)
-  kv_limit = None
-  if kv_valid_len is not None:
-    kv_limit = jnp.minimum(kv_valid_len.astype(jnp.int32), S)
-  elif S_pad != S:
-    kv_limit = jnp.full((B,), S, jnp.int32)
+  q_in, logit_scale = query_scaling(q, scale, q_prescaled)
+  layout = BlockLayout.make(T, S, block_sizes)
+  q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
+  k_BKSH = layout.pad_kv(k.transpose(0, 2, 1, 3))
+  v_BKSH = layout.pad_kv(v.transpose(0, 2, 1, 3))
+  kv_limit = None if kv_valid_len is None else jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   windowed = window is not None or causal
-  attend_kw = dict(q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, window=window, causal=causal,
-                   block_sizes=sizes)
+  attend_kw = dict(layout=layout, q_pos=layout.q_positions(jnp.arange(T)),
+                   kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=kv_limit, window=window,
+                   causal=causal, logit_scale=logit_scale)
 
   def lse_path():
     return finish(attend(init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw))
 
   def fixed_m_path(stats, c_max):
-    b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed)
+    b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
     return finish(attend(init_carry(q_BKGTH, b), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw))
 
   if implementation == "lse":
     out = lse_path()
   else:
     stats = fm.local_key_stats(k, v, kv_valid_len)
-    q_norm_max = jnp.max(fm.query_norms(q_scaled), axis=1)  # [B, N]
+    q_norm_max = jnp.max(fm.query_norms(q_in), axis=1) * logit_scale  # [B, N], of q * scale * log2 e
     gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count,
                            windowed=windowed)
     if implementation == "fixed_m":
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
-  out = out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+  out = layout.unpad_rows(out).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
   return out.astype(q.dtype)
-

@@ -168,6 +168,7 @@ def row_offsets(
     windowed: bool = False,
     q_block: int | None = None,
     margin: float = DEFAULT_MARGIN,
+    logit_scale: float = 1.0,
 ) -> jax.Array:
   """Per-row subtraction b_i = q~_i . k_mean + m_i, with m_i = u_i - c_i (fp32 [B, K, G, T]).
 
@@ -178,16 +179,19 @@ def row_offsets(
   into the same per-row offset as the pinned max, so K is never rewritten.
 
   Args:
-    q_scaled_BKGTH: queries pre-scaled by scale * log2(e), heads grouped by kv head.
+    q_scaled_BKGTH: queries whose product with `logit_scale` is q * scale * log2(e), heads grouped
+      by kv head.
     stats: global KeyStats.
     c_max_BK: from `fixed_m_gate`.
     windowed: as in `fixed_m_gate`.
     q_block: None for the per-row bound; an int for one bound per block of that many rows
       (the max over the block's rows, what a Pallas kernel wants). T must be a multiple of it.
     margin: as in `fixed_m_gate`.
+    logit_scale: the kernels' logit factor (`blockwise.query_scaling`): q~ = q * logit_scale,
+      formed here in fp32 (never rounded to q's dtype).
   """
   hp = jax.lax.Precision.HIGHEST
-  q = q_scaled_BKGTH.astype(jnp.float32)
+  q = q_scaled_BKGTH.astype(jnp.float32) * logit_scale
   B, K, G, T, _ = q.shape
   q_norm = jnp.sqrt(jnp.sum(q * q, axis=-1))  # [B, K, G, T]
   if q_block is not None:

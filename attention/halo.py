@@ -129,18 +129,14 @@ def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, b
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  bq, bk = min(block_sizes.block_q, T), min(block_sizes.block_kv, S)
-  T_pad, S_pad = round_up(T, bq), round_up(S, bk)
-  qs = bw.scale_queries(q, scale)
-  q_BKGTH = pad_axis(qs.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, T_pad)
-  k_BKSH = pad_axis(k.transpose(0, 2, 1, 3), 2, S_pad)
-  v_BKSH = pad_axis(v.transpose(0, 2, 1, 3), 2, S_pad)
-  q_pos = pad_axis(q_pos.astype(jnp.int32), 0, T_pad)
-  kv_pos = pad_axis(kv_pos, 0, S_pad, value=bw.PAD_POSITION)
-  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", q_pos=q_pos,
-                    kv_pos=kv_pos, kv_limit=limit, window=window, causal=causal,
-                    block_sizes=bw.BlockSizes(bq, bk))
-  out = bw.finish(carry)[:, :, :, :T]
+  layout = bw.BlockLayout.make(T, S, block_sizes)
+  q_in, logit_scale = bw.query_scaling(q, scale, False)
+  q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
+  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, layout.pad_kv(k.transpose(0, 2, 1, 3)),
+                    layout.pad_kv(v.transpose(0, 2, 1, 3)), mode="lse", layout=layout,
+                    q_pos=layout.q_positions(q_pos), kv_pos=layout.kv_positions(kv_pos),
+                    kv_limit=limit, window=window, causal=causal, logit_scale=logit_scale)
+  out = layout.unpad_rows(bw.finish(carry))
   return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
 
 

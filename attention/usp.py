@@ -147,7 +147,7 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
   r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
   u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
   chunk = r * U + u
-  qs = q if q_prescaled else bw.scale_queries(q, scale)
+  qs, logit_scale = bw.query_scaling(q, scale, q_prescaled)
 
   # 2. Pre-all-to-all reductions (tiny; XLA overlaps them with the exchange).
   if implementation != "lse":
@@ -159,7 +159,7 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
       k_sum = jax.lax.psum(k_sum, axes)
     k_mean = k_sum / jnp.maximum(count, 1.0)[:, None, None]
     kc_max, v_max = fm.key_maxima(k, v, k_mean, valid)
-    q_norm = jnp.max(fm.query_norms(qs), axis=1)  # [B, N]
+    q_norm = jnp.max(fm.query_norms(qs), axis=1) * logit_scale  # [B, N] of q * scale * log2 e
     packed = jnp.concatenate([q_norm, kc_max, v_max], axis=1)
     if U * R > 1:
       packed = jax.lax.pmax(packed, axes)
@@ -181,13 +181,13 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
   Tg, Sg = U * Tl, U * Sl
   G = hq // hk
 
-  bq, bk = min(block_sizes.block_q, Tg), min(block_sizes.block_kv, Sg)
-  Tg_pad, Sg_pad = round_up(Tg, bq), round_up(Sg, bk)
-  sizes = bw.BlockSizes(bq, bk)
-  q_BKGTH = pad_axis(qg.reshape(B, Tg, hk, G, H).transpose(0, 2, 3, 1, 4), 3, Tg_pad)
-  kbuf = jnp.stack([pad_axis(kg.transpose(0, 2, 1, 3), 2, Sg_pad),
-                    pad_axis(vg.transpose(0, 2, 1, 3), 2, Sg_pad)])  # packed K/V [2, B, hk, Sg, H]
-  q_pos = r * Tg + jnp.arange(Tg_pad, dtype=jnp.int32)
+  # The block set-up: block padding of Tg / Sg is masked inside `attend` by construction; the
+  # mesh padding (global positions >= S) and kv_valid_len by `kv_limit`.
+  layout = bw.BlockLayout.make(Tg, Sg, block_sizes)
+  q_BKGTH = layout.pad_q(qg.reshape(B, Tg, hk, G, H).transpose(0, 2, 3, 1, 4))
+  kbuf = jnp.stack([layout.pad_kv(kg.transpose(0, 2, 1, 3)),
+                    layout.pad_kv(vg.transpose(0, 2, 1, 3))])  # packed K/V [2, B, hk, Sg_pad, H]
+  q_pos = layout.q_positions(r * Tg + jnp.arange(Tg))
   kv_limit = limit if masked else None
 
   if implementation != "lse":
@@ -196,7 +196,7 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
         jax.lax.dynamic_slice_in_dim(kc_max, u * hk, hk, axis=1),
         jax.lax.dynamic_slice_in_dim(v_max, u * hk, hk, axis=1), count)
     c_max = jax.lax.dynamic_slice_in_dim(gate.c_max, u * hk, hk, axis=1)
-    b = fm.row_offsets(q_BKGTH, stats, c_max)
+    b = fm.row_offsets(q_BKGTH, stats, c_max, logit_scale=logit_scale)
   match implementation:
     case "lse":
       carry = bw.init_carry(q_BKGTH)
@@ -206,9 +206,8 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
       carry = bw.init_carry(q_BKGTH, jnp.where(gate.eligible, b, -jnp.inf))
 
   def block(carry, kv, src):
-    kv_pos = src * Sg + jnp.arange(Sg_pad, dtype=jnp.int32)
-    kv_pos = jnp.where(jnp.arange(Sg_pad) < Sg, kv_pos, bw.PAD_POSITION)
-    kw = dict(q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, block_sizes=sizes)
+    kw = dict(layout=layout, q_pos=q_pos, kv_pos=layout.kv_positions(src * Sg + jnp.arange(Sg)),
+              kv_limit=kv_limit, logit_scale=logit_scale)
     if implementation == "auto":
       return jax.lax.cond(
           gate.eligible,
@@ -223,7 +222,7 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
     carry = block(carry, kbuf, (r - step) % R)
     kbuf = nxt
 
-  out = bw.finish(carry)[:, :, :, :Tg]  # [B, hk, G, Tg, H]
+  out = layout.unpad_rows(bw.finish(carry))  # [B, hk, G, Tg, H]
   if implementation == "fixed_m":
     out = jnp.where(gate.eligible, out, jnp.nan)
   out = out.transpose(0, 3, 1, 2, 4).reshape(B, Tg, hq, H).astype(q.dtype)

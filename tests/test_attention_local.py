@@ -36,6 +36,13 @@ def _valid_len(B, S, padded):
   return jnp.asarray([S, max(1, (2 * S) // 3)][:B], jnp.int32)
 
 
+def _scaled(q, scale):
+  """fp32 q * scale * log2(e), as the kernels see it."""
+  q_in, logit_scale = blockwise.query_scaling(q, scale, False)
+  assert logit_scale == 1.0 and q.dtype == jnp.float32
+  return q_in
+
+
 def _err(a, b):
   return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
@@ -134,7 +141,7 @@ def test_sink_head_fails_gate_and_auto_stays_exact():
   q = q.at[:, :, 1].multiply(400.0)  # head 1: huge q and k norms, logits far beyond 2^126
   k = k.at[:, :, 1].multiply(400.0)
   stats = fixed_m.local_key_stats(k, v)
-  q_norm = jnp.max(fixed_m.query_norms(blockwise.scale_queries(q, 1 / 8)), axis=1)
+  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1)
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert not bool(gate.eligible) and bool(jnp.all(gate.v_ok))
   ref = attention_reference(q, k, v)
@@ -153,7 +160,7 @@ def test_large_v_breaks_headroom():
   q, k, v = _inputs(1, 16, 64, 4, 4, 64)
   big = v * 2.0**122  # S=64 -> 6 bits, |v| up to ~2^124: c_max = 127 - 6 - 124 - 2 < 0
   stats = fixed_m.local_key_stats(k, big)
-  q_norm = jnp.max(fixed_m.query_norms(blockwise.scale_queries(q, 1 / 8)), axis=1)
+  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1)
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert not bool(jnp.all(gate.v_ok)) and not bool(gate.eligible)
   out = local_attention(q, k, big, implementation="auto")
@@ -175,10 +182,10 @@ def test_gate_edge(side):
   threshold = c_max + 126.0 - 2.0 * fixed_m.DEFAULT_MARGIN
   u_target = threshold * (0.995 if side == "inside" else 1.005)
   # Scale head 0 so its largest row bound u = ||q~|| * max||k - k_mean|| lands at u_target.
-  q_norm = jnp.max(fixed_m.query_norms(blockwise.scale_queries(q, scale)), axis=1)
+  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, scale)), axis=1)
   u0 = float(q_norm[0, 0] * stats.k_centred_max[0, 0])
   q = q.at[:, :, 0].multiply(u_target / u0)
-  q_norm = jnp.max(fixed_m.query_norms(blockwise.scale_queries(q, scale)), axis=1)
+  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, scale)), axis=1)
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert bool(gate.eligible) == (side == "inside")
   # At the edge the logits reach ~u nats, so fp32 rounding of the logits alone (in any exact
@@ -198,10 +205,10 @@ def test_gate_edge(side):
 def test_per_q_block_bound_is_exact():
   B, T, S, N, K, H = 1, 256, 300, 4, 2, 64
   q, k, v = _inputs(B, T, S, N, K, H)
-  qs = blockwise.scale_queries(q, 1 / 8).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  qs = _scaled(q, 1 / 8).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   stats = fixed_m.local_key_stats(k, v)
-  gate = fixed_m_gate(jnp.max(fixed_m.query_norms(blockwise.scale_queries(q, 1 / 8)), axis=1),
+  gate = fixed_m_gate(jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1),
                       stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert bool(gate.eligible)
   b_row = fixed_m.row_offsets(qs, stats, gate.c_max)
@@ -209,8 +216,9 @@ def test_per_q_block_bound_is_exact():
   assert bool(jnp.all(b_blk >= b_row - 1e-4))  # a block bound is never below its rows' bound
   @jax.jit
   def fixed_m_with(b):
-    carry = blockwise.attend(blockwise.init_carry(qs, b), qs, ks, vs, mode="fixed_m",
-                             q_pos=jnp.arange(T), kv_pos=jnp.arange(S), block_sizes=BlockSizes(64, 300))
+    layout = blockwise.BlockLayout.make(T, S, BlockSizes(64, 300))
+    carry = blockwise.attend(blockwise.init_carry(qs, b), qs, ks, vs, mode="fixed_m", layout=layout,
+                             q_pos=jnp.arange(T), kv_pos=jnp.arange(S))
     return blockwise.finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
   ref = attention_reference(q, k, v)
@@ -221,13 +229,14 @@ def test_per_q_block_bound_is_exact():
 def test_merge_partials_equals_full_and_guards_empty():
   B, T, S, N, H = 1, 16, 96, 2, 64
   q, k, v = _inputs(B, T, S, N, N, H)
-  qs = blockwise.scale_queries(q, 1 / 8).reshape(B, T, N, 1, H).transpose(0, 2, 3, 1, 4)
+  qs = _scaled(q, 1 / 8).reshape(B, T, N, 1, H).transpose(0, 2, 3, 1, 4)
   ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
   @functools.partial(jax.jit, static_argnums=(0, 1))
   def part(lo, hi):
+    layout = blockwise.BlockLayout.make(T, hi - lo, BlockSizes(16, 96))
     c = blockwise.attend(blockwise.init_carry(qs), qs, ks[:, :, lo:hi], vs[:, :, lo:hi], mode="lse",
-                         q_pos=jnp.arange(T), kv_pos=jnp.arange(lo, hi), block_sizes=BlockSizes(16, 96))
+                         layout=layout, q_pos=jnp.arange(T), kv_pos=jnp.arange(lo, hi))
     return blockwise.finish(c), blockwise.carry_lse(c)
 
   o, lse = merge_partials(*part(0, 40), *part(40, 96))
