@@ -5,8 +5,10 @@
 * fixed-m: m is pinned per row from a Cauchy-Schwarz bound (`attention.fixed_m`, DESIGN.md section 4),
   so there is no running max and no rescaling: l and o are plain sums.
 
-Both use one carry layout (o, l, m) so a ring step can pick either with `lax.cond`. Queries arrive
-pre-scaled by scale * log2(e) so the kernels use exp2. Internal layout is heads-major:
+Both use one carry layout (o, l, m) so a ring step can pick either with `lax.cond`. The logits
+reach the kernels multiplied by scale * log2(e) (folded into q once, or applied to the fp32 logits
+for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`BlockLayout`) pads T and S
+to block multiples, and `attend` masks the padded key slots itself. Internal layout is heads-major:
 q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v [B, K, S, H].
 
 Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
