@@ -1,31 +1,63 @@
-"""Writing generated videos atomically: mp4 (imageio-ffmpeg, H.264), gif, npy, or PNG frames.
+"""Writing generated videos atomically, read back before the rename: mp4 (H.264), gif, npy, PNG frames.
 
 Frames are float [frames, height, width, 3] in [0, 1] (the pipeline's output for one video),
 quantised with rounding to uint8, except .npy, which keeps them as float32 (for exact comparisons,
 e.g. a multi-process run against a single-process one). Every write goes to a temporary name in
-the destination's own directory and is renamed into place with `os.replace`, so a crash or Ctrl-C
-never leaves a half-written file under the requested name (the temporary file is removed), and an
-existing output is replaced only when `overwrite` is set.
+the destination's own directory, is read back, and only then renamed into place with `os.replace`,
+so a crash, a Ctrl-C or an encoder failure never leaves a half-written, empty or undecodable file
+under the requested name (the temporary file is removed), and an existing output is replaced only
+when `overwrite` is set.
+
+What each format can store, checked before anything is encoded (`generate` checks the fps before
+any compute; its sizes, multiples of 16, are always even):
+- fps: a finite number in `FPS_RANGE` for every format (ffmpeg's mp4 muxer refuses rates below
+  ~2e-5 and leaves an empty file).
+- mp4 (H.264 by imageio-ffmpeg's ffmpeg, yuv420p) needs an even width and height; `odd_size`
+  chooses between refusing ("error"), repeating the last row / column ("pad") and dropping it
+  ("crop"), the last two with a warning.
+- GIF delays are whole centiseconds (1 .. 65535): the delay stored is the one nearest to 1 / fps,
+  with a `FrameRateWarning` when that is not exactly 1 / fps (e.g. 16 fps -> 6 cs = 16.7 fps).
+
+The read-back check: the mp4 decodes with ffmpeg to the frame count and size sent; the GIF decodes
+to the size sent and its delays add up to the frame count sent (Pillow stores a run of identical
+consecutive frames once, with the run's total delay); .npy and PNG frames read back bit-exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fractions
 import json
+import math
+import numbers
 import os
 import shutil
+import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 VIDEO_SUFFIXES = (".mp4", ".gif", ".npy")
+FPS_RANGE = (1e-3, 1000.0)  # frames per second; a frame every 1000 s .. 1 ms
+ODD_SIZES = ("error", "pad", "crop")
+GIF_MAX_DELAY_CS = 65535  # a GIF frame delay is an unsigned 16-bit count of centiseconds
 
 
 class OutputError(ValueError):
-  """The output path cannot be written (bad suffix, missing or read-only directory, exists)."""
+  """The output cannot be written as asked: bad suffix, missing or read-only directory, an existing
+  output, or an fps or frame size its format cannot store."""
+
+
+class EncodeError(RuntimeError):
+  """The encoder failed, or what it wrote does not read back as the video sent; nothing was left
+  under the requested name."""
+
+
+class FrameRateWarning(UserWarning):
+  """The requested fps cannot be stored exactly by the output format (GIF: whole centiseconds)."""
 
 
 def output_kind(path: str) -> str:
@@ -76,83 +108,220 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
       raise OutputError(f"{target!r} exists; pass --overwrite to replace it, or choose another --out")
 
 
+def _check_frames(frames: np.ndarray) -> np.ndarray:
+  if frames.ndim != 4 or frames.shape[-1] != 3:
+    raise ValueError(f"frames must be [F, H, W, 3], got {frames.shape=}")
+  return frames
+
+
 def to_uint8(frames: np.ndarray) -> np.ndarray:
   """float [F, H, W, 3] in [0, 1] -> uint8, rounded.
 
   Raises:
     ValueError: not [F, H, W, 3].
   """
-  frames = np.asarray(frames)
-  if frames.ndim != 4 or frames.shape[-1] != 3:
-    raise ValueError(f"frames must be [F, H, W, 3], got {frames.shape=}")
+  frames = _check_frames(np.asarray(frames))
   return np.clip(np.rint(frames.astype(np.float32) * 255.0), 0, 255).astype(np.uint8)
 
 
-def _temp_name(path: str, suffix: str) -> str:
-  parent = os.path.dirname(os.path.abspath(path)) or "."
-  fd, name = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix, dir=parent)
-  os.close(fd)
-  return name
+def check_fps(fps: float) -> float:
+  """Returns `fps` as a float if every output format can store it.
+
+  Raises:
+    OutputError: not a real number (a bool included), not finite, or outside `FPS_RANGE`.
+  """
+  low, high = FPS_RANGE
+  if not isinstance(fps, numbers.Real) or isinstance(fps, (bool, np.bool_)) or not math.isfinite(fps) \
+      or not low <= fps <= high:
+    raise OutputError(f"fps={fps!r} must be a finite number of frames per second in [{low:g}, {high:g}] "
+                      "(Wan: 16)")
+  return float(fps)
 
 
-def _write_mp4(frames: np.ndarray, path: str, fps: float) -> None:
-  import imageio_ffmpeg
+def gif_delay_cs(fps: float) -> int:
+  """The GIF frame delay nearest to 1 / fps, in centiseconds (1 .. `GIF_MAX_DELAY_CS`).
+
+  Warns (`FrameRateWarning`) when it is not exactly 1 / fps, naming the fps actually stored: e.g.
+  60 fps -> 2 cs (50 fps), 120 fps -> 1 cs (100 fps), 16 fps -> 6 cs (16.7 fps).
+
+  Raises:
+    OutputError: see `check_fps`.
+  """
+  exact = 100.0 / check_fps(fps)
+  delay = min(max(math.floor(exact + 0.5), 1), GIF_MAX_DELAY_CS)
+  if abs(delay - exact) > 1e-9 * exact:
+    warnings.warn(f"GIF frame delays are whole centiseconds: {fps:g} fps (a {1000 / fps:.4g} ms delay) is "
+                  f"stored as {delay} cs = {100 / delay:.4g} fps; pick an fps that divides 100 (e.g. 10, 20, "
+                  "25, 50) or write .mp4 for exact timing", FrameRateWarning, stacklevel=2)
+  return delay
+
+
+def check_frame_size(path: str, height: int, width: int, *, odd_size: str = "error") -> tuple[int, int]:
+  """The (height, width) `write_video` stores for frames of height x width at `path`.
+
+  Unchanged except for an mp4 of odd height or width (yuv420p subsamples chroma 2x2, so libx264
+  refuses odd sizes): odd_size "pad" adds one row / column (a copy of the last), "crop" drops the
+  last one.
+
+  Raises:
+    OutputError: an unknown `odd_size`, or an odd size for mp4 with odd_size="error".
+  """
+  if odd_size not in ODD_SIZES:
+    raise OutputError(f"odd_size={odd_size!r} must be one of {ODD_SIZES}")
+  if output_kind(path) != "mp4" or (height % 2 == 0 and width % 2 == 0):
+    return height, width
+  if odd_size == "error":
+    raise OutputError(f"frames of {width}x{height} cannot be written to {path!r}: mp4 (H.264, yuv420p) needs "
+                      "an even width and height; pass odd_size='pad' (repeat the last row / column) or "
+                      "'crop' (drop it), or write .gif, .npy or PNG frames")
+  step = 1 if odd_size == "pad" else -1
+  return height + step * (height % 2), width + step * (width % 2)
+
+
+def _fit_size(frames: np.ndarray, path: str, odd_size: str) -> np.ndarray:
+  """`frames` padded (edge rows / columns) or cropped to `check_frame_size`, with a warning."""
   _, height, width, _ = frames.shape
-  # yuv420p (what players expect) needs even sizes; Wan sizes are multiples of 16.
-  writer = imageio_ffmpeg.write_frames(path, (width, height), fps=fps, codec="libx264",
-                                       pix_fmt_out="yuv420p", quality=8, macro_block_size=1)
+  new_height, new_width = check_frame_size(path, height, width, odd_size=odd_size)
+  if (new_height, new_width) == (height, width):
+    return frames
+  warnings.warn(f"mp4 needs an even width and height: frames of {width}x{height} written as "
+                f"{new_width}x{new_height} ({odd_size=})", stacklevel=3)
+  padding = ((0, 0), (0, max(new_height - height, 0)), (0, max(new_width - width, 0)), (0, 0))
+  return np.pad(frames, padding, mode="edge")[:, :new_height, :new_width]
+
+
+def _ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) -> str:
+  """Runs imageio-ffmpeg's ffmpeg; returns its stdout.
+
+  Raises:
+    EncodeError: a nonzero exit status, with `what` ffmpeg did and the first lines of its stderr.
+  """
+  import imageio_ffmpeg
   with warnings.catch_warnings():
-    # ffmpeg starts with fork + exec (subprocess), which is safe; Python's generic warning about
-    # forking a multithreaded (JAX) process does not apply.
+    # fork + exec of a child process is safe; Python's generic warning about forking a
+    # multithreaded (JAX) process does not apply.
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-    writer.send(None)
-  for frame in frames:
-    writer.send(np.ascontiguousarray(frame))
-  writer.close()
+    # Its own session: a terminal Ctrl-C reaches Python only, and subprocess.run kills ffmpeg.
+    done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", *arguments], input=stdin,
+                          capture_output=True, start_new_session=True, check=False)
+  if done.returncode != 0:
+    lines = done.stderr.decode(errors="replace").strip().splitlines()  # the cause comes first
+    message = "\n".join(lines[:10] + (["..."] if len(lines) > 10 else [])) or "(no message)"
+    raise EncodeError(f"ffmpeg {what} exited with status {done.returncode}: {message}")
+  return done.stdout.decode(errors="replace")
 
 
-def _write_gif(frames: np.ndarray, path: str, fps: float) -> None:
+def _write_mp4(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
+  """H.264 (libx264, yuv420p, crf 10); returns (frames, height, width) as ffmpeg decodes the file
+  back (every frame, stopping at the first decoding error).
+
+  imageio-ffmpeg's own writer neither reports ffmpeg's exit status nor raises when the encoder
+  refuses its input (it leaves an empty file): ffmpeg runs here, its stderr kept for the error.
+  """
+  _, height, width, _ = frames.shape
+  rate = fractions.Fraction(fps).limit_denominator(1_000_000)  # exact for 24000/1001 and the like
+  _ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
+           "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10", "-f", "mp4", path],
+          "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
+  # framecrc: a "#dimensions 0: WxH" header, then one line per decoded frame.
+  lines = _ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
+  lines = lines.splitlines()
+  sizes = [line.split(":")[1].strip() for line in lines if line.startswith("#dimensions 0:")]
+  width, height = (int(n) for n in sizes[0].split("x")) if sizes else (0, 0)
+  return sum(1 for line in lines if line.strip() and not line.startswith("#")), height, width
+
+
+def _write_gif(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
+  """A looping GIF at `fps`, one a GIF stores (`write_video` rounds it with `gif_delay_cs`);
+  returns (frames, height, width) as Pillow decodes it back, counting each stored frame as its
+  delay / the delay sent."""
+  from PIL import Image, ImageSequence
+  delay_ms = 10 * round(100 / fps)
+  images = [Image.fromarray(frame) for frame in to_uint8(frames)]
+  images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=delay_ms, loop=0)
+  with Image.open(path) as gif:
+    delays = []
+    for frame in ImageSequence.Iterator(gif):
+      frame.load()
+      delays.append(frame.info.get("duration", 0))
+    width, height = gif.size
+  if any(d <= 0 or d % delay_ms for d in delays):
+    raise EncodeError(f"the GIF's frame delays read back as {sorted(set(delays))} ms, not multiples of "
+                      f"the {delay_ms} ms sent")
+  return sum(delays) // delay_ms, height, width
+
+
+def _write_npy(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
+  """float32 frames; returns their (frames, height, width) if they read back bit-exact."""
+  del fps  # metadata only (the sidecar holds it)
+  np.save(path, frames)
+  return _same(np.load(path), frames)
+
+
+def _write_frames(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
+  """frame_00000.png, ... in the folder `path`; returns (frames, height, width) if they read back
+  bit-exact."""
   import imageio.v3 as iio
-  iio.imwrite(path, frames, extension=".gif", duration=1000.0 / fps, loop=0)
+  del fps
+  frames = to_uint8(frames)
+  names = [os.path.join(path, f"frame_{i:05d}.png") for i in range(len(frames))]
+  for name, frame in zip(names, frames):
+    iio.imwrite(name, frame)
+  return _same(np.stack([iio.imread(name) for name in names]), frames)
 
 
-def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: bool = False) -> str:
-  """Writes one video atomically; returns the path written.
+def _same(stored: np.ndarray, sent: np.ndarray) -> tuple[int, int, int]:
+  if stored.shape != sent.shape or stored.dtype != sent.dtype or not np.array_equal(stored, sent):
+    raise EncodeError(f"the file reads back as {stored.dtype} {stored.shape}, not the {sent.dtype} "
+                      f"{sent.shape} frames sent (or with other values)")
+  return sent.shape[:3]
+
+
+_WRITERS: dict[str, Callable[[np.ndarray, str, float], tuple[int, int, int]]] = {
+    "mp4": _write_mp4, "gif": _write_gif, "npy": _write_npy, "frames": _write_frames}
+
+
+def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: bool = False,
+                odd_size: str = "error") -> str:
+  """Writes one video atomically after checking that it reads back; returns the path written.
 
   Args:
     frames: float [F, H, W, 3] in [0, 1].
     path: *.mp4, *.gif, *.npy (float32, not quantised), or a folder (frame_00000.png, ...).
-    fps: frames per second (Wan: 16).
+    fps: frames per second (Wan: 16), in `FPS_RANGE`; a GIF stores the nearest whole-centisecond
+      delay (`gif_delay_cs`, with a `FrameRateWarning` when inexact).
     overwrite: replace an existing output.
+    odd_size: for an mp4 of odd height or width: "error", "pad" or "crop" (`check_frame_size`).
 
   Raises:
     OutputError: see `check_output` (the video's own path, checked before encoding and again just
-      before the rename).
-    ValueError: frames not [F, H, W, 3] or fps <= 0.
+      before the rename), `check_fps` and `check_frame_size`; raised before anything is written.
+    EncodeError: the encoder failed (the message holds ffmpeg's exit status and the first lines
+      of its stderr), or the output does not read back with the frame count and size sent. The temporary
+      file is removed; an existing output under `path` is left as it was.
+    ValueError: frames not [F, H, W, 3], or no frame.
   """
-  if not fps > 0:
-    raise ValueError(f"{fps=} must be > 0")
+  fps = check_fps(fps)
   check_output(path, overwrite=overwrite, sidecar=False)
   kind = output_kind(path)
-  floats = np.asarray(frames, np.float32)
-  frames = to_uint8(frames)
   path = path.rstrip(os.sep) or path
-  if kind == "frames":
-    import imageio.v3 as iio
-    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(os.path.abspath(path)))
+  frames = np.asarray(frames, np.float32)
+  _check_frames(frames)
+  if not len(frames):
+    raise ValueError(f"frames must hold at least one frame, got {frames.shape=}")
+  frames = _fit_size(frames, path, odd_size)
+  if kind == "gif":
+    fps = 100 / gif_delay_cs(fps)  # the nearest fps a GIF stores
+  with _atomic_file(path, "" if kind == "frames" else "." + kind, overwrite, folder=kind == "frames") as temp:
     try:
-      for i, frame in enumerate(frames):
-        iio.imwrite(os.path.join(temp, f"frame_{i:05d}.png"), frame)
-      _replace(temp, path, overwrite)
-    except BaseException:
-      shutil.rmtree(temp, ignore_errors=True)
-      raise
-    return path
-  with _atomic_file(path, "." + kind, overwrite) as temp:
-    if kind == "npy":
-      np.save(temp, floats)
-    else:
-      (_write_mp4 if kind == "mp4" else _write_gif)(frames, temp, fps)
+      stored = tuple(_WRITERS[kind](frames, temp, fps))
+      if stored != frames.shape[:3]:
+        raise EncodeError(f"the {kind} output reads back as {stored[0]} frames of {stored[2]}x{stored[1]}, "
+                          f"not the {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]} sent")
+    except Exception as e:  # noqa: BLE001 -- any writer or reader error, reported with its cause
+      why = e if isinstance(e, EncodeError) else (f"the {kind} output does not write or read back "
+                                                  f"({type(e).__name__}: {e})")
+      raise EncodeError(f"writing {path!r} failed; nothing was written there: {why}") from e
   return path
 
 
@@ -166,15 +335,24 @@ def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> s
 
 
 @contextlib.contextmanager
-def _atomic_file(path: str, suffix: str, overwrite: bool) -> Iterator[str]:
-  """Yields a temporary name beside `path`; renames it into place on success, removes it on any
-  error or interrupt (so a half-written file never appears under `path`)."""
-  temp = _temp_name(path, suffix)
+def _atomic_file(path: str, suffix: str, overwrite: bool, *, folder: bool = False) -> Iterator[str]:
+  """Yields a temporary file (or, with `folder`, directory) name beside `path`; renames it into
+  place on success, removes it on any error or interrupt (so a half-written file never appears
+  under `path`)."""
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  prefix = f".{os.path.basename(path)}."
+  if folder:
+    temp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+  else:
+    fd, temp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=parent)
+    os.close(fd)
   try:
     yield temp
     _replace(temp, path, overwrite)
   except BaseException:
-    if os.path.exists(temp):
+    if os.path.isdir(temp) and not os.path.islink(temp):
+      shutil.rmtree(temp, ignore_errors=True)
+    elif os.path.lexists(temp):
       os.remove(temp)
     raise
 
