@@ -21,8 +21,14 @@ its JSON sidecar are written to a temporary name and renamed into place; an exis
 replaced only with --overwrite, and a failed or interrupted run leaves neither. The latents are
 checked for NaN/inf after every step (--no-nan-guard turns that off).
 
+Every numeric argument is checked for finiteness and range before compute. The video is read back
+before it is renamed into place: an encoder failure or an output that does not decode to the frames
+sent is an error, and nothing is left under --out. A GIF stores frame delays in whole centiseconds:
+an --fps that is not 100 / an integer is rounded to the nearest delay, with a warning.
+
 Exit status: 0 success; 2 a usage or checkpoint error (before any compute); 1 a failure while
-running (non-finite latents, coordinator unreachable); 130 interrupted (Ctrl-C).
+running (non-finite latents, coordinator unreachable, the video encoder failing); 130 interrupted
+(Ctrl-C).
 
 Also `python -m pipelines.generate ...`.
 """
@@ -30,6 +36,7 @@ Also `python -m pipelines.generate ...`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -39,6 +46,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from pipelines import checkpoint, distributed, video_io
@@ -117,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (Wan: 512)")
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
-  p.add_argument("--fps", type=float, default=16.0, help="frames per second of the output (Wan: 16)")
+  p.add_argument("--fps", type=float, default=16.0,
+                 help="frames per second of the output, %g to %g (Wan: 16; a GIF stores the nearest "
+                      "whole-centisecond delay)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
@@ -192,6 +202,16 @@ def parse_guidance(text: str) -> tuple[float, ...]:
   return values
 
 
+@contextlib.contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+  """Prints the warnings raised inside as `generate: warning: ...` lines."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    yield
+  for w in caught:
+    print(f"generate: warning: {w.message}", file=sys.stderr)
+
+
 def plan_run(args: argparse.Namespace) -> Plan:
   """Checks every argument that needs neither JAX nor weights.
 
@@ -222,11 +242,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
   frames = args.frames if args.frames is not None else preset.frames
   if frames < 1:
     raise UsageError(f"--frames {frames} must be >= 1 (Wan: 4k+1, e.g. 81)")
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+  with _warnings_to_stderr():
     frames = round_num_frames(frames)
-  for w in caught:
-    print(f"generate: warning: {w.message}", file=sys.stderr)
   steps = args.steps if args.steps is not None else preset.steps
   if steps < 1:
     raise UsageError(f"--steps {steps} must be >= 1")
@@ -235,13 +252,18 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--guidance {args.guidance!r} must be finite (Wan: 5.0; <= 1 turns CFG off)")
   shift = args.shift if args.shift is not None else (preset.shift if preset_name else None)
   if shift is not None and not (math.isfinite(shift) and shift > 0):
-    raise UsageError(f"--shift {shift} must be > 0 (Wan: 3.0 at 480p, 5.0 at 720p, 12.0 for Wan 2.2)")
+    raise UsageError(f"--shift {shift} must be a finite number > 0 (Wan: 3.0 at 480p, 5.0 at 720p, 12.0 "
+                     "for Wan 2.2)")
   if args.seed is not None and args.seed < 0:
     raise UsageError(f"--seed {args.seed} must be >= 0")
   if args.max_sequence_length < 1:
     raise UsageError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (Wan: 512)")
-  if not args.fps > 0:
-    raise UsageError(f"--fps {args.fps} must be > 0 (Wan: 16)")
+  try:
+    video_io.check_fps(args.fps)
+  except video_io.OutputError as e:
+    raise UsageError(f"--fps: {e}") from e
+  if args.coordinator_timeout < 1:
+    raise UsageError(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 (seconds)")
   try:
     ulysses, ring = parse_mesh(args.mesh)
   except ValueError as e:
@@ -264,6 +286,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
                      f"R={processes.num_processes}")
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
+    if video_io.output_kind(args.out) == "gif":
+      with _warnings_to_stderr():  # said now, not after the run
+        video_io.gif_delay_cs(args.fps)
   return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
               preset=preset_name, width=width, height=height, frames=frames, steps=steps,
               guidance=guidance, shift=shift, seed=args.seed, ulysses=ulysses, ring=ring,
@@ -424,7 +449,9 @@ def run(checked: Checked) -> dict[str, Any]:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
   start = time.perf_counter()
-  out = video_io.write_video(result.frames[0], plan.out, fps=plan.fps, overwrite=plan.overwrite)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", video_io.FrameRateWarning)  # printed by plan_run, before compute
+    out = video_io.write_video(result.frames[0], plan.out, fps=plan.fps, overwrite=plan.overwrite)
   timings = {"load": load_s, **result.timings, "write": time.perf_counter() - start}
   # "total" here is the whole command (load + pipeline + write), as the summary line prints it;
   # the pipeline's own total (text encode to decode) stays as "pipeline".
@@ -468,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     except (video_io.OutputError, checkpoint.CheckpointError) as e:  # loading; output appeared meanwhile
       print(f"generate: error: {e}", file=sys.stderr)
       return 2
-    except NonFiniteLatentsError as e:
+    except (NonFiniteLatentsError, video_io.EncodeError) as e:
       print(f"generate: error: {e}", file=sys.stderr)
       return 1
     except KeyboardInterrupt:

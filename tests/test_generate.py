@@ -102,10 +102,25 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
     (["--guidance", "4.0,3.0"], "two guidance scales (4.0, 3.0) need a two-expert"),
     (["--guidance", "a,b,c"], "must be one number"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
-    (["--shift", "-1"], "--shift -1.0 must be > 0"),
+    (["--shift", "-1"], "--shift -1.0 must be a finite number > 0"),
     (["--model", "/no/such/folder"], "is not a folder"),
     (["--out", "/no/such/dir/fox.mp4"], "does not exist ('/no/such/dir'); create it first"),
     (["--out", "fox.avi"], "suffix '.avi'; use .mp4"),
+    # Every numeric flag: finite and in range, before compute.
+    (["--fps", "nan"], "--fps: fps=nan must be a finite number of frames per second in [0.001, 1000]"),
+    (["--fps", "-16"], "--fps: fps=-16.0 must be a finite number"),
+    (["--fps", "0"], "--fps: fps=0.0 must be a finite number"),
+    (["--fps", "1e-9"], "--fps: fps=1e-09 must be a finite number"),  # ffmpeg wrote an empty mp4
+    (["--fps", "1e9"], "--fps: fps=1000000000.0 must be a finite number"),
+    (["--shift", "inf"], "--shift inf must be a finite number > 0"),
+    (["--shift", "nan"], "--shift nan must be a finite number > 0"),
+    (["--guidance", "4,inf"], "--guidance '4,inf' must be finite"),
+    (["--frames", "-5"], "--frames -5 must be >= 1"),
+    (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
+    (["--seed", "-1"], "--seed -1 must be >= 0"),
+    (["--max-sequence-length", "0"], "--max-sequence-length 0 must be >= 1"),
+    (["--devices", "0"], "--devices 0 must be >= 1"),
+    (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
 ])
 def test_checks_before_compute(tmp_path, capsys, extra, message):
   before = wan_pipeline.TRACE_COUNT["denoise_step"]
@@ -263,3 +278,45 @@ def test_gif_of_repeated_frames_reads_back(tmp_path):
   with Image.open(tmp_path / "clip.gif") as gif:
     assert [frame.info["duration"] for frame in ImageSequence.Iterator(gif)] == [300, 200]
 
+
+# --- the command's numeric checks and its encoder errors -------------------------------------
+
+def _env(**extra: str) -> dict[str, str]:
+  """The environment of a fresh `generate` process: no XLA_FLAGS (it simulates its own devices)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+@pytest.mark.parametrize("fps", ["inf", "1e-9"])
+def test_command_refuses_bad_fps_before_compute(tmp_path, fps):
+  """`--fps inf` used to run the whole generation and end in a traceback (exit 1); `--fps 1e-9` in
+  an empty .mp4 and exit 0. Both are usage errors now, found before any model is built."""
+  out = tmp_path / "fox.mp4"
+  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--fps", fps, "--out", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  expected = f"generate: error: --fps: fps={float(fps)!r} must be a finite number of frames per second"
+  assert expected in proc.stderr
+  assert "generate: model" not in proc.stderr  # printed once the model is built, before denoising
+  assert os.listdir(tmp_path) == []
+
+
+def test_command_reports_encoder_failure(tmp_path):
+  """The whole command: an encoder failure is exit 1 with ffmpeg's reason, no video, no sidecar."""
+  videos = tmp_path / "videos"
+  videos.mkdir()
+  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "32x32", "--frames", "5",
+         "--steps", "1", "--max-sequence-length", "8", "--seed", "0", "--out", str(videos / "fox.mp4")]
+  proc = subprocess.run(cmd, cwd=ROOT, env=_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail")),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr
+  assert "generate: error: writing" in proc.stderr and "fake encoder: refusing this input" in proc.stderr
+  assert "wrote" not in proc.stdout and "Traceback" not in proc.stderr
+  assert os.listdir(videos) == []
+
+
+def test_gif_fps_warning_before_compute(tmp_path, capsys):
+  args = generate.build_parser().parse_args(BASE + ["--fps", "60", "--out", str(tmp_path / "a.gif")])
+  generate.plan_run(args)
+  assert ("generate: warning: GIF frame delays are whole centiseconds: 60 fps (a 16.67 ms delay) is stored "
+          "as 2 cs = 50 fps" in capsys.readouterr().err)
