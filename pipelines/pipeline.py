@@ -30,8 +30,10 @@ import dataclasses
 import html
 import json
 import math
+import numbers
 import os
 import re
+import reprlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -78,14 +80,91 @@ def prompt_clean(text: str) -> str:
   return re.sub(r"\s+", " ", text).strip()
 
 
+def _is_int(value: Any) -> bool:
+  """An int or numpy integer; not a bool (True would pass for 1)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+  """An int or float (Python or numpy); not a bool, str, complex or array."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _not_a(value: Any, type_ok: bool = False) -> str:
+  """", not a str" / ", not an int" (the wrong type named) for a message; "" when `type_ok`."""
+  name = type(value).__name__
+  return "" if type_ok else f", not {'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> int:
+  """`value` as an int, if it is one (a bool is not) and >= `minimum`.
+
+  Raises:
+    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
+  """
+  if not _is_int(value) or value < minimum:
+    what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+    raise ValueError(f"{name}={value!r} must be {what}{_not_a(value, _is_int(value))}{hint}")
+  return int(value)
+
+
+def _check_number(name: str, value: Any, *, positive: bool = False, hint: str = "") -> float:
+  """`value` as a float, if it is a finite real number (a bool or str is not), > 0 with `positive`.
+
+  Raises:
+    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
+  """
+  if not _is_real(value) or not math.isfinite(value) or (positive and value <= 0):
+    raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}"
+                     f"{_not_a(value, _is_real(value))}{hint}")
+  return float(value)
+
+
+def _check_flag(name: str, value: Any) -> bool:
+  """`value` if it is a bool (numpy's included).
+
+  Raises:
+    ValueError: anything else (1, "no", None), naming the argument and its value.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r} must be True or False{_not_a(value)}")
+  return bool(value)
+
+
+def _texts(value: Any, repeat: int = 1) -> list[str] | None:
+  """A str (repeated `repeat` times) or a non-empty list / tuple of str as a list; None otherwise."""
+  if isinstance(value, str):
+    return [value] * repeat
+  if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+    return list(value)
+  return None
+
+
+def _noise(latents: Any) -> np.ndarray:
+  """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
+
+  Raises:
+    ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
+  """
+  try:
+    array = np.asarray(latents)
+  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+    array = None
+  if array is None or array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
+                                                  or jnp.issubdtype(array.dtype, jnp.integer)):
+    what = f"{type(latents).__name__} of {array.dtype}" if array is not None else type(latents).__name__
+    raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
+                     "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
+  return array.astype(np.float32)
+
+
 def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
   """Frames as diffusers accepts them: k * temporal_factor + 1, rounded down with a warning.
 
   Raises:
-    ValueError: `num_frames` < 1.
+    ValueError: `num_frames` not an int >= 1.
   """
-  if not isinstance(num_frames, (int, np.integer)) or num_frames < 1:
-    raise ValueError(f"{num_frames=} must be a positive int (Wan uses 4k+1, e.g. 81)")
+  _check_int("num_frames", num_frames, hint=" (Wan uses 4k+1, e.g. 81)")
   if num_frames % temporal_factor != 1:
     rounded = max(num_frames // temporal_factor * temporal_factor + 1, 1)
     warnings.warn(f"{num_frames=}: num_frames - 1 must be divisible by {temporal_factor}; rounding "
@@ -98,10 +177,11 @@ def check_size(height: int, width: int, multiple: int = 16) -> None:
   """Raises ValueError unless height and width are positive multiples of `multiple` (16 for Wan:
   VAE factor 8 x patch 2), naming the nearest valid sizes."""
   for name, value in (("height", height), ("width", width)):
-    if not isinstance(value, (int, np.integer)) or value < multiple or value % multiple:
-      lower = max(multiple, int(value) // multiple * multiple) if isinstance(value, (int, np.integer)) else multiple
-      raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple} (VAE factor 8 x "
-                       f"patch 2); use {lower} or {lower + multiple}")
+    if not _is_int(value) or value < multiple or value % multiple:
+      near = _is_real(value) and math.isfinite(value)  # 40 -> "use 32 or 48"; 32.0 -> "use 32 or 48"
+      lower = max(multiple, int(value) // multiple * multiple) if near else multiple
+      raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{_not_a(value, _is_int(value))} "
+                       f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
 
 
 def parse_mesh(spec: str) -> tuple[int, int]:
@@ -161,7 +241,8 @@ def resolve_mesh(mesh: Mesh | str | None, heads: int) -> Mesh | None:
     distributed.check_mesh_spans_processes(ulysses * ring)
     return attention.make_mesh(ulysses=ulysses, ring=ring, devices=jax.devices())
   if not isinstance(mesh, Mesh):
-    raise ValueError(f"mesh must be None, a jax.sharding.Mesh or a string like 'U=2,R=2'; got {type(mesh)=}")
+    raise ValueError(f"mesh must be None, a jax.sharding.Mesh or a string like 'U=2,R=2'; got {mesh!r}"
+                     f"{_not_a(mesh)}")
   ulysses, ring = mesh_degrees(mesh)
   check_mesh(ulysses, ring, heads=heads, device_count=ulysses * ring)
   distributed.check_mesh_spans_processes(ulysses * ring)
@@ -484,8 +565,14 @@ class WanPipeline:
   def check_inputs(self, prompt, negative_prompt, *, height: int, width: int, num_frames: int,
                    num_inference_steps: int, guidance_scale: float, guidance_scale_2: float | None,
                    flow_shift: float | None, seed: int | None, latents, max_sequence_length: int,
-                   mesh) -> dict[str, Any]:
-    """Validates a call and resolves it (no compute); `__call__` documents the arguments.
+                   mesh, progress: bool = False, on_step: Callable[[int, float], None] | None = None,
+                   attention_implementation: str = "auto", nan_guard: bool = True,
+                   decode: bool = True) -> dict[str, Any]:
+    """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
+
+    Every argument is checked for type as well as value (a bool is not an int, a str not a number,
+    NaN/inf not a number either), whether or not the call would use it (e.g. `negative_prompt`
+    without CFG).
 
     Returns:
       dict with prompts, negative_prompts (None without CFG), height, width, num_frames (rounded),
@@ -493,44 +580,41 @@ class WanPipeline:
       max_sequence_length and mesh (None or a `Mesh`).
 
     Raises:
-      ValueError: every bad argument, each message naming the value and the fix.
+      ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
-    if not prompts or not all(isinstance(p, str) for p in prompts):
+    prompts = _texts(prompt)
+    if not prompts:
       raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+    negatives = _texts("" if negative_prompt is None else negative_prompt, len(prompts))
+    if negatives is None or len(negatives) != len(prompts):
+      raise ValueError(f"negative_prompt must be a str or a list of {len(prompts)} str (one per "
+                       f"prompt), got {negative_prompt!r}")
     check_size(height, width, self.vae.config.spatial_factor * self.transformer_config.patch_size[1])
     num_frames = round_num_frames(num_frames, self.vae.config.temporal_factor)
-    if not isinstance(num_inference_steps, (int, np.integer)) or num_inference_steps < 1:
-      raise ValueError(f"{num_inference_steps=} must be a positive int")
-    if not isinstance(max_sequence_length, (int, np.integer)) or max_sequence_length < 1:
-      raise ValueError(f"{max_sequence_length=} must be a positive int (Wan uses 512)")
-    if guidance_scale_2 is not None and self.boundary_ratio is None:
-      raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
-                       "has one transformer: leave it None")
-    g1 = float(guidance_scale)
-    g2 = g1 if guidance_scale_2 is None else float(guidance_scale_2)
-    for name, value in (("guidance_scale", g1), ("guidance_scale_2", g2)):
-      if not math.isfinite(value):
-        raise ValueError(f"{name}={value} must be a finite number (Wan: 5.0; <= 1 turns CFG off)")
+    steps = _check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    max_sequence_length = _check_int("max_sequence_length", max_sequence_length, hint=" (Wan uses 512)")
+    guidance_hint = " (Wan: 5.0; <= 1 turns CFG off)"
+    g1 = _check_number("guidance_scale", guidance_scale, hint=guidance_hint)
+    if guidance_scale_2 is not None:
+      g2 = _check_number("guidance_scale_2", guidance_scale_2, hint=guidance_hint)
+      if self.boundary_ratio is None:
+        raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
+                         "has one transformer: leave it None")
+    else:
+      g2 = g1
     cfg = g1 > 1.0
-    negatives = None
-    if cfg:
-      negative_prompt = "" if negative_prompt is None else negative_prompt
-      negatives = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
-      if len(negatives) != len(prompts) or not all(isinstance(n, str) for n in negatives):
-        raise ValueError(f"negative_prompt must be a str or a list of {len(prompts)} str (one per "
-                         f"prompt), got {negative_prompt!r}")
     scheduler_config = self.scheduler_config
     if flow_shift is not None:
-      if not (math.isfinite(float(flow_shift)) and float(flow_shift) > 0):
-        raise ValueError(f"{flow_shift=} must be a finite number > 0 (Wan: 3.0 at 480p, 5.0 at 720p)")
+      shift = _check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
       field = "flow_shift" if isinstance(scheduler_config, schedulers.UniPCConfig) else "shift"
-      scheduler_config = dataclasses.replace(scheduler_config, **{field: float(flow_shift)})
+      scheduler_config = dataclasses.replace(scheduler_config, **{field: shift})
+    if seed is not None:
+      seed = _check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
     shape = self.latent_shape(len(prompts), height, width, num_frames)
     if latents is not None:
+      latents = _noise(latents)
       if seed is not None:
         raise ValueError(f"give either seed ({seed=}) or latents, not both")
-      latents = np.asarray(latents, np.float32)
       if latents.shape != shape:
         raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for "
                          f"{len(prompts)} prompt(s), {num_frames} frames at {height}x{width}")
@@ -542,13 +626,18 @@ class WanPipeline:
         raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
                          "process draws the same noise; pass seed=...")
       seed = int(np.random.SeedSequence().entropy % (2 ** 31))
-    elif not isinstance(seed, (int, np.integer)) or seed < 0:
-      raise ValueError(f"{seed=} must be a non-negative int")
+    if not isinstance(attention_implementation, str) or attention_implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
+    if on_step is not None and not callable(on_step):
+      raise ValueError(f"on_step={on_step!r} must be None or a callable on_step(step, seconds)"
+                       f"{_not_a(on_step)}")
+    for name, flag in (("progress", progress), ("nan_guard", nan_guard), ("decode", decode)):
+      _check_flag(name, flag)
     mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
-    return dict(prompts=prompts, negative_prompts=negatives, height=int(height), width=int(width),
-                num_frames=num_frames, steps=int(num_inference_steps), guidance=(g1, g2), cfg=cfg,
-                scheduler=scheduler_config, seed=None if latents is not None else int(seed),
-                latents=latents, latent_shape=shape, max_sequence_length=int(max_sequence_length),
+    return dict(prompts=prompts, negative_prompts=negatives if cfg else None, height=int(height),
+                width=int(width), num_frames=num_frames, steps=steps, guidance=(g1, g2), cfg=cfg,
+                scheduler=scheduler_config, seed=None if latents is not None else seed,
+                latents=latents, latent_shape=shape, max_sequence_length=max_sequence_length,
                 mesh=mesh)
 
   # --- the call ---
@@ -615,12 +704,12 @@ class WanPipeline:
       ValueError: see `check_inputs` (raised before any compute).
       NonFiniteLatentsError: latents became NaN/inf (with `nan_guard`), naming the step.
     """
-    if attention_implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
     s = self.check_inputs(prompt, negative_prompt, height=height, width=width, num_frames=num_frames,
                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                           guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, seed=seed,
-                          latents=latents, max_sequence_length=max_sequence_length, mesh=mesh)
+                          latents=latents, max_sequence_length=max_sequence_length, mesh=mesh,
+                          progress=progress, on_step=on_step, attention_implementation=attention_implementation,
+                          nan_guard=nan_guard, decode=decode)
     mesh = s["mesh"]
     timings: dict[str, float] = {}
     start_all = time.perf_counter()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import select
 import signal
 import subprocess
@@ -195,6 +196,56 @@ def test_api_accepts_u3_with_12_heads(pipes):
       PROMPT, None, **CALL, guidance_scale=5.0, guidance_scale_2=None, flow_shift=None, seed=0,
       latents=None, mesh="U=3")
   assert dict(resolved["mesh"].shape) == {"ring": 1, "ulysses": 3}
+
+
+# Every public argument of WanPipeline.run (and so of __call__) x wrong types: each must be a
+# ValueError naming the argument and its value, before any compute. `test_every_argument_is_listed`
+# keeps the table complete when an argument is added.
+WRONG_TYPES = {
+    "prompt": [123, None, b"a fox", [PROMPT, 2], (PROMPT, None)],
+    "negative_prompt": [123, b"blurry", [1], [None], {"a": 1}],
+    "height": ["32", 32.0, True, None, np.float32(32)],
+    "width": ["32", 32.0, True, None, np.float32(32)],
+    "num_frames": ["5", 5.0, True, None, math.nan],
+    "num_inference_steps": ["1", 1.0, True, None, math.inf],
+    "guidance_scale": [None, "abc", "5.0", True, math.nan, math.inf, 1j, [5.0]],
+    "guidance_scale_2": ["abc", True, math.nan, [1.0]],
+    "flow_shift": ["abc", "3.0", True, math.nan, -math.inf, [3.0], 0.0],
+    "seed": ["1", 1.0, True, math.nan, -1, np.bool_(True)],
+    "latents": ["abc", [["x"]], np.zeros((1, 16, 2, 4, 4), np.complex64), {"a": 1}, True],
+    "max_sequence_length": ["8", 8.0, True, None],
+    "mesh": [123, 2.0, ["U=2"], True],
+    "progress": ["yes", 1, None],
+    "on_step": [123, "print"],
+    "attention_implementation": [123, None, "flash"],
+    "nan_guard": ["no", 0, None],
+    "decode": ["no", 1, None],
+}
+WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
+
+
+def test_every_argument_is_listed():
+  import inspect
+  run_args = set(inspect.signature(WanPipeline.run).parameters) - {"self"}
+  assert run_args == set(WRONG_TYPES)
+  assert set(inspect.signature(WanPipeline.__call__).parameters) - {"self"} <= run_args
+
+
+@pytest.mark.parametrize("name,value", WRONG_TYPE_CASES,
+                         ids=[f"{n}={v!r}"[:40] for n, v in WRONG_TYPE_CASES])
+def test_api_names_every_wrong_argument(pipes, no_compute, name, value):
+  with pytest.raises(ValueError) as caught:
+    pipes["tiny"].run(**{"prompt": PROMPT, **CALL, name: value})
+  message = str(caught.value)
+  assert re.search(rf"\b{name}\b", message), message
+  if not isinstance(value, np.ndarray):
+    assert repr(value) in message, message
+
+
+def test_negative_prompt_checked_without_cfg(pipes, no_compute):
+  """guidance_scale <= 1 does not use the negative prompt, but a wrong one is still refused."""
+  with pytest.raises(ValueError, match=r"negative_prompt must be .*, got 123"):
+    pipes["tiny"].run(PROMPT, 123, **CALL, guidance_scale=1.0)
 
 
 # --- the command line ----------------------------------------------------------------------------
