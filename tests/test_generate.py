@@ -1,8 +1,8 @@
 """Tests for pipelines/generate.py and pipelines/video_io.py: the command end to end, every check.
 
-The end-to-end run is a fresh subprocess without XLA_FLAGS, so the command itself must simulate the
-mesh's CPU devices; the checks run in-process (this process already has 8 fake CPU devices, see
-conftest.py) and must fail before any model is built.
+The end-to-end run is a fresh subprocess without the harness's device count (harness.child_env), so
+the command itself must simulate the mesh's CPU devices; the checks run in-process (this process
+already has 8 fake CPU devices, see conftest.py) and must fail before any model is built.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 
+from harness import child_env
 from pipelines import generate, video_io
 from pipelines import pipeline as wan_pipeline
 
@@ -36,11 +37,9 @@ def _decode_mp4(path: str) -> tuple[tuple[int, int], int]:
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
 def test_command_writes_a_decodable_video(tmp_path):
   out = tmp_path / "fox.mp4"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--mesh", "U=2,R=2",
          "--size", "64x48", "--frames", "9", "--steps", "2", "--seed", "5", "--out", str(out)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert "simulating 4 CPU devices" in proc.stderr
   assert "text encode" in proc.stdout and "compile" in proc.stdout and "/step x 2" in proc.stdout

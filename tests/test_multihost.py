@@ -1,7 +1,8 @@
 """Tests for pipelines/distributed.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices.
 
 The processes are fresh interpreters on 127.0.0.1 (a free port picked at run time, gloo CPU
-collectives, no XLA_FLAGS: the command splits the mesh's 4 devices over the 2 processes itself).
+collectives, XLA_FLAGS without the harness's device count: the command splits the mesh's 4 devices
+over the 2 processes itself).
 Their video (.npy float32 frames, unquantised) must equal the single-process 4-device run of the
 same command, which runs in this process meanwhile (8 fake devices; the mesh uses the first 4).
 Every process started here is bounded by a timeout and killed by PID in a `finally`.
@@ -18,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from harness import child_env
 from pipelines import distributed, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,9 +37,8 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
   """This environment without the test harness's device count or any inherited distributed
   settings."""
-  drop = {"XLA_FLAGS", distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-          distributed.ENV_PROCESS_ID}
-  return {**{k: v for k, v in os.environ.items() if k not in drop}, "JAX_PLATFORMS": "cpu"}
+  drop = {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID}
+  return {k: v for k, v in child_env().items() if k not in drop}
 
 
 def _start(argv: list[str], log: str) -> subprocess.Popen:

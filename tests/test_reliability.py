@@ -29,6 +29,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from harness import child_env
 from pipelines import generate, video_io
 from pipelines import pipeline as wan_pipeline
 from pipelines.checkpoint import CheckpointError
@@ -327,11 +328,10 @@ def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
 
 def test_interrupt_during_denoising_leaves_no_output(tmp_path):
   out = tmp_path / "fox.mp4"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   # ~20 ms per step at this size on one CPU device (1 ms at 32x32): a window of ~20 s to interrupt.
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "128x128", "--frames",
          "17", "--steps", "1000", "--max-sequence-length", "8", "--seed", "0", "--out", str(out)]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE)
   err = b""
   try:
     deadline = time.monotonic() + 120
