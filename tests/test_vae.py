@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipelines.checkpoint import CheckpointError
+from tolerances import EPS_F32, assert_close_scaled
 from pipelines.wan import vae as V
 from pipelines.wan import vae_layers
 
@@ -25,7 +26,11 @@ CONFIGS = {
     "base8": dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                   temperal_downsample=[False, True, True]),
 }
-TOL = 1e-4  # fp32, issue 6 acceptance
+# fp32, in units of the output's scale (decoded video in [-1, 1]: 1; encoded mean / logvar: their
+# max): ~30 conv layers in series, each summing up to 27 * C <= 864 products, whose rounding errors
+# grow like sqrt(864) = 29 eps: 30 * 29 eps = 1e-4 (issue 6's acceptance). Measured <= 4.5e-6 under
+# three ISA settings.
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -52,10 +57,10 @@ def test_decode_parity(models, frames):
   got = np.asarray(V.decode(vae, jnp.asarray(z.numpy())))
   assert got.shape == want.shape == (batch, 3, 1 + 4 * (frames - 1), 32, 48)
   assert np.mean(np.abs(want) < 1.0) > 0.5, "reference mostly clamped: the comparison would be weak"
-  err = np.abs(got - want).max()
-  assert err <= TOL, f"decode max error {err:.3g} > {TOL}"
+  assert_close_scaled(got, want, rel=TOL, scale=1.0, name=f"decode {frames} frames")
   if frames == 3:
     channels_last = np.asarray(V.decode(vae, jnp.asarray(z.numpy()), video_layout="BFHWC"))
+    # Bit-exact: the same compiled chunk programs; the layouts differ by a final transpose only.
     np.testing.assert_array_equal(channels_last, got.transpose(0, 2, 3, 4, 1))
 
 
@@ -68,8 +73,8 @@ def test_encode_parity(models, frames):
   got = V.encode(vae, jnp.asarray(x.numpy()))
   assert got.mean.shape == tuple(want.mean.shape) == (1, 16, 1 + (frames - 1) // 4, 4, 6)
   for name in ("mean", "logvar"):
-    err = np.abs(np.asarray(getattr(got, name)) - getattr(want, name).numpy()).max()
-    assert err <= TOL, f"encode {name} max error {err:.3g} > {TOL}"
+    assert_close_scaled(getattr(got, name), getattr(want, name).numpy(), rel=TOL,
+                        name=f"encode {frames} frames: {name}")
 
 
 @pytest.mark.parametrize("models", ["tiny"], indirect=True)
@@ -144,9 +149,15 @@ def test_denormalize_matches_wan_pipeline():
   inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, 16, 1, 1, 1)
   want = (z / inv_std + mean).numpy()
   got = np.asarray(V.denormalize_latents(cfg, jnp.asarray(z.numpy())))
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # XLA:CPU division: <= 1 ulp
+  # A division and an addition on each side, half an ulp each, and up to 2 ulps more where
+  # XLA:CPU's vectorised division is not correctly rounded: ~4 eps of the larger term (the sum
+  # cancels where the mean is near -z * std). 16 eps; measured 1.8 eps.
+  terms = np.maximum(np.abs((z / inv_std).numpy()), np.abs(mean.numpy()))
+  assert_close_scaled(got, want, rel=16 * EPS_F32, scale=terms, name="denormalize")
+  # And back: the same roundings again, through the 1 / std factor.
   back = np.asarray(V.normalize_latents(cfg, jnp.asarray(got)))
-  np.testing.assert_allclose(back, z.numpy(), atol=1e-5)
+  assert_close_scaled(back, z.numpy(), rel=32 * EPS_F32, scale=terms * inv_std.numpy(),
+                      name="normalize round trip")
 
 
 def test_init_decodes_and_bf16_keeps_dtype():
