@@ -7,8 +7,10 @@ tokens) and a 2-step UniPC trajectory with CFG.
 About the bf16 thresholds on the tiny model: its random-weight video is low-contrast noise (pixel
 std ~0.10), so SSIM reacts strongly to bf16 rounding: measured mean SSIM of bf16 vs fp32 over seeds
 0-2 ranges 0.966-0.996 at guidance 5 and 0.987-0.996 at guidance 3 (2x2 mesh, 2 steps). The test
-runs guidance 3, seed 0 (mean SSIM ~0.987). A different seed scores mean PSNR ~37 dB on this model
-(above the 35 dB bf16 bar!) but mean SSIM ~0.86: on the tiny model, SSIM is what tells videos apart.
+runs guidance 3, seed 0: 1 - mean SSIM = 0.012 under three ISA settings, so its bar is 0.95 (4x).
+A different seed scores mean PSNR ~37 dB on this model (above the 35 dB bf16 bar!) but mean SSIM
+~0.86: on the tiny model, SSIM is what tells videos apart. The fp32 bar is FP32_VIDEO_PSNR_DB
+(tests/tolerances.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pytest
 
 from end_to_end import aot, benchmark, quality
 from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
+from tolerances import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_error, check_psnr
 
+BF16_MIN_SSIM = 0.95  # see the module doc
 QUALITY_ARGS = ["--height", "48", "--width", "80", "--frames", "9", "--steps", "2", "--guidance", "3.0",
                 "--max-sequence-length", "32", "--mesh", "U=2,R=2", "--seed", "0"]
 
@@ -35,7 +39,9 @@ def test_metrics_identical_and_known_noise():
   assert same["psnr_per_frame"] == [PSNR_CAP_DB] * 6 and same["ssim_min"] == pytest.approx(1.0)
   noisy = np.clip(video + 0.01 * rng.standard_normal(video.shape), 0, 1)
   mse = np.mean((noisy - video) ** 2, axis=(2, 3, 4)).reshape(-1)
-  np.testing.assert_allclose(psnr_per_frame(video, noisy), 10 * np.log10(1 / mse), rtol=1e-12)
+  # float64 on both sides, the same mean of 768 squares perhaps summed in another order: ~sqrt(768)
+  # float64 eps = 6e-15 relative; 1e-12 of the PSNR's scale.
+  assert_close_scaled(psnr_per_frame(video, noisy), 10 * np.log10(1 / mse), rel=1e-12, name="psnr")
   assert np.all(ssim_per_frame(video, noisy) < 1)
 
 
@@ -65,8 +71,8 @@ def test_quality_usage_errors_exit_2(argv, capsys):
 def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   path = tmp_path / "quality.json"
   status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--dtype", "bfloat16", "--min-psnr",
-                                        "float32=60,bfloat16=35", "--min-ssim", "bfloat16=0.98",
-                                        "--json", str(path)])
+                                        f"float32={FP32_VIDEO_PSNR_DB},bfloat16=35",
+                                        "--min-ssim", f"bfloat16={BF16_MIN_SSIM}", "--json", str(path)])
   report = json.loads(path.read_text())
   rows = {r["dtype"]: r for r in report["candidates"]}
   summary = {d: (r["psnr_mean"], r["ssim_mean"], r["max_abs_latent_diff"]) for d, r in rows.items()}
@@ -77,8 +83,14 @@ def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
     assert row["mesh"] == {"U": 2, "R": 2} and row["attention"] == "auto" and row["passed"]
     assert len(row["psnr_per_frame"]) == len(row["ssim_per_frame"]) == 9
     assert row["psnr_min"] <= row["psnr_mean"] and row["ssim_min"] <= row["ssim_mean"]
-  assert rows["float32"]["psnr_mean"] >= 60 and rows["float32"]["max_abs_latent_diff"] < 1e-4
-  assert rows["bfloat16"]["psnr_mean"] >= 35 and rows["bfloat16"]["ssim_mean"] >= 0.98
+  check_psnr(rows["float32"]["psnr_mean"], FP32_VIDEO_PSNR_DB, "fp32 mean PSNR")
+  # Latents ~N(0, 1) (max ~4) after 2 steps of a transformer within ~1e-5 of its scale
+  # (tests/test_transformer.py): 2 * 4 * 1e-5 ~ 1e-4. Measured 2e-6.
+  check_error(rows["float32"]["max_abs_latent_diff"], 1e-4, "fp32 max |latent diff|")
+  # bf16 vs fp32 video: a few bf16 roundings (2^-8) of pixel values ~0.5 survive the decode: RMS
+  # <= 1.8e-2 (35 dB). Measured 1.3e-3 (58 dB).
+  check_psnr(rows["bfloat16"]["psnr_mean"], 35, "bf16 mean PSNR")
+  check_error(1 - rows["bfloat16"]["ssim_mean"], 1 - BF16_MIN_SSIM, "bf16 1 - mean SSIM")
   assert rows["bfloat16"]["max_abs_latent_diff"] > rows["float32"]["max_abs_latent_diff"]
 
 
@@ -91,7 +103,7 @@ def test_quality_positive_control_fails(tmp_path):
   assert status == 1 and not report["passed"] and not row["passed"]
   assert report["settings"]["candidate_seed"] == 1
   assert row["psnr_mean"] < 60 and any("PSNR" in f for f in row["failures"])
-  assert row["ssim_mean"] < 0.98, "a different seed must also fail the bf16 SSIM bar"
+  assert row["ssim_mean"] < BF16_MIN_SSIM, "a different seed must also fail the bf16 SSIM bar"
 
 
 # --- benchmark -----------------------------------------------------------------------------------
@@ -113,7 +125,7 @@ def test_benchmark_tiny_compare_diffusers(tmp_path):
   assert report["ours"]["runs"][0]["compile"] > 0 and report["diffusers"]["runs"][0]["compile"] == 0
   assert set(report["ratios"]) == set(benchmark.ROWS) and report["ratios"]["compile"] is None
   # Same weights, latents and settings: the two pipelines make the same video.
-  assert report["agreement"]["psnr_mean_db"] >= 50, report["agreement"]
+  check_psnr(report["agreement"]["psnr_mean_db"], FP32_VIDEO_PSNR_DB, "ours vs diffusers mean PSNR")
 
 
 def test_benchmark_usage_errors_exit_2(capsys):

@@ -21,6 +21,7 @@ import pytest
 
 from harness import child_env
 from pipelines import distributed, generate
+from tolerances import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--prompt", "a red fox running through snow", "--mesh", "U=2,R=2", "--size", "32x32",
@@ -59,11 +60,6 @@ def _end(procs: list[subprocess.Popen]) -> None:
       p.wait()
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-  mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-  return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
-
-
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
 def test_two_processes_equal_one(tmp_path):
   out, ref = tmp_path / "multi.npy", tmp_path / "single.npy"
@@ -84,7 +80,7 @@ def test_two_processes_equal_one(tmp_path):
   assert "process 1 done; process 0 writes" in text[1], text[1]
   multi, single = np.load(out), np.load(ref)
   assert multi.shape == single.shape == (5, 32, 32, 3)
-  assert psnr(multi, single) >= 60, f"{psnr(multi, single)=:.1f} dB"
+  assert_psnr_at_least(multi, single, FP32_VIDEO_PSNR_DB, name="2 processes vs 1")
   assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.json", "single.npy", "single.json",
                                                  "process0.log", "process1.log"])
 

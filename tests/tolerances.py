@@ -23,6 +23,13 @@ import numpy as np
 EPS_F32 = 2.0**-23  # np.finfo(np.float32).eps: spacing of fp32 at 1.0
 EPS_BF16 = 2.0**-7  # spacing of bfloat16 at 1.0 (7 stored mantissa bits)
 
+# Two fp32 runs of the whole pipeline (ours vs diffusers, or ours on two meshes, processes, batch
+# layouts or attention paths): each transformer forward within ~1e-5 of its output's scale
+# (tests/test_transformer.py) over a few steps, the decode within 1e-4 of the video's range
+# (tests/test_vae.py), so the video's RMS error is <= 1e-4 of its range 1: PSNR >= 80 dB. Measured
+# >= 147 dB under three ISA settings.
+FP32_VIDEO_PSNR_DB = 80.0
+
 
 def check_error(error: float, tolerance: float, name: str, detail: str = "") -> None:
   """Asserts error <= tolerance (both >= 0, same units) and records the ratio under TOL_REPORT."""
