@@ -32,6 +32,8 @@ from attention import blockwise
 from attention.halo import all_gather_window_attention, halo_attention
 from numerics import fp32_attention_tol, within
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 
 def _inputs(T, N, H, *, S=None, seed=0, spread=1.0, v_mean=0.0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)

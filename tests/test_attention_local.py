@@ -18,6 +18,8 @@ from numerics import within
 # (2^-9 of |o| <~ 2) to bf16, ~4e-3 at worst; measured <= 4e-3 on every ISA setting, so 2e-2.
 BF16_TOL = 2e-2
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 SIZES = BlockSizes(block_q=128, block_kv=128)
 LENGTHS = (1, 7, 128, 1000)
 # Each (T, S) pair of the 4x4 grid gets one of the 16 combinations of the four binary factors

@@ -16,6 +16,8 @@ from numerics import within
 
 BF16_TOL = 2e-2  # as in test_attention_local: bf16 rounding of p and of the output
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 # (R, U) for every R * U in {1, 2, 4, 8}.
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 

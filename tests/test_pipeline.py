@@ -23,6 +23,8 @@ from pipelines.checkpoint import CheckpointError
 from tolerances import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from torch_weights import randomize
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 

@@ -14,6 +14,8 @@ from tolerances import EPS_BF16, EPS_F32, assert_close_scaled, assert_mostly_equ
 from producers import (layernorm_adaln, layernorm_adaln_reference, rmsnorm_rope,
                        rmsnorm_rope_reference, wan_rope_table, wan_rope_table_reference)
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 GRID = (3, 5, 7)  # odd (F, Hl/2, Wl/2): T = 105
 NUM_TOKENS = math.prod(GRID)
 Q_SCALE = 0.125 * math.log2(math.e)  # H ** -0.5 * log2(e) for H = 64

@@ -30,6 +30,8 @@ from pipelines.wan.transformer_loading import load_transformer
 from tolerances import EPS_F32, assert_close_scaled, check_error
 from torch_weights import randomize
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 diffusers = pytest.importorskip("diffusers")
 
 # Small enough to compile in seconds; N=4 divides every Ulysses degree the sharded tests use.

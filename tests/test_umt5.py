@@ -16,6 +16,8 @@ from pipelines.checkpoint import CheckpointError
 from pipelines.wan import tokenizer, umt5
 from tolerances import EPS_F32, assert_close_scaled
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 TINY_HF = dict(vocab_size=100, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
                relative_attention_num_buckets=32, relative_attention_max_distance=128,
                dropout_rate=0.0)

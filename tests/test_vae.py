@@ -20,6 +20,8 @@ from tolerances import EPS_F32, assert_close_scaled
 from pipelines.wan import vae as V
 from pipelines.wan import vae_layers
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 CONFIGS = {
     "tiny": dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                  temperal_downsample=[False, True, True]),
