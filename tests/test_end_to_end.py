@@ -10,7 +10,7 @@ std ~0.10), so SSIM reacts strongly to bf16 rounding: measured mean SSIM of bf16
 runs guidance 3, seed 0: 1 - mean SSIM = 0.012 under three ISA settings, so its bar is 0.95 (4x).
 A different seed scores mean PSNR ~37 dB on this model (above the 35 dB bf16 bar!) but mean SSIM
 ~0.86: on the tiny model, SSIM is what tells videos apart. The fp32 bar is FP32_VIDEO_PSNR_DB
-(tests/tolerances.py).
+(tests/numerics.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from end_to_end import aot, benchmark, quality
 from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
-from tolerances import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_error, check_psnr
+from numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_psnr, within
 
 BF16_MIN_SSIM = 0.95  # see the module doc
 QUALITY_ARGS = ["--height", "48", "--width", "80", "--frames", "9", "--steps", "2", "--guidance", "3.0",
@@ -86,11 +86,11 @@ def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   check_psnr(rows["float32"]["psnr_mean"], FP32_VIDEO_PSNR_DB, "fp32 mean PSNR")
   # Latents ~N(0, 1) (max ~4) after 2 steps of a transformer within ~1e-5 of its scale
   # (tests/test_transformer.py): 2 * 4 * 1e-5 ~ 1e-4. Measured 2e-6.
-  check_error(rows["float32"]["max_abs_latent_diff"], 1e-4, "fp32 max |latent diff|")
+  within(rows["float32"]["max_abs_latent_diff"], 1e-4, "fp32 max |latent diff|")
   # bf16 vs fp32 video: a few bf16 roundings (2^-8) of pixel values ~0.5 survive the decode: RMS
   # <= 1.8e-2 (35 dB). Measured 1.3e-3 (58 dB).
   check_psnr(rows["bfloat16"]["psnr_mean"], 35, "bf16 mean PSNR")
-  check_error(1 - rows["bfloat16"]["ssim_mean"], 1 - BF16_MIN_SSIM, "bf16 1 - mean SSIM")
+  within(1 - rows["bfloat16"]["ssim_mean"], 1 - BF16_MIN_SSIM, "bf16 1 - mean SSIM")
   assert rows["bfloat16"]["max_abs_latent_diff"] > rows["float32"]["max_abs_latent_diff"]
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from harness import child_env
 from pipelines import distributed, generate
-from tolerances import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
+from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--prompt", "a red fox running through snow", "--mesh", "U=2,R=2", "--size", "32x32",

@@ -20,7 +20,7 @@ import attention
 from pipelines import WanPipeline
 from pipelines import pipeline as wan_pipeline
 from pipelines.checkpoint import CheckpointError
-from tolerances import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
+from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from torch_weights import randomize
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2

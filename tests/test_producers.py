@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import producers
-from tolerances import EPS_BF16, EPS_F32, assert_close_scaled, assert_mostly_equal
+from numerics import EPS_BF16, EPS_F32, assert_close_scaled, assert_mostly_equal
 from producers import (layernorm_adaln, layernorm_adaln_reference, rmsnorm_rope,
                        rmsnorm_rope_reference, wan_rope_table, wan_rope_table_reference)
 
@@ -55,7 +55,7 @@ def _f32_rel(width):
   rsqrt (XLA's approximation differs by CPU), the gain, the rotation's two products and sum (an
   FMA or not) and out_scale, about one rounding each. Against torch, whose own rounding is within
   the same bound, the difference is at most twice this; the 4x margin over the worst error
-  measured under three ISA settings (tests/tolerances.py) leaves room for that.
+  measured under three ISA settings (tests/numerics.py) leaves room for that.
   """
   return (4 + math.sqrt(width)) * EPS_F32
 

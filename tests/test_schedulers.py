@@ -19,7 +19,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from pipelines.wan import schedulers
-from tolerances import EPS_F32, assert_close_scaled
+from numerics import EPS_F32, assert_close_scaled
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 

@@ -27,7 +27,7 @@ from pipelines.checkpoint import CheckpointError
 from pipelines.wan.transformer import forward, init_transformer, param_shapes
 from pipelines.wan.transformer_config import PRESETS, WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
-from tolerances import EPS_F32, assert_close_scaled, check_error
+from numerics import EPS_F32, assert_close_scaled, within
 from torch_weights import randomize
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
@@ -139,8 +139,8 @@ def test_matches_diffusers_bf16():
   out = forward_jit(model, latents, timestep, text)
   assert out.dtype == jnp.bfloat16
   assert_close_scaled(out, ref, rel=BF16_REL, name="bf16 vs diffusers bf16")
-  check_error(_rel_err(out, ref32), BF16_VS_TORCH * _rel_err(ref, ref32),
-              "our bf16 vs fp32, in units of diffusers' bf16 vs fp32")
+  within(_rel_err(out, ref32), BF16_VS_TORCH * _rel_err(ref, ref32),
+         "our bf16 vs fp32, in units of diffusers' bf16 vs fp32")
 
 
 def _collective_counts(hlo: str) -> dict[str, int]:

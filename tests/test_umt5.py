@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from pipelines.checkpoint import CheckpointError
 from pipelines.wan import tokenizer, umt5
-from tolerances import EPS_F32, assert_close_scaled
+from numerics import EPS_F32, assert_close_scaled
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
