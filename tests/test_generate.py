@@ -280,19 +280,13 @@ def test_gif_of_repeated_frames_reads_back(tmp_path):
 
 # --- the command's numeric checks and its encoder errors -------------------------------------
 
-def _env(**extra: str) -> dict[str, str]:
-  """The environment of a fresh `generate` process: no XLA_FLAGS (it simulates its own devices)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return {**env, "JAX_PLATFORMS": "cpu", **extra}
-
-
 @pytest.mark.parametrize("fps", ["inf", "1e-9"])
 def test_command_refuses_bad_fps_before_compute(tmp_path, fps):
   """`--fps inf` used to run the whole generation and end in a traceback (exit 1); `--fps 1e-9` in
   an empty .mp4 and exit 0. Both are usage errors now, found before any model is built."""
   out = tmp_path / "fox.mp4"
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--fps", fps, "--out", str(out)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   expected = f"generate: error: --fps: fps={float(fps)!r} must be a finite number of frames per second"
   assert expected in proc.stderr
@@ -306,7 +300,7 @@ def test_command_reports_encoder_failure(tmp_path):
   videos.mkdir()
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "32x32", "--frames", "5",
          "--steps", "1", "--max-sequence-length", "8", "--seed", "0", "--out", str(videos / "fox.mp4")]
-  proc = subprocess.run(cmd, cwd=ROOT, env=_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail")),
+  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail")),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr
   assert "generate: error: writing" in proc.stderr and "fake encoder: refusing this input" in proc.stderr
