@@ -26,6 +26,8 @@ import functools
 import time
 from typing import Any
 
+from pipelines.cli import format_mesh
+
 # name -> (transformer preset, height, width, flow shift) compiled by `--aot`: the two targets.
 AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0)}
 AOT_FRAMES = 81
@@ -153,6 +155,6 @@ def format_row(r: dict[str, Any]) -> str:
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
   return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
-          f"{'U=%d,R=%d' % (r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
+          f"{format_mesh(r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
           f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")

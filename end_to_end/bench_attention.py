@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import BlockSizes, local_attention
+from pipelines.cli import HelpFormatter
 
 
 def _time_interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
@@ -38,16 +39,16 @@ def _time_interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m end_to_end.bench_attention", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+                               formatter_class=HelpFormatter)
   ap.add_argument("--batch", type=int, default=1, help="B")
   ap.add_argument("--seq", type=int, default=4096, help="T = S")
   ap.add_argument("--heads", type=int, default=12, help="N")
   ap.add_argument("--head-dim", type=int, default=128, help="H")
-  ap.add_argument("--block-q", type=int, default=BlockSizes().block_q)
-  ap.add_argument("--block-kv", type=int, default=BlockSizes().block_kv)
+  ap.add_argument("--block-q", type=int, default=BlockSizes().block_q, help="query rows per block")
+  ap.add_argument("--block-kv", type=int, default=BlockSizes().block_kv, help="key rows per block")
   ap.add_argument("--dtypes", default="float32,bfloat16",
                   help="comma-separated, each float32 or bfloat16 (default both)")
-  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--repeats", type=int, default=5, help="timed calls of each (the median is reported)")
   ap.add_argument("--json", help="also write the results as JSON to this path")
   args = ap.parse_args(argv)
   bad = [d for d in args.dtypes.split(",") if d not in ("float32", "bfloat16")]

@@ -1,4 +1,4 @@
-"""Benchmark: compile time and per-step time of the Wan transformer (random init), not a test.
+r"""Benchmark: compile time and per-step time of the Wan transformer (random init), not a test.
 
 Default: the Wan 2.1 1.3B architecture (30 layers, D 1536, N 12, ffn 8960) at 17 frames 128x128
 (latents [1, 16, 5, 16, 16] -> 320 tokens) with 512 text tokens, fp32, one device:
@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention
+from pipelines.cli import HelpFormatter, format_mesh
 from pipelines.wan.transformer import count_params, forward, init_transformer
 from pipelines.wan.transformer_config import PRESETS
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
   parser.add_argument("--preset", default="wan2.1-t2v-1.3b", choices=sorted(PRESETS))
   parser.add_argument("--frames", type=int, default=17)
   parser.add_argument("--height", type=int, default=128)
@@ -50,7 +51,7 @@ def main() -> None:
   tokens = np.prod([n // p for n, p in zip(latent_shape[2:], config.patch_size)])
   print(f"{args.preset}: {config.num_layers} layers, D={config.dim}, N={config.num_attention_heads}, "
         f"ffn={config.ffn_dim}; {dtype.name}; latents {latent_shape} -> {tokens} tokens, "
-        f"text {args.text_len}; mesh {None if mesh is None else dict(mesh.shape)}; "
+        f"text {args.text_len}; mesh {'none' if mesh is None else format_mesh(max(args.ulysses, 1), max(args.ring, 1))}; "
         f"backend {jax.default_backend()} x{jax.device_count()}")
 
   start = time.perf_counter()

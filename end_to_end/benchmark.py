@@ -48,6 +48,7 @@ import time
 from typing import Any
 
 from end_to_end.collectives import parse_mesh, request_cpu_devices  # no JAX import: fake devices can still be requested
+from pipelines.cli import HelpFormatter  # no JAX import either
 
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
@@ -59,20 +60,22 @@ _TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhos
 
 def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.benchmark", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+                               formatter_class=HelpFormatter)
+  ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
+                  help="architecture and video size (table in end_to_end/README.md)")
   ap.add_argument("--model", help="a diffusers Wan folder to load instead of the preset's random weights "
                   "(the preset still gives the run settings)")
   ap.add_argument("--height", type=int)
   ap.add_argument("--width", type=int)
-  ap.add_argument("--frames", type=int, help="4k + 1")
+  ap.add_argument("--frames", type=int,
+                  help="4k + 1; other counts become frames // 4 * 4 + 1 as in diffusers (16 -> 17)")
   ap.add_argument("--steps", type=int)
   ap.add_argument("--layers", type=int, help="override the transformer's number of blocks")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"))
   ap.add_argument("--guidance", type=float)
   ap.add_argument("--max-sequence-length", type=int)
-  ap.add_argument("--prompt", default="a red fox running through snow, cinematic")
-  ap.add_argument("--negative-prompt", default="blurry, low quality")
+  ap.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
+  ap.add_argument("--negative-prompt", default="blurry, low quality", help="the negative prompt")
   ap.add_argument("--seed", type=int, default=0, help="weights and initial latents")
   ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
   ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")

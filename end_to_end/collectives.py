@@ -24,19 +24,10 @@ import re
 import sys
 import time
 
+from pipelines.cli import HelpFormatter, format_mesh, parse_mesh  # no JAX import; parse_mesh: also for quality, benchmark
+
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s8": 1, "u8": 1}
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-  """'U=2,R=4' (any order; missing axis = 1) -> (U, R). Raises ValueError on anything else."""
-  vals = {"U": 1, "R": 1}
-  for part in text.replace(" ", "").split(","):
-    m = re.fullmatch(r"([UR])=(\d+)", part)
-    if not m or int(m.group(2)) < 1:
-      raise ValueError(f"bad mesh {text!r}: expected e.g. 'U=2,R=4' with positive integers")
-    vals[m.group(1)] = int(m.group(2))
-  return vals["U"], vals["R"]
 
 
 DEVICE_FLAG = "xla_force_host_platform_device_count"
@@ -96,7 +87,7 @@ def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m end_to_end.collectives", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+                               formatter_class=HelpFormatter)
   ap.add_argument("--mesh", default="U=2,R=2", help="Ulysses and ring degrees, e.g. U=2,R=4 (default U=2,R=2)")
   ap.add_argument("--batch", type=int, default=1, help="B (default 1)")
   ap.add_argument("--tokens", type=int, default=32760, help="T = S (Wan 1.3B 480p x 81 frames: 32760)")
@@ -157,7 +148,7 @@ def main(argv=None):
   compile_s = time.perf_counter() - t0
   table = hlo_collectives(compiled.as_text())
   minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
-  print(f"{args.kind} attention  backend={backend}  mesh U={U} R={R}  q [B,T,N,H]={q.shape} "
+  print(f"{args.kind} attention  backend={backend}  mesh {format_mesh(U, R)}  q [B,T,N,H]={q.shape} "
         f"kv heads={K} dtype={args.dtype}  blocks {sizes.block_q}x{sizes.block_kv}  compile {compile_s:.2f} s")
   print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
   for op in _OPS:
