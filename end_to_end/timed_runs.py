@@ -34,7 +34,7 @@ def _summary(text_encode: float, compile_s: float, steps: list[float], decode: f
 def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndarray, height: int, width: int,
              frames: int, steps: int, guidance: float, max_sequence_length: int,
              mesh: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-  """One `pipe.run` call.
+  """One `pipe.run` call (no progress output, as diffusers' side).
 
   Returns:
     (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
@@ -43,7 +43,7 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   step_times: list[float] = []
   result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
                     num_inference_steps=steps, guidance_scale=guidance, latents=latents,
-                    max_sequence_length=max_sequence_length, mesh=mesh,
+                    max_sequence_length=max_sequence_length, mesh=mesh, progress=False,
                     on_step=lambda k, seconds: step_times.append(seconds))
   t = result.timings
   return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),

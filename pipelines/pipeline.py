@@ -34,6 +34,7 @@ import numbers
 import os
 import re
 import reprlib
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ import attention
 from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
 from pipelines import checkpoint, distributed
+from pipelines.cli import format_mesh, parse_mesh
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
@@ -159,7 +161,10 @@ def _noise(latents: Any) -> np.ndarray:
 
 
 def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
-  """Frames as diffusers accepts them: k * temporal_factor + 1, rounded down with a warning.
+  """Frames as diffusers accepts them: k * temporal_factor + 1; any other count becomes
+  `num_frames // temporal_factor * temporal_factor + 1` with a warning, as diffusers' WanPipeline
+  does: for temporal_factor 4 a multiple of 4 goes up by one (16 -> 17), any other count down to
+  the 4k + 1 below it (10 -> 9, 19 -> 17).
 
   Raises:
     ValueError: `num_frames` not an int >= 1.
@@ -182,27 +187,6 @@ def check_size(height: int, width: int, multiple: int = 16) -> None:
       lower = max(multiple, int(value) // multiple * multiple) if near else multiple
       raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{_not_a(value, _is_int(value))} "
                        f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
-
-
-def parse_mesh(spec: str) -> tuple[int, int]:
-  """Parses "U=2,R=2" (any order, either may be left out: "U=4" means R=1) into (U, R).
-
-  Raises:
-    ValueError: a malformed spec, a repeated or unknown axis, or a degree < 1.
-  """
-  degrees = {}
-  for part in str(spec).replace(" ", "").split(","):
-    match = re.fullmatch(r"([URur])=(\d+)", part)
-    if match is None:
-      raise ValueError(f"mesh {spec=} is malformed at {part!r}; write e.g. 'U=2,R=2', 'R=2,U=4' or 'U=4' "
-                       "(U: Ulysses degree, R: ring degree)")
-    axis, value = match.group(1).upper(), int(match.group(2))
-    if axis in degrees:
-      raise ValueError(f"mesh {spec=} gives {axis} twice; give each of U and R at most once")
-    if value < 1:
-      raise ValueError(f"mesh {spec=}: {axis}={value} must be >= 1")
-    degrees[axis] = value
-  return degrees.get("U", 1), degrees.get("R", 1)
 
 
 def working_meshes(heads: int, devices: int) -> list[tuple[int, int]]:
@@ -532,13 +516,16 @@ class WanPipeline:
     self._placement = key
 
   def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
-                     attention_implementation: str = "auto"):
-    """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each)."""
+                     attention_implementation: str = "auto", on_compile: Callable[[], None] | None = None):
+    """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each;
+    `on_compile()` is called just before a compile)."""
     args = (params, latents, solver, text, guidance)
     leaves, treedef = jax.tree.flatten(args)
     key = (self._graphdef, mesh, cfg, attention_implementation, treedef,
            tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in _COMPILED_STEPS:
+      if on_compile is not None:
+        on_compile()
       _COMPILED_STEPS[key] = _denoise_step_jit.lower(
           self._graphdef, *args, mesh=mesh, cfg=cfg,
           attention_implementation=attention_implementation).compile()
@@ -565,7 +552,7 @@ class WanPipeline:
   def check_inputs(self, prompt, negative_prompt, *, height: int, width: int, num_frames: int,
                    num_inference_steps: int, guidance_scale: float, guidance_scale_2: float | None,
                    flow_shift: float | None, seed: int | None, latents, max_sequence_length: int,
-                   mesh, progress: bool = False, on_step: Callable[[int, float], None] | None = None,
+                   mesh, progress: bool = True, on_step: Callable[[int, float], None] | None = None,
                    attention_implementation: str = "auto", nan_guard: bool = True,
                    decode: bool = True) -> dict[str, Any]:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
@@ -647,14 +634,15 @@ class WanPipeline:
                guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
                max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
-               progress: bool = False, nan_guard: bool = True) -> np.ndarray:
+               progress: bool = True, nan_guard: bool = True) -> np.ndarray:
     """Generates videos; diffusers `WanPipeline.__call__(..., output_type="np").frames`.
 
     Args:
       prompt: one prompt or a list (B videos).
       negative_prompt: str or list of B str; default "" (used only with guidance_scale > 1).
       height, width: multiples of 16.
-      num_frames: 4k + 1 (otherwise rounded down with a warning, as diffusers does).
+      num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
+        warning, as diffusers does.
       num_inference_steps: scheduler steps.
       guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns
         the unconditional pass off.
@@ -664,7 +652,8 @@ class WanPipeline:
       mesh: None (one device), a (ring, ulysses) `Mesh`, or a spec such as "U=2,R=2".
       guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
       flow_shift: overrides the scheduler config's shift.
-      progress: show a tqdm bar over the denoising steps.
+      progress: on stderr, one line as text encoding, compiling and decoding start and a tqdm bar
+        over the denoising steps (as diffusers' bar); False for silence.
       nan_guard: stop with `NonFiniteLatentsError` at the first step whose latents hold NaN/inf.
 
     Returns:
@@ -683,7 +672,7 @@ class WanPipeline:
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
           latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
-          progress: bool = False, on_step: Callable[[int, float], None] | None = None,
+          progress: bool = True, on_step: Callable[[int, float], None] | None = None,
           attention_implementation: str = "auto", nan_guard: bool = True,
           decode: bool = True) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
@@ -714,8 +703,13 @@ class WanPipeline:
     timings: dict[str, float] = {}
     start_all = time.perf_counter()
 
+    def stage(text: str) -> None:  # with `progress`: one line on stderr as a stage starts
+      if progress:
+        print(text, file=sys.stderr, flush=True)
+
     start = time.perf_counter()
     texts = s["prompts"] + (s["negative_prompts"] or [])
+    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens")
     text = jax.block_until_ready(self.encode_prompts(texts, s["max_sequence_length"]))
     timings["text_encode"] = time.perf_counter() - start
 
@@ -737,8 +731,12 @@ class WanPipeline:
     guidance = [distributed.put_replicated(np.float32(s["guidance"][e]), replicated) for e in experts]
 
     start = time.perf_counter()
+    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
+    compiling = (f"compile: the denoise step ({tokens} tokens, {self.transformer_config.num_layers} "
+                 f"layers, mesh {format_mesh(*((1, 1) if mesh is None else mesh_degrees(mesh)))})")
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], mesh=mesh,
-                               cfg=s["cfg"], attention_implementation=attention_implementation)
+                               cfg=s["cfg"], attention_implementation=attention_implementation,
+                               on_compile=lambda: stage(compiling))
     timings["compile"] = time.perf_counter() - start
 
     step_times = []
@@ -770,6 +768,8 @@ class WanPipeline:
 
     start = time.perf_counter()
     latents = distributed.to_host(latents)
+    if decode:
+      stage(f"decode: {len(s['prompts'])} video(s) of {s['num_frames']} frames {s['width']}x{s['height']} (VAE)")
     frames = self.decode(latents) if decode else None
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
