@@ -16,10 +16,18 @@ the mesh spans every process's devices (U*R = all of them), and only process 0 w
   generate --prompt "..." --mesh U=2,R=2 --seed 1 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1
 
 Every argument is checked before any model is loaded, and every weight file's header before any
-compute. Output (mp4 via imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and
-its JSON sidecar are written to a temporary name and renamed into place; an existing output is
-replaced only with --overwrite, and a failed or interrupted run leaves neither. The latents are
-checked for NaN/inf after every step (--no-nan-guard turns that off).
+compute. A run whose denoising is estimated to take minutes or more says so in one line before it
+starts; then a line or a bar shows each stage (text encode, compile, denoise, decode). Python
+warnings print as `generate: warning: ...` lines and are kept in the sidecar. Output (mp4 via
+imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and its JSON sidecar (the
+output's name + .json: fox.mp4.json) are written to a temporary name and renamed into place; an
+existing output is replaced only with --overwrite, and a failed or interrupted run leaves neither.
+The latents are checked for NaN/inf after every step (--no-nan-guard turns that off).
+
+Compiled programs are kept in JAX's persistent compilation cache, so a second run of the same
+shapes skips most compiling: in $XDG_CACHE_HOME/wan-usp-jax/jax (~/.cache/wan-usp-jax/jax), moved
+with --compile-cache DIR or $WAN_USP_JAX_COMPILE_CACHE=DIR, off with --no-compile-cache or
+WAN_USP_JAX_COMPILE_CACHE=off; the sidecar says whether it was hit.
 
 Every numeric argument is checked for finiteness and range before compute. The video is read back
 before it is renamed into place: an encoder failure or an output that does not decode to the frames
@@ -36,7 +44,6 @@ Also `python -m pipelines.generate ...`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import math
@@ -46,10 +53,10 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
-from pipelines import checkpoint, distributed, video_io
+from pipelines import checkpoint, compile_cache, distributed, estimate, video_io
+from pipelines.cli import HelpFormatter, format_mesh, warnings_as_lines
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
 
@@ -99,8 +106,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="generate", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(prog="generate", description=__doc__, formatter_class=HelpFormatter)
   p.add_argument("--prompt", required=True, help="what the video shows")
   p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
   p.add_argument("--model", default="tiny",
@@ -110,12 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "diffusers' defaults for a folder)")
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
                                                "(Wan's 832*480 also accepted)")
-  p.add_argument("--frames", type=int, default=None, help="frames, 4k+1 (e.g. 81); others round down")
+  p.add_argument("--frames", type=int, default=None,
+                 help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
+                      "(16 -> 17, 10 -> 9)")
   p.add_argument("--steps", type=int, default=None, help="denoising steps")
   p.add_argument("--guidance", default=None,
                  help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off")
   p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
-  p.add_argument("--seed", type=int, default=None, help="noise seed (default: random, reported)")
+  p.add_argument("--seed", type=int, default=None,
+                 help="noise seed; -1 or none for a random one (printed and recorded in the sidecar)")
   p.add_argument("--mesh", default="U=1,R=1", help="sequence-parallel mesh, e.g. U=2,R=2 (also R=2,U=2, "
                                                    "U=4): U Ulysses degree, R ring degree")
   p.add_argument("--devices", type=int, default=None,
@@ -129,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="frames per second of the output, %g to %g (Wan: 16; a GIF stores the nearest "
                       "whole-centisecond delay)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  p.add_argument("--compile-cache", metavar="DIR", default=None,
+                 help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
+                      f"{compile_cache.default_dir()})")
+  p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
   g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
@@ -167,6 +180,7 @@ class Plan:
   overwrite: bool
   nan_guard: bool = True
   processes: distributed.ProcessSpec | None = None  # None: a single-process run
+  compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
 
   @property
   def writes(self) -> bool:
@@ -202,16 +216,6 @@ def parse_guidance(text: str) -> tuple[float, ...]:
   return values
 
 
-@contextlib.contextmanager
-def _warnings_to_stderr() -> Iterator[None]:
-  """Prints the warnings raised inside as `generate: warning: ...` lines."""
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    yield
-  for w in caught:
-    print(f"generate: warning: {w.message}", file=sys.stderr)
-
-
 def plan_run(args: argparse.Namespace) -> Plan:
   """Checks every argument that needs neither JAX nor weights.
 
@@ -242,8 +246,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   frames = args.frames if args.frames is not None else preset.frames
   if frames < 1:
     raise UsageError(f"--frames {frames} must be >= 1 (Wan: 4k+1, e.g. 81)")
-  with _warnings_to_stderr():
-    frames = round_num_frames(frames)
+  frames = round_num_frames(frames)  # warns when it changes the count
   steps = args.steps if args.steps is not None else preset.steps
   if steps < 1:
     raise UsageError(f"--steps {steps} must be >= 1")
@@ -254,8 +257,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if shift is not None and not (math.isfinite(shift) and shift > 0):
     raise UsageError(f"--shift {shift} must be a finite number > 0 (Wan: 3.0 at 480p, 5.0 at 720p, 12.0 "
                      "for Wan 2.2)")
-  if args.seed is not None and args.seed < 0:
-    raise UsageError(f"--seed {args.seed} must be >= 0")
+  if args.seed is not None and args.seed < -1:
+    raise UsageError(f"--seed {args.seed} must be >= 0, or -1 for a random seed")
   if args.max_sequence_length < 1:
     raise UsageError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (Wan: 512)")
   try:
@@ -287,14 +290,15 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
     if video_io.output_kind(args.out) == "gif":
-      with _warnings_to_stderr():  # said now, not after the run
-        video_io.gif_delay_cs(args.fps)
+      video_io.gif_delay_cs(args.fps)  # its warning said now (main prints it), not after the run
   return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
               preset=preset_name, width=width, height=height, frames=frames, steps=steps,
-              guidance=guidance, shift=shift, seed=args.seed, ulysses=ulysses, ring=ring,
+              guidance=guidance, shift=shift, seed=None if args.seed == -1 else args.seed,
+              ulysses=ulysses, ring=ring,
               devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
-              overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes)
+              overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes,
+              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache))
 
 
 def _request_cpu_devices(plan: Plan) -> int | None:
@@ -357,16 +361,16 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
   return note
 
 
-def _model_heads_and_experts(plan: Plan) -> tuple[int, int]:
-  """(N, number of experts) from the JSON files; a folder's weight files are checked too
-  (safetensors present, headers intact), reading no tensor data."""
+def _model_config(plan: Plan) -> tuple[Any, int]:
+  """(transformer config, number of experts) from the JSON files; a folder's weight files are
+  checked too (safetensors present, headers intact), reading no tensor data."""
   from pipelines.pipeline import TINY_TRANSFORMER, PipelineIndex
 
   if plan.model == "tiny":
-    return TINY_TRANSFORMER.num_attention_heads, 1
+    return TINY_TRANSFORMER, 1
   index = PipelineIndex.read(plan.model)
   index.check_weights()
-  return index.transformer.num_attention_heads, 2 if index.boundary_ratio is not None else 1
+  return index.transformer, 2 if index.boundary_ratio is not None else 1
 
 
 def _versions() -> dict[str, str]:
@@ -389,6 +393,7 @@ class Checked:
   """A plan that passed the checks needing JAX (devices, model config)."""
   plan: Plan
   device_note: str
+  transformer: Any = None  # its WanTransformerConfig
 
 
 def check_plan(plan: Plan) -> Checked:
@@ -403,20 +408,47 @@ def check_plan(plan: Plan) -> Checked:
     distributed.DistributedError: the coordinator was not reached in time.
   """
   requested = _request_cpu_devices(plan)
-  heads, experts = _model_heads_and_experts(plan)
+  transformer, experts = _model_config(plan)
   if plan.processes is not None:
     print(f"generate: process {plan.processes.process_id} of {plan.processes.num_processes}: joining "
           f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
     distributed.initialize(plan.processes)
-  device_note = _check_devices(plan, requested, heads)
+  device_note = _check_devices(plan, requested, transformer.num_attention_heads)
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
                      f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
-  return Checked(plan, device_note)
+  return Checked(plan, device_note, transformer)
 
 
-def run(checked: Checked) -> dict[str, Any]:
-  """Loads the model, generates, writes the video and its sidecar; returns the sidecar dict."""
+def _announce(plan: Plan, checked: Checked, seed: int | None) -> None:
+  """Before compute (process 0 only): the drawn seed, and the estimate of a long run."""
+  import jax
+
+  if not plan.writes:
+    return
+  if plan.seed is None:
+    print(f"generate: random seed {seed} (pass --seed {seed} to make this video again)", file=sys.stderr)
+  line = estimate.long_run_line(estimate.estimate(
+      checked.transformer, frames=plan.frames, height=plan.height, width=plan.width,
+      text_tokens=plan.max_sequence_length, steps=plan.steps, cfg=plan.guidance[0] > 1,
+      dtype=plan.dtype, backend=jax.default_backend(), devices=plan.ulysses * plan.ring))
+  if line is not None:
+    print(f"generate: {line}", file=sys.stderr)
+
+
+def run(checked: Checked, warnings_seen: list[str] | None = None) -> dict[str, Any]:
+  """Loads the model, generates, writes the video and its sidecar; returns the sidecar dict.
+
+  `warnings_seen` (filled while running, see `main`) goes into the sidecar as "warnings".
+  """
+  cache = compile_cache.enable(checked.plan.compile_cache)  # before the first compile
+  try:
+    return _run(checked, cache, warnings_seen if warnings_seen is not None else [])
+  finally:
+    cache.close()
+
+
+def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[str]) -> dict[str, Any]:
   import jax
   import numpy as np
 
@@ -425,9 +457,12 @@ def run(checked: Checked) -> dict[str, Any]:
 
   plan = checked.plan
   seed = plan.seed
-  if seed is None and jax.process_count() > 1:  # one random seed for all: process 0's
-    from jax.experimental import multihost_utils
-    seed = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.SeedSequence().entropy % 2 ** 31)))
+  if seed is None:  # --seed -1 or none: drawn here, so that it is printed before any compute
+    seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+    if jax.process_count() > 1:  # one random seed for all: process 0's
+      from jax.experimental import multihost_utils
+      seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
+  _announce(plan, checked, seed)
   start = time.perf_counter()
   pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
@@ -435,7 +470,7 @@ def run(checked: Checked) -> dict[str, Any]:
   mesh = None
   if plan.ulysses * plan.ring > 1:
     mesh = attention.make_mesh(ulysses=plan.ulysses, ring=plan.ring, devices=jax.devices())
-  mesh_text = f"U={plan.ulysses},R={plan.ring}"
+  mesh_text = format_mesh(plan.ulysses, plan.ring)
   print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
         file=sys.stderr)
 
@@ -460,25 +495,35 @@ def run(checked: Checked) -> dict[str, Any]:
   frames, height, width = result.frames.shape[1:4]
   sidecar = {
       "output": os.path.abspath(out), "prompt": plan.prompt, "negative_prompt": plan.negative_prompt,
-      "seed": result.settings["seed"], "model": pipe.name, "preset": plan.preset,
+      "seed": result.settings["seed"], "seed_drawn": plan.seed is None, "model": pipe.name,
+      "preset": plan.preset,
       "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
-      "settings": result.settings, "timings_s": timings, "versions": _versions(),
+      "settings": result.settings, "timings_s": timings, "compile_cache": cache.report(),
+      "warnings": list(warnings_seen), "versions": _versions(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
-  video_io.write_json(sidecar, video_io.sidecar_path(plan.out), overwrite=plan.overwrite)
-  print(f"generate: wrote {out} ({frames} frames {width}x{height} @ {plan.fps:g} fps, seed "
-        f"{result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
+  described = video_io.write_json(sidecar, video_io.sidecar_path(plan.out), overwrite=plan.overwrite)
+  print(f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "
+        f"seed {result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
         f"{_fmt(timings['text_encode'])}, compile {_fmt(timings['compile'])}, denoise "
         f"{_fmt(timings['denoise_per_step'])}/step x {plan.steps}, decode {_fmt(timings['decode'])}, "
-        f"total {_fmt(timings['total'])} (decode includes the VAE's first compile)")
+        f"total {_fmt(timings['total'])} (decode includes the VAE's first compile); {cache.summary()}")
   return sidecar
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Console entry point; returns the exit status (module docstring: 0, 1, 2 or 130)."""
+  """Console entry point; returns the exit status (module docstring: 0, 1, 2 or 130).
+
+  Python warnings print as `generate: warning: ...` lines (no file paths) and go into the sidecar.
+  """
   args = build_parser().parse_args(argv)
+  with warnings_as_lines("generate") as seen:
+    return _main(args, seen)
+
+
+def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
   try:
     try:
       checked = check_plan(plan_run(args))
@@ -491,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.pipeline import NonFiniteLatentsError  # JAX has started by now
 
     try:
-      run(checked)
+      run(checked, warnings_seen)
     except (video_io.OutputError, checkpoint.CheckpointError) as e:  # loading; output appeared meanwhile
       print(f"generate: error: {e}", file=sys.stderr)
       return 2

@@ -78,9 +78,11 @@ def output_kind(path: str) -> str:
 
 
 def sidecar_path(path: str) -> str:
-  """The JSON sidecar next to an output: fox.mp4 -> fox.json, frames/ -> frames.json."""
+  """The JSON sidecar next to an output, named after all of it so that `*.mp4.json`-style patterns
+  (.gitignore) match sidecars and nothing else: fox.mp4 -> fox.mp4.json, frames/ ->
+  frames.frames.json."""
   path = path.rstrip(os.sep) or path
-  return (os.path.splitext(path)[0] if output_kind(path) != "frames" else path) + ".json"
+  return path + (".frames.json" if output_kind(path) == "frames" else ".json")
 
 
 def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:

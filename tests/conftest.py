@@ -11,6 +11,9 @@ import os
 from harness import DEVICE_FLAG
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# generate's persistent compilation cache stays off (never the user's ~/.cache) unless a test
+# points it at a temporary directory.
+os.environ["WAN_USP_JAX_COMPILE_CACHE"] = "off"
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_FLAG not in _flags:
   os.environ["XLA_FLAGS"] = f"{_flags} --{DEVICE_FLAG}=8".strip()

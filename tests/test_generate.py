@@ -21,6 +21,7 @@ import pytest
 from harness import child_env
 from pipelines import generate, video_io
 from pipelines import pipeline as wan_pipeline
+from pipelines.cli import warnings_as_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red fox running through snow"
@@ -36,21 +37,54 @@ def _decode_mp4(path: str) -> tuple[tuple[int, int], int]:
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
 def test_command_writes_a_decodable_video(tmp_path):
+  """The README command at a small size, twice with one compilation cache: the second run loads the
+  compiled programs, draws its seed (--seed -1), and its warnings (frame rounding, a truncated
+  prompt) come as `generate: warning:` lines and into the sidecar."""
   out = tmp_path / "fox.mp4"
-  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--mesh", "U=2,R=2",
-         "--size", "64x48", "--frames", "9", "--steps", "2", "--seed", "5", "--out", str(out)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+  cache = str(tmp_path / "cache")
+  cmd = [sys.executable, "-m", "pipelines.generate", "--mesh", "U=2,R=2", "--size", "64x48", "--steps", "2",
+         "--compile-cache", cache]
+  proc = subprocess.run(cmd + ["--prompt", PROMPT, "--frames", "9", "--seed", "5", "--out", str(out)],
+                        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert "simulating 4 CPU devices" in proc.stderr
+  for stage in ("text encode: 2 prompt(s) x 512 tokens", "compile: the denoise step", "denoise:",
+                "decode: 1 video(s) of 9 frames 64x48"):
+    assert stage in proc.stderr, proc.stderr
+  assert "warning" not in proc.stderr and "this run is long" not in proc.stderr, proc.stderr
+  assert f"wrote {out} and {out}.json (" in proc.stdout, proc.stdout
   assert "text encode" in proc.stdout and "compile" in proc.stdout and "/step x 2" in proc.stdout
   assert _decode_mp4(str(out)) == ((64, 48), 9)
-  sidecar = json.loads((tmp_path / "fox.json").read_text())
+  sidecar = json.loads((tmp_path / "fox.mp4.json").read_text())
   assert sidecar["prompt"] == PROMPT and sidecar["seed"] == 5 and sidecar["model"] == "tiny"
+  assert sidecar["seed_drawn"] is False and sidecar["warnings"] == []
   assert sidecar["mesh"]["U"] == 2 and sidecar["mesh"]["R"] == 2
   assert sidecar["video"] == {"frames": 9, "height": 48, "width": 64, "fps": 16.0}
   assert {"text_encode", "compile", "denoise_per_step", "decode"} <= set(sidecar["timings_s"])
   assert {"jax", "flax", "python"} <= set(sidecar["versions"])
+  first = sidecar["compile_cache"]
+  assert first["dir"] == cache and first["hits"] == 0 and first["written"] >= 3, first
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp files left
+
+  long_prompt = "a red fox running through snow, " * 20  # 639 bytes once stripped: 640 ByT5 tokens
+  again = subprocess.run(cmd + ["--prompt", long_prompt, "--frames", "8", "--seed", "-1",
+                                "--out", str(tmp_path / "again.mp4")],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr
+  assert "Warning" not in again.stderr and ".py:" not in again.stderr, again.stderr  # no raw warnings
+  assert "generate: warning: num_frames=8: num_frames - 1 must be divisible by 4; rounding to 9" in again.stderr
+  assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=512 tokens" in again.stderr
+  drawn = re.search(r"generate: random seed (\d+) \(pass --seed \1 to make this video again\)", again.stderr)
+  assert drawn is not None, again.stderr
+  sidecar = json.loads((tmp_path / "again.mp4.json").read_text())
+  assert sidecar["seed"] == int(drawn.group(1)) and sidecar["seed_drawn"] is True
+  assert f"seed {drawn.group(1)}," in again.stdout
+  frames_warning, truncation = sidecar["warnings"]
+  assert frames_warning.startswith("num_frames=8: ") and "rounding to 9" in frames_warning
+  assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=512 tokens ([640] tokens) "
+                               "and were truncated")
+  assert sidecar["compile_cache"]["hit"] and sidecar["compile_cache"]["hits"] >= 3, sidecar["compile_cache"]
+  assert "compile cache hit" in again.stdout
 
 
 def test_gif_and_frames_outputs(tmp_path, capsys):
@@ -116,7 +150,7 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
     (["--guidance", "4,inf"], "--guidance '4,inf' must be finite"),
     (["--frames", "-5"], "--frames -5 must be >= 1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
-    (["--seed", "-1"], "--seed -1 must be >= 0"),
+    (["--seed", "-2"], "--seed -2 must be >= 0, or -1 for a random seed"),
     (["--max-sequence-length", "0"], "--max-sequence-length 0 must be >= 1"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
     (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
@@ -148,16 +182,20 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
   assert generate.main(BASE + ["--out", str(tmp_path / "fox.mp4")]) == 2
   assert "exists; pass --overwrite" in capsys.readouterr().err
   assert (tmp_path / "fox.mp4").read_bytes() == b"old"
-  (tmp_path / "other.json").write_text("{}")  # the sidecar counts too
+  (tmp_path / "other.gif.json").write_text("{}")  # the sidecar counts too
   assert generate.main(BASE + ["--out", str(tmp_path / "other.gif")]) == 2
-  assert "other.json' exists" in capsys.readouterr().err
+  assert "other.gif.json' exists" in capsys.readouterr().err
 
 
-def test_frames_round_with_a_warning(tmp_path, capsys):
-  args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", "10", "--out", str(tmp_path / "a.mp4")])
-  plan = generate.plan_run(args)
-  assert plan.frames == 9
-  assert "rounding to 9 as diffusers does" in capsys.readouterr().err
+@pytest.mark.parametrize("given,rounded", [(10, 9), (16, 17), (19, 17)])
+def test_frames_round_as_diffusers_with_a_warning(tmp_path, capsys, given, rounded):
+  """num_frames // 4 * 4 + 1 as diffusers: not always down (16 -> 17); the command's warning line."""
+  args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", str(given), "--out", str(tmp_path / "a.mp4")])
+  with warnings_as_lines("generate"):
+    plan = generate.plan_run(args)
+  assert plan.frames == rounded
+  assert (f"generate: warning: num_frames={given}: num_frames - 1 must be divisible by 4; rounding to "
+          f"{rounded} as diffusers does") in capsys.readouterr().err
 
 
 def test_presets_are_the_published_defaults(tmp_path):
@@ -310,6 +348,7 @@ def test_command_reports_encoder_failure(tmp_path):
 
 def test_gif_fps_warning_before_compute(tmp_path, capsys):
   args = generate.build_parser().parse_args(BASE + ["--fps", "60", "--out", str(tmp_path / "a.gif")])
-  generate.plan_run(args)
+  with warnings_as_lines("generate"):  # as main shows warnings
+    generate.plan_run(args)
   assert ("generate: warning: GIF frame delays are whole centiseconds: 60 fps (a 16.67 ms delay) is stored "
           "as 2 cs = 50 fps" in capsys.readouterr().err)

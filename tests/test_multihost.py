@@ -81,7 +81,7 @@ def test_two_processes_equal_one(tmp_path):
   multi, single = np.load(out), np.load(ref)
   assert multi.shape == single.shape == (5, 32, 32, 3)
   assert_psnr_at_least(multi, single, FP32_VIDEO_PSNR_DB, name="2 processes vs 1")
-  assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.json", "single.npy", "single.json",
+  assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.npy.json", "single.npy", "single.npy.json",
                                                  "process0.log", "process1.log"])
 
 
