@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-# Sustained FLOP/s of one CPU core on the transformer step (XLA:CPU, float32). Measured: the tiny
-# model at 832x480 x 81 frames (32760 tokens, attention-bound) took 85 s per step on 2 cores of an
-# x86 machine (2.3 TFLOP per step: 13 GFLOP/s per core). Simulated devices share these cores:
-# the mesh does not divide the work on CPU.
+# Sustained FLOP/s of one CPU core on the transformer step (XLA:CPU; float32 and bfloat16 alike).
+# Measured: the tiny model at 832x480 x 81 frames (32760 tokens, attention-bound, 2.3 TFLOP per
+# step) took 85 s per step on 2 idle cores of an x86 machine (13 GFLOP/s per core), and 125 s on 2
+# cores shared with other work (at 7800 tokens: 9.8 s, bfloat16 10.4 s). Simulated devices share
+# these cores: the mesh does not divide the work on CPU.
 CPU_FLOPS_PER_CORE = 13e9
 # One GPU or TPU device, by dtype: an assumption (~40 % of a current datacentre accelerator's
 # dense peak), not a measurement; the mesh's devices divide the work.
@@ -81,7 +82,7 @@ def estimate(config, *, frames: int, height: int, width: int, text_tokens: int, 
     config: the `WanTransformerConfig`.
     frames, height, width, text_tokens, steps: the run's video and text sizes and step count.
     cfg: classifier-free guidance on (two transformer rows per step).
-    dtype: "float32" or "bfloat16" (accelerators only; XLA:CPU is taken as float32 speed).
+    dtype: "float32" or "bfloat16" (matters on accelerators only).
     backend: "cpu", "gpu", "tpu", ...
     devices: devices of the mesh (divide the work on an accelerator, not on CPU).
     cpu_cores: cores available to this process (default: the ones it may run on).

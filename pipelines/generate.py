@@ -131,11 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="simulate N CPU devices (must equal U*R of --mesh); automatic when the mesh needs it")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
-  p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (Wan: 512)")
+  p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per prompt, as Wan")
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
   p.add_argument("--fps", type=float, default=16.0,
-                 help="frames per second of the output, %g to %g (Wan: 16; a GIF stores the nearest "
+                 help="frames per second of the output, %g to %g, as Wan (a GIF stores the nearest "
                       "whole-centisecond delay)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--compile-cache", metavar="DIR", default=None,
