@@ -1,0 +1,217 @@
+"""A newcomer's first hour: each test pins one friction met on a fresh machine (issue 12).
+
+Command-line behaviour is run as a subprocess (`python -m ...`, as a user types it); runs that would
+compute are stopped, or sized small. The generate command's two full runs (drawn seed, warning
+lines, sidecar, stage lines, compilation cache) are in test_generate.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipelines import compile_cache, video_io
+from pipelines.cli import parse_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "a red fox running through snow"
+
+
+def _env() -> dict[str, str]:
+  """The test environment without XLA_FLAGS: each command sets up its own (fake) devices."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _words(text: str) -> str:
+  """Text with every whitespace run as one space (argparse wraps help lines by terminal width)."""
+  return " ".join(text.split())
+
+
+# --- --help ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module,expected", [
+    ("pipelines.generate", ["--mesh MESH sequence-parallel mesh", "(default: U=1,R=1)",
+                            "(default: output.mp4)", "(default: 16.0)", "(default: 512)",
+                            "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
+    ("end_to_end.quality", ["(default: tiny)", "(default: 48)", "(default: 64)", "(default: 9)",
+                            "(default: 4)", "(default: mean)", "frames // 4 * 4 + 1"]),
+    ("end_to_end.bench_attention", ["(default: 4096)", "(default: 12)", "(default: 128)", "(default: 5)"]),
+])
+def test_help_shows_defaults(module, expected):
+  proc = _run(module, "--help")
+  assert proc.returncode == 0, proc.stderr
+  text = _words(proc.stdout)
+  for phrase in expected:
+    assert phrase in text, (phrase, proc.stdout)
+  assert not [d for d in ("(default: None)", "(default: False)", "(default: True)") if d in text]
+
+
+def test_quality_help_keeps_its_line_continuation():
+  """The example's trailing backslash was eaten by the docstring, joining two lines."""
+  lines = _run("end_to_end.quality", "--help").stdout.splitlines()
+  i = next(i for i, line in enumerate(lines) if "--model ./Wan2.1-T2V-1.3B-Diffusers" in line)
+  assert lines[i].endswith("--width 832 \\") and lines[i + 1].strip().startswith("--frames 81"), lines[i:i + 2]
+
+
+def test_end_to_end_readme_names_every_tool():
+  with open(os.path.join(ROOT, "end_to_end", "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  tools = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "end_to_end", "*.py"))):
+    with open(path, encoding="utf-8") as f:
+      if 'if __name__ == "__main__"' in f.read():
+        tools.append(f"python -m end_to_end.{os.path.basename(path)[:-3]}")
+  assert {"python -m end_to_end.quality", "python -m end_to_end.bench_attention"} <= set(tools)
+  assert [t for t in tools if t not in readme] == []
+
+
+# --- frames ----------------------------------------------------------------------------------------
+
+def test_frame_rounding_is_described_as_diffusers_does_it():
+  """diffusers' rule, num_frames // 4 * 4 + 1, rounds 16 up to 17: nothing may call it "round down"."""
+  said = []
+  for pattern in ("*.md", "*/*.md", "*/*.py", "*/*/*.py"):
+    for path in glob.glob(os.path.join(ROOT, pattern)):
+      with open(path, encoding="utf-8") as f:
+        text = _words(f.read())
+      said += [(os.path.relpath(path, ROOT), m.group(0))
+               for m in re.finditer(r"round(s|ed|ing)? down", text) if not path.endswith("test_usability.py")]
+  assert said == []
+
+
+# --- meshes ----------------------------------------------------------------------------------------
+
+def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
+  proc = _run("pipelines.generate", "--prompt", PROMPT, "--mesh", "2x2", "--out", str(tmp_path / "x.mp4"))
+  assert proc.returncode == 2
+  assert "generate: error: --mesh: mesh spec='2x2' does not say which degree is which; did you mean " \
+         "'U=2,R=2'?" in proc.stderr, proc.stderr
+  proc = _run("end_to_end.quality", "--mesh", "2x4")
+  assert proc.returncode == 2 and "did you mean 'U=2,R=4' or 'U=4,R=2'?" in proc.stderr, proc.stderr
+  with pytest.raises(ValueError, match="did you mean 'U=1,R=8' or 'U=8,R=1'"):
+    parse_mesh("1x8")
+
+
+# --- the quality check's default -------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
+def test_quality_default_check_passes_on_the_default_model():
+  """`python -m end_to_end.quality` (its first example) passes on the tiny model with the thresholds
+  for noise-like content, and prints meshes as U=..,R=.."""
+  proc = _run("end_to_end.quality", timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert re.search(r"^bfloat16 +U=2,R=2 +auto .* pass$", proc.stdout, re.M), proc.stdout
+  assert "thresholds for noise-like video of the random-weight tiny model, --content noise" in proc.stdout
+  assert "2x2" not in proc.stdout
+
+
+def test_quality_rounds_frames_as_the_pipeline_does(capsys):
+  """--frames 16 runs 17 frames (its explicit latents had the shape of 16: a ValueError)."""
+  from end_to_end import quality
+
+  argv = ["--frames", "16", "--steps", "1", "--height", "32", "--width", "32", "--max-sequence-length", "8",
+          "--dtype", "float32", "--mesh", "U=1,R=1"]
+  assert quality.main(argv) == 0
+  out = capsys.readouterr()
+  assert "quality: warning: num_frames=16: num_frames - 1 must be divisible by 4; rounding to 17" in out.err
+  assert "17 frames 32x32" in out.out
+
+
+# --- a long run says so before it starts ------------------------------------------------------------
+
+def test_long_run_says_so_before_compute(tmp_path):
+  """A real model's preset on the tiny model on this CPU: the preset warning as a `generate:
+  warning:` line, then the estimate, before any compute (the run is stopped there)."""
+  out = tmp_path / "x.mp4"
+  cmd = [sys.executable, "-m", "pipelines.generate", "--preset", "wan2.1-t2v-1.3b", "--prompt", PROMPT,
+         "--out", str(out)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+  err = b""
+  try:
+    deadline = time.monotonic() + 120
+    while b"this run is long" not in err or not err.endswith(b"\n"):
+      assert time.monotonic() < deadline and proc.poll() is None, err.decode(errors="replace")
+      if select.select([proc.stderr], [], [], 1.0)[0]:
+        err += os.read(proc.stderr.fileno(), 65536)
+  finally:
+    proc.kill()
+    proc.wait()
+  text = err.decode(errors="replace")
+  assert "generate: warning: --preset wan2.1-t2v-1.3b sets the size/steps of a real Wan checkpoint" in text
+  assert "UserWarning" not in text, text
+  line = next(line for line in text.splitlines() if "this run is long" in line)
+  assert line.startswith("generate: this run is long: denoising alone takes about "), line
+  assert "(50 steps x ~" in line and "32760 tokens x 2 layers x 2 rows on " in line, line
+  assert "text encode:" not in text and not out.exists()  # no compute yet
+
+
+# --- the Python API --------------------------------------------------------------------------------
+
+def test_api_progress_is_on_by_default(capsys):
+  from pipelines import WanPipeline
+
+  pipe = WanPipeline.tiny()
+  call = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8, seed=0)
+  pipe(PROMPT, **call)
+  err = capsys.readouterr().err
+  for stage in ("text encode: 2 prompt(s) x 8 tokens", "denoise: 100%", "decode: 1 video(s) of 5 frames 32x32"):
+    assert stage in err, err
+  pipe(PROMPT, **call, progress=False)
+  assert capsys.readouterr().err == ""
+
+
+# --- the compilation cache's place -----------------------------------------------------------------
+
+def test_compile_cache_location(monkeypatch, tmp_path):
+  """Where generate keeps compiled programs (its runs are in test_generate.py); nothing is written."""
+  for name in (compile_cache.ENV, "JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert compile_cache.resolve_dir(None, False) == str(tmp_path / "home" / ".cache" / "wan-usp-jax" / "jax")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache.resolve_dir(None, False) == str(tmp_path / "xdg" / "wan-usp-jax" / "jax")
+  monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "moved"))
+  assert compile_cache.resolve_dir(None, False) == str(tmp_path / "moved")
+  assert compile_cache.resolve_dir(str(tmp_path / "flag"), False) == str(tmp_path / "flag")  # the flag wins
+  assert compile_cache.resolve_dir(str(tmp_path / "flag"), True) is None
+  for off in ("", "off", "OFF", "0", "none"):
+    monkeypatch.setenv(compile_cache.ENV, off)
+    assert compile_cache.resolve_dir(None, False) is None
+  assert not os.path.exists(tmp_path / "home") and not os.path.exists(tmp_path / "xdg")
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+def test_sidecars_are_ignored_and_nothing_else():
+  with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
+    patterns = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+  def ignored(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, p) for p in patterns)
+
+  for out in ("fox.mp4", "fox.gif", "fox.npy", "frames/"):
+    assert ignored(os.path.basename(video_io.sidecar_path(out))), video_io.sidecar_path(out)
+  assert video_io.sidecar_path("fox.mp4") == "fox.mp4.json"
+  assert not [n for n in ("model_index.json", "config.json", "quality.json", "fox.json") if ignored(n)]
+
+
+def test_readme_says_how_long_the_tests_take():
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  test_section = readme[readme.index("## Test"):]
+  assert re.search(r"On 2 CPU cores the test command takes about \d+ min", _words(test_section)), test_section
