@@ -7,7 +7,7 @@ tokens) and a 2-step UniPC trajectory with CFG.
 About the bf16 thresholds on the tiny model: its random-weight video is low-contrast noise (pixel
 std ~0.10), so SSIM reacts strongly to bf16 rounding: measured mean SSIM of bf16 vs fp32 over seeds
 0-2 ranges 0.966-0.996 at guidance 5 and 0.987-0.996 at guidance 3 (2x2 mesh, 2 steps). The test
-runs guidance 3, seed 0: 1 - mean SSIM = 0.012 under three ISA settings, so its bar is 0.95 (4x).
+runs guidance 3, seed 0: 1 - mean SSIM = 0.0125 under three ISA settings, so its bar is 0.94 (4.8x).
 A different seed scores mean PSNR ~37 dB on this model (above the 35 dB bf16 bar!) but mean SSIM
 ~0.86: on the tiny model, SSIM is what tells videos apart. The fp32 bar is FP32_VIDEO_PSNR_DB
 (tests/numerics.py).
@@ -25,7 +25,7 @@ from end_to_end import aot, benchmark, quality
 from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
 from numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_psnr, within
 
-BF16_MIN_SSIM = 0.95  # see the module doc
+BF16_MIN_SSIM = 0.94  # see the module doc
 QUALITY_ARGS = ["--height", "48", "--width", "80", "--frames", "9", "--steps", "2", "--guidance", "3.0",
                 "--max-sequence-length", "32", "--mesh", "U=2,R=2", "--seed", "0"]
 
@@ -70,9 +70,10 @@ def test_quality_usage_errors_exit_2(argv, capsys):
 
 def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   path = tmp_path / "quality.json"
-  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--dtype", "bfloat16", "--min-psnr",
-                                        f"float32={FP32_VIDEO_PSNR_DB},bfloat16=35",
-                                        "--min-ssim", f"bfloat16={BF16_MIN_SSIM}", "--json", str(path)])
+  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--dtype", "bfloat16",
+                                        "--min-psnr", f"float32={FP32_VIDEO_PSNR_DB},bfloat16=35",
+                                        "--min-ssim", f"bfloat16={BF16_MIN_SSIM}",
+                                        "--json", str(path)])
   report = json.loads(path.read_text())
   rows = {r["dtype"]: r for r in report["candidates"]}
   summary = {d: (r["psnr_mean"], r["ssim_mean"], r["max_abs_latent_diff"]) for d, r in rows.items()}

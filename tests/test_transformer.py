@@ -102,8 +102,8 @@ FP32_REL = 3 * 4 * math.sqrt(48) * EPS_F32
 # in different accumulation orders, over 3 blocks: a few 2^-8 (see test_matches_diffusers_bf16).
 BF16_REL = 3e-2
 # Our bf16 run's distance from fp32, in units of diffusers' bf16 run's: the same rounding points
-# make the two of the same size (measured 0.8-0.9); 4x that.
-BF16_VS_TORCH = 4
+# make the two of the same size (measured 0.9-1.0 under three ISA settings); 5.
+BF16_VS_TORCH = 5
 
 
 def _rel_err(ours, ref) -> float:
@@ -125,8 +125,8 @@ def test_matches_diffusers_bf16():
 
   Tolerance 3e-2 of the output scale: both sides round every Linear / attention output to bf16
   (relative step 2^-8 = 3.9e-3) in different accumulation orders, over 3 blocks. Measured 6.3e-3
-  under three ISA settings, while diffusers' own bf16 run is 6.0e-3 from its fp32 run (ours 5.4e-3);
-  so we also assert that our bf16 run is no further from the fp32 reference than 4x diffusers' is.
+  under three ISA settings, while diffusers' own bf16 run is 6.0e-3 from its fp32 run (ours 5.4e-3
+  to 6.0e-3); so we also assert that ours is no further from the fp32 reference than 5x diffusers'.
   """
   name, text_len = "n3h16", 16
   latents, timestep, text = _inputs(text_len)
