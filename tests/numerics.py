@@ -37,7 +37,7 @@ FP32_ATTENTION_ULPS = 32
 # layouts or attention paths): each transformer forward within ~1e-5 of its output's scale
 # (tests/test_transformer.py) over a few steps, the decode within 1e-4 of the video's range
 # (tests/test_vae.py), so the video's RMS error is <= 1e-4 of its range 1: PSNR >= 80 dB. Measured
-# >= 140 dB under three ISA settings. Real bugs cost far more (a spurious key in the softmax: 43 dB).
+# >= 142 dB under three ISA settings. Real bugs cost far more (spurious keys in the softmax: 43 dB).
 FP32_VIDEO_PSNR_DB = 80.0
 
 
@@ -55,7 +55,7 @@ def within(err: float, tol: float, label: str = "", detail: str = "") -> None:
     with open(path, "a") as f:  # one short O_APPEND write per line: safe across xdist workers
       f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
                           "label": label, "err": err, "tol": tol, "ratio": ratio}) + "\n")
-  assert err <= tol, f"{label}: error {err:.3g} > tolerance {tol:.3g}{'; ' + detail if detail else ''}"
+  assert err <= tol, f"{label}: error {err:.3g} > tolerance {tol:.3g}" + (detail and f"; {detail}")
 
 
 def assert_close_scaled(actual, expected, *, rel: float, scale=None, name: str) -> None:
@@ -63,7 +63,7 @@ def assert_close_scaled(actual, expected, *, rel: float, scale=None, name: str) 
 
   Args:
     actual, expected: arrays of the same shape (any float dtype; compared in float64).
-    rel: the tolerance in units of `scale`, e.g. `8 * EPS_F32` (say in a comment where 8 comes from).
+    rel: the tolerance in units of `scale`, e.g. `8 * EPS_F32` (a comment says where 8 comes from).
     scale: None for max|expected| (absolute error in units of the output's scale); or an array
       broadcastable to the values for a per-element scale, e.g. the magnitude of the largest term
       of a sum that cancels.
@@ -80,9 +80,11 @@ def assert_close_scaled(actual, expected, *, rel: float, scale=None, name: str) 
   scale = np.broadcast_to(np.asarray(scale, np.float64), a.shape)
   assert np.all(scale > 0), f"{name}: the scale must be positive (an all-zero reference?)"
   err = np.abs(a - b) / scale
-  worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
-  detail = (f"worst at {tuple(int(i) for i in worst)}: {a[worst]!r} vs {b[worst]!r} (scale "
-            f"{scale[worst]:.3g}); {int(np.sum(err > rel))} of {err.size} elements over") if err.size else ""
+  detail = ""
+  if err.size:
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    detail = (f"worst at {tuple(int(i) for i in worst)}: {a[worst]!r} vs {b[worst]!r} (scale "
+              f"{scale[worst]:.3g}); {int(np.sum(err > rel))} of {err.size} elements over")
   within(err.max(initial=0.0), rel, name, detail)
 
 

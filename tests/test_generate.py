@@ -338,8 +338,8 @@ def test_command_reports_encoder_failure(tmp_path):
   videos.mkdir()
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "32x32", "--frames", "5",
          "--steps", "1", "--max-sequence-length", "8", "--seed", "0", "--out", str(videos / "fox.mp4")]
-  proc = subprocess.run(cmd, cwd=ROOT, env=child_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail")),
-                        capture_output=True, text=True, timeout=300)
+  env = child_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail"))
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr
   assert "generate: error: writing" in proc.stderr and "fake encoder: refusing this input" in proc.stderr
   assert "wrote" not in proc.stdout and "Traceback" not in proc.stderr

@@ -22,13 +22,13 @@ Q_SCALE = 0.125 * math.log2(math.e)  # H ** -0.5 * log2(e) for H = 64
 
 
 def _round_to(values, dtype):
-  """float64 values rounded once to dtype (a no-op for fp32 up to fp32's own rounding) -> float64."""
+  """float64 values rounded once to dtype, returned as float64."""
   return np.asarray(np.asarray(values, np.float64).astype(dtype), np.float64)
 
 
 def _rmsnorm_rope_exact(x, weight, cos, sin, *, num_heads, eps=1e-6, out_scale=None):
-  """float64 oracle with diffusers' rounding points: the norm output is rounded to x.dtype (a no-op
-  for fp32), all else is exact. Returns float64 [B, T, N, H] before the final rounding to x.dtype."""
+  """float64 oracle with diffusers' rounding points: the norm output is rounded to x.dtype (not for
+  fp32), all else is exact. Returns float64 [B, T, N, H] before the final rounding to x.dtype."""
   xd, wd = np.asarray(x, np.float64), np.asarray(weight, np.float64)
   y = xd / np.sqrt(np.mean(xd**2, axis=-1, keepdims=True) + eps) * wd
   if x.dtype != jnp.float32:
@@ -42,7 +42,8 @@ def _rmsnorm_rope_exact(x, weight, cos, sin, *, num_heads, eps=1e-6, out_scale=N
     x1, x2 = pairs[..., 0], pairs[..., 1]
     c = np.asarray(cos, np.float64)[None, :, None, :]
     s = np.asarray(sin, np.float64)[None, :, None, :]
-    out = np.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(y.shape[:2] + (num_heads, head_dim))
+    out = np.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    out = out.reshape(batch, tokens, num_heads, head_dim)
   return out * (1.0 if out_scale is None else out_scale)
 
 
@@ -65,15 +66,14 @@ def _assert_bf16_rounding_points(out, want, scale, *, roundings, width, name):
 
   The fp32 intermediates differ from the reference's by <= _f32_rel(D) of the scale, so a rounding
   point rounds the other way only where the exact value lies that close to a bf16 rounding
-  boundary: a fraction <= 2 _f32_rel(D) / EPS_BF16 per rounding point, and a flip of the norm
-  output reaches both outputs of its rotated pair. A flip moves an
-  output by one bf16 ulp (<= EPS_BF16 of the scale; a flipped norm output moves both of its rotated
-  pair's outputs, <= sqrt(2) ulps). Bounds: 4x both (a flip is all or nothing, so the measured
-  worst equals the analysis whenever one happens). A missing or extra bf16 rounding moves ~25 % of
-  the outputs, 100x the fraction allowed.
+  boundary: a fraction <= 2 _f32_rel(D) / EPS_BF16 of the values at each rounding point (both sides
+  of a boundary), each flip reaching <= 2 outputs (a flipped norm output moves both outputs of its
+  rotated pair). A flip moves an output by <= 1.5 bf16 ulps (EPS_BF16 of the scale; sqrt(2) through
+  the rotation). Bounds: 4x both (a flip is all or nothing, so the measured worst equals the
+  analysis whenever one happens). A missing or extra bf16 rounding moves 10-25 % of the outputs.
   """
   assert_close_scaled(out, want, rel=4 * roundings * 1.5 * EPS_BF16, scale=scale, name=name)
-  flip_fraction = 2 * 2 * _f32_rel(width) / EPS_BF16  # two sides of a boundary, two outputs
+  flip_fraction = 2 * 2 * _f32_rel(width) / EPS_BF16  # two sides of a boundary, <= 2 outputs
   assert_mostly_equal(out, want, max_fraction_differing=4 * roundings * flip_fraction, name=name)
 
 
@@ -159,7 +159,7 @@ def test_rmsnorm_rope_matches_exact_math_for_t_ne_s(dtype, num_heads, head_dim, 
     assert fused.shape == (2, x.shape[1], num_heads, head_dim) and fused.dtype == dtype
     exact = _rmsnorm_rope_exact(x, weight, cos, sin, **kwargs)
     _assert_matches_exact(fused, exact, dtype, width=width, name=f"T={x.shape[1]}")
-  if dtype == jnp.bfloat16:  # positive control on k's call: without the rounding before the rotation
+  if dtype == jnp.bfloat16:  # positive control (k's call): no rounding before the rotation
     no_mid_rounding = _rmsnorm_rope_exact(x.astype(jnp.float32), weight, cos, sin, **kwargs)
     assert np.mean(np.asarray(fused, np.float64) != _round_to(no_mid_rounding, dtype)) > 0.1
   # q's rows are the matching rows of a full-length call on the same inputs (global positions).
@@ -399,7 +399,7 @@ def test_traced_start_needs_static_length():
   with pytest.raises(ValueError, match="length=None needs a Python int start"):
     jax.jit(lambda s: wan_rope_table(GRID, 64, start=s))(jnp.int32(3))
   cos, _ = jax.jit(lambda s: wan_rope_table(GRID, 64, start=s, length=8))(jnp.int32(100))
-  # Bit-exact: a gather of the same host-computed table (see test_rope_table_matches_numpy_reference).
+  # Bit-exact: a gather of the same host table (see test_rope_table_matches_numpy_reference).
   np.testing.assert_array_equal(np.asarray(cos), wan_rope_table_reference(GRID, 64, start=100,
                                                                            length=8)[0])
 

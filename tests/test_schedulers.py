@@ -3,8 +3,8 @@
 Both implementations are driven by the same deterministic fake model (a fixed affine function of the
 sample and the timestep), evaluated op by op in each framework (bitwise equal for equal inputs), so
 any difference comes from the schedulers. The JAX step is jitted as in the pipeline; XLA contracts
-multiply-adds into FMAs where the CPU has them, so agreement is to float32 rounding (`trajectory_rel`),
-not bitwise.
+multiply-adds into FMAs where the CPU has them, so agreement is to float32 rounding
+(`trajectory_rel`), not bitwise.
 """
 
 import dataclasses

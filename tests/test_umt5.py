@@ -114,7 +114,8 @@ def test_padding_is_respected(byte_tokenizer):
   assert out16.shape == (2, 16, config.d_model) and np.all(np.isfinite(out40))
   for b in range(2):
     n = int(mask16[b].sum())
-    assert_close_scaled(out16[b, :n], out40[b, :n], rel=fp32_rel(40), name=f"row {b}: 16 vs 40 tokens")
+    assert_close_scaled(out16[b, :n], out40[b, :n], rel=fp32_rel(40),
+                        name=f"row {b}: 16 vs 40 tokens")
   # ...and the padded rows do differ from a run where those tokens are real.
   assert not np.allclose(out16, np.asarray(ENCODE(params, ids16, np.ones_like(mask16), config=config)))
 
