@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from harness import child_env
 from pipelines import compile_cache, video_io
 from pipelines.cli import parse_mesh
 
@@ -25,16 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red fox running through snow"
 
 
-def _env() -> dict[str, str]:
-  """The test environment without XLA_FLAGS: each command sets up its own (fake) devices."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=_env(), capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=child_env(),
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def _words(text: str) -> str:
@@ -140,7 +134,7 @@ def test_long_run_says_so_before_compute(tmp_path):
   out = tmp_path / "x.mp4"
   cmd = [sys.executable, "-m", "pipelines.generate", "--preset", "wan2.1-t2v-1.3b", "--prompt", PROMPT,
          "--out", str(out)]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
   err = b""
   try:
     deadline = time.monotonic() + 120
