@@ -26,7 +26,7 @@ ENV = "WAN_USP_JAX_COMPILE_CACHE"
 OFF_VALUES = ("", "off", "0", "none", "false", "no")
 # Programs that compile faster than this are not written. JAX's default, 1 s, skips most programs
 # of the tiny model; with 0 the README run writes 29 programs (~0.4 MB) and the next run loads all
-# of them (with 0.2 s: 6 written, the rest compiled again every run, ~8 s slower on 2 cores).
+# of them (with 0.2 s: 6 written, the other 23 compiled again on every run).
 MIN_COMPILE_TIME_S = 0.0
 _EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "lookups",
            "/jax/compilation_cache/cache_hits": "hits",

@@ -12,10 +12,10 @@ import dataclasses
 import os
 
 # Sustained FLOP/s of one CPU core on the transformer step (XLA:CPU; float32 and bfloat16 alike).
-# Measured: the tiny model at 832x480 x 81 frames (32760 tokens, attention-bound, 2.3 TFLOP per
-# step) took 85 s per step on 2 idle cores of an x86 machine (13 GFLOP/s per core), and 125 s on 2
-# cores shared with other work (at 7800 tokens: 9.8 s, bfloat16 10.4 s). Simulated devices share
-# these cores: the mesh does not divide the work on CPU.
+# Measured with the tiny model at 832x480 x 81 frames (32760 tokens, attention-bound, 2.3 TFLOP per
+# step) on 2 cores of x86 machines: 61-64 s per step (18 GFLOP/s per core), 85 s (13), and 125 s
+# (9) with the cores shared with other work; at 7800 tokens 4.2 s (17), float32 and bfloat16 alike.
+# 13 is the middle. Simulated devices share these cores: the mesh does not divide the work on CPU.
 CPU_FLOPS_PER_CORE = 13e9
 # One GPU or TPU device, by dtype: an assumption (~40 % of a current datacentre accelerator's
 # dense peak), not a measurement; the mesh's devices divide the work.
