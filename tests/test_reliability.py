@@ -331,7 +331,10 @@ def test_interrupt_during_denoising_leaves_no_output(tmp_path):
   # ~20 ms per step at this size on one CPU device (1 ms at 32x32): a window of ~20 s to interrupt.
   cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "128x128", "--frames",
          "17", "--steps", "1000", "--max-sequence-length", "8", "--seed", "0", "--out", str(out)]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE)
+  # A runner started with SIGINT ignored (`cmd &` in a non-interactive shell) passes SIG_IGN on to
+  # its children, and Python keeps it: restore the default so the child gets its Ctrl-C handler.
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   err = b""
   try:
     deadline = time.monotonic() + 120
