@@ -19,7 +19,11 @@ run testable on one machine.
 
 Faults: a process that cannot reach the coordinator, or a coordinator whose peers do not all
 connect, fails after the timeout with a message saying so (`initialize`). A process that dies
-mid-run is detected by JAX's heartbeat (100 s by default); the survivors then abort.
+mid-run is detected by JAX's coordination service when its heartbeats stop for
+`ProcessSpec.heartbeat_timeout_s` (default 30 s; JAX's own default is 100 s); JAX then aborts every
+surviving process from C++ (SIGABRT and a stack dump, not a Python exception). `generate` runs each
+process under `pipelines.supervisor`, which turns that into one line naming the lost process and
+exit status 3, with the low-level log in a file.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 DEFAULT_TIMEOUT_S = 120
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 
 
 class DistributedError(RuntimeError):
@@ -56,11 +61,14 @@ class ProcessSpec:
     process_id: 0 .. N - 1; process 0 hosts the coordinator and writes the outputs.
     timeout_s: how long to wait for the coordinator and every process to connect (and, at the
       end, for every process to reach shutdown).
+    heartbeat_timeout_s: a process whose heartbeats stop for this long counts as dead and the run
+      is stopped on every process (JAX's `heartbeat_timeout_seconds`).
   """
   coordinator: str
   num_processes: int
   process_id: int
   timeout_s: int = DEFAULT_TIMEOUT_S
+  heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
   def __post_init__(self):
     if re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})", self.coordinator) is None:
@@ -76,6 +84,9 @@ class ProcessSpec:
                        f"(num_processes={self.num_processes})")
     if self.timeout_s < 1:
       raise ValueError(f"timeout_s={self.timeout_s} must be >= 1 second")
+    if self.heartbeat_timeout_s < 2:
+      raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 2 seconds (JAX sends "
+                       "a heartbeat about every second)")
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -90,6 +101,7 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
 
 def process_spec(coordinator: str | None = None, num_processes: int | None = None,
                  process_id: int | None = None, *, timeout_s: int = DEFAULT_TIMEOUT_S,
+                 heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  env: Mapping[str, str] | None = None) -> ProcessSpec | None:
   """The multi-process settings from arguments, each falling back to its environment variable.
 
@@ -115,7 +127,7 @@ def process_spec(coordinator: str | None = None, num_processes: int | None = Non
   if missing:
     raise ValueError(f"a multi-process run needs all of coordinator, num_processes and process_id; "
                      f"missing {missing} (given: {coordinator=}, {num_processes=}, {process_id=})")
-  return ProcessSpec(coordinator, num_processes, process_id, timeout_s)
+  return ProcessSpec(coordinator, num_processes, process_id, timeout_s, heartbeat_timeout_s)
 
 
 def _unreachable_message(spec: ProcessSpec, what: str) -> str:
@@ -152,6 +164,17 @@ def _give_up(spec: ProcessSpec) -> None:
   os._exit(1)
 
 
+def _heartbeat_kwargs(spec: ProcessSpec) -> dict[str, int]:
+  """`heartbeat_timeout_seconds` for this JAX's `jax.distributed.initialize` (an older JAX without
+  the argument keeps its own 100 s)."""
+  import inspect
+
+  import jax
+  if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+    return {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s}
+  return {}
+
+
 def initialize(spec: ProcessSpec) -> None:
   """Joins the run: `jax.distributed.initialize` with gloo CPU collectives, before JAX's backend.
 
@@ -179,7 +202,7 @@ def initialize(spec: ProcessSpec) -> None:
     jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
                                process_id=spec.process_id, cluster_detection_method="deactivate",
                                initialization_timeout=spec.timeout_s + 30,
-                               shutdown_timeout_seconds=spec.timeout_s)
+                               shutdown_timeout_seconds=spec.timeout_s, **_heartbeat_kwargs(spec))
   except RuntimeError as e:
     if not jax.distributed.is_initialized() and "before any JAX calls" in str(e):
       raise DistributedError("the distributed runtime must start before JAX's backend; call "

@@ -34,9 +34,14 @@ before it is renamed into place: an encoder failure or an output that does not d
 sent is an error, and nothing is left under --out. A GIF stores frame delays in whole centiseconds:
 an --fps that is not 100 / an integer is rounded to the nearest delay, with a warning.
 
+A multi-process run whose process dies (or whose host goes away) stops on every other process
+within --heartbeat-timeout seconds (default 30) with one line naming the lost process and exit
+status 3; nothing is written, and the runtime's own log (a C++ stack dump) goes to a file
+(--runtime-log) instead of the terminal.
+
 Exit status: 0 success; 2 a usage or checkpoint error (before any compute); 1 a failure while
-running (non-finite latents, coordinator unreachable, the video encoder failing); 130 interrupted
-(Ctrl-C).
+running (non-finite latents, coordinator unreachable, the video encoder failing); 3 a process of a
+multi-process run was lost; 130 interrupted (Ctrl-C).
 
 Also `python -m pipelines.generate ...`.
 """
@@ -55,7 +60,7 @@ import time
 import warnings
 from typing import Any
 
-from pipelines import checkpoint, compile_cache, distributed, estimate, video_io
+from pipelines import checkpoint, compile_cache, distributed, estimate, supervisor, video_io
 from pipelines.cli import HelpFormatter, format_mesh, warnings_as_lines
 
 _DEVICE_FLAG = "xla_force_host_platform_device_count"
@@ -153,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"this process, 0..N-1; 0 writes the output (default ${distributed.ENV_PROCESS_ID})")
   g.add_argument("--coordinator-timeout", type=int, default=distributed.DEFAULT_TIMEOUT_S,
                  help="seconds to wait for the coordinator and every process (default %(default)s)")
+  g.add_argument("--heartbeat-timeout", type=int, default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 help="seconds without a heartbeat after which a process counts as lost and every "
+                      "process stops, exit status 3 (default %(default)s)")
+  g.add_argument("--runtime-log", metavar="FILE", default=None,
+                 help="where the runtime's own log lines go in a multi-process run (default: a file "
+                      "in the system temporary directory, named when something goes wrong)")
   return p
 
 
@@ -267,6 +278,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--fps: {e}") from e
   if args.coordinator_timeout < 1:
     raise UsageError(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 (seconds)")
+  if args.heartbeat_timeout < 2:
+    raise UsageError(f"--heartbeat-timeout {args.heartbeat_timeout} must be >= 2 (seconds)")
   try:
     ulysses, ring = parse_mesh(args.mesh)
   except ValueError as e:
@@ -280,7 +293,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
                        f"U*R = {args.devices}")
   try:
     processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id,
-                                         timeout_s=args.coordinator_timeout)
+                                         timeout_s=args.coordinator_timeout,
+                                         heartbeat_timeout_s=args.heartbeat_timeout)
   except ValueError as e:
     raise UsageError(str(e)) from e
   if processes is not None and (ulysses * ring) % processes.num_processes:
@@ -441,6 +455,7 @@ def run(checked: Checked, warnings_seen: list[str] | None = None) -> dict[str, A
 
   `warnings_seen` (filled while running, see `main`) goes into the sidecar as "warnings".
   """
+  supervisor.write_status(out=checked.plan.out)  # named in a lost-peer message
   cache = compile_cache.enable(checked.plan.compile_cache)  # before the first compile
   try:
     return _run(checked, cache, warnings_seen if warnings_seen is not None else [])
@@ -519,8 +534,28 @@ def main(argv: list[str] | None = None) -> int:
   Python warnings print as `generate: warning: ...` lines (no file paths) and go into the sidecar.
   """
   args = build_parser().parse_args(argv)
+  supervised = _supervise(args, sys.argv[1:] if argv is None else list(argv))
+  if supervised is not None:
+    return supervised
   with warnings_as_lines("generate") as seen:
     return _main(args, seen)
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
+  """A multi-process run (and not already the supervised child): runs this command as a child
+  under `pipelines.supervisor` and returns its exit status; None otherwise (run here)."""
+  if os.environ.get(supervisor.ENV_SUPERVISED):
+    return None
+  try:
+    spec = distributed.process_spec(args.coordinator, args.num_processes, args.process_id,
+                                    timeout_s=max(args.coordinator_timeout, 1),
+                                    heartbeat_timeout_s=max(args.heartbeat_timeout, 2))
+  except ValueError:
+    return None  # reported by the checks, here
+  if spec is None:
+    return None
+  return supervisor.run_supervised(argv, process_id=spec.process_id, num_processes=spec.num_processes,
+                                   heartbeat_timeout_s=spec.heartbeat_timeout_s, log_path=args.runtime_log)
 
 
 def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
@@ -542,6 +577,15 @@ def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
       return 2
     except (NonFiniteLatentsError, video_io.EncodeError) as e:
       print(f"generate: error: {e}", file=sys.stderr)
+      return 1
+    except Exception as e:
+      if checked.plan.processes is None or type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+        raise
+      # A collective failed (gloo: "Connection reset by peer" when a peer dies). Give the
+      # coordination service time to name the lost process (it stops this one; the supervisor
+      # reports it), else report the failure as is.
+      supervisor.wait_for_runtime_verdict(checked.plan.processes.heartbeat_timeout_s)
+      print(f"generate: error: a collective operation across processes failed: {e}", file=sys.stderr)
       return 1
     except KeyboardInterrupt:
       # Outputs are written to a temporary name and renamed into place; an interrupt before the

@@ -124,3 +124,47 @@ def test_process_spec_from_environment():
   assert distributed.process_spec(process_id=1, env=env).process_id == 1  # a flag wins
   assert distributed.process_spec(env={}) is None
   assert distributed.process_spec(num_processes=1, env={}) is None  # one process needs no runtime
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_lost_process_ends_the_run(tmp_path):
+  """Process 1's worker killed (SIGKILL) mid-denoise: process 0 stops within the heartbeat timeout
+  + 10 s with exit status 3, one line naming process 1, no output, and no stack dump on its
+  terminal (the runtime's log is in the file it names)."""
+  heartbeat = 5
+  coordinator = f"127.0.0.1:{_free_port()}"
+  args = [a if a != "2" else "400" for a in ARGS]  # --steps 400: still denoising when killed
+  assert args[args.index("--steps") + 1] == "400"
+  logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
+  runtime_log = str(tmp_path / "runtime0.log")
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      procs.append(_start(args + ["--out", str(tmp_path / "out.mp4"), "--coordinator", coordinator,
+                                  "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout",
+                                  str(heartbeat), "--coordinator-timeout", "60"]
+                          + (["--runtime-log", runtime_log] if i == 0 else []), logs[i]))
+    deadline = time.monotonic() + TIMEOUT_S
+    while "/400 [" not in open(logs[0]).read():  # process 0's bar: denoising has started
+      assert time.monotonic() < deadline and procs[0].poll() is None, open(logs[0]).read()
+      time.sleep(0.2)
+    worker = int(subprocess.check_output(["pgrep", "-P", str(procs[1].pid)]).split()[0])
+    os.kill(worker, 9)
+    killed = time.monotonic()
+    code = procs[0].wait(timeout=heartbeat + 60)
+    elapsed = time.monotonic() - killed
+    procs[1].wait(timeout=30)
+  finally:
+    _end(procs)
+  text = open(logs[0]).read()
+  assert code == 3, text
+  assert elapsed <= heartbeat + 10, elapsed
+  errors = [line for line in text.replace("\r", "\n").splitlines() if line.startswith("generate: error")]
+  assert len(errors) == 1 and "process 1 of 2 stopped responding" in errors[0], text
+  assert runtime_log in errors[0]
+  assert "Check failure stack trace" not in text and " 0x" not in text, text
+  runtime = open(runtime_log).read()
+  assert "stopped sending heartbeats" in runtime  # positive control: the dump went to the file
+  assert "SIGKILL" in open(logs[1]).read()  # process 1's supervisor reports its worker's death
+  assert not (tmp_path / "out.mp4").exists()
+  assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
