@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import math
 import os
 import platform
@@ -112,7 +113,7 @@ class UsageError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="generate", description=__doc__, formatter_class=HelpFormatter)
-  p.add_argument("--prompt", required=True, help="what the video shows")
+  p.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
   p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
   p.add_argument("--model", default="tiny",
                  help="a diffusers-format Wan folder, or 'tiny' (embedded random weights; default)")
@@ -149,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
+  c = p.add_argument_group("resumable denoising")
+  c.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                 help="save the denoising state to DIR as the run goes (default for runs estimated "
+                      f"at {estimate.LONG_S:g} s or more: OUT.resume beside the output)")
+  c.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                 help="save after every N-th step (and after the last); default %(default)s")
+  c.add_argument("--no-checkpoint", action="store_true", help="no checkpoint, even for a long run")
+  c.add_argument("--keep-checkpoint", action="store_true",
+                 help="keep the checkpoint after the video is written (default: removed)")
+  c.add_argument("--resume", metavar="DIR", default=None,
+                 help="continue the run saved in DIR; other flags may be left out (they are read from "
+                      "DIR) and those given must match it, except the mesh, devices and output")
   g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
   g.add_argument("--coordinator", default=None,
                  help=f"HOST:PORT of process 0 (default ${distributed.ENV_COORDINATOR})")
@@ -192,6 +205,11 @@ class Plan:
   nan_guard: bool = True
   processes: distributed.ProcessSpec | None = None  # None: a single-process run
   compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
+  checkpoint_dir: str | None = None  # --checkpoint-dir or --resume
+  checkpoint_every: int = 1
+  checkpoint_default: bool = True  # False with --no-checkpoint
+  keep_checkpoint: bool = False
+  resume: bool = False
 
   @property
   def writes(self) -> bool:
@@ -235,6 +253,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
   """
   from pipelines.pipeline import check_size, parse_mesh, round_num_frames  # light: no compute
 
+  if args.prompt is None:
+    raise UsageError("--prompt is required (what the video shows), unless --resume DIR continues a "
+                     "saved run")
   if not args.prompt.strip():
     raise UsageError(f"--prompt {args.prompt!r} is empty; describe the video, e.g. --prompt "
                      "'a red fox running through snow'")
@@ -278,6 +299,10 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--fps: {e}") from e
   if args.coordinator_timeout < 1:
     raise UsageError(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 (seconds)")
+  if args.checkpoint_every < 1:
+    raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 (steps)")
+  if args.checkpoint_dir is not None and args.no_checkpoint:
+    raise UsageError("--checkpoint-dir and --no-checkpoint contradict each other; drop one")
   if args.heartbeat_timeout < 2:
     raise UsageError(f"--heartbeat-timeout {args.heartbeat_timeout} must be >= 2 (seconds)")
   try:
@@ -312,7 +337,94 @@ def plan_run(args: argparse.Namespace) -> Plan:
               devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
               overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes,
-              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache))
+              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
+              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+              checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
+              resume=args.resume is not None)
+
+
+RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
+# Flags that decide the video: with --resume each is read from the record, and one given must match.
+_RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
+             "seed", "dtype", "max_sequence_length")
+# Flags read from the record when not given, free to differ (where and how the video is written).
+_RECORDED_FREE = ("out", "fps")
+
+
+def given_flags(argv: list[str]) -> set[str]:
+  """The destinations of the flags present in `argv` (not their defaults)."""
+  parser = build_parser()
+  for action in parser._actions:
+    action.default = argparse.SUPPRESS
+  return set(vars(parser.parse_args(argv)))
+
+
+def _normalized(name: str, value: Any) -> Any:
+  """A flag's value in the record's form (so "832*480" equals "832x480", "5" equals 5.0)."""
+  if value is None:
+    return None
+  if name == "size":
+    return "x".join(map(str, parse_size(value))) if isinstance(value, str) else value
+  if name == "guidance":
+    return list(parse_guidance(value)) if isinstance(value, str) else list(value)
+  if name == "model":
+    return value if value == "tiny" else os.path.abspath(value)
+  if name in ("shift", "fps"):
+    return float(value)
+  return value
+
+
+def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
+  """`--resume DIR`: fills the flags not given from DIR's record; checks the given ones against it.
+
+  Raises:
+    UsageError: DIR holds no run record, or a given flag differs from it (naming each).
+  """
+  if args.resume is None:
+    return
+  from pipelines import resume as resume_state
+
+  path = os.path.join(args.resume, RUN_RECORD)
+  if not os.path.isfile(path) or not os.path.isfile(resume_state.state_path(args.resume)):
+    raise UsageError(f"--resume {args.resume!r} is not a saved run: it needs {RUN_RECORD} and "
+                     f"{resume_state.STATE_FILE} (written by generate --checkpoint-dir, or for a long run "
+                     "beside the output as OUT.resume)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"--resume: {path} is unreadable ({e})") from e
+  if "checkpoint_dir" in given and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
+    raise UsageError("--resume DIR continues the checkpoint in DIR; drop --checkpoint-dir (or give the same folder)")
+  if args.no_checkpoint:
+    raise UsageError("--resume continues a checkpointed run; drop --no-checkpoint")
+  differences = []
+  for name in _RECORDED:
+    if name in given and _normalized(name, getattr(args, name)) != record.get(name):
+      differences.append(f"--{name.replace('_', '-')}: saved {record.get(name)!r}, given "
+                         f"{_normalized(name, getattr(args, name))!r}")
+  if differences:
+    raise UsageError(f"--resume {args.resume}: these flags differ from the saved run (leave them out to "
+                     "use the saved values): " + "; ".join(differences))
+  for name in _RECORDED + _RECORDED_FREE:
+    if name not in given and name in record:
+      value = record[name]
+      if name == "guidance" and value is not None:
+        value = ",".join(repr(float(g)) for g in value)
+      setattr(args, name, value)
+  args.checkpoint_dir = args.resume
+
+
+def _write_run_record(plan: Plan, seed: int) -> None:
+  """The request, as `apply_resume` reads it, in the checkpoint folder (process 0; atomic)."""
+  record = {"prompt": plan.prompt, "negative_prompt": plan.negative_prompt,
+            "model": _normalized("model", plan.model), "preset": plan.preset,
+            "size": f"{plan.width}x{plan.height}", "frames": plan.frames, "steps": plan.steps,
+            "guidance": list(plan.guidance), "shift": plan.shift, "seed": seed, "dtype": plan.dtype,
+            "max_sequence_length": plan.max_sequence_length, "out": os.path.abspath(plan.out),
+            "fps": plan.fps}
+  os.makedirs(plan.checkpoint_dir, exist_ok=True)
+  video_io.write_json(record, os.path.join(plan.checkpoint_dir, RUN_RECORD), overwrite=True)
 
 
 def _request_cpu_devices(plan: Plan) -> int | None:
@@ -431,7 +543,38 @@ def check_plan(plan: Plan) -> Checked:
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
                      f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
-  return Checked(plan, device_note, transformer)
+  return Checked(_plan_checkpoint(plan, transformer), device_note, transformer)
+
+
+def _estimate(plan: Plan, transformer: Any) -> estimate.Estimate:
+  import jax
+  return estimate.estimate(
+      transformer, frames=plan.frames, height=plan.height, width=plan.width,
+      text_tokens=plan.max_sequence_length, steps=plan.steps, cfg=plan.guidance[0] > 1,
+      dtype=plan.dtype, backend=jax.default_backend(), devices=plan.ulysses * plan.ring)
+
+
+def default_checkpoint_dir(out: str) -> str:
+  """Where a long run keeps its denoising checkpoint: OUT.resume beside the output."""
+  return os.path.normpath(out) + ".resume"
+
+
+def _plan_checkpoint(plan: Plan, transformer: Any) -> Plan:
+  """Decides the checkpoint folder (given, or by default for a long run) and refuses one that
+  already holds a saved run unless resuming it.
+
+  Raises:
+    UsageError: the folder holds a saved run and this is not --resume.
+  """
+  from pipelines import resume as resume_state
+
+  directory = plan.checkpoint_dir
+  if directory is None and plan.checkpoint_default and _estimate(plan, transformer).seconds >= estimate.LONG_S:
+    directory = default_checkpoint_dir(plan.out)
+  if directory is not None and not plan.resume and os.path.exists(resume_state.state_path(directory)):
+    raise UsageError(f"{directory} holds a saved denoising run; continue it with --resume {directory}, "
+                     "or remove that folder to start over")
+  return dataclasses.replace(plan, checkpoint_dir=directory)
 
 
 def _announce(plan: Plan, checked: Checked, seed: int | None) -> None:
@@ -442,12 +585,14 @@ def _announce(plan: Plan, checked: Checked, seed: int | None) -> None:
     return
   if plan.seed is None:
     print(f"generate: random seed {seed} (pass --seed {seed} to make this video again)", file=sys.stderr)
-  line = estimate.long_run_line(estimate.estimate(
-      checked.transformer, frames=plan.frames, height=plan.height, width=plan.width,
-      text_tokens=plan.max_sequence_length, steps=plan.steps, cfg=plan.guidance[0] > 1,
-      dtype=plan.dtype, backend=jax.default_backend(), devices=plan.ulysses * plan.ring))
+  line = estimate.long_run_line(_estimate(plan, checked.transformer))
   if line is not None:
     print(f"generate: {line}", file=sys.stderr)
+  if plan.checkpoint_dir is not None:
+    every = "every step" if plan.checkpoint_every == 1 else f"every {plan.checkpoint_every} steps"
+    print(f"generate: {'continuing the run saved in' if plan.resume else 'saving the denoising state to'} "
+          f"{plan.checkpoint_dir} ({every}; an interrupted run continues with --resume "
+          f"{plan.checkpoint_dir})", file=sys.stderr)
 
 
 def run(checked: Checked, warnings_seen: list[str] | None = None) -> dict[str, Any]:
@@ -478,6 +623,10 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       from jax.experimental import multihost_utils
       seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
   _announce(plan, checked, seed)
+  if plan.checkpoint_dir is not None:
+    supervisor.write_status(checkpoint_dir=plan.checkpoint_dir)
+    if plan.writes and not plan.resume:
+      _write_run_record(plan, seed)
   start = time.perf_counter()
   pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
@@ -494,7 +643,9 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                     guidance_scale=plan.guidance[0],
                     guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None,
                     flow_shift=plan.shift, seed=seed, max_sequence_length=plan.max_sequence_length,
-                    mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes)
+                    mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes,
+                    checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
+                    resume=plan.resume, keep_checkpoint=True)  # removed below, once the video is written
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
@@ -516,10 +667,15 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
       "settings": result.settings, "timings_s": timings, "compile_cache": cache.report(),
+      "checkpoint": None if plan.checkpoint_dir is None else {
+          "dir": os.path.abspath(plan.checkpoint_dir), "every": plan.checkpoint_every,
+          "resumed_from_step": result.settings.get("resumed_from_step"), "kept": plan.keep_checkpoint},
       "warnings": list(warnings_seen), "versions": _versions(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
   described = video_io.write_json(sidecar, video_io.sidecar_path(plan.out), overwrite=plan.overwrite)
+  if plan.checkpoint_dir is not None and not plan.keep_checkpoint:
+    _remove_checkpoint(plan.checkpoint_dir)
   print(f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "
         f"seed {result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
         f"{_fmt(timings['text_encode'])}, compile {_fmt(timings['compile'])}, denoise "
@@ -528,17 +684,37 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   return sidecar
 
 
+def _remove_checkpoint(directory: str) -> None:
+  """The saved run in `directory` (state and record), and the folder if that empties it."""
+  from pipelines import resume as resume_state
+
+  record = os.path.join(directory, RUN_RECORD)
+  if os.path.exists(record):
+    os.remove(record)
+  resume_state.remove(directory)
+
+
+def _resume_hint(plan: Plan | None) -> str:
+  """"; the denoising state is saved: continue with ..." when a checkpoint is on disk."""
+  from pipelines import resume as resume_state
+
+  if plan is None or plan.checkpoint_dir is None or not os.path.exists(resume_state.state_path(plan.checkpoint_dir)):
+    return ""
+  return f"; the denoising state is saved: continue with generate --resume {plan.checkpoint_dir}"
+
+
 def main(argv: list[str] | None = None) -> int:
   """Console entry point; returns the exit status (module docstring: 0, 1, 2 or 130).
 
   Python warnings print as `generate: warning: ...` lines (no file paths) and go into the sidecar.
   """
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = build_parser().parse_args(argv)
-  supervised = _supervise(args, sys.argv[1:] if argv is None else list(argv))
+  supervised = _supervise(args, argv)
   if supervised is not None:
     return supervised
   with warnings_as_lines("generate") as seen:
-    return _main(args, seen)
+    return _main(args, seen, given_flags(argv))
 
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
@@ -558,9 +734,10 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
                                    heartbeat_timeout_s=spec.heartbeat_timeout_s, log_path=args.runtime_log)
 
 
-def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
+def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -> int:
   try:
     try:
+      apply_resume(args, given)
       checked = check_plan(plan_run(args))
     except ValueError as e:  # UsageError, OutputError, CheckpointError, the pipeline's checks
       print(f"generate: error: {e}", file=sys.stderr)
@@ -570,13 +747,17 @@ def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
       return 1
     from pipelines.pipeline import NonFiniteLatentsError  # JAX has started by now
 
+    from pipelines.resume import ResumeError
+
+    hint = lambda: _resume_hint(checked.plan)  # noqa: E731 (read when the error happens)
     try:
       run(checked, warnings_seen)
-    except (video_io.OutputError, checkpoint.CheckpointError) as e:  # loading; output appeared meanwhile
-      print(f"generate: error: {e}", file=sys.stderr)
+    except (video_io.OutputError, checkpoint.CheckpointError, ResumeError) as e:
+      # loading, or a checkpoint of another run (before denoising); or the output appeared meanwhile
+      print(f"generate: error: {e}{hint()}", file=sys.stderr)
       return 2
     except (NonFiniteLatentsError, video_io.EncodeError) as e:
-      print(f"generate: error: {e}", file=sys.stderr)
+      print(f"generate: error: {e}{hint()}", file=sys.stderr)
       return 1
     except Exception as e:
       if checked.plan.processes is None or type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
@@ -585,12 +766,12 @@ def _main(args: argparse.Namespace, warnings_seen: list[str]) -> int:
       # coordination service time to name the lost process (it stops this one; the supervisor
       # reports it), else report the failure as is.
       supervisor.wait_for_runtime_verdict(checked.plan.processes.heartbeat_timeout_s)
-      print(f"generate: error: a collective operation across processes failed: {e}", file=sys.stderr)
+      print(f"generate: error: a collective operation across processes failed: {e}{hint()}", file=sys.stderr)
       return 1
     except KeyboardInterrupt:
       # Outputs are written to a temporary name and renamed into place; an interrupt before the
       # rename removes the temporary file, so nothing is left under --out.
-      print(f"generate: interrupted; nothing written to {args.out}", file=sys.stderr)
+      print(f"generate: interrupted; nothing written to {args.out}{hint()}", file=sys.stderr)
       return 130
     return 0
   finally:

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import attention
 from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
-from pipelines import checkpoint, distributed
+from pipelines import checkpoint, distributed, resume as resume_state
 from pipelines.cli import format_mesh, parse_mesh
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
@@ -674,7 +674,8 @@ class WanPipeline:
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
           progress: bool = True, on_step: Callable[[int, float], None] | None = None,
           attention_implementation: str = "auto", nan_guard: bool = True,
-          decode: bool = True) -> GenerationResult:
+          decode: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 1,
+          resume: bool = False, keep_checkpoint: bool = False) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     `on_step(k, seconds)` is called after each denoising step. `attention_implementation`
@@ -689,10 +690,29 @@ class WanPipeline:
     same seed on every process): the mesh must span all processes' devices; inputs become global
     arrays built from each process's identical host copy; every process returns the result.
 
+    Resumable denoising (`pipelines.resume`): with `checkpoint_dir`, the denoising state (latents,
+    solver state, step, and the run's identity: settings, noise digest, model fingerprint) is
+    written atomically to `checkpoint_dir/denoise_state.safetensors` after every
+    `checkpoint_every`-th step and after the last, off the critical path (device copy, then host
+    copy and write on a thread while the next step runs; process 0 only). `resume=True` continues
+    from the checkpoint there: every setting that decides the video must match it (the mesh need
+    not), and the video equals the uninterrupted run's. Without `resume`, a checkpoint already in
+    `checkpoint_dir` is an error (it is never overwritten silently). After a successful run the
+    checkpoint is removed unless `keep_checkpoint`.
+
     Raises:
       ValueError: see `check_inputs` (raised before any compute).
+      resume_state.ResumeError (pipelines.resume): `resume` without a checkpoint, a checkpoint of another run (naming each
+        difference), or one in the way of a new run; raised before any denoising.
       NonFiniteLatentsError: latents became NaN/inf (with `nan_guard`), naming the step.
     """
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+      raise ValueError(f"checkpoint_dir={checkpoint_dir!r} must be None or a folder path{_not_a(checkpoint_dir)}")
+    checkpoint_every = _check_int("checkpoint_every", checkpoint_every, hint=" (steps between checkpoints)")
+    for name, flag in (("resume", resume), ("keep_checkpoint", keep_checkpoint)):
+      _check_flag(name, flag)
+    if resume and checkpoint_dir is None:
+      raise ValueError("resume=True needs checkpoint_dir (the folder holding the checkpoint)")
     s = self.check_inputs(prompt, negative_prompt, height=height, width=width, num_frames=num_frames,
                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                           guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, seed=seed,
@@ -707,12 +727,6 @@ class WanPipeline:
       if progress:
         print(text, file=sys.stderr, flush=True)
 
-    start = time.perf_counter()
-    texts = s["prompts"] + (s["negative_prompts"] or [])
-    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens")
-    text = jax.block_until_ready(self.encode_prompts(texts, s["max_sequence_length"]))
-    timings["text_encode"] = time.perf_counter() - start
-
     latents = s["latents"]
     if latents is None:
       latents = np.concatenate([np.random.default_rng(s["seed"] + i).standard_normal((1, *s["latent_shape"][1:]),
@@ -720,6 +734,33 @@ class WanPipeline:
                                 for i in range(len(s["prompts"]))])
     schedule = s["scheduler"].set_timesteps(s["steps"])
     solver = schedule.init_state(latents.shape, jnp.float32)
+    first_step, writer = 0, None
+    if checkpoint_dir is not None:
+      checkpoint_dir = os.fspath(checkpoint_dir)
+      identity = self._run_identity(s, latents, attention_implementation)
+      saved = resume_state.read(checkpoint_dir)
+      if resume:
+        if saved is None:
+          raise resume_state.ResumeError(f"resume=True but {checkpoint_dir!r} holds no denoising checkpoint "
+                                   f"({resume_state.STATE_FILE}); run without resume to start over")
+        differences = saved.differences(identity)
+        if differences:
+          raise resume_state.ResumeError(f"the checkpoint in {checkpoint_dir!r} is from another run; "
+                                   + "; ".join(differences))
+        latents, solver = saved.restore("latents", latents), saved.restore("solver", solver)
+        first_step = saved.step
+        stage(f"resume: {first_step} of {s['steps']} steps done (checkpoint in {checkpoint_dir})")
+      elif saved is not None:
+        raise resume_state.ResumeError(f"{checkpoint_dir!r} already holds a denoising checkpoint (step "
+                                 f"{saved.step}); pass resume=True (generate --resume) to continue it, "
+                                 "or remove it to start over")
+      writer = resume_state.Writer(checkpoint_dir, identity, enabled=distributed.is_main_process())
+
+    start = time.perf_counter()
+    texts = s["prompts"] + (s["negative_prompts"] or [])
+    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens")
+    text = jax.block_until_ready(self.encode_prompts(texts, s["max_sequence_length"]))
+    timings["text_encode"] = time.perf_counter() - start
     self._place(mesh)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
@@ -743,9 +784,11 @@ class WanPipeline:
     bar = None
     if progress:
       from tqdm.auto import tqdm
-      bar = tqdm(total=s["steps"], desc="denoise", unit="step")
+      bar = tqdm(total=s["steps"], initial=first_step, desc="denoise", unit="step")
     try:
       for k, expert in enumerate(experts):
+        if k < first_step:
+          continue
         start = time.perf_counter()
         latents, solver, finite = step(self._experts[expert], latents, solver, text, guidance[k])
         jax.block_until_ready(latents)
@@ -755,6 +798,8 @@ class WanPipeline:
               f"{float(schedule.timesteps[k]):.1f}, expert {expert}); stopped before decoding, "
               "nothing was written. Usual causes: NaN/inf in the weights, or overflow in bfloat16 "
               "(try dtype='float32'); nan_guard=False (generate --no-nan-guard) lets it finish anyway")
+        if writer is not None and ((k + 1) % checkpoint_every == 0 or k + 1 == len(experts)):
+          writer.save(k + 1, {"latents": latents, "solver": solver})
         step_times.append(time.perf_counter() - start)
         if bar is not None:
           bar.update(1)
@@ -763,8 +808,10 @@ class WanPipeline:
     finally:
       if bar is not None:
         bar.close()
+      if writer is not None:
+        writer.close()  # the last state is on disk before anything else can fail
     timings["denoise"] = float(sum(step_times))
-    timings["denoise_per_step"] = float(np.mean(step_times))
+    timings["denoise_per_step"] = float(np.mean(step_times)) if step_times else 0.0
 
     start = time.perf_counter()
     latents = distributed.to_host(latents)
@@ -781,8 +828,37 @@ class WanPipeline:
         scheduler=dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
-        explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation)
+        explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation,
+        resumed_from_step=first_step if resume else None)
+    if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
+      resume_state.remove(checkpoint_dir)
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
+
+  def fingerprint(self) -> str:
+    """SHA-256 (hex) of this pipeline's model: configs, dtypes and sampled values of every weight
+    (`resume.model_fingerprint`); computed once."""
+    if getattr(self, "_fingerprint", None) is None:
+      config = {"transformer": dataclasses.asdict(self.transformer_config),
+                "text_encoder": dataclasses.asdict(self.text_encoder_config),
+                "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
+                "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio}
+      trees = {f"transformer{i or ''}": state for i, state in enumerate(self._experts)}
+      trees.update(text_encoder=self._text_params, vae=self.vae)
+      self._fingerprint = resume_state.model_fingerprint(trees, config)
+    return self._fingerprint
+
+  def _run_identity(self, s: dict[str, Any], noise: np.ndarray, attention_implementation: str) -> dict[str, Any]:
+    """What a denoising checkpoint must match to be resumed by this call (`pipelines.resume`)."""
+    del attention_implementation  # a numerics choice: either path gives the same video
+    return {
+        "model": self.name, "model_fingerprint": self.fingerprint(),
+        "prompts": s["prompts"], "negative_prompts": s["negative_prompts"],
+        "height": s["height"], "width": s["width"], "num_frames": s["num_frames"],
+        "num_inference_steps": s["steps"], "guidance_scale": list(s["guidance"]), "cfg": s["cfg"],
+        "scheduler": dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
+        "max_sequence_length": s["max_sequence_length"], "dtype": jnp.dtype(self.dtype).name,
+        "noise_sha256": resume_state.noise_digest(noise),
+    }
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
