@@ -51,6 +51,7 @@ from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
 from pipelines import checkpoint, distributed
 from pipelines.cli import format_mesh, parse_mesh
+from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
@@ -405,10 +406,11 @@ def _to_unit_range(video: jax.Array) -> jax.Array:
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
-class WanPipeline:
+class WanPipeline(LoraLoaderMixin):
   """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
 
-  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`).
+  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`). LoRAs:
+  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora` (`pipelines.lora`).
 
   Attributes:
     transformer_config: config shared by both experts.
