@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
                       f"{compile_cache.default_dir()})")
   p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
+  p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers or original Wan "
+                      "keys) fused into the transformer with weight SCALE (default 1); repeatable")
+  p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
+                      "(diffusers' load_into_transformer_2=True)")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
   g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
@@ -190,6 +196,7 @@ class Plan:
   fps: float
   overwrite: bool
   nan_guard: bool = True
+  loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
   processes: distributed.ProcessSpec | None = None  # None: a single-process run
   compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
 
@@ -225,6 +232,28 @@ def parse_guidance(text: str) -> tuple[float, ...]:
     raise UsageError(f"--guidance {text!r} must be one number (e.g. 5.0) or two, 'HIGH,LOW', for the "
                      "two Wan 2.2 experts (e.g. 4.0,3.0)")
   return values
+
+
+def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:
+  """`PATH[:SCALE]` -> (path, scale); SCALE defaults to 1 (a path holding ':' keeps it when what
+  follows the last ':' is not a number).
+
+  Raises:
+    UsageError: no such file or folder, or a scale that is not finite.
+  """
+  path, scale = text, 1.0
+  head, sep, tail = text.rpartition(":")
+  if sep:
+    try:
+      path, scale = head, float(tail)
+    except ValueError:
+      pass
+  if not math.isfinite(scale):
+    raise UsageError(f"{flag} {text!r}: the scale {tail!r} must be a finite number (1: as trained)")
+  if not os.path.exists(path):
+    raise UsageError(f"{flag} {text!r}: {path!r} is not a file or folder; pass a LoRA .safetensors "
+                     "file (or its folder), optionally with :SCALE")
+  return path, scale
 
 
 def plan_run(args: argparse.Namespace) -> Plan:
@@ -301,6 +330,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--mesh U={ulysses},R={ring} ({ulysses * ring} devices) must split evenly over "
                      f"--num-processes {processes.num_processes}; e.g. U=<devices per process>,"
                      f"R={processes.num_processes}")
+  loras = tuple((*parse_lora_arg(text, flag), expert)
+                for flag, texts, expert in (("--lora", args.lora, 0), ("--lora-2", args.lora_2, 1))
+                for text in texts)
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
     if video_io.output_kind(args.out) == "gif":
@@ -311,7 +343,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               ulysses=ulysses, ring=ring,
               devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
-              overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes,
+              overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache))
 
 
@@ -417,8 +449,9 @@ def check_plan(plan: Plan) -> Checked:
   JAX's backend starts.
 
   Raises:
-    UsageError: see `_check_devices`, and two guidance scales for a one-expert model.
+    UsageError: see `_check_devices`, and two guidance scales (or --lora-2) for a one-expert model.
     checkpoint.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    ValueError: a LoRA that does not fit the transformer (`pipelines.lora.parse_lora`).
     distributed.DistributedError: the coordinator was not reached in time.
   """
   requested = _request_cpu_devices(plan)
@@ -431,6 +464,13 @@ def check_plan(plan: Plan) -> Checked:
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
                      f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
+  from pipelines import lora
+
+  for path, _, expert in plan.loras:
+    if expert >= experts:
+      raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {plan.model!r} has one "
+                       "transformer; use --lora")
+    lora.parse_lora(*lora.read_lora(path)[:2], transformer, where=path)  # keys and shapes, no compute
   return Checked(plan, device_note, transformer)
 
 
@@ -481,6 +521,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   start = time.perf_counter()
   pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
+  for path, scale, expert in plan.loras:
+    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
   load_s = time.perf_counter() - start
   mesh = None
   if plan.ulysses * plan.ring > 1:
@@ -515,7 +557,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
-      "settings": result.settings, "timings_s": timings, "compile_cache": cache.report(),
+      "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings, "compile_cache": cache.report(),
       "warnings": list(warnings_seen), "versions": _versions(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }

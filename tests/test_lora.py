@@ -112,10 +112,16 @@ def parity(tmp_path_factory):
   return out
 
 
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute")  # peft: a second adapter
 def test_diffusers_parity(parity):
   """Both formats x scales 0.5 and 1 against diffusers (fp32, same latents), and the positive control:
   the LoRA moves the video far more than the parity bar allows."""
   pipe = WanPipeline.from_pretrained(parity["folder"])
+  # The alphas come from diffusers' adapter metadata: alpha / r = 8 / 4, and 8 / 2 for the
+  # rank_pattern module (without them the scaling would be 1, diffusers' default).
+  layers = lora.parse_lora(*lora.read_lora(parity["diffusers"])[:2], pipe.transformer_config)
+  assert {x.module: x.scaling for x in layers if x.scaling != ALPHA / RANK} == {"blocks.1.attn1.to_q": 4.0}
+  assert len(layers) == 2 * 10 + 2  # 2 blocks x (2 x 4 attention + 2 ffn) + time_proj + proj_out
   refs = parity["refs"]
   base = pipe(PROMPT, **CALL, latents=LATENTS, progress=False)
   assert_psnr_at_least(base, refs["base"], FP32_VIDEO_PSNR_DB, name="no LoRA vs diffusers")
@@ -282,3 +288,32 @@ def test_two_experts_load_into_transformer_2():
   assert _same(_leaves(pipe, 1), _leaves(single, 0))
   pipe.unload_lora_weights()
   assert _same(_leaves(pipe, 0), base[0]) and _same(_leaves(pipe, 1), base[1])
+
+
+def test_generate_lora_flag(tmp_path, capsys):
+  """`generate --lora PATH:SCALE` fuses the LoRA (recorded in the sidecar); a LoRA that does not fit
+  is refused before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
+  import json
+
+  from pipelines import generate
+
+  config = wan_pipeline.TINY_TRANSFORMER
+  path = _write(tmp_path / "fox_lora.safetensors", _numpy_lora(config, modules=["blocks.0.attn1.to_q"]))
+  argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",
+          "--max-sequence-length", "32"]
+  out = tmp_path / "fox.npy"
+  assert generate.main(argv + ["--lora", f"{path}:0.5", "--out", str(out)]) == 0, capsys.readouterr().err
+  sidecar = json.loads((tmp_path / "fox.npy.json").read_text())
+  assert sidecar["lora"]["adapters"] == [{"name": "default_0", "transformer": "transformer", "weight": 0.5,
+                                          "layers": 1, "source": path}]
+  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  bad = _write(tmp_path / "bad.safetensors", {"transformer.blocks.0.attn1.to_x.lora_A.weight":
+                                              np.zeros((2, 128), np.float32)})
+  for extra, message in ((["--lora", bad], "blocks.0.attn1.to_x.lora_A.weight"),
+                         (["--lora", f"{path}:nan"], "must be a finite number"),
+                         (["--lora", str(tmp_path / "none.safetensors")], "is not a file or folder"),
+                         (["--lora-2", path], "--lora-2 " + repr(path) + " needs a two-expert")):
+    assert generate.main(argv + extra + ["--out", str(tmp_path / "x.npy")]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+  assert wan_pipeline.TRACE_COUNT["denoise_step"] == before and not os.path.exists(tmp_path / "x.npy")
