@@ -444,12 +444,13 @@ class LoraWeights:
         if path not in deltas:  # back to the base: the leaf holds it exactly, the copy can go
           new = self._base.pop((e, path))
         else:
-          new = base.astype(np.float32)  # a copy
-          for layer, terms in deltas[path].items():
-            target = new if layer is None else new[layer]
+          new = base.copy()
+          for layer, terms in deltas[path].items():  # one block's slice at a time in fp32
+            where = ... if layer is None else layer
+            fused = base[where].astype(np.float32)
             for lay, factor, kind in terms:
-              target += factor * (lay.delta_kernel() if kind == "kernel" else lay.bias * np.float32(lay.scaling))
-          new = new.astype(base.dtype)  # the one rounding
+              fused += factor * (lay.delta_kernel() if kind == "kernel" else lay.bias * np.float32(lay.scaling))
+            new[where] = fused.astype(base.dtype)  # the one rounding
         return distributed.put_replicated(new, leaf.sharding)
 
       experts[e] = jax.tree_util.tree_map_with_path(update, experts[e])
@@ -508,6 +509,9 @@ class LoraLoaderMixin:
 
     Returns:
       The adapter name.
+
+    The adapter is fused at once, unless `unfuse_lora` was called last: then at the next
+    `fuse_lora`. Cost: reading the file, then per adapted parameter one host fp32 pass over it.
 
     Raises:
       checkpoint.CheckpointError: no such file, a pickle file, several files in the folder, a
