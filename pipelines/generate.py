@@ -557,8 +557,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
-      "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings, "compile_cache": cache.report(),
-      "warnings": list(warnings_seen), "versions": _versions(),
+      "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings,
+      "compile_cache": cache.report(), "warnings": list(warnings_seen), "versions": _versions(),
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
   described = video_io.write_json(sidecar, video_io.sidecar_path(plan.out), overwrite=plan.overwrite)

@@ -268,7 +268,8 @@ def _scaling(module: str, rank: int, config: Mapping[str, Any] | None) -> float:
   return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else float(r))
 
 
-def linear_layers(config: WanTransformerConfig) -> dict[str, tuple[tuple[int, int], tuple[str, ...], int | None]]:
+def linear_layers(config: WanTransformerConfig
+                  ) -> dict[str, tuple[tuple[int, int], tuple[str, ...], int | None]]:
   """diffusers Linear module name -> ((O, I) torch weight shape, our kernel path, block index).
 
   From `transformer_loading.checkpoint_layout` (the checkpoint loader's key mapping)."""
@@ -398,8 +399,8 @@ class LoraWeights:
       ValueError: an adapter of that name is loaded already.
     """
     if (adapter.expert, adapter.name) in self.adapters:
-      raise ValueError(f"adapter_name={adapter.name!r} is already loaded into {EXPERT_NAMES[adapter.expert]}; "
-                       "pick another name, or unload_lora_weights() first")
+      raise ValueError(f"adapter_name={adapter.name!r} is already loaded into "
+                       f"{EXPERT_NAMES[adapter.expert]}; pick another name, or unload_lora_weights() first")
     self.adapters[(adapter.expert, adapter.name)] = adapter
 
   def default_name(self, expert: int) -> str:
@@ -449,7 +450,8 @@ class LoraWeights:
             where = ... if layer is None else layer
             fused = base[where].astype(np.float32)
             for lay, factor, kind in terms:
-              fused += factor * (lay.delta_kernel() if kind == "kernel" else lay.bias * np.float32(lay.scaling))
+              delta = lay.delta_kernel() if kind == "kernel" else lay.bias * np.float32(lay.scaling)
+              fused += factor * delta
             new[where] = fused.astype(base.dtype)  # the one rounding
         return distributed.put_replicated(new, leaf.sharding)
 
