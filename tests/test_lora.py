@@ -209,7 +209,7 @@ def test_fuse_is_one_rounding_and_unfuse_is_exact(dtype):
   assert _same(_leaves(pipe), base) and pipe.get_list_adapters() == {}
 
 
-def test_wan_format_alpha_matches_diffusers_format(tiny):
+def test_wan_format_alpha_matches_diffusers_format(tiny, tmp_path):
   """Original Wan keys (lora_down / lora_up / alpha) fuse as the same LoRA in diffusers keys with
   lora_alpha in the metadata (diffusers splits alpha / rank into powers of two: equal up to rounding)."""
   config = tiny.transformer_config
@@ -222,6 +222,14 @@ def test_wan_format_alpha_matches_diffusers_format(tiny):
   for x, y in zip(ours, ref):
     np.testing.assert_allclose(x.delta_kernel(), y.delta_kernel(), rtol=1e-6, atol=1e-7)
     assert y.scaling == 1.5 and x.scaling == 1.0
+  # Most published LoRAs are bf16 files: read as fp32 values.
+  import ml_dtypes
+  path = _write(tmp_path / "bf16.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in wan.items()})
+  state, metadata, _ = lora.read_lora(path)
+  assert metadata is None and all(v.dtype == np.float32 for v in state.values())
+  np.testing.assert_array_equal(state["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
+                                wan["diffusion_model.blocks.0.self_attn.q.lora_down.weight"]
+                                .astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
 def _write(path, state):
