@@ -88,17 +88,21 @@ class LoraLayer:
 
 # --- reading ---------------------------------------------------------------------------------------
 
-def lora_file(path: str | os.PathLike) -> str:
+def lora_file(path: str | os.PathLike, weight_name: str | None = None) -> str:
   """The safetensors file of a LoRA: `path` itself, or the one in a folder.
 
-  A folder must hold `pytorch_lora_weights.safetensors` (diffusers' name) or exactly one
-  `*.safetensors` file.
+  A folder must hold `weight_name` when given (diffusers' argument), else
+  `pytorch_lora_weights.safetensors` (diffusers' name) or exactly one `*.safetensors` file.
 
   Raises:
     checkpoint.CheckpointError: no such file or folder, a pickle-format file (`.bin`, `.pt`, ...;
       unpickling can execute code), not a `.safetensors` file, or a folder holding none or several.
   """
   path = os.fspath(path)
+  if weight_name is not None:
+    if not os.path.isdir(path):
+      raise checkpoint.CheckpointError(f"weight_name={weight_name!r} needs a folder, but {path!r} is not one")
+    path = os.path.join(path, weight_name)
   if os.path.isdir(path):
     names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if LORA_WEIGHT_NAME_SAFE in names:
@@ -107,7 +111,8 @@ def lora_file(path: str | os.PathLike) -> str:
       return os.path.join(path, names[0])
     if names:
       raise checkpoint.CheckpointError(
-          f"LoRA folder {path!r} holds several safetensors files {names}; pass the file itself")
+          f"LoRA folder {path!r} holds several safetensors files {names}; pass the file itself or "
+          "weight_name=")
     pickles = [n for n in sorted(os.listdir(path)) if n.endswith(checkpoint.PICKLE_SUFFIXES)]
     note = (f" (only pickle files {pickles}, refused: unpickling can execute code; convert them to "
             "safetensors)") if pickles else ""
@@ -123,13 +128,14 @@ def lora_file(path: str | os.PathLike) -> str:
   return path
 
 
-def read_lora(source: str | os.PathLike | Mapping[str, Any]
+def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None
               ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, str]:
   """Reads a LoRA's tensors and its diffusers adapter metadata.
 
   Args:
     source: a safetensors file, a folder holding one (see `lora_file`), or a state dict of numpy /
       JAX / torch arrays (as diffusers' `load_lora_weights` accepts).
+    weight_name: the file's name inside the folder `source` (diffusers' argument).
 
   Returns:
     (key -> float32 numpy array, the parsed `lora_adapter_metadata` JSON or None, a name for
@@ -143,7 +149,7 @@ def read_lora(source: str | os.PathLike | Mapping[str, Any]
     return {str(k): _float32(v) for k, v in source.items()}, None, "the given state dict"
   from safetensors import SafetensorError, safe_open
 
-  path = lora_file(source)
+  path = lora_file(source, weight_name)
   state = {}
   try:
     with safe_open(path, framework="numpy") as f:
@@ -493,7 +499,7 @@ class LoraLoaderMixin:
 
   def load_lora_weights(self, pretrained_model_name_or_path_or_dict: str | os.PathLike | Mapping[str, Any],
                         adapter_name: str | None = None, scale: float = 1.0, *,
-                        load_into_transformer_2: bool = False) -> str:
+                        weight_name: str | None = None, load_into_transformer_2: bool = False) -> str:
     """Loads a Wan transformer LoRA and fuses it into the weights.
 
     Args:
@@ -508,6 +514,7 @@ class LoraLoaderMixin:
         `base + s * sum_a w_a * scaling_a * B_a @ A_a`, s the global `lora_scale`.
       load_into_transformer_2: load into the low-noise expert `transformer_2` of a two-expert (Wan
         2.2) pipeline instead of `transformer`, as diffusers does.
+      weight_name: the file inside the folder (diffusers' argument), for folders holding several.
 
     Returns:
       The adapter name.
@@ -535,7 +542,7 @@ class LoraLoaderMixin:
     if (expert, name) in self._lora.adapters:
       raise ValueError(f"adapter_name={name!r} is already loaded into {EXPERT_NAMES[expert]}; pick "
                        "another name, or unload_lora_weights() first")
-    state, metadata, where = read_lora(pretrained_model_name_or_path_or_dict)
+    state, metadata, where = read_lora(pretrained_model_name_or_path_or_dict, weight_name)
     layers = parse_lora(state, metadata, self.transformer_config, where=where)
     self._lora.add(Adapter(name=name, expert=expert, layers=layers, weight=scale, source=where))
     self._experts = self._lora.refuse(self._experts, {expert})

@@ -268,12 +268,15 @@ def test_refused_keys_and_shapes_name_them_and_change_nothing(tiny, tmp_path):
   _write(two / "b.safetensors", good)
   with pytest.raises(CheckpointError, match="several safetensors files"):
     tiny.load_lora_weights(str(two))
+  with pytest.raises(CheckpointError, match="no such file"):
+    tiny.load_lora_weights(str(two), weight_name="c.safetensors")
   assert _same(_leaves(tiny), base) and tiny.get_list_adapters() == {}
   assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
   # A folder with diffusers' file name loads; a second adapter of the same name is refused.
   _write(two / lora.LORA_WEIGHT_NAME_SAFE, good)
   assert tiny.load_lora_weights(str(two)) == "default_0"
-  with pytest.raises(ValueError, match="'default_0' is already loaded"):
+  assert tiny.load_lora_weights(str(two), weight_name="b.safetensors") == "default_1"
+  with pytest.raises(ValueError, match="'default_0' is already loaded into transformer"):
     tiny.load_lora_weights(good, adapter_name="default_0")
   tiny.unload_lora_weights()
   assert _same(_leaves(tiny), base)
