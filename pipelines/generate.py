@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
                       f"{compile_cache.default_dir()})")
   p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
+  p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers or original Wan "
+                      "keys) fused into the transformer with weight SCALE (default 1); repeatable")
+  p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
+                      "(diffusers' load_into_transformer_2=True)")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
   c = p.add_argument_group("resumable denoising")
@@ -203,6 +209,7 @@ class Plan:
   fps: float
   overwrite: bool
   nan_guard: bool = True
+  loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
   processes: distributed.ProcessSpec | None = None  # None: a single-process run
   compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
   checkpoint_dir: str | None = None  # --checkpoint-dir or --resume
@@ -243,6 +250,28 @@ def parse_guidance(text: str) -> tuple[float, ...]:
     raise UsageError(f"--guidance {text!r} must be one number (e.g. 5.0) or two, 'HIGH,LOW', for the "
                      "two Wan 2.2 experts (e.g. 4.0,3.0)")
   return values
+
+
+def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:
+  """`PATH[:SCALE]` -> (path, scale); SCALE defaults to 1 (a path holding ':' keeps it when what
+  follows the last ':' is not a number).
+
+  Raises:
+    UsageError: no such file or folder, or a scale that is not finite.
+  """
+  path, scale = text, 1.0
+  head, sep, tail = text.rpartition(":")
+  if sep:
+    try:
+      path, scale = head, float(tail)
+    except ValueError:
+      pass
+  if not math.isfinite(scale):
+    raise UsageError(f"{flag} {text!r}: the scale {tail!r} must be a finite number (1: as trained)")
+  if not os.path.exists(path):
+    raise UsageError(f"{flag} {text!r}: {path!r} is not a file or folder; pass a LoRA .safetensors "
+                     "file (or its folder), optionally with :SCALE")
+  return path, scale
 
 
 def plan_run(args: argparse.Namespace) -> Plan:
@@ -326,6 +355,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--mesh U={ulysses},R={ring} ({ulysses * ring} devices) must split evenly over "
                      f"--num-processes {processes.num_processes}; e.g. U=<devices per process>,"
                      f"R={processes.num_processes}")
+  loras = tuple((*parse_lora_arg(text, flag), expert)
+                for flag, texts, expert in (("--lora", args.lora, 0), ("--lora-2", args.lora_2, 1))
+                for text in texts)
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
     if video_io.output_kind(args.out) == "gif":
@@ -336,7 +368,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               ulysses=ulysses, ring=ring,
               devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
-              overwrite=args.overwrite, nan_guard=args.nan_guard, processes=processes,
+              overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
@@ -346,7 +378,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
-             "seed", "dtype", "max_sequence_length")
+             "seed", "dtype", "max_sequence_length", "lora", "lora_2")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -371,6 +403,9 @@ def _normalized(name: str, value: Any) -> Any:
     return value if value == "tiny" else os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
+  if name in ("lora", "lora_2"):
+    return [f"{os.path.abspath(path)}:{scale!r}" for path, scale in
+            (parse_lora_arg(text, "--" + name.replace("_", "-")) for text in value)]
   return value
 
 
@@ -423,6 +458,8 @@ def _write_run_record(plan: Plan, seed: int) -> None:
             "guidance": list(plan.guidance), "shift": plan.shift, "seed": seed, "dtype": plan.dtype,
             "max_sequence_length": plan.max_sequence_length, "out": os.path.abspath(plan.out),
             "fps": plan.fps}
+  for name, expert in (("lora", 0), ("lora_2", 1)):
+    record[name] = [f"{os.path.abspath(path)}:{scale!r}" for path, scale, e in plan.loras if e == expert]
   os.makedirs(plan.checkpoint_dir, exist_ok=True)
   video_io.write_json(record, os.path.join(plan.checkpoint_dir, RUN_RECORD), overwrite=True)
 
@@ -529,8 +566,9 @@ def check_plan(plan: Plan) -> Checked:
   JAX's backend starts.
 
   Raises:
-    UsageError: see `_check_devices`, and two guidance scales for a one-expert model.
+    UsageError: see `_check_devices`, and two guidance scales (or --lora-2) for a one-expert model.
     checkpoint.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    ValueError: a LoRA that does not fit the transformer (`pipelines.lora.parse_lora`).
     distributed.DistributedError: the coordinator was not reached in time.
   """
   requested = _request_cpu_devices(plan)
@@ -543,6 +581,13 @@ def check_plan(plan: Plan) -> Checked:
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
                      f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
+  from pipelines import lora
+
+  for path, _, expert in plan.loras:
+    if expert >= experts:
+      raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {plan.model!r} has one "
+                       "transformer; use --lora")
+    lora.parse_lora(*lora.read_lora(path)[:2], transformer, where=path)  # keys and shapes, no compute
   return Checked(_plan_checkpoint(plan, transformer), device_note, transformer)
 
 
@@ -630,6 +675,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   start = time.perf_counter()
   pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
+  for path, scale, expert in plan.loras:
+    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
   load_s = time.perf_counter() - start
   mesh = None
   if plan.ulysses * plan.ring > 1:
@@ -666,7 +713,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
-      "settings": result.settings, "timings_s": timings, "compile_cache": cache.report(),
+      "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings,
+      "compile_cache": cache.report(),
       "checkpoint": None if plan.checkpoint_dir is None else {
           "dir": os.path.abspath(plan.checkpoint_dir), "every": plan.checkpoint_every,
           "resumed_from_step": result.settings.get("resumed_from_step"), "kept": plan.keep_checkpoint},

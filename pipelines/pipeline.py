@@ -51,6 +51,7 @@ from attention import IMPLEMENTATIONS
 from attention.mesh import mesh_degrees
 from pipelines import checkpoint, distributed, resume as resume_state
 from pipelines.cli import format_mesh, parse_mesh
+from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
@@ -405,10 +406,11 @@ def _to_unit_range(video: jax.Array) -> jax.Array:
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
-class WanPipeline:
+class WanPipeline(LoraLoaderMixin):
   """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
 
-  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`).
+  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`). LoRAs:
+  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora` (`pipelines.lora`).
 
   Attributes:
     transformer_config: config shared by both experts.
@@ -505,6 +507,17 @@ class WanPipeline:
   def num_experts(self) -> int:
     return len(self._experts)
 
+  @property
+  def _experts(self) -> list[nnx.State]:
+    """The experts' weights (nnx states). Assigning new values (a fused LoRA) bumps
+    `_weights_version`, so `fingerprint` is recomputed; `_place` only moves them."""
+    return self._expert_states
+
+  @_experts.setter
+  def _experts(self, states: list[nnx.State]) -> None:
+    self._expert_states = list(states)
+    self._weights_version = getattr(self, "_weights_version", 0) + 1
+
   def _place(self, mesh: Mesh | None) -> None:
     """Puts the experts' weights on the call's devices (replicated over the mesh; DESIGN.md 2)."""
     key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()))
@@ -512,7 +525,7 @@ class WanPipeline:
       return
     sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                 else NamedSharding(mesh, P()))
-    self._experts = [distributed.put_replicated(state, sharding) for state in self._experts]
+    self._expert_states = [distributed.put_replicated(state, sharding) for state in self._experts]
     self._placement = key
 
   def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
@@ -836,16 +849,17 @@ class WanPipeline:
 
   def fingerprint(self) -> str:
     """SHA-256 (hex) of this pipeline's model: configs, dtypes and sampled values of every weight
-    (`resume.model_fingerprint`); computed once."""
-    if getattr(self, "_fingerprint", None) is None:
+    (`resume.model_fingerprint`); computed again only after the weights change (a LoRA fused)."""
+    cached = getattr(self, "_fingerprint", None)
+    if cached is None or cached[0] != self._weights_version:
       config = {"transformer": dataclasses.asdict(self.transformer_config),
                 "text_encoder": dataclasses.asdict(self.text_encoder_config),
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio}
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self._experts)}
       trees.update(text_encoder=self._text_params, vae=self.vae)
-      self._fingerprint = resume_state.model_fingerprint(trees, config)
-    return self._fingerprint
+      self._fingerprint = (self._weights_version, resume_state.model_fingerprint(trees, config))
+    return self._fingerprint[1]
 
   def _run_identity(self, s: dict[str, Any], noise: np.ndarray, attention_implementation: str) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this call (`pipelines.resume`)."""

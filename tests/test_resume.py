@@ -91,8 +91,7 @@ def test_resume_refuses_another_run_before_compute(pipe, tmp_path):
   assert other.fingerprint() == pipe.fingerprint()
   leaves, treedef = jax.tree.flatten(other._experts[0])
   leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1.0)  # ... one weight value changed: refused
-  other._experts[0] = jax.tree.unflatten(treedef, leaves)
-  other._fingerprint = None
+  other._experts = [jax.tree.unflatten(treedef, leaves)]
   with pytest.raises(resume.ResumeError, match="model_fingerprint"):
     other.run(PROMPT, checkpoint_dir=folder, resume=True, **KW)
   # without resume, the checkpoint is never overwritten; resume without one is an error

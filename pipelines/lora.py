@@ -1,0 +1,607 @@
+"""LoRA weights for the Wan transformer, fused into the weights (no runtime cost).
+
+Glossary (DESIGN.md section 1): D model width, E ffn width, Z layers; a LoRA layer of rank r on a
+Linear with torch weight [O, I] holds lora_A (down) [r, I] and lora_B (up) [O, r].
+
+Formats read (safetensors only, a file or a folder holding one):
+- diffusers / peft, what diffusers' `WanPipeline.save_lora_weights` writes:
+  `transformer.blocks.{i}.attn1.to_q.lora_A.weight`, `...lora_B.weight`, optionally
+  `...lora_B.bias` (peft `lora_bias`), with the peft `LoraConfig` (r, lora_alpha, rank_pattern,
+  alpha_pattern, use_rslora) as JSON under the file's `lora_adapter_metadata` key. Without that
+  metadata the scaling is 1 (diffusers' convention: alpha == rank).
+- the original Wan format: `diffusion_model.blocks.{i}.self_attn.q.lora_down.weight` /
+  `.lora_up.weight` / `.alpha` (also `lora_A` / `lora_B`, `.diff_b` bias deltas), converted as
+  diffusers' `_convert_non_diffusers_wan_lora_to_diffusers` (loaders/lora_conversion_utils.py)
+  does: alpha / rank is folded into down and up (split as powers of two), so the converted layer
+  has scaling 1.
+
+Math (peft `LoraLayer.get_delta_weight` / `merge`): a layer's update is
+`delta_W = scaling * lora_B @ lora_A` ([O, I]) with `scaling = lora_alpha / r` (or
+`lora_alpha / sqrt(r)` with rsLoRA), and `delta_b = scaling * lora_B.bias`. Adapter `a` loaded with
+weight `w_a` under the global scale `s` (diffusers' `attention_kwargs={"scale": s}`) gives
+
+    W = base + s * sum_a w_a * delta_W_a
+
+computed in fp32 from the unfused base and rounded once to the parameter's dtype. The unfused base
+of every touched parameter is kept on the host, so `unfuse` restores it bit for bit in any dtype.
+Our kernels are [I, O] (torch's transposed) and the blocks are stacked on a leading Z axis, so the
+update of `blocks.{i}.attn1.to_q` goes to `blocks.attn1.to_q.kernel[i]` (the key -> parameter
+mapping is `transformer_loading.checkpoint_layout`, shared with the checkpoint loader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from pipelines import checkpoint, distributed
+from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer_loading import checkpoint_layout
+
+# diffusers' file name for `save_lora_weights` (loaders/lora_base.py LORA_WEIGHT_NAME_SAFE) and its
+# safetensors metadata key (LORA_ADAPTER_METADATA_KEY).
+LORA_WEIGHT_NAME_SAFE = "pytorch_lora_weights.safetensors"
+LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+TRANSFORMER_PREFIX = "transformer."
+WAN_PREFIX = "diffusion_model."
+EXPERT_NAMES = ("transformer", "transformer_2")  # diffusers' component names of experts 0 and 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayer:
+  """One Linear layer's low-rank update, in diffusers' (torch) layout.
+
+  Attributes:
+    module: diffusers module name, e.g. "blocks.3.attn1.to_q".
+    kernel_path: our parameter path of the kernel, e.g. ("blocks", "attn1", "to_q", "kernel").
+    layer: block index i (the slice of the stacked parameter), or None outside the blocks.
+    down: lora_A float32 [r, I].
+    up: lora_B float32 [O, r].
+    bias: lora_B.bias float32 [O] (peft `lora_bias`, Wan `diff_b`) or None.
+    scaling: peft's lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
+  """
+  module: str
+  kernel_path: tuple[str, ...]
+  layer: int | None
+  down: np.ndarray
+  up: np.ndarray
+  bias: np.ndarray | None
+  scaling: float
+
+  @property
+  def bias_path(self) -> tuple[str, ...]:
+    return (*self.kernel_path[:-1], "bias")
+
+  def delta_kernel(self) -> np.ndarray:
+    """float32 [I, O]: (scaling * lora_B @ lora_A).T, our kernel layout."""
+    return (self.up @ self.down).T * np.float32(self.scaling)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+def lora_file(path: str | os.PathLike, weight_name: str | None = None) -> str:
+  """The safetensors file of a LoRA: `path` itself, or the one in a folder.
+
+  A folder must hold `weight_name` when given (diffusers' argument), else
+  `pytorch_lora_weights.safetensors` (diffusers' name) or exactly one `*.safetensors` file.
+
+  Raises:
+    checkpoint.CheckpointError: no such file or folder, a pickle-format file (`.bin`, `.pt`, ...;
+      unpickling can execute code), not a `.safetensors` file, or a folder holding none or several.
+  """
+  path = os.fspath(path)
+  if weight_name is not None:
+    if not os.path.isdir(path):
+      raise checkpoint.CheckpointError(f"weight_name={weight_name!r} needs a folder, but {path!r} is not one")
+    path = os.path.join(path, weight_name)
+  if os.path.isdir(path):
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if LORA_WEIGHT_NAME_SAFE in names:
+      return os.path.join(path, LORA_WEIGHT_NAME_SAFE)
+    if len(names) == 1:
+      return os.path.join(path, names[0])
+    if names:
+      raise checkpoint.CheckpointError(
+          f"LoRA folder {path!r} holds several safetensors files {names}; pass the file itself or "
+          "weight_name=")
+    pickles = [n for n in sorted(os.listdir(path)) if n.endswith(checkpoint.PICKLE_SUFFIXES)]
+    note = (f" (only pickle files {pickles}, refused: unpickling can execute code; convert them to "
+            "safetensors)") if pickles else ""
+    raise checkpoint.CheckpointError(f"LoRA folder {path!r} has no *.safetensors file{note}")
+  if not os.path.isfile(path):
+    raise checkpoint.CheckpointError(f"LoRA weights {path!r}: no such file or folder")
+  if path.endswith(checkpoint.PICKLE_SUFFIXES):
+    raise checkpoint.CheckpointError(
+        f"LoRA weights {path!r} are a pickle file, refused (unpickling can execute code); convert "
+        "them to safetensors")
+  if not path.endswith(".safetensors"):
+    raise checkpoint.CheckpointError(f"LoRA weights {path!r} must be a .safetensors file")
+  return path
+
+
+def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, str]:
+  """Reads a LoRA's tensors and its diffusers adapter metadata.
+
+  Args:
+    source: a safetensors file, a folder holding one (see `lora_file`), or a state dict of numpy /
+      JAX / torch arrays (as diffusers' `load_lora_weights` accepts).
+    weight_name: the file's name inside the folder `source` (diffusers' argument).
+
+  Returns:
+    (key -> float32 numpy array, the parsed `lora_adapter_metadata` JSON or None, a name for
+    messages).
+
+  Raises:
+    checkpoint.CheckpointError: see `lora_file`; a truncated or corrupt file; metadata that is not
+      JSON.
+  """
+  if isinstance(source, Mapping):
+    return {str(k): _float32(v) for k, v in source.items()}, None, "the given state dict"
+  from safetensors import SafetensorError, safe_open
+
+  path = lora_file(source, weight_name)
+  state = {}
+  try:
+    with safe_open(path, framework="numpy") as f:
+      header = f.metadata() or {}
+      for key in f.keys():
+        state[key] = _float32(f.get_tensor(key))
+  except (SafetensorError, OSError, ValueError) as e:
+    raise checkpoint.CheckpointError(f"cannot read LoRA {path!r} (truncated or corrupt?): {e}") from e
+  raw = header.get(LORA_ADAPTER_METADATA_KEY)
+  try:
+    metadata = json.loads(raw) if raw else None
+  except json.JSONDecodeError as e:
+    raise checkpoint.CheckpointError(f"{path!r}: {LORA_ADAPTER_METADATA_KEY} is not JSON: {e}") from e
+  return state, metadata, path
+
+
+def _float32(value: Any) -> np.ndarray:
+  if hasattr(value, "detach"):  # torch, without importing it (bf16 has no numpy dtype there)
+    value = value.detach().float().cpu().numpy()
+  return np.asarray(value, np.float32)
+
+
+# --- the original Wan format -> diffusers --------------------------------------------------------
+
+def _alpha_scales(rank: int, alpha: float) -> tuple[float, float]:
+  """diffusers' `get_alpha_scales`: alpha / rank split into (down, up) factors, powers of two moved
+  from up to down until down * 2 >= up."""
+  scale_down, scale_up = alpha / rank, 1.0
+  while scale_down * 2 < scale_up:
+    scale_down *= 2
+    scale_up /= 2
+  return scale_down, scale_up
+
+
+def convert_wan_to_diffusers(state: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+  """The original Wan key format (`diffusion_model.*`) as diffusers' keys (`transformer.*`).
+
+  A numpy port of diffusers' `_convert_non_diffusers_wan_lora_to_diffusers` for the text-to-video
+  layers: blocks' self_attn / cross_attn q, k, v, o -> attn1 / attn2 to_q, to_k, to_v, to_out.0;
+  ffn.0 / ffn.2 -> ffn.net.0.proj / ffn.net.2; time_projection.1 -> condition_embedder.time_proj;
+  head.head -> proj_out; {text,time}_embedding.{0,2} -> condition_embedder.{text,time}_embedder.
+  linear_{1,2}. `lora_down`/`lora_A` -> lora_A, `lora_up`/`lora_B` -> lora_B, `diff_b` ->
+  lora_B.bias; `alpha` folds alpha / rank into lora_A and lora_B (scaling 1 afterwards); a
+  `head.head.diff` full delta becomes lora_A with an identity lora_B. Norm `.diff` / `.diff_b` keys
+  are dropped (diffusers: they are zeros), as are time_projection bias deltas without a weight.
+
+  Returns:
+    (converted state, the keys left unconverted: image-to-video layers, unknown names, other
+    `.diff` full deltas; the caller refuses or warns).
+  """
+  rest = {k.removeprefix(WAN_PREFIX): v for k, v in state.items()}
+  down_name = "lora_A" if any("lora_A" in k for k in rest) else "lora_down"
+  up_name = "lora_B" if any("lora_B" in k for k in rest) else "lora_up"
+  out: dict[str, np.ndarray] = {}
+  has_time_weight = any(k.startswith("time_projection") and k.endswith(".weight") for k in rest)
+  for key in list(rest):
+    if (key.endswith((".diff", ".diff_b")) and "norm" in key) or (
+        "time_projection" in key and not has_time_weight):
+      rest.pop(key)
+
+  def move(theirs: str, ours: str, alpha: bool = True) -> None:
+    down_key, up_key = f"{theirs}.{down_name}.weight", f"{theirs}.{up_name}.weight"
+    if down_key in rest:
+      out[f"{ours}.lora_A.weight"] = rest.pop(down_key)
+    if up_key in rest:
+      out[f"{ours}.lora_B.weight"] = rest.pop(up_key)
+    if alpha and f"{theirs}.alpha" in rest and f"{ours}.lora_A.weight" in out:
+      scale_down, scale_up = _alpha_scales(out[f"{ours}.lora_A.weight"].shape[0],
+                                           float(rest.pop(f"{theirs}.alpha").reshape(-1)[0]))
+      out[f"{ours}.lora_A.weight"] = out[f"{ours}.lora_A.weight"] * np.float32(scale_down)
+      if f"{ours}.lora_B.weight" in out:
+        out[f"{ours}.lora_B.weight"] = out[f"{ours}.lora_B.weight"] * np.float32(scale_up)
+    if f"{theirs}.diff_b" in rest:
+      out[f"{ours}.lora_B.bias"] = rest.pop(f"{theirs}.diff_b")
+
+  blocks = sorted({int(k.split(".")[1]) for k in rest if re.match(r"blocks\.\d+\.", k)})
+  for i in blocks:
+    for theirs, ours in (("self_attn", "attn1"), ("cross_attn", "attn2")):
+      for o, c in zip(("q", "k", "v", "o"), ("to_q", "to_k", "to_v", "to_out.0")):
+        move(f"blocks.{i}.{theirs}.{o}", f"blocks.{i}.{ours}.{c}")
+    for o, c in (("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2")):
+      move(f"blocks.{i}.{o}", f"blocks.{i}.{c}")
+  # diffusers converts these without alpha handling (an alpha here is left over, so refused).
+  move("time_projection.1", "condition_embedder.time_proj", alpha=False)
+  move("head.head", "proj_out", alpha=False)
+  if "head.head.diff" in rest:  # lightx2v distill LoRAs: a full delta, identity up
+    diff = rest.pop("head.head.diff")
+    out["proj_out.lora_A.weight"] = diff
+    out["proj_out.lora_B.weight"] = np.eye(diff.shape[0], dtype=np.float32)
+  for theirs, ours in (("text_embedding", "text_embedder"), ("time_embedding", "time_embedder")):
+    for b, c in ((0, 1), (2, 2)):
+      move(f"{theirs}.{b}", f"condition_embedder.{ours}.linear_{c}", alpha=False)
+  left = sorted(WAN_PREFIX + k for k in rest)
+  return {TRANSFORMER_PREFIX + k: v for k, v in out.items()}, left
+
+
+# --- diffusers keys -> our layers ----------------------------------------------------------------
+
+def _pattern_key(patterns, module: str) -> str | None:
+  """peft `get_pattern_key`: the first pattern p with `module` matching `(.*\\.)?(p)$`."""
+  for pattern in patterns:
+    if re.match(rf"(.*\.)?({pattern})$", module):
+      return pattern
+  return None
+
+
+def _scaling(module: str, rank: int, config: Mapping[str, Any] | None) -> float:
+  """peft's scaling of `module` under LoraConfig fields `config` (None: diffusers' alpha == rank).
+
+  Raises:
+    ValueError: the config's rank for this module differs from lora_A's.
+  """
+  if config is None:
+    return 1.0
+  rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+  key = _pattern_key(rank_pattern, module)
+  r = rank_pattern[key] if key is not None else config.get("r", rank)
+  key = _pattern_key(alpha_pattern, module)
+  alpha = alpha_pattern[key] if key is not None else config.get("lora_alpha", r)
+  if int(r) != rank:
+    raise ValueError(f"{module}: lora_A has rank {rank} but the adapter metadata says r={r}")
+  return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else float(r))
+
+
+def linear_layers(config: WanTransformerConfig
+                  ) -> dict[str, tuple[tuple[int, int], tuple[str, ...], int | None]]:
+  """diffusers Linear module name -> ((O, I) torch weight shape, our kernel path, block index).
+
+  From `transformer_loading.checkpoint_layout` (the checkpoint loader's key mapping)."""
+  return {key.removesuffix(".weight"): (shape, path, layer)
+          for key, shape, path, layer, kind in checkpoint_layout(config) if kind == "linear"}
+
+
+_LORA_KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)$")
+
+
+def parse_lora(state: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None,
+               config: WanTransformerConfig, *, where: str = "LoRA") -> list[LoraLayer]:
+  """Checks a LoRA against the model and returns its layers. Reads nothing, computes nothing big.
+
+  Args:
+    state: diffusers-format (`transformer.*`) or original Wan (`diffusion_model.*`) keys -> arrays.
+    metadata: diffusers' `lora_adapter_metadata` (`transformer.`-prefixed LoraConfig fields) or None.
+    config: the transformer's config.
+    where: the LoRA's name for messages.
+
+  Returns:
+    One `LoraLayer` per adapted Linear.
+
+  Raises:
+    ValueError: one error naming every key that matches no Linear layer of this model (other
+      prefixes, image-to-video or unknown layers, leftover alphas, DoRA), every shape that does not
+      fit, every lora_A without its lora_B (or the reverse), DoRA metadata, an empty LoRA.
+  """
+  ignored: list[str] = []
+  if any(k.startswith(WAN_PREFIX) for k in state):
+    state, left = convert_wan_to_diffusers(state)
+    unknown = [k for k in left if not k.endswith(".diff")]
+    ignored = [k for k in left if k.endswith(".diff")]
+  else:
+    unknown = []
+  fields = None
+  if metadata:
+    fields = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in metadata.items()
+              if k.startswith(TRANSFORMER_PREFIX)} or None
+    if fields and fields.get("use_dora"):
+      raise ValueError(f"{where}: DoRA adapters (use_dora=True) are not supported")
+  layers = linear_layers(config)
+  parts: dict[str, dict[str, np.ndarray]] = {}
+  for key, value in state.items():
+    match = _LORA_KEY.match(key)
+    module = match["module"].removeprefix(TRANSFORMER_PREFIX) if match else None
+    if not key.startswith(TRANSFORMER_PREFIX) or module not in layers:
+      unknown.append(key)
+    else:
+      parts.setdefault(module, {})[match["part"]] = value
+  problems = []
+  if unknown:
+    problems.append(f"keys that match no Linear layer of this model ({len(unknown)}): {sorted(unknown)}")
+  found = []
+  for module, p in sorted(parts.items()):
+    (out_dim, in_dim), path, layer = layers[module]
+    down, up, bias = p.get("lora_A.weight"), p.get("lora_B.weight"), p.get("lora_B.bias")
+    if down is None or up is None:
+      problems.append(f"{module}: has {sorted(p)} but needs both lora_A.weight and lora_B.weight")
+      continue
+    rank = down.shape[0] if down.ndim == 2 else -1
+    want = {"lora_A.weight": (rank, in_dim), "lora_B.weight": (out_dim, rank), "lora_B.bias": (out_dim,)}
+    bad = [f"transformer.{module}.{name} {tuple(a.shape)} (model wants {want[name]})"
+           for name, a in p.items() if a.ndim != len(want[name]) or tuple(a.shape) != want[name]]
+    if bad or rank < 1:
+      problems.append("shape mismatches: " + ", ".join(bad or [f"transformer.{module}.lora_A.weight "
+                                                                f"{tuple(down.shape)}"]))
+      continue
+    try:
+      scaling = _scaling(module, rank, fields)
+    except ValueError as e:
+      problems.append(str(e))
+      continue
+    found.append(LoraLayer(module=module, kernel_path=path, layer=layer, down=down, up=up,
+                           bias=bias, scaling=scaling))
+  if problems:
+    raise ValueError(f"LoRA {where!r} does not fit this transformer (nothing was changed):\n  "
+                     + "\n  ".join(problems))
+  if not found:
+    raise ValueError(f"LoRA {where!r} holds no LoRA layers")
+  if ignored:
+    warnings.warn(f"LoRA {where!r}: full-weight `.diff` deltas are ignored, as diffusers does: {ignored}",
+                  stacklevel=3)
+  return found
+
+
+# --- fusing --------------------------------------------------------------------------------------
+
+def _state_path(keypath) -> tuple[str, ...]:
+  """An nnx.State pytree key path as our parameter path (dict keys, without `.value`)."""
+  return tuple(k.key for k in keypath if isinstance(k, jax.tree_util.DictKey))
+
+
+@dataclasses.dataclass
+class Adapter:
+  """A loaded LoRA: its layers, the expert it belongs to and its weight (`set_adapters` weight)."""
+  name: str
+  expert: int
+  layers: list[LoraLayer]
+  weight: float
+  source: str
+
+
+class LoraWeights:
+  """The LoRA adapters of a pipeline's experts and their fusion into the expert weights.
+
+  The pipeline holds one (`WanPipeline._lora`); every method that changes weights returns new
+  `nnx.State`s for the experts it touches, leaving every other leaf (and every leaf's sharding) as
+  it was, so compiled steps are reused.
+
+  Attributes:
+    adapters: (expert, name) -> `Adapter`, in loading order.
+    scale: the global multiplier s (diffusers' `attention_kwargs={"scale": s}`), default 1.
+    fused: whether the experts' weights currently include the adapters.
+  """
+
+  def __init__(self):
+    self.adapters: dict[tuple[int, str], Adapter] = {}
+    self.scale = 1.0
+    self.fused = True
+    self._base: dict[tuple[int, tuple[str, ...]], np.ndarray] = {}  # unfused originals, host
+
+  def add(self, adapter: Adapter) -> None:
+    """Registers an adapter (not yet fused: call `refuse`).
+
+    Raises:
+      ValueError: an adapter of that name is loaded already.
+    """
+    if (adapter.expert, adapter.name) in self.adapters:
+      raise ValueError(f"adapter_name={adapter.name!r} is already loaded into "
+                       f"{EXPERT_NAMES[adapter.expert]}; pick another name, or unload_lora_weights() first")
+    self.adapters[(adapter.expert, adapter.name)] = adapter
+
+  def default_name(self, expert: int) -> str:
+    """diffusers' default adapter names, per transformer: default_0, default_1, ..."""
+    n = 0
+    while (expert, f"default_{n}") in self.adapters:
+      n += 1
+    return f"default_{n}"
+
+  def refuse(self, experts: list, expert_ids: set[int] | None = None) -> list:
+    """The experts' states with W = base + s * sum_a w_a * delta_a (or the base when not fused).
+
+    Args:
+      experts: the pipeline's `nnx.State` per expert.
+      expert_ids: the experts to recompute (default: all).
+
+    Returns:
+      A new list of states; untouched experts are the same objects.
+    """
+    experts = list(experts)
+    for e in sorted(range(len(experts)) if expert_ids is None else expert_ids):
+      deltas: dict[tuple[str, ...], dict[int | None, list[np.ndarray]]] = {}
+      if self.fused:
+        for adapter in self.adapters.values():
+          if adapter.expert != e:
+            continue
+          factor = np.float32(self.scale * adapter.weight)
+          for lay in adapter.layers:
+            deltas.setdefault(lay.kernel_path, {}).setdefault(lay.layer, []).append(
+                (lay, factor, "kernel"))
+            if lay.bias is not None:
+              deltas.setdefault(lay.bias_path, {}).setdefault(lay.layer, []).append((lay, factor, "bias"))
+      touched = set(deltas) | {path for (ex, path) in self._base if ex == e}
+
+      def update(keypath, leaf, e=e, deltas=deltas, touched=touched):
+        path = _state_path(keypath)
+        if path not in touched:
+          return leaf
+        if (e, path) not in self._base:
+          self._base[(e, path)] = distributed.to_host(leaf)
+        base = self._base[(e, path)]
+        if path not in deltas:  # back to the base: the leaf holds it exactly, the copy can go
+          new = self._base.pop((e, path))
+        else:
+          new = base.copy()
+          for layer, terms in deltas[path].items():  # one block's slice at a time in fp32
+            where = ... if layer is None else layer
+            fused = base[where].astype(np.float32)
+            for lay, factor, kind in terms:
+              delta = lay.delta_kernel() if kind == "kernel" else lay.bias * np.float32(lay.scaling)
+              fused += factor * delta
+            new[where] = fused.astype(base.dtype)  # the one rounding
+        return distributed.put_replicated(new, leaf.sharding)
+
+      experts[e] = jax.tree_util.tree_map_with_path(update, experts[e])
+    return experts
+
+  def describe(self) -> list[dict[str, Any]]:
+    """For logs and sidecars: [{name, transformer, weight, layers, source}], loading order."""
+    return [dict(name=a.name, transformer=EXPERT_NAMES[a.expert], weight=a.weight, layers=len(a.layers),
+                 source=a.source) for a in self.adapters.values()]
+
+
+def _check_scale(name: str, value: Any) -> float:
+  """A finite real number (not a bool) as float; ValueError naming the argument otherwise."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+      or not math.isfinite(value):
+    raise ValueError(f"{name}={value!r} must be a finite number (1.0: the LoRA as trained; 0: off)")
+  return float(value)
+
+
+class LoraLoaderMixin:
+  """`WanPipeline`'s LoRA methods (diffusers' `WanLoraLoaderMixin` names and meanings), fused.
+
+  Unlike diffusers (peft layers computing `base(x) + scaling * B(A(x))` at run time), adapters are
+  always merged into the weights: the denoise step is the same compiled program, at no extra cost.
+  Changing an adapter, the scale or fused-ness recomputes only the touched parameters, in fp32 from
+  the unfused base, with one rounding to the model dtype. The host keeps a copy of every touched
+  parameter's base (for a LoRA on every block's attention and FFN, about one transformer's worth).
+
+  The host class provides `_experts` (list of `nnx.State`, one per expert) and
+  `transformer_config`.
+  """
+
+  @property
+  def _lora(self) -> LoraWeights:
+    if getattr(self, "_lora_weights", None) is None:
+      self._lora_weights = LoraWeights()
+    return self._lora_weights
+
+  def load_lora_weights(self, pretrained_model_name_or_path_or_dict: str | os.PathLike | Mapping[str, Any],
+                        adapter_name: str | None = None, scale: float = 1.0, *,
+                        weight_name: str | None = None, load_into_transformer_2: bool = False) -> str:
+    """Loads a Wan transformer LoRA and fuses it into the weights.
+
+    Args:
+      pretrained_model_name_or_path_or_dict: a `.safetensors` file, a folder holding
+        `pytorch_lora_weights.safetensors` or exactly one `.safetensors`, or a state dict. Keys in
+        diffusers/peft format (`transformer.blocks.0.attn1.to_q.lora_A.weight`, as diffusers'
+        `save_lora_weights` writes, with its `lora_adapter_metadata` alphas) or the original Wan
+        format (`diffusion_model.blocks.0.self_attn.q.lora_down.weight`, `lora_up`, `alpha`).
+      adapter_name: diffusers' adapter name; default "default_{n}" (n = adapters already in that
+        transformer).
+      scale: this adapter's weight w (diffusers' `set_adapters(name, w)`); the fused weights are
+        `base + s * sum_a w_a * scaling_a * B_a @ A_a`, s the global `lora_scale`.
+      load_into_transformer_2: load into the low-noise expert `transformer_2` of a two-expert (Wan
+        2.2) pipeline instead of `transformer`, as diffusers does.
+      weight_name: the file inside the folder (diffusers' argument), for folders holding several.
+
+    Returns:
+      The adapter name.
+
+    The adapter is fused at once, unless `unfuse_lora` was called last: then at the next
+    `fuse_lora`. Cost: reading the file, then per adapted parameter one host fp32 pass over it.
+
+    Raises:
+      checkpoint.CheckpointError: no such file, a pickle file, several files in the folder, a
+        corrupt file.
+      ValueError: keys matching no Linear layer of this model, shapes that do not fit, unpaired
+        lora_A / lora_B (all named in one message); a taken adapter name; a bad scale;
+        `load_into_transformer_2` on a one-transformer pipeline. Raised before any weight changes.
+    """
+    scale = _check_scale("scale", scale)
+    if not isinstance(load_into_transformer_2, (bool, np.bool_)):
+      raise ValueError(f"{load_into_transformer_2=} must be True or False")
+    expert = 1 if load_into_transformer_2 else 0
+    if expert >= len(self._experts):
+      raise ValueError("load_into_transformer_2=True needs a two-expert (Wan 2.2) pipeline; this one has "
+                       "only `transformer`")
+    if adapter_name is not None and not (isinstance(adapter_name, str) and adapter_name):
+      raise ValueError(f"adapter_name={adapter_name!r} must be a non-empty str or None")
+    name = adapter_name or self._lora.default_name(expert)
+    if (expert, name) in self._lora.adapters:
+      raise ValueError(f"adapter_name={name!r} is already loaded into {EXPERT_NAMES[expert]}; pick "
+                       "another name, or unload_lora_weights() first")
+    state, metadata, where = read_lora(pretrained_model_name_or_path_or_dict, weight_name)
+    layers = parse_lora(state, metadata, self.transformer_config, where=where)
+    self._lora.add(Adapter(name=name, expert=expert, layers=layers, weight=scale, source=where))
+    self._experts = self._lora.refuse(self._experts, {expert})
+    return name
+
+  def fuse_lora(self, lora_scale: float = 1.0) -> None:
+    """Fuses the loaded adapters into the weights with global scale `lora_scale` (diffusers'
+    `fuse_lora(lora_scale=...)`). Adapters are fused on load, so this only re-fuses after
+    `unfuse_lora` or with another scale.
+
+    Raises:
+      ValueError: `lora_scale` not a finite number.
+    """
+    self._lora.scale = _check_scale("lora_scale", lora_scale)
+    self._lora.fused = True
+    self._experts = self._lora.refuse(self._experts)
+
+  def unfuse_lora(self) -> None:
+    """Restores every expert's base weights bit for bit; the adapters stay loaded (`fuse_lora`
+    brings them back)."""
+    self._lora.fused = False
+    self._experts = self._lora.refuse(self._experts)
+
+  def unload_lora_weights(self) -> None:
+    """Restores the base weights and forgets every adapter (diffusers' `unload_lora_weights`)."""
+    self._lora.adapters.clear()
+    self._experts = self._lora.refuse(self._experts)
+    self._lora.fused, self._lora.scale = True, 1.0
+
+  def set_lora_scale(self, scale: float) -> float:
+    """Sets the global LoRA scale s and re-fuses when it changed; returns the previous s.
+
+    This is diffusers' `attention_kwargs={"scale": s}`: a call with that argument does
+    `previous = pipe.set_lora_scale(s)` before denoising and `pipe.set_lora_scale(previous)` after
+    (diffusers scales the LoRA layers for the call only). A no-op without adapters or unfused.
+
+    Raises:
+      ValueError: `scale` not a finite number.
+    """
+    scale = _check_scale("scale", scale)
+    previous = self._lora.scale
+    if scale != previous:
+      self._lora.scale = scale
+      if self._lora.fused and self._lora.adapters:
+        self._experts = self._lora.refuse(self._experts)
+    return previous
+
+  @property
+  def lora_scale(self) -> float:
+    """The global LoRA scale s (1.0 unless `set_lora_scale` / `fuse_lora(lora_scale)` changed it)."""
+    return self._lora.scale
+
+  def get_list_adapters(self) -> dict[str, list[str]]:
+    """diffusers' `get_list_adapters`: {"transformer": [names], "transformer_2": [names]}, loaded ones."""
+    out: dict[str, list[str]] = {}
+    for adapter in self._lora.adapters.values():
+      out.setdefault(EXPERT_NAMES[adapter.expert], []).append(adapter.name)
+    return out
+
+  def lora_info(self) -> dict[str, Any]:
+    """JSON-able summary for sidecars: {"scale", "fused", "adapters": `LoraWeights.describe()`}."""
+    return {"scale": self._lora.scale, "fused": self._lora.fused, "adapters": self._lora.describe()}
