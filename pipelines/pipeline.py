@@ -5,10 +5,13 @@ height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / 
 
 What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py, `__call__`):
 1. prompts cleaned (`prompt_clean`), tokenised to L, UMT5-encoded; rows past each prompt's true
-   length zeroed (diffusers trims to the true length, then pads with zeros);
+   length zeroed (diffusers trims to the true length, then pads with zeros). Text states given as
+   `prompt_embeds` / `negative_prompt_embeds` are used as they are instead. Each prompt's rows are
+   repeated `num_videos_per_prompt` times (B videos = prompts x num_videos_per_prompt);
 2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed
    + i)`), so the same seed gives the same video on every mesh and a batch equals its prompts run
-   alone with seeds seed, seed + 1, ...;
+   alone with seeds seed, seed + 1, ...; diffusers' torch `generator` has no counterpart: pass its
+   noise as `latents` for exact parity;
 3. the scheduler's timesteps on the host; for step k the expert is `transformer` while
    t_k >= boundary_ratio * num_train_timesteps, else `transformer_2` (Wan 2.2 A14B), each with its
    own guidance scale;
@@ -17,8 +20,11 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
    model dtype and the scheduler step; latents and solver state are donated. Both experts share
    the program (same graph, same shapes; the weights and g are arguments). The step also returns
    `isfinite(latents).all()` (one reduction, no extra dispatch); with `nan_guard` (default) a
-   non-finite step stops the run with `NonFiniteLatentsError` naming the step;
-5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`).
+   non-finite step stops the run with `NonFiniteLatentsError` naming the step. After each step,
+   diffusers' `callback_on_step_end` may replace the latents or text states, or stop the loop
+   (`pipe._interrupt = True`: the remaining steps are skipped, as diffusers does);
+5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`;
+   "pil" rounds those to uint8 images, "latent" skips 5 and returns the latents).
 
 Classifier-free guidance is on when `guidance_scale > 1` (diffusers: only the first scale decides).
 The negative prompt defaults to "" as in diffusers.
