@@ -184,13 +184,13 @@ def _host_array(value: Any) -> np.ndarray | None:
   return array
 
 
-def _embeds(name: str, value: Any, text_dim: int, *, batch: int | None = None) -> np.ndarray:
+def _embeds(name: str, value: Any, text_dim: int) -> np.ndarray:
   """Precomputed text states (diffusers' `prompt_embeds` / `negative_prompt_embeds`) as float32
   numpy [B, L, text_dim].
 
   Raises:
-    ValueError: not an array of real numbers, not 3-d, an empty axis, last axis != text_dim, B !=
-      `batch` (when given), or NaN/inf values.
+    ValueError: not an array of real numbers, not 3-d, an empty axis, last axis != text_dim, or
+      NaN/inf values.
   """
   array = _host_array(value)
   if array is None:
@@ -199,9 +199,6 @@ def _embeds(name: str, value: Any, text_dim: int, *, batch: int | None = None) -
   if array.ndim != 3 or 0 in array.shape or array.shape[2] != text_dim:
     raise ValueError(f"{name}.shape={array.shape} must be [B, L, text_dim] with text_dim={text_dim} "
                      "(the text encoder's width, e.g. diffusers' encode_prompt output)")
-  if batch is not None and array.shape[0] != batch:
-    raise ValueError(f"{name} holds {array.shape[0]} prompt(s) but the call has {batch}; give one row "
-                     "per prompt (num_videos_per_prompt repeats them)")
   if not np.isfinite(array).all():
     raise ValueError(f"{name} holds {int((~np.isfinite(array)).sum())} NaN/inf values")
   return array.astype(np.float32)
@@ -655,16 +652,20 @@ class WanPipeline:
                        "the batch uses numpy.random.default_rng(seed + i)), so no torch generator maps "
                        "onto it; for diffusers' exact noise pass it as latents, e.g. latents=torch.randn("
                        "shape, generator=torch.Generator().manual_seed(s)) as diffusers' randn_tensor draws it")
+    text_dim = self.transformer_config.text_dim
+    if prompt_embeds is not None:
+      prompt_embeds = _embeds("prompt_embeds", prompt_embeds, text_dim)
+    if negative_prompt_embeds is not None:
+      negative_prompt_embeds = _embeds("negative_prompt_embeds", negative_prompt_embeds, text_dim)
     if prompt is not None and prompt_embeds is not None:
       raise ValueError("give either prompt or prompt_embeds, not both (prompt_embeds replace the "
                        "encoded prompt; diffusers refuses both too)")
     if negative_prompt is not None and negative_prompt_embeds is not None:
       raise ValueError("give either negative_prompt or negative_prompt_embeds, not both")
     if prompt is None and prompt_embeds is None:
-      raise ValueError("give a prompt (a str or a list of str) or prompt_embeds [B, L, text_dim]")
-    text_dim = self.transformer_config.text_dim
+      raise ValueError("prompt=None and prompt_embeds=None: give a prompt (a str or a list of str) or "
+                       "prompt_embeds [B, L, text_dim]")
     if prompt_embeds is not None:
-      prompt_embeds = _embeds("prompt_embeds", prompt_embeds, text_dim)
       prompts, batch = None, prompt_embeds.shape[0]
     else:
       prompts = _texts(prompt)
@@ -673,8 +674,9 @@ class WanPipeline:
       batch = len(prompts)
     negatives = None
     if negative_prompt_embeds is not None:
-      negative_prompt_embeds = _embeds("negative_prompt_embeds", negative_prompt_embeds, text_dim,
-                                       batch=batch)
+      if negative_prompt_embeds.shape[0] != batch:
+        raise ValueError(f"negative_prompt_embeds holds {negative_prompt_embeds.shape[0]} prompt(s) but the "
+                         f"call has {batch}; give one row per prompt (num_videos_per_prompt repeats them)")
     else:
       negatives = _texts("" if negative_prompt is None else negative_prompt, batch)
       if negatives is None or len(negatives) != batch:
@@ -755,11 +757,15 @@ class WanPipeline:
                          f"{{'scale': 0.8}}{_not_a(attention_kwargs)}")
       unknown = [k for k in attention_kwargs if k != "scale"]
       if unknown:
-        raise ValueError(f"attention_kwargs keys {unknown!r} are not supported: the only key is 'scale' "
-                         "(the LoRA scale; diffusers passes other keys to its attention processors)")
+        raise ValueError(f"attention_kwargs={attention_kwargs!r}: keys {unknown!r} are not supported; the "
+                         "only key is 'scale' (the LoRA scale; diffusers passes other keys to its "
+                         "attention processors)")
       if "scale" in attention_kwargs:
-        lora_scale = _check_number("attention_kwargs['scale']", attention_kwargs["scale"],
-                                   hint=" (the LoRA scale; 1.0 = as loaded)")
+        scale = attention_kwargs["scale"]
+        if not _is_real(scale) or not math.isfinite(scale):
+          raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
+                           f"LoRA scale; 1.0 = as loaded){_not_a(scale, _is_real(scale))}")
+        lora_scale = float(scale)
     mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
     return dict(prompts=prompts, negative_prompts=negatives if cfg else None,
                 prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds if cfg else None,
