@@ -148,24 +148,6 @@ def _texts(value: Any, repeat: int = 1) -> list[str] | None:
   return None
 
 
-def _noise(latents: Any) -> np.ndarray:
-  """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
-
-  Raises:
-    ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
-  """
-  try:
-    array = np.asarray(latents)
-  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
-    array = None
-  if array is None or array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
-                                                  or jnp.issubdtype(array.dtype, jnp.integer)):
-    what = f"{type(latents).__name__} of {array.dtype}" if array is not None else type(latents).__name__
-    raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
-                     "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
-  return array.astype(np.float32)
-
-
 # diffusers `WanPipeline._callback_tensor_inputs`: what `callback_on_step_end` may ask for.
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
 OUTPUT_TYPES = ("np", "latent", "pil")
@@ -182,6 +164,23 @@ def _host_array(value: Any) -> np.ndarray | None:
                                  or jnp.issubdtype(array.dtype, jnp.integer)):
     return None
   return array
+
+
+def _noise(latents: Any) -> np.ndarray:
+  """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
+
+  Raises:
+    ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
+  """
+  array = _host_array(latents)
+  if array is None:
+    try:
+      what = f"{type(latents).__name__} of {np.asarray(latents).dtype}"
+    except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+      what = type(latents).__name__
+    raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
+                     "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
+  return array.astype(np.float32)
 
 
 def _embeds(name: str, value: Any, text_dim: int) -> np.ndarray:
@@ -892,7 +891,7 @@ class WanPipeline:
     """diffusers' `current_timestep`: the step's timestep during denoising, None outside it."""
     return getattr(self, "_current_timestep", None)
 
-  def run(self, prompt, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
+  def run(self, prompt=None, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
           latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
