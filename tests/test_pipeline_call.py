@@ -186,6 +186,23 @@ def test_callback_scales_latents_and_interrupts(refs, ours, mesh):
   assert not ours.interrupt  # reset by the new call
 
 
+def test_callback_replacements(ours):
+  """Replacements returned after step 0 are used by step 1: the same values (copies, any array
+  type) give the same latents bit for bit (same program, same inputs); zeroed text states do not."""
+  kwargs = dict(**COMMON, num_inference_steps=2, latents=LATENTS, progress=False, output_type="latent")
+  everything = list(wan_pipeline.CALLBACK_TENSOR_INPUTS)
+  plain = ours(PROMPTS, NEGATIVES, **kwargs)
+  as_given = ours(PROMPTS, NEGATIVES, callback_on_step_end=lambda pipe, k, t, kw: kw,
+                  callback_on_step_end_tensor_inputs=everything, **kwargs)
+  np.testing.assert_array_equal(as_given, plain)
+  copies = ours(PROMPTS, NEGATIVES, callback_on_step_end_tensor_inputs=everything, **kwargs,
+                callback_on_step_end=lambda pipe, k, t, kw: {n: np.array(v) for n, v in kw.items()})
+  np.testing.assert_array_equal(copies, plain)
+  zeroed = ours(PROMPTS, NEGATIVES, callback_on_step_end_tensor_inputs=["prompt_embeds"], **kwargs,
+                callback_on_step_end=lambda pipe, k, t, kw: {"prompt_embeds": np.zeros(kw["prompt_embeds"].shape)})
+  assert np.abs(zeroed - plain).max() > 1e-3 * np.abs(plain).max()
+
+
 def test_callback_replacement_errors(ours):
   kwargs = dict(**COMMON, num_inference_steps=1, latents=LATENTS, progress=False, output_type="latent")
   with pytest.raises(ValueError, match="must return a dict"):
