@@ -5,10 +5,13 @@ height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / 
 
 What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py, `__call__`):
 1. prompts cleaned (`prompt_clean`), tokenised to L, UMT5-encoded; rows past each prompt's true
-   length zeroed (diffusers trims to the true length, then pads with zeros);
+   length zeroed (diffusers trims to the true length, then pads with zeros). Text states given as
+   `prompt_embeds` / `negative_prompt_embeds` are used as they are instead. Each prompt's rows are
+   repeated `num_videos_per_prompt` times (B videos = prompts x num_videos_per_prompt);
 2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed
    + i)`), so the same seed gives the same video on every mesh and a batch equals its prompts run
-   alone with seeds seed, seed + 1, ...;
+   alone with seeds seed, seed + 1, ...; diffusers' torch `generator` has no counterpart: pass its
+   noise as `latents` for exact parity;
 3. the scheduler's timesteps on the host; for step k the expert is `transformer` while
    t_k >= boundary_ratio * num_train_timesteps, else `transformer_2` (Wan 2.2 A14B), each with its
    own guidance scale;
@@ -17,8 +20,11 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
    model dtype and the scheduler step; latents and solver state are donated. Both experts share
    the program (same graph, same shapes; the weights and g are arguments). The step also returns
    `isfinite(latents).all()` (one reduction, no extra dispatch); with `nan_guard` (default) a
-   non-finite step stops the run with `NonFiniteLatentsError` naming the step;
-5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`).
+   non-finite step stops the run with `NonFiniteLatentsError` naming the step. After each step,
+   diffusers' `callback_on_step_end` may replace the latents or text states, or stop the loop
+   (`pipe._interrupt = True`: the remaining steps are skipped, as diffusers does);
+5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`;
+   "pil" rounds those to uint8 images, "latent" skips 5 and returns the latents).
 
 Classifier-free guidance is on when `guidance_scale > 1` (diffusers: only the first scale decides).
 The negative prompt defaults to "" as in diffusers.
@@ -143,22 +149,83 @@ def _texts(value: Any, repeat: int = 1) -> list[str] | None:
   return None
 
 
+# diffusers `WanPipeline._callback_tensor_inputs`: what `callback_on_step_end` may ask for.
+CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
+OUTPUT_TYPES = ("np", "latent", "pil")
+
+
+def _host_array(value: Any) -> np.ndarray | None:
+  """`value` (numpy, JAX (also a global multi-process array) or CPU torch) as numpy; None when it
+  is not an array of real numbers (a str, dict, bool or complex values, torch bfloat16, ...)."""
+  try:
+    array = distributed.to_host(value) if isinstance(value, jax.Array) else np.asarray(value)
+  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+    return None
+  if array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
+                                 or jnp.issubdtype(array.dtype, jnp.integer)):
+    return None
+  return array
+
+
 def _noise(latents: Any) -> np.ndarray:
   """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
 
   Raises:
     ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
   """
-  try:
-    array = np.asarray(latents)
-  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
-    array = None
-  if array is None or array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
-                                                  or jnp.issubdtype(array.dtype, jnp.integer)):
-    what = f"{type(latents).__name__} of {array.dtype}" if array is not None else type(latents).__name__
+  array = _host_array(latents)
+  if array is None:
+    try:
+      what = f"{type(latents).__name__} of {np.asarray(latents).dtype}"
+    except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+      what = type(latents).__name__
     raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
                      "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
   return array.astype(np.float32)
+
+
+def _embeds(name: str, value: Any, text_dim: int) -> np.ndarray:
+  """Precomputed text states (diffusers' `prompt_embeds` / `negative_prompt_embeds`) as float32
+  numpy [B, L, text_dim].
+
+  Raises:
+    ValueError: not an array of real numbers, not 3-d, an empty axis, last axis != text_dim, or
+      NaN/inf values.
+  """
+  array = _host_array(value)
+  if array is None:
+    raise ValueError(f"{name}={reprlib.repr(value)} ({type(value).__name__}) must be an array of real "
+                     f"numbers [B, L, text_dim={text_dim}] (numpy, JAX or CPU torch)")
+  if array.ndim != 3 or 0 in array.shape or array.shape[2] != text_dim:
+    raise ValueError(f"{name}.shape={array.shape} must be [B, L, text_dim] with text_dim={text_dim} "
+                     "(the text encoder's width, e.g. diffusers' encode_prompt output)")
+  if not np.isfinite(array).all():
+    raise ValueError(f"{name} holds {int((~np.isfinite(array)).sum())} NaN/inf values")
+  return array.astype(np.float32)
+
+
+def check_output_type(output_type: Any) -> str:
+  """`output_type` if it is one of `OUTPUT_TYPES` (diffusers' names; its "pt" has no JAX meaning).
+
+  Raises:
+    ValueError: anything else.
+  """
+  if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
+    raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}: 'np' (float32 frames in "
+                     "[0, 1]), 'latent' (the final latents, not decoded) or 'pil' (lists of PIL images)")
+  return output_type
+
+
+def frames_to_pil(frames: np.ndarray) -> list[list[Any]]:
+  """Videos float32 [B, frames, H, W, 3] in [0, 1] -> B lists of `frames` RGB `PIL.Image`s.
+
+  As diffusers' `VideoProcessor.postprocess_video(..., output_type="pil")` (its `numpy_to_pil`:
+  `(x * 255).round()` to uint8).
+  """
+  from PIL import Image
+
+  pixels = (np.asarray(frames) * 255).round().astype(np.uint8)
+  return [[Image.fromarray(frame) for frame in video] for video in pixels]
 
 
 def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
@@ -567,28 +634,67 @@ class WanPipeline(LoraLoaderMixin):
                    flow_shift: float | None, seed: int | None, latents, max_sequence_length: int,
                    mesh, progress: bool = True, on_step: Callable[[int, float], None] | None = None,
                    attention_implementation: str = "auto", nan_guard: bool = True,
-                   decode: bool = True) -> dict[str, Any]:
+                   decode: bool = True, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
+                   num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
+                   callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+                   attention_kwargs: dict[str, Any] | None = None, generator: Any = None) -> dict[str, Any]:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
 
     Every argument is checked for type as well as value (a bool is not an int, a str not a number,
     NaN/inf not a number either), whether or not the call would use it (e.g. `negative_prompt`
     without CFG).
 
+    Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
+    `prompt_embeds`; at most one of `negative_prompt` and `negative_prompt_embeds`; a missing
+    negative is encoded from `negative_prompt` (default "") with the prompts' batch size.
+
     Returns:
-      dict with prompts, negative_prompts (None without CFG), height, width, num_frames (rounded),
-      steps, guidance (g1, g2), cfg, scheduler config, seed, latents (None or float32 numpy),
-      max_sequence_length and mesh (None or a `Mesh`).
+      dict with prompts (None when `prompt_embeds` is given), negative_prompts (None without CFG or
+      when `negative_prompt_embeds` is given), prompt_embeds / negative_prompt_embeds (None or
+      float32 numpy [B, L, text_dim], one row per prompt), num_videos_per_prompt, videos (B x
+      num_videos_per_prompt), height, width, num_frames (rounded), steps, guidance (g1, g2), cfg,
+      scheduler config, seed, latents (None or float32 numpy), max_sequence_length, mesh (None or a
+      `Mesh`), callback / callback_tensor_inputs and lora_scale (None or a float).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
-    prompts = _texts(prompt)
-    if not prompts:
-      raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
-    negatives = _texts("" if negative_prompt is None else negative_prompt, len(prompts))
-    if negatives is None or len(negatives) != len(prompts):
-      raise ValueError(f"negative_prompt must be a str or a list of {len(prompts)} str (one per "
-                       f"prompt), got {negative_prompt!r}")
+    if generator is not None:
+      raise ValueError(f"generator={generator!r} is not supported: noise comes from `seed` (video i of "
+                       "the batch uses numpy.random.default_rng(seed + i)), so no torch generator maps "
+                       "onto it; for diffusers' exact noise pass it as latents, e.g. latents=torch.randn("
+                       "shape, generator=torch.Generator().manual_seed(s)) as diffusers' randn_tensor draws it")
+    text_dim = self.transformer_config.text_dim
+    if prompt_embeds is not None:
+      prompt_embeds = _embeds("prompt_embeds", prompt_embeds, text_dim)
+    if negative_prompt_embeds is not None:
+      negative_prompt_embeds = _embeds("negative_prompt_embeds", negative_prompt_embeds, text_dim)
+    if prompt is not None and prompt_embeds is not None:
+      raise ValueError("give either prompt or prompt_embeds, not both (prompt_embeds replace the "
+                       "encoded prompt; diffusers refuses both too)")
+    if negative_prompt is not None and negative_prompt_embeds is not None:
+      raise ValueError("give either negative_prompt or negative_prompt_embeds, not both")
+    if prompt is None and prompt_embeds is None:
+      raise ValueError("prompt=None and prompt_embeds=None: give a prompt (a str or a list of str) or "
+                       "prompt_embeds [B, L, text_dim]")
+    if prompt_embeds is not None:
+      prompts, batch = None, prompt_embeds.shape[0]
+    else:
+      prompts = _texts(prompt)
+      if not prompts:
+        raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+      batch = len(prompts)
+    negatives = None
+    if negative_prompt_embeds is not None:
+      if negative_prompt_embeds.shape[0] != batch:
+        raise ValueError(f"negative_prompt_embeds holds {negative_prompt_embeds.shape[0]} prompt(s) but the "
+                         f"call has {batch}; give one row per prompt (num_videos_per_prompt repeats them)")
+    else:
+      negatives = _texts("" if negative_prompt is None else negative_prompt, batch)
+      if negatives is None or len(negatives) != batch:
+        raise ValueError(f"negative_prompt must be a str or a list of {batch} str (one per "
+                         f"prompt), got {negative_prompt!r}")
+    per_prompt = _check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     check_size(height, width, self.vae.config.spatial_factor * self.transformer_config.patch_size[1])
     num_frames = round_num_frames(num_frames, self.vae.config.temporal_factor)
     steps = _check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
@@ -610,14 +716,27 @@ class WanPipeline(LoraLoaderMixin):
       scheduler_config = dataclasses.replace(scheduler_config, **{field: shift})
     if seed is not None:
       seed = _check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
-    shape = self.latent_shape(len(prompts), height, width, num_frames)
+    if cfg:
+      # [cond; uncond] run as one batch (one forward per step), so both need the same L; diffusers
+      # runs them separately, where differing L (each attended in full, no text mask) also works.
+      lengths = [("prompt_embeds", None if prompt_embeds is None else prompt_embeds.shape[1]),
+                 ("negative_prompt_embeds",
+                  None if negative_prompt_embeds is None else negative_prompt_embeds.shape[1])]
+      given = {n: l for n, l in lengths if l is not None}
+      if len(set(given.values()) | ({max_sequence_length} if len(given) < 2 else set())) > 1:
+        what = ", ".join(f"{n} L={l}" for n, l in given.items())
+        raise ValueError(f"{what} but classifier-free guidance needs the prompt's and the negative "
+                         f"prompt's text states at one length (the encoded one is max_sequence_length="
+                         f"{max_sequence_length}); pass max_sequence_length equal to the embeds' L, or "
+                         "both embeds with the same L")
+    shape = self.latent_shape(batch * per_prompt, height, width, num_frames)
     if latents is not None:
       latents = _noise(latents)
       if seed is not None:
         raise ValueError(f"give either seed ({seed=}) or latents, not both")
       if latents.shape != shape:
         raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for "
-                         f"{len(prompts)} prompt(s), {num_frames} frames at {height}x{width}")
+                         f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} frames at {height}x{width}")
       if not np.isfinite(latents).all():
         raise ValueError(f"latents hold {int((~np.isfinite(latents)).sum())} NaN/inf values; pass "
                          "finite noise (or a seed)")
@@ -633,25 +752,61 @@ class WanPipeline(LoraLoaderMixin):
                        f"{_not_a(on_step)}")
     for name, flag in (("progress", progress), ("nan_guard", nan_guard), ("decode", decode)):
       _check_flag(name, flag)
+    if callback_on_step_end is not None and not callable(callback_on_step_end):
+      raise ValueError(f"callback_on_step_end={callback_on_step_end!r} must be None or a callable "
+                       f"callback(pipe, step_index, timestep, callback_kwargs) -> dict{_not_a(callback_on_step_end)}")
+    tensor_inputs = callback_on_step_end_tensor_inputs
+    if (not isinstance(tensor_inputs, (list, tuple))
+        or any(not isinstance(k, str) or k not in CALLBACK_TENSOR_INPUTS for k in tensor_inputs)):
+      bad = (tensor_inputs if not isinstance(tensor_inputs, (list, tuple))
+             else [k for k in tensor_inputs if not isinstance(k, str) or k not in CALLBACK_TENSOR_INPUTS])
+      raise ValueError(f"callback_on_step_end_tensor_inputs={tensor_inputs!r} must be a list of names "
+                       f"from {list(CALLBACK_TENSOR_INPUTS)}; not allowed: {bad!r}")
+    lora_scale = None
+    if attention_kwargs is not None:
+      if not isinstance(attention_kwargs, dict):
+        raise ValueError(f"attention_kwargs={attention_kwargs!r} must be None or a dict like "
+                         f"{{'scale': 0.8}}{_not_a(attention_kwargs)}")
+      unknown = [k for k in attention_kwargs if k != "scale"]
+      if unknown:
+        raise ValueError(f"attention_kwargs={attention_kwargs!r}: keys {unknown!r} are not supported; the "
+                         "only key is 'scale' (the LoRA scale; diffusers passes other keys to its "
+                         "attention processors)")
+      if "scale" in attention_kwargs:
+        scale = attention_kwargs["scale"]
+        if not _is_real(scale) or not math.isfinite(scale):
+          raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
+                           f"LoRA scale; 1.0 = as loaded){_not_a(scale, _is_real(scale))}")
+        lora_scale = float(scale)
     mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
-    return dict(prompts=prompts, negative_prompts=negatives if cfg else None, height=int(height),
+    return dict(prompts=prompts, negative_prompts=negatives if cfg else None,
+                prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds if cfg else None,
+                num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
                 width=int(width), num_frames=num_frames, steps=steps, guidance=(g1, g2), cfg=cfg,
                 scheduler=scheduler_config, seed=None if latents is not None else seed,
                 latents=latents, latent_shape=shape, max_sequence_length=max_sequence_length,
-                mesh=mesh)
+                mesh=mesh, callback=callback_on_step_end, callback_tensor_inputs=list(tensor_inputs),
+                lora_scale=lora_scale)
 
   # --- the call ---
 
-  def __call__(self, prompt: str | Sequence[str], negative_prompt: str | Sequence[str] | None = None,
-               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int = 50,
-               guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
-               max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
-               guidance_scale_2: float | None = None, flow_shift: float | None = None,
-               progress: bool = True, nan_guard: bool = True) -> np.ndarray:
-    """Generates videos; diffusers `WanPipeline.__call__(..., output_type="np").frames`.
+  def __call__(self, prompt: str | Sequence[str] | None = None,
+               negative_prompt: str | Sequence[str] | None = None, height: int = 480, width: int = 832,
+               num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+               seed: int | None = None, latents: Any = None, max_sequence_length: int = 512,
+               mesh: Mesh | str | None = None, *, guidance_scale_2: float | None = None,
+               flow_shift: float | None = None, progress: bool = True, nan_guard: bool = True,
+               prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
+               num_videos_per_prompt: int = 1, output_type: str = "np",
+               callback_on_step_end: Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]] | None = None,
+               callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+               attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
+               checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
+               keep_checkpoint: bool = False) -> Any:
+    """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     Args:
-      prompt: one prompt or a list (B videos).
+      prompt: one prompt or a list (B prompts); None when `prompt_embeds` is given.
       negative_prompt: str or list of B str; default "" (used only with guidance_scale > 1).
       height, width: multiples of 16.
       num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
@@ -659,37 +814,120 @@ class WanPipeline(LoraLoaderMixin):
       num_inference_steps: scheduler steps.
       guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns
         the unconditional pass off.
-      seed: noise seed (video i uses seed + i); None draws one (reported in `run(...).settings`).
-      latents: explicit float32 noise [B, C, F, Hl, Wl] (diffusers' `latents`) instead of a seed.
-      max_sequence_length: L, text tokens (prompts truncated / zero-padded to it).
+      seed: noise seed: video i of the B x num_videos_per_prompt batch (prompt-major: prompt p's
+        video j is row p * num_videos_per_prompt + j) uses numpy.random.default_rng(seed + i); None
+        draws one (reported in `run(...).settings`).
+      latents: explicit float32 noise [B x num_videos_per_prompt, C, F, Hl, Wl] (diffusers'
+        `latents`) instead of a seed.
+      max_sequence_length: L, text tokens (prompts truncated / zero-padded to it), as diffusers;
+        embeds given as `prompt_embeds` keep their own L.
       mesh: None (one device), a (ring, ulysses) `Mesh`, or a spec such as "U=2,R=2".
       guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
       flow_shift: overrides the scheduler config's shift.
       progress: on stderr, one line as text encoding, compiling and decoding start and a tqdm bar
         over the denoising steps (as diffusers' bar); False for silence.
       nan_guard: stop with `NonFiniteLatentsError` at the first step whose latents hold NaN/inf.
+      prompt_embeds: precomputed text states [B, L, text_dim] (numpy, JAX or CPU torch; e.g.
+        diffusers' `encode_prompt(...)[0]`, zero past each prompt's length) used as given (cast to
+        the model dtype) instead of encoding `prompt`, which must then be None.
+      negative_prompt_embeds: [B, L, text_dim] likewise for the unconditional pass; without it the
+        negative prompt (default "") is encoded. Under CFG both must have the same L (cond and
+        uncond run as one batch here; see `check_inputs`).
+      num_videos_per_prompt: videos per prompt: each prompt's (and negative prompt's) text states
+        are repeated that many times, prompt-major, as diffusers' `encode_prompt`. Given embeds are
+        repeated too (diffusers' Wan pipeline repeats only those it encodes, so there a batch of
+        given embeds with num_videos_per_prompt > 1 does not run).
+      output_type: "np" (default): float32 [B', frames, height, width, 3] in [0, 1]; "latent": the
+        final latents float32 [B', C, F, Hl, Wl], not decoded (diffusers returns them likewise,
+        before de-normalisation); "pil": B' lists of `frames` RGB `PIL.Image`s (diffusers'
+        rounding, `frames_to_pil`). B' = B x num_videos_per_prompt.
+      callback_on_step_end: diffusers' `callback(pipe, step_index, timestep, callback_kwargs) ->
+        dict`, called after each denoising step with this pipeline, the step index k, the step's
+        timestep (numpy scalar, `schedule.timesteps[k]`) and a dict of the tensors named in
+        `callback_on_step_end_tensor_inputs`, as JAX arrays replicated over the mesh: "latents"
+        float32 [B', C, F, Hl, Wl] (a copy, safe to keep: the next step donates the pipeline's
+        own buffer), "prompt_embeds" [B', L, text_dim] and "negative_prompt_embeds" (None without
+        CFG) in the model dtype. In the dict it returns, "latents" / "prompt_embeds" /
+        "negative_prompt_embeds" replace the pipeline's (any array type; same shape, finite, else
+        ValueError; put back replicated); other keys are ignored, as diffusers does. To stop early,
+        set `pipe._interrupt = True` in the callback (diffusers' `interrupt`): the remaining steps
+        are skipped (no compute, no callback) and the latents reached so far are still decoded.
+        In a multi-process run every process calls it and must return the same values.
+      callback_on_step_end_tensor_inputs: names from `CALLBACK_TENSOR_INPUTS`; default
+        ["latents"] as diffusers.
+      attention_kwargs: None or {"scale": s}: the LoRA scale for this call only (diffusers scales
+        its PEFT LoRA layers by s during the call). With no LoRA loaded it does nothing, silently,
+        as diffusers with PEFT; otherwise `self._set_lora_scale(s)` (when the pipeline has that
+        hook) is called before the denoising loop and `self._set_lora_scale(1.0)` after it. Other
+        keys raise ValueError (diffusers passes them to attention processors, which Wan has none
+        of here).
+      generator: not supported (ValueError): noise comes from `seed`, not from torch generators.
+        For diffusers' exact noise, draw it as diffusers' `randn_tensor` does, e.g.
+        `torch.randn(shape, generator=torch.Generator().manual_seed(s))`, and pass it as `latents`.
+      checkpoint_dir, checkpoint_every, resume, keep_checkpoint: resumable denoising (not in
+        diffusers): the state is saved to `checkpoint_dir` every `checkpoint_every` steps, and
+        `resume=True` continues a saved run there; see `run`.
 
     Returns:
-      float32 numpy [B, frames, height, width, 3] in [0, 1].
+      as `output_type`: float32 numpy [B', frames, height, width, 3] in [0, 1] ("np"), float32
+      numpy [B', C, F, Hl, Wl] ("latent"), or a list of B' lists of PIL images ("pil").
 
     Raises:
-      ValueError: see `check_inputs` (raised before any compute).
+      ValueError: see `check_inputs` and `output_type` (raised before any compute); a callback's
+        return value that is not a dict or holds a replacement of the wrong shape or non-finite.
       NonFiniteLatentsError: see `nan_guard`.
     """
-    return self.run(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
-                    guidance_scale, seed, latents, max_sequence_length, mesh,
-                    guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, progress=progress,
-                    nan_guard=nan_guard).frames
+    check_output_type(output_type)
+    if output_type == "pil":
+      import PIL.Image  # noqa: F401  (fails now, not after the run, if pillow is missing)
+    result = self.run(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
+                      guidance_scale, seed, latents, max_sequence_length, mesh,
+                      guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, progress=progress,
+                      nan_guard=nan_guard, decode=output_type != "latent", prompt_embeds=prompt_embeds,
+                      negative_prompt_embeds=negative_prompt_embeds,
+                      num_videos_per_prompt=num_videos_per_prompt,
+                      callback_on_step_end=callback_on_step_end,
+                      callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                      attention_kwargs=attention_kwargs, generator=generator,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                      keep_checkpoint=keep_checkpoint)
+    if output_type == "latent":
+      return result.latents
+    return frames_to_pil(result.frames) if output_type == "pil" else result.frames
 
-  def run(self, prompt, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
+  @property
+  def interrupt(self) -> bool:
+    """diffusers' `interrupt`: set `pipe._interrupt = True` (e.g. in `callback_on_step_end`) to skip
+    the remaining denoising steps of the current call; reset to False as each call starts."""
+    return getattr(self, "_interrupt", False)
+
+  @property
+  def num_timesteps(self) -> int | None:
+    """diffusers' `num_timesteps`: the current (or last) call's number of denoising steps."""
+    return getattr(self, "_num_timesteps", None)
+
+  @property
+  def current_timestep(self) -> Any:
+    """diffusers' `current_timestep`: the step's timestep during denoising, None outside it."""
+    return getattr(self, "_current_timestep", None)
+
+  def run(self, prompt=None, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
           latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
           progress: bool = True, on_step: Callable[[int, float], None] | None = None,
           attention_implementation: str = "auto", nan_guard: bool = True,
-          decode: bool = True, checkpoint_dir: str | None = None, checkpoint_every: int = 1,
-          resume: bool = False, keep_checkpoint: bool = False) -> GenerationResult:
+          decode: bool = True, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
+          num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
+          callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+          attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
+          checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
+          keep_checkpoint: bool = False) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
+
+    The diffusers-named arguments (`prompt_embeds`, `num_videos_per_prompt`,
+    `callback_on_step_end`, `attention_kwargs`, ...) mean what `__call__` says; `output_type` is
+    `__call__`'s (here `decode=False` gives the latents only).
 
     `on_step(k, seconds)` is called after each denoising step. `attention_implementation`
     ("auto" | "lse" | "fixed_m") picks the transformer's attention path (part of the compiled
@@ -731,8 +969,15 @@ class WanPipeline(LoraLoaderMixin):
                           guidance_scale_2=guidance_scale_2, flow_shift=flow_shift, seed=seed,
                           latents=latents, max_sequence_length=max_sequence_length, mesh=mesh,
                           progress=progress, on_step=on_step, attention_implementation=attention_implementation,
-                          nan_guard=nan_guard, decode=decode)
+                          nan_guard=nan_guard, decode=decode, prompt_embeds=prompt_embeds,
+                          negative_prompt_embeds=negative_prompt_embeds,
+                          num_videos_per_prompt=num_videos_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                          attention_kwargs=attention_kwargs, generator=generator)
     mesh = s["mesh"]
+    self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
+    self._num_timesteps = s["steps"]
     timings: dict[str, float] = {}
     start_all = time.perf_counter()
 
@@ -744,7 +989,7 @@ class WanPipeline(LoraLoaderMixin):
     if latents is None:
       latents = np.concatenate([np.random.default_rng(s["seed"] + i).standard_normal((1, *s["latent_shape"][1:]),
                                                                                       np.float32)
-                                for i in range(len(s["prompts"]))])
+                                for i in range(s["videos"])])
     schedule = s["scheduler"].set_timesteps(s["steps"])
     solver = schedule.init_state(latents.shape, jnp.float32)
     first_step, writer = 0, None
@@ -770,9 +1015,10 @@ class WanPipeline(LoraLoaderMixin):
       writer = resume_state.Writer(checkpoint_dir, identity, enabled=distributed.is_main_process())
 
     start = time.perf_counter()
-    texts = s["prompts"] + (s["negative_prompts"] or [])
-    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens")
-    text = jax.block_until_ready(self.encode_prompts(texts, s["max_sequence_length"]))
+    texts = (s["prompts"] or []) + (s["negative_prompts"] or [])
+    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens" if texts
+          else "text encode: none (text states given)")
+    text = jax.block_until_ready(self._text_states(s))
     timings["text_encode"] = time.perf_counter() - start
     self._place(mesh)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
@@ -798,10 +1044,18 @@ class WanPipeline(LoraLoaderMixin):
     if progress:
       from tqdm.auto import tqdm
       bar = tqdm(total=s["steps"], initial=first_step, desc="denoise", unit="step")
+    set_lora_scale = (getattr(self, "_set_lora_scale", None)
+                      if s["lora_scale"] not in (None, 1.0) else None)
+    if set_lora_scale is not None:  # the LoRA scale of attention_kwargs, for this call only
+      set_lora_scale(s["lora_scale"])
+      self._place(mesh)
     try:
       for k, expert in enumerate(experts):
-        if k < first_step:
+        if k < first_step:  # done before the checkpoint this run resumes from
           continue
+        if self._interrupt:  # diffusers: the remaining steps are skipped; the latents still decode
+          continue
+        self._current_timestep = schedule.timesteps[k]
         start = time.perf_counter()
         latents, solver, finite = step(self._experts[expert], latents, solver, text, guidance[k])
         jax.block_until_ready(latents)
@@ -814,22 +1068,27 @@ class WanPipeline(LoraLoaderMixin):
         if writer is not None and ((k + 1) % checkpoint_every == 0 or k + 1 == len(experts)):
           writer.save(k + 1, {"latents": latents, "solver": solver})
         step_times.append(time.perf_counter() - start)
+        if s["callback"] is not None:
+          latents, text = self._step_end_callback(s, k, schedule.timesteps[k], latents, text, replicated)
         if bar is not None:
           bar.update(1)
         if on_step is not None:
           on_step(k, step_times[-1])
     finally:
+      self._current_timestep = None
       if bar is not None:
         bar.close()
       if writer is not None:
         writer.close()  # the last state is on disk before anything else can fail
+      if set_lora_scale is not None:
+        set_lora_scale(1.0)
     timings["denoise"] = float(sum(step_times))
     timings["denoise_per_step"] = float(np.mean(step_times)) if step_times else 0.0
 
     start = time.perf_counter()
     latents = distributed.to_host(latents)
     if decode:
-      stage(f"decode: {len(s['prompts'])} video(s) of {s['num_frames']} frames {s['width']}x{s['height']} (VAE)")
+      stage(f"decode: {s['videos']} video(s) of {s['num_frames']} frames {s['width']}x{s['height']} (VAE)")
     frames = self.decode(latents) if decode else None
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
@@ -842,10 +1101,78 @@ class WanPipeline(LoraLoaderMixin):
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
         explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation,
-        resumed_from_step=first_step if resume else None)
+        resumed_from_step=first_step if resume else None,
+        num_videos_per_prompt=s["num_videos_per_prompt"], prompt_embeds_given=s["prompt_embeds"] is not None,
+        negative_prompt_embeds_given=s["negative_prompt_embeds"] is not None, steps_run=len(step_times),
+        lora_scale=s["lora_scale"])
     if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
       resume_state.remove(checkpoint_dir)
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
+
+  def _text_states(self, s: dict[str, Any]) -> jax.Array:
+    """The denoiser's text input for a resolved call (`check_inputs`): [B', L, text_dim], or under
+    CFG [2 B', L, text_dim] (cond rows, then uncond rows), in the model dtype; B' = B x
+    num_videos_per_prompt. Given embeds are used as they are (cast to the model dtype, as
+    diffusers' `.to(transformer_dtype)`); the rest are encoded; then each prompt's row is repeated
+    num_videos_per_prompt times in place (diffusers' `repeat(1, n, 1).view(B * n, L, -1)`)."""
+    texts = (s["prompts"] or []) + (s["negative_prompts"] or [])
+    encoded = self.encode_prompts(texts, s["max_sequence_length"]) if texts else None
+    parts, used = [], 0
+    for given, names in ((s["prompt_embeds"], s["prompts"]),
+                         (s["negative_prompt_embeds"], s["negative_prompts"])):
+      if given is not None:
+        parts.append(jnp.asarray(given).astype(self.dtype))
+      elif names is not None:
+        parts.append(encoded[used:used + len(names)])
+        used += len(names)
+    per_prompt = s["num_videos_per_prompt"]
+    return jnp.concatenate([part if per_prompt == 1 else jnp.repeat(part, per_prompt, axis=0)
+                            for part in parts])
+
+  def _step_end_callback(self, s: dict[str, Any], k: int, timestep: Any, latents: jax.Array,
+                         text: jax.Array, sharding: Any) -> tuple[jax.Array, jax.Array]:
+    """Calls the call's `callback_on_step_end` after step k (diffusers' contract; `__call__`
+    documents it) and returns (latents, text) with the callback's replacements put on `sharding`.
+
+    Raises:
+      ValueError: the callback returned something other than a dict, or a replacement that is not a
+        real array of the current shape, or holds NaN/inf.
+    """
+    videos = s["videos"]
+    available = {"latents": lambda: jnp.copy(latents),  # a copy: the next step donates `latents`
+                 "prompt_embeds": lambda: text[:videos],
+                 "negative_prompt_embeds": lambda: text[videos:] if s["cfg"] else None}
+    given = {name: available[name]() for name in s["callback_tensor_inputs"]}
+    out = s["callback"](self, k, timestep, dict(given))
+    if not isinstance(out, dict):
+      raise ValueError(f"callback_on_step_end returned {reprlib.repr(out)} after step {k}; it must return "
+                       "a dict (diffusers' contract): its callback_kwargs, replacements, or {} for none")
+
+    def replacement(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+      value = out.get(name)
+      if value is None or value is given.get(name):
+        return None
+      array = _host_array(value)
+      if array is None or array.shape != shape or not np.isfinite(array).all():
+        what = ("not an array of real numbers" if array is None else f"shape {array.shape}"
+                if array.shape != shape else f"{int((~np.isfinite(array)).sum())} NaN/inf values")
+        raise ValueError(f"callback_on_step_end returned {name} ({what}) after step {k}; a replacement "
+                         f"must be a finite array of the current shape {shape}")
+      return array
+
+    new_latents = replacement("latents", tuple(latents.shape))
+    if new_latents is not None:
+      latents = distributed.put_replicated(new_latents.astype(np.float32), sharding)
+    rows = (videos, *text.shape[1:])
+    cond = replacement("prompt_embeds", rows)
+    uncond = replacement("negative_prompt_embeds", rows) if s["cfg"] else None
+    if cond is not None or uncond is not None:
+      host = distributed.to_host(text).copy()
+      for part, start in ((cond, 0), (uncond, videos)):
+        if part is not None:
+          host[start:start + videos] = np.asarray(jnp.asarray(part).astype(text.dtype))
+      text = distributed.put_replicated(host, sharding)
+    return latents, text
 
   def fingerprint(self) -> str:
     """SHA-256 (hex) of this pipeline's model: configs, dtypes and sampled values of every weight
@@ -872,6 +1199,9 @@ class WanPipeline(LoraLoaderMixin):
         "scheduler": dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
         "max_sequence_length": s["max_sequence_length"], "dtype": jnp.dtype(self.dtype).name,
         "noise_sha256": resume_state.noise_digest(noise),
+        "num_videos_per_prompt": s["num_videos_per_prompt"], "lora_scale": s["lora_scale"],
+        "prompt_embeds_sha256": _digest(s["prompt_embeds"]),
+        "negative_prompt_embeds_sha256": _digest(s["negative_prompt_embeds"]),
     }
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
@@ -885,6 +1215,15 @@ class WanPipeline(LoraLoaderMixin):
       z = wan_vae.denormalize_latents(self.vae.config, jnp.asarray(one).astype(self.vae.dtype))
       videos.append(np.asarray(_to_unit_range(wan_vae.decode(self.vae, z, video_layout="BFHWC"))))
     return np.concatenate(videos)
+
+
+def _digest(array: Any) -> str | None:
+  """SHA-256 (hex) of a host array's shape, dtype and bytes; None for None."""
+  if array is None:
+    return None
+  import hashlib
+  host = np.ascontiguousarray(np.asarray(array))
+  return hashlib.sha256(f"{host.shape}{host.dtype}".encode() + host.tobytes()).hexdigest()
 
 
 def _dtype(name: str) -> jnp.dtype:

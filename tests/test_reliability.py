@@ -221,6 +221,17 @@ WRONG_TYPES = {
     "attention_implementation": [123, None, "flash"],
     "nan_guard": ["no", 0, None],
     "decode": ["no", 1, None],
+    "prompt_embeds": ["abc", np.zeros((1, 8), np.float32), np.zeros((1, 8, 5), np.float32), {"a": 1}, True],
+    "negative_prompt_embeds": ["abc", np.zeros((2, 8, 32), np.float32), [[["x"]]], 1j],
+    "num_videos_per_prompt": ["2", 2.0, True, None, 0],
+    "callback_on_step_end": [123, "print"],
+    "callback_on_step_end_tensor_inputs": ["latents", [1], ["noise_pred"], None],
+    "attention_kwargs": [0.5, {"scale": "1"}, {"scale": math.nan}, {"lora": 1}, {"scale": True}],
+    "generator": [0, "seed"],
+    "checkpoint_dir": [123, b"ckpt", ["ckpt"], True],
+    "checkpoint_every": ["1", 1.0, True, 0, None],
+    "resume": ["yes", 1, None],
+    "keep_checkpoint": ["no", 0, None],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 
@@ -229,7 +240,8 @@ def test_every_argument_is_listed():
   import inspect
   run_args = set(inspect.signature(WanPipeline.run).parameters) - {"self"}
   assert run_args == set(WRONG_TYPES)
-  assert set(inspect.signature(WanPipeline.__call__).parameters) - {"self"} <= run_args
+  # output_type is __call__'s alone (run has decode=False for latents); test_pipeline_call checks it.
+  assert set(inspect.signature(WanPipeline.__call__).parameters) - {"self", "output_type"} <= run_args
 
 
 @pytest.mark.parametrize("name,value", WRONG_TYPE_CASES,
