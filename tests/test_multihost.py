@@ -1,4 +1,4 @@
-"""Tests for pipelines/distributed.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices.
+"""Tests for pipelines/distributed.py and pipelines/supervisor.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices (a run, a coordinator that is not there, a process lost mid-run and its run resumed).
 
 The processes are fresh interpreters on 127.0.0.1 (a free port picked at run time, gloo CPU
 collectives, XLA_FLAGS without the harness's device count: the command splits the mesh's 4 devices
@@ -11,6 +11,7 @@ Every process started here is bounded by a timeout and killed by PID in a `final
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,8 +21,10 @@ import numpy as np
 import pytest
 
 from harness import child_env
-from pipelines import distributed, generate
+from pipelines import distributed, generate, resume
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
+
+RESUME_PSNR_DB = 60.0  # issue acceptance; sharded and single-device runs agree to ~1e-7
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--prompt", "a red fox running through snow", "--mesh", "U=2,R=2", "--size", "32x32",
@@ -127,27 +130,30 @@ def test_process_spec_from_environment():
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
-def test_lost_process_ends_the_run(tmp_path):
+def test_lost_process_ends_the_run_and_it_resumes(tmp_path):
   """Process 1's worker killed (SIGKILL) mid-denoise: process 0 stops within the heartbeat timeout
-  + 10 s with exit status 3, one line naming process 1, no output, and no stack dump on its
-  terminal (the runtime's log is in the file it names)."""
+  + 10 s with exit status 3, one line naming process 1 and the checkpoint to resume from, no
+  output, and no stack dump on its terminal (the runtime's log is in the file it names). Then the
+  saved run resumes in one process on another mesh (U=1,R=1) to the uninterrupted run's video."""
   heartbeat = 5
+  steps = 40
   coordinator = f"127.0.0.1:{_free_port()}"
-  args = [a if a != "2" else "400" for a in ARGS]  # --steps 400: still denoising when killed
-  assert args[args.index("--steps") + 1] == "400"
+  args = list(ARGS)
+  args[args.index("--steps") + 1] = str(steps)  # still denoising when killed
+  ckpt = str(tmp_path / "ckpt")
   logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
   runtime_log = str(tmp_path / "runtime0.log")
   procs: list[subprocess.Popen] = []
   try:
     for i in range(2):
-      procs.append(_start(args + ["--out", str(tmp_path / "out.mp4"), "--coordinator", coordinator,
+      procs.append(_start(args + ["--out", str(tmp_path / "out.npy"), "--coordinator", coordinator,
                                   "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout",
-                                  str(heartbeat), "--coordinator-timeout", "60"]
+                                  str(heartbeat), "--coordinator-timeout", "60", "--checkpoint-dir", ckpt]
                           + (["--runtime-log", runtime_log] if i == 0 else []), logs[i]))
     deadline = time.monotonic() + TIMEOUT_S
-    while "/400 [" not in open(logs[0]).read():  # process 0's bar: denoising has started
+    while not re.search(rf" [1-9]\d*/{steps} \[", open(logs[0]).read()):  # a step done, bar drawn
       assert time.monotonic() < deadline and procs[0].poll() is None, open(logs[0]).read()
-      time.sleep(0.2)
+      time.sleep(0.05)
     worker = int(subprocess.check_output(["pgrep", "-P", str(procs[1].pid)]).split()[0])
     os.kill(worker, 9)
     killed = time.monotonic()
@@ -161,10 +167,16 @@ def test_lost_process_ends_the_run(tmp_path):
   assert elapsed <= heartbeat + 10, elapsed
   errors = [line for line in text.replace("\r", "\n").splitlines() if line.startswith("generate: error")]
   assert len(errors) == 1 and "process 1 of 2 stopped responding" in errors[0], text
-  assert runtime_log in errors[0]
+  assert f"--resume {ckpt}" in errors[0] and runtime_log in errors[0], errors[0]
   assert "Check failure stack trace" not in text and " 0x" not in text, text
-  runtime = open(runtime_log).read()
-  assert "stopped sending heartbeats" in runtime  # positive control: the dump went to the file
+  assert "stopped sending heartbeats" in open(runtime_log).read()  # positive control: the dump is there
   assert "SIGKILL" in open(logs[1]).read()  # process 1's supervisor reports its worker's death
-  assert not (tmp_path / "out.mp4").exists()
   assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+  saved = resume.read(ckpt)
+  assert saved is not None and 1 <= saved.step < steps, saved and saved.step
+
+  assert generate.main(["--resume", ckpt, "--out", str(tmp_path / "resumed.npy")]) == 0
+  assert generate.main(args + ["--out", str(tmp_path / "uninterrupted.npy")]) == 0
+  assert_psnr_at_least(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "uninterrupted.npy"),
+                       RESUME_PSNR_DB, name=f"2 processes killed after step {saved.step}, resumed on 1 device")
+  assert not os.path.exists(ckpt)
