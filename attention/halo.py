@@ -21,13 +21,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from attention import blockwise as bw
 from attention.masks import validate_qkv
-from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, mesh_degrees
+from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, batch_axis, mesh_degrees, sequence_spec
 from attention.padding import pad_axis, round_up
 from attention.usp import usp_attention
 
 Strategy = Literal["usp", "halo", "all_gather"]
 STRATEGIES = ("usp", "halo", "all_gather")
-_SEQ = P(None, SEQUENCE_AXES)
 
 
 def _check_window_inputs(q, k, v, kv_valid_len, window):
@@ -90,7 +89,8 @@ def _window_attention(q, k, v, kv_valid_len, *, mesh, window, causal, scale, blo
   body = _halo_body if exchange == "halo" else _gathered_body
   body = functools.partial(body, U=U, R=R, window=window, causal=causal, scale=scale,
                            block_sizes=block_sizes)
-  out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
+  seq, rows = sequence_spec(mesh), P(batch_axis(mesh))
+  out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq,
                       check_vma=False)(q, k, v, limit)
   return out[:, :T]
 

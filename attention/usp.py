@@ -28,19 +28,27 @@ from attention import blockwise as bw
 from attention import fixed_m as fm
 from attention.masks import validate_qkv
 from attention.padding import pad_axis, round_up
-from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, mesh_degrees
-
-_SEQ = P(None, SEQUENCE_AXES)
-
-
-def _divisors(n):
-  return [d for d in range(1, n + 1) if n % d == 0]
+from attention.mesh import (CFG_AXIS, RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit,
+                            sequence_spec)
 
 
 def workable_degrees(num_devices: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
   """The (U, R) pairs with U * R == num_devices that `usp_attention` accepts for these heads."""
-  return [(u, num_devices // u) for u in _divisors(num_devices)
-          if num_heads % u == 0 and (num_kv_heads % u == 0 or u % num_kv_heads == 0)]
+  return [(u, num_devices // u) for u in range(1, num_devices + 1)
+          if num_devices % u == 0 and heads_fit(u, num_heads, num_kv_heads)]
+
+
+def _mesh_parts(mesh: Mesh, batch: int) -> tuple[int, int, int]:
+  """(U, R, C) of the mesh, checking that C splits the batch.
+
+  Raises:
+    ValueError: a mesh without the mesh axes, or a batch that the cfg axis does not split.
+  """
+  spec = MeshSpec.of(mesh)
+  if batch % spec.cfg:
+    raise ValueError(f"mesh {spec} splits the batch over CFG={spec.cfg} but the batch has {batch} rows; "
+                     "the cfg axis needs an even batch (cond and uncond rows)")
+  return spec.ulysses, spec.ring, spec.cfg
 
 
 def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> None:
@@ -106,7 +114,7 @@ def usp_attention(
   """
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
   K = k.shape[2]
-  U, R = mesh_degrees(mesh)
+  U, R, _ = _mesh_parts(mesh, B)
   check_heads(N, K, U, R)
   if implementation not in bw.IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}; expected one of {bw.IMPLEMENTATIONS}")
@@ -120,7 +128,7 @@ def usp_attention(
 def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_prescaled):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  U, R = mesh_degrees(mesh)
+  U, R, C = _mesh_parts(mesh, B)
   D = U * R
   if K < U:  # grouped order: rank u gets kv head u // (U // K), next to its query heads
     k, v = jnp.repeat(k, U // K, axis=2), jnp.repeat(v, U // K, axis=2)
@@ -131,16 +139,18 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
   else:
     limit = jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   body = functools.partial(
-      _usp_body, U=U, R=R, num_heads=N, implementation=implementation, scale=scale,
+      _usp_body, U=U, R=R, C=C, num_heads=N, implementation=implementation, scale=scale,
       block_sizes=block_sizes, q_prescaled=q_prescaled, masked=(kv_valid_len is not None or S_pad != S))
-  out = jax.shard_map(body, mesh=mesh, in_specs=(_SEQ, _SEQ, _SEQ, P()), out_specs=_SEQ,
+  seq, rows = sequence_spec(mesh), P(batch_axis(mesh))
+  out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq,
                       check_vma=False)(q, k, v, limit)
   return out[:, :T]
 
 
-def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_sizes, q_prescaled,
+def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, block_sizes, q_prescaled,
               masked):
-  """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local; limit [B] global valid keys."""
+  """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local (B: this guidance branch's rows
+  when C = 2); limit [B] global valid keys."""
   B, Tl, N, H = q.shape
   Sl, Kp = k.shape[1], k.shape[2]
   axes = SEQUENCE_AXES
@@ -165,6 +175,8 @@ def _usp_body(q, k, v, limit, *, U, R, num_heads, implementation, scale, block_s
       packed = jax.lax.pmax(packed, axes)
     q_norm, kc_max, v_max = packed[:, :N], packed[:, N:N + Kp], packed[:, N + Kp:]
     gate = fm.fixed_m_gate(q_norm, kc_max, v_max, count)
+    if C > 1:  # each branch's statistics are its own; the path is chosen for the whole mesh
+      gate = fm.GateResult(jax.lax.pmin(gate.eligible.astype(jnp.int32), CFG_AXIS) > 0, gate.v_ok, gate.c_max)
 
   # 3. One packed all-to-all over ulysses: heads split, the ring group's tokens gathered.
   hq, hk = N // U, Kp // U
@@ -257,17 +269,18 @@ def cross_attention(
     [B, T, N, H] in q's dtype, sharded like q. T is padded to a multiple of U * R if needed.
   """
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
-  U, R = mesh_degrees(mesh)
+  U, R, _ = _mesh_parts(mesh, B)
   T_pad = round_up(T, U * R)
   local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
                             block_sizes=block_sizes)
+  seq, rows = sequence_spec(mesh), P(batch_axis(mesh))  # text rows follow their batch rows
   if kv_valid_len is None:
     fn = lambda q, k, v: local(q, k, v)
     args = (pad_axis(q, 1, T_pad), k, v)
-    specs = (_SEQ, P(), P())
+    specs = (seq, rows, rows)
   else:
     fn = lambda q, k, v, vl: local(q, k, v, kv_valid_len=vl)
     args = (pad_axis(q, 1, T_pad), k, v, kv_valid_len)
-    specs = (_SEQ, P(), P(), P())
-  out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=_SEQ, check_vma=False)(*args)
+    specs = (seq, rows, rows, rows)
+  out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)(*args)
   return out[:, :T]
