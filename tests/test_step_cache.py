@@ -14,8 +14,10 @@ instead of decoded frames (equal latents decode to equal frames; the VAE is not 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -147,3 +149,18 @@ def test_mag_without_ratios_needs_a_calibration_for_a_folder(tmp_path):
     step_cache.parse_step_cache(f"mag:0.1@{bad}", model="tiny")
   with pytest.raises(step_cache.StepCacheError, match="threshold"):
     step_cache.StepCacheSpec("first-block", float("inf"))
+
+
+def test_reset_keeps_the_layout():
+  """An expert switch (Wan 2.2) restarts the cache; the state keeps the shardings the compiled step
+  expects (residuals sequence-sharded, scalars replicated)."""
+  mesh = attention.make_mesh(ulysses=2, ring=2)
+  spec = step_cache.parse_step_cache("mag:0.1", model="tiny")
+  state = step_cache.init_state(spec, rows=2, tokens=45, config=wan_pipeline.TINY_TRANSFORMER,
+                                dtype=np.float32, steps=8, mesh=mesh)
+  assert state.residual.shape == (2, 48, wan_pipeline.TINY_TRANSFORMER.dim)  # 45 padded to 4 * 12
+  state = dataclasses.replace(state, valid=~state.valid, acc_steps=state.acc_steps + 2)
+  again = step_cache.reset(state)
+  assert not bool(again.valid) and int(again.acc_steps) == 0 and int(again.step) == 0
+  for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
+    assert after.sharding.is_equivalent_to(before.sharding, before.ndim)

@@ -310,14 +310,13 @@ def reset(state: State) -> State:
   """The state with no full step behind it (valid False, MagCache accumulators restarted; the step
   counter kept): for an expert switch (Wan 2.2), whose residuals the other expert cannot reuse.
   Keeps every array's sharding."""
-  @jax.jit
   def fn(s):
     s = dataclasses.replace(s, valid=jnp.zeros_like(s.valid))
     if isinstance(s, MagState):
       s = dataclasses.replace(s, acc_ratio=jnp.ones_like(s.acc_ratio), acc_err=jnp.zeros_like(s.acc_err),
                               acc_steps=jnp.zeros_like(s.acc_steps))
     return s
-  return fn(state)
+  return jax.jit(fn, out_shardings=jax.tree.map(lambda x: x.sharding, state))(state)
 
 
 # --- the cached forward --------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ token count as `kv_valid_len` (padded keys masked), cross-attention is `attentio
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
 and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
-`lax.scan`, so the block is traced and compiled once whatever the depth.
+`lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
+(patch and condition embeddings, RoPE), `run_blocks` (any range of blocks) and `unembed` (output
+norm, projection, unpatchify), so a step cache (pipelines/wan/step_cache.py) can run block 0 and
+blocks 1..Z-1 apart without a second copy of the block.
 """
 
 from __future__ import annotations
