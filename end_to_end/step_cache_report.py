@@ -10,7 +10,10 @@ grammar), all with the same prompt, seed and settings, and prints per setting: t
 (fraction of transformer evaluations whose blocks 1..Z-1 (first-block) or all blocks (MagCache)
 were skipped; the fraction of block evaluations skipped), PSNR and SSIM of the video against the
 uncached one (`end_to_end.video_metrics`: mean and min over frames), and the denoise wall time with
-its speedup over the uncached run (compile excluded: `run` compiles before its loop).
+its speedup over the uncached run (compile excluded: `run` compiles before its loop). On a shared
+machine whose load drifts between runs, the in-run estimate is steadier: it compares the median
+times of the full and the skipped steps of the same run (`in_run_speedup`). The JSON also holds
+each setting's per-step change measures (`metrics`), to pick thresholds for another model.
 
 `--model tiny` (default) is `WanPipeline.tiny()` at generate's tiny preset size (256x256 x 17
 frames) with 50 steps; MagCache uses its shipped ratios (calibrated on other prompts and seeds).
@@ -57,9 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def _timed_run(pipe, spec, kwargs) -> Any:
-  """One run; its "denoise" timing excludes the compile (`run` compiles the step before the loop)."""
-  return pipe.run(**kwargs, step_cache=spec)
+def _timed_run(pipe, spec, kwargs) -> tuple[Any, list[float]]:
+  """One run and its per-step seconds; "denoise" excludes the compile (`run` compiles first)."""
+  seconds: list[float] = []
+  result = pipe.run(**kwargs, step_cache=spec, on_step=lambda k, s: seconds.append(s))
+  return result, seconds
+
+
+def in_run_speedup(seconds: list[float], skipped: list[int]) -> float | None:
+  """Speedup estimated inside one cached run, robust to a machine whose load drifts between runs:
+  S * median(full step) / (n_full * median(full step) + n_skipped * median(skipped step)).
+  None when no step (or every step) was skipped."""
+  import numpy as np
+
+  skip = set(skipped)
+  full = [t for k, t in enumerate(seconds) if k not in skip]
+  cached = [t for k, t in enumerate(seconds) if k in skip]
+  if not full or not cached:
+    return None
+  t_full, t_skip = float(np.median(full)), float(np.median(cached))
+  return len(seconds) * t_full / (len(full) * t_full + len(cached) * t_skip)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,18 +121,19 @@ def main(argv: list[str] | None = None) -> int:
       ratios_file = f.name
     specs = [s + f"@{ratios_file}" if s.startswith("mag:") and "@" not in s else s for s in specs]
 
-  reference = _timed_run(pipe, None, kwargs)
+  reference, _ = _timed_run(pipe, None, kwargs)
   ref_time = reference.timings["denoise"]
   print(f"step_cache_report: {name}, {frames} x {height} x {width}, {args.steps} steps, guidance "
         f"{args.guidance}, mesh {args.mesh}; uncached denoise {ref_time:.2f} s", file=sys.stderr)
   rows = []
   for spec in specs:
-    result = _timed_run(pipe, spec, kwargs)
+    result, seconds = _timed_run(pipe, spec, kwargs)
     record = result.settings["step_cache"]
     row = {"spec": spec.split("@")[0], "skipped_steps": record["skipped_steps"],
            "skipped_fraction": record["skipped_fraction"],
            "skipped_block_fraction": record["skipped_block_fraction"],
            "denoise_s": result.timings["denoise"], "speedup": ref_time / result.timings["denoise"],
+           "in_run_speedup": in_run_speedup(seconds, record["skipped_steps"]), "metrics": record["metrics"],
            "max_abs_latent_diff": float(np.max(np.abs(result.latents - reference.latents)))}
     if result.frames is not None:
       metrics = video_metrics.compare_videos(reference.frames, result.frames)
@@ -123,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                else f"max |latent diff| {row['max_abs_latent_diff']:.3g}")
     print(f"  {row['spec']:<20} skipped {len(row['skipped_steps']):>3}/{args.steps} steps "
           f"({100 * row['skipped_fraction']:.0f} %; blocks {100 * row['skipped_block_fraction']:.0f} %), "
-          f"{quality}, denoise {row['denoise_s']:.2f} s ({row['speedup']:.2f}x)")
+          f"{quality}, denoise {row['denoise_s']:.2f} s ({row['speedup']:.2f}x; in-run estimate "
+          f"{'-' if row['in_run_speedup'] is None else format(row['in_run_speedup'], '.2f') + 'x'})")
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump({"model": name, "size": f"{width}x{height}", "frames": frames, "steps": args.steps,
