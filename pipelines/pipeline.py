@@ -25,7 +25,7 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
    (`pipe._interrupt = True`: the remaining steps are skipped, as diffusers does). With
    `step_cache` the forward may skip blocks on steps whose change is small
    (pipelines/wan/step_cache.py: one mesh-uniform decision per step for all rows); the cache state
-   is carried and donated too;
+   is carried and donated too, and saved in denoising checkpoints;
 5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`;
    "pil" rounds those to uint8 images, "latent" skips 5 and returns the latents).
 
@@ -61,7 +61,8 @@ from attention.mesh import mesh_degrees
 from pipelines import checkpoint, distributed, resume as resume_state
 from pipelines.cli import format_mesh, parse_mesh
 from pipelines.lora import LoraLoaderMixin
-from pipelines.wan import schedulers, step_cache as wan_step_cache, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
@@ -962,7 +963,8 @@ class WanPipeline(LoraLoaderMixin):
     `decode=False` skips the VAE (`frames` is None): for the processes of a multi-process run
     that do not write the video. `step_cache` (see `__call__`) is recorded in
     `settings["step_cache"]` with the skipped steps (`step_cache.summary`; None when off); the
-    cache restarts at an expert switch.
+    cache restarts at an expert switch, and its state is part of a denoising checkpoint (so a
+    resumed cached run gives the uninterrupted cached run's video).
 
     Multi-process runs (`pipelines.distributed.initialize` first, then the same call with the
     same seed on every process): the mesh must span all processes' devices; inputs become global
@@ -1019,7 +1021,7 @@ class WanPipeline(LoraLoaderMixin):
                                 for i in range(s["videos"])])
     schedule = s["scheduler"].set_timesteps(s["steps"])
     solver = schedule.init_state(latents.shape, jnp.float32)
-    first_step, writer = 0, None
+    first_step, writer, restored = 0, None, None
     if checkpoint_dir is not None:
       checkpoint_dir = os.fspath(checkpoint_dir)
       identity = self._run_identity(s, latents, attention_implementation)
@@ -1033,7 +1035,7 @@ class WanPipeline(LoraLoaderMixin):
           raise resume_state.ResumeError(f"the checkpoint in {checkpoint_dir!r} is from another run; "
                                    + "; ".join(differences))
         latents, solver = saved.restore("latents", latents), saved.restore("solver", solver)
-        first_step = saved.step
+        first_step, restored = saved.step, saved
         stage(f"resume: {first_step} of {s['steps']} steps done (checkpoint in {checkpoint_dir})")
       elif saved is not None:
         raise resume_state.ResumeError(f"{checkpoint_dir!r} already holds a denoising checkpoint (step "
@@ -1057,14 +1059,16 @@ class WanPipeline(LoraLoaderMixin):
     experts = [0 if boundary is None or t >= boundary else 1 for t in schedule.timesteps]
     guidance = [distributed.put_replicated(np.float32(s["guidance"][e]), replicated) for e in experts]
     cache = None
+    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
     if s["step_cache"] is not None:
       cache = wan_step_cache.init_state(
-          s["step_cache"], rows=s["videos"] * (2 if s["cfg"] else 1), tokens=math.prod(
-              n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size)),
+          s["step_cache"], rows=s["videos"] * (2 if s["cfg"] else 1), tokens=tokens,
           config=self.transformer_config, dtype=self.dtype, steps=s["steps"], mesh=mesh)
+      if restored is not None:
+        cache = wan_step_cache.place(restored.restore(
+            "step_cache", wan_step_cache.checkpoint_template(cache, tokens=tokens)), cache)
 
     start = time.perf_counter()
-    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
     compiling = (f"compile: the denoise step ({tokens} tokens, {self.transformer_config.num_layers} "
                  f"layers, mesh {format_mesh(*((1, 1) if mesh is None else mesh_degrees(mesh)))})")
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], cache, mesh=mesh,
@@ -1105,7 +1109,10 @@ class WanPipeline(LoraLoaderMixin):
               "nothing was written. Usual causes: NaN/inf in the weights, or overflow in bfloat16 "
               "(try dtype='float32'); nan_guard=False (generate --no-nan-guard) lets it finish anyway")
         if writer is not None and ((k + 1) % checkpoint_every == 0 or k + 1 == len(experts)):
-          writer.save(k + 1, {"latents": latents, "solver": solver})
+          state = {"latents": latents, "solver": solver}
+          if cache is not None:
+            state["step_cache"] = wan_step_cache.for_checkpoint(cache, tokens=tokens, mesh=mesh)
+          writer.save(k + 1, state)
         step_times.append(time.perf_counter() - start)
         if s["callback"] is not None:
           latents, text = self._step_end_callback(s, k, schedule.timesteps[k], latents, text, replicated)
@@ -1144,8 +1151,8 @@ class WanPipeline(LoraLoaderMixin):
         num_videos_per_prompt=s["num_videos_per_prompt"], prompt_embeds_given=s["prompt_embeds"] is not None,
         negative_prompt_embeds_given=s["negative_prompt_embeds"] is not None, steps_run=len(step_times),
         lora_scale=s["lora_scale"], step_cache=None if cache is None else wan_step_cache.summary(
-            s["step_cache"], [bool(distributed.to_host(c["skipped"])) for _, c in cache_stats],
-            [float(distributed.to_host(c["metric"])) for _, c in cache_stats],
+            s["step_cache"], [(k, bool(distributed.to_host(c["skipped"])),
+                               float(distributed.to_host(c["metric"]))) for k, c in cache_stats],
             num_layers=self.transformer_config.num_layers))
     if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
       resume_state.remove(checkpoint_dir)
@@ -1244,7 +1251,7 @@ class WanPipeline(LoraLoaderMixin):
         "num_videos_per_prompt": s["num_videos_per_prompt"], "lora_scale": s["lora_scale"],
         "prompt_embeds_sha256": _digest(s["prompt_embeds"]),
         "negative_prompt_embeds_sha256": _digest(s["negative_prompt_embeds"]),
-    }
+    } | ({} if s["step_cache"] is None else {"step_cache": s["step_cache"].identity()})
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].

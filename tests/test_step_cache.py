@@ -164,3 +164,31 @@ def test_reset_keeps_the_layout():
   assert not bool(again.valid) and int(again.acc_steps) == 0 and int(again.step) == 0
   for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
     assert after.sharding.is_equivalent_to(before.sharding, before.ndim)
+
+
+class Stop(Exception):
+  """Stands for an interruption after a step (as tests/test_resume.py)."""
+
+
+def test_interrupted_cached_run_resumes_to_the_same_video(tiny, one_device, tmp_path):
+  """The cache state is part of the denoising checkpoint: a cached run on 2x2 stopped after step 4
+  and resumed on one device skips the uninterrupted run's steps and gives its latents; resuming
+  with another step-cache setting is refused."""
+  folder = str(tmp_path / "ckpt")
+  spec = SKIPPING["first-block"]
+
+  def stop_after_4(k, seconds):
+    if k + 1 == 4:
+      raise Stop
+
+  with pytest.raises(Stop):
+    tiny.run(PROMPT, step_cache=spec, mesh="U=2,R=2", checkpoint_dir=folder, on_step=stop_after_4, **KWARGS)
+  with pytest.raises(ValueError, match="step_cache"):
+    tiny.run(PROMPT, step_cache="first-block:0.5", checkpoint_dir=folder, resume=True, **KWARGS)
+  result = tiny.run(PROMPT, step_cache=spec, checkpoint_dir=folder, resume=True, **KWARGS)
+  reference = one_device["first-block"].settings["step_cache"]
+  record = result.settings["step_cache"]
+  assert record["steps_recorded"] == list(range(4, KWARGS["num_inference_steps"]))
+  assert record["skipped_steps"] == [k for k in reference["skipped_steps"] if k >= 4]
+  err = float(np.max(np.abs(result.latents - one_device["first-block"].latents)))
+  assert err <= FP32_LATENT_TOL, f"resumed cached run: max |latents - uninterrupted| = {err}"

@@ -110,6 +110,14 @@ class StepCacheSpec:
       return f"first-block:{self.threshold:g}"
     return f"mag:{self.threshold:g}:{self.max_skips}" + (f"@{self.ratios_source}" if self.ratios_source else "")
 
+  def identity(self) -> dict[str, Any]:
+    """What a resumed run must match (`pipelines.resume`): the setting and its ratios, not the
+    file they were read from."""
+    out = self.to_dict()
+    out.pop("ratios_source", None)
+    out["spec"] = self.describe().split("@")[0]
+    return out
+
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready record of the setting (ratios included for MagCache)."""
     out = {"spec": self.describe(), "method": self.method, "threshold": self.threshold}
@@ -298,6 +306,37 @@ def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtyp
   return jax.jit(build, out_shardings=_shardings(abstract, mesh))()
 
 
+def for_checkpoint(state: State, *, tokens: int, mesh: Mesh | None) -> State:
+  """The state as a denoising checkpoint (`pipelines.resume.Writer`) takes it: residuals cut to the
+  `tokens` valid token rows (the mesh padding differs between meshes; a run may resume on another
+  one) and every array replicated over the mesh. A new copy; `state` is unchanged."""
+  def cut(s):
+    return jax.tree.map(lambda x: x[:, :tokens] if x.ndim == 3 else x, s)
+  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+              else NamedSharding(mesh, P()))
+  return jax.jit(cut, out_shardings=sharding)(state)
+
+
+def checkpoint_template(state: State, *, tokens: int) -> State:
+  """Shapes and dtypes (`jax.ShapeDtypeStruct`) of `for_checkpoint(state)`, for
+  `Checkpoint.restore`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], tokens, *x.shape[2:]) if x.ndim == 3
+                                                     else x.shape, x.dtype), state)
+
+
+def place(host_state: State, like: State) -> State:
+  """A state of host (numpy) arrays as `for_checkpoint` wrote it, put on `like`'s devices with
+  `like`'s shapes (residuals zero-padded to its padded token count: padded rows never reach the
+  output, the statistics or a valid key) and shardings, also across processes (each fills its own
+  devices from its own copy)."""
+  def put(host, leaf):
+    host = np.asarray(host)
+    if host.ndim == 3:
+      host = np.pad(host, ((0, 0), (0, leaf.shape[1] - host.shape[1]), (0, 0)))
+    return jax.make_array_from_callback(host.shape, leaf.sharding, lambda index: host[index])
+  return jax.tree.map(put, host_state, like)
+
+
 def constrain(state: State, mesh: Mesh | None) -> State:
   """Pins a state returned by the jitted step to the layout `init_state` gave it (a no-op without a
   mesh), so that the compiled step accepts its own output on the next call."""
@@ -428,23 +467,25 @@ def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, ti
   return wan_transformer.unembed(model, xz_BTD, context), state, stats
 
 
-def summary(spec: StepCacheSpec, skipped: Sequence[bool], metrics: Sequence[float], *,
+def summary(spec: StepCacheSpec, steps: Sequence[tuple[int, bool, float]], *,
             num_layers: int) -> dict[str, Any]:
   """The record of a cached run for `run(...).settings["step_cache"]` and the sidecar.
 
   Args:
-    spec: the setting; skipped, metrics: per step, from `cached_forward`'s stats.
+    spec: the setting.
+    steps: (step index, skipped, metric) per step this call ran, from `cached_forward`'s stats (a
+      resumed run holds only the steps after its checkpoint).
     num_layers: Z, blocks per transformer evaluation.
 
   Returns:
-    `spec.to_dict()` plus skipped_steps (step indices), skipped_fraction (of steps),
-    skipped_block_fraction (of block evaluations: first-block always runs block 0), and metrics
-    (per step; None where not finite).
+    `spec.to_dict()` plus steps_recorded (the step indices covered), skipped_steps (step
+    indices), skipped_fraction (of the recorded steps), skipped_block_fraction (of block
+    evaluations: first-block always runs block 0), and metrics (per recorded step; None where not
+    finite).
   """
-  steps = len(skipped)
-  skipped_steps = [k for k, s in enumerate(skipped) if s]
+  skipped_steps = [k for k, skipped, _ in steps if skipped]
   per_skip = (num_layers - 1) / num_layers if spec.method == "first-block" else 1.0
-  fraction = len(skipped_steps) / steps if steps else 0.0
-  return {**spec.to_dict(), "skipped_steps": skipped_steps, "skipped_fraction": fraction,
-          "skipped_block_fraction": fraction * per_skip,
-          "metrics": [float(m) if math.isfinite(m) else None for m in metrics]}
+  fraction = len(skipped_steps) / len(steps) if steps else 0.0
+  return {**spec.to_dict(), "steps_recorded": [k for k, _, _ in steps], "skipped_steps": skipped_steps,
+          "skipped_fraction": fraction, "skipped_block_fraction": fraction * per_skip,
+          "metrics": [float(m) if math.isfinite(m) else None for _, _, m in steps]}
