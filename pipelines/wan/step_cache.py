@@ -105,10 +105,12 @@ class StepCacheSpec:
       _check_ratios(self.ratios, self.ratios_source or "ratios")
 
   def describe(self) -> str:
-    """The spec string that gives this setting back (with the ratios file when there is one)."""
+    """The spec string that gives this setting back (with the ratios file unless it is the
+    built-in tiny calibration)."""
     if self.method == "first-block":
       return f"first-block:{self.threshold:g}"
-    return f"mag:{self.threshold:g}:{self.max_skips}" + (f"@{self.ratios_source}" if self.ratios_source else "")
+    shipped = self.ratios_source in (None, TINY_RATIOS_FILE)
+    return f"mag:{self.threshold:g}:{self.max_skips}" + ("" if shipped else f"@{self.ratios_source}")
 
   def identity(self) -> dict[str, Any]:
     """What a resumed run must match (`pipelines.resume`): the setting and its ratios, not the
