@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
                  help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
                       "(diffusers' load_into_transformer_2=True)")
+  p.add_argument("--step-cache", default=None, metavar="SPEC",
+                 help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
+                      "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
+                      "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
+                      "end_to_end.calibrate_cache`, built in for the tiny model); off when omitted. "
+                      "The skipped steps go into the sidecar")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
   c = p.add_argument_group("resumable denoising")
@@ -217,6 +223,7 @@ class Plan:
   checkpoint_default: bool = True  # False with --no-checkpoint
   keep_checkpoint: bool = False
   resume: bool = False
+  step_cache: Any = None  # a step_cache.StepCacheSpec, or None: every step runs every block
 
   @property
   def writes(self) -> bool:
@@ -326,6 +333,11 @@ def plan_run(args: argparse.Namespace) -> Plan:
     video_io.check_fps(args.fps)
   except video_io.OutputError as e:
     raise UsageError(f"--fps: {e}") from e
+  from pipelines.wan.step_cache import parse_step_cache  # light: no compute
+  try:
+    step_cache = parse_step_cache(args.step_cache, model="tiny" if tiny else os.path.abspath(args.model))
+  except ValueError as e:
+    raise UsageError(f"--step-cache: {e}") from e
   if args.coordinator_timeout < 1:
     raise UsageError(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 (seconds)")
   if args.checkpoint_every < 1:
@@ -372,7 +384,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
-              resume=args.resume is not None)
+              resume=args.resume is not None, step_cache=step_cache)
 
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
@@ -640,6 +652,14 @@ def _announce(plan: Plan, checked: Checked, seed: int | None) -> None:
           f"{plan.checkpoint_dir})", file=sys.stderr)
 
 
+def _step_cache_note(record: dict[str, Any] | None) -> str:
+  """"; step cache SPEC skipped N/S steps" for the summary line, or "" when caching was off."""
+  if not record:
+    return ""
+  return (f"; step cache {record['spec']} skipped {len(record['skipped_steps'])}/{len(record['metrics'])} "
+          "steps")
+
+
 def run(checked: Checked, warnings_seen: list[str] | None = None) -> dict[str, Any]:
   """Loads the model, generates, writes the video and its sidecar; returns the sidecar dict.
 
@@ -692,7 +712,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                     flow_shift=plan.shift, seed=seed, max_sequence_length=plan.max_sequence_length,
                     mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes,
                     checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
-                    resume=plan.resume, keep_checkpoint=True)  # removed below, once the video is written
+                    resume=plan.resume, keep_checkpoint=True,  # removed below, once the video is written
+                    step_cache=plan.step_cache)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
@@ -728,7 +749,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
         f"seed {result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
         f"{_fmt(timings['text_encode'])}, compile {_fmt(timings['compile'])}, denoise "
         f"{_fmt(timings['denoise_per_step'])}/step x {plan.steps}, decode {_fmt(timings['decode'])}, "
-        f"total {_fmt(timings['total'])} (decode includes the VAE's first compile); {cache.summary()}")
+        f"total {_fmt(timings['total'])} (decode includes the VAE's first compile); {cache.summary()}"
+        f"{_step_cache_note(result.settings.get('step_cache'))}")
   return sidecar
 
 

@@ -22,7 +22,10 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
    `isfinite(latents).all()` (one reduction, no extra dispatch); with `nan_guard` (default) a
    non-finite step stops the run with `NonFiniteLatentsError` naming the step. After each step,
    diffusers' `callback_on_step_end` may replace the latents or text states, or stop the loop
-   (`pipe._interrupt = True`: the remaining steps are skipped, as diffusers does);
+   (`pipe._interrupt = True`: the remaining steps are skipped, as diffusers does). With
+   `step_cache` the forward may skip blocks on steps whose change is small
+   (pipelines/wan/step_cache.py: one mesh-uniform decision per step for all rows); the cache state
+   is carried and donated too, and saved in denoising checkpoints;
 5. latents de-normalised with the VAE statistics, decoded, mapped to [0, 1] (`output_type="np"`;
    "pil" rounds those to uint8 images, "latent" skips 5 and returns the latents).
 
@@ -59,6 +62,7 @@ from pipelines import checkpoint, distributed, resume as resume_state
 from pipelines.cli import format_mesh, parse_mesh
 from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.transformer import WanTransformer, forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
@@ -407,8 +411,8 @@ TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one
 
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
-                  text: jax.Array, guidance: jax.Array, *, mesh: Mesh | None, cfg: bool,
-                  attention_implementation: str = "auto"):
+                  text: jax.Array, guidance: jax.Array, cache: Any = None, *, mesh: Mesh | None,
+                  cfg: bool, attention_implementation: str = "auto"):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -420,10 +424,15 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     mesh: None or the (ring, ulysses) mesh (static).
     cfg: classifier-free guidance on (static).
     attention_implementation: "auto" | "lse" | "fixed_m" for the transformer (static).
+    cache: None (no step cache: the plain transformer forward) or the step-cache state
+      (`step_cache.FirstBlockState` / `MagState`, from `step_cache.init_state` or the previous
+      step; donated). One skip decision covers the cond and uncond rows.
 
   Returns:
-    (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite). The flag is
-    one reduction in the same program, so the NaN guard costs no extra dispatch.
+    (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite, new cache
+    state, cache stats). The flag is one reduction in the same program, so the NaN guard costs no
+    extra dispatch. Without a cache the last two are None; with one, the stats are
+    {"skipped": bool [], "metric": float32 []} (`step_cache.cached_forward`).
   """
   TRACE_COUNT["denoise_step"] += 1
   model = nnx.merge(graphdef, params)
@@ -431,8 +440,13 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cfg:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  noise = forward(model, x, timestep, text, mesh=mesh,
-                  attention_implementation=attention_implementation)  # model dtype
+  stats = None
+  if cache is None:
+    noise = forward(model, x, timestep, text, mesh=mesh,
+                    attention_implementation=attention_implementation)  # model dtype
+  else:
+    noise, cache, stats = wan_step_cache.cached_forward(
+        model, x, timestep, text, cache, mesh=mesh, attention_implementation=attention_implementation)
   if cfg:
     cond, uncond = jnp.split(noise, 2, axis=0)
     # torch: scalar * tensor computes in fp32 ("opmath") and rounds once to the tensor dtype.
@@ -447,7 +461,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     # Pin the carried state to the replicated layout it came in with: otherwise GSPMD may hand it
     # back sharded and the next call of this compiled step rejects its own output.
     out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P()))
-  return out
+  if cache is not None:
+    cache = wan_step_cache.constrain(cache, mesh)  # residuals sequence-sharded, scalars replicated
+  return (*out, cache, stats)
 
 
 # Compiled steps by (graph, mesh, cfg, abstract arguments): pipelines with the same architecture
@@ -455,7 +471,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
 _COMPILED_STEPS: dict[Any, Any] = {}
 _denoise_step_jit = jax.jit(denoise_step, static_argnums=0,
                             static_argnames=("mesh", "cfg", "attention_implementation"),
-                            donate_argnames=("latents", "solver"))
+                            donate_argnames=("latents", "solver", "cache"))
 
 
 @jax.jit
@@ -595,11 +611,12 @@ class WanPipeline(LoraLoaderMixin):
     self._expert_states = [distributed.put_replicated(state, sharding) for state in self._experts]
     self._placement = key
 
-  def _compiled_step(self, params, latents, solver, text, guidance, *, mesh: Mesh | None, cfg: bool,
-                     attention_implementation: str = "auto", on_compile: Callable[[], None] | None = None):
+  def _compiled_step(self, params, latents, solver, text, guidance, cache=None, *, mesh: Mesh | None,
+                     cfg: bool, attention_implementation: str = "auto",
+                     on_compile: Callable[[], None] | None = None):
     """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each;
-    `on_compile()` is called just before a compile)."""
-    args = (params, latents, solver, text, guidance)
+    `on_compile()` is called just before a compile). `cache`: None or a step-cache state."""
+    args = (params, latents, solver, text, guidance, cache)
     leaves, treedef = jax.tree.flatten(args)
     key = (self._graphdef, mesh, cfg, attention_implementation, treedef,
            tuple((x.shape, x.dtype, x.sharding) for x in leaves))
@@ -637,7 +654,8 @@ class WanPipeline(LoraLoaderMixin):
                    decode: bool = True, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
                    num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
                    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-                   attention_kwargs: dict[str, Any] | None = None, generator: Any = None) -> dict[str, Any]:
+                   attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
+                   step_cache: Any = None) -> dict[str, Any]:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
 
     Every argument is checked for type as well as value (a bool is not an int, a str not a number,
@@ -654,7 +672,8 @@ class WanPipeline(LoraLoaderMixin):
       float32 numpy [B, L, text_dim], one row per prompt), num_videos_per_prompt, videos (B x
       num_videos_per_prompt), height, width, num_frames (rounded), steps, guidance (g1, g2), cfg,
       scheduler config, seed, latents (None or float32 numpy), max_sequence_length, mesh (None or a
-      `Mesh`), callback / callback_tensor_inputs and lora_scale (None or a float).
+      `Mesh`), callback / callback_tensor_inputs, lora_scale (None or a float) and step_cache
+      (None or a `step_cache.StepCacheSpec`).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
@@ -778,6 +797,7 @@ class WanPipeline(LoraLoaderMixin):
           raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
                            f"LoRA scale; 1.0 = as loaded){_not_a(scale, _is_real(scale))}")
         lora_scale = float(scale)
+    cache_spec = wan_step_cache.parse_step_cache(step_cache, model=self.name)
     mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
     return dict(prompts=prompts, negative_prompts=negatives if cfg else None,
                 prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds if cfg else None,
@@ -786,7 +806,7 @@ class WanPipeline(LoraLoaderMixin):
                 scheduler=scheduler_config, seed=None if latents is not None else seed,
                 latents=latents, latent_shape=shape, max_sequence_length=max_sequence_length,
                 mesh=mesh, callback=callback_on_step_end, callback_tensor_inputs=list(tensor_inputs),
-                lora_scale=lora_scale)
+                lora_scale=lora_scale, step_cache=cache_spec)
 
   # --- the call ---
 
@@ -802,7 +822,7 @@ class WanPipeline(LoraLoaderMixin):
                callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
-               keep_checkpoint: bool = False) -> Any:
+               keep_checkpoint: bool = False, step_cache: Any = None) -> Any:
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     Args:
@@ -867,6 +887,12 @@ class WanPipeline(LoraLoaderMixin):
       checkpoint_dir, checkpoint_every, resume, keep_checkpoint: resumable denoising (not in
         diffusers): the state is saved to `checkpoint_dir` every `checkpoint_every` steps, and
         `resume=True` continues a saved run there; see `run`.
+      step_cache: None (off), "first-block:THRESH" (first-block residual cache, e.g.
+        "first-block:0.05") or "mag:THRESH[:K][@RATIOS.json]" (MagCache; without a file, the
+        tiny model's shipped calibration), or a `step_cache.StepCacheSpec` (not in diffusers,
+        whose pipelines take these as hooks): steps whose change measure stays below THRESH reuse
+        a cached residual instead of running the transformer's blocks
+        (pipelines/wan/step_cache.py). The skipped steps are in `run(...).settings`.
 
     Returns:
       as `output_type`: float32 numpy [B', frames, height, width, 3] in [0, 1] ("np"), float32
@@ -890,7 +916,7 @@ class WanPipeline(LoraLoaderMixin):
                       callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                       attention_kwargs=attention_kwargs, generator=generator,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                      keep_checkpoint=keep_checkpoint)
+                      keep_checkpoint=keep_checkpoint, step_cache=step_cache)
     if output_type == "latent":
       return result.latents
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
@@ -922,7 +948,7 @@ class WanPipeline(LoraLoaderMixin):
           callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
           attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
-          keep_checkpoint: bool = False) -> GenerationResult:
+          keep_checkpoint: bool = False, step_cache: Any = None) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     The diffusers-named arguments (`prompt_embeds`, `num_videos_per_prompt`,
@@ -935,7 +961,10 @@ class WanPipeline(LoraLoaderMixin):
     the first step whose latents hold NaN/inf, instead of decoding garbage; the check is a flag the
     compiled step returns anyway, so turning it off saves only a scalar read per step.
     `decode=False` skips the VAE (`frames` is None): for the processes of a multi-process run
-    that do not write the video.
+    that do not write the video. `step_cache` (see `__call__`) is recorded in
+    `settings["step_cache"]` with the skipped steps (`step_cache.summary`; None when off); the
+    cache restarts at an expert switch, and its state is part of a denoising checkpoint (so a
+    resumed cached run gives the uninterrupted cached run's video).
 
     Multi-process runs (`pipelines.distributed.initialize` first, then the same call with the
     same seed on every process): the mesh must span all processes' devices; inputs become global
@@ -974,7 +1003,7 @@ class WanPipeline(LoraLoaderMixin):
                           num_videos_per_prompt=num_videos_per_prompt,
                           callback_on_step_end=callback_on_step_end,
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                          attention_kwargs=attention_kwargs, generator=generator)
+                          attention_kwargs=attention_kwargs, generator=generator, step_cache=step_cache)
     mesh = s["mesh"]
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = s["steps"]
@@ -992,7 +1021,7 @@ class WanPipeline(LoraLoaderMixin):
                                 for i in range(s["videos"])])
     schedule = s["scheduler"].set_timesteps(s["steps"])
     solver = schedule.init_state(latents.shape, jnp.float32)
-    first_step, writer = 0, None
+    first_step, writer, restored = 0, None, None
     if checkpoint_dir is not None:
       checkpoint_dir = os.fspath(checkpoint_dir)
       identity = self._run_identity(s, latents, attention_implementation)
@@ -1006,7 +1035,7 @@ class WanPipeline(LoraLoaderMixin):
           raise resume_state.ResumeError(f"the checkpoint in {checkpoint_dir!r} is from another run; "
                                    + "; ".join(differences))
         latents, solver = saved.restore("latents", latents), saved.restore("solver", solver)
-        first_step = saved.step
+        first_step, restored = saved.step, saved
         stage(f"resume: {first_step} of {s['steps']} steps done (checkpoint in {checkpoint_dir})")
       elif saved is not None:
         raise resume_state.ResumeError(f"{checkpoint_dir!r} already holds a denoising checkpoint (step "
@@ -1029,17 +1058,26 @@ class WanPipeline(LoraLoaderMixin):
                 else self.boundary_ratio * s["scheduler"].num_train_timesteps)
     experts = [0 if boundary is None or t >= boundary else 1 for t in schedule.timesteps]
     guidance = [distributed.put_replicated(np.float32(s["guidance"][e]), replicated) for e in experts]
+    cache = None
+    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
+    if s["step_cache"] is not None:
+      cache = wan_step_cache.init_state(
+          s["step_cache"], rows=s["videos"] * (2 if s["cfg"] else 1), tokens=tokens,
+          config=self.transformer_config, dtype=self.dtype, steps=s["steps"], mesh=mesh)
+      if restored is not None:
+        cache = wan_step_cache.place(restored.restore(
+            "step_cache", wan_step_cache.checkpoint_template(cache, tokens=tokens)), cache)
 
     start = time.perf_counter()
-    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
     compiling = (f"compile: the denoise step ({tokens} tokens, {self.transformer_config.num_layers} "
                  f"layers, mesh {format_mesh(*((1, 1) if mesh is None else mesh_degrees(mesh)))})")
-    step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], mesh=mesh,
+    step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], cache, mesh=mesh,
                                cfg=s["cfg"], attention_implementation=attention_implementation,
                                on_compile=lambda: stage(compiling))
     timings["compile"] = time.perf_counter() - start
 
     step_times = []
+    cache_stats = []  # (step, stats) per step run, read after the loop (no extra sync)
     bar = None
     if progress:
       from tqdm.auto import tqdm
@@ -1057,7 +1095,12 @@ class WanPipeline(LoraLoaderMixin):
           continue
         self._current_timestep = schedule.timesteps[k]
         start = time.perf_counter()
-        latents, solver, finite = step(self._experts[expert], latents, solver, text, guidance[k])
+        if cache is not None and k and expert != experts[k - 1]:
+          cache = wan_step_cache.reset(cache)
+        latents, solver, finite, cache, stats = step(self._experts[expert], latents, solver, text,
+                                                     guidance[k], cache)
+        if cache is not None:
+          cache_stats.append((k, stats))
         jax.block_until_ready(latents)
         if nan_guard and not bool(distributed.to_host(finite)):
           raise NonFiniteLatentsError(
@@ -1066,7 +1109,10 @@ class WanPipeline(LoraLoaderMixin):
               "nothing was written. Usual causes: NaN/inf in the weights, or overflow in bfloat16 "
               "(try dtype='float32'); nan_guard=False (generate --no-nan-guard) lets it finish anyway")
         if writer is not None and ((k + 1) % checkpoint_every == 0 or k + 1 == len(experts)):
-          writer.save(k + 1, {"latents": latents, "solver": solver})
+          state = {"latents": latents, "solver": solver}
+          if cache is not None:
+            state["step_cache"] = wan_step_cache.for_checkpoint(cache, tokens=tokens, mesh=mesh)
+          writer.save(k + 1, state)
         step_times.append(time.perf_counter() - start)
         if s["callback"] is not None:
           latents, text = self._step_end_callback(s, k, schedule.timesteps[k], latents, text, replicated)
@@ -1104,7 +1150,10 @@ class WanPipeline(LoraLoaderMixin):
         resumed_from_step=first_step if resume else None,
         num_videos_per_prompt=s["num_videos_per_prompt"], prompt_embeds_given=s["prompt_embeds"] is not None,
         negative_prompt_embeds_given=s["negative_prompt_embeds"] is not None, steps_run=len(step_times),
-        lora_scale=s["lora_scale"])
+        lora_scale=s["lora_scale"], step_cache=None if cache is None else wan_step_cache.summary(
+            s["step_cache"], [(k, bool(distributed.to_host(c["skipped"])),
+                               float(distributed.to_host(c["metric"]))) for k, c in cache_stats],
+            num_layers=self.transformer_config.num_layers))
     if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
       resume_state.remove(checkpoint_dir)
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
@@ -1202,7 +1251,7 @@ class WanPipeline(LoraLoaderMixin):
         "num_videos_per_prompt": s["num_videos_per_prompt"], "lora_scale": s["lora_scale"],
         "prompt_embeds_sha256": _digest(s["prompt_embeds"]),
         "negative_prompt_embeds_sha256": _digest(s["negative_prompt_embeds"]),
-    }
+    } | ({} if s["step_cache"] is None else {"step_cache": s["step_cache"].identity()})
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].

@@ -17,11 +17,15 @@ token count as `kv_valid_len` (padded keys masked), cross-attention is `attentio
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
 and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
-`lax.scan`, so the block is traced and compiled once whatever the depth.
+`lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
+(patch and condition embeddings, RoPE), `run_blocks` (any range of blocks) and `unembed` (output
+norm, projection, unpatchify), so a step cache (pipelines/wan/step_cache.py) can run block 0 and
+blocks 1..Z-1 apart without a second copy of the block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -350,10 +354,124 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
                      f"got {text.shape=}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+  """What every block of one forward needs besides the video tokens (built by `embed`).
+
+  Attributes:
+    text_BLD: [B, L, D] projected text states (replicated).
+    time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
+    temb_BD: [B, D] timestep embedding in the model dtype (the output norm's modulation).
+    rope: (cos, sin) float32 [T, H/2] at the tokens' global positions (padded rows: cos 1, sin 0).
+    layout: where the tokens live (mesh, valid and padded counts).
+    latent_shape: (B, C, F, Hl, Wl) of the input latents.
+  """
+  text_BLD: jax.Array
+  time_proj_B6D: jax.Array
+  temb_BD: jax.Array
+  rope: tuple[jax.Array, jax.Array]
+  layout: SequenceLayout
+  latent_shape: tuple[int, ...]
+
+
+def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
+          encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
+          attention_implementation: str = "auto") -> tuple[jax.Array, ForwardContext]:
+  """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
+
+  Args: as `forward`.
+
+  Returns:
+    x_BTD: [B, T_padded, D] video tokens in the model dtype, T padded to a multiple of U * R with
+      zero rows and sequence-sharded under a mesh; and the `ForwardContext` of the blocks.
+
+  Raises:
+    ValueError: as `forward`.
+  """
+  config = model.config
+  _check_inputs(config, latents, timestep, encoder_hidden_states)
+  dtype = model.dtype
+  _, _, f, h, w = latents.shape
+  pt, ph, pw = config.patch_size
+  grid = (f // pt, h // ph, w // pw)
+  if attention_implementation not in attention.IMPLEMENTATIONS:
+    raise ValueError(f"unknown {attention_implementation=}; expected one of {attention.IMPLEMENTATIONS}")
+  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation)
+
+  x_BTD = model.patch_embedding(latents.astype(dtype))
+  temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
+      timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
+  # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
+  cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
+  rope = (layout.constrain_table(cos), layout.constrain_table(sin))
+  x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
+  context = ForwardContext(text_BLD=text_BLD, time_proj_B6D=time_proj_B6D, temb_BD=temb_BD, rope=rope,
+                           layout=layout, latent_shape=tuple(latents.shape))
+  return x_BTD, context
+
+
+def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext, start: int = 0,
+               stop: int | None = None) -> jax.Array:
+  """Blocks start..stop-1 (Python slice bounds, static) on x, by one `lax.scan` over their weights.
+
+  `run_blocks(m, x, c)` runs every block (what `forward` does); a step cache runs block 0 with
+  `stop=1` and the rest with `start=1` (pipelines/wan/step_cache.py), the same scanned block.
+
+  Args:
+    x_BTD: [B, T_padded, D] in the model dtype (from `embed` or a previous `run_blocks`).
+    context: from `embed` on the same call.
+
+  Returns:
+    [B, T_padded, D] in the model dtype, sequence-sharded under a mesh.
+
+  Raises:
+    ValueError: an empty or out-of-range block range.
+  """
+  layers = model.config.num_layers
+  stop = layers if stop is None else stop
+  if not 0 <= start < stop <= layers:
+    raise ValueError(f"blocks {start}..{stop - 1} are not a non-empty range of the {layers} blocks")
+  blocks = model.blocks
+  if (start, stop) != (0, layers):
+    blocks = jax.tree.map(lambda a: a[start:stop], blocks)  # the Z axis of every stacked array
+
+  def body(x_BTD, block):
+    return block(x_BTD, context.text_BLD, context.time_proj_B6D, context.rope, config=model.config,
+                 layout=context.layout), None
+
+  x_BTD, _ = jax.lax.scan(body, x_BTD, blocks)
+  return x_BTD
+
+
+def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) -> jax.Array:
+  """The part of `forward` after the blocks: output norm, projection, padded rows dropped, unpatchify.
+
+  Args:
+    x_BTD: [B, T_padded, D] in the model dtype (the last block's output).
+
+  Returns:
+    [B, C_out, F, Hl, Wl] in the model dtype.
+  """
+  config = model.config
+  b, _, f, h, w = context.latent_shape
+  pt, ph, pw = config.patch_size
+  grid = (f // pt, h // ph, w // pw)
+  # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
+  mod_B2D = model.scale_shift_table[...][None] + context.temb_BD[:, None, :].astype(jnp.float32)
+  shift, scale = jnp.split(mod_B2D, 2, axis=1)
+  x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
+  x_BTP = model.proj_out(x_BTD)[:, : context.layout.tokens]  # P = pt * ph * pw * C_out
+  x = x_BTP.reshape(b, *grid, pt, ph, pw, config.out_channels)
+  x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C_out, F/pt, pt, Hl/ph, ph, Wl/pw, pw]
+  return x.reshape(b, config.out_channels, f, h, w)
+
+
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
             encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
             attention_implementation: str = "auto") -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
+
+  `embed`, then every block (`run_blocks`), then `unembed`.
 
   Args:
     model: a `WanTransformer` (from `load_transformer` or `init_transformer`).
@@ -373,37 +491,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   Raises:
     ValueError: shapes that do not fit the config, or a mesh without the sequence axes.
   """
-  config = model.config
-  _check_inputs(config, latents, timestep, encoder_hidden_states)
-  dtype = model.dtype
-  b, _, f, h, w = latents.shape
-  pt, ph, pw = config.patch_size
-  grid = (f // pt, h // ph, w // pw)
-  if attention_implementation not in attention.IMPLEMENTATIONS:
-    raise ValueError(f"unknown {attention_implementation=}; expected one of {attention.IMPLEMENTATIONS}")
-  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation)
-
-  x_BTD = model.patch_embedding(latents.astype(dtype))
-  temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
-      timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
-  # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
-  cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
-  rope = (layout.constrain_table(cos), layout.constrain_table(sin))
-  x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
-
-  def body(x_BTD, block):
-    return block(x_BTD, text_BLD, time_proj_B6D, rope, config=config, layout=layout), None
-
-  x_BTD, _ = jax.lax.scan(body, x_BTD, model.blocks)
-
-  # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
-  mod_B2D = model.scale_shift_table[...][None] + temb_BD[:, None, :].astype(jnp.float32)
-  shift, scale = jnp.split(mod_B2D, 2, axis=1)
-  x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
-  x_BTP = model.proj_out(x_BTD)[:, : layout.tokens]  # P = pt * ph * pw * C_out
-  x = x_BTP.reshape(b, *grid, pt, ph, pw, config.out_channels)
-  x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C_out, F/pt, pt, Hl/ph, ph, Wl/pw, pw]
-  return x.reshape(b, config.out_channels, f, h, w)
+  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
+                         attention_implementation=attention_implementation)
+  return unembed(model, run_blocks(model, x_BTD, context), context)
 
 
 def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:

@@ -1,0 +1,107 @@
+r"""MagCache calibration: the per-step magnitude ratios of a model, written as JSON.
+
+  python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/mag_ratios_tiny.json
+  python -m end_to_end.calibrate_cache --model ./Wan2.1-T2V-1.3B-Diffusers --dtype bfloat16 \
+      --size 832x480 --frames 81 --steps 50 --mesh U=4,R=2 --out wan21_1.3b_mag.json
+
+Runs the pipeline with every step computed (MagCache with threshold 0) and records, per step s,
+gamma_s = mean over tokens of ||R_s|| / ||R_{s-1}||, R the whole-transformer residual (last block's
+output minus the first block's input; gamma_0 = 1), as diffusers' `MagCacheConfig(calibrate=True)`
+(hooks/mag_cache.py) and MagCache (arXiv:2506.09045) calibrate. Under classifier-free guidance
+the cond and uncond rows are one batch (one decision covers both), so the mean runs over both.
+With several prompts (--prompt repeated) the ratios are averaged over them. The file is what
+`step_cache="mag:THRESH[:K]@FILE"` (and `generate --step-cache`) loads; ratios for another step
+count are resampled by nearest index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from end_to_end.collectives import parse_mesh, request_cpu_devices
+from pipelines.cli import HelpFormatter
+
+DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.calibrate_cache", description=__doc__,
+                               formatter_class=HelpFormatter)
+  ap.add_argument("--model", default="tiny", help="'tiny' (embedded random weights) or a diffusers Wan folder")
+  ap.add_argument("--out", required=True, help="the JSON file to write")
+  ap.add_argument("--prompt", action="append", help=f"calibration prompt (repeatable; default {DEFAULT_PROMPTS})")
+  ap.add_argument("--size", default="256x256", help="WIDTHxHEIGHT in pixels, multiples of 16")
+  ap.add_argument("--frames", type=int, default=17, help="video frames (4k + 1)")
+  ap.add_argument("--steps", type=int, default=50, help="denoising steps")
+  ap.add_argument("--guidance", type=float, default=5.0, help="CFG scale")
+  ap.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's scheduler)")
+  ap.add_argument("--seed", type=int, default=100, help="noise seed of the first prompt (prompt i: seed + i)")
+  ap.add_argument("--max-sequence-length", type=int, default=512, help="text tokens L")
+  ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                  help="model dtype (default float32 for tiny, bfloat16 for a folder)")
+  ap.add_argument("--mesh", default="U=1,R=1", help="sequence-parallel mesh, e.g. U=2,R=2")
+  return ap
+
+
+def calibrate(pipe: Any, prompts: list[str], *, width: int, height: int, frames: int, steps: int,
+              guidance: float, shift: float | None, seed: int, max_sequence_length: int,
+              mesh: Any = None) -> list[float]:
+  """MagCache ratios of `pipe`: gamma_s per step, averaged over `prompts` (prompt i with seed + i).
+
+  Returns:
+    `steps` floats (gamma_0 = 1.0).
+  """
+  import numpy as np
+
+  from pipelines.wan.step_cache import StepCacheSpec
+
+  never = StepCacheSpec("mag", 0.0, max_skips=1, retention=1.0, ratios=(1.0,), ratios_source="calibration")
+  runs = []
+  for i, prompt in enumerate(prompts):
+    result = pipe.run(prompt, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+                      guidance_scale=guidance, flow_shift=shift, seed=seed + i,
+                      max_sequence_length=max_sequence_length, mesh=mesh, step_cache=never,
+                      progress=False, decode=False)
+    record = result.settings["step_cache"]
+    assert not record["skipped_steps"], record  # threshold 0 never skips
+    runs.append(record["metrics"])
+  return [float(x) for x in np.mean(np.asarray(runs, np.float64), axis=0)]
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  ulysses, ring = parse_mesh(args.mesh)
+  request_cpu_devices(ulysses * ring)  # before JAX starts
+  from pipelines.generate import parse_size
+  from pipelines.pipeline import WanPipeline
+
+  width, height = parse_size(args.size)
+  dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
+  pipe = WanPipeline.tiny(dtype) if args.model == "tiny" else WanPipeline.from_pretrained(args.model, dtype=dtype)
+  prompts = args.prompt or list(DEFAULT_PROMPTS)
+  mesh = None if ulysses * ring == 1 else f"U={ulysses},R={ring}"
+  ratios = calibrate(pipe, prompts, width=width, height=height, frames=args.frames, steps=args.steps,
+                     guidance=args.guidance, shift=args.shift, seed=args.seed,
+                     max_sequence_length=args.max_sequence_length, mesh=mesh)
+  record = {
+      "method": "mag", "model": pipe.name if args.model == "tiny" else os.path.basename(os.path.abspath(args.model)),
+      "steps": args.steps, "ratios": ratios,
+      "calibration": {"prompts": prompts, "size": f"{width}x{height}", "frames": args.frames,
+                      "guidance": args.guidance, "shift": args.shift, "seed": args.seed,
+                      "max_sequence_length": args.max_sequence_length, "dtype": dtype, "mesh": args.mesh},
+      "command": "python -m end_to_end.calibrate_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
+  }
+  with open(args.out, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
+    f.write("\n")
+  print(f"calibrate_cache: wrote {len(ratios)} ratios to {args.out} (min {min(ratios):.4f}, "
+        f"max {max(ratios):.4f})", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

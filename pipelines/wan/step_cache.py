@@ -1,0 +1,493 @@
+"""Step caching for the denoise loop: first-block residual cache and MagCache, mesh-uniform.
+
+Glossary (DESIGN.md section 1): B rows of the transformer batch (2 x videos under classifier-free
+guidance: cond and uncond rows run in one forward), T video tokens (padded to a multiple of U * R
+under a mesh, `SequenceLayout.padded_tokens`), D model width, Z blocks, S denoising steps.
+
+Two methods, each a decision per denoising step on whether to run the transformer's blocks or to
+reuse a residual cached at the last step that ran them ("full step"):
+
+- "first-block:THRESH": first-block cache (ParaAttention's "First Block Cache", diffusers
+  `hooks/first_block_cache.py` `FirstBlockCacheConfig`, xDiT's FBCache). Block 0 always runs; its
+  residual r = x_1 - x_0 (output minus input of block 0) is compared with r_prev, the one of the
+  last full step: relative L1 change = mean|r - r_prev| / mean|r_prev| over every valid token of
+  every row. Below THRESH (strictly), blocks 1..Z-1 are skipped and their output is x_1 + c, where
+  c = x_Z - x_1 was cached at the last full step; otherwise they run and r_prev, c are refreshed
+  (r_prev only then, as diffusers). The first step always runs.
+- "mag:THRESH[:K][@FILE]": MagCache (Ma et al. 2025, "MagCache: Fast Video Generation with
+  Magnitude-Aware Cache", arXiv:2506.09045; diffusers `hooks/mag_cache.py` `MagCacheConfig`).
+  A calibration gives per-step magnitude ratios gamma_s = mean over tokens of
+  ||R_s|| / ||R_{s-1}|| of the whole-transformer residual R = x_Z - x_0 (`calibrate_ratios`;
+  `python -m end_to_end.calibrate_cache` recomputes them). After the first `retention` fraction of
+  steps (0.2, diffusers' default), each step multiplies an accumulated ratio by gamma_s, adds
+  |1 - accumulated ratio| to an accumulated error and counts a consecutive step; while the error
+  is below THRESH (strictly) and the count is <= K (default 3, diffusers' `max_skip_steps`) every
+  block is skipped and the blocks' output is x_0 + R cached at the last full step; otherwise all
+  blocks run, R is refreshed and the accumulators restart. Ratios calibrated for another step count
+  are resampled by nearest index (diffusers' `nearest_interp`). Without @FILE the ratios shipped
+  for the embedded tiny model are used (`TINY_RATIOS_FILE`); any other model needs @FILE.
+
+Mesh-uniform decision: every statistic is a sum over the whole (sequence-sharded) tensor with the
+padded token rows masked out, so under a mesh it is reduced over all devices and every device holds
+the same scalar; the skip is a `lax.cond` on that scalar, so every device takes the same branch
+(and the collectives inside the blocks stay matched). One decision covers all B rows (cond and
+uncond alike). MagCache's decision uses only the carried accumulators and the step's ratio.
+
+The cache state (`FirstBlockState`, `MagState`) is a pytree of arrays carried through the jitted
+`pipelines.pipeline.denoise_step` and donated like the solver state: residuals [B, T, D] in the
+model dtype, sequence-sharded under a mesh; scalars replicated. The threshold and the MagCache
+settings are arrays in the state, so a new threshold does not recompile the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from attention.mesh import SEQUENCE_SPEC
+from pipelines.wan import transformer as wan_transformer
+
+METHODS = ("first-block", "mag")
+MAG_DEFAULT_MAX_SKIPS = 3  # diffusers MagCacheConfig.max_skip_steps
+MAG_DEFAULT_RETENTION = 0.2  # diffusers MagCacheConfig.retention_ratio
+# Ratios of the embedded tiny model (`WanPipeline.tiny()`), written by
+# `python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/mag_ratios_tiny.json`.
+TINY_RATIOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mag_ratios_tiny.json")
+
+SPEC_HELP = ("None, 'first-block:THRESH' (e.g. 'first-block:0.05') or 'mag:THRESH[:K][@RATIOS.json]' "
+             "(e.g. 'mag:0.1', 'mag:0.1:3@ratios.json'); THRESH a finite number >= 0, K an int >= 1")
+
+
+class StepCacheError(ValueError):
+  """A step-cache spec or calibration file that cannot be used; the message says what to pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCacheSpec:
+  """A parsed step-cache setting.
+
+  Attributes:
+    method: "first-block" or "mag".
+    threshold: skip while the method's error measure is below it (strictly; 0 never skips).
+    max_skips: MagCache's K, the most consecutive skipped steps (None for first-block).
+    retention: MagCache's fraction of first steps that always run (None for first-block).
+    ratios: MagCache's calibrated magnitude ratios, one per step of the calibration run.
+    ratios_source: where `ratios` came from (a file path), for the record.
+  """
+  method: str
+  threshold: float
+  max_skips: int | None = None
+  retention: float | None = None
+  ratios: tuple[float, ...] | None = None
+  ratios_source: str | None = None
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise StepCacheError(f"step cache method {self.method!r} is not one of {METHODS}")
+    if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
+            and self.threshold >= 0):
+      raise StepCacheError(f"step cache threshold {self.threshold!r} must be a finite number >= 0")
+    if self.method == "mag":
+      if not (isinstance(self.max_skips, int) and self.max_skips >= 1):
+        raise StepCacheError(f"MagCache K={self.max_skips!r} must be an int >= 1")
+      if not (isinstance(self.retention, (int, float)) and 0 <= self.retention <= 1):
+        raise StepCacheError(f"MagCache retention={self.retention!r} must be in [0, 1]")
+      _check_ratios(self.ratios, self.ratios_source or "ratios")
+
+  def describe(self) -> str:
+    """The spec string that gives this setting back (with the ratios file unless it is the
+    built-in tiny calibration)."""
+    if self.method == "first-block":
+      return f"first-block:{self.threshold:g}"
+    shipped = self.ratios_source in (None, TINY_RATIOS_FILE)
+    return f"mag:{self.threshold:g}:{self.max_skips}" + ("" if shipped else f"@{self.ratios_source}")
+
+  def identity(self) -> dict[str, Any]:
+    """What a resumed run must match (`pipelines.resume`): the setting and its ratios, not the
+    file they were read from."""
+    out = self.to_dict()
+    out.pop("ratios_source", None)
+    out["spec"] = self.describe().split("@")[0]
+    return out
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready record of the setting (ratios included for MagCache)."""
+    out = {"spec": self.describe(), "method": self.method, "threshold": self.threshold}
+    if self.method == "mag":
+      out.update(max_skips=self.max_skips, retention=self.retention, ratios_source=self.ratios_source,
+                 ratios=list(self.ratios))
+    return out
+
+
+def _check_ratios(ratios: Any, source: str) -> tuple[float, ...]:
+  if (not isinstance(ratios, (list, tuple)) or not ratios
+      or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                 for r in ratios)):
+    raise StepCacheError(f"{source}: MagCache ratios must be a non-empty list of finite numbers > 0, "
+                         f"got {str(ratios)[:80]}")
+  return tuple(float(r) for r in ratios)
+
+
+def load_ratios(path: str) -> tuple[float, ...]:
+  """MagCache ratios from a calibration file (`end_to_end.calibrate_cache` output, or any JSON
+  object with "ratios": [gamma_0, ..., gamma_{S-1}]).
+
+  Raises:
+    StepCacheError: no such file, not JSON, or no valid "ratios" list in it.
+  """
+  if not os.path.isfile(path):
+    raise StepCacheError(f"MagCache ratios file {path!r} does not exist; write one with "
+                         "`python -m end_to_end.calibrate_cache --model MODEL --out FILE.json`")
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise StepCacheError(f"MagCache ratios file {path!r} is not valid JSON: {e}") from e
+  if not isinstance(data, dict) or "ratios" not in data:
+    raise StepCacheError(f"MagCache ratios file {path!r} has no 'ratios' list")
+  return _check_ratios(data["ratios"], path)
+
+
+_NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
+_SPEC = re.compile(rf"^(?P<method>[a-z-]+):(?P<threshold>{_NUMBER})(?::(?P<k>[0-9]+))?(?:@(?P<file>.+))?$")
+
+
+def parse_step_cache(spec: str | StepCacheSpec | None, *, model: str = "") -> StepCacheSpec | None:
+  """A `step_cache` argument as a `StepCacheSpec` (None: caching off). No compute.
+
+  Args:
+    spec: None, a `StepCacheSpec`, or a string (see `SPEC_HELP`): "first-block:THRESH",
+      "mag:THRESH[:K][@RATIOS.json]".
+    model: the pipeline's `name` ("tiny" for the embedded model): "mag" without @FILE uses the
+      shipped tiny calibration for "tiny" and is refused for any other model.
+
+  Raises:
+    StepCacheError (a ValueError): anything else, naming the value and the accepted forms.
+  """
+  if spec is None or isinstance(spec, StepCacheSpec):
+    return spec
+  if not isinstance(spec, str):
+    raise StepCacheError(f"step_cache={spec!r} must be {SPEC_HELP}, not a {type(spec).__name__}")
+  match = _SPEC.match(spec.strip())
+  if match is None or match["method"] not in METHODS:
+    raise StepCacheError(f"step_cache={spec!r} is not understood; use {SPEC_HELP}")
+  threshold = float(match["threshold"])
+  if match["method"] == "first-block":
+    if match["k"] is not None or match["file"] is not None:
+      raise StepCacheError(f"step_cache={spec!r}: first-block takes only a threshold "
+                           "(e.g. 'first-block:0.05')")
+    return StepCacheSpec("first-block", threshold)
+  k = MAG_DEFAULT_MAX_SKIPS if match["k"] is None else int(match["k"])
+  if k < 1:
+    raise StepCacheError(f"step_cache={spec!r}: K={k} must be >= 1 (the most consecutive skips)")
+  path = match["file"]
+  if path is None:
+    if model != "tiny":
+      raise StepCacheError(
+          f"step_cache={spec!r}: MagCache needs ratios calibrated for this model ({model or 'unnamed'}); "
+          "write them with `python -m end_to_end.calibrate_cache --model FOLDER --out ratios.json` "
+          f"and pass 'mag:{match['threshold']}:{k}@ratios.json'")
+    path = TINY_RATIOS_FILE
+  return StepCacheSpec("mag", threshold, max_skips=k, retention=MAG_DEFAULT_RETENTION,
+                       ratios=load_ratios(path), ratios_source=path)
+
+
+def nearest_interp(ratios: Sequence[float], length: int) -> np.ndarray:
+  """Resamples calibrated ratios to `length` steps by nearest index (diffusers' `nearest_interp`).
+
+  Returns:
+    float32 [length]: ratios[round(i * (len - 1) / (length - 1))]; the last ratio when length == 1.
+  """
+  src = np.asarray(ratios, np.float32)
+  if length == 1:
+    return src[-1:]
+  index = np.round(np.arange(length, dtype=np.float64) * (len(src) - 1) / (length - 1)).astype(int)
+  return src[index]
+
+
+# --- the carried state -------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FirstBlockState:
+  """First-block cache state (every field an array; carried through `denoise_step`).
+
+  Attributes:
+    head_residual: [B, T, D] model dtype, block 0's residual x_1 - x_0 at the last full step.
+    tail_residual: [B, T, D] model dtype, x_Z - x_1 at the last full step.
+    valid: bool [], a full step has run (False until the first one, and after `reset`).
+    threshold: float32 [].
+  """
+  head_residual: jax.Array
+  tail_residual: jax.Array
+  valid: jax.Array
+  threshold: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MagState:
+  """MagCache state (every field an array; carried through `denoise_step`).
+
+  Attributes:
+    residual: [B, T, D] model dtype, x_Z - x_0 at the last full step.
+    valid: bool [], a full step has run.
+    step: int32 [], index of the next denoising step.
+    acc_ratio, acc_err: float32 [], accumulated magnitude ratio and error since the last full step.
+    acc_steps: int32 [], steps accumulated since the last full step.
+    ratios: float32 [S], calibrated ratios resampled to this run's S steps.
+    threshold: float32 []; max_skips: int32 [] (K); retention_steps: int32 [], the first steps
+      that always run.
+  """
+  residual: jax.Array
+  valid: jax.Array
+  step: jax.Array
+  acc_ratio: jax.Array
+  acc_err: jax.Array
+  acc_steps: jax.Array
+  ratios: jax.Array
+  threshold: jax.Array
+  max_skips: jax.Array
+  retention_steps: jax.Array
+
+
+State = FirstBlockState | MagState
+
+
+def _shardings(state: State, mesh: Mesh | None) -> State:
+  """The layout of a state: [B, T, D] residuals sequence-sharded, the rest replicated."""
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: one, state)
+  return jax.tree.map(lambda x: NamedSharding(mesh, SEQUENCE_SPEC if x.ndim == 3 else P()), state)
+
+
+def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtype: Any, steps: int,
+               mesh: Mesh | None) -> State:
+  """The cache state before step 0, on the call's devices (also across processes).
+
+  Args:
+    spec: the parsed setting.
+    rows: B, transformer batch rows (2 x videos under CFG).
+    tokens: valid video tokens per row (padded here as the transformer pads them under `mesh`).
+    config: the transformer's `WanTransformerConfig` (D).
+    dtype: the model dtype (of the residuals).
+    steps: S, denoising steps of the run (MagCache's ratios are resampled to it).
+    mesh: None or the (ring, ulysses) mesh.
+
+  Returns:
+    `FirstBlockState` or `MagState` with zero residuals and valid False; residuals [B, T, D]
+    sequence-sharded under a mesh, everything else replicated.
+  """
+  padded = wan_transformer.SequenceLayout(mesh, tokens).padded_tokens
+  shape = (rows, padded, config.dim)
+
+  def build():
+    zeros = jnp.zeros(shape, dtype)
+    threshold = jnp.float32(spec.threshold)
+    if spec.method == "first-block":
+      return FirstBlockState(head_residual=zeros, tail_residual=zeros, valid=jnp.bool_(False),
+                             threshold=threshold)
+    return MagState(residual=zeros, valid=jnp.bool_(False), step=jnp.int32(0), acc_ratio=jnp.float32(1),
+                    acc_err=jnp.float32(0), acc_steps=jnp.int32(0),
+                    ratios=jnp.asarray(nearest_interp(spec.ratios, steps)), threshold=threshold,
+                    max_skips=jnp.int32(spec.max_skips),
+                    retention_steps=jnp.int32(int(spec.retention * steps + 0.5)))
+
+  abstract = jax.eval_shape(build)
+  return jax.jit(build, out_shardings=_shardings(abstract, mesh))()
+
+
+def for_checkpoint(state: State, *, tokens: int, mesh: Mesh | None) -> State:
+  """The state as a denoising checkpoint (`pipelines.resume.Writer`) takes it: residuals cut to the
+  `tokens` valid token rows (the mesh padding differs between meshes; a run may resume on another
+  one) and every array replicated over the mesh. A new copy; `state` is unchanged."""
+  def cut(s):
+    return jax.tree.map(lambda x: x[:, :tokens] if x.ndim == 3 else x, s)
+  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+              else NamedSharding(mesh, P()))
+  return jax.jit(cut, out_shardings=sharding)(state)
+
+
+def checkpoint_template(state: State, *, tokens: int) -> State:
+  """Shapes and dtypes (`jax.ShapeDtypeStruct`) of `for_checkpoint(state)`, for
+  `Checkpoint.restore`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], tokens, *x.shape[2:]) if x.ndim == 3
+                                                     else x.shape, x.dtype), state)
+
+
+def place(host_state: State, like: State) -> State:
+  """A state of host (numpy) arrays as `for_checkpoint` wrote it, put on `like`'s devices with
+  `like`'s shapes (residuals zero-padded to its padded token count: padded rows never reach the
+  output, the statistics or a valid key) and shardings, also across processes (each fills its own
+  devices from its own copy)."""
+  def put(host, leaf):
+    host = np.asarray(host)
+    if host.ndim == 3:
+      host = np.pad(host, ((0, 0), (0, leaf.shape[1] - host.shape[1]), (0, 0)))
+    return jax.make_array_from_callback(host.shape, leaf.sharding, lambda index: host[index])
+  return jax.tree.map(put, host_state, like)
+
+
+def constrain(state: State, mesh: Mesh | None) -> State:
+  """Pins a state returned by the jitted step to the layout `init_state` gave it (a no-op without a
+  mesh), so that the compiled step accepts its own output on the next call."""
+  if mesh is None:
+    return state
+  return jax.lax.with_sharding_constraint(state, _shardings(state, mesh))
+
+
+def reset(state: State) -> State:
+  """The state with no full step behind it (valid False, MagCache accumulators restarted; the step
+  counter kept): for an expert switch (Wan 2.2), whose residuals the other expert cannot reuse.
+  Keeps every array's sharding."""
+  def fn(s):
+    s = dataclasses.replace(s, valid=jnp.zeros_like(s.valid))
+    if isinstance(s, MagState):
+      s = dataclasses.replace(s, acc_ratio=jnp.ones_like(s.acc_ratio), acc_err=jnp.zeros_like(s.acc_err),
+                              acc_steps=jnp.zeros_like(s.acc_steps))
+    return s
+  return jax.jit(fn, out_shardings=jax.tree.map(lambda x: x.sharding, state))(state)
+
+
+# --- the cached forward --------------------------------------------------------------------------------
+
+def _valid_sum(x_BTD: jax.Array, tokens: int) -> jax.Array:
+  """float32 [] sum of x over every row and the first `tokens` (valid) token rows; under a mesh a
+  global reduction (every device gets the same value)."""
+  valid = (jnp.arange(x_BTD.shape[1]) < tokens)[None, :, None]
+  return jnp.sum(jnp.where(valid, x_BTD.astype(jnp.float32), 0.0))
+
+
+def _relative_l1(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
+  """float32 [] mean|r - prev| / mean|prev| over the valid tokens of every row (diffusers'
+  `FBCHeadBlockHook._should_compute_remaining_blocks`); +inf when prev is all zero."""
+  prev = prev_BTD.astype(jnp.float32)
+  num = _valid_sum(jnp.abs(r_BTD.astype(jnp.float32) - prev), tokens)
+  den = _valid_sum(jnp.abs(prev), tokens)
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.inf)
+
+
+def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
+  """float32 [] mean over valid tokens (and rows) of ||r_t|| / (||prev_t|| + 1e-8), norms over D
+  (diffusers' `MagCacheBlockHook._perform_calibration_step`)."""
+  norm = jnp.linalg.norm(r_BTD.astype(jnp.float32), axis=-1, keepdims=True)
+  prev = jnp.linalg.norm(prev_BTD.astype(jnp.float32), axis=-1, keepdims=True)
+  return _valid_sum(norm / (prev + 1e-8), tokens) / (r_BTD.shape[0] * tokens)
+
+
+def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
+                   encoder_hidden_states: jax.Array, state: State, *, mesh: Mesh | None = None,
+                   attention_implementation: str = "auto") -> tuple[jax.Array, State, dict[str, jax.Array]]:
+  """`transformer.forward` with a step cache. Jit-friendly; the skip is one mesh-uniform `lax.cond`.
+
+  Args:
+    model, latents, timestep, encoder_hidden_states, mesh, attention_implementation: as
+      `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text [B, L, text_dim]).
+    state: this step's `FirstBlockState` or `MagState` (from `init_state` or the previous step).
+
+  Returns:
+    (noise [B, C_out, F, Hl, Wl] in the model dtype, the next state, stats) with stats
+    {"skipped": bool [] (blocks skipped this step), "metric": float32 []}: first-block, the
+    relative L1 change of block 0's residual (+inf before the first full step); MagCache, the
+    measured magnitude ratio ||R_s|| / ||R_prev|| on a full step (1 on the first, NaN when skipped).
+
+  Raises:
+    ValueError: as `transformer.forward`; TypeError for a state of another kind.
+  """
+  x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
+                                          attention_implementation=attention_implementation)
+  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
+  layers = model.config.num_layers
+
+  if isinstance(state, FirstBlockState):
+    x1_BTD = wan_transformer.run_blocks(model, x0_BTD, context, 0, 1)
+    head_BTD = (x1_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype)
+    change = _relative_l1(head_BTD, state.head_residual, tokens)
+    skip = state.valid & (change < state.threshold)
+
+    def full(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
+      del prev_head_BTD, tail_BTD
+      if layers == 1:
+        xz_BTD = x1_BTD
+      else:
+        xz_BTD = wan_transformer.run_blocks(model, x1_BTD, context, 1, layers)
+      tail_BTD = (xz_BTD.astype(f32) - x1_BTD.astype(f32)).astype(dtype)
+      return xz_BTD, head_BTD, context.layout.constrain(tail_BTD)
+
+    def cached(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
+      del head_BTD
+      xz_BTD = (x1_BTD.astype(f32) + tail_BTD.astype(f32)).astype(dtype)
+      return context.layout.constrain(xz_BTD), prev_head_BTD, tail_BTD
+
+    xz_BTD, head_BTD, tail_BTD = jax.lax.cond(skip, cached, full, x1_BTD, head_BTD,
+                                              state.head_residual, state.tail_residual)
+    state = dataclasses.replace(state, head_residual=head_BTD, tail_residual=tail_BTD,
+                                valid=jnp.ones_like(state.valid))
+    stats = {"skipped": skip, "metric": change}
+
+  elif isinstance(state, MagState):
+    step = state.step
+    ratio = state.ratios[jnp.minimum(step, state.ratios.shape[0] - 1)]
+    active = step >= state.retention_steps  # diffusers: accumulate only past the retention steps
+    acc_ratio = state.acc_ratio * ratio
+    acc_steps = state.acc_steps + 1
+    acc_err = state.acc_err + jnp.abs(1.0 - acc_ratio)
+    skip = state.valid & active & (acc_err < state.threshold) & (acc_steps <= state.max_skips)
+
+    def full(x0_BTD, residual_BTD):
+      xz_BTD = wan_transformer.run_blocks(model, x0_BTD, context)
+      new_BTD = context.layout.constrain((xz_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype))
+      measured = jnp.where(state.valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
+      return xz_BTD, new_BTD, measured
+
+    def cached(x0_BTD, residual_BTD):
+      xz_BTD = (x0_BTD.astype(f32) + residual_BTD.astype(f32)).astype(dtype)
+      return context.layout.constrain(xz_BTD), residual_BTD, jnp.float32(jnp.nan)
+
+    xz_BTD, residual_BTD, measured = jax.lax.cond(skip, cached, full, x0_BTD, state.residual)
+    restart = active & ~skip  # a full step past the retention steps restarts the accumulators
+    state = dataclasses.replace(
+        state, residual=residual_BTD, valid=jnp.ones_like(state.valid), step=step + 1,
+        acc_ratio=jnp.where(skip, acc_ratio, jnp.where(restart, 1.0, state.acc_ratio)).astype(f32),
+        acc_err=jnp.where(skip, acc_err, jnp.where(restart, 0.0, state.acc_err)).astype(f32),
+        acc_steps=jnp.where(skip, acc_steps, jnp.where(restart, 0, state.acc_steps)).astype(jnp.int32))
+    stats = {"skipped": skip, "metric": measured.astype(f32)}
+  else:
+    raise TypeError(f"state must be a FirstBlockState or MagState, got {type(state).__name__}")
+
+  return wan_transformer.unembed(model, xz_BTD, context), state, stats
+
+
+def summary(spec: StepCacheSpec, steps: Sequence[tuple[int, bool, float]], *,
+            num_layers: int) -> dict[str, Any]:
+  """The record of a cached run for `run(...).settings["step_cache"]` and the sidecar.
+
+  Args:
+    spec: the setting.
+    steps: (step index, skipped, metric) per step this call ran, from `cached_forward`'s stats (a
+      resumed run holds only the steps after its checkpoint).
+    num_layers: Z, blocks per transformer evaluation.
+
+  Returns:
+    `spec.to_dict()` plus steps_recorded (the step indices covered), skipped_steps (step
+    indices), skipped_fraction (of the recorded steps), skipped_block_fraction (of block
+    evaluations: first-block always runs block 0), and metrics (per recorded step; None where not
+    finite).
+  """
+  skipped_steps = [k for k, skipped, _ in steps if skipped]
+  per_skip = (num_layers - 1) / num_layers if spec.method == "first-block" else 1.0
+  fraction = len(skipped_steps) / len(steps) if steps else 0.0
+  return {**spec.to_dict(), "steps_recorded": [k for k, _, _ in steps], "skipped_steps": skipped_steps,
+          "skipped_fraction": fraction, "skipped_block_fraction": fraction * per_skip,
+          "metrics": [float(m) if math.isfinite(m) else None for _, _, m in steps]}
