@@ -26,7 +26,6 @@ import functools
 import time
 from typing import Any
 
-from pipelines.cli import format_mesh
 
 # name -> (transformer preset, height, width, flow shift) compiled by `--aot`: the issue's two targets.
 AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0)}
@@ -63,13 +62,16 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
 
 
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
-                         dtype: str, text_len: int, flow_shift: float, ulysses: int | None = None,
-                         ring: int | None = None) -> dict[str, Any]:
+                         dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
+  Args:
+    mesh_spec: an `attention.MeshSpec` (CFG split, weight sharding) or None for the default
+      (U as large as the heads allow, no CFG split, weights replicated).
+
   Returns:
-    dict: model, mesh {U, R}, latent shape, tokens, compile_s, memory_analysis (bytes per device),
-    cost_analysis, collectives ({op: {count, bytes}}).
+    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, compile_s, memory_analysis
+    (bytes per device), cost_analysis, collectives ({op: {count, bytes}}).
 
   Raises:
     ValueError: a mesh that does not fit the devices or heads.
@@ -87,12 +89,13 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   from pipelines.wan.transformer_config import PRESETS
 
   config = PRESETS[preset]
-  if ulysses is None or ring is None:
+  if mesh_spec is None:
     ulysses, ring = default_degrees(len(devices), config.num_attention_heads)
-  if ulysses * ring != len(devices):
-    raise ValueError(f"mesh U={ulysses},R={ring} needs {ulysses * ring} devices; the topology has {len(devices)}")
-  attention.check_heads(config.num_attention_heads, config.num_attention_heads, ulysses, ring)
-  mesh = attention.make_mesh(ulysses=ulysses, ring=ring, devices=devices)
+    mesh_spec = attention.MeshSpec(ulysses=ulysses, ring=ring)
+  if mesh_spec.devices != len(devices):
+    raise ValueError(f"mesh {mesh_spec} needs {mesh_spec.devices} devices; the topology has {len(devices)}")
+  mesh_spec.check(num_heads=config.num_attention_heads, device_count=len(devices), cfg_active=True)
+  mesh = mesh_spec.build(devices)
   replicated = NamedSharding(mesh, P())
   model_dtype = jnp.dtype(dtype)
 
@@ -107,14 +110,18 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
 
   latent_shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
   solver = schedulers.UniPCConfig(flow_shift=flow_shift).set_timesteps(50).init_state(latent_shape, jnp.float32)
-  args = (jax.tree.map(spec, state), spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
+  from pipelines.wan.transformer import weight_shardings
+
+  placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
+                        weight_shardings(state, mesh, mesh_spec.shard_weights))
+  args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
           spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), model_dtype)),
           spec(jax.ShapeDtypeStruct((), jnp.float32)))
   from pipelines.pipeline import denoise_step
 
-  step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="mesh",
-                 donate_argnums=(2, 3))
+  step = jax.jit(functools.partial(denoise_step, cfg=True, gather_weights=mesh_spec.shard_weights),
+                 static_argnums=0, static_argnames="mesh", donate_argnums=(2, 3))
   start = time.perf_counter()
   compiled = step.lower(graphdef, *args, mesh=mesh).compile()
   compile_s = time.perf_counter() - start
@@ -122,7 +129,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   report: dict[str, Any] = dict(
       model=preset, dtype=dtype, height=height, width=width, frames=frames, text_len=text_len,
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
-      mesh=dict(U=ulysses, R=ring), devices=len(devices), compile_s=compile_s,
+      mesh=mesh_spec.describe(), devices=len(devices), compile_s=compile_s,
       collectives=hlo_collectives(compiled.as_text()))
   memory = compiled.memory_analysis()
   if memory is not None:
@@ -155,6 +162,6 @@ def format_row(r: dict[str, Any]) -> str:
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
   return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
-          f"{format_mesh(r['mesh']['U'], r['mesh']['R']):>8s} {r['compile_s']:9.1f} "
+          f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} {r['compile_s']:9.1f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
           f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention
-from pipelines.cli import HelpFormatter, format_mesh
+from attention.mesh import MeshSpec
+from pipelines.cli import HelpFormatter
 from pipelines.wan.transformer import count_params, forward, init_transformer
 from pipelines.wan.transformer_config import PRESETS
 
@@ -51,7 +52,7 @@ def main() -> None:
   tokens = np.prod([n // p for n, p in zip(latent_shape[2:], config.patch_size)])
   print(f"{args.preset}: {config.num_layers} layers, D={config.dim}, N={config.num_attention_heads}, "
         f"ffn={config.ffn_dim}; {dtype.name}; latents {latent_shape} -> {tokens} tokens, "
-        f"text {args.text_len}; mesh {'none' if mesh is None else format_mesh(max(args.ulysses, 1), max(args.ring, 1))}; "
+        f"text {args.text_len}; mesh {'none' if mesh is None else MeshSpec(ulysses=max(args.ulysses, 1), ring=max(args.ring, 1))}; "
         f"backend {jax.default_backend()} x{jax.device_count()}")
 
   start = time.perf_counter()

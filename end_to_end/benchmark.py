@@ -47,7 +47,7 @@ import tempfile
 import time
 from typing import Any
 
-from end_to_end.collectives import parse_mesh, request_cpu_devices  # no JAX import: fake devices can still be requested
+from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.cli import HelpFormatter  # no JAX import either
 
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot-models", default="1.3b,14b",
                   help="which --aot targets: 1.3b (480x832) and/or 14b (720x1280), comma-separated")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
+  ap.add_argument("--shard-weights", action="store_true",
+                  help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
   ap.add_argument("--aot-init-timeout", type=float, default=120.0,
                   help="seconds allowed for libtpu to build the topology before giving up")
   ap.add_argument("--json", help="write the report here")
@@ -172,7 +174,7 @@ def run_aot(args: argparse.Namespace) -> int:
     return 3
   finally:
     faulthandler.cancel_dump_traceback_later()
-  mesh = parse_mesh(args.aot_mesh) if args.aot_mesh else (None, None)
+  mesh = MeshSpec.parse(args.aot_mesh, shard_weights=args.shard_weights) if args.aot_mesh else None
   rows = []
   print(aot.format_header(args.aot), flush=True)
   for name in args.aot_models.split(","):
@@ -181,7 +183,7 @@ def run_aot(args: argparse.Namespace) -> int:
       rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
                                            frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
                                            text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
-                                           ulysses=mesh[0], ring=mesh[1]))
+                                           mesh_spec=mesh))
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
       rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
@@ -197,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    ulysses, ring = parse_mesh(args.mesh) if args.mesh else (1, 1)
+    devices = MeshSpec.parse(args.mesh).devices if args.mesh else 1
     if args.aot_mesh:
-      parse_mesh(args.aot_mesh)
+      MeshSpec.parse(args.aot_mesh)
+    if args.shard_weights and not args.aot_mesh:
+      raise ValueError("--shard-weights goes with --aot-mesh SPEC (the compiled configuration)")
     if args.runs < 1:
       raise ValueError(f"--runs {args.runs} must be >= 1")
     if any(name not in ("1.3b", "14b") for name in args.aot_models.split(",")):
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.aot:
     return run_aot(args)
   if args.mesh:
-    request_cpu_devices(ulysses * ring)
+    request_cpu_devices(devices)
 
   try:
     preset = resolve_preset(args)

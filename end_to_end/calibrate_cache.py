@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from end_to_end.collectives import parse_mesh, request_cpu_devices
+from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.cli import HelpFormatter
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
@@ -74,8 +74,7 @@ def calibrate(pipe: Any, prompts: list[str], *, width: int, height: int, frames:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  ulysses, ring = parse_mesh(args.mesh)
-  request_cpu_devices(ulysses * ring)  # before JAX starts
+  request_cpu_devices(MeshSpec.parse(args.mesh).devices)  # before JAX's backend starts
   from pipelines.generate import parse_size
   from pipelines.pipeline import WanPipeline
 

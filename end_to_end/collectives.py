@@ -24,23 +24,11 @@ import re
 import sys
 import time
 
-from pipelines.cli import HelpFormatter, format_mesh, parse_mesh  # no JAX import; parse_mesh: also for quality, benchmark
+from attention.mesh import MeshSpec, request_cpu_devices
+from pipelines.cli import HelpFormatter
 
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s8": 1, "u8": 1}
-
-
-DEVICE_FLAG = "xla_force_host_platform_device_count"
-
-
-def request_cpu_devices(count: int) -> None:
-  """Asks XLA for `count` fake CPU devices when JAX has not started yet and XLA_FLAGS does not
-  already set a count (harmless on GPU/TPU, where the flag only affects the CPU backend)."""
-  if "jax" in sys.modules:
-    return
-  flags = os.environ.get("XLA_FLAGS", "")
-  if DEVICE_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --{DEVICE_FLAG}={max(count, 1)}".strip()
 
 
 def _shape_bytes(shape_text: str) -> int:
@@ -104,7 +92,10 @@ def main(argv=None):
   ap.add_argument("--json", help="write the report as JSON here")
   args = ap.parse_args(argv)
   try:
-    U, R = parse_mesh(args.mesh)
+    spec = MeshSpec.parse(args.mesh)
+    if spec.cfg > 1:
+      raise ValueError(f"mesh {spec}: one attention call has no guidance split; give U and R only")
+    U, R = spec.ulysses, spec.ring
   except ValueError as e:
     ap.error(str(e))
   if args.topology is None:
@@ -148,7 +139,7 @@ def main(argv=None):
   compile_s = time.perf_counter() - t0
   table = hlo_collectives(compiled.as_text())
   minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
-  print(f"{args.kind} attention  backend={backend}  mesh {format_mesh(U, R)}  q [B,T,N,H]={q.shape} "
+  print(f"{args.kind} attention  backend={backend}  mesh {MeshSpec(ulysses=U, ring=R)}  q [B,T,N,H]={q.shape} "
         f"kv heads={K} dtype={args.dtype}  blocks {sizes.block_q}x{sizes.block_kv}  compile {compile_s:.2f} s")
   print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
   for op in _OPS:

@@ -42,9 +42,9 @@ import sys
 import time
 from typing import Any
 
-# collectives imports no JAX at module level, so fake devices can still be requested here.
-from end_to_end.collectives import DEVICE_FLAG, parse_mesh, request_cpu_devices
-from pipelines.cli import HelpFormatter, format_mesh, warnings_as_lines
+# JAX's backend has not started yet, so fake devices can still be requested here.
+from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
+from pipelines.cli import HelpFormatter, warnings_as_lines
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
@@ -152,7 +152,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
   meshes = list(MATRIX_MESHES) if args.matrix else (args.mesh or ["U=2,R=2"])
   attentions = list(MATRIX_ATTENTION) if args.matrix else (args.attention or ["auto"])
   try:
-    degrees = {spec: parse_mesh(spec) for spec in meshes}
+    specs = {text: MeshSpec.parse(text) for text in meshes}
   except ValueError as e:
     raise UsageError(str(e)) from e
   if args.steps < 1 or args.frames < 1 or args.max_sequence_length < 1:
@@ -163,9 +163,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
               else dict(THRESHOLDS[content]["psnr"]))
   min_ssim = (parse_thresholds(args.min_ssim, "--min-ssim") if args.min_ssim is not None
               else dict(THRESHOLDS[content]["ssim"]))
-  candidates = [dict(dtype=d, mesh=m, ulysses=degrees[m][0], ring=degrees[m][1], attention=a)
+  candidates = [dict(dtype=d, mesh=m, spec=specs[m], attention=a)
                 for d, m, a in itertools.product(dtypes, meshes, attentions)]
-  return dict(candidates=candidates, devices=max(c["ulysses"] * c["ring"] for c in candidates),
+  return dict(candidates=candidates, devices=max(c["spec"].devices for c in candidates),
               content=content, min_psnr=min_psnr, min_ssim=min_ssim,
               max_latent_diff=parse_thresholds(args.max_latent_diff, "--max-latent-diff"))
 
@@ -227,11 +227,10 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
               max_sequence_length=args.max_sequence_length)
   shape = pipeline("float32").latent_shape(1, args.height, args.width, args.frames)
   # Every candidate's mesh and the call's sizes are checked before the (long) reference run.
-  from pipelines.pipeline import check_mesh
   try:
     heads = pipeline("float32").transformer_config.num_attention_heads
     for c in p["candidates"]:
-      check_mesh(c["ulysses"], c["ring"], heads=heads, device_count=jax.device_count())
+      c["spec"].check(num_heads=heads, device_count=jax.device_count(), cfg_active=args.guidance > 1)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -263,11 +262,11 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
     metrics = compare_videos(ref.frames, out.frames)
     metrics["max_abs_latent_diff"] = max_abs_diff(ref.latents, out.latents)
     failures = judge(metrics, c["dtype"], p, args.gate)
-    rows.append(dict(dtype=c["dtype"], mesh=dict(U=c["ulysses"], R=c["ring"]), attention=c["attention"],
+    rows.append(dict(dtype=c["dtype"], mesh=c["spec"].describe(), attention=c["attention"],
                      seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
                      failures=failures, **metrics))
     verdict = "pass" if not failures else "FAIL: " + "; ".join(failures)
-    mesh = format_mesh(c["ulysses"], c["ring"])
+    mesh = str(c["spec"])
     print(f"{c['dtype']:9s} {mesh:8s} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
           f"{metrics['psnr_min']:9.2f} {metrics['ssim_mean']:9.5f} {metrics['ssim_min']:9.5f} "
           f"{metrics['max_abs_latent_diff']:10.3e} {seconds:6.1f}  {verdict}")

@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from end_to_end.collectives import parse_mesh, request_cpu_devices
+from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.cli import HelpFormatter
 
 DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag:0.005", "mag:0.01",
@@ -84,8 +84,7 @@ def in_run_speedup(seconds: list[float], skipped: list[int]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  ulysses, ring = parse_mesh(args.mesh)
-  request_cpu_devices(ulysses * ring)  # before JAX starts
+  request_cpu_devices(MeshSpec.parse(args.mesh).devices)  # before JAX's backend starts
   import numpy as np
 
   from end_to_end import bench_presets, calibrate_cache, video_metrics

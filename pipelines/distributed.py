@@ -228,20 +228,27 @@ def is_main_process() -> bool:
 
 
 def put_replicated(tree: Any, sharding: Any) -> Any:
-  """Places a pytree of host values (numpy or single-process jax arrays) with `sharding`.
+  """Places a pytree of host values (numpy or single-process jax arrays) with `sharding` (one for
+  every leaf; see `put_sharded`)."""
+  import jax
+  return put_sharded(tree, jax.tree.map(lambda _: sharding, tree))
 
-  Single process: `jax.device_put`. Multi-process: each leaf is read to the host and assembled with
-  `jax.make_array_from_callback`, every process filling its own devices from its own (identical)
-  copy, so no data crosses hosts.
+
+def put_sharded(tree: Any, shardings: Any) -> Any:
+  """Places each leaf of a pytree with its sharding (`shardings`: the same structure).
+
+  Single process: `jax.device_put` (which also moves arrays already on devices). Multi-process:
+  each leaf is read to the host and assembled with `jax.make_array_from_callback`, every process
+  filling its own devices' parts from its own (identical) copy, so no data crosses hosts.
   """
   import jax
   if jax.process_count() == 1:
-    return jax.device_put(tree, sharding)
+    return jax.device_put(tree, shardings)
 
-  def one(leaf):
+  def one(leaf, sharding):
     host = np.asarray(leaf)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-  return jax.tree.map(one, tree)
+  return jax.tree.map(one, tree, shardings)
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -62,9 +62,9 @@ import warnings
 from typing import Any
 
 from pipelines import checkpoint, compile_cache, distributed, estimate, supervisor, video_io
-from pipelines.cli import HelpFormatter, format_mesh, warnings_as_lines
+from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
+from pipelines.cli import HelpFormatter, warnings_as_lines
 
-_DEVICE_FLAG = "xla_force_host_platform_device_count"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
   p.add_argument("--seed", type=int, default=None,
                  help="noise seed; -1 or none for a random one (printed and recorded in the sidecar)")
-  p.add_argument("--mesh", default="U=1,R=1", help="sequence-parallel mesh, e.g. U=2,R=2 (also R=2,U=2, "
-                                                   "U=4): U Ulysses degree, R ring degree")
+  p.add_argument("--mesh", default="U=1,R=1",
+                 help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
+                      "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
+                      "devices; 'auto' takes the planner's pick for the visible devices (end_to_end.plan)")
+  p.add_argument("--shard-weights", action="store_true",
+                 help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
+                      "too big to replicate on each device)")
   p.add_argument("--devices", type=int, default=None,
-                 help="simulate N CPU devices (must equal U*R of --mesh); automatic when the mesh needs it")
+                 help="simulate N CPU devices (must equal the devices of --mesh); automatic when the mesh "
+                      "needs it")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per prompt, as Wan")
@@ -206,8 +212,7 @@ class Plan:
   guidance: tuple[float, ...]
   shift: float | None
   seed: int | None
-  ulysses: int
-  ring: int
+  mesh: MeshSpec | None  # None: --mesh auto, resolved by `check_plan`
   devices: int | None
   dtype: str
   max_sequence_length: int
@@ -224,6 +229,11 @@ class Plan:
   keep_checkpoint: bool = False
   resume: bool = False
   step_cache: Any = None  # a step_cache.StepCacheSpec, or None: every step runs every block
+
+  @property
+  def mesh_devices(self) -> int | None:
+    """Devices of the mesh (None for --mesh auto without --devices: the visible ones)."""
+    return self.mesh.devices if self.mesh is not None else self.devices
 
   @property
   def writes(self) -> bool:
@@ -287,7 +297,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   Raises:
     UsageError / ValueError: each bad argument, with what to do instead.
   """
-  from pipelines.pipeline import check_size, parse_mesh, round_num_frames  # light: no compute
+  from pipelines.pipeline import check_size, round_num_frames  # light: no compute
 
   if args.prompt is None:
     raise UsageError("--prompt is required (what the video shows), unless --resume DIR continues a "
@@ -346,27 +356,34 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError("--checkpoint-dir and --no-checkpoint contradict each other; drop one")
   if args.heartbeat_timeout < 2:
     raise UsageError(f"--heartbeat-timeout {args.heartbeat_timeout} must be >= 2 (seconds)")
-  try:
-    ulysses, ring = parse_mesh(args.mesh)
-  except ValueError as e:
-    raise UsageError(f"--mesh: {e}") from e
+  mesh = None
+  if args.mesh.strip().lower() != "auto":
+    try:
+      mesh = MeshSpec.parse(args.mesh, shard_weights=args.shard_weights)
+    except ValueError as e:
+      raise UsageError(f"--mesh: {e}") from e
+    if args.shard_weights and mesh.devices == 1:
+      raise UsageError(f"--shard-weights splits the weights over the mesh's devices, but --mesh {mesh} has "
+                       "one; pass a mesh of several devices (e.g. --mesh U=2,R=2) or drop --shard-weights")
+    if mesh.cfg > 1 and not guidance[0] > 1:
+      raise UsageError(f"--mesh {mesh} splits classifier-free guidance, but --guidance {guidance[0]:g} turns it "
+                       f"off; use --mesh {dataclasses.replace(mesh, cfg=1, shard_weights=False)} or a "
+                       "guidance > 1")
   if args.devices is not None:
     if args.devices < 1:
       raise UsageError(f"--devices {args.devices} must be >= 1")
-    if args.devices != ulysses * ring:
-      raise UsageError(f"--devices {args.devices} does not match --mesh U={ulysses},R={ring} "
-                       f"({ulysses * ring} devices); pass --devices {ulysses * ring} or a mesh with "
-                       f"U*R = {args.devices}")
+    if mesh is not None and args.devices != mesh.devices:
+      raise UsageError(f"--devices {args.devices} does not match --mesh {mesh} ({mesh.devices} devices); pass "
+                       f"--devices {mesh.devices} or a mesh of {args.devices} devices")
   try:
     processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id,
                                          timeout_s=args.coordinator_timeout,
                                          heartbeat_timeout_s=args.heartbeat_timeout)
   except ValueError as e:
     raise UsageError(str(e)) from e
-  if processes is not None and (ulysses * ring) % processes.num_processes:
-    raise UsageError(f"--mesh U={ulysses},R={ring} ({ulysses * ring} devices) must split evenly over "
-                     f"--num-processes {processes.num_processes}; e.g. U=<devices per process>,"
-                     f"R={processes.num_processes}")
+  if processes is not None and mesh is not None and mesh.devices % processes.num_processes:
+    raise UsageError(f"--mesh {mesh} ({mesh.devices} devices) must split evenly over --num-processes "
+                     f"{processes.num_processes}; e.g. U=<devices per process>,R={processes.num_processes}")
   loras = tuple((*parse_lora_arg(text, flag), expert)
                 for flag, texts, expert in (("--lora", args.lora, 0), ("--lora-2", args.lora_2, 1))
                 for text in texts)
@@ -377,8 +394,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
               preset=preset_name, width=width, height=height, frames=frames, steps=steps,
               guidance=guidance, shift=shift, seed=None if args.seed == -1 else args.seed,
-              ulysses=ulysses, ring=ring,
-              devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
+              mesh=mesh, devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
               overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
@@ -477,14 +493,15 @@ def _write_run_record(plan: Plan, seed: int) -> None:
 
 
 def _request_cpu_devices(plan: Plan) -> int | None:
-  """Asks XLA for U*R (or --devices) CPU devices (split over the processes of a multi-process run);
-  returns the count asked for in this process, None if not needed.
+  """Asks XLA for the mesh's (or --devices) CPU devices, split over the processes of a multi-process
+  run (`attention.mesh.request_cpu_devices`); returns the count asked for in this process, None if
+  not needed.
 
   Only takes effect if the JAX backend has not started yet (hence before any compute); a count the
   user already put in XLA_FLAGS is respected.
   """
   processes = plan.processes.num_processes if plan.processes is not None else 1
-  wanted = (plan.devices or plan.ulysses * plan.ring) // processes
+  wanted = (plan.mesh_devices or 1) // processes
   flags = os.environ.get("XLA_FLAGS", "")
   match = re.search(rf"--{_DEVICE_FLAG}=(\d+)", flags)
   if match is not None:
@@ -492,10 +509,7 @@ def _request_cpu_devices(plan: Plan) -> int | None:
       raise UsageError(f"XLA_FLAGS already sets --{_DEVICE_FLAG}={match.group(1)} but --devices "
                        f"{plan.devices} was given; drop one of them")
     return None
-  if wanted <= 1:
-    return None
-  os.environ["XLA_FLAGS"] = f"{flags} --{_DEVICE_FLAG}={wanted}".strip()
-  return wanted
+  return request_cpu_devices(wanted)
 
 
 def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
@@ -506,7 +520,6 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
       larger than the devices, heads not divisible by U.
   """
   import jax
-  from pipelines.pipeline import check_mesh
 
   backend, count = jax.default_backend(), jax.device_count()
   if plan.devices is not None:
@@ -518,11 +531,11 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
                        "(its backend started before generate could set XLA_FLAGS); run generate in a "
                        f"fresh process or set XLA_FLAGS=--{_DEVICE_FLAG}={plan.devices}")
   try:
-    check_mesh(plan.ulysses, plan.ring, heads=heads, device_count=count)
-    distributed.check_mesh_spans_processes(plan.ulysses * plan.ring)
+    plan.mesh.check(num_heads=heads, device_count=count, cfg_active=plan.guidance[0] > 1)
+    distributed.check_mesh_spans_processes(plan.mesh.devices)
   except ValueError as e:
     raise UsageError(str(e)) from e
-  used = plan.ulysses * plan.ring
+  used = plan.mesh.devices
   local = jax.local_device_count()
   if backend == "cpu" and requested is not None and local == requested:
     note = f"simulating {local} CPU devices for the mesh (--{_DEVICE_FLAG}={local})"
@@ -569,6 +582,7 @@ class Checked:
   plan: Plan
   device_note: str
   transformer: Any = None  # its WanTransformerConfig
+  mesh_auto: bool = False  # the mesh is the planner's pick (--mesh auto)
 
 
 def check_plan(plan: Plan) -> Checked:
@@ -589,6 +603,9 @@ def check_plan(plan: Plan) -> Checked:
     print(f"generate: process {plan.processes.process_id} of {plan.processes.num_processes}: joining "
           f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
     distributed.initialize(plan.processes)
+  mesh_auto = plan.mesh is None
+  if mesh_auto:
+    plan = dataclasses.replace(plan, mesh=_auto_mesh(plan, transformer, experts))
   device_note = _check_devices(plan, requested, transformer.num_attention_heads)
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
@@ -600,7 +617,41 @@ def check_plan(plan: Plan) -> Checked:
       raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {plan.model!r} has one "
                        "transformer; use --lora")
     lora.parse_lora(*lora.read_lora(path)[:2], transformer, where=path)  # keys and shapes, no compute
-  return Checked(_plan_checkpoint(plan, transformer), device_note, transformer)
+  return Checked(_plan_checkpoint(plan, transformer), device_note, transformer, mesh_auto)
+
+
+def _auto_mesh(plan: Plan, transformer: Any, experts: int) -> MeshSpec:
+  """--mesh auto: the planner's pick (`pipelines.planner`) for the visible devices, printed.
+
+  The chip is read from JAX's device kind (TPU v5e / v6e, NVIDIA H100 / H200); on other devices
+  (the CPU) the memory is not modelled and the pick is by the modelled step time alone.
+
+  Raises:
+    UsageError: no mesh of the visible devices fits the model.
+  """
+  import jax
+
+  from pipelines import planner
+
+  kind = jax.devices()[0].device_kind.lower()
+  chip = next((planner.CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
+                                                       ("h200", ("h200",)), ("h100", ("h100",)))
+               if any(w in kind for w in words)), None)
+  modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
+  found = planner.candidates(transformer, devices=jax.device_count(), frames=plan.frames, height=plan.height,
+                             width=plan.width, text_tokens=plan.max_sequence_length,
+                             cfg=plan.guidance[0] > 1, dtype=plan.dtype, experts=experts, chip=modelled)
+  best = planner.recommend(found)
+  if best is None:
+    raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "
+                     "and video (python -m end_to_end.plan shows the candidates); use more devices or a "
+                     "smaller --size / --frames")
+  if plan.writes:
+    print(f"generate: --mesh auto: {best.mesh}{' with --shard-weights' if best.mesh.shard_weights else ''} "
+          f"for {jax.device_count()} {kind} device(s) (planner: modelled {best.step_s_model:.3g} s/step"
+          + (f", {best.bytes_per_device / planner.GiB:.1f} GiB per device on {chip.name})" if chip else
+             "; memory not modelled on this device kind)"), file=sys.stderr)
+  return best.mesh
 
 
 def _estimate(plan: Plan, transformer: Any) -> estimate.Estimate:
@@ -608,7 +659,7 @@ def _estimate(plan: Plan, transformer: Any) -> estimate.Estimate:
   return estimate.estimate(
       transformer, frames=plan.frames, height=plan.height, width=plan.width,
       text_tokens=plan.max_sequence_length, steps=plan.steps, cfg=plan.guidance[0] > 1,
-      dtype=plan.dtype, backend=jax.default_backend(), devices=plan.ulysses * plan.ring)
+      dtype=plan.dtype, backend=jax.default_backend(), devices=plan.mesh.devices)
 
 
 def default_checkpoint_dir(out: str) -> str:
@@ -677,7 +728,6 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   import jax
   import numpy as np
 
-  import attention
   from pipelines.pipeline import WanPipeline
 
   plan = checked.plan
@@ -699,9 +749,9 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
     pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
   load_s = time.perf_counter() - start
   mesh = None
-  if plan.ulysses * plan.ring > 1:
-    mesh = attention.make_mesh(ulysses=plan.ulysses, ring=plan.ring, devices=jax.devices())
-  mesh_text = format_mesh(plan.ulysses, plan.ring)
+  if plan.mesh.devices > 1:
+    mesh = plan.mesh.build(jax.devices())
+  mesh_text = str(plan.mesh) + (", weights sharded" if plan.mesh.shard_weights else "")
   print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
         file=sys.stderr)
 
@@ -713,7 +763,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                     mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes,
                     checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
                     resume=plan.resume, keep_checkpoint=True,  # removed below, once the video is written
-                    step_cache=plan.step_cache)
+                    step_cache=plan.step_cache, shard_weights=plan.mesh.shard_weights)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
@@ -731,7 +781,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       "output": os.path.abspath(out), "prompt": plan.prompt, "negative_prompt": plan.negative_prompt,
       "seed": result.settings["seed"], "seed_drawn": plan.seed is None, "model": pipe.name,
       "preset": plan.preset,
-      "mesh": {"U": plan.ulysses, "R": plan.ring, "devices": checked.device_note,
+      "mesh": {**plan.mesh.describe(), "auto": checked.mesh_auto, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
       "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings,

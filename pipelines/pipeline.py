@@ -57,13 +57,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import attention
 from attention import IMPLEMENTATIONS
-from attention.mesh import mesh_degrees
+from attention.mesh import CFG_AXIS, MeshSpec
 from pipelines import checkpoint, distributed, resume as resume_state
-from pipelines.cli import format_mesh, parse_mesh
 from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.transformer import WanTransformer, forward, init_transformer
+from pipelines.wan.transformer import WanTransformer, forward, init_transformer, weight_shardings
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
 
@@ -261,48 +260,44 @@ def check_size(height: int, width: int, multiple: int = 16) -> None:
                        f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
 
 
-def working_meshes(heads: int, devices: int) -> list[tuple[int, int]]:
-  """The (U, R) with U * R == devices and heads % U == 0."""
-  return [(u, devices // u) for u in range(1, devices + 1) if devices % u == 0 and heads % u == 0]
+def resolve_mesh(mesh: Mesh | MeshSpec | str | None, *, heads: int, kv_heads: int | None = None,
+                 cfg_active: bool | None = None, shard_weights: bool = False) -> tuple[Mesh | None, MeshSpec]:
+  """The call's mesh and its spec, checked (`attention.MeshSpec`, the one owner of the mesh).
 
-
-def check_mesh(ulysses: int, ring: int, *, heads: int, device_count: int) -> None:
-  """Raises ValueError when a (U, R) mesh cannot run a model with `heads` heads on `device_count`
-  devices: more devices than exist, or N not divisible by U (names the (U, R) that work)."""
-  if ulysses * ring > device_count:
-    raise ValueError(
-        f"mesh U={ulysses},R={ring} needs {ulysses * ring} devices but {device_count} are visible; use a "
-        f"mesh of at most {device_count} devices (on CPU, the generate command simulates more devices, "
-        f"or set XLA_FLAGS=--xla_force_host_platform_device_count={ulysses * ring} before JAX starts)")
-  if heads % ulysses:
-    options = ", ".join(f"U={u},R={r}" for u, r in working_meshes(heads, ulysses * ring))
-    raise ValueError(f"the model has {heads} heads, not divisible by the Ulysses degree U={ulysses}; "
-                     f"with {ulysses * ring} devices use one of: {options}")
-
-
-def resolve_mesh(mesh: Mesh | str | None, heads: int) -> Mesh | None:
-  """A `Mesh` (checked), a spec string built into one over `jax.devices()`, or None (one device).
+  Args:
+    mesh: None (one device), a spec string ("U=2,R=2", "CFG=2,U=2,R=2"), a `MeshSpec`, or a built
+      `jax.sharding.Mesh` (axes (cfg,) ring, ulysses).
+    heads, kv_heads: the transformer's query and kv heads (U must split them).
+    cfg_active: whether guidance is on (CFG=2 needs it).
+    shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`
+      with shard_weights).
 
   In a multi-process run (`pipelines.distributed`) the mesh spans every process's devices.
 
   Raises:
-    ValueError: see `parse_mesh`, `check_mesh` and `distributed.check_mesh_spans_processes`.
+    ValueError: a malformed spec, more devices than visible, heads that U does not split, CFG=2
+      without guidance, shard_weights without a mesh, or a mesh that does not span every process
+      (each naming what would work).
   """
   if mesh is None:
+    if shard_weights:
+      raise ValueError("shard_weights=True splits the weights over a mesh; pass a mesh of several devices "
+                       "(e.g. mesh='U=2,R=2') or leave shard_weights off")
     distributed.check_mesh_spans_processes(None)
-    return None
+    return None, MeshSpec()
   if isinstance(mesh, str):
-    ulysses, ring = parse_mesh(mesh)
-    check_mesh(ulysses, ring, heads=heads, device_count=jax.device_count())
-    distributed.check_mesh_spans_processes(ulysses * ring)
-    return attention.make_mesh(ulysses=ulysses, ring=ring, devices=jax.devices())
-  if not isinstance(mesh, Mesh):
-    raise ValueError(f"mesh must be None, a jax.sharding.Mesh or a string like 'U=2,R=2'; got {mesh!r}"
-                     f"{_not_a(mesh)}")
-  ulysses, ring = mesh_degrees(mesh)
-  check_mesh(ulysses, ring, heads=heads, device_count=ulysses * ring)
-  distributed.check_mesh_spans_processes(ulysses * ring)
-  return mesh
+    spec, built = MeshSpec.parse(mesh, shard_weights=shard_weights), None
+  elif isinstance(mesh, MeshSpec):
+    spec, built = dataclasses.replace(mesh, shard_weights=mesh.shard_weights or shard_weights), None
+  elif isinstance(mesh, Mesh):
+    spec, built = MeshSpec.of(mesh, shard_weights=shard_weights), mesh
+  else:
+    raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
+                     f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{_not_a(mesh)}")
+  spec.check(num_heads=heads, num_kv_heads=kv_heads, cfg_active=cfg_active,
+             device_count=spec.devices if built is not None else jax.device_count())
+  distributed.check_mesh_spans_processes(spec.devices)
+  return (spec.build(jax.devices()) if built is None else built), spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +407,7 @@ TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
                   text: jax.Array, guidance: jax.Array, cache: Any = None, *, mesh: Mesh | None,
-                  cfg: bool, attention_implementation: str = "auto"):
+                  cfg: bool, attention_implementation: str = "auto", gather_weights: bool = False):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -421,9 +416,14 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     solver: `UniPCState` or `FlowEulerState` (donated).
     text: [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim].
     guidance: float32 [] scale of this step's expert.
-    mesh: None or the (ring, ulysses) mesh (static).
+    mesh: None or the (cfg, ring, ulysses) mesh (static). With a cfg axis of size 2 the cond rows
+      run on its first half of the devices and the uncond rows on the second, each half running
+      the whole USP schedule; the guidance mix then brings the two noise predictions together
+      (one exchange of the noise-prediction size per step).
     cfg: classifier-free guidance on (static).
     attention_implementation: "auto" | "lse" | "fixed_m" for the transformer (static).
+    gather_weights: the block weights are sharded over the mesh (`transformer.weight_shardings`)
+      and gathered one layer at a time in the layer scan (static).
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`, from `step_cache.init_state` or the previous
       step; donated). One skip decision covers the cond and uncond rows.
@@ -442,16 +442,16 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
   stats = None
   if cache is None:
-    noise = forward(model, x, timestep, text, mesh=mesh,
-                    attention_implementation=attention_implementation)  # model dtype
+    noise = forward(model, x, timestep, text, mesh=mesh, attention_implementation=attention_implementation,
+                    gather_weights=gather_weights)  # model dtype
   else:
     noise, cache, stats = wan_step_cache.cached_forward(
-        model, x, timestep, text, cache, mesh=mesh, attention_implementation=attention_implementation)
-  if cfg:
-    cond, uncond = jnp.split(noise, 2, axis=0)
-    # torch: scalar * tensor computes in fp32 ("opmath") and rounds once to the tensor dtype.
-    mix = (guidance * (cond - uncond).astype(jnp.float32)).astype(noise.dtype)
-    noise = uncond + mix
+        model, x, timestep, text, cache, mesh=mesh, attention_implementation=attention_implementation,
+        gather_weights=gather_weights)
+  if cfg and mesh is not None and MeshSpec.of(mesh).cfg == 2:
+    noise = _cfg_parallel_mix(noise, guidance, mesh)
+  elif cfg:
+    noise = _guidance_mix(*jnp.split(noise, 2, axis=0), guidance)
   new_latents, solver = solver.step(noise, latents)
   # Euler returns the model dtype (as diffusers); fp32 holds those values exactly and keeps one
   # signature for every step.
@@ -466,11 +466,40 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   return (*out, cache, stats)
 
 
+def _guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:
+  """uncond + g * (cond - uncond), as diffusers: torch's scalar * tensor computes in fp32
+  ("opmath") and rounds once to the tensor dtype."""
+  return uncond + (guidance * (cond - uncond).astype(jnp.float32)).astype(cond.dtype)
+
+
+def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.Array:
+  """The guidance mix when the cond rows live on the cfg axis' first half of the devices and the
+  uncond rows on its second: each device swaps its half of the noise prediction with its partner
+  in the other half (one collective-permute over "cfg" of the noise-prediction size) and both
+  compute the same mix, replicated.
+
+  Args:
+    noise: [2B, C, F, Hl, Wl] (cond rows, then uncond rows), batch split over "cfg".
+    guidance: float32 [].
+
+  Returns:
+    [B, C, F, Hl, Wl] in noise's dtype, replicated over the mesh.
+  """
+  def body(half, g):
+    other = jax.lax.ppermute(half, CFG_AXIS, [(0, 1), (1, 0)])
+    first = jax.lax.axis_index(CFG_AXIS) == 0
+    return _guidance_mix(jnp.where(first, half, other), jnp.where(first, other, half), g)
+
+  noise = jax.lax.with_sharding_constraint(noise, NamedSharding(mesh, P(CFG_AXIS)))
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(CFG_AXIS), P()), out_specs=P(),
+                       check_vma=False)(noise, guidance)
+
+
 # Compiled steps by (graph, mesh, cfg, abstract arguments): pipelines with the same architecture
 # (both experts of Wan 2.2, or two loads of one folder) share one executable per shape.
 _COMPILED_STEPS: dict[Any, Any] = {}
 _denoise_step_jit = jax.jit(denoise_step, static_argnums=0,
-                            static_argnames=("mesh", "cfg", "attention_implementation"),
+                            static_argnames=("mesh", "cfg", "attention_implementation", "gather_weights"),
                             donate_argnames=("latents", "solver", "cache"))
 
 
@@ -601,31 +630,33 @@ class WanPipeline(LoraLoaderMixin):
     self._expert_states = list(states)
     self._weights_version = getattr(self, "_weights_version", 0) + 1
 
-  def _place(self, mesh: Mesh | None) -> None:
-    """Puts the experts' weights on the call's devices (replicated over the mesh; DESIGN.md 2)."""
-    key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()))
+  def _place(self, mesh: Mesh | None, shard_weights: bool = False) -> None:
+    """Puts the experts' weights on the call's devices: replicated over the mesh (DESIGN.md 2), or
+    with `shard_weights` the block weights split over all its devices
+    (`transformer.weight_shardings`)."""
+    key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()),
+                                     bool(shard_weights))
     if self._placement == key:
       return
-    sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
-                else NamedSharding(mesh, P()))
-    self._expert_states = [distributed.put_replicated(state, sharding) for state in self._experts]
+    self._expert_states = [distributed.put_sharded(state, weight_shardings(state, mesh, shard_weights))
+                           for state in self._experts]
     self._placement = key
 
   def _compiled_step(self, params, latents, solver, text, guidance, cache=None, *, mesh: Mesh | None,
-                     cfg: bool, attention_implementation: str = "auto",
+                     cfg: bool, attention_implementation: str = "auto", gather_weights: bool = False,
                      on_compile: Callable[[], None] | None = None):
     """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each;
     `on_compile()` is called just before a compile). `cache`: None or a step-cache state."""
     args = (params, latents, solver, text, guidance, cache)
     leaves, treedef = jax.tree.flatten(args)
-    key = (self._graphdef, mesh, cfg, attention_implementation, treedef,
+    key = (self._graphdef, mesh, cfg, attention_implementation, gather_weights, treedef,
            tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in _COMPILED_STEPS:
       if on_compile is not None:
         on_compile()
       _COMPILED_STEPS[key] = _denoise_step_jit.lower(
-          self._graphdef, *args, mesh=mesh, cfg=cfg,
-          attention_implementation=attention_implementation).compile()
+          self._graphdef, *args, mesh=mesh, cfg=cfg, attention_implementation=attention_implementation,
+          gather_weights=gather_weights).compile()
     return _COMPILED_STEPS[key]
 
   def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> jax.Array:
@@ -655,7 +686,7 @@ class WanPipeline(LoraLoaderMixin):
                    num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
                    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                    attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
-                   step_cache: Any = None) -> dict[str, Any]:
+                   step_cache: Any = None, shard_weights: bool = False) -> dict[str, Any]:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
 
     Every argument is checked for type as well as value (a bool is not an int, a str not a number,
@@ -798,8 +829,10 @@ class WanPipeline(LoraLoaderMixin):
                            f"LoRA scale; 1.0 = as loaded){_not_a(scale, _is_real(scale))}")
         lora_scale = float(scale)
     cache_spec = wan_step_cache.parse_step_cache(step_cache, model=self.name)
-    mesh = resolve_mesh(mesh, self.transformer_config.num_attention_heads)
-    return dict(prompts=prompts, negative_prompts=negatives if cfg else None,
+    _check_flag("shard_weights", shard_weights)
+    mesh, mesh_spec = resolve_mesh(mesh, heads=self.transformer_config.num_attention_heads, cfg_active=cfg,
+                                   shard_weights=shard_weights)
+    return dict(mesh_spec=mesh_spec, prompts=prompts, negative_prompts=negatives if cfg else None,
                 prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds if cfg else None,
                 num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
                 width=int(width), num_frames=num_frames, steps=steps, guidance=(g1, g2), cfg=cfg,
@@ -822,7 +855,7 @@ class WanPipeline(LoraLoaderMixin):
                callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
-               keep_checkpoint: bool = False, step_cache: Any = None) -> Any:
+               keep_checkpoint: bool = False, step_cache: Any = None, shard_weights: bool = False) -> Any:
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     Args:
@@ -841,7 +874,9 @@ class WanPipeline(LoraLoaderMixin):
         `latents`) instead of a seed.
       max_sequence_length: L, text tokens (prompts truncated / zero-padded to it), as diffusers;
         embeds given as `prompt_embeds` keep their own L.
-      mesh: None (one device), a (ring, ulysses) `Mesh`, or a spec such as "U=2,R=2".
+      mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond
+        halves of the batch on the two halves of the devices), an `attention.MeshSpec`, or a built
+        (cfg, ring, ulysses) `jax.sharding.Mesh` (`MeshSpec(...).build()`).
       guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
       flow_shift: overrides the scheduler config's shift.
       progress: on stderr, one line as text encoding, compiling and decoding start and a tqdm bar
@@ -893,6 +928,9 @@ class WanPipeline(LoraLoaderMixin):
         whose pipelines take these as hooks): steps whose change measure stays below THRESH reuse
         a cached residual instead of running the transformer's blocks
         (pipelines/wan/step_cache.py). The skipped steps are in `run(...).settings`.
+      shard_weights: split the transformer's block weights over all devices of the mesh (FSDP /
+        ZeRO-3: each layer's weights are all-gathered inside the layer scan), so a model too big to
+        replicate on every device fits; same video. Needs a mesh.
 
     Returns:
       as `output_type`: float32 numpy [B', frames, height, width, 3] in [0, 1] ("np"), float32
@@ -916,7 +954,7 @@ class WanPipeline(LoraLoaderMixin):
                       callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                       attention_kwargs=attention_kwargs, generator=generator,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                      keep_checkpoint=keep_checkpoint, step_cache=step_cache)
+                      keep_checkpoint=keep_checkpoint, step_cache=step_cache, shard_weights=shard_weights)
     if output_type == "latent":
       return result.latents
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
@@ -948,7 +986,8 @@ class WanPipeline(LoraLoaderMixin):
           callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
           attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
-          keep_checkpoint: bool = False, step_cache: Any = None) -> GenerationResult:
+          keep_checkpoint: bool = False, step_cache: Any = None,
+          shard_weights: bool = False) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     The diffusers-named arguments (`prompt_embeds`, `num_videos_per_prompt`,
@@ -1003,7 +1042,8 @@ class WanPipeline(LoraLoaderMixin):
                           num_videos_per_prompt=num_videos_per_prompt,
                           callback_on_step_end=callback_on_step_end,
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                          attention_kwargs=attention_kwargs, generator=generator, step_cache=step_cache)
+                          attention_kwargs=attention_kwargs, generator=generator, step_cache=step_cache,
+                          shard_weights=shard_weights)
     mesh = s["mesh"]
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = s["steps"]
@@ -1049,7 +1089,8 @@ class WanPipeline(LoraLoaderMixin):
           else "text encode: none (text states given)")
     text = jax.block_until_ready(self._text_states(s))
     timings["text_encode"] = time.perf_counter() - start
-    self._place(mesh)
+    mesh_spec = s["mesh_spec"]
+    self._place(mesh, mesh_spec.shard_weights)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
     latents, solver, text = distributed.put_replicated((latents, solver, text), replicated)
@@ -1070,10 +1111,10 @@ class WanPipeline(LoraLoaderMixin):
 
     start = time.perf_counter()
     compiling = (f"compile: the denoise step ({tokens} tokens, {self.transformer_config.num_layers} "
-                 f"layers, mesh {format_mesh(*((1, 1) if mesh is None else mesh_degrees(mesh)))})")
+                 f"layers, mesh {mesh_spec}{', weights sharded' if mesh_spec.shard_weights else ''})")
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], cache, mesh=mesh,
                                cfg=s["cfg"], attention_implementation=attention_implementation,
-                               on_compile=lambda: stage(compiling))
+                               gather_weights=mesh_spec.shard_weights, on_compile=lambda: stage(compiling))
     timings["compile"] = time.perf_counter() - start
 
     step_times = []
@@ -1086,7 +1127,7 @@ class WanPipeline(LoraLoaderMixin):
                       if s["lora_scale"] not in (None, 1.0) else None)
     if set_lora_scale is not None:  # the LoRA scale of attention_kwargs, for this call only
       set_lora_scale(s["lora_scale"])
-      self._place(mesh)
+      self._place(mesh, mesh_spec.shard_weights)
     try:
       for k, expert in enumerate(experts):
         if k < first_step:  # done before the checkpoint this run resumes from
@@ -1145,7 +1186,7 @@ class WanPipeline(LoraLoaderMixin):
         guidance_scale_2=s["guidance"][1] if self.boundary_ratio is not None else None,
         scheduler=dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
-        mesh=None if mesh is None else dict(zip(("U", "R"), mesh_degrees(mesh))),
+        mesh=None if mesh is None else mesh_spec.describe(),
         explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation,
         resumed_from_step=first_step if resume else None,
         num_videos_per_prompt=s["num_videos_per_prompt"], prompt_embeds_given=s["prompt_embeds"] is not None,

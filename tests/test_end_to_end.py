@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from attention.mesh import MeshSpec
 from end_to_end import aot, benchmark, quality
 from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
 from numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_psnr, within
@@ -81,7 +82,7 @@ def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   assert report["reference"] == dict(report["reference"], dtype="float32", mesh=None, attention="lse")
   assert set(rows) == {"float32", "bfloat16"}
   for row in rows.values():
-    assert row["mesh"] == {"U": 2, "R": 2} and row["attention"] == "auto" and row["passed"]
+    assert row["mesh"]["spec"] == "U=2,R=2" and row["attention"] == "auto" and row["passed"]
     assert len(row["psnr_per_frame"]) == len(row["ssim_per_frame"]) == 9
     assert row["psnr_min"] <= row["psnr_mean"] and row["ssim_min"] <= row["ssim_mean"]
   check_psnr(rows["float32"]["psnr_mean"], FP32_VIDEO_PSNR_DB, "fp32 mean PSNR")
@@ -147,8 +148,9 @@ def test_aot_default_degrees():
 
 def test_aot_compile_denoise_step_on_cpu_mesh():
   report = aot.compile_denoise_step(jax.devices()[:4], preset="tiny", height=48, width=80, frames=9,
-                                    dtype="bfloat16", text_len=16, flow_shift=3.0, ulysses=2, ring=2)
-  assert report["mesh"] == {"U": 2, "R": 2} and report["tokens"] == 45
+                                    dtype="bfloat16", text_len=16, flow_shift=3.0,
+                                    mesh_spec=MeshSpec(ulysses=2, ring=2))
+  assert report["mesh"]["spec"] == "U=2,R=2" and report["tokens"] == 45
   assert report["memory_analysis"]["argument_size_in_bytes"] > 0
   # Every layer's self-attention (scanned: one body) exchanges over Ulysses and permutes over ring.
   assert report["collectives"]["all-to-all"]["count"] >= 2

@@ -64,22 +64,28 @@ def _end(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
-def test_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("mesh,per_process", [("U=2,R=2", 2), ("CFG=2,U=2,R=2", 4)])
+def test_two_processes_equal_one(tmp_path, mesh, per_process):
+  """U=2,R=2: the ring crosses the processes; CFG=2,U=2,R=2: each process runs one guidance branch
+  and the noise predictions cross."""
   out, ref = tmp_path / "multi.npy", tmp_path / "single.npy"
+  args = list(ARGS)
+  args[args.index("--mesh") + 1] = mesh
   coordinator = f"127.0.0.1:{_free_port()}"
   logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
   procs: list[subprocess.Popen] = []
   try:
     for i in range(2):
-      procs.append(_start(ARGS + ["--out", str(out), "--coordinator", coordinator, "--num-processes", "2",
+      procs.append(_start(args + ["--out", str(out), "--coordinator", coordinator, "--num-processes", "2",
                                   "--process-id", str(i), "--coordinator-timeout", "60"], logs[i]))
-    assert generate.main(ARGS + ["--out", str(ref)]) == 0  # single process, 4 of 8 devices
+    assert generate.main(args + ["--out", str(ref)]) == 0  # single process, the first of 8 devices
     codes = _wait_all(procs, TIMEOUT_S)
   finally:
     _end(procs)
   text = [open(log).read() for log in logs]
   assert codes == [0, 0], text
-  assert "in each of 2 processes (4 in all; this is process 0)" in text[0], text[0]
+  total = 2 * per_process
+  assert f"in each of 2 processes ({total} in all; this is process 0)" in text[0], text[0]
   assert "process 1 done; process 0 writes" in text[1], text[1]
   multi, single = np.load(out), np.load(ref)
   assert multi.shape == single.shape == (5, 32, 32, 3)

@@ -228,19 +228,6 @@ def test_round_num_frames_warns_like_diffusers():
     wan_pipeline.round_num_frames(0)
 
 
-@pytest.mark.parametrize("spec,expected", [("U=2,R=2", (2, 2)), ("R=2,U=4", (4, 2)), ("U=4", (4, 1)),
-                                           ("r=3", (1, 3)), ("U=1,R=1", (1, 1))])
-def test_parse_mesh(spec, expected):
-  assert wan_pipeline.parse_mesh(spec) == expected
-
-
-@pytest.mark.parametrize("spec,match", [("U2", "malformed"), ("U=2,U=2", "twice"), ("U=0", ">= 1"),
-                                        ("X=2", "malformed")])
-def test_parse_mesh_errors(spec, match):
-  with pytest.raises(ValueError, match=match):
-    wan_pipeline.parse_mesh(spec)
-
-
 CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from harness import child_env
 from pipelines import compile_cache, video_io
-from pipelines.cli import parse_mesh
+from attention.mesh import MeshSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red fox running through snow"
@@ -39,7 +39,7 @@ def _words(text: str) -> str:
 # --- --help ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module,expected", [
-    ("pipelines.generate", ["--mesh MESH sequence-parallel mesh", "(default: U=1,R=1)",
+    ("pipelines.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
                             "(default: output.mp4)", "(default: 16.0)", "(default: 512)",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
     ("end_to_end.quality", ["(default: tiny)", "(default: 48)", "(default: 64)", "(default: 9)",
@@ -98,7 +98,7 @@ def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
   proc = _run("end_to_end.quality", "--mesh", "2x4")
   assert proc.returncode == 2 and "did you mean 'U=2,R=4' or 'U=4,R=2'?" in proc.stderr, proc.stderr
   with pytest.raises(ValueError, match="did you mean 'U=1,R=8' or 'U=8,R=1'"):
-    parse_mesh("1x8")
+    MeshSpec.parse("1x8")
 
 
 # --- the quality check's default -------------------------------------------------------------------

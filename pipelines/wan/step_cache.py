@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from attention.mesh import SEQUENCE_SPEC
+from attention.mesh import sequence_spec
 from pipelines.wan import transformer as wan_transformer
 
 METHODS = ("first-block", "mag")
@@ -269,7 +269,7 @@ def _shardings(state: State, mesh: Mesh | None) -> State:
   if mesh is None:
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda _: one, state)
-  return jax.tree.map(lambda x: NamedSharding(mesh, SEQUENCE_SPEC if x.ndim == 3 else P()), state)
+  return jax.tree.map(lambda x: NamedSharding(mesh, sequence_spec(mesh) if x.ndim == 3 else P()), state)
 
 
 def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtype: Any, steps: int,
@@ -283,7 +283,7 @@ def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtyp
     config: the transformer's `WanTransformerConfig` (D).
     dtype: the model dtype (of the residuals).
     steps: S, denoising steps of the run (MagCache's ratios are resampled to it).
-    mesh: None or the (ring, ulysses) mesh.
+    mesh: None or the (cfg, ring, ulysses) mesh.
 
   Returns:
     `FirstBlockState` or `MagState` with zero residuals and valid False; residuals [B, T, D]
@@ -388,12 +388,14 @@ def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.
 
 def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
                    encoder_hidden_states: jax.Array, state: State, *, mesh: Mesh | None = None,
-                   attention_implementation: str = "auto") -> tuple[jax.Array, State, dict[str, jax.Array]]:
+                   attention_implementation: str = "auto", gather_weights: bool = False
+                   ) -> tuple[jax.Array, State, dict[str, jax.Array]]:
   """`transformer.forward` with a step cache. Jit-friendly; the skip is one mesh-uniform `lax.cond`.
 
   Args:
-    model, latents, timestep, encoder_hidden_states, mesh, attention_implementation: as
-      `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text [B, L, text_dim]).
+    model, latents, timestep, encoder_hidden_states, mesh, attention_implementation,
+      gather_weights: as `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text
+      [B, L, text_dim]).
     state: this step's `FirstBlockState` or `MagState` (from `init_state` or the previous step).
 
   Returns:
@@ -406,7 +408,8 @@ def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, ti
     ValueError: as `transformer.forward`; TypeError for a state of another kind.
   """
   x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
-                                          attention_implementation=attention_implementation)
+                                          attention_implementation=attention_implementation,
+                                          gather_weights=gather_weights)
   tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
   layers = model.config.num_layers
 

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import attention
 import producers
-from attention.mesh import SEQUENCE_AXES, SEQUENCE_SPEC, mesh_degrees
+from attention.mesh import SEQUENCE_AXES, MeshSpec, batch_axis, sequence_spec
 from pipelines.wan.transformer_config import WanTransformerConfig
 
 # diffusers `WanTransformer3DModel._keep_in_fp32_modules` that own parameters ("rope", "norm1",
@@ -192,22 +192,27 @@ class FeedForward(nnx.Module):
 
 
 class SequenceLayout:
-  """Where the video tokens live: one device (mesh None) or sharded over ("ring", "ulysses").
+  """Where the video tokens live: one device (mesh None) or sharded over ("ring", "ulysses"), the
+  batch split over "cfg" when the mesh has a guidance split.
 
   Attributes:
-    mesh: the (ring, ulysses) mesh or None.
+    mesh: the (cfg, ring, ulysses) mesh or None.
     tokens: T, the valid token count.
     padded_tokens: T rounded up to a multiple of U * R (== T without a mesh).
+    gather_weights: the block weights arrive sharded over the mesh (`MeshSpec.shard_weights`) and
+      are gathered one layer at a time inside the layer scan.
   """
 
-  def __init__(self, mesh: Mesh | None, tokens: int, attention_implementation: str = "auto"):
+  def __init__(self, mesh: Mesh | None, tokens: int, attention_implementation: str = "auto",
+               gather_weights: bool = False):
     self.mesh = mesh
     self.tokens = tokens
     self.implementation = attention_implementation
     self.padded_tokens = tokens
+    self.gather_weights = bool(gather_weights) and mesh is not None
     if mesh is not None:
-      ulysses, ring = mesh_degrees(mesh)  # ValueError unless the mesh has both axes
-      shards = ulysses * ring
+      spec = MeshSpec.of(mesh)  # ValueError unless the mesh has the mesh axes
+      shards = spec.sequence_devices
       self.padded_tokens = -(-tokens // shards) * shards
 
   @property
@@ -215,10 +220,26 @@ class SequenceLayout:
     return self.padded_tokens - self.tokens
 
   def constrain(self, x: jax.Array) -> jax.Array:
-    """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding; a no-op without a mesh."""
+    """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding (and axis 0 to the guidance
+    split); a no-op without a mesh."""
     if self.mesh is None:
       return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, SEQUENCE_SPEC))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, sequence_spec(self.mesh)))
+
+  def constrain_rows(self, x: jax.Array) -> jax.Array:
+    """Pins axis 0 (batch) of a per-row array ([B, ...]: text states, time embeddings) to the
+    guidance split, replicated otherwise; a no-op without a mesh."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(batch_axis(self.mesh))))
+
+  def gathered(self, block: Any) -> Any:
+    """One layer's weights, replicated (an all-gather of each sharded leaf) when the weights are
+    sharded; as given otherwise."""
+    if not self.gather_weights:
+      return block
+    replicated = NamedSharding(self.mesh, P())
+    return jax.tree.map(lambda w: jax.lax.with_sharding_constraint(w, replicated), block)
 
   def constrain_table(self, x: jax.Array) -> jax.Array:
     """Pins axis 0 (tokens) of a [T, H/2] RoPE table to the sequence sharding."""
@@ -376,7 +397,8 @@ class ForwardContext:
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
           encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
-          attention_implementation: str = "auto") -> tuple[jax.Array, ForwardContext]:
+          attention_implementation: str = "auto", gather_weights: bool = False
+          ) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
 
   Args: as `forward`.
@@ -396,11 +418,12 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   grid = (f // pt, h // ph, w // pw)
   if attention_implementation not in attention.IMPLEMENTATIONS:
     raise ValueError(f"unknown {attention_implementation=}; expected one of {attention.IMPLEMENTATIONS}")
-  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation)
+  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation, gather_weights)
 
   x_BTD = model.patch_embedding(latents.astype(dtype))
   temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
       timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
+  temb_BD, time_proj_B6D, text_BLD = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D, text_BLD))
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
@@ -436,6 +459,7 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
     blocks = jax.tree.map(lambda a: a[start:stop], blocks)  # the Z axis of every stacked array
 
   def body(x_BTD, block):
+    block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
     return block(x_BTD, context.text_BLD, context.time_proj_B6D, context.rope, config=model.config,
                  layout=context.layout), None
 
@@ -468,7 +492,7 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
             encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
-            attention_implementation: str = "auto") -> jax.Array:
+            attention_implementation: str = "auto", gather_weights: bool = False) -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   `embed`, then every block (`run_blocks`), then `unembed`.
@@ -479,11 +503,14 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       `latents.to(transformer_dtype)`). F, Hl, Wl divisible by the patch size.
     timestep: [B] diffusion timesteps (0..1000, fractional allowed).
     encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
-    mesh: None for one device, or a mesh with axes ("ring", "ulysses") (`attention.make_mesh`):
-      the forward then runs sequence-parallel over U * R devices (static under jit).
+    mesh: None for one device, or a (cfg, ring, ulysses) mesh (`attention.MeshSpec(...).build()`):
+      the forward then runs sequence-parallel over U * R devices, the batch split over the cfg
+      axis (its size must divide B) (static under jit).
     attention_implementation: "auto" (fixed-m where the mesh-uniform gate admits it, else LSE),
       "lse" or "fixed_m" (forced; NaN where the gate rejects), for every self- and
       cross-attention (static under jit).
+    gather_weights: the stacked block weights are sharded over the mesh (FSDP / ZeRO-3,
+      `MeshSpec.shard_weights`): each layer's are all-gathered inside the layer scan (static).
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -492,8 +519,42 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     ValueError: shapes that do not fit the config, or a mesh without the sequence axes.
   """
   x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
-                         attention_implementation=attention_implementation)
+                         attention_implementation=attention_implementation, gather_weights=gather_weights)
   return unembed(model, run_blocks(model, x_BTD, context), context)
+
+
+def weight_shardings(state: Any, mesh: Mesh | None, shard_weights: bool = False) -> Any:
+  """Where a `WanTransformer`'s weights (an `nnx.State`) go on `mesh`: a pytree of shardings.
+
+  Replicated over the mesh by default (DESIGN.md section 2). With `shard_weights` (FSDP / ZeRO-3
+  over all C * R * U devices), each stacked block weight [Z, ...] is split along its largest
+  non-layer axis that the device count divides (`forward(..., gather_weights=True)` all-gathers one
+  layer at a time inside the layer scan); the rest (embeddings, output head: a few percent of the
+  weights) and block weights with no such axis stay replicated.
+
+  Args:
+    state: the weights (leaves are arrays; the block weights under a "blocks" key).
+    mesh: None (one device: `SingleDeviceSharding` of the first device) or the mesh.
+    shard_weights: split the block weights as above.
+  """
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: one, state)
+  devices = mesh.devices.size
+  axes = tuple(mesh.axis_names)
+
+  def place(path, leaf) -> NamedSharding:
+    shape = tuple(leaf.shape)
+    in_blocks = any(getattr(k, "key", getattr(k, "name", None)) == "blocks" for k in path)
+    if not (shard_weights and in_blocks and devices > 1 and len(shape) > 1):
+      return NamedSharding(mesh, P())
+    options = [d for d in range(1, len(shape)) if shape[d] % devices == 0]
+    if not options:
+      return NamedSharding(mesh, P())
+    d = max(options, key=lambda i: shape[i])
+    return NamedSharding(mesh, P(*([None] * d), axes))
+
+  return jax.tree_util.tree_map_with_path(place, state)
 
 
 def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:

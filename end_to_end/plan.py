@@ -1,0 +1,110 @@
+"""Which mesh for a Wan model, video size and device count: every valid choice, its cost, one pick.
+
+  python -m end_to_end.plan --preset wan2.1-t2v-14b --devices 8 --chip v5e
+  python -m end_to_end.plan --preset wan2.2-t2v-a14b --topology v6e:2x4 --json plan.json
+
+Prints one row per (CFG, U, R, weight sharding): estimated memory per device, collective bytes per
+step by kind, FLOPs per device, a modelled step time, whether it fits, and the recommendation
+(pipelines/planner.py documents the model and the chip numbers). `--topology NAME:AxB` takes the
+chip from the name and the device count from the shape; the memory is the planner's estimate
+(`end_to_end.benchmark --aot TOPOLOGY --aot-mesh SPEC [--shard-weights]` compiles one candidate for
+XLA's own figures). `generate --mesh auto` uses the same recommendation for the visible devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from pipelines.cli import HelpFormatter
+
+
+def _topology(text: str) -> tuple[str, int]:
+  """"v6e:2x4" -> ("v6e", 8)."""
+  chip, _, shape = text.partition(":")
+  try:
+    dims = [int(x) for x in shape.lower().split("x")]
+  except ValueError:
+    dims = []
+  if not chip or not dims or min(dims) < 1:
+    raise ValueError(f"--topology {text!r} must be CHIP:AxB (e.g. v6e:2x4, v5e:2x4)")
+  return chip.lower(), math.prod(dims)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from pipelines import planner
+  from pipelines.generate import PRESETS
+  from pipelines.wan.transformer_config import PRESETS as MODELS
+
+  p = argparse.ArgumentParser(prog="plan", description=__doc__, formatter_class=HelpFormatter)
+  p.add_argument("--preset", required=True, choices=[m for m in MODELS if m in PRESETS],
+                 help="the model (its published size, steps and guidance are the defaults)")
+  where = p.add_mutually_exclusive_group(required=True)
+  where.add_argument("--devices", type=int, help="devices in the mesh")
+  where.add_argument("--topology", help="CHIP:AxB, e.g. v6e:2x4 (chip and device count)")
+  p.add_argument("--chip", choices=sorted(planner.CHIPS), default="v6e",
+                 help="the accelerator with --devices")
+  p.add_argument("--height", type=int)
+  p.add_argument("--width", type=int)
+  p.add_argument("--frames", type=int)
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens")
+  p.add_argument("--json", help="write the candidates and the recommendation here")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  from pipelines import planner
+  from pipelines.generate import PRESETS
+  from pipelines.wan.transformer_config import PRESETS as MODELS
+
+  try:
+    chip_name, devices = _topology(args.topology) if args.topology else (args.chip, args.devices)
+    if chip_name not in planner.CHIPS:
+      raise ValueError(f"unknown chip {chip_name!r}; known: {', '.join(sorted(planner.CHIPS))}")
+    preset = PRESETS[args.preset]
+    height, width = args.height or preset.height, args.width or preset.width
+    frames = args.frames or preset.frames
+    experts = 2 if args.preset.startswith("wan2.2") else 1
+    found = planner.candidates(MODELS[args.preset], devices=devices, frames=frames, height=height, width=width,
+                               text_tokens=args.max_sequence_length, cfg=preset.guidance[0] > 1,
+                               dtype=args.dtype, experts=experts, chip=planner.CHIPS[chip_name])
+  except ValueError as e:
+    parser.print_usage(sys.stderr)
+    print(f"plan: error: {e}", file=sys.stderr)
+    return 2
+  chip = planner.CHIPS[chip_name]
+  best = planner.recommend(found)
+  print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}, {devices} x {chip.name} "
+        f"({chip.memory_bytes / planner.GiB:.0f} GiB each; {chip.source})")
+  print("memory: the planner's estimate (pipelines/planner.py), not XLA's analysis")
+  print(f"{'mesh':>16} {'weights':>8} {'GiB/dev':>8} {'fits':>5} {'a2a GB':>7} {'ring GB':>8} "
+        f"{'cfg MB':>7} {'wgath GB':>9} {'TFLOP/dev':>10} {'step s':>7}")
+  for c in sorted(found, key=lambda c: (not c.fits, c.step_s_model)):
+    comm = c.collective_bytes
+    print(f"{str(c.mesh):>16} {'sharded' if c.mesh.shard_weights else 'replic.':>8} "
+          f"{c.bytes_per_device / planner.GiB:8.2f} {'yes' if c.fits else 'NO':>5} "
+          f"{comm['all_to_all'] / 1e9:7.2f} {comm['ring_permute'] / 1e9:8.2f} {comm['cfg_exchange'] / 1e6:7.2f} "
+          f"{comm['weight_all_gather'] / 1e9:9.2f} {c.flops_per_device / 1e12:10.1f} {c.step_s_model:7.2f}")
+  if best is None:
+    print(f"recommended: none fits on {devices} x {chip.name}; use more devices or a smaller video")
+  else:
+    flag = " --shard-weights" if best.mesh.shard_weights else ""
+    print(f"recommended: --mesh {best.mesh}{flag} (modelled {best.step_s_model:.2f} s/step, "
+          f"{best.bytes_per_device / planner.GiB:.1f} GiB per device)")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"preset": args.preset, "devices": devices, "chip": chip_name, "height": height,
+                 "width": width, "frames": frames, "dtype": args.dtype, "memory": "estimate",
+                 "candidates": [c.to_dict() for c in found],
+                 "recommended": None if best is None else str(best.mesh),
+                 "recommended_shard_weights": None if best is None else best.mesh.shard_weights}, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

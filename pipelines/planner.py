@@ -1,0 +1,181 @@
+"""Which mesh to run a Wan model on: every valid (CFG, U, R, weight sharding), what each costs, one pick.
+
+For a transformer config, a video size and a device count, `plan` enumerates the `MeshSpec`s that
+can run it (C in {1, 2} with guidance on, U dividing the heads, C * R * U = the devices, weights
+replicated or sharded) and models one denoising step of each:
+
+- memory per device (bytes): transformer weights (replicated: all of them; sharded: the block
+  weights / devices, plus the rest, plus two layers gathered at a time) and activations (the
+  residual stream and one block's intermediates for this device's rows and tokens: rows/C x T/(R*U)
+  x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers). The text
+  encoder runs before the denoising loop and the VAE after it, so neither is counted. This is an
+  estimate and says so; `end_to_end.benchmark --aot` gives XLA's own numbers for a TPU topology;
+- collective bytes per device per step, by kind: Ulysses all-to-alls (q/k/v out, the output back:
+  (U-1)/U of 4 activations per block), ring permutes (R-1 K/V buffers per block), the CFG exchange
+  (one noise prediction), weight all-gathers ((devices-1)/devices of each layer's weights);
+- FLOPs per device (`estimate.step_flops` / devices);
+- a modelled step time: FLOPs at the chip's dense peak plus collective bytes at its per-device
+  link bandwidth, with no overlap (so an upper bound of the model; real runs overlap some of it).
+
+The recommendation is the fitting candidate with the smallest modelled step time (ties: weights
+replicated, then the larger U). Chip numbers are the vendors' published specifications (`CHIPS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from attention.mesh import MeshSpec, heads_fit
+from pipelines import estimate as step_estimate
+
+GiB = 2 ** 30
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+# Headroom left for XLA's own buffers, fragmentation and the runtime.
+FIT_FRACTION = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator: memory, dense bf16 peak, and per-device interconnect bandwidth (one direction).
+
+  Attributes:
+    name: for reports.
+    memory_bytes: HBM per device.
+    peak_flops: dense bf16 FLOP/s (fp32 runs are modelled at a quarter).
+    link_bytes_per_s: bandwidth of one device into its interconnect (ICI / NVLink), one direction.
+    source: where the numbers come from.
+  """
+  name: str
+  memory_bytes: float
+  peak_flops: float
+  link_bytes_per_s: float
+  source: str
+
+
+CHIPS = {
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 200e9, "cloud.google.com TPU v5e: 16 GiB HBM2, 197 TFLOP/s bf16, "
+                "1600 Gbps ICI per chip"),
+    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 448e9, "cloud.google.com TPU v6e: 32 GiB HBM, 918 TFLOP/s bf16, "
+                "3584 Gbps ICI per chip"),
+    "h100": Chip("NVIDIA H100 SXM", 80e9, 989e12, 450e9, "nvidia.com H100 SXM: 80 GB, 989 TFLOP/s dense bf16, "
+                 "NVLink 900 GB/s (450 GB/s each way)"),
+    "h200": Chip("NVIDIA H200 SXM", 141e9, 989e12, 450e9, "nvidia.com H200 SXM: 141 GB, 989 TFLOP/s dense bf16, "
+                 "NVLink 900 GB/s (450 GB/s each way)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One mesh and its modelled cost (module docstring).
+
+  Attributes:
+    mesh: the `MeshSpec`.
+    bytes_per_device: estimated peak memory of one denoising step per device.
+    weight_bytes, activation_bytes: its two parts.
+    collective_bytes: per device per step, by kind ("all_to_all", "ring_permute", "cfg_exchange",
+      "weight_all_gather").
+    flops_per_device: per step.
+    step_s_model: modelled step time (seconds).
+    fits: bytes_per_device <= FIT_FRACTION x the chip's memory.
+  """
+  mesh: MeshSpec
+  bytes_per_device: float
+  weight_bytes: float
+  activation_bytes: float
+  collective_bytes: dict[str, float]
+  flops_per_device: float
+  step_s_model: float
+  fits: bool
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"mesh": str(self.mesh), "shard_weights": self.mesh.shard_weights, "fits": self.fits,
+            "bytes_per_device": self.bytes_per_device, "weight_bytes": self.weight_bytes,
+            "activation_bytes": self.activation_bytes, "collective_bytes": dict(self.collective_bytes),
+            "flops_per_device": self.flops_per_device, "step_s_model": self.step_s_model}
+
+
+def transformer_param_counts(config) -> tuple[int, int]:
+  """(block parameters, other parameters) of a `WanTransformerConfig` (`transformer.param_shapes`)."""
+  from pipelines.wan.transformer import param_shapes
+
+  shapes = param_shapes(config)
+
+  def count(tree) -> int:
+    if isinstance(tree, dict):
+      return sum(count(v) for v in tree.values())
+    return math.prod(tree)
+
+  blocks = count(shapes["blocks"])
+  return blocks, count(shapes) - blocks
+
+
+def candidates(config, *, devices: int, frames: int, height: int, width: int, text_tokens: int = 512,
+               cfg: bool = True, dtype: str = "bfloat16", experts: int = 1, chip: Chip) -> list[Candidate]:
+  """Every valid mesh for this model, video and device count, with its modelled cost.
+
+  Args:
+    config: the `WanTransformerConfig`.
+    devices: devices in the mesh.
+    frames, height, width, text_tokens: the video and text sizes.
+    cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
+    dtype: the transformer's dtype.
+    experts: transformers resident (2 for Wan 2.2 A14B).
+    chip: the accelerator (`CHIPS`).
+
+  Raises:
+    ValueError: devices < 1, or no valid mesh (heads that no divisor of the devices splits).
+  """
+  if devices < 1:
+    raise ValueError(f"devices={devices} must be >= 1")
+  size = DTYPE_BYTES[dtype]
+  tokens = step_estimate.video_tokens(config.patch_size, frames, height, width)
+  rows = 2 if cfg else 1
+  d, n = config.dim, config.num_attention_heads
+  blocks, other = transformer_param_counts(config)
+  per_layer = blocks / config.num_layers
+  flops_total = step_estimate.step_flops(config, tokens, text_tokens, rows)
+  peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
+  latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // 8) * (width // 8)
+  out = []
+  for c in ((1, 2) if cfg and devices % 2 == 0 else (1,)):
+    seq = devices // c
+    for u in (u for u in range(1, seq + 1) if seq % u == 0 and heads_fit(u, n, n)):
+      r = seq // u
+      for shard in ((False, True) if devices > 1 else (False,)):
+        spec = MeshSpec(ulysses=u, ring=r, cfg=c, shard_weights=shard)
+        rows_local = rows // c
+        t_local = -(-tokens // seq)
+        stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
+        activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
+                       + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
+                       + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
+                       + rows_local * text_tokens * d * size * 2)  # cross-attention K/V of the text
+        if shard:
+          weights = (blocks / devices + other + 2 * per_layer) * size * experts
+        else:
+          weights = (blocks + other) * size * experts
+        comm = {
+            "all_to_all": config.num_layers * 4 * stream * (u - 1) / u,
+            "ring_permute": config.num_layers * (r - 1) * 2 * stream,
+            "cfg_exchange": latent_bytes if c == 2 else 0.0,
+            "weight_all_gather": (blocks * size * (devices - 1) / devices) if shard else 0.0,
+        }
+        flops = flops_total / devices
+        step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
+        total = weights + activations
+        out.append(Candidate(spec, total, weights, activations, comm, flops, step_s,
+                             total <= FIT_FRACTION * chip.memory_bytes))
+  if not out:
+    raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
+  return out
+
+
+def recommend(found: list[Candidate]) -> Candidate | None:
+  """The fitting candidate with the smallest modelled step (ties: weights replicated, larger U);
+  None when nothing fits."""
+  fitting = [c for c in found if c.fits]
+  if not fitting:
+    return None
+  return min(fitting, key=lambda c: (round(c.step_s_model, 9), c.mesh.shard_weights, -c.mesh.ulysses))
