@@ -74,7 +74,8 @@ def calibrate(pipe: Any, prompts: list[str], *, width: int, height: int, frames:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  request_cpu_devices(MeshSpec.parse(args.mesh).devices)  # before JAX's backend starts
+  mesh_spec = MeshSpec.parse(args.mesh)
+  request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
   from pipelines.generate import parse_size
   from pipelines.pipeline import WanPipeline
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
   dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
   pipe = WanPipeline.tiny(dtype) if args.model == "tiny" else WanPipeline.from_pretrained(args.model, dtype=dtype)
   prompts = args.prompt or list(DEFAULT_PROMPTS)
-  mesh = None if ulysses * ring == 1 else f"U={ulysses},R={ring}"
+  mesh = None if mesh_spec.devices == 1 else str(mesh_spec)
   ratios = calibrate(pipe, prompts, width=width, height=height, frames=args.frames, steps=args.steps,
                      guidance=args.guidance, shift=args.shift, seed=args.seed,
                      max_sequence_length=args.max_sequence_length, mesh=mesh)

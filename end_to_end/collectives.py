@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import sys
 import time
 
 from attention.mesh import MeshSpec, request_cpu_devices

@@ -28,7 +28,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
@@ -84,7 +83,8 @@ def in_run_speedup(seconds: list[float], skipped: list[int]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  request_cpu_devices(MeshSpec.parse(args.mesh).devices)  # before JAX's backend starts
+  mesh_spec = MeshSpec.parse(args.mesh)
+  request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
   import numpy as np
 
   from end_to_end import bench_presets, calibrate_cache, video_metrics
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.size:
     width, height = parse_size(args.size)
   frames = args.frames or frames
-  mesh = None if ulysses * ring == 1 else f"U={ulysses},R={ring}"
+  mesh = None if mesh_spec.devices == 1 else str(mesh_spec)
   kwargs = dict(prompt=args.prompt, height=height, width=width, num_frames=frames,
                 num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                 max_sequence_length=args.max_sequence_length, mesh=mesh, progress=False,

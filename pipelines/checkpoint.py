@@ -25,6 +25,21 @@ class CheckpointError(ValueError):
   """A checkpoint folder is missing, unsafe, corrupt or does not fit the model."""
 
 
+def read_json(path: str, why: str = "") -> dict[str, Any]:
+  """Reads one JSON file of a model folder.
+
+  Raises:
+    CheckpointError: the file is missing (the message adds `why`) or not valid JSON.
+  """
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{path!r} is missing" + (f"; {why}" if why else ""))
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path!r} is not valid JSON: {e}") from e
+
+
 def read_config(folder: str) -> dict[str, Any]:
   """Reads `folder/config.json`.
 
@@ -36,11 +51,7 @@ def read_config(folder: str) -> dict[str, Any]:
   path = os.path.join(folder, "config.json")
   if not os.path.isfile(path):
     raise CheckpointError(f"{folder!r} has no config.json; expected a diffusers/transformers model folder")
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path!r} is not valid JSON: {e}") from e
+  return read_json(path)
 
 
 def safetensors_files(folder: str) -> list[str]:

@@ -297,7 +297,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   Raises:
     UsageError / ValueError: each bad argument, with what to do instead.
   """
-  from pipelines.pipeline import check_size, round_num_frames  # light: no compute
+  from pipelines.inputs import check_size, round_num_frames  # light: no model, no compute
 
   if args.prompt is None:
     raise UsageError("--prompt is required (what the video shows), unless --resume DIR continues a "
@@ -552,7 +552,8 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
 def _model_config(plan: Plan) -> tuple[Any, int]:
   """(transformer config, number of experts) from the JSON files; a folder's weight files are
   checked too (safetensors present, headers intact), reading no tensor data."""
-  from pipelines.pipeline import TINY_TRANSFORMER, PipelineIndex
+  from pipelines.folder import PipelineIndex
+  from pipelines.pipeline import TINY_TRANSFORMER
 
   if plan.model == "tiny":
     return TINY_TRANSFORMER, 1
@@ -687,8 +688,6 @@ def _plan_checkpoint(plan: Plan, transformer: Any) -> Plan:
 
 def _announce(plan: Plan, checked: Checked, seed: int | None) -> None:
   """Before compute (process 0 only): the drawn seed, and the estimate of a long run."""
-  import jax
-
   if not plan.writes:
     return
   if plan.seed is None:

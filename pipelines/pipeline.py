@@ -1,4 +1,6 @@
-"""Wan text-to-video pipeline (diffusers' `WanPipeline`) over a (ring, ulysses) mesh.
+"""Wan text-to-video pipeline (diffusers' `WanPipeline`) over a (cfg, ring, ulysses) mesh.
+
+The call's arguments are checked in pipelines/inputs.py, the folder read in pipelines/folder.py.
 
 Glossary (DESIGN.md section 1): B videos (prompts), C latent channels, F / Hl / Wl latent frames /
 height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / ring degrees.
@@ -36,12 +38,8 @@ The negative prompt defaults to "" as in diffusers.
 from __future__ import annotations
 
 import dataclasses
-import html
-import json
 import math
-import numbers
 import os
-import re
 import reprlib
 import sys
 import time
@@ -55,10 +53,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import attention
 from attention import IMPLEMENTATIONS
 from attention.mesh import CFG_AXIS, MeshSpec
 from pipelines import checkpoint, distributed, resume as resume_state
+from pipelines.folder import PipelineIndex
+from pipelines.inputs import (  # noqa: F401 (OUTPUT_TYPES, check_size, ... re-exported for callers)
+    CALLBACK_TENSOR_INPUTS, OUTPUT_TYPES, ResolvedCall, check_flag, check_int, check_number, check_output_type,
+    check_size, embeds_array, frames_to_pil, host_array, is_real, noise_array, not_a, prompt_clean, resolve_mesh,
+    round_num_frames, texts)
 from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan import step_cache as wan_step_cache
@@ -81,307 +83,6 @@ TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 
 
 # --- settings and their checks (cheap; run before any compute) -----------------------------------
-
-def prompt_clean(text: str) -> str:
-  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
-
-  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
-  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
-  """
-  text = html.unescape(html.unescape(text)).strip()
-  return re.sub(r"\s+", " ", text).strip()
-
-
-def _is_int(value: Any) -> bool:
-  """An int or numpy integer; not a bool (True would pass for 1)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value: Any) -> bool:
-  """An int or float (Python or numpy); not a bool, str, complex or array."""
-  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _not_a(value: Any, type_ok: bool = False) -> str:
-  """", not a str" / ", not an int" (the wrong type named) for a message; "" when `type_ok`."""
-  name = type(value).__name__
-  return "" if type_ok else f", not {'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def _check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> int:
-  """`value` as an int, if it is one (a bool is not) and >= `minimum`.
-
-  Raises:
-    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
-  """
-  if not _is_int(value) or value < minimum:
-    what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
-    raise ValueError(f"{name}={value!r} must be {what}{_not_a(value, _is_int(value))}{hint}")
-  return int(value)
-
-
-def _check_number(name: str, value: Any, *, positive: bool = False, hint: str = "") -> float:
-  """`value` as a float, if it is a finite real number (a bool or str is not), > 0 with `positive`.
-
-  Raises:
-    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
-  """
-  if not _is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-    raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}"
-                     f"{_not_a(value, _is_real(value))}{hint}")
-  return float(value)
-
-
-def _check_flag(name: str, value: Any) -> bool:
-  """`value` if it is a bool (numpy's included).
-
-  Raises:
-    ValueError: anything else (1, "no", None), naming the argument and its value.
-  """
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{name}={value!r} must be True or False{_not_a(value)}")
-  return bool(value)
-
-
-def _texts(value: Any, repeat: int = 1) -> list[str] | None:
-  """A str (repeated `repeat` times) or a non-empty list / tuple of str as a list; None otherwise."""
-  if isinstance(value, str):
-    return [value] * repeat
-  if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-    return list(value)
-  return None
-
-
-# diffusers `WanPipeline._callback_tensor_inputs`: what `callback_on_step_end` may ask for.
-CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
-OUTPUT_TYPES = ("np", "latent", "pil")
-
-
-def _host_array(value: Any) -> np.ndarray | None:
-  """`value` (numpy, JAX (also a global multi-process array) or CPU torch) as numpy; None when it
-  is not an array of real numbers (a str, dict, bool or complex values, torch bfloat16, ...)."""
-  try:
-    array = distributed.to_host(value) if isinstance(value, jax.Array) else np.asarray(value)
-  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
-    return None
-  if array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
-                                 or jnp.issubdtype(array.dtype, jnp.integer)):
-    return None
-  return array
-
-
-def _noise(latents: Any) -> np.ndarray:
-  """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
-
-  Raises:
-    ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
-  """
-  array = _host_array(latents)
-  if array is None:
-    try:
-      what = f"{type(latents).__name__} of {np.asarray(latents).dtype}"
-    except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
-      what = type(latents).__name__
-    raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
-                     "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
-  return array.astype(np.float32)
-
-
-def _embeds(name: str, value: Any, text_dim: int) -> np.ndarray:
-  """Precomputed text states (diffusers' `prompt_embeds` / `negative_prompt_embeds`) as float32
-  numpy [B, L, text_dim].
-
-  Raises:
-    ValueError: not an array of real numbers, not 3-d, an empty axis, last axis != text_dim, or
-      NaN/inf values.
-  """
-  array = _host_array(value)
-  if array is None:
-    raise ValueError(f"{name}={reprlib.repr(value)} ({type(value).__name__}) must be an array of real "
-                     f"numbers [B, L, text_dim={text_dim}] (numpy, JAX or CPU torch)")
-  if array.ndim != 3 or 0 in array.shape or array.shape[2] != text_dim:
-    raise ValueError(f"{name}.shape={array.shape} must be [B, L, text_dim] with text_dim={text_dim} "
-                     "(the text encoder's width, e.g. diffusers' encode_prompt output)")
-  if not np.isfinite(array).all():
-    raise ValueError(f"{name} holds {int((~np.isfinite(array)).sum())} NaN/inf values")
-  return array.astype(np.float32)
-
-
-def check_output_type(output_type: Any) -> str:
-  """`output_type` if it is one of `OUTPUT_TYPES` (diffusers' names; its "pt" has no JAX meaning).
-
-  Raises:
-    ValueError: anything else.
-  """
-  if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
-    raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}: 'np' (float32 frames in "
-                     "[0, 1]), 'latent' (the final latents, not decoded) or 'pil' (lists of PIL images)")
-  return output_type
-
-
-def frames_to_pil(frames: np.ndarray) -> list[list[Any]]:
-  """Videos float32 [B, frames, H, W, 3] in [0, 1] -> B lists of `frames` RGB `PIL.Image`s.
-
-  As diffusers' `VideoProcessor.postprocess_video(..., output_type="pil")` (its `numpy_to_pil`:
-  `(x * 255).round()` to uint8).
-  """
-  from PIL import Image
-
-  pixels = (np.asarray(frames) * 255).round().astype(np.uint8)
-  return [[Image.fromarray(frame) for frame in video] for video in pixels]
-
-
-def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
-  """Frames as diffusers accepts them: k * temporal_factor + 1; any other count becomes
-  `num_frames // temporal_factor * temporal_factor + 1` with a warning, as diffusers' WanPipeline
-  does: for temporal_factor 4 a multiple of 4 goes up by one (16 -> 17), any other count down to
-  the 4k + 1 below it (10 -> 9, 19 -> 17).
-
-  Raises:
-    ValueError: `num_frames` not an int >= 1.
-  """
-  _check_int("num_frames", num_frames, hint=" (Wan uses 4k+1, e.g. 81)")
-  if num_frames % temporal_factor != 1:
-    rounded = max(num_frames // temporal_factor * temporal_factor + 1, 1)
-    warnings.warn(f"{num_frames=}: num_frames - 1 must be divisible by {temporal_factor}; rounding "
-                  f"to {rounded} as diffusers does (pass {rounded} to silence this)", stacklevel=2)
-    return rounded
-  return int(num_frames)
-
-
-def check_size(height: int, width: int, multiple: int = 16) -> None:
-  """Raises ValueError unless height and width are positive multiples of `multiple` (16 for Wan:
-  VAE factor 8 x patch 2), naming the nearest valid sizes."""
-  for name, value in (("height", height), ("width", width)):
-    if not _is_int(value) or value < multiple or value % multiple:
-      near = _is_real(value) and math.isfinite(value)  # 40 -> "use 32 or 48"; 32.0 -> "use 32 or 48"
-      lower = max(multiple, int(value) // multiple * multiple) if near else multiple
-      raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{_not_a(value, _is_int(value))} "
-                       f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
-
-
-def resolve_mesh(mesh: Mesh | MeshSpec | str | None, *, heads: int, kv_heads: int | None = None,
-                 cfg_active: bool | None = None, shard_weights: bool = False) -> tuple[Mesh | None, MeshSpec]:
-  """The call's mesh and its spec, checked (`attention.MeshSpec`, the one owner of the mesh).
-
-  Args:
-    mesh: None (one device), a spec string ("U=2,R=2", "CFG=2,U=2,R=2"), a `MeshSpec`, or a built
-      `jax.sharding.Mesh` (axes (cfg,) ring, ulysses).
-    heads, kv_heads: the transformer's query and kv heads (U must split them).
-    cfg_active: whether guidance is on (CFG=2 needs it).
-    shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`
-      with shard_weights).
-
-  In a multi-process run (`pipelines.distributed`) the mesh spans every process's devices.
-
-  Raises:
-    ValueError: a malformed spec, more devices than visible, heads that U does not split, CFG=2
-      without guidance, shard_weights without a mesh, or a mesh that does not span every process
-      (each naming what would work).
-  """
-  if mesh is None:
-    if shard_weights:
-      raise ValueError("shard_weights=True splits the weights over a mesh; pass a mesh of several devices "
-                       "(e.g. mesh='U=2,R=2') or leave shard_weights off")
-    distributed.check_mesh_spans_processes(None)
-    return None, MeshSpec()
-  if isinstance(mesh, str):
-    spec, built = MeshSpec.parse(mesh, shard_weights=shard_weights), None
-  elif isinstance(mesh, MeshSpec):
-    spec, built = dataclasses.replace(mesh, shard_weights=mesh.shard_weights or shard_weights), None
-  elif isinstance(mesh, Mesh):
-    spec, built = MeshSpec.of(mesh, shard_weights=shard_weights), mesh
-  else:
-    raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
-                     f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{_not_a(mesh)}")
-  spec.check(num_heads=heads, num_kv_heads=kv_heads, cfg_active=cfg_active,
-             device_count=spec.devices if built is not None else jax.device_count())
-  distributed.check_mesh_spans_processes(spec.devices)
-  return (spec.build(jax.devices()) if built is None else built), spec
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineIndex:
-  """What a diffusers Wan folder holds, read from its JSON files only (no weights).
-
-  Attributes:
-    folder: the pipeline folder.
-    transformer: config of `transformer/`.
-    has_transformer_2: `transformer_2/` is present and named in model_index.json.
-    boundary_ratio: Wan 2.2 expert switch (None for Wan 2.1).
-  """
-  folder: str
-  transformer: WanTransformerConfig
-  has_transformer_2: bool
-  boundary_ratio: float | None
-
-  @classmethod
-  def read(cls, folder: str) -> PipelineIndex:
-    """Reads model_index.json and transformer/config.json.
-
-    Raises:
-      checkpoint.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline, an
-        image/TI2V pipeline (`expand_timesteps`), `boundary_ratio` without `transformer_2/` or
-        outside (0, 1), a missing component folder.
-    """
-    path = os.path.join(folder, "model_index.json")
-    if not os.path.isfile(path):
-      raise checkpoint.CheckpointError(
-          f"{folder!r} has no model_index.json; pass a diffusers-format Wan pipeline folder (holding "
-          "model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/)")
-    try:
-      with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    except json.JSONDecodeError as e:
-      raise checkpoint.CheckpointError(f"{path!r} is not valid JSON: {e}") from e
-    name = index.get("_class_name", "WanPipeline")
-    if name != "WanPipeline":
-      raise checkpoint.CheckpointError(f"{path!r}: {name=}; only text-to-video WanPipeline folders load")
-    if index.get("expand_timesteps"):
-      raise checkpoint.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
-    for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
-      if not os.path.isdir(os.path.join(folder, component)):
-        raise checkpoint.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
-    named_2 = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
-    has_2 = named_2 and os.path.isdir(os.path.join(folder, "transformer_2"))
-    boundary = index.get("boundary_ratio")
-    if boundary is not None:
-      if not 0 < float(boundary) < 1:
-        raise checkpoint.CheckpointError(f"{path!r}: boundary_ratio={boundary} must be in (0, 1)")
-      if not has_2:
-        raise checkpoint.CheckpointError(
-            f"{path!r} sets boundary_ratio={boundary} (Wan 2.2 two experts) but {folder!r} has no "
-            "transformer_2/ named in model_index.json; add the low-noise expert or drop boundary_ratio")
-      boundary = float(boundary)
-    config = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
-    return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary)
-
-  @property
-  def weight_folders(self) -> list[str]:
-    """The component folders whose safetensors are loaded, in loading order."""
-    names = ["transformer"] + (["transformer_2"] if self.boundary_ratio is not None else [])
-    return [os.path.join(self.folder, n) for n in names + ["text_encoder", "vae"]]
-
-  def check_weights(self) -> None:
-    """File-level checks of every weight file, reading headers only (no tensor data): safetensors
-    present (pickle-only folders refused) and not truncated or corrupt. Key names and shapes are
-    checked when a component loads (`checkpoint.check_state_dict`).
-
-    Raises:
-      checkpoint.CheckpointError: the first bad folder or file, naming it.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    for component in self.weight_folders:
-      for path in checkpoint.safetensors_files(component):
-        try:
-          with safe_open(path, framework="numpy"):
-            pass
-        except (SafetensorError, OSError) as e:
-          raise checkpoint.CheckpointError(
-              f"cannot read {path!r} (truncated or corrupt safetensors file: {e}); download or "
-              "convert it again") from e
-
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
@@ -584,7 +285,8 @@ class WanPipeline(LoraLoaderMixin):
     index = PipelineIndex.read(folder)
     index.check_weights()  # a truncated last file fails now, not after loading the others
     scheduler_config = schedulers.scheduler_config_from_dict(
-        _read_json(os.path.join(folder, "scheduler", "scheduler_config.json")))
+        checkpoint.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                             "the scheduler/ folder needs scheduler_config.json"))
     names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
     if index.has_transformer_2 and index.boundary_ratio is None:
       warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
@@ -686,7 +388,7 @@ class WanPipeline(LoraLoaderMixin):
                    num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
                    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                    attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
-                   step_cache: Any = None, shard_weights: bool = False) -> dict[str, Any]:
+                   step_cache: Any = None, shard_weights: bool = False) -> ResolvedCall:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
 
     Every argument is checked for type as well as value (a bool is not an int, a str not a number,
@@ -698,13 +400,7 @@ class WanPipeline(LoraLoaderMixin):
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size.
 
     Returns:
-      dict with prompts (None when `prompt_embeds` is given), negative_prompts (None without CFG or
-      when `negative_prompt_embeds` is given), prompt_embeds / negative_prompt_embeds (None or
-      float32 numpy [B, L, text_dim], one row per prompt), num_videos_per_prompt, videos (B x
-      num_videos_per_prompt), height, width, num_frames (rounded), steps, guidance (g1, g2), cfg,
-      scheduler config, seed, latents (None or float32 numpy), max_sequence_length, mesh (None or a
-      `Mesh`), callback / callback_tensor_inputs, lora_scale (None or a float) and step_cache
-      (None or a `step_cache.StepCacheSpec`).
+      a `pipelines.inputs.ResolvedCall` (its docstring lists the fields).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
@@ -716,9 +412,9 @@ class WanPipeline(LoraLoaderMixin):
                        "shape, generator=torch.Generator().manual_seed(s)) as diffusers' randn_tensor draws it")
     text_dim = self.transformer_config.text_dim
     if prompt_embeds is not None:
-      prompt_embeds = _embeds("prompt_embeds", prompt_embeds, text_dim)
+      prompt_embeds = embeds_array("prompt_embeds", prompt_embeds, text_dim)
     if negative_prompt_embeds is not None:
-      negative_prompt_embeds = _embeds("negative_prompt_embeds", negative_prompt_embeds, text_dim)
+      negative_prompt_embeds = embeds_array("negative_prompt_embeds", negative_prompt_embeds, text_dim)
     if prompt is not None and prompt_embeds is not None:
       raise ValueError("give either prompt or prompt_embeds, not both (prompt_embeds replace the "
                        "encoded prompt; diffusers refuses both too)")
@@ -730,7 +426,7 @@ class WanPipeline(LoraLoaderMixin):
     if prompt_embeds is not None:
       prompts, batch = None, prompt_embeds.shape[0]
     else:
-      prompts = _texts(prompt)
+      prompts = texts(prompt)
       if not prompts:
         raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
       batch = len(prompts)
@@ -740,19 +436,19 @@ class WanPipeline(LoraLoaderMixin):
         raise ValueError(f"negative_prompt_embeds holds {negative_prompt_embeds.shape[0]} prompt(s) but the "
                          f"call has {batch}; give one row per prompt (num_videos_per_prompt repeats them)")
     else:
-      negatives = _texts("" if negative_prompt is None else negative_prompt, batch)
+      negatives = texts("" if negative_prompt is None else negative_prompt, batch)
       if negatives is None or len(negatives) != batch:
         raise ValueError(f"negative_prompt must be a str or a list of {batch} str (one per "
                          f"prompt), got {negative_prompt!r}")
-    per_prompt = _check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
+    per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     check_size(height, width, self.vae.config.spatial_factor * self.transformer_config.patch_size[1])
     num_frames = round_num_frames(num_frames, self.vae.config.temporal_factor)
-    steps = _check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
-    max_sequence_length = _check_int("max_sequence_length", max_sequence_length, hint=" (Wan uses 512)")
+    steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    max_sequence_length = check_int("max_sequence_length", max_sequence_length, hint=" (Wan uses 512)")
     guidance_hint = " (Wan: 5.0; <= 1 turns CFG off)"
-    g1 = _check_number("guidance_scale", guidance_scale, hint=guidance_hint)
+    g1 = check_number("guidance_scale", guidance_scale, hint=guidance_hint)
     if guidance_scale_2 is not None:
-      g2 = _check_number("guidance_scale_2", guidance_scale_2, hint=guidance_hint)
+      g2 = check_number("guidance_scale_2", guidance_scale_2, hint=guidance_hint)
       if self.boundary_ratio is None:
         raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
                          "has one transformer: leave it None")
@@ -761,11 +457,11 @@ class WanPipeline(LoraLoaderMixin):
     cfg = g1 > 1.0
     scheduler_config = self.scheduler_config
     if flow_shift is not None:
-      shift = _check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
+      shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
       field = "flow_shift" if isinstance(scheduler_config, schedulers.UniPCConfig) else "shift"
       scheduler_config = dataclasses.replace(scheduler_config, **{field: shift})
     if seed is not None:
-      seed = _check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
+      seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
     if cfg:
       # [cond; uncond] run as one batch (one forward per step), so both need the same L; diffusers
       # runs them separately, where differing L (each attended in full, no text mask) also works.
@@ -781,7 +477,7 @@ class WanPipeline(LoraLoaderMixin):
                          "both embeds with the same L")
     shape = self.latent_shape(batch * per_prompt, height, width, num_frames)
     if latents is not None:
-      latents = _noise(latents)
+      latents = noise_array(latents)
       if seed is not None:
         raise ValueError(f"give either seed ({seed=}) or latents, not both")
       if latents.shape != shape:
@@ -799,12 +495,12 @@ class WanPipeline(LoraLoaderMixin):
       raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
     if on_step is not None and not callable(on_step):
       raise ValueError(f"on_step={on_step!r} must be None or a callable on_step(step, seconds)"
-                       f"{_not_a(on_step)}")
+                       f"{not_a(on_step)}")
     for name, flag in (("progress", progress), ("nan_guard", nan_guard), ("decode", decode)):
-      _check_flag(name, flag)
+      check_flag(name, flag)
     if callback_on_step_end is not None and not callable(callback_on_step_end):
       raise ValueError(f"callback_on_step_end={callback_on_step_end!r} must be None or a callable "
-                       f"callback(pipe, step_index, timestep, callback_kwargs) -> dict{_not_a(callback_on_step_end)}")
+                       f"callback(pipe, step_index, timestep, callback_kwargs) -> dict{not_a(callback_on_step_end)}")
     tensor_inputs = callback_on_step_end_tensor_inputs
     if (not isinstance(tensor_inputs, (list, tuple))
         or any(not isinstance(k, str) or k not in CALLBACK_TENSOR_INPUTS for k in tensor_inputs)):
@@ -816,7 +512,7 @@ class WanPipeline(LoraLoaderMixin):
     if attention_kwargs is not None:
       if not isinstance(attention_kwargs, dict):
         raise ValueError(f"attention_kwargs={attention_kwargs!r} must be None or a dict like "
-                         f"{{'scale': 0.8}}{_not_a(attention_kwargs)}")
+                         f"{{'scale': 0.8}}{not_a(attention_kwargs)}")
       unknown = [k for k in attention_kwargs if k != "scale"]
       if unknown:
         raise ValueError(f"attention_kwargs={attention_kwargs!r}: keys {unknown!r} are not supported; the "
@@ -824,15 +520,15 @@ class WanPipeline(LoraLoaderMixin):
                          "attention processors)")
       if "scale" in attention_kwargs:
         scale = attention_kwargs["scale"]
-        if not _is_real(scale) or not math.isfinite(scale):
+        if not is_real(scale) or not math.isfinite(scale):
           raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
-                           f"LoRA scale; 1.0 = as loaded){_not_a(scale, _is_real(scale))}")
+                           f"LoRA scale; 1.0 = as loaded){not_a(scale, is_real(scale))}")
         lora_scale = float(scale)
     cache_spec = wan_step_cache.parse_step_cache(step_cache, model=self.name)
-    _check_flag("shard_weights", shard_weights)
+    check_flag("shard_weights", shard_weights)
     mesh, mesh_spec = resolve_mesh(mesh, heads=self.transformer_config.num_attention_heads, cfg_active=cfg,
                                    shard_weights=shard_weights)
-    return dict(mesh_spec=mesh_spec, prompts=prompts, negative_prompts=negatives if cfg else None,
+    return ResolvedCall(mesh_spec=mesh_spec, prompts=prompts, negative_prompts=negatives if cfg else None,
                 prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds if cfg else None,
                 num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
                 width=int(width), num_frames=num_frames, steps=steps, guidance=(g1, g2), cfg=cfg,
@@ -1026,10 +722,10 @@ class WanPipeline(LoraLoaderMixin):
       NonFiniteLatentsError: latents became NaN/inf (with `nan_guard`), naming the step.
     """
     if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-      raise ValueError(f"checkpoint_dir={checkpoint_dir!r} must be None or a folder path{_not_a(checkpoint_dir)}")
-    checkpoint_every = _check_int("checkpoint_every", checkpoint_every, hint=" (steps between checkpoints)")
+      raise ValueError(f"checkpoint_dir={checkpoint_dir!r} must be None or a folder path{not_a(checkpoint_dir)}")
+    checkpoint_every = check_int("checkpoint_every", checkpoint_every, hint=" (steps between checkpoints)")
     for name, flag in (("resume", resume), ("keep_checkpoint", keep_checkpoint)):
-      _check_flag(name, flag)
+      check_flag(name, flag)
     if resume and checkpoint_dir is None:
       raise ValueError("resume=True needs checkpoint_dir (the folder holding the checkpoint)")
     s = self.check_inputs(prompt, negative_prompt, height=height, width=width, num_frames=num_frames,
@@ -1044,9 +740,9 @@ class WanPipeline(LoraLoaderMixin):
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                           attention_kwargs=attention_kwargs, generator=generator, step_cache=step_cache,
                           shard_weights=shard_weights)
-    mesh = s["mesh"]
+    mesh = s.mesh
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
-    self._num_timesteps = s["steps"]
+    self._num_timesteps = s.steps
     timings: dict[str, float] = {}
     start_all = time.perf_counter()
 
@@ -1054,12 +750,12 @@ class WanPipeline(LoraLoaderMixin):
       if progress:
         print(text, file=sys.stderr, flush=True)
 
-    latents = s["latents"]
+    latents = s.latents
     if latents is None:
-      latents = np.concatenate([np.random.default_rng(s["seed"] + i).standard_normal((1, *s["latent_shape"][1:]),
+      latents = np.concatenate([np.random.default_rng(s.seed + i).standard_normal((1, *s.latent_shape[1:]),
                                                                                       np.float32)
-                                for i in range(s["videos"])])
-    schedule = s["scheduler"].set_timesteps(s["steps"])
+                                for i in range(s.videos)])
+    schedule = s.scheduler.set_timesteps(s.steps)
     solver = schedule.init_state(latents.shape, jnp.float32)
     first_step, writer, restored = 0, None, None
     if checkpoint_dir is not None:
@@ -1076,7 +772,7 @@ class WanPipeline(LoraLoaderMixin):
                                    + "; ".join(differences))
         latents, solver = saved.restore("latents", latents), saved.restore("solver", solver)
         first_step, restored = saved.step, saved
-        stage(f"resume: {first_step} of {s['steps']} steps done (checkpoint in {checkpoint_dir})")
+        stage(f"resume: {first_step} of {s.steps} steps done (checkpoint in {checkpoint_dir})")
       elif saved is not None:
         raise resume_state.ResumeError(f"{checkpoint_dir!r} already holds a denoising checkpoint (step "
                                  f"{saved.step}); pass resume=True (generate --resume) to continue it, "
@@ -1084,27 +780,27 @@ class WanPipeline(LoraLoaderMixin):
       writer = resume_state.Writer(checkpoint_dir, identity, enabled=distributed.is_main_process())
 
     start = time.perf_counter()
-    texts = (s["prompts"] or []) + (s["negative_prompts"] or [])
-    stage(f"text encode: {len(texts)} prompt(s) x {s['max_sequence_length']} tokens" if texts
+    texts = (s.prompts or []) + (s.negative_prompts or [])
+    stage(f"text encode: {len(texts)} prompt(s) x {s.max_sequence_length} tokens" if texts
           else "text encode: none (text states given)")
     text = jax.block_until_ready(self._text_states(s))
     timings["text_encode"] = time.perf_counter() - start
-    mesh_spec = s["mesh_spec"]
+    mesh_spec = s.mesh_spec
     self._place(mesh, mesh_spec.shard_weights)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
     latents, solver, text = distributed.put_replicated((latents, solver, text), replicated)
 
     boundary = (None if self.boundary_ratio is None
-                else self.boundary_ratio * s["scheduler"].num_train_timesteps)
+                else self.boundary_ratio * s.scheduler.num_train_timesteps)
     experts = [0 if boundary is None or t >= boundary else 1 for t in schedule.timesteps]
-    guidance = [distributed.put_replicated(np.float32(s["guidance"][e]), replicated) for e in experts]
+    guidance = [distributed.put_replicated(np.float32(s.guidance[e]), replicated) for e in experts]
     cache = None
-    tokens = math.prod(n // p for n, p in zip(s["latent_shape"][2:], self.transformer_config.patch_size))
-    if s["step_cache"] is not None:
+    tokens = math.prod(n // p for n, p in zip(s.latent_shape[2:], self.transformer_config.patch_size))
+    if s.step_cache is not None:
       cache = wan_step_cache.init_state(
-          s["step_cache"], rows=s["videos"] * (2 if s["cfg"] else 1), tokens=tokens,
-          config=self.transformer_config, dtype=self.dtype, steps=s["steps"], mesh=mesh)
+          s.step_cache, rows=s.videos * (2 if s.cfg else 1), tokens=tokens,
+          config=self.transformer_config, dtype=self.dtype, steps=s.steps, mesh=mesh)
       if restored is not None:
         cache = wan_step_cache.place(restored.restore(
             "step_cache", wan_step_cache.checkpoint_template(cache, tokens=tokens)), cache)
@@ -1113,7 +809,7 @@ class WanPipeline(LoraLoaderMixin):
     compiling = (f"compile: the denoise step ({tokens} tokens, {self.transformer_config.num_layers} "
                  f"layers, mesh {mesh_spec}{', weights sharded' if mesh_spec.shard_weights else ''})")
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], cache, mesh=mesh,
-                               cfg=s["cfg"], attention_implementation=attention_implementation,
+                               cfg=s.cfg, attention_implementation=attention_implementation,
                                gather_weights=mesh_spec.shard_weights, on_compile=lambda: stage(compiling))
     timings["compile"] = time.perf_counter() - start
 
@@ -1122,11 +818,11 @@ class WanPipeline(LoraLoaderMixin):
     bar = None
     if progress:
       from tqdm.auto import tqdm
-      bar = tqdm(total=s["steps"], initial=first_step, desc="denoise", unit="step")
+      bar = tqdm(total=s.steps, initial=first_step, desc="denoise", unit="step")
     set_lora_scale = (getattr(self, "_set_lora_scale", None)
-                      if s["lora_scale"] not in (None, 1.0) else None)
+                      if s.lora_scale not in (None, 1.0) else None)
     if set_lora_scale is not None:  # the LoRA scale of attention_kwargs, for this call only
-      set_lora_scale(s["lora_scale"])
+      set_lora_scale(s.lora_scale)
       self._place(mesh, mesh_spec.shard_weights)
     try:
       for k, expert in enumerate(experts):
@@ -1145,7 +841,7 @@ class WanPipeline(LoraLoaderMixin):
         jax.block_until_ready(latents)
         if nan_guard and not bool(distributed.to_host(finite)):
           raise NonFiniteLatentsError(
-              f"latents hold NaN/inf after denoising step {k + 1}/{s['steps']} (timestep "
+              f"latents hold NaN/inf after denoising step {k + 1}/{s.steps} (timestep "
               f"{float(schedule.timesteps[k]):.1f}, expert {expert}); stopped before decoding, "
               "nothing was written. Usual causes: NaN/inf in the weights, or overflow in bfloat16 "
               "(try dtype='float32'); nan_guard=False (generate --no-nan-guard) lets it finish anyway")
@@ -1155,7 +851,7 @@ class WanPipeline(LoraLoaderMixin):
             state["step_cache"] = wan_step_cache.for_checkpoint(cache, tokens=tokens, mesh=mesh)
           writer.save(k + 1, state)
         step_times.append(time.perf_counter() - start)
-        if s["callback"] is not None:
+        if s.callback is not None:
           latents, text = self._step_end_callback(s, k, schedule.timesteps[k], latents, text, replicated)
         if bar is not None:
           bar.update(1)
@@ -1175,51 +871,51 @@ class WanPipeline(LoraLoaderMixin):
     start = time.perf_counter()
     latents = distributed.to_host(latents)
     if decode:
-      stage(f"decode: {s['videos']} video(s) of {s['num_frames']} frames {s['width']}x{s['height']} (VAE)")
+      stage(f"decode: {s.videos} video(s) of {s.num_frames} frames {s.width}x{s.height} (VAE)")
     frames = self.decode(latents) if decode else None
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
-    settings = {k: s[k] for k in ("height", "width", "num_frames", "steps", "cfg", "seed",
+    settings = {k: getattr(s, k) for k in ("height", "width", "num_frames", "steps", "cfg", "seed",
                                   "max_sequence_length")}
     settings.update(
-        prompts=s["prompts"], negative_prompts=s["negative_prompts"], guidance_scale=s["guidance"][0],
-        guidance_scale_2=s["guidance"][1] if self.boundary_ratio is not None else None,
-        scheduler=dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
+        prompts=s.prompts, negative_prompts=s.negative_prompts, guidance_scale=s.guidance[0],
+        guidance_scale_2=s.guidance[1] if self.boundary_ratio is not None else None,
+        scheduler=dataclasses.asdict(s.scheduler) | {"class": type(s.scheduler).__name__},
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else mesh_spec.describe(),
-        explicit_latents=s["latents"] is not None, attention_implementation=attention_implementation,
+        explicit_latents=s.latents is not None, attention_implementation=attention_implementation,
         resumed_from_step=first_step if resume else None,
-        num_videos_per_prompt=s["num_videos_per_prompt"], prompt_embeds_given=s["prompt_embeds"] is not None,
-        negative_prompt_embeds_given=s["negative_prompt_embeds"] is not None, steps_run=len(step_times),
-        lora_scale=s["lora_scale"], step_cache=None if cache is None else wan_step_cache.summary(
-            s["step_cache"], [(k, bool(distributed.to_host(c["skipped"])),
+        num_videos_per_prompt=s.num_videos_per_prompt, prompt_embeds_given=s.prompt_embeds is not None,
+        negative_prompt_embeds_given=s.negative_prompt_embeds is not None, steps_run=len(step_times),
+        lora_scale=s.lora_scale, step_cache=None if cache is None else wan_step_cache.summary(
+            s.step_cache, [(k, bool(distributed.to_host(c["skipped"])),
                                float(distributed.to_host(c["metric"]))) for k, c in cache_stats],
             num_layers=self.transformer_config.num_layers))
     if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
       resume_state.remove(checkpoint_dir)
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
 
-  def _text_states(self, s: dict[str, Any]) -> jax.Array:
+  def _text_states(self, s: ResolvedCall) -> jax.Array:
     """The denoiser's text input for a resolved call (`check_inputs`): [B', L, text_dim], or under
     CFG [2 B', L, text_dim] (cond rows, then uncond rows), in the model dtype; B' = B x
     num_videos_per_prompt. Given embeds are used as they are (cast to the model dtype, as
     diffusers' `.to(transformer_dtype)`); the rest are encoded; then each prompt's row is repeated
     num_videos_per_prompt times in place (diffusers' `repeat(1, n, 1).view(B * n, L, -1)`)."""
-    texts = (s["prompts"] or []) + (s["negative_prompts"] or [])
-    encoded = self.encode_prompts(texts, s["max_sequence_length"]) if texts else None
+    texts = (s.prompts or []) + (s.negative_prompts or [])
+    encoded = self.encode_prompts(texts, s.max_sequence_length) if texts else None
     parts, used = [], 0
-    for given, names in ((s["prompt_embeds"], s["prompts"]),
-                         (s["negative_prompt_embeds"], s["negative_prompts"])):
+    for given, names in ((s.prompt_embeds, s.prompts),
+                         (s.negative_prompt_embeds, s.negative_prompts)):
       if given is not None:
         parts.append(jnp.asarray(given).astype(self.dtype))
       elif names is not None:
         parts.append(encoded[used:used + len(names)])
         used += len(names)
-    per_prompt = s["num_videos_per_prompt"]
+    per_prompt = s.num_videos_per_prompt
     return jnp.concatenate([part if per_prompt == 1 else jnp.repeat(part, per_prompt, axis=0)
                             for part in parts])
 
-  def _step_end_callback(self, s: dict[str, Any], k: int, timestep: Any, latents: jax.Array,
+  def _step_end_callback(self, s: ResolvedCall, k: int, timestep: Any, latents: jax.Array,
                          text: jax.Array, sharding: Any) -> tuple[jax.Array, jax.Array]:
     """Calls the call's `callback_on_step_end` after step k (diffusers' contract; `__call__`
     documents it) and returns (latents, text) with the callback's replacements put on `sharding`.
@@ -1228,12 +924,12 @@ class WanPipeline(LoraLoaderMixin):
       ValueError: the callback returned something other than a dict, or a replacement that is not a
         real array of the current shape, or holds NaN/inf.
     """
-    videos = s["videos"]
+    videos = s.videos
     available = {"latents": lambda: jnp.copy(latents),  # a copy: the next step donates `latents`
                  "prompt_embeds": lambda: text[:videos],
-                 "negative_prompt_embeds": lambda: text[videos:] if s["cfg"] else None}
-    given = {name: available[name]() for name in s["callback_tensor_inputs"]}
-    out = s["callback"](self, k, timestep, dict(given))
+                 "negative_prompt_embeds": lambda: text[videos:] if s.cfg else None}
+    given = {name: available[name]() for name in s.callback_tensor_inputs}
+    out = s.callback(self, k, timestep, dict(given))
     if not isinstance(out, dict):
       raise ValueError(f"callback_on_step_end returned {reprlib.repr(out)} after step {k}; it must return "
                        "a dict (diffusers' contract): its callback_kwargs, replacements, or {} for none")
@@ -1242,7 +938,7 @@ class WanPipeline(LoraLoaderMixin):
       value = out.get(name)
       if value is None or value is given.get(name):
         return None
-      array = _host_array(value)
+      array = host_array(value)
       if array is None or array.shape != shape or not np.isfinite(array).all():
         what = ("not an array of real numbers" if array is None else f"shape {array.shape}"
                 if array.shape != shape else f"{int((~np.isfinite(array)).sum())} NaN/inf values")
@@ -1255,7 +951,7 @@ class WanPipeline(LoraLoaderMixin):
       latents = distributed.put_replicated(new_latents.astype(np.float32), sharding)
     rows = (videos, *text.shape[1:])
     cond = replacement("prompt_embeds", rows)
-    uncond = replacement("negative_prompt_embeds", rows) if s["cfg"] else None
+    uncond = replacement("negative_prompt_embeds", rows) if s.cfg else None
     if cond is not None or uncond is not None:
       host = distributed.to_host(text).copy()
       for part, start in ((cond, 0), (uncond, videos)):
@@ -1278,21 +974,21 @@ class WanPipeline(LoraLoaderMixin):
       self._fingerprint = (self._weights_version, resume_state.model_fingerprint(trees, config))
     return self._fingerprint[1]
 
-  def _run_identity(self, s: dict[str, Any], noise: np.ndarray, attention_implementation: str) -> dict[str, Any]:
+  def _run_identity(self, s: ResolvedCall, noise: np.ndarray, attention_implementation: str) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this call (`pipelines.resume`)."""
     del attention_implementation  # a numerics choice: either path gives the same video
     return {
         "model": self.name, "model_fingerprint": self.fingerprint(),
-        "prompts": s["prompts"], "negative_prompts": s["negative_prompts"],
-        "height": s["height"], "width": s["width"], "num_frames": s["num_frames"],
-        "num_inference_steps": s["steps"], "guidance_scale": list(s["guidance"]), "cfg": s["cfg"],
-        "scheduler": dataclasses.asdict(s["scheduler"]) | {"class": type(s["scheduler"]).__name__},
-        "max_sequence_length": s["max_sequence_length"], "dtype": jnp.dtype(self.dtype).name,
+        "prompts": s.prompts, "negative_prompts": s.negative_prompts,
+        "height": s.height, "width": s.width, "num_frames": s.num_frames,
+        "num_inference_steps": s.steps, "guidance_scale": list(s.guidance), "cfg": s.cfg,
+        "scheduler": dataclasses.asdict(s.scheduler) | {"class": type(s.scheduler).__name__},
+        "max_sequence_length": s.max_sequence_length, "dtype": jnp.dtype(self.dtype).name,
         "noise_sha256": resume_state.noise_digest(noise),
-        "num_videos_per_prompt": s["num_videos_per_prompt"], "lora_scale": s["lora_scale"],
-        "prompt_embeds_sha256": _digest(s["prompt_embeds"]),
-        "negative_prompt_embeds_sha256": _digest(s["negative_prompt_embeds"]),
-    } | ({} if s["step_cache"] is None else {"step_cache": s["step_cache"].identity()})
+        "num_videos_per_prompt": s.num_videos_per_prompt, "lora_scale": s.lora_scale,
+        "prompt_embeds_sha256": _digest(s.prompt_embeds),
+        "negative_prompt_embeds_sha256": _digest(s.negative_prompt_embeds),
+    } | ({} if s.step_cache is None else {"step_cache": s.step_cache.identity()})
 
   def decode(self, latents: np.ndarray) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
@@ -1320,13 +1016,3 @@ def _dtype(name: str) -> jnp.dtype:
   if name not in DTYPES:
     raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}")
   return DTYPES[name]
-
-
-def _read_json(path: str) -> dict[str, Any]:
-  if not os.path.isfile(path):
-    raise checkpoint.CheckpointError(f"{path!r} is missing; the scheduler/ folder needs scheduler_config.json")
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise checkpoint.CheckpointError(f"{path!r} is not valid JSON: {e}") from e

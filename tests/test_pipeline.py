@@ -257,7 +257,7 @@ def test_latents_shape_ok_and_wrong(tiny):
                       flow_shift=None, seed=None, latents=good, mesh=None)
   resolved = tiny.check_inputs("a fox", None, **CALL, guidance_scale=5.0, guidance_scale_2=None,
                                flow_shift=2.0, seed=None, latents=good, mesh=None)
-  assert resolved["scheduler"].flow_shift == 2.0 and resolved["negative_prompts"] == [""]
+  assert resolved.scheduler.flow_shift == 2.0 and resolved.negative_prompts == [""]
 
 
 def test_from_pretrained_errors(tmp_path, folders):

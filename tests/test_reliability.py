@@ -196,7 +196,7 @@ def test_api_accepts_u3_with_12_heads(pipes):
   resolved = pipes["heads12"].check_inputs(
       PROMPT, None, **CALL, guidance_scale=5.0, guidance_scale_2=None, flow_shift=None, seed=0,
       latents=None, mesh="U=3")
-  assert dict(resolved["mesh"].shape) == {"cfg": 1, "ring": 1, "ulysses": 3}
+  assert dict(resolved.mesh.shape) == {"cfg": 1, "ring": 1, "ulysses": 3}
 
 
 # Every public argument of WanPipeline.run (and so of __call__) x wrong types: each must be a

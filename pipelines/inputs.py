@@ -1,0 +1,291 @@
+"""The checks and conversions of a pipeline call's arguments, and the call as checked (`ResolvedCall`).
+
+Everything here runs before any compute: each bad argument raises a ValueError naming the argument,
+its value and the fix (a bool is not an int, a str not a number, NaN/inf not a number either).
+`WanPipeline.check_inputs` (pipelines/pipeline.py) applies them in diffusers' order and returns a
+`ResolvedCall`; `generate` checks its flags with the same functions where they overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import numbers
+import re
+import reprlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from attention.mesh import MeshSpec
+from pipelines import distributed
+
+
+def prompt_clean(text: str) -> str:
+  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
+
+  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
+  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
+  """
+  text = html.unescape(html.unescape(text)).strip()
+  return re.sub(r"\s+", " ", text).strip()
+
+
+def is_int(value: Any) -> bool:
+  """An int or numpy integer; not a bool (True would pass for 1)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: Any) -> bool:
+  """An int or float (Python or numpy); not a bool, str, complex or array."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def not_a(value: Any, type_ok: bool = False) -> str:
+  """", not a str" / ", not an int" (the wrong type named) for a message; "" when `type_ok`."""
+  name = type(value).__name__
+  return "" if type_ok else f", not {'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> int:
+  """`value` as an int, if it is one (a bool is not) and >= `minimum`.
+
+  Raises:
+    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
+  """
+  if not is_int(value) or value < minimum:
+    what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+    raise ValueError(f"{name}={value!r} must be {what}{not_a(value, is_int(value))}{hint}")
+  return int(value)
+
+
+def check_number(name: str, value: Any, *, positive: bool = False, hint: str = "") -> float:
+  """`value` as a float, if it is a finite real number (a bool or str is not), > 0 with `positive`.
+
+  Raises:
+    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
+  """
+  if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
+    raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}"
+                     f"{not_a(value, is_real(value))}{hint}")
+  return float(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+  """`value` if it is a bool (numpy's included).
+
+  Raises:
+    ValueError: anything else (1, "no", None), naming the argument and its value.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r} must be True or False{not_a(value)}")
+  return bool(value)
+
+
+def texts(value: Any, repeat: int = 1) -> list[str] | None:
+  """A str (repeated `repeat` times) or a non-empty list / tuple of str as a list; None otherwise."""
+  if isinstance(value, str):
+    return [value] * repeat
+  if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+    return list(value)
+  return None
+
+
+# diffusers `WanPipeline._callback_tensor_inputs`: what `callback_on_step_end` may ask for.
+CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "negative_prompt_embeds")
+OUTPUT_TYPES = ("np", "latent", "pil")
+
+
+def host_array(value: Any) -> np.ndarray | None:
+  """`value` (numpy, JAX (also a global multi-process array) or CPU torch) as numpy; None when it
+  is not an array of real numbers (a str, dict, bool or complex values, torch bfloat16, ...)."""
+  try:
+    array = distributed.to_host(value) if isinstance(value, jax.Array) else np.asarray(value)
+  except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+    return None
+  if array.dtype == bool or not (jnp.issubdtype(array.dtype, jnp.floating)
+                                 or jnp.issubdtype(array.dtype, jnp.integer)):
+    return None
+  return array
+
+
+def noise_array(latents: Any) -> np.ndarray:
+  """Explicit noise (numpy, JAX or torch; float or int) as float32 numpy.
+
+  Raises:
+    ValueError: not an array of real numbers (a str, a dict, complex or bool values, ...).
+  """
+  array = host_array(latents)
+  if array is None:
+    try:
+      what = f"{type(latents).__name__} of {np.asarray(latents).dtype}"
+    except (TypeError, ValueError, RuntimeError):  # e.g. a ragged list; torch bfloat16
+      what = type(latents).__name__
+    raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
+                     "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
+  return array.astype(np.float32)
+
+
+def embeds_array(name: str, value: Any, text_dim: int) -> np.ndarray:
+  """Precomputed text states (diffusers' `prompt_embeds` / `negative_prompt_embeds`) as float32
+  numpy [B, L, text_dim].
+
+  Raises:
+    ValueError: not an array of real numbers, not 3-d, an empty axis, last axis != text_dim, or
+      NaN/inf values.
+  """
+  array = host_array(value)
+  if array is None:
+    raise ValueError(f"{name}={reprlib.repr(value)} ({type(value).__name__}) must be an array of real "
+                     f"numbers [B, L, text_dim={text_dim}] (numpy, JAX or CPU torch)")
+  if array.ndim != 3 or 0 in array.shape or array.shape[2] != text_dim:
+    raise ValueError(f"{name}.shape={array.shape} must be [B, L, text_dim] with text_dim={text_dim} "
+                     "(the text encoder's width, e.g. diffusers' encode_prompt output)")
+  if not np.isfinite(array).all():
+    raise ValueError(f"{name} holds {int((~np.isfinite(array)).sum())} NaN/inf values")
+  return array.astype(np.float32)
+
+
+def check_output_type(output_type: Any) -> str:
+  """`output_type` if it is one of `OUTPUT_TYPES` (diffusers' names; its "pt" has no JAX meaning).
+
+  Raises:
+    ValueError: anything else.
+  """
+  if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
+    raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}: 'np' (float32 frames in "
+                     "[0, 1]), 'latent' (the final latents, not decoded) or 'pil' (lists of PIL images)")
+  return output_type
+
+
+def frames_to_pil(frames: np.ndarray) -> list[list[Any]]:
+  """Videos float32 [B, frames, H, W, 3] in [0, 1] -> B lists of `frames` RGB `PIL.Image`s.
+
+  As diffusers' `VideoProcessor.postprocess_video(..., output_type="pil")` (its `numpy_to_pil`:
+  `(x * 255).round()` to uint8).
+  """
+  from PIL import Image
+
+  pixels = (np.asarray(frames) * 255).round().astype(np.uint8)
+  return [[Image.fromarray(frame) for frame in video] for video in pixels]
+
+
+def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
+  """Frames as diffusers accepts them: k * temporal_factor + 1; any other count becomes
+  `num_frames // temporal_factor * temporal_factor + 1` with a warning, as diffusers' WanPipeline
+  does: for temporal_factor 4 a multiple of 4 goes up by one (16 -> 17), any other count down to
+  the 4k + 1 below it (10 -> 9, 19 -> 17).
+
+  Raises:
+    ValueError: `num_frames` not an int >= 1.
+  """
+  check_int("num_frames", num_frames, hint=" (Wan uses 4k+1, e.g. 81)")
+  if num_frames % temporal_factor != 1:
+    rounded = max(num_frames // temporal_factor * temporal_factor + 1, 1)
+    warnings.warn(f"{num_frames=}: num_frames - 1 must be divisible by {temporal_factor}; rounding "
+                  f"to {rounded} as diffusers does (pass {rounded} to silence this)", stacklevel=2)
+    return rounded
+  return int(num_frames)
+
+
+def check_size(height: int, width: int, multiple: int = 16) -> None:
+  """Raises ValueError unless height and width are positive multiples of `multiple` (16 for Wan:
+  VAE factor 8 x patch 2), naming the nearest valid sizes."""
+  for name, value in (("height", height), ("width", width)):
+    if not is_int(value) or value < multiple or value % multiple:
+      near = is_real(value) and math.isfinite(value)  # 40 -> "use 32 or 48"; 32.0 -> "use 32 or 48"
+      lower = max(multiple, int(value) // multiple * multiple) if near else multiple
+      raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{not_a(value, is_int(value))} "
+                       f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
+
+
+def resolve_mesh(mesh: Mesh | MeshSpec | str | None, *, heads: int, kv_heads: int | None = None,
+                 cfg_active: bool | None = None, shard_weights: bool = False) -> tuple[Mesh | None, MeshSpec]:
+  """The call's mesh and its spec, checked (`attention.MeshSpec`, the one owner of the mesh).
+
+  Args:
+    mesh: None (one device), a spec string ("U=2,R=2", "CFG=2,U=2,R=2"), a `MeshSpec`, or a built
+      `jax.sharding.Mesh` (axes (cfg,) ring, ulysses).
+    heads, kv_heads: the transformer's query and kv heads (U must split them).
+    cfg_active: whether guidance is on (CFG=2 needs it).
+    shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`
+      with shard_weights).
+
+  In a multi-process run (`pipelines.distributed`) the mesh spans every process's devices.
+
+  Raises:
+    ValueError: a malformed spec, more devices than visible, heads that U does not split, CFG=2
+      without guidance, shard_weights without a mesh, or a mesh that does not span every process
+      (each naming what would work).
+  """
+  if mesh is None:
+    if shard_weights:
+      raise ValueError("shard_weights=True splits the weights over a mesh; pass a mesh of several devices "
+                       "(e.g. mesh='U=2,R=2') or leave shard_weights off")
+    distributed.check_mesh_spans_processes(None)
+    return None, MeshSpec()
+  if isinstance(mesh, str):
+    spec, built = MeshSpec.parse(mesh, shard_weights=shard_weights), None
+  elif isinstance(mesh, MeshSpec):
+    spec, built = dataclasses.replace(mesh, shard_weights=mesh.shard_weights or shard_weights), None
+  elif isinstance(mesh, Mesh):
+    spec, built = MeshSpec.of(mesh, shard_weights=shard_weights), mesh
+  else:
+    raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
+                     f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{not_a(mesh)}")
+  spec.check(num_heads=heads, num_kv_heads=kv_heads, cfg_active=cfg_active,
+             device_count=spec.devices if built is not None else jax.device_count())
+  distributed.check_mesh_spans_processes(spec.devices)
+  return (spec.build(jax.devices()) if built is None else built), spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedCall:
+  """A pipeline call after `WanPipeline.check_inputs`: every argument checked and resolved.
+
+  Attributes:
+    prompts, negative_prompts: B prompts / B negative prompts (None: given as embeds, or no CFG).
+    prompt_embeds, negative_prompt_embeds: float32 numpy [B, L, text_dim] given by the caller, or None.
+    num_videos_per_prompt: n; videos: B' = B x n.
+    height, width, num_frames: pixels and frames (frames rounded to 4k + 1).
+    steps: denoising steps.
+    guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
+    scheduler: the scheduler config (flow shift applied).
+    seed: the noise seed (None when `latents` are given).
+    latents: float32 numpy [B', C, F, Hl, Wl] given by the caller, or None.
+    latent_shape: [B', C, F, Hl, Wl].
+    max_sequence_length: L for encoded prompts.
+    mesh: None (one device) or the built mesh; mesh_spec: its `MeshSpec` (`MeshSpec()` for one device).
+    callback, callback_tensor_inputs: diffusers' `callback_on_step_end` and its tensor names.
+    lora_scale: `attention_kwargs["scale"]` or None.
+    step_cache: the parsed step-cache spec or None.
+  """
+  prompts: list[str] | None
+  negative_prompts: list[str] | None
+  prompt_embeds: np.ndarray | None
+  negative_prompt_embeds: np.ndarray | None
+  num_videos_per_prompt: int
+  videos: int
+  height: int
+  width: int
+  num_frames: int
+  steps: int
+  guidance: tuple[float, float]
+  cfg: bool
+  scheduler: Any
+  seed: int | None
+  latents: np.ndarray | None
+  latent_shape: tuple[int, ...]
+  max_sequence_length: int
+  mesh: Mesh | None
+  mesh_spec: MeshSpec
+  callback: Callable | None
+  callback_tensor_inputs: list[str]
+  lora_scale: float | None
+  step_cache: Any
