@@ -127,7 +127,7 @@ def _compiled(pipe, mesh: str, shard_weights: bool):
   return frames, exe.as_text()
 
 
-@pytest.mark.parametrize("mesh", ["CFG=2,U=2,R=2", "CFG=2,U=2", "CFG=2,R=4"])
+@pytest.mark.parametrize("mesh", ["CFG=2,U=2,R=2", "CFG=2,U=4", "CFG=2,R=4"])
 def test_cfg_parallel_equals_one_device(pipe, reference, mesh):
   """With and without sharded weights; the compiled step's collectives as designed."""
   plain, plain_hlo = _compiled(pipe, mesh, False)
@@ -195,13 +195,21 @@ def test_plan_command(tmp_path, capsys, preset, where):
   assert f"recommended: --mesh {report['recommended']}" in capsys.readouterr().out
 
 
-def test_generate_mesh_auto(tmp_path, capsys):
+def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
   from pipelines import generate
-  out = tmp_path / "auto.npy"
-  assert generate.main(["--prompt", "a fox", "--size", "32x32", "--frames", "5", "--steps", "1", "--seed", "1",
-                        "--max-sequence-length", "16", "--mesh", "auto", "--out", str(out)]) == 0
+  args = ["--prompt", "a fox", "--size", "32x32", "--frames", "5", "--steps", "1", "--seed", "1",
+          "--max-sequence-length", "16"]
+  assert generate.main(args + ["--mesh", "auto", "--out", str(tmp_path / "auto.npy")]) == 0
   err = capsys.readouterr().err
   assert "--mesh auto:" in err, err
   sidecar = json.loads((tmp_path / "auto.npy.json").read_text())
   assert sidecar["mesh"]["auto"] is True and sidecar["mesh"]["devices"]
   assert MeshSpec.parse(sidecar["mesh"]["spec"]).devices == jax.device_count()
+  assert generate.main(args + ["--mesh", "CFG=2,U=2,R=2", "--shard-weights", "--out", str(tmp_path / "c.npy")]) == 0
+  sidecar = json.loads((tmp_path / "c.npy.json").read_text())
+  assert sidecar["mesh"]["spec"] == "CFG=2,U=2,R=2" and sidecar["mesh"]["shard_weights"] is True
+  assert_psnr_at_least(np.load(tmp_path / "c.npy"), np.load(tmp_path / "auto.npy"), MESH_PSNR_DB,
+                       name="generate CFG=2,U=2,R=2 sharded vs auto")
+  capsys.readouterr()
+  assert generate.main(args + ["--mesh", "CFG=2,U=2", "--guidance", "1.0", "--out", str(tmp_path / "d.npy")]) == 2
+  assert "splits classifier-free guidance, but --guidance 1 turns it off" in capsys.readouterr().err
