@@ -246,7 +246,7 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
     return jax.device_put(tree, shardings)
 
   def one(leaf, sharding):
-    host = np.asarray(leaf)
+    host = to_host(leaf)  # a global array (e.g. one computed on the mesh) is read back first
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
   return jax.tree.map(one, tree, shardings)
 

@@ -64,7 +64,8 @@ from pipelines.inputs import (  # noqa: F401 (OUTPUT_TYPES, check_size, ... re-e
 from pipelines.lora import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.transformer import WanTransformer, forward, init_transformer, weight_shardings
+from pipelines.wan.transformer import (WanTransformer, forward, init_transformer, large_leaf_shardings,
+                                      weight_shardings)
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
 
@@ -335,13 +336,22 @@ class WanPipeline(LoraLoaderMixin):
   def _place(self, mesh: Mesh | None, shard_weights: bool = False) -> None:
     """Puts the experts' weights on the call's devices: replicated over the mesh (DESIGN.md 2), or
     with `shard_weights` the block weights split over all its devices
-    (`transformer.weight_shardings`)."""
+    (`transformer.weight_shardings`) and the text encoder's large weights too
+    (`transformer.large_leaf_shardings`; otherwise it stays on one device, where it runs)."""
     key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()),
                                      bool(shard_weights))
     if self._placement == key:
       return
     self._expert_states = [distributed.put_sharded(state, weight_shardings(state, mesh, shard_weights))
                            for state in self._experts]
+    if shard_weights and mesh is not None:
+      self._text_params = distributed.put_sharded(self._text_params,
+                                                   large_leaf_shardings(self._text_params, mesh))
+      self._text_mesh = mesh
+    elif getattr(self, "_text_mesh", None) is not None:  # back to one device
+      one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      self._text_params = jax.device_put(self._text_params, one)
+      self._text_mesh = None
     self._placement = key
 
   def _compiled_step(self, params, latents, solver, text, guidance, cache=None, *, mesh: Mesh | None,
@@ -369,9 +379,13 @@ class WanPipeline(LoraLoaderMixin):
     """
     ids, mask = tokenization.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts],
                                       max_sequence_length)
-    embeds = _encode_jit(self._text_params, jnp.asarray(ids), jnp.asarray(mask),
-                         config=self.text_encoder_config)
-    return _masked_text(embeds, jnp.asarray(mask)).astype(self.dtype)
+    text_mesh = getattr(self, "_text_mesh", None)
+    if text_mesh is not None:  # sharded text encoder weights (`_place` with shard_weights)
+      ids, mask = distributed.put_replicated((np.asarray(ids), np.asarray(mask)), NamedSharding(text_mesh, P()))
+    else:
+      ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    embeds = _encode_jit(self._text_params, ids, mask, config=self.text_encoder_config)
+    return _masked_text(embeds, mask).astype(self.dtype)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -779,14 +793,14 @@ class WanPipeline(LoraLoaderMixin):
                                  "or remove it to start over")
       writer = resume_state.Writer(checkpoint_dir, identity, enabled=distributed.is_main_process())
 
+    mesh_spec = s.mesh_spec
+    self._place(mesh, mesh_spec.shard_weights)  # before text encoding: its weights may be sharded too
     start = time.perf_counter()
     texts = (s.prompts or []) + (s.negative_prompts or [])
     stage(f"text encode: {len(texts)} prompt(s) x {s.max_sequence_length} tokens" if texts
           else "text encode: none (text states given)")
     text = jax.block_until_ready(self._text_states(s))
     timings["text_encode"] = time.perf_counter() - start
-    mesh_spec = s.mesh_spec
-    self._place(mesh, mesh_spec.shard_weights)
     replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
     latents, solver, text = distributed.put_replicated((latents, solver, text), replicated)
