@@ -406,7 +406,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
-             "seed", "dtype", "max_sequence_length", "lora", "lora_2")
+             "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -431,6 +431,9 @@ def _normalized(name: str, value: Any) -> Any:
     return value if value == "tiny" else os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
+  if name == "step_cache":
+    from pipelines.wan.step_cache import parse_step_cache
+    return parse_step_cache(value, model="tiny").describe() if isinstance(value, str) else value
   if name in ("lora", "lora_2"):
     return [f"{os.path.abspath(path)}:{scale!r}" for path, scale in
             (parse_lora_arg(text, "--" + name.replace("_", "-")) for text in value)]
@@ -488,6 +491,7 @@ def _write_run_record(plan: Plan, seed: int) -> None:
             "fps": plan.fps}
   for name, expert in (("lora", 0), ("lora_2", 1)):
     record[name] = [f"{os.path.abspath(path)}:{scale!r}" for path, scale, e in plan.loras if e == expert]
+  record["step_cache"] = None if plan.step_cache is None else plan.step_cache.describe()
   os.makedirs(plan.checkpoint_dir, exist_ok=True)
   video_io.write_json(record, os.path.join(plan.checkpoint_dir, RUN_RECORD), overwrite=True)
 

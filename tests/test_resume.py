@@ -124,7 +124,7 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
   `generate --resume DIR` with only a new mesh and output continues it to the same video;
   a given flag that differs from the saved run is refused naming it."""
   args = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "5", "--seed", "3",
-          "--max-sequence-length", "8"]
+          "--max-sequence-length", "8", "--step-cache", "first-block:0.05"]
   assert generate.main(args + ["--out", str(tmp_path / "ref.npy")]) == 0
   folder = str(tmp_path / "ckpt")
   original_run = wan_pipeline.WanPipeline.run
@@ -153,6 +153,7 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
   assert_psnr_at_least(resumed, reference, RESUME_PSNR_DB, name="generate --resume on U=2,R=2")
   sidecar = json.load(open(tmp_path / "b.npy.json"))
   assert sidecar["checkpoint"]["resumed_from_step"] == 3 and sidecar["prompt"] == PROMPT
+  assert sidecar["settings"]["step_cache"]["spec"].startswith("first-block:0.05")  # read from the record
   assert not os.path.exists(folder)  # removed after the video was written
   # a new run into a folder holding a saved run is refused before compute
   os.makedirs(folder)
