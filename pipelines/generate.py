@@ -34,6 +34,16 @@ before it is renamed into place: an encoder failure or an output that does not d
 sent is an error, and nothing is left under --out. A GIF stores frame delays in whole centiseconds:
 an --fps that is not 100 / an integer is rounded to the nearest delay, with a warning.
 
+Meshes: --mesh U=4,R=2 (Ulysses x ring), CFG=2,U=2,R=2 (the guidance's cond and uncond halves on
+separate halves of the devices), --shard-weights (block weights split over the devices), or
+--mesh auto (the planner's pick for the visible devices; python -m end_to_end.plan shows why).
+
+Resuming: --checkpoint-dir DIR saves the denoising state after every step (--checkpoint-every N;
+runs estimated at two minutes or more save to OUT.resume unless --no-checkpoint); after Ctrl-C, a
+lost process or a crash, `generate --resume DIR` continues it (flags left out are read from DIR,
+given ones must match, except the mesh, devices and output) and makes the same video. The
+checkpoint is removed once the video is written (--keep-checkpoint keeps it).
+
 A multi-process run whose process dies (or whose host goes away) stops on every other process
 within --heartbeat-timeout seconds (default 30) with one line naming the lost process and exit
 status 3; nothing is written, and the runtime's own log (a C++ stack dump) goes to a file
