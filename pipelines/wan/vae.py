@@ -16,12 +16,14 @@ from chunk to chunk; the first chunk and the later chunks are two jitted program
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.checkpoint import CheckpointError, check_state_dict, read_config, read_safetensors_folder
 from pipelines.wan import vae_layers as L
@@ -238,11 +240,12 @@ def normalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
 # Decode
 
 
-def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
+                  rows: L.RowShards | None = None) -> tuple[jax.Array, L.Cache]:
   cfg = vae.config
   post_quant = cfg.quant_layers()[1]
   x, _ = L.run_layers(vae.params, (post_quant,), z_BTHWC, None, first_chunk=cache is None)
-  x, cache = L.run_layers(vae.params, cfg.decoder_layers(), x, cache, first_chunk=cache is None)
+  x, cache = L.run_layers(vae.params, cfg.decoder_layers(), x, cache, first_chunk=cache is None, rows=rows)
   return jnp.clip(x, -1.0, 1.0), cache
 
 
@@ -320,6 +323,118 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
     chunk, cache = _decode_next_chunk(vae, cache, z_BFHWC[:, i:i + 1])
     chunks.append(chunk)
   video_BFHWC = jnp.concatenate(chunks, axis=1)
+  if video_layout == "BFHWC":
+    return video_BFHWC
+  return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode split along height over a mesh
+
+ROWS_AXIS = "rows"  # the one axis of the decode's mesh: every device of the caller's mesh, in order
+_ROWS_SPEC = P(None, None, ROWS_AXIS)  # [B, T, H, W, C] arrays and every cache entry: H split
+
+
+def row_mesh(mesh: Mesh) -> Mesh:
+  """The 1-D `(ROWS_AXIS,)` mesh over `mesh`'s devices, flattened in its order (every axis it has).
+
+  In a multi-process run only this process's devices are used, so each process can decode on its
+  own (the pipeline decodes on the process that writes the video).
+
+  Raises:
+    ValueError: `mesh` is not a `jax.sharding.Mesh`, or holds none of this process's devices.
+  """
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not devices:
+    raise ValueError(f"the mesh holds none of process {jax.process_index()}'s devices")
+  return Mesh(np.array(devices, dtype=object), (ROWS_AXIS,))
+
+
+def row_split(devices: int, latent_height: int) -> L.RowShards:
+  """The height split of Hl latent rows over D devices: bands of ceil(Hl / D) rows, the rest padding."""
+  return L.RowShards(ROWS_AXIS, devices, -(-latent_height // devices), latent_height)
+
+
+def _sharded(fn, mesh: Mesh, n_in: int):
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (_ROWS_SPEC,) * n_in,
+                       out_specs=(_ROWS_SPEC, _ROWS_SPEC), check_vma=False)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "rows"))
+def _decode_first_chunk_rows(vae: WanVAE, z_BTHWC: jax.Array, *, mesh: Mesh,
+                             rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
+  return _sharded(lambda v, z: _decode_chunk(v, None, z, rows), mesh, 1)(vae, z_BTHWC)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "rows"), donate_argnums=1)
+def _decode_next_chunk_rows(vae: WanVAE, cache: L.Cache, z_BTHWC: jax.Array, *, mesh: Mesh,
+                            rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
+  return _sharded(lambda v, c, z: _decode_chunk(v, c, z, rows), mesh, 2)(vae, cache, z_BTHWC)
+
+
+def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh) -> Iterator[jax.Array]:
+  """`decode_parallel`'s time chunks as they are computed, still split along height.
+
+  Yields [B, T, 8 * Hp, 8Wl, 3] in the VAE's dtype, clamped to [-1, 1] (T = 1 for the first
+  latent frame, 4 for each later one), sharded along height over `row_mesh(mesh)`; Hp = D *
+  ceil(Hl / D) >= Hl, and the rows from 8 * Hl on are padding for the caller to drop. Raises as
+  `decode_parallel` does, before any compute.
+  """
+  _check_latents(vae.config, latents)
+  rmesh = row_mesh(mesh)
+  B, C, F, Hl, Wl = latents.shape
+  rows = row_split(rmesh.size, Hl)
+  sharding = NamedSharding(rmesh, _ROWS_SPEC)
+  vae = jax.device_put(vae, NamedSharding(rmesh, P()))  # a no-op when already placed so
+  z = np.asarray(jax.device_get(latents)).astype(vae.dtype).transpose(0, 2, 3, 4, 1)  # [B, F, Hl, Wl, C]
+  z = np.pad(z, ((0, 0), (0, 0), (0, rows.devices * rows.band - Hl), (0, 0), (0, 0)))
+  chunk, cache = _decode_first_chunk_rows(vae, jax.device_put(z[:, :1], sharding), mesh=rmesh, rows=rows)
+  yield chunk
+  for i in range(1, F):
+    chunk, cache = _decode_next_chunk_rows(vae, cache, jax.device_put(z[:, i:i + 1], sharding),
+                                           mesh=rmesh, rows=rows)
+    yield chunk
+
+
+def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str = "BCFHW") -> jax.Array:
+  """`decode` with the latents split along height over every device of `mesh` (spatial parallelism).
+
+  Same math as `decode` (diffusers `AutoencoderKLWan.decode`), the same time chunks and causal
+  cache, but each of the mesh's D devices (all axes flattened, `row_mesh`) holds a band of
+  ceil(Hl / D) latent rows and the matching rows at every level up to the video, and keeps its own
+  part of the cache. Per chunk program the communication is (`vae_layers.RowShards`): for every
+  3x3 spatial conv, two `ppermute`s of one row (the halo above and below); for the mid-block
+  attention, D - 1 `ppermute`s of the band's keys and values (ring-style); no all-gather. A height
+  that D does not divide is padded to D * ceil(Hl / D) latent rows, zeroed before every conv and
+  masked in the attention, so the result equals one-device decoding up to fp32 rounding (the
+  attention sums in another order).
+
+  Args:
+    vae: the model; latents are cast to its dtype, and the video comes back in it.
+    latents: [B, C, F, Hl, Wl] with C == config.z_dim (numpy or a JAX array).
+    mesh: any `jax.sharding.Mesh`; its devices decode, in its device order.
+    video_layout: "BCFHW" (diffusers) or "BFHWC" (the pipeline's), as in `decode`.
+
+  Returns:
+    The video [B, 3, frames, 8Hl, 8Wl] (or BFHWC), frames = 1 + 4(F - 1), in [-1, 1]; sharded
+    along height over the mesh's devices when D divides Hl.
+
+  Raises:
+    ValueError: as `decode` (latents' rank, channels, empty axes, layout), or `mesh` not a Mesh.
+
+  Memory per device: the cache and every activation are 1/D of `decode`'s plus one row above and
+  below per conv input (a band of h rows costs (h + 2) / h); the attention scores are [h Wl, h Wl]
+  fp32 per step instead of [Hl Wl, Hl Wl].
+  """
+  if video_layout not in ("BCFHW", "BFHWC"):
+    raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
+  chunks = list(decode_parallel_chunks(vae, latents, mesh))
+  video_BFHWC = jnp.concatenate(chunks, axis=1)
+  height = latents.shape[3] * vae.config.spatial_factor
+  if video_BFHWC.shape[2] != height:
+    video_BFHWC = video_BFHWC[:, :, :height]
   if video_layout == "BFHWC":
     return video_BFHWC
   return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))

@@ -24,6 +24,19 @@ and one compiled program serves them all. Two layers differ on the first chunk, 
     the next chunk's time conv zero-pads rather than seeing that frame: a zero cache.
   - downsample3d: the first chunk skips the stride-2 time conv and stores its input; later chunks
     prepend the stored last frame (a 1-frame cache) before the valid stride-2 time conv.
+A causal conv with a 3x3 spatial kernel caches its input with the one row above and below already
+attached (the zero padding on one device, the neighbours' rows under a height split), so a cached
+entry is `[B, 2, H + 2, W, C]`.
+
+Height split (`RowShards`, decoder only). Under `shard_map`, each of D devices holds a band of rows
+at every level (at the latents h = Hp / D rows, Hp = Hl rounded up to a multiple of D; each 2x
+upsample doubles the band, so the bands of every level line up). A 3x3 spatial conv needs one row
+beyond each edge of its band: the neighbours' edge rows, exchanged with two `ppermute`s (zeros at the
+image's top and bottom, as the zero padding). Rows past the real height (when D does not divide Hl)
+are set to zero before every spatial conv reads them, so the real rows see exactly the zero padding
+they see on one device; the attention block masks them as keys. The attention block (one head over
+all H x W pixels of a frame) runs ring-style: D steps, each device's keys and values passed on to
+the next device after each, with an online softmax in fp32 (DESIGN.md 4's LSE path, base e).
 """
 
 from __future__ import annotations
@@ -198,7 +211,61 @@ def to_jax_layout(key: str, value):
 
 
 # ----------------------------------------------------------------------------------------------
-# Primitives (x: [B, T, H, W, C])
+# Height split
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShards:
+  """The height split of a decode over D devices, for use inside `shard_map` over `axis`.
+
+  Attributes:
+    axis: the mesh axis name (or tuple of names) whose D devices hold the bands, in order: device
+      i holds rows [i * h, (i + 1) * h) of each level (h scaled by the level's upsampling).
+    devices: D.
+    band: h, latent rows per device (>= 1).
+    real_rows: Hl, the latents' real height (<= D * h; the rows past it are padding).
+  """
+  axis: str | tuple[str, ...]
+  devices: int
+  band: int
+  real_rows: int
+
+  def __post_init__(self):
+    if self.devices < 1 or self.band < 1 or not self.devices * (self.band - 1) < self.real_rows <= self.devices * self.band:
+      raise ValueError(f"bad height split {self}: needs D * (h - 1) < Hl <= D * h")
+
+  def mask(self, x_BTHWC: jax.Array) -> jax.Array:
+    """Zeros the local rows past the real height (a no-op when D divides Hl)."""
+    if self.devices * self.band == self.real_rows:
+      return x_BTHWC
+    h = x_BTHWC.shape[2]
+    factor = h // self.band  # this level's upsampling relative to the latents
+    rows = lax.axis_index(self.axis) * h + jnp.arange(h)
+    return jnp.where((rows < self.real_rows * factor)[:, None, None], x_BTHWC, jnp.zeros((), x_BTHWC.dtype))
+
+  def halo(self, x_BTHWC: jax.Array) -> jax.Array:
+    """[B, T, h, W, C] -> [B, T, h + 2, W, C]: the row above (from device i - 1) and below (i + 1).
+
+    Two `ppermute`s of one row each; the first device gets zeros above, the last zeros below (what
+    `ppermute` delivers to a device nobody sends to), i.e. the conv's zero padding.
+    """
+    D = self.devices
+    if D == 1:
+      return jnp.pad(x_BTHWC, ((0, 0), (0, 0), (1, 1), (0, 0), (0, 0)))
+    above = lax.ppermute(x_BTHWC[:, :, -1:], self.axis, [(i, i + 1) for i in range(D - 1)])
+    below = lax.ppermute(x_BTHWC[:, :, :1], self.axis, [(i + 1, i) for i in range(D - 1)])
+    return jnp.concatenate([above, x_BTHWC, below], axis=2)
+
+
+def _halo(rows: RowShards | None, x: jax.Array) -> jax.Array:
+  """The conv input with one row of context above and below: zeros (one device) or the neighbours'."""
+  if rows is None:
+    return jnp.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0), (0, 0)))
+  return rows.halo(rows.mask(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives (x: [B, T, H, W, C]; under a height split H is the local band)
 
 
 def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), padding) -> jax.Array:
@@ -206,19 +273,24 @@ def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), paddin
   return lax.conv_general_dilated(x, w, stride, padding, dimension_numbers=_CONV_DIMS) + b
 
 
-def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cache_out: Cache) -> jax.Array:
+def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cache_out: Cache,
+                rows: RowShards | None = None) -> jax.Array:
   """`WanCausalConv3d` with stride 1: [B, T, H, W, I] -> [B, T, H, W, O], zero 'same' padding in space.
 
   A temporal kernel of 3 sees the cached last 2 input frames (zeros when `cache_in` is None) and
-  updates `cache_out[name]`; a temporal kernel of 1 is pointwise in time and uses no cache.
+  updates `cache_out[name]`; a temporal kernel of 1 is pointwise in time and uses no cache. A 3x3
+  spatial kernel first attaches one row above and below (`_halo`: the zero padding, or the
+  neighbours' rows under a height split), and the cache keeps the rows so attached.
   """
   w, b = p[f"{name}.weight"], p[f"{name}.bias"]
   kt, kh, kw = w.shape[:3]
+  if kh > 1:
+    x = _halo(rows, x)
   if kt > 1:
     prev = cache_in[name] if cache_in is not None else jnp.zeros((x.shape[0], kt - 1, *x.shape[2:]), x.dtype)
     x = jnp.concatenate([prev, x], axis=1)
     cache_out[name] = x[:, -CACHE_T:]
-  return conv3d(x, w, b, padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)))
+  return conv3d(x, w, b, padding=((0, 0), (0, 0), (kw // 2, kw // 2)))
 
 
 def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
@@ -232,22 +304,63 @@ def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
   return (x32 / jnp.maximum(norm, RMS_EPS)).astype(x.dtype) * (x.shape[-1] ** 0.5) * gamma
 
 
-def res_block(p: Params, blk: ResBlock, x: jax.Array, cache_in: Cache | None, cache_out: Cache) -> jax.Array:
+def res_block(p: Params, blk: ResBlock, x: jax.Array, cache_in: Cache | None, cache_out: Cache,
+              rows: RowShards | None = None) -> jax.Array:
   """`WanResidualBlock` (dropout is inference-off): [B, T, H, W, in_dim] -> [B, T, H, W, out_dim]."""
   n = blk.name
   h = causal_conv(p, f"{n}.conv_shortcut", x, cache_in, cache_out) if blk.in_dim != blk.out_dim else x
   x = jax.nn.silu(rms_norm(x, p[f"{n}.norm1.gamma"]))
-  x = causal_conv(p, f"{n}.conv1", x, cache_in, cache_out)
+  x = causal_conv(p, f"{n}.conv1", x, cache_in, cache_out, rows)
   x = jax.nn.silu(rms_norm(x, p[f"{n}.norm2.gamma"]))
-  x = causal_conv(p, f"{n}.conv2", x, cache_in, cache_out)
+  x = causal_conv(p, f"{n}.conv2", x, cache_in, cache_out, rows)
   return x + h
 
 
-def attn_block(p: Params, blk: AttnBlock, x_BTHWC: jax.Array) -> jax.Array:
+def _ring_attention(rows: RowShards, q_XSC: jax.Array, k_XSC: jax.Array, v_XSC: jax.Array,
+                    width: int) -> jax.Array:
+  """Single-head softmax attention of the local pixels to every real pixel of the frame, ring-style.
+
+  q, k, v: [X, S, C], S = h * W local pixels (X = frames). D steps: at step i the device holds the
+  keys/values of band (me - i) mod D and passes them on with one `ppermute` of the packed k/v
+  (none after the last step). Online softmax in fp32 (running max m, sum l, output o; masked
+  keys -inf, a fully masked band guarded); keys in padded rows are masked by their global row.
+  Returns o / l in v's dtype.
+  """
+  D, X, S, C = rows.devices, *q_XSC.shape
+  h = S // width
+  factor = h // rows.band
+  me = lax.axis_index(rows.axis)
+  kv = jnp.stack([k_XSC, v_XSC])
+  m = jnp.full((X, S, 1), -jnp.inf, jnp.float32)
+  l = jnp.zeros((X, S, 1), jnp.float32)
+  o = jnp.zeros((X, S, C), jnp.float32)
+  key_row = jnp.arange(S) // width
+  for step in range(D):
+    src = (me - step) % D
+    logits = jnp.einsum("XSC,XRC->XSR", q_XSC, kv[0], preferred_element_type=jnp.float32) * (C ** -0.5)
+    if D * rows.band != rows.real_rows:
+      valid = src * h + key_row < rows.real_rows * factor
+      logits = jnp.where(valid, logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    probs = jnp.exp(logits - shift)
+    alpha = jnp.exp(m - shift)
+    l = alpha * l + jnp.sum(probs, axis=-1, keepdims=True)
+    o = alpha * o + jnp.einsum("XSR,XRC->XSC", probs.astype(v_XSC.dtype), kv[1],
+                               preferred_element_type=jnp.float32)
+    m = m_new
+    if step < D - 1:
+      kv = lax.ppermute(kv, rows.axis, [(i, (i + 1) % D) for i in range(D)])
+  return (o / jnp.where(l > 0, l, 1.0)).astype(v_XSC.dtype)
+
+
+def attn_block(p: Params, blk: AttnBlock, x_BTHWC: jax.Array, rows: RowShards | None = None) -> jax.Array:
   """`WanAttentionBlock`: per-frame single-head attention over H*W pixels, scale 1/sqrt(C).
 
   Logits and softmax are fp32 (`preferred_element_type`); the block is frame-local, so it needs no
   cache. Memory: one [H*W, H*W] fp32 score matrix per frame (156 MB at 480p latents, 60 x 104).
+  Under a height split (`rows`) each device attends its own pixels to the whole frame ring-style
+  (`_ring_attention`: [h*W, h*W] scores per step).
   """
   n = blk.name
   B, T, H, W, C = x_BTHWC.shape
@@ -255,22 +368,63 @@ def attn_block(p: Params, blk: AttnBlock, x_BTHWC: jax.Array) -> jax.Array:
   qkv = conv3d(h, p[f"{n}.to_qkv.weight"], p[f"{n}.to_qkv.bias"], padding=((0, 0),) * 3)
   qkv_XSC = qkv.reshape(B * T, H * W, 3 * C)  # X = B * T frames, S = H * W pixels
   q, k, v = jnp.split(qkv_XSC, 3, axis=-1)
-  logits = jnp.einsum("XSC,XRC->XSR", q, k, preferred_element_type=jnp.float32) * (C ** -0.5)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  o_XSC = jnp.einsum("XSR,XRC->XSC", probs, v)
+  if rows is None:
+    logits = jnp.einsum("XSC,XRC->XSR", q, k, preferred_element_type=jnp.float32) * (C ** -0.5)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    o_XSC = jnp.einsum("XSR,XRC->XSC", probs, v)
+  else:
+    o_XSC = _ring_attention(rows, q, k, v, W)
   o = conv3d(o_XSC.reshape(B, T, H, W, C), p[f"{n}.proj.weight"], p[f"{n}.proj.bias"], padding=((0, 0),) * 3)
   return x_BTHWC + o
 
 
+def _fold_taps(w: jax.Array, axis: int, phase: int) -> jax.Array:
+  """A 3-tap kernel axis seen by output phase 0 or 1 of a 2x nearest upsample: 2 taps."""
+  w0, w1, w2 = jnp.split(w, 3, axis=axis)
+  return jnp.concatenate([w0, w1 + w2] if phase == 0 else [w0 + w1, w2], axis=axis)
+
+
+def upsample_conv(x: jax.Array, w: jax.Array, b: jax.Array, rows: RowShards | None = None) -> jax.Array:
+  """2x nearest upsample then a 3x3 'same' conv, without the upsampled input: [B, T, H, W, C] ->
+  [B, T, 2H, 2W, O] (`nn.Upsample(scale_factor=2, mode="nearest-exact")` + `nn.Conv2d(C, O, 3,
+  padding=1)` of diffusers' `WanResample`).
+
+  Output row 2i + py sees upsampled rows 2i + py - 1 .. 2i + py + 1, i.e. input rows i - 1, i, i
+  (py = 0) or i, i, i + 1 (py = 1), and likewise for columns; so each of the 4 output phases is a
+  2x2 conv of the input with taps summed (`_fold_taps`), and the phases interleave into the
+  output. 16 C O multiply-adds per input pixel instead of 36, and no [2H, 2W, C] temporary. The
+  summed taps are rounded once more than the reference's separate products (one rounding of a
+  weight: ~eps relative, as one more term of the conv's sum).
+  """
+  x = _halo(rows, x)  # [B, T, H + 2, W, C]: rows -1 .. H
+  B, T, H2, W, _ = x.shape
+  phases = []
+  for py in (0, 1):
+    row = []
+    for px in (0, 1):
+      k = _fold_taps(_fold_taps(w, 1, py), 2, px)  # [1, 2, 2, C, O]
+      # Rows py - 1 .. py + H - 1 of the padded input (negative padding crops), columns likewise.
+      row.append(conv3d(x, k, b, padding=((0, 0), (-py, py - 1), (1 - px, px))))
+    phases.append(jnp.stack(row, axis=4))  # [B, T, H, W, 2 (px), O]
+  out = jnp.stack(phases, axis=3)  # [B, T, H, 2 (py), W, 2 (px), O]
+  return out.reshape(B, T, 2 * (H2 - 2), 2 * W, w.shape[-1])
+
+
 def resample(p: Params, blk: Resample, x: jax.Array, cache_in: Cache | None, cache_out: Cache,
-             first_chunk: bool) -> jax.Array:
+             first_chunk: bool, rows: RowShards | None = None) -> jax.Array:
   """`WanResample` with diffusers' feature-cache semantics (see the module docstring).
 
   upsample3d: [B, T, H, W, C] -> [B, 2T, 2H, 2W, C/2] (T stays 1 on the first chunk);
   upsample2d: -> [B, T, 2H, 2W, C/2]; downsample2d: -> [B, T, H/2, W/2, C];
   downsample3d: -> [B, T/2, H/2, W/2, C] (T stays 1 on the first chunk).
+  A height split (`rows`) is supported for the upsamplers (the decoder) only.
+
+  Raises:
+    ValueError: an unknown mode, or a downsampler under a height split.
   """
   n, mode = blk.name, blk.mode
+  if rows is not None and mode.startswith("down"):
+    raise ValueError(f"{mode} ({n}) does not run under a height split; only the decoder does")
   if mode == "upsample3d":
     if first_chunk:
       cache_out[f"{n}.time_conv"] = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
@@ -282,9 +436,7 @@ def resample(p: Params, blk: Resample, x: jax.Array, cache_in: Cache | None, cac
   w, b = p[f"{n}.resample.1.weight"], p[f"{n}.resample.1.bias"]
   match mode:
     case "upsample2d" | "upsample3d":
-      # nn.Upsample(scale 2, "nearest-exact") is a plain repeat for an integer factor of 2.
-      x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)
-      x = conv3d(x, w, b, padding=((0, 0), (1, 1), (1, 1)))
+      x = upsample_conv(x, w, b, rows)
     case "downsample2d" | "downsample3d":
       # nn.ZeroPad2d((0, 1, 0, 1)) pads right and bottom only, then a valid stride-2 3x3 conv.
       x = conv3d(x, w, b, stride=(1, 2, 2), padding=((0, 0), (0, 1), (0, 1)))
@@ -303,23 +455,24 @@ def resample(p: Params, blk: Resample, x: jax.Array, cache_in: Cache | None, cac
 
 
 def run_layers(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache | None, *,
-               first_chunk: bool) -> tuple[jax.Array, Cache]:
+               first_chunk: bool, rows: RowShards | None = None) -> tuple[jax.Array, Cache]:
   """Runs an encoder or decoder layer sequence on one time chunk; returns (output, new cache).
 
   `cache_in` is None exactly on the first chunk (all caches start at zeros); the returned cache has
-  the same keys and shapes for every chunk, so later chunks share one compiled program.
+  the same keys and shapes for every chunk, so later chunks share one compiled program. `rows`: the
+  height split when called inside `shard_map` (decoder layers only), else None.
   """
   cache_out: Cache = {}
   for layer in layers:
     match layer:
       case CausalConv():
-        x = causal_conv(p, layer.name, x, cache_in, cache_out)
+        x = causal_conv(p, layer.name, x, cache_in, cache_out, rows)
       case ResBlock():
-        x = res_block(p, layer, x, cache_in, cache_out)
+        x = res_block(p, layer, x, cache_in, cache_out, rows)
       case AttnBlock():
-        x = attn_block(p, layer, x)
+        x = attn_block(p, layer, x, rows)
       case Resample():
-        x = resample(p, layer, x, cache_in, cache_out, first_chunk)
+        x = resample(p, layer, x, cache_in, cache_out, first_chunk, rows)
       case NormSiLU():
         x = jax.nn.silu(rms_norm(x, p[f"{layer.name}.gamma"]))
       case _:
