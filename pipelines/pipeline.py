@@ -565,7 +565,8 @@ class WanPipeline(LoraLoaderMixin):
                callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
-               keep_checkpoint: bool = False, step_cache: Any = None, shard_weights: bool = False) -> Any:
+               keep_checkpoint: bool = False, step_cache: Any = None, shard_weights: bool = False,
+               vae_parallel: bool = True) -> Any:
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     Args:
@@ -641,6 +642,9 @@ class WanPipeline(LoraLoaderMixin):
       shard_weights: split the transformer's block weights over all devices of the mesh (FSDP /
         ZeRO-3: each layer's weights are all-gathered inside the layer scan), so a model too big to
         replicate on every device fits; same video. Needs a mesh.
+      vae_parallel: with a mesh, decode on all of its devices, the latents split along height
+        (`vae.decode_parallel`; the same video up to fp32 rounding); False decodes on one device.
+        Without a mesh the decode is on one device either way.
 
     Returns:
       as `output_type`: float32 numpy [B', frames, height, width, 3] in [0, 1] ("np"), float32
@@ -664,7 +668,8 @@ class WanPipeline(LoraLoaderMixin):
                       callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                       attention_kwargs=attention_kwargs, generator=generator,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                      keep_checkpoint=keep_checkpoint, step_cache=step_cache, shard_weights=shard_weights)
+                      keep_checkpoint=keep_checkpoint, step_cache=step_cache, shard_weights=shard_weights,
+                      vae_parallel=vae_parallel)
     if output_type == "latent":
       return result.latents
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
@@ -697,7 +702,7 @@ class WanPipeline(LoraLoaderMixin):
           attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
           keep_checkpoint: bool = False, step_cache: Any = None,
-          shard_weights: bool = False) -> GenerationResult:
+          shard_weights: bool = False, vae_parallel: bool = True) -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     The diffusers-named arguments (`prompt_embeds`, `num_videos_per_prompt`,
@@ -719,6 +724,10 @@ class WanPipeline(LoraLoaderMixin):
     same seed on every process): the mesh must span all processes' devices; inputs become global
     arrays built from each process's identical host copy; every process returns the result.
 
+    `vae_parallel` (default True) decodes on every device of the call's mesh, the latents split
+    along height (`vae.decode_parallel`: the VAE's activations, cache and time spread over the
+    devices; the same video up to fp32 rounding); False, or no mesh, decodes on one device.
+
     Resumable denoising (`pipelines.resume`): with `checkpoint_dir`, the denoising state (latents,
     solver state, step, and the run's identity: settings, noise digest, model fingerprint) is
     written atomically to `checkpoint_dir/denoise_state.safetensors` after every
@@ -738,7 +747,7 @@ class WanPipeline(LoraLoaderMixin):
     if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
       raise ValueError(f"checkpoint_dir={checkpoint_dir!r} must be None or a folder path{not_a(checkpoint_dir)}")
     checkpoint_every = check_int("checkpoint_every", checkpoint_every, hint=" (steps between checkpoints)")
-    for name, flag in (("resume", resume), ("keep_checkpoint", keep_checkpoint)):
+    for name, flag in (("resume", resume), ("keep_checkpoint", keep_checkpoint), ("vae_parallel", vae_parallel)):
       check_flag(name, flag)
     if resume and checkpoint_dir is None:
       raise ValueError("resume=True needs checkpoint_dir (the folder holding the checkpoint)")
@@ -886,7 +895,7 @@ class WanPipeline(LoraLoaderMixin):
     latents = distributed.to_host(latents)
     if decode:
       stage(f"decode: {s.videos} video(s) of {s.num_frames} frames {s.width}x{s.height} (VAE)")
-    frames = self.decode(latents) if decode else None
+    frames = self.decode(latents, mesh=mesh if vae_parallel else None) if decode else None
     timings["decode"] = time.perf_counter() - start
     timings["total"] = time.perf_counter() - start_all
     settings = {k: getattr(s, k) for k in ("height", "width", "num_frames", "steps", "cfg", "seed",
@@ -901,7 +910,8 @@ class WanPipeline(LoraLoaderMixin):
         resumed_from_step=first_step if resume else None,
         num_videos_per_prompt=s.num_videos_per_prompt, prompt_embeds_given=s.prompt_embeds is not None,
         negative_prompt_embeds_given=s.negative_prompt_embeds is not None, steps_run=len(step_times),
-        lora_scale=s.lora_scale, step_cache=None if cache is None else wan_step_cache.summary(
+        lora_scale=s.lora_scale, vae_parallel=bool(vae_parallel and mesh is not None),
+        step_cache=None if cache is None else wan_step_cache.summary(
             s.step_cache, [(k, bool(distributed.to_host(c["skipped"])),
                                float(distributed.to_host(c["metric"]))) for k, c in cache_stats],
             num_layers=self.transformer_config.num_layers))
@@ -1004,17 +1014,36 @@ class WanPipeline(LoraLoaderMixin):
         "negative_prompt_embeds_sha256": _digest(s.negative_prompt_embeds),
     } | ({} if s.step_cache is None else {"step_cache": s.step_cache.identity()})
 
-  def decode(self, latents: np.ndarray) -> np.ndarray:
+  def decode(self, latents: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
 
     One video at a time (the VAE treats videos independently): the decoder compiles once per
-    spatial size whatever B, and only one video's activations are live.
+    spatial size whatever B, and only one video's activations are live. With a `mesh`, each video
+    is decoded split along height over the mesh's devices (`vae.decode_parallel`; in a
+    multi-process run, this process's devices), each time chunk copied to the host as it is done.
     """
     videos = []
+    height = latents.shape[3] * self.vae.config.spatial_factor
+    if mesh is not None and wan_vae.row_mesh(mesh).size == 1:
+      mesh = None  # one device either way: the unsplit programs
     for one in np.asarray(latents)[:, None]:
       z = wan_vae.denormalize_latents(self.vae.config, jnp.asarray(one).astype(self.vae.dtype))
-      videos.append(np.asarray(_to_unit_range(wan_vae.decode(self.vae, z, video_layout="BFHWC"))))
+      if mesh is None:
+        videos.append(np.asarray(_to_unit_range(wan_vae.decode(self.vae, z, video_layout="BFHWC"))))
+        continue
+      vae = self._placed_vae(mesh)
+      chunks = [np.asarray(_to_unit_range(c))[:, :, :height] for c in wan_vae.decode_parallel_chunks(vae, z, mesh)]
+      videos.append(np.concatenate(chunks, axis=1))
     return np.concatenate(videos)
+
+  def _placed_vae(self, mesh: Mesh) -> wan_vae.WanVAE:
+    """The VAE's weights replicated over the decode's devices, placed once per device set."""
+    rows = wan_vae.row_mesh(mesh)
+    key = tuple(d.id for d in rows.devices.flat)
+    key = (id(self.vae), key)
+    if getattr(self, "_vae_placement", (None,))[0] != key:
+      self._vae_placement = (key, jax.device_put(self.vae, NamedSharding(rows, P())))
+    return self._vae_placement[1]
 
 
 def _digest(array: Any) -> str | None:

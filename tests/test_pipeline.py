@@ -183,6 +183,17 @@ def test_mesh_string_spec(tiny, tiny_reference):
   assert_psnr_at_least(frames, tiny_reference, FP32_VIDEO_PSNR_DB, name="mesh R=2,U=2 (string)")
 
 
+def test_vae_parallel_flag(tiny, tiny_reference):
+  """The mesh tests decode split along height (the default); vae_parallel=False decodes on one
+  device, the same video. Hl = 6 over 4 devices: padded bands."""
+  kwargs = dict(**SIZE, num_inference_steps=2, seed=7, max_sequence_length=MAX_LEN, mesh="R=2,U=2")
+  split = tiny.run(PROMPTS[0], **kwargs)
+  single = tiny.run(PROMPTS[0], **kwargs, vae_parallel=False)
+  assert split.settings["vae_parallel"] and not single.settings["vae_parallel"]
+  assert_psnr_at_least(split.frames, single.frames, FP32_VIDEO_PSNR_DB, name="vae_parallel vs one-device decode")
+  assert_psnr_at_least(single.frames, tiny_reference, FP32_VIDEO_PSNR_DB, name="one-device decode on a mesh")
+
+
 def test_forced_attention_paths_agree(tiny, tiny_reference):
   # 32x32 x 5 frames once made GSPMD hand the carried latents back sharded, so the second step
   # rejected its own output: two steps here keep that fixed.

@@ -234,6 +234,7 @@ WRONG_TYPES = {
     "keep_checkpoint": ["no", 0, None],
     "step_cache": [123, "first-block", "fast:0.1", True],
     "shard_weights": ["yes", 1, None],
+    "vae_parallel": ["yes", 1, None],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 
