@@ -11,6 +11,10 @@ takes one latent frame per chunk (the first gives 1 video frame, each later one 
 the first video frame, then 4 frames per chunk. The per-conv feature cache is a dict pytree carried
 from chunk to chunk; the first chunk and the later chunks are two jitted programs, compiled once per
 (config, batch, spatial size, dtype) whatever the number of frames.
+
+`decode_parallel` runs the same decoder split along height over every device of a mesh (DESIGN.md
+section 8): one-row halo exchanges per spatial conv, the mid-block attention ring-style, padded
+heights masked. Encoding runs on one device.
 """
 
 from __future__ import annotations
@@ -293,25 +297,23 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
 
   Peak memory, 81 frames at 480x832 (latents [1, 16, 21, 60, 104]), Wan 2.1 config (base_dim 96,
   dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
-  accelerator. It was obtained from (a) the exact activation shapes of this config via
-  `jax.eval_shape`, and (b) `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`:
-  XLA's `memory_analysis()` of the compiled later-chunk program, lowered on CPU from abstract
-  shapes (nothing allocated). Numbers, fp32 / bf16:
-    - feature cache (last 2 input frames of all 32 cached convs): 3.78 / 1.89 GB, dominated by the
-      7 full-resolution convs (7 x 2 x 480 x 832 x 96 x 4 B = 2.15 GB fp32);
-    - decoder weights 0.29 / 0.14 GB (whole VAE, encoder included: 0.51 / 0.25 GB);
-    - per-chunk temporaries (XLA buffer assignment): 4.92 / 4.16 GB. The largest single ones: the
-      upsample2d input after the nearest-neighbour repeat [4, 480, 832, 192] = 1.23 GB fp32 and a
-      full-resolution causal conv's concat(cache, x) [6, 480, 832, 96] = 0.92 GB; the mid-block
-      attention scores [6240, 6240] fp32 are 0.16 GB. The bf16 figure is pessimistic: XLA:CPU
-      upcasts bf16 convolutions to fp32, which GPU/TPU do not;
-    - the cache output aliases the donated cache input, so one step holds about 9.0 GB fp32
-      (arguments 4.07 + temporaries 4.92) or 6.2 GB bf16 (2.04 + 4.16);
+  accelerator: `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`, XLA's
+  `memory_analysis()` of the compiled later-chunk program lowered on CPU from abstract shapes
+  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers._time_taps` off).
+  fp32 / bf16:
+    - arguments 4.10 / 2.05 GB: the feature cache (last 2 input frames, one halo row above and
+      below, of all 32 cached convs; dominated by the 7 full-resolution convs, 7 x 2 x 482 x 832 x
+      96 x 4 B = 2.16 GB fp32) and the weights (decoder 0.29 / 0.14 GB);
+    - per-chunk temporaries 4.62 / 3.86 GB (the bf16 figure is pessimistic: XLA:CPU upcasts bf16
+      convolutions to fp32, which GPU/TPU do not). The largest single ones: a full-resolution
+      causal conv's concat(cache, x) [6, 482, 832, 96] = 0.92 GB; the mid-block attention scores
+      [6240, 6240] fp32 are 0.16 GB; the 2x upsample is never materialised (`upsample_conv`);
+    - the cache output aliases the donated cache input, so one step holds about 8.7 GB fp32 or
+      5.9 GB bf16; with the CPU's per-time-tap convs the temporaries are 5.56 / 4.78 GB;
     - the decoded video, 81 x 480 x 832 x 3 = 0.39 / 0.19 GB, accumulates beside it (plus one copy
       for the final concatenation and one for the BCFHW transpose).
-  => peak about 10 GB in fp32 and about 7 GB in bf16, independent of the number of frames (the
-  first chunk is smaller: 4.4 GB fp32), where an unchunked decode would hold the activations of
-  all 21 chunks at once.
+  => peak about 9 GB in fp32 and about 6 GB in bf16 on one device, independent of the number of
+  frames; `decode_parallel` splits the cache and the activations over D devices.
   """
   _check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
