@@ -49,7 +49,7 @@ def _unit(video):
 CASES = [
     ("tiny", 2, 21, 5, 4),
     ("tiny", 2, 1, 5, 4),
-    ("tiny", 4, 2, 5, 4),
+    ("tiny", 4, 1, 5, 4),  # its later-chunk program is compiled by the collectives test
     ("tiny", 8, 2, 5, 4),
     ("base8", 2, 2, 4, 4),
 ]
@@ -82,7 +82,7 @@ def test_parallel_decode_bf16(vaes):
 
 def test_layouts_and_errors(vaes):
   vae = vaes["tiny"]
-  z = jax.random.normal(jax.random.key(1), (1, 16, 2, 5, 4))  # the tiny cases' (compiled) shapes
+  z = jax.random.normal(jax.random.key(1), (1, 16, 1, 5, 4))  # the tiny cases' (compiled) shapes
   mesh = _mesh(2)
   bcfhw = V.decode_parallel(vae, z, mesh)
   np.testing.assert_array_equal(np.asarray(V.decode_parallel(vae, z, mesh, video_layout="BFHWC")),
