@@ -232,7 +232,8 @@ class RowShards:
   real_rows: int
 
   def __post_init__(self):
-    if self.devices < 1 or self.band < 1 or not self.devices * (self.band - 1) < self.real_rows <= self.devices * self.band:
+    D, h = self.devices, self.band
+    if D < 1 or h < 1 or not D * (h - 1) < self.real_rows <= D * h:
       raise ValueError(f"bad height split {self}: needs D * (h - 1) < Hl <= D * h")
 
   def mask(self, x_BTHWC: jax.Array) -> jax.Array:
