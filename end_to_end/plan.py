@@ -9,6 +9,7 @@ step by kind, FLOPs per device, a modelled step time, whether it fits, and the r
 chip from the name and the device count from the shape; the memory is the planner's estimate
 (`end_to_end.benchmark --aot TOPOLOGY --aot-mesh SPEC [--shard-weights]` compiles one candidate for
 XLA's own figures). `generate --mesh auto` uses the same recommendation for the visible devices.
+Exit status: 0 with a recommendation, 1 when nothing fits, 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
   where = p.add_mutually_exclusive_group(required=True)
   where.add_argument("--devices", type=int, help="devices in the mesh")
   where.add_argument("--topology", help="CHIP:AxB, e.g. v6e:2x4 (chip and device count)")
-  p.add_argument("--chip", choices=sorted(planner.CHIPS), default="v6e",
-                 help="the accelerator with --devices")
+  p.add_argument("--chip", choices=sorted(planner.CHIPS), default=None,
+                 help="the accelerator with --devices (default v6e)")
   p.add_argument("--height", type=int)
   p.add_argument("--width", type=int)
   p.add_argument("--frames", type=int)
@@ -60,17 +61,26 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from pipelines import planner
   from pipelines.generate import PRESETS
+  from pipelines.inputs import check_size, round_num_frames
+  from pipelines.pipeline import TINY_TRANSFORMER
   from pipelines.wan.transformer_config import PRESETS as MODELS
 
   try:
-    chip_name, devices = _topology(args.topology) if args.topology else (args.chip, args.devices)
+    if args.topology and args.chip:
+      raise ValueError(f"--topology {args.topology} names the chip; drop --chip {args.chip}")
+    chip_name, devices = _topology(args.topology) if args.topology else (args.chip or "v6e", args.devices)
     if chip_name not in planner.CHIPS:
       raise ValueError(f"unknown chip {chip_name!r}; known: {', '.join(sorted(planner.CHIPS))}")
     preset = PRESETS[args.preset]
-    height, width = args.height or preset.height, args.width or preset.width
-    frames = args.frames or preset.frames
+    height = preset.height if args.height is None else args.height
+    width = preset.width if args.width is None else args.width
+    check_size(height, width)
+    frames = round_num_frames(preset.frames if args.frames is None else args.frames)
+    if args.max_sequence_length < 1:
+      raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
     experts = 2 if args.preset.startswith("wan2.2") else 1
-    found = planner.candidates(MODELS[args.preset], devices=devices, frames=frames, height=height, width=width,
+    model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
+    found = planner.candidates(model, devices=devices, frames=frames, height=height, width=width,
                                text_tokens=args.max_sequence_length, cfg=preset.guidance[0] > 1,
                                dtype=args.dtype, experts=experts, chip=planner.CHIPS[chip_name])
   except ValueError as e:
@@ -97,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recommended: --mesh {best.mesh}{flag} (modelled {best.step_s_model:.2f} s/step, "
           f"{best.bytes_per_device / planner.GiB:.1f} GiB per device)")
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
+    try:
+      f = open(args.json, "w", encoding="utf-8")
+    except OSError as e:
+      print(f"plan: error: --json {args.json!r}: {e}", file=sys.stderr)
+      return 2
+    with f:
       json.dump({"preset": args.preset, "devices": devices, "chip": chip_name, "height": height,
                  "width": width, "frames": frames, "dtype": args.dtype, "memory": "estimate",
                  "candidates": [c.to_dict() for c in found],
                  "recommended": None if best is None else str(best.mesh),
                  "recommended_shard_weights": None if best is None else best.mesh.shard_weights}, f, indent=2)
-  return 0
+  return 0 if best is not None else 1
 
 
 if __name__ == "__main__":

@@ -263,6 +263,47 @@ def to_host(x: Any) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def check_same_settings(settings: Mapping[str, Any]) -> None:
+  """In a multi-process run: every process was started with the same settings (a JSON-able dict,
+  e.g. the parsed command without the process id). Processes given different seeds or prompts
+  would otherwise run one computation with different inputs and write a video nobody asked for.
+
+  Collective: every process must call it at the same point.
+
+  Raises:
+    ValueError: on every process when any differs, naming the processes and (on those) each
+      setting that differs from process 0's.
+  """
+  import hashlib
+  import json
+
+  import jax
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  text = json.dumps(dict(settings), sort_keys=True, default=str).encode()
+  digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+  digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+  differ = [i for i in range(len(digests)) if not np.array_equal(digests[i], digests[0])]
+  if not differ:
+    return
+  size = 1 << 16
+  buf = np.zeros(size, np.uint8)
+  buf[:min(len(text), size)] = np.frombuffer(text[:size], np.uint8)
+  first = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).rstrip(b"\0")
+  try:
+    theirs = json.loads(first)
+  except ValueError:
+    theirs = {}
+  mine = json.loads(text)
+  details = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} on process 0" for k in sorted(set(mine) | set(theirs))
+             if mine.get(k) != theirs.get(k)]
+  raise ValueError(f"process(es) {differ} of {len(digests)} were started with other settings than process 0"
+                   + (f" ({'; '.join(details)})" if details else "")
+                   + "; start every process with the same command (only --process-id differs)")
+
+
 def check_mesh_spans_processes(mesh_devices: int | None) -> None:
   """In a multi-process run the mesh must hold every process's devices (a process with no device
   in the mesh would have no part of the computation).

@@ -51,7 +51,7 @@ status 3; nothing is written, and the runtime's own log (a C++ stack dump) goes 
 
 Exit status: 0 success; 2 a usage or checkpoint error (before any compute); 1 a failure while
 running (non-finite latents, coordinator unreachable, the video encoder failing); 3 a process of a
-multi-process run was lost; 130 interrupted (Ctrl-C).
+multi-process run was lost; 130 interrupted (Ctrl-C or SIGTERM).
 
 Also `python -m pipelines.generate ...`.
 """
@@ -66,6 +66,7 @@ import math
 import os
 import platform
 import re
+import signal
 import sys
 import time
 import warnings
@@ -364,9 +365,14 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 (steps)")
   if args.checkpoint_dir is not None and args.no_checkpoint:
     raise UsageError("--checkpoint-dir and --no-checkpoint contradict each other; drop one")
+  if args.checkpoint_dir is not None:
+    check_checkpoint_dir(args.checkpoint_dir)
   if args.heartbeat_timeout < 2:
     raise UsageError(f"--heartbeat-timeout {args.heartbeat_timeout} must be >= 2 (seconds)")
   mesh = None
+  if args.mesh.strip().lower() == "auto" and args.shard_weights:
+    raise UsageError("--mesh auto picks whether to shard the weights itself; drop --shard-weights (or give "
+                     "an explicit mesh, e.g. --mesh U=2,R=2 --shard-weights)")
   if args.mesh.strip().lower() != "auto":
     try:
       mesh = MeshSpec.parse(args.mesh, shard_weights=args.shard_weights)
@@ -419,6 +425,24 @@ _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
+
+
+def check_checkpoint_dir(directory: str) -> None:
+  """A folder the checkpoint can go to: an existing folder, or a new one whose parent is a
+  writable folder.
+
+  Raises:
+    UsageError: a file of that name, or a parent that is missing, not a folder or not writable.
+  """
+  if os.path.exists(directory):
+    if not os.path.isdir(directory):
+      raise UsageError(f"--checkpoint-dir {directory!r} is a file; give a folder (new or existing)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+      raise UsageError(f"--checkpoint-dir {directory!r} is not writable")
+    return
+  parent = os.path.dirname(os.path.abspath(directory))
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    raise UsageError(f"--checkpoint-dir {directory!r}: its parent {parent!r} is not a writable folder")
 
 
 def given_flags(argv: list[str]) -> set[str]:
@@ -615,9 +639,20 @@ def check_plan(plan: Plan) -> Checked:
   requested = _request_cpu_devices(plan)
   transformer, experts = _model_config(plan)
   if plan.processes is not None:
+    if plan.mesh is not None:  # the heads first: no need to wait for the other processes to learn that
+      try:
+        plan.mesh.check(num_heads=transformer.num_attention_heads, device_count=plan.mesh.devices)
+      except ValueError as e:
+        raise UsageError(str(e)) from e
     print(f"generate: process {plan.processes.process_id} of {plan.processes.num_processes}: joining "
           f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
     distributed.initialize(plan.processes)
+  if plan.processes is not None:  # the same command on every process (only the id differs)
+    try:
+      distributed.check_same_settings({k: v for k, v in dataclasses.asdict(plan).items()
+                                       if k not in ("processes", "compile_cache")})  # (per-host paths)
+    except ValueError as e:
+      raise UsageError(str(e)) from e
   mesh_auto = plan.mesh is None
   if mesh_auto:
     plan = dataclasses.replace(plan, mesh=_auto_mesh(plan, transformer, experts))
@@ -811,7 +846,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   print(f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "
         f"seed {result.settings['seed']}, mesh {mesh_text}) | load {_fmt(load_s)}, text encode "
         f"{_fmt(timings['text_encode'])}, compile {_fmt(timings['compile'])}, denoise "
-        f"{_fmt(timings['denoise_per_step'])}/step x {plan.steps}, decode {_fmt(timings['decode'])}, "
+        f"{_fmt(timings['denoise_per_step'])}/step x {result.settings.get('steps_run', plan.steps)}, "
+        f"decode {_fmt(timings['decode'])}, "
         f"total {_fmt(timings['total'])} (decode includes the VAE's first compile); {cache.summary()}"
         f"{_step_cache_note(result.settings.get('step_cache'))}")
   return sidecar
@@ -825,6 +861,17 @@ def _remove_checkpoint(directory: str) -> None:
   if os.path.exists(record):
     os.remove(record)
   resume_state.remove(directory)
+
+
+def _tidy_checkpoint(plan: Plan | None) -> None:
+  """A run stopped before its first checkpoint: its folder holds only the run record; removed, so
+  no folder that cannot be resumed is left behind (process 0 only)."""
+  from pipelines import resume as resume_state
+
+  if (plan is None or plan.checkpoint_dir is None or plan.resume or not plan.writes
+      or os.path.exists(resume_state.state_path(plan.checkpoint_dir))):
+    return
+  _remove_checkpoint(plan.checkpoint_dir)
 
 
 def _resume_hint(plan: Plan | None) -> str:
@@ -868,6 +915,7 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
 
 
 def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -> int:
+  leave_at_once = False  # an interrupted multi-process run skips the shutdown barrier (its peers may be gone)
   try:
     try:
       apply_resume(args, given)
@@ -885,8 +933,11 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
     hint = lambda: _resume_hint(checked.plan)  # noqa: E731 (read when the error happens)
     try:
       run(checked, warnings_seen)
-    except (video_io.OutputError, checkpoint.CheckpointError, ResumeError) as e:
-      # loading, or a checkpoint of another run (before denoising); or the output appeared meanwhile
+    except ResumeError as e:  # a checkpoint of another run, unreadable, or in the way: no resume hint
+      print(f"generate: error: {e}", file=sys.stderr)
+      return 2
+    except (video_io.OutputError, checkpoint.CheckpointError) as e:
+      # loading; or the output appeared meanwhile
       print(f"generate: error: {e}{hint()}", file=sys.stderr)
       return 2
     except (NonFiniteLatentsError, video_io.EncodeError) as e:
@@ -904,21 +955,29 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
     except KeyboardInterrupt:
       # Outputs are written to a temporary name and renamed into place; an interrupt before the
       # rename removes the temporary file, so nothing is left under --out.
+      _tidy_checkpoint(checked.plan)
       print(f"generate: interrupted; nothing written to {args.out}{hint()}", file=sys.stderr)
+      leave_at_once = checked.plan.processes is not None
       return 130
     return 0
   finally:
-    distributed.shutdown()
+    if not leave_at_once:
+      distributed.shutdown()
 
 
 def cli() -> None:
   """Console-script entry (`generate`, `python -m pipelines.generate`): `main`, then exit.
 
-  After Ctrl-C the process leaves through `os._exit(130)` once its streams are flushed: XLA's
+  SIGTERM is handled as Ctrl-C. After Ctrl-C the process leaves through `os._exit(130)` once its
+  streams are flushed: XLA's
   worker threads may still be running, and interpreter teardown under them crashed with SIGSEGV
   in 2 of 10 interrupts during compile. An interrupt before `main` catches it (while modules
   import) also exits 130 with one line instead of a traceback.
   """
+  def terminate(signum, frame):  # SIGTERM stops a run as Ctrl-C does (checkpoint kept, exit 130)
+    raise KeyboardInterrupt
+
+  signal.signal(signal.SIGTERM, terminate)
   try:
     code = main()
   except KeyboardInterrupt:

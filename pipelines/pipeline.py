@@ -735,8 +735,9 @@ class WanPipeline(LoraLoaderMixin):
     copy and write on a thread while the next step runs; process 0 only). `resume=True` continues
     from the checkpoint there: every setting that decides the video must match it (the mesh need
     not), and the video equals the uninterrupted run's. Without `resume`, a checkpoint already in
-    `checkpoint_dir` is an error (it is never overwritten silently). After a successful run the
-    checkpoint is removed unless `keep_checkpoint`.
+    `checkpoint_dir` is an error (it is never overwritten silently). After a run that did every
+    step the checkpoint is removed unless `keep_checkpoint` (a run stopped early by a callback's
+    `_interrupt` keeps it, so it can be resumed).
 
     Raises:
       ValueError: see `check_inputs` (raised before any compute).
@@ -915,8 +916,9 @@ class WanPipeline(LoraLoaderMixin):
             s.step_cache, [(k, bool(distributed.to_host(c["skipped"])),
                                float(distributed.to_host(c["metric"]))) for k, c in cache_stats],
             num_layers=self.transformer_config.num_layers))
-    if checkpoint_dir is not None and not keep_checkpoint and distributed.is_main_process():
-      resume_state.remove(checkpoint_dir)
+    if (checkpoint_dir is not None and not keep_checkpoint and not self._interrupt
+        and distributed.is_main_process()):
+      resume_state.remove(checkpoint_dir)  # kept when a callback stopped the run early
     return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
 
   def _text_states(self, s: ResolvedCall) -> jax.Array:

@@ -45,8 +45,11 @@ ENV_SUPERVISED = "WAN_USP_SUPERVISED"
 ENV_STATUS = "WAN_USP_STATUS_FILE"
 
 # absl / glog record header: severity, MMDD, time, thread id, file:line]
-_RUNTIME_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+\s+\S+:\d+\]")
-_GLOO_LINE = re.compile(rb"^\[Gloo\]")
+_RUNTIME_HEADER = rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+\s+\S+:\d+\]"
+_RUNTIME_LINE = re.compile(rb"^" + _RUNTIME_HEADER)
+_RUNTIME_INSIDE = re.compile(_RUNTIME_HEADER)  # a record written while a progress bar's line was open
+# gloo's connection lines (stdout; its "[Gloo] Rank " prefix may come apart from the rest)
+_GLOO_LINE = re.compile(rb"^(\[Gloo\]|\d+ is connected to \d+ peer ranks)")
 # What a program line can start with, ending a multi-line runtime record: our own prefixes, a
 # progress bar, a Python traceback or warning.
 _PROGRAM_LINE = re.compile(
@@ -117,7 +120,14 @@ class StreamFilter:
           self._mid_line = True
         return
       line, data = data[:match.end()], data[match.end():]
-      if self._mid_line:
+      inside = _RUNTIME_INSIDE.search(line, 0 if self._mid_line else 1)
+      if inside is not None and (self._mid_line or not self._in_record):
+        # A runtime record that starts inside a program line (e.g. after a progress bar drawn
+        # without a newline): the program's part ends the line, the record goes to the log.
+        self._to_program(line[:inside.start()] + b"\n")
+        self._mid_line = False
+        self._line(line[inside.start():])
+      elif self._mid_line:
         self._to_program(line)
         self._mid_line = False
       else:

@@ -186,3 +186,62 @@ def test_lost_process_ends_the_run_and_it_resumes(tmp_path):
   assert_psnr_at_least(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "uninterrupted.npy"),
                        RESUME_PSNR_DB, name=f"2 processes killed after step {saved.step}, resumed on 1 device")
   assert not os.path.exists(ckpt)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_processes_with_other_settings_are_refused(tmp_path):
+  """Process 1 started with another seed: both refuse before compute (exit 2), naming the setting."""
+  coordinator = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      args = list(ARGS)
+      args[args.index("--seed") + 1] = str(3 + i)
+      procs.append(_start(args + ["--out", str(tmp_path / "out.npy"), "--coordinator", coordinator,
+                                  "--num-processes", "2", "--process-id", str(i), "--coordinator-timeout", "60"],
+                          logs[i]))
+    codes = _wait_all(procs, TIMEOUT_S)
+  finally:
+    _end(procs)
+  text = [open(log).read() for log in logs]
+  assert codes == [2, 2], text
+  assert "process(es) [1] of 2 were started with other settings than process 0" in text[0], text[0]
+  assert "seed: 4 here, 3 on process 0" in text[1], text[1]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_ctrl_c_of_one_process(tmp_path):
+  """Ctrl-C (SIGINT) to process 1 only, mid-denoise: it stops at once with exit 130 and the resume
+  hint; process 0 stops within the heartbeat timeout + 10 s with exit 3 naming process 1."""
+  heartbeat = 5
+  steps = 400
+  args = list(ARGS)
+  args[args.index("--steps") + 1] = str(steps)
+  coordinator = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      procs.append(_start(args + ["--out", str(tmp_path / "out.npy"), "--coordinator", coordinator,
+                                  "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout",
+                                  str(heartbeat), "--coordinator-timeout", "60",
+                                  "--checkpoint-dir", str(tmp_path / "ckpt")], logs[i]))
+    deadline = time.monotonic() + TIMEOUT_S
+    while not re.search(rf" [1-9]\d*/{steps} \[", open(logs[0]).read()):
+      assert time.monotonic() < deadline and procs[0].poll() is None, open(logs[0]).read()
+      time.sleep(0.05)
+    procs[1].send_signal(2)  # SIGINT to process 1's supervisor only
+    sent = time.monotonic()
+    code1 = procs[1].wait(timeout=30)
+    stopped1 = time.monotonic() - sent
+    code0 = procs[0].wait(timeout=heartbeat + 60)
+    stopped0 = time.monotonic() - sent
+  finally:
+    _end(procs)
+  text = [open(log).read() for log in logs]
+  assert code1 == 130 and stopped1 < 10, (code1, stopped1, text[1])
+  assert "generate: interrupted; nothing written" in text[1] and "another process" not in text[1], text[1]
+  assert code0 == 3 and stopped0 <= heartbeat + 10, (code0, stopped0, text[0])
+  assert "process 1 of 2 stopped responding" in text[0], text[0]

@@ -102,6 +102,21 @@ def test_resume_refuses_another_run_before_compute(pipe, tmp_path):
   assert resume.read(folder).step == 2  # untouched by the refusals
 
 
+def test_callback_interrupt_keeps_the_checkpoint(pipe, reference, tmp_path):
+  """diffusers' `_interrupt` ends the call early with a partial video: the checkpoint stays, and
+  resuming it finishes the video."""
+  folder = str(tmp_path / "ckpt")
+
+  def stop_after_two(p, k, t, kwargs):
+    if k == 1:
+      p._interrupt = True
+    return {}
+  pipe.run(PROMPT, checkpoint_dir=folder, callback_on_step_end=stop_after_two, **KW)
+  assert resume.read(folder).step == 2
+  result = pipe.run(PROMPT, checkpoint_dir=folder, resume=True, **KW)
+  assert_psnr_at_least(result.frames, reference, RESUME_PSNR_DB, name="resumed after _interrupt")
+
+
 def test_unreadable_checkpoint_is_refused(pipe, tmp_path):
   folder = tmp_path / "ckpt"
   folder.mkdir()
@@ -155,6 +170,11 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
   assert sidecar["checkpoint"]["resumed_from_step"] == 3 and sidecar["prompt"] == PROMPT
   assert sidecar["settings"]["step_cache"]["spec"].startswith("first-block:0.05")  # read from the record
   assert not os.path.exists(folder)  # removed after the video was written
+  # a checkpoint folder that cannot be one is refused before compute
+  (tmp_path / "file").write_text("x")
+  for bad in (str(tmp_path / "file"), str(tmp_path / "missing" / "ckpt")):
+    assert generate.main(args + ["--out", str(tmp_path / "c.npy"), "--checkpoint-dir", bad]) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
   # a new run into a folder holding a saved run is refused before compute
   os.makedirs(folder)
   open(os.path.join(folder, resume.STATE_FILE), "wb").close()

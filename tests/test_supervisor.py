@@ -52,6 +52,20 @@ def test_progress_bar_is_forwarded_before_its_line_ends(tmp_path):
   assert (tmp_path / "log").read_bytes() == b"E1130 15:23:00.340405 15177 service.cc:12] lost\n"
 
 
+def test_record_inside_a_progress_line_goes_to_the_log(tmp_path):
+  out = io.BytesIO()
+  filt = supervisor.StreamFilter(out, str(tmp_path / "log"))
+  filt.feed(b"\rdenoise:  10%|#")  # a bar drawn without a newline, then the runtime's record
+  filt.feed(b"E1130 15:23:00.340405 15177 service.cc:12] stopped sending heartbeats\n1\n")
+  filt.feed(b"1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+  filt.feed(b"generate: error: lost\n")
+  filt.close()
+  assert out.getvalue() == b"\rdenoise:  10%|#\ngenerate: error: lost\n"
+  assert (tmp_path / "log").read_bytes() == (
+      b"E1130 15:23:00.340405 15177 service.cc:12] stopped sending heartbeats\n1\n"
+      b"1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+
+
 def test_lost_peer_lines():
   text = RECORD.decode()
   line = supervisor.lost_peer_line(text, 0, 2, 30, {"out": "fox.mp4", "checkpoint_dir": "fox.mp4.resume"})

@@ -42,11 +42,12 @@ settings are arrays in the state, so a new threshold does not recompile the step
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -312,11 +313,18 @@ def for_checkpoint(state: State, *, tokens: int, mesh: Mesh | None) -> State:
   """The state as a denoising checkpoint (`pipelines.resume.Writer`) takes it: residuals cut to the
   `tokens` valid token rows (the mesh padding differs between meshes; a run may resume on another
   one) and every array replicated over the mesh. A new copy; `state` is unchanged."""
-  def cut(s):
-    return jax.tree.map(lambda x: x[:, :tokens] if x.ndim == 3 else x, s)
   sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
               else NamedSharding(mesh, P()))
-  return jax.jit(cut, out_shardings=sharding)(state)
+  return _checkpoint_cut(tokens, sharding)(state)
+
+
+@functools.lru_cache(maxsize=16)
+def _checkpoint_cut(tokens: int, sharding: Any) -> Callable[[State], State]:
+  """The jitted cut of `for_checkpoint`, one per (tokens, sharding): built once, so saving after
+  every step compiles nothing new."""
+  def cut(s):
+    return jax.tree.map(lambda x: x[:, :tokens] if x.ndim == 3 else x, s)
+  return jax.jit(cut, out_shardings=sharding)
 
 
 def checkpoint_template(state: State, *, tokens: int) -> State:
