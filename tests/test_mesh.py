@@ -127,9 +127,24 @@ def _compiled(pipe, mesh: str, shard_weights: bool):
   return frames, exe.as_text()
 
 
-@pytest.mark.parametrize("mesh", ["CFG=2,U=2,R=2", "CFG=2,U=4", "CFG=2,R=4"])
-def test_cfg_parallel_equals_one_device(pipe, reference, mesh):
-  """With and without sharded weights; the compiled step's collectives as designed."""
+@pytest.mark.parametrize("mesh,sharded", [("CFG=2,U=4", True), ("CFG=2,R=4", False)])
+def test_cfg_parallel_equals_one_device(pipe, reference, monkeypatch, mesh, sharded):
+  """With sharded weights the text encoder's large weights are split over the mesh too (here every
+  leaf of >= 64 values, so the tiny encoder's are); back on one device they are whole again."""
+  from pipelines.wan import transformer as wan_transformer
+  monkeypatch.setattr(wan_transformer, "LARGE_LEAF_ELEMENTS", 64)
+  frames, _ = _compiled(pipe, mesh, sharded)
+  assert_psnr_at_least(frames, reference, MESH_PSNR_DB, name=f"{mesh}{' weights sharded' if sharded else ''}")
+  split = [x for x in jax.tree.leaves(pipe._text_params) if not x.sharding.is_fully_replicated]
+  assert (len(split) >= 4) == sharded, len(split)  # positive control: the encoder's weights are split
+  if sharded:
+    np.testing.assert_array_equal(pipe.run("a fox", **KW).frames, reference)  # one device again
+
+
+def test_cfg_parallel_collectives(pipe, reference):
+  """CFG=2,U=2,R=2 with and without sharded weights: the same video as one device, and the compiled
+  step's collectives as designed."""
+  mesh = "CFG=2,U=2,R=2"
   plain, plain_hlo = _compiled(pipe, mesh, False)
   assert_psnr_at_least(plain, reference, MESH_PSNR_DB, name=mesh)
   sharded, sharded_hlo = _compiled(pipe, mesh, True)
@@ -141,8 +156,7 @@ def test_cfg_parallel_equals_one_device(pipe, reference, mesh):
   # One exchange of the noise prediction over cfg: a collective-permute between the two halves.
   noise_bytes = 4 * int(np.prod(pipe.latent_shape(1, 32, 32, 5)))
   permutes = _collective_lines(plain_hlo.splitlines(), "collective-permute")
-  devices = MeshSpec.parse(mesh).devices
-  half = devices // 2
+  half = MeshSpec.parse(mesh).devices // 2
   cross = [l for l in permutes if re.search(rf"\{{0,{half}\}}", l)]
   assert len(cross) == 1, cross
   assert hlo_collectives(cross[0])["collective-permute"]["bytes"] == noise_bytes
@@ -159,20 +173,6 @@ def test_cfg_parallel_equals_one_device(pipe, reference, mesh):
   in_plain_bodies = sum(len(_collective_lines(_computations(plain_hlo)[b], "all-gather"))
                         for b in re.findall(r"body=%?([\w.\-]+)", plain_hlo))
   assert in_bodies - in_plain_bodies == added
-
-
-def test_sharded_text_encoder_equals_one_device(pipe, reference, monkeypatch):
-  """With shard_weights the text encoder's large weights are split over the mesh too (here every
-  leaf of >= 64 values, so the tiny encoder's are): same video."""
-  from pipelines.wan import transformer as wan_transformer
-  monkeypatch.setattr(wan_transformer, "LARGE_LEAF_ELEMENTS", 64)
-  fresh = wan_pipeline.WanPipeline.tiny()
-  frames = fresh.run("a fox", mesh="U=2,R=4", shard_weights=True, **KW).frames
-  split = [x for x in jax.tree.leaves(fresh._text_params) if not x.sharding.is_fully_replicated]
-  assert len(split) >= 4, len(split)  # positive control: the encoder's weights are sharded
-  assert_psnr_at_least(frames, reference, MESH_PSNR_DB, name="text encoder weights sharded")
-  back = fresh.run("a fox", **KW).frames  # one device again: the weights come back
-  np.testing.assert_array_equal(back, reference)
 
 
 def test_cfg_mesh_needs_guidance(pipe):
