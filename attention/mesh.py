@@ -244,10 +244,13 @@ def request_cpu_devices(count: int) -> int | None:
     the count set, or None when nothing was set (count <= 1, a count already in XLA_FLAGS, or the
     backend already started).
   """
-  from jax._src import xla_bridge
-
+  try:  # whether XLA has read its flags already (private API: assume not where it is missing)
+    from jax._src import xla_bridge
+    started = xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):
+    started = False
   flags = os.environ.get("XLA_FLAGS", "")
-  if count <= 1 or DEVICE_FLAG in flags or xla_bridge.backends_are_initialized():
+  if count <= 1 or DEVICE_FLAG in flags or started:
     return None
   os.environ["XLA_FLAGS"] = f"{flags} --{DEVICE_FLAG}={count}".strip()
   return count
