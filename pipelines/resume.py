@@ -12,8 +12,8 @@ A checkpoint is one safetensors file, `DIR/denoise_state.safetensors`, holding
 
 Writing (`Writer.save`): the state is copied on its device first (a device-side copy, dispatched
 before the next step donates the buffers), then a background thread reads the copy to the host
-and writes `DIR/.denoise_state.safetensors.tmp-PID`, fsyncs it and renames it over the previous
-checkpoint, so the host copy and the file write overlap the next step and a crash at any moment
+and writes a temporary file beside it (`DIR/.denoise_state.safetensors.*.tmp`), fsyncs it and
+renames it over the previous checkpoint, so the host copy and the file write overlap the next step and a crash at any moment
 leaves the previous complete checkpoint. Only process 0 of a multi-process run writes; to resume,
 every process reads DIR (shared storage, as the model folder).
 
@@ -182,22 +182,19 @@ def read(directory: str) -> Checkpoint | None:
 
 
 def _write(directory: str, step: int, identity: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-  """Writes the checkpoint atomically (temporary file, fsync, rename, fsync of the folder)."""
+  """Writes the checkpoint atomically (`video_io.atomic_file`: a temporary file beside it, here
+  fsynced before the rename, then the folder fsynced)."""
   from safetensors.numpy import save_file
 
+  from pipelines import video_io
+
   os.makedirs(directory, exist_ok=True)
-  path = state_path(directory)
-  tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}")
   meta = {_META_KEY: json.dumps({"format": FORMAT_VERSION, "step": step, "identity": identity},
                                 default=str)}
-  try:
+  with video_io.atomic_file(state_path(directory), ".tmp", overwrite=True) as tmp:
     save_file({k: np.asarray(v).copy(order="C") for k, v in arrays.items()}, tmp, metadata=meta)
     with open(tmp, "rb") as f:
       os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
   try:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -306,7 +303,7 @@ def remove(directory: str) -> None:
   if os.path.exists(path):
     os.remove(path)
   for name in os.listdir(directory) if os.path.isdir(directory) else ():
-    if name.startswith(f".{STATE_FILE}.tmp-"):
+    if name.startswith(f".{STATE_FILE}.") and name.endswith(".tmp"):  # left by a process killed mid-write
       os.remove(os.path.join(directory, name))
   try:
     os.rmdir(directory)

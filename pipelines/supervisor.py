@@ -277,10 +277,8 @@ def write_status(**fields) -> None:
   except (OSError, ValueError):
     status = {}
   status.update(fields)
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(status, f)
-  os.replace(tmp, path)
+  from pipelines import video_io  # (the child only: it has the whole program loaded anyway)
+  video_io.write_json(status, path, overwrite=True)
 
 
 def wait_for_runtime_verdict(heartbeat_timeout_s: int) -> None:

@@ -314,7 +314,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
   frames = _fit_size(frames, path, odd_size)
   if kind == "gif":
     fps = 100 / gif_delay_cs(fps)  # the nearest fps a GIF stores
-  with _atomic_file(path, "" if kind == "frames" else "." + kind, overwrite, folder=kind == "frames") as temp:
+  with atomic_file(path, "" if kind == "frames" else "." + kind, overwrite, folder=kind == "frames") as temp:
     try:
       stored = tuple(_WRITERS[kind](frames, temp, fps))
       if stored != frames.shape[:3]:
@@ -329,7 +329,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
 
 def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> str:
   """Writes a JSON file atomically (same temp-then-rename rule as `write_video`)."""
-  with _atomic_file(path, ".json", overwrite) as temp:
+  with atomic_file(path, ".json", overwrite) as temp:
     with open(temp, "w", encoding="utf-8") as f:
       json.dump(data, f, indent=2, default=str, ensure_ascii=False)
       f.write("\n")
@@ -337,10 +337,15 @@ def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> s
 
 
 @contextlib.contextmanager
-def _atomic_file(path: str, suffix: str, overwrite: bool, *, folder: bool = False) -> Iterator[str]:
+def atomic_file(path: str, suffix: str, overwrite: bool, *, folder: bool = False) -> Iterator[str]:
   """Yields a temporary file (or, with `folder`, directory) name beside `path`; renames it into
   place on success, removes it on any error or interrupt (so a half-written file never appears
-  under `path`)."""
+  under `path`). The one atomic-write mechanism of the package (videos, sidecars, run records,
+  denoising checkpoints).
+
+  Raises:
+    OutputError: `path` appeared meanwhile and `overwrite` is False.
+  """
   parent = os.path.dirname(os.path.abspath(path)) or "."
   prefix = f".{os.path.basename(path)}."
   if folder:
