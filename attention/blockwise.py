@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import fixed_m as fm
+from attention import kernels
 from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
 
@@ -39,10 +40,12 @@ class BlockSizes:
   """Tunables of the blockwise kernels (static; hashable).
 
   Attributes:
-    block_q: query rows per block (outer loop, `lax.map`). Bounds the live logits to
-      [B, N, block_q, block_kv].
-    block_kv: keys per block (inner loop, `lax.scan`).
-  Defaults measured on a 2-core CPU at T = S = 4096, N = 12, H = 128 (end_to_end/bench_attention.py).
+    block_q: query rows per block (XLA: outer `lax.map`; Pallas: the grid's query axis). Bounds the
+      live logits to [B, N, block_q, block_kv].
+    block_kv: keys per block (XLA: inner `lax.scan`; Pallas: the key loop).
+  The Pallas kernels need multiples of 128 (TPU lanes) and, on GPU, powers of two.
+  `get_default(backend, platform)` gives the measured (CPU / XLA) or seeded (Pallas) defaults,
+  `DEFAULT_BLOCKS`; `python -m end_to_end.tune_blocks` measures a grid and prints the winners.
   """
 
   block_q: int = 1024
@@ -55,8 +58,45 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name} must be a positive int, got {name}={val!r}")
 
   @classmethod
-  def get_default(cls) -> "BlockSizes":
-    return cls()
+  def get_default(cls, backend: str = "xla", platform: str | None = None) -> "BlockSizes":
+    """The default blocks for `backend` ("xla" | "pallas") on `platform` ("cpu" | "tpu" | "gpu";
+    None: JAX's default backend)."""
+    platform = jax.default_backend() if platform is None else platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return DEFAULT_BLOCKS.get((backend, platform), DEFAULT_BLOCKS[(backend, "cpu")])
+
+
+# (backend, platform) -> defaults. XLA on CPU: measured at T = S = 4096, N = 12, H = 128 on 2 cores
+# (end_to_end/bench_attention.py). Pallas: TPU the splash-attention-like 512 x 1024 (VMEM per step
+# ~ bq*bk*4 B of logits + double-buffered K/V tiles, well inside v5e's 16 MiB scoped VMEM); GPU
+# the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry is interpret mode
+# (tests), small so that padding stays cheap. `end_to_end.tune_blocks` re-measures them.
+DEFAULT_BLOCKS = {
+    ("xla", "cpu"): BlockSizes(1024, 512),
+    ("pallas", "cpu"): BlockSizes(128, 128),
+    ("pallas", "tpu"): BlockSizes(512, 1024),
+    ("pallas", "gpu"): BlockSizes(128, 128),
+}
+
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+  """"auto" -> "pallas" on TPU and GPU, "xla" elsewhere; "xla" / "pallas" as given.
+
+  Args:
+    platform: the platform the program is compiled for (None: JAX's default backend). AOT
+      compiles for a TPU topology from a CPU host pass "tpu".
+
+  Raises:
+    ValueError: an unknown backend.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown attention {backend=}; expected one of {BACKENDS}")
+  if backend != "auto":
+    return backend
+  platform = jax.default_backend() if platform is None else platform
+  return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +151,24 @@ class BlockLayout:
   S: int
   block_q: int
   block_kv: int
+  backend: str = "xla"
 
   @classmethod
-  def make(cls, T: int, S: int, block_sizes: "BlockSizes") -> "BlockLayout":
-    """Blocks of min(block_q, T) x min(block_kv, S); T and S padded up to multiples of them."""
+  def make(cls, T: int, S: int, block_sizes: "BlockSizes", backend: str = "xla") -> "BlockLayout":
+    """Blocks of min(block_q, T) x min(block_kv, S) (XLA) or, for the Pallas kernels,
+    min(block, next power of two >= max(length, 128)) so every block is a multiple of 128 and a
+    power of two when the given sizes are; T and S padded up to multiples of them.
+
+    Raises:
+      ValueError: Pallas block sizes that are not multiples of 128.
+    """
+    if backend == "pallas":
+      if block_sizes.block_q % 128 or block_sizes.block_kv % 128:
+        raise ValueError(f"the Pallas attention kernels need block sizes that are multiples of 128, got {block_sizes}")
+      fit = lambda n, blk: min(blk, max(128, 1 << (n - 1).bit_length()))
+      return cls(T, S, fit(T, block_sizes.block_q), fit(S, block_sizes.block_kv), "pallas")
+    if backend != "xla":
+      raise ValueError(f"BlockLayout backend must be 'xla' or 'pallas' (resolve 'auto' first), got {backend!r}")
     return cls(T, S, min(block_sizes.block_q, T), min(block_sizes.block_kv, S))
 
   @property
@@ -212,6 +266,10 @@ def attend(
 ) -> Carry:
   """Accumulates the keys k/v into the carry of queries q, block by block.
 
+  The one dispatch of every blockwise path: `layout.backend` "xla" runs `lax.map` over query blocks
+  and `lax.scan` over key blocks; "pallas" runs the same arithmetic as one kernel call
+  (`attention.kernels.attend_kernel`: Mosaic on TPU, Triton on GPU, interpret mode elsewhere).
+
   Args:
     carry: from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad rows.
     q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e).
@@ -238,6 +296,11 @@ def attend(
     raise ValueError(f"q rows {T}, k slots {S}, q_pos {q_pos.shape}, kv_pos {kv_pos.shape} do not "
                      f"match {layout} (T_pad={layout.T_pad}, S_pad={layout.S_pad}); pad with the layout")
   bq, bk = layout.block_q, layout.block_kv
+  if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
+    o, l, m = kernels.attend_kernel(
+        carry.o, carry.l, carry.m, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, mode=mode, bq=bq, bk=bk,
+        S=layout.S, kv_padded=layout.kv_padded, window=window, causal=causal, logit_scale=logit_scale)
+    return Carry(o, l, m)
   nq, nk = T // bq, S // bk
   needs_mask = kv_limit is not None or window is not None or causal or layout.kv_padded
 
@@ -321,6 +384,7 @@ def local_attention(
     implementation: str = "auto",
     block_sizes: BlockSizes | None = None,
     q_prescaled: bool = False,
+    backend: str = "auto",
 ) -> jax.Array:
   """Exact blockwise attention on one device.
 
@@ -335,20 +399,21 @@ def local_attention(
     implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
       input the output is all NaN, never a silently wrong number) or "auto" (the gate picks with
       `lax.cond`, fixed-m when eligible).
-    block_sizes: `BlockSizes`, default `BlockSizes.get_default()`.
+    block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)`.
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
+    backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas" (on CPU the
+      kernels run in Pallas interpret mode: slow, exact). Same results either way.
 
   Returns:
     [B, T, N, H] in q's dtype (softmax and accumulation in fp32).
 
   Raises:
     ValueError: bad ranks/shapes/dtypes, N % K != 0, bad window or block sizes, or an unknown
-      implementation, before any compute.
+      implementation or backend, before any compute.
   """
   validate_qkv(q, k, v, kv_valid_len=kv_valid_len, window=window)
-  block_sizes = BlockSizes.get_default() if block_sizes is None else block_sizes
-  if not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+  backend = resolve_backend(backend)
+  block_sizes = check_block_sizes(block_sizes, backend)
   match implementation:
     case "auto" | "fixed_m" | "lse":
       pass
@@ -358,17 +423,31 @@ def local_attention(
   return _local_attention(
       q, k, v, kv_valid_len, window=None if window is None else int(window), causal=bool(causal),
       scale=scale, implementation=implementation, block_sizes=block_sizes,
-      q_prescaled=bool(q_prescaled))
+      q_prescaled=bool(q_prescaled), backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "causal", "scale", "implementation", "block_sizes", "q_prescaled"))
+def check_block_sizes(block_sizes: BlockSizes | None, backend: str) -> BlockSizes:
+  """The call's BlockSizes: the backend's default when None.
+
+  Raises:
+    ValueError: not a BlockSizes, or Pallas blocks that are not multiples of 128.
+  """
+  block_sizes = BlockSizes.get_default(backend) if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+  BlockLayout.make(1, 1, block_sizes, backend)  # the backend's own constraints
+  return block_sizes
+
+
+@functools.partial(jax.jit, static_argnames=("window", "causal", "scale", "implementation", "block_sizes",
+                                             "q_prescaled", "backend"))
 def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementation, block_sizes,
-                     q_prescaled):
+                     q_prescaled, backend):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
   q_in, logit_scale = query_scaling(q, scale, q_prescaled)
-  layout = BlockLayout.make(T, S, block_sizes)
+  layout = BlockLayout.make(T, S, block_sizes, backend)
   q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
   k_BKSH = layout.pad_kv(k.transpose(0, 2, 1, 3))
   v_BKSH = layout.pad_kv(v.transpose(0, 2, 1, 3))

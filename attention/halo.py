@@ -48,6 +48,7 @@ def halo_attention(
     kv_valid_len: jax.Array | None = None,
     scale: float | None = None,
     block_sizes: bw.BlockSizes | None = None,
+    backend: str = "auto",
 ) -> jax.Array:
   """Exact sliding-window attention with only the window's K/V exchanged between neighbours.
 
@@ -56,7 +57,7 @@ def halo_attention(
     mesh: the (ring, ulysses) mesh; the sequence is split over all U * R devices.
     window: w >= 0: query i sees key j when |i - j| <= w (i - w <= j <= i with `causal`). Any w
       works; w wider than a shard costs ceil(w / shard) hops per direction.
-    causal, kv_valid_len, scale, block_sizes: as in `local_attention`.
+    causal, kv_valid_len, scale, block_sizes, backend: as in `local_attention`.
 
   Returns:
     [B, T, N, H] in q's dtype, sharded over the sequence. Per call: ceil(w / shard) (causal) or
@@ -67,20 +68,22 @@ def halo_attention(
     ValueError: as `local_attention`, window None, or T != S.
   """
   return _window_call(q, k, v, kv_valid_len, mesh=mesh, window=window, causal=causal, scale=scale,
-                      block_sizes=block_sizes, exchange="halo")
+                      block_sizes=block_sizes, exchange="halo", backend=backend)
 
 
-def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange):
+def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange, backend):
   """Checks, defaults, then the jitted program (shared by the halo and all-gather exchanges)."""
   _check_window_inputs(q, k, v, kv_valid_len, window)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  block_sizes = bw.BlockSizes.get_default() if block_sizes is None else block_sizes
+  backend = bw.resolve_backend(backend, mesh.devices.flat[0].platform)
+  block_sizes = bw.check_block_sizes(block_sizes, backend)
   return _window_attention(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
-                           scale=scale, block_sizes=block_sizes, exchange=exchange)
+                           scale=scale, block_sizes=block_sizes, exchange=exchange, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes", "exchange"))
-def _window_attention(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange):
+@functools.partial(jax.jit, static_argnames=("mesh", "window", "causal", "scale", "block_sizes", "exchange",
+                                             "backend"))
+def _window_attention(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_sizes, exchange, backend):
   B, T, N, H = q.shape
   U, R = mesh_degrees(mesh)
   T_pad = round_up(T, U * R)
@@ -88,14 +91,14 @@ def _window_attention(q, k, v, kv_valid_len, *, mesh, window, causal, scale, blo
   limit = jnp.full((B,), T, jnp.int32) if kv_valid_len is None else jnp.minimum(kv_valid_len, T).astype(jnp.int32)
   body = _halo_body if exchange == "halo" else _gathered_body
   body = functools.partial(body, U=U, R=R, window=window, causal=causal, scale=scale,
-                           block_sizes=block_sizes)
+                           block_sizes=block_sizes, backend=backend)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))
   out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq,
                       check_vma=False)(q, k, v, limit)
   return out[:, :T]
 
 
-def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
+def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes, backend):
   B, Tl, N, H = q.shape
   D = U * R
   r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
@@ -121,15 +124,15 @@ def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
   kv = jnp.concatenate(pieces, axis=2)
   kv_pos = jnp.concatenate(positions).astype(jnp.int32)
   return _attend_positions(q, kv[0], kv[1], own_pos, kv_pos, limit, window=window, causal=causal,
-                           scale=scale, block_sizes=block_sizes)
+                           scale=scale, block_sizes=block_sizes, backend=backend)
 
 
-def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, block_sizes):
+def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, block_sizes, backend):
   """LSE attention of q [B, T, N, H] to k/v [B, S, K, H] at explicit global positions."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  layout = bw.BlockLayout.make(T, S, block_sizes)
+  layout = bw.BlockLayout.make(T, S, block_sizes, backend)
   q_in, logit_scale = bw.query_scaling(q, scale, False)
   q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
   carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, layout.pad_kv(k.transpose(0, 2, 1, 3)),
@@ -141,16 +144,16 @@ def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, b
 
 
 def all_gather_window_attention(q, k, v, *, mesh, window, causal=False, kv_valid_len=None,
-                                scale=None, block_sizes=None):
+                                scale=None, block_sizes=None, backend="auto"):
   """Sliding-window attention that all-gathers K/V over the mesh (the simple, O(T) baseline).
 
   Same arguments and result as `halo_attention`; one all-gather of the packed K/V per call.
   """
   return _window_call(q, k, v, kv_valid_len, mesh=mesh, window=window, causal=causal, scale=scale,
-                      block_sizes=block_sizes, exchange="all_gather")
+                      block_sizes=block_sizes, exchange="all_gather", backend=backend)
 
 
-def _gathered_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
+def _gathered_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes, backend):
   Tl = q.shape[1]
   r = jax.lax.axis_index(RING_AXIS) if R > 1 else 0
   u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
@@ -159,12 +162,13 @@ def _gathered_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes):
     kv = jax.lax.all_gather(kv, SEQUENCE_AXES, axis=2, tiled=True)
   q_pos = (r * U + u) * Tl + jnp.arange(Tl)
   return _attend_positions(q, kv[0], kv[1], q_pos, jnp.arange(kv.shape[2], dtype=jnp.int32), limit,
-                           window=window, causal=causal, scale=scale, block_sizes=block_sizes)
+                           window=window, causal=causal, scale=scale, block_sizes=block_sizes, backend=backend)
 
 
 def sequence_parallel_attention(
     q, k, v, *, mesh, window: int | None = None, causal: bool = False, kv_valid_len=None,
-    strategy: Strategy | None = None, implementation: str = "auto", scale=None, block_sizes=None):
+    strategy: Strategy | None = None, implementation: str = "auto", scale=None, block_sizes=None,
+    backend: str = "auto"):
   """Per-layer strategy switch: global layers use USP, sliding-window layers halo or all-gather.
 
   Args:
@@ -182,12 +186,14 @@ def sequence_parallel_attention(
       if window is not None or causal:
         raise ValueError(f"strategy 'usp' is for global (non-windowed, non-causal) layers, got {window=} {causal=}")
       return usp_attention(q, k, v, mesh=mesh, kv_valid_len=kv_valid_len,
-                           implementation=implementation, scale=scale, block_sizes=block_sizes)
+                           implementation=implementation, scale=scale, block_sizes=block_sizes,
+                           backend=backend)
     case "halo":
       return halo_attention(q, k, v, mesh=mesh, window=window, causal=causal,
-                            kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes)
+                            kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes, backend=backend)
     case "all_gather":
       return all_gather_window_attention(q, k, v, mesh=mesh, window=window, causal=causal,
-                                         kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes)
+                                         kv_valid_len=kv_valid_len, scale=scale, block_sizes=block_sizes,
+                                         backend=backend)
     case _:
       raise ValueError(f"unknown {strategy=}; expected one of {STRATEGIES}")

@@ -84,7 +84,9 @@ def main(argv=None):
   ap.add_argument("--kind", choices=("usp", "halo"), default="usp", help="attention call to compile")
   ap.add_argument("--window", type=int, default=256, help="halo only: window w")
   ap.add_argument("--implementation", default="auto", choices=("auto", "lse", "fixed_m"))
-  ap.add_argument("--block-q", type=int, default=None, help="BlockSizes.block_q (default: library default)")
+  ap.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
+                  help="per-device block update: Pallas kernels or XLA loops (auto: Pallas on TPU/GPU)")
+  ap.add_argument("--block-q", type=int, default=None, help="BlockSizes.block_q (default: the backend's default)")
   ap.add_argument("--block-kv", type=int, default=None, help="BlockSizes.block_kv")
   ap.add_argument("--topology", help="TPU topology for AOT compile, e.g. v6e:2x2 (needs libtpu)")
   ap.add_argument("--json", help="write the report as JSON here")
@@ -102,7 +104,7 @@ def main(argv=None):
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
 
-  from attention import SEQUENCE_SPEC, BlockSizes, make_mesh, usp_attention
+  from attention import SEQUENCE_SPEC, BlockSizes, make_mesh, resolve_backend, usp_attention
   from attention.halo import halo_attention
 
   if args.topology:
@@ -114,10 +116,11 @@ def main(argv=None):
                        "pip install --no-deps --target DIR 'libtpu==0.0.42.*', add DIR to PYTHONPATH "
                        "and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1") from e
     devices = topo.devices
-    backend = f"tpu AOT {args.topology}"
+    target, platform = f"tpu AOT {args.topology}", "tpu"
   else:
     devices = jax.devices()
-    backend = jax.default_backend()
+    target = platform = jax.default_backend()
+  kernel_backend = resolve_backend(args.backend, platform)
   mesh = make_mesh(ulysses=U, ring=R, devices=devices)
   K = args.kv_heads or args.heads
   dtype = jnp.dtype(args.dtype)
@@ -125,19 +128,20 @@ def main(argv=None):
   T_pad = -(-args.tokens // (U * R)) * (U * R)
   q = jax.ShapeDtypeStruct((args.batch, T_pad, args.heads, args.head_dim), dtype, sharding=sh)
   kv = jax.ShapeDtypeStruct((args.batch, T_pad, K, args.head_dim), dtype, sharding=sh)
-  default = BlockSizes.get_default()
+  default = BlockSizes.get_default(kernel_backend, platform)
   sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv)
   if args.kind == "usp":
     fn = lambda q, k, v: usp_attention(q, k, v, mesh=mesh, implementation=args.implementation,
-                                       block_sizes=sizes)
+                                       block_sizes=sizes, backend=kernel_backend)
   else:
-    fn = lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=args.window, block_sizes=sizes)
+    fn = lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=args.window, block_sizes=sizes,
+                                        backend=kernel_backend)
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(q, kv, kv).compile()
   compile_s = time.perf_counter() - t0
   table = hlo_collectives(compiled.as_text())
   minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
-  print(f"{args.kind} attention  backend={backend}  mesh {MeshSpec(ulysses=U, ring=R)}  q [B,T,N,H]={q.shape} "
+  print(f"{args.kind} attention  target={target}  backend={kernel_backend}  mesh {MeshSpec(ulysses=U, ring=R)}  q [B,T,N,H]={q.shape} "
         f"kv heads={K} dtype={args.dtype}  blocks {sizes.block_q}x{sizes.block_kv}  compile {compile_s:.2f} s")
   print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
   for op in _OPS:
@@ -145,7 +149,7 @@ def main(argv=None):
     if minimum:
       row += f" {minimum[op]['count']:10d} {minimum[op]['bytes'] / 2**20:9.3f}"
     print(row)
-  report = dict(kind=args.kind, backend=backend, mesh=dict(U=U, R=R), shape=list(q.shape), kv_heads=K,
+  report = dict(kind=args.kind, target=target, backend=kernel_backend, blocks=[sizes.block_q, sizes.block_kv], mesh=dict(U=U, R=R), shape=list(q.shape), kv_heads=K,
                 dtype=args.dtype, compile_s=compile_s, collectives=table, minimum=minimum)
   mem = compiled.memory_analysis()
   if mem is not None:
@@ -160,7 +164,7 @@ def main(argv=None):
     print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
   if args.topology:
     print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
-  elif backend == "cpu" and dtype == jnp.bfloat16:
+  elif target == "cpu" and dtype == jnp.bfloat16:
     print("note: XLA:CPU converts bf16 collectives to f32, so bytes read 2x an accelerator's")
   if args.json:
     with open(args.json, "w") as f:
