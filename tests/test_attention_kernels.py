@@ -1,0 +1,160 @@
+"""The Pallas kernels (attention/kernels.py) in interpret mode, against the float64 and dense references.
+
+`backend="pallas"` on CPU runs the TPU kernel (grid over key blocks, carry in scratch) in Pallas
+interpret mode; the GPU kernel (one program per query block looping over key blocks) is forced with
+`kernels.attend_kernel(kernel="gpu")`. Tolerances are the XLA path's (tests/numerics.py): the kernels
+do the same arithmetic in the same order per block, so they are no less exact.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import BlockSizes, attention_reference, local_attention, make_mesh, resolve_backend, usp_attention
+from attention import blockwise, kernels
+from attention.halo import halo_attention
+from numerics import fp32_attention_tol as fp32_tol
+from numerics import within
+from test_attention_local import BF16_TOL, GRID, _inputs, _reference_f64, _valid_len
+from test_attention_usp import MESHES
+
+pytestmark = pytest.mark.numerics
+
+SIZES = BlockSizes(block_q=128, block_kv=128)
+IMPLS = ("lse", "fixed_m", "auto")
+
+
+@functools.partial(jax.jit, static_argnames=("window", "causal"))
+def _local_paths(q, k, v, vl, window, causal=False):
+  return {impl: local_attention(q, k, v, kv_valid_len=vl, window=window, causal=causal, implementation=impl,
+                                block_sizes=SIZES, backend="pallas") for impl in IMPLS}
+
+
+@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID)
+def test_local_kernel_matches_float64(T, S, NK, H, padded, windowed):
+  N, K = NK
+  q, k, v = _inputs(2, T, S, N, K, H)
+  vl = _valid_len(2, S, padded)
+  window = 5 if windowed else None
+  exact = _reference_f64(q, k, v, vl, window)
+  for impl, out in _local_paths(q, k, v, vl, window).items():
+    assert out.shape == q.shape and out.dtype == q.dtype
+    within(np.max(np.abs(np.asarray(out, np.float64) - exact)), fp32_tol(v), f"pallas {impl}")
+
+
+@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID[::4])
+def test_local_kernel_bf16(T, S, NK, H, padded, windowed):
+  N, K = NK
+  q, k, v = _inputs(2, T, S, N, K, H, dtype=jnp.bfloat16)
+  vl = _valid_len(2, S, padded)
+  window = 5 if windowed else None
+  ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), kv_valid_len=vl, window=window)
+  for impl, out in _local_paths(q, k, v, vl, window).items():
+    assert out.dtype == jnp.bfloat16
+    within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), BF16_TOL, f"pallas {impl}")
+
+
+@pytest.mark.parametrize("H", [64, 80, 128])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("mode", ["lse", "fixed_m"])
+def test_kernel_equals_xla_block_update(H, kernel, mode):
+  """Both kernels against `blockwise.attend`'s XLA loops on one carry: GQA (G = 2), ragged valid
+  lengths, block padding of T and S, a causal window, a carry that already holds a previous key set
+  (a second ring step), head dims 64 / 80 / 128 (80: the GPU kernel's padded, masked loads)."""
+  B, K, G, T, S = 2, 2, 2, 200, 300
+  rng = np.random.default_rng(H)
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+  layout = blockwise.BlockLayout.make(T, S, SIZES, "pallas")
+  assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (128, 128, 256, 384)
+  qp, kp, vp = layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v)
+  kw = dict(mode=mode, q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)),
+            kv_limit=jnp.asarray([250, 300], jnp.int32), window=40, causal=True, logit_scale=1.0)
+  xla = dataclasses.replace(layout, backend="xla")
+  m0 = jnp.full(qp.shape[:4], 3.0) if mode == "fixed_m" else None
+  first = blockwise.attend(blockwise.init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
+  want = blockwise.attend(first, qp, kp, vp, layout=xla, **kw)
+  got = kernels.attend_kernel(first.o, first.l, first.m, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                              mode=mode, bq=128, bk=128, S=S, kv_padded=True, window=40, causal=True,
+                              logit_scale=1.0, kernel=kernel)
+  # Same per-block arithmetic; only the order of the row sums may differ: <= a few fp32 ulps of
+  # the sums' scale (l ~ S keys x 2^(s - m) <= ~1e3; o ~ l x max|v|).
+  for name, a, b in zip("olm", got, (want.o, want.l, want.m)):
+    assert a.shape == b.shape and a.dtype == jnp.float32
+    scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
+    err = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0))))
+    within(err, 64 * 2.0**-24 * scale, f"{kernel} {mode} {name}")
+    assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+
+
+@functools.partial(jax.jit, static_argnames="mesh")
+def _usp_paths(q, k, v, vl, mesh):
+  return {impl: usp_attention(q, k, v, mesh=mesh, kv_valid_len=vl, implementation=impl, backend="pallas",
+                              block_sizes=SIZES) for impl in IMPLS}
+
+
+@pytest.mark.parametrize("R,U", MESHES)
+def test_usp_kernel_every_mesh(R, U):
+  """T = 50 does not divide 8 devices; N=8, K=2 (repeated when U = 4, 8); key padding."""
+  mesh = make_mesh(ulysses=U, ring=R)
+  q, k, v = _inputs(2, 50, 50, 8, 2, 32, seed=1)
+  vl = jnp.asarray([50, 37], jnp.int32)
+  ref = attention_reference(q, k, v, kv_valid_len=vl)
+  for impl, out in _usp_paths(q, k, v, vl, mesh).items():
+    assert out.shape == q.shape and out.dtype == q.dtype
+    within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), f"pallas usp {impl} R={R} U={U}")
+
+
+@pytest.mark.parametrize("R,U", [(2, 2), (1, 4)])
+def test_usp_kernel_bf16(R, U):
+  mesh = make_mesh(ulysses=U, ring=R)
+  q, k, v = _inputs(1, 50, 50, 8, 2, 32, dtype=jnp.bfloat16)
+  ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for impl, out in _usp_paths(q, k, v, None, mesh).items():
+    assert out.dtype == jnp.bfloat16
+    within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), BF16_TOL, f"pallas usp {impl}")
+
+
+def test_usp_kernel_sink_on_one_shard_takes_lse():
+  """A sink on one shard fails the mesh-uniform gate: `auto` must run the LSE kernel on every device
+  (bitwise the LSE run) while forced `fixed_m` reports NaN; positive control: on clean input `auto`
+  is bitwise the fixed-m run."""
+  mesh = make_mesh(ulysses=2, ring=2)
+  q, k, v = _inputs(1, 64, 64, 4, 4, 32, seed=3)
+  clean = _usp_paths(q, k, v, None, mesh)
+  assert float(jnp.max(jnp.abs(clean["auto"] - clean["fixed_m"]))) == 0.0
+  assert float(jnp.max(jnp.abs(clean["auto"] - clean["lse"]))) > 0.0
+  q = q.at[:, 48:, 2].multiply(8.0)  # tokens 48..63: the last device only; u ~ 500 bits > the gate's ~240
+  k = k.at[:, 48:, 2].multiply(8.0)
+  outs = _usp_paths(q, k, v, None, mesh)
+  assert float(jnp.max(jnp.abs(outs["auto"] - outs["lse"]))) == 0.0
+  assert bool(jnp.all(jnp.isnan(outs["fixed_m"])))
+  ref = attention_reference(q, k, v)
+  others = jnp.asarray([0, 1, 3])
+  within(float(jnp.max(jnp.abs(outs["auto"][:, :, others] - ref[:, :, others]))), fp32_tol(v), "other heads")
+
+
+def test_halo_kernel_matches_windowed_reference():
+  mesh = make_mesh(ulysses=2, ring=2)
+  q, k, v = _inputs(1, 90, 90, 4, 2, 32, seed=4)
+  ref = attention_reference(q, k, v, window=20, causal=True)
+  out = halo_attention(q, k, v, mesh=mesh, window=20, causal=True, backend="pallas", block_sizes=SIZES)
+  within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "halo pallas")
+
+
+def test_backend_choice_and_errors():
+  assert resolve_backend("auto", "cpu") == "xla"
+  assert resolve_backend("auto", "tpu") == resolve_backend("auto", "gpu") == "pallas"
+  assert resolve_backend("xla", "tpu") == "xla"
+  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
+  with pytest.raises(ValueError, match="unknown attention backend"):
+    local_attention(q, k, v, backend="triton")
+  with pytest.raises(ValueError, match="multiples of 128"):
+    local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
+  # Pallas blocks: powers of two >= 128, capped by the given sizes.
+  layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
+  assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
