@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--shard-weights", action="store_true",
                  help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
                       "too big to replicate on each device)")
+  p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                 help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
+                      "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
   p.add_argument("--devices", type=int, default=None,
                  help="simulate N CPU devices (must equal the devices of --mesh); automatic when the mesh "
                       "needs it")
@@ -240,6 +243,7 @@ class Plan:
   keep_checkpoint: bool = False
   resume: bool = False
   step_cache: Any = None  # a step_cache.StepCacheSpec, or None: every step runs every block
+  attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
 
   @property
   def mesh_devices(self) -> int | None:
@@ -416,7 +420,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
-              resume=args.resume is not None, step_cache=step_cache)
+              resume=args.resume is not None, step_cache=step_cache,
+              attention_backend=args.attention_backend)
 
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
@@ -811,7 +816,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                     mesh=mesh, progress=plan.writes, nan_guard=plan.nan_guard, decode=plan.writes,
                     checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
                     resume=plan.resume, keep_checkpoint=True,  # removed below, once the video is written
-                    step_cache=plan.step_cache, shard_weights=plan.mesh.shard_weights)
+                    step_cache=plan.step_cache, shard_weights=plan.mesh.shard_weights,
+                    attention_backend=plan.attention_backend)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from attention import IMPLEMENTATIONS
+from attention import BACKENDS, IMPLEMENTATIONS, resolve_backend
 from attention.mesh import CFG_AXIS, MeshSpec
 from pipelines import checkpoint, distributed, resume as resume_state
 from pipelines.folder import PipelineIndex
@@ -109,7 +109,8 @@ TRACE_COUNT = {"denoise_step": 0}  # incremented at trace time; tests assert one
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
                   text: jax.Array, guidance: jax.Array, cache: Any = None, *, mesh: Mesh | None,
-                  cfg: bool, attention_implementation: str = "auto", gather_weights: bool = False):
+                  cfg: bool, attention_implementation: str = "auto", gather_weights: bool = False,
+                  attention_backend: str = "auto"):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -124,6 +125,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       (one exchange of the noise-prediction size per step).
     cfg: classifier-free guidance on (static).
     attention_implementation: "auto" | "lse" | "fixed_m" for the transformer (static).
+    attention_backend: "auto" | "xla" | "pallas": the attention kernels (static).
     gather_weights: the block weights are sharded over the mesh (`transformer.weight_shardings`)
       and gathered one layer at a time in the layer scan (static).
     cache: None (no step cache: the plain transformer forward) or the step-cache state
@@ -145,11 +147,11 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   stats = None
   if cache is None:
     noise = forward(model, x, timestep, text, mesh=mesh, attention_implementation=attention_implementation,
-                    gather_weights=gather_weights)  # model dtype
+                    gather_weights=gather_weights, attention_backend=attention_backend)  # model dtype
   else:
     noise, cache, stats = wan_step_cache.cached_forward(
         model, x, timestep, text, cache, mesh=mesh, attention_implementation=attention_implementation,
-        gather_weights=gather_weights)
+        gather_weights=gather_weights, attention_backend=attention_backend)
   if cfg and mesh is not None and MeshSpec.of(mesh).cfg == 2:
     noise = _cfg_parallel_mix(noise, guidance, mesh)
   elif cfg:
@@ -201,7 +203,8 @@ def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.
 # (both experts of Wan 2.2, or two loads of one folder) share one executable per shape.
 _COMPILED_STEPS: dict[Any, Any] = {}
 _denoise_step_jit = jax.jit(denoise_step, static_argnums=0,
-                            static_argnames=("mesh", "cfg", "attention_implementation", "gather_weights"),
+                            static_argnames=("mesh", "cfg", "attention_implementation", "gather_weights",
+                                             "attention_backend"),
                             donate_argnames=("latents", "solver", "cache"))
 
 
@@ -356,19 +359,19 @@ class WanPipeline(LoraLoaderMixin):
 
   def _compiled_step(self, params, latents, solver, text, guidance, cache=None, *, mesh: Mesh | None,
                      cfg: bool, attention_implementation: str = "auto", gather_weights: bool = False,
-                     on_compile: Callable[[], None] | None = None):
+                     attention_backend: str = "auto", on_compile: Callable[[], None] | None = None):
     """The compiled `denoise_step` for these shapes, dtypes and shardings (compiled once each;
     `on_compile()` is called just before a compile). `cache`: None or a step-cache state."""
     args = (params, latents, solver, text, guidance, cache)
     leaves, treedef = jax.tree.flatten(args)
-    key = (self._graphdef, mesh, cfg, attention_implementation, gather_weights, treedef,
+    key = (self._graphdef, mesh, cfg, attention_implementation, attention_backend, gather_weights, treedef,
            tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in _COMPILED_STEPS:
       if on_compile is not None:
         on_compile()
       _COMPILED_STEPS[key] = _denoise_step_jit.lower(
           self._graphdef, *args, mesh=mesh, cfg=cfg, attention_implementation=attention_implementation,
-          gather_weights=gather_weights).compile()
+          gather_weights=gather_weights, attention_backend=attention_backend).compile()
     return _COMPILED_STEPS[key]
 
   def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> jax.Array:
@@ -402,7 +405,8 @@ class WanPipeline(LoraLoaderMixin):
                    num_videos_per_prompt: int = 1, callback_on_step_end: Callable | None = None,
                    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
                    attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
-                   step_cache: Any = None, shard_weights: bool = False) -> ResolvedCall:
+                   step_cache: Any = None, shard_weights: bool = False,
+                   attention_backend: str = "auto") -> ResolvedCall:
     """Validates a call and resolves it (no compute); `__call__` and `run` document the arguments.
 
     Every argument is checked for type as well as value (a bool is not an int, a str not a number,
@@ -507,6 +511,8 @@ class WanPipeline(LoraLoaderMixin):
       seed = int(np.random.SeedSequence().entropy % (2 ** 31))
     if not isinstance(attention_implementation, str) or attention_implementation not in IMPLEMENTATIONS:
       raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
+    if not isinstance(attention_backend, str) or attention_backend not in BACKENDS:
+      raise ValueError(f"unknown {attention_backend=}; expected one of {BACKENDS}")
     if on_step is not None and not callable(on_step):
       raise ValueError(f"on_step={on_step!r} must be None or a callable on_step(step, seconds)"
                        f"{not_a(on_step)}")
@@ -566,7 +572,7 @@ class WanPipeline(LoraLoaderMixin):
                attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
                keep_checkpoint: bool = False, step_cache: Any = None, shard_weights: bool = False,
-               vae_parallel: bool = True) -> Any:
+               vae_parallel: bool = True, attention_backend: str = "auto") -> Any:
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     Args:
@@ -645,6 +651,9 @@ class WanPipeline(LoraLoaderMixin):
       vae_parallel: with a mesh, decode on all of its devices, the latents split along height
         (`vae.decode_parallel`; the same video up to fp32 rounding); False decodes on one device.
         Without a mesh the decode is on one device either way.
+      attention_backend: "auto" (the Pallas kernels of `attention/kernels.py` on TPU and GPU, XLA
+        loops elsewhere), "xla" or "pallas" (on CPU: Pallas interpret mode, slow, for checks). Not
+        in diffusers; same video either way.
 
     Returns:
       as `output_type`: float32 numpy [B', frames, height, width, 3] in [0, 1] ("np"), float32
@@ -669,7 +678,7 @@ class WanPipeline(LoraLoaderMixin):
                       attention_kwargs=attention_kwargs, generator=generator,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                       keep_checkpoint=keep_checkpoint, step_cache=step_cache, shard_weights=shard_weights,
-                      vae_parallel=vae_parallel)
+                      vae_parallel=vae_parallel, attention_backend=attention_backend)
     if output_type == "latent":
       return result.latents
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
@@ -702,7 +711,8 @@ class WanPipeline(LoraLoaderMixin):
           attention_kwargs: dict[str, Any] | None = None, generator: Any = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 1, resume: bool = False,
           keep_checkpoint: bool = False, step_cache: Any = None,
-          shard_weights: bool = False, vae_parallel: bool = True) -> GenerationResult:
+          shard_weights: bool = False, vae_parallel: bool = True,
+          attention_backend: str = "auto") -> GenerationResult:
     """`__call__` returning frames with timings and the resolved settings (`GenerationResult`).
 
     The diffusers-named arguments (`prompt_embeds`, `num_videos_per_prompt`,
@@ -710,8 +720,9 @@ class WanPipeline(LoraLoaderMixin):
     `__call__`'s (here `decode=False` gives the latents only).
 
     `on_step(k, seconds)` is called after each denoising step. `attention_implementation`
-    ("auto" | "lse" | "fixed_m") picks the transformer's attention path (part of the compiled
-    step's cache key). `nan_guard` (default on) stops the run with `NonFiniteLatentsError` after
+    ("auto" | "lse" | "fixed_m") picks the transformer's attention path and `attention_backend`
+    ("auto" | "xla" | "pallas", see `__call__`) its kernels (both part of the compiled step's
+    cache key; "auto" is resolved for the mesh's platform and recorded in `settings`). `nan_guard` (default on) stops the run with `NonFiniteLatentsError` after
     the first step whose latents hold NaN/inf, instead of decoding garbage; the check is a flag the
     compiled step returns anyway, so turning it off saves only a scalar read per step.
     `decode=False` skips the VAE (`frames` is None): for the processes of a multi-process run
@@ -763,8 +774,10 @@ class WanPipeline(LoraLoaderMixin):
                           callback_on_step_end=callback_on_step_end,
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                           attention_kwargs=attention_kwargs, generator=generator, step_cache=step_cache,
-                          shard_weights=shard_weights)
+                          shard_weights=shard_weights, attention_backend=attention_backend)
     mesh = s.mesh
+    attention_backend = resolve_backend(attention_backend, jax.default_backend() if mesh is None
+                                        else mesh.devices.flat[0].platform)
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = s.steps
     timings: dict[str, float] = {}
@@ -834,6 +847,7 @@ class WanPipeline(LoraLoaderMixin):
                  f"layers, mesh {mesh_spec}{', weights sharded' if mesh_spec.shard_weights else ''})")
     step = self._compiled_step(self._experts[experts[0]], latents, solver, text, guidance[0], cache, mesh=mesh,
                                cfg=s.cfg, attention_implementation=attention_implementation,
+                               attention_backend=attention_backend,
                                gather_weights=mesh_spec.shard_weights, on_compile=lambda: stage(compiling))
     timings["compile"] = time.perf_counter() - start
 
@@ -908,6 +922,7 @@ class WanPipeline(LoraLoaderMixin):
         experts_per_step=experts, boundary_ratio=self.boundary_ratio, dtype=jnp.dtype(self.dtype).name,
         mesh=None if mesh is None else mesh_spec.describe(),
         explicit_latents=s.latents is not None, attention_implementation=attention_implementation,
+        attention_backend=attention_backend,
         resumed_from_step=first_step if resume else None,
         num_videos_per_prompt=s.num_videos_per_prompt, prompt_embeds_given=s.prompt_embeds is not None,
         negative_prompt_embeds_given=s.negative_prompt_embeds is not None, steps_run=len(step_times),

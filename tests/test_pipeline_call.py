@@ -124,6 +124,19 @@ def test_prompt_embeds_and_pil(refs, ours, mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=["1dev", "U2R2"])
+def test_pallas_kernels_match_diffusers(refs, ours, mesh):
+  """attention_backend="pallas" (on CPU: the kernels in Pallas interpret mode) for every self- and
+  cross-attention of the transformer, against diffusers' video; the run records the backend."""
+  embeds, negative = refs["embeds"]
+  result = ours.run(prompt_embeds=embeds, negative_prompt_embeds=negative, **COMMON, num_inference_steps=2,
+                    latents=LATENTS, mesh=mesh, progress=False, attention_backend="pallas")
+  assert result.settings["attention_backend"] == "pallas"
+  want = np.stack([np.stack([np.asarray(f) for f in video]) for video in refs["pil"]]).astype(np.float32) / 255
+  # diffusers' frames are uint8 (PIL): the bar is their rounding, 0.5 / 255, plus the fp32 error.
+  within(np.max(np.abs(result.frames - want)), 0.5 / 255 + 1e-4, f"pallas, mesh {mesh} vs diffusers")
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["1dev", "U2R2"])
 def test_num_videos_per_prompt_latent_and_scale(refs, ours, mesh):
   """num_videos_per_prompt=2 for one prompt, explicit latents [2, ...], output_type="latent", and
   attention_kwargs={"scale": 0.5} with no LoRA loaded (diffusers: a no-op; here too)."""
@@ -241,6 +254,7 @@ EMBEDS = np.zeros((2, MAX_LEN, 32), np.float32)  # tiny text_dim = 32
     (dict(attention_kwargs=0.5), "must be None or a dict"),
     (dict(generator=torch.Generator()), "generator=.* is not supported.* latents"),
     (dict(num_videos_per_prompt=0), "num_videos_per_prompt=0 must be a positive int"),
+    (dict(attention_backend="cuda"), "unknown attention_backend='cuda'"),
     (dict(num_videos_per_prompt=2, latents=LATENTS[:1]), r"for 1 prompt\(s\) x 2 video\(s\)"),
 ])
 def test_call_checks(ours, kwargs, match):

@@ -396,13 +396,13 @@ def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.
 
 def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
                    encoder_hidden_states: jax.Array, state: State, *, mesh: Mesh | None = None,
-                   attention_implementation: str = "auto", gather_weights: bool = False
-                   ) -> tuple[jax.Array, State, dict[str, jax.Array]]:
+                   attention_implementation: str = "auto", gather_weights: bool = False,
+                   attention_backend: str = "auto") -> tuple[jax.Array, State, dict[str, jax.Array]]:
   """`transformer.forward` with a step cache. Jit-friendly; the skip is one mesh-uniform `lax.cond`.
 
   Args:
     model, latents, timestep, encoder_hidden_states, mesh, attention_implementation,
-      gather_weights: as `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text
+      gather_weights, attention_backend: as `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text
       [B, L, text_dim]).
     state: this step's `FirstBlockState` or `MagState` (from `init_state` or the previous step).
 
@@ -417,7 +417,7 @@ def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, ti
   """
   x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
                                           attention_implementation=attention_implementation,
-                                          gather_weights=gather_weights)
+                                          gather_weights=gather_weights, attention_backend=attention_backend)
   tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
   layers = model.config.num_layers
 

@@ -201,13 +201,17 @@ class SequenceLayout:
     padded_tokens: T rounded up to a multiple of U * R (== T without a mesh).
     gather_weights: the block weights arrive sharded over the mesh (`MeshSpec.shard_weights`) and
       are gathered one layer at a time inside the layer scan.
+    backend: the attention kernels' backend ("xla" | "pallas"), "auto" resolved for the mesh's
+      platform (`attention.resolve_backend`).
   """
 
   def __init__(self, mesh: Mesh | None, tokens: int, attention_implementation: str = "auto",
-               gather_weights: bool = False):
+               gather_weights: bool = False, attention_backend: str = "auto"):
     self.mesh = mesh
     self.tokens = tokens
     self.implementation = attention_implementation
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    self.backend = attention.resolve_backend(attention_backend, platform)
     self.padded_tokens = tokens
     self.gather_weights = bool(gather_weights) and mesh is not None
     if mesh is not None:
@@ -258,15 +262,17 @@ class SequenceLayout:
     before its one rounding), so the base-2 kernels use it as is.
     """
     if self.mesh is None:
-      return attention.local_attention(q, k, v, implementation=self.implementation, q_prescaled=True)
+      return attention.local_attention(q, k, v, implementation=self.implementation, q_prescaled=True,
+                                       backend=self.backend)
     return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]),
-                                   implementation=self.implementation, q_prescaled=True)
+                                   implementation=self.implementation, q_prescaled=True, backend=self.backend)
 
   def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
     if self.mesh is None:
-      return attention.local_attention(q, k, v, implementation=self.implementation)
-    return attention.cross_attention(q, k, v, mesh=self.mesh, implementation=self.implementation)
+      return attention.local_attention(q, k, v, implementation=self.implementation, backend=self.backend)
+    return attention.cross_attention(q, k, v, mesh=self.mesh, implementation=self.implementation,
+                                     backend=self.backend)
 
 
 class WanBlock(nnx.Module):
@@ -397,8 +403,8 @@ class ForwardContext:
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
           encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
-          attention_implementation: str = "auto", gather_weights: bool = False
-          ) -> tuple[jax.Array, ForwardContext]:
+          attention_implementation: str = "auto", gather_weights: bool = False,
+          attention_backend: str = "auto") -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
 
   Args: as `forward`.
@@ -418,7 +424,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   grid = (f // pt, h // ph, w // pw)
   if attention_implementation not in attention.IMPLEMENTATIONS:
     raise ValueError(f"unknown {attention_implementation=}; expected one of {attention.IMPLEMENTATIONS}")
-  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation, gather_weights)
+  layout = SequenceLayout(mesh, math.prod(grid), attention_implementation, gather_weights, attention_backend)
 
   x_BTD = model.patch_embedding(latents.astype(dtype))
   temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
@@ -492,7 +498,8 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
             encoder_hidden_states: jax.Array, *, mesh: Mesh | None = None,
-            attention_implementation: str = "auto", gather_weights: bool = False) -> jax.Array:
+            attention_implementation: str = "auto", gather_weights: bool = False,
+            attention_backend: str = "auto") -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   `embed`, then every block (`run_blocks`), then `unembed`.
@@ -511,6 +518,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       cross-attention (static under jit).
     gather_weights: the stacked block weights are sharded over the mesh (FSDP / ZeRO-3,
       `MeshSpec.shard_weights`): each layer's are all-gathered inside the layer scan (static).
+    attention_backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas"
+      for every attention call (static; same numbers either way).
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -519,7 +528,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     ValueError: shapes that do not fit the config, or a mesh without the sequence axes.
   """
   x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
-                         attention_implementation=attention_implementation, gather_weights=gather_weights)
+                         attention_implementation=attention_implementation, gather_weights=gather_weights,
+                         attention_backend=attention_backend)
   return unembed(model, run_blocks(model, x_BTD, context), context)
 
 
