@@ -11,14 +11,16 @@ of one key set into the running (o, l, m) carry of every query block, with the s
 Masks are computed inside the kernel from positions and lengths, never read as dense arrays:
 the query and key global positions (int32 vectors, one entry per row/slot), the per-batch valid key
 count `kv_limit` (scalar-prefetched into SMEM on TPU), the static real slot count S (block padding)
-and the static window / causal flags. GQA: the G query heads of a kv head share one tile (G x bq
-rows against one K/V block), so K/V are read once per kv head.
+and the static window / causal flags. GQA on TPU: the G query heads of a kv head share one tile
+(G x bq rows against one K/V block), so K/V are read once per kv head; on GPU each query head is
+its own program (Triton cannot slice a tile) and the group's K/V reads meet in L2.
 
 TPU (`_tpu_call`): grid (B, K, T_pad / bq, S_pad / bk), the key axis innermost and sequential
 ("arbitrary"); the carry lives in VMEM scratch across it, with the row statistics as columns
 [rows, 128] (the layout the VPU wants) and converted from/to the carry's [G, T] rows once per query
-block by a 2D transpose. GPU (`_gpu_call`): grid (B, K, T_pad / bq), one program per query block
-looping over the key blocks in registers (`lax.fori_loop`), as jax's Pallas GPU flash attention.
+block by a 2D transpose. GPU (`_gpu_call`): grid (B, K, G, T_pad / bq), one program per query head and
+block looping over the key blocks in registers (`lax.fori_loop`), as jax's Pallas GPU flash
+attention.
 On any other platform (CPU) the TPU kernel runs in Pallas interpret mode: slow, exact, and what the
 tests check against the float64 and dense references.
 
@@ -162,59 +164,52 @@ def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
 # --- GPU (Triton) -----------------------------------------------------------------------------------
 
 def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, o_in, l_in, m_in, o_out, l_out, m_out,
-                *, mode, G, bq, bk, nk, H, S, kv_padded, use_limit, window, causal, logit_scale):
+                *, mode, bk, nk, H, S, kv_padded, use_limit, window, causal, logit_scale):
   from jax.experimental.pallas import triton as plgpu
 
   Hp = q_ref.shape[-1]
-  head_ok = (jnp.arange(Hp) < H)[None, :]
-  q_all = plgpu.load(q_ref, mask=head_ok[None], other=0.0)  # [G, bq, Hp]
-  qs = [q_all[g] for g in range(G)]
-  prec = _precision(qs[0].dtype)
+  head_ok = (jnp.arange(Hp) < H)[None, :]  # head dims that are not powers of two: masked loads
+  q = plgpu.load(q_ref, mask=head_ok, other=0.0)  # [bq, Hp]
+  prec = _precision(q.dtype)
   limit = lim_ref[pl.program_id(0)] if use_limit else None
   q_pos_col = qpos_ref[...][:, None]
   needs_mask = use_limit or kv_padded or causal or window is not None
-  o0, l0, m0 = plgpu.load(o_in, mask=head_ok[None], other=0.0), l_in[...], m_in[...]
-  init = tuple((o0[g], l0[g], m0[g]) for g in range(G))
 
   def body(j, carry):
+    o, l, m = carry
     sl = pl.ds(j * bk, bk)
     k = plgpu.load(k_ref.at[sl, :], mask=head_ok, other=0.0)
     v = plgpu.load(v_ref.at[sl, :], mask=head_ok, other=0.0)
-    mask = None
+    s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
+    if logit_scale != 1.0:
+      s = s * logit_scale
     if needs_mask:
       slot = (j * bk + jnp.arange(bk))[None, :]
       mask = _mask(q_pos_col, kpos_ref[sl][None, :], slot, limit=limit, S=S, kv_padded=kv_padded,
                    window=window, causal=causal)
-    out = []
-    for g in range(G):
-      o, l, m = carry[g]
-      s = jax.lax.dot_general(qs[g], k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
-      if logit_scale != 1.0:
-        s = s * logit_scale
-      if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-      if mode == "fixed_m":
-        p = jnp.exp2(s - m[:, None])
-        out.append((o + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                    precision=prec), l + jnp.sum(p, axis=1), m))
-      else:
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        out.append((alpha[:, None] * o + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                                     precision=prec),
-                    alpha * l + jnp.sum(p, axis=1), m_new))
-    return tuple(out)
+      s = jnp.where(mask, s, -jnp.inf)
+    if mode == "fixed_m":
+      p = jnp.exp2(s - m[:, None])
+      pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+      return o + pv, l + jnp.sum(p, axis=1), m
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    return alpha[:, None] * o + pv, alpha * l + jnp.sum(p, axis=1), m_new
 
-  final = jax.lax.fori_loop(0, nk, body, init)
-  plgpu.store(o_out, jnp.stack([f[0] for f in final]), mask=head_ok[None])
-  l_out[...] = jnp.stack([f[1] for f in final])
-  m_out[...] = jnp.stack([f[2] for f in final])
+  init = (plgpu.load(o_in, mask=head_ok, other=0.0), l_in[...], m_in[...])
+  o, l, m = jax.lax.fori_loop(0, nk, body, init)
+  plgpu.store(o_out, o, mask=head_ok)
+  l_out[...] = l
+  m_out[...] = m
 
 
 def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, interpret):
+  """One program per (batch, query head, query block); K/V of the head's kv head read through
+  L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles)."""
   from jax.experimental.pallas import triton as plgpu
 
   B, K, G, T, H = q.shape
@@ -222,18 +217,18 @@ def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
   Hp = pl.next_power_of_2(H)
   Bp = pl.next_power_of_2(B)
   limit = jnp.pad(limit, (0, Bp - B))
-  kernel = functools.partial(_gpu_kernel, mode=mode, G=G, bq=bq, bk=bk, nk=S_pad // bk, H=H, S=S,
+  kernel = functools.partial(_gpu_kernel, mode=mode, bk=bk, nk=S_pad // bk, H=H, S=S,
                              kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
                              logit_scale=logit_scale)
   sq = pl.squeezed
-  q_spec = pl.BlockSpec((sq, sq, G, bq, Hp), lambda b, h, i: (b, h, 0, i, 0))
-  kv_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, i: (b, h, 0, 0))
-  row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i: (b, h, 0, i))
+  q_spec = pl.BlockSpec((sq, sq, sq, bq, Hp), lambda b, h, g, i: (b, h, g, i, 0))
+  kv_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h, 0, 0))
+  row_spec = pl.BlockSpec((sq, sq, sq, bq), lambda b, h, g, i: (b, h, g, i))
   return pl.pallas_call(
       kernel,
-      grid=(B, K, T // bq),
-      in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((bq,), lambda b, h, i: (i,)),
-                pl.BlockSpec((S_pad,), lambda b, h, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, i: (0,)),
+      grid=(B, K, G, T // bq),
+      in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
+                pl.BlockSpec((S_pad,), lambda b, h, g, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, g, i: (0,)),
                 q_spec, row_spec, row_spec],
       out_specs=[q_spec, row_spec, row_spec],
       out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.float32), jax.ShapeDtypeStruct(l.shape, jnp.float32),

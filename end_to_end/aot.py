@@ -62,12 +62,15 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
 
 
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
-                         dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None) -> dict[str, Any]:
+                         dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
+                         attention_backend: str = "auto") -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
   Args:
     mesh_spec: an `attention.MeshSpec` (CFG split, weight sharding) or None for the default
       (U as large as the heads allow, no CFG split, weights replicated).
+    attention_backend: "auto" (resolved for the devices' platform: the Pallas kernels on TPU),
+      "xla" or "pallas".
 
   Returns:
     dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, compile_s, memory_analysis
@@ -120,7 +123,9 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
           spec(jax.ShapeDtypeStruct((), jnp.float32)))
   from pipelines.pipeline import denoise_step
 
-  step = jax.jit(functools.partial(denoise_step, cfg=True, gather_weights=mesh_spec.shard_weights),
+  backend = attention.resolve_backend(attention_backend, devices[0].platform)
+  step = jax.jit(functools.partial(denoise_step, cfg=True, gather_weights=mesh_spec.shard_weights,
+                                   attention_backend=backend),
                  static_argnums=0, static_argnames="mesh", donate_argnums=(2, 3))
   start = time.perf_counter()
   compiled = step.lower(graphdef, *args, mesh=mesh).compile()
@@ -129,7 +134,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   report: dict[str, Any] = dict(
       model=preset, dtype=dtype, height=height, width=width, frames=frames, text_len=text_len,
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
-      mesh=mesh_spec.describe(), devices=len(devices), compile_s=compile_s,
+      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend, compile_s=compile_s,
       collectives=hlo_collectives(compiled.as_text()))
   memory = compiled.memory_analysis()
   if memory is not None:

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
+  ap.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                  help="attention kernels (auto: Pallas on TPU/GPU, so the Pallas kernels for --aot; XLA on CPU)")
   ap.add_argument("--aot-init-timeout", type=float, default=120.0,
                   help="seconds allowed for libtpu to build the topology before giving up")
   ap.add_argument("--json", help="write the report here")
@@ -183,7 +185,7 @@ def run_aot(args: argparse.Namespace) -> int:
       rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
                                            frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
                                            text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
-                                           mesh_spec=mesh))
+                                           mesh_spec=mesh, attention_backend=args.attention_backend))
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
       rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
@@ -276,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
                 runs=[])
     for i in range(args.runs):
-      stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh, **call)
+      stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh,
+                                                              attention_backend=args.attention_backend, **call)
       ours["runs"].append(stages)
       print(f"  ours run {i + 1}: total {stages['total']:.2f} s", flush=True)
     report["ours"] = ours

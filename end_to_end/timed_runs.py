@@ -33,8 +33,8 @@ def _summary(text_encode: float, compile_s: float, steps: list[float], decode: f
 
 def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndarray, height: int, width: int,
              frames: int, steps: int, guidance: float, max_sequence_length: int,
-             mesh: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-  """One `pipe.run` call (no progress output, as diffusers' side).
+             mesh: str | None, attention_backend: str = "auto") -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+  """One `pipe.run` call (no progress output, as diffusers' side); `attention_backend` as `pipe.run`.
 
   Returns:
     (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
@@ -44,7 +44,7 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
                     num_inference_steps=steps, guidance_scale=guidance, latents=latents,
                     max_sequence_length=max_sequence_length, mesh=mesh, progress=False,
-                    on_step=lambda k, seconds: step_times.append(seconds))
+                    on_step=lambda k, seconds: step_times.append(seconds), attention_backend=attention_backend)
   t = result.timings
   return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),
           result.frames, result.latents)

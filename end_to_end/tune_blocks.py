@@ -1,0 +1,151 @@
+"""Grid search over attention block sizes: times `local_attention` for each (block_q, block_kv).
+
+  python -m end_to_end.tune_blocks --backend xla --seq 4096                 # CPU: the XLA loops
+  python -m end_to_end.tune_blocks --backend pallas --seq 32760 --dtype bfloat16   # on a GPU / TPU
+  python -m end_to_end.tune_blocks --backend pallas --topology v6e:2x2      # TPU AOT: compile check
+
+On a real device it times every pair of the grid for both exact paths (LSE and fixed-m), round-robin
+over the pairs so that load from other processes hits them all alike, and prints the table sorted by
+the time of `--rank-by` (default fixed_m, the path the gate picks on real inputs) with the winner and
+the current default (`attention.blockwise.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
+A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in the comment.
+
+With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot.py) nothing runs:
+each pair is compiled for one chip and the table gives compile seconds, generated code and scoped
+memory per pair, and which pairs Mosaic refuses (e.g. VMEM overflow). That prunes the grid a TPU
+run then times.
+
+The Pallas kernels on CPU run in interpret mode, whose speed says nothing about a TPU or GPU: that
+combination is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+
+from pipelines.cli import HelpFormatter
+
+
+def _pairs(text: str) -> list[int]:
+  try:
+    sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive ints, e.g. 128,256,512") from None
+  if not sizes or min(sizes) <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive ints, e.g. 128,256,512")
+  return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.tune_blocks", description=__doc__,
+                               formatter_class=HelpFormatter)
+  ap.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
+                  help="kernels to tune (auto: Pallas on TPU/GPU, XLA on CPU)")
+  ap.add_argument("--batch", type=int, default=1, help="B")
+  ap.add_argument("--seq", type=int, default=4096, help="T = S (Wan 1.3B 480p: 32760 over all devices)")
+  ap.add_argument("--heads", type=int, default=12, help="N (= K)")
+  ap.add_argument("--head-dim", type=int, default=128, help="H")
+  ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  ap.add_argument("--block-q", type=_pairs, default=None,
+                  help="block_q values, comma-separated (default 128,256,512,1024)")
+  ap.add_argument("--block-kv", type=_pairs, default=None,
+                  help="block_kv values, comma-separated (default 128,256,512,1024)")
+  ap.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median reported)")
+  ap.add_argument("--rank-by", default="fixed_m", choices=("fixed_m", "lse"), help="path that orders the table")
+  ap.add_argument("--topology", help="TPU topology for an AOT compile check instead of timing, e.g. v6e:2x2")
+  ap.add_argument("--json", help="write the table here")
+  return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  args = build_parser().parse_args(argv)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from attention import BlockSizes, local_attention, resolve_backend
+  from attention.blockwise import DEFAULT_BLOCKS
+
+  platform = "tpu" if args.topology else jax.default_backend()
+  backend = resolve_backend(args.backend, platform)
+  if backend == "pallas" and platform == "cpu":
+    raise SystemExit("tune_blocks: the Pallas kernels run in interpret mode on CPU; their times say "
+                     "nothing about a TPU or GPU. Run on the accelerator, or use --topology for a TPU "
+                     "compile check, or --backend xla")
+  grid_q = args.block_q or [128, 256, 512, 1024]
+  grid_kv = args.block_kv or [128, 256, 512, 1024]
+  pairs = [BlockSizes(bq, bk) for bq, bk in itertools.product(grid_q, grid_kv)]
+  shape = (args.batch, args.seq, args.heads, args.head_dim)
+  dtype = jnp.dtype(args.dtype)
+  default = DEFAULT_BLOCKS.get((backend, "gpu" if platform in ("cuda", "rocm") else platform))
+  print(f"tune_blocks: backend={backend} platform={platform}"
+        f"{' (AOT ' + args.topology + ')' if args.topology else ''} [B,T,N,H]={shape} {args.dtype}; "
+        f"current default {default}", flush=True)
+
+  def fn(sizes, impl):
+    return jax.jit(lambda q, k, v: local_attention(q, k, v, implementation=impl, block_sizes=sizes,
+                                                   backend=backend))
+
+  rows = []
+  if args.topology:
+    from jax.sharding import SingleDeviceSharding
+
+    from end_to_end.aot import topology_devices
+
+    device = topology_devices(args.topology)[0]
+    abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    for sizes in pairs:
+      row = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
+      for impl in ("lse", "fixed_m"):
+        start = time.perf_counter()
+        try:
+          compiled = fn(sizes, impl).lower(abstract, abstract, abstract).compile()
+        except Exception as e:  # noqa: BLE001 - a pair Mosaic refuses is a row of the table, not a crash
+          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+          continue
+        mem = compiled.memory_analysis()
+        row[impl] = dict(compile_s=time.perf_counter() - start,
+                         code_mib=mem.generated_code_size_in_bytes / 2**20,
+                         temp_mib=mem.temp_size_in_bytes / 2**20)
+      rows.append(row)
+      cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
+                if "error" not in r else r["error"]) for r in (row["lse"], row["fixed_m"])]
+      print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
+  else:
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(3))
+    fns = {(s, impl): fn(s, impl) for s in pairs for impl in ("lse", "fixed_m")}
+    times = {key: [] for key in fns}
+    for key, f in fns.items():
+      jax.block_until_ready(f(q, k, v))  # compile + warm up
+    for _ in range(args.repeats):
+      for key, f in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(f(q, k, v))
+        times[key].append(time.perf_counter() - start)
+    for s in pairs:
+      rows.append(dict(block_q=s.block_q, block_kv=s.block_kv,
+                       lse=dict(median_s=statistics.median(times[(s, "lse")])),
+                       fixed_m=dict(median_s=statistics.median(times[(s, "fixed_m")]))))
+    rows.sort(key=lambda r: r[args.rank_by]["median_s"])
+    best = rows[0][args.rank_by]["median_s"]
+    print(f"{'block_q':>8s} {'block_kv':>8s} {'lse ms':>9s} {'fixed_m ms':>11s} {'x best':>7s}")
+    for r in rows:
+      mark = "  <- current default" if default and (r["block_q"], r["block_kv"]) == (default.block_q, default.block_kv) else ""
+      print(f"{r['block_q']:8d} {r['block_kv']:8d} {r['lse']['median_s'] * 1e3:9.2f} "
+            f"{r['fixed_m']['median_s'] * 1e3:11.2f} {r[args.rank_by]['median_s'] / best:7.2f}{mark}")
+    print(f"winner ({args.rank_by}): BlockSizes({rows[0]['block_q']}, {rows[0]['block_kv']})")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(backend=backend, platform=platform, topology=args.topology, shape=shape, dtype=args.dtype,
+                     default=None if default is None else [default.block_q, default.block_kv], rows=rows), f, indent=2)
+  return rows
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() is not None else 1)
