@@ -155,7 +155,7 @@ def format_header(topology: str) -> str:
       f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
       "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
       f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
-      f"{'temp GiB':>9s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)",
+      f"{'temp GiB':>9s} {'code MiB':>8s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)",
       "(TFLOP, GB accessed and collectives count each loop body ONCE: the blocks run in one lax.scan "
       "and attention in block loops, so these are per program text, not per step)"])
 
@@ -169,4 +169,5 @@ def format_row(r: dict[str, Any]) -> str:
   return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
           f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} {r['compile_s']:9.1f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
+          f"{mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "
           f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")

@@ -97,6 +97,12 @@ PRESETS: dict[str, BenchPreset] = {
             UMT5_PRESETS["umt5-xxl"], vocab_size=384), vae=VAE_PRESETS["wan2.1"], height=480, width=832,
         frames=81, steps=10, max_sequence_length=512, guidance=5.0, flow_shift=3.0, dtype="bfloat16",
         description="Wan 2.1 T2V 1.3B architecture, random weights, 480p x 81 frames (accelerators)"),
+    "wan2.1-1.3b-step": BenchPreset(
+        transformer=TRANSFORMER_PRESETS["wan2.1-t2v-1.3b"], text_encoder=_UMT5_XXL_WIDTH, vae=VAE_PRESETS["wan2.1"],
+        height=480, width=832, frames=81, steps=3, max_sequence_length=512, guidance=5.0, flow_shift=3.0,
+        dtype="bfloat16",
+        description="Wan 2.1 T2V 1.3B transformer (all 30 blocks) at 480p x 81 frames, UMT5-XXL width with 1 "
+                    "of 24 layers (the text encoder runs once, not per step): the per-step comparison in minutes"),
     "wan2.1-14b": BenchPreset(
         transformer=TRANSFORMER_PRESETS["wan2.1-t2v-14b"], text_encoder=dataclasses.replace(
             UMT5_PRESETS["umt5-xxl"], vocab_size=384), vae=VAE_PRESETS["wan2.1"], height=720, width=1280,

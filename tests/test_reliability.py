@@ -219,6 +219,7 @@ WRONG_TYPES = {
     "progress": ["yes", 1, None],
     "on_step": [123, "print"],
     "attention_implementation": [123, None, "flash"],
+    "attention_backend": [123, None, "cuda"],
     "nan_guard": ["no", 0, None],
     "decode": ["no", 1, None],
     "prompt_embeds": ["abc", np.zeros((1, 8), np.float32), np.zeros((1, 8, 5), np.float32), {"a": 1}, True],
