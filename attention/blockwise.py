@@ -253,7 +253,7 @@ def attend(
     carry: Carry,
     q_BKGTH: jax.Array,
     k_BKSH: jax.Array,
-    v_BKSH: jax.Array,
+    v_BKSH: jax.Array | None,
     *,
     mode: Mode,
     layout: BlockLayout,
@@ -274,7 +274,8 @@ def attend(
     carry: from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad rows.
     q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e).
     k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
-      always: callers cannot forget the block padding.
+      always: callers cannot forget the block padding. v_BKSH None: k_BKSH is the packed K/V
+      [B, 2K, S_pad, H] (keys, then values), read in place.
     mode: "lse" or "fixed_m" (must match how the carry was initialised).
     layout: the call's `BlockLayout`.
     q_pos: int [T_pad] global query positions (`layout.q_positions`).
@@ -296,6 +297,8 @@ def attend(
     raise ValueError(f"q rows {T}, k slots {S}, q_pos {q_pos.shape}, kv_pos {kv_pos.shape} do not "
                      f"match {layout} (T_pad={layout.T_pad}, S_pad={layout.S_pad}); pad with the layout")
   bq, bk = layout.block_q, layout.block_kv
+  if v_BKSH is None and k_BKSH.shape[1] != 2 * K:
+    raise ValueError(f"packed K/V needs 2K = {2 * K} heads, got k {k_BKSH.shape}")
   if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
     o, l, m = kernels.attend_kernel(
         carry.o, carry.l, carry.m, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, mode=mode, bq=bq, bk=bk,
@@ -303,6 +306,8 @@ def attend(
     return Carry(o, l, m)
   nq, nk = T // bq, S // bk
   needs_mask = kv_limit is not None or window is not None or causal or layout.kv_padded
+  if v_BKSH is None:
+    k_BKSH, v_BKSH = k_BKSH[:, :K], k_BKSH[:, K:]
 
   def kv_blocks(x):  # [B, K, S, H] -> [nk, B, K, bk, H]
     return jnp.moveaxis(x.reshape(B, K, nk, bk, H), 2, 0)

@@ -132,16 +132,19 @@ def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
   B, K, G, T, H = q.shape
   S_pad = k.shape[2]
   nq, nk = T // bq, S_pad // bk
+  v_off = 0 if v is not None else K  # packed K/V: values are heads K..2K-1 of k
+  v = k if v is None else v
   sq = pl.squeezed
   kernel = functools.partial(_tpu_kernel, mode=mode, G=G, bq=bq, bk=bk, S=S, kv_padded=kv_padded,
                              use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale)
   q_spec = pl.BlockSpec((sq, sq, G, bq, H), lambda b, h, i, j, *_: (b, h, 0, i, 0))
-  kv_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h, j, 0))
+  k_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h, j, 0))
+  v_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + v_off, j, 0))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(B, K, nq, nk),
-      in_specs=[q_spec, kv_spec, kv_spec,
+      in_specs=[q_spec, k_spec, v_spec,
                 pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
                 pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j)),
                 q_spec, row_spec, row_spec],
@@ -214,6 +217,8 @@ def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
 
   B, K, G, T, H = q.shape
   S_pad = k.shape[2]
+  v_off = 0 if v is not None else K  # packed K/V: values are heads K..2K-1 of k
+  v = k if v is None else v
   Hp = pl.next_power_of_2(H)
   Bp = pl.next_power_of_2(B)
   limit = jnp.pad(limit, (0, Bp - B))
@@ -222,12 +227,13 @@ def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
                              logit_scale=logit_scale)
   sq = pl.squeezed
   q_spec = pl.BlockSpec((sq, sq, sq, bq, Hp), lambda b, h, g, i: (b, h, g, i, 0))
-  kv_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h, 0, 0))
+  k_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h, 0, 0))
+  v_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + v_off, 0, 0))
   row_spec = pl.BlockSpec((sq, sq, sq, bq), lambda b, h, g, i: (b, h, g, i))
   return pl.pallas_call(
       kernel,
       grid=(B, K, G, T // bq),
-      in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
+      in_specs=[q_spec, k_spec, v_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
                 pl.BlockSpec((S_pad,), lambda b, h, g, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, g, i: (0,)),
                 q_spec, row_spec, row_spec],
       out_specs=[q_spec, row_spec, row_spec],
@@ -251,8 +257,9 @@ def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv
 
   Args:
     o: fp32 [B, K, G, T_pad, H]; l, m: fp32 [B, K, G, T_pad]: the carry (`blockwise.Carry`).
-    q: [B, K, G, T_pad, H]; k, v: [B, K, S_pad, H] (bf16 / fp32, same dtype); T_pad % bq == 0 and
-      S_pad % bk == 0; slots >= S are block padding (masked here).
+    q: [B, K, G, T_pad, H]; k, v: [B, K, S_pad, H] (bf16 / fp32, same dtype); or v None and k the
+      packed K/V [B, 2K, S_pad, H] (keys then values, as USP's ring buffer: no unpacking copy).
+      T_pad % bq == 0 and S_pad % bk == 0; slots >= S are block padding (masked here).
     q_pos: int32 [T_pad]; kv_pos: int32 [S_pad]: global positions (masks are built from them).
     limit: None or int32 [B]: keys at positions >= limit[b] are masked.
     mode: "lse" or "fixed_m"; window, causal: as `attention_reference`; logit_scale: static factor

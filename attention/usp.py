@@ -64,26 +64,30 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> N
         f"repeated U/K times in grouped order); with {ulysses * ring} devices use one of (U, R) = {ok}")
 
 
-def _heads_to_sequence(parts: list[jax.Array], U: int) -> list[jax.Array]:
-  """ONE all-to-all over `ulysses` for several [B, L, h_i, H] local arrays: returns [B, U * L, h_i / U, H]
-  each, rank j keeping head group j of every array and row block j holding source rank j's tokens.
+def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
+  """ONE all-to-all over `ulysses` for several [B, L, h_i, H] local arrays, returning them heads-major:
+  [B, sum_i h_i / U, U * L_pad, H], rank j holding head group j of every array (the arrays' groups
+  in order) and token block j (L_pad rows, the last L_pad - L zero) from source rank j.
 
-  The arrays are packed along the head axis as [B, L, U, sum_i h_i / U, H] (head group outermost),
-  so the exchange keeps the (tokens, heads, H) tiling: no flattening reshape, which XLA:TPU lowers to
-  relayout code that grows with the token count (measured 36 MiB of code at 8,192 tokens, U=2).
+  The send buffer [B, U, sum_i h_i / U, L_pad, H] (head group outermost; transpose, padding and
+  packing are one copy) keeps the (tokens, H) tiling: no flattening reshape, which XLA:TPU lowers to
+  relayout code that grows with the token count (measured 36 MiB of code at 8,192 tokens, U=2), and
+  the received buffer is already in the kernels' heads-major layout.
   """
   B, L, _, H = parts[0].shape
-  groups = [p.shape[2] // U for p in parts]
-  packed = jnp.concatenate([p.reshape(B, L, U, g, H) for p, g in zip(parts, groups)], axis=3)
-  recv = jax.lax.all_to_all(packed, ULYSSES_AXIS, 2, 1, tiled=True)  # [B, U * L, 1, sum g, H]
-  recv = recv.reshape(B, U * L, sum(groups), H)
-  bounds = [sum(groups[:i]) for i in range(1, len(groups))]
-  return jnp.split(recv, bounds, axis=2)
+  packed = jnp.concatenate(
+      [pad_axis(p.reshape(B, L, U, p.shape[2] // U, H).transpose(0, 2, 3, 1, 4), 3, L_pad) for p in parts],
+      axis=2)
+  recv = jax.lax.all_to_all(packed, ULYSSES_AXIS, 1, 3, tiled=True)  # [B, 1, sum h_i / U, U * L_pad, H]
+  return recv.reshape(B, recv.shape[2], U * L_pad, H)
 
 
-def _sequence_to_heads(out: jax.Array, U: int) -> jax.Array:
-  """The inverse exchange for the output: [B, U * L, h, H] -> [B, L, U * h, H] (my tokens, all heads)."""
-  return jax.lax.all_to_all(out, ULYSSES_AXIS, 1, 2, tiled=True)
+def _sequence_to_heads(out_BhTH: jax.Array, U: int, L: int) -> jax.Array:
+  """The inverse exchange for the output: heads-major [B, h, U * L_pad, H] -> [B, L, U * h, H] (my
+  tokens, all heads)."""
+  B, h, T, H = out_BhTH.shape
+  back = jax.lax.all_to_all(out_BhTH, ULYSSES_AXIS, 2, 1, tiled=True)  # [B, U * h, L_pad, H]
+  return back[:, :, :L].transpose(0, 2, 1, 3)
 
 
 def usp_attention(
@@ -195,27 +199,36 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     if C > 1:  # each branch's statistics are its own; the path is chosen for the whole mesh
       gate = fm.GateResult(jax.lax.pmin(gate.eligible.astype(jnp.int32), CFG_AXIS) > 0, gate.v_ok, gate.c_max)
 
-  # 3. One packed all-to-all over ulysses: heads split, the ring group's tokens gathered.
+  # 3. One packed all-to-all over ulysses: heads split, the ring group's tokens gathered, heads-major.
+  # Each source's token block is padded from Tl (Sl) to Lq (Lk) rows so that the gathered length
+  # is a multiple of the blocks: the received buffer is the kernels' input as it is (no pad copy).
+  # Padded rows carry PAD_POSITION: masked as keys through kv_limit, dropped as queries.
   hq, hk = N // U, Kp // U
-  if U > 1:
-    if Tl != Sl:  # one exchange needs one token count; self-attention shards always agree
-      qg, = _heads_to_sequence([qs], U)
-      kg, vg = _heads_to_sequence([k, v], U)
-    else:
-      qg, kg, vg = _heads_to_sequence([qs, k, v], U)
-  else:
-    qg, kg, vg = qs, k, v
-  Tg, Sg = U * Tl, U * Sl
   G = hq // hk
+  first = bw.BlockLayout.make(U * Tl, U * Sl, block_sizes, backend)
+  Lq = round_up(U * Tl, math.lcm(first.block_q, U)) // U
+  Lk = round_up(U * Sl, math.lcm(first.block_kv, U)) // U
+  layout = bw.BlockLayout.make(U * Lq, U * Lk, block_sizes, backend)
+  if layout.T_pad != U * Lq or layout.S_pad != U * Lk:
+    raise ValueError(f"internal: gathered lengths {U * Lq}, {U * Lk} are not multiples of the blocks of {layout}")
+  if U > 1 and Tl == Sl:
+    recv = _heads_to_sequence([qs, k, v], U, Lq)  # [B, hq + 2 hk, U * Lq, H]
+    qg, kvbuf = recv[:, :hq], recv[:, hq:]
+  elif U > 1:  # q and k/v differ in length (not self-attention): one exchange each
+    qg = _heads_to_sequence([qs], U, Lq)
+    kvbuf = _heads_to_sequence([k, v], U, Lk)
+  else:
+    qg = pad_axis(qs.transpose(0, 2, 1, 3), 2, Lq)
+    kvbuf = pad_axis(jnp.concatenate([k, v], axis=2).transpose(0, 2, 1, 3), 2, Lk)
+  q_BKGTH = qg.reshape(B, hk, G, U * Lq, H)  # kvbuf: the packed K/V [B, 2 hk, U * Lk, H] of the ring
 
-  # The block set-up: block padding of Tg / Sg is masked inside `attend` by construction; the
-  # mesh padding (global positions >= S) and kv_valid_len by `kv_limit`.
-  layout = bw.BlockLayout.make(Tg, Sg, block_sizes, backend)
-  q_BKGTH = layout.pad_q(qg.reshape(B, Tg, hk, G, H).transpose(0, 2, 3, 1, 4))
-  kbuf = jnp.stack([layout.pad_kv(kg.transpose(0, 2, 1, 3)),
-                    layout.pad_kv(vg.transpose(0, 2, 1, 3))])  # packed K/V [2, B, hk, Sg_pad, H]
-  q_pos = layout.q_positions(r * Tg + jnp.arange(Tg))
-  kv_limit = limit if masked else None
+  def positions(src_chunk, L, real):  # global positions of the gathered slots: chunk-major, padded
+    i = jnp.arange(L)
+    pos = (src_chunk * U + jnp.arange(U)[:, None]) * real + i[None, :]
+    return jnp.where(i[None, :] < real, pos, bw.PAD_POSITION).reshape(U * L).astype(jnp.int32)
+
+  q_pos = positions(r, Lq, Tl)
+  kv_limit = limit if (masked or Lk != Sl) else None
 
   if implementation != "lse":
     stats = fm.KeyStats(
@@ -223,7 +236,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
         jax.lax.dynamic_slice_in_dim(kc_max, u * hk, hk, axis=1),
         jax.lax.dynamic_slice_in_dim(v_max, u * hk, hk, axis=1), count)
     c_max = jax.lax.dynamic_slice_in_dim(gate.c_max, u * hk, hk, axis=1)
-    b = fm.row_offsets(q_BKGTH, stats, c_max, logit_scale=logit_scale)
+    b = fm.row_offsets(q_BKGTH, stats, c_max, logit_scale=logit_scale)  # padded rows: zero q, harmless
   match implementation:
     case "lse":
       carry = bw.init_carry(q_BKGTH)
@@ -231,33 +244,32 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
       carry = bw.init_carry(q_BKGTH, b)
     case "auto":
       carry = bw.init_carry(q_BKGTH, jnp.where(gate.eligible, b, -jnp.inf))
-
-  def block(carry, kv, src):
-    kw = dict(layout=layout, q_pos=q_pos, kv_pos=layout.kv_positions(src * Sg + jnp.arange(Sg)),
-              kv_limit=kv_limit, logit_scale=logit_scale)
+  def block(carry, kv, src):  # kv: the packed [B, 2 hk, U * Lk, H], read in place
+    kw = dict(layout=layout, q_pos=q_pos, kv_pos=positions(src, Lk, Sl), kv_limit=kv_limit,
+              logit_scale=logit_scale)
     if implementation == "auto":
       return jax.lax.cond(
           gate.eligible,
-          lambda c: bw.attend(c, q_BKGTH, kv[0], kv[1], mode="fixed_m", **kw),
-          lambda c: bw.attend(c, q_BKGTH, kv[0], kv[1], mode="lse", **kw), carry)
-    return bw.attend(carry, q_BKGTH, kv[0], kv[1], mode=implementation, **kw)
+          lambda c: bw.attend(c, q_BKGTH, kv, None, mode="fixed_m", **kw),
+          lambda c: bw.attend(c, q_BKGTH, kv, None, mode="lse", **kw), carry)
+    return bw.attend(carry, q_BKGTH, kv, None, mode=implementation, **kw)
 
   # 4. Ring: send the buffer on before computing with it; the last step sends nothing.
   perm = [(j, (j + 1) % R) for j in range(R)]
   for step in range(R):
-    nxt = jax.lax.ppermute(kbuf, RING_AXIS, perm) if step < R - 1 else None
-    carry = block(carry, kbuf, (r - step) % R)
-    kbuf = nxt
+    nxt = jax.lax.ppermute(kvbuf, RING_AXIS, perm) if step < R - 1 else None
+    carry = block(carry, kvbuf, (r - step) % R)
+    kvbuf = nxt
 
-  out = layout.unpad_rows(bw.finish(carry))  # [B, hk, G, Tg, H]
+  out = bw.finish(carry)  # [B, hk, G, U * Lq, H]
   if implementation == "fixed_m":
     out = jnp.where(gate.eligible, out, jnp.nan)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(B, Tg, hq, H).astype(q.dtype)
+  out = out.reshape(B, hq, U * Lq, H).astype(q.dtype)
 
-  # 5. All-to-all back: my token chunk, all heads.
+  # 5. All-to-all back: my token chunk, all heads; the padded rows dropped.
   if U > 1:
-    out = _sequence_to_heads(out, U)  # [B, Tl, N, H]
-  return out
+    return _sequence_to_heads(out, U, Tl)  # [B, Tl, N, H]
+  return out[:, :, :Tl].transpose(0, 2, 1, 3)
 
 
 def cross_attention(

@@ -162,6 +162,18 @@ def main(argv=None):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report["cost_analysis"] = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")}
     print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
+  if args.topology and args.kind == "usp":
+    from end_to_end.aot import compile_local_kernels
+
+    Kp = max(K, U)
+    local = compile_local_kernels(devices[0], batch=args.batch, heads=args.heads // U, q_len=T_pad // R,
+                                  kv_len=T_pad // R, head_dim=args.head_dim, dtype=args.dtype)
+    report["local_kernels"] = local
+    print(f"one device's block (q [B, T/R, N/U, H], k/v of one ring step; kv heads {Kp // U}), "
+          "compiled for one chip:")
+    for row in local:
+      print(f"  {row['name']:24s} " + (row["error"] if "error" in row else
+            f"compile {row['compile_s']:5.1f} s  code {row['code_mib']:6.2f} MiB  temp {row['temp_mib']:7.1f} MiB"))
   if args.topology:
     print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
   elif target == "cpu" and dtype == jnp.bfloat16:

@@ -158,3 +158,19 @@ def test_backend_choice_and_errors():
   # Pallas blocks: powers of two >= 128, capped by the given sizes.
   layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
   assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
+
+
+def test_tune_blocks_measures_grid_and_refuses_interpret_timing(tmp_path):
+  from end_to_end import tune_blocks
+
+  path = tmp_path / "table.json"
+  rows = tune_blocks.main(["--backend", "xla", "--seq", "256", "--heads", "2", "--head-dim", "32",
+                           "--dtype", "float32", "--block-q", "128,256", "--block-kv", "128", "--repeats", "1",
+                           "--json", str(path)])
+  assert sorted((r["block_q"], r["block_kv"]) for r in rows) == [(128, 128), (256, 128)]
+  times = [r["fixed_m"]["median_s"] for r in rows]
+  assert times == sorted(times) and all(t > 0 for t in times)
+  import json
+  assert json.loads(path.read_text())["rows"] == rows
+  with pytest.raises(SystemExit, match="interpret mode"):
+    tune_blocks.main(["--backend", "pallas"])
