@@ -300,10 +300,8 @@ def attend(
   if v_BKSH is None and k_BKSH.shape[1] != 2 * K:
     raise ValueError(f"packed K/V needs 2K = {2 * K} heads, got k {k_BKSH.shape}")
   if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
-    o, l, m = kernels.attend_kernel(
-        carry.o, carry.l, carry.m, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, mode=mode, bq=bq, bk=bk,
-        S=layout.S, kv_padded=layout.kv_padded, window=window, causal=causal, logit_scale=logit_scale)
-    return Carry(o, l, m)
+    return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, mode, layout, window, causal,
+                          logit_scale)
   nq, nk = T // bq, S // bk
   needs_mask = kv_limit is not None or window is not None or causal or layout.kv_padded
   if v_BKSH is None:
@@ -345,6 +343,37 @@ def attend(
   c_blocks = Carry(q_blocks(carry.o), q_blocks(carry.l), q_blocks(carry.m))
   out = jax.lax.map(one_q_block, (q_blocks(q_BKGTH), c_blocks, q_pos.reshape(nq, bq)))
   return Carry(merge_q(out.o), merge_q(out.l), merge_q(out.m))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale):
+  """`attend` as one kernel call; differentiable: the backward pass is the XLA loops' VJP (a
+  recompute of the forward in XLA, then its transpose), so gradients equal the XLA path's."""
+  o, l, m = kernels.attend_kernel(
+      carry.o, carry.l, carry.m, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q,
+      bk=layout.block_kv, S=layout.S, kv_padded=layout.kv_padded, window=window, causal=causal,
+      logit_scale=logit_scale)
+  return Carry(o, l, m)
+
+
+def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale):
+  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale)
+  return out, (carry, q, k, v, q_pos, kv_pos, kv_limit)
+
+
+def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, residuals, cotangent):
+  carry, q, k, v, q_pos, kv_pos, kv_limit = residuals
+  xla = dataclasses.replace(layout, backend="xla")
+
+  def update(carry, q, k, v):
+    return attend(carry, q, k, v, mode=mode, layout=xla, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit,
+                  window=window, causal=causal, logit_scale=logit_scale)
+
+  _, pullback = jax.vjp(update, carry, q, k, v)
+  return (*pullback(cotangent), None, None, None)
+
+
+_attend_pallas.defvjp(_attend_pallas_fwd, _attend_pallas_bwd)
 
 
 def finish(carry: Carry) -> jax.Array:
