@@ -184,6 +184,21 @@ class BlockLayout:
     """Static: some key slots are block padding (so `attend` must mask)."""
     return self.S_pad != self.S
 
+  def queries(self, q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
+    """Token-major q [B, T, N, H] -> the kernels' [B, K, G, T_pad, H] (query head n = k * G + g)."""
+    B, T, N, H = q_BTNH.shape
+    K = num_kv_heads
+    return self.pad_q(q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4))
+
+  def keys(self, x_BSKH: jax.Array) -> jax.Array:
+    """Token-major k or v [B, S, K, H] -> [B, K, S_pad, H]."""
+    return self.pad_kv(x_BSKH.transpose(0, 2, 1, 3))
+
+  def output(self, o_BKGTH: jax.Array) -> jax.Array:
+    """`finish`'s [B, K, G, T_pad, H] -> token-major [B, T, N, H] (padded rows dropped)."""
+    B, K, G, _, H = o_BKGTH.shape
+    return self.unpad_rows(o_BKGTH).transpose(0, 3, 1, 2, 4).reshape(B, self.T, K * G, H)
+
   def pad_q(self, x_BKGTH: jax.Array) -> jax.Array:
     """[B, K, G, T, H] (or a carry field [B, K, G, T]) zero-padded to T_pad rows."""
     return pad_axis(x_BKGTH, 3, self.T_pad)
@@ -477,14 +492,10 @@ def check_block_sizes(block_sizes: BlockSizes | None, backend: str) -> BlockSize
                                              "q_prescaled", "backend"))
 def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementation, block_sizes,
                      q_prescaled, backend):
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  G = N // K
+  T, S, K = q.shape[1], k.shape[1], k.shape[2]
   q_in, logit_scale = query_scaling(q, scale, q_prescaled)
   layout = BlockLayout.make(T, S, block_sizes, backend)
-  q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
-  k_BKSH = layout.pad_kv(k.transpose(0, 2, 1, 3))
-  v_BKSH = layout.pad_kv(v.transpose(0, 2, 1, 3))
+  q_BKGTH, k_BKSH, v_BKSH = layout.queries(q_in, K), layout.keys(k), layout.keys(v)
   kv_limit = None if kv_valid_len is None else jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   windowed = window is not None or causal
   attend_kw = dict(layout=layout, q_pos=layout.q_positions(jnp.arange(T)),
@@ -509,5 +520,4 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
-  out = layout.unpad_rows(out).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-  return out.astype(q.dtype)
+  return layout.output(out).astype(q.dtype)

@@ -129,18 +129,14 @@ def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes, back
 
 def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, block_sizes, backend):
   """LSE attention of q [B, T, N, H] to k/v [B, S, K, H] at explicit global positions."""
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  G = N // K
+  T, S, K = q.shape[1], k.shape[1], k.shape[2]
   layout = bw.BlockLayout.make(T, S, block_sizes, backend)
   q_in, logit_scale = bw.query_scaling(q, scale, False)
-  q_BKGTH = layout.pad_q(q_in.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4))
-  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, layout.pad_kv(k.transpose(0, 2, 1, 3)),
-                    layout.pad_kv(v.transpose(0, 2, 1, 3)), mode="lse", layout=layout,
+  q_BKGTH = layout.queries(q_in, K)
+  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,
                     q_pos=layout.q_positions(q_pos), kv_pos=layout.kv_positions(kv_pos),
                     kv_limit=limit, window=window, causal=causal, logit_scale=logit_scale)
-  out = layout.unpad_rows(bw.finish(carry))
-  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
+  return layout.output(bw.finish(carry)).astype(q.dtype)
 
 
 def all_gather_window_attention(q, k, v, *, mesh, window, causal=False, kv_valid_len=None,
