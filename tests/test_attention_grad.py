@@ -38,19 +38,21 @@ def _check(got, want, what):
     assert rel <= REL_TOL, f"{what}: d/d{name} relative error {rel:.2e} > {REL_TOL:.0e}"
 
 
-@pytest.mark.parametrize("ring,ulysses", [(2, 2), (1, 4)])
-def test_usp_attention_gradient_matches_reference(ring, ulysses):
+@pytest.mark.parametrize("ring,ulysses,backend", [(2, 2, "xla"), (1, 4, "xla"), (2, 2, "pallas")])
+def test_usp_attention_gradient_matches_reference(ring, ulysses, backend):
+  """backend "pallas": the kernels (interpret mode here) with their custom VJP."""
   q, k, v, w = _inputs()
   want = _grads(attention_reference, q, k, v, w)
   mesh = make_mesh(ulysses=ulysses, ring=ring, devices=jax.devices()[:ring * ulysses])
 
   @jax.jit
   def all_paths(q, k, v, w):
-    return {impl: _grads(functools.partial(usp_attention, mesh=mesh, implementation=impl), q, k, v, w)
+    return {impl: _grads(functools.partial(usp_attention, mesh=mesh, implementation=impl, backend=backend),
+                         q, k, v, w)
             for impl in ("lse", "fixed_m", "auto")}
 
   for impl, got in all_paths(q, k, v, w).items():
-    _check(got, want, f"usp_attention R={ring} U={ulysses} {impl}")
+    _check(got, want, f"usp_attention R={ring} U={ulysses} {impl} {backend}")
 
 
 def test_local_attention_gradient_matches_reference():
