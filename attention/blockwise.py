@@ -447,7 +447,8 @@ def local_attention(
     scale: logit scale, default 1 / sqrt(H).
     implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
       input the output is all NaN, never a silently wrong number) or "auto" (the gate picks with
-      `lax.cond`, fixed-m when eligible).
+      `lax.cond`, fixed-m when eligible; with the Pallas backend and a single key block, LSE, which
+      then costs the same).
     block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)`.
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
     backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas" (on CPU the
@@ -509,11 +510,13 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
     b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
     return finish(attend(init_carry(q_BKGTH, b), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw))
 
-  if implementation == "lse":
+  # One key block (e.g. 512 text keys): LSE rescales nothing that fixed-m would save, so the Pallas
+  # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
+  if implementation == "lse" or (implementation == "auto" and backend == "pallas" and layout.S_pad == layout.block_kv):
     out = lse_path()
   else:
     stats = fm.local_key_stats(k, v, kv_valid_len)
-    q_norm_max = jnp.max(fm.query_norms(q_in), axis=1) * logit_scale  # [B, N], of q * scale * log2 e
+    q_norm_max = fm.query_norm_max(q_in) * logit_scale  # [B, N], of q * scale * log2 e
     gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count,
                            windowed=windowed)
     if implementation == "fixed_m":

@@ -79,9 +79,9 @@ def key_sum(k_BSKH: jax.Array, valid_BS: jax.Array) -> jax.Array:
 def key_maxima(k_BSKH, v_BSKH, k_mean_BKH, valid_BS) -> tuple[jax.Array, jax.Array]:
   """Local fp32 ([B, K] max ||k - k_mean||, [B, K] max |v|) over valid keys (0 when none)."""
   kc = k_BSKH.astype(jnp.float32) - k_mean_BKH[:, None]
-  kc_norm = jnp.sqrt(jnp.sum(kc * kc, axis=-1))  # [B, S, K]
   valid = valid_BS[:, :, None]
-  kc_max = jnp.max(jnp.where(valid, kc_norm, 0.0), axis=1)
+  # sqrt after the max: monotone and correctly rounded, so the same value with S x fewer roots.
+  kc_max = jnp.sqrt(jnp.max(jnp.where(valid, jnp.sum(kc * kc, axis=-1), 0.0), axis=1))
   v_max = jnp.max(jnp.where(valid, jnp.max(jnp.abs(v_BSKH.astype(jnp.float32)), axis=-1), 0.0), axis=1)
   return kc_max, v_max
 
@@ -90,6 +90,13 @@ def query_norms(q_scaled_BTNH: jax.Array) -> jax.Array:
   """fp32 [B, T, N] row norms ||q~_i|| of the (already scaled, base-2) queries."""
   q = q_scaled_BTNH.astype(jnp.float32)
   return jnp.sqrt(jnp.sum(q * q, axis=-1))
+
+
+def query_norm_max(q_scaled_BTNH: jax.Array) -> jax.Array:
+  """fp32 [B, N] max over rows of ||q~_i||: the square root taken after the max (sqrt is monotone
+  and correctly rounded, so this equals max(query_norms) bit for bit, with T x fewer roots)."""
+  q = q_scaled_BTNH.astype(jnp.float32)
+  return jnp.sqrt(jnp.max(jnp.sum(q * q, axis=-1), axis=1))
 
 
 def local_key_stats(k_BSKH, v_BSKH, kv_valid_len=None) -> KeyStats:

@@ -82,6 +82,26 @@ def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
   return recv.reshape(B, recv.shape[2], U * L_pad, H)
 
 
+def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: bw.BlockSizes, backend: str) -> tuple[int, int]:
+  """The smallest (Lq >= Tl, Lk >= Sl) whose gathered lengths U * L are whole numbers of the blocks
+  `BlockLayout.make` picks for them (so no pad copy follows the exchange); Lq == Lk when Tl == Sl
+  (one exchange). Static; a few hundred steps at most."""
+  def fits(T, S):
+    layout = bw.BlockLayout.make(T, S, block_sizes, backend)
+    return layout.T_pad == T, layout.S_pad == S
+
+  Lq, Lk = Tl, Sl
+  while not fits(U * Lq, U * Lk)[0]:
+    Lq += 1
+  while not fits(U * Lq, U * Lk)[1]:
+    Lk += 1
+  if Tl == Sl:
+    Lq = Lk = max(Lq, Lk)
+    while not all(fits(U * Lq, U * Lk)):
+      Lq = Lk = Lq + 1
+  return Lq, Lk
+
+
 def _sequence_to_heads(out_BhTH: jax.Array, U: int, L: int) -> jax.Array:
   """The inverse exchange for the output: heads-major [B, h, U * L_pad, H] -> [B, L, U * h, H] (my
   tokens, all heads)."""
@@ -190,7 +210,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
       k_sum = jax.lax.psum(k_sum, axes)
     k_mean = k_sum / jnp.maximum(count, 1.0)[:, None, None]
     kc_max, v_max = fm.key_maxima(k, v, k_mean, valid)
-    q_norm = jnp.max(fm.query_norms(qs), axis=1) * logit_scale  # [B, N] of q * scale * log2 e
+    q_norm = fm.query_norm_max(qs) * logit_scale  # [B, N] of q * scale * log2 e
     packed = jnp.concatenate([q_norm, kc_max, v_max], axis=1)
     if U * R > 1:
       # pmax has no JVP rule; these statistics only pick the shift m and the gate, and the
@@ -207,12 +227,10 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   # Padded rows carry PAD_POSITION: masked as keys through kv_limit, dropped as queries.
   hq, hk = N // U, Kp // U
   G = hq // hk
-  first = bw.BlockLayout.make(U * Tl, U * Sl, block_sizes, backend)
-  Lq = round_up(U * Tl, math.lcm(first.block_q, U)) // U
-  Lk = round_up(U * Sl, math.lcm(first.block_kv, U)) // U
+  # XLA (CPU) pads the gathered buffers at their end instead (a cheap copy there, and no q rows
+  # beyond the next block multiple).
+  Lq, Lk = _padded_source_lengths(Tl, Sl, U, block_sizes, backend) if backend == "pallas" else (Tl, Sl)
   layout = bw.BlockLayout.make(U * Lq, U * Lk, block_sizes, backend)
-  if layout.T_pad != U * Lq or layout.S_pad != U * Lk:
-    raise ValueError(f"internal: gathered lengths {U * Lq}, {U * Lk} are not multiples of the blocks of {layout}")
   if U > 1 and Tl == Sl:
     recv = _heads_to_sequence([qs, k, v], U, Lq)  # [B, hq + 2 hk, U * Lq, H]
     qg, kvbuf = recv[:, :hq], recv[:, hq:]
@@ -222,14 +240,19 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   else:
     qg = pad_axis(qs.transpose(0, 2, 1, 3), 2, Lq)
     kvbuf = pad_axis(jnp.concatenate([k, v], axis=2).transpose(0, 2, 1, 3), 2, Lk)
-  q_BKGTH = qg.reshape(B, hk, G, U * Lq, H)  # kvbuf: the packed K/V [B, 2 hk, U * Lk, H] of the ring
+  q_BKGTH = layout.pad_q(qg.reshape(B, hk, G, U * Lq, H))  # no-op for Pallas (already block multiples)
+  kvbuf = layout.pad_kv(kvbuf)  # the packed K/V [B, 2 hk, S_pad, H] of the ring
 
-  def positions(src_chunk, L, real):  # global positions of the gathered slots: chunk-major, padded
+  def positions(src_chunk, L, real, size):  # global positions of the gathered slots, padded to size
     i = jnp.arange(L)
     pos = (src_chunk * U + jnp.arange(U)[:, None]) * real + i[None, :]
-    return jnp.where(i[None, :] < real, pos, bw.PAD_POSITION).reshape(U * L).astype(jnp.int32)
+    pos = jnp.where(i[None, :] < real, pos, bw.PAD_POSITION).reshape(U * L).astype(jnp.int32)
+    return pad_axis(pos, 0, size, value=bw.PAD_POSITION)
 
-  q_pos = positions(r, Lq, Tl)
+  def kv_positions(src):  # of the ring shard that came from ring rank src
+    return positions(src, Lk, Sl, layout.S_pad)
+
+  q_pos = positions(r, Lq, Tl, layout.T_pad)
   kv_limit = limit if (masked or Lk != Sl) else None
 
   if implementation != "lse":
@@ -246,8 +269,9 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
       carry = bw.init_carry(q_BKGTH, b)
     case "auto":
       carry = bw.init_carry(q_BKGTH, jnp.where(gate.eligible, b, -jnp.inf))
+
   def block(carry, kv, src):  # kv: the packed [B, 2 hk, U * Lk, H], read in place
-    kw = dict(layout=layout, q_pos=q_pos, kv_pos=positions(src, Lk, Sl), kv_limit=kv_limit,
+    kw = dict(layout=layout, q_pos=q_pos, kv_pos=kv_positions(src), kv_limit=kv_limit,
               logit_scale=logit_scale)
     if implementation == "auto":
       return jax.lax.cond(
@@ -263,7 +287,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     carry = block(carry, kvbuf, (r - step) % R)
     kvbuf = nxt
 
-  out = bw.finish(carry)  # [B, hk, G, U * Lq, H]
+  out = bw.finish(carry)[:, :, :, :U * Lq]  # [B, hk, G, U * Lq, H]
   if implementation == "fixed_m":
     out = jnp.where(gate.eligible, out, jnp.nan)
   out = out.reshape(B, hq, U * Lq, H).astype(q.dtype)
