@@ -172,7 +172,9 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     q_norm = jnp.max(fm.query_norms(qs), axis=1) * logit_scale  # [B, N] of q * scale * log2 e
     packed = jnp.concatenate([q_norm, kc_max, v_max], axis=1)
     if U * R > 1:
-      packed = jax.lax.pmax(packed, axes)
+      # pmax has no JVP rule; these statistics only pick the shift m and the gate, and the
+      # output o / l does not depend on m, so the exact gradient through them is zero.
+      packed = jax.lax.pmax(jax.lax.stop_gradient(packed), axes)
     q_norm, kc_max, v_max = packed[:, :N], packed[:, N:N + Kp], packed[:, N + Kp:]
     gate = fm.fixed_m_gate(q_norm, kc_max, v_max, count)
     if C > 1:  # each branch's statistics are its own; the path is chosen for the whole mesh
