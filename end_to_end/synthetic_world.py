@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +41,9 @@ TRAVEL_RANGE = (0.4, 0.5)
 DIFF_THRESHOLD = 0.25  # max |pixel - background| over RGB for a pixel to belong to the object
 MOVE_MIN = 0.2  # moving: centroid displacement in the named direction >= 20 % of the frame side
 STILL_MAX = 0.1  # standing still: centroid displacement < 10 % of the frame side
+# The object's mean share of each frame's pixels must lie in this range (the rendered shapes cover
+# 2-9 %): an empty video, or noise where most pixels differ from the background, is no object.
+COVERAGE_RANGE = (0.005, 0.4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,15 @@ class Scene:
   @property
   def prompt(self) -> str:
     return prompt_for(self.colour, self.shape, self.motion)
+
+  def centre(self, frame: int, frames: int = FRAMES, height: int = HEIGHT, width: int = WIDTH
+             ) -> tuple[float, float]:
+    """(x, y) centre of the shape at `frame` of a `frames`-frame clip, fractions of width / height."""
+    a = frame / max(frames - 1, 1)
+    dx, dy = MOTIONS[self.motion]
+    side = min(height, width)
+    return (self.start[0] + dx * self.travel * a * side / width,
+            self.start[1] + dy * self.travel * a * side / height)
 
 
 def prompt_for(colour: str, shape: str, motion: str) -> str:
@@ -116,25 +129,27 @@ def random_scene(rng: np.random.Generator, colour: str | None = None, shape: str
   return Scene(colour, shape, motion, size, (start_along(dx), start_along(dy)), travel)
 
 
-def render(scene: Scene, frames: int = FRAMES, height: int = HEIGHT, width: int = WIDTH) -> np.ndarray:
+def render(scene: Scene, frames: int = FRAMES, height: int = HEIGHT, width: int = WIDTH,
+           only: Sequence[int] | None = None) -> np.ndarray:
   """Renders a scene, 2x2 supersampled (soft edges).
 
+  Args:
+    only: render just these frame indices of the `frames`-frame clip (in this order).
+
   Returns:
-    float32 [frames, height, width, 3] in [0, 1].
+    float32 [frames or len(only), height, width, 3] in [0, 1].
   """
   ss = 2
   ys = (np.arange(height * ss, dtype=np.float32) + 0.5) / (height * ss)
   xs = (np.arange(width * ss, dtype=np.float32) + 0.5) / (width * ss)
   side = min(height, width)
   half_x, half_y = scene.size / 2 * side / width, scene.size / 2 * side / height
-  dx, dy = MOTIONS[scene.motion]
   colour = np.asarray(COLOURS[scene.colour], np.float32)
   background = np.asarray(BACKGROUND, np.float32)
-  video = np.empty((frames, height, width, 3), np.float32)
-  for f in range(frames):
-    a = f / max(frames - 1, 1)
-    cx = scene.start[0] + dx * scene.travel * a * side / width
-    cy = scene.start[1] + dy * scene.travel * a * side / height
+  indices = list(range(frames)) if only is None else list(only)
+  video = np.empty((len(indices), height, width, 3), np.float32)
+  for out, f in enumerate(indices):
+    cx, cy = scene.centre(f, frames, height, width)
     u = (xs[None, :] - cx) / half_x  # [-1, 1] across the shape
     v = (ys[:, None] - cy) / half_y
     if scene.shape == "square":
@@ -144,7 +159,7 @@ def render(scene: Scene, frames: int = FRAMES, height: int = HEIGHT, width: int 
     else:  # triangle, apex up: |u| <= (v + 1) / 2 for v in [-1, 1]
       inside = (v <= 1) & (np.abs(u) <= (v + 1) / 2)
     cover = inside.reshape(height, ss, width, ss).mean(axis=(1, 3), dtype=np.float32)[..., None]
-    video[f] = background + cover * (colour - background)
+    video[out] = background + cover * (colour - background)
   return video
 
 
@@ -215,8 +230,8 @@ def detect(video: np.ndarray, background: tuple[float, float, float] | None = No
 
 def check(video: np.ndarray, prompt: str, background: tuple[float, float, float] | None = None
           ) -> tuple[bool, str]:
-  """Does `video` show what `prompt` says? The acceptance rule: the detected colour is the named
-  one, and the centroid moves >= MOVE_MIN of the frame in the named direction (for "standing
+  """Does `video` show what `prompt` says? The acceptance rule: an object covering a plausible
+  share of the frame (COVERAGE_RANGE), its detected colour the named one, and the centroid moves >= MOVE_MIN of the frame in the named direction (for "standing
   still": moves < STILL_MAX in total). The shape is not checked.
 
   Returns:
@@ -229,6 +244,8 @@ def check(video: np.ndarray, prompt: str, background: tuple[float, float, float]
   seen = detect(video, background)
   if seen.colour is None or seen.displacement is None:
     return False, f"no object in every frame (coverage {seen.coverage:.3f})"
+  if not COVERAGE_RANGE[0] <= seen.coverage <= COVERAGE_RANGE[1]:
+    return False, f"object coverage {seen.coverage:.3f} outside {COVERAGE_RANGE}: no single shape"
   dx, dy = MOTIONS[motion]
   moved = float(np.hypot(*seen.displacement))
   along = seen.displacement[0] * dx + seen.displacement[1] * dy
