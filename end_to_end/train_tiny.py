@@ -206,6 +206,21 @@ def encode_texts(encoder, prompts: list[str]) -> np.ndarray:
 
 # --- transformer -----------------------------------------------------------------------------------
 
+def training_sigmas(u: np.ndarray, shift: float = SCHEDULER.flow_shift) -> np.ndarray:
+  """Noise levels for training, distributed as the sampler visits them: u ~ U(0, 1) mapped by the
+  flow shift as `UniPCConfig.set_timesteps` maps its uniform grid (sigma = s u / (1 + (s - 1) u))."""
+  return (shift * u / (1 + (shift - 1) * u)).astype(np.float32)
+
+
+def flow_pair(x0, noise, sigma):
+  """The flow-matching training pair at noise level sigma ([B], broadcast over [B, C, F, Hl, Wl]):
+  (x_t = (1 - sigma) x0 + sigma noise, target velocity noise - x0). The flow samplers
+  (schedulers.py) step with x0 = x_t - sigma * v, which this target makes exact; the model sees the
+  timestep 1000 sigma."""
+  s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+  return (1 - s) * x0 + s * noise, noise - x0
+
+
 def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarray, *, seed: int,
                       seconds: float, batch: int = 8, lr: float = 1e-3, ema_decay: float = 0.995,
                       config: WanTransformerConfig = TINY_TRAINED_TRANSFORMER):
@@ -235,13 +250,11 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.01, b2=0.99))
   state = opt.init(params)
-  shift = SCHEDULER.flow_shift
 
   def loss_fn(params, x0, noise, sigma, text):
-    s = sigma[:, None, None, None, None]
-    xt = (1 - s) * x0 + s * noise
+    xt, target = flow_pair(x0, noise, sigma)
     pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text)
-    return jnp.mean(jnp.square(pred - (noise - x0)))
+    return jnp.mean(jnp.square(pred - target))
 
   @jax.jit
   def step(params, ema, state, x0, noise, sigma, text, rate):
@@ -265,8 +278,7 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
       log(f"transformer: {elapsed / 30:.2f} s/step (with the compile) -> {total} steps")
     idx = rng.integers(0, len(latents), batch)
     rows = np.where(rng.random(batch) < CFG_DROPOUT, empty, text_ids[idx])
-    u = rng.random(batch).astype(np.float32)
-    sigma = (shift * u / (1 + (shift - 1) * u)).astype(np.float32)
+    sigma = training_sigmas(rng.random(batch).astype(np.float32))
     noise = rng.standard_normal(latents[idx].shape).astype(np.float32)
     params, ema, state, loss = step(params, ema, state, latents[idx], noise, sigma, texts_dev[rows],
                                           np.float32(learning_rate(k)))
