@@ -1,0 +1,77 @@
+"""The synthetic shapes world: grammar, renderer and the acceptance detector (positive and negative
+controls on rendered clips)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from end_to_end import synthetic_world as world
+
+
+def _scene(colour, shape, motion, seed=0):
+  return world.random_scene(np.random.default_rng(seed), colour=colour, shape=shape, motion=motion)
+
+
+def test_grammar_round_trips_and_rejects_other_words():
+  prompts = world.all_prompts()
+  assert len(prompts) == len(set(prompts)) == 5 * 3 * 5
+  assert "a red square moving right" in prompts and "a yellow triangle standing still" in prompts
+  for p in prompts:
+    assert world.prompt_for(*world.parse_prompt(p)) == p
+  with pytest.raises(ValueError, match="not in the grammar"):
+    world.parse_prompt("a purple square moving right")
+  with pytest.raises(ValueError, match="not in the grammar"):
+    world.prompt_for("red", "hexagon", "moving up")
+
+
+def test_render_shape_size_colour_and_background():
+  scene = _scene("blue", "square", "moving down", seed=3)
+  video = world.render(scene)
+  assert video.shape == (world.FRAMES, world.HEIGHT, world.WIDTH, 3) and video.dtype == np.float32
+  # background untouched where the shape never goes; the shape's interior exactly its colour
+  np.testing.assert_array_equal(video[:, 0, 0], np.broadcast_to(np.float32(world.BACKGROUND), (world.FRAMES, 3)))
+  cx, cy = scene.centre(8)
+  np.testing.assert_allclose(video[8, int(cy * world.HEIGHT), int(cx * world.WIDTH)], world.COLOURS["blue"],
+                             atol=1e-6)
+  inside = np.abs(video - np.asarray(world.BACKGROUND)).max(-1) > 0.5
+  side = scene.size * world.HEIGHT
+  np.testing.assert_allclose(inside.mean(axis=(1, 2)), side * side / world.HEIGHT / world.WIDTH, rtol=0.05)
+  np.testing.assert_array_equal(world.render(scene, only=[2, 11]), video[[2, 11]])
+
+
+@pytest.mark.parametrize("motion", list(world.MOTIONS))
+def test_detector_sees_every_colour_and_motion(motion):
+  """Positive controls: every colour with this motion, shapes in turn, two draws each."""
+  for i, (colour, seed) in enumerate(itertools.product(world.COLOURS, (0, 1))):
+    prompt = world.prompt_for(colour, world.SHAPES[i % 3], motion)
+    scene = world.random_scene(np.random.default_rng(seed), *world.parse_prompt(prompt))
+    ok, reason = world.check(world.render(scene, height=128, width=128), prompt)
+    assert ok, f"{prompt} (seed {seed}): {reason}"
+
+
+def test_detector_negative_controls():
+  right = world.render(_scene("red", "circle", "moving right"), height=128, width=128)
+  still = world.render(_scene("green", "triangle", "standing still"), height=128, width=128)
+  assert world.check(right, "a red circle moving right")[0]
+  for prompt, video, why in [
+      ("a green circle moving right", right, "wrong colour"),
+      ("a red circle moving left", right, "moved"),
+      ("a red circle moving up", right, "moved"),
+      ("a red circle standing still", right, "moved"),
+      ("a green triangle moving down", still, "moved"),
+      ("a white triangle standing still", still, "wrong colour"),
+  ]:
+    ok, reason = world.check(video, prompt)
+    assert not ok and why in reason, (prompt, reason)
+  blank = np.broadcast_to(np.asarray(world.BACKGROUND, np.float32), right.shape)
+  assert "no object" in world.check(blank, "a red square standing still")[1]
+  noise = np.random.default_rng(0).random(right.shape, np.float32)
+  assert not any(world.check(noise, f"a {c} square standing still")[0] for c in world.COLOURS)
+  # a shape that moves only 15 % of the frame is neither moving (>= 20 %) nor still (< 10 %)
+  short = world.Scene("white", "square", "moving up", 0.25, (0.5, 0.6), 0.15)
+  video = world.render(short, height=128, width=128)
+  assert not world.check(video, "a white square moving up")[0]
+  assert not world.check(video, "a white square standing still")[0]
+  with pytest.raises(ValueError, match="frames >= 2"):
+    world.detect(right[:1])

@@ -1,0 +1,46 @@
+"""end_to_end.train_tiny's pieces against the product code they must agree with: the training pair
+is what the flow samplers integrate, and the VAE training graph is the pipeline's encode + decode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from end_to_end import train_tiny
+from pipelines.wan import schedulers, vae as wan_vae
+
+
+def test_training_target_is_what_the_samplers_integrate():
+  """An oracle that returns the training target for the current sample takes UniPC (flow shift 3,
+  8 steps, the tiny preset) and flow Euler from pure noise to x0. A swapped target (x0 - noise), or
+  x_t = sigma x0 + (1 - sigma) noise, ends far from x0. Tolerance: fp32 steps, |x| ~ 1 -> 1e-5."""
+  rng = np.random.default_rng(0)
+  x0 = rng.standard_normal((2, 4, 2, 4, 4)).astype(np.float32)
+  noise = rng.standard_normal(x0.shape).astype(np.float32)
+  for config in (train_tiny.SCHEDULER, schedulers.FlowEulerConfig(shift=3.0)):
+    schedule = config.set_timesteps(8)
+    state = schedule.init_state(x0.shape)
+    x = jnp.asarray(noise)
+    for k in range(8):
+      sigma = np.full((2,), schedule.sigmas[k], np.float32)
+      implied_noise = (x - (1 - sigma[0]) * x0) / sigma[0]
+      xt, target = train_tiny.flow_pair(jnp.asarray(x0), implied_noise, jnp.asarray(sigma))
+      np.testing.assert_allclose(xt, x, atol=1e-5)
+      # the model's timestep: 1000 sigma, as the schedule's (truncated) timesteps
+      assert abs(float(schedule.timesteps[k]) - 1000 * float(sigma[0])) < 1.0
+      x, state = state.step(target, x)
+    np.testing.assert_allclose(np.asarray(x), x0, atol=1e-5, err_msg=type(config).__name__)
+  # the training noise levels cover the sampler's range, denser at high noise (shift 3)
+  sig = train_tiny.training_sigmas(np.linspace(0, 1, 101, dtype=np.float32))
+  assert sig[0] == 0 and abs(sig[-1] - 1) < 1e-6 and np.all(np.diff(sig) > 0) and sig[50] == np.float32(0.75)
+
+
+def test_vae_training_graph_is_the_pipelines_encode_and_decode():
+  config = wan_vae.VAE_PRESETS["tiny"]
+  vae = wan_vae.init_vae(config, jax.random.key(1))
+  x = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (1, 5, 16, 16, 3)).astype(np.float32))
+  with jax.disable_jit():  # op by op: 16x16 pixels run in well under a second, compiles take 20 s
+    y, z = train_tiny.autoencode(vae.params, config, x, None)
+    mean = wan_vae.encode(vae, x.transpose(0, 4, 1, 2, 3)).mean
+    video = wan_vae.decode(vae, mean, video_layout="BFHWC")
+  np.testing.assert_allclose(np.asarray(z), np.asarray(mean.transpose(0, 2, 3, 4, 1)), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(video), atol=1e-5)
