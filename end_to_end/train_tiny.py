@@ -47,7 +47,6 @@ from flax import nnx
 
 from end_to_end import synthetic_world as world
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
-from pipelines.wan import vae_layers as L
 from pipelines.wan.transformer import forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 
