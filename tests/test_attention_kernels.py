@@ -1,5 +1,7 @@
 """The Pallas kernels (attention/kernels.py) in interpret mode, against the float64 and dense references.
 
+(The local grid runs with backend="pallas" in tests/test_attention_local.py, beside the XLA loops.)
+
 `backend="pallas"` on CPU runs the TPU kernel (grid over key blocks, carry in scratch) in Pallas
 interpret mode; the GPU kernel (one program per query block looping over key blocks) is forced with
 `kernels.attend_kernel(kernel="gpu")`. Tolerances are the XLA path's (tests/numerics.py): the kernels
@@ -19,43 +21,13 @@ from attention import blockwise, kernels
 from attention.halo import halo_attention
 from numerics import fp32_attention_tol as fp32_tol
 from numerics import within
-from test_attention_local import BF16_TOL, GRID, _inputs, _reference_f64, _valid_len
+from test_attention_local import BF16_TOL, _inputs
 from test_attention_usp import MESHES
 
 pytestmark = pytest.mark.numerics
 
 SIZES = BlockSizes(block_q=128, block_kv=128)
 IMPLS = ("lse", "fixed_m", "auto")
-
-
-@functools.partial(jax.jit, static_argnames=("window", "causal"))
-def _local_paths(q, k, v, vl, window, causal=False):
-  return {impl: local_attention(q, k, v, kv_valid_len=vl, window=window, causal=causal, implementation=impl,
-                                block_sizes=SIZES, backend="pallas") for impl in IMPLS}
-
-
-@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID)
-def test_local_kernel_matches_float64(T, S, NK, H, padded, windowed):
-  N, K = NK
-  q, k, v = _inputs(2, T, S, N, K, H)
-  vl = _valid_len(2, S, padded)
-  window = 5 if windowed else None
-  exact = _reference_f64(q, k, v, vl, window)
-  for impl, out in _local_paths(q, k, v, vl, window).items():
-    assert out.shape == q.shape and out.dtype == q.dtype
-    within(np.max(np.abs(np.asarray(out, np.float64) - exact)), fp32_tol(v), f"pallas {impl}")
-
-
-@pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID[::4])
-def test_local_kernel_bf16(T, S, NK, H, padded, windowed):
-  N, K = NK
-  q, k, v = _inputs(2, T, S, N, K, H, dtype=jnp.bfloat16)
-  vl = _valid_len(2, S, padded)
-  window = 5 if windowed else None
-  ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), kv_valid_len=vl, window=window)
-  for impl, out in _local_paths(q, k, v, vl, window).items():
-    assert out.dtype == jnp.bfloat16
-    within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), BF16_TOL, f"pallas {impl}")
 
 
 @pytest.mark.parametrize("H", [64, 80, 128])

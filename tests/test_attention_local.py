@@ -80,25 +80,27 @@ def _reference_f64(q, k, v, kv_valid_len=None, window=None):
   return np.einsum("bnts,bsnh->btnh", p / np.where(denom > 0, denom, 1.0), v)  # no key -> 0
 
 
-@functools.partial(jax.jit, static_argnames=("window", "causal"))
-def _all_paths(q, k, v, vl, window, causal=False):
+@functools.partial(jax.jit, static_argnames=("window", "causal", "backend"))
+def _all_paths(q, k, v, vl, window, causal=False, backend="xla"):
   # One compiled program for the three paths and the fp32 reference keeps the grid fast.
+  # backend "pallas": the kernels of attention/kernels.py in Pallas interpret mode.
   outs = {impl: local_attention(q, k, v, kv_valid_len=vl, window=window, causal=causal,
-                                implementation=impl, block_sizes=SIZES)
+                                implementation=impl, block_sizes=SIZES, backend=backend)
           for impl in ("lse", "fixed_m", "auto")}
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   outs["reference"] = attention_reference(*f32, kv_valid_len=vl, window=window, causal=causal)
   return outs
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID)
-def test_matches_reference_fp32(T, S, NK, H, padded, windowed):
+def test_matches_reference_fp32(T, S, NK, H, padded, windowed, backend):
   N, K = NK
   q, k, v = _inputs(2, T, S, N, K, H)
   vl = _valid_len(2, S, padded)
   window = 5 if windowed else None
   exact = _reference_f64(q, k, v, vl, window)
-  outs = _all_paths(q, k, v, vl, window)
+  outs = _all_paths(q, k, v, vl, window, backend=backend)
   # The fp32 reference is itself within 2e-6 of float64, so it is a fair yardstick.
   within(np.max(np.abs(np.asarray(outs["reference"]) - exact)), fp32_tol(v), "fp32 reference vs float64")
   for impl in ("lse", "fixed_m", "auto"):
@@ -109,12 +111,13 @@ def test_matches_reference_fp32(T, S, NK, H, padded, windowed):
   # (fixed-m == LSE follows: both are within TOL of float64 on these admitted inputs.)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("T,S,NK,H,padded,windowed", GRID[::4])
-def test_matches_reference_bf16(T, S, NK, H, padded, windowed):
+def test_matches_reference_bf16(T, S, NK, H, padded, windowed, backend):
   N, K = NK
   q, k, v = _inputs(2, T, S, N, K, H, dtype=jnp.bfloat16)
   vl = _valid_len(2, S, padded)
-  outs = _all_paths(q, k, v, vl, 5 if windowed else None)
+  outs = _all_paths(q, k, v, vl, 5 if windowed else None, backend=backend)
   for impl in ("lse", "fixed_m", "auto"):
     assert outs[impl].dtype == jnp.bfloat16
     within(_err(outs[impl], outs["reference"]), BF16_TOL, impl)
