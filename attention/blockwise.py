@@ -476,13 +476,14 @@ def local_attention(
       q_prescaled=bool(q_prescaled), backend=backend)
 
 
-def check_block_sizes(block_sizes: BlockSizes | None, backend: str) -> BlockSizes:
-  """The call's BlockSizes: the backend's default when None.
+def check_block_sizes(block_sizes: BlockSizes | None, backend: str, platform: str | None = None) -> BlockSizes:
+  """The call's BlockSizes: the default of `backend` on `platform` (the platform the program is
+  compiled for, e.g. a mesh's devices'; None: JAX's default backend) when None.
 
   Raises:
     ValueError: not a BlockSizes, or Pallas blocks that are not multiples of 128.
   """
-  block_sizes = BlockSizes.get_default(backend) if block_sizes is None else block_sizes
+  block_sizes = BlockSizes.get_default(backend, platform) if block_sizes is None else block_sizes
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   BlockLayout.make(1, 1, block_sizes, backend)  # the backend's own constraints

@@ -86,15 +86,10 @@ def key_maxima(k_BSKH, v_BSKH, k_mean_BKH, valid_BS) -> tuple[jax.Array, jax.Arr
   return kc_max, v_max
 
 
-def query_norms(q_scaled_BTNH: jax.Array) -> jax.Array:
-  """fp32 [B, T, N] row norms ||q~_i|| of the (already scaled, base-2) queries."""
-  q = q_scaled_BTNH.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(q * q, axis=-1))
-
-
 def query_norm_max(q_scaled_BTNH: jax.Array) -> jax.Array:
-  """fp32 [B, N] max over rows of ||q~_i||: the square root taken after the max (sqrt is monotone
-  and correctly rounded, so this equals max(query_norms) bit for bit, with T x fewer roots)."""
+  """fp32 [B, N] max over rows of the norms ||q~_i|| of the (already scaled, base-2) queries; the
+  square root taken after the max (sqrt is monotone and correctly rounded, so the same value as
+  the max of the roots, with T x fewer roots)."""
   q = q_scaled_BTNH.astype(jnp.float32)
   return jnp.sqrt(jnp.max(jnp.sum(q * q, axis=-1), axis=1))
 

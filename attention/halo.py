@@ -75,8 +75,9 @@ def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_si
   """Checks, defaults, then the jitted program (shared by the halo and all-gather exchanges)."""
   _check_window_inputs(q, k, v, kv_valid_len, window)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  backend = bw.resolve_backend(backend, mesh.devices.flat[0].platform)
-  block_sizes = bw.check_block_sizes(block_sizes, backend)
+  platform = mesh.devices.flat[0].platform
+  backend = bw.resolve_backend(backend, platform)
+  block_sizes = bw.check_block_sizes(block_sizes, backend, platform)
   return _window_attention(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
                            scale=scale, block_sizes=block_sizes, exchange=exchange, backend=backend)
 

@@ -156,8 +156,9 @@ def usp_attention(
   check_heads(N, K, U, R)
   if implementation not in bw.IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}; expected one of {bw.IMPLEMENTATIONS}")
-  backend = bw.resolve_backend(backend, mesh.devices.flat[0].platform)
-  block_sizes = bw.check_block_sizes(block_sizes, backend)
+  platform = mesh.devices.flat[0].platform
+  backend = bw.resolve_backend(backend, platform)
+  block_sizes = bw.check_block_sizes(block_sizes, backend, platform)
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   return _usp(q, k, v, kv_valid_len, mesh=mesh, implementation=implementation, scale=scale,
               block_sizes=block_sizes, q_prescaled=bool(q_prescaled), backend=backend)
@@ -323,9 +324,10 @@ def cross_attention(
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
   U, R, _ = _mesh_parts(mesh, B)
   T_pad = round_up(T, U * R)
+  platform = mesh.devices.flat[0].platform
+  backend = bw.resolve_backend(backend, platform)
   local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
-                            block_sizes=block_sizes,
-                            backend=bw.resolve_backend(backend, mesh.devices.flat[0].platform))
+                            block_sizes=bw.check_block_sizes(block_sizes, backend, platform), backend=backend)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))  # text rows follow their batch rows
   if kv_valid_len is None:
     fn = lambda q, k, v: local(q, k, v)

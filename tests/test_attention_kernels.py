@@ -127,6 +127,10 @@ def test_backend_choice_and_errors():
     local_attention(q, k, v, backend="triton")
   with pytest.raises(ValueError, match="multiples of 128"):
     local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
+  # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
+  assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
+  assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
   # Pallas blocks: powers of two >= 128, capped by the given sizes.
   layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
   assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)

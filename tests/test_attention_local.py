@@ -152,7 +152,7 @@ def test_sink_head_fails_gate_and_auto_stays_exact():
   q = q.at[:, :, 1].multiply(400.0)  # head 1: huge q and k norms, logits far beyond 2^126
   k = k.at[:, :, 1].multiply(400.0)
   stats = fixed_m.local_key_stats(k, v)
-  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1)
+  q_norm = fixed_m.query_norm_max(_scaled(q, 1 / 8))
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert not bool(gate.eligible) and bool(jnp.all(gate.v_ok))
   ref = attention_reference(q, k, v)
@@ -173,7 +173,7 @@ def test_large_v_breaks_headroom():
   q, k, v = _inputs(1, 16, 64, 4, 4, 64)
   big = v * 2.0**122  # S=64 -> 6 bits, |v| up to ~2^124: c_max = 127 - 6 - 124 - 2 < 0
   stats = fixed_m.local_key_stats(k, big)
-  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1)
+  q_norm = fixed_m.query_norm_max(_scaled(q, 1 / 8))
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert not bool(jnp.all(gate.v_ok)) and not bool(gate.eligible)
   out = local_attention(q, k, big, implementation="auto")
@@ -195,10 +195,10 @@ def test_gate_edge(side):
   threshold = c_max + 126.0 - 2.0 * fixed_m.DEFAULT_MARGIN
   u_target = threshold * (0.995 if side == "inside" else 1.005)
   # Scale head 0 so its largest row bound u = ||q~|| * max||k - k_mean|| lands at u_target.
-  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, scale)), axis=1)
+  q_norm = fixed_m.query_norm_max(_scaled(q, scale))
   u0 = float(q_norm[0, 0] * stats.k_centred_max[0, 0])
   q = q.at[:, :, 0].multiply(u_target / u0)
-  q_norm = jnp.max(fixed_m.query_norms(_scaled(q, scale)), axis=1)
+  q_norm = fixed_m.query_norm_max(_scaled(q, scale))
   gate = fixed_m_gate(q_norm, stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert bool(gate.eligible) == (side == "inside")
   # At the edge the logits reach ~u nats, so fp32 rounding of the logits alone (in any exact
@@ -221,7 +221,7 @@ def test_per_q_block_bound_is_exact():
   qs = _scaled(q, 1 / 8).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   stats = fixed_m.local_key_stats(k, v)
-  gate = fixed_m_gate(jnp.max(fixed_m.query_norms(_scaled(q, 1 / 8)), axis=1),
+  gate = fixed_m_gate(fixed_m.query_norm_max(_scaled(q, 1 / 8)),
                       stats.k_centred_max, stats.v_absmax, stats.valid_count)
   assert bool(gate.eligible)
   b_row = fixed_m.row_offsets(qs, stats, gate.c_max)
