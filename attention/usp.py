@@ -86,20 +86,17 @@ def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: bw.BlockSizes,
   """The smallest (Lq >= Tl, Lk >= Sl) whose gathered lengths U * L are whole numbers of the blocks
   `BlockLayout.make` picks for them (so no pad copy follows the exchange); Lq == Lk when Tl == Sl
   (one exchange). Static; a few hundred steps at most."""
-  def fits(T, S):
-    layout = bw.BlockLayout.make(T, S, block_sizes, backend)
-    return layout.T_pad == T, layout.S_pad == S
+  def smallest(L, *sides):  # block_q depends on T only and block_kv on S only, so test both on U * L
+    while True:
+      layout = bw.BlockLayout.make(U * L, U * L, block_sizes, backend)
+      if all((layout.T_pad if side == "q" else layout.S_pad) == U * L for side in sides):
+        return L
+      L += 1
 
-  Lq, Lk = Tl, Sl
-  while not fits(U * Lq, U * Lk)[0]:
-    Lq += 1
-  while not fits(U * Lq, U * Lk)[1]:
-    Lk += 1
   if Tl == Sl:
-    Lq = Lk = max(Lq, Lk)
-    while not all(fits(U * Lq, U * Lk)):
-      Lq = Lk = Lq + 1
-  return Lq, Lk
+    L = smallest(Tl, "q", "kv")
+    return L, L
+  return smallest(Tl, "q"), smallest(Sl, "kv")
 
 
 def _sequence_to_heads(out_BhTH: jax.Array, U: int, L: int) -> jax.Array:
