@@ -3,8 +3,10 @@
   generate --prompt "a red fox running through snow" --mesh U=2,R=2 --out fox.mp4
   generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 --prompt "..."
 
-`--model tiny` (the default) is the embedded random-weight model: it needs no download and makes
-noise-like videos; a diffusers-format folder gives real videos. On the CPU backend a mesh needing
+`--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
+shapes world it was trained on (end_to_end/synthetic_world.py: "a red square moving right", "a
+yellow triangle standing still", ...; 128x128 x 17 frames by default); `--model tiny-random` is
+the random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the CPU backend a mesh needing
 more devices than are visible is simulated with that many CPU devices (XLA's
 --xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
 
@@ -111,9 +113,12 @@ PRESETS: dict[str, Preset] = {
     # Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, 40 steps, sample_guide_scale (3.0 low
     # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
     "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py"),
-    # The embedded random model: small enough for a laptop CPU (about a minute on 2 cores).
-    "tiny": Preset(256, 256, 17, 8, 3.0, (5.0,), "this project (smoke runs)"),
+    # The embedded tiny models: the size and sampler settings the trained default was trained and
+    # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
+    "tiny": Preset(128, 128, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
 }
+# The embedded models (`--model`): the trained default and the random-weight one.
+TINY_MODELS = ("tiny", "tiny-random")
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
 
@@ -127,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
   p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
   p.add_argument("--model", default="tiny",
-                 help="a diffusers-format Wan folder, or 'tiny' (embedded random weights; default)")
+                 help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model; default) or "
+                      "'tiny-random' (embedded random weights)")
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")
@@ -320,10 +326,11 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if not args.prompt.strip():
     raise UsageError(f"--prompt {args.prompt!r} is empty; describe the video, e.g. --prompt "
                      "'a red fox running through snow'")
-  tiny = args.model == "tiny"
+  tiny = args.model in TINY_MODELS
   if not tiny and not os.path.isdir(args.model):
     raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
-                     "(model_index.json, transformer/, ...) or 'tiny' for the embedded default")
+                     "(model_index.json, transformer/, ...) or 'tiny' for the embedded default "
+                     "('tiny-random': random weights)")
   preset_name = args.preset or ("tiny" if tiny else None)
   if preset_name is not None and preset_name not in PRESETS:
     raise UsageError(f"unknown --preset {preset_name!r}; use one of {', '.join(PRESETS)}")
@@ -332,7 +339,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
     # A real model's preset on the random tiny model is almost always a mistake: it keeps the
     # tiny weights but runs at full size (minutes per step on a CPU).
     warnings.warn(f"--preset {preset_name} sets the size/steps of a real Wan checkpoint but --model is "
-                  "the embedded tiny model (random weights); pass --model FOLDER for a real video",
+                  "the embedded tiny model; pass --model FOLDER for a real video",
                   stacklevel=2)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
   check_size(height, width)
@@ -467,7 +474,7 @@ def _normalized(name: str, value: Any) -> Any:
   if name == "guidance":
     return list(parse_guidance(value)) if isinstance(value, str) else list(value)
   if name == "model":
-    return value if value == "tiny" else os.path.abspath(value)
+    return value if value in TINY_MODELS else os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
   if name == "step_cache":
@@ -598,8 +605,11 @@ def _model_config(plan: Plan) -> tuple[Any, int]:
   from pipelines.folder import PipelineIndex
   from pipelines.pipeline import TINY_TRANSFORMER
 
-  if plan.model == "tiny":
+  if plan.model == "tiny-random":
     return TINY_TRANSFORMER, 1
+  if plan.model == "tiny":
+    from pipelines.pipeline import TINY_DEFAULT_FOLDER
+    return PipelineIndex.read(TINY_DEFAULT_FOLDER).transformer, 1
   index = PipelineIndex.read(plan.model)
   index.check_weights()
   return index.transformer, 2 if index.boundary_ratio is not None else 1
@@ -796,7 +806,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
     if plan.writes and not plan.resume:
       _write_run_record(plan, seed)
   start = time.perf_counter()
-  pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
+  pipe = (WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random") if plan.model in TINY_MODELS
           else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
   for path, scale, expert in plan.loras:
     pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)

@@ -75,12 +75,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class NonFiniteLatentsError(FloatingPointError):
   """The latents became NaN or inf during denoising; the run stopped before decoding."""
 
-# The embedded default ("tiny"): every code path, random weights from a fixed seed. 8 heads so that
-# every Ulysses degree in {1, 2, 4, 8} divides N; text_dim = the tiny UMT5's d_model.
+# The random-weight tiny model (`WanPipeline.tiny(random=True)`): every code path, random weights
+# from a fixed seed. 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim = the
+# tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trained folder below.
 TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_dim=16, text_dim=32,
                                         ffn_dim=256, num_layers=2)
 TINY_SEED = 0
 TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
+TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wan", "tiny_default")
 
 
 # --- settings and their checks (cheap; run before any compute) -----------------------------------
@@ -303,13 +305,25 @@ class WanPipeline(LoraLoaderMixin):
                name=os.path.abspath(folder))
 
   @classmethod
-  def tiny(cls, dtype: str = "float32") -> WanPipeline:
-    """The embedded default: random weights from a fixed seed, ByT5 byte tokenizer (no files).
+  def tiny(cls, dtype: str = "float32", *, random: bool = False) -> WanPipeline:
+    """The embedded default (no download, no files outside the package).
 
-    Transformer `TINY_TRANSFORMER` (8 heads x 16, 2 layers), UMT5 `umt5.PRESETS["tiny"]`, VAE
-    `vae.VAE_PRESETS["tiny"]` (fp32), UniPC with flow shift 3. Produces noise-like videos; it exists
-    so that every code path runs with no download.
+    Args:
+      dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
+      random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (a
+        diffusers-format folder written by `python -m end_to_end.train_tiny`; it draws the shapes
+        world of `end_to_end.synthetic_world`, e.g. "a red square moving right", at 128x128 x 17
+        frames, the size it was trained at; 4 layers, patch 2). True: random weights from
+        a fixed seed, `TINY_TRANSFORMER` (8 heads x 16, 2 layers, patch 2), UMT5
+        `umt5.PRESETS["tiny"]`, VAE `vae.VAE_PRESETS["tiny"]`, UniPC with flow shift 3: noise-like
+        videos, every code path, fastest compiles (what most tests use).
+
+    Both use the ByT5 byte tokenizer and the tiny UMT5 at seed `TINY_SEED`.
     """
+    if not random:
+      pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype)
+      pipe.name = "tiny"
+      return pipe
     model_dtype = _dtype(dtype)
     te_config = umt5.PRESETS["tiny"]
     return cls(

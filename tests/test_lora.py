@@ -8,7 +8,7 @@ the adapter metadata that carries the alphas) and written again in the original 
 (lora_down / lora_up / alpha); diffusers loads each (peft layers, unfused) and runs it with
 `attention_kwargs={"scale": s}`; we load the same files and fuse them into the weights.
 
-The other tests use `WanPipeline.tiny()` (the same architecture) and LoRAs drawn in numpy, so only
+The other tests use `WanPipeline.tiny(random=True)` (the same architecture) and LoRAs drawn in numpy, so only
 the parity test builds torch models.
 """
 
@@ -170,12 +170,12 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny():
-  return WanPipeline.tiny()
+  return WanPipeline.tiny(random=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fuse_is_one_rounding_and_unfuse_is_exact(dtype):
-  pipe = WanPipeline.tiny(dtype) if dtype == "bfloat16" else WanPipeline.tiny()
+  pipe = WanPipeline.tiny(dtype, random=True) if dtype == "bfloat16" else WanPipeline.tiny(random=True)
   config = pipe.transformer_config
   base = _leaves(pipe)
   state = _numpy_lora(config)
@@ -284,7 +284,7 @@ def test_refused_keys_and_shapes_name_them_and_change_nothing(tiny, tmp_path):
 
 def test_two_experts_load_into_transformer_2():
   """diffusers' `load_into_transformer_2=True`: the LoRA goes into the low-noise expert only."""
-  tiny = WanPipeline.tiny()
+  tiny = WanPipeline.tiny(random=True)
   config = tiny.transformer_config
   pipe = WanPipeline(tokenizer=tiny.tokenizer, text_encoder=(tiny.text_encoder_config, tiny._text_params),
                      transformers=[init_transformer(config, 0), init_transformer(config, 1)], vae=tiny.vae,

@@ -112,7 +112,7 @@ def _collective_lines(lines: list[str], op: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pipe():
-  return wan_pipeline.WanPipeline.tiny()
+  return wan_pipeline.WanPipeline.tiny(random=True)
 
 
 @pytest.fixture(scope="module")

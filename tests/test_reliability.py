@@ -56,7 +56,7 @@ def _pipeline(transformer) -> WanPipeline:
 
 @pytest.fixture(scope="module")
 def pipes() -> dict[str, WanPipeline]:
-  return {"tiny": WanPipeline.tiny(), "heads12": _pipeline(init_transformer(HEADS12, 0))}
+  return {"tiny": WanPipeline.tiny(random=True), "heads12": _pipeline(init_transformer(HEADS12, 0))}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ API_CASES = [  # (id, call(pipes, folders, tmp_path), exception, message regex)
      r"the model has 8 heads, not divisible by the Ulysses degree U=3; with 3 devices use one of: U=1,R=3"),
     ("mesh bigger than the devices", lambda p, f, t: p["tiny"](PROMPT, **CALL, mesh="U=4,R=4"), ValueError,
      r"mesh U=4,R=4 needs 16 devices but 8 are visible"),
-    ("unknown dtype", lambda p, f, t: WanPipeline.tiny("float16"), ValueError,
+    ("unknown dtype", lambda p, f, t: WanPipeline.tiny("float16", random=True), ValueError,
      r"dtype='float16' is not supported; use one of \['bfloat16', 'float32'\]"),
     ("folder without model_index.json", lambda p, f, t: WanPipeline.from_pretrained(f["no_index"]),
      CheckpointError, r"has no model_index.json; pass a diffusers-format Wan pipeline folder"),
@@ -329,7 +329,7 @@ def test_nan_guard_stops_at_the_first_bad_step(nan_pipe):
 
 
 def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
-  monkeypatch.setattr(WanPipeline, "tiny", classmethod(lambda cls, dtype="float32": nan_pipe))
+  monkeypatch.setattr(WanPipeline, "tiny", classmethod(lambda cls, dtype="float32", random=False: nan_pipe))
   out = tmp_path / "fox.mp4"
   argv = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "2",
           "--max-sequence-length", "8", "--out", str(out)]
