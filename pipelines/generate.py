@@ -795,15 +795,16 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
     supervisor.write_status(checkpoint_dir=plan.checkpoint_dir)
     if plan.writes and not plan.resume:
       _write_run_record(plan, seed)
-  start = time.perf_counter()
-  pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"
-          else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
-  for path, scale, expert in plan.loras:
-    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
-  load_s = time.perf_counter() - start
   mesh = None
   if plan.mesh.devices > 1:
     mesh = plan.mesh.build(jax.devices())
+  start = time.perf_counter()
+  pipe = (WanPipeline.tiny(plan.dtype) if plan.model == "tiny"  # weights straight onto the mesh:
+          else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype, mesh=mesh,
+                                           shard_weights=plan.mesh.shard_weights and mesh is not None))
+  for path, scale, expert in plan.loras:
+    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+  load_s = time.perf_counter() - start
   mesh_text = str(plan.mesh) + (", weights sharded" if plan.mesh.shard_weights else "")
   print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
         file=sys.stderr)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipelines.checkpoint import CheckpointError, check_state_dict, read_config, read_safetensors_folder
+from pipelines.checkpoint import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
+from pipelines.distributed import put_host_leaves
 from pipelines.wan import vae_layers as L
 
 # Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
@@ -168,12 +169,14 @@ class LatentDistribution(NamedTuple):
 # Loading and init
 
 
-def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | None = None) -> WanVAE:
   """Loads a diffusers `vae/` folder (config.json + safetensors, diffusers key names).
 
   Args:
     folder: the `vae/` folder of a diffusers Wan checkpoint.
     dtype: parameter dtype (fp32 for parity tests, bf16 for inference).
+    progress: a progress bar (None: for large VAEs only). The files are memory-mapped and each
+      weight is laid out, cast and placed on the default device in one copy.
 
   Raises:
     CheckpointError: folder/config/safetensors problems (see `pipelines.checkpoint`), an invalid or
@@ -185,9 +188,10 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
     raise
   except (ValueError, TypeError) as e:
     raise CheckpointError(f"{folder!r}: unsupported or invalid AutoencoderKLWan config: {e}") from e
-  state = read_safetensors_folder(folder)
+  state = read_safetensors_folder(folder)  # memory-mapped views
   check_state_dict(state, config.param_shapes(), where=folder)
-  params = {k: jnp.asarray(L.to_jax_layout(k, np.asarray(v)), dtype=dtype) for k, v in state.items()}
+  leaves = {k: HostLeaf.of(L.to_jax_layout(k, v), dtype) for k, v in state.items()}
+  params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 
 
