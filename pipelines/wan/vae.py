@@ -303,7 +303,7 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
   accelerator: `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`, XLA's
   `memory_analysis()` of the compiled later-chunk program lowered on CPU from abstract shapes
-  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers._time_taps` off).
+  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers.conv3d`'s CPU branch off).
   fp32 / bf16:
     - arguments 4.10 / 2.05 GB: the feature cache (last 2 input frames, one halo row above and
       below, of all 32 cached convs; dominated by the 7 full-resolution convs, 7 x 2 x 482 x 832 x
