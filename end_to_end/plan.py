@@ -164,7 +164,8 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
       report = aot.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
                                         dtype=args.dtype, text_len=args.max_sequence_length,
                                         flow_shift=preset.shift, mesh_spec=c.mesh)
-      held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s"
+      code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20
+      held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s, code {code:.1f} MiB"
       fits = held <= planner.FIT_FRACTION * chip.memory_bytes
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in memory space hbm"
       first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
