@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{str(c.mesh):>16} {'sharded' if c.mesh.shard_weights else 'replic.':>8} "
           f"{c.bytes_per_device / planner.GiB:8.2f} {'yes' if c.fits else 'NO':>5} "
           f"{comm['all_to_all'] / 1e9:7.2f} {comm['ring_permute'] / 1e9:8.2f} {comm['cfg_exchange'] / 1e6:7.2f} "
-          f"{comm['weight_all_gather'] / 1e9:9.2f} {c.flops_per_device / 1e12:10.1f} {c.step_s_model:7.2f}")
+          f"{comm['weight_all_gather'] / 1e9:9.2f} {c.flops_per_device / 1e12:10.1f} {c.step_s_model:7.2f}"
+          + (f"  ({c.memory_note})" if c.memory_note else ""))
   if best is None:
     print(f"recommended: none fits on {devices} x {chip.name}; use more devices or a smaller video")
   else:
