@@ -192,7 +192,6 @@ def row_offsets(
     logit_scale: the kernels' logit factor (`blockwise.query_scaling`): q~ = q * logit_scale,
       formed here in fp32 (never rounded to q's dtype).
   """
-  hp = jax.lax.Precision.HIGHEST
   q = q_scaled_BKGTH.astype(jnp.float32) * logit_scale
   B, K, G, T, _ = q.shape
   q_norm = jnp.sqrt(jnp.sum(q * q, axis=-1))  # [B, K, G, T]
@@ -204,5 +203,7 @@ def row_offsets(
   lam = 1.0 if windowed else 0.0
   lower = (1.0 + lam) * u - (126.0 - margin)  # underflow of the top term
   c = jnp.minimum(jnp.maximum(u, lower), jnp.maximum(c_max_BK, 0.0)[:, :, None, None])
-  qk_mean = jnp.einsum("BKGTH,BKH->BKGT", q, stats.k_mean, precision=hp)
+  # fp32 products and sum (a mul-sum, not a dot: XLA:TPU emits about half the code for it, 0.47 vs
+  # 0.82 MiB at Wan 14B's size, and fp32 products are exact either way)
+  qk_mean = jnp.sum(q * stats.k_mean[:, :, None, None, :], axis=-1)
   return qk_mean + (u - c)

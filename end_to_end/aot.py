@@ -23,12 +23,19 @@ libtpu's one-process lock, which guards real chips, does not refuse a second com
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any
 
 
-# name -> (transformer preset, height, width, flow shift) compiled by `--aot`: the issue's two targets.
-AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0)}
+# name -> (transformer preset, height, width, flow shift) compiled by `--aot`.
+AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0),
+               "a14b": ("wan2.2-t2v-a14b", 720, 1280, 12.0)}
+# Transformers resident in device memory per preset (Wan 2.2 A14B: the high- and low-noise experts).
+EXPERTS = {"wan2.2-t2v-a14b": 2}
+# Environment for compiling with libtpu on a host without a TPU (see the module docstring).
+OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
+               "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 AOT_FRAMES = 81
 AOT_TEXT_LEN = 512
 
@@ -37,14 +44,26 @@ class TopologyUnavailable(RuntimeError):
   """The TPU topology could not be built here (no libtpu, locked, unknown name)."""
 
 
-def topology_devices(name: str) -> list[Any]:
+def topology_devices(name: str, timeout_s: float | None = None) -> list[Any]:
   """The devices of TPU topology `name` (e.g. "v6e:2x4") for AOT compilation.
+
+  Sets `OFFLINE_ENV` (where not set) first; JAX must not have initialised a backend yet for
+  JAX_PLATFORMS to apply. With `timeout_s`, a watchdog ends the process when libtpu blocks inside C
+  (e.g. waiting for a metadata server), which a Python-level timeout could not.
 
   Raises:
     TopologyUnavailable: libtpu missing or unusable, with how to fix it.
   """
+  import faulthandler
+  import os
+  import sys
+
+  for key, value in OFFLINE_ENV.items():
+    os.environ.setdefault(key, value)
   from jax.experimental import topologies
 
+  if timeout_s is not None:
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.__stderr__)
   try:
     return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
   except Exception as e:  # noqa: BLE001 - the optional TPU path: say why it is unavailable, then stop
@@ -52,6 +71,9 @@ def topology_devices(name: str) -> list[Any]:
         f"cannot build TPU topology {name!r}: {e}. Install libtpu (pip install --no-deps --target DIR "
         "'libtpu==0.0.42.*'), put DIR on PYTHONPATH and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 "
         "TPU_WORKER_HOSTNAMES=localhost (ALLOW_MULTIPLE_LIBTPU_LOAD=1 if another process holds libtpu)") from e
+  finally:
+    if timeout_s is not None:
+      faulthandler.cancel_dump_traceback_later()
 
 
 def default_degrees(devices: int, heads: int) -> tuple[int, int]:
@@ -136,11 +158,20 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
       mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend, compile_s=compile_s,
       collectives=hlo_collectives(compiled.as_text()))
+  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(placed))
+  experts = EXPERTS.get(preset, 1)
+  report.update(weights_bytes_per_device=int(weights), experts=experts)
   memory = compiled.memory_analysis()
   if memory is not None:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes", "alias_size_in_bytes")
-    report["memory_analysis"] = {f: int(getattr(memory, f, 0)) for f in fields}
+    report["memory_analysis"] = m = {f: int(getattr(memory, f, 0)) for f in fields}
+    # What one device holds while a step runs: the step's arguments (this expert's weights, the
+    # latents, solver state and text), its temporaries and outputs not aliased to donated inputs,
+    # plus the other expert's weights, which stay resident (same shardings) in a two-expert model.
+    report["resident_bytes_per_device"] = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
+                                           + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
+                                           + (experts - 1) * int(weights))
   cost = compiled.cost_analysis()
   if cost:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -155,7 +186,10 @@ def format_header(topology: str) -> str:
       f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
       "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
       f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
-      f"{'temp GiB':>9s} {'code MiB':>8s} {'TFLOP':>8s} {'GB accessed':>11s}  collectives (count / MiB)",
+      f"{'temp GiB':>9s} {'held GiB':>9s} {'code MiB':>8s} {'TFLOP':>8s} {'GB accessed':>11s}  "
+      "collectives (count / MiB)",
+      "(held = args + temp + outputs not aliased to donated inputs + a second expert's weights where the "
+      "model has two)",
       "(TFLOP, GB accessed and collectives count each loop body ONCE: the blocks run in one lax.scan "
       "and attention in block loops, so these are per program text, not per step)"])
 
@@ -169,7 +203,7 @@ def format_row(r: dict[str, Any]) -> str:
   return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
           f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} {r['compile_s']:9.1f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
-          f"{mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "
+          f"{r.get('resident_bytes_per_device', 0) / 2**30:9.2f} {mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "
           f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")
 
 

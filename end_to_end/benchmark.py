@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import json
 import os
 import platform
@@ -54,10 +53,6 @@ PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
-_TPU_OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
-                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-
-
 def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.benchmark", description=__doc__,
                                formatter_class=HelpFormatter)
@@ -85,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "removed); a folder already holding one (model_index.json) is reused as it is")
   ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
   ap.add_argument("--aot-models", default="1.3b,14b",
-                  help="which --aot targets: 1.3b (480x832) and/or 14b (720x1280), comma-separated")
+                  help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
+                       "A14B, 720x1280, both experts resident)")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -159,23 +155,21 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
   return out
 
 
+def aot_targets() -> dict:
+  from end_to_end.aot import AOT_TARGETS  # no JAX import: safe before the TPU environment is set
+  return AOT_TARGETS
+
+
 def run_aot(args: argparse.Namespace) -> int:
   """`--aot`: compile the two targets for the topology and print the table (exit 3: no topology)."""
-  for key, value in _TPU_OFFLINE_ENV.items():
-    os.environ.setdefault(key, value)
   from end_to_end import aot
 
   print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
-  # libtpu can block inside C (e.g. waiting for a metadata server); a watchdog thread ends the
-  # process then, which a Python-level timeout could not.
-  faulthandler.dump_traceback_later(args.aot_init_timeout, exit=True)
   try:
-    devices = aot.topology_devices(args.aot)
+    devices = aot.topology_devices(args.aot, timeout_s=args.aot_init_timeout)
   except aot.TopologyUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  finally:
-    faulthandler.cancel_dump_traceback_later()
   mesh = MeshSpec.parse(args.aot_mesh, shard_weights=args.shard_weights) if args.aot_mesh else None
   rows = []
   print(aot.format_header(args.aot), flush=True)
@@ -208,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError("--shard-weights goes with --aot-mesh SPEC (the compiled configuration)")
     if args.runs < 1:
       raise ValueError(f"--runs {args.runs} must be >= 1")
-    if any(name not in ("1.3b", "14b") for name in args.aot_models.split(",")):
-      raise ValueError(f"--aot-models {args.aot_models!r}: use 1.3b, 14b or 1.3b,14b")
+    if any(name not in aot_targets() for name in args.aot_models.split(",")):
+      raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
   except ValueError as e:

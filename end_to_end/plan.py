@@ -3,13 +3,19 @@
   python -m end_to_end.plan --preset wan2.1-t2v-14b --devices 8 --chip v5e
   python -m end_to_end.plan --preset wan2.2-t2v-a14b --topology v6e:2x4 --json plan.json
 
-Prints one row per (CFG, U, R, weight sharding): estimated memory per device, collective bytes per
-step by kind, FLOPs per device, a modelled step time, whether it fits, and the recommendation
+Prints one row per (CFG, U, R, weight sharding): memory per device, collective bytes per step by
+kind, FLOPs per device, a modelled step time, whether it fits, and the recommendation
 (pipelines/planner.py documents the model and the chip numbers). `--topology NAME:AxB` takes the
-chip from the name and the device count from the shape; the memory is the planner's estimate
-(`end_to_end.benchmark --aot TOPOLOGY --aot-mesh SPEC [--shard-weights]` compiles one candidate for
-XLA's own figures). `generate --mesh auto` uses the same recommendation for the visible devices.
-Exit status: 0 with a recommendation, 1 when nothing fits, 2 for a bad argument.
+chip from the name and the device count from the shape, and compiles every candidate's denoising
+step for that TPU topology ahead of time (libtpu, no TPU needed; `end_to_end/aot.py`): its memory
+is then XLA's own analysis of the compiled program (arguments + temporaries + outputs not aliased
+to donated inputs, plus the second expert's weights for Wan 2.2 A14B), and a candidate fits when
+that is at most the planner's fraction of the chip's memory (or XLA refuses it for running out of
+memory). Compiling takes about 30-80 s per 14B candidate on a 2-core host; `--estimate` skips it
+and uses the planner's estimate, which the output then says. With `--devices` the memory is always
+the estimate. `generate --mesh auto` uses the estimate's recommendation for the visible devices.
+Exit status: 0 with a recommendation, 1 when nothing fits, 2 for a bad argument, 3 when the
+topology cannot be built here (libtpu missing: the message says how to install it).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--frames", type=int)
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens")
+  p.add_argument("--estimate", action="store_true",
+                 help="with --topology: the planner's memory estimate, no AOT compiles")
   p.add_argument("--json", help="write the candidates and the recommendation here")
   return p
 
@@ -88,10 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan: error: {e}", file=sys.stderr)
     return 2
   chip = planner.CHIPS[chip_name]
+  memory_kind = "estimate"
+  if args.topology and not args.estimate:
+    try:
+      found = _compiled_memory(found, args, height=height, width=width, frames=frames, chip=chip)
+    except RuntimeError as e:
+      print(f"plan: error: {e}", file=sys.stderr)
+      return 3
+    memory_kind = "xla"
   best = planner.recommend(found)
   print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}, {devices} x {chip.name} "
         f"({chip.memory_bytes / planner.GiB:.0f} GiB each; {chip.source})")
-  print("memory: the planner's estimate (pipelines/planner.py), not XLA's analysis")
+  print("memory: the planner's estimate (pipelines/planner.py), not XLA's analysis" if memory_kind == "estimate"
+        else f"memory: XLA's memory analysis of each candidate's step compiled for TPU {args.topology} "
+             f"(fits: <= {planner.FIT_FRACTION:g} x {chip.memory_bytes / planner.GiB:.0f} GiB)")
   print(f"{'mesh':>16} {'weights':>8} {'GiB/dev':>8} {'fits':>5} {'a2a GB':>7} {'ring GB':>8} "
         f"{'cfg MB':>7} {'wgath GB':>9} {'TFLOP/dev':>10} {'step s':>7}")
   for c in sorted(found, key=lambda c: (not c.fits, c.step_s_model)):
@@ -99,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{str(c.mesh):>16} {'sharded' if c.mesh.shard_weights else 'replic.':>8} "
           f"{c.bytes_per_device / planner.GiB:8.2f} {'yes' if c.fits else 'NO':>5} "
           f"{comm['all_to_all'] / 1e9:7.2f} {comm['ring_permute'] / 1e9:8.2f} {comm['cfg_exchange'] / 1e6:7.2f} "
-          f"{comm['weight_all_gather'] / 1e9:9.2f} {c.flops_per_device / 1e12:10.1f} {c.step_s_model:7.2f}")
+          f"{comm['weight_all_gather'] / 1e9:9.2f} {c.flops_per_device / 1e12:10.1f} {c.step_s_model:7.2f}"
+          + (f"  ({c.memory_note})" if c.memory_note else ""))
   if best is None:
     print(f"recommended: none fits on {devices} x {chip.name}; use more devices or a smaller video")
   else:
@@ -114,11 +133,47 @@ def main(argv: list[str] | None = None) -> int:
       return 2
     with f:
       json.dump({"preset": args.preset, "devices": devices, "chip": chip_name, "height": height,
-                 "width": width, "frames": frames, "dtype": args.dtype, "memory": "estimate",
+                 "width": width, "frames": frames, "dtype": args.dtype, "memory": memory_kind,
                  "candidates": [c.to_dict() for c in found],
                  "recommended": None if best is None else str(best.mesh),
                  "recommended_shard_weights": None if best is None else best.mesh.shard_weights}, f, indent=2)
   return 0 if best is not None else 1
+
+
+def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip):
+  """Each candidate with XLA's per-device memory of its step compiled for `args.topology`.
+
+  Raises:
+    RuntimeError: the topology cannot be built (no libtpu), saying how to fix it.
+  """
+  import dataclasses
+
+  from end_to_end import aot
+  from pipelines import planner
+  from pipelines.generate import PRESETS
+
+  try:
+    devices = aot.topology_devices(args.topology, timeout_s=120)
+  except aot.TopologyUnavailable as e:
+    raise RuntimeError(f"{e}; or pass --estimate") from e
+  preset = PRESETS[args.preset]
+  out = []
+  for i, c in enumerate(found):
+    print(f"  compiling {i + 1}/{len(found)}: {c.mesh}{' sharded' if c.mesh.shard_weights else ''} ...",
+          end="", flush=True, file=sys.stderr)
+    try:
+      report = aot.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
+                                        dtype=args.dtype, text_len=args.max_sequence_length,
+                                        flow_shift=preset.shift, mesh_spec=c.mesh)
+      code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20
+      held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s, code {code:.1f} MiB"
+      fits = held <= planner.FIT_FRACTION * chip.memory_bytes
+    except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in memory space hbm"
+      first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+      held, fits, note = float("nan"), False, f"not compiled: {first}"
+    print(f" {held / planner.GiB:.2f} GiB ({note})", flush=True, file=sys.stderr)
+    out.append(dataclasses.replace(c, bytes_per_device=held, fits=fits, memory="xla", memory_note=note))
+  return out
 
 
 if __name__ == "__main__":

@@ -251,6 +251,86 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(one, tree, shardings)
 
 
+PROGRESS_BYTES = 2 << 30  # `put_host_leaves` shows a progress bar from this many bytes on (progress=None)
+
+
+def put_host_leaves(tree: Any, shardings: Any, *, progress: bool | None = None,
+                    desc: str = "loading weights") -> Any:
+  """Places a tree of `checkpoint.HostLeaf`s (memory-mapped checkpoint views) on devices.
+
+  Each leaf becomes a global array with its sharding through `jax.make_array_from_callback`:
+  every device's part is read from the mapped file and converted (transpose, dtype) in one copy,
+  so a sharded weight is never assembled whole on the host, and every process of a multi-process
+  run reads only its own devices' parts (no data crosses hosts). A replicated leaf is read once
+  per process (the last part is reused for the next device asking for the same index). Leaves
+  are placed by up to 4 threads (numpy copies release the GIL), with at most the largest leaf's
+  bytes of host copies in flight: host memory beyond the placed arrays stays within one tensor.
+
+  Args:
+    tree: pytree whose leaves are `checkpoint.HostLeaf`.
+    shardings: the same structure, a `jax.sharding.Sharding` per leaf; or None: the default
+      device, uncommitted (as `jnp.asarray` places: a later jit may move them to its devices).
+    progress: a tqdm bar over bytes on the main process; None: only from `PROGRESS_BYTES` on.
+    desc: the bar's label.
+
+  Returns:
+    The same structure with `jax.Array` leaves.
+  """
+  import concurrent.futures
+
+  import jax
+
+  from pipelines.checkpoint import HostLeaf
+
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, HostLeaf))
+  sharding_leaves = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
+  total = sum(leaf.nbytes for leaf in leaves)
+  show = (total >= PROGRESS_BYTES if progress is None else progress) and is_main_process()
+  bar = None
+  if show:
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+  # Host copies in flight at once: at most one leaf's worth (or one leaf when it is larger).
+  budget = max((leaf.nbytes for leaf in leaves), default=0)
+  gate, in_flight = threading.Condition(), [0]
+
+  def place(leaf: HostLeaf, sharding) -> Any:
+    with gate:
+      gate.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + leaf.nbytes <= budget)
+      in_flight[0] += leaf.nbytes
+    try:
+      if sharding is None:
+        array = jax.device_put(leaf.read())
+      else:
+        last: list[Any] = [None, None]
+
+        def part(index):
+          key = tuple((s.start, s.stop, s.step) for s in index)
+          if last[0] != key:
+            last[0], last[1] = key, leaf.read(index)
+          return last[1]
+
+        array = jax.make_array_from_callback(leaf.shape, sharding, part)
+      array.block_until_ready()  # the host copy is no longer needed
+    finally:
+      with gate:
+        in_flight[0] -= leaf.nbytes
+        gate.notify_all()
+    if bar is not None:
+      bar.update(leaf.nbytes)
+    return array
+
+  workers = max(1, min(4, os.cpu_count() or 1))
+  try:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      arrays = list(pool.map(place, leaves, sharding_leaves))
+  finally:
+    if bar is not None:
+      bar.close()
+  return jax.tree.unflatten(treedef, arrays)
+
+
 def to_host(x: Any) -> np.ndarray:
   """A jax array as numpy on every process: a replicated global array is read from a local shard
   (no communication); a sharded one is all-gathered across processes."""

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--shard-weights", action="store_true",
                  help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
                       "too big to replicate on each device)")
+  p.add_argument("--vae-parallel", action=argparse.BooleanOptionalAction, default=True,
+                 help="decode the latents split by rows over the mesh's devices (default); "
+                      "--no-vae-parallel decodes on one device")
   p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
                  help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
                       "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
@@ -250,6 +253,7 @@ class Plan:
   resume: bool = False
   step_cache: Any = None  # a step_cache.StepCacheSpec, or None: every step runs every block
   attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+  vae_parallel: bool = True  # decode split by rows over the mesh's devices
 
   @property
   def mesh_devices(self) -> int | None:
@@ -428,7 +432,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=step_cache,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, vae_parallel=args.vae_parallel)
 
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
@@ -805,15 +809,17 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
     supervisor.write_status(checkpoint_dir=plan.checkpoint_dir)
     if plan.writes and not plan.resume:
       _write_run_record(plan, seed)
-  start = time.perf_counter()
-  pipe = (WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random") if plan.model in TINY_MODELS
-          else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype))
-  for path, scale, expert in plan.loras:
-    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
-  load_s = time.perf_counter() - start
   mesh = None
   if plan.mesh.devices > 1:
     mesh = plan.mesh.build(jax.devices())
+  start = time.perf_counter()
+  pipe = (WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random") if plan.model in TINY_MODELS
+          # weights straight onto the mesh:
+          else WanPipeline.from_pretrained(plan.model, dtype=plan.dtype, mesh=mesh,
+                                           shard_weights=plan.mesh.shard_weights and mesh is not None))
+  for path, scale, expert in plan.loras:
+    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+  load_s = time.perf_counter() - start
   mesh_text = str(plan.mesh) + (", weights sharded" if plan.mesh.shard_weights else "")
   print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text}: {checked.device_note}",
         file=sys.stderr)
@@ -827,7 +833,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
                     checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
                     resume=plan.resume, keep_checkpoint=True,  # removed below, once the video is written
                     step_cache=plan.step_cache, shard_weights=plan.mesh.shard_weights,
-                    attention_backend=plan.attention_backend)
+                    attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}

@@ -38,6 +38,7 @@ The negative prompt defaults to "" as in diffusers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import reprlib
@@ -225,6 +226,12 @@ def _to_unit_range(video: jax.Array) -> jax.Array:
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
+def _placement_key(mesh: Mesh | None, shard_weights: bool) -> Any:
+  """Identifies where `WanPipeline._place` put the weights (None: the first device)."""
+  return None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()),
+                                    bool(shard_weights))
+
+
 class WanPipeline(LoraLoaderMixin):
   """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
 
@@ -271,8 +278,14 @@ class WanPipeline(LoraLoaderMixin):
   # --- construction ---
 
   @classmethod
-  def from_pretrained(cls, folder: str, dtype: str = "float32", vae_dtype: str = "float32") -> WanPipeline:
+  def from_pretrained(cls, folder: str, dtype: str = "float32", vae_dtype: str = "float32", *,
+                      mesh: Mesh | MeshSpec | str | None = None, shard_weights: bool = False,
+                      progress: bool | None = None) -> WanPipeline:
     """Loads a diffusers-format Wan folder (safetensors only).
+
+    The weight files are memory-mapped and each weight is laid out, cast and placed on its devices
+    in one copy, straight from the mapping (`distributed.put_host_leaves`): host memory beyond the
+    placed weights is one tensor at a time, and a sharded weight is never assembled whole.
 
     Args:
       folder: holds model_index.json, transformer/ (+ transformer_2/ and `boundary_ratio` in
@@ -280,15 +293,24 @@ class WanPipeline(LoraLoaderMixin):
       dtype: "float32" or "bfloat16": transformer(s) and text encoder (diffusers' `torch_dtype`).
       vae_dtype: the VAE's dtype; float32 by default as Wan's reference code and diffusers' Wan
         examples run it.
+      mesh: the mesh the pipeline will be called on (as `__call__`'s `mesh`): the transformer
+        weights go straight to their places on it (replicated, or split with `shard_weights`, as
+        `__call__` would place them), and with `shard_weights` the text encoder's large weights
+        too. None: the first device (a call on a mesh then moves them once).
+      shard_weights: with `mesh`, FSDP-style weight sharding (see `__call__`).
+      progress: progress bars while loading (None: for large folders only).
 
     Raises:
-      ValueError: an unknown dtype.
+      ValueError: an unknown dtype, or a mesh that does not fit the devices or heads.
       checkpoint.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` (every
         weight file's header, before any tensor is read) and the component loaders.
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     model_dtype, vae_dt = _dtype(dtype), _dtype(vae_dtype)
     index = PipelineIndex.read(folder)
+    config = index.transformer
+    built, spec = (None, MeshSpec()) if mesh is None and not shard_weights else resolve_mesh(
+        mesh, heads=config.num_attention_heads, shard_weights=shard_weights)
     index.check_weights()  # a truncated last file fails now, not after loading the others
     scheduler_config = schedulers.scheduler_config_from_dict(
         checkpoint.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
@@ -297,12 +319,21 @@ class WanPipeline(LoraLoaderMixin):
     if index.has_transformer_2 and index.boundary_ratio is None:
       warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
                     "it is not loaded", stacklevel=2)
-    experts = [load_transformer(os.path.join(folder, n), model_dtype) for n in names]
-    text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype)
-    return cls(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder,
-               transformers=experts, vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt),
+    experts = [load_transformer(os.path.join(folder, n), model_dtype, mesh=built,
+                                shard_weights=spec.shard_weights, progress=progress) for n in names]
+    text_shardings = (None if built is None or not spec.shard_weights
+                      else functools.partial(large_leaf_shardings, mesh=built))
+    text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype,
+                                  shardings=text_shardings, progress=progress)
+    pipe = cls(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder,
+               transformers=experts, vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt,
+                                                          progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
                name=os.path.abspath(folder))
+    if built is not None:  # already where a call on this mesh wants them
+      pipe._placement = _placement_key(built, spec.shard_weights)
+      pipe._text_mesh = built if spec.shard_weights else None
+    return pipe
 
   @classmethod
   def tiny(cls, dtype: str = "float32", *, random: bool = False) -> WanPipeline:
@@ -355,8 +386,7 @@ class WanPipeline(LoraLoaderMixin):
     with `shard_weights` the block weights split over all its devices
     (`transformer.weight_shardings`) and the text encoder's large weights too
     (`transformer.large_leaf_shardings`; otherwise it stays on one device, where it runs)."""
-    key = None if mesh is None else (tuple(d.id for d in mesh.devices.flat), tuple(mesh.shape.items()),
-                                     bool(shard_weights))
+    key = _placement_key(mesh, shard_weights)
     if self._placement == key:
       return
     self._expert_states = [distributed.put_sharded(state, weight_shardings(state, mesh, shard_weights))

@@ -79,6 +79,10 @@ class Candidate:
     flops_per_device: per step.
     step_s_model: modelled step time (seconds).
     fits: bytes_per_device <= FIT_FRACTION x the chip's memory.
+    memory: "estimate" (this module's model) or "xla" (`end_to_end.plan --topology`: XLA's memory
+      analysis of the step compiled for a TPU topology; then `weight_bytes` / `activation_bytes`
+      remain the estimate's split).
+    memory_note: for "xla", the compile time or why the candidate did not compile.
   """
   mesh: MeshSpec
   bytes_per_device: float
@@ -88,12 +92,15 @@ class Candidate:
   flops_per_device: float
   step_s_model: float
   fits: bool
+  memory: str = "estimate"
+  memory_note: str = ""
 
   def to_dict(self) -> dict[str, Any]:
     return {"mesh": str(self.mesh), "shard_weights": self.mesh.shard_weights, "fits": self.fits,
-            "bytes_per_device": self.bytes_per_device, "weight_bytes": self.weight_bytes,
+            "bytes_per_device": None if math.isnan(self.bytes_per_device) else self.bytes_per_device, "weight_bytes": self.weight_bytes,
             "activation_bytes": self.activation_bytes, "collective_bytes": dict(self.collective_bytes),
-            "flops_per_device": self.flops_per_device, "step_s_model": self.step_s_model}
+            "flops_per_device": self.flops_per_device, "step_s_model": self.step_s_model,
+            "memory": self.memory, "memory_note": self.memory_note}
 
 
 def transformer_param_counts(config) -> tuple[int, int]:

@@ -10,6 +10,7 @@ layer scan on top.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pkgutil
@@ -197,7 +198,7 @@ def test_planner_fits_14b_only_with_sharded_weights_on_v5e():
 
 
 @pytest.mark.parametrize("preset", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b"])
-@pytest.mark.parametrize("where", [["--devices", "8"], ["--topology", "v6e:2x4"]])
+@pytest.mark.parametrize("where", [["--devices", "8"], ["--topology", "v6e:2x4", "--estimate"]])
 def test_plan_command(tmp_path, capsys, preset, where):
   out = tmp_path / "plan.json"
   assert plan_cli.main(["--preset", preset, *where, "--json", str(out)]) == 0
@@ -207,6 +208,17 @@ def test_plan_command(tmp_path, capsys, preset, where):
             and c["shard_weights"] == report["recommended_shard_weights"]]
   assert len(chosen) == 1 and chosen[0]["fits"]
   assert f"recommended: --mesh {report['recommended']}" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu present: it would compile")
+def test_plan_topology_without_libtpu_says_how(capsys, monkeypatch):
+  """--topology compiles each candidate with libtpu; without it, exit 3 naming the fix (or --estimate)."""
+  from end_to_end import aot
+  for key in aot.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
+    monkeypatch.setenv(key, os.environ.get(key, aot.OFFLINE_ENV[key]))
+  assert plan_cli.main(["--preset", "wan2.1-t2v-1.3b", "--topology", "v6e:2x4"]) == 3
+  err = capsys.readouterr().err
+  assert "libtpu" in err and "--estimate" in err
 
 
 def test_generate_mesh_auto_and_cfg(tmp_path, capsys):

@@ -186,3 +186,17 @@ def test_memory_analysis_of_chunk_step():
   stats = V.decode_step_memory_analysis(V.VAE_PRESETS["tiny"], 1, 4, 6)
   assert stats.alias_size_in_bytes > 0
   assert stats.temp_size_in_bytes > 0
+
+
+def test_conv_form_follows_the_platform_compiled_for():
+  """CPU programs run a stride-1 3D conv as one 2D conv per time tap; programs lowered for GPU or
+  TPU (also ahead of time from a CPU host) keep the one 3D conv."""
+  from pipelines.wan import vae_layers as L
+
+  x = jax.ShapeDtypeStruct((1, 6, 8, 8, 4), jnp.float32)
+  w = jax.ShapeDtypeStruct((3, 3, 3, 4, 4), jnp.float32)
+  b = jax.ShapeDtypeStruct((4,), jnp.float32)
+  conv = jax.jit(lambda x, w, b: L.conv3d(x, w, b, padding=((0, 0), (1, 1), (1, 1))))
+  counts = {p: conv.trace(x, w, b).lower(lowering_platforms=(p,)).as_text().count("stablehlo.convolution")
+            for p in ("cpu", "tpu", "cuda")}
+  assert counts == {"cpu": 3, "tpu": 1, "cuda": 1}

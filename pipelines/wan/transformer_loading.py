@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from pipelines import checkpoint
-from pipelines.wan.transformer import WanTransformer, build_transformer
+from pipelines import checkpoint, distributed
+from pipelines.wan.transformer import WanTransformer, build_transformer, keeps_fp32, weight_shardings
 from pipelines.wan.transformer_config import WanTransformerConfig
 
 # How a diffusers tensor becomes ours.
@@ -82,15 +84,25 @@ def _to_ours(array: np.ndarray, kind: str) -> np.ndarray:
       raise ValueError(f"unknown transform {kind=}")
 
 
-def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32) -> WanTransformer:
+def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh | None = None,
+                     shard_weights: bool = False, progress: bool | None = None) -> WanTransformer:
   """Loads a diffusers `WanTransformer3DModel` folder (config.json + safetensors).
+
+  The files are memory-mapped and every parameter goes straight to its devices
+  (`distributed.put_host_leaves`): each device's part is read, laid out and cast in one copy, so
+  host memory beyond the placed weights is one part at a time.
 
   Args:
     folder: the `transformer/` folder (single file or sharded with an index).
     dtype: activation / parameter dtype; `KEEP_IN_FP32` parameters stay fp32 as in diffusers.
+    mesh: place the weights on this (cfg, ring, ulysses) mesh as `transformer.weight_shardings`
+      does (replicated, or the block weights split with `shard_weights`); None: the default device
+      (uncommitted: a call on a mesh moves them).
+    shard_weights: with `mesh`, split the stacked block weights over all of its devices.
+    progress: a progress bar (None: for large folders only).
 
   Returns:
-    The `WanTransformer`, parameters on the default device.
+    The `WanTransformer`.
 
   Raises:
     checkpoint.CheckpointError: no folder / config, pickle-only weights (refused: unpickling can
@@ -99,21 +111,29 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32) -> WanTransfor
     ValueError: a config this model does not support (e.g. image-to-video fields set).
   """
   config = WanTransformerConfig.from_dict(checkpoint.read_config(folder))
-  state = checkpoint.read_safetensors_folder(folder)
+  state = checkpoint.read_safetensors_folder(folder)  # memory-mapped views: nothing read yet
   layout = list(checkpoint_layout(config))
   checkpoint.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=folder)
 
   params: dict = {}
   stacked: dict[tuple[str, ...], list] = {}
   for key, _, path, layer, kind in layout:
-    value = _to_ours(state.pop(key), kind)
+    view = _to_ours(state[key], kind)
     if layer is None:
-      _set(params, path, value)
+      _set(params, path, checkpoint.HostLeaf.of(view, _leaf_dtype(path, dtype)))
     else:
-      stacked.setdefault(path, [None] * config.num_layers)[layer] = value
+      stacked.setdefault(path, [None] * config.num_layers)[layer] = view
   for path, layers in stacked.items():
-    _set(params, path, np.stack(layers))
-  return build_transformer(config, params, dtype)
+    _set(params, path, checkpoint.HostLeaf.stack(layers, _leaf_dtype(path, dtype)))
+  is_leaf = lambda x: isinstance(x, checkpoint.HostLeaf)  # noqa: E731
+  shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params, is_leaf=is_leaf)
+  shardings = None if mesh is None else weight_shardings(shapes, mesh, shard_weights)
+  arrays = distributed.put_host_leaves(params, shardings, progress=progress, desc=f"loading {folder}")
+  return build_transformer(config, arrays, dtype)
+
+
+def _leaf_dtype(path: tuple[str, ...], dtype) -> np.dtype:
+  return np.dtype(jnp.float32 if keeps_fp32(path) else dtype)
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:

@@ -24,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import checkpoint
+from pipelines import checkpoint, distributed
 
 Params = dict[str, Any]
 
@@ -227,19 +227,25 @@ def checkpoint_shapes(config: UMT5Config) -> dict[str, tuple[int, ...]]:
 
 
 def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, *,
-                           dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True) -> Params:
+                           dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
+                           shardings: Callable[[Any], Any] | None = None,
+                           progress: bool | None = None) -> Params:
   """Converts a checked torch-layout state dict into the params pytree (see module docstring).
 
   Args:
-    state: key -> host array with the shapes of `checkpoint_shapes(config)`.
+    state: key -> host array (e.g. a memory-mapped view) with the shapes of `checkpoint_shapes(config)`.
     dtype: dtype of every weight except `wo`.
     keep_wo_in_fp32: keep the FFN output projections in fp32 as transformers does
       (`_keep_in_fp32_modules = ["wo"]`); set False to halve their memory in bf16.
+    shardings: maps the params' shape tree (`jax.ShapeDtypeStruct` leaves) to their shardings;
+      None: the default device, uncommitted. Each device's part is converted and placed straight from `state`
+      (`distributed.put_host_leaves`).
+    progress: a progress bar (None: for large encoders only).
   """
   c = config
   n, h = c.num_heads, c.d_kv
 
-  def conv(name: str, w: np.ndarray) -> np.ndarray:
+  def conv(name: str, w: np.ndarray) -> np.ndarray:  # views: no copy
     if name in ("q", "k", "v"):  # torch Linear [N*H, D] -> [D, N, H]
       return w.T.reshape(c.d_model, n, h)
     if name == "o":  # [D, N*H] -> [N, H, D]
@@ -250,25 +256,30 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
 
   layers = {}
   for name in _block_keys(0):
-    stacked = np.stack([conv(name, np.asarray(state[_block_keys(i)[name]], np.float32))
-                        for i in range(c.num_layers)])
     layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
-    layers[name] = jnp.asarray(stacked, dtype=layer_dtype)
-  return {
-      "embedding": jnp.asarray(np.asarray(state["shared.weight"], np.float32), dtype=dtype),
-      "final_norm": jnp.asarray(np.asarray(state["encoder.final_layer_norm.weight"], np.float32),
-                                dtype=dtype),
+    layers[name] = checkpoint.HostLeaf.stack(
+        [conv(name, np.asarray(state[_block_keys(i)[name]])) for i in range(c.num_layers)], layer_dtype)
+  leaves = {
+      "embedding": checkpoint.HostLeaf.of(np.asarray(state["shared.weight"]), dtype),
+      "final_norm": checkpoint.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),
       "layers": layers,
   }
+  is_leaf = lambda x: isinstance(x, checkpoint.HostLeaf)  # noqa: E731
+  shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), leaves, is_leaf=is_leaf)
+  return distributed.put_host_leaves(leaves, None if shardings is None else shardings(shapes),
+                                     progress=progress, desc="loading the text encoder")
 
 
-def load_umt5(folder: str, *, dtype: Any = jnp.float32,
-              keep_wo_in_fp32: bool = True) -> tuple[UMT5Config, Params]:
+def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
+              shardings: Callable[[Any], Any] | None = None,
+              progress: bool | None = None) -> tuple[UMT5Config, Params]:
   """Loads a transformers `UMT5EncoderModel` folder (a pipeline's `text_encoder/`).
 
   Args:
     folder: the text encoder folder itself (config.json + safetensors, sharded index supported).
     dtype: weight dtype (bf16 for real checkpoints); `wo` stays fp32 unless `keep_wo_in_fp32=False`.
+    shardings, progress: see `params_from_state_dict` (the files are memory-mapped and each
+      device's part is placed straight from them).
 
   Returns:
     (config, params).
@@ -290,7 +301,8 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32,
         raise checkpoint.CheckpointError(
             f"{folder!r}: {alias} and shared.weight are both present but differ; UMT5 ties them")
   checkpoint.check_state_dict(state, checkpoint_shapes(config), where=os.fspath(folder))
-  return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32)
+  return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32,
+                                        shardings=shardings, progress=progress)
 
 
 def init_umt5_params(config: UMT5Config, seed: int = 0, *, dtype: Any = jnp.float32,

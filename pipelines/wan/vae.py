@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipelines.checkpoint import CheckpointError, check_state_dict, read_config, read_safetensors_folder
+from pipelines.checkpoint import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
+from pipelines.distributed import put_host_leaves
 from pipelines.wan import vae_layers as L
 
 # Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
@@ -168,12 +169,14 @@ class LatentDistribution(NamedTuple):
 # Loading and init
 
 
-def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | None = None) -> WanVAE:
   """Loads a diffusers `vae/` folder (config.json + safetensors, diffusers key names).
 
   Args:
     folder: the `vae/` folder of a diffusers Wan checkpoint.
     dtype: parameter dtype (fp32 for parity tests, bf16 for inference).
+    progress: a progress bar (None: for large VAEs only). The files are memory-mapped and each
+      weight is laid out, cast and placed on the default device in one copy.
 
   Raises:
     CheckpointError: folder/config/safetensors problems (see `pipelines.checkpoint`), an invalid or
@@ -185,9 +188,10 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32) -> WanVAE:
     raise
   except (ValueError, TypeError) as e:
     raise CheckpointError(f"{folder!r}: unsupported or invalid AutoencoderKLWan config: {e}") from e
-  state = read_safetensors_folder(folder)
+  state = read_safetensors_folder(folder)  # memory-mapped views
   check_state_dict(state, config.param_shapes(), where=folder)
-  params = {k: jnp.asarray(L.to_jax_layout(k, np.asarray(v)), dtype=dtype) for k, v in state.items()}
+  leaves = {k: HostLeaf.of(L.to_jax_layout(k, v), dtype) for k, v in state.items()}
+  params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 
 
@@ -299,7 +303,7 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
   accelerator: `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`, XLA's
   `memory_analysis()` of the compiled later-chunk program lowered on CPU from abstract shapes
-  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers._time_taps` off).
+  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers.conv3d`'s CPU branch off).
   fp32 / bf16:
     - arguments 4.10 / 2.05 GB: the feature cache (last 2 input frames, one halo row above and
       below, of all 32 cached convs; dominated by the 7 full-resolution convs, 7 x 2 x 482 x 832 x

@@ -270,13 +270,6 @@ def _halo(rows: RowShards | None, x: jax.Array) -> jax.Array:
 # Primitives (x: [B, T, H, W, C]; under a height split H is the local band)
 
 
-def _time_taps() -> bool:
-  """Whether stride-1 convs run as one 2D conv per time tap (`conv3d`): on the CPU backend, whose
-  3D convs are about half as fast as its 2D ones (0.83 s vs 0.45 s measured for a full-resolution
-  3x3x3 96 -> 96 conv of 4 frames at 128 x 128). GPU and TPU convolve in 3D natively."""
-  return jax.default_backend() == "cpu"
-
-
 def _conv_taps(frames: Sequence[jax.Array], w: jax.Array, b: jax.Array, stride_hw, padding_hw) -> jax.Array:
   """sum_k conv2d(frames[k], w[k]) + b, frames[k]: [B, T, H, W, I], each tap's frames folded into
   the batch; w: [kt, kh, kw, I, O] with kt == len(frames)."""
@@ -292,15 +285,27 @@ def _conv_taps(frames: Sequence[jax.Array], w: jax.Array, b: jax.Array, stride_h
 def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), padding) -> jax.Array:
   """Plain 3D conv, kernel `w: [kt, kh, kw, I, O]`, explicit ((t), (h), (w)) padding pairs.
 
-  On CPU (`_time_taps`), with stride 1 and no padding in time (every conv here but the encoder's
+  Compiled for CPU, with stride 1 and no padding in time (every conv here but the encoder's
   stride-2 time conv), it runs as kt 2D convs, out[t] = sum_k conv2d(x[t + k], w[k]): the same
-  products, the kt partial sums added last.
+  products, the kt partial sums added last. XLA:CPU's 3D convs are about half as fast as its 2D
+  ones (0.83 s vs 0.45 s measured for a full-resolution 3x3x3 96 -> 96 conv of 4 frames at
+  128 x 128); GPU and TPU convolve in 3D natively. The choice is made when the program is lowered,
+  for the platform it is compiled for (`lax.platform_dependent`), so an ahead-of-time compile for
+  a TPU from a CPU host gets the 3D conv.
   """
   kt = w.shape[0]
-  if stride[0] != 1 or tuple(padding[0]) != (0, 0) or not _time_taps():
+
+  def full(x, w, b):
     return lax.conv_general_dilated(x, w, stride, padding, dimension_numbers=_CONV_DIMS) + b
-  T = x.shape[1] - kt + 1
-  return _conv_taps([x[:, k:k + T] for k in range(kt)], w, b, stride[1:], padding[1:])
+
+  if stride[0] != 1 or tuple(padding[0]) != (0, 0):
+    return full(x, w, b)
+
+  def taps(x, w, b):
+    T = x.shape[1] - kt + 1
+    return _conv_taps([x[:, k:k + T] for k in range(kt)], w, b, stride[1:], padding[1:])
+
+  return lax.platform_dependent(x, w, b, cpu=taps, default=full)
 
 
 def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cache_out: Cache,
@@ -310,7 +315,7 @@ def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cach
   A temporal kernel of 3 sees the cached last 2 input frames (zeros when `cache_in` is None) and
   updates `cache_out[name]`; a temporal kernel of 1 is pointwise in time and uses no cache. A 3x3
   spatial kernel first attaches one row above and below (`_halo`: the zero padding, or the
-  neighbours' rows under a height split), and the cache keeps the rows so attached. On CPU each
+  neighbours' rows under a height split), and the cache keeps the rows so attached. Compiled for CPU each
   time tap's frames are cut from cache and input directly (the last tap is the input itself), so
   neither the [T + 2]-frame concatenation nor copies of it are made.
   """
@@ -322,11 +327,17 @@ def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cach
   if kt > 1:
     prev = cache_in[name] if cache_in is not None else jnp.zeros((x.shape[0], kt - 1, *x.shape[2:]), x.dtype)
     cache_out[name] = jnp.concatenate([prev[:, -CACHE_T:], x], axis=1)[:, -CACHE_T:]
-    if _time_taps():
+
+    def taps(prev, x, w, b):
       T = x.shape[1]
       frames = [jnp.concatenate([prev[:, k:], x], axis=1)[:, :T] for k in range(kt - 1)] + [x]
       return _conv_taps(frames, w, b, (1, 1), padding[1:])
-    x = jnp.concatenate([prev, x], axis=1)
+
+    def full(prev, x, w, b):
+      return lax.conv_general_dilated(jnp.concatenate([prev, x], axis=1), w, (1, 1, 1), padding,
+                                      dimension_numbers=_CONV_DIMS) + b
+
+    return lax.platform_dependent(prev, x, w, b, cpu=taps, default=full)  # see `conv3d`
   return conv3d(x, w, b, padding=padding)
 
 
