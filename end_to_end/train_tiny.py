@@ -320,6 +320,17 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 
 # --- outputs ---------------------------------------------------------------------------------------
 
+def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
+  """Writes the diffusers-format folder (`pipelines.wan.saving.save_pipeline`); its tokenizer's
+  `model_max_length` is `MAX_SEQUENCE_LENGTH`, which `WanPipeline` and generate then use as the
+  default text length (`tokenizer.text_length`). Returns the folder."""
+  from pipelines.wan.saving import save_pipeline
+  tokenizer = tokenization.default_tokenizer()
+  tokenizer.model_max_length = MAX_SEQUENCE_LENGTH
+  return save_pipeline(folder, transformer=transformer, text_encoder=encoder, vae=vae, tokenizer=tokenizer,
+                       scheduler_config=SCHEDULER)
+
+
 def plot_losses(vae_history, transformer_history, path: str) -> None:
   """loss.png: the two training curves (raw and a 50-step running mean), log scale."""
   import matplotlib
@@ -374,15 +385,15 @@ def acceptance_prompts() -> list[str]:
 
 def sample_and_check(folder: str, prompts: list[str], seeds=(0, 1), steps: int = 8) -> list[dict]:
   """Loads `folder`, generates each prompt with each seed at the tiny preset's settings (8 steps,
-  guidance 5, 17 x 128 x 128, one device) and runs the acceptance detector."""
+  guidance 5, 17 x 128 x 128, one device, the folder's default text length) and runs the acceptance
+  detector."""
   from pipelines.pipeline import WanPipeline
   pipe = WanPipeline.from_pretrained(folder)
   out = []
   for prompt in prompts:
     for seed in seeds:
       video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
-                   num_inference_steps=steps, guidance_scale=5.0, seed=seed, progress=False,
-                   max_sequence_length=MAX_SEQUENCE_LENGTH)[0]
+                   num_inference_steps=steps, guidance_scale=5.0, seed=seed, progress=False)[0]
       ok, reason = world.check(video, prompt)
       out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": reason, "video": video})
   return out
@@ -460,9 +471,7 @@ def main(argv: list[str] | None = None) -> int:
   report["times"]["transformer"] = time.perf_counter() - t
 
   log("4/4 save, sample, plot")
-  from pipelines.wan.saving import save_pipeline
-  folder = save_pipeline(os.path.join(args.out, "model"), transformer=transformer, text_encoder=encoder,
-                         vae=vae, tokenizer=tokenization.default_tokenizer(), scheduler_config=SCHEDULER)
+  folder = save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
   plot_losses(vae_history, transformer_history, os.path.join(args.out, "loss.png"))
   samples = sample_and_check(folder, acceptance_prompts())
   first = [s for s in samples if s["seed"] == samples[0]["seed"]]  # one row per prompt
