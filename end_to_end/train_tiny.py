@@ -66,7 +66,8 @@ SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
 # padding is attended to: at 512 tokens the ~30 real ones get a small share of each query's
-# softmax and the step costs 2.6x more (measured, batch 8: 0.59 s at 512 vs 0.22 s at 64).
+# softmax and the step costs 2x more (measured, batch 8, 320 video tokens, 2 CPU cores under a
+# load of ~5: 2.2 s at 512 vs 1.04 s at 64).
 MAX_SEQUENCE_LENGTH = 64
 CFG_DROPOUT = 0.1
 VAE_CROP, VAE_FRAMES = 48, 5
