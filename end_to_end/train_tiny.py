@@ -66,7 +66,8 @@ SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
 # padding is attended to: at 512 tokens the ~30 real ones get a small share of each query's
-# softmax and the step costs 2.6x more (measured, batch 8: 0.59 s at 512 vs 0.22 s at 64).
+# softmax and the step costs 2x more (measured, batch 8, 320 video tokens, 2 CPU cores under a
+# load of ~5: 2.2 s at 512 vs 1.04 s at 64).
 MAX_SEQUENCE_LENGTH = 64
 CFG_DROPOUT = 0.1
 VAE_CROP, VAE_FRAMES = 48, 5
@@ -339,6 +340,9 @@ def plot_losses(vae_history, transformer_history, path: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for ax, history, title in ((axes[0], vae_history, "VAE (reconstruction MSE + latent L2)"),
                              (axes[1], transformer_history, "transformer (flow-matching MSE)")):
+    if not history:  # the VAE came from an earlier run (--vae)
+      ax.set_title(f"{title}: not trained in this run")
+      continue
     steps, losses = (np.asarray(v) for v in zip(*history))
     ax.plot(steps, losses, alpha=0.3, lw=0.7, label="per step")
     w = min(50, len(losses))
@@ -427,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--batch", type=int, default=8, help="transformer batch")
   p.add_argument("--lr", type=float, default=1e-3, help="transformer peak learning rate")
   p.add_argument("--layers", type=int, default=TINY_TRAINED_TRANSFORMER.num_layers)
+  p.add_argument("--vae", default=None, metavar="FOLDER",
+                 help="skip step 1: the VAE of this model folder (an earlier run's DIR/model) is used as is")
   args = p.parse_args(argv)
   t0 = time.perf_counter()
   budget = args.minutes * 60
@@ -436,8 +442,13 @@ def main(argv: list[str] | None = None) -> int:
             "lr": args.lr, "transformer": config.to_dict(),
             "vae": dataclasses.asdict(TINY_TRAINED_VAE), "times": {}}
 
-  log("1/4 VAE")
-  vae, vae_history = train_vae(args.seed, args.vae_fraction * budget)
+  if args.vae is None:
+    log("1/4 VAE")
+    vae, vae_history = train_vae(args.seed, args.vae_fraction * budget)
+  else:
+    log(f"1/4 VAE: {args.vae}/vae (not trained here)")
+    vae, vae_history = wan_vae.load_vae(os.path.join(args.vae, "vae")), []
+    report["vae_from"] = os.path.abspath(args.vae)
   report["times"]["vae"] = time.perf_counter() - t0
   report["vae_reconstruction"] = check_reconstructions(vae, np.random.default_rng(args.seed + 3), count=10)
   log(f"VAE reconstructions pass the detector: {report['vae_reconstruction']}")
@@ -478,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
   plot_samples([s["video"] for s in first], [f"{'ok' if s['ok'] else 'NO'}  {s['prompt']}" for s in first],
                os.path.join(args.out, "samples.png"))
   report["times"]["total"] = time.perf_counter() - t0
-  report["losses"] = {"vae_last100": float(np.mean([l for _, l in vae_history[-100:]])),
+  report["losses"] = {"vae_last100": float(np.mean([l for _, l in vae_history[-100:]])) if vae_history else None,
                       "transformer_last100": float(np.mean([l for _, l in transformer_history[-100:]])),
                       "vae_steps": len(vae_history), "transformer_steps": len(transformer_history)}
   report["samples"] = [{k: v for k, v in s.items() if k != "video"} for s in samples]
