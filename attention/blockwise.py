@@ -5,7 +5,8 @@
 * fixed-m: m is pinned per row from a Cauchy-Schwarz bound (`attention.fixed_m`, DESIGN.md section 4),
   so there is no running max and no rescaling: l and o are plain sums.
 
-Both use one carry layout (o, l, m) so a ring step can pick either with `lax.cond`. The logits
+Both use one carry layout (o, l, m) so a ring step can pick either at run time (`attend`'s mode
+"auto": a `lax.cond` for XLA, a branch inside the one kernel for Pallas). The logits
 reach the kernels multiplied by scale * log2(e) (folded into q once, or applied to the fp32 logits
 for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`BlockLayout`) pads T and S
 to block multiples, and `attend` masks the padded key slots itself. Internal layout is heads-major:
