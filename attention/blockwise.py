@@ -459,9 +459,9 @@ def local_attention(
     causal: key j visible to query i only when j <= i.
     scale: logit scale, default 1 / sqrt(H).
     implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
-      input the output is all NaN, never a silently wrong number) or "auto" (the gate picks with
-      `lax.cond`, fixed-m when eligible; with the Pallas backend and a single key block, LSE, which
-      then costs the same).
+      input the output is all NaN, never a silently wrong number) or "auto" (the gate picks fixed-m
+      when eligible, else LSE: XLA by `lax.cond`, Pallas by one kernel branching on the verdict;
+      with the Pallas backend and a single key block, LSE alone, which then costs the same).
     block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)`.
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
     backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas" (on CPU the
@@ -535,6 +535,10 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
                            windowed=windowed)
     if implementation == "fixed_m":
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
+    elif backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
+      b = fm.row_offsets(q_BKGTH, stats, gate.c_max, windowed=windowed, logit_scale=logit_scale)
+      carry = init_carry(q_BKGTH, jnp.where(gate.eligible, b, -jnp.inf))
+      out = finish(attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible, **attend_kw))
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
   return layout.output(out).astype(q.dtype)
