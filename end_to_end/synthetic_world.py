@@ -31,7 +31,7 @@ MOTIONS: dict[str, tuple[int, int]] = {
 BACKGROUND = (0.06, 0.06, 0.08)
 
 # Defaults: the tiny model's generate preset (pipelines/generate.py PRESETS["tiny"]).
-FRAMES, HEIGHT, WIDTH = 17, 256, 256
+FRAMES, HEIGHT, WIDTH = 17, 128, 128
 
 # Rendering ranges, as fractions of the frame side: shape size, travel over the clip.
 SIZE_RANGE = (0.22, 0.3)

@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "needs it")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
-  p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per prompt, as Wan")
+  p.add_argument("--max-sequence-length", type=int, default=None,
+                 help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
+                      "tokenizer says it was trained with, model_max_length)")
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
   p.add_argument("--fps", type=float, default=16.0,
@@ -360,8 +362,12 @@ def plan_run(args: argparse.Namespace) -> Plan:
                      "for Wan 2.2)")
   if args.seed is not None and args.seed < -1:
     raise UsageError(f"--seed {args.seed} must be >= 0, or -1 for a random seed")
-  if args.max_sequence_length < 1:
-    raise UsageError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (Wan: 512)")
+  from pipelines.wan import tokenizer as tokenization  # light: reads one JSON file at most
+  text_tokens = args.max_sequence_length
+  if text_tokens is None:
+    text_tokens = tokenization.WAN_TEXT_LENGTH if tiny else tokenization.folder_text_length(args.model)
+  elif text_tokens < 1:
+    raise UsageError(f"--max-sequence-length {text_tokens} must be >= 1 (Wan: 512)")
   try:
     video_io.check_fps(args.fps)
   except video_io.OutputError as e:
@@ -426,7 +432,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               preset=preset_name, width=width, height=height, frames=frames, steps=steps,
               guidance=guidance, shift=shift, seed=None if args.seed == -1 else args.seed,
               mesh=mesh, devices=args.devices, dtype=args.dtype or ("float32" if tiny else "bfloat16"),
-              max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
+              max_sequence_length=text_tokens, out=args.out, fps=args.fps,
               overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,

@@ -242,6 +242,9 @@ class WanPipeline(LoraLoaderMixin):
     scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path or "tiny").
+    max_sequence_length: the default text length L of calls (`tokenizer.text_length` of the
+      tokenizer's `model_max_length`: 512 for Wan's tokenizers, the length a model was trained
+      with when its folder's tokenizer says less, e.g. 64 for end_to_end.train_tiny's models).
   """
 
   def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
@@ -263,6 +266,7 @@ class WanPipeline(LoraLoaderMixin):
       raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer in_channels="
                        f"{self.transformer_config.in_channels}")
     self.tokenizer = tokenizer
+    self.max_sequence_length = tokenization.text_length(getattr(tokenizer, "model_max_length", None))
     self.vae = vae
     self.scheduler_config = scheduler_config
     self.boundary_ratio = boundary_ratio
@@ -428,7 +432,7 @@ class WanPipeline(LoraLoaderMixin):
 
   def check_inputs(self, prompt, negative_prompt, *, height: int, width: int, num_frames: int,
                    num_inference_steps: int, guidance_scale: float, guidance_scale_2: float | None,
-                   flow_shift: float | None, seed: int | None, latents, max_sequence_length: int,
+                   flow_shift: float | None, seed: int | None, latents, max_sequence_length: int | None,
                    mesh, progress: bool = True, on_step: Callable[[int, float], None] | None = None,
                    attention_implementation: str = "auto", nan_guard: bool = True,
                    decode: bool = True, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
@@ -492,6 +496,8 @@ class WanPipeline(LoraLoaderMixin):
     check_size(height, width, self.vae.config.spatial_factor * self.transformer_config.patch_size[1])
     num_frames = round_num_frames(num_frames, self.vae.config.temporal_factor)
     steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    if max_sequence_length is None:
+      max_sequence_length = self.max_sequence_length
     max_sequence_length = check_int("max_sequence_length", max_sequence_length, hint=" (Wan uses 512)")
     guidance_hint = " (Wan: 5.0; <= 1 turns CFG off)"
     g1 = check_number("guidance_scale", guidance_scale, hint=guidance_hint)
@@ -592,7 +598,7 @@ class WanPipeline(LoraLoaderMixin):
   def __call__(self, prompt: str | Sequence[str] | None = None,
                negative_prompt: str | Sequence[str] | None = None, height: int = 480, width: int = 832,
                num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
-               seed: int | None = None, latents: Any = None, max_sequence_length: int = 512,
+               seed: int | None = None, latents: Any = None, max_sequence_length: int | None = None,
                mesh: Mesh | str | None = None, *, guidance_scale_2: float | None = None,
                flow_shift: float | None = None, progress: bool = True, nan_guard: bool = True,
                prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
@@ -620,7 +626,9 @@ class WanPipeline(LoraLoaderMixin):
       latents: explicit float32 noise [B x num_videos_per_prompt, C, F, Hl, Wl] (diffusers'
         `latents`) instead of a seed.
       max_sequence_length: L, text tokens (prompts truncated / zero-padded to it), as diffusers;
-        embeds given as `prompt_embeds` keep their own L.
+        None: the pipeline's `max_sequence_length` (512, as diffusers, unless the folder's
+        tokenizer says a shorter `model_max_length`: the length the model was trained with).
+        Embeds given as `prompt_embeds` keep their own L.
       mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond
         halves of the batch on the two halves of the devices), an `attention.MeshSpec`, or a built
         (cfg, ring, ulysses) `jax.sharding.Mesh` (`MeshSpec(...).build()`).
@@ -731,7 +739,7 @@ class WanPipeline(LoraLoaderMixin):
 
   def run(self, prompt=None, negative_prompt=None, height: int = 480, width: int = 832, num_frames: int = 81,
           num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int | None = None,
-          latents: Any = None, max_sequence_length: int = 512, mesh: Mesh | str | None = None, *,
+          latents: Any = None, max_sequence_length: int | None = None, mesh: Mesh | str | None = None, *,
           guidance_scale_2: float | None = None, flow_shift: float | None = None,
           progress: bool = True, on_step: Callable[[int, float], None] | None = None,
           attention_implementation: str = "auto", nan_guard: bool = True,

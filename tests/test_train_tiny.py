@@ -44,3 +44,26 @@ def test_vae_training_graph_is_the_pipelines_encode_and_decode():
     video = wan_vae.decode(vae, mean, video_layout="BFHWC")
   np.testing.assert_allclose(np.asarray(z), np.asarray(mean.transpose(0, 2, 3, 4, 1)), atol=1e-5)
   np.testing.assert_allclose(np.asarray(y), np.asarray(video), atol=1e-5)
+
+
+def test_default_text_length_is_the_one_trained_with(tmp_path):
+  """The trained models pad prompts to `MAX_SEQUENCE_LENGTH` tokens (cross-attention has no text
+  mask, so the padding is part of their input): `save_model`'s tokenizer says so, and the pipeline
+  and generate take it as the default `max_sequence_length`; Wan's tokenizers (no limit) keep 512."""
+  from pipelines.pipeline import WanPipeline
+  from pipelines.wan import tokenizer as tokenization
+
+  assert [tokenization.text_length(v) for v in (10 ** 30, None, True, 0, 64, 512)] == [512, 512, 512, 512, 64, 512]
+  tokenizer = tokenization.default_tokenizer()
+  tokenizer.model_max_length = train_tiny.MAX_SEQUENCE_LENGTH
+  tokenizer.save_pretrained(str(tmp_path / "tokenizer"))
+  assert tokenization.folder_text_length(str(tmp_path)) == train_tiny.MAX_SEQUENCE_LENGTH == 64
+  assert tokenization.folder_text_length(str(tmp_path / "missing")) == 512
+  pipe = WanPipeline.tiny()
+  assert pipe.max_sequence_length == 512
+  kw = dict(height=32, width=32, num_frames=5, num_inference_steps=1, guidance_scale=5.0,
+            guidance_scale_2=None, flow_shift=None, seed=0, latents=None, mesh=None)
+  assert pipe.check_inputs("a red square moving right", None, max_sequence_length=None, **kw).max_sequence_length == 512
+  pipe.tokenizer = tokenization.load_tokenizer(str(tmp_path))
+  pipe.max_sequence_length = tokenization.text_length(pipe.tokenizer.model_max_length)
+  assert pipe.check_inputs("a red square moving right", None, max_sequence_length=None, **kw).max_sequence_length == 64

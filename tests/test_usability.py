@@ -40,7 +40,7 @@ def _words(text: str) -> str:
 
 @pytest.mark.parametrize("module,expected", [
     ("pipelines.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
-                            "(default: output.mp4)", "(default: 16.0)", "(default: 512)",
+                            "(default: output.mp4)", "(default: 16.0)", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
     ("end_to_end.quality", ["(default: tiny)", "(default: 48)", "(default: 64)", "(default: 9)",
                             "(default: 4)", "(default: mean)", "frames // 4 * 4 + 1"]),

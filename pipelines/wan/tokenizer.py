@@ -42,6 +42,32 @@ def load_tokenizer(folder: str) -> Any:
   return transformers.AutoTokenizer.from_pretrained(path)
 
 
+# Wan's prompt length in tokens (diffusers `WanPipeline.__call__(max_sequence_length=512)`).
+WAN_TEXT_LENGTH = 512
+
+
+def text_length(model_max_length: Any) -> int:
+  """The default `max_sequence_length` for a tokenizer whose `model_max_length` is given: that
+  value when it is an int below 512 (a model trained on shorter padded prompts, e.g. the trained
+  tiny default: 64; Wan's cross-attention has no text mask, so the zero padding a model was trained
+  with is part of its input), else Wan's 512 (the UMT5 tokenizers say 10^30: "no limit")."""
+  if isinstance(model_max_length, int) and not isinstance(model_max_length, bool) and \
+     0 < model_max_length < WAN_TEXT_LENGTH:
+    return model_max_length
+  return WAN_TEXT_LENGTH
+
+
+def folder_text_length(folder: str) -> int:
+  """`text_length` of `folder/tokenizer/tokenizer_config.json`'s `model_max_length` (no tokenizer
+  built); 512 when the file or the key is missing."""
+  import json
+  try:
+    with open(os.path.join(folder, "tokenizer", "tokenizer_config.json")) as f:
+      return text_length(json.load(f).get("model_max_length"))
+  except (OSError, ValueError, AttributeError):
+    return WAN_TEXT_LENGTH
+
+
 def default_tokenizer() -> Any:
   """ByT5 byte tokenizer (384 ids, pad 0, eos 1), for the built-in tiny encoder; reads no files."""
   import transformers
