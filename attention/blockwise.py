@@ -520,9 +520,12 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   def lse_path():
     return finish(attend(init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw))
 
+  def offsets(stats, c_max):
+    return fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
+
   def fixed_m_path(stats, c_max):
-    b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
-    return finish(attend(init_carry(q_BKGTH, b), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw))
+    return finish(attend(init_carry(q_BKGTH, offsets(stats, c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m",
+                         **attend_kw))
 
   # One key block (e.g. 512 text keys): LSE rescales nothing that fixed-m would save, so the Pallas
   # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
@@ -536,8 +539,7 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
     if implementation == "fixed_m":
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
     elif backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
-      b = fm.row_offsets(q_BKGTH, stats, gate.c_max, windowed=windowed, logit_scale=logit_scale)
-      carry = init_carry(q_BKGTH, jnp.where(gate.eligible, b, -jnp.inf))
+      carry = init_carry(q_BKGTH, jnp.where(gate.eligible, offsets(stats, gate.c_max), -jnp.inf))
       out = finish(attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible, **attend_kw))
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)

@@ -215,28 +215,26 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  from end_to_end.video_metrics import PSNR_CAP_DB
   from pipelines import video_io
 
   os.makedirs(directory, exist_ok=True)
   written = []
+  fig, (ax_p, ax_s) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+  axes = ((ax_p, "psnr_per_frame", "min_psnr"), (ax_s, "ssim_per_frame", "min_ssim"))
   for name, frames, row in candidates:
     label = f"{row['dtype']} {row['mesh']['spec']} {row['attention']}"
     written.append(video_io.write_contact_sheet(
         [reference, frames], os.path.join(directory, name), labels=["reference fp32 1 dev lse", label]))
-  fig, (ax_p, ax_s) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-  for name, _, row in candidates:
-    label = f"{row['dtype']} {row['mesh']['spec']} {row['attention']}"
-    psnr = [min(v, 200.0) for v in row["psnr_per_frame"]]
-    ax_p.plot(range(len(psnr)), psnr, marker="o", ms=3, label=label)
-    ax_s.plot(range(len(row["ssim_per_frame"])), row["ssim_per_frame"], marker="o", ms=3, label=label)
+    for ax, key, _ in axes:
+      ax.plot(range(len(row[key])), row[key], marker="o", ms=3, label=label)
   for dtype in sorted({row["dtype"] for _, _, row in candidates}):
-    if dtype in thresholds["min_psnr"]:
-      ax_p.axhline(thresholds["min_psnr"][dtype], ls="--", lw=1, color="gray")
-      ax_p.annotate(f"{dtype} bar", (0, thresholds["min_psnr"][dtype]), fontsize=7, color="gray")
-    if dtype in thresholds["min_ssim"]:
-      ax_s.axhline(thresholds["min_ssim"][dtype], ls="--", lw=1, color="gray")
-      ax_s.annotate(f"{dtype} bar", (0, thresholds["min_ssim"][dtype]), fontsize=7, color="gray")
-  ax_p.set(xlabel="frame", ylabel="PSNR (dB, data range 1; identical frames at 200)", title="PSNR vs reference")
+    for ax, _, bar in axes:
+      if dtype in thresholds[bar]:
+        ax.axhline(thresholds[bar][dtype], ls="--", lw=1, color="gray")
+        ax.annotate(f"{dtype} bar", (0, thresholds[bar][dtype]), fontsize=7, color="gray")
+  ax_p.set(xlabel="frame", ylabel=f"PSNR (dB, data range 1; identical frames at {PSNR_CAP_DB:g})",
+           title="PSNR vs reference")
   ax_s.set(xlabel="frame", ylabel="SSIM (scikit-image)", title="SSIM vs reference")
   ax_p.legend(fontsize=7)
   path = os.path.join(directory, PER_FRAME_PLOT)

@@ -423,8 +423,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
                 for text in texts)
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
-    sheet = video_io.contact_sheet_path(args.out)
-    if args.contact_sheet and os.path.lexists(sheet) and not args.overwrite:
+    sheet = video_io.contact_sheet_path(args.out) if args.contact_sheet else None
+    if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
       raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")
     if video_io.output_kind(args.out) == "gif":
       video_io.gif_delay_cs(args.fps)  # its warning said now (main prints it), not after the run
