@@ -5,7 +5,8 @@
 * fixed-m: m is pinned per row from a Cauchy-Schwarz bound (`attention.fixed_m`, DESIGN.md section 4),
   so there is no running max and no rescaling: l and o are plain sums.
 
-Both use one carry layout (o, l, m) so a ring step can pick either with `lax.cond`. The logits
+Both use one carry layout (o, l, m) so a ring step can pick either at run time (`attend`'s mode
+"auto": a `lax.cond` for XLA, a branch inside the one kernel for Pallas). The logits
 reach the kernels multiplied by scale * log2(e) (folded into q once, or applied to the fp32 logits
 for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`BlockLayout`) pads T and S
 to block multiples, and `attend` masks the padded key slots itself. Internal layout is heads-major:
@@ -29,7 +30,7 @@ from attention import kernels
 from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
 
-Mode = Literal["lse", "fixed_m"]
+Mode = Literal["lse", "fixed_m", "auto"]
 IMPLEMENTATIONS = ("auto", "fixed_m", "lse")
 # Position given to padded key slots: far from every real position, so every mask rejects it.
 PAD_POSITION = 1 << 30
@@ -278,6 +279,7 @@ def attend(
     window: int | None = None,
     causal: bool = False,
     logit_scale: float = 1.0,
+    fixed: jax.Array | None = None,
 ) -> Carry:
   """Accumulates the keys k/v into the carry of queries q, block by block.
 
@@ -291,7 +293,10 @@ def attend(
     k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
       always: callers cannot forget the block padding. v_BKSH None: k_BKSH is the packed K/V
       [B, 2K, S_pad, H] (keys, then values), read in place.
-    mode: "lse" or "fixed_m" (must match how the carry was initialised).
+    mode: "lse" or "fixed_m" (must match how the carry was initialised), or "auto": fixed-m where the
+      bool scalar `fixed` is true, else LSE (the carry initialised accordingly, e.g. m = where(gate,
+      b, -inf)). `fixed` must be the same on every device of a mesh (the fixed-m gate's verdict):
+      XLA runs a `lax.cond` between the two updates, Pallas one kernel branching on the flag.
     layout: the call's `BlockLayout`.
     q_pos: int [T_pad] global query positions (`layout.q_positions`).
     kv_pos: int [S_pad] global key positions (`layout.kv_positions`); slots that hold no key
@@ -299,12 +304,13 @@ def attend(
     kv_limit: None or int [B]: keys at positions >= it are masked.
     window, causal: as in `attention_reference`.
     logit_scale: static fp32 factor applied to the logits (see `query_scaling`).
+    fixed: bool scalar, with mode "auto" only.
 
   Returns:
     The updated Carry; `finish` turns it into the output.
 
   Raises:
-    ValueError: shapes that do not match the layout.
+    ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it.
   """
   B, K, G, T, H = q_BKGTH.shape
   S = k_BKSH.shape[2]
@@ -314,9 +320,16 @@ def attend(
   bq, bk = layout.block_q, layout.block_kv
   if v_BKSH is None and k_BKSH.shape[1] != 2 * K:
     raise ValueError(f"packed K/V needs 2K = {2 * K} heads, got k {k_BKSH.shape}")
+  if (mode == "auto") != (fixed is not None):
+    raise ValueError(f"attend: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
-    return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, mode, layout, window, causal,
-                          logit_scale)
+    return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window,
+                          causal, logit_scale)
+  if mode == "auto":
+    kw = dict(layout=layout, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, window=window, causal=causal,
+              logit_scale=logit_scale)
+    return jax.lax.cond(fixed, lambda c: attend(c, q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **kw),
+                        lambda c: attend(c, q_BKGTH, k_BKSH, v_BKSH, mode="lse", **kw), carry)
   nq, nk = T // bq, S // bk
   needs_mask = kv_limit is not None or window is not None or causal or layout.kv_padded
   if v_BKSH is None:
@@ -360,32 +373,32 @@ def attend(
   return Carry(merge_q(out.o), merge_q(out.l), merge_q(out.m))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale):
   """`attend` as one kernel call; differentiable: the backward pass is the XLA loops' VJP (a
   recompute of the forward in XLA, then its transpose), so gradients equal the XLA path's."""
   o, l, m = kernels.attend_kernel(
       carry.o, carry.l, carry.m, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q,
       bk=layout.block_kv, S=layout.S, kv_padded=layout.kv_padded, window=window, causal=causal,
-      logit_scale=logit_scale)
+      logit_scale=logit_scale, fixed=fixed)
   return Carry(o, l, m)
 
 
-def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale):
-  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, mode, layout, window, causal, logit_scale)
-  return out, (carry, q, k, v, q_pos, kv_pos, kv_limit)
+def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale):
+  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale)
+  return out, (carry, q, k, v, q_pos, kv_pos, kv_limit, fixed)
 
 
 def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, residuals, cotangent):
-  carry, q, k, v, q_pos, kv_pos, kv_limit = residuals
+  carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
   xla = dataclasses.replace(layout, backend="xla")
 
   def update(carry, q, k, v):
     return attend(carry, q, k, v, mode=mode, layout=xla, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit,
-                  window=window, causal=causal, logit_scale=logit_scale)
+                  window=window, causal=causal, logit_scale=logit_scale, fixed=fixed)
 
   _, pullback = jax.vjp(update, carry, q, k, v)
-  return (*pullback(cotangent), None, None, None)
+  return (*pullback(cotangent), None, None, None, None)
 
 
 _attend_pallas.defvjp(_attend_pallas_fwd, _attend_pallas_bwd)
@@ -446,9 +459,9 @@ def local_attention(
     causal: key j visible to query i only when j <= i.
     scale: logit scale, default 1 / sqrt(H).
     implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
-      input the output is all NaN, never a silently wrong number) or "auto" (the gate picks with
-      `lax.cond`, fixed-m when eligible; with the Pallas backend and a single key block, LSE, which
-      then costs the same).
+      input the output is all NaN, never a silently wrong number) or "auto" (the gate picks fixed-m
+      when eligible, else LSE: XLA by `lax.cond`, Pallas by one kernel branching on the verdict;
+      with the Pallas backend and a single key block, LSE alone, which then costs the same).
     block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)`.
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
     backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas" (on CPU the
@@ -507,9 +520,12 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   def lse_path():
     return finish(attend(init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw))
 
+  def offsets(stats, c_max):
+    return fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
+
   def fixed_m_path(stats, c_max):
-    b = fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
-    return finish(attend(init_carry(q_BKGTH, b), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw))
+    return finish(attend(init_carry(q_BKGTH, offsets(stats, c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m",
+                         **attend_kw))
 
   # One key block (e.g. 512 text keys): LSE rescales nothing that fixed-m would save, so the Pallas
   # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
@@ -522,6 +538,9 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
                            windowed=windowed)
     if implementation == "fixed_m":
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
+    elif backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
+      carry = init_carry(q_BKGTH, jnp.where(gate.eligible, offsets(stats, gate.c_max), -jnp.inf))
+      out = finish(attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible, **attend_kw))
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
   return layout.output(out).astype(q.dtype)

@@ -7,6 +7,10 @@ of one key set into the running (o, l, m) carry of every query block, with the s
 * fixed-m: m is pinned per row (`fixed_m.row_offsets`); p = 2^(s - m), l += sum p, o += p v.
 * LSE: online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1):
   m' = max(m, rowmax s), alpha = 2^(m - m'), l = alpha l + sum 2^(s - m'), o = alpha o + p v.
+* auto: either of the two, chosen by a runtime flag (the fixed-m gate's verdict, the same on every
+  device of a mesh) read from SMEM: one kernel whose key loop branches on a scalar, instead of a
+  `lax.cond` between two kernel calls (half the kernels in the program; on TPU each kernel call site
+  is its own code).
 
 Masks are computed inside the kernel from positions and lengths, never read as dense arrays:
 the query and key global positions (int32 vectors, one entry per row/slot), the per-batch valid key
@@ -74,7 +78,7 @@ def _rows_to_columns(x_1R):
   return jnp.transpose(jnp.broadcast_to(x_1R, (LANES, x_1R.shape[1])))
 
 
-def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_in,
+def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_in,
                 o_out, l_out, m_out, o_scr, l_scr, m_scr, qp_scr, *,
                 mode, G, bq, bk, S, kv_padded, use_limit, window, causal, logit_scale):
   b, j = pl.program_id(0), pl.program_id(3)
@@ -102,11 +106,13 @@ def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_
     mask = _mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
                  kv_padded=kv_padded, window=window, causal=causal)
     s = jnp.where(mask[None], s.reshape(G, bq, bk), -jnp.inf).reshape(rows, bk)
-  if mode == "fixed_m":
+
+  def fixed_m_update():
     p = jnp.exp2(s - m_scr[:, :1])
     l_scr[...] += jnp.sum(p, axis=1, keepdims=True)
     o_scr[...] += jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-  else:
+
+  def lse_update():
     m_prev = m_scr[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
@@ -117,6 +123,14 @@ def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_
         p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     m_scr[...] = m_new
 
+  if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
+    pl.when(flag_ref[0] != 0)(fixed_m_update)
+    pl.when(flag_ref[0] == 0)(lse_update)
+  elif mode == "fixed_m":
+    fixed_m_update()
+  else:
+    lse_update()
+
   @pl.when(j == pl.num_programs(3) - 1)
   def _store_carry():
     o_out[...] = o_scr[...].reshape(G, bq, H)
@@ -125,7 +139,7 @@ def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_
       l_out[g:g + 1, :] = jnp.transpose(l_scr[g * bq:(g + 1) * bq, :])[:1, :]
 
 
-def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, use_limit,
+def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, interpret):
   from jax.experimental.pallas import tpu as pltpu
 
@@ -142,7 +156,7 @@ def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
   v_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + v_off, j, 0))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
+      num_scalar_prefetch=2,
       grid=(B, K, nq, nk),
       in_specs=[q_spec, k_spec, v_spec,
                 pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
@@ -156,12 +170,12 @@ def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_pad
       grid_spec=grid_spec,
       out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.float32), jax.ShapeDtypeStruct(l.shape, jnp.float32),
                  jax.ShapeDtypeStruct(m.shape, jnp.float32)],
-      input_output_aliases={6: 0, 7: 1, 8: 2},
+      input_output_aliases={7: 0, 8: 1, 9: 2},
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name=f"attend_{mode}",
-  )(limit, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad), o, l, m)
+  )(limit, flag, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad), o, l, m)
 
 
 # --- GPU (Triton) -----------------------------------------------------------------------------------
@@ -209,11 +223,19 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, o_in, l_in, m_
   m_out[...] = m
 
 
-def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, use_limit,
+def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, interpret):
   """One program per (batch, query head, query block); K/V of the head's kv head read through
-  L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles)."""
+  L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles).
+  "auto": a `lax.cond` on the flag between the two single-mode kernels."""
   from jax.experimental.pallas import triton as plgpu
+
+  if mode == "auto":
+    kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
+              logit_scale=logit_scale, interpret=interpret)
+    args = (o, l, m, q, k, v, q_pos, kv_pos, limit, flag)
+    return jax.lax.cond(flag[0] != 0, lambda: tuple(_gpu_call(*args, mode="fixed_m", **kw)),
+                        lambda: tuple(_gpu_call(*args, mode="lse", **kw)))
 
   B, K, G, T, H = q.shape
   S_pad = k.shape[2]
@@ -252,7 +274,7 @@ KERNELS = ("tpu", "gpu")
 
 
 def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal,
-                  logit_scale, kernel: str | None = None):
+                  logit_scale, fixed=None, kernel: str | None = None):
   """Runs the block update of `blockwise.attend` as one Pallas call.
 
   Args:
@@ -262,8 +284,10 @@ def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv
       T_pad % bq == 0 and S_pad % bk == 0; slots >= S are block padding (masked here).
     q_pos: int32 [T_pad]; kv_pos: int32 [S_pad]: global positions (masks are built from them).
     limit: None or int32 [B]: keys at positions >= limit[b] are masked.
-    mode: "lse" or "fixed_m"; window, causal: as `attention_reference`; logit_scale: static factor
-      on the fp32 logits.
+    mode: "lse", "fixed_m" or "auto" (fixed-m when `fixed`, else LSE: the carry must then have been
+      initialised for the path the flag picks, as `blockwise.init_carry` does with the gate);
+      window, causal: as `attention_reference`; logit_scale: static factor on the fp32 logits.
+    fixed: bool scalar (traced), only with mode "auto".
     kernel: None picks by the lowering platform (TPU kernel on TPU, GPU kernel on CUDA/ROCm, the
       TPU kernel in interpret mode elsewhere); "tpu" / "gpu" force one in interpret mode (tests).
 
@@ -271,9 +295,12 @@ def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv
     The new (o, l, m), fp32, same shapes.
 
   Raises:
-    ValueError: block sizes that do not divide the padded lengths or are not multiples of 128.
+    ValueError: block sizes that do not divide the padded lengths or are not multiples of 128;
+      `fixed` given without mode "auto" or missing with it.
   """
   T, S_pad = q.shape[3], k.shape[2]
+  if (mode == "auto") != (fixed is not None):
+    raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if T % bq or S_pad % bk or bq % LANES or bk % LANES:
     raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} dividing the "
                      f"padded lengths; got bq={bq}, bk={bk} for T_pad={T}, S_pad={S_pad}")
@@ -282,7 +309,8 @@ def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv
     limit = jnp.zeros((q.shape[0],), jnp.int32)
   kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit,
             window=window, causal=causal, logit_scale=logit_scale)
-  args = (o, l, m, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32))
+  flag = jnp.zeros((1,), jnp.int32) if fixed is None else jnp.asarray(fixed, jnp.int32).reshape(1)
+  args = (o, l, m, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32), flag)
   if kernel is not None:
     call = {"tpu": _tpu_call, "gpu": _gpu_call}[kernel]
     return tuple(call(*args, interpret=True, **kw))

@@ -3,6 +3,7 @@ r"""Quality check: does a faster setting (bf16, a mesh, the fixed-m path) give t
   python -m end_to_end.quality                                   # tiny model, bf16 on U=2,R=2
   python -m end_to_end.quality --dtype float32 --mesh U=2,R=2 --min-psnr 60
   python -m end_to_end.quality --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
+  python -m end_to_end.quality --plots quality_plots              # + contact sheets and per-frame plot
   python -m end_to_end.quality --model ./Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
       --frames 81 --steps 50 --dtype bfloat16 --mesh U=4,R=2
 
@@ -29,6 +30,11 @@ Thresholds belong to the content (`--content`, default from --model):
            bfloat16 35 dB / 0.98.
 --min-psnr / --min-ssim replace them.
 
+Plots (`--plots DIR`, created if needed): per candidate a contact sheet `NN_<dtype>_<mesh>_<attention>.png`
+(frame grid: the reference row over the candidate row, `pipelines.video_io.contact_sheet`) and
+`per_frame.png` (matplotlib): PSNR and SSIM per frame of every candidate, with each dtype's
+threshold dashed. Existing files of those names are refused before any compute.
+
 Matrix (`--matrix`): dtypes {float32, bfloat16} x meshes {U=1,R=1; U=2,R=2; U=4,R=1; U=1,R=4;
 U=4,R=2} x attention {auto, lse}: 20 candidates, one reference.
 """
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -137,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="max |final latents - reference| allowed, e.g. 'float32=1e-4' (not checked if not given)")
   ap.add_argument("--per-frame", action="store_true", help="print per-frame values in matrix mode too")
   ap.add_argument("--json", help="write the report here")
+  ap.add_argument("--plots", metavar="DIR",
+                  help="write a contact sheet per candidate (reference row over candidate row) and a per-frame "
+                       "PSNR/SSIM plot (per_frame.png) into DIR")
   return ap
 
 
@@ -165,9 +175,73 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
               else dict(THRESHOLDS[content]["ssim"]))
   candidates = [dict(dtype=d, mesh=m, spec=specs[m], attention=a)
                 for d, m, a in itertools.product(dtypes, meshes, attentions)]
-  return dict(candidates=candidates, devices=max(c["spec"].devices for c in candidates),
+  plots = None
+  if args.plots is not None:
+    names = [sheet_name(i, c) for i, c in enumerate(candidates)] + [PER_FRAME_PLOT]
+    if os.path.exists(args.plots) and not os.path.isdir(args.plots):
+      raise UsageError(f"--plots {args.plots!r} is a file, not a directory")
+    taken = [n for n in names if os.path.lexists(os.path.join(args.plots, n))]
+    if taken:
+      raise UsageError(f"--plots {args.plots!r} already holds {', '.join(taken)}; remove them or choose another "
+                       "directory")
+    plots = args.plots
+  return dict(candidates=candidates, devices=max(c["spec"].devices for c in candidates), plots=plots,
               content=content, min_psnr=min_psnr, min_ssim=min_ssim,
               max_latent_diff=parse_thresholds(args.max_latent_diff, "--max-latent-diff"))
+
+
+PER_FRAME_PLOT = "per_frame.png"
+
+
+def sheet_name(index: int, candidate: dict[str, Any]) -> str:
+  """File name of a candidate's contact sheet: '00_bfloat16_U2R2_auto.png' (CFG/U/R degrees)."""
+  spec = candidate["spec"]
+  mesh = (f"C{spec.cfg}" if spec.cfg > 1 else "") + f"U{spec.ulysses}R{spec.ring}"
+  return f"{index:02d}_{candidate['dtype']}_{mesh}_{candidate['attention']}.png"
+
+
+def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict[str, Any]]],
+                thresholds: dict[str, Any]) -> list[str]:
+  """Contact sheets and the per-frame plot of one quality run; returns the paths written.
+
+  Args:
+    directory: created if missing.
+    reference: float [F, H, W, 3] frames in [0, 1] (the reference video).
+    candidates: (file name, frames [F, H, W, 3], report row with dtype, mesh, attention and
+      psnr/ssim_per_frame) per candidate.
+    thresholds: the plan's min_psnr / min_ssim by dtype (drawn dashed).
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from end_to_end.video_metrics import PSNR_CAP_DB
+  from pipelines import video_io
+
+  os.makedirs(directory, exist_ok=True)
+  written = []
+  fig, (ax_p, ax_s) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+  axes = ((ax_p, "psnr_per_frame", "min_psnr"), (ax_s, "ssim_per_frame", "min_ssim"))
+  for name, frames, row in candidates:
+    label = f"{row['dtype']} {row['mesh']['spec']} {row['attention']}"
+    written.append(video_io.write_contact_sheet(
+        [reference, frames], os.path.join(directory, name), labels=["reference fp32 1 dev lse", label]))
+    for ax, key, _ in axes:
+      ax.plot(range(len(row[key])), row[key], marker="o", ms=3, label=label)
+  for dtype in sorted({row["dtype"] for _, _, row in candidates}):
+    for ax, _, bar in axes:
+      if dtype in thresholds[bar]:
+        ax.axhline(thresholds[bar][dtype], ls="--", lw=1, color="gray")
+        ax.annotate(f"{dtype} bar", (0, thresholds[bar][dtype]), fontsize=7, color="gray")
+  ax_p.set(xlabel="frame", ylabel=f"PSNR (dB, data range 1; identical frames at {PSNR_CAP_DB:g})",
+           title="PSNR vs reference")
+  ax_s.set(xlabel="frame", ylabel="SSIM (scikit-image)", title="SSIM vs reference")
+  ax_p.legend(fontsize=7)
+  path = os.path.join(directory, PER_FRAME_PLOT)
+  with video_io.atomic_file(path, ".png", False) as temp:
+    fig.savefig(temp, format="png", dpi=100)
+  plt.close(fig)
+  return written + [path]
 
 
 def judge(metrics: dict[str, Any], dtype: str, thresholds: dict[str, Any], gate: str) -> list[str]:
@@ -254,8 +328,8 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   candidate_latents = draw(candidate_seed)
   print(f"{'dtype':9s} {'mesh':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
         f"{'SSIM mean':>9s} {'SSIM min':>9s} {'max|dlat|':>10s} {'sec':>6s}  verdict")
-  rows = []
-  for c in p["candidates"]:
+  rows, videos = [], []
+  for index, c in enumerate(p["candidates"]):
     start = time.perf_counter()
     out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents)
     seconds = time.perf_counter() - start
@@ -265,6 +339,8 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
     rows.append(dict(dtype=c["dtype"], mesh=c["spec"].describe(), attention=c["attention"],
                      seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
                      failures=failures, **metrics))
+    if p["plots"] is not None:
+      videos.append((sheet_name(index, c), out.frames[0], rows[-1]))
     verdict = "pass" if not failures else "FAIL: " + "; ".join(failures)
     mesh = str(c["spec"])
     print(f"{c['dtype']:9s} {mesh:8s} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
@@ -275,6 +351,9 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
       print("  per-frame SSIM:    " + " ".join(f"{v:.5f}" for v in metrics["ssim_per_frame"]))
 
   passed = all(r["passed"] for r in rows)
+  if p["plots"] is not None:
+    written = write_plots(p["plots"], ref.frames[0], videos, p)
+    print(f"plots: {', '.join(written)}")
   print(f"{sum(r['passed'] for r in rows)}/{len(rows)} candidates pass "
         f"({args.gate} over frames: PSNR >= {p['min_psnr']}, SSIM >= {p['min_ssim']}"
         + (f", max latent diff {p['max_latent_diff']}" if p["max_latent_diff"] else "")

@@ -31,11 +31,15 @@ MOTIONS: dict[str, tuple[int, int]] = {
 BACKGROUND = (0.06, 0.06, 0.08)
 
 # Defaults: the tiny model's generate preset (pipelines/generate.py PRESETS["tiny"]).
-FRAMES, HEIGHT, WIDTH = 17, 128, 128
+FRAMES, HEIGHT, WIDTH = 17, 64, 64
 
 # Rendering ranges, as fractions of the frame side: shape size, travel over the clip.
 SIZE_RANGE = (0.22, 0.3)
 TRAVEL_RANGE = (0.4, 0.5)
+# The path's midpoint (the centre, for standing still) lies within this distance of the frame's
+# centre, per axis: every prompt names a nearly fixed video (what a tiny model learns in minutes on
+# a CPU), and seeds still move and resize the shape a little.
+CENTRE_JITTER = 0.08
 
 # Detector settings (see `detect`).
 DIFF_THRESHOLD = 0.25  # max |pixel - background| over RGB for a pixel to belong to the object
@@ -124,7 +128,8 @@ def random_scene(rng: np.random.Generator, colour: str | None = None, shape: str
       hi -= travel
     elif d < 0:
       lo += travel
-    return float(rng.uniform(lo, hi))
+    mid = 0.5 + float(rng.uniform(-CENTRE_JITTER, CENTRE_JITTER))
+    return float(np.clip(mid - d * travel / 2, lo, hi))
 
   return Scene(colour, shape, motion, size, (start_along(dx), start_along(dy)), travel)
 

@@ -5,7 +5,7 @@
 
 `--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
 shapes world it was trained on (end_to_end/synthetic_world.py: "a red square moving right", "a
-yellow triangle standing still", ...; 128x128 x 17 frames by default); `--model tiny-random` is
+yellow triangle standing still", ...; 64x64 x 17 frames by default); `--model tiny-random` is
 the random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the CPU backend a mesh needing
 more devices than are visible is simulated with that many CPU devices (XLA's
 --xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
@@ -24,7 +24,7 @@ warnings print as `generate: warning: ...` lines and are kept in the sidecar. Ou
 imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and its JSON sidecar (the
 output's name + .json: fox.mp4.json) are written to a temporary name and renamed into place; an
 existing output is replaced only with --overwrite, and a failed or interrupted run leaves neither.
-The latents are checked for NaN/inf after every step (--no-nan-guard turns that off).
+`--contact-sheet` also writes a PNG grid of the frames beside it (fox.mp4.contact.png). The latents are checked for NaN/inf after every step (--no-nan-guard turns that off).
 
 Compiled programs are kept in JAX's persistent compilation cache, so a second run of the same
 shapes skips most compiling: in $XDG_CACHE_HOME/wan-usp-jax/jax (~/.cache/wan-usp-jax/jax), moved
@@ -115,7 +115,7 @@ PRESETS: dict[str, Preset] = {
     "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py"),
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
-    "tiny": Preset(128, 128, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
+    "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="frames per second of the output, %g to %g, as Wan (a GIF stores the nearest "
                       "whole-centisecond delay)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  p.add_argument("--contact-sheet", action="store_true",
+                 help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
+                      "evenly spaced frames, small videos enlarged)")
   p.add_argument("--compile-cache", metavar="DIR", default=None,
                  help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
                       f"{compile_cache.default_dir()})")
@@ -256,6 +259,7 @@ class Plan:
   step_cache: Any = None  # a step_cache.StepCacheSpec, or None: every step runs every block
   attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
+  contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
 
   @property
   def mesh_devices(self) -> int | None:
@@ -430,6 +434,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
                 for text in texts)
   if processes is None or processes.process_id == 0:  # only process 0 writes
     video_io.check_output(args.out, overwrite=args.overwrite)
+    sheet = video_io.contact_sheet_path(args.out) if args.contact_sheet else None
+    if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
+      raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")
     if video_io.output_kind(args.out) == "gif":
       video_io.gif_delay_cs(args.fps)  # its warning said now (main prints it), not after the run
   return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
@@ -442,7 +449,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=step_cache,
-              attention_backend=args.attention_backend, vae_parallel=args.vae_parallel)
+              attention_backend=args.attention_backend, vae_parallel=args.vae_parallel,
+              contact_sheet=args.contact_sheet)
 
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
@@ -851,6 +859,10 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", video_io.FrameRateWarning)  # printed by plan_run, before compute
     out = video_io.write_video(result.frames[0], plan.out, fps=plan.fps, overwrite=plan.overwrite)
+  sheet = None
+  if plan.contact_sheet:
+    sheet = video_io.write_contact_sheet([result.frames[0]], video_io.contact_sheet_path(out),
+                                         overwrite=plan.overwrite)
   timings = {"load": load_s, **result.timings, "write": time.perf_counter() - start}
   # "total" here is the whole command (load + pipeline + write), as the summary line prints it;
   # the pipeline's own total (text encode to decode) stays as "pipeline".
@@ -864,6 +876,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
       "mesh": {**plan.mesh.describe(), "auto": checked.mesh_auto, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
+      "contact_sheet": None if sheet is None else os.path.abspath(sheet),
       "settings": result.settings, "lora": pipe.lora_info(), "timings_s": timings,
       "compile_cache": cache.report(),
       "checkpoint": None if plan.checkpoint_dir is None else {
@@ -882,6 +895,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
         f"decode {_fmt(timings['decode'])}, "
         f"total {_fmt(timings['total'])} (decode includes the VAE's first compile); {cache.summary()}"
         f"{_step_cache_note(result.settings.get('step_cache'))}")
+  if sheet is not None:
+    print(f"generate: wrote the contact sheet {sheet}")
   return sidecar
 
 

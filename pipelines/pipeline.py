@@ -347,7 +347,7 @@ class WanPipeline(LoraLoaderMixin):
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (a
         diffusers-format folder written by `python -m end_to_end.train_tiny`; it draws the shapes
-        world of `end_to_end.synthetic_world`, e.g. "a red square moving right", at 128x128 x 17
+        world of `end_to_end.synthetic_world`, e.g. "a red square moving right", at 64x64 x 17
         frames, the size it was trained at; 4 layers, patch 2). True: random weights from
         a fixed seed, `TINY_TRANSFORMER` (8 heads x 16, 2 layers, patch 2), UMT5
         `umt5.PRESETS["tiny"]`, VAE `vae.VAE_PRESETS["tiny"]`, UniPC with flow shift 3: noise-like

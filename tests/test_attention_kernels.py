@@ -30,13 +30,17 @@ SIZES = BlockSizes(block_q=128, block_kv=128)
 IMPLS = ("lse", "fixed_m", "auto")
 
 
-@pytest.mark.parametrize("H", [64, 80, 128])
+@pytest.mark.parametrize("H,mode", [(H, mode) for H in (64, 80, 128) for mode in ("lse", "fixed_m")]
+                         + [(128, "auto:fixed_m"), (128, "auto:lse")])
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
-@pytest.mark.parametrize("mode", ["lse", "fixed_m"])
 def test_kernel_equals_xla_block_update(H, kernel, mode):
   """Both kernels against `blockwise.attend`'s XLA loops on one carry: GQA (G = 2), ragged valid
   lengths, block padding of T and S, a causal window, a carry that already holds a previous key set
-  (a second ring step), head dims 64 / 80 / 128 (80: the GPU kernel's padded, masked loads)."""
+  (a second ring step), head dims 64 / 80 / 128 (80: the GPU kernel's padded, masked loads).
+  "auto:X": the one-kernel auto mode with the runtime flag set to pick X, against the XLA X."""
+  flag = None
+  if mode.startswith("auto:"):
+    mode, flag = mode[5:], jnp.asarray(mode == "auto:fixed_m")
   B, K, G, T, S = 2, 2, 2, 200, 300
   rng = np.random.default_rng(H)
   q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
@@ -51,8 +55,8 @@ def test_kernel_equals_xla_block_update(H, kernel, mode):
   first = blockwise.attend(blockwise.init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
   want = blockwise.attend(first, qp, kp, vp, layout=xla, **kw)
   got = kernels.attend_kernel(first.o, first.l, first.m, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
-                              mode=mode, bq=128, bk=128, S=S, kv_padded=True, window=40, causal=True,
-                              logit_scale=1.0, kernel=kernel)
+                              mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
+                              window=40, causal=True, logit_scale=1.0, kernel=kernel, fixed=flag)
   # Same per-block arithmetic; only the order of the row sums may differ: <= a few fp32 ulps of
   # the sums' scale (l ~ S keys x 2^(s - m) <= ~1e3; o ~ l x max|v|).
   for name, a, b in zip("olm", got, (want.o, want.l, want.m)):

@@ -16,6 +16,7 @@ A different seed scores mean PSNR ~37 dB on this model (above the 35 dB bf16 bar
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -96,16 +97,27 @@ def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   assert rows["bfloat16"]["max_abs_latent_diff"] > rows["float32"]["max_abs_latent_diff"]
 
 
-def test_quality_positive_control_fails(tmp_path):
-  """Another seed's latents must fail the fp32 bar (PSNR) and the bf16 bar (SSIM)."""
+def test_quality_positive_control_fails(tmp_path, capsys):
+  """Another seed's latents must fail the fp32 bar (PSNR) and the bf16 bar (SSIM). With --plots:
+  the contact sheet (reference row over candidate row) and the per-frame plot; the same names are
+  refused by a second run before any compute."""
   path = tmp_path / "control.json"
-  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--candidate-seed", "1", "--json", str(path)])
+  plots = tmp_path / "plots"
+  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--candidate-seed", "1", "--json", str(path),
+                                        "--plots", str(plots)])
   report = json.loads(path.read_text())
   (row,) = report["candidates"]
   assert status == 1 and not report["passed"] and not row["passed"]
   assert report["settings"]["candidate_seed"] == 1
   assert row["psnr_mean"] < 60 and any("PSNR" in f for f in row["failures"])
   assert row["ssim_mean"] < BF16_MIN_SSIM, "a different seed must also fail the bf16 SSIM bar"
+  import imageio.v3 as iio
+  assert sorted(os.listdir(plots)) == ["00_float32_U2R2_auto.png", "per_frame.png"]
+  sheet = iio.imread(plots / "00_float32_U2R2_auto.png")
+  plot = iio.imread(plots / "per_frame.png")
+  assert sheet.ndim == 3 and sheet.shape[0] > 2 * 96 and plot.shape[:2] == (400, 1100)
+  assert quality.main(QUALITY_ARGS + ["--dtype", "float32", "--plots", str(plots)]) == 2
+  assert "already holds 00_float32_U2R2_auto.png, per_frame.png" in capsys.readouterr().err
 
 
 # --- benchmark -----------------------------------------------------------------------------------

@@ -88,22 +88,32 @@ def test_command_writes_a_decodable_video(tmp_path):
 
 
 def test_gif_and_frames_outputs(tmp_path, capsys):
-  """In-process run (one device) to a .gif; the frames-folder writer on the same frames.
+  """In-process run (one device) to a .gif with its contact sheet; the frames-folder writer on the
+  same frames.
 
   Sizes as in test_pipeline.py, so that in one session the compiled programs are reused.
   """
   out = tmp_path / "clip.gif"
   argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",
-          "--max-sequence-length", "32", "--out", str(out)]
+          "--max-sequence-length", "32", "--out", str(out), "--contact-sheet"]
   assert generate.main(argv) == 0
   import imageio.v3 as iio
   gif = iio.imread(out, index=None)
   assert gif.shape[:3] == (9, 48, 80)
   assert "wrote" in capsys.readouterr().out
+  sheet = iio.imread(tmp_path / "clip.gif.contact.png")  # 9 frames: one row of 9 tiles, 2x enlarged
+  assert sheet.shape[2] == 3 and sheet.shape[1] == 9 * (160 + 2) + 2 and sheet.shape[0] > 96
+  sidecar = json.loads((tmp_path / "clip.gif.json").read_text())
+  assert sidecar["contact_sheet"] == str(tmp_path / "clip.gif.contact.png")
   # Same output again: refused without --overwrite, replaced with it.
   assert generate.main(argv) == 2
   assert "exists; pass --overwrite" in capsys.readouterr().err
   assert generate.main(argv + ["--overwrite"]) == 0
+
+  (tmp_path / "clip.gif").unlink()  # the contact sheet alone still blocks a run without --overwrite
+  (tmp_path / "clip.gif.json").unlink()
+  assert generate.main(argv) == 2
+  assert "clip.gif.contact.png' exists; pass --overwrite" in capsys.readouterr().err
 
   frames = np.linspace(0, 1, 3 * 16 * 16 * 3, dtype=np.float32).reshape(3, 16, 16, 3)
   folder = str(tmp_path / "frames") + os.sep
@@ -119,6 +129,33 @@ def test_gif_and_frames_outputs(tmp_path, capsys):
 
 
 BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
+
+
+def test_contact_sheet_tiles_are_the_frames(tmp_path):
+  """Every tile is the frame's uint8 pixels, each repeated zoom x zoom; columns evenly spaced."""
+  rng = np.random.default_rng(0)
+  videos = [rng.random((17, 24, 40, 3), dtype=np.float32) for _ in range(2)]
+  assert video_io.sheet_columns(17, 9) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+  assert video_io.sheet_columns(81, 9) == list(range(0, 81, 10)) and video_io.sheet_columns(3, 9) == [0, 1, 2]
+  image = video_io.contact_sheet(videos, labels=["reference", "candidate"])
+  zoom, gap = 4, 2  # ceil(96 / 24)
+  tile_h, tile_w = 24 * zoom, 40 * zoom
+  label_w = image.shape[1] - 9 * (tile_w + gap) - gap
+  header_h = image.shape[0] - 2 * (tile_h + gap)
+  assert label_w > 0 and header_h > 0
+  for r, video in enumerate(videos):
+    for c, f in enumerate(video_io.sheet_columns(17, 9)):
+      y, x = header_h + r * (tile_h + gap), label_w + gap + c * (tile_w + gap)
+      want = video_io.to_uint8(video)[f].repeat(zoom, 0).repeat(zoom, 1)
+      np.testing.assert_array_equal(image[y:y + tile_h, x:x + tile_w], want)
+  path = str(tmp_path / "sheet.png")
+  video_io.write_contact_sheet(videos, path)
+  with pytest.raises(video_io.OutputError, match="exists"):
+    video_io.write_contact_sheet(videos, path)
+  with pytest.raises(video_io.OutputError, match="PNG"):
+    video_io.write_contact_sheet(videos, str(tmp_path / "sheet.jpg"))
+  with pytest.raises(ValueError, match="one shape"):
+    video_io.contact_sheet([videos[0], videos[1][:5]])
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -214,7 +214,7 @@ WRONG_TYPES = {
     "flow_shift": ["abc", "3.0", True, math.nan, -math.inf, [3.0], 0.0],
     "seed": ["1", 1.0, True, math.nan, -1, np.bool_(True)],
     "latents": ["abc", [["x"]], np.zeros((1, 16, 2, 4, 4), np.complex64), {"a": 1}, True],
-    "max_sequence_length": ["8", 8.0, True, None],
+    "max_sequence_length": ["8", 8.0, True, 0],
     "mesh": [123, 2.0, ["U=2"], True],
     "progress": ["yes", 1, None],
     "on_step": [123, "print"],

@@ -27,17 +27,19 @@ def test_grammar_round_trips_and_rejects_other_words():
 
 def test_render_shape_size_colour_and_background():
   scene = _scene("blue", "square", "moving down", seed=3)
-  video = world.render(scene)
-  assert video.shape == (world.FRAMES, world.HEIGHT, world.WIDTH, 3) and video.dtype == np.float32
+  assert world.render(scene).shape == (world.FRAMES, world.HEIGHT, world.WIDTH, 3)
+  H = W = 128
+  video = world.render(scene, height=H, width=W)
+  assert video.shape == (world.FRAMES, H, W, 3) and video.dtype == np.float32
   # background untouched where the shape never goes; the shape's interior exactly its colour
   np.testing.assert_array_equal(video[:, 0, 0], np.broadcast_to(np.float32(world.BACKGROUND), (world.FRAMES, 3)))
-  cx, cy = scene.centre(8)
-  np.testing.assert_allclose(video[8, int(cy * world.HEIGHT), int(cx * world.WIDTH)], world.COLOURS["blue"],
-                             atol=1e-6)
+  cx, cy = scene.centre(8, height=H, width=W)
+  np.testing.assert_allclose(video[8, int(cy * H), int(cx * W)], world.COLOURS["blue"], atol=1e-6)
   inside = np.abs(video - np.asarray(world.BACKGROUND)).max(-1) > 0.5
-  side = scene.size * world.HEIGHT
-  np.testing.assert_allclose(inside.mean(axis=(1, 2)), side * side / world.HEIGHT / world.WIDTH, rtol=0.05)
-  np.testing.assert_array_equal(world.render(scene, only=[2, 11]), video[[2, 11]])
+  side = scene.size * H
+  # the drawn side is the exact one rounded to whole pixels (up to 1 px each way): area within 2.5/side
+  np.testing.assert_allclose(inside.mean(axis=(1, 2)), side * side / H / W, rtol=2.5 / side)
+  np.testing.assert_array_equal(world.render(scene, height=H, width=W, only=[2, 11]), video[[2, 11]])
 
 
 @pytest.mark.parametrize("motion", list(world.MOTIONS))

@@ -50,7 +50,7 @@ def test_vae_training_graph_is_the_pipelines_encode_and_decode():
 
 def test_default_model_draws_what_the_prompt_says():
   """The issue's acceptance: every colour x motion of the grammar (shapes in turn), two seeds each,
-  with the default's settings (8 steps, guidance 5, 128x128 x 17 frames) on a 2x2 mesh: >= 90 % of
+  with the default's settings (8 steps, guidance 5, 64x64 x 17 frames) on a 2x2 mesh: >= 90 % of
   the videos show the named colour moving the named way (`synthetic_world.check`). And videos of
   different prompts differ far more than videos of one prompt with different seeds."""
   from end_to_end import synthetic_world as world
