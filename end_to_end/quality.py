@@ -1,6 +1,7 @@
 r"""Quality check: does a faster setting (bf16, a mesh, the fixed-m path) give the same video?
 
   python -m end_to_end.quality                                   # tiny model, bf16 on U=2,R=2
+  python -m end_to_end.quality --model tiny-random               # the random-weight tiny model
   python -m end_to_end.quality --dtype float32 --mesh U=2,R=2 --min-psnr 60
   python -m end_to_end.quality --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
   python -m end_to_end.quality --plots quality_plots              # + contact sheets and per-frame plot
@@ -22,12 +23,18 @@ when that is given. Exit status: 0 when every candidate passes, 1 when any fails
 error. A mesh larger than the visible device count is simulated on CPU (fake devices, set before
 JAX starts).
 
+Models (`--model`): 'tiny', the embedded trained tiny default (`WanPipeline.tiny()`, the shapes
+world of end_to_end/synthetic_world.py; run at its own settings unless given: "a red square moving
+right", 64x64, 17 frames, 8 steps, its 64 text tokens); 'tiny-random', the random-weight tiny model
+(`WanPipeline.tiny(random=True)`); or a diffusers-format folder. For the last two the defaults are
+48x64, 9 frames, 4 steps, "a red fox running through snow", 512 text tokens.
+
 Thresholds belong to the content (`--content`, default from --model):
-  noise    the embedded random-weight tiny model (`--model tiny`): its video is low-contrast noise
+  noise    the random-weight tiny model (`--model tiny-random`): its video is low-contrast noise
            (pixel std ~0.10), on which bf16 rounding costs SSIM: float32 60 dB / 0.99,
            bfloat16 45 dB / 0.95 (measured: see THRESHOLDS).
-  trained  a trained checkpoint (`--model FOLDER`): structured video: float32 60 dB / 0.99,
-           bfloat16 35 dB / 0.98.
+  trained  a trained checkpoint (`--model tiny`, `--model FOLDER`): structured video: float32
+           60 dB / 0.99, bfloat16 35 dB / 0.98.
 --min-psnr / --min-ssim replace them.
 
 Plots (`--plots DIR`, created if needed): per candidate a contact sheet `NN_<dtype>_<mesh>_<attention>.png`
@@ -111,16 +118,22 @@ def parse_thresholds(text: str | None, flag: str) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.quality", description=__doc__,
                                formatter_class=HelpFormatter)
-  ap.add_argument("--model", default="tiny", help="'tiny' (embedded random weights) or a diffusers Wan folder")
-  ap.add_argument("--prompt", default="a red fox running through snow", help="the prompt of every run")
+  ap.add_argument("--model", default="tiny",
+                  help="'tiny' (the embedded trained default), 'tiny-random' (embedded random weights) or a "
+                       "diffusers Wan folder")
+  ap.add_argument("--prompt", default=None,
+                  help="the prompt of every run (default: 'a red square moving right' for tiny, 'a red fox "
+                       "running through snow' otherwise)")
   ap.add_argument("--negative-prompt", default=None, help="'' when not given (as diffusers)")
-  ap.add_argument("--height", type=int, default=48, help="pixels, a multiple of 16")
-  ap.add_argument("--width", type=int, default=64, help="pixels, a multiple of 16")
-  ap.add_argument("--frames", type=int, default=9,
-                  help="4k + 1; other counts become frames // 4 * 4 + 1 as in diffusers (16 -> 17, 10 -> 9)")
-  ap.add_argument("--steps", type=int, default=4, help="denoising steps")
+  ap.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16 (default: 64 for tiny, 48 otherwise)")
+  ap.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16 (default: 64)")
+  ap.add_argument("--frames", type=int, default=None,
+                  help="4k + 1; other counts become frames // 4 * 4 + 1 as in diffusers (16 -> 17, 10 -> 9) "
+                       "(default: 17 for tiny, 9 otherwise)")
+  ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: 8 for tiny, 4 otherwise)")
   ap.add_argument("--guidance", type=float, default=5.0, help="CFG scale")
-  ap.add_argument("--max-sequence-length", type=int, default=512, help="text tokens L")
+  ap.add_argument("--max-sequence-length", type=int, default=None,
+                  help="text tokens L (default: the folder's tokenizer's length: 64 for tiny, 512 for Wan)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the initial latents (reference and candidates)")
   ap.add_argument("--candidate-seed", type=int, default=None,
                   help="draw the candidates' initial latents from this seed instead (positive control: must fail)")
@@ -132,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help=f"candidates = {{float32, bfloat16}} x {{{'; '.join(MATRIX_MESHES)}}} x {{auto, lse}}")
   ap.add_argument("--content", choices=tuple(THRESHOLDS), default=None,
                   help="what the video shows, which picks the thresholds: 'noise' (random weights) or "
-                       "'trained' (a trained checkpoint); when not given, noise for --model tiny, trained "
-                       "for a folder")
+                       "'trained' (a trained checkpoint); when not given, noise for --model tiny-random, "
+                       "trained otherwise")
   ap.add_argument("--min-psnr", default=None,
                   help="dB: '35' (every dtype) or 'float32=60,bfloat16=35'; replaces --content's")
   ap.add_argument("--min-ssim", default=None,
@@ -165,10 +178,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     specs = {text: MeshSpec.parse(text) for text in meshes}
   except ValueError as e:
     raise UsageError(str(e)) from e
+  fill_defaults(args)
   if args.steps < 1 or args.frames < 1 or args.max_sequence_length < 1:
     raise UsageError(f"--steps ({args.steps}), --frames ({args.frames}) and --max-sequence-length "
                      f"({args.max_sequence_length}) must be positive")
-  content = args.content or ("noise" if args.model == "tiny" else "trained")
+  content = args.content or ("noise" if args.model == "tiny-random" else "trained")
   min_psnr = (parse_thresholds(args.min_psnr, "--min-psnr") if args.min_psnr is not None
               else dict(THRESHOLDS[content]["psnr"]))
   min_ssim = (parse_thresholds(args.min_ssim, "--min-ssim") if args.min_ssim is not None
@@ -191,6 +205,28 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 PER_FRAME_PLOT = "per_frame.png"
+TINY_MODELS = ("tiny", "tiny-random")
+# --model tiny: the trained default's own settings (generate's "tiny" preset, the text length it
+# was trained with); anything else: a small size every Wan runs in seconds on a CPU.
+TINY_DEFAULTS = dict(prompt="a red square moving right", height=64, width=64, frames=17, steps=8)
+OTHER_DEFAULTS = dict(prompt="a red fox running through snow", height=48, width=64, frames=9, steps=4)
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+  """Sets the settings left at None from --model (`TINY_DEFAULTS` / `OTHER_DEFAULTS`; the text
+  length from the model folder's tokenizer: `tokenizer.folder_text_length`)."""
+  from pipelines.wan import tokenizer as tokenization  # light: reads one JSON file at most
+  for name, value in (TINY_DEFAULTS if args.model == "tiny" else OTHER_DEFAULTS).items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  if args.max_sequence_length is None:
+    if args.model == "tiny":
+      from pipelines.pipeline import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
+      args.max_sequence_length = tokenization.folder_text_length(TINY_DEFAULT_FOLDER)
+    elif args.model == "tiny-random":
+      args.max_sequence_length = tokenization.WAN_TEXT_LENGTH
+    else:
+      args.max_sequence_length = tokenization.folder_text_length(args.model)
 
 
 def sheet_name(index: int, candidate: dict[str, Any]) -> str:
@@ -292,7 +328,7 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
 
   def pipeline(dtype: str) -> WanPipeline:
     if dtype not in pipes:
-      pipes[dtype] = (WanPipeline.tiny(dtype) if args.model == "tiny"
+      pipes[dtype] = (WanPipeline.tiny(dtype, random=args.model == "tiny-random") if args.model in TINY_MODELS
                       else WanPipeline.from_pretrained(args.model, dtype=dtype))
     return pipes[dtype]
 

@@ -1,13 +1,13 @@
 """`generate`: a Wan text-to-video clip from the command line, sequence-parallel over a mesh.
 
-  generate --prompt "a red fox running through snow" --mesh U=2,R=2 --out fox.mp4
+  generate --prompt "a red square moving right" --mesh U=2,R=2 --out square.mp4
   generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 --prompt "..."
 
 `--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
 shapes world it was trained on (end_to_end/synthetic_world.py: "a red square moving right", "a
-yellow triangle standing still", ...; 64x64 x 17 frames by default); `--model tiny-random` is
-the random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the CPU backend a mesh needing
-more devices than are visible is simulated with that many CPU devices (XLA's
+yellow triangle standing still", ...; 64x64 x 17 frames by default); `--model tiny-random` is the
+random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the
+CPU backend a mesh needing more devices than are visible is simulated with that many CPU devices (XLA's
 --xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
 
 Multi-host: start the same command once per process with `--coordinator HOST:PORT

@@ -28,7 +28,7 @@ from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame
 from numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_psnr, within
 
 BF16_MIN_SSIM = 0.94  # see the module doc
-QUALITY_ARGS = ["--height", "48", "--width", "80", "--frames", "9", "--steps", "2", "--guidance", "3.0",
+QUALITY_ARGS = ["--model", "tiny-random", "--height", "48", "--width", "80", "--frames", "9", "--steps", "2", "--guidance", "3.0",
                 "--max-sequence-length", "32", "--mesh", "U=2,R=2", "--seed", "0"]
 
 

@@ -42,8 +42,9 @@ def _words(text: str) -> str:
     ("pipelines.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
                             "(default: output.mp4)", "(default: 16.0)", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
-    ("end_to_end.quality", ["(default: tiny)", "(default: 48)", "(default: 64)", "(default: 9)",
-                            "(default: 4)", "(default: mean)", "frames // 4 * 4 + 1"]),
+    ("end_to_end.quality", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
+                            "(default: 17 for tiny, 9 otherwise)", "(default: 8 for tiny, 4 otherwise)",
+                            "(default: mean)", "frames // 4 * 4 + 1"]),
     ("end_to_end.bench_attention", ["(default: 4096)", "(default: 12)", "(default: 128)", "(default: 5)"]),
 ])
 def test_help_shows_defaults(module, expected):
@@ -105,12 +106,13 @@ def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
 def test_quality_default_check_passes_on_the_default_model():
-  """`python -m end_to_end.quality` (its first example) passes on the tiny model with the thresholds
-  for noise-like content, and prints meshes as U=..,R=.."""
+  """`python -m end_to_end.quality` (its first example) passes on the trained tiny default with the
+  thresholds for trained content, and prints meshes as U=..,R=.."""
   proc = _run("end_to_end.quality", timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert re.search(r"^bfloat16 +U=2,R=2 +auto .* pass$", proc.stdout, re.M), proc.stdout
-  assert "thresholds for noise-like video of the random-weight tiny model, --content noise" in proc.stdout
+  assert "thresholds for structured video of a trained checkpoint, --content trained" in proc.stdout
+  assert "17 frames 64x64, 8 steps" in proc.stdout
   assert "2x2" not in proc.stdout
 
 
