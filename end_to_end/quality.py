@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.quality", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--model", default="tiny",
-                  help="'tiny' (the embedded trained default), 'tiny-random' (embedded random weights) or a "
+                  help="'tiny' (the embedded trained model), 'tiny-random' (embedded random weights) or a "
                        "diffusers Wan folder")
   ap.add_argument("--prompt", default=None,
                   help="the prompt of every run (default: 'a red square moving right' for tiny, 'a red fox "
