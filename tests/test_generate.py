@@ -48,7 +48,7 @@ def test_command_writes_a_decodable_video(tmp_path):
                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert "simulating 4 CPU devices" in proc.stderr
-  for stage in ("text encode: 2 prompt(s) x 512 tokens", "compile: the denoise step", "denoise:",
+  for stage in ("text encode: 2 prompt(s) x 64 tokens", "compile: the denoise step", "denoise:",
                 "decode: 1 video(s) of 9 frames 64x48"):
     assert stage in proc.stderr, proc.stderr
   assert "warning" not in proc.stderr and "this run is long" not in proc.stderr, proc.stderr
@@ -73,7 +73,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert again.returncode == 0, again.stderr
   assert "Warning" not in again.stderr and ".py:" not in again.stderr, again.stderr  # no raw warnings
   assert "generate: warning: num_frames=8: num_frames - 1 must be divisible by 4; rounding to 9" in again.stderr
-  assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=512 tokens" in again.stderr
+  assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=64 tokens" in again.stderr
   drawn = re.search(r"generate: random seed (\d+) \(pass --seed \1 to make this video again\)", again.stderr)
   assert drawn is not None, again.stderr
   sidecar = json.loads((tmp_path / "again.mp4.json").read_text())
@@ -81,7 +81,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert f"seed {drawn.group(1)}," in again.stdout
   frames_warning, truncation = sidecar["warnings"]
   assert frames_warning.startswith("num_frames=8: ") and "rounding to 9" in frames_warning
-  assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=512 tokens ([640] tokens) "
+  assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=64 tokens ([640] tokens) "
                                "and were truncated")
   assert sidecar["compile_cache"]["hit"] and sidecar["compile_cache"]["hits"] >= 3, sidecar["compile_cache"]
   assert "compile cache hit" in again.stdout

@@ -153,7 +153,7 @@ def test_long_run_says_so_before_compute(tmp_path):
   assert "UserWarning" not in text, text
   line = next(line for line in text.splitlines() if "this run is long" in line)
   assert line.startswith("generate: this run is long: denoising alone takes about "), line
-  assert "(50 steps x ~" in line and "32760 tokens x 2 layers x 2 rows on " in line, line
+  assert "(50 steps x ~" in line and "32760 tokens x 4 layers x 2 rows on " in line, line
   assert "text encode:" not in text and not out.exists()  # no compute yet
 
 
