@@ -78,8 +78,10 @@ THRESHOLDS = {
     # control) and 0.95 (1 - SSIM 3.6x the worst correct run's, half the best control's).
     "noise": dict(psnr={"float32": 60.0, "bfloat16": 45.0}, ssim={"float32": 0.99, "bfloat16": 0.95}),
     # A trained checkpoint: structured video, where both metrics discriminate and bf16 keeps the
-    # structure. Not measured here (no trained weights in this repository): the bars of a visibly
-    # identical video, 60 dB ~ RMS error 1/1000 of the range, 35 dB ~ 1/56.
+    # structure. The bars of a visibly identical video, 60 dB ~ RMS error 1/1000 of the range,
+    # 35 dB ~ 1/56. Measured on the trained tiny default at this tool's defaults for it (64x64, 17
+    # frames, 8 steps, U=2,R=2): fp32 134.9 dB / SSIM 1.0000 (auto and fixed_m), bf16 50.3 dB mean,
+    # 47.6 dB worst frame, SSIM 0.9993.
     "trained": dict(psnr={"float32": 60.0, "bfloat16": 35.0}, ssim={"float32": 0.99, "bfloat16": 0.98}),
 }
 CONTENT = {"noise": "noise-like video of the random-weight tiny model",
