@@ -59,6 +59,7 @@ from typing import Any
 # JAX's backend has not started yet, so fake devices can still be requested here.
 from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import HelpFormatter, warnings_as_lines
+from pipelines.generate import TINY_MODELS, default_text_length
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
@@ -207,7 +208,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 PER_FRAME_PLOT = "per_frame.png"
-TINY_MODELS = ("tiny", "tiny-random")
 # --model tiny: the trained default's own settings (generate's "tiny" preset, the text length it
 # was trained with); anything else: a small size every Wan runs in seconds on a CPU.
 TINY_DEFAULTS = dict(prompt="a red square moving right", height=64, width=64, frames=17, steps=8)
@@ -216,19 +216,12 @@ OTHER_DEFAULTS = dict(prompt="a red fox running through snow", height=48, width=
 
 def fill_defaults(args: argparse.Namespace) -> None:
   """Sets the settings left at None from --model (`TINY_DEFAULTS` / `OTHER_DEFAULTS`; the text
-  length from the model folder's tokenizer: `tokenizer.folder_text_length`)."""
-  from pipelines.wan import tokenizer as tokenization  # light: reads one JSON file at most
+  length as generate takes it: `pipelines.generate.default_text_length`)."""
   for name, value in (TINY_DEFAULTS if args.model == "tiny" else OTHER_DEFAULTS).items():
     if getattr(args, name) is None:
       setattr(args, name, value)
   if args.max_sequence_length is None:
-    if args.model == "tiny":
-      from pipelines.pipeline import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
-      args.max_sequence_length = tokenization.folder_text_length(TINY_DEFAULT_FOLDER)
-    elif args.model == "tiny-random":
-      args.max_sequence_length = tokenization.WAN_TEXT_LENGTH
-    else:
-      args.max_sequence_length = tokenization.folder_text_length(args.model)
+    args.max_sequence_length = default_text_length(args.model)
 
 
 def sheet_name(index: int, candidate: dict[str, Any]) -> str:

@@ -190,7 +190,7 @@ def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, laten
 def encode_dataset(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int, batch: int = 4
                    ) -> tuple[np.ndarray, list[str]]:
   """`count` random clips (`world.FRAMES` x `world.HEIGHT` x `world.WIDTH`), encoded: (VAE-space latent means float32
-  [count, 16, 5, 16, 16], prompts)."""
+  [count, 16, 5, 8, 8], prompts)."""
   latents, prompts = [], []
   for first in range(0, count, batch):
     scenes = [world.random_scene(rng) for _ in range(min(batch, count - first))]

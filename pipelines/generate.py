@@ -119,6 +119,22 @@ PRESETS: dict[str, Preset] = {
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")
+
+
+def default_text_length(model: str) -> int:
+  """Text tokens per prompt when none are asked for: the length `model` (a `TINY_MODELS` name or a
+  folder) was trained with, from its tokenizer's `model_max_length` (`tokenizer.folder_text_length`:
+  64 for the trained tiny default, 512 for Wan folders); Wan's 512 for the random-weight tiny model.
+  Reads one JSON file at most; loads no model."""
+  from pipelines.wan import tokenizer as tokenization
+  if model == "tiny-random":
+    return tokenization.WAN_TEXT_LENGTH
+  if model == "tiny":
+    from pipelines.pipeline import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
+    model = TINY_DEFAULT_FOLDER
+  return tokenization.folder_text_length(model)
+
+
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
 
@@ -369,14 +385,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
                      "for Wan 2.2)")
   if args.seed is not None and args.seed < -1:
     raise UsageError(f"--seed {args.seed} must be >= 0, or -1 for a random seed")
-  from pipelines.wan import tokenizer as tokenization  # light: reads one JSON file at most
   text_tokens = args.max_sequence_length
   if text_tokens is None:
-    if args.model == "tiny":
-      from pipelines.pipeline import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
-      text_tokens = tokenization.folder_text_length(TINY_DEFAULT_FOLDER)
-    else:
-      text_tokens = tokenization.WAN_TEXT_LENGTH if tiny else tokenization.folder_text_length(args.model)
+    text_tokens = default_text_length(args.model)
   elif text_tokens < 1:
     raise UsageError(f"--max-sequence-length {text_tokens} must be >= 1 (Wan: 512)")
   try:
