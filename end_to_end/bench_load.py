@@ -78,12 +78,12 @@ print("RESULT " + json.dumps(dict(seconds=seconds, peak_anon_bytes=peak[0] - bas
 
 def weight_bytes(folder: str) -> int:
   """Sum of the tensor bytes of every safetensors file under `folder` (headers excluded)."""
-  from pipelines import checkpoint
+  from pipelines.storage import weights
   total = 0
   for sub in sorted(os.listdir(folder)):
     path = os.path.join(folder, sub)
     if os.path.isdir(path) and any(n.endswith(".safetensors") for n in os.listdir(path)):
-      total += sum(t.nbytes for t in checkpoint.open_safetensors_folder(path).values())
+      total += sum(t.nbytes for t in weights.open_safetensors_folder(path).values())
   return total
 
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratio_load"] = summary["ours"]["median_s"] / summary["diffusers"]["median_s"]
     print(f"ours / diffusers load time: {report['ratio_load']:.2f}")
   if args.json:
-    from pipelines.video_io import write_json
+    from pipelines.storage.video_io import write_json
     write_json(report, args.json, overwrite=True)
   return 0
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 from typing import Any
 
-from pipelines.pipeline import TINY_TRANSFORMER
+from pipelines.wan.tiny import TINY_TRANSFORMER
 from pipelines.wan.transformer_config import PRESETS as TRANSFORMER_PRESETS, WanTransformerConfig
 from pipelines.wan.umt5 import PRESETS as UMT5_PRESETS, UMT5Config
 from pipelines.wan.vae import VAE_PRESETS, WanVAEConfig
@@ -163,10 +163,10 @@ def save_diffusers_pipeline(preset: BenchPreset, folder: str, seed: int = 0) -> 
 def check_saved_pipeline(preset: BenchPreset, folder: str) -> None:
   """Raises ValueError unless `folder`'s transformer and text encoder configs are the preset's
   (a reused --folder must hold the architecture being benchmarked)."""
-  from pipelines import checkpoint
+  from pipelines.storage import weights
 
-  saved = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
-  text = UMT5Config.from_dict(checkpoint.read_config(os.path.join(folder, "text_encoder")))
+  saved = WanTransformerConfig.from_dict(weights.read_config(os.path.join(folder, "transformer")))
+  text = UMT5Config.from_dict(weights.read_config(os.path.join(folder, "text_encoder")))
   if saved != preset.transformer or text != preset.text_encoder:
     raise ValueError(f"{folder=} holds another architecture (transformer {saved}, text encoder {text}) "
                      f"than the preset; remove it or pass a new --folder")

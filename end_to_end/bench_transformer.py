@@ -23,7 +23,7 @@ import numpy as np
 
 import attention
 from attention.mesh import MeshSpec
-from pipelines.cli import HelpFormatter
+from pipelines.cli.help import HelpFormatter
 from pipelines.wan.transformer import count_params, forward, init_transformer
 from pipelines.wan.transformer_config import PRESETS
 

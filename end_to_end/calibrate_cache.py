@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from pipelines.cli import HelpFormatter
+from pipelines.cli.help import HelpFormatter
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   mesh_spec = MeshSpec.parse(args.mesh)
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
-  from pipelines.generate import parse_size
+  from pipelines.cli.generate import parse_size
   from pipelines.pipeline import WanPipeline
 
   width, height = parse_size(args.size)

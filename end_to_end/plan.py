@@ -5,7 +5,7 @@
 
 Prints one row per (CFG, U, R, weight sharding): memory per device, collective bytes per step by
 kind, FLOPs per device, a modelled step time, whether it fits, and the recommendation
-(pipelines/planner.py documents the model and the chip numbers). `--topology NAME:AxB` takes the
+(pipelines/parallel/planner.py documents the model and the chip numbers). `--topology NAME:AxB` takes the
 chip from the name and the device count from the shape, and compiles every candidate's denoising
 step for that TPU topology ahead of time (libtpu, no TPU needed; `end_to_end/aot.py`): its memory
 is then XLA's own analysis of the compiled program (arguments + temporaries + outputs not aliased
@@ -25,7 +25,7 @@ import json
 import math
 import sys
 
-from pipelines.cli import HelpFormatter
+from pipelines.cli.help import HelpFormatter
 
 
 def _topology(text: str) -> tuple[str, int]:
@@ -41,8 +41,8 @@ def _topology(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from pipelines import planner
-  from pipelines.generate import PRESETS
+  from pipelines.parallel import planner
+  from pipelines.cli.generate import PRESETS
   from pipelines.wan.transformer_config import PRESETS as MODELS
 
   p = argparse.ArgumentParser(prog="plan", description=__doc__, formatter_class=HelpFormatter)
@@ -67,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
-  from pipelines import planner
-  from pipelines.generate import PRESETS
-  from pipelines.inputs import check_size, round_num_frames
-  from pipelines.pipeline import TINY_TRANSFORMER
+  from pipelines.parallel import planner
+  from pipelines.cli.generate import PRESETS
+  from pipelines.pipeline.inputs import check_size, round_num_frames
+  from pipelines.wan.tiny import TINY_TRANSFORMER
   from pipelines.wan.transformer_config import PRESETS as MODELS
 
   try:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
   best = planner.recommend(found)
   print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}, {devices} x {chip.name} "
         f"({chip.memory_bytes / planner.GiB:.0f} GiB each; {chip.source})")
-  print("memory: the planner's estimate (pipelines/planner.py), not XLA's analysis" if memory_kind == "estimate"
+  print("memory: the planner's estimate (pipelines/parallel/planner.py), not XLA's analysis" if memory_kind == "estimate"
         else f"memory: XLA's memory analysis of each candidate's step compiled for TPU {args.topology} "
              f"(fits: <= {planner.FIT_FRACTION:g} x {chip.memory_bytes / planner.GiB:.0f} GiB)")
   print(f"{'mesh':>16} {'weights':>8} {'GiB/dev':>8} {'fits':>5} {'a2a GB':>7} {'ring GB':>8} "
@@ -149,8 +149,8 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
   import dataclasses
 
   from end_to_end import aot
-  from pipelines import planner
-  from pipelines.generate import PRESETS
+  from pipelines.parallel import planner
+  from pipelines.cli.generate import PRESETS
 
   try:
     devices = aot.topology_devices(args.topology, timeout_s=120)

@@ -38,7 +38,7 @@ Thresholds belong to the content (`--content`, default from --model):
 --min-psnr / --min-ssim replace them.
 
 Plots (`--plots DIR`, created if needed): per candidate a contact sheet `NN_<dtype>_<mesh>_<attention>.png`
-(frame grid: the reference row over the candidate row, `pipelines.video_io.contact_sheet`) and
+(frame grid: the reference row over the candidate row, `pipelines.storage.video_io.contact_sheet`) and
 `per_frame.png` (matplotlib): PSNR and SSIM per frame of every candidate, with each dtype's
 threshold dashed. Existing files of those names are refused before any compute.
 
@@ -58,8 +58,8 @@ from typing import Any
 
 # JAX's backend has not started yet, so fake devices can still be requested here.
 from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
-from pipelines.cli import HelpFormatter, warnings_as_lines
-from pipelines.generate import TINY_MODELS, default_text_length
+from pipelines.cli.help import HelpFormatter, warnings_as_lines
+from pipelines.cli.generate import TINY_MODELS, default_text_length
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
@@ -216,7 +216,7 @@ OTHER_DEFAULTS = dict(prompt="a red fox running through snow", height=48, width=
 
 def fill_defaults(args: argparse.Namespace) -> None:
   """Sets the settings left at None from --model (`TINY_DEFAULTS` / `OTHER_DEFAULTS`; the text
-  length as generate takes it: `pipelines.generate.default_text_length`)."""
+  length as generate takes it: `pipelines.cli.generate.default_text_length`)."""
   for name, value in (TINY_DEFAULTS if args.model == "tiny" else OTHER_DEFAULTS).items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -247,7 +247,7 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
   import matplotlib.pyplot as plt
 
   from end_to_end.video_metrics import PSNR_CAP_DB
-  from pipelines import video_io
+  from pipelines.storage import video_io
 
   os.makedirs(directory, exist_ok=True)
   written = []

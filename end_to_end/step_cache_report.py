@@ -31,7 +31,7 @@ import tempfile
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from pipelines.cli import HelpFormatter
+from pipelines.cli.help import HelpFormatter
 
 DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag:0.005", "mag:0.01",
                  "mag:0.05")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
   import numpy as np
 
   from end_to_end import bench_presets, calibrate_cache, video_metrics
-  from pipelines.generate import parse_size
+  from pipelines.cli.generate import parse_size
   from pipelines.pipeline import WanPipeline
 
   if args.preset is not None:

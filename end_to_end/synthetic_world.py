@@ -30,7 +30,7 @@ MOTIONS: dict[str, tuple[int, int]] = {
     "standing still": (0, 0)}
 BACKGROUND = (0.06, 0.06, 0.08)
 
-# Defaults: the tiny model's generate preset (pipelines/generate.py PRESETS["tiny"]).
+# Defaults: the tiny model's generate preset (pipelines/cli/generate.py PRESETS["tiny"]).
 FRAMES, HEIGHT, WIDTH = 17, 64, 64
 
 # Rendering ranges, as fractions of the frame side: shape size, travel over the clip.

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from pipelines.cli import HelpFormatter
+from pipelines.cli.help import HelpFormatter
 
 
 def _pairs(text: str) -> list[int]:

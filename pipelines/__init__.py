@@ -1,7 +1,14 @@
-"""Wan text-to-video in JAX: models under `pipelines.wan`, the pipeline, and the `generate` command.
+"""Wan video diffusion in JAX, in layers that import only downward (DESIGN.md, Architecture):
+
+  cli/       the `generate` command: flags, presets, run records, output writing, exit codes
+  pipeline/  one generation: the checked request, the compiled step, the denoising loop, `WanPipeline`
+  wan/       the model: transformer, VAE, UMT5, tokenizer, schedulers, step-cache and LoRA math, folders
+  parallel/  where things run: the parallel plan, array and weight placement, processes, planner
+  storage/   safetensors reading, atomic writes, video files
+  (attention/ and producers/ sit beside storage/, at the bottom.)
 
 `WanPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
-(`pipelines.cli`, `checkpoint`, `distributed`, `video_io`) load without starting to import JAX.
+(`pipelines.cli.help`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
 __all__ = ["GenerationResult", "WanPipeline"]
@@ -9,6 +16,6 @@ __all__ = ["GenerationResult", "WanPipeline"]
 
 def __getattr__(name: str):
   if name in __all__:
-    from pipelines import pipeline
-    return getattr(pipeline, name)
+    from pipelines.pipeline import wan_pipeline
+    return getattr(wan_pipeline, name)
   raise AttributeError(f"module 'pipelines' has no attribute {name!r}")

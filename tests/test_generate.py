@@ -1,4 +1,4 @@
-"""Tests for pipelines/generate.py and pipelines/video_io.py: the command end to end, every check.
+"""Tests for pipelines/cli/generate.py and pipelines/storage/video_io.py: the command end to end, every check.
 
 The end-to-end run is a fresh subprocess without the harness's device count (harness.child_env), so
 the command itself must simulate the mesh's CPU devices; the checks run in-process (this process
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from harness import child_env
-from pipelines import generate, video_io
-from pipelines import pipeline as wan_pipeline
-from pipelines.cli import warnings_as_lines
+from pipelines.cli import generate
+from pipelines.storage import video_io
+from pipelines.pipeline import wan_pipeline
+from pipelines.cli.help import warnings_as_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red fox running through snow"
@@ -42,7 +43,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   prompt) come as `generate: warning:` lines and into the sidecar."""
   out = tmp_path / "fox.mp4"
   cache = str(tmp_path / "cache")
-  cmd = [sys.executable, "-m", "pipelines.generate", "--mesh", "U=2,R=2", "--size", "64x48", "--steps", "2",
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--mesh", "U=2,R=2", "--size", "64x48", "--steps", "2",
          "--compile-cache", cache]
   proc = subprocess.run(cmd + ["--prompt", PROMPT, "--frames", "9", "--seed", "5", "--out", str(out)],
                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
@@ -368,7 +369,7 @@ def test_command_refuses_bad_fps_before_compute(tmp_path, fps):
   """`--fps inf` used to run the whole generation and end in a traceback (exit 1); `--fps 1e-9` in
   an empty .mp4 and exit 0. Both are usage errors now, found before any model is built."""
   out = tmp_path / "fox.mp4"
-  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--fps", fps, "--out", str(out)]
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--prompt", PROMPT, "--fps", fps, "--out", str(out)]
   proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   expected = f"generate: error: --fps: fps={float(fps)!r} must be a finite number of frames per second"
@@ -381,7 +382,7 @@ def test_command_reports_encoder_failure(tmp_path):
   """The whole command: an encoder failure is exit 1 with ffmpeg's reason, no video, no sidecar."""
   videos = tmp_path / "videos"
   videos.mkdir()
-  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "32x32", "--frames", "5",
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--prompt", PROMPT, "--size", "32x32", "--frames", "5",
          "--steps", "1", "--max-sequence-length", "8", "--seed", "0", "--out", str(videos / "fox.mp4")]
   env = child_env(IMAGEIO_FFMPEG_EXE=_fake_ffmpeg(tmp_path, "fail"))
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

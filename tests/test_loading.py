@@ -1,5 +1,5 @@
-"""Loading weights: memory-mapped safetensors (`checkpoint.open_safetensors_file`), conversion of
-each device's part in one copy (`checkpoint.HostLeaf`), direct placement on a mesh
+"""Loading weights: memory-mapped safetensors (`weights.open_safetensors_file`), conversion of
+each device's part in one copy (`weights.HostLeaf`), direct placement on a mesh
 (`distributed.put_host_leaves`, `WanPipeline.from_pretrained(mesh=...)`)."""
 
 import json
@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from attention.mesh import MeshSpec
-from pipelines import checkpoint, distributed
+from pipelines.storage import weights
+from pipelines.parallel import distributed
 from pipelines.pipeline import WanPipeline
 from pipelines.wan import saving
 from pipelines.wan.transformer import large_leaf_shardings, weight_shardings
@@ -35,7 +36,7 @@ def _tensors():
 def test_mapped_file_equals_the_reference_reader(tmp_path):
   path = str(tmp_path / "w.safetensors")
   save_file(_tensors(), path)
-  refs = checkpoint.open_safetensors_file(path)
+  refs = weights.open_safetensors_file(path)
   reference = load_file(path)
   assert set(refs) == set(reference)
   for key, want in reference.items():
@@ -62,23 +63,23 @@ def test_corrupt_files_are_refused_naming_them(tmp_path):
   save_file({"a": np.ones((4, 4), np.float32), "b": np.ones((8,), np.float32)}, path)
   header = json.loads(open(path, "rb").read()[8:8 + struct.unpack("<Q", open(path, "rb").read(8))[0]])
   _rewrite(path, cut=4)
-  with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
-    checkpoint.open_safetensors_file(path)
+  with pytest.raises(weights.CheckpointError, match="truncated or corrupt"):
+    weights.open_safetensors_file(path)
   save_file({"a": np.ones((4, 4), np.float32), "b": np.ones((8,), np.float32)}, path)
   assert header["a"]["data_offsets"] == [0, 64]
   _rewrite(path, header=dict(header, b=dict(header["b"], data_offsets=[16, 48])))  # inside a's bytes
-  with pytest.raises(checkpoint.CheckpointError, match="overlap or leave gaps"):
-    checkpoint.open_safetensors_file(path)
+  with pytest.raises(weights.CheckpointError, match="overlap or leave gaps"):
+    weights.open_safetensors_file(path)
   with open(path, "wb") as f:
     f.write(struct.pack("<Q", 1000) + b"{}")
-  with pytest.raises(checkpoint.CheckpointError, match="header of 1000 bytes"):
-    checkpoint.open_safetensors_file(path)
+  with pytest.raises(weights.CheckpointError, match="header of 1000 bytes"):
+    weights.open_safetensors_file(path)
 
 
 def test_host_leaf_reads_converted_parts():
   rng = np.random.default_rng(1)
   layers = [rng.standard_normal((300, 260)).astype(np.float32) for _ in range(3)]  # > one copy tile
-  leaf = checkpoint.HostLeaf.stack([w.T for w in layers], ml_dtypes.bfloat16)
+  leaf = weights.HostLeaf.stack([w.T for w in layers], ml_dtypes.bfloat16)
   want = np.stack([w.T for w in layers]).astype(ml_dtypes.bfloat16)
   assert leaf.shape == want.shape and leaf.nbytes == want.nbytes
   np.testing.assert_array_equal(leaf.read(), want)
@@ -86,13 +87,13 @@ def test_host_leaf_reads_converted_parts():
   part = leaf.read(index)
   assert part.flags.c_contiguous and part.dtype == ml_dtypes.bfloat16
   np.testing.assert_array_equal(part, want[index])
-  one = checkpoint.HostLeaf.of(layers[0].T, np.float32)
+  one = weights.HostLeaf.of(layers[0].T, np.float32)
   np.testing.assert_array_equal(one.read((slice(5, 290), slice(None))), layers[0].T[5:290])
-  contiguous = checkpoint.HostLeaf.of(layers[0], np.float32)
+  contiguous = weights.HostLeaf.of(layers[0], np.float32)
   assert np.shares_memory(contiguous.read(), layers[0])  # same dtype, contiguous: no copy
 
 
-class _CountingLeaf(checkpoint.HostLeaf):
+class _CountingLeaf(weights.HostLeaf):
   """A HostLeaf that records the indices it is read at and the bytes being read concurrently."""
 
   def read(self, index=()):

@@ -1,4 +1,4 @@
-"""Tests for pipelines/lora.py: LoRA loading against diffusers, exact unfuse, refusals, experts.
+"""Tests for pipelines/wan/lora.py: LoRA loading against diffusers, exact unfuse, refusals, experts.
 
 Reference: the tiny diffusers Wan 2.1 pipeline of tests/test_pipeline.py with a peft LoRA (rank 4,
 lora_alpha 8, `blocks.1.attn1.to_q` at rank 2 through rank_pattern; random non-zero lora_A and
@@ -22,9 +22,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
-from pipelines import WanPipeline, lora
-from pipelines import pipeline as wan_pipeline
-from pipelines.checkpoint import CheckpointError
+from pipelines import WanPipeline
+from pipelines.wan import lora
+from pipelines.pipeline import wan_pipeline
+from pipelines.storage.weights import CheckpointError
 from pipelines.wan.transformer import init_transformer
 
 PROMPT = "a red fox running through snow"
@@ -310,7 +311,7 @@ def test_generate_lora_flag(tmp_path, capsys):
   is refused before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
   import json
 
-  from pipelines import generate
+  from pipelines.cli import generate
 
   config = wan_pipeline.TINY_TRANSFORMER
   path = _write(tmp_path / "fox_lora.safetensors", _numpy_lora(config, modules=["blocks.0.attn1.to_q"]))

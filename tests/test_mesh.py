@@ -24,8 +24,8 @@ from attention.mesh import MESH_AXES, MeshSpec
 from end_to_end import plan as plan_cli
 from end_to_end.collectives import hlo_collectives
 from numerics import assert_psnr_at_least
-from pipelines import planner
-from pipelines import pipeline as wan_pipeline
+from pipelines.parallel import planner
+from pipelines.pipeline import wan_pipeline
 from pipelines.wan.transformer_config import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,7 +222,7 @@ def test_plan_topology_without_libtpu_says_how(capsys, monkeypatch):
 
 
 def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
-  from pipelines import generate
+  from pipelines.cli import generate
   args = ["--prompt", "a fox", "--size", "32x32", "--frames", "5", "--steps", "1", "--seed", "1",
           "--max-sequence-length", "16"]
   assert generate.main(args + ["--mesh", "auto", "--out", str(tmp_path / "auto.npy")]) == 0

@@ -1,4 +1,4 @@
-"""Tests for pipelines/distributed.py and pipelines/supervisor.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices (a run, a coordinator that is not there, a process lost mid-run and its run resumed).
+"""Tests for pipelines/parallel/distributed.py and pipelines/parallel/supervisor.py: `generate` on JAX's distributed runtime, 2 processes x 2 CPU devices (a run, a coordinator that is not there, a process lost mid-run and its run resumed).
 
 The processes are fresh interpreters on 127.0.0.1 (a free port picked at run time, gloo CPU
 collectives, XLA_FLAGS without the harness's device count: the command splits the mesh's 4 devices
@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from harness import child_env
-from pipelines import distributed, generate, resume
+from pipelines.parallel import distributed
+from pipelines.cli import generate
+from pipelines.pipeline import resume
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 
 RESUME_PSNR_DB = 60.0  # issue acceptance; sharded and single-device runs agree to ~1e-7
@@ -47,7 +49,7 @@ def _env() -> dict[str, str]:
 
 def _start(argv: list[str], log: str) -> subprocess.Popen:
   with open(log, "w") as f:  # the child keeps its own descriptor
-    return subprocess.Popen([sys.executable, "-m", "pipelines.generate", *argv], cwd=ROOT, env=_env(),
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], cwd=ROOT, env=_env(),
                             stdout=f, stderr=subprocess.STDOUT)
 
 

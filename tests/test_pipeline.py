@@ -1,4 +1,4 @@
-"""Tests for pipelines/pipeline.py: diffusers parity, mesh invariance, batching, one compile, checks.
+"""Tests for pipelines/pipeline/wan_pipeline.py: diffusers parity, mesh invariance, batching, one compile, checks.
 
 Reference: a tiny diffusers `WanPipeline` (random weights, ByT5 tokenizer so nothing is downloaded)
 saved with `save_pretrained` and read back by `WanPipeline.from_pretrained`; both run with the same
@@ -18,8 +18,9 @@ import torch
 
 import attention
 from pipelines import WanPipeline
-from pipelines import pipeline as wan_pipeline
-from pipelines.checkpoint import CheckpointError
+from pipelines.pipeline import wan_pipeline
+from pipelines.wan import tokenizer
+from pipelines.storage.weights import CheckpointError
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from torch_weights import randomize
 
@@ -228,7 +229,7 @@ def test_prompt_clean_matches_diffusers():
   if pipeline_wan.is_ftfy_available():
     pytest.skip("diffusers uses ftfy here; the comparison assumes its ftfy-free path")
   for text in PROMPTS + ["\t tabs\tand\n\nnewlines ", "&amp;lt;b&amp;gt; html", "plain"]:
-    assert wan_pipeline.prompt_clean(text) == pipeline_wan.prompt_clean(text)
+    assert tokenizer.prompt_clean(text) == pipeline_wan.prompt_clean(text)
 
 
 def test_round_num_frames_warns_like_diffusers():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipelines import WanPipeline
-from pipelines import pipeline as wan_pipeline
+from pipelines.pipeline import wan_pipeline
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least, within
 from test_pipeline import MAX_LEN, NEGATIVES, PROMPTS, SIZE, _save_diffusers_pipeline, psnr
 

@@ -30,9 +30,10 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from harness import child_env
-from pipelines import generate, video_io
-from pipelines import pipeline as wan_pipeline
-from pipelines.checkpoint import CheckpointError
+from pipelines.cli import generate
+from pipelines.storage import video_io
+from pipelines.pipeline import wan_pipeline
+from pipelines.storage.weights import CheckpointError
 from pipelines.pipeline import TINY_SCHEDULER, TINY_TRANSFORMER, NonFiniteLatentsError, WanPipeline
 from pipelines.wan import tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.transformer import init_transformer
@@ -345,7 +346,7 @@ def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
 def test_interrupt_during_denoising_leaves_no_output(tmp_path):
   out = tmp_path / "fox.mp4"
   # ~20 ms per step at this size on one CPU device (1 ms at 32x32): a window of ~20 s to interrupt.
-  cmd = [sys.executable, "-m", "pipelines.generate", "--prompt", PROMPT, "--size", "128x128", "--frames",
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--prompt", PROMPT, "--size", "128x128", "--frames",
          "17", "--steps", "1000", "--max-sequence-length", "8", "--seed", "0", "--out", str(out)]
   # A runner started with SIGINT ignored (`cmd &` in a non-interactive shell) passes SIG_IGN on to
   # its children, and Python keeps it: restore the default so the child gets its Ctrl-C handler.

@@ -1,4 +1,4 @@
-"""Tests for pipelines/resume.py: denoising checkpoints, resuming on the same and another mesh, refusals.
+"""Tests for pipelines/pipeline/resume.py: denoising checkpoints, resuming on the same and another mesh, refusals.
 
 An interrupted run is one whose `on_step` raises after step k (what Ctrl-C or a lost process does
 to the loop); the checkpoint on disk then holds the state after the last saved step. Resumed, the
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from numerics import assert_psnr_at_least
-from pipelines import generate, resume
-from pipelines import pipeline as wan_pipeline
+from pipelines.cli import generate
+from pipelines.pipeline import resume
+from pipelines.pipeline import wan_pipeline
 
 RESUME_PSNR_DB = 60.0
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=5, seed=3, max_sequence_length=8,

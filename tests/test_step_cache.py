@@ -23,7 +23,7 @@ import pytest
 
 import attention
 from pipelines import WanPipeline
-from pipelines import pipeline as wan_pipeline
+from pipelines.pipeline import wan_pipeline
 from pipelines.wan import step_cache
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2

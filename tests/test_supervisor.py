@@ -1,4 +1,4 @@
-"""Tests for pipelines/supervisor.py without processes: the output filter and the lost-peer line.
+"""Tests for pipelines/parallel/supervisor.py without processes: the output filter and the lost-peer line.
 
 The records are the ones jax 0.10's runtime printed when a peer was killed (see the module
 docstring); the end-to-end behaviour is tests/test_multihost.py::test_lost_process_ends_the_run.
@@ -10,7 +10,7 @@ import io
 
 import pytest
 
-from pipelines import supervisor
+from pipelines.parallel import supervisor
 
 RECORD = (
     b"E1130 15:24:30.199317   15899 coordination_service.cc:1549] [1291] Use error polling to propagate "

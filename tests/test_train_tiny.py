@@ -82,7 +82,7 @@ def test_default_model_is_the_same_video_in_diffusers():
   from end_to_end import synthetic_world as world
   from numerics import FP32_VIDEO_PSNR_DB
   from pipelines import WanPipeline
-  from pipelines.pipeline import TINY_DEFAULT_FOLDER
+  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
   from end_to_end.video_metrics import psnr_per_frame
 
   ours = WanPipeline.tiny()

@@ -23,7 +23,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import attention
-from pipelines.checkpoint import CheckpointError
+from pipelines.storage.weights import CheckpointError
 from pipelines.wan.transformer import forward, init_transformer, param_shapes
 from pipelines.wan.transformer_config import PRESETS, WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer

@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from pipelines.checkpoint import CheckpointError
+from pipelines.storage.weights import CheckpointError
 from pipelines.wan import tokenizer, umt5
 from numerics import EPS_F32, assert_close_scaled
 

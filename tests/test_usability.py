@@ -19,7 +19,8 @@ import time
 import pytest
 
 from harness import child_env
-from pipelines import compile_cache, video_io
+from pipelines.pipeline import compile_cache
+from pipelines.storage import video_io
 from attention.mesh import MeshSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ def _words(text: str) -> str:
 # --- --help ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module,expected", [
-    ("pipelines.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
+    ("pipelines.cli.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
                             "(default: output.mp4)", "(default: 16.0)", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
     ("end_to_end.quality", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
@@ -92,7 +93,7 @@ def test_frame_rounding_is_described_as_diffusers_does_it():
 # --- meshes ----------------------------------------------------------------------------------------
 
 def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
-  proc = _run("pipelines.generate", "--prompt", PROMPT, "--mesh", "2x2", "--out", str(tmp_path / "x.mp4"))
+  proc = _run("pipelines.cli.generate", "--prompt", PROMPT, "--mesh", "2x2", "--out", str(tmp_path / "x.mp4"))
   assert proc.returncode == 2
   assert "generate: error: --mesh: mesh spec='2x2' does not say which degree is which; did you mean " \
          "'U=2,R=2'?" in proc.stderr, proc.stderr
@@ -135,7 +136,7 @@ def test_long_run_says_so_before_compute(tmp_path):
   """A real model's preset on the tiny model on this CPU: the preset warning as a `generate:
   warning:` line, then the estimate, before any compute (the run is stopped there)."""
   out = tmp_path / "x.mp4"
-  cmd = [sys.executable, "-m", "pipelines.generate", "--preset", "wan2.1-t2v-1.3b", "--prompt", PROMPT,
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--preset", "wan2.1-t2v-1.3b", "--prompt", PROMPT,
          "--out", str(out)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
   err = b""

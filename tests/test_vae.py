@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipelines.checkpoint import CheckpointError
+from pipelines.storage.weights import CheckpointError
 from numerics import EPS_F32, assert_close_scaled
 from pipelines.wan import vae as V
 from pipelines.wan import vae_layers

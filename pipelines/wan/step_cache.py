@@ -114,7 +114,7 @@ class StepCacheSpec:
     return f"mag:{self.threshold:g}:{self.max_skips}" + ("" if shipped else f"@{self.ratios_source}")
 
   def identity(self) -> dict[str, Any]:
-    """What a resumed run must match (`pipelines.resume`): the setting and its ratios, not the
+    """What a resumed run must match (`pipelines.pipeline.resume`): the setting and its ratios, not the
     file they were read from."""
     out = self.to_dict()
     out.pop("ratios_source", None)
@@ -310,7 +310,7 @@ def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtyp
 
 
 def for_checkpoint(state: State, *, tokens: int, mesh: Mesh | None) -> State:
-  """The state as a denoising checkpoint (`pipelines.resume.Writer`) takes it: residuals cut to the
+  """The state as a denoising checkpoint (`pipelines.pipeline.resume.Writer`) takes it: residuals cut to the
   `tokens` valid token rows (the mesh padding differs between meshes; a run may resume on another
   one) and every array replicated over the mesh. A new copy; `state` is unchanged."""
   sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None

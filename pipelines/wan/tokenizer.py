@@ -9,12 +9,24 @@ truncate, add the EOS special token, return the attention mask.
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+
+def prompt_clean(text: str) -> str:
+  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
+
+  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
+  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
+  """
+  text = html.unescape(html.unescape(text)).strip()
+  return re.sub(r"\s+", " ", text).strip()
 
 
 class TokenizerNotFoundError(FileNotFoundError):

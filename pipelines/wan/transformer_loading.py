@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from pipelines import checkpoint, distributed
+from pipelines.storage import weights
+from pipelines.parallel import distributed
 from pipelines.wan.transformer import WanTransformer, build_transformer, keeps_fp32, weight_shardings
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -105,27 +106,27 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
     The `WanTransformer`.
 
   Raises:
-    checkpoint.CheckpointError: no folder / config, pickle-only weights (refused: unpickling can
+    weights.CheckpointError: no folder / config, pickle-only weights (refused: unpickling can
       execute code), unreadable files, or keys missing / unexpected / mis-shaped (one error that
       lists them all).
     ValueError: a config this model does not support (e.g. image-to-video fields set).
   """
-  config = WanTransformerConfig.from_dict(checkpoint.read_config(folder))
-  state = checkpoint.read_safetensors_folder(folder)  # memory-mapped views: nothing read yet
+  config = WanTransformerConfig.from_dict(weights.read_config(folder))
+  state = weights.read_safetensors_folder(folder)  # memory-mapped views: nothing read yet
   layout = list(checkpoint_layout(config))
-  checkpoint.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=folder)
+  weights.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=folder)
 
   params: dict = {}
   stacked: dict[tuple[str, ...], list] = {}
   for key, _, path, layer, kind in layout:
     view = _to_ours(state[key], kind)
     if layer is None:
-      _set(params, path, checkpoint.HostLeaf.of(view, _leaf_dtype(path, dtype)))
+      _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype)))
     else:
       stacked.setdefault(path, [None] * config.num_layers)[layer] = view
   for path, layers in stacked.items():
-    _set(params, path, checkpoint.HostLeaf.stack(layers, _leaf_dtype(path, dtype)))
-  is_leaf = lambda x: isinstance(x, checkpoint.HostLeaf)  # noqa: E731
+    _set(params, path, weights.HostLeaf.stack(layers, _leaf_dtype(path, dtype)))
+  is_leaf = lambda x: isinstance(x, weights.HostLeaf)  # noqa: E731
   shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params, is_leaf=is_leaf)
   shardings = None if mesh is None else weight_shardings(shapes, mesh, shard_weights)
   arrays = distributed.put_host_leaves(params, shardings, progress=progress, desc=f"loading {folder}")

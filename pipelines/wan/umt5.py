@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import checkpoint, distributed
+from pipelines.storage import weights
+from pipelines.parallel import distributed
 
 Params = dict[str, Any]
 
@@ -257,14 +258,14 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
   layers = {}
   for name in _block_keys(0):
     layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
-    layers[name] = checkpoint.HostLeaf.stack(
+    layers[name] = weights.HostLeaf.stack(
         [conv(name, np.asarray(state[_block_keys(i)[name]])) for i in range(c.num_layers)], layer_dtype)
   leaves = {
-      "embedding": checkpoint.HostLeaf.of(np.asarray(state["shared.weight"]), dtype),
-      "final_norm": checkpoint.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),
+      "embedding": weights.HostLeaf.of(np.asarray(state["shared.weight"]), dtype),
+      "final_norm": weights.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),
       "layers": layers,
   }
-  is_leaf = lambda x: isinstance(x, checkpoint.HostLeaf)  # noqa: E731
+  is_leaf = lambda x: isinstance(x, weights.HostLeaf)  # noqa: E731
   shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), leaves, is_leaf=is_leaf)
   return distributed.put_host_leaves(leaves, None if shardings is None else shardings(shapes),
                                      progress=progress, desc="loading the text encoder")
@@ -285,12 +286,12 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
     (config, params).
 
   Raises:
-    checkpoint.CheckpointError: missing folder/config, pickle-only weights, missing, unexpected or
+    weights.CheckpointError: missing folder/config, pickle-only weights, missing, unexpected or
       mis-shaped keys (all listed in one message), tied embedding copies that disagree.
     ValueError: an unsupported config (see `UMT5Config`).
   """
-  config = UMT5Config.from_dict(checkpoint.read_config(folder))
-  state = dict(checkpoint.read_safetensors_folder(folder))
+  config = UMT5Config.from_dict(weights.read_config(folder))
+  state = dict(weights.read_safetensors_folder(folder))
   alias = "encoder.embed_tokens.weight"
   if alias in state:
     if "shared.weight" not in state:
@@ -298,9 +299,9 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
     else:
       tied = state.pop(alias)
       if tied.shape != state["shared.weight"].shape or not np.array_equal(tied, state["shared.weight"]):
-        raise checkpoint.CheckpointError(
+        raise weights.CheckpointError(
             f"{folder!r}: {alias} and shared.weight are both present but differ; UMT5 ties them")
-  checkpoint.check_state_dict(state, checkpoint_shapes(config), where=os.fspath(folder))
+  weights.check_state_dict(state, checkpoint_shapes(config), where=os.fspath(folder))
   return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32,
                                         shardings=shardings, progress=progress)
 

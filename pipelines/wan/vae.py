@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipelines.checkpoint import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
-from pipelines.distributed import put_host_leaves
+from pipelines.storage.weights import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
+from pipelines.parallel.distributed import put_host_leaves
 from pipelines.wan import vae_layers as L
 
 # Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
@@ -179,7 +179,7 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | No
       weight is laid out, cast and placed on the default device in one copy.
 
   Raises:
-    CheckpointError: folder/config/safetensors problems (see `pipelines.checkpoint`), an invalid or
+    CheckpointError: folder/config/safetensors problems (see `pipelines.storage.weights`), an invalid or
       unsupported config, or one error listing every missing, unexpected and mis-shaped key.
   """
   try:

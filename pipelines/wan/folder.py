@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pipelines import checkpoint
+from pipelines.storage import weights
 from pipelines.wan.transformer_config import WanTransformerConfig
 
 
@@ -29,36 +29,36 @@ class PipelineIndex:
     """Reads model_index.json and transformer/config.json.
 
     Raises:
-      checkpoint.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline, an
+      weights.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline, an
         image/TI2V pipeline (`expand_timesteps`), `boundary_ratio` without `transformer_2/` or
         outside (0, 1), a missing component folder.
     """
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
-      raise checkpoint.CheckpointError(
+      raise weights.CheckpointError(
           f"{folder!r} has no model_index.json; pass a diffusers-format Wan pipeline folder (holding "
           "model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/)")
-    index = checkpoint.read_json(path, "a Wan pipeline folder needs model_index.json")
+    index = weights.read_json(path, "a Wan pipeline folder needs model_index.json")
     name = index.get("_class_name", "WanPipeline")
     if name != "WanPipeline":
-      raise checkpoint.CheckpointError(f"{path!r}: {name=}; only text-to-video WanPipeline folders load")
+      raise weights.CheckpointError(f"{path!r}: {name=}; only text-to-video WanPipeline folders load")
     if index.get("expand_timesteps"):
-      raise checkpoint.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
+      raise weights.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
     for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
       if not os.path.isdir(os.path.join(folder, component)):
-        raise checkpoint.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
+        raise weights.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
     named_2 = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
     has_2 = named_2 and os.path.isdir(os.path.join(folder, "transformer_2"))
     boundary = index.get("boundary_ratio")
     if boundary is not None:
       if not 0 < float(boundary) < 1:
-        raise checkpoint.CheckpointError(f"{path!r}: boundary_ratio={boundary} must be in (0, 1)")
+        raise weights.CheckpointError(f"{path!r}: boundary_ratio={boundary} must be in (0, 1)")
       if not has_2:
-        raise checkpoint.CheckpointError(
+        raise weights.CheckpointError(
             f"{path!r} sets boundary_ratio={boundary} (Wan 2.2 two experts) but {folder!r} has no "
             "transformer_2/ named in model_index.json; add the low-noise expert or drop boundary_ratio")
       boundary = float(boundary)
-    config = WanTransformerConfig.from_dict(checkpoint.read_config(os.path.join(folder, "transformer")))
+    config = WanTransformerConfig.from_dict(weights.read_config(os.path.join(folder, "transformer")))
     return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary)
 
   @property
@@ -70,19 +70,19 @@ class PipelineIndex:
   def check_weights(self) -> None:
     """File-level checks of every weight file, reading headers only (no tensor data): safetensors
     present (pickle-only folders refused) and not truncated or corrupt. Key names and shapes are
-    checked when a component loads (`checkpoint.check_state_dict`).
+    checked when a component loads (`weights.check_state_dict`).
 
     Raises:
-      checkpoint.CheckpointError: the first bad folder or file, naming it.
+      weights.CheckpointError: the first bad folder or file, naming it.
     """
     from safetensors import SafetensorError, safe_open
 
     for component in self.weight_folders:
-      for path in checkpoint.safetensors_files(component):
+      for path in weights.safetensors_files(component):
         try:
           with safe_open(path, framework="numpy"):
             pass
         except (SafetensorError, OSError) as e:
-          raise checkpoint.CheckpointError(
+          raise weights.CheckpointError(
               f"cannot read {path!r} (truncated or corrupt safetensors file: {e}); download or "
               "convert it again") from e

@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from attention.mesh import MeshSpec, heads_fit
-from pipelines import estimate as step_estimate
+from pipelines.parallel import estimate as step_estimate
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}

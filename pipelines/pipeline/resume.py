@@ -186,7 +186,7 @@ def _write(directory: str, step: int, identity: Mapping[str, Any], arrays: Mappi
   fsynced before the rename, then the folder fsynced)."""
   from safetensors.numpy import save_file
 
-  from pipelines import video_io
+  from pipelines.storage import video_io
 
   os.makedirs(directory, exist_ok=True)
   meta = {_META_KEY: json.dumps({"format": FORMAT_VERSION, "step": step, "identity": identity},

@@ -187,7 +187,7 @@ def _die_with_parent() -> None:
 
 def run_supervised(argv: Sequence[str], *, process_id: int, num_processes: int,
                    heartbeat_timeout_s: int, log_path: str | None = None) -> int:
-  """Runs `python -m pipelines.generate argv` as a supervised child; returns the exit status.
+  """Runs `python -m pipelines.cli.generate argv` as a supervised child; returns the exit status.
 
   Args:
     argv: the command's arguments (unchanged).
@@ -205,7 +205,7 @@ def run_supervised(argv: Sequence[str], *, process_id: int, num_processes: int,
   fd, status_path = tempfile.mkstemp(prefix="wan-usp-status-", suffix=".json")
   os.close(fd)
   env = dict(os.environ, **{ENV_SUPERVISED: "1", ENV_STATUS: status_path})
-  child = subprocess.Popen([sys.executable, "-m", "pipelines.generate", *argv], env=env,
+  child = subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
   lock = threading.Lock()  # one log file, two streams
@@ -277,7 +277,7 @@ def write_status(**fields) -> None:
   except (OSError, ValueError):
     status = {}
   status.update(fields)
-  from pipelines import video_io  # (the child only: it has the whole program loaded anyway)
+  from pipelines.storage import video_io  # (the child only: it has the whole program loaded anyway)
   video_io.write_json(status, path, overwrite=True)
 
 

@@ -2,17 +2,15 @@
 
 Everything here runs before any compute: each bad argument raises a ValueError naming the argument,
 its value and the fix (a bool is not an int, a str not a number, NaN/inf not a number either).
-`WanPipeline.check_inputs` (pipelines/pipeline.py) applies them in diffusers' order and returns a
+`WanPipeline.check_inputs` (pipelines/pipeline/wan_pipeline.py) applies them in diffusers' order and returns a
 `ResolvedCall`; `generate` checks its flags with the same functions where they overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 import numbers
-import re
 import reprlib
 import warnings
 from collections.abc import Callable
@@ -24,17 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from attention.mesh import MeshSpec
-from pipelines import distributed
-
-
-def prompt_clean(text: str) -> str:
-  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
-
-  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
-  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
-  """
-  text = html.unescape(html.unescape(text)).strip()
-  return re.sub(r"\s+", " ", text).strip()
+from pipelines.parallel import distributed
 
 
 def is_int(value: Any) -> bool:
@@ -217,7 +205,7 @@ def resolve_mesh(mesh: Mesh | MeshSpec | str | None, *, heads: int, kv_heads: in
     shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`
       with shard_weights).
 
-  In a multi-process run (`pipelines.distributed`) the mesh spans every process's devices.
+  In a multi-process run (`pipelines.parallel.distributed`) the mesh spans every process's devices.
 
   Raises:
     ValueError: a malformed spec, more devices than visible, heads that U does not split, CFG=2

@@ -231,7 +231,7 @@ class HostLeaf:
   Loaders describe each parameter as the numpy view (transposes, reshapes: no copy) of the
   checkpoint tensor it comes from, or the Z per-layer views of a parameter stacked on a leading
   layer axis; `read(index)` then copies out only the part a device needs, converted to `dtype` in
-  the same pass (`pipelines.distributed.put_host_leaves`). So loading never holds the whole
+  the same pass (`pipelines.parallel.distributed.put_host_leaves`). So loading never holds the whole
   checkpoint in memory, only the part being placed.
 
   Attributes:

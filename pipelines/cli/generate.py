@@ -55,7 +55,7 @@ Exit status: 0 success; 2 a usage or checkpoint error (before any compute); 1 a 
 running (non-finite latents, coordinator unreachable, the video encoder failing); 3 a process of a
 multi-process run was lost; 130 interrupted (Ctrl-C or SIGTERM).
 
-Also `python -m pipelines.generate ...`.
+Also `python -m pipelines.cli.generate ...`.
 """
 
 from __future__ import annotations
@@ -74,9 +74,14 @@ import time
 import warnings
 from typing import Any
 
-from pipelines import checkpoint, compile_cache, distributed, estimate, supervisor, video_io
+from pipelines.storage import weights
+from pipelines.pipeline import compile_cache
+from pipelines.parallel import distributed
+from pipelines.parallel import estimate
+from pipelines.parallel import supervisor
+from pipelines.storage import video_io
 from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
-from pipelines.cli import HelpFormatter, warnings_as_lines
+from pipelines.cli.help import HelpFormatter, warnings_as_lines
 
 
 
@@ -130,7 +135,7 @@ def default_text_length(model: str) -> int:
   if model == "tiny-random":
     return tokenization.WAN_TEXT_LENGTH
   if model == "tiny":
-    from pipelines.pipeline import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
+    from pipelines.wan.tiny import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
     model = TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)
 
@@ -344,7 +349,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   Raises:
     UsageError / ValueError: each bad argument, with what to do instead.
   """
-  from pipelines.inputs import check_size, round_num_frames  # light: no model, no compute
+  from pipelines.pipeline.inputs import check_size, round_num_frames  # light: no model, no compute
 
   if args.prompt is None:
     raise UsageError("--prompt is required (what the video shows), unless --resume DIR continues a "
@@ -527,7 +532,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   """
   if args.resume is None:
     return
-  from pipelines import resume as resume_state
+  from pipelines.pipeline import resume as resume_state
 
   path = os.path.join(args.resume, RUN_RECORD)
   if not os.path.isfile(path) or not os.path.isfile(resume_state.state_path(args.resume)):
@@ -635,13 +640,13 @@ def _check_devices(plan: Plan, requested: int | None, heads: int) -> str:
 def _model_config(plan: Plan) -> tuple[Any, int]:
   """(transformer config, number of experts) from the JSON files; a folder's weight files are
   checked too (safetensors present, headers intact), reading no tensor data."""
-  from pipelines.folder import PipelineIndex
-  from pipelines.pipeline import TINY_TRANSFORMER
+  from pipelines.wan.folder import PipelineIndex
+  from pipelines.wan.tiny import TINY_TRANSFORMER
 
   if plan.model == "tiny-random":
     return TINY_TRANSFORMER, 1
   if plan.model == "tiny":
-    from pipelines.pipeline import TINY_DEFAULT_FOLDER
+    from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
     return PipelineIndex.read(TINY_DEFAULT_FOLDER).transformer, 1
   index = PipelineIndex.read(plan.model)
   index.check_weights()
@@ -680,8 +685,8 @@ def check_plan(plan: Plan) -> Checked:
 
   Raises:
     UsageError: see `_check_devices`, and two guidance scales (or --lora-2) for a one-expert model.
-    checkpoint.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
-    ValueError: a LoRA that does not fit the transformer (`pipelines.lora.parse_lora`).
+    weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    ValueError: a LoRA that does not fit the transformer (`pipelines.wan.lora.parse_lora`).
     distributed.DistributedError: the coordinator was not reached in time.
   """
   requested = _request_cpu_devices(plan)
@@ -708,7 +713,7 @@ def check_plan(plan: Plan) -> Checked:
   if len(plan.guidance) == 2 and experts == 1:
     raise UsageError(f"two guidance scales {plan.guidance} need a two-expert Wan 2.2 model but "
                      f"{plan.model!r} has one transformer; pass one --guidance value or another --preset")
-  from pipelines import lora
+  from pipelines.wan import lora
 
   for path, _, expert in plan.loras:
     if expert >= experts:
@@ -719,7 +724,7 @@ def check_plan(plan: Plan) -> Checked:
 
 
 def _auto_mesh(plan: Plan, transformer: Any, experts: int) -> MeshSpec:
-  """--mesh auto: the planner's pick (`pipelines.planner`) for the visible devices, printed.
+  """--mesh auto: the planner's pick (`pipelines.parallel.planner`) for the visible devices, printed.
 
   The chip is read from JAX's device kind (TPU v5e / v6e, NVIDIA H100 / H200); on other devices
   (the CPU) the memory is not modelled and the pick is by the modelled step time alone.
@@ -729,7 +734,7 @@ def _auto_mesh(plan: Plan, transformer: Any, experts: int) -> MeshSpec:
   """
   import jax
 
-  from pipelines import planner
+  from pipelines.parallel import planner
 
   kind = jax.devices()[0].device_kind.lower()
   chip = next((planner.CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
@@ -772,7 +777,7 @@ def _plan_checkpoint(plan: Plan, transformer: Any) -> Plan:
   Raises:
     UsageError: the folder holds a saved run and this is not --resume.
   """
-  from pipelines import resume as resume_state
+  from pipelines.pipeline import resume as resume_state
 
   directory = plan.checkpoint_dir
   if directory is None and plan.checkpoint_default and _estimate(plan, transformer).seconds >= estimate.LONG_S:
@@ -913,7 +918,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
 
 def _remove_checkpoint(directory: str) -> None:
   """The saved run in `directory` (state and record), and the folder if that empties it."""
-  from pipelines import resume as resume_state
+  from pipelines.pipeline import resume as resume_state
 
   record = os.path.join(directory, RUN_RECORD)
   if os.path.exists(record):
@@ -924,7 +929,7 @@ def _remove_checkpoint(directory: str) -> None:
 def _tidy_checkpoint(plan: Plan | None) -> None:
   """A run stopped before its first checkpoint: its folder holds only the run record; removed, so
   no folder that cannot be resumed is left behind (process 0 only)."""
-  from pipelines import resume as resume_state
+  from pipelines.pipeline import resume as resume_state
 
   if (plan is None or plan.checkpoint_dir is None or plan.resume or not plan.writes
       or os.path.exists(resume_state.state_path(plan.checkpoint_dir))):
@@ -934,7 +939,7 @@ def _tidy_checkpoint(plan: Plan | None) -> None:
 
 def _resume_hint(plan: Plan | None) -> str:
   """"; the denoising state is saved: continue with ..." when a checkpoint is on disk."""
-  from pipelines import resume as resume_state
+  from pipelines.pipeline import resume as resume_state
 
   if plan is None or plan.checkpoint_dir is None or not os.path.exists(resume_state.state_path(plan.checkpoint_dir)):
     return ""
@@ -957,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _supervise(args: argparse.Namespace, argv: list[str]) -> int | None:
   """A multi-process run (and not already the supervised child): runs this command as a child
-  under `pipelines.supervisor` and returns its exit status; None otherwise (run here)."""
+  under `pipelines.parallel.supervisor` and returns its exit status; None otherwise (run here)."""
   if os.environ.get(supervisor.ENV_SUPERVISED):
     return None
   try:
@@ -986,7 +991,7 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
       return 1
     from pipelines.pipeline import NonFiniteLatentsError  # JAX has started by now
 
-    from pipelines.resume import ResumeError
+    from pipelines.pipeline.resume import ResumeError
 
     hint = lambda: _resume_hint(checked.plan)  # noqa: E731 (read when the error happens)
     try:
@@ -994,7 +999,7 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
     except ResumeError as e:  # a checkpoint of another run, unreadable, or in the way: no resume hint
       print(f"generate: error: {e}", file=sys.stderr)
       return 2
-    except (video_io.OutputError, checkpoint.CheckpointError) as e:
+    except (video_io.OutputError, weights.CheckpointError) as e:
       # loading; or the output appeared meanwhile
       print(f"generate: error: {e}{hint()}", file=sys.stderr)
       return 2
@@ -1024,7 +1029,7 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
 
 
 def cli() -> None:
-  """Console-script entry (`generate`, `python -m pipelines.generate`): `main`, then exit.
+  """Console-script entry (`generate`, `python -m pipelines.cli.generate`): `main`, then exit.
 
   SIGTERM is handled as Ctrl-C. After Ctrl-C the process leaves through `os._exit(130)` once its
   streams are flushed: XLA's

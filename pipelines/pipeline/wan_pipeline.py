@@ -1,6 +1,6 @@
 """Wan text-to-video pipeline (diffusers' `WanPipeline`) over a (cfg, ring, ulysses) mesh.
 
-The call's arguments are checked in pipelines/inputs.py, the folder read in pipelines/folder.py.
+The call's arguments are checked in pipelines/pipeline/inputs.py, the folder read in pipelines/wan/folder.py.
 
 Glossary (DESIGN.md section 1): B videos (prompts), C latent channels, F / Hl / Wl latent frames /
 height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / ring degrees.
@@ -56,35 +56,28 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention import BACKENDS, IMPLEMENTATIONS, resolve_backend
 from attention.mesh import CFG_AXIS, MeshSpec
-from pipelines import checkpoint, distributed, resume as resume_state
-from pipelines.folder import PipelineIndex
-from pipelines.inputs import (  # noqa: F401 (OUTPUT_TYPES, check_size, ... re-exported for callers)
+from pipelines.storage import weights
+from pipelines.parallel import distributed
+from pipelines.pipeline import resume as resume_state
+from pipelines.wan.folder import PipelineIndex
+from pipelines.pipeline.inputs import (  # noqa: F401 (OUTPUT_TYPES, check_size, ... re-exported for callers)
     CALLBACK_TENSOR_INPUTS, OUTPUT_TYPES, ResolvedCall, check_flag, check_int, check_number, check_output_type,
-    check_size, embeds_array, frames_to_pil, host_array, is_real, noise_array, not_a, prompt_clean, resolve_mesh,
+    check_size, embeds_array, frames_to_pil, host_array, is_real, noise_array, not_a, resolve_mesh,
     round_num_frames, texts)
-from pipelines.lora import LoraLoaderMixin
+from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.transformer import (WanTransformer, forward, init_transformer, large_leaf_shardings,
                                       weight_shardings)
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import load_transformer
+from pipelines.wan.tiny import TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER  # noqa: F401 (re-exported)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class NonFiniteLatentsError(FloatingPointError):
   """The latents became NaN or inf during denoising; the run stopped before decoding."""
-
-# The random-weight tiny model (`WanPipeline.tiny(random=True)`): every code path, random weights
-# from a fixed seed. 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim = the
-# tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trained folder below.
-TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_dim=16, text_dim=32,
-                                        ffn_dim=256, num_layers=2)
-TINY_SEED = 0
-TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
-TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wan", "tiny_default")
-
 
 # --- settings and their checks (cheap; run before any compute) -----------------------------------
 
@@ -236,7 +229,7 @@ class WanPipeline(LoraLoaderMixin):
   """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
 
   Build with `from_pretrained(folder)` or `tiny()`; call with prompts (see `__call__`). LoRAs:
-  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora` (`pipelines.lora`).
+  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora` (`pipelines.wan.lora`).
 
   Attributes:
     transformer_config: config shared by both experts.
@@ -306,7 +299,7 @@ class WanPipeline(LoraLoaderMixin):
 
     Raises:
       ValueError: an unknown dtype, or a mesh that does not fit the devices or heads.
-      checkpoint.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` (every
+      weights.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` (every
         weight file's header, before any tensor is read) and the component loaders.
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
@@ -317,7 +310,7 @@ class WanPipeline(LoraLoaderMixin):
         mesh, heads=config.num_attention_heads, shard_weights=shard_weights)
     index.check_weights()  # a truncated last file fails now, not after loading the others
     scheduler_config = schedulers.scheduler_config_from_dict(
-        checkpoint.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
+        weights.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
                              "the scheduler/ folder needs scheduler_config.json"))
     names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
     if index.has_transformer_2 and index.boundary_ratio is None:
@@ -428,7 +421,7 @@ class WanPipeline(LoraLoaderMixin):
     Returns:
       [len(prompts), L, text_dim] in the model dtype (diffusers casts to the transformer dtype).
     """
-    ids, mask = tokenization.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts],
+    ids, mask = tokenization.tokenize(self.tokenizer, [tokenization.prompt_clean(p) for p in prompts],
                                       max_sequence_length)
     text_mesh = getattr(self, "_text_mesh", None)
     if text_mesh is not None:  # sharded text encoder weights (`_place` with shard_weights)
@@ -466,7 +459,7 @@ class WanPipeline(LoraLoaderMixin):
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size.
 
     Returns:
-      a `pipelines.inputs.ResolvedCall` (its docstring lists the fields).
+      a `pipelines.pipeline.inputs.ResolvedCall` (its docstring lists the fields).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
@@ -783,7 +776,7 @@ class WanPipeline(LoraLoaderMixin):
     cache restarts at an expert switch, and its state is part of a denoising checkpoint (so a
     resumed cached run gives the uninterrupted cached run's video).
 
-    Multi-process runs (`pipelines.distributed.initialize` first, then the same call with the
+    Multi-process runs (`pipelines.parallel.distributed.initialize` first, then the same call with the
     same seed on every process): the mesh must span all processes' devices; inputs become global
     arrays built from each process's identical host copy; every process returns the result.
 
@@ -791,7 +784,7 @@ class WanPipeline(LoraLoaderMixin):
     along height (`vae.decode_parallel`: the VAE's activations, cache and time spread over the
     devices; the same video up to fp32 rounding); False, or no mesh, decodes on one device.
 
-    Resumable denoising (`pipelines.resume`): with `checkpoint_dir`, the denoising state (latents,
+    Resumable denoising (`pipelines.pipeline.resume`): with `checkpoint_dir`, the denoising state (latents,
     solver state, step, and the run's identity: settings, noise digest, model fingerprint) is
     written atomically to `checkpoint_dir/denoise_state.safetensors` after every
     `checkpoint_every`-th step and after the last, off the critical path (device copy, then host
@@ -804,7 +797,7 @@ class WanPipeline(LoraLoaderMixin):
 
     Raises:
       ValueError: see `check_inputs` (raised before any compute).
-      resume_state.ResumeError (pipelines.resume): `resume` without a checkpoint, a checkpoint of another run (naming each
+      resume_state.ResumeError (pipelines.pipeline.resume): `resume` without a checkpoint, a checkpoint of another run (naming each
         difference), or one in the way of a new run; raised before any denoising.
       NonFiniteLatentsError: latents became NaN/inf (with `nan_guard`), naming the step.
     """
@@ -1068,7 +1061,7 @@ class WanPipeline(LoraLoaderMixin):
     return self._fingerprint[1]
 
   def _run_identity(self, s: ResolvedCall, noise: np.ndarray, attention_implementation: str) -> dict[str, Any]:
-    """What a denoising checkpoint must match to be resumed by this call (`pipelines.resume`)."""
+    """What a denoising checkpoint must match to be resumed by this call (`pipelines.pipeline.resume`)."""
     del attention_implementation  # a numerics choice: either path gives the same video
     return {
         "model": self.name, "model_fingerprint": self.fingerprint(),

@@ -22,7 +22,7 @@ connect, fails after the timeout with a message saying so (`initialize`). A proc
 mid-run is detected by JAX's coordination service when its heartbeats stop for
 `ProcessSpec.heartbeat_timeout_s` (default 30 s; JAX's own default is 100 s); JAX then aborts every
 surviving process from C++ (SIGABRT and a stack dump, not a Python exception). `generate` runs each
-process under `pipelines.supervisor`, which turns that into one line naming the lost process and
+process under `pipelines.parallel.supervisor`, which turns that into one line naming the lost process and
 exit status 3, with the low-level log in a file.
 """
 
@@ -206,7 +206,7 @@ def initialize(spec: ProcessSpec) -> None:
   except RuntimeError as e:
     if not jax.distributed.is_initialized() and "before any JAX calls" in str(e):
       raise DistributedError("the distributed runtime must start before JAX's backend; call "
-                             "pipelines.distributed.initialize (or pass --coordinator to generate) "
+                             "pipelines.parallel.distributed.initialize (or pass --coordinator to generate) "
                              "before any jax.devices() or computation") from e
     raise DistributedError(_unreachable_message(spec, f"joining the run failed ({e})")) from e
   finally:
@@ -280,7 +280,7 @@ def put_host_leaves(tree: Any, shardings: Any, *, progress: bool | None = None,
 
   import jax
 
-  from pipelines.checkpoint import HostLeaf
+  from pipelines.storage.weights import HostLeaf
 
   leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, HostLeaf))
   sharding_leaves = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)

@@ -1,0 +1,20 @@
+"""The embedded tiny models: the trained default's folder and the random-weight model's configs.
+
+The random-weight tiny model (`WanPipeline.tiny(random=True)`) runs every code path with random
+weights from `TINY_SEED`: 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim =
+the tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trained folder
+`TINY_DEFAULT_FOLDER` (written by `python -m end_to_end.train_tiny`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipelines.wan import schedulers
+from pipelines.wan.transformer_config import WanTransformerConfig
+
+TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_dim=16, text_dim=32,
+                                        ffn_dim=256, num_layers=2)
+TINY_SEED = 0
+TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
+TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_default")
