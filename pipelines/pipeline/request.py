@@ -1,0 +1,392 @@
+"""One generation as checked: `GenerationRequest`, built by one constructor from a call's arguments.
+
+`GenerationRequest.build` is the only place a call's arguments are checked (the Python call and the
+`generate` command both build one; each bad argument raises a ValueError naming it, its value and
+the fix, before any compute). The sidecar's settings, the resume identity and the command's run
+record are derived from the request (`settings`, `identity`), never written out by hand.
+
+Glossary (DESIGN.md section 1): B prompts, B' = B x num_videos_per_prompt videos, C latent
+channels, F / Hl / Wl latent frames / height / width, L text tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from pipelines.parallel.plan import ParallelPlan
+from pipelines.pipeline import resume as resume_state
+from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
+                                       not_a, round_num_frames, texts)
+from pipelines.wan import schedulers
+from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan.transformer_config import WanTransformerConfig
+
+GUIDANCE_HINT = " (Wan: 5.0; <= 1 turns CFG off)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+  """What checking a request needs to know of the model, without its weights.
+
+  Attributes:
+    name: where the weights come from (folder path, "tiny" or "tiny-random").
+    transformer: the experts' shared config (heads, patch, text_dim, in_channels).
+    spatial_factor, temporal_factor: the VAE's compression (8 and 4 for Wan 2.1).
+    boundary_ratio: None (one expert) or Wan 2.2's switch ratio (two experts).
+    scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
+    max_sequence_length: the default text length L of calls.
+    dtype: the transformer's dtype name ("float32" or "bfloat16").
+  """
+  name: str
+  transformer: WanTransformerConfig
+  spatial_factor: int
+  temporal_factor: int
+  boundary_ratio: float | None
+  scheduler: schedulers.SchedulerConfig
+  max_sequence_length: int
+  dtype: str
+
+  @classmethod
+  def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
+    """The facts of a diffusers-format Wan folder from its JSON files (no weights read).
+
+    Raises:
+      weights.CheckpointError: a folder that is not a Wan pipeline, or unreadable configs.
+    """
+    import os
+
+    from pipelines.storage import weights
+    from pipelines.wan import tokenizer, vae
+    from pipelines.wan.folder import PipelineIndex
+
+    index = PipelineIndex.read(folder)
+    vae_config = vae.WanVAEConfig.from_diffusers(weights.read_config(os.path.join(folder, "vae")))
+    scheduler = schedulers.scheduler_config_from_dict(weights.read_json(
+        os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
+    return cls(name=os.path.abspath(folder) if name is None else name, transformer=index.transformer,
+               spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
+               boundary_ratio=index.boundary_ratio, scheduler=scheduler,
+               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype)
+
+  @classmethod
+  def tiny_random(cls, dtype: str) -> ModelFacts:
+    """The facts of the random-weight tiny model (`WanPipeline.tiny(random=True)`)."""
+    from pipelines.wan import tiny, tokenizer, vae
+
+    config = vae.VAE_PRESETS["tiny"]
+    return cls(name="tiny-random", transformer=tiny.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
+               temporal_factor=config.temporal_factor, boundary_ratio=None, scheduler=tiny.TINY_SCHEDULER,
+               max_sequence_length=tokenizer.WAN_TEXT_LENGTH, dtype=dtype)
+
+  @property
+  def experts(self) -> int:
+    return 1 if self.boundary_ratio is None else 2
+
+  def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+    """[B, C, F, Hl, Wl] for a video of `num_frames` (4k + 1) x height x width."""
+    return (batch, self.transformer.in_channels, (num_frames - 1) // self.temporal_factor + 1,
+            height // self.spatial_factor, width // self.spatial_factor)
+
+  def tokens(self, latent_shape: tuple[int, ...]) -> int:
+    """T, the video tokens of one video: the latent grid over the patch size."""
+    return math.prod(n // p for n, p in zip(latent_shape[2:], self.transformer.patch_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+  """A generation with every argument checked and resolved (`GenerationRequest.build`).
+
+  Attributes:
+    model: the `ModelFacts` it was checked against.
+    prompts, negative_prompts: B prompts / B negative prompts (None: given as embeds, or no CFG).
+    prompt_embeds, negative_prompt_embeds: float32 numpy [B, L, text_dim] given, or None.
+    num_videos_per_prompt: n; videos: B' = B x n.
+    height, width, num_frames: pixels and frames (frames rounded to 4k + 1).
+    steps: denoising steps.
+    guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
+    scheduler: the scheduler config (flow shift applied).
+    seed: the noise seed (None when `latents` are given).
+    latents: float32 numpy [B', C, F, Hl, Wl] given, or None.
+    latent_shape: [B', C, F, Hl, Wl].
+    max_sequence_length: L for encoded prompts.
+    plan: where and how it runs (`ParallelPlan`).
+    lora_scale: `attention_kwargs["scale"]` or None.
+    step_cache: the parsed step-cache spec or None.
+    decode: run the VAE (False: latents only).
+  """
+  model: ModelFacts
+  prompts: list[str] | None
+  negative_prompts: list[str] | None
+  prompt_embeds: np.ndarray | None
+  negative_prompt_embeds: np.ndarray | None
+  num_videos_per_prompt: int
+  videos: int
+  height: int
+  width: int
+  num_frames: int
+  steps: int
+  guidance: tuple[float, float]
+  cfg: bool
+  scheduler: Any
+  seed: int | None
+  latents: np.ndarray | None
+  latent_shape: tuple[int, ...]
+  max_sequence_length: int
+  plan: ParallelPlan
+  lora_scale: float | None = None
+  step_cache: Any = None
+  decode: bool = True
+
+  @classmethod
+  def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
+            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = 50, guidance_scale: Any = 5.0,
+            guidance_scale_2: Any = None, flow_shift: Any = None, seed: Any = None, latents: Any = None,
+            max_sequence_length: Any = None, mesh: Any = None, prompt_embeds: Any = None,
+            negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1,
+            attention_kwargs: Any = None, generator: Any = None, step_cache: Any = None,
+            shard_weights: Any = False, attention_implementation: Any = "auto",
+            attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True) -> GenerationRequest:
+    """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
+
+    Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
+    `prompt_embeds`; at most one of `negative_prompt` and `negative_prompt_embeds`; a missing
+    negative is encoded from `negative_prompt` (default "") with the prompts' batch size. Every
+    argument is checked for type as well as value (a bool is not an int, a str not a number,
+    NaN/inf not a number either), whether or not the call would use it.
+
+    Raises:
+      ValueError: every bad argument, each message naming the argument, its value and the fix.
+    """
+    _refuse_generator(generator)
+    prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
+        model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
+    per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
+    check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
+    num_frames = round_num_frames(num_frames, model.temporal_factor)
+    steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
+                       else max_sequence_length, hint=" (Wan uses 512)")
+    guidance = _guidance(model, guidance_scale, guidance_scale_2)
+    cfg = guidance[0] > 1.0
+    scheduler = _scheduler(model, flow_shift)
+    if cfg:
+      _check_text_lengths(embeds, negative_embeds, length)
+    shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
+    seed, noise = _noise(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
+                         f"frames at {height}x{width}")
+    if not isinstance(decode, (bool, np.bool_)):
+      raise ValueError(f"decode={decode!r} must be True or False{not_a(decode)}")
+    lora_scale = _lora_scale(attention_kwargs)
+    cache_spec = wan_step_cache.parse_step_cache(step_cache, model=model.name)
+    plan = ParallelPlan.build(mesh, heads=model.transformer.num_attention_heads, cfg_active=cfg,
+                              shard_weights=shard_weights, attention_implementation=attention_implementation,
+                              attention_backend=attention_backend, vae_parallel=vae_parallel)
+    return cls(model=model, prompts=prompts, negative_prompts=negatives if cfg else None,
+               prompt_embeds=embeds, negative_prompt_embeds=negative_embeds if cfg else None,
+               num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
+               width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
+               scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
+               max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
+               decode=bool(decode))
+
+  # --- derived ---
+
+  @property
+  def tokens(self) -> int:
+    """T, the video tokens of one video."""
+    return self.model.tokens(self.latent_shape)
+
+  @property
+  def rows(self) -> int:
+    """Rows of one transformer forward: B', or 2 B' under CFG ([cond; uncond])."""
+    return self.videos * (2 if self.cfg else 1)
+
+  def noise(self) -> np.ndarray:
+    """The initial latents float32 [B', C, F, Hl, Wl]: as given, or video i from
+    `numpy.random.default_rng(seed + i)` (so a batch equals its prompts run alone)."""
+    if self.latents is not None:
+      return self.latents
+    return np.concatenate([np.random.default_rng(self.seed + i).standard_normal((1, *self.latent_shape[1:]),
+                                                                                np.float32)
+                           for i in range(self.videos)])
+
+  def experts_per_step(self, timesteps: Any) -> list[int]:
+    """The expert of each step: 0 while t >= boundary_ratio * num_train_timesteps, then 1."""
+    if self.model.boundary_ratio is None:
+      return [0] * len(timesteps)
+    boundary = self.model.boundary_ratio * self.scheduler.num_train_timesteps
+    return [0 if t >= boundary else 1 for t in timesteps]
+
+  def settings(self) -> dict[str, Any]:
+    """The request as the sidecar's `settings` record it (JSON-able; the loop adds what the run
+    found: experts per step, steps run, resumed-from step, step-cache skips)."""
+    return {"height": self.height, "width": self.width, "num_frames": self.num_frames, "steps": self.steps,
+            "cfg": self.cfg, "seed": self.seed, "max_sequence_length": self.max_sequence_length,
+            "prompts": self.prompts, "negative_prompts": self.negative_prompts,
+            "guidance_scale": self.guidance[0],
+            "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
+            "scheduler": _scheduler_record(self.scheduler), "boundary_ratio": self.model.boundary_ratio,
+            "dtype": self.model.dtype, "explicit_latents": self.latents is not None,
+            "num_videos_per_prompt": self.num_videos_per_prompt,
+            "prompt_embeds_given": self.prompt_embeds is not None,
+            "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,
+            "lora_scale": self.lora_scale, **self.plan.describe()}
+
+  def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
+    """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
+    everything that decides the video; not the mesh, the attention path or the decode (the same
+    video either way)."""
+    return {
+        "model": self.model.name, "model_fingerprint": fingerprint,
+        "prompts": self.prompts, "negative_prompts": self.negative_prompts,
+        "height": self.height, "width": self.width, "num_frames": self.num_frames,
+        "num_inference_steps": self.steps, "guidance_scale": list(self.guidance), "cfg": self.cfg,
+        "scheduler": _scheduler_record(self.scheduler), "max_sequence_length": self.max_sequence_length,
+        "dtype": self.model.dtype, "noise_sha256": resume_state.noise_digest(noise),
+        "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
+        "prompt_embeds_sha256": _digest(self.prompt_embeds),
+        "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
+    } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()})
+
+
+# --- the checks, in diffusers' order ------------------------------------------------------------
+
+def _refuse_generator(generator: Any) -> None:
+  if generator is not None:
+    raise ValueError(f"generator={generator!r} is not supported: noise comes from `seed` (video i of "
+                     "the batch uses numpy.random.default_rng(seed + i)), so no torch generator maps "
+                     "onto it; for diffusers' exact noise pass it as latents, e.g. latents=torch.randn("
+                     "shape, generator=torch.Generator().manual_seed(s)) as diffusers' randn_tensor draws it")
+
+
+def _text_inputs(model: ModelFacts, prompt: Any, negative_prompt: Any, prompt_embeds: Any,
+                 negative_prompt_embeds: Any) -> tuple[Any, Any, Any, Any, int]:
+  """(prompts, negatives, embeds, negative embeds, B), as diffusers' `check_inputs` allows them."""
+  text_dim = model.transformer.text_dim
+  if prompt_embeds is not None:
+    prompt_embeds = embeds_array("prompt_embeds", prompt_embeds, text_dim)
+  if negative_prompt_embeds is not None:
+    negative_prompt_embeds = embeds_array("negative_prompt_embeds", negative_prompt_embeds, text_dim)
+  if prompt is not None and prompt_embeds is not None:
+    raise ValueError("give either prompt or prompt_embeds, not both (prompt_embeds replace the "
+                     "encoded prompt; diffusers refuses both too)")
+  if negative_prompt is not None and negative_prompt_embeds is not None:
+    raise ValueError("give either negative_prompt or negative_prompt_embeds, not both")
+  if prompt is None and prompt_embeds is None:
+    raise ValueError("prompt=None and prompt_embeds=None: give a prompt (a str or a list of str) or "
+                     "prompt_embeds [B, L, text_dim]")
+  prompts = None
+  if prompt_embeds is not None:
+    batch = prompt_embeds.shape[0]
+  else:
+    prompts = texts(prompt)
+    if not prompts:
+      raise ValueError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+    batch = len(prompts)
+  negatives = None
+  if negative_prompt_embeds is not None:
+    if negative_prompt_embeds.shape[0] != batch:
+      raise ValueError(f"negative_prompt_embeds holds {negative_prompt_embeds.shape[0]} prompt(s) but the "
+                       f"call has {batch}; give one row per prompt (num_videos_per_prompt repeats them)")
+  else:
+    negatives = texts("" if negative_prompt is None else negative_prompt, batch)
+    if negatives is None or len(negatives) != batch:
+      raise ValueError(f"negative_prompt must be a str or a list of {batch} str (one per "
+                       f"prompt), got {negative_prompt!r}")
+  return prompts, negatives, prompt_embeds, negative_prompt_embeds, batch
+
+
+def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> tuple[float, float]:
+  """(g1, g2): the experts' guidance scales; g2 defaults to g1 and needs two experts."""
+  g1 = check_number("guidance_scale", guidance_scale, hint=GUIDANCE_HINT)
+  if guidance_scale_2 is None:
+    return g1, g1
+  g2 = check_number("guidance_scale_2", guidance_scale_2, hint=GUIDANCE_HINT)
+  if model.boundary_ratio is None:
+    raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
+                     "has one transformer: leave it None")
+  return g1, g2
+
+
+def _scheduler(model: ModelFacts, flow_shift: Any) -> Any:
+  """The model's scheduler config with `flow_shift` applied (None: as the folder says)."""
+  if flow_shift is None:
+    return model.scheduler
+  shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
+  field = "flow_shift" if isinstance(model.scheduler, schedulers.UniPCConfig) else "shift"
+  return dataclasses.replace(model.scheduler, **{field: shift})
+
+
+def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int) -> None:
+  """Under CFG, [cond; uncond] run as one batch (one forward per step), so both need the same L;
+  diffusers runs them separately, where differing L (each attended in full, no text mask) works."""
+  given = {name: e.shape[1] for name, e in (("prompt_embeds", embeds), ("negative_prompt_embeds", negative_embeds))
+           if e is not None}
+  if len(set(given.values()) | ({length} if len(given) < 2 else set())) > 1:
+    what = ", ".join(f"{n} L={l}" for n, l in given.items())
+    raise ValueError(f"{what} but classifier-free guidance needs the prompt's and the negative "
+                     f"prompt's text states at one length (the encoded one is max_sequence_length="
+                     f"{length}); pass max_sequence_length equal to the embeds' L, or "
+                     "both embeds with the same L")
+
+
+def _noise(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[int | None, np.ndarray | None]:
+  """(seed, latents): exactly one of them; a seed drawn when neither is given (one process)."""
+  if seed is not None:
+    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
+  if latents is not None:
+    latents = noise_array(latents)
+    if seed is not None:
+      raise ValueError(f"give either seed ({seed=}) or latents, not both")
+    if latents.shape != shape:
+      raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for {what}")
+    if not np.isfinite(latents).all():
+      raise ValueError(f"latents hold {int((~np.isfinite(latents)).sum())} NaN/inf values; pass "
+                       "finite noise (or a seed)")
+    return None, latents
+  if seed is None:
+    if jax.process_count() > 1:
+      raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
+                       "process draws the same noise; pass seed=...")
+    seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+  return seed, None
+
+
+def _lora_scale(attention_kwargs: Any) -> float | None:
+  """`attention_kwargs["scale"]` (the LoRA scale for the call) or None."""
+  if attention_kwargs is None:
+    return None
+  if not isinstance(attention_kwargs, dict):
+    raise ValueError(f"attention_kwargs={attention_kwargs!r} must be None or a dict like "
+                     f"{{'scale': 0.8}}{not_a(attention_kwargs)}")
+  unknown = [k for k in attention_kwargs if k != "scale"]
+  if unknown:
+    raise ValueError(f"attention_kwargs={attention_kwargs!r}: keys {unknown!r} are not supported; the "
+                     "only key is 'scale' (the LoRA scale; diffusers passes other keys to its "
+                     "attention processors)")
+  if "scale" not in attention_kwargs:
+    return None
+  scale = attention_kwargs["scale"]
+  if not is_real(scale) or not math.isfinite(scale):
+    raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
+                     f"LoRA scale; 1.0 = as loaded){not_a(scale, is_real(scale))}")
+  return float(scale)
+
+
+def _scheduler_record(config: Any) -> dict[str, Any]:
+  return dataclasses.asdict(config) | {"class": type(config).__name__}
+
+
+def _digest(array: Any) -> str | None:
+  """SHA-256 (hex) of a host array's shape, dtype and bytes; None for None."""
+  if array is None:
+    return None
+  host = np.ascontiguousarray(np.asarray(array))
+  return hashlib.sha256(f"{host.shape}{host.dtype}".encode() + host.tobytes()).hexdigest()
+
