@@ -23,6 +23,8 @@ equal the saved one, which is checked leaf by leaf with the rest of the state.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -40,6 +42,37 @@ _META_KEY = "wan_usp"
 
 class ResumeError(ValueError):
   """A checkpoint that is missing, unreadable, or from another run (the message names the difference)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeConfig:
+  """Resumable denoising for one generation (`WanPipeline.generate(..., resume=...)`).
+
+  Attributes:
+    checkpoint_dir: the folder the denoising state is saved to (`STATE_FILE` in it).
+    every: save after every `every`-th step (and after the last).
+    resume: continue the run saved in `checkpoint_dir` (False: a checkpoint there is an error).
+    keep: keep the checkpoint after a run that did every step (it is removed otherwise).
+
+  Raises:
+    ValueError: a checkpoint_dir that is not a path, `every` not an int >= 1, non-bool flags.
+  """
+  checkpoint_dir: str
+  every: int = 1
+  resume: bool = False
+  keep: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+      raise ValueError(f"checkpoint_dir={self.checkpoint_dir!r} must be a folder path, not a "
+                       f"{type(self.checkpoint_dir).__name__}")
+    object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+    if isinstance(self.every, bool) or not isinstance(self.every, (int, np.integer)) or self.every < 1:
+      raise ValueError(f"checkpoint_every={self.every!r} must be an int >= 1 (steps between checkpoints)")
+    for name in ("resume", "keep"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{'keep_checkpoint' if name == 'keep' else name}={getattr(self, name)!r} must be "
+                         "True or False")
 
 
 def noise_digest(latents: np.ndarray) -> str:
@@ -84,13 +117,10 @@ def _samples(leaves: list[Any]) -> list[Any]:
   compiled once per tree structure), numpy for the rest."""
   import jax
 
-  global _SAMPLE_JIT
-  if _SAMPLE_JIT is None:
-    _SAMPLE_JIT = jax.jit(_sample_all)
   arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
   out = [_sample(np.asarray(leaf)) if i not in arrays else None for i, leaf in enumerate(leaves)]
   if arrays:
-    for i, sample in zip(arrays, _SAMPLE_JIT([leaves[i] for i in arrays])):
+    for i, sample in zip(arrays, _sample_jit()([leaves[i] for i in arrays])):
       out[i] = sample
   return out
 
@@ -99,7 +129,11 @@ def _sample_all(leaves: list[Any]) -> list[Any]:
   return [_sample(x) for x in leaves]
 
 
-_SAMPLE_JIT = None
+@functools.cache
+def _sample_jit() -> Any:
+  """`_sample_all` jitted (one compile per leaf structure, built on first use)."""
+  import jax
+  return jax.jit(_sample_all)
 
 
 class Checkpoint:
