@@ -310,7 +310,7 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   import numpy as np
 
   from end_to_end.video_metrics import compare_videos, max_abs_diff
-  from pipelines.pipeline import WanPipeline, round_num_frames
+  from pipelines.pipeline.wan_pipeline import WanPipeline, round_num_frames
 
   if jax.device_count() < p["devices"]:
     print(f"error: the largest candidate mesh needs {p['devices']} devices but JAX sees "

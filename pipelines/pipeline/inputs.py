@@ -1,27 +1,22 @@
-"""The checks and conversions of a pipeline call's arguments, and the call as checked (`ResolvedCall`).
+"""The checks and conversions of a pipeline call's single arguments (ints, numbers, flags, arrays).
 
 Everything here runs before any compute: each bad argument raises a ValueError naming the argument,
 its value and the fix (a bool is not an int, a str not a number, NaN/inf not a number either).
-`WanPipeline.check_inputs` (pipelines/pipeline/wan_pipeline.py) applies them in diffusers' order and returns a
-`ResolvedCall`; `generate` checks its flags with the same functions where they overlap.
+`GenerationRequest.build` (pipeline/request.py) applies them in diffusers' order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import reprlib
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from attention.mesh import MeshSpec
 from pipelines.parallel import distributed
 
 
@@ -191,89 +186,3 @@ def check_size(height: int, width: int, multiple: int = 16) -> None:
       lower = max(multiple, int(value) // multiple * multiple) if near else multiple
       raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{not_a(value, is_int(value))} "
                        f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
-
-
-def resolve_mesh(mesh: Mesh | MeshSpec | str | None, *, heads: int, kv_heads: int | None = None,
-                 cfg_active: bool | None = None, shard_weights: bool = False) -> tuple[Mesh | None, MeshSpec]:
-  """The call's mesh and its spec, checked (`attention.MeshSpec`, the one owner of the mesh).
-
-  Args:
-    mesh: None (one device), a spec string ("U=2,R=2", "CFG=2,U=2,R=2"), a `MeshSpec`, or a built
-      `jax.sharding.Mesh` (axes (cfg,) ring, ulysses).
-    heads, kv_heads: the transformer's query and kv heads (U must split them).
-    cfg_active: whether guidance is on (CFG=2 needs it).
-    shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`
-      with shard_weights).
-
-  In a multi-process run (`pipelines.parallel.distributed`) the mesh spans every process's devices.
-
-  Raises:
-    ValueError: a malformed spec, more devices than visible, heads that U does not split, CFG=2
-      without guidance, shard_weights without a mesh, or a mesh that does not span every process
-      (each naming what would work).
-  """
-  if mesh is None:
-    if shard_weights:
-      raise ValueError("shard_weights=True splits the weights over a mesh; pass a mesh of several devices "
-                       "(e.g. mesh='U=2,R=2') or leave shard_weights off")
-    distributed.check_mesh_spans_processes(None)
-    return None, MeshSpec()
-  if isinstance(mesh, str):
-    spec, built = MeshSpec.parse(mesh, shard_weights=shard_weights), None
-  elif isinstance(mesh, MeshSpec):
-    spec, built = dataclasses.replace(mesh, shard_weights=mesh.shard_weights or shard_weights), None
-  elif isinstance(mesh, Mesh):
-    spec, built = MeshSpec.of(mesh, shard_weights=shard_weights), mesh
-  else:
-    raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
-                     f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{not_a(mesh)}")
-  spec.check(num_heads=heads, num_kv_heads=kv_heads, cfg_active=cfg_active,
-             device_count=spec.devices if built is not None else jax.device_count())
-  distributed.check_mesh_spans_processes(spec.devices)
-  return (spec.build(jax.devices()) if built is None else built), spec
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedCall:
-  """A pipeline call after `WanPipeline.check_inputs`: every argument checked and resolved.
-
-  Attributes:
-    prompts, negative_prompts: B prompts / B negative prompts (None: given as embeds, or no CFG).
-    prompt_embeds, negative_prompt_embeds: float32 numpy [B, L, text_dim] given by the caller, or None.
-    num_videos_per_prompt: n; videos: B' = B x n.
-    height, width, num_frames: pixels and frames (frames rounded to 4k + 1).
-    steps: denoising steps.
-    guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
-    scheduler: the scheduler config (flow shift applied).
-    seed: the noise seed (None when `latents` are given).
-    latents: float32 numpy [B', C, F, Hl, Wl] given by the caller, or None.
-    latent_shape: [B', C, F, Hl, Wl].
-    max_sequence_length: L for encoded prompts.
-    mesh: None (one device) or the built mesh; mesh_spec: its `MeshSpec` (`MeshSpec()` for one device).
-    callback, callback_tensor_inputs: diffusers' `callback_on_step_end` and its tensor names.
-    lora_scale: `attention_kwargs["scale"]` or None.
-    step_cache: the parsed step-cache spec or None.
-  """
-  prompts: list[str] | None
-  negative_prompts: list[str] | None
-  prompt_embeds: np.ndarray | None
-  negative_prompt_embeds: np.ndarray | None
-  num_videos_per_prompt: int
-  videos: int
-  height: int
-  width: int
-  num_frames: int
-  steps: int
-  guidance: tuple[float, float]
-  cfg: bool
-  scheduler: Any
-  seed: int | None
-  latents: np.ndarray | None
-  latent_shape: tuple[int, ...]
-  max_sequence_length: int
-  mesh: Mesh | None
-  mesh_spec: MeshSpec
-  callback: Callable | None
-  callback_tensor_inputs: list[str]
-  lora_scale: float | None
-  step_cache: Any

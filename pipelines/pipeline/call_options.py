@@ -1,0 +1,137 @@
+"""The call's arguments that are not the generation itself: progress, the NaN guard, per-step
+callbacks, resumable denoising, extra hooks (`CallOptions`), and the documentation of every argument
+of `WanPipeline.__call__` (`CALL_DOCS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pipelines.pipeline.callback import check_callback
+from pipelines.pipeline.inputs import check_flag, not_a
+from pipelines.pipeline.loop import StepHook
+from pipelines.pipeline.resume import ResumeConfig
+
+# `GenerationRequest.build`'s keyword arguments: what decides the video and where it runs.
+REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
+                     "flow_shift", "seed", "latents", "max_sequence_length", "mesh", "prompt_embeds",
+                     "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
+                     "step_cache", "shard_weights", "attention_implementation", "attention_backend",
+                     "vae_parallel", "decode")
+# Accepted by `__call__` / `run` for one release; the objects that replace them:
+LEGACY_OPTIONS = {
+    "progress": "pipe.set_progress_bar_config(disable=...)",
+    "nan_guard": "CallOptions(nan_guard=...) with pipe.generate",
+    "on_step": "CallOptions(on_step=...) or a hook (loop.StepHook) with pipe.generate",
+    "checkpoint_dir": "pipe.generate(request, resume=ResumeConfig(checkpoint_dir, ...))",
+    "checkpoint_every": "ResumeConfig(every=...)",
+    "resume": "ResumeConfig(resume=True)",
+    "keep_checkpoint": "ResumeConfig(keep=True)",
+    "step_cache": "pipe.enable_cache(spec)",
+}
+CALL_DOCS = """
+  prompt: one prompt or a list (B prompts); None when `prompt_embeds` is given.
+  negative_prompt: str or list of B str; default "" (used only with guidance_scale > 1).
+  height, width: multiples of 16.
+  num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
+    warning, as diffusers does.
+  num_inference_steps: scheduler steps.
+  guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the
+    unconditional pass off.
+  seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
+    numpy.random.default_rng(seed + i); None draws one (reported in `run(...).settings`).
+  latents: explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed.
+  max_sequence_length: L, text tokens (prompts truncated / zero-padded to it); None: the
+    pipeline's `max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.
+  mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond
+    halves on the two halves of the devices), an `attention.MeshSpec`, or a built mesh.
+  guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
+  flow_shift: overrides the scheduler config's shift.
+  num_videos_per_prompt: videos per prompt (text states repeated prompt-major, as diffusers).
+  prompt_embeds, negative_prompt_embeds: precomputed text states [B, L, text_dim] (numpy, JAX or
+    CPU torch) used as given; under CFG both must have the same L.
+  output_type: "np" (float32 [B', frames, H, W, 3] in [0, 1]), "latent" (the final latents, not
+    decoded, before de-normalisation) or "pil" (B' lists of PIL images, diffusers' rounding).
+  callback_on_step_end: diffusers' `callback(pipe, step_index, timestep, callback_kwargs) -> dict`
+    after each step, with the tensors named in `callback_on_step_end_tensor_inputs` ("latents" a
+    copy, safe to keep; "prompt_embeds", "negative_prompt_embeds"). Returned "latents" /
+    "prompt_embeds" / "negative_prompt_embeds" replace the pipeline's (same shape, finite, else
+    ValueError). `pipe._interrupt = True` skips the remaining steps; the latents so far decode.
+  callback_on_step_end_tensor_inputs: names from `CALLBACK_TENSOR_INPUTS`; default ["latents"].
+  attention_kwargs: None or {"scale": s}: the LoRA scale for this call only (diffusers scales its
+    PEFT LoRA layers by s during the call); the pipeline's scale is restored afterwards.
+  generator: not supported (ValueError): pass diffusers' noise as `latents`.
+  shard_weights: split the transformer's block weights over the mesh (FSDP: gathered a layer at a
+    time in the layer scan); same video. Needs a mesh of several devices.
+  vae_parallel: decode split along height over the mesh's devices (default True).
+  attention_backend: "auto" (Pallas on TPU and GPU, XLA loops elsewhere), "xla" or "pallas".
+  attention_implementation: "auto" | "lse" | "fixed_m".
+  decode: False skips the VAE (run: `frames` is None).
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+  """How one generation reports and guards itself (none of it changes the video).
+
+  Attributes:
+    progress: stage lines and a tqdm bar on stderr.
+    nan_guard: stop with `NonFiniteLatentsError` at the first step whose latents hold NaN/inf.
+    on_step: None or `on_step(step, seconds)` after each step.
+    callback: diffusers' `callback_on_step_end`, or None.
+    callback_tensor_inputs: the tensors it is handed.
+    resume: resumable denoising (`ResumeConfig`), or None.
+    hooks: extra `loop.StepHook`s, run after the built-in ones.
+  """
+  progress: bool = True
+  nan_guard: bool = True
+  on_step: Callable[[int, float], None] | None = None
+  callback: Callable | None = None
+  callback_tensor_inputs: tuple[str, ...] = ("latents",)
+  resume: ResumeConfig | None = None
+  hooks: tuple[StepHook, ...] = ()
+
+
+def split_options(kwargs: dict[str, Any], *, default_progress: bool = True) -> tuple[dict[str, Any], CallOptions]:
+  """A call's keyword arguments as (`GenerationRequest.build` arguments, `CallOptions`), the
+  options checked.
+
+  Raises:
+    TypeError: an argument no call takes.
+    ValueError: a bad option (naming it, its value and the fix).
+  """
+  unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS) - set(LEGACY_OPTIONS)
+                   - {"callback_on_step_end", "callback_on_step_end_tensor_inputs", "hooks"})
+  if unknown:
+    raise TypeError(f"WanPipeline call got unexpected keyword argument(s) {unknown}")
+  request = {k: v for k, v in kwargs.items() if k in REQUEST_ARGUMENTS}
+  on_step = kwargs.get("on_step")
+  if on_step is not None and not callable(on_step):
+    raise ValueError(f"on_step={on_step!r} must be None or a callable on_step(step, seconds){not_a(on_step)}")
+  progress = check_flag("progress", kwargs.get("progress", default_progress))
+  nan_guard = check_flag("nan_guard", kwargs.get("nan_guard", True))
+  callback = kwargs.get("callback_on_step_end")
+  tensor_inputs = check_callback(callback, kwargs.get("callback_on_step_end_tensor_inputs", ("latents",)))
+  hooks = tuple(kwargs.get("hooks", ()))
+  if any(not isinstance(h, StepHook) for h in hooks):
+    raise ValueError(f"hooks={hooks!r} must be loop.StepHook instances")
+  return request, CallOptions(progress=progress, nan_guard=nan_guard, on_step=on_step, callback=callback,
+                              callback_tensor_inputs=tuple(tensor_inputs), resume=_resume_config(kwargs),
+                              hooks=hooks)
+
+
+def _resume_config(kwargs: dict[str, Any]) -> ResumeConfig | None:
+  """The `ResumeConfig` of the legacy checkpoint_dir / checkpoint_every / resume / keep_checkpoint."""
+  directory = kwargs.get("checkpoint_dir")
+  resume = check_flag("resume", kwargs.get("resume", False))
+  keep = check_flag("keep_checkpoint", kwargs.get("keep_checkpoint", False))
+  every = kwargs.get("checkpoint_every", 1)
+  if directory is None:
+    if resume:
+      raise ValueError("resume=True needs checkpoint_dir (the folder holding the checkpoint)")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+      raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (steps between checkpoints)")
+    return None
+  return ResumeConfig(directory, every=every, resume=resume, keep=keep)

@@ -1,0 +1,77 @@
+"""Building a `WanPipeline`'s parts: from a diffusers-format folder, or the embedded tiny models."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pipelines.parallel.plan import ParallelPlan
+from pipelines.storage import weights
+from pipelines.wan import schedulers, tiny, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan.folder import PipelineIndex
+from pipelines.wan.transformer import init_transformer, large_leaf_shardings
+from pipelines.wan.transformer_loading import load_transformer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  """"float32" / "bfloat16" as a JAX dtype.
+
+  Raises:
+    ValueError: any other name.
+  """
+  if name not in DTYPES:
+    raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
+                 progress: bool | None) -> tuple[dict[str, Any], ParallelPlan | None]:
+  """The `WanPipeline` constructor's keyword arguments read from `folder`, and the plan the weights
+  were placed for (None: the first device). `WanPipeline.from_pretrained` documents the arguments.
+
+  Raises:
+    ValueError: an unknown dtype, or a mesh that does not fit the devices or heads.
+    weights.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` and the loaders.
+    tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
+  """
+  model_dtype, vae_dt = dtype_of(dtype), dtype_of(vae_dtype)
+  index = PipelineIndex.read(folder)
+  plan = None
+  if mesh is not None or shard_weights:
+    plan = ParallelPlan.build(mesh, heads=index.transformer.num_attention_heads, shard_weights=shard_weights)
+  index.check_weights()  # a truncated last file fails now, not after loading the others
+  scheduler_config = schedulers.scheduler_config_from_dict(weights.read_json(
+      os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
+  names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
+  if index.has_transformer_2 and index.boundary_ratio is None:
+    warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
+                  "it is not loaded", stacklevel=3)
+  mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)
+  experts = [load_transformer(os.path.join(folder, n), model_dtype, mesh=mesh_built, shard_weights=sharded,
+                              progress=progress) for n in names]
+  text_shardings = functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else None
+  text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype,
+                                shardings=text_shardings, progress=progress)
+  parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
+               vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
+               scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
+               name=os.path.abspath(folder))
+  return parts, plan
+
+
+def tiny_random_parts(dtype: str) -> dict[str, Any]:
+  """The constructor's keyword arguments of the random-weight tiny model (`wan.tiny`)."""
+  model_dtype = dtype_of(dtype)
+  te_config = umt5.PRESETS["tiny"]
+  return dict(tokenizer=tokenization.default_tokenizer(),
+              text_encoder=(te_config, umt5.init_umt5_params(te_config, tiny.TINY_SEED, dtype=model_dtype)),
+              transformers=[init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED, model_dtype)],
+              vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(tiny.TINY_SEED)),
+              scheduler_config=tiny.TINY_SCHEDULER, name="tiny")

@@ -1,0 +1,210 @@
+"""One generation run through, stage by stage: resume state, placement, text, compile, the
+denoising loop with its hooks, decode, and the result's settings (`Runner`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines.parallel import distributed
+from pipelines.pipeline import hooks as loop_hooks, resume as resume_state, text as text_states
+from pipelines.pipeline.call_options import CallOptions
+from pipelines.pipeline.callback import StepEndCallback
+from pipelines.pipeline.loop import LoopState, StepHook, denoise
+from pipelines.pipeline.request import GenerationRequest
+from pipelines.wan import step_cache as wan_step_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  """What `WanPipeline.run` returns.
+
+  Attributes:
+    frames: float32 [B, frames, height, width, 3] in [0, 1]; None when run with `decode=False`.
+    latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
+    timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
+      "denoise_per_step" (mean), "decode", "total".
+    settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
+      step, steps run, the step resumed from, the step cache's skips.
+  """
+  frames: np.ndarray | None
+  latents: np.ndarray
+  timings: dict[str, float]
+  settings: dict[str, Any]
+
+
+class Runner:
+  """Runs one `GenerationRequest` on a pipeline (`WanPipeline.generate` makes one per call)."""
+
+  def __init__(self, pipe: Any, request: GenerationRequest, options: CallOptions):
+    self.pipe, self.request, self.options = pipe, request, options
+    self.timings: dict[str, float] = {}
+    self.restored: resume_state.Checkpoint | None = None
+    self.writer: resume_state.Writer | None = None
+    self.cache_stats = loop_hooks.StepCacheStats()
+
+  def stage(self, text: str) -> None:
+    self.pipe.stage(text, self.options.progress)
+
+  def run(self) -> Any:
+    """The whole generation; returns a `GenerationResult`."""
+    start = time.perf_counter()
+    state = self._initial_state()
+    program = self._compile(state)
+    denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
+    self.timings["denoise"] = float(sum(state.step_times))
+    self.timings["denoise_per_step"] = float(np.mean(state.step_times)) if state.step_times else 0.0
+    frames, latents = self._decode(state)
+    self.timings["total"] = time.perf_counter() - start
+    resume = self.options.resume
+    if (resume is not None and not resume.keep and not self.pipe.interrupt
+        and distributed.is_main_process()):
+      resume_state.remove(resume.checkpoint_dir)  # kept when a callback stopped the run early
+    return _result(frames, latents, self.timings, self._settings(state))
+
+  def _initial_state(self) -> LoopState:
+    """Noise, schedule, solver (or the resumed state), weights placed, text encoded, all replicated."""
+    r, plan = self.request, self.request.plan
+    noise = r.noise()
+    schedule = r.scheduler.set_timesteps(r.steps)
+    state = LoopState(timesteps=schedule.timesteps, experts=r.experts_per_step(schedule.timesteps),
+                      latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
+    self._resume(state, noise)
+    self.pipe.weights.place(plan)  # before text encoding: its weights may be sharded too
+    start = time.perf_counter()
+    texts = (r.prompts or []) + (r.negative_prompts or [])
+    self.stage(f"text encode: {len(texts)} prompt(s) x {r.max_sequence_length} tokens" if texts
+               else "text encode: none (text states given)")
+    text = jax.block_until_ready(text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype))
+    self.timings["text_encode"] = time.perf_counter() - start
+    state.latents, state.solver, state.text = distributed.put_replicated(
+        (state.latents, state.solver, text), plan.replicated)
+    state.cache = self._cache()
+    return state
+
+  def _resume(self, state: LoopState, noise: np.ndarray) -> None:
+    """With a `ResumeConfig`: the saved state restored into `state` (resume) or a refusal of a
+    checkpoint in the way, and the writer for this run.
+
+    Raises:
+      resume.ResumeError: resume without a checkpoint, a checkpoint of another run (naming each
+        difference), or a checkpoint in the way of a new run.
+    """
+    config = self.options.resume
+    if config is None:
+      return
+    identity = self.request.identity(self.pipe.fingerprint(), noise)
+    saved = resume_state.read(config.checkpoint_dir)
+    if config.resume:
+      if saved is None:
+        raise resume_state.ResumeError(f"resume=True but {config.checkpoint_dir!r} holds no denoising "
+                                       f"checkpoint ({resume_state.STATE_FILE}); run without resume to start over")
+      differences = saved.differences(identity)
+      if differences:
+        raise resume_state.ResumeError(f"the checkpoint in {config.checkpoint_dir!r} is from another run; "
+                                       + "; ".join(differences))
+      state.latents, state.solver = saved.restore("latents", state.latents), saved.restore("solver", state.solver)
+      state.first_step, self.restored = saved.step, saved
+      self.stage(f"resume: {saved.step} of {self.request.steps} steps done (checkpoint in {config.checkpoint_dir})")
+    elif saved is not None:
+      raise resume_state.ResumeError(f"{config.checkpoint_dir!r} already holds a denoising checkpoint (step "
+                                     f"{saved.step}); pass resume=True (generate --resume) to continue it, "
+                                     "or remove it to start over")
+    self.writer = resume_state.Writer(config.checkpoint_dir, identity, enabled=distributed.is_main_process())
+
+  def _cache(self) -> Any:
+    """The step cache's initial (or resumed) state, or None without a cache."""
+    r, pipe = self.request, self.pipe
+    if r.step_cache is None:
+      return None
+    cache = wan_step_cache.init_state(r.step_cache, rows=r.rows, tokens=r.tokens, config=pipe.transformer_config,
+                                      dtype=pipe.dtype, steps=r.steps, mesh=r.plan.mesh)
+    if self.restored is not None:
+      template = wan_step_cache.checkpoint_template(cache, tokens=r.tokens)
+      cache = wan_step_cache.place(self.restored.restore("step_cache", template), cache)
+    return cache
+
+  def _guidance(self, expert: int) -> jax.Array:
+    return distributed.put_replicated(np.float32(self.request.guidance[expert]), self.request.plan.replicated)
+
+  def _compile(self, state: LoopState) -> Any:
+    """The compiled step for this run's shapes (compiled now if new; timed as "compile")."""
+    r, pipe, plan = self.request, self.pipe, self.request.plan
+    start = time.perf_counter()
+    compiling = (f"compile: the denoise step ({r.tokens} tokens, {pipe.transformer_config.num_layers} "
+                 f"layers, mesh {plan.spec}{', weights sharded' if plan.shard_weights else ''})")
+    first = state.experts[0]
+    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
+                                      self._guidance(first), state.cache, plan=plan, cfg=r.cfg,
+                                      on_compile=lambda: self.stage(compiling))
+    self.timings["compile"] = time.perf_counter() - start
+    return program
+
+  def _step_fn(self, program: Any):
+    """Step k: the step cache restarts at an expert switch; the program runs on that expert's
+    weights (read at each step: a LoRA scale hook may have re-fused them)."""
+    guidance: dict[int, jax.Array] = {}
+
+    def step(state: LoopState):
+      k, expert = state.step, state.experts[state.step]
+      if state.cache is not None and k and expert != state.experts[k - 1]:
+        state.cache = wan_step_cache.reset(state.cache)
+      if expert not in guidance:
+        guidance[expert] = self._guidance(expert)
+      return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
+                     guidance[expert], state.cache)
+
+    return step
+
+  def _hooks(self) -> list[StepHook]:
+    """The loop's hooks, in order: timestep, LoRA scale, step-cache stats, NaN guard, resume writer,
+    diffusers' callback, progress bar, on_step, then the caller's."""
+    r, o, pipe = self.request, self.options, self.pipe
+    hooks: list[StepHook] = [loop_hooks.CurrentTimestep(pipe)]
+    if r.lora_scale is not None:
+      hooks.append(loop_hooks.CallLoraScale(pipe.set_lora_scale, r.lora_scale))
+    hooks.append(self.cache_stats)
+    if o.nan_guard:
+      hooks.append(loop_hooks.NanGuard())
+    if self.writer is not None:
+      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh))
+    if o.callback is not None:
+      hooks.append(StepEndCallback(pipe, o.callback, o.callback_tensor_inputs, videos=r.videos, cfg=r.cfg,
+                                   sharding=r.plan.replicated))
+    if o.progress:
+      hooks.append(loop_hooks.ProgressBar())
+    if o.on_step is not None:
+      hooks.append(loop_hooks.OnStep(o.on_step))
+    return hooks + list(o.hooks)
+
+  def _decode(self, state: LoopState) -> tuple[np.ndarray | None, np.ndarray]:
+    """(frames or None, host latents); timed as "decode"."""
+    r = self.request
+    start = time.perf_counter()
+    latents = distributed.to_host(state.latents)
+    frames = None
+    if r.decode:
+      self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")
+      frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh)
+    self.timings["decode"] = time.perf_counter() - start
+    return frames, latents
+
+  def _settings(self, state: LoopState) -> dict[str, Any]:
+    r = self.request
+    cache = None
+    if r.step_cache is not None:
+      cache = wan_step_cache.summary(r.step_cache, self.cache_stats.record(),
+                                     num_layers=self.pipe.transformer_config.num_layers)
+    resume = self.options.resume
+    return {**r.settings(), "experts_per_step": state.experts,
+            "resumed_from_step": state.first_step if resume is not None and resume.resume else None,
+            "steps_run": len(state.step_times), "step_cache": cache}
+
+
+def _result(frames: Any, latents: Any, timings: dict[str, float], settings: dict[str, Any]) -> Any:
+  return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)
