@@ -18,3 +18,22 @@ def child_env(**extra: str) -> dict[str, str]:
   if flags:
     env["XLA_FLAGS"] = flags
   return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def step_compiles(monkeypatch) -> list:
+  """Records every denoise-step program compiled while the test runs, by any pipeline (the
+  `CompiledSteps` of pipelines built inside `generate` too); returns the list it appends to."""
+  from pipelines.pipeline.step import CompiledSteps
+
+  compiled = []
+  original = CompiledSteps.get
+
+  def get(self, *args, **kwargs):
+    before = self.traces
+    program = original(self, *args, **kwargs)
+    if self.traces != before:
+      compiled.append(program)
+    return program
+
+  monkeypatch.setattr(CompiledSteps, "get", get)
+  return compiled

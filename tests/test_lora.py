@@ -27,6 +27,7 @@ from pipelines.wan import lora
 from pipelines.pipeline import wan_pipeline
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan.transformer import init_transformer
+from harness import step_compiles
 
 PROMPT = "a red fox running through snow"
 # One prompt, CFG on: the transformer runs on 2 rows. Latents [1, 16, 3, 6, 10] (45 tokens).
@@ -146,6 +147,29 @@ def test_diffusers_parity(parity):
   print(f"LoRA at scale 1 vs no LoRA: {-20 * np.log10(rms):.1f} dB")
 
 
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute")
+def test_call_scale_equals_diffusers_and_restores_the_pipeline_scale(parity):
+  """A peft LoRA loaded at weight 1, then a call with attention_kwargs={"scale": 0.5}: diffusers'
+  video at that call scale; afterwards the pipeline's own scale is what it was (not 1.0), and a
+  call without attention_kwargs is diffusers' scale-1 video again."""
+  pipe = WanPipeline.from_pretrained(parity["folder"])
+  pipe.load_lora_weights(parity["diffusers"])
+  refs = parity["refs"]
+  frames = pipe(PROMPT, **CALL, latents=LATENTS, progress=False, attention_kwargs={"scale": 0.5})
+  value = assert_psnr_at_least(frames, refs["diffusers", 0.5], max(50.0, FP32_VIDEO_PSNR_DB),
+                               name="attention_kwargs scale 0.5 vs diffusers")
+  print(f"call scale 0.5: {value:.1f} dB vs diffusers")
+  assert pipe.lora_scale == 1.0
+  again = pipe(PROMPT, **CALL, latents=LATENTS, progress=False)
+  assert_psnr_at_least(again, refs["diffusers", 1.0], FP32_VIDEO_PSNR_DB, name="after the call: scale 1")
+  pipe.set_lora_scale(0.8)
+  pipe(PROMPT, **CALL, latents=LATENTS, progress=False, output_type="latent", attention_kwargs={"scale": 0.5})
+  assert pipe.lora_scale == 0.8  # restored to the pipeline's scale, not to 1.0
+  # Positive control: the two diffusers videos differ by more than the bar allows.
+  from test_pipeline import psnr
+  assert psnr(refs["diffusers", 0.5], refs["diffusers", 1.0]) < 45
+
+
 # --- cheap checks on the embedded tiny model (numpy LoRAs, no torch) -------------------------------
 
 def _numpy_lora(config, seed: int = 0, rank: int = 2, modules=None) -> dict[str, np.ndarray]:
@@ -241,7 +265,7 @@ def _write(path, state):
 def test_refused_keys_and_shapes_name_them_and_change_nothing(tiny, tmp_path):
   config = tiny.transformer_config
   base = _leaves(tiny)
-  traced = wan_pipeline.TRACE_COUNT["denoise_step"]
+  traced = tiny.compiled_steps.traces
   good = _numpy_lora(config, modules=["blocks.0.attn1.to_q"])
   bad_key = {**good, "transformer.blocks.0.attn1.to_x.lora_A.weight": np.zeros((2, 128), np.float32),
              "transformer.blocks.7.attn1.to_q.lora_A.weight": np.zeros((2, 128), np.float32)}
@@ -272,7 +296,7 @@ def test_refused_keys_and_shapes_name_them_and_change_nothing(tiny, tmp_path):
   with pytest.raises(CheckpointError, match="no such file"):
     tiny.load_lora_weights(str(two), weight_name="c.safetensors")
   assert _same(_leaves(tiny), base) and tiny.get_list_adapters() == {}
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
+  assert tiny.compiled_steps.traces == traced
   # A folder with diffusers' file name loads; a second adapter of the same name is refused.
   _write(two / lora.LORA_WEIGHT_NAME_SAFE, good)
   assert tiny.load_lora_weights(str(two)) == "default_0"
@@ -306,7 +330,7 @@ def test_two_experts_load_into_transformer_2():
   assert _same(_leaves(pipe, 0), base[0]) and _same(_leaves(pipe, 1), base[1])
 
 
-def test_generate_lora_flag(tmp_path, capsys):
+def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
   """`generate --lora PATH:SCALE` fuses the LoRA (recorded in the sidecar); a LoRA that does not fit
   is refused before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
   import json
@@ -322,7 +346,7 @@ def test_generate_lora_flag(tmp_path, capsys):
   sidecar = json.loads((tmp_path / "fox.npy.json").read_text())
   assert sidecar["lora"]["adapters"] == [{"name": "default_0", "transformer": "transformer", "weight": 0.5,
                                           "layers": 1, "source": path}]
-  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  compiles = step_compiles(monkeypatch)
   bad = _write(tmp_path / "bad.safetensors", {"transformer.blocks.0.attn1.to_x.lora_A.weight":
                                               np.zeros((2, 128), np.float32)})
   for extra, message in ((["--lora", bad], "blocks.0.attn1.to_x.lora_A.weight"),
@@ -332,4 +356,4 @@ def test_generate_lora_flag(tmp_path, capsys):
     assert generate.main(argv + extra + ["--out", str(tmp_path / "x.npy")]) == 2
     err = capsys.readouterr().err
     assert message in err, err
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == before and not os.path.exists(tmp_path / "x.npy")
+  assert compiles == [] and not os.path.exists(tmp_path / "x.npy")

@@ -122,9 +122,9 @@ def reference(pipe):
 
 
 def _compiled(pipe, mesh: str, shard_weights: bool):
-  wan_pipeline._COMPILED_STEPS.clear()
+  pipe.compiled_steps.clear()
   frames = pipe.run("a fox", mesh=mesh, shard_weights=shard_weights, **KW).frames
-  (exe,) = wan_pipeline._COMPILED_STEPS.values()
+  (exe,) = pipe.compiled_steps.programs()
   return frames, exe.as_text()
 
 

@@ -112,10 +112,10 @@ def tiny():
 def test_diffusers_parity(folders, loaded, case):
   name, steps, g1, g2 = case
   ref = folders["refs"][case]
-  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  before = loaded[name].compiled_steps.traces
   result = loaded[name].run(PROMPTS, NEGATIVES, **SIZE, num_inference_steps=steps, guidance_scale=g1,
                             guidance_scale_2=g2, latents=LATENTS, max_sequence_length=MAX_LEN)
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] - before <= 1  # one program for all steps, both experts
+  assert loaded[name].compiled_steps.traces - before <= 1  # one program for all steps, both experts
   assert result.frames.dtype == np.float32 and result.frames.shape == ref.shape == (2, 9, 48, 80, 3)
   assert 0 <= result.frames.min() and result.frames.max() <= 1
   assert_psnr_at_least(result.frames, ref, FP32_VIDEO_PSNR_DB, name=f"{case} vs diffusers")
@@ -141,9 +141,9 @@ def test_repeat_call_compiles_nothing(loaded):
   kwargs = dict(**SIZE, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=3.0, seed=3,
                 max_sequence_length=MAX_LEN)
   first = loaded["wan22"].run(PROMPTS, NEGATIVES, **kwargs)
-  traced = wan_pipeline.TRACE_COUNT["denoise_step"]
+  traced = loaded["wan22"].compiled_steps.traces
   again = loaded["wan22"].run(PROMPTS, NEGATIVES, **kwargs)
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
+  assert loaded["wan22"].compiled_steps.traces == traced
   assert again.timings["compile"] < 0.1
   # Bit-exact: the same compiled program on the same inputs (a run is deterministic).
   np.testing.assert_array_equal(first.frames, again.frames)
@@ -256,10 +256,10 @@ CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequen
     (dict(mesh=3), "mesh must be None"),
 ])
 def test_call_checks(tiny, kwargs, match):
-  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  before = tiny.compiled_steps.traces
   with pytest.raises(ValueError, match=match):
     tiny("a fox", **{**CALL, **kwargs})
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == before  # failed before any compute
+  assert tiny.compiled_steps.traces == before  # failed before any compute
 
 
 def test_latents_shape_ok_and_wrong(tiny):

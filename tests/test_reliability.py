@@ -29,7 +29,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from harness import child_env
+from harness import child_env, step_compiles
 from pipelines.cli import generate
 from pipelines.storage import video_io
 from pipelines.pipeline import wan_pipeline
@@ -117,14 +117,14 @@ def folders(tmp_path_factory) -> dict[str, str]:
 def no_compute(monkeypatch):
   """Tripwires on every way a call reaches XLA; yields the list of what was reached."""
   reached = []
-  for name in ("encode_prompts", "_compiled_step", "decode"):
+  for name in ("encode_prompts", "decode"):
     def tripwire(*args, _name=name, **kwargs):
       reached.append(_name)
       raise AssertionError(f"compute reached: WanPipeline.{_name}")
     monkeypatch.setattr(WanPipeline, name, tripwire)
-  before = wan_pipeline.TRACE_COUNT["denoise_step"]
+  compiles = step_compiles(monkeypatch)
   yield reached
-  assert reached == [] and wan_pipeline.TRACE_COUNT["denoise_step"] == before
+  assert reached == [] and compiles == []
 
 
 # --- the public API ------------------------------------------------------------------------------
@@ -242,11 +242,16 @@ WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for va
 
 
 def test_every_argument_is_listed():
+  """The table covers every argument a call takes (the request's, the options', the legacy ones)."""
   import inspect
-  run_args = set(inspect.signature(WanPipeline.run).parameters) - {"self"}
-  assert run_args == set(WRONG_TYPES)
+
+  from pipelines.pipeline import call_options
+  accepted = ({"prompt", "negative_prompt", "callback_on_step_end", "callback_on_step_end_tensor_inputs"}
+              | set(call_options.REQUEST_ARGUMENTS) | set(call_options.LEGACY_OPTIONS))
+  assert accepted == set(WRONG_TYPES)
   # output_type is __call__'s alone (run has decode=False for latents); test_pipeline_call checks it.
-  assert set(inspect.signature(WanPipeline.__call__).parameters) - {"self", "output_type"} <= run_args
+  named = set(inspect.signature(WanPipeline.__call__).parameters) - {"self", "output_type", "options"}
+  assert named <= accepted and len(inspect.signature(WanPipeline.__call__).parameters) <= 23
 
 
 @pytest.mark.parametrize("name,value", WRONG_TYPE_CASES,

@@ -104,9 +104,9 @@ def test_settings_record_and_repeat_call_compiles_nothing(tiny, one_device):
   assert json.loads(json.dumps(record)) == record
   assert record["method"] == "first-block" and record["spec"] == SKIPPING["first-block"]
   assert record["skipped_block_fraction"] == pytest.approx(record["skipped_fraction"] / 2)  # 2 blocks
-  traced = wan_pipeline.TRACE_COUNT["denoise_step"]
+  traced = tiny.compiled_steps.traces
   again = tiny.run(PROMPT, step_cache="first-block:0.5", **KWARGS)
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
+  assert tiny.compiled_steps.traces == traced
   assert len(again.settings["step_cache"]["skipped_steps"]) > len(record["skipped_steps"])
 
 
@@ -134,10 +134,10 @@ def test_mag_ratios_file_and_resampling(tmp_path, tiny):
     (step_cache.StepCacheSpec, "must be None"),
 ])
 def test_bad_specs_refused_before_compute(tiny, spec, match):
-  traced = wan_pipeline.TRACE_COUNT["denoise_step"]
+  traced = tiny.compiled_steps.traces
   with pytest.raises(ValueError, match=match):
     tiny.run(PROMPT, step_cache=spec, **KWARGS)
-  assert wan_pipeline.TRACE_COUNT["denoise_step"] == traced
+  assert tiny.compiled_steps.traces == traced
 
 
 def test_mag_without_ratios_needs_a_calibration_for_a_folder(tmp_path):

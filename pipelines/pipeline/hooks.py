@@ -112,18 +112,24 @@ class StepCacheStats(StepHook):
 
 
 class CallLoraScale(StepHook):
-  """The LoRA scale of one call (diffusers' `attention_kwargs={"scale": s}`): set before the first
-  step, the pipeline's previous scale restored at the end, however the loop ends."""
+  """The LoRA scale of one call (diffusers' `attention_kwargs={"scale": s}`, which multiplies its
+  LoRA layers' scaling by s for the call): the pipeline's scale becomes `previous * s` before the
+  first step and is restored to `previous` at the end, however the loop ends.
 
-  def __init__(self, set_scale: Callable[[float], float], scale: float):
-    self.set_scale, self.scale = set_scale, scale
+  Args:
+    pipe: has `lora_scale` and `set_lora_scale(s) -> previous` (`LoraLoaderMixin`).
+    scale: s.
+  """
+
+  def __init__(self, pipe: Any, scale: float):
+    self.pipe, self.scale = pipe, scale
     self.previous: float | None = None
 
   def before_step(self, state: LoopState) -> None:
     if self.previous is None:
-      self.previous = self.set_scale(self.scale)
+      self.previous = self.pipe.set_lora_scale(self.pipe.lora_scale * self.scale)
 
   def on_end(self, state: LoopState, completed: bool) -> None:
     if self.previous is not None:
-      self.set_scale(self.previous)
+      self.pipe.set_lora_scale(self.previous)
       self.previous = None

@@ -112,9 +112,10 @@ class LoraLoaderMixin:
   def set_lora_scale(self, scale: float) -> float:
     """Sets the global LoRA scale s and re-fuses when it changed; returns the previous s.
 
-    This is diffusers' `attention_kwargs={"scale": s}`: a call with that argument does
-    `previous = pipe.set_lora_scale(s)` before denoising and `pipe.set_lora_scale(previous)` after
-    (diffusers scales the LoRA layers for the call only). A no-op without adapters or unfused.
+    A call with `attention_kwargs={"scale": s}` (diffusers multiplies its LoRA layers' scaling by
+    s for the call) does `previous = pipe.set_lora_scale(previous * s)` before denoising and
+    `pipe.set_lora_scale(previous)` after (`hooks.CallLoraScale`). Re-fuses nothing without
+    adapters or unfused.
 
     Raises:
       ValueError: `scale` not a finite number.

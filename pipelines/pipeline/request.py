@@ -198,6 +198,11 @@ class GenerationRequest:
   # --- derived ---
 
   @property
+  def mesh(self) -> Any:
+    """The built mesh, or None (one device): `plan.mesh`."""
+    return self.plan.mesh
+
+  @property
   def tokens(self) -> int:
     """T, the video tokens of one video."""
     return self.model.tokens(self.latent_shape)

@@ -166,8 +166,8 @@ class Runner:
     diffusers' callback, progress bar, on_step, then the caller's."""
     r, o, pipe = self.request, self.options, self.pipe
     hooks: list[StepHook] = [loop_hooks.CurrentTimestep(pipe)]
-    if r.lora_scale is not None:
-      hooks.append(loop_hooks.CallLoraScale(pipe.set_lora_scale, r.lora_scale))
+    if r.lora_scale not in (None, 1.0):
+      hooks.append(loop_hooks.CallLoraScale(pipe, r.lora_scale))
     hooks.append(self.cache_stats)
     if o.nan_guard:
       hooks.append(loop_hooks.NanGuard())
