@@ -22,6 +22,7 @@ import torch
 
 from pipelines import WanPipeline
 from pipelines.pipeline import wan_pipeline
+from pipelines.pipeline.inputs import CALLBACK_TENSOR_INPUTS
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least, within
 from test_pipeline import MAX_LEN, NEGATIVES, PROMPTS, SIZE, _save_diffusers_pipeline, psnr
 
@@ -202,7 +203,7 @@ def test_callback_replacements(ours):
   """Replacements returned after step 0 are used by step 1: the same values (copies, any array
   type) give the same latents bit for bit (same program, same inputs); zeroed text states do not."""
   kwargs = dict(**COMMON, num_inference_steps=2, latents=LATENTS, progress=False, output_type="latent")
-  everything = list(wan_pipeline.CALLBACK_TENSOR_INPUTS)
+  everything = list(CALLBACK_TENSOR_INPUTS)
   plain = ours(PROMPTS, NEGATIVES, **kwargs)
   as_given = ours(PROMPTS, NEGATIVES, callback_on_step_end=lambda pipe, k, t, kw: kw,
                   callback_on_step_end_tensor_inputs=everything, **kwargs)
