@@ -170,10 +170,11 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
                             "U=1,R=6, U=2,R=3"),
     (["--mesh", "U2"], "--mesh: mesh spec='U2' is malformed"),
     (["--devices", "4", "--mesh", "U=2,R=2"], "XLA_FLAGS already sets"),
-    (["--guidance", "4.0,3.0"], "two guidance scales (4.0, 3.0) need a two-expert"),
+    (["--guidance", "4.0,3.0"], "--guidance: guidance_scale_2=3.0 is only used by two-expert (Wan 2.2) "
+                                "pipelines; this one has one transformer"),
     (["--guidance", "a,b,c"], "must be one number"),
-    (["--steps", "0"], "--steps 0 must be >= 1"),
-    (["--shift", "-1"], "--shift -1.0 must be a finite number > 0"),
+    (["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
+    (["--shift", "-1"], "--shift: flow_shift=-1.0 must be a finite number > 0 (Wan: 3.0 at 480p"),
     (["--model", "/no/such/folder"], "is not a folder"),
     (["--out", "/no/such/dir/fox.mp4"], "does not exist ('/no/such/dir'); create it first"),
     (["--out", "fox.avi"], "suffix '.avi'; use .mp4"),
@@ -183,13 +184,13 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
     (["--fps", "0"], "--fps: fps=0.0 must be a finite number"),
     (["--fps", "1e-9"], "--fps: fps=1e-09 must be a finite number"),  # ffmpeg wrote an empty mp4
     (["--fps", "1e9"], "--fps: fps=1000000000.0 must be a finite number"),
-    (["--shift", "inf"], "--shift inf must be a finite number > 0"),
-    (["--shift", "nan"], "--shift nan must be a finite number > 0"),
-    (["--guidance", "4,inf"], "--guidance '4,inf' must be finite"),
-    (["--frames", "-5"], "--frames -5 must be >= 1"),
+    (["--shift", "inf"], "--shift: flow_shift=inf must be a finite number > 0"),
+    (["--shift", "nan"], "--shift: flow_shift=nan must be a finite number > 0"),
+    (["--guidance", "4,inf"], "--guidance: guidance_scale_2=inf must be a finite number (Wan: 5.0; <= 1 turns CFG off)"),
+    (["--frames", "-5"], "--frames: num_frames=-5 must be a positive int (Wan uses 4k+1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
-    (["--seed", "-2"], "--seed -2 must be >= 0, or -1 for a random seed"),
-    (["--max-sequence-length", "0"], "--max-sequence-length 0 must be >= 1"),
+    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or None"),
+    (["--max-sequence-length", "0"], "--max-sequence-length: max_sequence_length=0 must be a positive int"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
     (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
 ])
@@ -229,9 +230,9 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
 def test_frames_round_as_diffusers_with_a_warning(tmp_path, capsys, given, rounded):
   """num_frames // 4 * 4 + 1 as diffusers: not always down (16 -> 17); the command's warning line."""
   args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", str(given), "--out", str(tmp_path / "a.mp4")])
-  with warnings_as_lines("generate"):
-    plan = generate.plan_run(args)
-  assert plan.frames == rounded
+  with warnings_as_lines("generate"):  # the request rounds (after JAX starts, before any weights)
+    request = generate.check_plan(generate.plan_run(args)).request
+  assert request.num_frames == rounded
   assert (f"generate: warning: num_frames={given}: num_frames - 1 must be divisible by 4; rounding to "
           f"{rounded} as diffusers does") in capsys.readouterr().err
 

@@ -22,6 +22,28 @@ class UsageError(ValueError):
   """A command-line argument that cannot work; the message says what to do instead."""
 
 
+# The request's argument names (`GenerationRequest.build`) and the flags that give them.
+_REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames",
+                  "num_inference_steps": "--steps", "guidance_scale": "--guidance",
+                  "guidance_scale_2": "--guidance", "flow_shift": "--shift", "seed": "--seed",
+                  "max_sequence_length": "--max-sequence-length", "step_cache": "--step-cache",
+                  "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
+                  "vae_parallel": "--vae-parallel", "prompt": "--prompt", "negative_prompt": "--negative-prompt"}
+
+
+def flag_error(error: ValueError) -> UsageError:
+  """A request's (or the mesh rules') ValueError as a UsageError prefixed with the flag it is about:
+  "num_inference_steps=0 must be ..." -> "--steps: num_inference_steps=0 must be ..."; a mesh rule
+  ("mesh ...", "the model has 8 heads ...") -> "--mesh: ..."; any other message unchanged."""
+  text = str(error)
+  name = re.match(r"(\w+)=", text)
+  if name is not None and name.group(1) in _REQUEST_FLAGS:
+    return UsageError(f"{_REQUEST_FLAGS[name.group(1)]}: {text}")
+  if text.startswith(("mesh ", "the model")):
+    return UsageError(f"--mesh: {text}")
+  return UsageError(text)
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
   """Every flag of `generate`, in the order --help lists them; `description` heads --help."""
   p = argparse.ArgumentParser(prog="generate", description=description, formatter_class=HelpFormatter)
