@@ -70,7 +70,7 @@ def nan_pipe() -> WanPipeline:
 
 def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, index: bool = True) -> str:
   """A diffusers Wan folder: model_index.json, component folders, a 12-head transformer config and
-  `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE."""
+  `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE (whose config is Wan 2.1's)."""
   os.makedirs(folder)
   if index:
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
@@ -80,6 +80,8 @@ def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, 
   (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(
       {"_class_name": "UniPCMultistepScheduler", "use_flow_sigmas": True,
        "prediction_type": "flow_prediction", "flow_shift": 3.0}))
+  # The VAE's config (Wan 2.1's, all defaults): read with the other JSON files before any weights.
+  (folder / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan"}))
   for component in ("text_encoder", "vae"):
     save_file({"placeholder": np.zeros(1, np.float32)}, str(folder / component / "model.safetensors"))
   for name, data in (transformer_files or {}).items():

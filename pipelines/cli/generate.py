@@ -84,6 +84,12 @@ from pipelines.storage import video_io
 from pipelines.storage import weights
 
 
+# The command (`main`, `cli`) and, re-exported for scripts and tests, the names it is made of.
+__all__ = ["main", "cli", "run", "build_parser", "UsageError", "parse_size", "parse_guidance", "parse_lora_arg",
+           "Preset", "PRESETS", "FOLDER_DEFAULTS", "TINY_MODELS", "default_text_length", "RUN_RECORD",
+           "apply_resume", "given_flags", "check_checkpoint_dir", "default_checkpoint_dir", "Plan", "Checked",
+           "plan_run", "check_plan", "build_request"]
+
 def build_parser() -> argparse.ArgumentParser:
   """The command line of `generate` (`flags.build_parser`), with this module's docstring as --help."""
   return _build_parser(__doc__)
