@@ -170,10 +170,11 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
                             "U=1,R=6, U=2,R=3"),
     (["--mesh", "U2"], "--mesh: mesh spec='U2' is malformed"),
     (["--devices", "4", "--mesh", "U=2,R=2"], "XLA_FLAGS already sets"),
-    (["--guidance", "4.0,3.0"], "two guidance scales (4.0, 3.0) need a two-expert"),
+    (["--guidance", "4.0,3.0"], "--guidance: guidance_scale_2=3.0 is only used by two-expert (Wan 2.2) "
+                                "pipelines; this one has one transformer"),
     (["--guidance", "a,b,c"], "must be one number"),
-    (["--steps", "0"], "--steps 0 must be >= 1"),
-    (["--shift", "-1"], "--shift -1.0 must be a finite number > 0"),
+    (["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
+    (["--shift", "-1"], "--shift: flow_shift=-1.0 must be a finite number > 0 (Wan: 3.0 at 480p"),
     (["--model", "/no/such/folder"], "is not a folder"),
     (["--out", "/no/such/dir/fox.mp4"], "does not exist ('/no/such/dir'); create it first"),
     (["--out", "fox.avi"], "suffix '.avi'; use .mp4"),
@@ -183,13 +184,13 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
     (["--fps", "0"], "--fps: fps=0.0 must be a finite number"),
     (["--fps", "1e-9"], "--fps: fps=1e-09 must be a finite number"),  # ffmpeg wrote an empty mp4
     (["--fps", "1e9"], "--fps: fps=1000000000.0 must be a finite number"),
-    (["--shift", "inf"], "--shift inf must be a finite number > 0"),
-    (["--shift", "nan"], "--shift nan must be a finite number > 0"),
-    (["--guidance", "4,inf"], "--guidance '4,inf' must be finite"),
-    (["--frames", "-5"], "--frames -5 must be >= 1"),
+    (["--shift", "inf"], "--shift: flow_shift=inf must be a finite number > 0"),
+    (["--shift", "nan"], "--shift: flow_shift=nan must be a finite number > 0"),
+    (["--guidance", "4,inf"], "--guidance: guidance_scale_2=inf must be a finite number (Wan: 5.0; <= 1 turns CFG off)"),
+    (["--frames", "-5"], "--frames: num_frames=-5 must be a positive int (Wan uses 4k+1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
-    (["--seed", "-2"], "--seed -2 must be >= 0, or -1 for a random seed"),
-    (["--max-sequence-length", "0"], "--max-sequence-length 0 must be >= 1"),
+    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or None"),
+    (["--max-sequence-length", "0"], "--max-sequence-length: max_sequence_length=0 must be a positive int"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
     (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
 ])
@@ -229,9 +230,9 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
 def test_frames_round_as_diffusers_with_a_warning(tmp_path, capsys, given, rounded):
   """num_frames // 4 * 4 + 1 as diffusers: not always down (16 -> 17); the command's warning line."""
   args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", str(given), "--out", str(tmp_path / "a.mp4")])
-  with warnings_as_lines("generate"):
-    plan = generate.plan_run(args)
-  assert plan.frames == rounded
+  with warnings_as_lines("generate"):  # the request rounds (after JAX starts, before any weights)
+    request = generate.check_plan(generate.plan_run(args)).request
+  assert request.num_frames == rounded
   assert (f"generate: warning: num_frames={given}: num_frames - 1 must be divisible by 4; rounding to "
           f"{rounded} as diffusers does") in capsys.readouterr().err
 
@@ -398,3 +399,62 @@ def test_gif_fps_warning_before_compute(tmp_path, capsys):
     generate.plan_run(args)
   assert ("generate: warning: GIF frame delays are whole centiseconds: 60 fps (a 16.67 ms delay) is stored "
           "as 2 cs = 50 fps" in capsys.readouterr().err)
+
+
+# --- one check per value: the command and the Python call refuse alike ------------------------------
+
+TINY_ARGV = ["--prompt", PROMPT, "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "1",
+             "--seed", "0"]
+
+
+@pytest.mark.parametrize("flags,flag,kwargs", [
+    (["--size", "40x32"], "--size", {"width": 40, "height": 32}),
+    (["--mesh", "CFG=2,U=2", "--guidance", "1.0"], "--mesh", {"mesh": "CFG=2,U=2", "guidance_scale": 1.0}),
+    (["--mesh", "U=1,R=1", "--shard-weights"], "--shard-weights", {"mesh": "U=1,R=1", "shard_weights": True}),
+    (["--steps", "0"], "--steps", {"num_inference_steps": 0}),
+], ids=["size not a multiple of 16", "CFG=2 without guidance", "sharded weights on one device", "steps 0"])
+def test_command_and_python_call_refuse_alike(tmp_path, capsys, flags, flag, kwargs):
+  """The same bad value: `GenerationRequest.build` (the Python call's constructor) raises a
+  ValueError, and the command prints that very message after the flag, exit status 2."""
+  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+
+  call = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1, "seed": 0, **kwargs}
+  with pytest.raises(ValueError) as refused:
+    GenerationRequest.build(ModelFacts.tiny_random("float32"), PROMPT, **call)
+  assert generate.main(TINY_ARGV + flags + ["--out", str(tmp_path / "x.mp4")]) == 2
+  err = capsys.readouterr().err
+  assert f"generate: error: {flag}: {refused.value}" in err, err
+  assert os.listdir(tmp_path) == []
+
+
+def _checked(tmp_path, *flags):
+  args = generate.build_parser().parse_args(TINY_ARGV + list(flags) + ["--out", str(tmp_path / "a.mp4")])
+  return generate.check_plan(generate.plan_run(args))
+
+
+def test_run_record_and_sidecar_come_from_the_request(tmp_path):
+  """The run record (--resume) and the sidecar's request fields are the request's values: a changed
+  request field shows in both."""
+  import dataclasses
+  import types
+
+  from pipelines.cli import output, records
+
+  checked = _checked(tmp_path, "--steps", "2")
+  facts = records.RunFacts.of(checked.plan)
+  record = records.request_record(checked.request, facts)
+  assert (record["steps"], record["seed"], record["size"], record["frames"]) == (2, 0, "32x32", 5)
+  assert record["model"] == "tiny-random" and record["guidance"] == [5.0] and record["shift"] == 3.0
+  assert set(record) == set(records._RECORDED + records._RECORDED_FREE)
+  changed = dataclasses.replace(checked, request=dataclasses.replace(checked.request, steps=7, seed=11,
+                                                                     prompts=["a blue circle"]))
+  record = records.request_record(changed.request, facts)
+  assert (record["steps"], record["seed"], record["prompt"]) == (7, 11, "a blue circle")
+  result = types.SimpleNamespace(frames=np.zeros((1, 5, 32, 32, 3), np.float32), settings={"seed": 11})
+  cache = types.SimpleNamespace(report=lambda: {})
+  sidecar = output.sidecar(changed, result, out=str(tmp_path / "a.mp4"), sheet=None, lora=[], times={},
+                           cache=cache, warnings_seen=[])
+  assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny")
+  records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
+  saved = json.loads((tmp_path / "ckpt" / generate.RUN_RECORD).read_text())
+  assert saved["steps"] == 7 and saved == record

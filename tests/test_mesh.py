@@ -238,4 +238,5 @@ def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
                        name="generate CFG=2,U=2,R=2 sharded vs auto")
   capsys.readouterr()
   assert generate.main(args + ["--mesh", "CFG=2,U=2", "--guidance", "1.0", "--out", str(tmp_path / "d.npy")]) == 2
-  assert "splits classifier-free guidance, but --guidance 1 turns it off" in capsys.readouterr().err
+  assert ("--mesh: mesh CFG=2,U=2,R=1 splits classifier-free guidance over CFG=2, but guidance is off "
+          "(guidance_scale <= 1); use U=2,R=1 (or turn guidance on)") in capsys.readouterr().err

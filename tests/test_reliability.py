@@ -70,7 +70,7 @@ def nan_pipe() -> WanPipeline:
 
 def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, index: bool = True) -> str:
   """A diffusers Wan folder: model_index.json, component folders, a 12-head transformer config and
-  `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE."""
+  `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE (whose config is Wan 2.1's)."""
   os.makedirs(folder)
   if index:
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
@@ -80,6 +80,8 @@ def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, 
   (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(
       {"_class_name": "UniPCMultistepScheduler", "use_flow_sigmas": True,
        "prediction_type": "flow_prediction", "flow_shift": 3.0}))
+  # The VAE's config (Wan 2.1's, all defaults): read with the other JSON files before any weights.
+  (folder / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan"}))
   for component in ("text_encoder", "vae"):
     save_file({"placeholder": np.zeros(1, np.float32)}, str(folder / component / "model.safetensors"))
   for name, data in (transformer_files or {}).items():
@@ -275,11 +277,11 @@ def test_negative_prompt_checked_without_cfg(pipes, no_compute):
 
 CLI_CASES = [  # (id, extra arguments ({folder} and {tmp} filled in), message)
     ("empty prompt", ["--prompt", ""], "--prompt '' is empty; describe the video"),
-    ("frames 0", ["--frames", "0"], "--frames 0 must be >= 1 (Wan: 4k+1, e.g. 81)"),
+    ("frames 0", ["--frames", "0"], "--frames: num_frames=0 must be a positive int (Wan uses 4k+1, e.g. 81)"),
     ("size not a multiple of 16", ["--size", "40x32"],
      "width=40 must be a positive multiple of 16 (VAE factor 8 x patch 2); use 32 or 48"),
-    ("steps 0", ["--steps", "0"], "--steps 0 must be >= 1"),
-    ("NaN guidance", ["--guidance", "nan"], "--guidance 'nan' must be finite"),
+    ("steps 0", ["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
+    ("NaN guidance", ["--guidance", "nan"], "--guidance: guidance_scale=nan must be a finite number (Wan: 5.0; <= 1 turns CFG off)"),
     ("mesh U=0", ["--mesh", "U=0"], "--mesh: mesh spec='U=0': U=0 must be >= 1"),
     ("mesh U=8 with 12 heads", ["--model", "{mismatch}", "--mesh", "U=8"],
      "the model has 12 heads, not divisible by the Ulysses degree U=8; with 8 devices use one of: "

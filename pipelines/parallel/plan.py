@@ -9,7 +9,7 @@ sequence layout (`wan.transformer.SequenceLayout`) is built from.
 The rules, each written once (`ParallelPlan.build`):
 - U must split the heads (and the kv heads); C * R * U devices must be visible;
 - CFG=2 needs guidance on;
-- sharded weights need a mesh;
+- sharded weights need a mesh of several devices (`check_spec`: the rules that need no devices);
 - in a multi-process run the mesh spans every process's devices (`distributed`).
 """
 
@@ -43,6 +43,25 @@ def _mesh_and_spec(mesh: Mesh | MeshSpec | str | None, shard_weights: bool) -> t
     return mesh, MeshSpec.of(mesh, shard_weights=shard_weights)
   raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
                    f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{_not_a(mesh)}")
+
+
+def check_spec(spec: MeshSpec, *, cfg_active: bool | None, heads: int | None = None,
+               kv_heads: int | None = None) -> None:
+  """The mesh rules that need no devices (JAX's backend need not have started): sharded weights
+  need a mesh of several devices, CFG=2 needs guidance, U must split the heads.
+
+  Args:
+    spec: the mesh asked for.
+    cfg_active: whether guidance is on (None: not known yet).
+    heads, kv_heads: the model's query and kv heads N, K (None: not known yet; K defaults to N).
+
+  Raises:
+    ValueError: each broken rule, naming the workable choices.
+  """
+  if spec.shard_weights and spec.devices == 1:
+    raise ValueError(f"shard_weights=True splits the weights over the mesh's devices, but mesh {spec} has "
+                     "one; pass a mesh of several devices (e.g. mesh='U=2,R=2') or leave shard_weights off")
+  spec.check(num_heads=heads, num_kv_heads=kv_heads, device_count=spec.devices, cfg_active=cfg_active)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +122,8 @@ class ParallelPlan:
                          "devices (e.g. mesh='U=2,R=2') or leave shard_weights off")
       distributed.check_mesh_spans_processes(None)
     else:
-      spec.check(num_heads=heads, num_kv_heads=kv_heads, cfg_active=cfg_active,
-                 device_count=spec.devices if built is not None else jax.device_count())
+      spec.check(device_count=spec.devices if built is not None else jax.device_count())
+      check_spec(spec, cfg_active=cfg_active, heads=heads, kv_heads=kv_heads)
       distributed.check_mesh_spans_processes(spec.devices)
       built = spec.build(jax.devices()) if built is None else built
     platform = jax.default_backend() if built is None else built.devices.flat[0].platform

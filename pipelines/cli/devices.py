@@ -1,0 +1,170 @@
+"""The checks of `generate` that need JAX up (still no weights): the model's facts from its JSON
+files, joining a multi-process run, --devices against the backend, the drawn seed, --mesh auto and
+the device note of the summary line. The mesh rules themselves are `pipelines.parallel.plan`'s
+(through the request, `run_plan.build_request`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TYPE_CHECKING, Any
+
+from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
+from pipelines.cli.flags import UsageError, flag_error
+from pipelines.parallel import distributed
+
+if TYPE_CHECKING:
+  from pipelines.cli.run_plan import Plan
+
+
+def model_facts(plan: Plan) -> Any:
+  """The `ModelFacts` of --model (`pipelines.pipeline.request`), named as the pipeline names it
+  ("tiny" for both tiny models); a folder's weight files are checked too (safetensors present,
+  headers intact), reading no tensor data.
+
+  Raises:
+    weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+  """
+  from pipelines.pipeline.request import ModelFacts
+  from pipelines.wan.folder import PipelineIndex
+  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+
+  if plan.model == "tiny-random":
+    return dataclasses.replace(ModelFacts.tiny_random(plan.dtype), name="tiny")
+  if plan.model == "tiny":
+    return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
+  PipelineIndex.read(plan.model).check_weights()
+  return ModelFacts.from_folder(plan.model, plan.dtype)
+
+
+def join(plan: Plan, facts: Any) -> None:
+  """A multi-process run: checks the heads first (no need to wait for the other processes to learn
+  that), joins JAX's distributed runtime, and checks that every process runs the same command.
+
+  Raises:
+    UsageError: heads that U does not split, or settings that differ between the processes.
+    distributed.DistributedError: the coordinator was not reached in time.
+  """
+  from pipelines.parallel.plan import check_spec
+
+  if plan.mesh is not None:
+    try:
+      check_spec(plan.mesh, cfg_active=None, heads=facts.transformer.num_attention_heads)
+    except ValueError as e:
+      raise flag_error(e) from e
+  print(f"generate: process {plan.processes.process_id} of {plan.processes.num_processes}: joining "
+        f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
+  distributed.initialize(plan.processes)
+  try:  # the same command on every process (only the id differs)
+    distributed.check_same_settings({k: v for k, v in dataclasses.asdict(plan).items()
+                                     if k not in ("processes", "compile_cache")})  # (per-host paths)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+
+
+def check_device_flag(plan: Plan) -> None:
+  """--devices simulates CPU devices: only on the CPU backend, and only if JAX honoured the count.
+
+  Raises:
+    UsageError: --devices on an accelerator backend, or a device count JAX did not honour.
+  """
+  import jax
+
+  if plan.devices is None:
+    return
+  backend, count = jax.default_backend(), jax.device_count()
+  if backend != "cpu":
+    raise UsageError(f"--devices simulates CPU devices, but JAX runs on {backend} with {count} devices; "
+                     "drop --devices (or set JAX_PLATFORMS=cpu to simulate on the CPU)")
+  if count != plan.devices:
+    raise UsageError(f"--devices {plan.devices} asked for {plan.devices} CPU devices but JAX sees {count} "
+                     "(its backend started before generate could set XLA_FLAGS); run generate in a "
+                     f"fresh process or set XLA_FLAGS=--{_DEVICE_FLAG}={plan.devices}")
+
+
+def draw_seed(plan: Plan) -> int:
+  """--seed, or for --seed -1 / none one drawn here (process 0's in a multi-process run), so that it
+  is printed before any compute."""
+  import jax
+  import numpy as np
+
+  if plan.seed is not None:
+    return plan.seed
+  seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+  if jax.process_count() > 1:  # one random seed for all: process 0's
+    from jax.experimental import multihost_utils
+    seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
+  return seed
+
+
+def device_note(plan: Plan, requested: int | None) -> str:
+  """The devices the run uses, for the summary line and the sidecar."""
+  import jax
+
+  backend, count, local = jax.default_backend(), jax.device_count(), jax.local_device_count()
+  if backend == "cpu" and requested is not None and local == requested:
+    note = f"simulating {local} CPU devices for the mesh (--{_DEVICE_FLAG}={local})"
+  else:
+    note = f"{local} {backend} device(s)"
+  if jax.process_count() > 1:
+    note += (f" in each of {jax.process_count()} processes ({count} in all; this is process "
+             f"{jax.process_index()})")
+  if plan.mesh.devices < count:
+    note += f"; the mesh uses the first {plan.mesh.devices}"
+  return note
+
+
+def auto_mesh(plan: Plan, request: Any) -> tuple[Plan, Any]:
+  """--mesh auto: the planner's pick for the visible devices (`_pick`), printed, in the plan and in
+  the request (its `ParallelPlan` built again for that mesh).
+
+  Raises:
+    UsageError: no mesh of the visible devices fits the model.
+  """
+  from pipelines.parallel.plan import ParallelPlan
+
+  best = _pick(plan, request)
+  several = best.devices > 1
+  try:
+    parallel = ParallelPlan.build(best if several else None, heads=request.model.transformer.num_attention_heads,
+                                  cfg_active=request.cfg, shard_weights=several and best.shard_weights,
+                                  attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel)
+  except ValueError as e:
+    raise flag_error(e) from e
+  return dataclasses.replace(plan, mesh=best), dataclasses.replace(request, plan=parallel)
+
+
+def _pick(plan: Plan, request: Any) -> MeshSpec:
+  """The planner's pick (`pipelines.parallel.planner`) for the visible devices, printed (process 0).
+
+  The chip is read from JAX's device kind (TPU v5e / v6e, NVIDIA H100 / H200); on other devices
+  (the CPU) the memory is not modelled and the pick is by the modelled step time alone.
+
+  Raises:
+    UsageError: no mesh of the visible devices fits the model.
+  """
+  import jax
+
+  from pipelines.parallel import planner
+
+  kind = jax.devices()[0].device_kind.lower()
+  chip = next((planner.CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
+                                                       ("h200", ("h200",)), ("h100", ("h100",)))
+               if any(w in kind for w in words)), None)
+  modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
+  found = planner.candidates(request.model.transformer, devices=jax.device_count(), frames=request.num_frames,
+                             height=request.height, width=request.width,
+                             text_tokens=request.max_sequence_length, cfg=request.cfg,
+                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled)
+  best = planner.recommend(found)
+  if best is None:
+    raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "
+                     "and video (python -m end_to_end.plan shows the candidates); use more devices or a "
+                     "smaller --size / --frames")
+  if plan.writes:
+    print(f"generate: --mesh auto: {best.mesh}{' with --shard-weights' if best.mesh.shard_weights else ''} "
+          f"for {jax.device_count()} {kind} device(s) (planner: modelled {best.step_s_model:.3g} s/step"
+          + (f", {best.bytes_per_device / planner.GiB:.1f} GiB per device on {chip.name})" if chip else
+             "; memory not modelled on this device kind)"), file=sys.stderr)
+  return best.mesh

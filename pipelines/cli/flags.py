@@ -1,0 +1,224 @@
+"""The command line of `generate`: its flags (`build_parser`, in argument groups), the parsers of
+flag values (`parse_size`, `parse_guidance`, `parse_lora_arg`) and `UsageError`. Imports no JAX; the
+values themselves are checked by `pipelines.pipeline.request.GenerationRequest` (run_plan.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+
+from pipelines.cli.help import HelpFormatter
+from pipelines.cli.presets import PRESETS
+from pipelines.pipeline import compile_cache
+from pipelines.parallel import distributed
+from pipelines.parallel import estimate
+from pipelines.storage import video_io
+
+
+class UsageError(ValueError):
+  """A command-line argument that cannot work; the message says what to do instead."""
+
+
+# The request's argument names (`GenerationRequest.build`) and the flags that give them.
+_REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames",
+                  "num_inference_steps": "--steps", "guidance_scale": "--guidance",
+                  "guidance_scale_2": "--guidance", "flow_shift": "--shift", "seed": "--seed",
+                  "max_sequence_length": "--max-sequence-length", "step_cache": "--step-cache",
+                  "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
+                  "vae_parallel": "--vae-parallel", "prompt": "--prompt", "negative_prompt": "--negative-prompt"}
+
+
+def flag_error(error: ValueError) -> UsageError:
+  """A request's (or the mesh rules') ValueError as a UsageError prefixed with the flag it is about:
+  "num_inference_steps=0 must be ..." -> "--steps: num_inference_steps=0 must be ..."; a mesh rule
+  ("mesh ...", "the model has 8 heads ...") -> "--mesh: ..."; any other message unchanged."""
+  text = str(error)
+  name = re.match(r"(\w+)=", text)
+  if name is not None and name.group(1) in _REQUEST_FLAGS:
+    return UsageError(f"{_REQUEST_FLAGS[name.group(1)]}: {text}")
+  if text.startswith(("mesh ", "the model")):
+    return UsageError(f"--mesh: {text}")
+  return UsageError(text)
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+  """Every flag of `generate`, in the order --help lists them; `description` heads --help."""
+  p = argparse.ArgumentParser(prog="generate", description=description, formatter_class=HelpFormatter)
+  _add_video_flags(p)
+  _add_device_flags(p)
+  _add_output_flags(p)
+  _add_model_flags(p)
+  _add_checkpoint_flags(p)
+  _add_process_flags(p)
+  return p
+
+
+def _add_video_flags(p: argparse.ArgumentParser) -> None:
+  """What the video shows and how it is sampled: prompt, model, preset, size, frames, steps, ..."""
+  p.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
+  p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
+  p.add_argument("--model", default="tiny",
+                 help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model; default) or "
+                      "'tiny-random' (embedded random weights)")
+  p.add_argument("--preset", default=None,
+                 help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
+                      "diffusers' defaults for a folder)")
+  p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
+                                               "(Wan's 832*480 also accepted)")
+  p.add_argument("--frames", type=int, default=None,
+                 help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
+                      "(16 -> 17, 10 -> 9)")
+  p.add_argument("--steps", type=int, default=None, help="denoising steps")
+  p.add_argument("--guidance", default=None,
+                 help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off")
+  p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
+  p.add_argument("--seed", type=int, default=None,
+                 help="noise seed; -1 or none for a random one (printed and recorded in the sidecar)")
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+  """Where it runs: the mesh, weight sharding, the decode split, the kernels, devices, dtype."""
+  p.add_argument("--mesh", default="U=1,R=1",
+                 help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
+                      "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
+                      "devices; 'auto' takes the planner's pick for the visible devices (end_to_end.plan)")
+  p.add_argument("--shard-weights", action="store_true",
+                 help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
+                      "too big to replicate on each device)")
+  p.add_argument("--vae-parallel", action=argparse.BooleanOptionalAction, default=True,
+                 help="decode the latents split by rows over the mesh's devices (default); "
+                      "--no-vae-parallel decodes on one device")
+  p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                 help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
+                      "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
+  p.add_argument("--devices", type=int, default=None,
+                 help="simulate N CPU devices (must equal the devices of --mesh); automatic when the mesh "
+                      "needs it")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
+  p.add_argument("--max-sequence-length", type=int, default=None,
+                 help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
+                      "tokenizer says it was trained with, model_max_length)")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+  """What is written: the output, its frame rate, the contact sheet, the compilation cache."""
+  p.add_argument("--out", default="output.mp4",
+                 help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
+  p.add_argument("--fps", type=float, default=16.0,
+                 help="frames per second of the output, %g to %g, as Wan (a GIF stores the nearest "
+                      "whole-centisecond delay)" % video_io.FPS_RANGE)
+  p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  p.add_argument("--contact-sheet", action="store_true",
+                 help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
+                      "evenly spaced frames, small videos enlarged)")
+  p.add_argument("--compile-cache", metavar="DIR", default=None,
+                 help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
+                      f"{compile_cache.default_dir()})")
+  p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+  """What changes the model or the loop: LoRAs, the step cache, the NaN guard."""
+  p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers or original Wan "
+                      "keys) fused into the transformer with weight SCALE (default 1); repeatable")
+  p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
+                      "(diffusers' load_into_transformer_2=True)")
+  p.add_argument("--step-cache", default=None, metavar="SPEC",
+                 help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
+                      "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
+                      "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
+                      "end_to_end.calibrate_cache`, built in for the tiny model); off when omitted. "
+                      "The skipped steps go into the sidecar")
+  p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
+                 help="do not stop when the latents become NaN/inf (checked after every step)")
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+  """Resumable denoising: --checkpoint-dir, --checkpoint-every, --resume, ..."""
+  c = p.add_argument_group("resumable denoising")
+  c.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                 help="save the denoising state to DIR as the run goes (default for runs estimated "
+                      f"at {estimate.LONG_S:g} s or more: OUT.resume beside the output)")
+  c.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                 help="save after every N-th step (and after the last); default %(default)s")
+  c.add_argument("--no-checkpoint", action="store_true", help="no checkpoint, even for a long run")
+  c.add_argument("--keep-checkpoint", action="store_true",
+                 help="keep the checkpoint after the video is written (default: removed)")
+  c.add_argument("--resume", metavar="DIR", default=None,
+                 help="continue the run saved in DIR; other flags may be left out (they are read from "
+                      "DIR) and those given must match it, except the mesh, devices and output")
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+  """Multi-process runs on JAX's distributed runtime: --coordinator, --num-processes, ..."""
+  g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
+  g.add_argument("--coordinator", default=None,
+                 help=f"HOST:PORT of process 0 (default ${distributed.ENV_COORDINATOR})")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help=f"processes in the run (default ${distributed.ENV_NUM_PROCESSES})")
+  g.add_argument("--process-id", type=int, default=None,
+                 help=f"this process, 0..N-1; 0 writes the output (default ${distributed.ENV_PROCESS_ID})")
+  g.add_argument("--coordinator-timeout", type=int, default=distributed.DEFAULT_TIMEOUT_S,
+                 help="seconds to wait for the coordinator and every process (default %(default)s)")
+  g.add_argument("--heartbeat-timeout", type=int, default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 help="seconds without a heartbeat after which a process counts as lost and every "
+                      "process stops, exit status 3 (default %(default)s)")
+  g.add_argument("--runtime-log", metavar="FILE", default=None,
+                 help="where the runtime's own log lines go in a multi-process run (default: a file "
+                      "in the system temporary directory, named when something goes wrong)")
+
+
+def parse_size(text: str) -> tuple[int, int]:
+  """"832x480" or "832*480" -> (width, height).
+
+  Raises:
+    UsageError: anything else.
+  """
+  match = re.fullmatch(r"\s*(\d+)\s*[x*X]\s*(\d+)\s*", text)
+  if match is None:
+    raise UsageError(f"--size {text!r} is malformed; write WIDTHxHEIGHT, e.g. 832x480 or 1280x720")
+  return int(match.group(1)), int(match.group(2))
+
+
+def parse_guidance(text: str) -> tuple[float, ...]:
+  """"5.0" -> (5.0,); "4.0,3.0" -> (4.0, 3.0).
+
+  Raises:
+    UsageError: not one or two numbers.
+  """
+  try:
+    values = tuple(float(v) for v in text.split(","))
+  except ValueError:
+    values = ()
+  if len(values) not in (1, 2):
+    raise UsageError(f"--guidance {text!r} must be one number (e.g. 5.0) or two, 'HIGH,LOW', for the "
+                     "two Wan 2.2 experts (e.g. 4.0,3.0)")
+  return values
+
+
+def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:
+  """`PATH[:SCALE]` -> (path, scale); SCALE defaults to 1 (a path holding ':' keeps it when what
+  follows the last ':' is not a number).
+
+  Raises:
+    UsageError: no such file or folder, or a scale that is not finite.
+  """
+  path, scale = text, 1.0
+  head, sep, tail = text.rpartition(":")
+  if sep:
+    try:
+      path, scale = head, float(tail)
+    except ValueError:
+      pass
+  if not math.isfinite(scale):
+    raise UsageError(f"{flag} {text!r}: the scale {tail!r} must be a finite number (1: as trained)")
+  if not os.path.exists(path):
+    raise UsageError(f"{flag} {text!r}: {path!r} is not a file or folder; pass a LoRA .safetensors "
+                     "file (or its folder), optionally with :SCALE")
+  return path, scale

@@ -1,0 +1,67 @@
+"""The published sampling defaults `generate` starts from: `PRESETS` (one per Wan release and the
+tiny model), `FOLDER_DEFAULTS` (a folder without --preset), the embedded model names and the
+default text length of a model. Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """Published sampling defaults of a Wan release.
+
+  Attributes:
+    width, height: pixels.
+    frames: video frames (4k + 1).
+    steps: denoising steps.
+    shift: flow shift of the scheduler.
+    guidance: one CFG scale, or (high-noise, low-noise) for the two Wan 2.2 experts.
+    source: where the numbers come from.
+  """
+  width: int
+  height: int
+  frames: int
+  steps: int
+  shift: float
+  guidance: tuple[float, ...]
+  source: str
+
+  def __post_init__(self):
+    if len(self.guidance) not in (1, 2):
+      raise ValueError(f"{self.guidance=} needs one scale or two (high-noise, low-noise expert)")
+
+
+PRESETS: dict[str, Preset] = {
+    # diffusers Wan docs / Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler config (flow_shift 3.0 at 480p).
+    "wan2.1-t2v-1.3b": Preset(832, 480, 81, 50, 3.0, (5.0,), "diffusers WanPipeline docs (480p: shift 3.0)"),
+    # Wan2.1 generate.py defaults for t2v-14B (shift 5.0, guide scale 5.0, 50 steps) at 1280*720.
+    "wan2.1-t2v-14b": Preset(1280, 720, 81, 50, 5.0, (5.0,), "Wan2.1 generate.py; diffusers docs (720p: shift 5.0)"),
+    # Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, 40 steps, sample_guide_scale (3.0 low
+    # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
+    "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py"),
+    # The embedded tiny models: the size and sampler settings the trained default was trained and
+    # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
+    "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
+}
+# The embedded models (`--model`): the trained default and the random-weight one.
+TINY_MODELS = ("tiny", "tiny-random")
+
+
+def default_text_length(model: str) -> int:
+  """Text tokens per prompt when none are asked for: the length `model` (a `TINY_MODELS` name or a
+  folder) was trained with, from its tokenizer's `model_max_length` (`tokenizer.folder_text_length`:
+  64 for the trained tiny default, 512 for Wan folders); Wan's 512 for the random-weight tiny model.
+  Reads one JSON file at most; loads no model."""
+  from pipelines.wan import tokenizer as tokenization
+  if model == "tiny-random":
+    return tokenization.WAN_TEXT_LENGTH
+  if model == "tiny":
+    from pipelines.wan.tiny import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
+    model = TINY_DEFAULT_FOLDER
+  return tokenization.folder_text_length(model)
+
+
+# A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
+FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")

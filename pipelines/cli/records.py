@@ -1,0 +1,236 @@
+"""What `generate` keeps beside a checkpoint: the run record (`RUN_RECORD`, the request for
+`--resume`, built from the `GenerationRequest` by `request_record`), `apply_resume` (flags read back
+from it), and the checkpoint folder's decisions (where it goes, when it is removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.presets import TINY_MODELS
+from pipelines.parallel import estimate
+from pipelines.storage import video_io
+
+if TYPE_CHECKING:
+  from pipelines.cli.run_plan import Plan
+
+RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
+# Flags that decide the video: with --resume each is read from the record, and one given must match.
+_RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
+             "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache")
+# Flags read from the record when not given, free to differ (where and how the video is written).
+_RECORDED_FREE = ("out", "fps")
+
+
+def check_checkpoint_dir(directory: str) -> None:
+  """A folder the checkpoint can go to: an existing folder, or a new one whose parent is a
+  writable folder.
+
+  Raises:
+    UsageError: a file of that name, or a parent that is missing, not a folder or not writable.
+  """
+  if os.path.exists(directory):
+    if not os.path.isdir(directory):
+      raise UsageError(f"--checkpoint-dir {directory!r} is a file; give a folder (new or existing)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+      raise UsageError(f"--checkpoint-dir {directory!r} is not writable")
+    return
+  parent = os.path.dirname(os.path.abspath(directory))
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    raise UsageError(f"--checkpoint-dir {directory!r}: its parent {parent!r} is not a writable folder")
+
+
+def given_flags(argv: list[str]) -> set[str]:
+  """The destinations of the flags present in `argv` (not their defaults)."""
+  parser = build_parser()  # (the description is --help's only)
+  for action in parser._actions:
+    action.default = argparse.SUPPRESS
+  return set(vars(parser.parse_args(argv)))
+
+
+def _normalized(name: str, value: Any) -> Any:
+  """A flag's value in the record's form (so "832*480" equals "832x480", "5" equals 5.0)."""
+  if value is None:
+    return None
+  if name == "size":
+    return "x".join(map(str, parse_size(value))) if isinstance(value, str) else value
+  if name == "guidance":
+    values = list(parse_guidance(value)) if isinstance(value, str) else list(value)
+    return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
+  if name == "model":
+    return value if value in TINY_MODELS else os.path.abspath(value)
+  if name in ("shift", "fps"):
+    return float(value)
+  if name == "step_cache":
+    from pipelines.wan.step_cache import parse_step_cache
+    return parse_step_cache(value, model="tiny").describe() if isinstance(value, str) else value
+  if name in ("lora", "lora_2"):
+    return [f"{os.path.abspath(path)}:{scale!r}" for path, scale in
+            (parse_lora_arg(text, "--" + name.replace("_", "-")) for text in value)]
+  return value
+
+
+def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
+  """`--resume DIR`: fills the flags not given from DIR's record; checks the given ones against it.
+
+  Raises:
+    UsageError: DIR holds no run record, or a given flag differs from it (naming each).
+  """
+  if args.resume is None:
+    return
+  from pipelines.pipeline import resume as resume_state
+
+  path = os.path.join(args.resume, RUN_RECORD)
+  if not os.path.isfile(path) or not os.path.isfile(resume_state.state_path(args.resume)):
+    raise UsageError(f"--resume {args.resume!r} is not a saved run: it needs {RUN_RECORD} and "
+                     f"{resume_state.STATE_FILE} (written by generate --checkpoint-dir, or for a long run "
+                     "beside the output as OUT.resume)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"--resume: {path} is unreadable ({e})") from e
+  if "checkpoint_dir" in given and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
+    raise UsageError("--resume DIR continues the checkpoint in DIR; drop --checkpoint-dir (or give the same folder)")
+  if args.no_checkpoint:
+    raise UsageError("--resume continues a checkpointed run; drop --no-checkpoint")
+  differences = []
+  for name in _RECORDED:
+    if name in given and _normalized(name, getattr(args, name)) != record.get(name):
+      differences.append(f"--{name.replace('_', '-')}: saved {record.get(name)!r}, given "
+                         f"{_normalized(name, getattr(args, name))!r}")
+  if differences:
+    raise UsageError(f"--resume {args.resume}: these flags differ from the saved run (leave them out to "
+                     "use the saved values): " + "; ".join(differences))
+  for name in _RECORDED + _RECORDED_FREE:
+    if name not in given and name in record:
+      value = record[name]
+      if name == "guidance" and value is not None:
+        value = ",".join(repr(float(g)) for g in value)
+      setattr(args, name, value)
+  args.checkpoint_dir = args.resume
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+  """What the run record and the sidecar hold besides the request: the command's own facts.
+
+  Attributes:
+    model: --model as given ("tiny", "tiny-random" or a folder).
+    preset: the --preset applied, or None.
+    out: --out; fps: frames per second of the output.
+    loras: (path, scale, expert 0 or 1), in loading order.
+    negative_prompt: --negative-prompt (the request drops it when guidance is off).
+  """
+  model: str
+  preset: str | None
+  out: str
+  fps: float
+  loras: tuple[tuple[str, float, int], ...]
+  negative_prompt: str
+
+  @classmethod
+  def of(cls, plan: Plan) -> RunFacts:
+    return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
+               negative_prompt=plan.negative_prompt)
+
+
+def flow_shift(request: Any) -> float:
+  """The flow shift of the request's scheduler (UniPC's `flow_shift`, Euler's `shift`)."""
+  scheduler = request.scheduler
+  return float(scheduler.flow_shift if hasattr(scheduler, "flow_shift") else scheduler.shift)
+
+
+def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
+  """The request as the run record holds it (`apply_resume` reads it back; the sidecar takes its
+  prompt, negative prompt, seed and preset from it): every value from the `GenerationRequest`,
+  in the flags' form, and the command's own facts.
+
+  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE`.
+  """
+  g1, g2 = request.guidance
+  record = {"prompt": request.prompts[0],
+            "negative_prompt": request.negative_prompts[0] if request.negative_prompts else facts.negative_prompt,
+            "model": _normalized("model", facts.model), "preset": facts.preset,
+            "size": f"{request.width}x{request.height}", "frames": request.num_frames, "steps": request.steps,
+            "guidance": [g1] if g1 == g2 else [g1, g2], "shift": flow_shift(request), "seed": request.seed,
+            "dtype": request.model.dtype, "max_sequence_length": request.max_sequence_length,
+            "out": os.path.abspath(facts.out), "fps": facts.fps}
+  for name, expert in (("lora", 0), ("lora_2", 1)):
+    record[name] = [f"{os.path.abspath(path)}:{scale!r}" for path, scale, e in facts.loras if e == expert]
+  record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
+  return record
+
+
+def write_run_record(request: Any, facts: RunFacts, directory: str) -> None:
+  """`request_record` in the checkpoint folder, as `apply_resume` reads it (process 0; atomic)."""
+  os.makedirs(directory, exist_ok=True)
+  video_io.write_json(request_record(request, facts), os.path.join(directory, RUN_RECORD), overwrite=True)
+
+
+def run_estimate(request: Any) -> estimate.Estimate:
+  """The modelled time of the request on this backend (`pipelines.parallel.estimate`)."""
+  import jax
+  return estimate.estimate(
+      request.model.transformer, frames=request.num_frames, height=request.height, width=request.width,
+      text_tokens=request.max_sequence_length, steps=request.steps, cfg=request.cfg,
+      dtype=request.model.dtype, backend=jax.default_backend(), devices=request.plan.spec.devices)
+
+
+def default_checkpoint_dir(out: str) -> str:
+  """Where a long run keeps its denoising checkpoint: OUT.resume beside the output."""
+  return os.path.normpath(out) + ".resume"
+
+
+
+def plan_checkpoint(plan: Plan, request: Any) -> Plan:
+  """Decides the checkpoint folder (given, or by default for a long run) and refuses one that
+  already holds a saved run unless resuming it.
+
+  Raises:
+    UsageError: the folder holds a saved run and this is not --resume.
+  """
+  from pipelines.pipeline import resume as resume_state
+
+  directory = plan.checkpoint_dir
+  if directory is None and plan.checkpoint_default and run_estimate(request).seconds >= estimate.LONG_S:
+    directory = default_checkpoint_dir(plan.out)
+  if directory is not None and not plan.resume and os.path.exists(resume_state.state_path(directory)):
+    raise UsageError(f"{directory} holds a saved denoising run; continue it with --resume {directory}, "
+                     "or remove that folder to start over")
+  return dataclasses.replace(plan, checkpoint_dir=directory)
+
+
+def remove_checkpoint(directory: str) -> None:
+  """The saved run in `directory` (state and record), and the folder if that empties it."""
+  from pipelines.pipeline import resume as resume_state
+
+  record = os.path.join(directory, RUN_RECORD)
+  if os.path.exists(record):
+    os.remove(record)
+  resume_state.remove(directory)
+
+
+def tidy_checkpoint(plan: Plan | None) -> None:
+  """A run stopped before its first checkpoint: its folder holds only the run record; removed, so
+  no folder that cannot be resumed is left behind (process 0 only)."""
+  from pipelines.pipeline import resume as resume_state
+
+  if (plan is None or plan.checkpoint_dir is None or plan.resume or not plan.writes
+      or os.path.exists(resume_state.state_path(plan.checkpoint_dir))):
+    return
+  remove_checkpoint(plan.checkpoint_dir)
+
+
+def resume_hint(plan: Plan | None) -> str:
+  """"; the denoising state is saved: continue with ..." when a checkpoint is on disk."""
+  from pipelines.pipeline import resume as resume_state
+
+  if plan is None or plan.checkpoint_dir is None or not os.path.exists(resume_state.state_path(plan.checkpoint_dir)):
+    return ""
+  return f"; the denoising state is saved: continue with generate --resume {plan.checkpoint_dir}"

@@ -1,0 +1,338 @@
+"""From flags to a checked request: `plan_run` (the checks that must come before JAX starts: the
+output, the checkpoint folder, the process spec, the mesh flags) and `check_plan` (JAX up, the model's
+JSON files read, no weights: the devices, --mesh auto, and the `GenerationRequest` that checks every
+value of the video, built by the one constructor the Python call uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import warnings
+from typing import Any
+
+from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
+from pipelines.cli import records
+from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
+from pipelines.parallel import distributed
+from pipelines.pipeline import compile_cache
+from pipelines.storage import video_io
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The flags as asked (presets applied), with every check that needs no JAX done; the video's
+  values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
+  prompt: str
+  negative_prompt: str
+  model: str
+  preset: str | None
+  width: int
+  height: int
+  frames: int  # as asked; the request rounds it to 4k + 1
+  steps: int
+  guidance: tuple[float, ...]
+  shift: float | None  # None: the folder's
+  seed: int | None  # None: drawn by `check_plan` (--seed -1 or none)
+  mesh: MeshSpec | None  # None: --mesh auto, resolved by `check_plan`
+  devices: int | None
+  dtype: str
+  max_sequence_length: int | None  # None: the model's (`presets.default_text_length`)
+  out: str
+  fps: float
+  overwrite: bool
+  nan_guard: bool = True
+  loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
+  processes: distributed.ProcessSpec | None = None  # None: a single-process run
+  compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
+  checkpoint_dir: str | None = None  # --checkpoint-dir or --resume
+  checkpoint_every: int = 1
+  checkpoint_default: bool = True  # False with --no-checkpoint
+  keep_checkpoint: bool = False
+  resume: bool = False
+  step_cache: str | None = None  # --step-cache SPEC, parsed by the request; None: off
+  attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+  vae_parallel: bool = True  # decode split by rows over the mesh's devices
+  contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
+
+  @property
+  def mesh_devices(self) -> int | None:
+    """Devices of the mesh (None for --mesh auto without --devices: the visible ones)."""
+    return self.mesh.devices if self.mesh is not None else self.devices
+
+  @property
+  def writes(self) -> bool:
+    """This process writes the output (process 0, or the only one)."""
+    return self.processes is None or self.processes.process_id == 0
+
+
+# --- before JAX starts --------------------------------------------------------------------------
+
+def plan_run(args: argparse.Namespace) -> Plan:
+  """Checks every argument that must be checked before JAX starts (the prompt, the model folder, the
+  mesh flags, the process spec, the checkpoint folder, the output); the video's values are checked
+  by `check_plan`.
+
+  Raises:
+    UsageError / video_io.OutputError: each bad argument, with what to do instead.
+  """
+  _check_prompt(args)
+  preset_name, preset = _preset(args)
+  guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
+  mesh = _mesh_flags(args, cfg_active=guidance[0] > 1)
+  _check_run_flags(args)
+  processes = _process_spec(args, mesh)
+  loras = tuple((*parse_lora_arg(text, flag), expert)
+                for flag, texts, expert in (("--lora", args.lora, 0), ("--lora-2", args.lora_2, 1))
+                for text in texts)
+  if processes is None or processes.process_id == 0:  # only process 0 writes
+    _check_outputs(args)
+  width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
+              preset=preset_name, width=width, height=height,
+              frames=args.frames if args.frames is not None else preset.frames,
+              steps=args.steps if args.steps is not None else preset.steps, guidance=guidance,
+              shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
+              seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
+              dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
+              max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
+              overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
+              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
+              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+              checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
+              resume=args.resume is not None, step_cache=args.step_cache,
+              attention_backend=args.attention_backend, vae_parallel=args.vae_parallel,
+              contact_sheet=args.contact_sheet)
+
+
+def _check_prompt(args: argparse.Namespace) -> None:
+  """Raises UsageError for a missing or blank --prompt."""
+  if args.prompt is None:
+    raise UsageError("--prompt is required (what the video shows), unless --resume DIR continues a "
+                     "saved run")
+  if not args.prompt.strip():
+    raise UsageError(f"--prompt {args.prompt!r} is empty; describe the video, e.g. --prompt "
+                     "'a red fox running through snow'")
+
+
+def _preset(args: argparse.Namespace) -> tuple[str | None, Preset]:
+  """(--preset name or None, its values): 'tiny' for the tiny models, diffusers' defaults for a folder.
+
+  Raises:
+    UsageError: --model neither a tiny model nor a folder, or an unknown --preset.
+  """
+  tiny = args.model in TINY_MODELS
+  if not tiny and not os.path.isdir(args.model):
+    raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
+                     "(model_index.json, transformer/, ...) or 'tiny' for the embedded default "
+                     "('tiny-random': random weights)")
+  preset_name = args.preset or ("tiny" if tiny else None)
+  if preset_name is not None and preset_name not in PRESETS:
+    raise UsageError(f"unknown --preset {preset_name!r}; use one of {', '.join(PRESETS)}")
+  if tiny and preset_name != "tiny":
+    # A real model's preset on the random tiny model is almost always a mistake: it keeps the
+    # tiny weights but runs at full size (minutes per step on a CPU).
+    warnings.warn(f"--preset {preset_name} sets the size/steps of a real Wan checkpoint but --model is "
+                  "the embedded tiny model; pass --model FOLDER for a real video",
+                  stacklevel=3)
+  return preset_name, PRESETS[preset_name] if preset_name else FOLDER_DEFAULTS
+
+
+def _mesh_flags(args: argparse.Namespace, *, cfg_active: bool) -> MeshSpec | None:
+  """--mesh (None: auto), checked by `pipelines.parallel.plan.check_spec` (the rules that need no
+  devices), and --devices against it.
+
+  Raises:
+    UsageError: a malformed mesh, --shard-weights with auto or one device, CFG=2 without guidance,
+      a --devices that is not the mesh's.
+  """
+  from pipelines.parallel.plan import check_spec
+
+  mesh = None
+  if args.mesh.strip().lower() == "auto" and args.shard_weights:
+    raise UsageError("--mesh auto picks whether to shard the weights itself; drop --shard-weights (or give "
+                     "an explicit mesh, e.g. --mesh U=2,R=2 --shard-weights)")
+  if args.mesh.strip().lower() != "auto":
+    try:
+      mesh = MeshSpec.parse(args.mesh, shard_weights=args.shard_weights)
+    except ValueError as e:
+      raise UsageError(f"--mesh: {e}") from e
+    try:
+      check_spec(mesh, cfg_active=cfg_active)
+    except ValueError as e:
+      raise flag_error(e) from e
+  if args.devices is not None:
+    if args.devices < 1:
+      raise UsageError(f"--devices {args.devices} must be >= 1")
+    if mesh is not None and args.devices != mesh.devices:
+      raise UsageError(f"--devices {args.devices} does not match --mesh {mesh} ({mesh.devices} devices); pass "
+                       f"--devices {mesh.devices} or a mesh of {args.devices} devices")
+  return mesh
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+  """The timeouts and the checkpoint flags (`records.check_checkpoint_dir`).
+
+  Raises:
+    UsageError: a timeout or --checkpoint-every out of range, contradicting checkpoint flags, a
+      checkpoint folder that cannot be written.
+  """
+  if args.coordinator_timeout < 1:
+    raise UsageError(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 (seconds)")
+  if args.checkpoint_every < 1:
+    raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 (steps)")
+  if args.checkpoint_dir is not None and args.no_checkpoint:
+    raise UsageError("--checkpoint-dir and --no-checkpoint contradict each other; drop one")
+  if args.checkpoint_dir is not None:
+    records.check_checkpoint_dir(args.checkpoint_dir)
+  if args.heartbeat_timeout < 2:
+    raise UsageError(f"--heartbeat-timeout {args.heartbeat_timeout} must be >= 2 (seconds)")
+
+
+def _process_spec(args: argparse.Namespace, mesh: MeshSpec | None) -> distributed.ProcessSpec | None:
+  """This process's place in a multi-process run (None: a single-process run).
+
+  Raises:
+    UsageError: inconsistent process flags, or a mesh that does not split over the processes.
+  """
+  try:
+    processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id,
+                                         timeout_s=args.coordinator_timeout,
+                                         heartbeat_timeout_s=args.heartbeat_timeout)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+  if processes is not None and mesh is not None and mesh.devices % processes.num_processes:
+    raise UsageError(f"--mesh {mesh} ({mesh.devices} devices) must split evenly over --num-processes "
+                     f"{processes.num_processes}; e.g. U=<devices per process>,R={processes.num_processes}")
+  return processes
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+  """--fps, --out and the contact sheet (process 0); a GIF's rounded frame delay warns now.
+
+  Raises:
+    UsageError: an --fps that cannot be stored.
+    video_io.OutputError: an output that cannot be written, or exists without --overwrite.
+  """
+  try:
+    video_io.check_fps(args.fps)
+  except video_io.OutputError as e:
+    raise UsageError(f"--fps: {e}") from e
+  video_io.check_output(args.out, overwrite=args.overwrite)
+  sheet = video_io.contact_sheet_path(args.out) if args.contact_sheet else None
+  if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
+    raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")
+  if video_io.output_kind(args.out) == "gif":
+    video_io.gif_delay_cs(args.fps)  # its warning said now (main prints it), not after the run
+
+
+def request_cpu_devices_for(plan: Plan) -> int | None:
+  """Asks XLA for the mesh's (or --devices) CPU devices, split over the processes of a multi-process
+  run (`attention.mesh.request_cpu_devices`); returns the count asked for in this process, None if
+  not needed.
+
+  Only takes effect if the JAX backend has not started yet (hence before any compute); a count the
+  user already put in XLA_FLAGS is respected.
+
+  Raises:
+    UsageError: XLA_FLAGS sets a device count and --devices another.
+  """
+  processes = plan.processes.num_processes if plan.processes is not None else 1
+  wanted = (plan.mesh_devices or 1) // processes
+  flags = os.environ.get("XLA_FLAGS", "")
+  match = re.search(rf"--{_DEVICE_FLAG}=(\d+)", flags)
+  if match is not None:
+    if plan.devices is not None and int(match.group(1)) * processes != plan.devices:
+      raise UsageError(f"XLA_FLAGS already sets --{_DEVICE_FLAG}={match.group(1)} but --devices "
+                       f"{plan.devices} was given; drop one of them")
+    return None
+  return request_cpu_devices(wanted)
+
+
+# --- JAX up, no weights -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """A plan that passed the checks needing JAX (devices, model config), and its request."""
+  plan: Plan
+  device_note: str
+  transformer: Any = None  # its WanTransformerConfig
+  mesh_auto: bool = False  # the mesh is the planner's pick (--mesh auto)
+  request: Any = None  # the `GenerationRequest` (pipelines.pipeline.request)
+
+
+def check_plan(plan: Plan) -> Checked:
+  """The checks that need JAX's device list or the model's JSON files (still no weights, no compute);
+  the video's values are checked by building the `GenerationRequest` (`build_request`).
+
+  A multi-process run joins JAX's distributed runtime here, after the model checks and before
+  JAX's backend starts.
+
+  Raises:
+    UsageError: see `_check_device_flag`, `build_request`, and --lora-2 for a one-expert model.
+    weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    ValueError: a LoRA that does not fit the transformer (`pipelines.wan.lora.parse_lora`).
+    distributed.DistributedError: the coordinator was not reached in time.
+  """
+  from pipelines.cli import devices
+
+  requested = request_cpu_devices_for(plan)
+  facts = devices.model_facts(plan)
+  if plan.processes is not None:
+    devices.join(plan, facts)
+  devices.check_device_flag(plan)
+  request = build_request(plan, facts, devices.draw_seed(plan))
+  mesh_auto = plan.mesh is None
+  if mesh_auto:
+    plan, request = devices.auto_mesh(plan, request)
+  _check_loras(plan, facts)
+  plan = records.plan_checkpoint(plan, request)
+  return Checked(plan, devices.device_note(plan, requested), facts.transformer, mesh_auto, request)
+
+
+def build_request(plan: Plan, facts: Any, seed: int) -> Any:
+  """The `GenerationRequest` of the plan against the model's facts (`ModelFacts`): the one constructor
+  the Python call uses checks every value. A one-device mesh runs without one (mesh=None), as the
+  pipeline's default.
+
+  Raises:
+    UsageError: each value the request refuses, naming its flag (`flags.flag_error`).
+  """
+  import jax
+
+  from pipelines.pipeline.request import GenerationRequest
+
+  # --mesh auto: until the planner picks (`devices.auto_mesh`), a ring over every visible device,
+  # which fits any model and spans every process.
+  mesh = plan.mesh if plan.mesh is not None else MeshSpec(ring=jax.device_count())
+  several = mesh.devices > 1
+  try:
+    return GenerationRequest.build(
+        facts, plan.prompt, plan.negative_prompt, height=plan.height, width=plan.width,
+        num_frames=plan.frames, num_inference_steps=plan.steps, guidance_scale=plan.guidance[0],
+        guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None, flow_shift=plan.shift,
+        seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
+        step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
+        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes)
+  except ValueError as e:
+    raise flag_error(e) from e
+
+
+def _check_loras(plan: Plan, facts: Any) -> None:
+  """Each LoRA's keys and shapes against the transformer (no compute), --lora-2 against the experts.
+
+  Raises:
+    UsageError: --lora-2 for a one-expert model.
+    ValueError: a LoRA that does not fit (`pipelines.wan.lora.parse_lora`).
+  """
+  from pipelines.wan import lora
+
+  for path, _, expert in plan.loras:
+    if expert >= facts.experts:
+      raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {plan.model!r} has one "
+                       "transformer; use --lora")
+    lora.parse_lora(*lora.read_lora(path)[:2], facts.transformer, where=path)
+
