@@ -155,12 +155,6 @@ def _load(plan: Plan, request: Any) -> Any:
 
 
 # --- the one call into the pipeline ---------------------------------------------------------------
-# When `WanPipeline.generate(request, *, resume=None, progress=True, nan_guard=True)` lands, this body
-# becomes:
-#   from pipelines.pipeline.resume import ResumeConfig
-#   resume = None if plan.checkpoint_dir is None else ResumeConfig(
-#       plan.checkpoint_dir, every=plan.checkpoint_every, resume=plan.resume, keep=True)
-#   return pipe.generate(request, resume=resume, progress=plan.writes, nan_guard=plan.nan_guard)
 
 def _generate(pipe: Any, request: Any, plan: Plan) -> Any:
   """Runs the checked `request` on `pipe` (the only place the command calls the pipeline); the
@@ -168,18 +162,12 @@ def _generate(pipe: Any, request: Any, plan: Plan) -> Any:
 
   Returns: the pipeline's `GenerationResult` (frames None on processes that do not write).
   """
-  g1, g2 = request.guidance
-  return pipe.run(request.prompts[0], request.negative_prompts[0] if request.negative_prompts else None,
-                  height=request.height, width=request.width, num_frames=request.num_frames,
-                  num_inference_steps=request.steps, guidance_scale=g1,
-                  guidance_scale_2=g2 if request.model.experts == 2 else None,
-                  flow_shift=flow_shift(request), seed=request.seed,
-                  max_sequence_length=request.max_sequence_length, mesh=request.plan.mesh,
-                  progress=plan.writes, nan_guard=plan.nan_guard, decode=request.decode,
-                  checkpoint_dir=plan.checkpoint_dir, checkpoint_every=plan.checkpoint_every,
-                  resume=plan.resume, keep_checkpoint=True, step_cache=request.step_cache,
-                  shard_weights=request.plan.shard_weights, attention_backend=request.plan.attention_backend,
-                  vae_parallel=request.plan.vae_parallel)
+  from pipelines.pipeline.call_options import CallOptions
+  from pipelines.pipeline.resume import ResumeConfig
+
+  resume = None if plan.checkpoint_dir is None else ResumeConfig(
+      plan.checkpoint_dir, every=plan.checkpoint_every, resume=plan.resume, keep=True)
+  return pipe.generate(request, CallOptions(progress=plan.writes, nan_guard=plan.nan_guard), resume=resume)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -323,10 +323,14 @@ class WanPipeline(LoraLoaderMixin):
         (naming each difference); the video equals the uninterrupted run's.
 
     Raises:
+      ValueError: a request checked against another model (`request.model != pipe.facts`).
       resume.ResumeError: `resume` without a checkpoint, a checkpoint of another run, or one in the
         way of a new run; raised before any denoising.
       NonFiniteLatentsError: latents became NaN/inf (with the NaN guard), naming the step.
     """
+    if request.model != self.facts:
+      raise ValueError(f"the request was checked against another model ({request.model}); this pipeline is "
+                       f"{self.facts}: build it with GenerationRequest.build(pipe.facts, ...)")
     options = CallOptions(progress=self._progress) if options is None else options
     if resume is not None:
       options = dataclasses.replace(options, resume=resume)
