@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import UsageError, flag_error
 from pipelines.parallel import distributed
 
-if TYPE_CHECKING:
-  from pipelines.cli.run_plan import Plan
+from pipelines.cli.plan import Plan
 
 
 def model_facts(plan: Plan) -> Any:

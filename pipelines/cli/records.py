@@ -9,15 +9,14 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_size
 from pipelines.cli.presets import TINY_MODELS
 from pipelines.parallel import estimate
 from pipelines.storage import video_io
 
-if TYPE_CHECKING:
-  from pipelines.cli.run_plan import Plan
+from pipelines.cli.plan import Plan
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
 # Flags that decide the video: with --resume each is read from the record, and one given must match.

@@ -15,61 +15,13 @@ from typing import Any
 
 from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
+from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """The flags as asked (presets applied), with every check that needs no JAX done; the video's
-  values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
-  prompt: str
-  negative_prompt: str
-  model: str
-  preset: str | None
-  width: int
-  height: int
-  frames: int  # as asked; the request rounds it to 4k + 1
-  steps: int
-  guidance: tuple[float, ...]
-  shift: float | None  # None: the folder's
-  seed: int | None  # None: drawn by `check_plan` (--seed -1 or none)
-  mesh: MeshSpec | None  # None: --mesh auto, resolved by `check_plan`
-  devices: int | None
-  dtype: str
-  max_sequence_length: int | None  # None: the model's (`presets.default_text_length`)
-  out: str
-  fps: float
-  overwrite: bool
-  nan_guard: bool = True
-  loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
-  processes: distributed.ProcessSpec | None = None  # None: a single-process run
-  compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
-  checkpoint_dir: str | None = None  # --checkpoint-dir or --resume
-  checkpoint_every: int = 1
-  checkpoint_default: bool = True  # False with --no-checkpoint
-  keep_checkpoint: bool = False
-  resume: bool = False
-  step_cache: str | None = None  # --step-cache SPEC, parsed by the request; None: off
-  attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
-  vae_parallel: bool = True  # decode split by rows over the mesh's devices
-  contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
-
-  @property
-  def mesh_devices(self) -> int | None:
-    """Devices of the mesh (None for --mesh auto without --devices: the visible ones)."""
-    return self.mesh.devices if self.mesh is not None else self.devices
-
-  @property
-  def writes(self) -> bool:
-    """This process writes the output (process 0, or the only one)."""
-    return self.processes is None or self.processes.process_id == 0
-
-
-# --- before JAX starts --------------------------------------------------------------------------
 
 def plan_run(args: argparse.Namespace) -> Plan:
   """Checks every argument that must be checked before JAX starts (the prompt, the model folder, the

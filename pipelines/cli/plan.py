@@ -1,0 +1,59 @@
+"""`Plan`: the `generate` flags as asked (presets applied), checked where no JAX is needed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+from attention.mesh import MeshSpec
+from pipelines.parallel import distributed
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The flags as asked (presets applied), with every check that needs no JAX done; the video's
+  values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
+  prompt: str
+  negative_prompt: str
+  model: str
+  preset: str | None
+  width: int
+  height: int
+  frames: int  # as asked; the request rounds it to 4k + 1
+  steps: int
+  guidance: tuple[float, ...]
+  shift: float | None  # None: the folder's
+  seed: int | None  # None: drawn by `check_plan` (--seed -1 or none)
+  mesh: MeshSpec | None  # None: --mesh auto, resolved by `check_plan`
+  devices: int | None
+  dtype: str
+  max_sequence_length: int | None  # None: the model's (`presets.default_text_length`)
+  out: str
+  fps: float
+  overwrite: bool
+  nan_guard: bool = True
+  loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
+  processes: distributed.ProcessSpec | None = None  # None: a single-process run
+  compile_cache: str | None = None  # the persistent compilation cache's directory; None: off
+  checkpoint_dir: str | None = None  # --checkpoint-dir or --resume
+  checkpoint_every: int = 1
+  checkpoint_default: bool = True  # False with --no-checkpoint
+  keep_checkpoint: bool = False
+  resume: bool = False
+  step_cache: str | None = None  # --step-cache SPEC, parsed by the request; None: off
+  attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+  vae_parallel: bool = True  # decode split by rows over the mesh's devices
+  contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
+
+  @property
+  def mesh_devices(self) -> int | None:
+    """Devices of the mesh (None for --mesh auto without --devices: the visible ones)."""
+    return self.mesh.devices if self.mesh is not None else self.devices
+
+  @property
+  def writes(self) -> bool:
+    """This process writes the output (process 0, or the only one)."""
+    return self.processes is None or self.processes.process_id == 0
+
+
+# --- before JAX starts --------------------------------------------------------------------------
