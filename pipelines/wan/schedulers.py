@@ -171,7 +171,7 @@ def _zero_step_rks(cfg: UniPCConfig, order: int, n: int) -> list[np.float32]:
   predictor has h = lambda_t - lambda_s0 = 0. diffusers (`multistep_uni_p_bh_update`) then gets
   h_phi_1 = B(h) = expm1(-0) = -0 and rk = (lambda_k - lambda_s0) / 0 = -inf, D_k = (m_k - m0) / rk
   = 0, so x_t = (sigma_t / sigma_s0) x - alpha_t * h_phi_1 * m0 - alpha_t * B(h) * rho . D = x: the
-  step returns its input, for order 1 and order 2 (rho = 0.5 fixed). The tables reproduce that with
+  predictor returns the (corrected) sample it starts from, for order 1 and order 2 (rho = 0.5). The tables reproduce that with
   cx = 1, cm0 = cres = -0 (computed as usual) and rk = 1 (finite) in place of -inf.
 
   Raises:
