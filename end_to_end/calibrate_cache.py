@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
   from pipelines.cli.generate import TINY_MODELS, parse_size
   from pipelines.pipeline import WanPipeline
+  from pipelines.wan import mag_calibration
 
   own = model_settings(args.model)
   width, height = parse_size(args.size) if args.size else (own["width"], own["height"])
@@ -123,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                      max_sequence_length=text_length, mesh=mesh)
   # What mag_calibration.check_calibration compares with a run's settings.
   record = {
-      "method": "mag", "model": args.model if tiny else os.path.basename(os.path.abspath(args.model)),
-      "model_fingerprint": pipe.fingerprint(), "width": width, "height": height, "frames": frames,
-      "steps": steps, "max_sequence_length": text_length, "ratios": ratios,
+      "method": "mag",
+      **mag_calibration.record_fields(
+          model=args.model if tiny else os.path.basename(os.path.abspath(args.model)),
+          fingerprint=pipe.fingerprint(), width=width, height=height, frames=frames, steps=steps,
+          max_sequence_length=text_length),
+      "ratios": ratios,
       "calibration": {"prompts": prompts, "size": f"{width}x{height}", "frames": frames,
                       "guidance": guidance, "shift": args.shift, "seed": args.seed,
                       "max_sequence_length": text_length, "dtype": dtype, "mesh": args.mesh},
