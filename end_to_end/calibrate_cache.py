@@ -35,8 +35,9 @@ from pipelines.cli.help import HelpFormatter
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
 # The trained tiny default draws end_to_end.synthetic_world's shapes; calibrate on prompts it knows
-# (other than step_cache_report's "a red fox running through snow" and the README's examples).
-TINY_PROMPTS = ("a green circle moving down", "a yellow triangle standing still", "a blue square moving left")
+# (not the ones step_cache_report was measured with: "a red square moving right", "a blue square
+# moving left", "a red triangle moving down").
+TINY_PROMPTS = ("a green circle moving down", "a yellow triangle standing still", "a white circle moving up")
 
 
 def build_parser() -> argparse.ArgumentParser:
