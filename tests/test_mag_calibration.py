@@ -91,3 +91,32 @@ def test_record_fields_round_trip(shipped):
                                          steps=8, max_sequence_length=64)
   assert set(fields) == set(mag_calibration.FIELDS) and set(mag_calibration.FIELDS) <= set(shipped)
   assert mag_calibration.check_calibration(fields, model="tiny", fingerprint="f" * 64, **TRAINED) is None
+
+
+@pytest.fixture(scope="module")
+def trained():
+  return WanPipeline.tiny()
+
+
+# The thresholds proposed for the README (measured with end_to_end.step_cache_report on the trained
+# default at 64x64 x 17, 8 steps, three prompts: mag:0.15 skips steps 2 and 4, first-block:0.2
+# two or three of steps 2, 4, 6; never the last).
+README_SPECS = ("mag:0.15", "first-block:0.2")
+
+
+@pytest.mark.parametrize("spec", README_SPECS)
+def test_readme_thresholds_skip_some_steps_but_not_the_last(trained, spec):
+  result = trained.run("a blue square moving left", height=64, width=64, num_frames=17, num_inference_steps=8,
+                       seed=0, max_sequence_length=64, step_cache=spec, progress=False, decode=False)
+  skipped = result.settings["step_cache"]["skipped_steps"]
+  assert 2 <= len(skipped) <= 3 and 7 not in skipped, (spec, skipped)
+
+
+def test_random_models_ratios_skip_the_last_step_of_the_trained_default(trained):
+  """Positive control for the test above (the issue's case): the random-weight model's ratios
+  (~1.0) on the trained default make mag:0.05 skip 5 of 8 steps, the last among them."""
+  from test_step_cache import RANDOM_RATIOS
+  result = trained.run("a blue square moving left", height=64, width=64, num_frames=17, num_inference_steps=8,
+                       seed=0, max_sequence_length=64, step_cache=f"mag:0.05@{RANDOM_RATIOS}", progress=False,
+                       decode=False)
+  assert result.settings["step_cache"]["skipped_steps"] == [2, 3, 4, 6, 7]
