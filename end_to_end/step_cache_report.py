@@ -1,6 +1,6 @@
 r"""Step caching: skipped steps vs video quality (and denoise time) against the uncached run.
 
-  python -m end_to_end.step_cache_report                        # tiny model, 50 steps, 6 settings
+  python -m end_to_end.step_cache_report                        # trained tiny default, its settings
   python -m end_to_end.step_cache_report --spec first-block:0.1 --spec mag:0.05 --json report.json
   python -m end_to_end.step_cache_report --preset 1.3b-width --steps 20 --spec first-block:0.1 \
       --spec mag:0.05 --calibrate                              # wall time on the 1.3B-width preset
@@ -15,8 +15,12 @@ machine whose load drifts between runs, the in-run estimate is steadier: it comp
 times of the full and the skipped steps of the same run (`in_run_speedup`). The JSON also holds
 each setting's per-step change measures (`metrics`), to pick thresholds for another model.
 
-`--model tiny` (default) is `WanPipeline.tiny()` at generate's tiny preset size (256x256 x 17
-frames) with 50 steps; MagCache uses its shipped ratios (calibrated on other prompts and seeds).
+`--model tiny` (default) is the trained embedded default `WanPipeline.tiny()` at its own settings
+(generate's "tiny" preset: 64x64 x 17 frames, 8 steps, 64 text tokens; `calibrate_cache.
+model_settings`), `tiny-random` the random-weight model (same size and steps, 512 tokens); MagCache
+uses the shipped ratios, calibrated for the trained default at those settings on other prompts
+(`pipelines/wan/mag_calibration.py`). A folder runs at 256x256 x 17, 50 steps, 512 tokens unless
+told otherwise.
 `--preset NAME` builds an `end_to_end.bench_presets` pipeline (random weights) instead; with
 `--calibrate` its MagCache ratios are measured first (one uncached run, `calibrate_cache.calibrate`,
 on another seed) and used by every "mag" spec without a file.
@@ -40,16 +44,19 @@ DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag
 def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.step_cache_report", description=__doc__,
                                formatter_class=HelpFormatter)
-  ap.add_argument("--model", default="tiny", help="'tiny' or a diffusers Wan folder (ignored with --preset)")
+  ap.add_argument("--model", default="tiny", help="'tiny' (the trained default), 'tiny-random' or a "
+                  "diffusers Wan folder (ignored with --preset)")
   ap.add_argument("--preset", default=None, help="an end_to_end.bench_presets name, e.g. 1.3b-width")
   ap.add_argument("--spec", action="append", help=f"step-cache setting (repeatable; default {DEFAULT_SPECS})")
   ap.add_argument("--prompt", default="a red fox running through snow", help="the prompt of every run")
-  ap.add_argument("--size", default=None, help="WIDTHxHEIGHT (default 256x256, or the preset's)")
+  ap.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the tiny models' 64x64, the "
+                  "preset's, or 256x256)")
   ap.add_argument("--frames", type=int, default=None, help="video frames (default 17, or the preset's)")
-  ap.add_argument("--steps", type=int, default=50, help="denoising steps")
+  ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: 8 for the tiny models, else 50)")
   ap.add_argument("--guidance", type=float, default=5.0, help="CFG scale")
   ap.add_argument("--seed", type=int, default=0, help="noise seed of every run")
-  ap.add_argument("--max-sequence-length", type=int, default=512, help="text tokens L")
+  ap.add_argument("--max-sequence-length", type=int, default=None,
+                  help="text tokens L (default: the model's, 64 for tiny, else 512)")
   ap.add_argument("--mesh", default="U=1,R=1", help="sequence-parallel mesh, e.g. U=2,R=2")
   ap.add_argument("--no-decode", action="store_true",
                   help="skip the VAE (timing only: no PSNR/SSIM; the latents' max difference is reported)")
@@ -88,21 +95,31 @@ def main(argv: list[str] | None = None) -> int:
   import numpy as np
 
   from end_to_end import bench_presets, calibrate_cache, video_metrics
-  from pipelines.cli.generate import parse_size
+  from pipelines.cli.generate import TINY_MODELS, parse_size
   from pipelines.pipeline import WanPipeline
+
+  steps, text_length = 50, 512  # a preset's or a folder's, unless given
 
   if args.preset is not None:
     preset = bench_presets.PRESETS[args.preset]
     pipe = bench_presets.init_ours(preset)
     width, height, frames = preset.width, preset.height, preset.frames
     name = f"preset {args.preset}"
+  elif args.model in TINY_MODELS:
+    pipe = WanPipeline.tiny(random=args.model == "tiny-random")
+    own = calibrate_cache.model_settings(args.model)
+    width, height, frames, steps, text_length = (own[k] for k in ("width", "height", "frames", "steps",
+                                                                   "max_sequence_length"))
+    name = args.model
   else:
-    pipe = WanPipeline.tiny() if args.model == "tiny" else WanPipeline.from_pretrained(args.model, dtype="bfloat16")
+    pipe = WanPipeline.from_pretrained(args.model, dtype="bfloat16")
     width, height, frames = 256, 256, 17
     name = pipe.name
   if args.size:
     width, height = parse_size(args.size)
   frames = args.frames or frames
+  args.steps = args.steps or steps
+  args.max_sequence_length = args.max_sequence_length or text_length
   mesh = None if mesh_spec.devices == 1 else str(mesh_spec)
   kwargs = dict(prompt=args.prompt, height=height, width=width, num_frames=frames,
                 num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,

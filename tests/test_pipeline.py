@@ -224,12 +224,28 @@ def test_batch_equals_each_alone(tiny):
 
 # --- checks before compute ---
 
-def test_prompt_clean_matches_diffusers():
+def test_wan_negative_prompt_matches_diffusers(folders, loaded, monkeypatch):
+  """Wan's default (Chinese, fullwidth-comma) negative prompt and prompts with curly quotes,
+  fullwidth punctuation and ligatures: ours vs diffusers (with ftfy, as Wan) >= FP32_VIDEO_PSNR_DB
+  (above the 50 dB asked). Positive control: ours with the cleaning lacking ftfy is < 50 dB from
+  the same reference (the prompts tokenise differently), so the bar measures the cleaning.
+  Prompt-level equality and token ids: tests/test_tokenizer.py."""
+  from test_tokenizer import TRICKY_PROMPTS, WAN_NEGATIVE_PROMPT, _clean_without_ftfy
   from diffusers.pipelines.wan import pipeline_wan
-  if pipeline_wan.is_ftfy_available():
-    pytest.skip("diffusers uses ftfy here; the comparison assumes its ftfy-free path")
-  for text in PROMPTS + ["\t tabs\tand\n\nnewlines ", "&amp;lt;b&amp;gt; html", "plain"]:
-    assert tokenizer.prompt_clean(text) == pipeline_wan.prompt_clean(text)
+  assert pipeline_wan.is_ftfy_available()
+  prompts, negatives = [TRICKY_PROMPTS[0], TRICKY_PROMPTS[2]], [WAN_NEGATIVE_PROMPT, TRICKY_PROMPTS[1]]
+  kwargs = dict(**SIZE, num_inference_steps=2, guidance_scale=4.0, max_sequence_length=MAX_LEN)
+  pipe = diffusers.WanPipeline.from_pretrained(folders["wan21"])
+  pipe.set_progress_bar_config(disable=True)
+  with torch.no_grad(), pytest.warns(UserWarning, match="truncated"):  # our tokenize says so
+    ref = pipe(prompts, negative_prompt=negatives, latents=torch.from_numpy(LATENTS.copy()),
+               output_type="np", **kwargs).frames
+    ours = loaded["wan21"].run(prompts, negatives, latents=LATENTS, **kwargs).frames
+  assert_psnr_at_least(ours, ref, FP32_VIDEO_PSNR_DB, name="Wan negative prompt vs diffusers")
+  monkeypatch.setattr(tokenizer, "prompt_clean", _clean_without_ftfy)
+  with pytest.warns(UserWarning, match="truncated"):
+    unfixed = loaded["wan21"].run(prompts, negatives, latents=LATENTS, **kwargs).frames
+  assert psnr(unfixed, ref) < 50, "the prompts should tokenise differently without ftfy"
 
 
 def test_round_num_frames_warns_like_diffusers():

@@ -228,6 +228,35 @@ def test_from_config_reads_wan_scheduler_config(tmp_path):
   assert cfg == schedulers.FlowEulerConfig(shift=7.0)
 
 
+@pytest.mark.parametrize("shift", [1.0, 5.0])
+@pytest.mark.parametrize("solver_type", ["bh1", "bh2"])
+@pytest.mark.parametrize("order", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 20])
+def test_unipc_sigma_min_without_lower_order_final_matches_diffusers(n, order, solver_type, shift):
+  """final_sigmas_type="sigma_min", lower_order_final=False: the last step repeats the last sigma
+  (h = 0). diffusers' predictor returns its input there at order <= 2 (`_zero_step_rks`; the
+  corrector of the step before still runs); ours matches it to float32 rounding (these were refused
+  with "non-finite UniPC coefficient table 'p_rk'" before). At order 3 (n >= 3) diffusers returns NaN, and ours refuses the schedule
+  naming lower_order_final; the NaN is checked too, so the refusal is not hiding a finite answer."""
+  kw = dict(solver_order=order, solver_type=solver_type, final_sigmas_type="sigma_min",
+            lower_order_final=False)
+  ref = UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                flow_shift=shift, **kw)
+  t_ref, s_ref, x_ref = run_diffusers(ref, n)
+  assert s_ref[-1] == s_ref[-2]  # h = 0 at the last step: the case under test
+  config = schedulers.UniPCConfig(flow_shift=shift, **kw)
+  if min(order, n) >= 3:
+    assert np.all(np.isnan(x_ref)), "diffusers is finite here now; compare trajectories instead"
+    with pytest.raises(ValueError, match=r"h = 0 and order 3.*set lower_order_final=True"):
+      config.set_timesteps(n)
+    return
+  schedule, x = run_jax(config, n)
+  np.testing.assert_array_equal(schedule.timesteps, t_ref)
+  np.testing.assert_array_equal(schedule.sigmas, s_ref)
+  assert np.all(np.isfinite(x)) and np.all(np.isfinite(x_ref))
+  assert_close_scaled(x, x_ref, rel=trajectory_rel(n), name=f"UniPC sigma_min {kw} {n=} {shift=}")
+
+
 @pytest.mark.parametrize("change", [{"use_karras_sigmas": True}, {"prediction_type": "epsilon"},
                                     {"use_flow_sigmas": False}, {"thresholding": True},
                                     {"use_dynamic_shifting": True}, {"solver_type": "midpoint"},

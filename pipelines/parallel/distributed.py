@@ -28,6 +28,7 @@ exit status 3, with the low-level log in a file.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -35,7 +36,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -339,6 +340,7 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
+  check_equal_device_counts()  # before multihost_utils, which needs them equal
   from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -360,6 +362,7 @@ def check_same_settings(settings: Mapping[str, Any]) -> None:
   import jax
   if jax.process_count() == 1:
     return
+  check_equal_device_counts()  # before multihost_utils, which needs them equal
   from jax.experimental import multihost_utils
 
   text = json.dumps(dict(settings), sort_keys=True, default=str).encode()
@@ -384,16 +387,49 @@ def check_same_settings(settings: Mapping[str, Any]) -> None:
                    + "; start every process with the same command (only --process-id differs)")
 
 
-def check_mesh_spans_processes(mesh_devices: int | None) -> None:
-  """In a multi-process run the mesh must hold every process's devices (a process with no device
-  in the mesh would have no part of the computation).
+def process_device_counts(devices: Sequence[Any] | None = None) -> list[int]:
+  """Devices per process: entry i counts the devices (default `jax.devices()`, every process's)
+  whose `process_index` is i, for i < `jax.process_count()`. Reads no data from other processes."""
+  import jax
+  devices = jax.devices() if devices is None else devices
+  counts = collections.Counter(int(d.process_index) for d in devices)
+  return [counts.get(i, 0) for i in range(jax.process_count())]
+
+
+def check_equal_device_counts(devices: Sequence[Any] | None = None) -> None:
+  """Every process of a multi-process run must hold the same number of devices: JAX's host
+  collectives (`jax.experimental.multihost_utils`, used by `check_same_settings`, `to_host`, the
+  seed broadcast) lay `jax.devices()` out as [processes, local devices], and the meshes here put
+  Ulysses within a host and the ring across hosts. Call before any of them (otherwise numpy's
+  "cannot reshape array of size 6 into shape (2,4)" is all one gets).
 
   Raises:
-    ValueError: no mesh, or a mesh smaller than `jax.device_count()`.
+    ValueError: unequal counts, naming each process's and the fix.
+  """
+  counts = process_device_counts(devices)
+  if len(set(counts)) <= 1:
+    return
+  each = ", ".join(f"process {i}: {c}" for i, c in enumerate(counts))
+  raise ValueError(
+      f"the {len(counts)} processes see unequal device counts ({each}; {sum(counts)} in all); a "
+      "multi-process run needs the same number on every process: make each one see "
+      f"{min(counts)} device(s) (e.g. CUDA_VISIBLE_DEVICES, TPU_VISIBLE_CHIPS, or "
+      "--xla_force_host_platform_device_count on CPU), or use hosts with equal accelerators")
+
+
+def check_mesh_spans_processes(mesh_devices: int | None) -> None:
+  """In a multi-process run every process must hold as many devices as the others
+  (`check_equal_device_counts`) and the mesh must hold every process's devices (a process with no
+  device in the mesh would have no part of the computation).
+
+  Raises:
+    ValueError: unequal device counts across processes (each named); no mesh, or a mesh smaller
+      than `jax.device_count()`.
   """
   import jax
   if jax.process_count() == 1:
     return
+  check_equal_device_counts()
   total = jax.device_count()
   if mesh_devices != total:
     raise ValueError(

@@ -28,9 +28,14 @@ OFF_VALUES = ("", "off", "0", "none", "false", "no")
 # of the tiny model; with 0 the README run writes 29 programs (~0.4 MB) and the next run loads all
 # of them (with 0.2 s: 6 written, the other 23 compiled again on every run).
 MIN_COMPILE_TIME_S = 0.0
+# JAX's monitoring events. "cache_misses" is recorded when JAX hands a compiled program to the
+# cache (jax/_src/compilation_cache.py `put_executable_and_time`), before the write: the write can
+# still not happen (an entry larger than `jax_compilation_cache_max_size`, an eviction that fails
+# on an entry without its "-atime" file, a read-only directory: JAX only warns), so "written" is
+# counted in the directory instead (`CacheUse.written`).
 _EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "lookups",
            "/jax/compilation_cache/cache_hits": "hits",
-           "/jax/compilation_cache/cache_misses": "written"}
+           "/jax/compilation_cache/cache_misses": "misses"}
 
 
 def default_dir() -> str:
@@ -53,30 +58,39 @@ def resolve_dir(flag: str | None, disabled: bool) -> str | None:
   return default_dir()
 
 
-def _entries(path: str) -> int:
-  """Executables in a JAX cache directory (its LRU cache keeps one `<key>-cache` file each)."""
+def _entry_names(path: str) -> frozenset[str]:
+  """The executables' files in a JAX cache directory (its LRU cache keeps one `<key>-cache` file
+  each); empty when the directory cannot be read."""
   try:
-    return sum(name.endswith("-cache") for name in os.listdir(path))
+    return frozenset(name for name in os.listdir(path) if name.endswith("-cache"))
   except OSError:
-    return 0
+    return frozenset()
+
+
+def _entries(path: str) -> int:
+  """Executables in a JAX cache directory."""
+  return len(_entry_names(path))
 
 
 @dataclasses.dataclass
 class CacheUse:
-  """What the cache did during a run: JAX's monitoring events, counted from `enable` on.
+  """What the cache did during a run, counted from `enable` on.
 
   Attributes:
     path: the cache directory, None when off.
-    lookups: compilations that consulted the cache.
-    hits: executables loaded from the cache instead of compiled.
-    written: executables compiled and written to the cache.
+    lookups: compilations that consulted the cache (JAX's monitoring event).
+    hits: executables loaded from the cache instead of compiled (JAX's event).
+    misses: executables compiled and handed to the cache for writing (JAX's "cache_misses" event,
+      recorded before the write, which can still fail or be refused: see `_EVENTS`).
     entries_before: executables in the directory when the run started.
+    names_before: their file names (what `written` compares with).
   """
   path: str | None
   lookups: int = 0
   hits: int = 0
-  written: int = 0
+  misses: int = 0
   entries_before: int = 0
+  names_before: frozenset[str] = dataclasses.field(default_factory=frozenset, repr=False)
   _listening: bool = dataclasses.field(default=False, repr=False)
 
   def _count(self, event: str, **kwargs: Any) -> None:
@@ -85,13 +99,23 @@ class CacheUse:
     if field is not None:
       setattr(self, field, getattr(self, field) + 1)
 
+  @property
+  def written(self) -> int:
+    """Executables written by this run: entries in the directory now that were not there at
+    `enable` (lists the directory). An entry written and evicted again within the run is not
+    counted (it is not there to load); another process writing to the same directory at the same
+    time is (JAX's cache is shared that way)."""
+    if self.path is None:
+      return 0
+    return len(_entry_names(self.path) - self.names_before)
+
   def report(self) -> dict[str, Any]:
     """For the sidecar: the directory, the counts, and `hit`: some executable came from the cache."""
     if self.path is None:
       return {"dir": None, "hit": False}
     return {"dir": self.path, "hit": self.hits > 0, "lookups": self.lookups, "hits": self.hits,
-            "written": self.written, "entries_before": self.entries_before,
-            "entries_after": _entries(self.path)}
+            "compiled_for_cache": self.misses, "written": self.written,
+            "entries_before": self.entries_before, "entries_after": _entries(self.path)}
 
   def close(self) -> None:
     """Stops counting (the cache itself stays configured: JAX decides once per process)."""
@@ -106,7 +130,13 @@ class CacheUse:
       return "compile cache off"
     if self.hits:
       return f"compile cache hit ({self.hits} of {self.lookups} programs loaded)"
-    return f"compile cache filled ({self.written} programs written)"
+    written = self.written
+    unstored = max(self.misses - written, 0)
+    text = f"compile cache filled ({written} programs written)" if written else "compile cache: nothing written"
+    if unstored:
+      text += (f"; {unstored} compiled programs were not stored (see JAX's warnings: a full cache "
+               "under jax_compilation_cache_max_size, or a directory it cannot write)")
+    return text
 
 
 def enable(path: str | None) -> CacheUse:
@@ -118,7 +148,8 @@ def enable(path: str | None) -> CacheUse:
     return use
   import jax
 
-  use.entries_before = _entries(path)
+  use.names_before = _entry_names(path)
+  use.entries_before = len(use.names_before)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
   jax.monitoring.register_event_listener(use._count)

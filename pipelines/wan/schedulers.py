@@ -156,6 +156,37 @@ def _bh_terms(cfg: UniPCConfig, h: np.float32, order: int, rks: list[np.float32]
   return h_phi_1, b_h, np.stack(r_rows).astype(np.float32), np.array(b, np.float32)
 
 
+def _orders(cfg: UniPCConfig, n: int) -> list[int]:
+  """The solver order of each of n steps, as diffusers' `step` picks it: the warm-up
+  (lower_order_nums == min(i, order) before step i) and, with `lower_order_final`, the cap at the
+  number of steps left."""
+  caps = [min(cfg.solver_order, n - i) if cfg.lower_order_final else cfg.solver_order for i in range(n)]
+  return [min(cap, i + 1) for i, cap in enumerate(caps)]
+
+
+def _zero_step_rks(cfg: UniPCConfig, order: int, n: int) -> list[np.float32]:
+  """The history ratios rk standing in for diffusers' at a predictor step with h = 0.
+
+  With `final_sigmas_type="sigma_min"` the last sigma repeats the one before, so the last
+  predictor has h = lambda_t - lambda_s0 = 0. diffusers (`multistep_uni_p_bh_update`) then gets
+  h_phi_1 = B(h) = expm1(-0) = -0 and rk = (lambda_k - lambda_s0) / 0 = -inf, D_k = (m_k - m0) / rk
+  = 0, so x_t = (sigma_t / sigma_s0) x - alpha_t * h_phi_1 * m0 - alpha_t * B(h) * rho . D = x: the
+  predictor returns the (corrected) sample it starts from, for order 1 and order 2 (rho = 0.5). The tables reproduce that with
+  cx = 1, cm0 = cres = -0 (computed as usual) and rk = 1 (finite) in place of -inf.
+
+  Raises:
+    ValueError: order >= 3 at that step: diffusers solves for rho with b = (0/0 - 1) / B(h) = NaN
+      and returns NaN, so there is nothing finite to match; the message names the fixes.
+  """
+  if order >= 3:
+    raise ValueError(
+        f"UniPCConfig(final_sigmas_type='sigma_min', lower_order_final={cfg.lower_order_final}, "
+        f"solver_order={cfg.solver_order}) with num_inference_steps={n}: the last step has h = 0 and "
+        f"order {order}, where diffusers' UniPC returns NaN; set lower_order_final=True (or "
+        "solver_order=2, or final_sigmas_type='zero' with lower_order_final=True)")
+  return [_F32(1)] * (order - 1)
+
+
 def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.ndarray]:
   """Per-step UniPC coefficients (host, float32), mirroring `UniPCMultistepScheduler.step`.
 
@@ -173,11 +204,8 @@ def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.nd
     tables[name] = np.zeros((n, k_max), np.float32)
   tables["p_rk"][:] = 1
   tables["c_rk"][:] = 1
-  orders = []
+  orders = _orders(cfg, n)
   lam = [_lambda(s) for s in sigmas]
-  for i in range(n):
-    cap = min(p_max, n - i) if cfg.lower_order_final else p_max
-    orders.append(min(cap, i + 1))  # warm-up: lower_order_nums == min(i, order) before step i
 
   def fill(prefix: str, t_idx: int, s0_idx: int, order: int, hist_idx: list[int], step: int,
            corrector: bool) -> None:
@@ -186,6 +214,8 @@ def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.nd
     with np.errstate(invalid="ignore", divide="ignore"):
       h = _F32(lam[t_idx] - lam[s0_idx])
       rks = [_F32((lam[j] - lam[s0_idx]) / h) for j in hist_idx]
+    if h == 0:  # final_sigmas_type="sigma_min": the last step goes from sigmas[n - 1] to itself
+      rks = _zero_step_rks(cfg, order, len(sigmas) - 1)
     h_phi_1, b_h, r, b = _bh_terms(cfg, h, order, rks)
     if corrector:
       rhos = np.array([0.5], np.float32) if order == 1 else np.linalg.solve(r, b).astype(np.float32)

@@ -20,12 +20,32 @@ import numpy as np
 
 
 def prompt_clean(text: str) -> str:
-  """diffusers `prompt_clean`: HTML-unescape twice, strip, collapse whitespace runs to one space.
+  """Wan's and diffusers' prompt cleaning: `ftfy.fix_text`, HTML-unescape twice, strip, collapse
+  whitespace runs to one space.
 
-  diffusers also runs `ftfy.fix_text` first when ftfy is installed (an optional dependency; it only
-  repairs mojibake). It is not applied here, so prompts holding mojibake may tokenise differently.
+  Source: diffusers `pipelines/wan/pipeline_wan.py` `prompt_clean` = `whitespace_clean(basic_clean(
+  text))`, `basic_clean` running `ftfy.fix_text` (whenever ftfy is installed) before the unescapes;
+  Wan's own `wan/modules/tokenizers.py` does the same unconditionally. `ftfy.fix_text` (default
+  config) does more than repair mojibake: it maps fullwidth characters to ASCII ("，" -> ",",
+  "！" -> "!"), straightens curly quotes and splits Latin ligatures ("ﬁ" -> "fi"), so prompts holding
+  them (Wan's Chinese default negative prompt is full of fullwidth commas) tokenise differently
+  without it. ftfy is therefore a dependency (pyproject.toml), not optional.
+
+  Args:
+    text: one prompt (str).
+
+  Returns:
+    The cleaned prompt (str).
+
+  Raises:
+    ImportError: ftfy is not installed; the message says how to install it.
   """
-  text = html.unescape(html.unescape(text)).strip()
+  try:
+    import ftfy
+  except ImportError as e:
+    raise ImportError("prompt cleaning needs ftfy (as Wan's tokenizer and diffusers' WanPipeline "
+                      "use it); install it with `pip install ftfy`") from e
+  text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
   return re.sub(r"\s+", " ", text).strip()
 
 
