@@ -226,12 +226,10 @@ def text_encoder() -> tuple[umt5.UMT5Config, umt5.Params]:
 
 def encode_texts(encoder, prompts: list[str]) -> np.ndarray:
   """float32 [len(prompts), MAX_SEQUENCE_LENGTH, 32]: what `WanPipeline.encode_prompts` gives."""
-  from pipelines.pipeline import _encode_jit, _masked_text, prompt_clean
+  from pipelines.pipeline.text import encode_prompts
   config, params = encoder
-  ids, mask = tokenization.tokenize(tokenization.default_tokenizer(), [prompt_clean(p) for p in prompts],
-                                    MAX_SEQUENCE_LENGTH)
-  embeds = _encode_jit(params, jnp.asarray(ids), jnp.asarray(mask), config=config)
-  return np.asarray(_masked_text(embeds, jnp.asarray(mask)), np.float32)
+  return np.asarray(encode_prompts(tokenization.default_tokenizer(), config, params, prompts,
+                                   MAX_SEQUENCE_LENGTH, jnp.float32), np.float32)
 
 
 # --- transformer -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def model_facts(plan: Plan) -> Any:
   from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
 
   if plan.model == "tiny-random":
-    return dataclasses.replace(ModelFacts.tiny_random(plan.dtype), name="tiny")
+    return ModelFacts.tiny_random(plan.dtype)
   if plan.model == "tiny":
     return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
   PipelineIndex.read(plan.model).check_weights()

@@ -122,6 +122,7 @@ class ParallelPlan:
                          "devices (e.g. mesh='U=2,R=2') or leave shard_weights off")
       distributed.check_mesh_spans_processes(None)
     else:
+      distributed.check_equal_device_counts()  # per-process counts named before the total
       spec.check(device_count=spec.devices if built is not None else jax.device_count())
       check_spec(spec, cfg_active=cfg_active, heads=heads, kv_heads=kv_heads)
       distributed.check_mesh_spans_processes(spec.devices)

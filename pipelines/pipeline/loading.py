@@ -74,4 +74,4 @@ def tiny_random_parts(dtype: str) -> dict[str, Any]:
               text_encoder=(te_config, umt5.init_umt5_params(te_config, tiny.TINY_SEED, dtype=model_dtype)),
               transformers=[init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED, model_dtype)],
               vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(tiny.TINY_SEED)),
-              scheduler_config=tiny.TINY_SCHEDULER, name="tiny")
+              scheduler_config=tiny.TINY_SCHEDULER, name="tiny-random")

@@ -30,8 +30,7 @@ class LoraLoaderMixin:
 
   @property
   def _lora(self) -> lora.LoraWeights:
-    if getattr(self, "_lora_weights", None) is None:
-      self._lora_weights = lora.LoraWeights()
+    """The adapters (the host class declares `_lora_weights = lora.LoraWeights()`)."""
     return self._lora_weights
 
   def load_lora_weights(self, pretrained_model_name_or_path_or_dict: str | os.PathLike | Mapping[str, Any],

@@ -80,7 +80,7 @@ class ModelFacts:
     from pipelines.wan import tiny, tokenizer, vae
 
     config = vae.VAE_PRESETS["tiny"]
-    return cls(name="tiny", transformer=tiny.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
+    return cls(name="tiny-random", transformer=tiny.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
                temporal_factor=config.temporal_factor, boundary_ratio=None, scheduler=tiny.TINY_SCHEDULER,
                max_sequence_length=tokenizer.WAN_TEXT_LENGTH, dtype=dtype)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,8 @@ from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.request import GenerationRequest, ModelFacts
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
-from pipelines.wan import lora, step_cache as wan_step_cache, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.storage import weights
+from pipelines.wan import lora, mag_calibration, step_cache as wan_step_cache, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.tiny import TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER  # noqa: F401
 from pipelines.wan.transformer import WanTransformer
 
@@ -64,7 +66,7 @@ class WanPipeline(LoraLoaderMixin):
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
     scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
-    name: where the weights came from (folder path or "tiny").
+    name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
     max_sequence_length: the default text length L of calls (`tokenizer.text_length`).
     weights: the arrays and where they are (`PlacedWeights`).
     compiled_steps: the compiled denoise steps of this pipeline (`CompiledSteps`).
@@ -331,12 +333,30 @@ class WanPipeline(LoraLoaderMixin):
     if request.model != self.facts:
       raise ValueError(f"the request was checked against another model ({request.model}); this pipeline is "
                        f"{self.facts}: build it with GenerationRequest.build(pipe.facts, ...)")
+    self._check_calibration(request)
     options = CallOptions(progress=self._progress) if options is None else options
     if resume is not None:
       options = dataclasses.replace(options, resume=resume)
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = request.steps
     return Runner(self, request, options).run()
+
+  def _check_calibration(self, request: GenerationRequest) -> None:
+    """Warns when a MagCache calibration was made for another model or setting
+    (`mag_calibration.check_calibration`): its skips would not fit this run."""
+    spec = request.step_cache
+    if spec is None or spec.method != "mag" or spec.ratios_source is None:
+      return
+    try:
+      metadata = weights.read_json(spec.ratios_source)
+    except weights.CheckpointError:
+      return  # ratios given as numbers, not a file: nothing recorded to compare
+    line = mag_calibration.check_calibration(
+        metadata, model=self.name, height=request.height, width=request.width, num_frames=request.num_frames,
+        steps=request.steps, fingerprint=self.fingerprint(), max_sequence_length=request.max_sequence_length,
+        source=spec.ratios_source)
+    if line is not None:
+      warnings.warn(line, stacklevel=4)
 
   # --- stages ---
 
