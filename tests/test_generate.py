@@ -454,7 +454,7 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   cache = types.SimpleNamespace(report=lambda: {})
   sidecar = output.sidecar(changed, result, out=str(tmp_path / "a.mp4"), sheet=None, lora=[], times={},
                            cache=cache, warnings_seen=[])
-  assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny")
+  assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny-random")  # records name the model used
   records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
   saved = json.loads((tmp_path / "ckpt" / generate.RUN_RECORD).read_text())
   assert saved["steps"] == 7 and saved == record

@@ -54,7 +54,7 @@ def uncached(tiny):
   return tiny.run(PROMPT, **KWARGS)
 
 
-@pytest.mark.parametrize("spec", ["first-block:0", "mag:0"])
+@pytest.mark.parametrize("spec", ["first-block:0", f"mag:0@{RANDOM_RATIOS}"])
 def test_threshold_zero_is_the_uncached_run_bit_for_bit(tiny, uncached, spec):
   result = tiny.run(PROMPT, step_cache=spec, **KWARGS)
   record = result.settings["step_cache"]
