@@ -48,6 +48,7 @@ from flax import nnx
 
 from end_to_end import synthetic_world as world
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -301,10 +302,11 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.01, b2=0.99))
   state = opt.init(params)
 
+  plan = ParallelPlan.single(attention_implementation)
+
   def loss_fn(params, x0, noise, sigma, text):
     xt, target = flow_pair(x0, noise, sigma)
-    pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text,
-                   attention_implementation=attention_implementation)
+    pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
     return jnp.mean(jnp.square(pred - target))
 
   @jax.jit

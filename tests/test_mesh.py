@@ -132,8 +132,8 @@ def _compiled(pipe, mesh: str, shard_weights: bool):
 def test_cfg_parallel_equals_one_device(pipe, reference, monkeypatch, mesh, sharded):
   """With sharded weights the text encoder's large weights are split over the mesh too (here every
   leaf of >= 64 values, so the tiny encoder's are); back on one device they are whole again."""
-  from pipelines.wan import transformer as wan_transformer
-  monkeypatch.setattr(wan_transformer, "LARGE_LEAF_ELEMENTS", 64)
+  from pipelines.wan import weight_placement
+  monkeypatch.setattr(weight_placement, "LARGE_LEAF_ELEMENTS", 64)
   frames, _ = _compiled(pipe, mesh, sharded)
   assert_psnr_at_least(frames, reference, MESH_PSNR_DB, name=f"{mesh}{' weights sharded' if sharded else ''}")
   split = [x for x in jax.tree.leaves(pipe._text_params) if not x.sharding.is_fully_replicated]
