@@ -735,15 +735,17 @@ def _auto_mesh(plan: Plan, transformer: Any, experts: int) -> MeshSpec:
   import jax
 
   from pipelines.parallel import planner
+  from pipelines.wan.transformer_config import param_counts
 
   kind = jax.devices()[0].device_kind.lower()
   chip = next((planner.CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
                                                        ("h200", ("h200",)), ("h100", ("h100",)))
                if any(w in kind for w in words)), None)
   modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
-  found = planner.candidates(transformer, devices=jax.device_count(), frames=plan.frames, height=plan.height,
-                             width=plan.width, text_tokens=plan.max_sequence_length,
-                             cfg=plan.guidance[0] > 1, dtype=plan.dtype, experts=experts, chip=modelled)
+  found = planner.candidates(transformer, param_counts=param_counts(transformer), devices=jax.device_count(),
+                             frames=plan.frames, height=plan.height, width=plan.width,
+                             text_tokens=plan.max_sequence_length, cfg=plan.guidance[0] > 1, dtype=plan.dtype,
+                             experts=experts, chip=modelled)
   best = planner.recommend(found)
   if best is None:
     raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "
