@@ -225,14 +225,17 @@ def text_encoder() -> tuple[umt5.UMT5Config, umt5.Params]:
   return config, umt5.init_umt5_params(config, TEXT_SEED)
 
 
+_ENCODE = jax.jit(umt5.encode, static_argnames="config")
+
+
 def encode_texts(encoder, prompts: list[str]) -> np.ndarray:
-  """float32 [len(prompts), MAX_SEQUENCE_LENGTH, 32]: what `WanPipeline.encode_prompts` gives."""
-  from pipelines.pipeline import _encode_jit, _masked_text, prompt_clean
+  """float32 [len(prompts), MAX_SEQUENCE_LENGTH, 32]: what `WanPipeline.encode_prompts` gives
+  (cleaned, tokenised, UMT5-encoded, rows past each prompt's length zeroed)."""
   config, params = encoder
-  ids, mask = tokenization.tokenize(tokenization.default_tokenizer(), [prompt_clean(p) for p in prompts],
-                                    MAX_SEQUENCE_LENGTH)
-  embeds = _encode_jit(params, jnp.asarray(ids), jnp.asarray(mask), config=config)
-  return np.asarray(_masked_text(embeds, jnp.asarray(mask)), np.float32)
+  ids, mask = tokenization.tokenize(tokenization.default_tokenizer(),
+                                    [tokenization.prompt_clean(p) for p in prompts], MAX_SEQUENCE_LENGTH)
+  embeds = _ENCODE(params, jnp.asarray(ids), jnp.asarray(mask), config=config)
+  return np.asarray(jnp.where(jnp.asarray(mask)[..., None] > 0, embeds, jnp.zeros((), embeds.dtype)), np.float32)
 
 
 # --- transformer -----------------------------------------------------------------------------------

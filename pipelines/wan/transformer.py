@@ -107,7 +107,8 @@ class ForwardContext:
     time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
     temb_BD: [B, D] timestep embedding in the model dtype (the output norm's modulation).
     rope: (cos, sin) float32 [T, H/2] at the tokens' global positions (padded rows: cos 1, sin 0).
-    layout: where the tokens live (mesh, valid and padded counts).
+    layout: where the tokens live and how attention runs (`SequenceLayout` of the call's plan: mesh,
+      valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
   """
   text_BLD: jax.Array
@@ -118,8 +119,8 @@ class ForwardContext:
   latent_shape: tuple[int, ...]
 
 
-def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
-          encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> tuple[jax.Array, ForwardContext]:
+def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: jax.Array,
+          plan: ParallelPlan | None = None) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
 
   Args: as `forward`.
