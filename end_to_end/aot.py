@@ -2,8 +2,9 @@
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
 guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.wan_pipeline.denoise_step`
-with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2), latents / solver state / text replicated, video tokens sharded over (ring, ulysses)
-inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
+with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2), latents /
+solver state / text replicated, video tokens sharded over (ring, ulysses) inside the forward.
+Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
 
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
