@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
     found = planner.candidates(model, param_counts=param_counts(model), devices=devices, frames=frames,
                                height=height, width=width, text_tokens=args.max_sequence_length,
-                               cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts, chip=planner.CHIPS[chip_name])
+                               cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts,
+                               chip=planner.CHIPS[chip_name])
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"plan: error: {e}", file=sys.stderr)

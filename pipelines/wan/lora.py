@@ -44,8 +44,9 @@ import jax
 import numpy as np
 
 from pipelines.parallel import distributed
-from pipelines.wan.lora_format import (LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, TRANSFORMER_PREFIX,  # noqa: F401
-                                       WAN_PREFIX, convert_wan_to_diffusers, lora_file, read_lora)
+from pipelines.wan.lora_format import (  # noqa: F401 (re-exported)
+    LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, TRANSFORMER_PREFIX, WAN_PREFIX, convert_wan_to_diffusers,
+    lora_file, read_lora)
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import checkpoint_layout
 
