@@ -9,7 +9,8 @@ Both use one carry layout (o, l, m) so a ring step can pick either at run time (
 "auto": a `lax.cond` for XLA, a branch inside the one kernel for Pallas). The logits
 reach the kernels multiplied by scale * log2(e) (folded into q once, or applied to the fp32 logits
 for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`BlockLayout`) pads T and S
-to block multiples, and `attend` masks the padded key slots itself. Internal layout is heads-major:
+to block multiples, and `attend` masks the padded key slots itself. The settings (`BlockSizes`,
+backends, implementation names) live in `attention.settings`. Internal layout is heads-major:
 q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v [B, K, S, H].
 
 Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
@@ -29,75 +30,11 @@ from attention import fixed_m as fm
 from attention import kernels
 from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
+from attention.settings import BACKENDS, DEFAULT_BLOCKS, IMPLEMENTATIONS, BlockSizes, resolve_backend  # noqa: F401
 
 Mode = Literal["lse", "fixed_m", "auto"]
-IMPLEMENTATIONS = ("auto", "fixed_m", "lse")
 # Position given to padded key slots: far from every real position, so every mask rejects it.
 PAD_POSITION = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tunables of the blockwise kernels (static; hashable).
-
-  Attributes:
-    block_q: query rows per block (XLA: outer `lax.map`; Pallas: the grid's query axis). Bounds the
-      live logits to [B, N, block_q, block_kv].
-    block_kv: keys per block (XLA: inner `lax.scan`; Pallas: the key loop).
-  The Pallas kernels need multiples of 128 (TPU lanes) and, on GPU, powers of two.
-  `get_default(backend, platform)` gives the measured (CPU / XLA) or seeded (Pallas) defaults,
-  `DEFAULT_BLOCKS`; `python -m end_to_end.tune_blocks` measures a grid and prints the winners.
-  """
-
-  block_q: int = 1024
-  block_kv: int = 512
-
-  def __post_init__(self):
-    for name in ("block_q", "block_kv"):
-      val = getattr(self, name)
-      if not isinstance(val, int) or val <= 0:
-        raise ValueError(f"BlockSizes.{name} must be a positive int, got {name}={val!r}")
-
-  @classmethod
-  def get_default(cls, backend: str = "xla", platform: str | None = None) -> "BlockSizes":
-    """The default blocks for `backend` ("xla" | "pallas") on `platform` ("cpu" | "tpu" | "gpu";
-    None: JAX's default backend)."""
-    platform = jax.default_backend() if platform is None else platform
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
-    return DEFAULT_BLOCKS.get((backend, platform), DEFAULT_BLOCKS[(backend, "cpu")])
-
-
-# (backend, platform) -> defaults. XLA on CPU: measured at T = S = 4096, N = 12, H = 128 on 2 cores
-# (end_to_end/bench_attention.py). Pallas: TPU the splash-attention-like 512 x 1024 (VMEM per step
-# ~ bq*bk*4 B of logits + double-buffered K/V tiles, well inside v5e's 16 MiB scoped VMEM); GPU
-# the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry is interpret mode
-# (tests), small so that padding stays cheap. `end_to_end.tune_blocks` re-measures them.
-DEFAULT_BLOCKS = {
-    ("xla", "cpu"): BlockSizes(1024, 512),
-    ("pallas", "cpu"): BlockSizes(128, 128),
-    ("pallas", "tpu"): BlockSizes(512, 1024),
-    ("pallas", "gpu"): BlockSizes(128, 128),
-}
-
-BACKENDS = ("auto", "xla", "pallas")
-
-
-def resolve_backend(backend: str, platform: str | None = None) -> str:
-  """"auto" -> "pallas" on TPU and GPU, "xla" elsewhere; "xla" / "pallas" as given.
-
-  Args:
-    platform: the platform the program is compiled for (None: JAX's default backend). AOT
-      compiles for a TPU topology from a CPU host pass "tpu".
-
-  Raises:
-    ValueError: an unknown backend.
-  """
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown attention {backend=}; expected one of {BACKENDS}")
-  if backend != "auto":
-    return backend
-  platform = jax.default_backend() if platform is None else platform
-  return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +223,8 @@ def attend(
   The one dispatch of every blockwise path: `layout.backend` "xla" runs `lax.map` over query blocks
   and `lax.scan` over key blocks; "pallas" runs the same arithmetic as one kernel call
   (`attention.kernels.attend_kernel`: Mosaic on TPU, Triton on GPU, interpret mode elsewhere).
+  It stays one function: its argument checks, the key/query block splits and the scan over key
+  blocks are one linear schedule sharing the same local shapes, and read best top to bottom.
 
   Args:
     carry: from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad rows.

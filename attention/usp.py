@@ -190,7 +190,11 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
 def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, block_sizes, q_prescaled,
               masked, backend):
   """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local (B: this guidance branch's rows
-  when C = 2); limit [B] global valid keys."""
+  when C = 2); limit [B] global valid keys.
+
+  It stays one piece: its numbered stages (reductions, all-to-all, ring loop, all-to-all back) are
+  one linear schedule over the same local shapes and collectives, and read best top to bottom.
+  """
   B, Tl, N, H = q.shape
   Sl, Kp = k.shape[1], k.shape[2]
   axes = SEQUENCE_AXES

@@ -1,10 +1,10 @@
 """Ahead-of-time compile of one denoising step for a TPU topology, on a machine without a TPU.
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
-guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.denoise_step` with CFG
-on) for abstract inputs: weights replicated over the mesh (DESIGN.md
-section 2), latents / solver state / text replicated, video tokens sharded over (ring, ulysses)
-inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
+guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.step.denoise_step`
+with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2), latents /
+solver state / text replicated, video tokens sharded over (ring, ulysses) inside the forward.
+Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
 
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
@@ -110,8 +110,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   import attention
   from end_to_end.collectives import hlo_collectives
   from pipelines.wan import schedulers
-  from pipelines.wan.transformer import build_transformer, param_shapes
-  from pipelines.wan.transformer_config import PRESETS
+  from pipelines.wan.transformer import build_transformer
+  from pipelines.wan.transformer_config import PRESETS, param_shapes
 
   config = PRESETS[preset]
   if mesh_spec is None:
@@ -143,14 +143,16 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
           spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), model_dtype)),
           spec(jax.ShapeDtypeStruct((), jnp.float32)))
-  from pipelines.pipeline import denoise_step
+  from pipelines.parallel.plan import ParallelPlan
+  from pipelines.pipeline.step import denoise_step
 
   backend = attention.resolve_backend(attention_backend, devices[0].platform)
-  step = jax.jit(functools.partial(denoise_step, cfg=True, gather_weights=mesh_spec.shard_weights,
-                                   attention_backend=backend),
-                 static_argnums=0, static_argnames="mesh", donate_argnums=(2, 3))
+  # Built directly (not `ParallelPlan.build`): the topology's devices are not this host's.
+  plan = ParallelPlan(spec=mesh_spec, mesh=mesh, attention_backend=backend)
+  step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="plan",
+                 donate_argnums=(2, 3))
   start = time.perf_counter()
-  compiled = step.lower(graphdef, *args, mesh=mesh).compile()
+  compiled = step.lower(graphdef, *args, plan=plan).compile()
   compile_s = time.perf_counter() - start
 
   report: dict[str, Any] = dict(
@@ -205,49 +207,3 @@ def format_row(r: dict[str, Any]) -> str:
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
           f"{r.get('resident_bytes_per_device', 0) / 2**30:9.2f} {mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "
           f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")
-
-
-def compile_local_kernels(device: Any, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
-                          dtype: str = "bfloat16") -> list[dict[str, Any]]:
-  """AOT-compiles one device's attention block for `device` (a TPU topology device): our Pallas
-  kernels (`local_attention(backend="pallas")`, LSE and fixed-m) beside jax's splash attention
-  kernel (jax.experimental.pallas.ops.tpu.splash_attention, full mask, its default blocks) for the
-  same q [B, T, N, H] and k/v [B, S, N, H]. Splash needs block multiples: T and S are rounded up to
-  512 for it (reported).
-
-  Returns:
-    one dict per kernel: name, shape, compile_s, code_mib, temp_mib (or error).
-  """
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import SingleDeviceSharding
-
-  import attention
-
-  sharding = SingleDeviceSharding(device)
-  dt = jnp.dtype(dtype)
-
-  def spec(*shape):
-    return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
-
-  def measure(name, fn, *args):
-    start = time.perf_counter()
-    try:
-      compiled = jax.jit(fn).lower(*args).compile()
-    except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a row, not a crash
-      return dict(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    mem = compiled.memory_analysis()
-    return dict(name=name, shape=[list(a.shape) for a in args], compile_s=time.perf_counter() - start,
-                code_mib=mem.generated_code_size_in_bytes / 2**20, temp_mib=mem.temp_size_in_bytes / 2**20)
-
-  q, kv = spec(batch, q_len, heads, head_dim), spec(batch, kv_len, heads, head_dim)
-  rows = [measure(f"ours {impl}", lambda q, k, v, impl=impl: attention.local_attention(
-      q, k, v, implementation=impl, backend="pallas"), q, kv, kv) for impl in ("lse", "fixed_m")]
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-
-  Tq, Sk = -(-q_len // 512) * 512, -(-kv_len // 512) * 512
-  kernel = splash.make_splash_mha_single_device(mask_lib.MultiHeadMask([mask_lib.FullMask((Tq, Sk))] * heads))
-  rows.append(measure("jax splash (full mask)", jax.vmap(kernel), spec(batch, heads, Tq, head_dim),
-                      spec(batch, heads, Sk, head_dim), spec(batch, heads, Sk, head_dim)))
-  return rows

@@ -24,6 +24,7 @@ import numpy as np
 import attention
 from attention.mesh import MeshSpec
 from pipelines.cli.help import HelpFormatter
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import count_params, forward, init_transformer
 from pipelines.wan.transformer_config import PRESETS
 
@@ -47,6 +48,7 @@ def main() -> None:
   mesh = None
   if args.ring or args.ulysses:
     mesh = attention.make_mesh(ulysses=max(args.ulysses, 1), ring=max(args.ring, 1))
+  plan = ParallelPlan.build(mesh, heads=config.num_attention_heads)
   frames = (args.frames - 1) // 4 + 1
   latent_shape = (args.batch, config.in_channels, frames, args.height // 8, args.width // 8)
   tokens = np.prod([n // p for n, p in zip(latent_shape[2:], config.patch_size)])
@@ -65,9 +67,9 @@ def main() -> None:
   timestep = jnp.full((args.batch,), 500.0, jnp.float32)
   text = jnp.asarray(rng.standard_normal((args.batch, args.text_len, config.text_dim), np.float32))
 
-  step = jax.jit(forward, static_argnames=("mesh",))
+  step = jax.jit(forward, static_argnames=("plan",))
   start = time.perf_counter()
-  compiled = step.lower(model, latents, timestep, text, mesh=mesh).compile()
+  compiled = step.lower(model, latents, timestep, text, plan=plan).compile()
   print(f"compile: {time.perf_counter() - start:.1f} s")
 
   out = compiled(model, latents, timestep, text)

@@ -21,6 +21,7 @@ import json
 import math
 import re
 import time
+from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.cli.help import HelpFormatter
@@ -69,6 +70,52 @@ def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
       "all-reduce": {"count": 2 if D > 1 else 0, "bytes": (B * Kp * H + B * (N + 2 * Kp)) * 4 if D > 1 else 0},
       "all-gather": {"count": 0, "bytes": 0},
   }
+
+
+def compile_local_kernels(device: Any, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                          dtype: str = "bfloat16") -> list[dict[str, Any]]:
+  """AOT-compiles one device's attention block for `device` (a TPU topology device): our Pallas
+  kernels (`local_attention(backend="pallas")`, LSE and fixed-m) beside jax's splash attention
+  kernel (jax.experimental.pallas.ops.tpu.splash_attention, full mask, its default blocks) for the
+  same q [B, T, N, H] and k/v [B, S, N, H]. Splash needs block multiples: T and S are rounded up to
+  512 for it (reported).
+
+  Returns:
+    one dict per kernel: name, shape, compile_s, code_mib, temp_mib (or error).
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+
+  import attention
+
+  sharding = SingleDeviceSharding(device)
+  dt = jnp.dtype(dtype)
+
+  def spec(*shape):
+    return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+  def measure(name, fn, *args):
+    start = time.perf_counter()
+    try:
+      compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a row, not a crash
+      return dict(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    mem = compiled.memory_analysis()
+    return dict(name=name, shape=[list(a.shape) for a in args], compile_s=time.perf_counter() - start,
+                code_mib=mem.generated_code_size_in_bytes / 2**20, temp_mib=mem.temp_size_in_bytes / 2**20)
+
+  q, kv = spec(batch, q_len, heads, head_dim), spec(batch, kv_len, heads, head_dim)
+  rows = [measure(f"ours {impl}", lambda q, k, v, impl=impl: attention.local_attention(
+      q, k, v, implementation=impl, backend="pallas"), q, kv, kv) for impl in ("lse", "fixed_m")]
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+  Tq, Sk = -(-q_len // 512) * 512, -(-kv_len // 512) * 512
+  kernel = splash.make_splash_mha_single_device(mask_lib.MultiHeadMask([mask_lib.FullMask((Tq, Sk))] * heads))
+  rows.append(measure("jax splash (full mask)", jax.vmap(kernel), spec(batch, heads, Tq, head_dim),
+                      spec(batch, heads, Sk, head_dim), spec(batch, heads, Sk, head_dim)))
+  return rows
 
 
 def main(argv=None):
@@ -163,8 +210,6 @@ def main(argv=None):
     report["cost_analysis"] = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")}
     print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
   if args.topology and args.kind == "usp":
-    from end_to_end.aot import compile_local_kernels
-
     Kp = max(K, U)
     local = compile_local_kernels(devices[0], batch=args.batch, heads=args.heads // U, q_len=T_pad // R,
                                   kv_len=T_pad // R, head_dim=args.head_dim, dtype=args.dtype)

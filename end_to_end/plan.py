@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.cli.generate import PRESETS
   from pipelines.pipeline.inputs import check_size, round_num_frames
   from pipelines.wan.tiny import TINY_TRANSFORMER
-  from pipelines.wan.transformer_config import PRESETS as MODELS
+  from pipelines.wan.transformer_config import PRESETS as MODELS, param_counts
 
   try:
     if args.topology and args.chip:
@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
     experts = 2 if args.preset.startswith("wan2.2") else 1
     model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
-    found = planner.candidates(model, devices=devices, frames=frames, height=height, width=width,
-                               text_tokens=args.max_sequence_length, cfg=preset.guidance[0] > 1,
-                               dtype=args.dtype, experts=experts, chip=planner.CHIPS[chip_name])
+    found = planner.candidates(model, param_counts=param_counts(model), devices=devices, frames=frames,
+                               height=height, width=width, text_tokens=args.max_sequence_length,
+                               cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts,
+                               chip=planner.CHIPS[chip_name])
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"plan: error: {e}", file=sys.stderr)

@@ -48,6 +48,7 @@ from flax import nnx
 
 from end_to_end import synthetic_world as world
 from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import forward, init_transformer
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -98,17 +99,17 @@ def autoencode(params, config: wan_vae.WanVAEConfig, x_BFHWC: jax.Array, noise_B
     (reconstruction [B, 1 + 4k, H, W, 3] in [-1, 1], latent mean [B, 1 + k, H/8, W/8, z_dim]).
   """
   vae = wan_vae.WanVAE(config, params)
-  h, cache = wan_vae._encode_chunk(vae, None, x_BFHWC[:, :1])
+  h, cache = wan_vae.encode_chunk(vae, None, x_BFHWC[:, :1])
   chunks = [h]
   for start in range(1, x_BFHWC.shape[1], wan_vae.ENCODER_CHUNK):
-    h, cache = wan_vae._encode_chunk(vae, cache, x_BFHWC[:, start:start + wan_vae.ENCODER_CHUNK])
+    h, cache = wan_vae.encode_chunk(vae, cache, x_BFHWC[:, start:start + wan_vae.ENCODER_CHUNK])
     chunks.append(h)
   z = jnp.concatenate(chunks, axis=1)[..., :config.z_dim]
   zn = z if noise_BFHWC is None else z + noise_BFHWC
-  y, cache = wan_vae._decode_chunk(vae, None, zn[:, :1])
+  y, cache = wan_vae.decode_chunk(vae, None, zn[:, :1])
   frames = [y]
   for i in range(1, zn.shape[1]):
-    y, cache = wan_vae._decode_chunk(vae, cache, zn[:, i:i + 1])
+    y, cache = wan_vae.decode_chunk(vae, cache, zn[:, i:i + 1])
     frames.append(y)
   return jnp.concatenate(frames, axis=1), z
 
@@ -299,10 +300,11 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.01, b2=0.99))
   state = opt.init(params)
 
+  plan = ParallelPlan.single(attention_implementation)
+
   def loss_fn(params, x0, noise, sigma, text):
     xt, target = flow_pair(x0, noise, sigma)
-    pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text,
-                   attention_implementation=attention_implementation)
+    pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
     return jnp.mean(jnp.square(pred - target))
 
   @jax.jit

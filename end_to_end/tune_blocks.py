@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   import numpy as np
 
   from attention import BlockSizes, local_attention, resolve_backend
-  from attention.blockwise import DEFAULT_BLOCKS
+  from attention.settings import DEFAULT_BLOCKS
 
   platform = "tpu" if args.topology else jax.default_backend()
   backend = resolve_backend(args.backend, platform)

@@ -26,7 +26,7 @@ from end_to_end.collectives import hlo_collectives
 from numerics import assert_psnr_at_least
 from pipelines.parallel import planner
 from pipelines.pipeline import wan_pipeline
-from pipelines.wan.transformer_config import PRESETS
+from pipelines.wan.transformer_config import PRESETS, param_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=1, max_sequence_length=16,
@@ -132,8 +132,8 @@ def _compiled(pipe, mesh: str, shard_weights: bool):
 def test_cfg_parallel_equals_one_device(pipe, reference, monkeypatch, mesh, sharded):
   """With sharded weights the text encoder's large weights are split over the mesh too (here every
   leaf of >= 64 values, so the tiny encoder's are); back on one device they are whole again."""
-  from pipelines.wan import transformer as wan_transformer
-  monkeypatch.setattr(wan_transformer, "LARGE_LEAF_ELEMENTS", 64)
+  from pipelines.wan import weight_placement
+  monkeypatch.setattr(weight_placement, "LARGE_LEAF_ELEMENTS", 64)
   frames, _ = _compiled(pipe, mesh, sharded)
   assert_psnr_at_least(frames, reference, MESH_PSNR_DB, name=f"{mesh}{' weights sharded' if sharded else ''}")
   split = [x for x in jax.tree.leaves(pipe._text_params) if not x.sharding.is_fully_replicated]
@@ -186,8 +186,9 @@ def test_cfg_mesh_needs_guidance(pipe):
 # --- the planner ----------------------------------------------------------------------------------
 
 def test_planner_fits_14b_only_with_sharded_weights_on_v5e():
-  found = planner.candidates(PRESETS["wan2.1-t2v-14b"], devices=8, frames=81, height=720, width=1280,
-                             chip=planner.CHIPS["v5e"])
+  model = PRESETS["wan2.1-t2v-14b"]
+  found = planner.candidates(model, param_counts=param_counts(model), devices=8, frames=81, height=720,
+                             width=1280, chip=planner.CHIPS["v5e"])
   assert {c.mesh.shard_weights for c in found if c.fits} == {True}
   assert any(not c.fits for c in found)  # replicated 28.6 GB of weights: not on a 16 GiB chip
   best = planner.recommend(found)

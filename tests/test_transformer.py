@@ -23,6 +23,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import attention
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan.transformer import forward, init_transformer, param_shapes
 from pipelines.wan.transformer_config import PRESETS, WanTransformerConfig
@@ -44,7 +45,7 @@ COMMON = dict(in_channels=4, out_channels=4, text_dim=20, freq_dim=256, ffn_dim=
 GRID = (3, 6, 10)  # (F, Hl, Wl)
 BATCH = 2
 
-forward_jit = jax.jit(forward, static_argnames=("mesh",))
+forward_jit = jax.jit(forward, static_argnames=("plan",))
 
 
 _FOLDERS: dict[str, str] = {}
@@ -157,7 +158,8 @@ def test_sharded_matches_single_device(ring, ulysses):
   model = _ours(name, jnp.float32)
   single = forward_jit(model, latents, timestep, text)
   mesh = attention.make_mesh(ulysses=ulysses, ring=ring)
-  compiled = forward_jit.lower(model, latents, timestep, text, mesh=mesh).compile()
+  plan = ParallelPlan.build(mesh, heads=4)
+  compiled = forward_jit.lower(model, latents, timestep, text, plan=plan).compile()
   sharded = compiled(model, latents, timestep, text)
   assert_close_scaled(sharded, single, rel=FP32_REL, name=f"R={ring} U={ulysses} vs one device")
   # DESIGN.md section 3: per block 2 all-to-alls, R - 1 permutes, 1 psum + 1 pmax, no all-gather;
@@ -193,6 +195,16 @@ def test_init_transformer_runs_and_matches_shapes():
   out = forward_jit(model, *_inputs(7))
   assert out.shape == (BATCH, COMMON["out_channels"], *GRID) and out.dtype == jnp.float32
   assert bool(jnp.all(jnp.isfinite(out))) and float(jnp.std(out)) > 0
+
+
+def test_forward_takes_a_plan():
+  """plan=None is `ParallelPlan.single()` (one device); anything but a plan is refused."""
+  config = WanTransformerConfig(**TORCH_CONFIGS["n2h12"], **COMMON)
+  model = init_transformer(config, seed=3)
+  inputs = _inputs(7)
+  np.testing.assert_array_equal(forward_jit(model, *inputs), forward_jit(model, *inputs, plan=ParallelPlan.single()))
+  with pytest.raises(ValueError, match="plan must be a pipelines.parallel.plan.ParallelPlan"):
+    forward(model, *inputs, plan=attention.make_mesh(ulysses=2))
 
 
 def test_config_round_trip_and_rejects_i2v():

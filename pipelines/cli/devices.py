@@ -152,7 +152,10 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
                                                        ("h200", ("h200",)), ("h100", ("h100",)))
                if any(w in kind for w in words)), None)
   modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
-  found = planner.candidates(request.model.transformer, devices=jax.device_count(), frames=request.num_frames,
+  from pipelines.wan.transformer_config import param_counts
+
+  found = planner.candidates(request.model.transformer, param_counts=param_counts(request.model.transformer),
+                             devices=jax.device_count(), frames=request.num_frames,
                              height=request.height, width=request.width,
                              text_tokens=request.max_sequence_length, cfg=request.cfg,
                              dtype=request.model.dtype, experts=request.model.experts, chip=modelled)

@@ -291,45 +291,62 @@ def put_host_leaves(tree: Any, shardings: Any, *, progress: bool | None = None,
   if show:
     from tqdm import tqdm
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
-
   # Host copies in flight at once: at most one leaf's worth (or one leaf when it is larger).
-  budget = max((leaf.nbytes for leaf in leaves), default=0)
-  gate, in_flight = threading.Condition(), [0]
-
-  def place(leaf: HostLeaf, sharding) -> Any:
-    with gate:
-      gate.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + leaf.nbytes <= budget)
-      in_flight[0] += leaf.nbytes
-    try:
-      if sharding is None:
-        array = jax.device_put(leaf.read())
-      else:
-        last: list[Any] = [None, None]
-
-        def part(index):
-          key = tuple((s.start, s.stop, s.step) for s in index)
-          if last[0] != key:
-            last[0], last[1] = key, leaf.read(index)
-          return last[1]
-
-        array = jax.make_array_from_callback(leaf.shape, sharding, part)
-      array.block_until_ready()  # the host copy is no longer needed
-    finally:
-      with gate:
-        in_flight[0] -= leaf.nbytes
-        gate.notify_all()
-    if bar is not None:
-      bar.update(leaf.nbytes)
-    return array
-
+  placer = _BoundedPlacer(max((leaf.nbytes for leaf in leaves), default=0), bar)
   workers = max(1, min(4, os.cpu_count() or 1))
   try:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      arrays = list(pool.map(place, leaves, sharding_leaves))
+      arrays = list(pool.map(placer.place, leaves, sharding_leaves))
   finally:
     if bar is not None:
       bar.close()
   return jax.tree.unflatten(treedef, arrays)
+
+
+class _BoundedPlacer:
+  """Places `HostLeaf`s from several threads with at most `budget` bytes of host copies in flight
+  (one leaf larger than the budget goes alone); one per `put_host_leaves` call."""
+
+  def __init__(self, budget: int, bar: Any = None):
+    self.budget = budget
+    self.bar = bar
+    self.gate = threading.Condition()
+    self.in_flight = 0
+
+  def place(self, leaf: Any, sharding: Any) -> Any:
+    """One leaf as a `jax.Array` with `sharding` (None: the default device, uncommitted)."""
+    import jax
+
+    with self.gate:
+      self.gate.wait_for(lambda: self.in_flight == 0 or self.in_flight + leaf.nbytes <= self.budget)
+      self.in_flight += leaf.nbytes
+    try:
+      if sharding is None:
+        array = jax.device_put(leaf.read())
+      else:
+        array = jax.make_array_from_callback(leaf.shape, sharding, _last_part_reader(leaf))
+      array.block_until_ready()  # the host copy is no longer needed
+    finally:
+      with self.gate:
+        self.in_flight -= leaf.nbytes
+        self.gate.notify_all()
+    if self.bar is not None:
+      self.bar.update(leaf.nbytes)
+    return array
+
+
+def _last_part_reader(leaf: Any) -> Any:
+  """index -> leaf.read(index), reusing the last part read when the next device asks for the same
+  index (a replicated leaf is read once per process)."""
+  last: list[Any] = [None, None]
+
+  def part(index):
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if last[0] != key:
+      last[0], last[1] = key, leaf.read(index)
+    return last[1]
+
+  return part
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Which mesh to run a Wan model on: every valid (CFG, U, R, weight sharding), what each costs, one pick.
 
-For a transformer config, a video size and a device count, `plan` enumerates the `MeshSpec`s that
-can run it (C in {1, 2} with guidance on, U dividing the heads, C * R * U = the devices, weights
-replicated or sharded) and models one denoising step of each:
+For a transformer config and its parameter counts (`pipelines.wan.transformer_config.param_counts`,
+passed in: this layer imports no model code), a video size and a device count, `candidates`
+enumerates the `MeshSpec`s that can run it (C in {1, 2} with guidance on, U dividing the heads,
+C * R * U = the devices, weights replicated or sharded) and models one denoising step of each:
 
 - memory per device (bytes): transformer weights (replicated: all of them; sharded: the block
   weights / devices, plus the rest, plus two layers gathered at a time) and activations (the
@@ -103,27 +104,15 @@ class Candidate:
             "memory": self.memory, "memory_note": self.memory_note}
 
 
-def transformer_param_counts(config) -> tuple[int, int]:
-  """(block parameters, other parameters) of a `WanTransformerConfig` (`transformer.param_shapes`)."""
-  from pipelines.wan.transformer import param_shapes
-
-  shapes = param_shapes(config)
-
-  def count(tree) -> int:
-    if isinstance(tree, dict):
-      return sum(count(v) for v in tree.values())
-    return math.prod(tree)
-
-  blocks = count(shapes["blocks"])
-  return blocks, count(shapes) - blocks
-
-
-def candidates(config, *, devices: int, frames: int, height: int, width: int, text_tokens: int = 512,
-               cfg: bool = True, dtype: str = "bfloat16", experts: int = 1, chip: Chip) -> list[Candidate]:
+def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: int, height: int, width: int,
+               text_tokens: int = 512, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
+               chip: Chip) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
-    config: the `WanTransformerConfig`.
+    config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn, patch, channels).
+    param_counts: (block parameters, other parameters) of one transformer of `config`
+      (`pipelines.wan.transformer_config.param_counts`).
     devices: devices in the mesh.
     frames, height, width, text_tokens: the video and text sizes.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
@@ -136,47 +125,55 @@ def candidates(config, *, devices: int, frames: int, height: int, width: int, te
   """
   if devices < 1:
     raise ValueError(f"devices={devices} must be >= 1")
+  blocks, other = param_counts
+  if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
+    raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
   size = DTYPE_BYTES[dtype]
   tokens = step_estimate.video_tokens(config.patch_size, frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
-  blocks, other = transformer_param_counts(config)
   per_layer = blocks / config.num_layers
   flops_total = step_estimate.step_flops(config, tokens, text_tokens, rows)
   peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
   latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // 8) * (width // 8)
   out = []
-  for c in ((1, 2) if cfg and devices % 2 == 0 else (1,)):
-    seq = devices // c
-    for u in (u for u in range(1, seq + 1) if seq % u == 0 and heads_fit(u, n, n)):
-      r = seq // u
-      for shard in ((False, True) if devices > 1 else (False,)):
-        spec = MeshSpec(ulysses=u, ring=r, cfg=c, shard_weights=shard)
-        rows_local = rows // c
-        t_local = -(-tokens // seq)
-        stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
-        activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
-                       + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
-                       + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
-                       + rows_local * text_tokens * d * size * 2)  # cross-attention K/V of the text
-        if shard:
-          weights = (blocks / devices + other + 2 * per_layer) * size * experts
-        else:
-          weights = (blocks + other) * size * experts
-        comm = {
-            "all_to_all": config.num_layers * 4 * stream * (u - 1) / u,
-            "ring_permute": config.num_layers * (r - 1) * 2 * stream,
-            "cfg_exchange": latent_bytes if c == 2 else 0.0,
-            "weight_all_gather": (blocks * size * (devices - 1) / devices) if shard else 0.0,
-        }
-        flops = flops_total / devices
-        step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
-        total = weights + activations
-        out.append(Candidate(spec, total, weights, activations, comm, flops, step_s,
-                             total <= FIT_FRACTION * chip.memory_bytes))
+  for spec in _meshes(devices, n, cfg):
+    c, u, r, shard = spec.cfg, spec.ulysses, spec.ring, spec.shard_weights
+    rows_local = rows // c
+    t_local = -(-tokens // (devices // c))  # tokens per device: T over the R * U sequence devices
+    stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
+    activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
+                   + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
+                   + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
+                   + rows_local * text_tokens * d * size * 2)  # cross-attention K/V of the text
+    if shard:
+      weights = (blocks / devices + other + 2 * per_layer) * size * experts
+    else:
+      weights = (blocks + other) * size * experts
+    comm = {
+        "all_to_all": config.num_layers * 4 * stream * (u - 1) / u,
+        "ring_permute": config.num_layers * (r - 1) * 2 * stream,
+        "cfg_exchange": latent_bytes if c == 2 else 0.0,
+        "weight_all_gather": (blocks * size * (devices - 1) / devices) if shard else 0.0,
+    }
+    flops = flops_total / devices
+    step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
+    total = weights + activations
+    out.append(Candidate(spec, total, weights, activations, comm, flops, step_s,
+                         total <= FIT_FRACTION * chip.memory_bytes))
   if not out:
     raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
   return out
+
+
+def _meshes(devices: int, heads: int, cfg: bool):
+  """Every valid `MeshSpec` of `devices`: C in {1, 2} (2 only with guidance and an even count), U
+  dividing the heads, C * R * U = devices, weights replicated or (with several devices) sharded."""
+  for c in ((1, 2) if cfg and devices % 2 == 0 else (1,)):
+    seq = devices // c
+    for u in (u for u in range(1, seq + 1) if seq % u == 0 and heads_fit(u, heads, heads)):
+      for shard in ((False, True) if devices > 1 else (False,)):
+        yield MeshSpec(ulysses=u, ring=seq // u, cfg=c, shard_weights=shard)
 
 
 def recommend(found: list[Candidate]) -> Candidate | None:

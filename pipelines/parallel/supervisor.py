@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 EXIT_PEER_LOST = 3
 ENV_SUPERVISED = "WAN_USP_SUPERVISED"
@@ -208,6 +208,30 @@ def run_supervised(argv: Sequence[str], *, process_id: int, num_processes: int,
   child = subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+  code = _wait_filtering(child, log_path)
+  status = _read_status(status_path)
+  log_text = ""
+  if os.path.exists(log_path):
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+      log_text = f.read()
+  if code < 0 or code == 128 + signal.SIGABRT:
+    line = lost_peer_line(log_text, process_id, num_processes, heartbeat_timeout_s, status)
+    if line is not None:
+      print(f"{line} (runtime log: {log_path})", file=sys.stderr, flush=True)
+      return EXIT_PEER_LOST
+    name = signal.Signals(-code).name if code < 0 else "SIGABRT"
+    where = f"; runtime log: {log_path}" if log_text else ""
+    print(f"generate: error: process {process_id} died from {name}{where}", file=sys.stderr, flush=True)
+    return 128 + (-code if code < 0 else signal.SIGABRT)
+  if log_text and code != 0:
+    print(f"generate: runtime log: {log_path}", file=sys.stderr, flush=True)
+  return code
+
+
+def _wait_filtering(child: subprocess.Popen, log_path: str) -> int:
+  """Waits for `child`, its stdout and stderr passed through `StreamFilter`s (runtime noise to
+  `log_path`) and SIGINT / SIGTERM / SIGHUP forwarded to it meanwhile; returns its exit status
+  (negative: killed by that signal)."""
   lock = threading.Lock()  # one log file, two streams
   filters = [StreamFilter(sys.stdout.buffer, log_path, lock), StreamFilter(sys.stderr.buffer, log_path, lock)]
 
@@ -238,32 +262,21 @@ def run_supervised(argv: Sequence[str], *, process_id: int, num_processes: int,
       signal.signal(s, handler)
     for filt in filters:
       filt.close()
+  return code
+
+
+def _read_status(status_path: str) -> dict[str, Any]:
+  """The note the child left (`write_status`), {} when it wrote none; the file is removed."""
   try:
     with open(status_path, encoding="utf-8") as f:
-      status = json.load(f) if os.path.getsize(status_path) else {}
+      return json.load(f) if os.path.getsize(status_path) else {}
   except (OSError, ValueError):
-    status = {}
+    return {}
   finally:
     try:
       os.remove(status_path)
     except OSError:
       pass
-  log_text = ""
-  if os.path.exists(log_path):
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-      log_text = f.read()
-  if code < 0 or code == 128 + signal.SIGABRT:
-    line = lost_peer_line(log_text, process_id, num_processes, heartbeat_timeout_s, status)
-    if line is not None:
-      print(f"{line} (runtime log: {log_path})", file=sys.stderr, flush=True)
-      return EXIT_PEER_LOST
-    name = signal.Signals(-code).name if code < 0 else "SIGABRT"
-    where = f"; runtime log: {log_path}" if log_text else ""
-    print(f"generate: error: process {process_id} died from {name}{where}", file=sys.stderr, flush=True)
-    return 128 + (-code if code < 0 else signal.SIGABRT)
-  if log_text and code != 0:
-    print(f"generate: runtime log: {log_path}", file=sys.stderr, flush=True)
-  return code
 
 
 def write_status(**fields) -> None:

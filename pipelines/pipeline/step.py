@@ -56,9 +56,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
   stats = None
   if cache is None:
-    noise = forward(model, x, timestep, text, **_legacy(plan))  # model dtype  # TODO(plan-threading)
+    noise = forward(model, x, timestep, text, plan)  # model dtype
   else:
-    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, **_legacy(plan))
+    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan)
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -75,11 +75,6 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cache is not None:
     cache = wan_step_cache.constrain(cache, plan.mesh)  # residuals sequence-sharded, scalars replicated
   return (*out, cache, stats)
-
-
-def _legacy(plan: ParallelPlan) -> dict[str, Any]:
-  return dict(mesh=plan.mesh, attention_implementation=plan.attention_implementation,
-              gather_weights=plan.shard_weights, attention_backend=plan.attention_backend)
 
 
 def guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:

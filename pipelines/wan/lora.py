@@ -27,14 +27,14 @@ of every touched parameter is kept on the host, so `unfuse` restores it bit for 
 Our kernels are [I, O] (torch's transposed) and the blocks are stacked on a leading Z axis, so the
 update of `blocks.{i}.attn1.to_q` goes to `blocks.attn1.to_q.kernel[i]` (the key -> parameter
 mapping is `transformer_loading.checkpoint_layout`, shared with the checkpoint loader).
+
+Finding, reading and converting the files is `lora_format` (its names re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Mapping
@@ -43,17 +43,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from pipelines.storage import weights
 from pipelines.parallel import distributed
+from pipelines.wan.lora_format import (  # noqa: F401 (re-exported)
+    LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, TRANSFORMER_PREFIX, WAN_PREFIX, convert_wan_to_diffusers,
+    lora_file, read_lora)
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import checkpoint_layout
 
-# diffusers' file name for `save_lora_weights` (loaders/lora_base.py LORA_WEIGHT_NAME_SAFE) and its
-# safetensors metadata key (LORA_ADAPTER_METADATA_KEY).
-LORA_WEIGHT_NAME_SAFE = "pytorch_lora_weights.safetensors"
-LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
-TRANSFORMER_PREFIX = "transformer."
-WAN_PREFIX = "diffusion_model."
 EXPERT_NAMES = ("transformer", "transformer_2")  # diffusers' component names of experts 0 and 1
 
 
@@ -85,166 +81,6 @@ class LoraLayer:
   def delta_kernel(self) -> np.ndarray:
     """float32 [I, O]: (scaling * lora_B @ lora_A).T, our kernel layout."""
     return (self.up @ self.down).T * np.float32(self.scaling)
-
-
-# --- reading ---------------------------------------------------------------------------------------
-
-def lora_file(path: str | os.PathLike, weight_name: str | None = None) -> str:
-  """The safetensors file of a LoRA: `path` itself, or the one in a folder.
-
-  A folder must hold `weight_name` when given (diffusers' argument), else
-  `pytorch_lora_weights.safetensors` (diffusers' name) or exactly one `*.safetensors` file.
-
-  Raises:
-    weights.CheckpointError: no such file or folder, a pickle-format file (`.bin`, `.pt`, ...;
-      unpickling can execute code), not a `.safetensors` file, or a folder holding none or several.
-  """
-  path = os.fspath(path)
-  if weight_name is not None:
-    if not os.path.isdir(path):
-      raise weights.CheckpointError(f"weight_name={weight_name!r} needs a folder, but {path!r} is not one")
-    path = os.path.join(path, weight_name)
-  if os.path.isdir(path):
-    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if LORA_WEIGHT_NAME_SAFE in names:
-      return os.path.join(path, LORA_WEIGHT_NAME_SAFE)
-    if len(names) == 1:
-      return os.path.join(path, names[0])
-    if names:
-      raise weights.CheckpointError(
-          f"LoRA folder {path!r} holds several safetensors files {names}; pass the file itself or "
-          "weight_name=")
-    pickles = [n for n in sorted(os.listdir(path)) if n.endswith(weights.PICKLE_SUFFIXES)]
-    note = (f" (only pickle files {pickles}, refused: unpickling can execute code; convert them to "
-            "safetensors)") if pickles else ""
-    raise weights.CheckpointError(f"LoRA folder {path!r} has no *.safetensors file{note}")
-  if not os.path.isfile(path):
-    raise weights.CheckpointError(f"LoRA weights {path!r}: no such file or folder")
-  if path.endswith(weights.PICKLE_SUFFIXES):
-    raise weights.CheckpointError(
-        f"LoRA weights {path!r} are a pickle file, refused (unpickling can execute code); convert "
-        "them to safetensors")
-  if not path.endswith(".safetensors"):
-    raise weights.CheckpointError(f"LoRA weights {path!r} must be a .safetensors file")
-  return path
-
-
-def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None
-              ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, str]:
-  """Reads a LoRA's tensors and its diffusers adapter metadata.
-
-  Args:
-    source: a safetensors file, a folder holding one (see `lora_file`), or a state dict of numpy /
-      JAX / torch arrays (as diffusers' `load_lora_weights` accepts).
-    weight_name: the file's name inside the folder `source` (diffusers' argument).
-
-  Returns:
-    (key -> float32 numpy array, the parsed `lora_adapter_metadata` JSON or None, a name for
-    messages).
-
-  Raises:
-    weights.CheckpointError: see `lora_file`; a truncated or corrupt file; metadata that is not
-      JSON.
-  """
-  if isinstance(source, Mapping):
-    return {str(k): _float32(v) for k, v in source.items()}, None, "the given state dict"
-  from safetensors import SafetensorError, safe_open
-
-  path = lora_file(source, weight_name)
-  state = {}
-  try:
-    with safe_open(path, framework="numpy") as f:
-      header = f.metadata() or {}
-      for key in f.keys():
-        state[key] = _float32(f.get_tensor(key))
-  except (SafetensorError, OSError, ValueError) as e:
-    raise weights.CheckpointError(f"cannot read LoRA {path!r} (truncated or corrupt?): {e}") from e
-  raw = header.get(LORA_ADAPTER_METADATA_KEY)
-  try:
-    metadata = json.loads(raw) if raw else None
-  except json.JSONDecodeError as e:
-    raise weights.CheckpointError(f"{path!r}: {LORA_ADAPTER_METADATA_KEY} is not JSON: {e}") from e
-  return state, metadata, path
-
-
-def _float32(value: Any) -> np.ndarray:
-  if hasattr(value, "detach"):  # torch, without importing it (bf16 has no numpy dtype there)
-    value = value.detach().float().cpu().numpy()
-  return np.asarray(value, np.float32)
-
-
-# --- the original Wan format -> diffusers --------------------------------------------------------
-
-def _alpha_scales(rank: int, alpha: float) -> tuple[float, float]:
-  """diffusers' `get_alpha_scales`: alpha / rank split into (down, up) factors, powers of two moved
-  from up to down until down * 2 >= up."""
-  scale_down, scale_up = alpha / rank, 1.0
-  while scale_down * 2 < scale_up:
-    scale_down *= 2
-    scale_up /= 2
-  return scale_down, scale_up
-
-
-def convert_wan_to_diffusers(state: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-  """The original Wan key format (`diffusion_model.*`) as diffusers' keys (`transformer.*`).
-
-  A numpy port of diffusers' `_convert_non_diffusers_wan_lora_to_diffusers` for the text-to-video
-  layers: blocks' self_attn / cross_attn q, k, v, o -> attn1 / attn2 to_q, to_k, to_v, to_out.0;
-  ffn.0 / ffn.2 -> ffn.net.0.proj / ffn.net.2; time_projection.1 -> condition_embedder.time_proj;
-  head.head -> proj_out; {text,time}_embedding.{0,2} -> condition_embedder.{text,time}_embedder.
-  linear_{1,2}. `lora_down`/`lora_A` -> lora_A, `lora_up`/`lora_B` -> lora_B, `diff_b` ->
-  lora_B.bias; `alpha` folds alpha / rank into lora_A and lora_B (scaling 1 afterwards); a
-  `head.head.diff` full delta becomes lora_A with an identity lora_B. Norm `.diff` / `.diff_b` keys
-  are dropped (diffusers: they are zeros), as are time_projection bias deltas without a weight.
-
-  Returns:
-    (converted state, the keys left unconverted: image-to-video layers, unknown names, other
-    `.diff` full deltas; the caller refuses or warns).
-  """
-  rest = {k.removeprefix(WAN_PREFIX): v for k, v in state.items()}
-  down_name = "lora_A" if any("lora_A" in k for k in rest) else "lora_down"
-  up_name = "lora_B" if any("lora_B" in k for k in rest) else "lora_up"
-  out: dict[str, np.ndarray] = {}
-  has_time_weight = any(k.startswith("time_projection") and k.endswith(".weight") for k in rest)
-  for key in list(rest):
-    if (key.endswith((".diff", ".diff_b")) and "norm" in key) or (
-        "time_projection" in key and not has_time_weight):
-      rest.pop(key)
-
-  def move(theirs: str, ours: str, alpha: bool = True) -> None:
-    down_key, up_key = f"{theirs}.{down_name}.weight", f"{theirs}.{up_name}.weight"
-    if down_key in rest:
-      out[f"{ours}.lora_A.weight"] = rest.pop(down_key)
-    if up_key in rest:
-      out[f"{ours}.lora_B.weight"] = rest.pop(up_key)
-    if alpha and f"{theirs}.alpha" in rest and f"{ours}.lora_A.weight" in out:
-      scale_down, scale_up = _alpha_scales(out[f"{ours}.lora_A.weight"].shape[0],
-                                           float(rest.pop(f"{theirs}.alpha").reshape(-1)[0]))
-      out[f"{ours}.lora_A.weight"] = out[f"{ours}.lora_A.weight"] * np.float32(scale_down)
-      if f"{ours}.lora_B.weight" in out:
-        out[f"{ours}.lora_B.weight"] = out[f"{ours}.lora_B.weight"] * np.float32(scale_up)
-    if f"{theirs}.diff_b" in rest:
-      out[f"{ours}.lora_B.bias"] = rest.pop(f"{theirs}.diff_b")
-
-  blocks = sorted({int(k.split(".")[1]) for k in rest if re.match(r"blocks\.\d+\.", k)})
-  for i in blocks:
-    for theirs, ours in (("self_attn", "attn1"), ("cross_attn", "attn2")):
-      for o, c in zip(("q", "k", "v", "o"), ("to_q", "to_k", "to_v", "to_out.0")):
-        move(f"blocks.{i}.{theirs}.{o}", f"blocks.{i}.{ours}.{c}")
-    for o, c in (("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2")):
-      move(f"blocks.{i}.{o}", f"blocks.{i}.{c}")
-  # diffusers converts these without alpha handling (an alpha here is left over, so refused).
-  move("time_projection.1", "condition_embedder.time_proj", alpha=False)
-  move("head.head", "proj_out", alpha=False)
-  if "head.head.diff" in rest:  # lightx2v distill LoRAs: a full delta, identity up
-    diff = rest.pop("head.head.diff")
-    out["proj_out.lora_A.weight"] = diff
-    out["proj_out.lora_B.weight"] = np.eye(diff.shape[0], dtype=np.float32)
-  for theirs, ours in (("text_embedding", "text_embedder"), ("time_embedding", "time_embedder")):
-    for b, c in ((0, 1), (2, 2)):
-      move(f"{theirs}.{b}", f"condition_embedder.{ours}.linear_{c}", alpha=False)
-  left = sorted(WAN_PREFIX + k for k in rest)
-  return {TRANSFORMER_PREFIX + k: v for k, v in out.items()}, left
 
 
 # --- diffusers keys -> our layers ----------------------------------------------------------------
@@ -312,12 +148,7 @@ def parse_lora(state: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | No
     ignored = [k for k in left if k.endswith(".diff")]
   else:
     unknown = []
-  fields = None
-  if metadata:
-    fields = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in metadata.items()
-              if k.startswith(TRANSFORMER_PREFIX)} or None
-    if fields and fields.get("use_dora"):
-      raise ValueError(f"{where}: DoRA adapters (use_dora=True) are not supported")
+  fields = _config_fields(metadata, where)
   layers = linear_layers(config)
   parts: dict[str, dict[str, np.ndarray]] = {}
   for key, value in state.items():
@@ -332,26 +163,11 @@ def parse_lora(state: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | No
     problems.append(f"keys that match no Linear layer of this model ({len(unknown)}): {sorted(unknown)}")
   found = []
   for module, p in sorted(parts.items()):
-    (out_dim, in_dim), path, layer = layers[module]
-    down, up, bias = p.get("lora_A.weight"), p.get("lora_B.weight"), p.get("lora_B.bias")
-    if down is None or up is None:
-      problems.append(f"{module}: has {sorted(p)} but needs both lora_A.weight and lora_B.weight")
-      continue
-    rank = down.shape[0] if down.ndim == 2 else -1
-    want = {"lora_A.weight": (rank, in_dim), "lora_B.weight": (out_dim, rank), "lora_B.bias": (out_dim,)}
-    bad = [f"transformer.{module}.{name} {tuple(a.shape)} (model wants {want[name]})"
-           for name, a in p.items() if a.ndim != len(want[name]) or tuple(a.shape) != want[name]]
-    if bad or rank < 1:
-      problems.append("shape mismatches: " + ", ".join(bad or [f"transformer.{module}.lora_A.weight "
-                                                                f"{tuple(down.shape)}"]))
-      continue
-    try:
-      scaling = _scaling(module, rank, fields)
-    except ValueError as e:
-      problems.append(str(e))
-      continue
-    found.append(LoraLayer(module=module, kernel_path=path, layer=layer, down=down, up=up,
-                           bias=bias, scaling=scaling))
+    layer, problem = _lora_layer(module, p, layers[module], fields)
+    if problem is not None:
+      problems.append(problem)
+    else:
+      found.append(layer)
   if problems:
     raise ValueError(f"LoRA {where!r} does not fit this transformer (nothing was changed):\n  "
                      + "\n  ".join(problems))
@@ -361,6 +177,46 @@ def parse_lora(state: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | No
     warnings.warn(f"LoRA {where!r}: full-weight `.diff` deltas are ignored, as diffusers does: {ignored}",
                   stacklevel=3)
   return found
+
+
+def _config_fields(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any] | None:
+  """The transformer's LoraConfig fields from diffusers' `lora_adapter_metadata` (prefix dropped),
+  or None when there are none.
+
+  Raises:
+    ValueError: DoRA metadata (use_dora=True).
+  """
+  if not metadata:
+    return None
+  fields = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in metadata.items()
+            if k.startswith(TRANSFORMER_PREFIX)} or None
+  if fields and fields.get("use_dora"):
+    raise ValueError(f"{where}: DoRA adapters (use_dora=True) are not supported")
+  return fields
+
+
+def _lora_layer(module: str, p: Mapping[str, np.ndarray], target: tuple[tuple[int, int], Any, Any],
+                fields: dict[str, Any] | None) -> tuple[LoraLayer | None, str | None]:
+  """One adapted Linear from its parts {"lora_A.weight", "lora_B.weight"[, "lora_B.bias"]}: (the
+  `LoraLayer`, None), or (None, what is wrong: a missing half, shapes that do not fit `target`
+  ((O, I) weight shape, kernel path, block index), a bad scaling)."""
+  (out_dim, in_dim), path, layer = target
+  down, up, bias = p.get("lora_A.weight"), p.get("lora_B.weight"), p.get("lora_B.bias")
+  if down is None or up is None:
+    return None, f"{module}: has {sorted(p)} but needs both lora_A.weight and lora_B.weight"
+  rank = down.shape[0] if down.ndim == 2 else -1
+  want = {"lora_A.weight": (rank, in_dim), "lora_B.weight": (out_dim, rank), "lora_B.bias": (out_dim,)}
+  bad = [f"transformer.{module}.{name} {tuple(a.shape)} (model wants {want[name]})"
+         for name, a in p.items() if a.ndim != len(want[name]) or tuple(a.shape) != want[name]]
+  if bad or rank < 1:
+    return None, "shape mismatches: " + ", ".join(bad or [f"transformer.{module}.lora_A.weight "
+                                                          f"{tuple(down.shape)}"])
+  try:
+    scaling = _scaling(module, rank, fields)
+  except ValueError as e:
+    return None, str(e)
+  return LoraLayer(module=module, kernel_path=path, layer=layer, down=down, up=up, bias=bias,
+                   scaling=scaling), None
 
 
 # --- fusing --------------------------------------------------------------------------------------

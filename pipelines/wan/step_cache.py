@@ -37,17 +37,17 @@ The cache state (`FirstBlockState`, `MagState`) is a pytree of arrays carried th
 `pipelines.pipeline.denoise_step` and donated like the solver state: residuals [B, T, D] in the
 model dtype, sequence-sharded under a mesh; scalars replicated. The threshold and the MagCache
 settings are arrays in the state, so a new threshold does not recompile the step.
+
+The settings (`StepCacheSpec`, `parse_step_cache`, MagCache's ratios, `summary`) live in
+`step_cache_spec` and are re-exported here.
 """
+
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import math
-import os
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,164 +56,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention.mesh import sequence_spec
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan import transformer as wan_transformer
-
-METHODS = ("first-block", "mag")
-MAG_DEFAULT_MAX_SKIPS = 3  # diffusers MagCacheConfig.max_skip_steps
-MAG_DEFAULT_RETENTION = 0.2  # diffusers MagCacheConfig.retention_ratio
-# Ratios of the embedded tiny model (`WanPipeline.tiny()`), written by
-# `python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/mag_ratios_tiny.json`.
-TINY_RATIOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mag_ratios_tiny.json")
-
-SPEC_HELP = ("None, 'first-block:THRESH' (e.g. 'first-block:0.05') or 'mag:THRESH[:K][@RATIOS.json]' "
-             "(e.g. 'mag:0.1', 'mag:0.1:3@ratios.json'); THRESH a finite number >= 0, K an int >= 1")
-
-
-class StepCacheError(ValueError):
-  """A step-cache spec or calibration file that cannot be used; the message says what to pass."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCacheSpec:
-  """A parsed step-cache setting.
-
-  Attributes:
-    method: "first-block" or "mag".
-    threshold: skip while the method's error measure is below it (strictly; 0 never skips).
-    max_skips: MagCache's K, the most consecutive skipped steps (None for first-block).
-    retention: MagCache's fraction of first steps that always run (None for first-block).
-    ratios: MagCache's calibrated magnitude ratios, one per step of the calibration run.
-    ratios_source: where `ratios` came from (a file path), for the record.
-  """
-  method: str
-  threshold: float
-  max_skips: int | None = None
-  retention: float | None = None
-  ratios: tuple[float, ...] | None = None
-  ratios_source: str | None = None
-
-  def __post_init__(self):
-    if self.method not in METHODS:
-      raise StepCacheError(f"step cache method {self.method!r} is not one of {METHODS}")
-    if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
-            and self.threshold >= 0):
-      raise StepCacheError(f"step cache threshold {self.threshold!r} must be a finite number >= 0")
-    if self.method == "mag":
-      if not (isinstance(self.max_skips, int) and self.max_skips >= 1):
-        raise StepCacheError(f"MagCache K={self.max_skips!r} must be an int >= 1")
-      if not (isinstance(self.retention, (int, float)) and 0 <= self.retention <= 1):
-        raise StepCacheError(f"MagCache retention={self.retention!r} must be in [0, 1]")
-      _check_ratios(self.ratios, self.ratios_source or "ratios")
-
-  def describe(self) -> str:
-    """The spec string that gives this setting back (with the ratios file unless it is the
-    built-in tiny calibration)."""
-    if self.method == "first-block":
-      return f"first-block:{self.threshold:g}"
-    shipped = self.ratios_source in (None, TINY_RATIOS_FILE)
-    return f"mag:{self.threshold:g}:{self.max_skips}" + ("" if shipped else f"@{self.ratios_source}")
-
-  def identity(self) -> dict[str, Any]:
-    """What a resumed run must match (`pipelines.pipeline.resume`): the setting and its ratios, not the
-    file they were read from."""
-    out = self.to_dict()
-    out.pop("ratios_source", None)
-    out["spec"] = self.describe().split("@")[0]
-    return out
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-ready record of the setting (ratios included for MagCache)."""
-    out = {"spec": self.describe(), "method": self.method, "threshold": self.threshold}
-    if self.method == "mag":
-      out.update(max_skips=self.max_skips, retention=self.retention, ratios_source=self.ratios_source,
-                 ratios=list(self.ratios))
-    return out
-
-
-def _check_ratios(ratios: Any, source: str) -> tuple[float, ...]:
-  if (not isinstance(ratios, (list, tuple)) or not ratios
-      or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
-                 for r in ratios)):
-    raise StepCacheError(f"{source}: MagCache ratios must be a non-empty list of finite numbers > 0, "
-                         f"got {str(ratios)[:80]}")
-  return tuple(float(r) for r in ratios)
-
-
-def load_ratios(path: str) -> tuple[float, ...]:
-  """MagCache ratios from a calibration file (`end_to_end.calibrate_cache` output, or any JSON
-  object with "ratios": [gamma_0, ..., gamma_{S-1}]).
-
-  Raises:
-    StepCacheError: no such file, not JSON, or no valid "ratios" list in it.
-  """
-  if not os.path.isfile(path):
-    raise StepCacheError(f"MagCache ratios file {path!r} does not exist; write one with "
-                         "`python -m end_to_end.calibrate_cache --model MODEL --out FILE.json`")
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise StepCacheError(f"MagCache ratios file {path!r} is not valid JSON: {e}") from e
-  if not isinstance(data, dict) or "ratios" not in data:
-    raise StepCacheError(f"MagCache ratios file {path!r} has no 'ratios' list")
-  return _check_ratios(data["ratios"], path)
-
-
-_NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
-_SPEC = re.compile(rf"^(?P<method>[a-z-]+):(?P<threshold>{_NUMBER})(?::(?P<k>[0-9]+))?(?:@(?P<file>.+))?$")
-
-
-def parse_step_cache(spec: str | StepCacheSpec | None, *, model: str = "") -> StepCacheSpec | None:
-  """A `step_cache` argument as a `StepCacheSpec` (None: caching off). No compute.
-
-  Args:
-    spec: None, a `StepCacheSpec`, or a string (see `SPEC_HELP`): "first-block:THRESH",
-      "mag:THRESH[:K][@RATIOS.json]".
-    model: the pipeline's `name` ("tiny" for the embedded model): "mag" without @FILE uses the
-      shipped tiny calibration for "tiny" and is refused for any other model.
-
-  Raises:
-    StepCacheError (a ValueError): anything else, naming the value and the accepted forms.
-  """
-  if spec is None or isinstance(spec, StepCacheSpec):
-    return spec
-  if not isinstance(spec, str):
-    raise StepCacheError(f"step_cache={spec!r} must be {SPEC_HELP}, not a {type(spec).__name__}")
-  match = _SPEC.match(spec.strip())
-  if match is None or match["method"] not in METHODS:
-    raise StepCacheError(f"step_cache={spec!r} is not understood; use {SPEC_HELP}")
-  threshold = float(match["threshold"])
-  if match["method"] == "first-block":
-    if match["k"] is not None or match["file"] is not None:
-      raise StepCacheError(f"step_cache={spec!r}: first-block takes only a threshold "
-                           "(e.g. 'first-block:0.05')")
-    return StepCacheSpec("first-block", threshold)
-  k = MAG_DEFAULT_MAX_SKIPS if match["k"] is None else int(match["k"])
-  if k < 1:
-    raise StepCacheError(f"step_cache={spec!r}: K={k} must be >= 1 (the most consecutive skips)")
-  path = match["file"]
-  if path is None:
-    if model != "tiny":
-      raise StepCacheError(
-          f"step_cache={spec!r}: MagCache needs ratios calibrated for this model ({model or 'unnamed'}); "
-          "write them with `python -m end_to_end.calibrate_cache --model FOLDER --out ratios.json` "
-          f"and pass 'mag:{match['threshold']}:{k}@ratios.json'")
-    path = TINY_RATIOS_FILE
-  return StepCacheSpec("mag", threshold, max_skips=k, retention=MAG_DEFAULT_RETENTION,
-                       ratios=load_ratios(path), ratios_source=path)
-
-
-def nearest_interp(ratios: Sequence[float], length: int) -> np.ndarray:
-  """Resamples calibrated ratios to `length` steps by nearest index (diffusers' `nearest_interp`).
-
-  Returns:
-    float32 [length]: ratios[round(i * (len - 1) / (length - 1))]; the last ratio when length == 1.
-  """
-  src = np.asarray(ratios, np.float32)
-  if length == 1:
-    return src[-1:]
-  index = np.round(np.arange(length, dtype=np.float64) * (len(src) - 1) / (length - 1)).astype(int)
-  return src[index]
+from pipelines.wan.sequence_layout import padded_tokens
+from pipelines.wan.step_cache_spec import (MAG_DEFAULT_MAX_SKIPS, MAG_DEFAULT_RETENTION, METHODS,  # noqa: F401
+                                           SPEC_HELP, TINY_RATIOS_FILE, StepCacheError, StepCacheSpec,
+                                           load_ratios, nearest_interp, parse_step_cache, summary)
 
 
 # --- the carried state -------------------------------------------------------------------------------
@@ -290,7 +138,7 @@ def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtyp
     `FirstBlockState` or `MagState` with zero residuals and valid False; residuals [B, T, D]
     sequence-sharded under a mesh, everything else replicated.
   """
-  padded = wan_transformer.SequenceLayout(mesh, tokens).padded_tokens
+  padded = padded_tokens(mesh, tokens)
   shape = (rows, padded, config.dim)
 
   def build():
@@ -395,15 +243,13 @@ def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.
 
 
 def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
-                   encoder_hidden_states: jax.Array, state: State, *, mesh: Mesh | None = None,
-                   attention_implementation: str = "auto", gather_weights: bool = False,
-                   attention_backend: str = "auto") -> tuple[jax.Array, State, dict[str, jax.Array]]:
+                   encoder_hidden_states: jax.Array, state: State,
+                   plan: ParallelPlan | None = None) -> tuple[jax.Array, State, dict[str, jax.Array]]:
   """`transformer.forward` with a step cache. Jit-friendly; the skip is one mesh-uniform `lax.cond`.
 
   Args:
-    model, latents, timestep, encoder_hidden_states, mesh, attention_implementation,
-      gather_weights, attention_backend: as `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text
-      [B, L, text_dim]).
+    model, latents, timestep, encoder_hidden_states, plan: as `transformer.forward` (latents
+      [B, C, F, Hl, Wl], timestep [B], text [B, L, text_dim]; plan None: one device).
     state: this step's `FirstBlockState` or `MagState` (from `init_state` or the previous step).
 
   Returns:
@@ -415,90 +261,77 @@ def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, ti
   Raises:
     ValueError: as `transformer.forward`; TypeError for a state of another kind.
   """
-  x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, mesh=mesh,
-                                          attention_implementation=attention_implementation,
-                                          gather_weights=gather_weights, attention_backend=attention_backend)
-  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
-  layers = model.config.num_layers
-
-  if isinstance(state, FirstBlockState):
-    x1_BTD = wan_transformer.run_blocks(model, x0_BTD, context, 0, 1)
-    head_BTD = (x1_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype)
-    change = _relative_l1(head_BTD, state.head_residual, tokens)
-    skip = state.valid & (change < state.threshold)
-
-    def full(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
-      del prev_head_BTD, tail_BTD
-      if layers == 1:
-        xz_BTD = x1_BTD
-      else:
-        xz_BTD = wan_transformer.run_blocks(model, x1_BTD, context, 1, layers)
-      tail_BTD = (xz_BTD.astype(f32) - x1_BTD.astype(f32)).astype(dtype)
-      return xz_BTD, head_BTD, context.layout.constrain(tail_BTD)
-
-    def cached(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
-      del head_BTD
-      xz_BTD = (x1_BTD.astype(f32) + tail_BTD.astype(f32)).astype(dtype)
-      return context.layout.constrain(xz_BTD), prev_head_BTD, tail_BTD
-
-    xz_BTD, head_BTD, tail_BTD = jax.lax.cond(skip, cached, full, x1_BTD, head_BTD,
-                                              state.head_residual, state.tail_residual)
-    state = dataclasses.replace(state, head_residual=head_BTD, tail_residual=tail_BTD,
-                                valid=jnp.ones_like(state.valid))
-    stats = {"skipped": skip, "metric": change}
-
-  elif isinstance(state, MagState):
-    step = state.step
-    ratio = state.ratios[jnp.minimum(step, state.ratios.shape[0] - 1)]
-    active = step >= state.retention_steps  # diffusers: accumulate only past the retention steps
-    acc_ratio = state.acc_ratio * ratio
-    acc_steps = state.acc_steps + 1
-    acc_err = state.acc_err + jnp.abs(1.0 - acc_ratio)
-    skip = state.valid & active & (acc_err < state.threshold) & (acc_steps <= state.max_skips)
-
-    def full(x0_BTD, residual_BTD):
-      xz_BTD = wan_transformer.run_blocks(model, x0_BTD, context)
-      new_BTD = context.layout.constrain((xz_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype))
-      measured = jnp.where(state.valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
-      return xz_BTD, new_BTD, measured
-
-    def cached(x0_BTD, residual_BTD):
-      xz_BTD = (x0_BTD.astype(f32) + residual_BTD.astype(f32)).astype(dtype)
-      return context.layout.constrain(xz_BTD), residual_BTD, jnp.float32(jnp.nan)
-
-    xz_BTD, residual_BTD, measured = jax.lax.cond(skip, cached, full, x0_BTD, state.residual)
-    restart = active & ~skip  # a full step past the retention steps restarts the accumulators
-    state = dataclasses.replace(
-        state, residual=residual_BTD, valid=jnp.ones_like(state.valid), step=step + 1,
-        acc_ratio=jnp.where(skip, acc_ratio, jnp.where(restart, 1.0, state.acc_ratio)).astype(f32),
-        acc_err=jnp.where(skip, acc_err, jnp.where(restart, 0.0, state.acc_err)).astype(f32),
-        acc_steps=jnp.where(skip, acc_steps, jnp.where(restart, 0, state.acc_steps)).astype(jnp.int32))
-    stats = {"skipped": skip, "metric": measured.astype(f32)}
-  else:
+  if not isinstance(state, (FirstBlockState, MagState)):
     raise TypeError(f"state must be a FirstBlockState or MagState, got {type(state).__name__}")
-
+  x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, plan)
+  if isinstance(state, FirstBlockState):
+    xz_BTD, state, stats = _first_block_step(model, x0_BTD, context, state)
+  else:
+    xz_BTD, state, stats = _mag_step(model, x0_BTD, context, state)
   return wan_transformer.unembed(model, xz_BTD, context), state, stats
 
 
-def summary(spec: StepCacheSpec, steps: Sequence[tuple[int, bool, float]], *,
-            num_layers: int) -> dict[str, Any]:
-  """The record of a cached run for `run(...).settings["step_cache"]` and the sidecar.
+def _first_block_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array,
+                      context: wan_transformer.ForwardContext,
+                      state: FirstBlockState) -> tuple[jax.Array, FirstBlockState, dict[str, jax.Array]]:
+  """First-block cache around the blocks: x0 [B, T_padded, D] (from `embed`) -> (x_Z, next state,
+  stats); block 0 always runs, blocks 1..Z-1 are skipped when its residual barely changed."""
+  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
+  layers = model.config.num_layers
+  x1_BTD = wan_transformer.run_blocks(model, x0_BTD, context, 0, 1)
+  head_BTD = (x1_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype)
+  change = _relative_l1(head_BTD, state.head_residual, tokens)
+  skip = state.valid & (change < state.threshold)
 
-  Args:
-    spec: the setting.
-    steps: (step index, skipped, metric) per step this call ran, from `cached_forward`'s stats (a
-      resumed run holds only the steps after its checkpoint).
-    num_layers: Z, blocks per transformer evaluation.
+  def full(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
+    del prev_head_BTD, tail_BTD
+    if layers == 1:
+      xz_BTD = x1_BTD
+    else:
+      xz_BTD = wan_transformer.run_blocks(model, x1_BTD, context, 1, layers)
+    tail_BTD = (xz_BTD.astype(f32) - x1_BTD.astype(f32)).astype(dtype)
+    return xz_BTD, head_BTD, context.layout.constrain(tail_BTD)
 
-  Returns:
-    `spec.to_dict()` plus steps_recorded (the step indices covered), skipped_steps (step
-    indices), skipped_fraction (of the recorded steps), skipped_block_fraction (of block
-    evaluations: first-block always runs block 0), and metrics (per recorded step; None where not
-    finite).
-  """
-  skipped_steps = [k for k, skipped, _ in steps if skipped]
-  per_skip = (num_layers - 1) / num_layers if spec.method == "first-block" else 1.0
-  fraction = len(skipped_steps) / len(steps) if steps else 0.0
-  return {**spec.to_dict(), "steps_recorded": [k for k, _, _ in steps], "skipped_steps": skipped_steps,
-          "skipped_fraction": fraction, "skipped_block_fraction": fraction * per_skip,
-          "metrics": [float(m) if math.isfinite(m) else None for _, _, m in steps]}
+  def cached(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
+    del head_BTD
+    xz_BTD = (x1_BTD.astype(f32) + tail_BTD.astype(f32)).astype(dtype)
+    return context.layout.constrain(xz_BTD), prev_head_BTD, tail_BTD
+
+  xz_BTD, head_BTD, tail_BTD = jax.lax.cond(skip, cached, full, x1_BTD, head_BTD,
+                                            state.head_residual, state.tail_residual)
+  state = dataclasses.replace(state, head_residual=head_BTD, tail_residual=tail_BTD,
+                              valid=jnp.ones_like(state.valid))
+  return xz_BTD, state, {"skipped": skip, "metric": change}
+
+
+def _mag_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array, context: wan_transformer.ForwardContext,
+              state: MagState) -> tuple[jax.Array, MagState, dict[str, jax.Array]]:
+  """MagCache around the blocks: x0 [B, T_padded, D] (from `embed`) -> (x_Z, next state, stats);
+  every block is skipped while the accumulated error stays under the threshold."""
+  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
+  step = state.step
+  ratio = state.ratios[jnp.minimum(step, state.ratios.shape[0] - 1)]
+  active = step >= state.retention_steps  # diffusers: accumulate only past the retention steps
+  acc_ratio = state.acc_ratio * ratio
+  acc_steps = state.acc_steps + 1
+  acc_err = state.acc_err + jnp.abs(1.0 - acc_ratio)
+  skip = state.valid & active & (acc_err < state.threshold) & (acc_steps <= state.max_skips)
+
+  def full(x0_BTD, residual_BTD):
+    xz_BTD = wan_transformer.run_blocks(model, x0_BTD, context)
+    new_BTD = context.layout.constrain((xz_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype))
+    measured = jnp.where(state.valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
+    return xz_BTD, new_BTD, measured
+
+  def cached(x0_BTD, residual_BTD):
+    xz_BTD = (x0_BTD.astype(f32) + residual_BTD.astype(f32)).astype(dtype)
+    return context.layout.constrain(xz_BTD), residual_BTD, jnp.float32(jnp.nan)
+
+  xz_BTD, residual_BTD, measured = jax.lax.cond(skip, cached, full, x0_BTD, state.residual)
+  restart = active & ~skip  # a full step past the retention steps restarts the accumulators
+  state = dataclasses.replace(
+      state, residual=residual_BTD, valid=jnp.ones_like(state.valid), step=step + 1,
+      acc_ratio=jnp.where(skip, acc_ratio, jnp.where(restart, 1.0, state.acc_ratio)).astype(f32),
+      acc_err=jnp.where(skip, acc_err, jnp.where(restart, 0.0, state.acc_err)).astype(f32),
+      acc_steps=jnp.where(skip, acc_steps, jnp.where(restart, 0, state.acc_steps)).astype(jnp.int32))
+  return xz_BTD, state, {"skipped": skip, "metric": measured.astype(f32)}

@@ -4,6 +4,9 @@ Field names and meanings follow diffusers so that `WanTransformerConfig.from_dic
 reads a diffusers `transformer/config.json` unchanged. Only the text-to-video variants are
 supported (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 T2V A14B experts): the image-conditioning fields
 (`image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`) must be null.
+
+Also the parameter tree a config implies (`param_shapes`, `param_counts`) and which parameters
+stay fp32 (`keeps_fp32`): pure functions of the config, no JAX.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
+
+# diffusers `WanTransformer3DModel._keep_in_fp32_modules` that own parameters ("rope", "norm1",
+# "norm3" own none); a parameter whose path holds one of these names is kept fp32.
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
+
+
+def keeps_fp32(path: tuple[str, ...]) -> bool:
+  """Whether the parameter at `path` (our module path) stays fp32 whatever the model dtype."""
+  return any(name in path for name in KEEP_IN_FP32)
+
 
 # diffusers config.json keys that carry no model information.
 _IGNORED_KEYS = ("_class_name", "_diffusers_version", "_name_or_path")
@@ -125,3 +138,47 @@ PRESETS: dict[str, WanTransformerConfig] = {
     "tiny": WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32,
                                  ffn_dim=64, num_layers=2),
 }
+
+
+def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
+  """Our parameter tree (nested dicts of shape tuples), `WanTransformer`'s layout."""
+  d, z, e = config.dim, config.num_layers, config.ffn_dim
+  pt, ph, pw = config.patch_size
+
+  def dense(i, o, layers=()):
+    return {"kernel": (*layers, i, o), "bias": (*layers, o)}
+
+  def attn():
+    return {**{n: dense(d, d, (z,)) for n in ("to_q", "to_k", "to_v", "to_out")},
+            "norm_q": (z, d), "norm_k": (z, d)}
+
+  blocks = {"attn1": attn(), "attn2": attn(),
+            "ffn": {"proj_in": dense(d, e, (z,)), "proj_out": dense(e, d, (z,))},
+            "scale_shift_table": (z, 6, d)}
+  if config.cross_attn_norm:
+    blocks["norm2"] = {"weight": (z, d), "bias": (z, d)}
+  return {
+      "patch_embedding": {"kernel": (pt, ph, pw, config.in_channels, d), "bias": (d,)},
+      "condition_embedder": {
+          "time_embedder": {"linear_1": dense(config.freq_dim, d), "linear_2": dense(d, d)},
+          "time_proj": dense(d, 6 * d),
+          "text_embedder": {"linear_1": dense(config.text_dim, d), "linear_2": dense(d, d)},
+      },
+      "blocks": blocks,
+      "scale_shift_table": (2, d),
+      "proj_out": dense(d, config.out_channels * config.patch_volume),
+  }
+
+
+def param_counts(config: WanTransformerConfig) -> tuple[int, int]:
+  """(block parameters, other parameters) of a transformer of `config` (`param_shapes`): what the
+  mesh planner (`pipelines.parallel.planner.candidates`) sizes the weights from."""
+  shapes = param_shapes(config)
+
+  def count(tree) -> int:
+    if isinstance(tree, Mapping):
+      return sum(count(v) for v in tree.values())
+    return math.prod(tree)
+
+  blocks = count(shapes["blocks"])
+  return blocks, count(shapes) - blocks

@@ -1,7 +1,8 @@
 """Wan 2.1 causal video VAE in JAX: config, loader, random init, chunked encode and decode.
 
 Numerical reference: diffusers `AutoencoderKLWan` (Wan 2.1 VAE, `is_residual=False`), used by Wan 2.1
-and Wan 2.2 A14B; the layers live in `vae_layers.py`. Public layouts follow diffusers: latents
+and Wan 2.2 A14B; the layers live in `vae_layers.py`, the config and presets in `vae_config.py`
+(re-exported here). Public layouts follow diffusers: latents
 `[B, C, F, Hl, Wl]`, video `[B, 3, frames, height, width]` in [-1, 1], with frames = 1 + 4(F - 1)
 and height, width = 8Hl, 8Wl (`decode(..., video_layout="BFHWC")` returns the pipeline's
 `[B, frames, height, width, 3]` directly). Internally everything is channels-last.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -32,119 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pipelines.storage.weights import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
 from pipelines.parallel.distributed import put_host_leaves
 from pipelines.wan import vae_layers as L
-
-# Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
-WAN21_LATENTS_MEAN = (
-    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
-WAN21_LATENTS_STD = (
-    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+from pipelines.wan.vae_config import (VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD,  # noqa: F401
+                                      WanVAEConfig)
 
 ENCODER_CHUNK = 4  # video frames per encoder chunk after the first frame (diffusers `_encode`)
-
-
-@dataclasses.dataclass(frozen=True)
-class WanVAEConfig:
-  """`AutoencoderKLWan` config; field names and defaults are diffusers' (the released Wan 2.1 VAE).
-
-  Only the Wan 2.1 topology is supported: `is_residual=False` and `patch_size=None` (the Wan 2.2
-  TI2V-5B VAE, z_dim 48, is not). `dropout` is accepted and ignored (inference).
-  """
-  base_dim: int = 96
-  decoder_base_dim: int | None = None
-  z_dim: int = 16
-  dim_mult: tuple[int, ...] = (1, 2, 4, 4)
-  num_res_blocks: int = 2
-  attn_scales: tuple[float, ...] = ()
-  temperal_downsample: tuple[bool, ...] = (False, True, True)
-  dropout: float = 0.0
-  latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
-  latents_std: tuple[float, ...] = WAN21_LATENTS_STD
-  is_residual: bool = False
-  in_channels: int = 3
-  out_channels: int = 3
-  patch_size: int | None = None
-  scale_factor_temporal: int | None = 4
-  scale_factor_spatial: int | None = 8
-
-  def __post_init__(self):
-    for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
-      object.__setattr__(self, name, tuple(getattr(self, name)))
-    if self.is_residual or self.patch_size is not None:
-      raise ValueError(
-          f"only the Wan 2.1 VAE topology is implemented; got {self.is_residual=}, {self.patch_size=} "
-          "(the Wan 2.2 TI2V-5B VAE)")
-    for name in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-    if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
-      raise ValueError(f"{self.decoder_base_dim=} must be >= 1 or None")
-    if len(self.dim_mult) < 1 or min(self.dim_mult) < 1:
-      raise ValueError(f"{self.dim_mult=} must be a non-empty list of positive multipliers")
-    if len(self.temperal_downsample) != len(self.dim_mult) - 1:
-      raise ValueError(f"{self.temperal_downsample=} needs len(dim_mult) - 1 = {len(self.dim_mult) - 1} entries")
-    if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
-      raise ValueError(f"latents_mean/std need {self.z_dim=} entries, got {len(self.latents_mean)}, "
-                       f"{len(self.latents_std)}")
-    if self.scale_factor_spatial is not None and self.scale_factor_spatial != self.spatial_factor:
-      raise ValueError(f"{self.scale_factor_spatial=} disagrees with {self.dim_mult=} "
-                       f"(2 ** {len(self.dim_mult) - 1} = {self.spatial_factor})")
-    if self.scale_factor_temporal is not None and self.scale_factor_temporal != self.temporal_factor:
-      raise ValueError(f"{self.scale_factor_temporal=} disagrees with {self.temperal_downsample=} "
-                       f"(2 ** {sum(self.temperal_downsample)} = {self.temporal_factor})")
-
-  @property
-  def spatial_factor(self) -> int:
-    return 2 ** (len(self.dim_mult) - 1)
-
-  @property
-  def temporal_factor(self) -> int:
-    return 2 ** sum(self.temperal_downsample)
-
-  @classmethod
-  def from_diffusers(cls, raw: Mapping[str, Any]) -> WanVAEConfig:
-    """From a diffusers vae `config.json` dict; `_`-prefixed keys are metadata and skipped.
-
-    Raises:
-      ValueError: `_class_name` is not AutoencoderKLWan, an unknown key, or a failed validation.
-    """
-    class_name = raw.get("_class_name", "AutoencoderKLWan")
-    if class_name != "AutoencoderKLWan":
-      raise ValueError(f"expected an AutoencoderKLWan config, got {class_name=}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(k for k in raw if not k.startswith("_") and k not in fields)
-    if unknown:
-      raise ValueError(f"unknown AutoencoderKLWan config keys {unknown}; known: {sorted(fields)}")
-    return cls(**{k: v for k, v in raw.items() if k in fields})
-
-  def encoder_layers(self) -> tuple[L.Layer, ...]:
-    return L.encoder_layers(
-        in_channels=self.in_channels, dim=self.base_dim, z_dim=self.z_dim, dim_mult=self.dim_mult,
-        num_res_blocks=self.num_res_blocks, attn_scales=self.attn_scales,
-        temperal_downsample=self.temperal_downsample)
-
-  def decoder_layers(self) -> tuple[L.Layer, ...]:
-    return L.decoder_layers(
-        out_channels=self.out_channels, dim=self.decoder_base_dim or self.base_dim, z_dim=self.z_dim,
-        dim_mult=self.dim_mult, num_res_blocks=self.num_res_blocks,
-        temperal_upsample=self.temperal_downsample[::-1])
-
-  def quant_layers(self) -> tuple[L.CausalConv, L.CausalConv]:
-    """`quant_conv` (after the encoder) and `post_quant_conv` (before the decoder), both 1x1x1."""
-    return (L.CausalConv("quant_conv", 2 * self.z_dim, 2 * self.z_dim, 1),
-            L.CausalConv("post_quant_conv", self.z_dim, self.z_dim, 1))
-
-  def param_shapes(self) -> dict[str, tuple[int, ...]]:
-    """Checkpoint-layout shape of every `AutoencoderKLWan` state-dict key."""
-    return L.param_shapes((*self.encoder_layers(), *self.quant_layers(), *self.decoder_layers()))
-
-
-VAE_PRESETS = {
-    "wan2.1": WanVAEConfig(),
-    # The parity-test topology: every layer kind, 3 channels wide.
-    "tiny": WanVAEConfig(base_dim=3, dim_mult=(1, 1, 1, 1), num_res_blocks=1),
-}
 
 
 @jax.tree_util.register_dataclass
@@ -248,8 +140,11 @@ def normalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
 # Decode
 
 
-def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
-                  rows: L.RowShards | None = None) -> tuple[jax.Array, L.Cache]:
+def decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
+                 rows: L.RowShards | None = None) -> tuple[jax.Array, L.Cache]:
+  """One causal decoder chunk: latents z [B, 1, Hl, Wl, z_dim] (one latent frame, denormalized as
+  `decode` takes them) -> (video [B, T, 8Hl, 8Wl, 3] in [-1, 1], T = 1 on the first chunk (cache None), else 4; the
+  feature cache for the next chunk). `rows`: the height split inside `shard_map`, or None."""
   cfg = vae.config
   post_quant = cfg.quant_layers()[1]
   x, _ = L.run_layers(vae.params, (post_quant,), z_BTHWC, None, first_chunk=cache is None)
@@ -259,11 +154,11 @@ def _decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
 
 @jax.jit
 def _decode_first_chunk(vae: WanVAE, z_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
-  return _decode_chunk(vae, None, z_BTHWC)
+  return decode_chunk(vae, None, z_BTHWC)
 
 
 # The cache is donated: its buffers are reused for the new cache instead of holding two copies.
-_decode_next_chunk = jax.jit(_decode_chunk, donate_argnums=1)
+_decode_next_chunk = jax.jit(decode_chunk, donate_argnums=1)
 
 
 def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
@@ -371,13 +266,13 @@ def _sharded(fn, mesh: Mesh, n_in: int):
 @functools.partial(jax.jit, static_argnames=("mesh", "rows"))
 def _decode_first_chunk_rows(vae: WanVAE, z_BTHWC: jax.Array, *, mesh: Mesh,
                              rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
-  return _sharded(lambda v, z: _decode_chunk(v, None, z, rows), mesh, 1)(vae, z_BTHWC)
+  return _sharded(lambda v, z: decode_chunk(v, None, z, rows), mesh, 1)(vae, z_BTHWC)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "rows"), donate_argnums=1)
 def _decode_next_chunk_rows(vae: WanVAE, cache: L.Cache, z_BTHWC: jax.Array, *, mesh: Mesh,
                             rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
-  return _sharded(lambda v, c, z: _decode_chunk(v, c, z, rows), mesh, 2)(vae, cache, z_BTHWC)
+  return _sharded(lambda v, c, z: decode_chunk(v, c, z, rows), mesh, 2)(vae, cache, z_BTHWC)
 
 
 def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh) -> Iterator[jax.Array]:
@@ -466,7 +361,10 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
 # Encode
 
 
-def _encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+def encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
+  """One causal encoder chunk: video x [B, T, H, W, 3] in [-1, 1] (T = 1 on the first chunk, cache
+  None; then `ENCODER_CHUNK` frames) -> (mean and log-variance [B, 1, H/8, W/8, 2 z_dim], the
+  feature cache for the next chunk)."""
   cfg = vae.config
   h, cache = L.run_layers(vae.params, cfg.encoder_layers(), x_BTHWC, cache, first_chunk=cache is None)
   h, _ = L.run_layers(vae.params, cfg.quant_layers()[:1], h, None, first_chunk=False)
@@ -475,10 +373,10 @@ def _encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tup
 
 @jax.jit
 def _encode_first_chunk(vae: WanVAE, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
-  return _encode_chunk(vae, None, x_BTHWC)
+  return encode_chunk(vae, None, x_BTHWC)
 
 
-_encode_next_chunk = jax.jit(_encode_chunk, donate_argnums=1)
+_encode_next_chunk = jax.jit(encode_chunk, donate_argnums=1)
 
 
 def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:

@@ -1,0 +1,227 @@
+"""The Wan transformer's layers (diffusers' `WanTransformer3DModel` parts) in Flax NNX.
+
+Glossary (DESIGN.md section 1): B batch, C latent channels, F / Hl / Wl latent frames / height /
+width, T video tokens, L text tokens, N heads, H head dim, D = N * H, E ffn width, Z layers.
+
+Dtypes as diffusers loaded with `torch_dtype=dtype` (pipelines/wan/transformer.py): linear layers
+accumulate in fp32 and round once to their kernel dtype; the fp32-kept modules (timestep MLP,
+AdaLN tables, cross-attention `norm2`) compute in fp32. `WanBlock` holds every block's weights with
+a leading Z axis and is run by the transformer's layer scan; where its tokens live and how its
+attention is computed is the `SequenceLayout` it is called with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import producers
+from pipelines.wan.sequence_layout import SequenceLayout
+from pipelines.wan.transformer_config import WanTransformerConfig
+
+
+def _silu(x: jax.Array) -> jax.Array:
+  """torch's SiLU on CPU/GPU computes in fp32 and rounds once to x.dtype."""
+  return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+  """torch's GELU(approximate="tanh"): fp32 compute, one rounding to x.dtype."""
+  return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+  """torch `nn.Linear`: y = x W + b with kernel [I, O] (torch's weight transposed).
+
+  The input is cast to the kernel's dtype (as diffusers feeds each Linear its own dtype), the
+  product accumulates in fp32, the fp32 bias is added and the result is rounded once to the kernel
+  dtype. Stacked (scanned) copies carry a leading Z axis on both arrays.
+  """
+
+  def __init__(self, kernel: jax.Array, bias: jax.Array):
+    self.kernel = nnx.Param(kernel)  # [I, O]
+    self.bias = nnx.Param(bias)  # [O]
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.kernel[...]
+    y = jnp.einsum("...I,IO->...O", x.astype(kernel.dtype), kernel,
+                   preferred_element_type=jnp.float32)
+    return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+
+
+class MLP(nnx.Module):
+  """linear_1 -> activation -> linear_2 (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+  def __init__(self, params: Mapping[str, Any], activation):
+    self.linear_1 = Dense(**params["linear_1"])
+    self.linear_2 = Dense(**params["linear_2"])
+    self.activation = activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.linear_2(self.activation(self.linear_1(x)))
+
+
+class PatchEmbedding(nnx.Module):
+  """Conv3d with kernel = stride = (pt, ph, pw), as one einsum over non-overlapping patches.
+
+  kernel [pt, ph, pw, C, D] (torch's [D, C, pt, ph, pw] transposed), bias [D].
+  """
+
+  def __init__(self, kernel: jax.Array, bias: jax.Array):
+    self.kernel = nnx.Param(kernel)
+    self.bias = nnx.Param(bias)
+
+  def __call__(self, latents: jax.Array) -> jax.Array:
+    """[B, C, F, Hl, Wl] -> [B, T, D] in the kernel dtype, tokens in (f, h, w) row-major order."""
+    kernel = self.kernel[...]
+    pt, ph, pw, _, _ = kernel.shape
+    b, c, f, h, w = latents.shape
+    # lowercase letters: p/q/r are offsets inside a (pt, ph, pw) patch.
+    x = latents.astype(kernel.dtype).reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
+    y = jnp.einsum("BCFpHqWr,pqrCD->BFHWD", x, kernel, preferred_element_type=jnp.float32)
+    y = (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+    return y.reshape(b, -1, y.shape[-1])
+
+
+def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
+  """Sinusoidal embedding, diffusers `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`.
+
+  Args:
+    timestep: [B], any real dtype (fractional timesteps allowed).
+    dim: even embedding width.
+
+  Returns:
+    float32 [B, dim] = [cos(t * f_i), sin(t * f_i)], f_i = max_period ** (-i / (dim / 2)).
+
+  Math: diffusers embeddings.get_timestep_embedding (DDPM sinusoidal embedding).
+  """
+  half = dim // 2
+  exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half  # [dim/2]
+  args = timestep.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # [B, dim/2]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class ConditionEmbedder(nnx.Module):
+  """diffusers `WanTimeTextImageEmbedding` without the image branch."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.time_embedder = MLP(params["time_embedder"], _silu)  # fp32 (kept in fp32)
+    self.time_proj = Dense(**params["time_proj"])
+    self.text_embedder = MLP(params["text_embedder"], _gelu_tanh)
+
+  def __call__(self, timestep: jax.Array, text: jax.Array, *, freq_dim: int):
+    """timestep [B], text [B, L, text_dim] in the model dtype.
+
+    Returns:
+      temb [B, D] and time_proj [B, 6, D] in the model dtype, text [B, L, D].
+    """
+    sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [B, freq_dim]
+    temb = self.time_embedder(sinusoid).astype(text.dtype)  # diffusers: .type_as(text)
+    time_proj = self.time_proj(_silu(temb))  # [B, 6 * D]
+    time_proj = time_proj.reshape(time_proj.shape[0], 6, -1)
+    return temb, time_proj, self.text_embedder(text)
+
+
+class Attention(nnx.Module):
+  """diffusers `WanAttention` weights: to_q/to_k/to_v/to_out [D, D], RMSNorm gains norm_q/norm_k [D]."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.to_q = Dense(**params["to_q"])
+    self.to_k = Dense(**params["to_k"])
+    self.to_v = Dense(**params["to_v"])
+    self.to_out = Dense(**params["to_out"])
+    self.norm_q = nnx.Param(params["norm_q"])
+    self.norm_k = nnx.Param(params["norm_k"])
+
+
+class LayerNorm(nnx.Module):
+  """diffusers `FP32LayerNorm(D, eps, elementwise_affine=True)`: fp32 stats and affine, weight/bias [D]."""
+
+  def __init__(self, weight: jax.Array, bias: jax.Array):
+    self.weight = nnx.Param(weight)
+    self.bias = nnx.Param(bias)
+
+  def __call__(self, x: jax.Array, *, eps: float) -> jax.Array:
+    """[B, T, D] -> [B, T, D] in x.dtype (`producers.layer_norm`)."""
+    return producers.layer_norm(x, self.weight[...], self.bias[...], eps=eps)
+
+
+class FeedForward(nnx.Module):
+  """diffusers `FeedForward(D, inner_dim=E, activation_fn="gelu-approximate")`.
+
+  [B, T, D] -> proj_in [D, E] -> GELU-tanh -> proj_out [E, D] -> [B, T, D].
+  """
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.proj_in = Dense(**params["proj_in"])
+    self.proj_out = Dense(**params["proj_out"])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.proj_out(_gelu_tanh(self.proj_in(x)))
+
+
+
+class WanBlock(nnx.Module):
+  """diffusers `WanTransformerBlock`; built with a leading Z axis on every array and scanned."""
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.attn1 = Attention(params["attn1"])
+    self.attn2 = Attention(params["attn2"])
+    self.norm2 = LayerNorm(**params["norm2"]) if "norm2" in params else None
+    self.ffn = FeedForward(params["ffn"])
+    self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
+
+  def __call__(self, x_BTD: jax.Array, text_BLD: jax.Array, time_proj_B6D: jax.Array,
+               rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
+               layout: SequenceLayout) -> jax.Array:
+    """One block.
+
+    Args:
+      x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
+      text_BLD: [B, L, D] projected text states (replicated).
+      time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
+      rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
+
+    Returns:
+      [B, T, D] in x's dtype.
+    """
+    dtype, eps, heads = x_BTD.dtype, config.eps, config.num_attention_heads
+    b, t, d = x_BTD.shape
+    head_dim = d // heads
+    f32 = jnp.float32
+    mod_B6D = self.scale_shift_table[...][None] + time_proj_B6D.astype(f32)  # fp32
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = jnp.split(mod_B6D, 6, axis=1)
+
+    # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
+    h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
+    a = self.attn1
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *rope, num_heads=heads, eps=eps,
+                                    out_scale=head_dim ** -0.5 * math.log2(math.e))
+    k_BTNH = producers.rmsnorm_rope(a.to_k(h_BTD), a.norm_k[...], *rope, num_heads=heads, eps=eps)
+    v_BTNH = a.to_v(h_BTD).reshape(b, t, heads, head_dim)
+    o_BTD = layout.self_attention(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
+    x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
+    x_BTD = layout.constrain(x_BTD)
+
+    # 2. Cross-attention: affine LayerNorm (fp32), q/k RMSNorm (no RoPE), text K/V replicated,
+    #    plain residual in the model dtype.
+    h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
+    a = self.attn2
+    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
+    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...], None, None, num_heads=heads,
+                                    eps=eps)
+    v_BLNH = a.to_v(text_BLD).reshape(b, -1, heads, head_dim)
+    o_BTD = layout.cross_attention(q_BTNH, k_BLNH, v_BLNH).reshape(b, t, d)
+    x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
+
+    # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
+    h_BTD = producers.layernorm_adaln(x_BTD, c_scale_msa, c_shift_msa, eps=eps)
+    f_BTD = self.ffn(h_BTD)
+    x_BTD = (x_BTD.astype(f32) + f_BTD.astype(f32) * c_gate_msa).astype(dtype)
+    return layout.constrain(x_BTD)
+

@@ -1,0 +1,126 @@
+"""The Wan 2.1 causal video VAE's configuration (diffusers' `AutoencoderKLWan` config.json) and presets.
+
+Field names and defaults are diffusers'; `WanVAEConfig.from_diffusers` reads a released vae
+`config.json` unchanged. The config also names its layers (`encoder_layers`, `decoder_layers`,
+`quant_layers`: `vae_topology` descriptions) and their checkpoint shapes. No compute; re-exported
+by `vae`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from pipelines.wan import vae_topology as topology
+
+# Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
+WAN21_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanVAEConfig:
+  """`AutoencoderKLWan` config; field names and defaults are diffusers' (the released Wan 2.1 VAE).
+
+  Only the Wan 2.1 topology is supported: `is_residual=False` and `patch_size=None` (the Wan 2.2
+  TI2V-5B VAE, z_dim 48, is not). `dropout` is accepted and ignored (inference).
+  """
+  base_dim: int = 96
+  decoder_base_dim: int | None = None
+  z_dim: int = 16
+  dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+  num_res_blocks: int = 2
+  attn_scales: tuple[float, ...] = ()
+  temperal_downsample: tuple[bool, ...] = (False, True, True)
+  dropout: float = 0.0
+  latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+  latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+  is_residual: bool = False
+  in_channels: int = 3
+  out_channels: int = 3
+  patch_size: int | None = None
+  scale_factor_temporal: int | None = 4
+  scale_factor_spatial: int | None = 8
+
+  def __post_init__(self):
+    for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
+      object.__setattr__(self, name, tuple(getattr(self, name)))
+    if self.is_residual or self.patch_size is not None:
+      raise ValueError(
+          f"only the Wan 2.1 VAE topology is implemented; got {self.is_residual=}, {self.patch_size=} "
+          "(the Wan 2.2 TI2V-5B VAE)")
+    for name in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
+      raise ValueError(f"{self.decoder_base_dim=} must be >= 1 or None")
+    if len(self.dim_mult) < 1 or min(self.dim_mult) < 1:
+      raise ValueError(f"{self.dim_mult=} must be a non-empty list of positive multipliers")
+    if len(self.temperal_downsample) != len(self.dim_mult) - 1:
+      raise ValueError(f"{self.temperal_downsample=} needs len(dim_mult) - 1 = {len(self.dim_mult) - 1} entries")
+    if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
+      raise ValueError(f"latents_mean/std need {self.z_dim=} entries, got {len(self.latents_mean)}, "
+                       f"{len(self.latents_std)}")
+    if self.scale_factor_spatial is not None and self.scale_factor_spatial != self.spatial_factor:
+      raise ValueError(f"{self.scale_factor_spatial=} disagrees with {self.dim_mult=} "
+                       f"(2 ** {len(self.dim_mult) - 1} = {self.spatial_factor})")
+    if self.scale_factor_temporal is not None and self.scale_factor_temporal != self.temporal_factor:
+      raise ValueError(f"{self.scale_factor_temporal=} disagrees with {self.temperal_downsample=} "
+                       f"(2 ** {sum(self.temperal_downsample)} = {self.temporal_factor})")
+
+  @property
+  def spatial_factor(self) -> int:
+    return 2 ** (len(self.dim_mult) - 1)
+
+  @property
+  def temporal_factor(self) -> int:
+    return 2 ** sum(self.temperal_downsample)
+
+  @classmethod
+  def from_diffusers(cls, raw: Mapping[str, Any]) -> WanVAEConfig:
+    """From a diffusers vae `config.json` dict; `_`-prefixed keys are metadata and skipped.
+
+    Raises:
+      ValueError: `_class_name` is not AutoencoderKLWan, an unknown key, or a failed validation.
+    """
+    class_name = raw.get("_class_name", "AutoencoderKLWan")
+    if class_name != "AutoencoderKLWan":
+      raise ValueError(f"expected an AutoencoderKLWan config, got {class_name=}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in raw if not k.startswith("_") and k not in fields)
+    if unknown:
+      raise ValueError(f"unknown AutoencoderKLWan config keys {unknown}; known: {sorted(fields)}")
+    return cls(**{k: v for k, v in raw.items() if k in fields})
+
+  def encoder_layers(self) -> tuple[topology.Layer, ...]:
+    return topology.encoder_layers(
+        in_channels=self.in_channels, dim=self.base_dim, z_dim=self.z_dim, dim_mult=self.dim_mult,
+        num_res_blocks=self.num_res_blocks, attn_scales=self.attn_scales,
+        temperal_downsample=self.temperal_downsample)
+
+  def decoder_layers(self) -> tuple[topology.Layer, ...]:
+    return topology.decoder_layers(
+        out_channels=self.out_channels, dim=self.decoder_base_dim or self.base_dim, z_dim=self.z_dim,
+        dim_mult=self.dim_mult, num_res_blocks=self.num_res_blocks,
+        temperal_upsample=self.temperal_downsample[::-1])
+
+  def quant_layers(self) -> tuple[topology.CausalConv, topology.CausalConv]:
+    """`quant_conv` (after the encoder) and `post_quant_conv` (before the decoder), both 1x1x1."""
+    return (topology.CausalConv("quant_conv", 2 * self.z_dim, 2 * self.z_dim, 1),
+            topology.CausalConv("post_quant_conv", self.z_dim, self.z_dim, 1))
+
+  def param_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Checkpoint-layout shape of every `AutoencoderKLWan` state-dict key."""
+    return topology.param_shapes((*self.encoder_layers(), *self.quant_layers(), *self.decoder_layers()))
+
+
+VAE_PRESETS = {
+    "wan2.1": WanVAEConfig(),
+    # The parity-test topology: every layer kind, 3 channels wide.
+    "tiny": WanVAEConfig(base_dim=3, dim_mult=(1, 1, 1, 1), num_res_blocks=1),
+}
