@@ -223,7 +223,7 @@ def attend(
   The one dispatch of every blockwise path: `layout.backend` "xla" runs `lax.map` over query blocks
   and `lax.scan` over key blocks; "pallas" runs the same arithmetic as one kernel call
   (`attention.kernels.attend_kernel`: Mosaic on TPU, Triton on GPU, interpret mode elsewhere).
-  It stays one function: its argument checks, the key/query block splits and the scan over key
+  It stays one piece: its argument checks, the key/query block splits and the scan over key
   blocks are one linear schedule sharing the same local shapes, and read best top to bottom.
 
   Args:
