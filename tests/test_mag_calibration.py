@@ -120,3 +120,14 @@ def test_random_models_ratios_skip_the_last_step_of_the_trained_default(trained)
                        seed=0, max_sequence_length=64, step_cache=f"mag:0.05@{RANDOM_RATIOS}", progress=False,
                        decode=False)
   assert result.settings["step_cache"]["skipped_steps"] == [2, 3, 4, 6, 7]
+
+
+def test_readme_shows_these_thresholds():
+  """The README's step-cache example uses the thresholds measured above (and no other)."""
+  import os
+  import re
+  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+            encoding="utf-8") as f:
+    readme = f.read()
+  shown = set(re.findall(r"--step-cache ((?:mag|first-block):[0-9.]+)", readme))
+  assert shown == set(README_SPECS), shown
