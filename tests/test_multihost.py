@@ -47,10 +47,10 @@ def _env() -> dict[str, str]:
   return {k: v for k, v in child_env().items() if k not in drop}
 
 
-def _start(argv: list[str], log: str) -> subprocess.Popen:
+def _start(argv: list[str], log: str, cwd: str = ROOT) -> subprocess.Popen:
   with open(log, "w") as f:  # the child keeps its own descriptor
-    return subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], cwd=ROOT, env=_env(),
-                            stdout=f, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], cwd=cwd,
+                            env={**_env(), "PYTHONPATH": ROOT}, stdout=f, stderr=subprocess.STDOUT)
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
@@ -94,6 +94,45 @@ def test_two_processes_equal_one(tmp_path, mesh, per_process):
   assert_psnr_at_least(multi, single, FP32_VIDEO_PSNR_DB, name="2 processes vs 1")
   assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.npy.json", "single.npy", "single.npy.json",
                                                  "process0.log", "process1.log"])
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_processes_with_different_weights_are_refused(tmp_path):
+  """The same --lora path on both processes, another file behind it on process 1 (a stale copy on
+  one host): both refuse before the first step, naming process 1 and the model fingerprint; the
+  command lines are equal, so only the fingerprint comparison can catch it."""
+  from safetensors.numpy import save_file
+
+  from pipelines.wan import lora
+  from pipelines.wan.tiny import TINY_TRANSFORMER
+  layers = lora.linear_layers(TINY_TRANSFORMER)
+  module = "blocks.0.attn1.to_q"
+  (out_dim, in_dim), _, _ = layers[module]
+  coordinator = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
+  procs: list[subprocess.Popen] = []
+  try:
+    for i in range(2):
+      host = tmp_path / f"host{i}"
+      host.mkdir()
+      rng = np.random.default_rng(i)  # another LoRA on each "host"
+      save_file({f"transformer.{module}.lora_A.weight": rng.standard_normal((2, in_dim), np.float32),
+                 f"transformer.{module}.lora_B.weight": rng.standard_normal((out_dim, 2), np.float32)},
+                str(host / "style.safetensors"))
+      procs.append(_start(ARGS + ["--model", "tiny-random", "--lora", "style.safetensors",
+                                  "--out", str(tmp_path / "x.npy"), "--coordinator", coordinator,
+                                  "--num-processes", "2", "--process-id", str(i), "--coordinator-timeout", "60"],
+                          logs[i], cwd=str(host)))
+    codes = _wait_all(procs, TIMEOUT_S)
+  finally:
+    _end(procs)
+  text = [open(log).read() for log in logs]
+  assert codes == [1, 1], (codes, text)
+  for log in text:
+    assert "process(es) [1] of 2 hold other weights, LoRAs or inputs than process 0" in log, log
+    assert "compile: the denoise step" not in log, log  # refused before the step
+  assert "model_fingerprint" in text[1], text[1]  # the process that differs names what differs
+  assert not os.path.exists(tmp_path / "x.npy")
 
 
 def test_unreachable_coordinator_fails_clearly(tmp_path):

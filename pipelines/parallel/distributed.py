@@ -362,12 +362,16 @@ def to_host(x: Any) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def check_same_settings(settings: Mapping[str, Any]) -> None:
+def check_same_settings(settings: Mapping[str, Any], *, what: str = "were started with other settings",
+                        fix: str = "start every process with the same command (only --process-id differs)") -> None:
   """In a multi-process run: every process was started with the same settings (a JSON-able dict,
   e.g. the parsed command without the process id). Processes given different seeds or prompts
   would otherwise run one computation with different inputs and write a video nobody asked for.
 
   Collective: every process must call it at the same point.
+
+  Args:
+    settings: what must agree; what: how the message says they differ; fix: what to do.
 
   Raises:
     ValueError: on every process when any differs, naming the processes and (on those) each
@@ -399,9 +403,8 @@ def check_same_settings(settings: Mapping[str, Any]) -> None:
   mine = json.loads(text)
   details = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} on process 0" for k in sorted(set(mine) | set(theirs))
              if mine.get(k) != theirs.get(k)]
-  raise ValueError(f"process(es) {differ} of {len(digests)} were started with other settings than process 0"
-                   + (f" ({'; '.join(details)})" if details else "")
-                   + "; start every process with the same command (only --process-id differs)")
+  raise ValueError(f"process(es) {differ} of {len(digests)} {what} than process 0"
+                   + (f" ({'; '.join(details)})" if details else "") + f"; {fix}")
 
 
 def process_device_counts(devices: Sequence[Any] | None = None) -> list[int]:

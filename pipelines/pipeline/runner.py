@@ -71,6 +71,7 @@ class Runner:
     """Noise, schedule, solver (or the resumed state), weights placed, text encoded, all replicated."""
     r, plan = self.request, self.request.plan
     noise = r.noise()
+    self._check_processes_agree(noise)
     schedule = r.scheduler.set_timesteps(r.steps)
     state = LoopState(timesteps=schedule.timesteps, experts=r.experts_per_step(schedule.timesteps),
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
@@ -86,6 +87,23 @@ class Runner:
         (state.latents, state.solver, text), plan.replicated)
     state.cache = self._cache()
     return state
+
+  def _check_processes_agree(self, noise: np.ndarray) -> None:
+    """In a multi-process run, every process holds the same model (weights, LoRAs, configs: the
+    fingerprint), the same request and noise, and the same given text states (one small
+    collective), so no process joins with a stale copy of a file.
+
+    Raises:
+      ValueError: naming the processes that differ from process 0 and what differs.
+    """
+    if jax.process_count() == 1:
+      return
+    model = {"model_fingerprint": self.pipe.fingerprint(), "lora": self.pipe.lora_info()["adapters"]}
+    model["lora"] = [{k: a[k] for k in ("name", "transformer", "weight", "layers")} for a in model["lora"]]
+    distributed.check_same_settings(
+        {**self.request.identity(model["model_fingerprint"], noise), **model},
+        what="hold other weights, LoRAs or inputs",
+        fix="give every process the same files (a stale copy on one host changes the video)")
 
   def _resume(self, state: LoopState, noise: np.ndarray) -> None:
     """With a `ResumeConfig`: the saved state restored into `state` (resume) or a refusal of a
