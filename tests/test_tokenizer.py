@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 # Wan's default negative prompt: Wan2.1 `wan/configs/shared_config.py` `sample_neg_prompt`, used by
 # its generate.py when no negative prompt is given (diffusers' WanPipeline docstring example holds
 # its English translation, below). Full of fullwidth commas, which ftfy maps to ",".
+from pipelines.cli.presets import WAN_NEGATIVE_PROMPT as PRESETS_NEGATIVE  # noqa: E402
 WAN_NEGATIVE_PROMPT = (
     "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
     "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
@@ -121,3 +122,14 @@ def test_prompt_clean_without_ftfy_says_how_to_install(monkeypatch):
   monkeypatch.setattr(builtins, "__import__", fake_import)
   with pytest.raises(ImportError, match="pip install ftfy"):
     tokenizer.prompt_clean("a prompt")
+
+
+def test_wan_presets_use_wans_default_negative_prompt():
+  """generate's wan2.* presets default the negative prompt to Wan's (as Wan's generate.py); the tiny
+  preset and an explicit --negative-prompt keep theirs."""
+  from pipelines.cli import flags, presets, run_plan
+  assert PRESETS_NEGATIVE == WAN_NEGATIVE_PROMPT
+  for name, preset in presets.PRESETS.items():
+    assert preset.negative_prompt == (WAN_NEGATIVE_PROMPT if name.startswith("wan2") else ""), name
+  args = flags.build_parser().parse_args(["--prompt", "a fox", "--preset", "wan2.1-t2v-1.3b", "--out", "/tmp/x.npy"])
+  assert run_plan._preset(args)[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None

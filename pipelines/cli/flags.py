@@ -59,7 +59,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 def _add_video_flags(p: argparse.ArgumentParser) -> None:
   """What the video shows and how it is sampled: prompt, model, preset, size, frames, steps, ..."""
   p.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
-  p.add_argument("--negative-prompt", default="", help="what to avoid (classifier-free guidance); default ''")
+  p.add_argument("--negative-prompt", default=None,
+                 help="what to avoid (classifier-free guidance); default: the --preset's (Wan's default "
+                      "negative prompt for the wan2.* presets, as Wan's scripts), else ''")
   p.add_argument("--model", default="tiny",
                  help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model; default) or "
                       "'tiny-random' (embedded random weights)")

@@ -19,6 +19,7 @@ class Preset:
     shift: flow shift of the scheduler.
     guidance: one CFG scale, or (high-noise, low-noise) for the two Wan 2.2 experts.
     source: where the numbers come from.
+    negative_prompt: the negative prompt when none is given (Wan's scripts use `WAN_NEGATIVE_PROMPT`).
   """
   width: int
   height: int
@@ -27,20 +28,31 @@ class Preset:
   shift: float
   guidance: tuple[float, ...]
   source: str
+  negative_prompt: str = ""
 
   def __post_init__(self):
     if len(self.guidance) not in (1, 2):
       raise ValueError(f"{self.guidance=} needs one scale or two (high-noise, low-noise expert)")
 
 
+# Wan's default negative prompt: Wan2.1 / Wan2.2 `wan/configs/shared_config.py` `sample_neg_prompt`,
+# which their generate.py uses when no negative prompt is given.
+WAN_NEGATIVE_PROMPT = (
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
+    "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
+    "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+
 PRESETS: dict[str, Preset] = {
     # diffusers Wan docs / Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler config (flow_shift 3.0 at 480p).
-    "wan2.1-t2v-1.3b": Preset(832, 480, 81, 50, 3.0, (5.0,), "diffusers WanPipeline docs (480p: shift 3.0)"),
+    "wan2.1-t2v-1.3b": Preset(832, 480, 81, 50, 3.0, (5.0,), "diffusers WanPipeline docs (480p: shift 3.0)",
+                              WAN_NEGATIVE_PROMPT),
     # Wan2.1 generate.py defaults for t2v-14B (shift 5.0, guide scale 5.0, 50 steps) at 1280*720.
-    "wan2.1-t2v-14b": Preset(1280, 720, 81, 50, 5.0, (5.0,), "Wan2.1 generate.py; diffusers docs (720p: shift 5.0)"),
+    "wan2.1-t2v-14b": Preset(1280, 720, 81, 50, 5.0, (5.0,), "Wan2.1 generate.py; diffusers docs (720p: shift 5.0)",
+                             WAN_NEGATIVE_PROMPT),
     # Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, 40 steps, sample_guide_scale (3.0 low
     # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
-    "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py"),
+    "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py",
+                              WAN_NEGATIVE_PROMPT),
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
     "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),

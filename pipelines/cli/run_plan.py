@@ -43,7 +43,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if processes is None or processes.process_id == 0:  # only process 0 writes
     _check_outputs(args)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
-  return Plan(prompt=args.prompt, negative_prompt=args.negative_prompt, model=args.model,
+  negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
+  return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
               frames=args.frames if args.frames is not None else preset.frames,
               steps=args.steps if args.steps is not None else preset.steps, guidance=guidance,
