@@ -458,3 +458,9 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
   saved = json.loads((tmp_path / "ckpt" / generate.RUN_RECORD).read_text())
   assert saved["steps"] == 7 and saved == record
+  # The sidecar's settings (what the pipeline records) and the resume identity come from it too.
+  assert changed.request.settings()["steps"] == 7 and changed.request.settings()["prompts"] == ["a blue circle"]
+  identity = changed.request.identity("f" * 64, changed.request.noise())
+  before = checked.request.identity("f" * 64, checked.request.noise())
+  assert identity["num_inference_steps"] == 7 and identity["prompts"] == ["a blue circle"]
+  assert identity["noise_sha256"] != before["noise_sha256"]  # seed 11's noise, not seed 0's
