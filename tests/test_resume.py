@@ -9,6 +9,7 @@ runs agree to ~1e-7, so the bound has a wide margin). The command-level flow (`g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -143,21 +144,21 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
           "--max-sequence-length", "8", "--step-cache", "first-block:0.05"]
   assert generate.main(args + ["--out", str(tmp_path / "ref.npy")]) == 0
   folder = str(tmp_path / "ckpt")
-  original_run = wan_pipeline.WanPipeline.run
+  original_generate = wan_pipeline.WanPipeline.generate
 
-  def interrupted(self, *a, **kw):
+  def interrupted(self, request, options, **kw):
     def on_step(k, seconds):
       if k == 2:
         raise KeyboardInterrupt
-    return original_run(self, *a, **dict(kw, on_step=on_step))
-  monkeypatch.setattr(wan_pipeline.WanPipeline, "run", interrupted)
+    return original_generate(self, request, dataclasses.replace(options, on_step=on_step), **kw)
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "generate", interrupted)
   capsys.readouterr()
   assert generate.main(args + ["--out", str(tmp_path / "a.npy"), "--checkpoint-dir", folder]) == 130
   err = capsys.readouterr().err
   assert f"continue with generate --resume {folder}" in err, err
   assert not os.path.exists(tmp_path / "a.npy")
   assert json.load(open(os.path.join(folder, generate.RUN_RECORD)))["seed"] == 3
-  monkeypatch.setattr(wan_pipeline.WanPipeline, "run", original_run)
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "generate", original_generate)
 
   assert generate.main(["--resume", folder, "--steps", "6"]) == 2
   err = capsys.readouterr().err
