@@ -7,10 +7,7 @@ Each check walks the source with `ast` (no imports executed) and names every vio
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
-
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("attention", "producers", "pipelines")
@@ -57,8 +54,13 @@ def _imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[i
   return found
 
 
-def test_layers_import_only_downward():
-  known = _modules(*PRODUCT, "end_to_end")
+def _where(path: pathlib.Path) -> str:
+  return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _upward_imports(known: dict[str, pathlib.Path]) -> list[str]:
+  """Every import of a module in `known` that goes to its own layer's rank or above (another
+  package), named with its file and line."""
   bad = []
   for module, path in known.items():
     own = _layer(module)
@@ -67,7 +69,12 @@ def test_layers_import_only_downward():
       if theirs is None or theirs == own or (own == "pipelines" and module == "pipelines"):
         continue
       if LAYERS[theirs] >= LAYERS[own]:
-        bad.append(f"{path.relative_to(ROOT)}:{line} ({own}) imports {target} ({theirs})")
+        bad.append(f"{_where(path)}:{line} ({own}) imports {target} ({theirs})")
+  return bad
+
+
+def test_layers_import_only_downward():
+  bad = _upward_imports(_modules(*PRODUCT, "end_to_end"))
   assert not bad, "imports that go up or sideways:\n" + "\n".join(bad)
 
 
@@ -80,8 +87,8 @@ def test_measuring_tools_import_nothing_private():
   assert not bad, "\n".join(bad)
 
 
-def test_no_import_circles():
-  known = _modules(*PRODUCT, "end_to_end")
+def _circles(known: dict[str, pathlib.Path]) -> list[str]:
+  """The import circles among `known` (each as "a -> b -> a")."""
   graph = {m: {t for _, t, _ in _imports(p, known) if t in known and t != m} for m, p in known.items()}
   # A package's __init__ that lazily re-exports its own modules is not a circle of concerns.
   graph = {m: {t for t in ts if not (m in ("pipelines", "pipelines.pipeline") and t.startswith(m + "."))}
@@ -101,6 +108,11 @@ def test_no_import_circles():
   for m in sorted(graph):
     if m not in state:
       visit(m, [m])
+  return circles
+
+
+def test_no_import_circles():
+  circles = _circles(_modules(*PRODUCT, "end_to_end"))
   assert not circles, "import circles:\n" + "\n".join(circles)
 
 
@@ -135,22 +147,27 @@ def _module_names(tree: ast.Module) -> set[str]:
   return names
 
 
-def test_no_module_level_mutable_state():
+def _mutations(path: pathlib.Path) -> list[str]:
+  """`global` statements and writes into module-level names (item assignment, mutating methods)."""
+  tree = ast.parse(path.read_text())
+  names = _module_names(tree)
   bad = []
-  for path in _modules(*PRODUCT).values():
-    tree = ast.parse(path.read_text())
-    names = _module_names(tree)
-    for node in ast.walk(tree):
-      where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
-      if isinstance(node, ast.Global):
-        bad.append(f"{where} global {', '.join(node.names)}")
-      elif isinstance(node, (ast.Assign, ast.AugAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        bad += [f"{where} writes into module-level {t.value.id}" for t in targets
-                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in names]
-      elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-            and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
-        bad.append(f"{where} {node.func.value.id}.{node.func.attr}(...) mutates module-level state")
+  for node in ast.walk(tree):
+    where = f"{_where(path)}:{getattr(node, 'lineno', 0)}"
+    if isinstance(node, ast.Global):
+      bad.append(f"{where} global {', '.join(node.names)}")
+    elif isinstance(node, (ast.Assign, ast.AugAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      bad += [f"{where} writes into module-level {t.value.id}" for t in targets
+              if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in names]
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+          and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
+      bad.append(f"{where} {node.func.value.id}.{node.func.attr}(...) mutates module-level state")
+  return bad
+
+
+def test_no_module_level_mutable_state():
+  bad = [line for path in _modules(*PRODUCT).values() for line in _mutations(path)]
   assert not bad, "\n".join(bad)
 
 
@@ -166,16 +183,18 @@ def test_no_undeclared_private_attributes():
   assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("check", [_layer])
-def test_positive_control_the_checks_can_fail(check, tmp_path):
-  """An upward import and a mutated module-level dict are caught (the walkers see real code)."""
-  assert check("pipelines.wan.vae") == "pipelines.wan" and check("pipelines.cli.flags") == "pipelines.cli"
+def test_positive_control_the_checks_can_fail(tmp_path):
+  """The walkers catch real violations: a model-layer module importing the command, a function
+  writing into a module-level dict, a `global`, and an import circle."""
   bad = tmp_path / "bad.py"
-  bad.write_text("import os\nfrom pipelines.cli import generate\n_SEEN = {}\n\ndef f():\n  _SEEN['a'] = 1\n")
-  known = {"pipelines.cli.generate": bad}
-  (line, target, _), = [i for i in _imports(bad, known) if i[1].startswith("pipelines")]
-  assert (line, target) == (2, "pipelines.cli.generate")
-  assert LAYERS[_layer(target)] > LAYERS["pipelines.wan"]  # from the model layer this would be refused
-  tree = ast.parse(bad.read_text())
-  assert "_SEEN" in _module_names(tree)
-  assert os.path.exists(bad)
+  bad.write_text("import os\nfrom pipelines.cli import generate\n_SEEN = {}\n\n\ndef f():\n  _SEEN['a'] = 1\n"
+                 "  _SEEN.update(b=2)\n\n\ndef g():\n  global _SEEN\n")
+  cli = tmp_path / "generate.py"
+  cli.write_text("from pipelines.wan import bad\n")
+  known = {"pipelines.wan.bad": bad, "pipelines.cli.generate": cli}
+  assert _upward_imports(known) == [f"{bad}:2 (pipelines.wan) imports pipelines.cli.generate (pipelines.cli)"]
+  found = _mutations(bad)
+  assert len(found) == 3, found
+  for kind in ("writes into module-level _SEEN", "_SEEN.update(...) mutates", "global _SEEN"):
+    assert any(kind in line for line in found), (kind, found)
+  assert _circles(known) == ["pipelines.cli.generate -> pipelines.wan.bad -> pipelines.cli.generate"]

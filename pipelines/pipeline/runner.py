@@ -4,6 +4,7 @@ denoising loop with its hooks, decode, and the result's settings (`Runner`)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -47,9 +48,12 @@ class Runner:
     self.restored: resume_state.Checkpoint | None = None
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
+    self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
 
   def stage(self, text: str) -> None:
-    self.pipe.stage(text, self.options.progress)
+    """One line on stderr as a stage starts (when progress is on)."""
+    if self.options.progress:
+      print(text, file=sys.stderr, flush=True)
 
   def run(self) -> Any:
     """The whole generation; returns a `GenerationResult`."""
@@ -147,18 +151,18 @@ class Runner:
       cache = wan_step_cache.place(self.restored.restore("step_cache", template), cache)
     return cache
 
-  def _guidance(self, expert: int) -> jax.Array:
-    return distributed.put_replicated(np.float32(self.request.guidance[expert]), self.request.plan.replicated)
-
   def _compile(self, state: LoopState) -> Any:
     """The compiled step for this run's shapes (compiled now if new; timed as "compile")."""
     r, pipe, plan = self.request, self.pipe, self.request.plan
     start = time.perf_counter()
     compiling = (f"compile: the denoise step ({r.tokens} tokens, {pipe.transformer_config.num_layers} "
                  f"layers, mesh {plan.spec}{', weights sharded' if plan.shard_weights else ''})")
+    # Each expert's guidance scale float32 [], placed once for the whole loop.
+    self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated)
+                     for e in sorted(set(state.experts))}
     first = state.experts[0]
     program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
-                                      self._guidance(first), state.cache, plan=plan, cfg=r.cfg,
+                                      self.guidance[first], state.cache, plan=plan, cfg=r.cfg,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
     return program
@@ -166,16 +170,12 @@ class Runner:
   def _step_fn(self, program: Any):
     """Step k: the step cache restarts at an expert switch; the program runs on that expert's
     weights (read at each step: a LoRA scale hook may have re-fused them)."""
-    guidance: dict[int, jax.Array] = {}
-
     def step(state: LoopState):
       k, expert = state.step, state.experts[state.step]
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
-      if expert not in guidance:
-        guidance[expert] = self._guidance(expert)
       return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
-                     guidance[expert], state.cache)
+                     self.guidance[expert], state.cache)
 
     return step
 

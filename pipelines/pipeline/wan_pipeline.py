@@ -24,7 +24,6 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -359,11 +358,6 @@ class WanPipeline(LoraLoaderMixin):
       warnings.warn(line, stacklevel=4)
 
   # --- stages ---
-
-  def stage(self, text: str, enabled: bool = True) -> None:
-    """One line on stderr as a stage starts (when progress is on)."""
-    if enabled:
-      print(text, file=sys.stderr, flush=True)
 
   def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> Any:
     """Cleaned, tokenised and UMT5-encoded prompts, zero past each true length.
