@@ -85,7 +85,7 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
 
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
-                         attention_backend: str = "auto") -> dict[str, Any]:
+                         attention_backend: str = "auto", quantize: str | None = None) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
   Args:
@@ -93,6 +93,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       (U as large as the heads allow, no CFG split, weights replicated).
     attention_backend: "auto" (resolved for the devices' platform: the Pallas kernels on TPU),
       "xla" or "pallas".
+    quantize: None or a `pipelines.wan.quantization.MODES` mode: the block Linear weights are
+      int8 / fp8 arguments (with their fp32 scales) of the compiled step.
 
   Returns:
     dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, compile_s, memory_analysis
@@ -127,7 +129,10 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   def zeros(tree):
     return {k: zeros(v) if isinstance(v, dict) else jnp.zeros(v, jnp.float32) for k, v in tree.items()}
 
-  abstract = nnx.eval_shape(lambda: build_transformer(config, zeros(param_shapes(config)), model_dtype))
+  from pipelines.wan.quantization import quantize_transformer
+
+  abstract = nnx.eval_shape(lambda: quantize_transformer(
+      build_transformer(config, zeros(param_shapes(config)), model_dtype), quantize))
   graphdef, state = nnx.split(abstract)
 
   def spec(x):
@@ -156,7 +161,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   compile_s = time.perf_counter() - start
 
   report: dict[str, Any] = dict(
-      model=preset, dtype=dtype, height=height, width=width, frames=frames, text_len=text_len,
+      model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
       mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend, compile_s=compile_s,
       collectives=hlo_collectives(compiled.as_text()))

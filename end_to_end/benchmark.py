@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--steps", type=int)
   ap.add_argument("--layers", type=int, help="override the transformer's number of blocks")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+  ap.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"),
+                  help="the transformer's block Linear weights quantized (WanPipeline.quantize); with --aot "
+                       "the compiled step holds them in one byte a value")
   ap.add_argument("--guidance", type=float)
   ap.add_argument("--max-sequence-length", type=int)
   ap.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
@@ -179,7 +182,8 @@ def run_aot(args: argparse.Namespace) -> int:
       rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
                                            frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
                                            text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
-                                           mesh_spec=mesh, attention_backend=args.attention_backend))
+                                           mesh_spec=mesh, attention_backend=args.attention_backend,
+                                           quantize=args.quantize))
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
       rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, dtype=preset.dtype, seed=args.seed, latent_shape=list(preset.latent_shape),
+      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=args.seed, latent_shape=list(preset.latent_shape),
                     tokens=preset.tokens, transformer=preset.transformer.to_dict(),
                     text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh),
       backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions())
@@ -269,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     ours_pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
                  else bench_presets.init_ours(preset, seed=args.seed))
+    if args.quantize:
+      ours_pipe.quantize(args.quantize)
     ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
                 runs=[])
     for i in range(args.runs):

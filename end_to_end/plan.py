@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--frames", type=int)
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens")
+  p.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"), default=None,
+                 help="the block Linear weights in one byte a value (+ fp32 scales per output channel)")
   p.add_argument("--estimate", action="store_true",
                  help="with --topology: the planner's memory estimate, no AOT compiles")
   p.add_argument("--json", help="write the candidates and the recommendation here")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.cli.generate import PRESETS
   from pipelines.pipeline.inputs import check_size, round_num_frames
   from pipelines.wan.tiny import TINY_TRANSFORMER
+  from pipelines.wan.quantization import quantized_counts
   from pipelines.wan.transformer_config import PRESETS as MODELS, param_counts
 
   try:
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     found = planner.candidates(model, param_counts=param_counts(model), devices=devices, frames=frames,
                                height=height, width=width, text_tokens=args.max_sequence_length,
                                cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts,
-                               chip=planner.CHIPS[chip_name])
+                               chip=planner.CHIPS[chip_name],
+                               quantized=quantized_counts(model) if args.quantize else (0, 0))
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"plan: error: {e}", file=sys.stderr)
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
       return 3
     memory_kind = "xla"
   best = planner.recommend(found)
-  print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}, {devices} x {chip.name} "
+  print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}"
+        f"{', ' + args.quantize if args.quantize else ''}, {devices} x {chip.name} "
         f"({chip.memory_bytes / planner.GiB:.0f} GiB each; {chip.source})")
   print("memory: the planner's estimate (pipelines/parallel/planner.py), not XLA's analysis" if memory_kind == "estimate"
         else f"memory: XLA's memory analysis of each candidate's step compiled for TPU {args.topology} "
@@ -165,7 +170,7 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
     try:
       report = aot.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
                                         dtype=args.dtype, text_len=args.max_sequence_length,
-                                        flow_shift=preset.shift, mesh_spec=c.mesh)
+                                        flow_shift=preset.shift, mesh_spec=c.mesh, quantize=args.quantize)
       code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20
       held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s, code {code:.1f} MiB"
       fits = held <= planner.FIT_FRACTION * chip.memory_bytes

@@ -30,11 +30,13 @@ def model_facts(plan: Plan) -> Any:
   from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
 
   if plan.model == "tiny-random":
-    return ModelFacts.tiny_random(plan.dtype)
-  if plan.model == "tiny":
-    return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
-  PipelineIndex.read(plan.model).check_weights()
-  return ModelFacts.from_folder(plan.model, plan.dtype)
+    facts = ModelFacts.tiny_random(plan.dtype)
+  elif plan.model == "tiny":
+    facts = ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
+  else:
+    PipelineIndex.read(plan.model).check_weights()
+    facts = ModelFacts.from_folder(plan.model, plan.dtype)
+  return dataclasses.replace(facts, quantize=plan.quantize)
 
 
 def join(plan: Plan, facts: Any) -> None:
@@ -152,9 +154,12 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
                                                        ("h200", ("h200",)), ("h100", ("h100",)))
                if any(w in kind for w in words)), None)
   modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
+  from pipelines.wan.quantization import quantized_counts
   from pipelines.wan.transformer_config import param_counts
 
-  found = planner.candidates(request.model.transformer, param_counts=param_counts(request.model.transformer),
+  config = request.model.transformer
+  quantized = quantized_counts(config) if request.model.quantize else (0, 0)
+  found = planner.candidates(config, param_counts=param_counts(config), quantized=quantized,
                              devices=jax.device_count(), frames=request.num_frames,
                              height=request.height, width=request.width,
                              text_tokens=request.max_sequence_length, cfg=request.cfg,

@@ -101,6 +101,10 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                       "needs it")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
+  p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int8-w8a8"),
+                 help="the transformer's block Linear weights stored as int8 or fp8 (e4m3) with a scale per "
+                      "output channel, dequantized in the matmul; int8-w8a8 also quantizes each matmul's "
+                      "input per token (int8 x int8, int32 sums). Applied after the LoRAs are fused")
   p.add_argument("--max-sequence-length", type=int, default=None,
                  help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
                       "tokenizer says it was trained with, model_max_length)")

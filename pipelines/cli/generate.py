@@ -151,6 +151,8 @@ def _load(plan: Plan, request: Any) -> Any:
                                        shard_weights=request.plan.shard_weights)
   for path, scale, expert in plan.loras:
     pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+  if plan.quantize is not None:  # after the LoRAs: they are fused into the full-precision weights
+    pipe.quantize(plan.quantize)
   return pipe
 
 

@@ -44,6 +44,7 @@ class Plan:
   attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
   contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
+  quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
 
   @property
   def mesh_devices(self) -> int | None:

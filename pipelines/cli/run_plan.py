@@ -58,7 +58,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, vae_parallel=args.vae_parallel,
-              contact_sheet=args.contact_sheet)
+              contact_sheet=args.contact_sheet, quantize=args.quantize)
 
 
 def _check_prompt(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ enumerates the `MeshSpec`s that can run it (C in {1, 2} with guidance on, U divi
 C * R * U = the devices, weights replicated or sharded) and models one denoising step of each:
 
 - memory per device (bytes): transformer weights (replicated: all of them; sharded: the block
-  weights / devices, plus the rest, plus two layers gathered at a time) and activations (the
+  weights / devices, plus the rest, plus two layers gathered at a time; quantized block kernels
+  at one byte a value plus their fp32 scales) and activations (the
   residual stream and one block's intermediates for this device's rows and tokens: rows/C x T/(R*U)
   x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers). The text
   encoder runs before the denoising loop and the VAE after it, so neither is counted. This is an
@@ -106,7 +107,7 @@ class Candidate:
 
 def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: int, height: int, width: int,
                text_tokens: int = 512, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
-               chip: Chip) -> list[Candidate]:
+               chip: Chip, quantized: tuple[int, int] = (0, 0)) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
@@ -119,9 +120,12 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
     chip: the accelerator (`CHIPS`).
+    quantized: (block parameters stored in one byte, their fp32 scales) of one transformer
+      (`pipelines.wan.quantization.quantized_counts`) when its weights are int8 / fp8; (0, 0): none.
 
   Raises:
-    ValueError: devices < 1, or no valid mesh (heads that no divisor of the devices splits).
+    ValueError: devices < 1, no valid mesh (heads that no divisor of the devices splits), or
+      `quantized` counts more values than the blocks hold.
   """
   if devices < 1:
     raise ValueError(f"devices={devices} must be >= 1")
@@ -129,10 +133,11 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
   if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
     raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
   size = DTYPE_BYTES[dtype]
+  block_bytes = _block_bytes(blocks, size, quantized)
   tokens = step_estimate.video_tokens(config.patch_size, frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
-  per_layer = blocks / config.num_layers
+  per_layer = block_bytes / config.num_layers
   flops_total = step_estimate.step_flops(config, tokens, text_tokens, rows)
   peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
   latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // 8) * (width // 8)
@@ -147,14 +152,14 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
                    + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
                    + rows_local * text_tokens * d * size * 2)  # cross-attention K/V of the text
     if shard:
-      weights = (blocks / devices + other + 2 * per_layer) * size * experts
+      weights = (block_bytes / devices + other * size + 2 * per_layer) * experts
     else:
-      weights = (blocks + other) * size * experts
+      weights = (block_bytes + other * size) * experts
     comm = {
         "all_to_all": config.num_layers * 4 * stream * (u - 1) / u,
         "ring_permute": config.num_layers * (r - 1) * 2 * stream,
         "cfg_exchange": latent_bytes if c == 2 else 0.0,
-        "weight_all_gather": (blocks * size * (devices - 1) / devices) if shard else 0.0,
+        "weight_all_gather": (block_bytes * (devices - 1) / devices) if shard else 0.0,
     }
     flops = flops_total / devices
     step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
@@ -164,6 +169,15 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
   if not out:
     raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
   return out
+
+
+def _block_bytes(blocks: int, size: int, quantized: tuple[int, int]) -> int:
+  """Bytes of one transformer's block weights: `size` a parameter, one byte a quantized value,
+  four a scale (`candidates`' `quantized`)."""
+  one_byte, scales = quantized
+  if not 0 <= one_byte <= blocks or scales < 0:
+    raise ValueError(f"quantized={quantized!r} must be (0..{blocks} one-byte block parameters, scales >= 0)")
+  return (blocks - one_byte) * size + one_byte + 4 * scales
 
 
 def _meshes(devices: int, heads: int, cfg: bool):

@@ -38,6 +38,7 @@ class PlacedWeights:
     self.text_mesh: Mesh | None = None
     self.vae = vae
     self.placement: Any = "unplaced"
+    self._plan: ParallelPlan | None = None  # the plan the weights were placed for
     self._vae_placed: tuple[Any, wan_vae.WanVAE] | None = None
 
   @property
@@ -52,6 +53,7 @@ class PlacedWeights:
   def placed_at(self, plan: ParallelPlan) -> None:
     """Records that the weights already are where `plan` wants them (loaded straight there)."""
     self.placement = plan.placement
+    self._plan = plan
     self.text_mesh = plan.mesh if plan.shard_weights else None
 
   def place(self, plan: ParallelPlan) -> None:
@@ -68,6 +70,15 @@ class PlacedWeights:
       self.text_params = jax.device_put(self.text_params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
       self.text_mesh = None
     self.placement = plan.placement
+    self._plan = plan
+
+  def replace_experts(self, states: Sequence[nnx.State]) -> None:
+    """New expert states (other arrays: quantized weights) put where the current ones are placed
+    (`weight_shardings` of the new leaves under the last plan; as given when never placed)."""
+    if self._plan is not None:
+      states = [distributed.put_sharded(s, weight_shardings(s, self._plan.mesh, self._plan.shard_weights))
+                for s in states]
+    self.experts = states
 
   def vae_on(self, mesh: Mesh) -> wan_vae.WanVAE:
     """The VAE's weights replicated over the decode's devices (`vae.row_mesh(mesh)`), placed once

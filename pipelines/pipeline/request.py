@@ -42,6 +42,7 @@ class ModelFacts:
     scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
     max_sequence_length: the default text length L of calls.
     dtype: the transformer's dtype name ("float32" or "bfloat16").
+    quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
   """
   name: str
   transformer: WanTransformerConfig
@@ -51,6 +52,7 @@ class ModelFacts:
   scheduler: schedulers.SchedulerConfig
   max_sequence_length: int
   dtype: str
+  quantize: str | None = None
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
@@ -237,7 +239,8 @@ class GenerationRequest:
             "guidance_scale": self.guidance[0],
             "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
             "scheduler": _scheduler_record(self.scheduler), "boundary_ratio": self.model.boundary_ratio,
-            "dtype": self.model.dtype, "explicit_latents": self.latents is not None,
+            "dtype": self.model.dtype, "quantize": self.model.quantize,
+            "explicit_latents": self.latents is not None,
             "num_videos_per_prompt": self.num_videos_per_prompt,
             "prompt_embeds_given": self.prompt_embeds is not None,
             "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,

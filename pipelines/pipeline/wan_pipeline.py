@@ -45,7 +45,8 @@ from pipelines.pipeline.request import GenerationRequest, ModelFacts
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.storage import weights
-from pipelines.wan import lora, mag_calibration, step_cache as wan_step_cache, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache,
+                           tokenizer as tokenization, umt5, vae as wan_vae)
 from pipelines.wan.tiny import TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER  # noqa: F401
 from pipelines.wan.transformer import WanTransformer
 
@@ -70,6 +71,7 @@ class WanPipeline(LoraLoaderMixin):
     weights: the arrays and where they are (`PlacedWeights`).
     compiled_steps: the compiled denoise steps of this pipeline (`CompiledSteps`).
     step_cache: the step-cache spec every call uses (`enable_cache`), or None.
+    quantization: the block weights' quantization (`quantize`; `wan.quantization.MODES`), or None.
   """
 
   def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
@@ -89,6 +91,7 @@ class WanPipeline(LoraLoaderMixin):
     self.weights = PlacedWeights([state for _, state in split], text_encoder[1], vae)
     self.compiled_steps = CompiledSteps(self._graphdef)
     self.step_cache: wan_step_cache.StepCacheSpec | None = None
+    self.quantization: str | None = None
     self._lora_weights = lora.LoraWeights()
     self._progress = True
     self._fingerprint: tuple[int, str] | None = None
@@ -101,7 +104,7 @@ class WanPipeline(LoraLoaderMixin):
   @classmethod
   def from_pretrained(cls, folder: str, dtype: str = "float32", vae_dtype: str = "float32", *,
                       mesh: Mesh | MeshSpec | str | None = None, shard_weights: bool = False,
-                      progress: bool | None = None) -> WanPipeline:
+                      progress: bool | None = None, quantize: str | None = None) -> WanPipeline:
     """Loads a diffusers-format Wan folder (safetensors only).
 
     The weight files are memory-mapped and each weight is laid out, cast and placed on its devices
@@ -119,20 +122,27 @@ class WanPipeline(LoraLoaderMixin):
         with `shard_weights` the text encoder's large weights too. None: the first device.
       shard_weights: with `mesh`, FSDP-style weight sharding (see `__call__`).
       progress: progress bars while loading (None: for large folders only).
+      quantize: None, "int8", "fp8" or "int8-w8a8": the transformers' block Linear weights
+        quantized after loading (`quantize`); with `shard_weights` the 1-byte values and their
+        scales are what is split and all-gathered. Loading itself still places the weights in
+        `dtype` first, one expert at a time quantized after.
 
     Raises:
-      ValueError: an unknown dtype, or a mesh that does not fit the devices or heads.
+      ValueError: an unknown dtype or quantize mode, or a mesh that does not fit the devices or heads.
       weights.CheckpointError: a folder that is not a Wan pipeline, a bad weight file.
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
+    quantization.check_mode(quantize)  # before any loading
     parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress)
     pipe = cls(**parts)
     if plan is not None:  # already where a call on this mesh wants them
       pipe.weights.placed_at(plan)
+    if quantize is not None:
+      pipe.quantize(quantize)
     return pipe
 
   @classmethod
-  def tiny(cls, dtype: str = "float32", *, random: bool = False) -> WanPipeline:
+  def tiny(cls, dtype: str = "float32", *, random: bool = False, quantize: str | None = None) -> WanPipeline:
     """The embedded default (no download, no files outside the package).
 
     Args:
@@ -142,12 +152,44 @@ class WanPipeline(LoraLoaderMixin):
         `end_to_end.synthetic_world`, e.g. "a red square moving right", at 64x64 x 17 frames).
         True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
+      quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
     """
+    quantization.check_mode(quantize)
     if not random:
       pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype)
       pipe.name = "tiny"
-      return pipe
-    return cls(**loading.tiny_random_parts(dtype))
+    else:
+      pipe = cls(**loading.tiny_random_parts(dtype))
+    if quantize is not None:
+      pipe.quantize(quantize)
+    return pipe
+
+  def quantize(self, mode: str) -> None:
+    """Quantizes the transformer(s)' block Linear weights now, in place (`wan.quantization`: the
+    modes, what keeps its dtype and why, the error bounds); the weights stay where they were placed
+    (with sharded weights the 1-byte values and their fp32 scales are what is split).
+
+    LoRAs fused before this call are part of the quantized weights. The full-precision weights are
+    not kept, so afterwards every LoRA method that changes weights is refused: to use a LoRA, load
+    with quantize=None, load the LoRA, then call `quantize`.
+
+    Raises:
+      ValueError: an unknown mode, or weights quantized already.
+    """
+    mode = quantization.check_mode(mode)
+    if self.quantization is not None:
+      raise ValueError(f"the weights are quantized already ({self.quantization}); load the pipeline again to "
+                       f"quantize them as {mode!r}")
+    if mode is None:
+      return
+    states = []
+    for state in self.weights.experts:
+      graphdef, state = nnx.split(quantization.quantize_transformer(nnx.merge(self._graphdef, state), mode))
+      states.append(state)
+    self._graphdef = graphdef
+    self.compiled_steps = CompiledSteps(graphdef)
+    self.weights.replace_experts(states)
+    self.quantization = mode
 
   # --- what the model is ---
 
@@ -161,7 +203,16 @@ class WanPipeline(LoraLoaderMixin):
 
   @property
   def _experts(self) -> list[nnx.State]:
-    """The experts' weights (the LoRA methods replace them)."""
+    """The experts' weights (the LoRA methods read and replace them).
+
+    Raises:
+      ValueError: the weights are quantized (`quantize`): a LoRA is fused into full-precision
+        weights, which a quantized pipeline no longer holds.
+    """
+    if self.quantization is not None:
+      raise ValueError(f"this pipeline's weights are quantized ({self.quantization}): LoRAs are fused into the "
+                       "full-precision weights, which it no longer holds; load it with quantize=None, load the "
+                       f"LoRAs, then call pipe.quantize({self.quantization!r})")
     return self.weights.experts
 
   @_experts.setter
@@ -179,7 +230,7 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name)
+                      dtype=jnp.dtype(self.dtype).name, quantize=self.quantization)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -192,7 +243,8 @@ class WanPipeline(LoraLoaderMixin):
       config = {"transformer": dataclasses.asdict(self.transformer_config),
                 "text_encoder": dataclasses.asdict(self.text_encoder_config),
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
-                "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio}
+                "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio,
+                **({"quantize": self.quantization} if self.quantization else {})}
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
       trees.update(text_encoder=self.weights.text_params, vae=self.vae)
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))

@@ -18,9 +18,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import qwix
 from flax import nnx
 
 import producers
+from pipelines.wan import quantization
 from pipelines.wan.sequence_layout import SequenceLayout
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -41,14 +43,21 @@ class Dense(nnx.Module):
   The input is cast to the kernel's dtype (as diffusers feeds each Linear its own dtype), the
   product accumulates in fp32, the fp32 bias is added and the result is rounded once to the kernel
   dtype. Stacked (scanned) copies carry a leading Z axis on both arrays.
+
+  A quantized kernel (`quantization.quantize_transformer`: a `qwix.QArray`, int8 or fp8 values
+  with fp32 scales per output channel) runs `quantization.dense`: weight-only, or int8 x int8 when
+  `int8_activations` is set; the output then takes the bias's dtype (the model dtype).
   """
 
   def __init__(self, kernel: jax.Array, bias: jax.Array):
     self.kernel = nnx.Param(kernel)  # [I, O]
     self.bias = nnx.Param(bias)  # [O]
+    self.int8_activations = False  # w8a8 (set by quantization.quantize_transformer)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.kernel[...]
+    kernel = self.kernel.get_value()
+    if isinstance(kernel, qwix.QArray):
+      return quantization.dense(x, kernel, self.bias[...], int8_activations=self.int8_activations)
     y = jnp.einsum("...I,IO->...O", x.astype(kernel.dtype), kernel,
                    preferred_element_type=jnp.float32)
     return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
