@@ -112,28 +112,24 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
 
   Args:
     config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn, patch, channels).
-    param_counts: (block parameters, other parameters) of one transformer of `config`
-      (`pipelines.wan.transformer_config.param_counts`).
+    param_counts: (block, other) parameters of one transformer (`transformer_config.param_counts`).
     devices: devices in the mesh.
     frames, height, width, text_tokens: the video and text sizes.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
     chip: the accelerator (`CHIPS`).
-    quantized: (block parameters stored in one byte, their fp32 scales) of one transformer
-      (`pipelines.wan.quantization.quantized_counts`) when its weights are int8 / fp8; (0, 0): none.
+    quantized: (one-byte block values, fp32 scales) of int8 / fp8 weights (`wan.quantization`).
 
   Raises:
-    ValueError: devices < 1, no valid mesh (heads that no divisor of the devices splits), or
-      `quantized` counts more values than the blocks hold.
+    ValueError: devices < 1, bad counts, or no valid mesh (heads no divisor of the devices splits).
   """
   if devices < 1:
     raise ValueError(f"devices={devices} must be >= 1")
   blocks, other = param_counts
   if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
     raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
-  size = DTYPE_BYTES[dtype]
-  block_bytes = _block_bytes(blocks, size, quantized)
+  size, block_bytes = DTYPE_BYTES[dtype], _block_bytes(blocks, DTYPE_BYTES[dtype], quantized)
   tokens = step_estimate.video_tokens(config.patch_size, frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
