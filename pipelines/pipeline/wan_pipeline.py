@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -183,8 +184,9 @@ class WanPipeline(LoraLoaderMixin):
     if mode is None:
       return
     states = []
-    for state in self.weights.experts:
-      graphdef, state = nnx.split(quantization.quantize_transformer(nnx.merge(self._graphdef, state), mode))
+    for state in self.weights.experts:  # a new tree (merge shares the Variables): the old state is left whole
+      model = nnx.merge(self._graphdef, jax.tree.map(lambda a: a, state))
+      graphdef, state = nnx.split(quantization.quantize_transformer(model, mode))
       states.append(state)
     self._graphdef = graphdef
     self.compiled_steps = CompiledSteps(graphdef)

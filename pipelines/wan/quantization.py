@@ -17,8 +17,8 @@ transformer's weights. What keeps its dtype, and why:
 
 Modes (`MODES`), all with one scale per (layer, output channel), symmetric, from the absolute max
 over the input axis I (qwix's `absmax` calibration):
-- "int8": weight-only. s = absmax / 127.5, q = round(w / s) saturated to [-127, 127] int8, so
-  |w - q s| <= s / 2 (round to nearest; the top value saturates by exactly s / 2).
+- "int8": weight-only. s = absmax / 127.5, q = round(w / s) in [-128, 127] int8, so
+  |w - q s| <= s / 2 (round to nearest; +absmax saturates to 127, exactly s / 2 off).
 - "fp8": weight-only. s = absmax / 448, q = e4m3fn(w / s) (round to nearest even), so
   |w - q s| <= 2^-4 |w| where |w / s| >= 2^-6 (3 mantissa bits) and <= 2^-10 s below (subnormals).
 - "int8-w8a8": the "int8" weights, and every quantized Linear's input is quantized per token (row)

@@ -1,0 +1,199 @@
+"""Tests for pipelines/wan/quantization.py: int8 / fp8 weights, w8a8, sharded and quantized, LoRA order.
+
+References: numpy float64 twins of the quantized matmul (the same q and s; w8a8 quantizes the rows
+in numpy as the module docstring says) and the error bounds of round-to-nearest: int8
+|w - q s| <= s / 2, e4m3 |w - q s| <= 2^-4 |w| (normal range) or 2^-10 s (subnormals). Pipelines
+are the random tiny model (`WanPipeline.tiny(random=True)`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+from pipelines import WanPipeline
+from pipelines.parallel import planner
+from pipelines.parallel.plan import ParallelPlan
+from pipelines.wan import quantization
+from pipelines.wan.transformer import forward
+from pipelines.wan.transformer_config import PRESETS, param_counts
+from pipelines.wan.transformer_layers import Dense
+
+EPS32 = 2.0 ** -24  # fp32 unit roundoff
+CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=3, max_sequence_length=16)
+
+
+def _kernel(seed: int = 0, shape=(2, 64, 48)) -> np.ndarray:
+  """[Z, I, O] weights whose output channels span six orders of magnitude (and one all-zero
+  channel), so both e4m3's normal and subnormal ranges and the zero-scale guard are reached."""
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal(shape).astype(np.float32)
+  w *= np.logspace(-3, 3, shape[-1], dtype=np.float32)
+  w[..., 5] = 0.0
+  w[0, 3, :] *= 1e-4  # tiny entries beside large ones in a channel: e4m3 subnormals
+  return w
+
+
+def test_kernel_error_bounds():
+  w = _kernel()
+  for mode in ("int8", "fp8"):
+    q = quantization.quantize_kernel(jnp.asarray(w), mode)
+    assert q.qvalue.dtype == quantization.QTYPES[mode] and q.qvalue.shape == w.shape
+    assert q.scale.dtype == jnp.float32 and q.scale.shape == (2, 1, 48)
+    s = np.asarray(q.scale, np.float64)
+    err = np.abs(w - np.asarray(quantization.dequantize(q), np.float64))
+    slack = 4 * EPS32 * (np.abs(w) + s)  # fp32 division and product roundings
+    if mode == "int8":
+      values = np.asarray(q.qvalue, np.int32)
+      # +-127.5 rounds to +-128: -128 is int8, +128 saturates to 127 (never wraps to -128).
+      assert np.all(values * np.sign(w) >= 0) and values.max() == 127 and values.min() == -128
+      bound = s / 2
+    else:
+      bound = np.maximum(2.0 ** -4 * np.abs(w), 2.0 ** -10 * s)
+    assert np.all(err <= bound + slack), f"{mode}: worst {np.max(err / (bound + slack)):.3f} of the bound"
+    # Positive control: the bound is nearly reached (it is the rounding's, not a loose one).
+    assert np.max(err / bound, where=bound > 0, initial=0.0) > 0.9
+    assert np.all(err[..., 5] == 0)
+
+
+def _dense_reference(x: np.ndarray, q: qwix.QArray, bias: np.ndarray, int8_activations: bool) -> np.ndarray:
+  """float64 numpy twin of `quantization.dense` for one layer (q [I, O], scale [1, O])."""
+  qv, s = np.asarray(q.qvalue, np.float64), np.asarray(q.scale, np.float64)
+  if not int8_activations:
+    return x.astype(np.float64) @ (qv * s) + bias
+  x32 = x.astype(np.float32)
+  # XLA turns the division by the constant 127.5 into a product with its fp32 reciprocal; each
+  # row's absmax lands on +-127.5, a tie, so the twin rounds its scale the same way.
+  sx = np.abs(x32).max(axis=-1, keepdims=True) * np.float32(1 / 127.5)
+  qx = np.clip(np.round(x32 / sx), -128, 127)  # fp32 division; +127.5 saturates
+  return (qx @ qv) * sx * s + bias
+
+
+@pytest.mark.parametrize("mode", quantization.MODES)
+def test_dense_matches_reference(mode):
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((64, 48)).astype(np.float32) / 8
+  bias = rng.standard_normal(48).astype(np.float32)
+  x = rng.standard_normal((2, 7, 64)).astype(np.float32)
+  q = quantization.quantize_kernel(jnp.asarray(w), mode)
+  w8a8 = mode == "int8-w8a8"
+  got = np.asarray(quantization.dense(jnp.asarray(x), q, jnp.asarray(bias), int8_activations=w8a8))
+  want = _dense_reference(x, q, bias, w8a8)
+  # fp32 sums of I = 64 products (exact int32 sums for w8a8) and a few fp32 roundings.
+  magnitude = np.abs(x) @ np.abs(np.asarray(quantization.dequantize(q))) + np.abs(bias)
+  assert np.all(np.abs(got - want) <= (64 + 4) * EPS32 * magnitude)
+  if w8a8:  # positive control: quantizing the activations changes the result beyond that bound
+    assert np.max(np.abs(got - _dense_reference(x, q, bias, False))) > 100 * 68 * EPS32 * magnitude.max()
+
+
+def test_w8a8_is_an_int8_dot_with_int32_sums():
+  q = quantization.quantize_kernel(jnp.ones((64, 48)), "int8-w8a8")
+  hlo = jax.jit(lambda x: quantization.dense(x, q, jnp.zeros(48), int8_activations=True)).lower(
+      jnp.ones((2, 7, 64))).as_text()
+  dots = re.findall(r"dot_general.*", hlo)
+  assert len(dots) == 1 and re.search(r"xi8>, tensor<64x48xi8>\) -> tensor<2x7x48xi32>", dots[0]), dots
+
+
+def test_quantize_none_is_todays_path():
+  # The Dense of a full-precision kernel computes what it did before quantization existed.
+  rng = np.random.default_rng(2)
+  kernel, bias = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((64, 48), (48,)))
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  before = (jnp.einsum("...I,IO->...O", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+            + bias.astype(jnp.float32)).astype(kernel.dtype)
+  assert np.array_equal(np.asarray(Dense(kernel, bias)(x)), np.asarray(before))
+  with pytest.raises(ValueError, match="quantize='int4'.*int8"):
+    WanPipeline.tiny(random=True, quantize="int4")
+
+
+def _device_bytes(state) -> int:
+  """Bytes one device holds of a placed state (its first device's shards)."""
+  device = jax.devices()[0]
+  return sum(shard.data.nbytes for leaf in jax.tree.leaves(state) for shard in leaf.addressable_shards
+             if shard.device == device)
+
+
+def test_sharded_quantized_weights():
+  """int8 weights sharded over U=2,R=2: the 1-byte values and fp32 scales are what each device
+  holds and what the layer scan all-gathers; the forward is the one-device quantized forward."""
+  pipe = WanPipeline.tiny(random=True)
+  config = pipe.transformer_config
+  plan = ParallelPlan.build("U=2,R=2", heads=config.num_attention_heads, shard_weights=True)
+  pipe.weights.place(plan)  # as from_pretrained(mesh=..., shard_weights=True) leaves them
+  full = pipe.weights.experts[0]
+  pipe.quantize("int8")  # re-placed under the same plan
+  blocks = pipe.weights.experts[0]["blocks"]
+  kernel = blocks["ffn"]["proj_in"]["kernel"].get_value()
+  assert kernel.qvalue.dtype == jnp.int8 and kernel.qvalue.sharding.shard_shape(kernel.shape)[2] * 4 == kernel.shape[2]
+  # Block weights per device: the quantized kernels' values at 1 byte (fp32 before), the rest as before.
+  kernels = sum(np.prod(blocks[a][b]["kernel"].get_value().shape) for a, b in quantization.QUANTIZED_LINEARS)
+  scales = sum(blocks[a][b]["kernel"].get_value().scale.size for a, b in quantization.QUANTIZED_LINEARS)
+  assert _device_bytes(blocks) == _device_bytes(full["blocks"]) - 3 * kernels // 4 + scales
+  assert pipe.facts.quantize == "int8" and pipe.quantization == "int8"
+
+  rng = np.random.default_rng(4)
+  latents = jnp.asarray(rng.standard_normal((1, config.in_channels, 2, 8, 8)), jnp.float32)
+  text = jnp.asarray(rng.standard_normal((1, 8, config.text_dim)), jnp.float32)
+  run = jax.jit(lambda g, s, p: forward(nnx.merge(g, s), latents, jnp.array([600.0]), text, p),
+                static_argnums=(0, 2))
+  graphdef = pipe.compiled_steps.graphdef
+  compiled = run.lower(graphdef, pipe.weights.experts[0], plan).compile()
+  sharded = np.asarray(compiled(pipe.weights.experts[0]))
+  hlo = compiled.as_text()
+  gathered = set(re.findall(r"= (\w+)\[[^\]]*\][^=\n]*all-gather\(", hlo))
+  assert {"s8", "f32"} <= gathered, gathered  # values and scales, gathered per layer
+  one = jax.device_put(pipe.weights.experts[0], jax.devices()[0])
+  single = np.asarray(run(graphdef, one, ParallelPlan.single()))
+  assert np.max(np.abs(sharded - single)) <= 1e-5 * np.max(np.abs(single))  # fp32 reduction order only
+
+
+def test_lora_fused_before_quantize_then_refused():
+  from pipelines.wan import lora
+
+  plain = WanPipeline.tiny(random=True, quantize="int8")
+  config = plain.transformer_config
+  rng = np.random.default_rng(0)
+  (out_dim, in_dim), _, _ = lora.linear_layers(config)["blocks.0.attn1.to_q"]
+  state = {"transformer.blocks.0.attn1.to_q.lora_A.weight": rng.standard_normal((2, in_dim), np.float32),
+           "transformer.blocks.0.attn1.to_q.lora_B.weight": rng.standard_normal((out_dim, 2), np.float32)}
+  pipe = WanPipeline.tiny(random=True)
+  pipe.load_lora_weights(state, adapter_name="a")
+  pipe.quantize("int8")
+  q = lambda p: np.asarray(p.weights.experts[0]["blocks"]["attn1"]["to_q"]["kernel"].get_value().qvalue)  # noqa: E731
+  assert not np.array_equal(q(pipe)[0], q(plain)[0]) and np.array_equal(q(pipe)[1], q(plain)[1])
+  for call in (lambda: pipe.load_lora_weights(state, adapter_name="b"), pipe.unfuse_lora,
+               lambda: plain.load_lora_weights(state)):
+    with pytest.raises(ValueError, match=r"quantized \(int8\).*quantize=None, load the LoRAs, then call "
+                                         r"pipe.quantize\('int8'\)"):
+      call()
+  assert pipe.get_list_adapters() == {"transformer": ["a"]}
+  with pytest.raises(ValueError, match="quantized already"):
+    pipe.quantize("fp8")
+
+
+def test_planner_counts_quantized_bytes():
+  config = PRESETS["wan2.1-t2v-14b"]
+  counts = param_counts(config)
+  values, scales = quantization.quantized_counts(config)
+  assert values / counts[0] > 0.98  # the block Linear kernels are nearly all of the blocks
+  kwargs = dict(param_counts=counts, devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v5e"])
+  plain = {(str(c.mesh), c.mesh.shard_weights): c for c in planner.candidates(config, **kwargs)}
+  quant = {(str(c.mesh), c.mesh.shard_weights): c
+           for c in planner.candidates(config, **kwargs, quantized=(values, scales))}
+  saved = values * (2 - 1) - 4 * scales  # bf16 -> 1 byte, plus the scales
+  for key, c in plain.items():
+    q = quant[key]
+    if c.mesh.shard_weights:
+      assert q.weight_bytes == pytest.approx(c.weight_bytes - saved / 8 - 2 * saved / config.num_layers)
+      assert q.collective_bytes["weight_all_gather"] == pytest.approx(
+          c.collective_bytes["weight_all_gather"] - saved * 7 / 8)
+    else:
+      assert q.weight_bytes == pytest.approx(c.weight_bytes - saved)
+  with pytest.raises(ValueError, match="quantized="):
+    planner.candidates(config, **kwargs, quantized=(counts[0] + 1, 0))
