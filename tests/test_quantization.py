@@ -197,3 +197,18 @@ def test_planner_counts_quantized_bytes():
       assert q.weight_bytes == pytest.approx(c.weight_bytes - saved)
   with pytest.raises(ValueError, match="quantized="):
     planner.candidates(config, **kwargs, quantized=(counts[0] + 1, 0))
+
+
+def test_generate_quantize_flag(tmp_path):
+  """--quantize reaches the request's model facts, the run record (--resume) and the sidecar's
+  settings; the command's pipeline is quantized after its LoRAs and matches the request."""
+  from pipelines.cli import generate, records
+
+  argv = ["--prompt", "a fox", "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "1",
+          "--quantize", "fp8", "--out", str(tmp_path / "a.npy")]
+  checked = generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
+  assert checked.plan.quantize == "fp8" and checked.request.model.quantize == "fp8"
+  assert records.request_record(checked.request, records.RunFacts.of(checked.plan))["quantize"] == "fp8"
+  assert checked.request.settings()["quantize"] == "fp8"
+  pipe = generate._load(checked.plan, checked.request)
+  assert pipe.quantization == "fp8" and pipe.facts == checked.request.model
