@@ -5,6 +5,8 @@ r"""Quality check: does a faster setting (bf16, a mesh, the fixed-m path) give t
   python -m end_to_end.quality --dtype float32 --mesh U=2,R=2 --min-psnr 60
   python -m end_to_end.quality --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
   python -m end_to_end.quality --plots quality_plots              # + contact sheets and per-frame plot
+  python -m end_to_end.quality --dtype bfloat16 --dtype float32 --quantize none --quantize int8 \
+      --quantize fp8 --quantize int8-w8a8 --mesh U=1,R=1                 # quantized weights
   python -m end_to_end.quality --model ./Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
       --frames 81 --steps 50 --dtype bfloat16 --mesh U=4,R=2
 
@@ -41,6 +43,10 @@ Plots (`--plots DIR`, created if needed): per candidate a contact sheet `NN_<dty
 (frame grid: the reference row over the candidate row, `pipelines.storage.video_io.contact_sheet`) and
 `per_frame.png` (matplotlib): PSNR and SSIM per frame of every candidate, with each dtype's
 threshold dashed. Existing files of those names are refused before any compute.
+
+Quantization (`--quantize`, repeatable: none, int8, fp8, int8-w8a8): each candidate's transformer
+block weights quantized (`WanPipeline.quantize`); a quantized candidate is judged by bfloat16's
+thresholds (its error is of bf16's order), whatever its activation dtype.
 
 Matrix (`--matrix`): dtypes {float32, bfloat16} x meshes {U=1,R=1; U=2,R=2; U=4,R=1; U=1,R=4;
 U=4,R=2} x attention {auto, lse}: 20 candidates, one reference.
@@ -142,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="draw the candidates' initial latents from this seed instead (positive control: must fail)")
   ap.add_argument("--dtype", action="append", choices=DTYPES, help="candidate dtype (repeatable; bfloat16 if none)")
   ap.add_argument("--mesh", action="append", help="candidate mesh such as U=2,R=2 (repeatable; U=2,R=2 if none)")
+  ap.add_argument("--quantize", action="append", choices=("none", "int8", "fp8", "int8-w8a8"),
+                  help="candidate weight quantization (repeatable; none if not given)")
   ap.add_argument("--attention", action="append", choices=("auto", "lse", "fixed_m"),
                   help="candidate attention path (repeatable; auto if none)")
   ap.add_argument("--matrix", action="store_true",
@@ -190,8 +198,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
               else dict(THRESHOLDS[content]["psnr"]))
   min_ssim = (parse_thresholds(args.min_ssim, "--min-ssim") if args.min_ssim is not None
               else dict(THRESHOLDS[content]["ssim"]))
-  candidates = [dict(dtype=d, mesh=m, spec=specs[m], attention=a)
-                for d, m, a in itertools.product(dtypes, meshes, attentions)]
+  quantizes = [None if q == "none" else q for q in (args.quantize or ["none"])]
+  candidates = [dict(dtype=d, quantize=q, mesh=m, spec=specs[m], attention=a)
+                for d, q, m, a in itertools.product(dtypes, quantizes, meshes, attentions)]
   plots = None
   if args.plots is not None:
     names = [sheet_name(i, c) for i, c in enumerate(candidates)] + [PER_FRAME_PLOT]
@@ -228,7 +237,8 @@ def sheet_name(index: int, candidate: dict[str, Any]) -> str:
   """File name of a candidate's contact sheet: '00_bfloat16_U2R2_auto.png' (CFG/U/R degrees)."""
   spec = candidate["spec"]
   mesh = (f"C{spec.cfg}" if spec.cfg > 1 else "") + f"U{spec.ulysses}R{spec.ring}"
-  return f"{index:02d}_{candidate['dtype']}_{mesh}_{candidate['attention']}.png"
+  quantize = f"_{candidate['quantize']}" if candidate.get("quantize") else ""
+  return f"{index:02d}_{candidate['dtype']}{quantize}_{mesh}_{candidate['attention']}.png"
 
 
 def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict[str, Any]]],
@@ -254,7 +264,7 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
   fig, (ax_p, ax_s) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
   axes = ((ax_p, "psnr_per_frame", "min_psnr"), (ax_s, "ssim_per_frame", "min_ssim"))
   for name, frames, row in candidates:
-    label = f"{row['dtype']} {row['mesh']['spec']} {row['attention']}"
+    label = f"{row['dtype']}{' ' + row['quantize'] if row.get('quantize') else ''} {row['mesh']['spec']} {row['attention']}"
     written.append(video_io.write_contact_sheet(
         [reference, frames], os.path.join(directory, name), labels=["reference fp32 1 dev lse", label]))
     for ax, key, _ in axes:
@@ -319,13 +329,14 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
     return 2
 
   args.frames = round_num_frames(args.frames)  # once, with its warning, before the latents' shape
-  pipes: dict[str, WanPipeline] = {}
+  pipes: dict[tuple[str, str | None], WanPipeline] = {}
 
-  def pipeline(dtype: str) -> WanPipeline:
-    if dtype not in pipes:
-      pipes[dtype] = (WanPipeline.tiny(dtype, random=args.model == "tiny-random") if args.model in TINY_MODELS
-                      else WanPipeline.from_pretrained(args.model, dtype=dtype))
-    return pipes[dtype]
+  def pipeline(dtype: str, quantize: str | None = None) -> WanPipeline:
+    if (dtype, quantize) not in pipes:
+      pipes[dtype, quantize] = (
+          WanPipeline.tiny(dtype, random=args.model == "tiny-random", quantize=quantize) if args.model in TINY_MODELS
+          else WanPipeline.from_pretrained(args.model, dtype=dtype, quantize=quantize))
+    return pipes[dtype, quantize]
 
   call = dict(height=args.height, width=args.width, num_frames=args.frames,
               num_inference_steps=args.steps, guidance_scale=args.guidance,
@@ -343,8 +354,8 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   def draw(seed: int) -> np.ndarray:  # the pipeline's own rule for video 0 of a seed
     return np.random.default_rng(seed).standard_normal(shape, np.float32)
 
-  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray):
-    return pipeline(dtype).run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh,
+  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray, quantize=None):
+    return pipeline(dtype, quantize).run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh,
                                attention_implementation=implementation, progress=False, **call)
 
   print(f"backend {jax.default_backend()} x{jax.device_count()}; model {args.model!r}; "
@@ -357,24 +368,24 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
 
   candidate_seed = args.seed if args.candidate_seed is None else args.candidate_seed
   candidate_latents = draw(candidate_seed)
-  print(f"{'dtype':9s} {'mesh':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
+  print(f"{'dtype':9s} {'quantize':9s} {'mesh':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
         f"{'SSIM mean':>9s} {'SSIM min':>9s} {'max|dlat|':>10s} {'sec':>6s}  verdict")
   rows, videos = [], []
   for index, c in enumerate(p["candidates"]):
     start = time.perf_counter()
-    out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents)
+    out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents, c["quantize"])
     seconds = time.perf_counter() - start
     metrics = compare_videos(ref.frames, out.frames)
     metrics["max_abs_latent_diff"] = max_abs_diff(ref.latents, out.latents)
-    failures = judge(metrics, c["dtype"], p, args.gate)
-    rows.append(dict(dtype=c["dtype"], mesh=c["spec"].describe(), attention=c["attention"],
+    failures = judge(metrics, "bfloat16" if c["quantize"] else c["dtype"], p, args.gate)
+    rows.append(dict(dtype=c["dtype"], quantize=c["quantize"], mesh=c["spec"].describe(), attention=c["attention"],
                      seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
                      failures=failures, **metrics))
     if p["plots"] is not None:
       videos.append((sheet_name(index, c), out.frames[0], rows[-1]))
     verdict = "pass" if not failures else "FAIL: " + "; ".join(failures)
     mesh = str(c["spec"])
-    print(f"{c['dtype']:9s} {mesh:8s} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
+    print(f"{c['dtype']:9s} {c['quantize'] or 'none':9s} {mesh:8s} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
           f"{metrics['psnr_min']:9.2f} {metrics['ssim_mean']:9.5f} {metrics['ssim_min']:9.5f} "
           f"{metrics['max_abs_latent_diff']:10.3e} {seconds:6.1f}  {verdict}")
     if args.per_frame or len(p["candidates"]) == 1:
