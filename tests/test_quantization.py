@@ -212,3 +212,25 @@ def test_generate_quantize_flag(tmp_path):
   assert checked.request.settings()["quantize"] == "fp8"
   pipe = generate._load(checked.plan, checked.request)
   assert pipe.quantization == "fp8" and pipe.facts == checked.request.model
+
+
+def test_from_pretrained_quantizes_the_checkpoint_values():
+  """quantize= at load reads the block kernels as fp32 (not rounded to the model dtype first) and
+  places the int8 values and scales where `weight_shardings` puts them."""
+  from pipelines.storage import weights
+  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+
+  folder = f"{TINY_DEFAULT_FOLDER}/transformer"
+  checkpoint = weights.read_safetensors_folder(folder)["blocks.1.ffn.net.0.proj.weight"]  # torch [O, I]
+  pipe = WanPipeline.from_pretrained(TINY_DEFAULT_FOLDER, dtype="bfloat16", quantize="int8", mesh="U=2,R=2",
+                                     shard_weights=True)
+  kernel = pipe.weights.experts[0]["blocks"]["ffn"]["proj_in"]["kernel"].get_value()
+  want = quantization.quantize_kernel(jnp.asarray(np.asarray(checkpoint, np.float32).T), "int8")
+  assert np.array_equal(np.asarray(kernel.qvalue[1]), np.asarray(want.qvalue))
+  assert np.array_equal(np.asarray(kernel.scale[1]), np.asarray(want.scale))
+  rounded = quantization.quantize_kernel(jnp.asarray(np.asarray(checkpoint, np.float32).T, jnp.bfloat16), "int8")
+  assert not np.array_equal(np.asarray(rounded.qvalue), np.asarray(want.qvalue))  # control: bf16 first differs
+  devices = 4
+  for leaf in (kernel.qvalue, kernel.scale):
+    assert leaf.sharding.shard_shape(leaf.shape)[2] * devices == leaf.shape[2]
+  assert pipe.quantization == "int8" and pipe.weights.experts[0]["proj_out"]["kernel"].get_value().dtype == jnp.bfloat16

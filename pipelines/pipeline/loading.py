@@ -32,7 +32,7 @@ def dtype_of(name: str) -> jnp.dtype:
 
 
 def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
-                 progress: bool | None) -> tuple[dict[str, Any], ParallelPlan | None]:
+                 progress: bool | None, quantize: str | None = None) -> tuple[dict[str, Any], ParallelPlan | None]:
   """The `WanPipeline` constructor's keyword arguments read from `folder`, and the plan the weights
   were placed for (None: the first device). `WanPipeline.from_pretrained` documents the arguments.
 
@@ -55,7 +55,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
                   "it is not loaded", stacklevel=3)
   mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)
   experts = [load_transformer(os.path.join(folder, n), model_dtype, mesh=mesh_built, shard_weights=sharded,
-                              progress=progress) for n in names]
+                              progress=progress, quantize=quantize) for n in names]
   text_shardings = functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else None
   text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype,
                                 shardings=text_shardings, progress=progress)

@@ -124,9 +124,9 @@ class WanPipeline(LoraLoaderMixin):
       shard_weights: with `mesh`, FSDP-style weight sharding (see `__call__`).
       progress: progress bars while loading (None: for large folders only).
       quantize: None, "int8", "fp8" or "int8-w8a8": the transformers' block Linear weights
-        quantized after loading (`quantize`); with `shard_weights` the 1-byte values and their
-        scales are what is split and all-gathered. Loading itself still places the weights in
-        `dtype` first, one expert at a time quantized after.
+        quantized as they are loaded, from the checkpoint's values (`quantize` says what and how;
+        `transformer_loading.load_transformer`: one fp32 stacked kernel at a time on the devices);
+        with `shard_weights` the 1-byte values and their scales are what is split and gathered.
 
     Raises:
       ValueError: an unknown dtype or quantize mode, or a mesh that does not fit the devices or heads.
@@ -134,12 +134,11 @@ class WanPipeline(LoraLoaderMixin):
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     quantization.check_mode(quantize)  # before any loading
-    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress)
+    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize)
     pipe = cls(**parts)
+    pipe.quantization = quantize  # quantized as they were loaded
     if plan is not None:  # already where a call on this mesh wants them
       pipe.weights.placed_at(plan)
-    if quantize is not None:
-      pipe.quantize(quantize)
     return pipe
 
   @classmethod
@@ -157,10 +156,10 @@ class WanPipeline(LoraLoaderMixin):
     """
     quantization.check_mode(quantize)
     if not random:
-      pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype)
+      pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
       pipe.name = "tiny"
-    else:
-      pipe = cls(**loading.tiny_random_parts(dtype))
+      return pipe
+    pipe = cls(**loading.tiny_random_parts(dtype))
     if quantize is not None:
       pipe.quantize(quantize)
     return pipe

@@ -116,11 +116,11 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
   """Quantizes a `WanTransformer`'s block Linear kernels in place (`QUANTIZED_LINEARS`); returns it.
 
   Works on concrete and abstract (`nnx.eval_shape`) models; each kernel is replaced as it is
-  quantized, so the full-precision copy of one stacked kernel at a time is alive beside the
-  quantized ones. None returns the model untouched.
+  quantized. A kernel already quantized to this mode's type (at load) is kept. None returns the
+  model untouched.
 
   Raises:
-    ValueError: an unknown mode, or a model whose kernels are quantized already.
+    ValueError: an unknown mode, or a kernel quantized to another type.
   """
   mode = check_mode(mode)
   if mode is None:
@@ -132,8 +132,11 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
       layer = getattr(layer, name)
     kernel = layer.kernel.get_value()
     if isinstance(kernel, qwix.QArray):
-      raise ValueError(f"blocks.{'.'.join(path)} is quantized already; quantize the full-precision weights")
-    layer.kernel.set_value(quantize(kernel, mode))
+      if jnp.dtype(kernel.qtype) != jnp.dtype(QTYPES[mode]):
+        raise ValueError(f"blocks.{'.'.join(path)} is quantized to {jnp.dtype(kernel.qtype).name} already, "
+                         f"not {mode}; quantize the full-precision weights")
+    else:
+      layer.kernel.set_value(quantize(kernel, mode))
     layer.int8_activations = mode == "int8-w8a8"
   return model
 

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 import producers
@@ -251,7 +252,8 @@ def build_transformer(config: WanTransformerConfig, params: Mapping[str, Any],
                       dtype: jnp.dtype = jnp.float32) -> WanTransformer:
   """Builds the module from a nested dict of arrays in our layout, casting per diffusers' policy.
 
-  Every array is cast to `dtype` except those under `KEEP_IN_FP32`, which become fp32.
+  Every array is cast to `dtype` except those under `KEEP_IN_FP32`, which become fp32; a
+  `qwix.QArray` (a kernel quantized at load) is kept as it is.
 
   Raises:
     ValueError: an array's shape differs from `param_shapes(config)` (names all of them).
@@ -264,6 +266,8 @@ def build_transformer(config: WanTransformerConfig, params: Mapping[str, Any],
     if value is None or tuple(value.shape) != tuple(shape):
       bad.append(f"{'.'.join(path)}: got {None if value is None else tuple(value.shape)}, want {shape}")
       return None
+    if isinstance(value, qwix.QArray):  # quantized at load (`transformer_loading`): kept as it is
+      return value
     return jnp.asarray(value, jnp.float32 if keeps_fp32(path) else dtype)
 
   arrays = _map_with_path(cast, shapes)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from pipelines.storage import weights
 from pipelines.parallel import distributed
+from pipelines.wan import quantization
 from pipelines.wan.transformer import WanTransformer, build_transformer, keeps_fp32, weight_shardings
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -86,7 +87,8 @@ def _to_ours(array: np.ndarray, kind: str) -> np.ndarray:
 
 
 def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh | None = None,
-                     shard_weights: bool = False, progress: bool | None = None) -> WanTransformer:
+                     shard_weights: bool = False, progress: bool | None = None,
+                     quantize: str | None = None) -> WanTransformer:
   """Loads a diffusers `WanTransformer3DModel` folder (config.json + safetensors).
 
   The files are memory-mapped and every parameter goes straight to its devices
@@ -101,6 +103,10 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
       (uncommitted: a call on a mesh moves them).
     shard_weights: with `mesh`, split the stacked block weights over all of its devices.
     progress: a progress bar (None: for large folders only).
+    quantize: None or a `quantization.MODES` mode: the block Linear kernels are quantized from
+      the checkpoint's values (read as fp32, not rounded to `dtype` first), each placed in fp32
+      and quantized before the next, after the other weights: the devices hold the quantized
+      model plus one stacked fp32 kernel at most.
 
   Returns:
     The `WanTransformer`.
@@ -124,17 +130,40 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
       _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype)))
     else:
       stacked.setdefault(path, [None] * config.num_layers)[layer] = view
+  kernels = {("blocks", *p, "kernel") for p in quantization.QUANTIZED_LINEARS} if quantize else set()
   for path, layers in stacked.items():
-    _set(params, path, weights.HostLeaf.stack(layers, _leaf_dtype(path, dtype)))
+    _set(params, path, weights.HostLeaf.stack(layers, np.float32 if path in kernels else _leaf_dtype(path, dtype)))
+  kernels = {path: _pop(params, path) for path in kernels}
   is_leaf = lambda x: isinstance(x, weights.HostLeaf)  # noqa: E731
   shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params, is_leaf=is_leaf)
   shardings = None if mesh is None else weight_shardings(shapes, mesh, shard_weights)
   arrays = distributed.put_host_leaves(params, shardings, progress=progress, desc=f"loading {folder}")
-  return build_transformer(config, arrays, dtype)
+  for path, leaf in kernels.items():
+    _set(arrays, path, _quantized_leaf(leaf, quantize, mesh, shard_weights))
+  return quantization.quantize_transformer(build_transformer(config, arrays, dtype), quantize)
+
+
+def _quantized_leaf(leaf: weights.HostLeaf, mode: str, mesh: Mesh | None, shard_weights: bool):
+  """A stacked block kernel [Z, I, O] placed in fp32 as `weight_shardings` places it, quantized
+  (`quantization.quantize_kernel`) and its QArray placed the same way; the fp32 copy is dropped."""
+  def where(tree):
+    return None if mesh is None else weight_shardings({"blocks": tree}, mesh, shard_weights)["blocks"]
+
+  full = distributed.put_host_leaves(leaf, where(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)), progress=False)
+  quantized = jax.jit(quantization.quantize_kernel, static_argnums=1)(full, mode)
+  del full
+  placed = where(quantized)
+  return quantized if placed is None else distributed.put_sharded(quantized, placed)
 
 
 def _leaf_dtype(path: tuple[str, ...], dtype) -> np.dtype:
   return np.dtype(jnp.float32 if keeps_fp32(path) else dtype)
+
+
+def _pop(tree: dict, path: tuple[str, ...]):
+  for key in path[:-1]:
+    tree = tree[key]
+  return tree.pop(path[-1])
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
