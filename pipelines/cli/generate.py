@@ -120,7 +120,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   start = time.perf_counter()
   pipe = _load(plan, request)
   load_s = time.perf_counter() - start
-  print(f"generate: model {pipe.name} ({plan.dtype}), mesh {mesh_text(request)}: {checked.device_note}",
+  weights = plan.dtype + (f", {plan.quantize} weights" if plan.quantize else "")
+  print(f"generate: model {pipe.name} ({weights}), mesh {mesh_text(request)}: {checked.device_note}",
         file=sys.stderr)
   result = _generate(pipe, request, plan)
   if not plan.writes:
