@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from attention import blockwise as bw
 from attention import fixed_m as fm
+from attention import fp8_exchange as fp8x
 from attention.masks import validate_qkv
 from attention.padding import pad_axis, round_up
 from attention.mesh import (CFG_AXIS, RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit,
@@ -120,6 +121,7 @@ def usp_attention(
     block_sizes: bw.BlockSizes | None = None,
     q_prescaled: bool = False,
     backend: str = "auto",
+    exchange: str = "bf16",
 ) -> jax.Array:
   """Exact attention with tokens sharded over the (ring, ulysses) mesh (2D USP).
 
@@ -137,6 +139,10 @@ def usp_attention(
     backend: "auto" | "xla" | "pallas", as in `local_attention`: the per-device block update of each
       ring step (with "auto" one kernel call that branches on the mesh-uniform verdict); the
       schedule and its collectives are the same for every backend.
+    exchange: "bf16" (the arrays as given) or "fp8": with U > 1 and T == S, Q, V and the output
+      cross the Ulysses all-to-alls in e4m3 with local per-head scales and K in bf16, still one
+      all-to-all each way (`attention.fp8_exchange`: its error bounds); the fixed-m statistics
+      are widened by e4m3's rounding so the gate stays exact for the values that arrive.
 
   Returns:
     [B, T, N, H] in q's dtype, sharded `P(None, ("ring", "ulysses"))` when T is a multiple of
@@ -154,17 +160,19 @@ def usp_attention(
   check_heads(N, K, U, R)
   if implementation not in bw.IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}; expected one of {bw.IMPLEMENTATIONS}")
+  if exchange not in fp8x.EXCHANGES:
+    raise ValueError(f"unknown {exchange=}; expected one of {fp8x.EXCHANGES}")
   platform = mesh.devices.flat[0].platform
   backend = bw.resolve_backend(backend, platform)
   block_sizes = bw.check_block_sizes(block_sizes, backend, platform)
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   return _usp(q, k, v, kv_valid_len, mesh=mesh, implementation=implementation, scale=scale,
-              block_sizes=block_sizes, q_prescaled=bool(q_prescaled), backend=backend)
+              block_sizes=block_sizes, q_prescaled=bool(q_prescaled), backend=backend, exchange=exchange)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "implementation", "scale", "block_sizes", "q_prescaled",
-                                             "backend"))
-def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_prescaled, backend):
+                                             "backend", "exchange"))
+def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_prescaled, backend, exchange):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   U, R, C = _mesh_parts(mesh, B)
@@ -180,7 +188,7 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
   body = functools.partial(
       _usp_body, U=U, R=R, C=C, num_heads=N, implementation=implementation, scale=scale,
       block_sizes=block_sizes, q_prescaled=q_prescaled, masked=(kv_valid_len is not None or S_pad != S),
-      backend=backend)
+      backend=backend, fp8=exchange == "fp8" and U > 1 and T == S)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))
   out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq,
                       check_vma=False)(q, k, v, limit)
@@ -188,7 +196,7 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
 
 
 def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, block_sizes, q_prescaled,
-              masked, backend):
+              masked, backend, fp8=False):
   """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local (B: this guidance branch's rows
   when C = 2); limit [B] global valid keys.
 
@@ -202,6 +210,8 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   u = jax.lax.axis_index(ULYSSES_AXIS) if U > 1 else 0
   chunk = r * U + u
   qs, logit_scale = bw.query_scaling(q, scale, q_prescaled)
+  if fp8:  # K crosses in bf16: the statistics below see the values that arrive
+    k = k.astype(jnp.bfloat16).astype(k.dtype)
 
   # 2. Pre-all-to-all reductions (tiny; XLA overlaps them with the exchange).
   if implementation != "lse":
@@ -214,6 +224,8 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     k_mean = k_sum / jnp.maximum(count, 1.0)[:, None, None]
     kc_max, v_max = fm.key_maxima(k, v, k_mean, valid)
     q_norm = fm.query_norm_max(qs) * logit_scale  # [B, N] of q * scale * log2 e
+    if fp8:  # bounds for the e4m3 q and v that arrive: 2^-4 relative, + subnormals (< 2^-14 here)
+      q_norm, v_max = q_norm * (1 + 2.0 ** -4 + 2.0 ** -14), v_max * (1 + 2.0 ** -4 + 2.0 ** -14)
     packed = jnp.concatenate([q_norm, kc_max, v_max], axis=1)
     if U * R > 1:
       # pmax has no JVP rule; these statistics only pick the shift m and the gate, and the
@@ -234,7 +246,9 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   # beyond the next block multiple).
   Lq, Lk = _padded_source_lengths(Tl, Sl, U, block_sizes, backend) if backend == "pallas" else (Tl, Sl)
   layout = bw.BlockLayout.make(U * Lq, U * Lk, block_sizes, backend)
-  if U > 1 and Tl == Sl:
+  if fp8:  # Tl == Sl, U > 1: the same exchange with Q, V in e4m3 and K in bf16
+    qg, kvbuf = fp8x.heads_to_sequence(qs, k, v, U, Lq)
+  elif U > 1 and Tl == Sl:
     recv = _heads_to_sequence([qs, k, v], U, Lq)  # [B, hq + 2 hk, U * Lq, H]
     qg, kvbuf = recv[:, :hq], recv[:, hq:]
   elif U > 1:  # q and k/v differ in length (not self-attention): one exchange each
@@ -299,7 +313,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
 
   # 5. All-to-all back: my token chunk, all heads; the padded rows dropped.
   if U > 1:
-    return _sequence_to_heads(out, U, Tl)  # [B, Tl, N, H]
+    return (fp8x.sequence_to_heads if fp8 else _sequence_to_heads)(out, U, Tl)  # [B, Tl, N, H]
   return out[:, :, :Tl].transpose(0, 2, 1, 3)
 
 

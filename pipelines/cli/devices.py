@@ -130,7 +130,8 @@ def auto_mesh(plan: Plan, request: Any) -> tuple[Plan, Any]:
   try:
     parallel = ParallelPlan.build(best if several else None, heads=request.model.transformer.num_attention_heads,
                                   cfg_active=request.cfg, shard_weights=several and best.shard_weights,
-                                  attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel)
+                                  attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel,
+                                  attention_exchange=plan.attention_exchange)
   except ValueError as e:
     raise flag_error(e) from e
   return dataclasses.replace(plan, mesh=best), dataclasses.replace(request, plan=parallel)

@@ -28,7 +28,7 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "guidance_scale_2": "--guidance", "flow_shift": "--shift", "seed": "--seed",
                   "max_sequence_length": "--max-sequence-length", "step_cache": "--step-cache",
                   "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
-                  "vae_parallel": "--vae-parallel", "prompt": "--prompt", "negative_prompt": "--negative-prompt"}
+                  "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange", "prompt": "--prompt", "negative_prompt": "--negative-prompt"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -96,6 +96,9 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
                  help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
                       "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
+  p.add_argument("--attention-exchange", default="bf16", choices=("bf16", "fp8"),
+                 help="fp8: Q, V and the attention output cross the Ulysses all-to-alls in e4m3 with per-head "
+                      "scales, K in bf16 (5/8 of the bytes in, 1/2 out; a small change to the video)")
   p.add_argument("--devices", type=int, default=None,
                  help="simulate N CPU devices (must equal the devices of --mesh); automatic when the mesh "
                       "needs it")

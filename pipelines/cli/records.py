@@ -21,7 +21,8 @@ from pipelines.cli.plan import Plan
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
-             "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize")
+             "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
+             "attention_exchange")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -164,6 +165,7 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
     record[name] = [f"{os.path.abspath(path)}:{scale!r}" for path, scale, e in facts.loras if e == expert]
   record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
   record["quantize"] = request.model.quantize
+  record["attention_exchange"] = request.plan.attention_exchange
   return record
 
 

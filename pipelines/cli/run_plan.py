@@ -57,7 +57,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=args.step_cache,
-              attention_backend=args.attention_backend, vae_parallel=args.vae_parallel,
+              attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
+              vae_parallel=args.vae_parallel,
               contact_sheet=args.contact_sheet, quantize=args.quantize)
 
 
@@ -269,7 +270,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None, flow_shift=plan.shift,
         seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
         step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
-        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes)
+        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
+        attention_exchange=plan.attention_exchange)
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention import BACKENDS, IMPLEMENTATIONS, BlockSizes, resolve_backend
+from attention.fp8_exchange import EXCHANGES
 from attention.mesh import MeshSpec
 from pipelines.parallel import distributed
 
@@ -75,6 +76,8 @@ class ParallelPlan:
     attention_backend: "xla" | "pallas", resolved for the mesh's platform ("auto" never stays).
     block_sizes: the attention kernels' `BlockSizes`, or None for `attention`'s defaults.
     vae_parallel: decode with the latents split along height over the mesh's devices.
+    attention_exchange: "bf16" or "fp8": the dtype of Q, V and the output in USP's Ulysses
+      all-to-alls (`attention.fp8_exchange`; K stays bf16).
   """
   spec: MeshSpec
   mesh: Mesh | None
@@ -82,12 +85,14 @@ class ParallelPlan:
   attention_backend: str = "xla"
   block_sizes: BlockSizes | None = None
   vae_parallel: bool = True
+  attention_exchange: str = "bf16"
 
   @classmethod
   def build(cls, mesh: Mesh | MeshSpec | str | None = None, *, heads: int, kv_heads: int | None = None,
             cfg_active: bool | None = None, shard_weights: bool = False,
             attention_implementation: str = "auto", attention_backend: str = "auto",
-            block_sizes: BlockSizes | None = None, vae_parallel: bool = True) -> ParallelPlan:
+            block_sizes: BlockSizes | None = None, vae_parallel: bool = True,
+            attention_exchange: str = "bf16") -> ParallelPlan:
     """Checks a call's parallel settings against the model and the devices, and builds the plan.
 
     Args:
@@ -100,6 +105,7 @@ class ParallelPlan:
       attention_backend: "auto" | "xla" | "pallas"; "auto" becomes "pallas" on TPU/GPU, else "xla".
       block_sizes: None or `attention.BlockSizes`.
       vae_parallel: decode split over the mesh (no effect without one).
+      attention_exchange: "bf16" | "fp8" (no effect without Ulysses).
 
     Raises:
       ValueError: a malformed mesh, more devices than visible, heads that U does not split, CFG=2
@@ -113,6 +119,8 @@ class ParallelPlan:
       raise ValueError(f"unknown {attention_implementation=}; expected one of {IMPLEMENTATIONS}")
     if not isinstance(attention_backend, str) or attention_backend not in BACKENDS:
       raise ValueError(f"unknown {attention_backend=}; expected one of {BACKENDS}")
+    if attention_exchange not in EXCHANGES:
+      raise ValueError(f"unknown {attention_exchange=}; expected one of {EXCHANGES}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
       raise ValueError(f"block_sizes={block_sizes!r} must be None or an attention.BlockSizes{_not_a(block_sizes)}")
     built, spec = _mesh_and_spec(mesh, shard_weights)
@@ -130,7 +138,7 @@ class ParallelPlan:
     platform = jax.default_backend() if built is None else built.devices.flat[0].platform
     return cls(spec=spec, mesh=built, attention_implementation=attention_implementation,
                attention_backend=resolve_backend(attention_backend, platform), block_sizes=block_sizes,
-               vae_parallel=vae_parallel)
+               vae_parallel=vae_parallel, attention_exchange=attention_exchange)
 
   @classmethod
   def single(cls, attention_implementation: str = "auto", attention_backend: str = "auto") -> ParallelPlan:
@@ -176,7 +184,7 @@ class ParallelPlan:
     path and backend, and whether the decode is split."""
     return {"mesh": None if self.mesh is None else self.spec.describe(),
             "attention_implementation": self.attention_implementation,
-            "attention_backend": self.attention_backend,
+            "attention_backend": self.attention_backend, "attention_exchange": self.attention_exchange,
             "vae_parallel": bool(self.vae_parallel and self.mesh is not None)}
 
   def __str__(self) -> str:

@@ -19,7 +19,7 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "flow_shift", "seed", "latents", "max_sequence_length", "mesh", "prompt_embeds",
                      "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
-                     "vae_parallel", "decode")
+                     "vae_parallel", "decode", "attention_exchange")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -68,6 +68,8 @@ CALL_DOCS = """
   vae_parallel: decode split along height over the mesh's devices (default True).
   attention_backend: "auto" (Pallas on TPU and GPU, XLA loops elsewhere), "xla" or "pallas".
   attention_implementation: "auto" | "lse" | "fixed_m".
+  attention_exchange: "bf16" (default) or "fp8": Q, V and the attention output cross USP's Ulysses
+    all-to-alls in e4m3 with per-head scales, K in bf16 (`attention.fp8_exchange`; with U > 1).
   decode: False skips the VAE (run: `frames` is None).
 """
 

@@ -153,7 +153,8 @@ class GenerationRequest:
             negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1,
             attention_kwargs: Any = None, generator: Any = None, step_cache: Any = None,
             shard_weights: Any = False, attention_implementation: Any = "auto",
-            attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True) -> GenerationRequest:
+            attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
+            attention_exchange: Any = "bf16") -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -188,7 +189,8 @@ class GenerationRequest:
     cache_spec = wan_step_cache.parse_step_cache(step_cache, model=model.name)
     plan = ParallelPlan.build(mesh, heads=model.transformer.num_attention_heads, cfg_active=cfg,
                               shard_weights=shard_weights, attention_implementation=attention_implementation,
-                              attention_backend=attention_backend, vae_parallel=vae_parallel)
+                              attention_backend=attention_backend, vae_parallel=vae_parallel,
+                              attention_exchange=attention_exchange)
     return cls(model=model, prompts=prompts, negative_prompts=negatives if cfg else None,
                prompt_embeds=embeds, negative_prompt_embeds=negative_embeds if cfg else None,
                num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
@@ -249,7 +251,7 @@ class GenerationRequest:
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
     everything that decides the video; not the mesh, the attention path or the decode (the same
-    video either way)."""
+    video either way); the fp8 attention exchange (a lossy one) when it is on."""
     return {
         "model": self.model.name, "model_fingerprint": fingerprint,
         "prompts": self.prompts, "negative_prompts": self.negative_prompts,
@@ -260,7 +262,8 @@ class GenerationRequest:
         "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
         "prompt_embeds_sha256": _digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
-    } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()})
+    } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
+        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange})
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------

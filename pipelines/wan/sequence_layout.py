@@ -59,6 +59,7 @@ class SequenceLayout:
     self.tokens = tokens
     self.implementation = plan.attention_implementation
     self.backend = plan.attention_backend
+    self.exchange = plan.attention_exchange
     self.block_sizes = plan.block_sizes
     self.gather_weights = plan.shard_weights
     self.padded_tokens = padded_tokens(plan.mesh, tokens)
@@ -110,7 +111,7 @@ class SequenceLayout:
                                        block_sizes=self.block_sizes, backend=self.backend)
     return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]),
                                    implementation=self.implementation, q_prescaled=True,
-                                   block_sizes=self.block_sizes, backend=self.backend)
+                                   block_sizes=self.block_sizes, backend=self.backend, exchange=self.exchange)
 
   def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
