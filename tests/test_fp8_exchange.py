@@ -57,3 +57,17 @@ def test_bad_exchange_is_refused():
   x = jnp.zeros((1, 8, 4, 16))
   with pytest.raises(ValueError, match="exchange='int4'"):
     usp_attention(x, x, x, mesh=make_mesh(ulysses=2, ring=1), exchange="int4")
+
+
+def test_request_carries_the_exchange():
+  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+
+  facts = ModelFacts.tiny_random("bfloat16")
+  call = dict(height=32, width=32, num_frames=5, num_inference_steps=1, seed=0, mesh="U=2,R=1")
+  fp8 = GenerationRequest.build(facts, "a fox", **call, attention_exchange="fp8")
+  bf16 = GenerationRequest.build(facts, "a fox", **call)
+  assert fp8.plan.attention_exchange == "fp8" and fp8.settings()["attention_exchange"] == "fp8"
+  noise = fp8.noise()
+  assert fp8.identity("f" * 64, noise) == bf16.identity("f" * 64, noise) | {"attention_exchange": "fp8"}
+  with pytest.raises(ValueError, match="attention_exchange='e5m2'"):
+    GenerationRequest.build(facts, "a fox", **call, attention_exchange="e5m2")

@@ -205,10 +205,11 @@ def test_generate_quantize_flag(tmp_path):
   from pipelines.cli import generate, records
 
   argv = ["--prompt", "a fox", "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "1",
-          "--quantize", "fp8", "--out", str(tmp_path / "a.npy")]
+          "--quantize", "fp8", "--attention-exchange", "fp8", "--out", str(tmp_path / "a.npy")]
   checked = generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
   assert checked.plan.quantize == "fp8" and checked.request.model.quantize == "fp8"
-  assert records.request_record(checked.request, records.RunFacts.of(checked.plan))["quantize"] == "fp8"
+  record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
+  assert record["quantize"] == "fp8" and record["attention_exchange"] == "fp8"
   assert checked.request.settings()["quantize"] == "fp8"
   pipe = generate._load(checked.plan, checked.request)
   assert pipe.quantization == "fp8" and pipe.facts == checked.request.model
