@@ -83,6 +83,9 @@ def quantize_kernel(kernel: jax.Array, mode: str) -> qwix.QArray:
                        scale_dtype=jnp.float32)
 
 
+quantize_kernel_jit = jax.jit(quantize_kernel, static_argnums=1)  # compiled once per shape and mode
+
+
 def dequantize(kernel: qwix.QArray) -> jax.Array:
   """q * s in float32, the shape of the quantized kernel."""
   return qwix.dequantize(kernel)
@@ -125,7 +128,6 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
   mode = check_mode(mode)
   if mode is None:
     return model
-  quantize = jax.jit(quantize_kernel, static_argnums=1)
   for path in QUANTIZED_LINEARS:
     layer = model.blocks
     for name in path:
@@ -136,7 +138,7 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
         raise ValueError(f"blocks.{'.'.join(path)} is quantized to {jnp.dtype(kernel.qtype).name} already, "
                          f"not {mode}; quantize the full-precision weights")
     else:
-      layer.kernel.set_value(quantize(kernel, mode))
+      layer.kernel.set_value(quantize_kernel_jit(kernel, mode))
     layer.int8_activations = mode == "int8-w8a8"
   return model
 

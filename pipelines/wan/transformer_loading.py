@@ -150,7 +150,7 @@ def _quantized_leaf(leaf: weights.HostLeaf, mode: str, mesh: Mesh | None, shard_
     return None if mesh is None else weight_shardings({"blocks": tree}, mesh, shard_weights)["blocks"]
 
   full = distributed.put_host_leaves(leaf, where(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)), progress=False)
-  quantized = jax.jit(quantization.quantize_kernel, static_argnums=1)(full, mode)
+  quantized = quantization.quantize_kernel_jit(full, mode)
   del full
   placed = where(quantized)
   return quantized if placed is None else distributed.put_sharded(quantized, placed)
