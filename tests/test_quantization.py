@@ -235,3 +235,14 @@ def test_from_pretrained_quantizes_the_checkpoint_values():
   for leaf in (kernel.qvalue, kernel.scale):
     assert leaf.sharding.shard_shape(leaf.shape)[2] * devices == leaf.shape[2]
   assert pipe.quantization == "int8" and pipe.weights.experts[0]["proj_out"]["kernel"].get_value().dtype == jnp.bfloat16
+
+
+def test_quality_quantize_candidates():
+  from end_to_end import quality
+
+  args = quality.build_parser().parse_args(["--model", "tiny-random", "--quantize", "none", "--quantize", "int8",
+                                            "--mesh", "U=1,R=1"])
+  found = quality.plan(args)["candidates"]
+  assert [c["quantize"] for c in found] == [None, "int8"]
+  assert [quality.sheet_name(i, c) for i, c in enumerate(found)] == ["00_bfloat16_U1R1_auto.png",
+                                                                     "01_bfloat16_int8_U1R1_auto.png"]
