@@ -213,3 +213,34 @@ def test_readme_says_how_long_the_tests_take():
     readme = f.read()
   test_section = readme[readme.index("## Test"):]
   assert re.search(r"On 2 CPU cores the test command takes about \d+ min", _words(test_section)), test_section
+
+
+# --- argument errors before heavy imports ----------------------------------------------------------
+
+_IMPORTS_JAX = """
+import sys
+from pipelines.cli import generate
+codes = []
+for argv in ({cases}):
+  try:
+    codes.append(generate.main(list(argv)))
+  except SystemExit as e:  # --help and argparse's own errors
+    codes.append(e.code)
+print(codes, "jax" in sys.modules)
+"""
+
+
+def test_help_and_argument_errors_do_not_import_jax():
+  """`--help` and the flags' own errors (mesh, output, fps, argparse's) answer before JAX is imported
+  (0.2 s, not the 1-10 s of importing JAX first); the positive control is a check that needs the
+  model's facts (GenerationRequest.build), which imports JAX."""
+  cases = [["--help"], ["--mesh", "X=3", "--prompt", "a"], ["--mesh", "U=1", "--shard-weights", "--prompt", "a"],
+           ["--mesh", "CFG=2,U=2", "--guidance", "1", "--prompt", "a"], ["--out", "x.txt", "--prompt", "a"],
+           ["--fps", "nan", "--prompt", "a"], ["--bogus"]]
+  out = subprocess.run([sys.executable, "-c", _IMPORTS_JAX.format(cases=repr(cases))], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.strip().splitlines()[-1] == f"{[0] + [2] * (len(cases) - 1)} False", out.stdout + out.stderr
+  control = [["--steps", "0", "--prompt", "a"]]
+  out = subprocess.run([sys.executable, "-c", _IMPORTS_JAX.format(cases=repr(control))], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.strip() == "[2] True", out.stdout + out.stderr

@@ -10,9 +10,10 @@ import dataclasses
 import sys
 from typing import Any
 
-from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
+from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import UsageError, flag_error
 from pipelines.parallel import distributed
+from pipelines.parallel.mesh_rules import check_spec
 
 from pipelines.cli.plan import Plan
 
@@ -45,8 +46,6 @@ def join(plan: Plan, facts: Any) -> None:
     UsageError: heads that U does not split, or settings that differ between the processes.
     distributed.DistributedError: the coordinator was not reached in time.
   """
-  from pipelines.parallel.plan import check_spec
-
   if plan.mesh is not None:
     try:
       check_spec(plan.mesh, cfg_active=None, heads=facts.transformer.num_attention_heads)

@@ -13,12 +13,13 @@ import re
 import warnings
 from typing import Any
 
-from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
+from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
+from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 
@@ -102,7 +103,6 @@ def _mesh_flags(args: argparse.Namespace, *, cfg_active: bool) -> MeshSpec | Non
     UsageError: a malformed mesh, --shard-weights with auto or one device, CFG=2 without guidance,
       a --devices that is not the mesh's.
   """
-  from pipelines.parallel.plan import check_spec
 
   mesh = None
   if args.mesh.strip().lower() == "auto" and args.shard_weights:
