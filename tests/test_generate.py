@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import numpy as np
+from PIL import Image
 import pytest
 
 from harness import child_env, step_compiles
@@ -106,6 +107,10 @@ def test_gif_and_frames_outputs(tmp_path, capsys):
   assert sheet.shape[2] == 3 and sheet.shape[1] == 9 * (160 + 2) + 2 and sheet.shape[0] > 96
   sidecar = json.loads((tmp_path / "clip.gif.json").read_text())
   assert sidecar["contact_sheet"] == str(tmp_path / "clip.gif.contact.png")
+  # No --fps: Wan's 16 fps as the nearest rate a GIF stores exactly (6 cs), without a warning.
+  assert sidecar["video"]["fps"] == pytest.approx(100 / 6) and not sidecar["warnings"], sidecar
+  with Image.open(out) as stored:
+    assert stored.info["duration"] == 60
   # Same output again: refused without --overwrite, replaced with it.
   assert generate.main(argv) == 2
   assert "exists; pass --overwrite" in capsys.readouterr().err
@@ -340,7 +345,7 @@ def test_write_video_refuses_fps_it_cannot_store(tmp_path, fps):
     (0.001, 655350, False),  # 1000 s: the longest delay a GIF holds
 ])
 def test_gif_delay_is_the_nearest_centisecond(tmp_path, fps, delay_ms, exact):
-  from PIL import Image, ImageSequence
+  from PIL import ImageSequence
   out = str(tmp_path / "clip.gif")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -356,7 +361,7 @@ def test_gif_delay_is_the_nearest_centisecond(tmp_path, fps, delay_ms, exact):
 
 def test_gif_of_repeated_frames_reads_back(tmp_path):
   """Pillow stores a run of identical frames once with the run's delay: still the frames sent."""
-  from PIL import Image, ImageSequence
+  from PIL import ImageSequence
   frames = np.repeat(FRAMES[:2], [3, 2], axis=0)
   video_io.write_video(frames, str(tmp_path / "clip.gif"), fps=10)
   with Image.open(tmp_path / "clip.gif") as gif:

@@ -110,9 +110,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
   """What is written: the output, its frame rate, the contact sheet, the compilation cache."""
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
-  p.add_argument("--fps", type=float, default=16.0,
-                 help="frames per second of the output, %g to %g, as Wan (a GIF stores the nearest "
-                      "whole-centisecond delay)" % video_io.FPS_RANGE)
+  p.add_argument("--fps", type=float, default=None,
+                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan; a GIF "
+                      "without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
+                      "--fps that is not 100 / an integer warns)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--contact-sheet", action="store_true",
                  help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
