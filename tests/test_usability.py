@@ -244,3 +244,28 @@ def test_help_and_argument_errors_do_not_import_jax():
   out = subprocess.run([sys.executable, "-c", _IMPORTS_JAX.format(cases=repr(control))], cwd=ROOT, env=child_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.stdout.strip() == "[2] True", out.stdout + out.stderr
+
+
+def test_readme_names_the_sidecars_the_writer_writes():
+  """Every sidecar name the README gives for an output is `video_io.sidecar_path` of it (a folder of
+  PNG frames included)."""
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  pairs = [("square.mp4", "square.mp4.json"), ("fox.gif", "fox.gif.json"), ("frames/", "frames.frames.json")]
+  for out, named in pairs:
+    assert f"`{named}`" in readme, named
+    assert video_io.sidecar_path(out) == named
+  assert video_io.sidecar_path("frames/") != "frames/.json"  # positive control: not the naive name
+
+
+def test_generate_needs_no_torch_and_the_readme_says_where_a_cpu_torch_comes_from():
+  """torch (and diffusers, its user) are test references only: not among the package's own
+  dependencies, and the README names PyTorch's CPU index for machines where PyPI gives CUDA."""
+  import tomllib
+  project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+  names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+  assert not names & {"torch", "diffusers", "accelerate"}, names
+  assert {"torch", "diffusers"} <= {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower()
+                                    for d in project["optional-dependencies"]["test"]}  # control: the parser works
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+  assert "`pip install -e .` alone runs `generate` without them" in readme

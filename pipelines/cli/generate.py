@@ -22,7 +22,7 @@ compute. A run whose denoising is estimated to take minutes or more says so in o
 starts; then a line or a bar shows each stage (text encode, compile, denoise, decode). Python
 warnings print as `generate: warning: ...` lines and are kept in the sidecar. Output (mp4 via
 imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and its JSON sidecar (the
-output's name + .json: fox.mp4.json) are written to a temporary name and renamed into place; an
+output's name + .json: fox.mp4.json; frames.frames.json for a PNG folder frames/) are written to a temporary name and renamed into place; an
 existing output is replaced only with --overwrite, and a failed or interrupted run leaves neither.
 `--contact-sheet` also writes a PNG grid of the frames beside it (fox.mp4.contact.png). The latents are checked for NaN/inf after every step (--no-nan-guard turns that off).
 
