@@ -269,3 +269,18 @@ def test_generate_needs_no_torch_and_the_readme_says_where_a_cpu_torch_comes_fro
   readme = _words(open(os.path.join(ROOT, "README.md")).read())
   assert "--index-url https://download.pytorch.org/whl/cpu" in readme
   assert "`pip install -e .` alone runs `generate` without them" in readme
+
+
+def test_readme_plan_command_runs_as_printed():
+  """The README's `end_to_end.plan` command, copied from it, exits 0 on a host without libtpu (it
+  says `--estimate`); without `--estimate` and without libtpu it exits 3 naming the fix."""
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  command = re.search(r"`python -m (end_to_end\.plan [^`]*)`", readme).group(1).split()
+  assert "--estimate" in command
+  done = _run(*command)
+  assert done.returncode == 0 and "recommend" in done.stdout.lower(), done.stdout + done.stderr
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    missing = _run(*[a for a in command if a != "--estimate"])
+    assert missing.returncode == 3 and "libtpu" in missing.stderr and "--estimate" in missing.stderr
