@@ -28,12 +28,11 @@ def model_facts(plan: Plan) -> Any:
   """
   from pipelines.pipeline.request import ModelFacts
   from pipelines.wan.folder import PipelineIndex
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
 
   if plan.model == "tiny-random":
     return ModelFacts.tiny_random(plan.dtype)
   if plan.model == "tiny":
-    return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
+    return ModelFacts.tiny_default(plan.dtype)
   PipelineIndex.read(plan.model).check_weights()
   return ModelFacts.from_folder(plan.model, plan.dtype)
 

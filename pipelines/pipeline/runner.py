@@ -149,6 +149,7 @@ class Runner:
     if self.restored is not None:
       template = wan_step_cache.checkpoint_template(cache, tokens=r.tokens)
       cache = wan_step_cache.place(self.restored.restore("step_cache", template), cache)
+      self.cache_stats.restore(self.restored.arrays.get(loop_hooks.StepCacheStats.CHECKPOINT_KEY))
     return cache
 
   def _compile(self, state: LoopState) -> Any:
@@ -190,7 +191,8 @@ class Runner:
     if o.nan_guard:
       hooks.append(loop_hooks.NanGuard())
     if self.writer is not None:
-      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh))
+      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh,
+                                              cache_stats=self.cache_stats))
     if o.callback is not None:
       hooks.append(StepEndCallback(pipe, o.callback, o.callback_tensor_inputs, videos=r.videos, cfg=r.cfg,
                                    sharding=r.plan.replicated))
