@@ -236,7 +236,7 @@ def test_fuse_is_one_rounding_and_unfuse_is_exact(dtype):
 
 def test_wan_format_alpha_matches_diffusers_format(tiny, tmp_path):
   """Original Wan keys (lora_down / lora_up / alpha) fuse as the same LoRA in diffusers keys with
-  lora_alpha in the metadata (diffusers splits alpha / rank into powers of two: equal up to rounding)."""
+  lora_alpha in the metadata: the same scaling alpha / r."""
   config = tiny.transformer_config
   modules = ["blocks.0.attn1.to_q", "blocks.1.ffn.net.2", "blocks.0.attn2.to_out.0"]
   state = _numpy_lora(config, modules=modules)
@@ -246,7 +246,7 @@ def test_wan_format_alpha_matches_diffusers_format(tiny, tmp_path):
   assert [x.module for x in ours] == [x.module for x in ref]
   for x, y in zip(ours, ref):
     np.testing.assert_allclose(x.delta_kernel(), y.delta_kernel(), rtol=1e-6, atol=1e-7)
-    assert y.scaling == 1.5 and x.scaling == 1.0
+    assert y.scaling == 1.5 and x.scaling == 1.5
   # Most published LoRAs are bf16 files: read as fp32 values.
   import ml_dtypes
   path = _write(tmp_path / "bf16.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in wan.items()})
@@ -345,7 +345,8 @@ def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
   assert generate.main(argv + ["--lora", f"{path}:0.5", "--out", str(out)]) == 0, capsys.readouterr().err
   sidecar = json.loads((tmp_path / "fox.npy.json").read_text())
   assert sidecar["lora"]["adapters"] == [{"name": "default_0", "transformer": "transformer", "weight": 0.5,
-                                          "layers": 1, "source": path}]
+                                          "active": True, "layers": 1, "source": path,
+                                          "sha256": lora.lora_digest(path)}]
   compiles = step_compiles(monkeypatch)
   bad = _write(tmp_path / "bad.safetensors", {"transformer.blocks.0.attn1.to_x.lora_A.weight":
                                               np.zeros((2, 128), np.float32)})
