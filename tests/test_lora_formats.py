@@ -249,3 +249,39 @@ def test_two_adapters_equal_set_adapters_and_unfuse_is_exact(world):
   assert ours.get_active_adapters() == ["musubi"] and ours.get_list_adapters() == {"transformer": ["musubi"]}
   ours.unload_lora_weights()
   assert _same(_leaves(ours), base)
+
+
+def test_wan22_experts_take_their_own_loras(tmp_path):
+  """Wan 2.2: a LoRA in each expert (diffusers' `load_into_transformer_2=True`) with its own weight,
+  against diffusers; control: the low-noise expert's LoRA changes the video."""
+  diffusers = pytest.importorskip("diffusers")
+  pytest.importorskip("peft")
+  import torch
+  from test_pipeline import _save_diffusers_pipeline
+
+  folder = str(tmp_path / "wan22")
+  _save_diffusers_pipeline(folder, two_experts=True)
+  files = {"high": str(tmp_path / "high.safetensors"), "low": str(tmp_path / "low.safetensors")}
+  save_file(_musubi(seed=7), files["high"])
+  save_file(_peft(seed=8), files["low"])
+  ref = diffusers.WanPipeline.from_pretrained(folder)
+  ref.set_progress_bar_config(disable=True)
+  ref.load_lora_weights(files["high"], adapter_name="high")
+
+  def run():
+    with torch.no_grad():
+      return ref(PROMPT, **CALL, latents=torch.from_numpy(LATENTS.copy()), output_type="np").frames
+
+  high_only = run()
+  ref.load_lora_weights(files["low"], adapter_name="low", load_into_transformer_2=True)
+  ref.set_adapters(["high", "low"], [0.7, 0.4])
+  want = run()
+  ours = WanPipeline.from_pretrained(folder)
+  ours.set_progress_bar_config(disable=True)
+  ours.load_lora_weights(files["high"], adapter_name="high")
+  ours.load_lora_weights(files["low"], adapter_name="low", load_into_transformer_2=True)
+  assert ours.get_list_adapters() == {"transformer": ["high"], "transformer_2": ["low"]}
+  ours.set_adapters(["high", "low"], [0.7, 0.4])
+  value = psnr(_video(ours), want)
+  print(f"Wan 2.2, a LoRA per expert: {value:.1f} dB vs diffusers")
+  assert value >= BAR_DB and psnr(want, high_only) < 45
