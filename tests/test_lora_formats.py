@@ -12,7 +12,6 @@ for those the reference is diffusers on a transformer whose weights the test mod
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import numpy as np
@@ -285,3 +284,53 @@ def test_wan22_experts_take_their_own_loras(tmp_path):
   value = psnr(_video(ours), want)
   print(f"Wan 2.2, a LoRA per expert: {value:.1f} dB vs diffusers")
   assert value >= BAR_DB and psnr(want, high_only) < 45
+
+
+def test_key_rules_and_refusals():
+  """Name rules (kohya names back to Wan's, Wan's to diffusers'), alphas outside the blocks, and the
+  refusals: text-encoder keys, a non-zero delta for a parameter the model lacks (a zero one is
+  dropped, as the zero norm deltas of lightx2v files), a mis-shaped delta, LoHa parts."""
+  from pipelines.wan import lora_convert
+
+  assert lora_convert.musubi_to_wan("blocks_12_cross_attn_norm_k_img") == "blocks.12.cross_attn.norm_k_img"
+  assert lora_convert.musubi_to_wan("blocks_0_ffn_2") == "blocks.0.ffn.2"
+  assert lora_convert.musubi_to_wan("time_projection_1") == "time_projection.1"
+  assert lora_convert.wan_module("blocks.3.norm3") == "blocks.3.norm2"
+  assert lora_convert.wan_module("head.head") == "proj_out" and lora_convert.wan_module("blocks.0.foo") is None
+  config = TINY_TRANSFORMER
+  rng = np.random.default_rng(0)
+  down, up = _pair(rng, (D, FREQ), 4)
+  head = {"diffusion_model.time_embedding.0.lora_down.weight": down,
+          "diffusion_model.time_embedding.0.lora_up.weight": up,
+          "diffusion_model.time_embedding.0.alpha": np.asarray(2.0, np.float32)}
+  (layer,) = lora.parse_lora(head, None, config)
+  assert layer.module == "condition_embedder.time_embedder.linear_1" and layer.scaling == 0.5
+  np.testing.assert_allclose(layer.delta_kernel(), 0.5 * (up @ down).T, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"text encoder \(2 keys: \['lora_te_encoder_0.lora_down.weight', "
+                                       r"'text_encoder.layer.0.q.lora_A.weight'\]\)"):
+    lora.parse_lora({**head, "lora_te_encoder_0.lora_down.weight": down,
+                     "text_encoder.layer.0.q.lora_A.weight": down}, None, config)
+  zero = {"diffusion_model.blocks.0.norm2.diff": np.zeros(D, np.float32)}  # Wan's norm2: no parameter
+  assert len(lora.parse_lora({**head, **zero}, None, config)) == 1
+  bad = {**head, "diffusion_model.blocks.0.norm2.diff": np.ones(D, np.float32),
+         "diffusion_model.blocks.0.diff_m": np.ones((1, 2, D), np.float32),
+         "diffusion_model.blocks.1.self_attn.q.hada_w1_a": down}
+  with pytest.raises(ValueError) as error:
+    lora.parse_lora(bad, None, config)
+  for needle in ("diffusion_model.blocks.0.norm2.diff", "blocks.0.diff_m (1, 2, 128) (model wants (1, 6, 128)",
+                 "diffusion_model.blocks.1.self_attn.q.hada_w1_a"):
+    assert needle in str(error.value), str(error.value)
+
+
+def test_set_adapters_refusals(world):
+  ours = world["ours"]
+  ours.load_lora_weights(world["files"]["diff_m"], adapter_name="m")
+  fused = _leaves(ours)
+  for args, message in (((["x"],), r"adapter_names \['x'\] are not loaded; loaded: \['m'\]"),
+                        ((["m"], [1.0, 2.0]), "1 adapter_names"),
+                        ((["m"], [float("inf")]), "must be a finite number"),
+                        ((["m"], {"unet": 1.0}), r"components \['unet'\] are not LoRA components")):
+    with pytest.raises(ValueError, match=message):
+      ours.set_adapters(*args)
+  assert _same(_leaves(ours), fused)
+  ours.unload_lora_weights()
