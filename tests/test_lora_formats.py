@@ -332,5 +332,7 @@ def test_set_adapters_refusals(world):
                         ((["m"], {"unet": 1.0}), r"components \['unet'\] are not LoRA components")):
     with pytest.raises(ValueError, match=message):
       ours.set_adapters(*args)
+  with pytest.raises(ValueError, match="a LoRA scale goes in lora_scale="):
+    ours.fuse_lora(0.5)  # diffusers' first parameter is `components`
   assert _same(_leaves(ours), fused)
   ours.unload_lora_weights()

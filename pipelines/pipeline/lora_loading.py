@@ -109,7 +109,8 @@ class LoraLoaderMixin:
         not a finite number, an unknown component; nothing changes then.
     """
     names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-    weights = adapter_weights if isinstance(adapter_weights, list) else [adapter_weights] * len(names)
+    weights = (list(adapter_weights) if isinstance(adapter_weights, (list, tuple))
+               else [adapter_weights] * len(names))
     if len(weights) != len(names):
       raise ValueError(f"{len(names)} adapter_names {names} but {len(weights)} adapter_weights {weights}")
     self._check_loaded(names)
@@ -156,13 +157,15 @@ class LoraLoaderMixin:
     """Fuses the active adapters into the weights with global scale `lora_scale` (diffusers'
     `fuse_lora(lora_scale=..., adapter_names=...)`; with `adapter_names`, exactly those become
     active, at their weights). Adapters are fused on load, so this only re-fuses after
-    `unfuse_lora`, with another scale or other adapters. `components` and `safe_fusing` are
-    accepted for diffusers' signature (every expert's adapters are fused; fused weights are
-    checked by the NaN guard at run time).
+    `unfuse_lora`, with another scale or other adapters. `components` (None, or names from
+    "transformer", "transformer_2") and `safe_fusing` are accepted for diffusers' signature: every
+    expert's adapters are fused (non-finite results are the NaN guard's at run time).
 
     Raises:
-      ValueError: `lora_scale` not a finite number; an adapter name not loaded.
+      ValueError: `lora_scale` not a finite number; an adapter name not loaded; `components` not
+        None or component names (e.g. a scale passed positionally: use lora_scale=).
     """
+    _check_components(components)
     scale = lora.check_scale("lora_scale", lora_scale)
     if adapter_names is not None:
       names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
@@ -175,7 +178,8 @@ class LoraLoaderMixin:
 
   def unfuse_lora(self, components: Any = None) -> None:
     """Restores every expert's base weights bit for bit; the adapters stay loaded (`fuse_lora`
-    brings them back)."""
+    brings them back). `components` as in `fuse_lora`."""
+    _check_components(components)
     self._lora.fused = False
     self._experts = self._lora.refuse(self._experts)
 
@@ -219,3 +223,12 @@ class LoraLoaderMixin:
   def lora_info(self) -> dict[str, Any]:
     """JSON-able summary for sidecars: {"scale", "fused", "adapters": `LoraWeights.describe()`}."""
     return {"scale": self._lora.scale, "fused": self._lora.fused, "adapters": self._lora.describe()}
+
+
+def _check_components(components: Any) -> None:
+  """None, a component name or a list of them ("transformer", "transformer_2"); ValueError otherwise."""
+  names = [components] if isinstance(components, str) else components
+  if names is not None and not (isinstance(names, (list, tuple))
+                                and all(n in lora.EXPERT_NAMES for n in names)):
+    raise ValueError(f"components={components!r} must be None or names from {list(lora.EXPERT_NAMES)} "
+                     "(a LoRA scale goes in lora_scale=)")
