@@ -127,11 +127,13 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
   """What changes the model or the loop: LoRAs, the step cache, the NaN guard."""
   p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers or original Wan "
-                      "keys) fused into the transformer with weight SCALE (default 1); repeatable")
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers/peft, original "
+                      "Wan/ComfyUI/lightx2v or kohya/musubi keys) fused into the transformer with weight "
+                      "SCALE (default 1); repeatable: all are active at once, W = base + sum of "
+                      "SCALE_i x delta_i")
   p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
                  help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
-                      "(diffusers' load_into_transformer_2=True)")
+                      "(diffusers' load_into_transformer_2=True); repeatable")
   p.add_argument("--step-cache", default=None, metavar="SPEC",
                  help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
                       "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "

@@ -149,8 +149,12 @@ def _load(plan: Plan, request: Any) -> Any:
   else:
     pipe = WanPipeline.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,
                                        shard_weights=request.plan.shard_weights)
+  weights: dict[str, dict[str, float]] = {}  # adapter name -> {transformer: weight}
   for path, scale, expert in plan.loras:
-    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+    name = pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+    weights.setdefault(name, {})["transformer_2" if expert else "transformer"] = scale
+  if len(plan.loras) > 1:  # every --lora / --lora-2 active at once, each with its weight
+    pipe.set_adapters(list(weights), list(weights.values()))
   return pipe
 
 

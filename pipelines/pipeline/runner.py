@@ -102,12 +102,22 @@ class Runner:
     """
     if jax.process_count() == 1:
       return
-    model = {"model_fingerprint": self.pipe.fingerprint(), "lora": self.pipe.lora_info()["adapters"]}
-    model["lora"] = [{k: a[k] for k in ("name", "transformer", "weight", "layers")} for a in model["lora"]]
     distributed.check_same_settings(
-        {**self.request.identity(model["model_fingerprint"], noise), **model},
+        self._identity(noise),
         what="hold other weights, LoRAs or inputs",
         fix="give every process the same files (a stale copy on one host changes the video)")
+
+  def _identity(self, noise: np.ndarray) -> dict[str, Any]:
+    """The request's identity with the model's fingerprint and, when LoRAs are loaded, each
+    adapter's name, expert, weight, active flag, layer count and file SHA-256, and the LoRA scale
+    and fused flag (a changed LoRA file, weight or set of active adapters is another run)."""
+    identity = self.request.identity(self.pipe.fingerprint(), noise)
+    info = self.pipe.lora_info()
+    if info["adapters"]:
+      keep = ("name", "transformer", "weight", "active", "layers", "sha256")
+      identity["lora"] = {"scale": info["scale"], "fused": info["fused"],
+                          "adapters": [{k: a[k] for k in keep} for a in info["adapters"]]}
+    return identity
 
   def _resume(self, state: LoopState, noise: np.ndarray) -> None:
     """With a `ResumeConfig`: the saved state restored into `state` (resume) or a refusal of a
@@ -120,7 +130,7 @@ class Runner:
     config = self.options.resume
     if config is None:
       return
-    identity = self.request.identity(self.pipe.fingerprint(), noise)
+    identity = self._identity(noise)
     saved = resume_state.read(config.checkpoint_dir)
     if config.resume:
       if saved is None:

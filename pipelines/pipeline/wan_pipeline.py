@@ -58,8 +58,9 @@ class WanPipeline(LoraLoaderMixin):
 
   Build with `from_pretrained(folder)` or `tiny()`; call with prompts (`__call__`, or `run` for the
   timings and settings too, or `generate` with a checked `GenerationRequest`). LoRAs:
-  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora`. Step caching:
-  `enable_cache` / `disable_cache`. Progress bars: `set_progress_bar_config(disable=...)`.
+  `load_lora_weights`, `set_adapters` / `get_active_adapters`, `set_lora_scale`, `fuse_lora` /
+  `unfuse_lora`. Step caching: `enable_cache` / `disable_cache`. Progress bars:
+  `set_progress_bar_config(disable=...)`.
 
   Attributes:
     transformer_config: config shared by both experts.
