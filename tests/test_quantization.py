@@ -167,12 +167,17 @@ def test_lora_fused_before_quantize_then_refused():
   pipe.quantize("int8")
   q = lambda p: np.asarray(p.weights.experts[0]["blocks"]["attn1"]["to_q"]["kernel"].get_value().qvalue)  # noqa: E731
   assert not np.array_equal(q(pipe)[0], q(plain)[0]) and np.array_equal(q(pipe)[1], q(plain)[1])
+  before = pipe.lora_info()
   for call in (lambda: pipe.load_lora_weights(state, adapter_name="b"), pipe.unfuse_lora,
-               lambda: plain.load_lora_weights(state)):
+               lambda: plain.load_lora_weights(state), lambda: pipe.fuse_lora(lora_scale=0.5),
+               lambda: pipe.set_adapters(["a"], [0.3]), lambda: pipe.delete_adapters("a"),
+               pipe.unload_lora_weights, lambda: pipe.set_lora_scale(0.5)):
     with pytest.raises(ValueError, match=r"quantized \(int8\).*quantize=None, load the LoRAs, then call "
                                          r"pipe.quantize\('int8'\)"):
       call()
+    assert pipe.lora_info() == before  # refused before any adapter record changed
   assert pipe.get_list_adapters() == {"transformer": ["a"]}
+  assert plain.set_lora_scale(0.5) == 1.0  # no adapters: nothing to re-fuse, nothing refused
   with pytest.raises(ValueError, match="quantized already"):
     pipe.quantize("fp8")
 

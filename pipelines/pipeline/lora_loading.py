@@ -108,6 +108,7 @@ class LoraLoaderMixin:
       ValueError: a name not loaded, a list length that differs from the names', a weight that is
         not a finite number, an unknown component; nothing changes then.
     """
+    self._check_fusable()
     names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
     weights = (list(adapter_weights) if isinstance(adapter_weights, (list, tuple))
                else [adapter_weights] * len(names))
@@ -128,6 +129,11 @@ class LoraLoaderMixin:
       adapter.weight = chosen.get(key, adapter.weight)
     self._experts = self._lora.refuse(self._experts)
 
+  def _check_fusable(self) -> None:
+    """Raises the host's refusal before any adapter record changes: its `_experts` getter raises
+    ValueError when the weights cannot take a LoRA (quantized weights)."""
+    self._experts  # noqa: B018 (the getter's check)
+
   def _check_loaded(self, names: list[str]) -> None:
     """ValueError naming the names of `names` that no transformer holds."""
     loaded = {name for _, name in self._lora.adapters}
@@ -146,6 +152,7 @@ class LoraLoaderMixin:
     Raises:
       ValueError: a name that is not loaded (nothing changes then).
     """
+    self._check_fusable()
     names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
     self._check_loaded(names)
     for key in [k for k in self._lora.adapters if k[1] in names]:
@@ -166,6 +173,7 @@ class LoraLoaderMixin:
         None or component names (e.g. a scale passed positionally: use lora_scale=).
     """
     _check_components(components)
+    self._check_fusable()
     scale = lora.check_scale("lora_scale", lora_scale)
     if adapter_names is not None:
       names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
@@ -180,11 +188,14 @@ class LoraLoaderMixin:
     """Restores every expert's base weights bit for bit; the adapters stay loaded (`fuse_lora`
     brings them back). `components` as in `fuse_lora`."""
     _check_components(components)
+    self._check_fusable()
     self._lora.fused = False
     self._experts = self._lora.refuse(self._experts)
 
   def unload_lora_weights(self) -> None:
     """Restores the base weights and forgets every adapter (diffusers' `unload_lora_weights`)."""
+    if self._lora.adapters:
+      self._check_fusable()
     self._lora.adapters.clear()
     self._experts = self._lora.refuse(self._experts)
     self._lora.fused, self._lora.scale = True, 1.0
@@ -203,6 +214,8 @@ class LoraLoaderMixin:
     scale = lora.check_scale("scale", scale)
     previous = self._lora.scale
     if scale != previous:
+      if self._lora.fused and self._lora.adapters:
+        self._check_fusable()
       self._lora.scale = scale
       if self._lora.fused and self._lora.adapters:
         self._experts = self._lora.refuse(self._experts)
