@@ -125,7 +125,8 @@ class WanPipeline(LoraLoaderMixin):
       weights.CheckpointError: a folder that is not a Wan pipeline, a bad weight file.
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
-    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress)
+    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress,
+                                       image_to_video=cls.image_to_video)
     pipe = cls(**parts)
     if plan is not None:  # already where a call on this mesh wants them
       pipe.weights.placed_at(plan)
@@ -150,6 +151,15 @@ class WanPipeline(LoraLoaderMixin):
     return cls(**loading.tiny_random_parts(dtype))
 
   # --- what the model is ---
+
+  image_to_video = False  # WanImageToVideoPipeline: True
+
+  def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
+    """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
+    text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
+    the work)."""
+    del request, stage
+    return None
 
   @property
   def num_experts(self) -> int:
@@ -179,7 +189,7 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name)
+                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -386,6 +396,6 @@ def _check_parts(text_config: umt5.UMT5Config, transformers: Sequence[WanTransfo
   config = transformers[0].config
   if text_config.d_model != config.text_dim:
     raise ValueError(f"text encoder d_model={text_config.d_model} != transformer text_dim={config.text_dim}")
-  if vae.config.z_dim != config.in_channels:
-    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer in_channels={config.in_channels}")
+  if vae.config.z_dim != config.out_channels:
+    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer out_channels={config.out_channels}")
 
