@@ -34,11 +34,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
-    condition: None (text-to-video) or the step's conditioning, an object whose
-      `transformer_inputs(x, timestep, cfg=cfg)` returns the transformer's (latents, timestep,
-      image states) for the step's latents (`image_condition.ImageConditioning`: noise, mask and
-      condition latents along channels, the CLIP states). A new conditioning (e.g. TI2V's
-      per-token timesteps) is a new such object, not a change here.
+    condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
+      gives the transformer's (latents, timestep, image states), e.g. `ImageConditioning`; a new
+      conditioning (TI2V's per-token timesteps) is a new such class, not a change here.
     plan: where it runs (static): the mesh, the attention path and backend, weight sharding. With
       CFG=2 the cond rows run on the first half of the devices and the uncond rows on the second,
       each half running the whole USP schedule; the guidance mix then brings the two noise
@@ -59,9 +57,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cfg:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  image = None
-  if condition is not None:
-    x, timestep, image = condition.transformer_inputs(x, timestep, cfg=cfg)
+  x, timestep, image = (x, timestep, None) if condition is None else condition.transformer_inputs(x, timestep, cfg=cfg)
   stats = None
   if cache is None:
     noise = forward(model, x, timestep, text, plan, image)  # model dtype

@@ -169,7 +169,8 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   temb_BD, time_proj_B6D, text_BLD = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D, text_BLD))
   image_BPD = None
   if encoder_hidden_states_image is not None:
-    image_BPD = layout.constrain_rows(model.condition_embedder.image_embedder(encoder_hidden_states_image.astype(dtype)))
+    embedder = model.condition_embedder.image_embedder
+    image_BPD = layout.constrain_rows(embedder(encoder_hidden_states_image.astype(dtype)))
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
