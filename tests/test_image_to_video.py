@@ -14,6 +14,8 @@ assuming it. Latent grid F=3, Hl=6, Wl=10 (45 tokens: U * R = 4 pads).
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -80,8 +82,7 @@ def _save(kind: str, folder: str) -> None:
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0)
     encoder, processor = None, None
   else:
-    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                  flow_shift=3.0, num_train_timesteps=1000)
+    scheduler = _unipc()
     encoder, processor = _clip(with_projection=kind == "flf2v")
   pipe = diffusers.WanImageToVideoPipeline(
       tokenizer=transformers.ByT5Tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
@@ -145,3 +146,159 @@ def test_cfg_parallel_parity(kinds):
   _, ref, pipe = kinds("i2v")
   frames = pipe(**_call_args("i2v"), latents=LATENTS, mesh="CFG=2,U=2,R=2")
   assert_psnr_at_least(frames, ref, PARITY_DB, name="i2v CFG=2,U=2,R=2 vs diffusers")
+
+
+# --- folder forms ---------------------------------------------------------------------------------
+
+def _variant(tmp_path, folder: str, name: str, **index_changes) -> str:
+  """A copy of `folder` (symlinked components) with model_index.json changed; a None value drops
+  that component as diffusers saves a None one ([null, null], no folder)."""
+  import json
+  import os
+
+  copy = tmp_path / name
+  copy.mkdir()
+  index = json.loads(open(os.path.join(folder, "model_index.json")).read())
+  for key, value in index_changes.items():
+    index[key] = [None, None] if value is None else value
+  for entry in os.listdir(folder):
+    if entry != "model_index.json" and index_changes.get(entry, "") is not None:
+      os.symlink(os.path.join(folder, entry), copy / entry)
+  (copy / "model_index.json").write_text(json.dumps(index))
+  return str(copy)
+
+
+def _unipc():
+  return diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                           num_train_timesteps=1000)
+
+
+def _set_index(folder: str, **changes) -> None:
+  import json
+
+  path = f"{folder}/model_index.json"
+  index = json.loads(open(path).read())
+  index.update(changes)
+  open(path, "w").write(json.dumps(index))
+
+
+def test_low_noise_expert_only_folder(kinds, tmp_path):
+  """The Wan 2.2 form diffusers' tests save: no transformer/, boundary_ratio 1.0 (every t < 1000,
+  so only transformer_2 runs, with guidance_scale_2 = guidance_scale). Ours loads transformer_2 as
+  the one expert: >= 90 dB against diffusers on that folder; the T2V class reads the same form."""
+  from pipelines.wan.folder import PipelineIndex
+
+  folder, _, _ = kinds("a14b")
+  # UniPC (as diffusers' test): its first t is < 1000; flow-match Euler starts at t = 1000, where
+  # diffusers would call the absent transformer (ours runs transformer_2 at every step).
+  variant = _variant(tmp_path, folder, "low_only", transformer=None, boundary_ratio=1.0, scheduler=None)
+  _unipc().save_pretrained(f"{variant}/scheduler")
+  _set_index(variant, scheduler=["diffusers", "UniPCMultistepScheduler"])
+  ref_pipe = diffusers.WanImageToVideoPipeline.from_pretrained(variant)
+  ref_pipe.set_progress_bar_config(disable=True)
+  args = {k: v for k, v in _call_args("a14b").items() if k != "guidance_scale_2"}
+  with torch.no_grad():
+    ref = ref_pipe(**args, latents=torch.from_numpy(LATENTS.copy()), output_type="np").frames
+  pipe = WanImageToVideoPipeline.from_pretrained(variant)
+  assert pipe.num_experts == 1 and pipe.boundary_ratio is None
+  frames = pipe(**args, latents=LATENTS, progress=False)
+  assert_psnr_at_least(frames, ref, PARITY_DB, name="transformer_2-only folder vs diffusers")
+  t2v = _variant(tmp_path, folder, "low_only_t2v", transformer=None, boundary_ratio=1.0,
+                 _class_name="WanPipeline")
+  index = PipelineIndex.read(t2v)
+  assert index.experts == ("transformer_2",) and not index.image_to_video
+  with pytest.raises(ValueError, match="load it with WanImageToVideoPipeline.from_pretrained"):
+    WanPipeline.from_pretrained(folder)
+
+
+# --- the generate command -------------------------------------------------------------------------
+
+def _pass_through_transformer():
+  """A 36-channel I2V transformer (with the CLIP branch) built to predict v = x - c (noise channels
+  minus condition-latent channels): every block's gates, the cross-attention's output and the time
+  embedding are zero, so the tokens reach the output norm as the patch embedding made them,
+  [x - c, c - x] (mean 0); that norm's eps 1e10 swamps the variance in fp32, and its scale 1e5 - 1
+  undoes the 1 / sqrt(eps), so the output is exactly linear. One flow-match Euler step from sigma 1
+  to 0 then lands on x - (x - c) = c: the video decodes the condition latents, whose first frame is
+  the VAE's reconstruction of the image."""
+  config = dataclasses.replace(wan_pipeline.TINY_TRANSFORMER, num_attention_heads=2, attention_head_dim=64,
+                               num_layers=1, in_channels=36, out_channels=16, eps=1e10, image_dim=CLIP_WIDTH,
+                               added_kv_proj_dim=128)
+  model = diffusers.WanTransformer3DModel(**config.to_dict())
+  with torch.no_grad():
+    for p in model.parameters():
+      p.zero_()
+    patch = model.patch_embedding.weight  # [D, 36, 1, 2, 2]
+    for c in range(16):
+      for i in range(2):
+        for j in range(2):
+          o = (i * 2 + j) * 16 + c  # diffusers' unpatchify order (p_t, p_h, p_w, C_out)
+          patch[o, c, 0, i, j], patch[o, 20 + c, 0, i, j] = 1.0, -1.0
+          patch[64 + o, c, 0, i, j], patch[64 + o, 20 + c, 0, i, j] = -1.0, 1.0
+    model.proj_out.weight[:, :64] = torch.eye(64)
+    model.scale_shift_table[0, 1] = 1e5 - 1.0  # output norm: (1 + scale) = sqrt(eps)
+  return model
+
+
+@pytest.fixture(scope="module")
+def pass_through_folder(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("pass_through"))
+  vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True])
+  text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
+      vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+      relative_attention_num_buckets=32, feed_forward_proj="gated-gelu"))
+  encoder, processor = _clip(with_projection=False)
+  diffusers.WanImageToVideoPipeline(
+      tokenizer=transformers.ByT5Tokenizer(), text_encoder=text_encoder, vae=vae,
+      scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0), image_encoder=encoder,
+      image_processor=processor, transformer=_pass_through_transformer()).save_pretrained(folder)
+  # The trained tiny default's VAE (a random one reconstructs every image as about the same blur).
+  shutil.rmtree(f"{folder}/vae")
+  os.symlink(os.path.join(wan_pipeline.TINY_DEFAULT_FOLDER, "vae"), f"{folder}/vae")
+  return folder
+
+
+def _shape_image(colour, top_left) -> np.ndarray:
+  """A shapes-world frame (the tiny default's VAE knows them): a solid square on a dark background."""
+  image = np.full((48, 80, 3), 20, np.uint8)
+  y, x = top_left
+  image[y:y + 16, x:x + 16] = colour
+  return image
+
+
+def test_generate_image_first_frame_is_the_image(pass_through_folder, tmp_path, capsys):
+  """`generate --image` end to end: the video's first frame is the VAE's reconstruction of the
+  image (>= 90 dB from encoding and decoding the image alone), so it equals the image within the
+  VAE's reconstruction error; the sidecar records the image's digest. Positive control: the
+  reconstruction of another image is far from it."""
+  import json
+
+  from pipelines.cli import generate
+  from pipelines.pipeline.image_inputs import digest, to_video_frame
+  from pipelines.wan import vae as wan_vae
+
+  image = _shape_image((220, 40, 40), (8, 10))
+  PIL.fromarray(image).save(tmp_path / "first.png")
+  out = tmp_path / "video.npy"
+  argv = ["--model", pass_through_folder, "--image", str(tmp_path / "first.png"), "--prompt", "a fox",
+          "--size", "80x48", "--frames", "5", "--steps", "1", "--guidance", "1", "--seed", "0",
+          "--max-sequence-length", "16", "--dtype", "float32", "--out", str(out)]
+  assert generate.main(argv) == 0, capsys.readouterr().err
+  video = np.load(out)
+  assert video.shape == (5, 48, 80, 3)
+  pipe = WanImageToVideoPipeline.from_pretrained(pass_through_folder)
+
+  def reconstruction(img):
+    frame = to_video_frame(img, 48, 80)[:, None][None]  # [1, 3, 1, H, W]
+    latent = wan_vae.encode(pipe.vae, frame).mean
+    return (np.asarray(wan_vae.decode(pipe.vae, latent))[0, :, 0].transpose(1, 2, 0) + 1) / 2
+
+  recon = np.clip(reconstruction(image), 0, 1)
+  assert_psnr_at_least(video[0], recon, PARITY_DB, name="first frame vs the VAE's reconstruction")
+  vae_db = psnr(recon, image / 255.0)
+  print(f"first frame vs the image: {psnr(video[0], image / 255.0):.1f} dB (the VAE's own: {vae_db:.1f} dB)")
+  assert vae_db > 20, "the VAE does not reconstruct the image: the check above would be vacuous"
+  assert psnr(np.clip(reconstruction(_shape_image((40, 40, 220), (24, 50))), 0, 1), recon) < CONTROL_DB
+  sidecar = json.loads(open(f"{out}.json").read())
+  assert sidecar["settings"]["image_sha256"] == digest(image)
