@@ -302,3 +302,49 @@ def test_generate_image_first_frame_is_the_image(pass_through_folder, tmp_path, 
   assert psnr(np.clip(reconstruction(_shape_image((40, 40, 220), (24, 50))), 0, 1), recon) < CONTROL_DB
   sidecar = json.loads(open(f"{out}.json").read())
   assert sidecar["settings"]["image_sha256"] == digest(image)
+
+
+@pytest.mark.parametrize("case", ["text_model_given_image", "image_model_no_image", "last_without_first",
+                                  "missing_file"])
+def test_generate_refuses_before_loading(pass_through_folder, tmp_path, capsys, monkeypatch, case):
+  """Wrong image flags fail with exit status 2 before any weight is loaded or step compiled, the
+  message naming the fix."""
+  from harness import step_compiles
+  from pipelines.cli import generate
+  from pipelines.pipeline import loading
+
+  loads = []
+  monkeypatch.setattr(loading, "folder_parts", lambda *a, **k: loads.append(a))
+  compiles = step_compiles(monkeypatch)
+  PIL.fromarray(_shape_image((220, 40, 40), (8, 10))).save(tmp_path / "first.png")
+  image = ["--image", str(tmp_path / "first.png")]
+  extra, message = {
+      "text_model_given_image": (["--model", "tiny-random", *image], "image-to-video folder"),
+      "image_model_no_image": (["--model", pass_through_folder], "--image: image=None: this image-to-video model needs"),
+      "last_without_first": (["--model", pass_through_folder, "--last-image", str(tmp_path / "first.png")],
+                             "--last-image needs --image too"),
+      "missing_file": (["--model", pass_through_folder, "--image", str(tmp_path / "nope.png")],
+                       "--image " + repr(str(tmp_path / "nope.png")) + " is not a file"),
+  }[case]
+  argv = ["--prompt", "a fox", "--size", "80x48", "--frames", "5", "--steps", "1", "--out",
+          str(tmp_path / "x.npy"), *extra]
+  assert generate.main(argv) == 2
+  assert message in capsys.readouterr().err
+  assert loads == [] and compiles == []
+
+
+def test_size_follows_the_image(pass_through_folder, tmp_path):
+  """Without --size the video takes the image's aspect ratio within the preset's area, rounded down
+  to the model's multiple as Wan2.1 image2video.py does (832x480 area, a 5:3 image: 800x480)."""
+  from pipelines.cli import run_plan
+  from pipelines.cli.flags import build_parser
+  from pipelines.cli.presets import size_for_image
+
+  assert size_for_image(768, 1024, 1280 * 720, 16) == (1104, 816)  # Wan's lat_h 102 x 8, lat_w 138 x 8
+  PIL.fromarray(np.zeros((60, 100, 3), np.uint8)).save(tmp_path / "wide.png")
+  args = build_parser().parse_args(["--model", pass_through_folder, "--preset", "wan2.1-i2v-14b-480p",
+                                    "--image", str(tmp_path / "wide.png"), "--prompt", "a fox",
+                                    "--out", str(tmp_path / "x.npy"), "--no-checkpoint"])
+  checked = run_plan.check_plan(run_plan.plan_run(args))
+  assert (checked.request.width, checked.request.height) == (800, 480)
+  assert checked.request.steps == 40 and checked.request.image is not None
