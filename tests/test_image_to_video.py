@@ -348,3 +348,33 @@ def test_size_follows_the_image(pass_through_folder, tmp_path):
   checked = run_plan.check_plan(run_plan.plan_run(args))
   assert (checked.request.width, checked.request.height) == (800, 480)
   assert checked.request.steps == 40 and checked.request.image is not None
+
+
+def test_image_inputs_checked_and_in_the_identity(pass_through_folder):
+  """The request's image checks (no compute) and the digests in its settings and resume identity:
+  another image is another run."""
+  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+
+  facts = ModelFacts.from_folder(pass_through_folder, "float32")
+  assert facts.image_to_video
+  build = lambda **kw: GenerationRequest.build(facts, "a fox", height=48, width=80, num_frames=5,  # noqa: E731
+                                               num_inference_steps=1, seed=0, **kw)
+  first = _shape_image((220, 40, 40), (8, 10))
+  a, b = build(image=first), build(image=first.astype(np.float32) / 255)
+  c = build(image=PIL.fromarray(_shape_image((40, 40, 220), (8, 10))))
+  identity = lambda r: r.identity("fingerprint", np.zeros(1, np.float32))  # noqa: E731
+  assert identity(a) == identity(build(image=first.copy())) and a.settings()["image_sha256"]
+  assert identity(a)["image_sha256"] != identity(b)["image_sha256"] != identity(c)["image_sha256"]
+  for kwargs, message in [
+      ({}, "image=None: this image-to-video model needs"),
+      (dict(image=first[..., :2]), r"image has shape \(48, 80, 2\)"),
+      (dict(image=first.astype(np.float32)), r"must hold finite values in \[0, 1\]"),
+      (dict(image="first.png"), "must be a PIL image"),
+      (dict(image=first, last_image=first), "embeds one frame; first-last-frame needs an FLF2V folder"),
+      (dict(image=first, image_embeds=np.zeros((1, 17, 5), np.float32)), r"image_embeds has shape \(1, 17, 5\)"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      build(**kwargs)
+  t2v = ModelFacts.tiny_random("float32")
+  with pytest.raises(ValueError, match="this is a text-to-video model"):
+    GenerationRequest.build(t2v, "a fox", image=first, seed=0)

@@ -70,6 +70,10 @@ class WanImageToVideoPipeline(WanPipeline):
                             guidance_scale, seed, latents, max_sequence_length, mesh, image=image,
                             last_image=last_image, image_embeds=image_embeds, **kwargs)
 
+  def _conditioning_weights(self) -> dict[str, Any]:
+    """The CLIP image encoder's weights (Wan 2.1), in the fingerprint."""
+    return {} if self.image_encoder is None else {"image_encoder": self.image_encoder.params}
+
   def conditioning(self, request: GenerationRequest, stage: Any) -> image_condition.ImageConditioning:
     """The request's images encoded: the condition latents with their mask channels, one row per
     video, and (Wan 2.1) the CLIP image states in the model dtype.

@@ -154,6 +154,11 @@ class WanPipeline(LoraLoaderMixin):
 
   image_to_video = False  # WanImageToVideoPipeline: True
 
+  def _conditioning_weights(self) -> dict[str, Any]:
+    """Weights beyond the transformer, text encoder and VAE that decide the video (the fingerprint
+    covers them): none for text-to-video."""
+    return {}
+
   def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
@@ -204,7 +209,7 @@ class WanPipeline(LoraLoaderMixin):
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio}
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
-      trees.update(text_encoder=self.weights.text_params, vae=self.vae)
+      trees.update(text_encoder=self.weights.text_params, vae=self.vae, **self._conditioning_weights())
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))
     return self._fingerprint[1]
 
