@@ -28,7 +28,8 @@ class GenerationResult:
   Attributes:
     frames: float32 [B, frames, height, width, 3] in [0, 1]; None when run with `decode=False`.
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
-    timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
+    timings: seconds: "text_encode", "condition" (image-to-video: the images encoded; ~0 for
+      text-to-video), "compile" (0 when cached), "denoise" (all steps),
       "denoise_per_step" (mean), "decode", "total".
     settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
       step, steps run, the step resumed from, the step cache's skips.
