@@ -334,7 +334,7 @@ def test_generate_refuses_before_loading(pass_through_folder, tmp_path, capsys, 
 
 
 def test_size_follows_the_image(pass_through_folder, tmp_path):
-  """Without --size the video takes the image's aspect ratio within the preset's area, rounded down
+  """Without --size the video takes the image's aspect ratio within the preset's area, floored
   to the model's multiple as Wan2.1 image2video.py does (832x480 area, a 5:3 image: 800x480)."""
   from pipelines.cli import run_plan
   from pipelines.cli.flags import build_parser

@@ -90,7 +90,7 @@ def default_text_length(model: str) -> int:
 
 def size_for_image(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:
   """(width, height) of a video with the image's aspect ratio and about `area` pixels, each a
-  multiple of `multiple` (the VAE's spatial factor x the patch), rounded down as Wan2.1
+  multiple of `multiple` (the VAE's spatial factor x the patch), floored as Wan2.1
   wan/image2video.py does: h = floor(sqrt(area * ar) / multiple) * multiple, ar = H / W."""
   ratio = image_height / image_width
   height = int((area * ratio) ** 0.5 // multiple) * multiple
