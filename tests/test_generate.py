@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import numpy as np
+from PIL import Image
 import pytest
 
 from harness import child_env, step_compiles
@@ -43,24 +44,24 @@ def test_command_writes_a_decodable_video(tmp_path):
   prompt) come as `generate: warning:` lines and into the sidecar."""
   out = tmp_path / "fox.mp4"
   cache = str(tmp_path / "cache")
-  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--mesh", "U=2,R=2", "--size", "64x48", "--steps", "2",
-         "--compile-cache", cache]
-  proc = subprocess.run(cmd + ["--prompt", PROMPT, "--frames", "9", "--seed", "5", "--out", str(out)],
+  cmd = [sys.executable, "-m", "pipelines.cli.generate", "--mesh", "U=2,R=2", "--steps", "2",
+         "--compile-cache", cache]  # the default model's own size, 64x64 x 17: no warning of its own
+  proc = subprocess.run(cmd + ["--prompt", PROMPT, "--frames", "17", "--seed", "5", "--out", str(out)],
                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert "simulating 4 CPU devices" in proc.stderr
   for stage in ("text encode: 2 prompt(s) x 64 tokens", "compile: the denoise step", "denoise:",
-                "decode: 1 video(s) of 9 frames 64x48"):
+                "decode: 1 video(s) of 17 frames 64x64"):
     assert stage in proc.stderr, proc.stderr
   assert "warning" not in proc.stderr and "this run is long" not in proc.stderr, proc.stderr
   assert f"wrote {out} and {out}.json (" in proc.stdout, proc.stdout
   assert "text encode" in proc.stdout and "compile" in proc.stdout and "/step x 2" in proc.stdout
-  assert _decode_mp4(str(out)) == ((64, 48), 9)
+  assert _decode_mp4(str(out)) == ((64, 64), 17)
   sidecar = json.loads((tmp_path / "fox.mp4.json").read_text())
   assert sidecar["prompt"] == PROMPT and sidecar["seed"] == 5 and sidecar["model"] == "tiny"
   assert sidecar["seed_drawn"] is False and sidecar["warnings"] == []
   assert sidecar["mesh"]["U"] == 2 and sidecar["mesh"]["R"] == 2
-  assert sidecar["video"] == {"frames": 9, "height": 48, "width": 64, "fps": 16.0}
+  assert sidecar["video"] == {"frames": 17, "height": 64, "width": 64, "fps": 16.0}
   assert {"text_encode", "compile", "denoise_per_step", "decode"} <= set(sidecar["timings_s"])
   assert {"jax", "flax", "python"} <= set(sidecar["versions"])
   first = sidecar["compile_cache"]
@@ -68,12 +69,12 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp files left
 
   long_prompt = "a red fox running through snow, " * 20  # 639 bytes once stripped: 640 ByT5 tokens
-  again = subprocess.run(cmd + ["--prompt", long_prompt, "--frames", "8", "--seed", "-1",
+  again = subprocess.run(cmd + ["--prompt", long_prompt, "--frames", "16", "--seed", "-1",
                                 "--out", str(tmp_path / "again.mp4")],
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert again.returncode == 0, again.stderr
   assert "Warning" not in again.stderr and ".py:" not in again.stderr, again.stderr  # no raw warnings
-  assert "generate: warning: num_frames=8: num_frames - 1 must be divisible by 4; rounding to 9" in again.stderr
+  assert "generate: warning: num_frames=16: num_frames - 1 must be divisible by 4; rounding to 17" in again.stderr
   assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=64 tokens" in again.stderr
   drawn = re.search(r"generate: random seed (\d+) \(pass --seed \1 to make this video again\)", again.stderr)
   assert drawn is not None, again.stderr
@@ -81,7 +82,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert sidecar["seed"] == int(drawn.group(1)) and sidecar["seed_drawn"] is True
   assert f"seed {drawn.group(1)}," in again.stdout
   frames_warning, truncation = sidecar["warnings"]
-  assert frames_warning.startswith("num_frames=8: ") and "rounding to 9" in frames_warning
+  assert frames_warning.startswith("num_frames=16: ") and "rounding to 17" in frames_warning
   assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=64 tokens ([640] tokens) "
                                "and were truncated")
   assert sidecar["compile_cache"]["hit"] and sidecar["compile_cache"]["hits"] >= 3, sidecar["compile_cache"]
@@ -106,6 +107,12 @@ def test_gif_and_frames_outputs(tmp_path, capsys):
   assert sheet.shape[2] == 3 and sheet.shape[1] == 9 * (160 + 2) + 2 and sheet.shape[0] > 96
   sidecar = json.loads((tmp_path / "clip.gif.json").read_text())
   assert sidecar["contact_sheet"] == str(tmp_path / "clip.gif.contact.png")
+  # No --fps: Wan's 16 fps as the nearest rate a GIF stores exactly (6 cs), without a warning (the
+  # one warning: 80x48 x 9 is not the default model's trained size).
+  assert sidecar["video"]["fps"] == pytest.approx(100 / 6), sidecar
+  assert [w[:41] for w in sidecar["warnings"]] == ["the 'tiny' model was trained at 64x64 x 1"], sidecar
+  with Image.open(out) as stored:
+    assert stored.info["duration"] == 60
   # Same output again: refused without --overwrite, replaced with it.
   assert generate.main(argv) == 2
   assert "exists; pass --overwrite" in capsys.readouterr().err
@@ -340,7 +347,7 @@ def test_write_video_refuses_fps_it_cannot_store(tmp_path, fps):
     (0.001, 655350, False),  # 1000 s: the longest delay a GIF holds
 ])
 def test_gif_delay_is_the_nearest_centisecond(tmp_path, fps, delay_ms, exact):
-  from PIL import Image, ImageSequence
+  from PIL import ImageSequence
   out = str(tmp_path / "clip.gif")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -356,7 +363,7 @@ def test_gif_delay_is_the_nearest_centisecond(tmp_path, fps, delay_ms, exact):
 
 def test_gif_of_repeated_frames_reads_back(tmp_path):
   """Pillow stores a run of identical frames once with the run's delay: still the frames sent."""
-  from PIL import Image, ImageSequence
+  from PIL import ImageSequence
   frames = np.repeat(FRAMES[:2], [3, 2], axis=0)
   video_io.write_video(frames, str(tmp_path / "clip.gif"), fps=10)
   with Image.open(tmp_path / "clip.gif") as gif:
@@ -464,3 +471,24 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   before = checked.request.identity("f" * 64, checked.request.noise())
   assert identity["num_inference_steps"] == 7 and identity["prompts"] == ["a blue circle"]
   assert identity["noise_sha256"] != before["noise_sha256"]  # seed 11's noise, not seed 0's
+
+
+def test_the_trained_default_warns_outside_its_one_video_size(tmp_path):
+  """The trained tiny default knows 64x64 x 17 frames only: another size warns before any compute
+  (the Python call and the command build the same request); its own size, and the random tiny
+  model at any size, do not (the control)."""
+  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+
+  trained = ModelFacts.tiny_default("float32")
+  call = {"num_inference_steps": 1, "seed": 0}
+  with pytest.warns(UserWarning, match=r"trained at 64x64 x 17 frames only; 128x128 x 9 frames"):
+    GenerationRequest.build(trained, PROMPT, height=128, width=128, num_frames=9, **call)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    GenerationRequest.build(trained, PROMPT, height=64, width=64, num_frames=17, **call)
+    GenerationRequest.build(ModelFacts.tiny_random("float32"), PROMPT, height=128, width=128, num_frames=9, **call)
+  argv = ["--prompt", PROMPT, "--size", "128x128", "--frames", "9", "--steps", "1", "--out", str(tmp_path / "a.mp4")]
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
+  assert any("trained at 64x64 x 17 frames only" in str(w.message) for w in seen)

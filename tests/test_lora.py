@@ -236,7 +236,7 @@ def test_fuse_is_one_rounding_and_unfuse_is_exact(dtype):
 
 def test_wan_format_alpha_matches_diffusers_format(tiny, tmp_path):
   """Original Wan keys (lora_down / lora_up / alpha) fuse as the same LoRA in diffusers keys with
-  lora_alpha in the metadata (diffusers splits alpha / rank into powers of two: equal up to rounding)."""
+  lora_alpha in the metadata: the same scaling alpha / r."""
   config = tiny.transformer_config
   modules = ["blocks.0.attn1.to_q", "blocks.1.ffn.net.2", "blocks.0.attn2.to_out.0"]
   state = _numpy_lora(config, modules=modules)
@@ -246,7 +246,7 @@ def test_wan_format_alpha_matches_diffusers_format(tiny, tmp_path):
   assert [x.module for x in ours] == [x.module for x in ref]
   for x, y in zip(ours, ref):
     np.testing.assert_allclose(x.delta_kernel(), y.delta_kernel(), rtol=1e-6, atol=1e-7)
-    assert y.scaling == 1.5 and x.scaling == 1.0
+    assert y.scaling == 1.5 and x.scaling == 1.5
   # Most published LoRAs are bf16 files: read as fp32 values.
   import ml_dtypes
   path = _write(tmp_path / "bf16.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in wan.items()})
@@ -331,21 +331,37 @@ def test_two_experts_load_into_transformer_2():
 
 
 def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
-  """`generate --lora PATH:SCALE` fuses the LoRA (recorded in the sidecar); a LoRA that does not fit
-  is refused before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
+  """`generate --lora A:0.8 --lora B:0.5` fuses both LoRAs at once, each with its weight (recorded in
+  the sidecar with the files' SHA-256, and in the run record); a LoRA that does not fit is refused
+  before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
   import json
 
   from pipelines.cli import generate
 
   config = wan_pipeline.TINY_TRANSFORMER
   path = _write(tmp_path / "fox_lora.safetensors", _numpy_lora(config, modules=["blocks.0.attn1.to_q"]))
+  other = _write(tmp_path / "snow_lora.safetensors", _numpy_lora(config, seed=1, modules=["blocks.1.attn2.to_k"]))
   argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",
           "--max-sequence-length", "32"]
   out = tmp_path / "fox.npy"
-  assert generate.main(argv + ["--lora", f"{path}:0.5", "--out", str(out)]) == 0, capsys.readouterr().err
+  argv_two = argv + ["--lora", f"{path}:0.8", "--lora", f"{other}:0.5", "--out", str(out), "--checkpoint-dir",
+                     str(tmp_path / "ckpt"), "--keep-checkpoint"]
+  assert generate.main(argv_two) == 0, capsys.readouterr().err
   sidecar = json.loads((tmp_path / "fox.npy.json").read_text())
-  assert sidecar["lora"]["adapters"] == [{"name": "default_0", "transformer": "transformer", "weight": 0.5,
-                                          "layers": 1, "source": path}]
+  assert sidecar["lora"]["adapters"] == [
+      {"name": f"default_{i}", "transformer": "transformer", "weight": w, "active": True, "layers": 1,
+       "source": p, "sha256": lora.lora_digest(p)} for i, (p, w) in enumerate(((path, 0.8), (other, 0.5)))]
+  record = json.loads((tmp_path / "ckpt" / "generate.json").read_text())
+  assert record["lora"] == [f"{path}:0.8", f"{other}:0.5"] and record["lora_2"] == []
+  from pipelines.pipeline import resume as resume_state
+  identity = resume_state.read(str(tmp_path / "ckpt")).identity["lora"]
+  assert [(a["weight"], a["sha256"]) for a in identity["adapters"]] == [
+      (0.8, lora.lora_digest(path)), (0.5, lora.lora_digest(other))]
+  # The same command resumed after one LoRA file changed is refused, naming the LoRAs.
+  _write(tmp_path / "snow_lora.safetensors", _numpy_lora(config, seed=2, modules=["blocks.1.attn2.to_k"]))
+  assert generate.main(["--resume", str(tmp_path / "ckpt"), "--overwrite"]) != 0
+  err = capsys.readouterr().err
+  assert "is from another run; lora: checkpoint" in err, err
   compiles = step_compiles(monkeypatch)
   bad = _write(tmp_path / "bad.safetensors", {"transformer.blocks.0.attn1.to_x.lora_A.weight":
                                               np.zeros((2, 128), np.float32)})

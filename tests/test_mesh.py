@@ -73,21 +73,21 @@ def test_check_names_what_works():
 
 
 def test_one_parser_one_device_request():
-  """The mesh is parsed and fake devices are requested in attention/mesh.py only."""
+  """The mesh is parsed and fake devices are requested in attention/mesh_spec.py only."""
   for package in ("attention", "pipelines", "end_to_end"):
     for info in pkgutil.walk_packages([os.path.join(ROOT, package)], prefix=f"{package}."):
       if info.name.endswith("__main__"):
         continue
       module = importlib.import_module(info.name)
       for name in ("parse_mesh", "format_mesh", "check_mesh", "working_meshes"):
-        assert not hasattr(module, name) or info.name == "attention.mesh", f"{info.name}.{name}"
+        assert not hasattr(module, name) or info.name == "attention.mesh_spec", f"{info.name}.{name}"
   writers = []
   for folder in ("attention", "pipelines", "end_to_end"):
     for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
       for f in files:
         if f.endswith(".py") and re.search(r'os\.environ\["XLA_FLAGS"\]\s*=', open(os.path.join(dirpath, f)).read()):
           writers.append(os.path.relpath(os.path.join(dirpath, f), ROOT))
-  assert writers == [os.path.join("attention", "mesh.py")]
+  assert writers == [os.path.join("attention", "mesh_spec.py")]
 
 
 # --- CFG parallelism and weight sharding ----------------------------------------------------------

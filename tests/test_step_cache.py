@@ -177,8 +177,9 @@ class Stop(Exception):
 
 def test_interrupted_cached_run_resumes_to_the_same_video(tiny, one_device, tmp_path):
   """The cache state is part of the denoising checkpoint: a cached run on 2x2 stopped after step 4
-  and resumed on one device skips the uninterrupted run's steps and gives its latents; resuming
-  with another step-cache setting is refused."""
+  and resumed on one device skips the uninterrupted run's steps, gives its latents and records
+  every step's skip (the earlier ones from the checkpoint); resuming with another step-cache
+  setting is refused."""
   folder = str(tmp_path / "ckpt")
   spec = SKIPPING["first-block"]
 
@@ -193,7 +194,9 @@ def test_interrupted_cached_run_resumes_to_the_same_video(tiny, one_device, tmp_
   result = tiny.run(PROMPT, step_cache=spec, checkpoint_dir=folder, resume=True, **KWARGS)
   reference = one_device["first-block"].settings["step_cache"]
   record = result.settings["step_cache"]
-  assert record["steps_recorded"] == list(range(4, KWARGS["num_inference_steps"]))
-  assert record["skipped_steps"] == [k for k in reference["skipped_steps"] if k >= 4]
+  # The record covers the whole video, the steps before the resume read from the checkpoint.
+  assert record["steps_recorded"] == list(range(KWARGS["num_inference_steps"])) == reference["steps_recorded"]
+  assert record["skipped_steps"] == reference["skipped_steps"] and any(k < 4 for k in reference["skipped_steps"])
+  assert np.allclose(record["metrics"][1:], reference["metrics"][1:], rtol=1e-4), (record, reference)
   err = float(np.max(np.abs(result.latents - one_device["first-block"].latents)))
   assert err <= FP32_LATENT_TOL, f"resumed cached run: max |latents - uninterrupted| = {err}"

@@ -41,7 +41,7 @@ def _words(text: str) -> str:
 
 @pytest.mark.parametrize("module,expected", [
     ("pipelines.cli.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
-                            "(default: output.mp4)", "(default: 16.0)", "text tokens per prompt (default: 512 as Wan",
+                            "(default: output.mp4)", "(default: the preset's, 16 as Wan; a GIF without --fps", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
     ("end_to_end.quality", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
                             "(default: 17 for tiny, 9 otherwise)", "(default: 8 for tiny, 4 otherwise)",
@@ -213,3 +213,74 @@ def test_readme_says_how_long_the_tests_take():
     readme = f.read()
   test_section = readme[readme.index("## Test"):]
   assert re.search(r"On 2 CPU cores the test command takes about \d+ min", _words(test_section)), test_section
+
+
+# --- argument errors before heavy imports ----------------------------------------------------------
+
+_IMPORTS_JAX = """
+import sys
+from pipelines.cli import generate
+codes = []
+for argv in ({cases}):
+  try:
+    codes.append(generate.main(list(argv)))
+  except SystemExit as e:  # --help and argparse's own errors
+    codes.append(e.code)
+print(codes, "jax" in sys.modules)
+"""
+
+
+def test_help_and_argument_errors_do_not_import_jax():
+  """`--help` and the flags' own errors (mesh, output, fps, argparse's) answer before JAX is imported
+  (0.2 s, not the 1-10 s of importing JAX first); the positive control is a check that needs the
+  model's facts (GenerationRequest.build), which imports JAX."""
+  cases = [["--help"], ["--mesh", "X=3", "--prompt", "a"], ["--mesh", "U=1", "--shard-weights", "--prompt", "a"],
+           ["--mesh", "CFG=2,U=2", "--guidance", "1", "--prompt", "a"], ["--out", "x.txt", "--prompt", "a"],
+           ["--fps", "nan", "--prompt", "a"], ["--bogus"]]
+  out = subprocess.run([sys.executable, "-c", _IMPORTS_JAX.format(cases=repr(cases))], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.strip().splitlines()[-1] == f"{[0] + [2] * (len(cases) - 1)} False", out.stdout + out.stderr
+  control = [["--steps", "0", "--prompt", "a"]]
+  out = subprocess.run([sys.executable, "-c", _IMPORTS_JAX.format(cases=repr(control))], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.strip() == "[2] True", out.stdout + out.stderr
+
+
+def test_readme_names_the_sidecars_the_writer_writes():
+  """Every sidecar name the README gives for an output is `video_io.sidecar_path` of it (a folder of
+  PNG frames included)."""
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  pairs = [("square.mp4", "square.mp4.json"), ("fox.gif", "fox.gif.json"), ("frames/", "frames.frames.json")]
+  for out, named in pairs:
+    assert f"`{named}`" in readme, named
+    assert video_io.sidecar_path(out) == named
+  assert video_io.sidecar_path("frames/") != "frames/.json"  # positive control: not the naive name
+
+
+def test_generate_needs_no_torch_and_the_readme_says_where_a_cpu_torch_comes_from():
+  """torch (and diffusers, its user) are test references only: not among the package's own
+  dependencies, and the README names PyTorch's CPU index for machines where PyPI gives CUDA."""
+  import tomllib
+  project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+  names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+  assert not names & {"torch", "diffusers", "accelerate"}, names
+  assert {"torch", "diffusers"} <= {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower()
+                                    for d in project["optional-dependencies"]["test"]}  # control: the parser works
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+  assert "`pip install -e .` alone runs `generate` without them" in readme
+
+
+def test_readme_plan_command_runs_as_printed():
+  """The README's `end_to_end.plan` command, copied from it, exits 0 on a host without libtpu (it
+  says `--estimate`); without `--estimate` and without libtpu it exits 3 naming the fix."""
+  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  command = re.search(r"`python -m (end_to_end\.plan [^`]*)`", readme).group(1).split()
+  assert "--estimate" in command
+  done = _run(*command)
+  assert done.returncode == 0 and "recommend" in done.stdout.lower(), done.stdout + done.stderr
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    missing = _run(*[a for a in command if a != "--estimate"])
+    assert missing.returncode == 3 and "libtpu" in missing.stderr and "--estimate" in missing.stderr

@@ -10,9 +10,10 @@ import dataclasses
 import sys
 from typing import Any
 
-from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
+from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import UsageError, flag_error
 from pipelines.parallel import distributed
+from pipelines.parallel.mesh_rules import check_spec
 
 from pipelines.cli.plan import Plan
 
@@ -27,12 +28,11 @@ def model_facts(plan: Plan) -> Any:
   """
   from pipelines.pipeline.request import ModelFacts
   from pipelines.wan.folder import PipelineIndex
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
 
   if plan.model == "tiny-random":
     return ModelFacts.tiny_random(plan.dtype)
   if plan.model == "tiny":
-    return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, plan.dtype, name="tiny")
+    return ModelFacts.tiny_default(plan.dtype)
   PipelineIndex.read(plan.model).check_weights()
   return ModelFacts.from_folder(plan.model, plan.dtype)
 
@@ -45,8 +45,6 @@ def join(plan: Plan, facts: Any) -> None:
     UsageError: heads that U does not split, or settings that differ between the processes.
     distributed.DistributedError: the coordinator was not reached in time.
   """
-  from pipelines.parallel.plan import check_spec
-
   if plan.mesh is not None:
     try:
       check_spec(plan.mesh, cfg_active=None, heads=facts.transformer.num_attention_heads)

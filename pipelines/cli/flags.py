@@ -116,9 +116,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
   """What is written: the output, its frame rate, the contact sheet, the compilation cache."""
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
-  p.add_argument("--fps", type=float, default=16.0,
-                 help="frames per second of the output, %g to %g, as Wan (a GIF stores the nearest "
-                      "whole-centisecond delay)" % video_io.FPS_RANGE)
+  p.add_argument("--fps", type=float, default=None,
+                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan; a GIF "
+                      "without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
+                      "--fps that is not 100 / an integer warns)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--contact-sheet", action="store_true",
                  help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
@@ -132,11 +133,13 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
   """What changes the model or the loop: LoRAs, the step cache, the NaN guard."""
   p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers or original Wan "
-                      "keys) fused into the transformer with weight SCALE (default 1); repeatable")
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers/peft, original "
+                      "Wan/ComfyUI/lightx2v or kohya/musubi keys) fused into the transformer with weight "
+                      "SCALE (default 1); repeatable: all are active at once, W = base + sum of "
+                      "SCALE_i x delta_i")
   p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
                  help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
-                      "(diffusers' load_into_transformer_2=True)")
+                      "(diffusers' load_into_transformer_2=True); repeatable")
   p.add_argument("--step-cache", default=None, metavar="SPEC",
                  help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
                       "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "

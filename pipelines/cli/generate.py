@@ -22,7 +22,7 @@ compute. A run whose denoising is estimated to take minutes or more says so in o
 starts; then a line or a bar shows each stage (text encode, compile, denoise, decode). Python
 warnings print as `generate: warning: ...` lines and are kept in the sidecar. Output (mp4 via
 imageio-ffmpeg, .gif, .npy float32 frames, or a folder of PNG frames) and its JSON sidecar (the
-output's name + .json: fox.mp4.json) are written to a temporary name and renamed into place; an
+output's name + .json: fox.mp4.json; frames.frames.json for a PNG folder frames/) are written to a temporary name and renamed into place; an
 existing output is replaced only with --overwrite, and a failed or interrupted run leaves neither.
 `--contact-sheet` also writes a PNG grid of the frames beside it (fox.mp4.contact.png). The latents are checked for NaN/inf after every step (--no-nan-guard turns that off).
 
@@ -150,8 +150,12 @@ def _load(plan: Plan, request: Any) -> Any:
     cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
     pipe = cls.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,
                                        shard_weights=request.plan.shard_weights)
+  weights: dict[str, dict[str, float]] = {}  # adapter name -> {transformer: weight}
   for path, scale, expert in plan.loras:
-    pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+    name = pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)
+    weights.setdefault(name, {})["transformer_2" if expert else "transformer"] = scale
+  if len(plan.loras) > 1:  # every --lora / --lora-2 active at once, each with its weight
+    pipe.set_adapters(list(weights), list(weights.values()))
   return pipe
 
 

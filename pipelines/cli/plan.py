@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-from attention.mesh import MeshSpec
+from attention.mesh_spec import MeshSpec
 from pipelines.parallel import distributed
 
 

@@ -20,6 +20,7 @@ class Preset:
     guidance: one CFG scale, or (high-noise, low-noise) for the two Wan 2.2 experts.
     source: where the numbers come from.
     negative_prompt: the negative prompt when none is given (Wan's scripts use `WAN_NEGATIVE_PROMPT`).
+    fps: frames per second of the output when --fps is not given (Wan 2.1 and 2.2 A14B: 16).
   """
   width: int
   height: int
@@ -29,6 +30,7 @@ class Preset:
   guidance: tuple[float, ...]
   source: str
   negative_prompt: str = ""
+  fps: float = 16.0
 
   def __post_init__(self):
     if len(self.guidance) not in (1, 2):

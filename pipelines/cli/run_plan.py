@@ -13,12 +13,13 @@ import re
 import warnings
 from typing import Any
 
-from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
+from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
+from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 
@@ -56,7 +57,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
               seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
               dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
-              max_sequence_length=args.max_sequence_length, out=args.out, fps=args.fps,
+              max_sequence_length=args.max_sequence_length, out=args.out, fps=_fps(args, preset),
               overwrite=args.overwrite, nan_guard=args.nan_guard, loras=loras, processes=processes,
               compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -107,6 +108,13 @@ def image_sized(plan: Plan, facts: Any) -> Plan:
   return dataclasses.replace(plan, width=width, height=height)
 
 
+def _fps(args: argparse.Namespace, preset: Preset) -> float:
+  """--fps, else the preset's; for a GIF without --fps the nearest rate a GIF stores exactly."""
+  if args.fps is not None:
+    return float(args.fps)
+  return video_io.gif_fps(preset.fps) if video_io.output_kind(args.out) == "gif" else preset.fps
+
+
 def _check_prompt(args: argparse.Namespace) -> None:
   """Raises UsageError for a missing or blank --prompt."""
   if args.prompt is None:
@@ -148,7 +156,6 @@ def _mesh_flags(args: argparse.Namespace, *, cfg_active: bool) -> MeshSpec | Non
     UsageError: a malformed mesh, --shard-weights with auto or one device, CFG=2 without guidance,
       a --devices that is not the mesh's.
   """
-  from pipelines.parallel.plan import check_spec
 
   mesh = None
   if args.mesh.strip().lower() == "auto" and args.shard_weights:
@@ -217,14 +224,15 @@ def _check_outputs(args: argparse.Namespace) -> None:
     video_io.OutputError: an output that cannot be written, or exists without --overwrite.
   """
   try:
-    video_io.check_fps(args.fps)
+    if args.fps is not None:
+      video_io.check_fps(args.fps)
   except video_io.OutputError as e:
     raise UsageError(f"--fps: {e}") from e
   video_io.check_output(args.out, overwrite=args.overwrite)
   sheet = video_io.contact_sheet_path(args.out) if args.contact_sheet else None
   if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
     raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")
-  if video_io.output_kind(args.out) == "gif":
+  if video_io.output_kind(args.out) == "gif" and args.fps is not None:
     video_io.gif_delay_cs(args.fps)  # its warning said now (main prints it), not after the run
 
 

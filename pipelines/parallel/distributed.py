@@ -216,7 +216,9 @@ def initialize(spec: ProcessSpec) -> None:
 
 def shutdown() -> None:
   """Leaves the run (a barrier with the other processes, bounded by the spec's timeout); no-op
-  when the runtime is not started."""
+  when the runtime is not started (or JAX was never imported: nothing ran)."""
+  if "jax" not in sys.modules:
+    return
   import jax
   if jax.distributed.is_initialized():
     jax.distributed.shutdown()

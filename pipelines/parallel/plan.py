@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention import BACKENDS, IMPLEMENTATIONS, BlockSizes, resolve_backend
 from attention.mesh import MeshSpec
+from pipelines.parallel.mesh_rules import check_spec
 from pipelines.parallel import distributed
 
 
@@ -43,25 +44,6 @@ def _mesh_and_spec(mesh: Mesh | MeshSpec | str | None, shard_weights: bool) -> t
     return mesh, MeshSpec.of(mesh, shard_weights=shard_weights)
   raise ValueError(f"mesh must be None, a spec string like 'U=2,R=2' or 'CFG=2,U=2,R=2', an "
                    f"attention.MeshSpec or a jax.sharding.Mesh; got {mesh!r}{_not_a(mesh)}")
-
-
-def check_spec(spec: MeshSpec, *, cfg_active: bool | None, heads: int | None = None,
-               kv_heads: int | None = None) -> None:
-  """The mesh rules that need no devices (JAX's backend need not have started): sharded weights
-  need a mesh of several devices, CFG=2 needs guidance, U must split the heads.
-
-  Args:
-    spec: the mesh asked for.
-    cfg_active: whether guidance is on (None: not known yet).
-    heads, kv_heads: the model's query and kv heads N, K (None: not known yet; K defaults to N).
-
-  Raises:
-    ValueError: each broken rule, naming the workable choices.
-  """
-  if spec.shard_weights and spec.devices == 1:
-    raise ValueError(f"shard_weights=True splits the weights over the mesh's devices, but mesh {spec} has "
-                     "one; pass a mesh of several devices (e.g. mesh='U=2,R=2') or leave shard_weights off")
-  spec.check(num_heads=heads, num_kv_heads=kv_heads, device_count=spec.devices, cfg_active=cfg_active)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from pipelines.parallel import distributed
 from pipelines.pipeline import resume as resume_state
 from pipelines.pipeline.loop import LoopState, StepHook
@@ -55,8 +58,10 @@ class CheckpointSaver(StepHook):
   """Saves the denoising state every `every` steps and after the last (`resume.Writer`: a device
   copy now, the host copy and the atomic write on a thread while the next step runs)."""
 
-  def __init__(self, writer: resume_state.Writer, every: int, *, tokens: int, mesh: Any):
+  def __init__(self, writer: resume_state.Writer, every: int, *, tokens: int, mesh: Any,
+               cache_stats: StepCacheStats | None = None):
     self.writer, self.every, self.tokens, self.mesh = writer, every, tokens, mesh
+    self.cache_stats = cache_stats
 
   def after_step(self, state: LoopState) -> None:
     done = state.step + 1
@@ -65,6 +70,9 @@ class CheckpointSaver(StepHook):
     saved = {"latents": state.latents, "solver": state.solver}
     if state.cache is not None:
       saved["step_cache"] = wan_step_cache.for_checkpoint(state.cache, tokens=self.tokens, mesh=self.mesh)
+      record = None if self.cache_stats is None or not self.writer.enabled else self.cache_stats.device_record()
+      if record is not None:
+        saved[StepCacheStats.CHECKPOINT_KEY] = record
     self.writer.save(done, saved)
 
   def on_end(self, state: LoopState, completed: bool) -> None:
@@ -96,19 +104,35 @@ class CurrentTimestep(StepHook):
 
 class StepCacheStats(StepHook):
   """Collects the step cache's per-step (step, skipped, metric) device values, read at the end
-  (no extra sync per step)."""
+  (no extra sync per step). A resumed run starts from the record saved in its checkpoint
+  (`restore`), so the record covers every step of the video, not only those after the resume."""
+
+  CHECKPOINT_KEY = "step_cache_record"  # float32 [steps, 3]: (step, skipped, metric) rows
 
   def __init__(self):
     self.per_step: list[tuple[int, Any]] = []
+    self.earlier: list[tuple[int, bool, float]] = []
 
   def after_step(self, state: LoopState) -> None:
     if state.stats is not None:
       self.per_step.append((state.step, state.stats))
 
+  def restore(self, rows: Any) -> None:
+    """The record before a resume: float32 [n, 3] rows as `device_record` saved them (None: none)."""
+    self.earlier = [] if rows is None else [(int(k), bool(s), float(m)) for k, s, m in np.asarray(rows)]
+
+  def device_record(self) -> Any:
+    """float32 [n, 3] (step, skipped, metric) of every step so far, earlier ones included, as one
+    device array for the checkpoint (no host sync), or None when there is none."""
+    local = lambda x: x.addressable_data(0).astype(jnp.float32)  # noqa: E731 (a replicated value's copy here)
+    rows = [jnp.asarray(row, jnp.float32) for row in self.earlier]
+    rows += [jnp.stack([jnp.float32(k), local(s["skipped"]), local(s["metric"])]) for k, s in self.per_step]
+    return jnp.stack(rows) if rows else None
+
   def record(self) -> list[tuple[int, bool, float]]:
-    """[(step, skipped, metric)] of the steps run."""
-    return [(k, bool(distributed.to_host(s["skipped"])), float(distributed.to_host(s["metric"])))
-            for k, s in self.per_step]
+    """[(step, skipped, metric)] of every step of the video (a resumed run's earlier ones first)."""
+    return self.earlier + [(k, bool(distributed.to_host(s["skipped"])), float(distributed.to_host(s["metric"])))
+                           for k, s in self.per_step]
 
 
 class CallLoraScale(StepHook):

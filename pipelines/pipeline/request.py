@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -43,6 +44,8 @@ class ModelFacts:
     scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
     max_sequence_length: the default text length L of calls.
     dtype: the transformer's dtype name ("float32" or "bfloat16").
+    trained_video: (height, width, frames) when the weights know one video size only (the trained
+      tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
     image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
   """
@@ -54,6 +57,7 @@ class ModelFacts:
   scheduler: schedulers.SchedulerConfig
   max_sequence_length: int
   dtype: str
+  trained_video: tuple[int, int, int] | None = None
   image_to_video: bool = False
 
   def __post_init__(self):
@@ -86,6 +90,14 @@ class ModelFacts:
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
                max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
                image_to_video=index.image_to_video)
+
+  @classmethod
+  def tiny_default(cls, dtype: str) -> ModelFacts:
+    """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size."""
+    from pipelines.wan import tiny
+
+    facts = cls.from_folder(tiny.TINY_DEFAULT_FOLDER, dtype, name="tiny")
+    return dataclasses.replace(facts, trained_video=tiny.TINY_TRAINED_VIDEO)
 
   @classmethod
   def tiny_random(cls, dtype: str) -> ModelFacts:
@@ -188,6 +200,7 @@ class GenerationRequest:
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
+    _warn_outside_training(model, int(height), int(width), num_frames)
     steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
@@ -349,6 +362,17 @@ def _scheduler(model: ModelFacts, flow_shift: Any) -> Any:
   shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
   field = "flow_shift" if isinstance(model.scheduler, schedulers.UniPCConfig) else "shift"
   return dataclasses.replace(model.scheduler, **{field: shift})
+
+
+def _warn_outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> None:
+  """Warns when a model that knows one video size (`ModelFacts.trained_video`) is asked for another."""
+  if model.trained_video is None or (height, width, num_frames) == model.trained_video:
+    return
+  h, w, f = model.trained_video
+  warnings.warn(f"the {model.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x "
+                f"{num_frames} frames gives a video unlike its training (blotches, no shape): use {w}x{h} "
+                f"x {f} (generate's defaults), or a diffusers-format Wan folder for other sizes",
+                stacklevel=3)
 
 
 def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int) -> None:

@@ -112,12 +112,22 @@ class Runner:
     """
     if jax.process_count() == 1:
       return
-    model = {"model_fingerprint": self.pipe.fingerprint(), "lora": self.pipe.lora_info()["adapters"]}
-    model["lora"] = [{k: a[k] for k in ("name", "transformer", "weight", "layers")} for a in model["lora"]]
     distributed.check_same_settings(
-        {**self.request.identity(model["model_fingerprint"], noise), **model},
+        self._identity(noise),
         what="hold other weights, LoRAs or inputs",
         fix="give every process the same files (a stale copy on one host changes the video)")
+
+  def _identity(self, noise: np.ndarray) -> dict[str, Any]:
+    """The request's identity with the model's fingerprint and, when LoRAs are loaded, each
+    adapter's name, expert, weight, active flag, layer count and file SHA-256, and the LoRA scale
+    and fused flag (a changed LoRA file, weight or set of active adapters is another run)."""
+    identity = self.request.identity(self.pipe.fingerprint(), noise)
+    info = self.pipe.lora_info()
+    if info["adapters"]:
+      keep = ("name", "transformer", "weight", "active", "layers", "sha256")
+      identity["lora"] = {"scale": info["scale"], "fused": info["fused"],
+                          "adapters": [{k: a[k] for k in keep} for a in info["adapters"]]}
+    return identity
 
   def _resume(self, state: LoopState, noise: np.ndarray) -> None:
     """With a `ResumeConfig`: the saved state restored into `state` (resume) or a refusal of a
@@ -130,7 +140,7 @@ class Runner:
     config = self.options.resume
     if config is None:
       return
-    identity = self.request.identity(self.pipe.fingerprint(), noise)
+    identity = self._identity(noise)
     saved = resume_state.read(config.checkpoint_dir)
     if config.resume:
       if saved is None:
@@ -159,6 +169,7 @@ class Runner:
     if self.restored is not None:
       template = wan_step_cache.checkpoint_template(cache, tokens=r.tokens)
       cache = wan_step_cache.place(self.restored.restore("step_cache", template), cache)
+      self.cache_stats.restore(self.restored.arrays.get(loop_hooks.StepCacheStats.CHECKPOINT_KEY))
     return cache
 
   def _compile(self, state: LoopState) -> Any:
@@ -200,7 +211,8 @@ class Runner:
     if o.nan_guard:
       hooks.append(loop_hooks.NanGuard())
     if self.writer is not None:
-      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh))
+      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh,
+                                              cache_stats=self.cache_stats))
     if o.callback is not None:
       hooks.append(StepEndCallback(pipe, o.callback, o.callback_tensor_inputs, videos=r.videos, cfg=r.cfg,
                                    sharding=r.plan.replicated))

@@ -46,7 +46,8 @@ from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.storage import weights
 from pipelines.wan import lora, mag_calibration, step_cache as wan_step_cache, tokenizer as tokenization, umt5, vae as wan_vae
-from pipelines.wan.tiny import TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER  # noqa: F401
+from pipelines.wan.tiny import (TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRAINED_VIDEO,  # noqa: F401
+                               TINY_TRANSFORMER)
 from pipelines.wan.transformer import WanTransformer
 
 DTYPES = loading.DTYPES
@@ -57,8 +58,9 @@ class WanPipeline(LoraLoaderMixin):
 
   Build with `from_pretrained(folder)` or `tiny()`; call with prompts (`__call__`, or `run` for the
   timings and settings too, or `generate` with a checked `GenerationRequest`). LoRAs:
-  `load_lora_weights`, `set_lora_scale`, `fuse_lora` / `unfuse_lora`. Step caching:
-  `enable_cache` / `disable_cache`. Progress bars: `set_progress_bar_config(disable=...)`.
+  `load_lora_weights`, `set_adapters` / `get_active_adapters`, `set_lora_scale`, `fuse_lora` /
+  `unfuse_lora`. Step caching: `enable_cache` / `disable_cache`. Progress bars:
+  `set_progress_bar_config(disable=...)`.
 
   Attributes:
     transformer_config: config shared by both experts.
@@ -194,7 +196,8 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video)
+                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video,
+                      trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""

@@ -249,12 +249,26 @@ def gif_delay_cs(fps: float) -> int:
     OutputError: see `check_fps`.
   """
   exact = 100.0 / check_fps(fps)
-  delay = min(max(math.floor(exact + 0.5), 1), GIF_MAX_DELAY_CS)
+  delay = _nearest_delay_cs(exact)
   if abs(delay - exact) > 1e-9 * exact:
     warnings.warn(f"GIF frame delays are whole centiseconds: {fps:g} fps (a {1000 / fps:.4g} ms delay) is "
                   f"stored as {delay} cs = {100 / delay:.4g} fps; pick an fps that divides 100 (e.g. 10, 20, "
                   "25, 50) or write .mp4 for exact timing", FrameRateWarning, stacklevel=2)
   return delay
+
+
+def gif_fps(fps: float) -> float:
+  """The frame rate a GIF stores for `fps` (100 / the nearest whole-centisecond delay), without a
+  warning: what `generate` writes when --fps is not given (16 fps -> 6 cs = 16.67 fps).
+
+  Raises:
+    OutputError: see `check_fps`.
+  """
+  return 100.0 / _nearest_delay_cs(100.0 / check_fps(fps))
+
+
+def _nearest_delay_cs(exact_cs: float) -> int:
+  return min(max(math.floor(exact_cs + 0.5), 1), GIF_MAX_DELAY_CS)
 
 
 def check_frame_size(path: str, height: int, width: int, *, odd_size: str = "error") -> tuple[int, int]:

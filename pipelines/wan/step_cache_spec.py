@@ -181,8 +181,8 @@ def summary(spec: StepCacheSpec, steps: Sequence[tuple[int, bool, float]], *,
 
   Args:
     spec: the setting.
-    steps: (step index, skipped, metric) per step this call ran, from `cached_forward`'s stats (a
-      resumed run holds only the steps after its checkpoint).
+    steps: (step index, skipped, metric) per step of the video, from `cached_forward`'s stats (a
+      resumed run's steps before its checkpoint come from the checkpoint).
     num_layers: Z, blocks per transformer evaluation.
 
   Returns:

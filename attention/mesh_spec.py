@@ -1,0 +1,242 @@
+"""The device mesh, owned in one place: `MeshSpec` parses, validates, builds and describes it.
+
+This module imports no JAX (the command line parses and checks a mesh before JAX starts); JAX is
+imported by `MeshSpec.check` without a device count and by `MeshSpec.build`. `attention.mesh` holds
+the JAX side: the sequence `PartitionSpec`s and `make_mesh`.
+
+DESIGN.md section 2. The mesh has three axes, outermost first:
+- "cfg" (C): classifier-free guidance parallelism; the cond and uncond halves of the batch run on
+  the two halves of the devices (C = 1: no split);
+- "ring" (R): K/V rotation (may cross hosts);
+- "ulysses" (U): the all-to-all over heads, innermost, so its all-to-all stays among neighbouring
+  devices.
+Tokens are sharded over ring and ulysses jointly, ring-major: device (c, r, u) holds token chunk
+r * U + u of batch rows c * B/C ... (c + 1) * B/C - 1, i.e. `P(CFG_AXIS, (RING_AXIS, ULYSSES_AXIS))`
+(`SEQUENCE_SPEC`; without a cfg split the batch axis is simply replicated over a size-1 axis).
+
+The spec string, used by every command and report: "U=2,R=2", "CFG=2,U=2,R=2" (any order, case
+of the names free, missing degrees are 1). `MeshSpec` is also the only place that asks XLA for fake
+CPU devices (`request_cpu_devices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+  import jax
+  from jax.sharding import Mesh
+
+CFG_AXIS = "cfg"
+RING_AXIS = "ring"
+ULYSSES_AXIS = "ulysses"
+MESH_AXES = (CFG_AXIS, RING_AXIS, ULYSSES_AXIS)
+SEQUENCE_AXES = (RING_AXIS, ULYSSES_AXIS)
+DEVICE_FLAG = "xla_force_host_platform_device_count"
+_NAMES = {"U": "ulysses", "R": "ring", "CFG": "cfg"}
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def heads_fit(ulysses: int, num_heads: int, num_kv_heads: int) -> bool:
+  """Whether U splits the heads: N % U == 0 and (K % U == 0, or U % K == 0: each kv head repeated
+  U/K times in grouped order)."""
+  return num_heads % ulysses == 0 and (num_kv_heads % ulysses == 0 or ulysses % num_kv_heads == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """A mesh as the user asks for it: degrees and whether the transformer weights are sharded.
+
+  Attributes:
+    ulysses: U >= 1, the Ulysses degree (all-to-all over heads; U must split the heads).
+    ring: R >= 1, the ring degree (K/V rotation).
+    cfg: C in {1, 2}, classifier-free guidance parallelism (2: cond and uncond on separate halves).
+    shard_weights: shard the stacked transformer block weights over all C * R * U devices
+      (FSDP / ZeRO-3 style: gathered one layer at a time inside the layer scan) instead of
+      replicating them.
+
+  Raises:
+    ValueError: a degree that is not an int >= 1, or cfg > 2.
+  """
+  ulysses: int = 1
+  ring: int = 1
+  cfg: int = 1
+  shard_weights: bool = False
+
+  def __post_init__(self):
+    for name in ("ulysses", "ring", "cfg"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"mesh degree {name}={value!r} must be an integer >= 1")
+      object.__setattr__(self, name, int(value))
+    if self.cfg > 2:
+      raise ValueError(f"CFG={self.cfg}: classifier-free guidance has two branches (cond, uncond); use "
+                       "CFG=1 or CFG=2")
+    if not isinstance(self.shard_weights, bool):
+      raise ValueError(f"shard_weights={self.shard_weights!r} must be a bool")
+
+  # --- the spec string ---
+
+  @classmethod
+  def parse(cls, spec: str, *, shard_weights: bool = False) -> MeshSpec:
+    """"U=2,R=2" / "CFG=2,U=4" / "R=2,U=4,CFG=2" (any order; missing degrees are 1) -> MeshSpec.
+
+    Raises:
+      ValueError: a malformed spec (for "AxB", naming the U=...,R=... it probably means), a
+        repeated or unknown axis, a degree < 1, or "auto" (resolved by `end_to_end.plan`, not here).
+    """
+    text = str(spec).strip()
+    if text.lower() == "auto":
+      raise ValueError("mesh 'auto' is chosen by the planner (generate --mesh auto, end_to_end.plan) "
+                       "for a model and device count; MeshSpec.parse takes explicit degrees")
+    grid = re.fullmatch(r"(\d+)\s*[xX*]\s*(\d+)", text)
+    if grid is not None:
+      a, b = grid.groups()
+      meant = f"'U={a},R={b}'" if a == b else f"'U={a},R={b}' or 'U={b},R={a}'"
+      raise ValueError(f"mesh {spec=} does not say which degree is which; did you mean {meant}? Name "
+                       "them: U is the Ulysses degree, R the ring degree, CFG the guidance split")
+    degrees: dict[str, int] = {}
+    for part in text.replace(" ", "").split(","):
+      match = re.fullmatch(r"(U|R|CFG)=(\d+)", part, flags=re.IGNORECASE)
+      if match is None:
+        raise ValueError(f"mesh {spec=} is malformed at {part!r}; write e.g. 'U=2,R=2', 'R=2,U=4', 'U=4' "
+                         "or 'CFG=2,U=2,R=2' (U: Ulysses degree, R: ring degree, CFG: 1 or 2)")
+      axis, value = match.group(1).upper(), int(match.group(2))
+      if axis in degrees:
+        raise ValueError(f"mesh {spec=} gives {axis} twice; give each of U, R and CFG at most once")
+      if value < 1:
+        raise ValueError(f"mesh {spec=}: {axis}={value} must be >= 1")
+      degrees[axis] = value
+    return cls(ulysses=degrees.get("U", 1), ring=degrees.get("R", 1), cfg=degrees.get("CFG", 1),
+               shard_weights=shard_weights)
+
+  def __str__(self) -> str:
+    """The spec string: "U=2,R=2", with "CFG=2," in front when the guidance is split."""
+    text = f"U={self.ulysses},R={self.ring}"
+    return f"CFG={self.cfg},{text}" if self.cfg > 1 else text
+
+  def describe(self) -> dict[str, object]:
+    """For logs and sidecars: {"spec", "CFG", "U", "R", "devices", "shard_weights"}."""
+    return {"spec": str(self), "CFG": self.cfg, "U": self.ulysses, "R": self.ring, "devices": self.devices,
+            "shard_weights": self.shard_weights}
+
+  @property
+  def devices(self) -> int:
+    """C * R * U."""
+    return self.cfg * self.ring * self.ulysses
+
+  @property
+  def sequence_devices(self) -> int:
+    """R * U: the devices of one guidance branch, which shard its tokens."""
+    return self.ring * self.ulysses
+
+  # --- validation ---
+
+  def workable(self, num_heads: int, num_kv_heads: int | None = None) -> list[MeshSpec]:
+    """The specs with this one's device count, cfg and weight sharding whose U splits the heads."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    return [dataclasses.replace(self, ulysses=u, ring=self.sequence_devices // u)
+            for u in _divisors(self.sequence_devices) if heads_fit(u, num_heads, num_kv_heads)]
+
+  def check(self, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+            device_count: int | None = None, cfg_active: bool | None = None) -> None:
+    """Checks the spec against the heads, the devices and the guidance, naming what would work.
+
+    Args:
+      num_heads, num_kv_heads: N and K of the model (K defaults to N); None skips the head check.
+      device_count: devices available (None: `jax.device_count()`).
+      cfg_active: whether the run uses classifier-free guidance (None: not known yet).
+
+    Raises:
+      ValueError: more devices than available, heads that U does not split, or CFG=2 without
+        guidance; each message names the workable choices.
+    """
+    if device_count is None:
+      import jax  # noqa: PLC0415 (JAX starts only when the devices are asked for)
+      device_count = jax.device_count()
+    available = device_count
+    if self.devices > available:
+      raise ValueError(f"mesh {self} needs {self.devices} devices but {available} are visible; use a "
+                       f"smaller mesh (on CPU, set XLA_FLAGS=--{DEVICE_FLAG}={self.devices} before JAX "
+                       "starts)")
+    if num_heads is not None:
+      kv = num_heads if num_kv_heads is None else num_kv_heads
+      if not heads_fit(self.ulysses, num_heads, kv):
+        ok = ", ".join(str(s) for s in self.workable(num_heads, kv))
+        why = (f"the model has {num_heads} heads, not divisible by the Ulysses degree U={self.ulysses}"
+               if num_heads % self.ulysses else
+               f"the model's kv heads K={kv} and U={self.ulysses} need K % U == 0 or U % K == 0")
+        raise ValueError(f"{why}; with {self.devices} devices use one of: {ok}")
+    if cfg_active is False and self.cfg > 1:
+      raise ValueError(f"mesh {self} splits classifier-free guidance over CFG={self.cfg}, but guidance is "
+                       f"off (guidance_scale <= 1); use {dataclasses.replace(self, cfg=1)} (or turn "
+                       "guidance on)")
+
+  # --- building ---
+
+  def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The `jax.sharding.Mesh` of shape (C, R, U), axes `MESH_AXES`, Auto axis types.
+
+    Args:
+      devices: at least C * R * U devices (default `jax.devices()`); the first C * R * U are laid
+        out row-major, so consecutive devices share a Ulysses group and the two guidance halves
+        are the first and second half (across hosts when each host holds half).
+
+    Raises:
+      ValueError: fewer devices than C * R * U.
+    """
+    import jax  # noqa: PLC0415 (building a mesh starts JAX; parsing and checking do not)
+    from jax.sharding import Mesh  # noqa: PLC0415
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < self.devices:
+      self.check(device_count=len(devices))
+    grid = np.array(devices[: self.devices], dtype=object).reshape(self.cfg, self.ring, self.ulysses)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+  @classmethod
+  def of(cls, mesh: Mesh, *, shard_weights: bool = False) -> MeshSpec:
+    """The spec of a built mesh (a mesh without a cfg axis has C = 1).
+
+    Raises:
+      ValueError: a mesh without the ring and ulysses axes, or with other axes.
+    """
+    names = tuple(mesh.axis_names)
+    if RING_AXIS not in names or ULYSSES_AXIS not in names or set(names) - set(MESH_AXES):
+      raise ValueError(f"mesh axes must be {MESH_AXES} (cfg optional), got {names}; build meshes with "
+                       "attention.MeshSpec(...).build() or attention.make_mesh")
+    return cls(ulysses=int(mesh.shape[ULYSSES_AXIS]), ring=int(mesh.shape[RING_AXIS]),
+               cfg=int(mesh.shape.get(CFG_AXIS, 1)), shard_weights=shard_weights)
+
+
+def request_cpu_devices(count: int) -> int | None:
+  """Asks XLA for `count` fake CPU devices (the only place that does): sets
+  `--xla_force_host_platform_device_count` in XLA_FLAGS when JAX's backend has not started yet and
+  the flags do not already set a count. Harmless on GPU/TPU (the flag only affects the CPU backend).
+
+  Returns:
+    the count set, or None when nothing was set (count <= 1, a count already in XLA_FLAGS, or the
+    backend already started).
+  """
+  started = False
+  if "jax" in sys.modules:  # whether XLA has read its flags already (private API: assume not where missing)
+    try:
+      from jax._src import xla_bridge  # noqa: PLC0415
+      started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+      pass
+  flags = os.environ.get("XLA_FLAGS", "")
+  if count <= 1 or DEVICE_FLAG in flags or started:
+    return None
+  os.environ["XLA_FLAGS"] = f"{flags} --{DEVICE_FLAG}={count}".strip()
+  return count
