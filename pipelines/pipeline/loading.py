@@ -89,10 +89,14 @@ def load_image_processor(folder: str) -> Any:
   if not os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
     raise weights.CheckpointError(f"{folder!r} has no preprocessor_config.json (the CLIP image processor)")
   import transformers
+  from transformers.utils import logging as transformers_logging
 
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # transformers' note that torchvision is absent
+  verbosity = transformers_logging.get_verbosity()
+  transformers_logging.set_verbosity_error()  # its note that torchvision is absent (the PIL one is used)
+  try:
     return transformers.CLIPImageProcessor.from_pretrained(folder)
+  finally:
+    transformers_logging.set_verbosity(verbosity)
 
 
 def tiny_random_parts(dtype: str) -> dict[str, Any]:
