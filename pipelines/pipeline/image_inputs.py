@@ -28,7 +28,7 @@ class ImageInputs:
     image: the first frame, numpy [H0, W0, 3]: uint8 as given (a PIL image becomes uint8 RGB), or
       float32 in [0, 1].
     last_image: the last frame (first-last-frame, FLF2V) in the same forms, or None.
-    image_embeds: float32 [K, I] CLIP image states used instead of encoding `image` (FLF2V: [2, K,
+    image_embeds: float32 [J, I] CLIP image states used instead of encoding `image` (FLF2V: [2, J,
       I], first and last frame), or None.
   """
   image: np.ndarray
@@ -147,7 +147,7 @@ def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_
     if embeds.ndim == 2 and frames == 1:
       embeds = embeds[None]
     if embeds.ndim != 3 or embeds.shape[0] != frames or embeds.shape[2] != image_dim:
-      raise ValueError(f"image_embeds has shape {embeds.shape}; it must be [{frames}, K, {image_dim}] (CLIP "
+      raise ValueError(f"image_embeds has shape {embeds.shape}; it must be [{frames}, J, {image_dim}] (CLIP "
                        "penultimate states" + (", first and last frame)" if frames == 2 else ")"))
   return ImageInputs(image=image_array("image", image),
                      last_image=None if last_image is None else image_array("last_image", last_image),

@@ -59,7 +59,7 @@ class WanImageToVideoPipeline(WanPipeline):
     Args:
       image: the first frame (`image_inputs.IMAGE_FORMS`: PIL, numpy uint8 or float in [0, 1], HWC).
       last_image: the last frame (FLF2V folders; Wan 2.2 I2V A14B conditions on it too).
-      image_embeds: CLIP penultimate states [1 or 2, K, image_dim] instead of encoding the images
+      image_embeds: CLIP penultimate states [1 or 2, J, image_dim] instead of encoding the images
         (Wan 2.1 I2V / FLF2V; `image` is still needed for the condition latents).
       the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
 
@@ -96,5 +96,5 @@ class WanImageToVideoPipeline(WanPipeline):
       if states is None:
         states = clip_vision.penultimate_states(self.image_encoder, jnp.asarray(clip_pixels(self.image_processor,
                                                                                             frames)))
-      states = jnp.tile(jnp.asarray(states), (request.videos, 1, 1)).astype(self.dtype)  # [B' x frames, K, I]
-    return image_condition.ImageConditioning(video_BCFHW=jnp.asarray(video), image_BKI=states)
+      states = jnp.tile(jnp.asarray(states), (request.videos, 1, 1)).astype(self.dtype)  # [B' x frames, J, I]
+    return image_condition.ImageConditioning(video_BCFHW=jnp.asarray(video), image_BJI=states)

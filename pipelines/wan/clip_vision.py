@@ -3,7 +3,7 @@
 states are the image states the transformer's image branch attends to (diffusers
 `WanImageToVideoPipeline.encode_image`: `hidden_states[-2]`).
 
-Glossary: B images, K = 1 + (image_size / patch)^2 image tokens (257 for Wan's ViT-H/14 at 224),
+Glossary: B images, J = 1 + (image_size / patch)^2 image tokens (257 for Wan's ViT-H/14 at 224),
 W the encoder width (`hidden_size`, 1280), E its MLP width. Runs in float32 on one device (632M
 parameters for Wan's encoder; once per call, before the denoising loop).
 
@@ -129,18 +129,18 @@ def _layer_norm(x, weight, bias, eps):
   return (x - mean) * jax.lax.rsqrt(var + eps) * weight + bias
 
 
-def _layer(config: CLIPVisionConfig, x_BKW: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
+def _layer(config: CLIPVisionConfig, x_BJW: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
   """One `CLIPEncoderLayer` (weights as [in, out])."""
-  b, k, w = x_BKW.shape
+  b, j, w = x_BJW.shape
   heads, eps = config.num_attention_heads, config.layer_norm_eps
   dense = lambda x, name: x @ p[f"{name}.weight"] + p[f"{name}.bias"]  # noqa: E731
-  h = _layer_norm(x_BKW, p["layer_norm1.weight"], p["layer_norm1.bias"], eps)
-  q, kk, v = (dense(h, f"self_attn.{n}").reshape(b, k, heads, w // heads) for n in ("q_proj", "k_proj", "v_proj"))
-  logits = jnp.einsum("bqnh,bknh->bnqk", q * (w // heads) ** -0.5, kk)
-  o = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(logits, axis=-1), v).reshape(b, k, w)
-  x_BKW = x_BKW + dense(o, "self_attn.out_proj")
-  h = _layer_norm(x_BKW, p["layer_norm2.weight"], p["layer_norm2.bias"], eps)
-  return x_BKW + dense(_ACTIVATIONS[config.hidden_act](dense(h, "mlp.fc1")), "mlp.fc2")
+  h = _layer_norm(x_BJW, p["layer_norm1.weight"], p["layer_norm1.bias"], eps)
+  q, k, v = (dense(h, f"self_attn.{n}").reshape(b, j, heads, w // heads) for n in ("q_proj", "k_proj", "v_proj"))
+  logits = jnp.einsum("bqnh,bknh->bnqk", q * (w // heads) ** -0.5, k)
+  o = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(logits, axis=-1), v).reshape(b, j, w)
+  x_BJW = x_BJW + dense(o, "self_attn.out_proj")
+  h = _layer_norm(x_BJW, p["layer_norm2.weight"], p["layer_norm2.bias"], eps)
+  return x_BJW + dense(_ACTIVATIONS[config.hidden_act](dense(h, "mlp.fc1")), "mlp.fc2")
 
 
 @jax.jit
@@ -152,7 +152,7 @@ def penultimate_states(model: CLIPVision, pixel_values: jax.Array) -> jax.Array:
       (resized, centre-cropped, normalised).
 
   Returns:
-    float32 [B, K, W]: the output of the second-to-last encoder layer.
+    float32 [B, J, W]: the output of the second-to-last encoder layer.
   """
   config, p = model.config, model.params
   x = pixel_values.astype(jnp.float32)

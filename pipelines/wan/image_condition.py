@@ -2,7 +2,7 @@
 latents with their mask channels, and the transformer inputs they make (`ImageConditioning`).
 
 Glossary (DESIGN.md section 1): B videos, C latent channels (the VAE's z_dim), F / Hl / Wl latent
-frames / height / width, M = the VAE's temporal factor (4) mask channels, K image tokens, I the
+frames / height / width, M = the VAE's temporal factor (4) mask channels, J image tokens per frame, I the
 image states' width.
 
 Math: diffusers pipelines/wan/pipeline_wan_i2v.py `prepare_latents` and the loop body. The condition
@@ -78,11 +78,11 @@ class ImageConditioning:
   Attributes:
     video_BCFHW: float32 [B, M + C, F, Hl, Wl] mask + condition latents (`encode_condition`, one
       row per video), appended to the noise along channels.
-    image_BKI: [B or 2B, K, I] CLIP image states in the model dtype (Wan 2.1 I2V: one row per video;
+    image_BJI: [B or 2B, J, I] CLIP image states in the model dtype (Wan 2.1 I2V: one row per video;
       FLF2V: two, first and last frame), or None (Wan 2.2 I2V A14B has no image branch).
   """
   video_BCFHW: jax.Array
-  image_BKI: jax.Array | None = None
+  image_BJI: jax.Array | None = None
 
   def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool
                          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -90,7 +90,7 @@ class ImageConditioning:
     doubled to [cond; uncond] under CFG): [x; mask; condition] along channels in x's dtype, the
     timestep unchanged, the image states doubled like x under CFG."""
     video = self.video_BCFHW.astype(x_BCFHW.dtype)
-    image = self.image_BKI
+    image = self.image_BJI
     if cfg:
       video = jnp.concatenate([video, video], axis=0)
       image = None if image is None else jnp.concatenate([image, image], axis=0)

@@ -132,7 +132,7 @@ def _check_image(config: WanTransformerConfig, image: jax.Array | None, batch: i
     return
   rows = batch * (2 if config.pos_embed_seq_len is not None else 1)
   if image is None or image.ndim != 3 or image.shape[0] != rows or image.shape[2] != config.image_dim:
-    raise ValueError(f"this transformer needs encoder_hidden_states_image [{rows}, K, image_dim="
+    raise ValueError(f"this transformer needs encoder_hidden_states_image [{rows}, J, image_dim="
                      f"{config.image_dim}] (CLIP penultimate states; FLF2V: two rows per video), got "
                      f"{None if image is None else image.shape}")
   if config.pos_embed_seq_len is not None and 2 * image.shape[1] != config.pos_embed_seq_len:
@@ -258,7 +258,7 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       `plan.attention_backend` and `plan.block_sizes` apply to every self- and cross-attention;
       with `plan.shard_weights` the stacked block weights arrive sharded over the mesh (FSDP /
       ZeRO-3, `weight_shardings`) and each layer's are all-gathered inside the layer scan.
-    encoder_hidden_states_image: [B, K, image_dim] CLIP penultimate states (FLF2V: [2B, K,
+    encoder_hidden_states_image: [B, J, image_dim] CLIP penultimate states (FLF2V: [2B, J,
       image_dim], each video's first and last frame) for a transformer with an image branch
       (Wan 2.1 I2V / FLF2V), else None. Embedded once and attended by every block's
       cross-attention beside the text (replicated, local).

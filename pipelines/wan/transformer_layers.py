@@ -124,13 +124,13 @@ class ImageEmbedder(nnx.Module):
     self.norm2 = LayerNorm(**params["norm2"])
     self.pos_embed = nnx.Param(params["pos_embed"]) if "pos_embed" in params else None  # [P, I]
 
-  def __call__(self, image_BKI: jax.Array) -> jax.Array:
-    """[B', K, I] CLIP states in the model dtype -> [B, P, D] (with `pos_embed`, FLF2V: B' = 2B
-    rows, each video's first and last frame, joined into one row of P = 2K tokens)."""
+  def __call__(self, image_BJI: jax.Array) -> jax.Array:
+    """[B', J, I] CLIP states in the model dtype -> [B, P, D] (with `pos_embed`, FLF2V: B' = 2B
+    rows, each video's first and last frame, joined into one row of P = 2J tokens)."""
     if self.pos_embed is not None:
       pos_PI = self.pos_embed[...]
-      image_BKI = image_BKI.reshape(-1, *pos_PI.shape) + pos_PI.astype(image_BKI.dtype)
-    h = self.norm1(image_BKI, eps=self.EPS)
+      image_BJI = image_BJI.reshape(-1, *pos_PI.shape) + pos_PI.astype(image_BJI.dtype)
+    h = self.norm1(image_BJI, eps=self.EPS)
     h = self.proj_out(_gelu(self.proj_in(h)))
     return self.norm2(h, eps=self.EPS)
 
