@@ -46,6 +46,9 @@ class Plan:
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
   contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
+  image: str | None = None  # --image PATH (image-to-video)
+  last_image: str | None = None  # --last-image PATH
+  size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
 
   @property
   def mesh_devices(self) -> int | None:

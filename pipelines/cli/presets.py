@@ -58,6 +58,19 @@ PRESETS: dict[str, Preset] = {
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
     "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
+    # Image-to-video. Wan2.1 generate.py: i2v 40 steps, shift 3.0 at 832*480 and 5.0 otherwise,
+    # guide scale 5.0; flf2v 50 steps, shift 16. Without --size the video takes the image's aspect
+    # ratio within width x height's area (`size_for_image`, as Wan's image2video.py).
+    "wan2.1-i2v-14b-480p": Preset(832, 480, 81, 40, 3.0, (5.0,), "Wan2.1 generate.py (i2v-14B, 832*480)",
+                                  WAN_NEGATIVE_PROMPT),
+    "wan2.1-i2v-14b-720p": Preset(1280, 720, 81, 40, 5.0, (5.0,), "Wan2.1 generate.py (i2v-14B, 1280*720)",
+                                  WAN_NEGATIVE_PROMPT),
+    "wan2.1-flf2v-14b-720p": Preset(1280, 720, 81, 50, 16.0, (5.0,), "Wan2.1 generate.py (flf2v-14B, 1280*720)",
+                                    WAN_NEGATIVE_PROMPT),
+    # Wan2.2 wan/configs/wan_i2v_A14B.py: shift 5.0, 40 steps, guide scale (3.5, 3.5), boundary 0.900
+    # (read from the folder's model_index.json).
+    "wan2.2-i2v-a14b": Preset(1280, 720, 81, 40, 5.0, (3.5, 3.5), "Wan2.2 configs/wan_i2v_A14B.py",
+                              WAN_NEGATIVE_PROMPT),
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")
@@ -75,6 +88,16 @@ def default_text_length(model: str) -> int:
     from pipelines.wan.tiny import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
     model = TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)
+
+
+def size_for_image(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:
+  """(width, height) of a video with the image's aspect ratio and about `area` pixels, each a
+  multiple of `multiple` (the VAE's spatial factor x the patch), floored as Wan2.1
+  wan/image2video.py does: h = floor(sqrt(area * ar) / multiple) * multiple, ar = H / W."""
+  ratio = image_height / image_width
+  height = int((area * ratio) ** 0.5 // multiple) * multiple
+  width = int((area / ratio) ** 0.5 // multiple) * multiple
+  return max(width, multiple), max(height, multiple)
 
 
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.

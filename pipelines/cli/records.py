@@ -22,7 +22,7 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange")
+             "attention_exchange", "image", "last_image")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -64,6 +64,8 @@ def _normalized(name: str, value: Any) -> Any:
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
   if name == "model":
     return value if value in TINY_MODELS else os.path.abspath(value)
+  if name in ("image", "last_image"):
+    return os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
   if name == "step_cache":
@@ -126,6 +128,7 @@ class RunFacts:
     out: --out; fps: frames per second of the output.
     loras: (path, scale, expert 0 or 1), in loading order.
     negative_prompt: --negative-prompt (the request drops it when guidance is off).
+    image, last_image: --image / --last-image paths (their contents' digests are in the request).
   """
   model: str
   preset: str | None
@@ -133,11 +136,13 @@ class RunFacts:
   fps: float
   loras: tuple[tuple[str, float, int], ...]
   negative_prompt: str
+  image: str | None = None
+  last_image: str | None = None
 
   @classmethod
   def of(cls, plan: Plan) -> RunFacts:
     return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
-               negative_prompt=plan.negative_prompt)
+               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image)
 
 
 def flow_shift(request: Any) -> float:
@@ -166,6 +171,8 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
   record["quantize"] = request.model.quantize
   record["attention_exchange"] = request.plan.attention_exchange
+  for name in ("image", "last_image"):
+    record[name] = _normalized(name, getattr(facts, name))
   return record
 
 

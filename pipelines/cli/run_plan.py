@@ -44,6 +44,11 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if processes is None or processes.process_id == 0:  # only process 0 writes
     _check_outputs(args)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  for flag, path in (("--image", args.image), ("--last-image", args.last_image)):
+    if path is not None:
+      _check_image_file(flag, path)
+  if args.last_image is not None and args.image is None:
+    raise UsageError("--last-image needs --image too (the first frame)")
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
@@ -59,8 +64,48 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
-              vae_parallel=args.vae_parallel,
-              contact_sheet=args.contact_sheet, quantize=args.quantize)
+              vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
+              image=args.image, last_image=args.last_image, size_given=bool(args.size))
+
+
+def _check_image_file(flag: str, path: str) -> None:
+  """Raises UsageError unless `path` is an image file pillow reads (its header only)."""
+  import PIL.Image
+
+  if not os.path.isfile(path):
+    raise UsageError(f"{flag} {path!r} is not a file; give an image file (PNG, JPEG, ...)")
+  try:
+    with PIL.Image.open(path) as image:
+      image.verify()
+  except Exception as e:  # noqa: BLE001 (pillow raises many kinds)
+    raise UsageError(f"{flag} {path!r} is not an image pillow can read ({e})") from e
+
+
+def read_image(path: str | None) -> Any:
+  """The image file as numpy uint8 [H, W, 3] (RGB), or None."""
+  if path is None:
+    return None
+  import numpy as np
+  import PIL.Image
+
+  with PIL.Image.open(path) as image:
+    return np.asarray(image.convert("RGB"), np.uint8)
+
+
+def image_sized(plan: Plan, facts: Any) -> Plan:
+  """Without --size, an --image's aspect ratio within the preset's area (`presets.size_for_image`,
+  rounded to the model's multiple)."""
+  if plan.image is None or plan.size_given:
+    return plan
+  import PIL.Image
+
+  from pipelines.cli.presets import size_for_image
+
+  with PIL.Image.open(plan.image) as image:
+    w, h = image.size
+  width, height = size_for_image(h, w, plan.width * plan.height,
+                                 facts.spatial_factor * facts.transformer.patch_size[1])
+  return dataclasses.replace(plan, width=width, height=height)
 
 
 def _fps(args: argparse.Namespace, preset: Preset) -> float:
@@ -246,6 +291,7 @@ def check_plan(plan: Plan) -> Checked:
   if plan.processes is not None:
     devices.join(plan, facts)
   devices.check_device_flag(plan)
+  plan = image_sized(plan, facts)
   request = build_request(plan, facts, devices.draw_seed(plan))
   mesh_auto = plan.mesh is None
   if mesh_auto:
@@ -279,7 +325,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
         step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
         attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
-        attention_exchange=plan.attention_exchange)
+        attention_exchange=plan.attention_exchange, image=read_image(plan.image),
+        last_image=read_image(plan.last_image))
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -19,7 +19,7 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "flow_shift", "seed", "latents", "max_sequence_length", "mesh", "prompt_embeds",
                      "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
-                     "vae_parallel", "decode", "attention_exchange")
+                     "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -71,6 +71,9 @@ CALL_DOCS = """
   attention_exchange: "bf16" (default) or "fp8": Q, V and the attention output cross USP's Ulysses
     all-to-alls in e4m3 with per-head scales, K in bf16 (`attention.fp8_exchange`; with U > 1).
   decode: False skips the VAE (run: `frames` is None).
+  image, last_image, image_embeds: image-to-video models only (`WanImageToVideoPipeline`): the
+    first frame, the last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states
+    (`image_inputs.check_image_inputs`).
 """
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import resume as resume_state
+from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
 from pipelines.wan import schedulers
@@ -46,6 +47,8 @@ class ModelFacts:
     trained_video: (height, width, frames) when the weights know one video size only (the trained
       tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
     quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
+      and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
   """
   name: str
   transformer: WanTransformerConfig
@@ -57,6 +60,15 @@ class ModelFacts:
   dtype: str
   trained_video: tuple[int, int, int] | None = None
   quantize: str | None = None
+  image_to_video: bool = False
+
+  def __post_init__(self):
+    t = self.transformer
+    want = 2 * t.out_channels + self.temporal_factor if self.image_to_video else t.out_channels
+    if t.in_channels != want:
+      kind = "image-to-video" if self.image_to_video else "text-to-video"
+      raise ValueError(f"a {kind} transformer needs in_channels={want} (out_channels={t.out_channels}), got "
+                       f"{t.in_channels}")
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
@@ -78,7 +90,8 @@ class ModelFacts:
     return cls(name=os.path.abspath(folder) if name is None else name, transformer=index.transformer,
                spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
-               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype)
+               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
+               image_to_video=index.image_to_video)
 
   @classmethod
   def tiny_default(cls, dtype: str) -> ModelFacts:
@@ -104,7 +117,7 @@ class ModelFacts:
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k + 1) x height x width."""
-    return (batch, self.transformer.in_channels, (num_frames - 1) // self.temporal_factor + 1,
+    return (batch, self.transformer.out_channels, (num_frames - 1) // self.temporal_factor + 1,
             height // self.spatial_factor, width // self.spatial_factor)
 
   def tokens(self, latent_shape: tuple[int, ...]) -> int:
@@ -133,6 +146,7 @@ class GenerationRequest:
     lora_scale: `attention_kwargs["scale"]` or None.
     step_cache: the parsed step-cache spec or None.
     decode: run the VAE (False: latents only).
+    image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -156,6 +170,7 @@ class GenerationRequest:
   lora_scale: float | None = None
   step_cache: Any = None
   decode: bool = True
+  image: ImageInputs | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -166,7 +181,8 @@ class GenerationRequest:
             attention_kwargs: Any = None, generator: Any = None, step_cache: Any = None,
             shard_weights: Any = False, attention_implementation: Any = "auto",
             attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
-            attention_exchange: Any = "bf16") -> GenerationRequest:
+            attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
+            image_embeds: Any = None) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -179,6 +195,9 @@ class GenerationRequest:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
     _refuse_generator(generator)
+    t = model.transformer
+    images = check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
+                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
@@ -210,7 +229,7 @@ class GenerationRequest:
                width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
                scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
                max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-               decode=bool(decode))
+               decode=bool(decode), image=images)
 
   # --- derived ---
 
@@ -259,7 +278,7 @@ class GenerationRequest:
             "num_videos_per_prompt": self.num_videos_per_prompt,
             "prompt_embeds_given": self.prompt_embeds is not None,
             "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,
-            "lora_scale": self.lora_scale, **self.plan.describe()}
+            "lora_scale": self.lora_scale, **self._image_digests(), **self.plan.describe()}
 
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
@@ -275,8 +294,12 @@ class GenerationRequest:
         "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
         "prompt_embeds_sha256": _digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
-    } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
+    } | self._image_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
         {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange})
+
+  def _image_digests(self) -> dict[str, Any]:
+    """The input images' digests (image-to-video only: text-to-video records stay as they were)."""
+    return {} if self.image is None else self.image.digests()
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------

@@ -28,7 +28,8 @@ class GenerationResult:
   Attributes:
     frames: float32 [B, frames, height, width, 3] in [0, 1]; None when run with `decode=False`.
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
-    timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
+    timings: seconds: "text_encode", "condition" (image-to-video: the images encoded; ~0 for
+      text-to-video), "compile" (0 when cached), "denoise" (all steps),
       "denoise_per_step" (mean), "decode", "total".
     settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
       step, steps run, the step resumed from, the step cache's skips.
@@ -87,10 +88,19 @@ class Runner:
                else "text encode: none (text states given)")
     text = jax.block_until_ready(text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype))
     self.timings["text_encode"] = time.perf_counter() - start
-    state.latents, state.solver, state.text = distributed.put_replicated(
-        (state.latents, state.solver, text), plan.replicated)
+    condition = self._condition()
+    state.latents, state.solver, state.text, state.condition = distributed.put_replicated(
+        (state.latents, state.solver, text, condition), plan.replicated)
     state.cache = self._cache()
     return state
+
+  def _condition(self) -> Any:
+    """The step's conditioning beyond the text (`pipe.conditioning(request)`: None for text-to-video;
+    for image-to-video the encoded images), timed as "condition"."""
+    start = time.perf_counter()
+    condition = self.pipe.conditioning(self.request, self.stage)
+    self.timings["condition"] = time.perf_counter() - start
+    return condition
 
   def _check_processes_agree(self, noise: np.ndarray) -> None:
     """In a multi-process run, every process holds the same model (weights, LoRAs, configs: the
@@ -173,7 +183,7 @@ class Runner:
                      for e in sorted(set(state.experts))}
     first = state.experts[0]
     program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
-                                      self.guidance[first], state.cache, plan=plan, cfg=r.cfg,
+                                      self.guidance[first], state.cache, state.condition, plan=plan, cfg=r.cfg,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
     return program
@@ -186,7 +196,7 @@ class Runner:
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
       return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
-                     self.guidance[expert], state.cache)
+                     self.guidance[expert], state.cache, state.condition)
 
     return step
 

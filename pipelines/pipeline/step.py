@@ -21,8 +21,8 @@ from pipelines.wan.transformer import forward
 
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
-                 text: jax.Array, guidance: jax.Array, cache: Any = None, *, plan: ParallelPlan,
-                 cfg: bool):
+                 text: jax.Array, guidance: jax.Array, cache: Any = None, condition: Any = None, *,
+                 plan: ParallelPlan, cfg: bool):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -34,6 +34,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
+    condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
+      gives the transformer's (latents, timestep, image states), e.g. `ImageConditioning`; a new
+      conditioning (TI2V's per-token timesteps) is a new such class, not a change here.
     plan: where it runs (static): the mesh, the attention path and backend, weight sharding. With
       CFG=2 the cond rows run on the first half of the devices and the uncond rows on the second,
       each half running the whole USP schedule; the guidance mix then brings the two noise
@@ -54,11 +57,12 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cfg:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  x, timestep, image = (x, timestep, None) if condition is None else condition.transformer_inputs(x, timestep, cfg=cfg)
   stats = None
   if cache is None:
-    noise = forward(model, x, timestep, text, plan)  # model dtype
+    noise = forward(model, x, timestep, text, plan, image)  # model dtype
   else:
-    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan)
+    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan, image)
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -131,11 +135,12 @@ class CompiledSteps:
     self._programs: dict[Any, Any] = {}
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
-          cache: Any, *, plan: ParallelPlan, cfg: bool, on_compile: Callable[[], None] | None = None) -> Any:
+          cache: Any, condition: Any = None, *, plan: ParallelPlan, cfg: bool,
+          on_compile: Callable[[], None] | None = None) -> Any:
     """The compiled `denoise_step` for these arguments (compiled on the first request; `on_compile()`
     is called just before a compile). Call it as `program(params, latents, solver, text, guidance,
-    cache)`."""
-    args = (params, latents, solver, text, guidance, cache)
+    cache, condition)`."""
+    args = (params, latents, solver, text, guidance, cache, condition)
     leaves, treedef = jax.tree.flatten(args)
     key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in self._programs:

@@ -136,7 +136,8 @@ class WanPipeline(LoraLoaderMixin):
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     quantization.check_mode(quantize)  # before any loading
-    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize)
+    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
+                                       image_to_video=cls.image_to_video)
     pipe = cls(**parts)
     pipe.quantization = quantize  # quantized as they were loaded
     if plan is not None:  # already where a call on this mesh wants them
@@ -196,6 +197,20 @@ class WanPipeline(LoraLoaderMixin):
 
   # --- what the model is ---
 
+  image_to_video = False  # WanImageToVideoPipeline: True
+
+  def _conditioning_weights(self) -> dict[str, Any]:
+    """Weights beyond the transformer, text encoder and VAE that decide the video (the fingerprint
+    covers them): none for text-to-video."""
+    return {}
+
+  def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
+    """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
+    text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
+    the work)."""
+    del request, stage
+    return None
+
   @property
   def num_experts(self) -> int:
     return len(self.weights.experts)
@@ -233,7 +248,7 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name,
+                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video,
                       trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
                       quantize=self.quantization)
 
@@ -251,7 +266,7 @@ class WanPipeline(LoraLoaderMixin):
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio,
                 **({"quantize": self.quantization} if self.quantization else {})}
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
-      trees.update(text_encoder=self.weights.text_params, vae=self.vae)
+      trees.update(text_encoder=self.weights.text_params, vae=self.vae, **self._conditioning_weights())
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))
     return self._fingerprint[1]
 
@@ -443,6 +458,6 @@ def _check_parts(text_config: umt5.UMT5Config, transformers: Sequence[WanTransfo
   config = transformers[0].config
   if text_config.d_model != config.text_dim:
     raise ValueError(f"text encoder d_model={text_config.d_model} != transformer text_dim={config.text_dim}")
-  if vae.config.z_dim != config.in_channels:
-    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer in_channels={config.in_channels}")
+  if vae.config.z_dim != config.out_channels:
+    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer out_channels={config.out_channels}")
 

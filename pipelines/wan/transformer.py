@@ -54,7 +54,7 @@ from pipelines.wan.weight_placement import (LARGE_LEAF_ELEMENTS, large_leaf_shar
 
 
 class WanTransformer(nnx.Module):
-  """diffusers `WanTransformer3DModel` (text-to-video) as an NNX module; run it with `forward`.
+  """diffusers `WanTransformer3DModel` (text- or image-to-video) as an NNX module; run it with `forward`.
 
   Parameter tree (our layout; `transformer_loading` maps diffusers keys onto it):
     patch_embedding.{kernel [pt, ph, pw, C, D], bias [D]}
@@ -64,6 +64,9 @@ class WanTransformer(nnx.Module):
       blocks.norm2.{weight, bias} [Z, D] (when cross_attn_norm), blocks.ffn.proj_in [Z, D, E],
       blocks.ffn.proj_out [Z, E, D], blocks.scale_shift_table [Z, 6, D]
     scale_shift_table [2, D], proj_out [D, C_out * pt * ph * pw]
+    with an image branch (`config.has_image_branch`): condition_embedder.image_embedder.{norm1 [I],
+      proj_in [I, I], proj_out [I, D], norm2 [D], pos_embed [P, I] (FLF2V)} and
+      blocks.attn2.{add_k_proj, add_v_proj} [Z, D, D], blocks.attn2.norm_added_k [Z, D]
   (every Dense has .kernel [I, O] and .bias [O]).
   """
 
@@ -105,6 +108,7 @@ class ForwardContext:
 
   Attributes:
     text_BLD: [B, L, D] projected text states (replicated).
+    image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
     time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
     temb_BD: [B, D] timestep embedding in the model dtype (the output norm's modulation).
     rope: (cos, sin) float32 [T, H/2] at the tokens' global positions (padded rows: cos 1, sin 0).
@@ -118,10 +122,28 @@ class ForwardContext:
   rope: tuple[jax.Array, jax.Array]
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
+  image_BPD: jax.Array | None = None
+
+
+def _check_image(config: WanTransformerConfig, image: jax.Array | None, batch: int) -> None:
+  if not config.has_image_branch:
+    if image is not None:
+      raise ValueError("encoder_hidden_states_image given but this transformer has no image branch "
+                       "(image_dim is None): pass None")
+    return
+  rows = batch * (2 if config.pos_embed_seq_len is not None else 1)
+  if image is None or image.ndim != 3 or image.shape[0] != rows or image.shape[2] != config.image_dim:
+    raise ValueError(f"this transformer needs encoder_hidden_states_image [{rows}, J, image_dim="
+                     f"{config.image_dim}] (CLIP penultimate states; FLF2V: two rows per video), got "
+                     f"{None if image is None else image.shape}")
+  if config.pos_embed_seq_len is not None and 2 * image.shape[1] != config.pos_embed_seq_len:
+    raise ValueError(f"image states of {image.shape[1]} tokens per frame do not fit "
+                     f"{config.pos_embed_seq_len=} (first + last frame)")
 
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: jax.Array,
-          plan: ParallelPlan | None = None) -> tuple[jax.Array, ForwardContext]:
+          plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
+          ) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
 
   Args: as `forward`.
@@ -135,6 +157,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   """
   config = model.config
   _check_inputs(config, latents, timestep, encoder_hidden_states)
+  _check_image(config, encoder_hidden_states_image, latents.shape[0])
   dtype = model.dtype
   _, _, f, h, w = latents.shape
   pt, ph, pw = config.patch_size
@@ -145,12 +168,16 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
       timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
   temb_BD, time_proj_B6D, text_BLD = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D, text_BLD))
+  image_BPD = None
+  if encoder_hidden_states_image is not None:
+    embedder = model.condition_embedder.image_embedder
+    image_BPD = layout.constrain_rows(embedder(encoder_hidden_states_image.astype(dtype)))
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
   context = ForwardContext(text_BLD=text_BLD, time_proj_B6D=time_proj_B6D, temb_BD=temb_BD, rope=rope,
-                           layout=layout, latent_shape=tuple(latents.shape))
+                           layout=layout, latent_shape=tuple(latents.shape), image_BPD=image_BPD)
   return x_BTD, context
 
 
@@ -182,7 +209,7 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   def body(x_BTD, block):
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
     return block(x_BTD, context.text_BLD, context.time_proj_B6D, context.rope, config=model.config,
-                 layout=context.layout), None
+                 layout=context.layout, image_BPD=context.image_BPD), None
 
   x_BTD, _ = jax.lax.scan(body, x_BTD, blocks)
   return x_BTD
@@ -212,7 +239,8 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
-            encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> jax.Array:
+            encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None,
+            encoder_hidden_states_image: jax.Array | None = None) -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   `embed`, then every block (`run_blocks`), then `unembed`.
@@ -231,6 +259,10 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       `plan.attention_backend` and `plan.block_sizes` apply to every self- and cross-attention;
       with `plan.shard_weights` the stacked block weights arrive sharded over the mesh (FSDP /
       ZeRO-3, `weight_shardings`) and each layer's are all-gathered inside the layer scan.
+    encoder_hidden_states_image: [B, J, image_dim] CLIP penultimate states (FLF2V: [2B, J,
+      image_dim], each video's first and last frame) for a transformer with an image branch
+      (Wan 2.1 I2V / FLF2V), else None. Embedded once and attended by every block's
+      cross-attention beside the text (replicated, local).
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -238,7 +270,7 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   Raises:
     ValueError: shapes that do not fit the config, or a plan that is not a `ParallelPlan`.
   """
-  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan)
+  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image)
   return unembed(model, run_blocks(model, x_BTD, context), context)
 
 
@@ -300,9 +332,9 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0,
   def draw(path, shape):
     if path[-1] == "scale_shift_table":
       return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(config.dim))
-    if path[-1] in ("norm_q", "norm_k") or path[-2:] == ("norm2", "weight"):
-      return np.ones(shape, np.float32)
-    if path[-2:] == ("norm2", "bias"):
+    if path[-1] in ("norm_q", "norm_k", "norm_added_k") or path[-1] == "weight":
+      return np.ones(shape, np.float32)  # RMSNorm / LayerNorm gains
+    if path[-2] in ("norm1", "norm2") or path[-1] == "pos_embed":
       return np.zeros(shape, np.float32)
     # Dense / Conv kernel [..., I, O] ([pt, ph, pw, C, D]) or its bias, sharing its fan-in.
     kernel_shape = _lookup(shapes, (*path[:-1], "kernel"))
