@@ -188,6 +188,7 @@ class JobStore:
 
 def _row(row: sqlite3.Row) -> dict[str, Any]:
   out = dict(row)
-  out["params"] = json.loads(out["params"])
-  out["timings"] = json.loads(out["timings"]) if out["timings"] else None
+  for name in ("params", "timings"):
+    if name in out:
+      out[name] = json.loads(out[name]) if out[name] else None
   return out

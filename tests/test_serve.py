@@ -1,0 +1,312 @@
+"""`serve`: the HTTP contract of every route and status, hostile requests, cancelling, failures, the
+full queue, auth; a real uvicorn server whose concurrent videos equal the same requests run alone,
+and which, killed with SIGKILL mid-job and restarted, finishes the job as an uninterrupted run.
+
+Every video is the trained tiny default at 32x32 x 5 frames and a few steps (one in-process server
+per module; one server process, started twice).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from harness import child_env
+from pipelines.serve.app import create_app
+from pipelines.serve.main import build_service
+from pipelines.serve.options import ServeConfig
+from pipelines.serve.service import Service
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  """(service, client) of an in-process server of the tiny default, one device, batches of 2."""
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path_factory.mktemp("serve")), max_batch=2, max_queue=3)
+  service = build_service(config)
+  service.start(block=True)
+  yield service, TestClient(create_app(service))
+  service.stop()
+
+
+def wait(client, job_id: str, until=("completed", "failed", "cancelled"), timeout: float = 120.0,
+         check=lambda job: True) -> dict:
+  """The job once its status is in `until` and `check(job)` holds."""
+  deadline = time.monotonic() + timeout
+  while True:
+    job = client.get(f"/v1/videos/{job_id}").json()
+    if job["status"] in until and check(job):
+      return job
+    assert time.monotonic() < deadline, f"job {job_id} still {job['status']} after {timeout} s: {job}"
+    time.sleep(0.02)
+
+
+def idle(service) -> None:
+  """Waits until the worker runs nothing (no job in progress)."""
+  deadline = time.monotonic() + 60
+  while service.store.counts()["in_progress"]:
+    assert time.monotonic() < deadline
+    time.sleep(0.02)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+  mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+  return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def alone(pipe, prompt: str, seed: int, steps: int) -> np.ndarray:
+  """float32 [5, 32, 32, 3]: the request run alone through the pipeline (one device)."""
+  return pipe(prompt, height=32, width=32, num_frames=5, num_inference_steps=steps, seed=seed)[0]
+
+
+def test_create_poll_content_list_metrics(served):
+  service, client = served
+  service.worker.paused.set()
+  jobs = [client.post("/v1/videos", json={**SMALL, "prompt": p, "seed": s}).json()
+          for p, s in (("a red square moving right", 1), ("a blue circle moving up", 2))]
+  mp4 = client.post("/v1/videos", json={**SMALL, "prompt": "a green triangle standing still", "seed": 3,
+                                        "output_format": "mp4", "guidance_scale": 4.0}).json()
+  for job in jobs + [mp4]:
+    assert job["object"] == "video" and job["status"] == "queued" and job["progress"] == 0, job
+    assert job["model"] == "tiny" and job["id"].startswith("video_") and job["created_at"] > 0
+  assert jobs[0]["size"] == "32x32" and jobs[0]["num_frames"] == 5
+  service.worker.paused.clear()
+  service.worker.wake.set()
+  done = [wait(client, j["id"]) for j in jobs + [mp4]]
+  assert [d["status"] for d in done] == ["completed"] * 3, done
+  assert [d["batch_size"] for d in done] == [2, 2, 1]  # same settings batched, another guidance alone
+  assert done[0]["progress"] == 100 and done[0]["step"] == 2 and done[0]["timings"]["denoise"] > 0
+  for job, seed in zip(jobs, (1, 2)):
+    got = client.get(f"/v1/videos/{job['id']}/content")
+    assert got.status_code == 200 and got.headers["content-type"] == "application/octet-stream"
+    frames = np.load(__import__("io").BytesIO(got.content))
+    assert frames.shape == (5, 32, 32, 3)
+    sidecar = json.loads(open(os.path.join(service.config.data_dir, "videos", f"{job['id']}.npy.json")).read())
+    assert sidecar["request"]["seed"] == seed and sidecar["settings"]["prompts"] == [job["prompt"]]
+  video = client.get(f"/v1/videos/{mp4['id']}/content")
+  assert video.status_code == 200 and video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
+  page = client.get("/v1/videos", params={"limit": 2}).json()
+  assert page["object"] == "list" and [v["id"] for v in page["data"]] == [mp4["id"], jobs[1]["id"]]
+  assert page["has_more"] and page["last_id"] == jobs[1]["id"]
+  rest = client.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
+  assert rest["data"][0]["id"] == jobs[0]["id"]
+  health = client.get("/health")
+  assert health.status_code == 200 and health.json()["ready"] is True
+  metrics = client.get("/metrics").text
+  assert "wan_serve_queue_depth 0.0" in metrics and 'wan_serve_jobs{status="completed"}' in metrics
+  assert "wan_serve_step_seconds_count" in metrics and "wan_serve_compile_seconds_count" in metrics
+  assert "<form" in client.get("/").text
+  gone = client.delete(f"/v1/videos/{mp4['id']}").json()
+  assert gone == {"id": mp4["id"], "object": "video.deleted", "deleted": True, "status": "completed"}
+  assert client.get(f"/v1/videos/{mp4['id']}").status_code == 404
+  assert not os.path.exists(os.path.join(service.config.data_dir, "videos", f"{mp4['id']}.mp4"))
+
+
+HOSTILE = [  # (body or raw bytes, status, the field named (None: the message names it), words in the message)
+    ({}, 400, "prompt", "field required"),
+    ({"prompt": ""}, 400, "prompt", "empty"),
+    ({"prompt": 5}, 400, "prompt", "string"),
+    ({"prompt": "x", "bogus": 1}, 400, "bogus", "unknown field"),
+    ({"prompt": "x", "size": "64"}, 400, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "x", "size": "33x32"}, 400, "size", "width=33 must be a positive multiple of 16"),
+    ({"prompt": "x", "size": "99999x64"}, 400, "size", "at most"),
+    ({"prompt": "x", "num_frames": 0}, 400, "num_frames", "num_frames=0"),
+    ({"prompt": "x", "num_frames": "17"}, 400, "num_frames", "not a str"),
+    ({"prompt": "x", "num_frames": 100000}, 400, "num_frames", "limit"),
+    ({"prompt": "x", "num_inference_steps": -1}, 400, "num_inference_steps", "positive int"),
+    ({"prompt": "x", "num_inference_steps": 2.5}, 400, "num_inference_steps", "not a float"),
+    ({"prompt": "x", "guidance_scale": "high"}, 400, "guidance_scale", "finite number"),
+    (b'{"prompt": "x", "guidance_scale": NaN}', 400, "guidance_scale", "finite number"),
+    ({"prompt": "x", "seed": -1}, 400, "seed", "seed=-1"),
+    ({"prompt": "x", "flow_shift": -3}, 400, "flow_shift", "> 0"),
+    ({"prompt": "x", "fps": 0}, 400, "fps", "fps=0"),
+    ({"prompt": "x", "seconds": "forever"}, 400, "seconds", "seconds="),
+    ({"prompt": "x", "lora": ["../../etc/passwd"]}, 400, "lora", "server's LoRAs"),
+    ({"prompt": "x", "output_format": "exe"}, 400, "output_format", "'mp4', 'gif' or 'npy'"),
+    ({"prompt": "x", "model": "gpt-video"}, 400, "model", "serves 'tiny' only"),
+    ({"prompt": "x" * 3000}, 400, "prompt", "at most 2000"),
+    ({"prompt": "a\x00b"}, 400, "prompt", "NUL"),
+    ({"prompt": "x", "negative_prompt": 5}, 400, "negative_prompt", "string"),
+    (b"not json", 400, None, "not JSON"),
+    (b'["a list"]', 400, None, "JSON object"),
+    (b'{"prompt": "' + b"x" * 70000 + b'"}', 413, None, "limit of 65536 bytes"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
+def test_bad_request_is_refused_naming_the_field(served, body, status, param, words):
+  service, client = served
+  before = service.store.counts()
+  if isinstance(body, bytes):
+    response = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+  else:
+    response = client.post("/v1/videos", json=body)
+  error = response.json()["error"]
+  assert response.status_code == status, error
+  assert error["param"] == param and words.lower() in error["message"].lower(), error
+  assert service.store.counts() == before  # nothing queued
+
+
+@pytest.mark.parametrize("path,status", [("/v1/videos/../../etc/passwd", 404), ("/v1/videos/video_zz", 404),
+                                         ("/v1/videos/video_" + "0" * 24, 404), ("/v1/videos?limit=0", 400),
+                                         ("/v1/videos?limit=1000", 400)])
+def test_bad_path_or_query(served, path, status):
+  assert served[1].get(path).status_code == status
+
+
+def test_cancel_queued_and_running(served):
+  service, client = served
+  service.worker.paused.set()
+  idle(service)
+  long = client.post("/v1/videos", json={**SMALL, "prompt": "a red square moving right", "num_inference_steps": 400,
+                                         "seed": 5}).json()
+  queued = client.post("/v1/videos", json={**SMALL, "prompt": "a blue square moving left", "seed": 6}).json()
+  cancelled = client.delete(f"/v1/videos/{queued['id']}").json()
+  assert cancelled["status"] == "cancelled"
+  service.worker.paused.clear()
+  service.worker.wake.set()
+  running = wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
+  assert client.delete(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"
+  idle(service)
+  after = client.get(f"/v1/videos/{long['id']}").json()
+  assert after["status"] == "cancelled" and running["step"] <= after["step"] < 400, after
+  never = client.get(f"/v1/videos/{queued['id']}").json()
+  assert never["status"] == "cancelled" and never["step"] == 0 and never["batch_size"] is None
+  assert client.get(f"/v1/videos/{long['id']}/content").status_code == 409
+  assert not os.listdir(os.path.join(service.config.data_dir, "checkpoints"))
+  assert wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 7}).json()["id"])["status"] == \
+      "completed"
+
+
+def test_failing_job_is_failed_and_the_next_runs(served, monkeypatch):
+  service, client = served
+  pipe = service.worker.pipe
+  original = pipe.generate
+
+  def generate(request, *args, **kwargs):
+    if "boom" in request.prompts:
+      raise RuntimeError("the device caught fire")
+    return original(request, *args, **kwargs)
+
+  monkeypatch.setattr(pipe, "generate", generate)
+  bad = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "boom", "seed": 1}).json()["id"])
+  assert bad["status"] == "failed" and "the device caught fire" in bad["error"]["message"], bad
+  good = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "fine", "seed": 1}).json()["id"])
+  assert good["status"] == "completed", good
+
+
+def test_full_queue_is_429_with_retry_after(served):
+  service, client = served
+  service.worker.paused.set()
+  idle(service)
+  ids = [client.post("/v1/videos", json={**SMALL, "prompt": f"p{i}"}).json()["id"] for i in range(3)]
+  full = client.post("/v1/videos", json={**SMALL, "prompt": "one too many"})
+  assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1, full.text
+  assert full.json()["error"]["code"] == "queue_full"
+  for job_id in ids:
+    client.delete(f"/v1/videos/{job_id}")
+  assert client.post("/v1/videos", json={**SMALL, "prompt": "room again"}).status_code == 200
+  client.delete(f"/v1/videos/{client.get('/v1/videos?limit=1').json()['first_id']}")
+  service.worker.paused.clear()
+
+
+def test_api_key_guards_every_route_but_health(tmp_path, served):
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path), api_key="secret-key-1")
+  client = TestClient(create_app(Service(config, served[0].facts, load=None)))
+  assert client.get("/health").status_code == 503  # answered without a key (not loaded: not ready)
+  assert client.get("/").status_code == 200
+  for method, path in (("get", "/v1/videos"), ("get", "/metrics"), ("get", "/v1/videos/video_" + "0" * 24),
+                       ("delete", "/v1/videos/video_" + "0" * 24), ("post", "/v1/videos")):
+    response = getattr(client, method)(path)
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", (path, response.text)
+  assert client.get("/v1/videos", headers={"Authorization": "Bearer wrong-key"}).status_code == 401
+  assert client.get("/v1/videos", headers={"Authorization": "Bearer secret-key-1"}).status_code == 200
+
+
+# --- a real server process ------------------------------------------------------------------------
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(data: str, cache: str, port: int) -> subprocess.Popen:
+  command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--mesh", "U=2", "--port", str(port),
+             "--data-dir", data, "--max-batch", "4", "--compile-cache", cache]
+  return subprocess.Popen(command, cwd=ROOT, env=child_env(PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                          stderr=open(os.path.join(data, "server.log"), "a"))
+
+
+def _ready(client, process) -> None:
+  deadline = time.monotonic() + 180
+  while True:
+    assert process.poll() is None, "the server exited"
+    try:
+      if client.get("/health").status_code == 200:
+        return
+    except Exception:  # noqa: BLE001 -- not listening yet
+      pass
+    assert time.monotonic() < deadline, "the server did not get ready"
+    time.sleep(0.1)
+
+
+def test_server_process_batches_and_survives_kill_9(served, tmp_path):
+  import httpx
+
+  service, _ = served
+  service.worker.paused.set()  # the reference runs below use the in-process pipeline
+  idle(service)
+  data, cache, port = str(tmp_path / "data"), str(tmp_path / "cache"), _free_port()
+  os.makedirs(data)
+  process = _start(data, cache, port)
+  try:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+      _ready(client, process)
+      asked = [("a red square moving right", 11), ("a yellow circle moving down", 12), ("a white triangle", 13)]
+      with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        posted = list(pool.map(lambda a: client.post("/v1/videos", json={**SMALL, "prompt": a[0], "seed": a[1]}).json(),
+                               asked))
+      done = [wait(client, p["id"]) for p in posted]
+      assert all(d["status"] == "completed" for d in done), done
+      for (prompt, seed), job in zip(asked, done):
+        got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))
+        quality = psnr(got, alone(service.worker.pipe, prompt, seed, 2))
+        print(f"batched video {seed} (batch of {job['batch_size']}) vs alone: PSNR {quality:.1f} dB")
+        assert quality >= 60, quality
+      steps = 100
+      long = client.post("/v1/videos", json={**SMALL, "prompt": "a green square moving up", "seed": 21,
+                                             "num_inference_steps": steps}).json()
+      wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 2, timeout=60)
+      behind = client.post("/v1/videos", json={**SMALL, "prompt": "a blue circle", "seed": 22}).json()
+      os.kill(process.pid, signal.SIGKILL)
+      process.wait()
+      assert behind["status"] == "queued"
+      process = _start(data, cache, port)
+      _ready(client, process)
+      finished = wait(client, long["id"])
+      assert finished["status"] == "completed" and wait(client, behind["id"])["status"] == "completed"
+      sidecar = json.loads(open(os.path.join(data, "videos", f"{long['id']}.npy.json")).read())
+      resumed = sidecar["settings"]["resumed_from_step"]
+      assert 2 <= resumed < steps, resumed
+      got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{long['id']}/content").content))
+      quality = psnr(got, alone(service.worker.pipe, "a green square moving up", 21, steps))
+      print(f"killed at step >= {resumed}, resumed: PSNR {quality:.1f} dB vs an uninterrupted run")
+      assert quality >= 60, quality
+      assert client.get(f"/v1/videos/{done[0]['id']}/content").status_code == 200  # still served
+  finally:
+    process.kill()
+    process.wait()
+    service.worker.paused.clear()
