@@ -54,9 +54,9 @@ def wait(client, job_id: str, until=("completed", "failed", "cancelled"), timeou
 
 
 def idle(service) -> None:
-  """Waits until the worker runs nothing (no job in progress)."""
+  """Waits until the worker runs nothing (no batch, no job in progress)."""
   deadline = time.monotonic() + 60
-  while service.store.counts()["in_progress"]:
+  while service.worker.running is not None or service.store.counts()["in_progress"]:
     assert time.monotonic() < deadline
     time.sleep(0.02)
 
@@ -281,6 +281,7 @@ def test_server_process_batches_and_survives_kill_9(served, tmp_path):
                                asked))
       done = [wait(client, p["id"]) for p in posted]
       assert all(d["status"] == "completed" for d in done), done
+      print("server timings", [d["timings"] for d in done])
       for (prompt, seed), job in zip(asked, done):
         got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))
         quality = psnr(got, alone(service.worker.pipe, prompt, seed, 2))
@@ -298,6 +299,7 @@ def test_server_process_batches_and_survives_kill_9(served, tmp_path):
       _ready(client, process)
       finished = wait(client, long["id"])
       assert finished["status"] == "completed" and wait(client, behind["id"])["status"] == "completed"
+      print("resumed timings", finished["timings"])
       sidecar = json.loads(open(os.path.join(data, "videos", f"{long['id']}.npy.json")).read())
       resumed = sidecar["settings"]["resumed_from_step"]
       assert 2 <= resumed < steps, resumed

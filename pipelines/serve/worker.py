@@ -68,6 +68,8 @@ class Worker:
     store: the `JobStore`.
     metrics: the service's `Metrics`.
     wake: set when a job is queued (the loop otherwise polls every `poll_s`).
+    paused: while set, no new batch starts (the running one finishes).
+    running: the id of the batch running now, or None.
   """
   pipe: Any
   config: Any
@@ -79,6 +81,7 @@ class Worker:
   stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
   thread: threading.Thread | None = None
   active_loras: tuple[str, ...] = ()
+  running: str | None = None
 
   def start(self) -> None:
     self.thread = threading.Thread(target=self.loop, name="wan-serve-worker", daemon=True)
@@ -97,7 +100,11 @@ class Worker:
         self.wake.wait(self.poll_s)
         self.wake.clear()
         continue
-      self.run_batch(*picked)
+      self.running = picked[0]
+      try:
+        self.run_batch(*picked)
+      finally:
+        self.running = None
 
   def run_batch(self, batch_id: str, rows: list[dict[str, Any]]) -> None:
     """Runs one batch to its end: completed, failed or cancelled (never raises)."""
