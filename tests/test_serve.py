@@ -33,8 +33,23 @@ SMALL = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_for
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  """(service, client) of an in-process server of the tiny default, one device, batches of 2."""
-  config = ServeConfig(model="tiny", data_dir=str(tmp_path_factory.mktemp("serve")), max_batch=2, max_queue=3)
+  """(service, client) of an in-process server of the tiny default, one device, batches of 2, and a
+  LoRA named "fox" (random, on one layer)."""
+  from safetensors.numpy import save_file
+
+  from pipelines.pipeline.request import ModelFacts
+  from pipelines.wan import lora
+  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+
+  root = tmp_path_factory.mktemp("serve")
+  (out_dim, in_dim), _, _ = lora.linear_layers(ModelFacts.from_folder(TINY_DEFAULT_FOLDER, "float32").transformer)[
+      "blocks.0.attn1.to_q"]
+  rng = np.random.default_rng(0)
+  save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": rng.standard_normal((2, in_dim), np.float32),
+             "transformer.blocks.0.attn1.to_q.lora_B.weight": rng.standard_normal((out_dim, 2), np.float32)},
+            str(root / "fox.safetensors"))
+  config = ServeConfig(model="tiny", data_dir=str(root / "data"), max_batch=2, max_queue=3,
+                       loras=(("fox", str(root / "fox.safetensors"), 0.5),))
   service = build_service(config)
   service.start(block=True)
   yield service, TestClient(create_app(service))
@@ -205,6 +220,20 @@ def test_failing_job_is_failed_and_the_next_runs(served, monkeypatch):
   assert bad["status"] == "failed" and "the device caught fire" in bad["error"]["message"], bad
   good = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "fine", "seed": 1}).json()["id"])
   assert good["status"] == "completed", good
+
+
+def test_lora_by_name_is_fused_for_its_job_only(served):
+  service, client = served
+  videos = []
+  for names in ([], ["fox"], []):
+    job = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "a red square", "seed": 9,
+                                                       "lora": names}).json()["id"])
+    assert job["status"] == "completed", job
+    videos.append(np.load(os.path.join(service.config.data_dir, "videos", f"{job['id']}.npy")))
+    sidecar = json.loads(open(os.path.join(service.config.data_dir, "videos", f"{job['id']}.npy.json")).read())
+    assert [a["name"] for a in sidecar["lora"]["adapters"]] == names
+  assert np.array_equal(videos[0], videos[2])  # the base weights back, bit for bit
+  assert not np.array_equal(videos[0], videos[1])  # the LoRA changed the video
 
 
 def test_full_queue_is_429_with_retry_after(served):

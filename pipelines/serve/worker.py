@@ -36,19 +36,28 @@ class BatchCancelled(Exception):
   """Every job of the running batch was cancelled: the loop stops before its next step."""
 
 
+class ServerStopping(Exception):
+  """The server is shutting down: the batch stops before its next step and stays in_progress, its
+  checkpoint kept, so the next start resumes it."""
+
+
 class JobProgress(StepHook):
-  """Writes each step's progress into the job table and stops the batch once all of it is cancelled.
+  """Writes each step's progress into the job table and stops the batch once all of it is cancelled
+  (or the server is stopping).
 
   Args:
     store: the `JobStore`.
     job_ids: the batch's jobs still wanted when it started.
     observe_step: called with each step's seconds (the metrics' histogram).
+    stopping: set when the server shuts down.
   """
 
-  def __init__(self, store: Any, job_ids: list[str], observe_step: Any):
-    self.store, self.job_ids, self.observe_step = store, job_ids, observe_step
+  def __init__(self, store: Any, job_ids: list[str], observe_step: Any, stopping: threading.Event):
+    self.store, self.job_ids, self.observe_step, self.stopping = store, job_ids, observe_step, stopping
 
   def before_step(self, state: LoopState) -> None:
+    if self.stopping.is_set():
+      raise ServerStopping(f"stopped before step {state.step + 1}/{state.steps}")
     statuses = self.store.statuses(self.job_ids)
     if not any(statuses.get(j) == "in_progress" for j in self.job_ids):
       raise BatchCancelled(f"cancelled before step {state.step + 1}/{state.steps}")
@@ -60,7 +69,8 @@ class JobProgress(StepHook):
 
 @dataclasses.dataclass
 class Worker:
-  """The scheduling loop (`start` runs it on a daemon thread; `stop` ends it after the running batch).
+  """The scheduling loop (`start` runs it on a daemon thread; `stop` ends it at the running batch's next
+  step, the batch left to resume).
 
   Attributes:
     pipe: the loaded `WanPipeline` (only this thread calls it after warm-up).
@@ -116,6 +126,8 @@ class Worker:
     started = time.perf_counter()
     try:
       result = self._generate(rows, live, folder)
+    except ServerStopping:
+      return  # in_progress with its checkpoint: the next start resumes it
     except BatchCancelled:
       self.metrics.finished("cancelled", len(live))
     except Exception as e:  # noqa: BLE001 -- a failing job must not stop the server; its message is kept
@@ -132,7 +144,7 @@ class Worker:
     request = batch_request(self.pipe.facts, [r["params"] for r in rows], self.config.mesh)
     resume = ResumeConfig(folder, every=self.config.checkpoint_every,
                           resume=os.path.exists(os.path.join(folder, STATE_FILE)), keep=True)
-    hook = JobProgress(self.store, live, self.metrics.step_seconds.observe)
+    hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping)
     result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=resume)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
     return result
