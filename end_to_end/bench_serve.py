@@ -44,7 +44,7 @@ def start_server(args: argparse.Namespace, max_batch: int, data: str, cache: str
   port = _free_port()
   command = [sys.executable, "-m", "pipelines.serve.main", "--model", args.model, "--port", str(port),
              "--data-dir", data, "--max-batch", str(max_batch), "--max-queue", "1000", "--compile-cache", cache,
-             "--warmup", f"{args.size}x{args.frames}"] + (["--mesh", args.mesh] if args.mesh else [])
+             "--warmup", f"{args.size}x{args.frames}x{args.steps}"] + (["--mesh", args.mesh] if args.mesh else [])
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=open(os.path.join(data, "server.log"), "w"))

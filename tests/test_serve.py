@@ -28,7 +28,8 @@ from pipelines.serve.options import ServeConfig
 from pipelines.serve.service import Service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
+STEPS = 150  # the server process's jobs: long enough (~1 s) to be killed mid-run
+SMALL = {"size": "32x32", "num_frames": 5, "num_inference_steps": 3, "output_format": "npy"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def served(tmp_path_factory):
              "transformer.blocks.0.attn1.to_q.lora_B.weight": rng.standard_normal((out_dim, 2), np.float32)},
             str(root / "fox.safetensors"))
   config = ServeConfig(model="tiny", data_dir=str(root / "data"), max_batch=2, max_queue=3,
-                       loras=(("fox", str(root / "fox.safetensors"), 0.5),))
+                       loras=(("fox", str(root / "fox.safetensors"), 0.5),), warmup=((32, 32, 5, 3),))
   service = build_service(config)
   service.start(block=True)
   yield service, TestClient(create_app(service))
@@ -57,7 +58,7 @@ def served(tmp_path_factory):
 
 
 def wait(client, job_id: str, until=("completed", "failed", "cancelled"), timeout: float = 120.0,
-         check=lambda job: True) -> dict:
+         check=lambda job: True, every: float = 0.02) -> dict:
   """The job once its status is in `until` and `check(job)` holds."""
   deadline = time.monotonic() + timeout
   while True:
@@ -65,7 +66,7 @@ def wait(client, job_id: str, until=("completed", "failed", "cancelled"), timeou
     if job["status"] in until and check(job):
       return job
     assert time.monotonic() < deadline, f"job {job_id} still {job['status']} after {timeout} s: {job}"
-    time.sleep(0.02)
+    time.sleep(every)
 
 
 def idle(service) -> None:
@@ -102,7 +103,8 @@ def test_create_poll_content_list_metrics(served):
   done = [wait(client, j["id"]) for j in jobs + [mp4]]
   assert [d["status"] for d in done] == ["completed"] * 3, done
   assert [d["batch_size"] for d in done] == [2, 2, 1]  # same settings batched, another guidance alone
-  assert done[0]["progress"] == 100 and done[0]["step"] == 2 and done[0]["timings"]["denoise"] > 0
+  assert done[0]["progress"] == 100 and done[0]["step"] == 3 and done[0]["timings"]["denoise"] > 0
+  assert max(d["timings"]["compile"] for d in done) < 0.5  # compiled by the warm-up
   for job, seed in zip(jobs, (1, 2)):
     got = client.get(f"/v1/videos/{job['id']}/content")
     assert got.status_code == 200 and got.headers["content-type"] == "application/octet-stream"
@@ -181,26 +183,30 @@ def test_bad_path_or_query(served, path, status):
   assert served[1].get(path).status_code == status
 
 
-def test_cancel_queued_and_running(served):
+def test_cancel_queued_and_running(served, monkeypatch):
   service, client = served
   service.worker.paused.set()
   idle(service)
-  long = client.post("/v1/videos", json={**SMALL, "prompt": "a red square moving right", "num_inference_steps": 400,
-                                         "seed": 5}).json()
-  queued = client.post("/v1/videos", json={**SMALL, "prompt": "a blue square moving left", "seed": 6}).json()
+  # Each step takes 0.3 s more (through the step-time metric the worker calls after every step).
+  monkeypatch.setattr(service.metrics.step_seconds, "observe", lambda seconds: time.sleep(0.3))
+  running = client.post("/v1/videos", json={**SMALL, "prompt": "a red square moving right", "seed": 5}).json()
+  queued = client.post("/v1/videos", json={**SMALL, "prompt": "a blue square moving left", "seed": 6,
+                                           "guidance_scale": 4.0}).json()
   cancelled = client.delete(f"/v1/videos/{queued['id']}").json()
   assert cancelled["status"] == "cancelled"
   service.worker.paused.clear()
   service.worker.wake.set()
-  running = wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
-  assert client.delete(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"
+  seen = wait(client, running["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
+  assert client.delete(f"/v1/videos/{running['id']}").json()["status"] == "cancelled"
   idle(service)
-  after = client.get(f"/v1/videos/{long['id']}").json()
-  assert after["status"] == "cancelled" and running["step"] <= after["step"] < 400, after
+  after = client.get(f"/v1/videos/{running['id']}").json()
+  assert after["status"] == "cancelled" and seen["step"] <= after["step"] < 3, after
   never = client.get(f"/v1/videos/{queued['id']}").json()
   assert never["status"] == "cancelled" and never["step"] == 0 and never["batch_size"] is None
-  assert client.get(f"/v1/videos/{long['id']}/content").status_code == 409
+  assert client.get(f"/v1/videos/{running['id']}/content").status_code == 409
   assert not os.listdir(os.path.join(service.config.data_dir, "checkpoints"))
+  assert not os.path.exists(os.path.join(service.config.data_dir, "videos", f"{running['id']}.npy"))
+  monkeypatch.undo()
   assert wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 7}).json()["id"])["status"] == \
       "completed"
 
@@ -274,7 +280,7 @@ def _free_port() -> int:
 
 def _start(data: str, cache: str, port: int) -> subprocess.Popen:
   command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--mesh", "U=2", "--port", str(port),
-             "--data-dir", data, "--max-batch", "4", "--compile-cache", cache]
+             "--data-dir", data, "--max-batch", "2", "--compile-cache", cache, "--warmup", f"32x32x5x{STEPS}"]
   return subprocess.Popen(command, cwd=ROOT, env=child_env(PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
                           stderr=open(os.path.join(data, "server.log"), "a"))
 
@@ -306,21 +312,22 @@ def test_server_process_batches_and_survives_kill_9(served, tmp_path):
       _ready(client, process)
       asked = [("a red square moving right", 11), ("a yellow circle moving down", 12), ("a white triangle", 13)]
       with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        posted = list(pool.map(lambda a: client.post("/v1/videos", json={**SMALL, "prompt": a[0], "seed": a[1]}).json(),
-                               asked))
+        posted = list(pool.map(lambda a: client.post("/v1/videos", json={
+            **SMALL, "prompt": a[0], "seed": a[1], "num_inference_steps": STEPS}).json(), asked))
       done = [wait(client, p["id"]) for p in posted]
       assert all(d["status"] == "completed" for d in done), done
       print("server timings", [d["timings"] for d in done])
       for (prompt, seed), job in zip(asked, done):
         got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))
-        quality = psnr(got, alone(service.worker.pipe, prompt, seed, 2))
+        quality = psnr(got, alone(service.worker.pipe, prompt, seed, STEPS))
         print(f"batched video {seed} (batch of {job['batch_size']}) vs alone: PSNR {quality:.1f} dB")
         assert quality >= 60, quality
-      steps = 100
+      steps = STEPS
       long = client.post("/v1/videos", json={**SMALL, "prompt": "a green square moving up", "seed": 21,
                                              "num_inference_steps": steps}).json()
-      wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 2, timeout=60)
-      behind = client.post("/v1/videos", json={**SMALL, "prompt": "a blue circle", "seed": 22}).json()
+      wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 2, timeout=60, every=0.002)
+      behind = client.post("/v1/videos", json={**SMALL, "prompt": "a blue circle", "seed": 22,
+                                               "num_inference_steps": STEPS}).json()
       os.kill(process.pid, signal.SIGKILL)
       process.wait()
       assert behind["status"] == "queued"

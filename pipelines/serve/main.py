@@ -49,12 +49,13 @@ def check(config: ServeConfig, facts: Any) -> None:
   from pipelines.pipeline.request import GenerationRequest
   from pipelines.wan import lora
 
-  for width, height, frames in config.warmup:
+  for width, height, frames, steps in config.warmup:
     try:
       GenerationRequest.build(facts, "warm-up", height=height, width=width, num_frames=frames, seed=0,
-                              num_inference_steps=1, mesh=config.mesh)
+                              num_inference_steps=1 if steps is None else steps, mesh=config.mesh)
     except ValueError as e:
-      raise UsageError(f"--warmup {width}x{height}x{frames} / --mesh {config.mesh}: {e}") from e
+      raise UsageError(f"--warmup {width}x{height}x{frames}{'' if steps is None else f'x{steps}'} / --mesh "
+                       f"{config.mesh}: {e}") from e
   for name, path, _ in config.loras:
     try:
       lora.parse_lora(*lora.read_lora(path)[:2], facts.transformer, where=path)

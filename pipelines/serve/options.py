@@ -30,7 +30,9 @@ class ServeConfig:
     data_dir: the job table (`jobs.sqlite3`), videos, sidecars and denoising checkpoints.
     max_batch: jobs of one shape and setting run together as one batch of up to this many videos.
     max_queue: queued jobs at most; a request beyond gets 429 with Retry-After.
-    warmup: (width, height, frames) shapes compiled before /health reports ready.
+    warmup: (width, height, frames, steps or None) compiled, at every batch size up to max_batch,
+      before /health reports ready (the step program depends on the shape, the batch size and the
+      number of steps; None: the model's default steps).
     api_key: None (no auth) or the Bearer token every route but /health and / requires.
     loras: (name, path, scale): the LoRAs a request may name (never a client path).
     dtype: the transformer's dtype ("float32" or "bfloat16").
@@ -45,7 +47,7 @@ class ServeConfig:
   data_dir: str = "wan-serve"
   max_batch: int = 4
   max_queue: int = 64
-  warmup: tuple[tuple[int, int, int], ...] = ()
+  warmup: tuple[tuple[int, int, int, int | None], ...] = ()
   api_key: str | None = None
   loras: tuple[tuple[str, str, float], ...] = ()
   dtype: str = "float32"
@@ -93,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--data-dir", default="wan-serve", help="job table, videos, sidecars and checkpoints")
   p.add_argument("--max-batch", type=int, default=4, help="same-shape jobs run together, at most this many")
   p.add_argument("--max-queue", type=int, default=64, help="queued jobs at most (beyond: HTTP 429)")
-  p.add_argument("--warmup", action="append", default=[], metavar="WxHxF",
-                 help="compile this shape (e.g. 64x64x17) before /health says ready; repeatable")
+  p.add_argument("--warmup", action="append", default=[], metavar="WxHxF[xSTEPS]",
+                 help="compile this shape and step count (e.g. 64x64x17; default steps: the model's) at "
+                      "every batch size before /health says ready; repeatable")
   p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
   p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                  help="a LoRA requests may name as NAME; repeatable")
@@ -105,16 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def parse_warmup(text: str) -> tuple[int, int, int]:
-  """"64x64x17" -> (64, 64, 17) (width, height, frames).
+def parse_warmup(text: str) -> tuple[int, int, int, int | None]:
+  """"64x64x17" -> (64, 64, 17, None); "64x64x17x8" -> (64, 64, 17, 8) (width, height, frames, steps).
 
   Raises:
     UsageError: anything else.
   """
-  match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", text)
+  match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?:x(\d+))?\s*", text)
   if match is None:
-    raise UsageError(f"--warmup {text!r} is malformed; write WIDTHxHEIGHTxFRAMES, e.g. 64x64x17")
-  return int(match.group(1)), int(match.group(2)), int(match.group(3))
+    raise UsageError(f"--warmup {text!r} is malformed; write WIDTHxHEIGHTxFRAMES[xSTEPS], e.g. 64x64x17 or "
+                     "64x64x17x8")
+  width, height, frames, steps = match.groups()
+  return int(width), int(height), int(frames), None if steps is None else int(steps)
 
 
 def parse_lora(text: str) -> tuple[str, str, float]:

@@ -79,8 +79,8 @@ class Service:
       pipe.set_progress_bar_config(disable=True)
       self.worker = Worker(pipe, self.config, self.store, self.metrics)
       self.state = "warming up"
-      for width, height, frames in self.config.warmup:
-        self._warm(width, height, frames)
+      for shape in self.config.warmup:
+        self._warm(*shape)
       self.worker.start()
       self.state = "ready"
       self.ready.set()
@@ -88,17 +88,24 @@ class Service:
       traceback.print_exc()
       self.state, self.error = "failed", f"{type(e).__name__}: {e}"
 
-  def _warm(self, width: int, height: int, frames: int) -> None:
-    """Compiles the step for one shape at every batch size up to max_batch (a 1-step run each)."""
+  def _warm(self, width: int, height: int, frames: int, steps: int | None) -> None:
+    """Compiles the step (and the decode) for one shape and step count at every batch size up to
+    max_batch (the step program is compiled per shape, batch size and step count) by running one
+    step of it and decoding."""
+    preset = api.defaults(self.config.model)
     params = {"prompt": "warm-up", "negative_prompt": "", "width": width, "height": height, "num_frames": frames,
-              "num_inference_steps": 1, "guidance_scale": api.defaults(self.config.model).guidance[0],
+              "num_inference_steps": preset.steps if steps is None else steps, "guidance_scale": preset.guidance[0],
               "flow_shift": None, "seed": 0}
     from pipelines.pipeline.call_options import CallOptions
     from pipelines.serve.worker import batch_request
 
+    def after_first_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+      pipe._interrupt = True  # diffusers' documented early stop: the rest of the steps skipped, decode runs
+      return {}
+
     for size in range(1, self.config.max_batch + 1):
       request = batch_request(self.worker.pipe.facts, [params] * size, self.config.mesh)
-      self.worker.pipe.generate(request, CallOptions(progress=False))
+      self.worker.pipe.generate(request, CallOptions(progress=False, callback=after_first_step))
 
   def stop(self) -> None:
     if self.worker is not None:
