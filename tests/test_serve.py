@@ -348,3 +348,36 @@ def test_server_process_batches_and_survives_kill_9(served, tmp_path):
     process.kill()
     process.wait()
     service.worker.paused.clear()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--warmup", "64x64"], "--warmup '64x64' is malformed"),
+    (["--warmup", "33x32x5"], "width=33 must be a positive multiple of 16"),
+    (["--mesh", "U=16"], "--mesh U=16"),
+    (["--lora", "no-path-given"], "NAME=PATH"),
+    (["--lora", "fox=/no/such.safetensors"], "is not a file or folder"),
+    (["--max-batch", "0"], "--max-batch 0 must be an int >= 1"),
+    (["--api-key", "short"], "at least 8 characters"),
+])
+def test_serve_command_refuses_bad_flags_before_loading(argv, words, capsys, monkeypatch):
+  import uvicorn
+
+  from pipelines.serve.main import main
+
+  def started(*args, **kwargs):
+    raise AssertionError(f"serve {argv} started instead of refusing")
+
+  monkeypatch.setattr(Service, "start", started)
+  monkeypatch.setattr(uvicorn, "run", started)
+  assert main(argv) == 2
+  assert words in capsys.readouterr().err
+
+
+def test_seconds_and_fps_give_frames(served):
+  service, client = served
+  service.worker.paused.set()
+  job = client.post("/v1/videos", json={**{k: v for k, v in SMALL.items() if k != "num_frames"}, "prompt": "x",
+                                        "seconds": "1", "fps": 8}).json()
+  assert job["num_frames"] == 9 and job["seconds"] == "1", job  # 1 s x 8 fps + 1 = 4k + 1
+  client.delete(f"/v1/videos/{job['id']}")
+  service.worker.paused.clear()

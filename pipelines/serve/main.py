@@ -2,7 +2,7 @@
 mesh's CPU devices before JAX starts (as `generate` does), then listens at once while the model loads
 and compiles the --warmup shapes on a thread (/health: 503 until ready). Jobs queued meanwhile wait.
 
-  serve --model tiny --mesh U=2,R=2 --port 8000 --data-dir ./wan-serve --warmup 64x64x17
+  serve --model tiny --mesh U=2,R=2 --port 8000 --data-dir ./wan-serve --warmup 64x64x17x8
 
 Exit status: 0 after Ctrl-C / SIGTERM; 2 a usage error (nothing started).
 """
@@ -49,6 +49,14 @@ def check(config: ServeConfig, facts: Any) -> None:
   from pipelines.pipeline.request import GenerationRequest
   from pipelines.wan import lora
 
+  from pipelines.serve.api import defaults
+
+  preset = defaults(config.model)
+  try:  # the mesh against the devices and heads, at the model's default size
+    GenerationRequest.build(facts, "check", height=preset.height, width=preset.width, num_frames=preset.frames,
+                            seed=0, num_inference_steps=1, mesh=config.mesh)
+  except ValueError as e:
+    raise UsageError(f"--mesh {config.mesh}: {e}") from e
   for width, height, frames, steps in config.warmup:
     try:
       GenerationRequest.build(facts, "warm-up", height=height, width=width, num_frames=frames, seed=0,
