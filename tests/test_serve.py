@@ -178,7 +178,7 @@ def test_bad_request_is_refused_naming_the_field(served, body, status, param, wo
 
 @pytest.mark.parametrize("path,status", [("/v1/videos/../../etc/passwd", 404), ("/v1/videos/video_zz", 404),
                                          ("/v1/videos/video_" + "0" * 24, 404), ("/v1/videos?limit=0", 400),
-                                         ("/v1/videos?limit=1000", 400)])
+                                         ("/v1/videos?limit=1000", 400), ("/v1/videos?after=video_x", 404)])
 def test_bad_path_or_query(served, path, status):
   assert served[1].get(path).status_code == status
 

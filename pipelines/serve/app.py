@@ -128,7 +128,11 @@ def _add_video_routes(app: FastAPI, service: Any, auth: Any) -> None:
 
   @app.get("/v1/videos", dependencies=[auth])
   def listing(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64)) -> dict:
-    rows, more = service.store.page(limit, after)
+    page = service.store.page(limit, after)
+    if page is None:
+      raise api.ApiError(404, f"after={after!r}: no such video (pass the id of a listed video)", "after",
+                         code="not_found")
+    rows, more = page
     data = [api.video_object(r, model) for r in rows]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}

@@ -98,12 +98,15 @@ class JobStore:
     rows = self._rows("SELECT * FROM jobs WHERE id=?", (job_id,))
     return rows[0] if rows else None
 
-  def page(self, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-    """Jobs newest first, `limit` of them, starting after the job `after`; (rows, has_more)."""
+  def page(self, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], bool] | None:
+    """Jobs newest first, `limit` of them, starting after the job `after`; (rows, has_more), or None
+    when there is no job `after`."""
     start = None
     if after is not None:
       found = self._rows("SELECT seq FROM jobs WHERE id=?", (after,))
-      start = found[0]["seq"] if found else None
+      if not found:
+        return None
+      start = found[0]["seq"]
     where, args = ("WHERE seq < ?", (start,)) if start is not None else ("", ())
     rows = self._rows(f"SELECT * FROM jobs {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1))
     return rows[:limit], len(rows) > limit
