@@ -242,6 +242,36 @@ def test_lora_by_name_is_fused_for_its_job_only(served):
   assert not np.array_equal(videos[0], videos[1])  # the LoRA changed the video
 
 
+def test_stopped_server_resumes_its_batch_on_the_next_start(served, tmp_path, monkeypatch):
+  """Shutting down stops the running batch at its next step, left in_progress with its checkpoint; the
+  next start on the same data folder resumes it and makes the uninterrupted run's video."""
+  service, _ = served
+  service.worker.paused.set()
+  idle(service)
+  pipe = service.worker.pipe  # shared (its compiled programs too); the module's worker is paused
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path), max_batch=1)
+  first = Service(config, service.facts, load=lambda: pipe)
+  first.start(block=True)
+  monkeypatch.setattr(first.metrics.step_seconds, "observe", lambda seconds: time.sleep(0.3))
+  client = TestClient(create_app(first))
+  job = client.post("/v1/videos", json={**SMALL, "prompt": "a white square moving left", "seed": 4}).json()
+  wait(client, job["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
+  first.stop()
+  second = Service(config, service.facts, load=lambda: pipe)
+  try:
+    assert second.store.get(job["id"])["status"] == "in_progress"
+    second.start(block=True)
+    done = wait(TestClient(create_app(second)), job["id"])
+    assert done["status"] == "completed", done
+    sidecar = json.loads(open(os.path.join(str(tmp_path), "videos", f"{job['id']}.npy.json")).read())
+    assert 1 <= sidecar["settings"]["resumed_from_step"] < 3, sidecar["settings"]
+    got = np.load(os.path.join(str(tmp_path), "videos", f"{job['id']}.npy"))
+  finally:
+    second.stop()
+    service.worker.paused.clear()
+  assert np.array_equal(got, alone(pipe, "a white square moving left", 4, 3))
+
+
 def test_full_queue_is_429_with_retry_after(served):
   service, client = served
   service.worker.paused.set()
