@@ -256,6 +256,8 @@ def test_stopped_server_resumes_its_batch_on_the_next_start(served, tmp_path, mo
   client = TestClient(create_app(first))
   job = client.post("/v1/videos", json={**SMALL, "prompt": "a white square moving left", "seed": 4}).json()
   wait(client, job["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
+  with pytest.raises(OSError, match="another serve process is using --data-dir"):
+    Service(config, service.facts, load=lambda: pipe)  # one server per data folder
   first.stop()
   second = Service(config, service.facts, load=lambda: pipe)
   try:

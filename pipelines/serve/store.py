@@ -10,6 +10,7 @@ Statuses: queued -> in_progress -> completed | failed; queued or in_progress -> 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
 CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id, batch_index);
 """
 DB_FILE = "jobs.sqlite3"
+LOCK_FILE = "serve.lock"
 
 
 def new_id() -> str:
@@ -48,15 +50,31 @@ def new_id() -> str:
   return "video_" + secrets.token_hex(12)
 
 
+class DataDirBusy(OSError):
+  """Another server holds the data folder (two would run each other's batches)."""
+
+
 class JobStore:
   """Thread-safe access to the job table (one connection, one lock; every write one transaction).
+  One process at a time holds a data folder (an exclusive `flock` on `LOCK_FILE`, released when the
+  store is closed or the process dies, kill -9 included).
 
   Args:
     directory: the data folder (created if missing); the table is `DB_FILE` in it.
+
+  Raises:
+    DataDirBusy: another process holds the folder.
   """
 
   def __init__(self, directory: str):
     os.makedirs(directory, exist_ok=True)
+    self._holder = open(os.path.join(directory, LOCK_FILE), "a")
+    try:
+      fcntl.flock(self._holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      self._holder.close()
+      raise DataDirBusy(f"another serve process is using --data-dir {directory!r}; stop it or choose another "
+                        "folder") from e
     self.path = os.path.join(directory, DB_FILE)
     self._lock = threading.Lock()
     self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -187,6 +205,7 @@ class JobStore:
   def close(self) -> None:
     with self._lock:
       self._db.close()
+    self._holder.close()  # releases the folder
 
 
 def _row(row: sqlite3.Row) -> dict[str, Any]:
