@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import secrets
-import time
 import warnings
 from typing import Any, Literal
 
@@ -223,7 +222,3 @@ def video_object(row: dict[str, Any], model: str) -> dict[str, Any]:
       output_format=p["output_format"], timings=row["timings"] or {},
       error=None if row["error"] is None else {"code": "generation_failed", "message": row["error"]},
       batch_size=row["batch_size"]).model_dump()
-
-
-def now() -> float:
-  return time.time()

@@ -113,6 +113,7 @@ class JobStore:
     return self.get(job_id)
 
   def get(self, job_id: str) -> dict[str, Any] | None:
+    """The job's row (params and timings decoded), or None."""
     rows = self._rows("SELECT * FROM jobs WHERE id=?", (job_id,))
     return rows[0] if rows else None
 
@@ -143,6 +144,7 @@ class JobStore:
     return row
 
   def counts(self) -> dict[str, int]:
+    """Jobs per status (every status, 0 included)."""
     with self._lock:
       found = dict(self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
     return {s: int(found.get(s, 0)) for s in ("queued", "in_progress", "completed", "failed", "cancelled")}
@@ -182,6 +184,7 @@ class JobStore:
     return batch_id, [_row(r) for r in rows]
 
   def statuses(self, job_ids: list[str]) -> dict[str, str]:
+    """{job id: status} of the given jobs."""
     marks = ",".join("?" * len(job_ids))
     with self._lock:
       return dict(self._db.execute(f"SELECT id, status FROM jobs WHERE id IN ({marks})", job_ids).fetchall())
@@ -198,6 +201,7 @@ class JobStore:
                             "WHERE id=? AND status='in_progress'", (output, json.dumps(timings), time.time(), job_id)))
 
   def fail(self, job_ids: list[str], error: str) -> None:
+    """Marks the given jobs that are still running failed, with the error message."""
     marks = ",".join("?" * len(job_ids))
     self._write(f"UPDATE jobs SET status='failed', error=?, completed_at=? WHERE status='in_progress' AND id IN "
                 f"({marks})", (error, time.time(), *job_ids))

@@ -94,16 +94,19 @@ class Worker:
   running: str | None = None
 
   def start(self) -> None:
+    """Runs `loop` on a daemon thread."""
     self.thread = threading.Thread(target=self.loop, name="wan-serve-worker", daemon=True)
     self.thread.start()
 
   def stop(self, timeout: float | None = None) -> None:
+    """Stops the loop (the running batch at its next step, left in_progress to resume) and joins it."""
     self.stopping.set()
     self.wake.set()
     if self.thread is not None:
       self.thread.join(timeout)
 
   def loop(self) -> None:
+    """Runs batch after batch until stopped; waits for `wake` (or `poll_s`) when nothing is queued."""
     while not self.stopping.is_set():
       picked = None if self.paused.is_set() else self.store.next_batch(self.config.max_batch)
       if picked is None:
