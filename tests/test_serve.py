@@ -316,11 +316,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(data: str, cache: str, port: int) -> subprocess.Popen:
+def _start(data: str, cache: str, port: int, extra: tuple[str, ...] = (f"32x32x5x{STEPS}",),
+           log: str = "server.log") -> subprocess.Popen:
+  """`serve` of the tiny default on a U=2 mesh, one batch at a time, `--warmup` the first of `extra`."""
   command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--mesh", "U=2", "--port", str(port),
-             "--data-dir", data, "--max-batch", "1", "--compile-cache", cache, "--warmup", f"32x32x5x{STEPS}"]
-  return subprocess.Popen(command, cwd=ROOT, env=child_env(PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
-                          stderr=open(os.path.join(data, "server.log"), "a"))
+             "--data-dir", data, "--max-batch", "1", "--compile-cache", cache, "--warmup", *extra]
+  env = {k: v for k, v in child_env(PYTHONPATH=ROOT).items() if not k.startswith("JAX_COORDINATOR")
+         and k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+  return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(os.path.join(data, log), "a"))
 
 
 def _ready(client, process) -> None:
@@ -417,3 +421,39 @@ def test_seconds_and_fps_give_frames(served):
   assert job["num_frames"] == 9 and job["seconds"] == "1", job  # 1 s x 8 fps + 1 = 4k + 1
   client.delete(f"/v1/videos/{job['id']}")
   service.worker.paused.clear()
+
+
+def test_two_process_server_runs_cancels_and_stops_together(served, tmp_path):
+  """Process 0 serves HTTP; process 1 follows its batches (a U=2 mesh over both), its cancel and its stop."""
+  import httpx
+
+  service, _ = served
+  service.worker.paused.set()  # the reference run below uses the in-process pipeline
+  idle(service)
+  data, cache, port, coordinator = str(tmp_path / "data"), str(tmp_path / "cache"), _free_port(), _free_port()
+  os.makedirs(data)
+  flags = ("32x32x5x3", "--warmup", "32x32x5x20", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2")
+  processes = [_start(data, cache, port, flags + ("--process-id", str(i)), f"process{i}.log") for i in (0, 1)]
+  try:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+      _ready(client, processes[0])
+      job = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "a red circle", "seed": 31}).json()["id"])
+      assert job["status"] == "completed", job
+      got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))
+      quality = psnr(got, alone(service.worker.pipe, "a red circle", 31, 3))
+      print(f"two-process server (mesh U=2 over 2 processes) vs the request alone: PSNR {quality:.1f} dB")
+      assert quality >= 60, quality
+      long = client.post("/v1/videos", json={**SMALL, "prompt": "a red circle", "seed": 32,
+                                             "num_inference_steps": 20}).json()
+      wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 2, every=0.002)
+      assert client.delete(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"
+      after = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 33}).json()["id"])
+      assert after["status"] == "completed", after  # process 1 stopped the cancelled batch with process 0
+      assert client.get(f"/v1/videos/{long['id']}").json()["step"] < 20
+    processes[0].send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=120) for p in processes] == [0, 0]
+  finally:
+    for process in processes:
+      process.kill()
+      process.wait()
+    service.worker.paused.clear()

@@ -4,11 +4,17 @@ and compiles the --warmup shapes on a thread (/health: 503 until ready). Jobs qu
 
   serve --model tiny --mesh U=2,R=2 --port 8000 --data-dir ./wan-serve --warmup 64x64x17x8
 
-Exit status: 0 after Ctrl-C / SIGTERM; 2 a usage error (nothing started).
+Multi-host: start the same command on every process with --coordinator HOST:PORT --num-processes N
+--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); process 0 serves
+HTTP and the others run its batches with it (`multihost`); --data-dir must be shared storage.
+
+Exit status: 0 after Ctrl-C / SIGTERM (the running batch stops at its next step and resumes at the
+next start); 1 the coordinator not reached; 2 a usage error (nothing started).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any
 
@@ -71,21 +77,60 @@ def check(config: ServeConfig, facts: Any) -> None:
       raise UsageError(f"--lora {name}={path}: {e}") from e
 
 
-def build_service(config: ServeConfig) -> Any:
-  """The `Service` of a checked config (JAX started, model not yet loaded)."""
-  from attention.mesh import MeshSpec, request_cpu_devices
-  from pipelines.pipeline import compile_cache
-  from pipelines.serve.service import Service
+def prepare(config: ServeConfig) -> Any:
+  """Devices asked for, the multi-process runtime joined, the compile cache on, the config checked;
+  returns the model's `ModelFacts` (JAX started, no weights loaded).
 
+  Raises:
+    UsageError: a flag that does not fit the model or the devices.
+    distributed.DistributedError: the coordinator was not reached in time.
+  """
+  from attention.mesh import MeshSpec, request_cpu_devices
+  from pipelines.parallel import distributed
+  from pipelines.pipeline import compile_cache
+
+  processes = config.processes.num_processes if config.processes is not None else 1
   if config.mesh is not None:
     try:
-      request_cpu_devices(MeshSpec.parse(config.mesh).devices)
+      request_cpu_devices(MeshSpec.parse(config.mesh).devices // processes)
     except ValueError as e:
       raise UsageError(f"--mesh {config.mesh}: {e}") from e
+  if config.processes is not None:
+    distributed.initialize(config.processes)
   compile_cache.enable(config.compile_cache)
   facts = model_facts(config)
   check(config, facts)
-  return Service(config, facts, loader(config))
+  return facts
+
+
+def build_service(config: ServeConfig) -> Any:
+  """The `Service` of a checked config (JAX started, model not yet loaded)."""
+  from pipelines.serve.service import Service
+
+  facts = prepare(config)
+  channel = None
+  if config.processes is not None:
+    from pipelines.serve.multihost import Channel
+    channel = Channel()
+  return Service(config, facts, loader(config), channel=channel)
+
+
+def follow(config: ServeConfig) -> int:
+  """A process other than 0 of a multi-process server: loads and warms up as process 0 does, then
+  runs what it broadcasts until it stops."""
+  from pipelines.parallel import distributed
+  from pipelines.serve.multihost import Channel
+  from pipelines.serve.worker import Worker, warm
+
+  prepare(config)
+  pipe = loader(config)()
+  pipe.set_progress_bar_config(disable=True)
+  warm(pipe, config)
+  print(f"serve: process {config.processes.process_id} of {config.processes.num_processes} follows process 0",
+        file=sys.stderr, flush=True)
+  Worker(pipe, config, store=None, metrics=None, channel=Channel()).follow()
+  distributed.shutdown()  # with process 0, once it said stop
+  return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,23 +138,38 @@ def main(argv: list[str] | None = None) -> int:
 
   from pipelines.serve.app import create_app
 
+  from pipelines.parallel.distributed import DistributedError
+
   try:
     config = parse(argv)
+    if config.processes is not None and config.processes.process_id != 0:
+      return follow(config)
     service = build_service(config)
-  except (UsageError, OSError) as e:
+  except (UsageError, OSError, DistributedError) as e:
     print(f"serve: error: {e}", file=sys.stderr)
-    return 2
+    return 1 if isinstance(e, DistributedError) else 2
   if config.public() and config.api_key is None:
     print(f"serve: warning: listening on {config.host} without --api-key: anyone who reaches this port can "
           "queue videos", file=sys.stderr)
   service.start()
+  # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again once it has restored
+  # these handlers: leaving through `finally` stops the worker (the running batch left to resume).
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, _exit_cleanly)
   print(f"serve: http://{config.host}:{config.port}/ (model {service.facts.name}, mesh {config.mesh or 'one device'}, "
         f"data {config.data_dir}); /health says when the model is ready", file=sys.stderr, flush=True)
   try:
     uvicorn.run(create_app(service), host=config.host, port=config.port, log_level="warning")
   finally:
-    service.stop()
+    service.stop()  # a multi-process server's worker tells the others to stop
+    if config.processes is not None:
+      from pipelines.parallel import distributed
+      distributed.shutdown()  # the others reach it once they got the message
   return 0
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+  raise SystemExit(0)
 
 
 def cli() -> None:

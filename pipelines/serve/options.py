@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+from typing import Any
 
 from pipelines.cli.flags import UsageError, parse_lora_arg
 
@@ -39,6 +40,7 @@ class ServeConfig:
     checkpoint_every: denoising steps between checkpoints (a killed server resumes from the last).
     max_prompt_chars, max_body_bytes: request limits checked before anything is queued.
     compile_cache: JAX's persistent compilation cache folder, or None (off).
+    processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
   """
   model: str = "tiny"
   mesh: str | None = None
@@ -55,6 +57,7 @@ class ServeConfig:
   max_prompt_chars: int = 2000
   max_body_bytes: int = 64 * 1024
   compile_cache: str | None = None
+  processes: Any = None
 
   def __post_init__(self):
     for name in ("max_batch", "max_queue", "checkpoint_every", "max_prompt_chars", "max_body_bytes"):
@@ -105,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--checkpoint-every", type=int, default=1, help="steps between denoising checkpoints")
   p.add_argument("--compile-cache", default=None, help="JAX compilation cache folder (default: generate's)")
   p.add_argument("--no-compile-cache", action="store_true")
+  p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="multi-host: process 0's address and a free port, the same on every process (or "
+                      "$JAX_COORDINATOR_ADDRESS); process 0 serves HTTP, the others follow it")
+  p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (or $JAX_NUM_PROCESSES)")
+  p.add_argument("--process-id", type=int, default=None, help="multi-host: this process, 0.. (or $JAX_PROCESS_ID)")
   return p
 
 
@@ -141,12 +149,17 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
   Raises:
     UsageError: each bad flag, naming it and the fix.
   """
+  from pipelines.parallel import distributed
   from pipelines.pipeline import compile_cache
 
   args = build_parser().parse_args(argv)
+  try:
+    processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
   return ServeConfig(
       model=args.model, mesh=args.mesh, host=args.host, port=args.port, data_dir=os.path.abspath(args.data_dir),
       max_batch=args.max_batch, max_queue=args.max_queue, warmup=tuple(parse_warmup(w) for w in args.warmup),
       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
-      compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache))
+      compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipelines.serve import api
 from pipelines.serve.store import JobStore
-from pipelines.serve.worker import Worker
+from pipelines.serve.worker import Worker, warm
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -53,10 +53,11 @@ class Service:
     config: the `ServeConfig`.
     facts: the model's `ModelFacts` (what requests are checked against; known before the weights).
     load: returns the `WanPipeline` (called on the loading thread by `start`).
+    channel: process 0's `multihost.Channel` in a multi-process server, else None.
   """
 
-  def __init__(self, config: Any, facts: Any, load: Any):
-    self.config, self.facts, self.load = config, facts, load
+  def __init__(self, config: Any, facts: Any, load: Any, channel: Any = None):
+    self.config, self.facts, self.load, self.channel = config, facts, load, channel
     self.store = JobStore(config.data_dir)
     self.metrics = Metrics(self.store)
     self.worker: Worker | None = None
@@ -77,35 +78,15 @@ class Service:
       self.state = "loading"
       pipe = self.load()
       pipe.set_progress_bar_config(disable=True)
-      self.worker = Worker(pipe, self.config, self.store, self.metrics)
+      self.worker = Worker(pipe, self.config, self.store, self.metrics, channel=self.channel)
       self.state = "warming up"
-      for shape in self.config.warmup:
-        self._warm(*shape)
+      warm(pipe, self.config)
       self.worker.start()
       self.state = "ready"
       self.ready.set()
     except Exception as e:  # noqa: BLE001 -- reported by /health, the server stays up to say so
       traceback.print_exc()
       self.state, self.error = "failed", f"{type(e).__name__}: {e}"
-
-  def _warm(self, width: int, height: int, frames: int, steps: int | None) -> None:
-    """Compiles the step (and the decode) for one shape and step count at every batch size up to
-    max_batch (the step program is compiled per shape, batch size and step count) by running one
-    step of it and decoding."""
-    preset = api.defaults(self.config.model)
-    params = {"prompt": "warm-up", "negative_prompt": "", "width": width, "height": height, "num_frames": frames,
-              "num_inference_steps": preset.steps if steps is None else steps, "guidance_scale": preset.guidance[0],
-              "flow_shift": None, "seed": 0}
-    from pipelines.pipeline.call_options import CallOptions
-    from pipelines.serve.worker import batch_request
-
-    def after_first_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
-      pipe._interrupt = True  # diffusers' documented early stop: the rest of the steps skipped, decode runs
-      return {}
-
-    for size in range(1, self.config.max_batch + 1):
-      request = batch_request(self.worker.pipe.facts, [params] * size, self.config.mesh)
-      self.worker.pipe.generate(request, CallOptions(progress=False, callback=after_first_step))
 
   def stop(self) -> None:
     if self.worker is not None:

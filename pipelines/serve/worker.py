@@ -28,7 +28,7 @@ from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
-from pipelines.serve import api
+from pipelines.serve import api, multihost
 from pipelines.storage import video_io
 
 
@@ -50,21 +50,44 @@ class JobProgress(StepHook):
     job_ids: the batch's jobs still wanted when it started.
     observe_step: called with each step's seconds (the metrics' histogram).
     stopping: set when the server shuts down.
+    channel: a multi-process server's `multihost.Channel` (the decision is broadcast), or None.
   """
 
-  def __init__(self, store: Any, job_ids: list[str], observe_step: Any, stopping: threading.Event):
+  def __init__(self, store: Any, job_ids: list[str], observe_step: Any, stopping: threading.Event,
+               channel: Any = None):
     self.store, self.job_ids, self.observe_step, self.stopping = store, job_ids, observe_step, stopping
+    self.channel = channel
 
   def before_step(self, state: LoopState) -> None:
-    if self.stopping.is_set():
-      raise ServerStopping(f"stopped before step {state.step + 1}/{state.steps}")
-    statuses = self.store.statuses(self.job_ids)
-    if not any(statuses.get(j) == "in_progress" for j in self.job_ids):
-      raise BatchCancelled(f"cancelled before step {state.step + 1}/{state.steps}")
+    code = multihost.STOPPING if self.stopping.is_set() else multihost.GO
+    if code == multihost.GO:
+      statuses = self.store.statuses(self.job_ids)
+      if not any(statuses.get(j) == "in_progress" for j in self.job_ids):
+        code = multihost.CANCELLED
+    if self.channel is not None:
+      self.channel.action(code)
+    _stop_for(code, state)
 
   def after_step(self, state: LoopState) -> None:
     self.observe_step(state.step_times[-1])
     self.store.progress(self.job_ids, state.step + 1, state.steps)
+
+
+class FollowStep(StepHook):
+  """On a process other than 0: before each step, process 0's decision (go on, cancelled, stopping)."""
+
+  def __init__(self, channel: Any):
+    self.channel = channel
+
+  def before_step(self, state: LoopState) -> None:
+    _stop_for(self.channel.action(None), state)
+
+
+def _stop_for(code: int, state: LoopState) -> None:
+  if code == multihost.STOPPING:
+    raise ServerStopping(f"stopped before step {state.step + 1}/{state.steps}")
+  if code == multihost.CANCELLED:
+    raise BatchCancelled(f"cancelled before step {state.step + 1}/{state.steps}")
 
 
 @dataclasses.dataclass
@@ -80,6 +103,8 @@ class Worker:
     wake: set when a job is queued (the loop otherwise polls every `poll_s`).
     paused: while set, no new batch starts (the running one finishes).
     running: the id of the batch running now, or None.
+    channel: a multi-process server's `multihost.Channel` (process 0 broadcasts what it runs; the
+      other processes run `follow`), or None.
   """
   pipe: Any
   config: Any
@@ -92,6 +117,7 @@ class Worker:
   thread: threading.Thread | None = None
   active_loras: tuple[str, ...] = ()
   running: str | None = None
+  channel: Any = None
 
   def start(self) -> None:
     """Runs `loop` on a daemon thread."""
@@ -112,12 +138,35 @@ class Worker:
       if picked is None:
         self.wake.wait(self.poll_s)
         self.wake.clear()
+        if self.channel is not None:
+          self.channel.message({"kind": "idle"})
         continue
       self.running = picked[0]
       try:
         self.run_batch(*picked)
       finally:
         self.running = None
+    if self.channel is not None:
+      self.channel.message({"kind": "stop"})
+
+  def follow(self) -> None:
+    """A process other than 0: runs what process 0 broadcasts, until it says stop."""
+    while True:
+      message = self.channel.message(None)
+      if message["kind"] == "stop":
+        return
+      if message["kind"] != "batch":
+        continue
+      self._use_loras(tuple(message["jobs"][0]["lora"]))
+      request = batch_request(self.pipe.facts, message["jobs"], self.config.mesh)
+      resume = ResumeConfig(os.path.join(self.config.data_dir, "checkpoints", message["id"]),
+                            every=self.config.checkpoint_every, resume=message["resume"], keep=True)
+      try:
+        self.pipe.generate(request, CallOptions(progress=False, hooks=(FollowStep(self.channel),)), resume=resume)
+      except (BatchCancelled, ServerStopping):
+        pass
+      except Exception:  # noqa: BLE001 -- process 0 reports the job's failure
+        traceback.print_exc()
 
   def run_batch(self, batch_id: str, rows: list[dict[str, Any]]) -> None:
     """Runs one batch to its end: completed, failed or cancelled (never raises)."""
@@ -147,7 +196,10 @@ class Worker:
     request = batch_request(self.pipe.facts, [r["params"] for r in rows], self.config.mesh)
     resume = ResumeConfig(folder, every=self.config.checkpoint_every,
                           resume=os.path.exists(os.path.join(folder, STATE_FILE)), keep=True)
-    hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping)
+    if self.channel is not None:
+      self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": [r["params"] for r in rows],
+                            "resume": resume.resume})
+    hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping, self.channel)
     result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=resume)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
     return result
@@ -219,3 +271,22 @@ def write_job(data_dir: str, row: dict[str, Any], result: Any, index: int, pipe:
                        "settings": settings, "lora": pipe.lora_info(), "timings_s": timings,
                        "versions": versions()}, video_io.sidecar_path(path), overwrite=True)
   return path, timings
+
+
+def warm(pipe: Any, config: Any) -> None:
+  """Compiles the step (and the decode) of every `config.warmup` shape and step count at every batch
+  size up to max_batch (the step program is compiled per shape, batch size and step count) by
+  running one step of it and decoding. Every process of a multi-process server calls it."""
+  preset = api.defaults(config.model)
+
+  def after_first_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+    pipe._interrupt = True  # diffusers' documented early stop: the rest of the steps skipped, decode runs
+    return {}
+
+  for width, height, frames, steps in config.warmup:
+    params = {"prompt": "warm-up", "negative_prompt": "", "width": width, "height": height, "num_frames": frames,
+              "num_inference_steps": preset.steps if steps is None else steps, "guidance_scale": preset.guidance[0],
+              "flow_shift": None, "seed": 0}
+    for size in range(1, config.max_batch + 1):
+      request = batch_request(pipe.facts, [params] * size, config.mesh)
+      pipe.generate(request, CallOptions(progress=False, callback=after_first_step))
