@@ -1,9 +1,10 @@
 """`serve`: the HTTP contract of every route and status, hostile requests, cancelling, failures, the
-full queue, auth; a real uvicorn server whose concurrent videos equal the same requests run alone,
-and which, killed with SIGKILL mid-job and restarted, finishes the job as an uninterrupted run.
+full queue, auth, LoRAs by name, a graceful stop resumed; a real uvicorn server whose concurrent
+videos equal the same requests run alone, and which, killed with SIGKILL mid-job and restarted,
+finishes the job as an uninterrupted run; a two-process server that runs, cancels and stops together.
 
 Every video is the trained tiny default at 32x32 x 5 frames and a few steps (one in-process server
-per module; one server process, started twice).
+per module; one server process started twice; one two-process server).
 """
 
 from __future__ import annotations
