@@ -13,16 +13,14 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from harness import child_env
+from harness import free_port, serve_process, wait_healthy
 from pipelines.serve.app import create_app
 from pipelines.serve.main import build_service
 from pipelines.serve.options import ServeConfig
@@ -311,34 +309,11 @@ def test_api_key_guards_every_route_but_health(tmp_path, served):
 
 # --- a real server process ------------------------------------------------------------------------
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _start(data: str, cache: str, port: int, extra: tuple[str, ...] = (f"32x32x5x{STEPS}",),
            log: str = "server.log") -> subprocess.Popen:
   """`serve` of the tiny default on a U=2 mesh, one batch at a time, `--warmup` the first of `extra`."""
-  command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--mesh", "U=2", "--port", str(port),
-             "--data-dir", data, "--max-batch", "1", "--compile-cache", cache, "--warmup", *extra]
-  env = {k: v for k, v in child_env(PYTHONPATH=ROOT).items() if not k.startswith("JAX_COORDINATOR")
-         and k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-  return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=open(os.path.join(data, log), "a"))
-
-
-def _ready(client, process) -> None:
-  deadline = time.monotonic() + 180
-  while True:
-    assert process.poll() is None, "the server exited"
-    try:
-      if client.get("/health").status_code == 200:
-        return
-    except Exception:  # noqa: BLE001 -- not listening yet
-      pass
-    assert time.monotonic() < deadline, "the server did not get ready"
-    time.sleep(0.1)
+  return serve_process(ROOT, data, port, "--mesh", "U=2", "--max-batch", "1", "--compile-cache", cache, "--warmup",
+                       *extra, log=log)
 
 
 def test_server_process_serves_concurrent_jobs_and_survives_kill_9(served, tmp_path):
@@ -347,12 +322,12 @@ def test_server_process_serves_concurrent_jobs_and_survives_kill_9(served, tmp_p
   service, _ = served
   service.worker.paused.set()  # the reference runs below use the in-process pipeline
   idle(service)
-  data, cache, port = str(tmp_path / "data"), str(tmp_path / "cache"), _free_port()
+  data, cache, port = str(tmp_path / "data"), str(tmp_path / "cache"), free_port()
   os.makedirs(data)
   process = _start(data, cache, port)
   try:
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-      _ready(client, process)
+      wait_healthy(client, process)
       asked = [("a red square moving right", 11), ("a yellow circle moving down", 12), ("a white triangle", 13)]
       with concurrent.futures.ThreadPoolExecutor(3) as pool:
         posted = list(pool.map(lambda a: client.post("/v1/videos", json={
@@ -374,7 +349,7 @@ def test_server_process_serves_concurrent_jobs_and_survives_kill_9(served, tmp_p
       process.wait()
       assert behind["status"] == "queued"
       process = _start(data, cache, port)
-      _ready(client, process)
+      wait_healthy(client, process)
       finished = wait(client, long["id"])
       assert finished["status"] == "completed" and wait(client, behind["id"])["status"] == "completed"
       sidecar = json.loads(open(os.path.join(data, "videos", f"{long['id']}.npy.json")).read())
@@ -431,13 +406,13 @@ def test_two_process_server_runs_cancels_and_stops_together(served, tmp_path):
   service, _ = served
   service.worker.paused.set()  # the reference run below uses the in-process pipeline
   idle(service)
-  data, cache, port, coordinator = str(tmp_path / "data"), str(tmp_path / "cache"), _free_port(), _free_port()
+  data, cache, port, coordinator = str(tmp_path / "data"), str(tmp_path / "cache"), free_port(), free_port()
   os.makedirs(data)
   flags = ("32x32x5x3", "--warmup", "32x32x5x20", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2")
   processes = [_start(data, cache, port, flags + ("--process-id", str(i)), f"process{i}.log") for i in (0, 1)]
   try:
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-      _ready(client, processes[0])
+      wait_healthy(client, processes[0])
       job = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "a red circle", "seed": 31}).json()["id"])
       assert job["status"] == "completed", job
       got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))
