@@ -4,12 +4,14 @@ its bytes the job's content, its first frame as ffmpeg decodes it); the page's C
 a queued and a running job.
 
 Needs Debian's `chromium` and `chromium-driver` and the `selenium` package (skipped, naming the
-install command, without them). One tiny-default server, 32x32 x 5 frames; screenshots in tmp_path.
+install command, without them). One tiny-default server: the video 32x32 x 5 frames x 3 steps, the
+cancelled jobs 64x64 x 17 frames x 500 steps (seconds long); screenshots in tmp_path.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -23,8 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # Debian's packages
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 INSTALL = "apt-get update && apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium"
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=900,760")
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--window-size=900,760")
 SIZE, FRAMES, STEPS, FPS = (32, 32), 5, 3, 16  # FPS: the API's default
 
 
@@ -184,17 +187,19 @@ def test_prompt_submitted_on_the_page_plays_as_a_video(page, tmp_path):
 
 def test_cancel_buttons_cancel_a_queued_and_a_running_job(page, tmp_path):
   driver, client = page
-  long = dict(size=f"{SIZE[0]}x{SIZE[1]}", num_frames=FRAMES, num_inference_steps=500, seed=2)
+  long = dict(size="64x64", num_frames=17, num_inference_steps=500, seed=2)
   running = submit(driver, client, "a blue circle moving up", **long)
   queued = submit(driver, client, "a green triangle standing still", **long)
-  until(lambda: "in_progress" in status_text(driver, running) and "queued" in status_text(driver, queued),
-        "the page shows one job running and one queued")
-  for job_id in (queued, running):  # at once: the running one has 500 steps to go
+  until(lambda: re.search(r"in_progress [1-9]\d*/500", status_text(driver, running))
+        and "queued" in status_text(driver, queued), "the page shows one job past its first step, one queued")
+  t0 = time.monotonic()
+  for job_id in (queued, running):  # at once: the running one has seconds of steps to go
     driver.execute_script("document.querySelector(`#job-${arguments[0]} button`).click();", job_id)
   for job_id in (queued, running):
     until(lambda: status_text(driver, job_id) == "cancelled", f"the page shows job {job_id} cancelled", 30)
   jobs = {job_id: client.get(f"/v1/videos/{job_id}").json() for job_id in (queued, running)}
   assert jobs[queued]["status"] == "cancelled" and jobs[queued]["step"] == 0, jobs
+  print(f"cancelled {time.monotonic() - t0:.2f} s after the clicks, the running job at step {jobs[running]['step']}")
   assert jobs[running]["status"] == "cancelled" and jobs[running]["step"] < 500, jobs
   assert not driver.find_elements("css selector", f"#job-{running} button")  # no Cancel left
   driver.save_screenshot(str(tmp_path / "cancelled.png"))
