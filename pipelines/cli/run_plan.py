@@ -16,7 +16,7 @@ from typing import Any
 from attention.mesh import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
-from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_numbers, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
 from pipelines.pipeline import compile_cache
@@ -44,10 +44,12 @@ def plan_run(args: argparse.Namespace) -> Plan:
     _check_outputs(args)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
+  steps, timesteps, sigmas = _schedule_flags(args, preset)
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
               frames=args.frames if args.frames is not None else preset.frames,
-              steps=args.steps if args.steps is not None else preset.steps, guidance=guidance,
+              steps=steps, timesteps=timesteps, sigmas=sigmas,
+              scheduler=args.scheduler or preset.scheduler, guidance=guidance,
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
               seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
               dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
@@ -59,6 +61,19 @@ def plan_run(args: argparse.Namespace) -> Plan:
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, vae_parallel=args.vae_parallel,
               contact_sheet=args.contact_sheet)
+
+
+def _schedule_flags(args: argparse.Namespace, preset: Preset) -> tuple[Any, Any, Any]:
+  """(steps, timesteps, sigmas): --steps / --timesteps / --sigmas as given (a custom schedule sets
+  the step count: steps None unless --steps is given too), else the preset's (its custom schedule
+  only when --steps is not given)."""
+  timesteps = parse_numbers(args.timesteps, "--timesteps") if args.timesteps is not None else None
+  sigmas = parse_numbers(args.sigmas, "--sigmas") if args.sigmas is not None else None
+  if timesteps is not None or sigmas is not None:
+    return args.steps, timesteps, sigmas
+  if args.steps is not None:
+    return args.steps, None, None
+  return (None, preset.timesteps, None) if preset.timesteps is not None else (preset.steps, None, None)
 
 
 def _check_prompt(args: argparse.Namespace) -> None:
@@ -269,7 +284,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None, flow_shift=plan.shift,
         seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
         step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
-        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes)
+        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
+        scheduler=plan.scheduler, timesteps=plan.timesteps, sigmas=plan.sigmas)
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -76,7 +76,7 @@ class Runner:
     r, plan = self.request, self.request.plan
     noise = r.noise()
     self._check_processes_agree(noise)
-    schedule = r.scheduler.set_timesteps(r.steps)
+    schedule = r.schedule()
     state = LoopState(timesteps=schedule.timesteps, experts=r.experts_per_step(schedule.timesteps),
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
