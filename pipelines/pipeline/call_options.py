@@ -93,6 +93,9 @@ class CallOptions:
     callback_tensor_inputs: the tensors it is handed.
     resume: resumable denoising (`ResumeConfig`), or None.
     hooks: extra `loop.StepHook`s, run after the built-in ones.
+    text_kv_once: the text's cross-attention keys and values computed once per prompt and expert
+      before the loop (again only if a callback replaces the text states or the weights change);
+      False computes them inside every step (the same video, bit for bit; for measurements).
   """
   progress: bool = True
   nan_guard: bool = True
@@ -101,6 +104,7 @@ class CallOptions:
   callback_tensor_inputs: tuple[str, ...] = ("latents",)
   resume: ResumeConfig | None = None
   hooks: tuple[StepHook, ...] = ()
+  text_kv_once: bool = True
 
 
 def split_options(kwargs: dict[str, Any], *, default_progress: bool = True) -> tuple[dict[str, Any], CallOptions]:
