@@ -5,9 +5,9 @@
 One pipeline (a benchmark preset's architecture, random weights), both step programs compiled
 first, then `--rounds` pairs of runs in alternating order (K/V once before the loop, the pipeline's
 default; K/V recomputed inside every step, `CallOptions(text_kv_once=False)`; the VAE is skipped),
-so that drift of a noisy machine falls on both sides. Prints the fastest and the median step time of
-each side over all rounds (on a shared machine the fastest is the steadier estimate of the step's
-own cost), their ratios, the one-off cost of the precompute, and whether the two latents are
+so that drift of a noisy machine falls on both sides. Prints the median and the fastest step time of
+each side over all rounds, their ratios, XLA's FLOP count of each step program (the machine-free
+measure of the work saved), the one-off cost of the precompute, and whether the two latents are
 bit-identical.
 """
 
@@ -49,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
   options = {side: CallOptions(progress=False, text_kv_once=side == "once", on_step=lambda k, s, side=side:
                                times[side].append(s)) for side in times}
   latents = {side: pipe.generate(request, option).latents for side, option in options.items()}  # compile
+  flops = {side: _flops(program) for side, program in zip(options, pipe.compiled_steps.programs()[-2:])}
   for side in times:
     times[side].clear()
   for r in range(args.rounds):
     for side in (list(options) if r % 2 == 0 else list(options)[::-1]):
-      result = pipe.generate(request, options[side])
-      print(f"round {r + 1} K/V {side:>10}: {result.timings['denoise_per_step'] * 1e3:.1f} ms/step", flush=True)
+      pipe.generate(request, options[side])
+      steps = ", ".join(f"{t * 1e3:.0f}" for t in times[side][-args.steps:])
+      print(f"round {r + 1} K/V {side:>10}: steps {steps} ms", flush=True)
   text = jax.numpy.zeros((request.rows, request.max_sequence_length, pipe.transformer_config.text_dim), pipe.dtype)
   params = pipe.weights.experts[0]
   jax.block_until_ready(pipe.compiled_steps.text_kv(params, text, plan=request.plan))  # compile
@@ -66,12 +68,22 @@ def main(argv: list[str] | None = None) -> int:
   config = pipe.transformer_config
   print(f"preset {args.preset}: D {config.dim}, {config.num_layers} layers, {request.tokens} video tokens, "
         f"{request.max_sequence_length} text tokens, {request.rows} rows (guidance {guidance}), {args.steps} steps")
-  print(f"fastest step: K/V once {once * 1e3:.1f} ms, K/V every step {every * 1e3:.1f} ms; ratio every/once "
-        f"{every / once:.3f} (saves {(every - once) * 1e3:.1f} ms/step, {(1 - once / every) * 100:.1f} %); "
-        f"median step: {medians['once'] * 1e3:.1f} vs {medians['every step'] * 1e3:.1f} ms (ratio "
-        f"{medians['every step'] / medians['once']:.3f}); the one-off K/V precompute {once_cost * 1e3:.1f} ms; "
+  print(f"median step: K/V once {medians['once'] * 1e3:.1f} ms, K/V every step {medians['every step'] * 1e3:.1f} ms; "
+        f"ratio every/once {medians['every step'] / medians['once']:.3f} (saves "
+        f"{(medians['every step'] - medians['once']) * 1e3:.1f} ms/step); fastest step: {once * 1e3:.1f} vs "
+        f"{every * 1e3:.1f} ms (ratio {every / once:.3f}); the one-off K/V precompute {once_cost * 1e3:.1f} ms; "
         f"latents bit-identical: {bool(np.array_equal(latents['once'], latents['every step']))}")
+  if None not in flops.values():
+    print(f"XLA's FLOP count of one step: K/V once {flops['once'] / 1e9:.1f} GFLOP, every step "
+          f"{flops['every step'] / 1e9:.1f} GFLOP (ratio {flops['every step'] / flops['once']:.3f})")
   return 0
+
+
+def _flops(program) -> float | None:
+  """The compiled program's FLOPs by XLA's cost analysis (None where the backend gives none)."""
+  cost = program.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost["flops"]) if cost and "flops" in cost else None
 
 
 if __name__ == "__main__":
