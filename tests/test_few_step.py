@@ -142,7 +142,7 @@ def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
   assert identity["timesteps"] == record["timesteps"] and identity["scheduler"]["class"] == "DPMSolverConfig"
   assert "timesteps" not in _checked(tmp_path).request.identity("f" * 64, request.noise())  # old checkpoints resume
   assert _checked(tmp_path, "--sigmas", "1,0.5").request.sigmas == (1.0, 0.5)
-  with pytest.raises(UsageError, match="--steps: num_inference_steps=8 but timesteps holds 4"):
+  with pytest.raises(UsageError, match="--steps: num_inference_steps=8 but timesteps=.* holds 4"):
     _checked(tmp_path, "--steps", "8", "--timesteps", "1000,750,500,250")
   with pytest.raises(UsageError, match="--timesteps: timesteps=.*strictly decreasing"):
     _checked(tmp_path, "--timesteps", "250,500")

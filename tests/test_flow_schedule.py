@@ -65,7 +65,7 @@ def test_timesteps_are_lightx2v_denoising_step_list():
     (dict(sigmas=[1.0, float("nan")]), "NaN"),
     (dict(sigmas=[]), "non-empty"),
     (dict(sigmas="1.0,0.5"), "list of numbers"),
-    (dict(timesteps=[1000, 750, 500, 250], num_inference_steps=8), "num_inference_steps=8 but timesteps holds 4"),
+    (dict(timesteps=[1000, 750, 500, 250], num_inference_steps=8), "num_inference_steps=8 but timesteps=.* holds 4"),
 ])
 def test_bad_custom_schedules_are_refused(kwargs, match):
   steps = kwargs.pop("num_inference_steps", None)

@@ -86,13 +86,13 @@ def custom_sigmas(num_inference_steps: Any, sigmas: Any, timesteps: Any,
   name, top = ("sigmas", 1.0) if sigmas is not None else ("timesteps", float(num_train_timesteps))
   values = _numbers(name, given)
   if not np.all((values > 0) & (values <= top)):
-    raise ValueError(f"{name}={values.tolist()} must each lie in (0, {top:g}]; the final step to "
+    raise ValueError(f"{name}={given!r} must each lie in (0, {top:g}]; the final step to "
                      f"{'sigma' if name == 'sigmas' else 'timestep'} 0 is added by the scheduler")
   if np.any(np.diff(values) >= 0):
-    raise ValueError(f"{name}={values.tolist()} must be strictly decreasing (from noise to clean), e.g. "
+    raise ValueError(f"{name}={given!r} must be strictly decreasing (from noise to clean), e.g. "
                      + ("[1.0, 0.75, 0.5, 0.25]" if name == "sigmas" else "[1000, 750, 500, 250]"))
   if num_inference_steps is not None and num_inference_steps != len(values):
-    raise ValueError(f"num_inference_steps={num_inference_steps} but {name} holds {len(values)} values; "
+    raise ValueError(f"num_inference_steps={num_inference_steps} but {name}={given!r} holds {len(values)} values; "
                      f"leave num_inference_steps out (it is the {name}' count) or make them agree")
   return len(values), values if name == "sigmas" else values / num_train_timesteps
 
@@ -110,5 +110,5 @@ def _numbers(name: str, given: Any) -> np.ndarray:
   if values.ndim != 1 or values.size == 0:
     raise ValueError(f"{name}={given!r} must be a non-empty flat list of numbers")
   if not np.all(np.isfinite(values)):
-    raise ValueError(f"{name}={values.tolist()} holds NaN/inf; give finite values")
+    raise ValueError(f"{name}={given!r} holds NaN/inf; give finite values")
   return values
