@@ -39,7 +39,7 @@ class ModelFacts:
     transformer: the experts' shared config (heads, patch, text_dim, in_channels).
     spatial_factor, temporal_factor: the VAE's compression (8 and 4 for Wan 2.1).
     boundary_ratio: None (one expert) or Wan 2.2's switch ratio (two experts).
-    scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
+    scheduler: the folder's scheduler config (`UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig`).
     max_sequence_length: the default text length L of calls.
     dtype: the transformer's dtype name ("float32" or "bfloat16").
   """

@@ -28,7 +28,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   Args:
     graphdef, params: `nnx.split` of a `WanTransformer` (static graph, array state).
     latents: float32 [B, C, F, Hl, Wl] (donated).
-    solver: `UniPCState` or `FlowEulerState` (donated).
+    solver: `UniPCState`, `FlowEulerState` or `DPMSolverState` (donated).
     text: the text's cross-attention K/V of this expert (`transformer.TextKV` [Z, 2B or B, L, N, H],
       from `CompiledSteps.text_kv`: computed once per prompt and expert), or the text states
       [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim] (their K/V

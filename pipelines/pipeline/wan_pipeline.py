@@ -63,7 +63,7 @@ class WanPipeline(LoraLoaderMixin):
   Attributes:
     transformer_config: config shared by both experts.
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
-    scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
+    scheduler_config: `UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig` (`schedulers.SchedulerConfig`).
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
     max_sequence_length: the default text length L of calls (`tokenizer.text_length`).
