@@ -1,6 +1,6 @@
 """What computing the text's cross-attention K/V once per prompt saves per denoising step.
 
-  python -m end_to_end.bench_text_kv --preset 1.3b-width --steps 4 --rounds 3
+  python -m end_to_end.bench_text_kv --preset 1.3b-width --steps 4 --rounds 4
 
 One pipeline (a benchmark preset's architecture, random weights), both step programs compiled
 first, then `--rounds` pairs of runs in alternating order (K/V once before the loop, the pipeline's
