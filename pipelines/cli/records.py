@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_numbers, parse_size
 from pipelines.cli.presets import TINY_MODELS
 from pipelines.parallel import estimate
 from pipelines.storage import video_io
@@ -22,7 +22,7 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange", "image", "last_image")
+             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -68,6 +68,8 @@ def _normalized(name: str, value: Any) -> Any:
     return os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
+  if name in ("timesteps", "sigmas"):
+    return list(parse_numbers(value, "--" + name)) if isinstance(value, str) else [float(v) for v in value]
   if name == "step_cache":
     from pipelines.wan.step_cache import parse_step_cache
     return parse_step_cache(value, model="tiny").describe() if isinstance(value, str) else value
@@ -112,7 +114,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   for name in _RECORDED + _RECORDED_FREE:
     if name not in given and name in record:
       value = record[name]
-      if name == "guidance" and value is not None:
+      if name in ("guidance", "timesteps", "sigmas") and value is not None:
         value = ",".join(repr(float(g)) for g in value)
       setattr(args, name, value)
   args.checkpoint_dir = args.resume
@@ -146,9 +148,9 @@ class RunFacts:
 
 
 def flow_shift(request: Any) -> float:
-  """The flow shift of the request's scheduler (UniPC's `flow_shift`, Euler's `shift`)."""
-  scheduler = request.scheduler
-  return float(scheduler.flow_shift if hasattr(scheduler, "flow_shift") else scheduler.shift)
+  """The flow shift of the request's scheduler (UniPC's and DPM++'s `flow_shift`, Euler's `shift`)."""
+  from pipelines.wan import schedulers
+  return schedulers.flow_shift(request.scheduler)
 
 
 def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
@@ -173,6 +175,10 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["attention_exchange"] = request.plan.attention_exchange
   for name in ("image", "last_image"):
     record[name] = _normalized(name, getattr(facts, name))
+  from pipelines.wan import schedulers
+  record["scheduler"] = schedulers.solver_name(request.scheduler)
+  record["timesteps"] = None if request.timesteps is None else list(request.timesteps)
+  record["sigmas"] = None if request.sigmas is None else list(request.sigmas)
   return record
 
 

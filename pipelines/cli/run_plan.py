@@ -16,7 +16,7 @@ from typing import Any
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
-from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_numbers, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
@@ -50,10 +50,12 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if args.last_image is not None and args.image is None:
     raise UsageError("--last-image needs --image too (the first frame)")
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
+  steps, timesteps, sigmas = _schedule_flags(args, preset)
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
               frames=args.frames if args.frames is not None else preset.frames,
-              steps=args.steps if args.steps is not None else preset.steps, guidance=guidance,
+              steps=steps, timesteps=timesteps, sigmas=sigmas,
+              scheduler=args.scheduler or preset.scheduler, guidance=guidance,
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
               seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
               dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
@@ -113,6 +115,19 @@ def _fps(args: argparse.Namespace, preset: Preset) -> float:
   if args.fps is not None:
     return float(args.fps)
   return video_io.gif_fps(preset.fps) if video_io.output_kind(args.out) == "gif" else preset.fps
+
+
+def _schedule_flags(args: argparse.Namespace, preset: Preset) -> tuple[Any, Any, Any]:
+  """(steps, timesteps, sigmas): --steps / --timesteps / --sigmas as given (a custom schedule sets
+  the step count: steps None unless --steps is given too), else the preset's (its custom schedule
+  only when --steps is not given)."""
+  timesteps = parse_numbers(args.timesteps, "--timesteps") if args.timesteps is not None else None
+  sigmas = parse_numbers(args.sigmas, "--sigmas") if args.sigmas is not None else None
+  if timesteps is not None or sigmas is not None:
+    return args.steps, timesteps, sigmas
+  if args.steps is not None:
+    return args.steps, None, None
+  return (None, preset.timesteps, None) if preset.timesteps is not None else (preset.steps, None, None)
 
 
 def _check_prompt(args: argparse.Namespace) -> None:
@@ -326,7 +341,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
         attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
         attention_exchange=plan.attention_exchange, image=read_image(plan.image),
-        last_image=read_image(plan.last_image))
+        last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
+        sigmas=plan.sigmas)
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -25,7 +25,7 @@ from pipelines.pipeline import resume as resume_state
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
-from pipelines.wan import schedulers
+from pipelines.wan import flow_schedule, schedulers
 from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -41,7 +41,7 @@ class ModelFacts:
     transformer: the experts' shared config (heads, patch, text_dim, in_channels).
     spatial_factor, temporal_factor: the VAE's compression (8 and 4 for Wan 2.1).
     boundary_ratio: None (one expert) or Wan 2.2's switch ratio (two experts).
-    scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
+    scheduler: the folder's scheduler config (`UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig`).
     max_sequence_length: the default text length L of calls.
     dtype: the transformer's dtype name ("float32" or "bfloat16").
     trained_video: (height, width, frames) when the weights know one video size only (the trained
@@ -136,8 +136,9 @@ class GenerationRequest:
     num_videos_per_prompt: n; videos: B' = B x n.
     height, width, num_frames: pixels and frames (frames rounded to 4k + 1).
     steps: denoising steps.
+    timesteps, sigmas: the custom schedule as given (at most one; `flow_schedule`), or None.
     guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
-    scheduler: the scheduler config (flow shift applied).
+    scheduler: the scheduler config (solver chosen, flow shift applied).
     seed: the noise seed (None when `latents` are given).
     latents: float32 numpy [B', C, F, Hl, Wl] given, or None.
     latent_shape: [B', C, F, Hl, Wl].
@@ -171,10 +172,12 @@ class GenerationRequest:
   step_cache: Any = None
   decode: bool = True
   image: ImageInputs | None = None
+  timesteps: tuple[float, ...] | None = None
+  sigmas: tuple[float, ...] | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
-            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = 50, guidance_scale: Any = 5.0,
+            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = None, guidance_scale: Any = 5.0,
             guidance_scale_2: Any = None, flow_shift: Any = None, seed: Any = None, latents: Any = None,
             max_sequence_length: Any = None, mesh: Any = None, prompt_embeds: Any = None,
             negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1,
@@ -182,14 +185,16 @@ class GenerationRequest:
             shard_weights: Any = False, attention_implementation: Any = "auto",
             attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
             attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
-            image_embeds: Any = None) -> GenerationRequest:
+            image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
+            scheduler: Any = None) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
     `prompt_embeds`; at most one of `negative_prompt` and `negative_prompt_embeds`; a missing
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size. Every
     argument is checked for type as well as value (a bool is not an int, a str not a number,
-    NaN/inf not a number either), whether or not the call would use it.
+    NaN/inf not a number either), whether or not the call would use it. `num_inference_steps`
+    None is 50, or the length of `timesteps` / `sigmas` (`flow_schedule.custom_sigmas`).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
@@ -204,12 +209,15 @@ class GenerationRequest:
     check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
     _warn_outside_training(model, int(height), int(width), num_frames)
-    steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    if num_inference_steps is not None:
+      num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    scheduler = _scheduler(model, scheduler, flow_shift)
+    steps, _ = flow_schedule.custom_sigmas(num_inference_steps, sigmas, timesteps,
+                                           scheduler.num_train_timesteps)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
     cfg = guidance[0] > 1.0
-    scheduler = _scheduler(model, flow_shift)
     if cfg:
       _check_text_lengths(embeds, negative_embeds, length)
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
@@ -229,7 +237,7 @@ class GenerationRequest:
                width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
                scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
                max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-               decode=bool(decode), image=images)
+               decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas))
 
   # --- derived ---
 
@@ -257,6 +265,12 @@ class GenerationRequest:
                                                                                 np.float32)
                            for i in range(self.videos)])
 
+  def schedule(self) -> Any:
+    """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given)."""
+    _, sigmas = flow_schedule.custom_sigmas(self.steps, self.sigmas, self.timesteps,
+                                            self.scheduler.num_train_timesteps)
+    return self.scheduler.set_timesteps(self.steps, sigmas=sigmas)
+
   def experts_per_step(self, timesteps: Any) -> list[int]:
     """The expert of each step: 0 while t >= boundary_ratio * num_train_timesteps, then 1."""
     if self.model.boundary_ratio is None:
@@ -273,6 +287,7 @@ class GenerationRequest:
             "guidance_scale": self.guidance[0],
             "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
             "scheduler": _scheduler_record(self.scheduler), "boundary_ratio": self.model.boundary_ratio,
+            "timesteps": _listed(self.timesteps), "sigmas": _listed(self.sigmas),
             "dtype": self.model.dtype, "quantize": self.model.quantize,
             "explicit_latents": self.latents is not None,
             "num_videos_per_prompt": self.num_videos_per_prompt,
@@ -295,7 +310,9 @@ class GenerationRequest:
         "prompt_embeds_sha256": _digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
     } | self._image_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
-        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange})
+        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | {
+        name: list(given) for name, given in (("timesteps", self.timesteps), ("sigmas", self.sigmas))
+        if given is not None}
 
   def _image_digests(self) -> dict[str, Any]:
     """The input images' digests (image-to-video only: text-to-video records stay as they were)."""
@@ -361,13 +378,21 @@ def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> 
   return g1, g2
 
 
-def _scheduler(model: ModelFacts, flow_shift: Any) -> Any:
-  """The model's scheduler config with `flow_shift` applied (None: as the folder says)."""
+def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
+  """The model's scheduler config, or the solver `scheduler` names ("unipc", "euler", "dpm++") or is
+  (a `schedulers.SchedulerConfig`), with `flow_shift` applied (None: the config's)."""
+  config = model.scheduler
+  if isinstance(scheduler, str):
+    config = schedulers.switch_solver(config, scheduler)
+  elif scheduler is not None:
+    if not isinstance(scheduler, schedulers.SchedulerConfig):
+      raise ValueError(f"scheduler={scheduler!r} must be None (the model's), one of "
+                       f"{', '.join(schedulers.SOLVERS)}, or a scheduler config (schedulers.UniPCConfig, ...)")
+    config = scheduler
   if flow_shift is None:
-    return model.scheduler
+    return config
   shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
-  field = "flow_shift" if isinstance(model.scheduler, schedulers.UniPCConfig) else "shift"
-  return dataclasses.replace(model.scheduler, **{field: shift})
+  return schedulers.with_flow_shift(config, shift)
 
 
 def _warn_outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> None:
@@ -439,6 +464,15 @@ def _lora_scale(attention_kwargs: Any) -> float | None:
 
 def _scheduler_record(config: Any) -> dict[str, Any]:
   return dataclasses.asdict(config) | {"class": type(config).__name__}
+
+
+def _floats(values: Any) -> tuple[float, ...] | None:
+  """A checked custom schedule as a tuple of floats (None stays None)."""
+  return None if values is None else tuple(float(v) for v in values)
+
+
+def _listed(values: tuple[float, ...] | None) -> list[float] | None:
+  return None if values is None else list(values)
 
 
 def _digest(array: Any) -> str | None:

@@ -50,6 +50,7 @@ class Runner:
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
+    self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text states, their TextKV)
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -77,7 +78,7 @@ class Runner:
     r, plan = self.request, self.request.plan
     noise = r.noise()
     self._check_processes_agree(noise)
-    schedule = r.scheduler.set_timesteps(r.steps)
+    schedule = r.schedule()
     state = LoopState(timesteps=schedule.timesteps, experts=r.experts_per_step(schedule.timesteps),
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
@@ -182,8 +183,9 @@ class Runner:
     self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated)
                      for e in sorted(set(state.experts))}
     first = state.experts[0]
-    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
-                                      self.guidance[first], state.cache, state.condition, plan=plan, cfg=r.cfg,
+    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver,
+                                      self._text(first, state.text), self.guidance[first], state.cache,
+                                      state.condition, plan=plan, cfg=r.cfg,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
     return program
@@ -195,10 +197,24 @@ class Runner:
       k, expert = state.step, state.experts[state.step]
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
-      return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
-                     self.guidance[expert], state.cache, state.condition)
+      return program(self.pipe.weights.experts[expert], state.latents, state.solver,
+                     self._text(expert, state.text), self.guidance[expert], state.cache, state.condition)
 
     return step
+
+  def _text(self, expert: int, text: Any) -> Any:
+    """What the step takes as text: the `TextKV` of `expert`'s weights for these text states,
+    computed once and reused while the expert, its weights (a LoRA scale re-fuses them) and the
+    text states (a callback may replace them) stay the same; only the latest is kept (Wan 2.2's
+    high-noise expert does not come back). With `text_kv_once=False`, the text states themselves."""
+    if not self.options.text_kv_once:
+      return text
+    params = self.pipe.weights.experts[expert]
+    held = self._text_kv_of
+    if held is None or held[0] != expert or held[1] is not params or held[2] is not text:
+      kv = self.pipe.compiled_steps.text_kv(params, text, plan=self.request.plan)
+      self._text_kv_of = held = (expert, params, text, kv)
+    return held[3]
 
   def _hooks(self) -> list[StepHook]:
     """The loop's hooks, in order: timestep, LoRA scale, step-cache stats, NaN guard, resume writer,

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from attention.mesh import CFG_AXIS
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.transformer import forward
+from pipelines.wan.transformer import TextKV, forward, text_kv
 
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
@@ -28,8 +28,11 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   Args:
     graphdef, params: `nnx.split` of a `WanTransformer` (static graph, array state).
     latents: float32 [B, C, F, Hl, Wl] (donated).
-    solver: `UniPCState` or `FlowEulerState` (donated).
-    text: [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim].
+    solver: `UniPCState`, `FlowEulerState` or `DPMSolverState` (donated).
+    text: the text's cross-attention K/V of this expert (`transformer.TextKV` [Z, 2B or B, L, N, H],
+      from `CompiledSteps.text_kv`: computed once per prompt and expert), or the text states
+      [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim] (their K/V
+      then computed inside the step: the same result, more work per step).
     guidance: float32 [] scale of this step's expert.
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
@@ -115,8 +118,23 @@ def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.
                        check_vma=False)(noise, guidance)
 
 
+def text_kv_states(graphdef: nnx.GraphDef, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
+  """The text's cross-attention K/V of every block for these weights (`transformer.text_kv`).
+
+  Args:
+    graphdef, params: `nnx.split` of a `WanTransformer`.
+    text: [B or 2B, L, text_dim] text states (the step's rows).
+    plan: where it runs (static).
+
+  Returns:
+    `TextKV` [Z, B or 2B, L, N, H] in the model dtype, laid out as the step reads it.
+  """
+  return text_kv(nnx.merge(graphdef, params), text, plan)
+
+
 _denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg"),
                             donate_argnames=("latents", "solver", "cache"))
+_text_kv_jit = jax.jit(text_kv_states, static_argnums=0, static_argnames=("plan",))
 
 
 class CompiledSteps:
@@ -149,6 +167,10 @@ class CompiledSteps:
       self.traces += 1
       self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg).compile()
     return self._programs[key]
+
+  def text_kv(self, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
+    """`text_kv_states` for these weights and text states (compiled once per shape and plan)."""
+    return _text_kv_jit(self.graphdef, params, text, plan=plan)
 
   def programs(self) -> list[Any]:
     """The compiled programs, oldest first (e.g. to read one's HLO with `as_text()`)."""

@@ -67,7 +67,7 @@ class WanPipeline(LoraLoaderMixin):
   Attributes:
     transformer_config: config shared by both experts.
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
-    scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
+    scheduler_config: `UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig` (`schedulers.SchedulerConfig`).
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
     max_sequence_length: the default text length L of calls (`tokenizer.text_length`).
@@ -321,7 +321,7 @@ class WanPipeline(LoraLoaderMixin):
     return request
 
   def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
-               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int = 50,
+               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int | None = None,
                guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
@@ -332,7 +332,8 @@ class WanPipeline(LoraLoaderMixin):
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     `call_options.CALL_DOCS` documents every argument (diffusers' meanings; plus `seed`, `mesh`,
-    `flow_shift`); `**options` takes `generator` (refused with the fix: pass noise as `latents`)
+    `flow_shift`, `timesteps` / `sigmas` (a custom schedule), `scheduler` ("unipc", "euler",
+    "dpm++")); `**options` takes `generator` (refused with the fix: pass noise as `latents`)
     and, for one release, the keyword arguments this call took before the step cache, resumable
     denoising, progress and the NaN guard moved to objects (`call_options.LEGACY_OPTIONS`).
 
@@ -360,7 +361,7 @@ class WanPipeline(LoraLoaderMixin):
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
 
   def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
-          num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+          num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
           seed: int | None = None, latents: Any = None, max_sequence_length: int | None = None,
           mesh: Mesh | str | None = None, **kwargs: Any) -> GenerationResult:
     """`__call__` returning a `GenerationResult` (frames, latents, timings and the resolved settings);

@@ -17,6 +17,8 @@ of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole f
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
 token count as `kv_valid_len` (padded keys masked), cross-attention is `attention.cross_attention`
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
+computed by `text_kv` for every block at once: the pipeline calls it once per (prompt, expert)
+before the loop and passes the `TextKV` to every step in place of the text states,
 and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
 `lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
@@ -48,7 +50,8 @@ from pipelines.wan.sequence_layout import SequenceLayout
 from pipelines.wan.transformer_config import (KEEP_IN_FP32, WanTransformerConfig, keeps_fp32,  # noqa: F401
                                               param_counts, param_shapes)
 from pipelines.wan.transformer_layers import (Attention, ConditionEmbedder, Dense, FeedForward,  # noqa: F401
-                                              LayerNorm, MLP, PatchEmbedding, WanBlock, timestep_embedding)
+                                              LayerNorm, MLP, PatchEmbedding, WanBlock, cross_attention_kv,
+                                              timestep_embedding)
 from pipelines.wan.weight_placement import (LARGE_LEAF_ELEMENTS, large_leaf_shardings,  # noqa: F401
                                             weight_shardings)
 
@@ -84,6 +87,62 @@ class WanTransformer(nnx.Module):
     return self.patch_embedding.kernel.dtype
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TextKV:
+  """The text's cross-attention keys and values of every block (`text_kv`), in the model dtype.
+
+  Attributes:
+    k_ZBLNH, v_ZBLNH: [Z, B, L, N, H]; replicated over a mesh's sequence devices (rows split over
+      "cfg" when the mesh splits the guidance, as the text states were).
+  """
+  k_ZBLNH: jax.Array
+  v_ZBLNH: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """[Z, B, L, N, H]."""
+    return tuple(self.k_ZBLNH.shape)
+
+
+def text_kv(model: WanTransformer, encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> TextKV:
+  """Every block's cross-attention keys and values of the text: the text embedder (diffusers'
+  `condition_embedder.text_embedder`), then `cross_attention_kv` of each block, by one layer scan.
+
+  They depend on the prompt and the weights only, so a denoising loop computes them once per
+  (prompt, expert) and passes them to `forward` at every step instead of the text states: the same
+  ops on the same values as computing them inside each forward (what `forward` does when given
+  text states), one call instead of one per step. No collective: the text is replicated and
+  cross-attention is local; with sharded weights each layer's are gathered, as in `run_blocks`.
+
+  Args:
+    model: a `WanTransformer`.
+    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
+    plan: where it runs (static under jit), None for one device.
+
+  Returns:
+    `TextKV` of [Z, B, L, N, H] in the model dtype.
+
+  Raises:
+    ValueError: states that are not [B, L, text_dim].
+  """
+  config = model.config
+  text = encoder_hidden_states
+  if text.ndim != 3 or text.shape[2] != config.text_dim:
+    raise ValueError(f"encoder_hidden_states must be [B, L, text_dim={config.text_dim}], got {text.shape=}")
+  layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
+  text_BLD = layout.constrain_rows(model.condition_embedder.text_embedder(text.astype(model.dtype)))
+
+  def body(_, attn):
+    attn = layout.gathered(attn)  # sharded weights: this layer's all-gather
+    kv = cross_attention_kv(attn.to_k, attn.to_v, attn.norm_k[...], text_BLD,
+                            heads=config.num_attention_heads, eps=config.eps)
+    return None, tuple(layout.constrain_rows(a) for a in kv)
+
+  _, (k, v) = jax.lax.scan(body, None, model.blocks.attn2)
+  return TextKV(k_ZBLNH=layout.constrain_rows(k, axis=1), v_ZBLNH=layout.constrain_rows(v, axis=1))
+
+
 def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None:
   if latents.ndim != 5 or latents.shape[1] != config.in_channels:
     raise ValueError(f"latents must be [B, C={config.in_channels}, F, Hl, Wl], got {latents.shape=}")
@@ -97,7 +156,13 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
   if timestep.shape != (batch,):
     raise ValueError(f"timestep must be [B]=[{batch}] (per-token timesteps are not supported), "
                      f"got {timestep.shape=}")
-  if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
+  if isinstance(text, TextKV):
+    heads = config.num_attention_heads
+    want = (config.num_layers, batch, text.shape[2], heads, config.dim // heads)
+    if text.shape != want or text.v_ZBLNH.shape != text.k_ZBLNH.shape:
+      raise ValueError(f"text K/V must be [Z, B, L, N, H]={want}, got {text.shape} (compute them with "
+                       "text_kv of this model and these rows)")
+  elif text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
     raise ValueError(f"encoder_hidden_states must be [B={batch}, L, text_dim={config.text_dim}], "
                      f"got {text.shape=}")
 
@@ -107,7 +172,7 @@ class ForwardContext:
   """What every block of one forward needs besides the video tokens (built by `embed`).
 
   Attributes:
-    text_BLD: [B, L, D] projected text states (replicated).
+    text_kv: every block's text keys and values (`TextKV`, replicated).
     image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
     time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
     temb_BD: [B, D] timestep embedding in the model dtype (the output norm's modulation).
@@ -116,7 +181,7 @@ class ForwardContext:
       valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
   """
-  text_BLD: jax.Array
+  text_kv: TextKV
   time_proj_B6D: jax.Array
   temb_BD: jax.Array
   rope: tuple[jax.Array, jax.Array]
@@ -141,10 +206,11 @@ def _check_image(config: WanTransformerConfig, image: jax.Array | None, batch: i
                      f"{config.pos_embed_seq_len=} (first + last frame)")
 
 
-def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: jax.Array,
+def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: Any,
           plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
           ) -> tuple[jax.Array, ForwardContext]:
-  """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
+  """The part of `forward` before the blocks: patch embedding, time embedding, RoPE table, the
+  text K/V (`text_kv`) unless given, and the image embedding (I2V).
 
   Args: as `forward`.
 
@@ -165,9 +231,10 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, math.prod(grid))
 
   x_BTD = model.patch_embedding(latents.astype(dtype))
-  temb_BD, time_proj_B6D, text_BLD = model.condition_embedder(
-      timestep, encoder_hidden_states.astype(dtype), freq_dim=config.freq_dim)
-  temb_BD, time_proj_B6D, text_BLD = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D, text_BLD))
+  temb_BD, time_proj_B6D = model.condition_embedder(timestep, dtype=dtype, freq_dim=config.freq_dim)
+  temb_BD, time_proj_B6D = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D))
+  kv = encoder_hidden_states
+  kv = kv if isinstance(kv, TextKV) else text_kv(model, kv, plan)
   image_BPD = None
   if encoder_hidden_states_image is not None:
     embedder = model.condition_embedder.image_embedder
@@ -176,7 +243,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
-  context = ForwardContext(text_BLD=text_BLD, time_proj_B6D=time_proj_B6D, temb_BD=temb_BD, rope=rope,
+  context = ForwardContext(text_kv=kv, time_proj_B6D=time_proj_B6D, temb_BD=temb_BD, rope=rope,
                            layout=layout, latent_shape=tuple(latents.shape), image_BPD=image_BPD)
   return x_BTD, context
 
@@ -202,16 +269,17 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   stop = layers if stop is None else stop
   if not 0 <= start < stop <= layers:
     raise ValueError(f"blocks {start}..{stop - 1} are not a non-empty range of the {layers} blocks")
-  blocks = model.blocks
+  per_layer = (model.blocks, context.text_kv.k_ZBLNH, context.text_kv.v_ZBLNH)
   if (start, stop) != (0, layers):
-    blocks = jax.tree.map(lambda a: a[start:stop], blocks)  # the Z axis of every stacked array
+    per_layer = jax.tree.map(lambda a: a[start:stop], per_layer)  # the Z axis of every stacked array
 
-  def body(x_BTD, block):
+  def body(x_BTD, layer):
+    block, k_BLNH, v_BLNH = layer
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
-    return block(x_BTD, context.text_BLD, context.time_proj_B6D, context.rope, config=model.config,
+    return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj_B6D, context.rope, config=model.config,
                  layout=context.layout, image_BPD=context.image_BPD), None
 
-  x_BTD, _ = jax.lax.scan(body, x_BTD, blocks)
+  x_BTD, _ = jax.lax.scan(body, x_BTD, per_layer)
   return x_BTD
 
 
@@ -239,7 +307,7 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
-            encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None,
+            encoder_hidden_states: Any, plan: ParallelPlan | None = None,
             encoder_hidden_states_image: jax.Array | None = None) -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
@@ -250,7 +318,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     latents: [B, C, F, Hl, Wl]; cast to the model dtype (diffusers' pipeline feeds
       `latents.to(transformer_dtype)`). F, Hl, Wl divisible by the patch size.
     timestep: [B] diffusion timesteps (0..1000, fractional allowed).
-    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
+    encoder_hidden_states: [B, L, text_dim] text-encoder states (cast to the model dtype), or their
+      `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work).
     plan: where and how it runs (static under jit; frozen and hashable), None for
       `ParallelPlan.single()` (one device, "auto" attention). With a mesh the forward runs
       sequence-parallel over U * R devices, the batch split over the cfg axis (its size must

@@ -153,18 +153,13 @@ class ConditionEmbedder(nnx.Module):
     self.text_embedder = MLP(params["text_embedder"], _gelu_tanh)
     self.image_embedder = ImageEmbedder(params["image_embedder"]) if "image_embedder" in params else None
 
-  def __call__(self, timestep: jax.Array, text: jax.Array, *, freq_dim: int):
-    """timestep [B], text [B, L, text_dim] in the model dtype.
-
-    Returns:
-      temb [B, D] and time_proj [B, 6, D] in the model dtype, text [B, L, D]. (The image states go
-      through `image_embedder` apart.)
-    """
+  def __call__(self, timestep: jax.Array, *, dtype: jnp.dtype, freq_dim: int):
+    """timestep [B] -> temb [B, D] and time_proj [B, 6, D] in the model `dtype`. The text branch
+    (`text_embedder`: [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`)."""
     sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [B, freq_dim]
-    temb = self.time_embedder(sinusoid).astype(text.dtype)  # diffusers: .type_as(text)
+    temb = self.time_embedder(sinusoid).astype(dtype)  # diffusers: .type_as(encoder_hidden_states)
     time_proj = self.time_proj(_silu(temb))  # [B, 6 * D]
-    time_proj = time_proj.reshape(time_proj.shape[0], 6, -1)
-    return temb, time_proj, self.text_embedder(text)
+    return temb, time_proj.reshape(time_proj.shape[0], 6, -1)
 
 
 class Attention(nnx.Module):
@@ -183,6 +178,26 @@ class Attention(nnx.Module):
     self.add_k_proj = Dense(**params["add_k_proj"]) if image else None
     self.add_v_proj = Dense(**params["add_v_proj"]) if image else None
     self.norm_added_k = nnx.Param(params["norm_added_k"]) if image else None
+
+
+def cross_attention_kv(to_k: Dense, to_v: Dense, norm_k: jax.Array, states_BLD: jax.Array, *, heads: int,
+                       eps: float) -> tuple[jax.Array, jax.Array]:
+  """Keys and values of one block's cross-attention over conditioning states: k = RMSNorm(states
+  W_k) across heads (no RoPE), v = states W_v (diffusers `WanAttnProcessor`: `attn.to_k`,
+  `attn.norm_k`, `attn.to_v` on `encoder_hidden_states`). They depend on the prompt and the weights
+  only, not on the step, so the pipeline computes them once per prompt (`transformer.text_kv`); an
+  image branch passes its own projections (`add_k_proj`, `add_v_proj`, `norm_added_k`).
+
+  Args:
+    to_k, to_v: the block's projections (kernel [D, D]); norm_k: RMSNorm gain [D].
+    states_BLD: [B, L, D] projected conditioning states in the model dtype.
+
+  Returns:
+    (k_BLNH, v_BLNH), each [B, L, N, H] in the model dtype.
+  """
+  b, l, d = states_BLD.shape
+  k_BLNH = producers.rmsnorm_rope(to_k(states_BLD), norm_k, None, None, num_heads=heads, eps=eps)
+  return k_BLNH, to_v(states_BLD).reshape(b, l, heads, d // heads)
 
 
 class LayerNorm(nnx.Module):
@@ -222,14 +237,15 @@ class WanBlock(nnx.Module):
     self.ffn = FeedForward(params["ffn"])
     self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
 
-  def __call__(self, x_BTD: jax.Array, text_BLD: jax.Array, time_proj_B6D: jax.Array,
+  def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj_B6D: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
                layout: SequenceLayout, image_BPD: jax.Array | None = None) -> jax.Array:
     """One block.
 
     Args:
       x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
-      text_BLD: [B, L, D] projected text states (replicated).
+      text_kv: this block's cross-attention keys and values of the text, [B, L, N, H] each
+        (`cross_attention_kv`; replicated, computed once per prompt).
       time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
       image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
@@ -255,15 +271,12 @@ class WanBlock(nnx.Module):
     x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
     x_BTD = layout.constrain(x_BTD)
 
-    # 2. Cross-attention: affine LayerNorm (fp32), q/k RMSNorm (no RoPE), text K/V replicated,
-    #    plain residual in the model dtype.
+    # 2. Cross-attention: affine LayerNorm (fp32), q RMSNorm (no RoPE) against the text K/V
+    #    (replicated, computed before the loop), plain residual in the model dtype.
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
     q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
-    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...], None, None, num_heads=heads,
-                                    eps=eps)
-    v_BLNH = a.to_v(text_BLD).reshape(b, -1, heads, head_dim)
-    o_BTD = layout.cross_attention(q_BTNH, k_BLNH, v_BLNH).reshape(b, t, d)
+    o_BTD = layout.cross_attention(q_BTNH, *text_kv).reshape(b, t, d)
     if image_BPD is not None:
       o_BTD = o_BTD + self._image_attention(q_BTNH, image_BPD, heads=heads, eps=eps, layout=layout)
     x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
