@@ -73,7 +73,10 @@ def _write_folder(folder, transformer_files: dict[str, bytes] | None = None, *, 
   `transformer_files` (name -> bytes); placeholder weights for the text encoder and VAE (whose config is Wan 2.1's)."""
   os.makedirs(folder)
   if index:
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    (folder / "model_index.json").write_text(json.dumps({  # the components named, as diffusers writes it
+        "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
+        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
   for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
     (folder / component).mkdir()
   (folder / "transformer" / "config.json").write_text(json.dumps(HEADS12.to_dict()))
@@ -242,6 +245,11 @@ WRONG_TYPES = {
     "step_cache": [123, "first-block", "fast:0.1", True],
     "shard_weights": ["yes", 1, None],
     "vae_parallel": ["yes", 1, None],
+    "attention_exchange": ["fp16", 8, None],
+    # Images given to a text-to-video model (the image model's own checks: test_image_to_video.py).
+    "image": [np.zeros((16, 16, 3), np.uint8)],
+    "last_image": [np.zeros((16, 16, 3), np.uint8)],
+    "image_embeds": [np.zeros((1, 4, 8), np.float32)],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 
