@@ -125,11 +125,13 @@ def test_prompt_clean_without_ftfy_says_how_to_install(monkeypatch):
 
 
 def test_wan_presets_use_wans_default_negative_prompt():
-  """generate's wan2.* presets default the negative prompt to Wan's (as Wan's generate.py); the tiny
-  preset and an explicit --negative-prompt keep theirs."""
+  """generate's wan2.* presets with guidance default the negative prompt to Wan's (as Wan's
+  generate.py); the tiny preset, the guidance-free distilled one and an explicit --negative-prompt
+  keep theirs."""
   from pipelines.cli import flags, presets, run_plan
   assert PRESETS_NEGATIVE == WAN_NEGATIVE_PROMPT
-  for name, preset in presets.PRESETS.items():
-    assert preset.negative_prompt == (WAN_NEGATIVE_PROMPT if name.startswith("wan2") else ""), name
+  for name, preset in presets.PRESETS.items():  # guidance 1 (distilled) has no negative prompt to use
+    guided = max(preset.guidance) > 1
+    assert preset.negative_prompt == (WAN_NEGATIVE_PROMPT if name.startswith("wan2") and guided else ""), name
   args = flags.build_parser().parse_args(["--prompt", "a fox", "--preset", "wan2.1-t2v-1.3b", "--out", "/tmp/x.npy"])
   assert run_plan._preset(args)[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None
