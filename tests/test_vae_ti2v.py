@@ -5,6 +5,8 @@ saved with save_pretrained and loaded by `load_vae` (fp32): encode, decode, and 
 decode on a mesh whose device count does not divide the latent height.
 """
 
+import dataclasses
+
 import diffusers
 import jax
 import jax.numpy as jnp
@@ -17,12 +19,9 @@ from pipelines.wan import vae as V
 
 pytestmark = pytest.mark.numerics
 
-# Every Wan 2.2 layer kind at tiny widths: channel changes in the down / up blocks (AvgDown3D
-# group sizes 4 and 8, DupUp3D repeats 4 and 8), a decoder wider than the encoder, z_dim 8.
-TINY_TI2V = dict(base_dim=4, decoder_base_dim=6, z_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                 temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                 out_channels=12, patch_size=2, scale_factor_spatial=16,
-                 latents_mean=[0.1 * i for i in range(8)], latents_std=[0.5 + 0.1 * i for i in range(8)])
+# The tiny Wan 2.2 topology (VAE_PRESETS["tiny-ti2v"]) as diffusers' keyword arguments.
+TINY_TI2V = {k: list(v) if isinstance(v, tuple) else v
+             for k, v in dataclasses.asdict(V.VAE_PRESETS["tiny-ti2v"]).items() if k != "clip_output"}
 # As test_vae.py: ~30 layers in series of fp32 convs, 1e-4 of the output's scale (measured 1.8e-6
 # for the decode and 3e-7 for the encode).
 TOL = 1e-4

@@ -55,6 +55,10 @@ PRESETS: dict[str, Preset] = {
     # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
     "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py",
                               WAN_NEGATIVE_PROMPT),
+    # Wan2.2 wan/configs/wan_ti2v_5B.py: sample_shift 5.0, 50 steps, sample_guide_scale 5.0,
+    # frame_num 121, sample_fps 24 (`fps`); its size list is 1280*704 / 704*1280.
+    "wan2.2-ti2v-5b": Preset(1280, 704, 121, 50, 5.0, (5.0,), "Wan2.2 configs/wan_ti2v_5B.py",
+                             WAN_NEGATIVE_PROMPT, fps=24.0),
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
     "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
@@ -77,5 +81,7 @@ def default_text_length(model: str) -> int:
   return tokenization.folder_text_length(model)
 
 
+# Frames per second of the output when neither --fps nor the preset says (Wan 2.1's 16).
+DEFAULT_FPS = 16.0
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")

@@ -62,7 +62,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
-               name=os.path.abspath(folder))
+               expand_timesteps=index.expand_timesteps, name=os.path.abspath(folder))
   return parts, plan
 
 

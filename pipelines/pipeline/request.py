@@ -46,6 +46,8 @@ class ModelFacts:
     trained_video: (height, width, frames) when the weights know one video size only (the trained
       tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
     quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
+      `expand_timesteps`; `wan.ti2v`).
   """
   name: str
   transformer: WanTransformerConfig
@@ -57,6 +59,7 @@ class ModelFacts:
   dtype: str
   trained_video: tuple[int, int, int] | None = None
   quantize: str | None = None
+  expand_timesteps: bool = False
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
@@ -78,7 +81,8 @@ class ModelFacts:
     return cls(name=os.path.abspath(folder) if name is None else name, transformer=index.transformer,
                spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
-               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype)
+               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
+               expand_timesteps=index.expand_timesteps)
 
   @classmethod
   def tiny_default(cls, dtype: str) -> ModelFacts:
@@ -133,6 +137,8 @@ class GenerationRequest:
     lora_scale: `attention_kwargs["scale"]` or None.
     step_cache: the parsed step-cache spec or None.
     decode: run the VAE (False: latents only).
+    condition: None, or the first-frame image conditioning of a Wan 2.2 TI2V run
+      (`pipeline.ti2v.TI2VCondition`, set by `pipeline.ti2v.ti2v_condition`).
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -156,6 +162,7 @@ class GenerationRequest:
   lora_scale: float | None = None
   step_cache: Any = None
   decode: bool = True
+  condition: Any = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -259,7 +266,8 @@ class GenerationRequest:
             "num_videos_per_prompt": self.num_videos_per_prompt,
             "prompt_embeds_given": self.prompt_embeds is not None,
             "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,
-            "lora_scale": self.lora_scale, **self.plan.describe()}
+            "lora_scale": self.lora_scale, "image_conditioned": self.condition is not None,
+            **self.plan.describe()}
 
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
@@ -276,7 +284,8 @@ class GenerationRequest:
         "prompt_embeds_sha256": _digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
     } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
-        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange})
+        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | (
+        {} if self.condition is None else {"condition_sha256": _digest(self.condition.latents)})
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------

@@ -18,7 +18,7 @@ from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.callback import StepEndCallback
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan import step_cache as wan_step_cache, ti2v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Runner:
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
+    self.condition: jax.Array | None = None  # TI2V image latents [B', C, 1, Hl, Wl], placed
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -89,6 +90,8 @@ class Runner:
     self.timings["text_encode"] = time.perf_counter() - start
     state.latents, state.solver, state.text = distributed.put_replicated(
         (state.latents, state.solver, text), plan.replicated)
+    if r.condition is not None:  # the TI2V image's latents, one copy for the whole loop
+      self.condition = distributed.put_replicated(r.condition.latents, plan.replicated)
     state.cache = self._cache()
     return state
 
@@ -173,7 +176,8 @@ class Runner:
                      for e in sorted(set(state.experts))}
     first = state.experts[0]
     program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
-                                      self.guidance[first], state.cache, plan=plan, cfg=r.cfg,
+                                      self.guidance[first], state.cache, self.condition, plan=plan, cfg=r.cfg,
+                                      expand_timesteps=r.model.expand_timesteps,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
     return program
@@ -186,7 +190,7 @@ class Runner:
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
       return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
-                     self.guidance[expert], state.cache)
+                     self.guidance[expert], state.cache, self.condition)
 
     return step
 
@@ -217,6 +221,8 @@ class Runner:
     r = self.request
     start = time.perf_counter()
     latents = distributed.to_host(state.latents)
+    if r.condition is not None:  # diffusers: the image's latents replace the first frame once more
+      latents = np.asarray(ti2v.model_input(jnp.asarray(latents), jnp.asarray(r.condition.latents)))
     frames = None
     if r.decode:
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")

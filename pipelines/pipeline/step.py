@@ -16,13 +16,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention.mesh import CFG_AXIS
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan import step_cache as wan_step_cache, ti2v
 from pipelines.wan.transformer import forward
 
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
-                 text: jax.Array, guidance: jax.Array, cache: Any = None, *, plan: ParallelPlan,
-                 cfg: bool):
+                 text: jax.Array, guidance: jax.Array, cache: Any = None, condition: jax.Array | None = None,
+                 *, plan: ParallelPlan, cfg: bool, expand_timesteps: bool = False):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -39,6 +39,10 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       each half running the whole USP schedule; the guidance mix then brings the two noise
       predictions together (one exchange of the noise-prediction size per step).
     cfg: classifier-free guidance on (static).
+    condition: None, or (TI2V image-to-video) float32 [B, C, 1, Hl, Wl] the normalised image
+      latents, the first frame of the transformer's input.
+    expand_timesteps: (static) one timestep per token (TI2V): 0 on the first frame's tokens with a
+      `condition`, else t (`wan.ti2v.per_token_timesteps`).
 
   Returns:
     (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite, new cache
@@ -50,10 +54,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   uncond)`, then `scheduler.step`.
   """
   model = nnx.merge(graphdef, params)
-  x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
-  if cfg:
-    x = jnp.concatenate([x, x], axis=0)
-  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  x, timestep = _transformer_inputs(model, latents, solver, condition, cfg, expand_timesteps)
   stats = None
   if cache is None:
     noise = forward(model, x, timestep, text, plan)  # model dtype
@@ -75,6 +76,18 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cache is not None:
     cache = wan_step_cache.constrain(cache, plan.mesh)  # residuals sequence-sharded, scalars replicated
   return (*out, cache, stats)
+
+
+def _transformer_inputs(model: Any, latents: jax.Array, solver: Any, condition: jax.Array | None, cfg: bool,
+                        expand_timesteps: bool) -> tuple[jax.Array, jax.Array]:
+  """(latents [B or 2B, C, F, Hl, Wl] in the model dtype, timestep [B or 2B] or per token [.., T])."""
+  x = ti2v.model_input(latents, condition).astype(model.dtype)  # diffusers: .to(transformer_dtype)
+  if cfg:
+    x = jnp.concatenate([x, x], axis=0)
+  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  if expand_timesteps:
+    timestep = ti2v.per_token_timesteps(timestep, x.shape, model.config.patch_size, image=condition is not None)
+  return x, timestep
 
 
 def guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:
@@ -111,7 +124,7 @@ def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.
                        check_vma=False)(noise, guidance)
 
 
-_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg"),
+_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg", "expand_timesteps"),
                             donate_argnames=("latents", "solver", "cache"))
 
 
@@ -131,18 +144,20 @@ class CompiledSteps:
     self._programs: dict[Any, Any] = {}
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
-          cache: Any, *, plan: ParallelPlan, cfg: bool, on_compile: Callable[[], None] | None = None) -> Any:
+          cache: Any, condition: jax.Array | None = None, *, plan: ParallelPlan, cfg: bool,
+          expand_timesteps: bool = False, on_compile: Callable[[], None] | None = None) -> Any:
     """The compiled `denoise_step` for these arguments (compiled on the first request; `on_compile()`
     is called just before a compile). Call it as `program(params, latents, solver, text, guidance,
-    cache)`."""
-    args = (params, latents, solver, text, guidance, cache)
+    cache, condition)` (`condition` may be left out when None)."""
+    args = (params, latents, solver, text, guidance, cache, condition)
     leaves, treedef = jax.tree.flatten(args)
-    key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    key = (plan, cfg, expand_timesteps, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in self._programs:
       if on_compile is not None:
         on_compile()
       self.traces += 1
-      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg).compile()
+      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg,
+                                                    expand_timesteps=expand_timesteps).compile()
     return self._programs[key]
 
   def programs(self) -> list[Any]:

@@ -56,7 +56,8 @@ DTYPES = loading.DTYPES
 
 
 class WanPipeline(LoraLoaderMixin):
-  """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
+  """Text-to-video Wan (2.1 T2V, 2.2 T2V A14B with two experts, or 2.2 TI2V-5B), sequence-parallel
+  transformer.
 
   Build with `from_pretrained(folder)` or `tiny()`; call with prompts (`__call__`, or `run` for the
   timings and settings too, or `generate` with a checked `GenerationRequest`). LoRAs:
@@ -67,6 +68,8 @@ class WanPipeline(LoraLoaderMixin):
   Attributes:
     transformer_config: config shared by both experts.
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`); image conditioning
+      through `pipeline.ti2v.ti2v_condition`.
     scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
@@ -79,7 +82,8 @@ class WanPipeline(LoraLoaderMixin):
 
   def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
-               scheduler_config: Any, boundary_ratio: float | None = None, name: str = ""):
+               scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
+               name: str = ""):
     _check_parts(text_encoder[0], transformers, vae, boundary_ratio)
     self.transformer_config = transformers[0].config
     self.text_encoder_config = text_encoder[0]
@@ -87,6 +91,7 @@ class WanPipeline(LoraLoaderMixin):
     self.max_sequence_length = tokenization.text_length(getattr(tokenizer, "model_max_length", None))
     self.scheduler_config = scheduler_config
     self.boundary_ratio = boundary_ratio
+    self.expand_timesteps = bool(expand_timesteps)
     self.name = name
     self.dtype = transformers[0].dtype
     split = [nnx.split(t) for t in transformers]
@@ -235,7 +240,7 @@ class WanPipeline(LoraLoaderMixin):
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
                       dtype=jnp.dtype(self.dtype).name,
                       trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
-                      quantize=self.quantization)
+                      quantize=self.quantization, expand_timesteps=self.expand_timesteps)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -250,6 +255,8 @@ class WanPipeline(LoraLoaderMixin):
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio,
                 **({"quantize": self.quantization} if self.quantization else {})}
+      if self.expand_timesteps:  # only then, so the other models' fingerprints stay as they were
+        config["expand_timesteps"] = True
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
       trees.update(text_encoder=self.weights.text_params, vae=self.vae)
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))

@@ -18,20 +18,22 @@ class PipelineIndex:
     transformer: config of `transformer/`.
     has_transformer_2: `transformer_2/` is present and named in model_index.json.
     boundary_ratio: Wan 2.2 expert switch (None for Wan 2.1).
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`).
   """
   folder: str
   transformer: WanTransformerConfig
   has_transformer_2: bool
   boundary_ratio: float | None
+  expand_timesteps: bool = False
 
   @classmethod
   def read(cls, folder: str) -> PipelineIndex:
     """Reads model_index.json and transformer/config.json.
 
     Raises:
-      weights.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline, an
-        image/TI2V pipeline (`expand_timesteps`), `boundary_ratio` without `transformer_2/` or
-        outside (0, 1), a missing component folder.
+      weights.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline,
+        `expand_timesteps` not a bool or with two experts, `boundary_ratio` without
+        `transformer_2/` or outside (0, 1), a missing component folder.
     """
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
@@ -42,8 +44,9 @@ class PipelineIndex:
     name = index.get("_class_name", "WanPipeline")
     if name != "WanPipeline":
       raise weights.CheckpointError(f"{path!r}: {name=}; only text-to-video WanPipeline folders load")
-    if index.get("expand_timesteps"):
-      raise weights.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
+    expand = index.get("expand_timesteps", False)
+    if not isinstance(expand, bool):
+      raise weights.CheckpointError(f"{path!r}: expand_timesteps={expand!r} must be true or false")
     for component in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
       if not os.path.isdir(os.path.join(folder, component)):
         raise weights.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
@@ -58,8 +61,12 @@ class PipelineIndex:
             f"{path!r} sets boundary_ratio={boundary} (Wan 2.2 two experts) but {folder!r} has no "
             "transformer_2/ named in model_index.json; add the low-noise expert or drop boundary_ratio")
       boundary = float(boundary)
+    if expand and boundary is not None:
+      raise weights.CheckpointError(f"{path!r}: expand_timesteps (Wan 2.2 TI2V-5B, one transformer) with "
+                                    f"boundary_ratio={boundary} (two experts) is no released Wan")
     config = WanTransformerConfig.from_dict(weights.read_config(os.path.join(folder, "transformer")))
-    return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary)
+    return cls(folder=folder, transformer=config, has_transformer_2=has_2, boundary_ratio=boundary,
+               expand_timesteps=expand)
 
   @property
   def weight_folders(self) -> list[str]:

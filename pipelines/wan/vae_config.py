@@ -153,6 +153,12 @@ VAE_PRESETS = {
     "wan2.1": WanVAEConfig(),
     # The parity-test topology: every layer kind, 3 channels wide.
     "tiny": WanVAEConfig(base_dim=3, dim_mult=(1, 1, 1, 1), num_res_blocks=1),
+    # The Wan 2.2 topology at tiny widths (parity tests, the tiny TI2V folder): every layer kind,
+    # AvgDown3D groups of 4 and 8, DupUp3D repeats of 4 and 8, a decoder wider than the encoder.
+    "tiny-ti2v": WanVAEConfig(base_dim=4, decoder_base_dim=6, z_dim=8, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
+                              is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                              scale_factor_spatial=16, latents_mean=tuple(0.1 * i for i in range(8)),
+                              latents_std=tuple(0.5 + 0.1 * i for i in range(8))),
     # Wan 2.2 TI2V-5B (diffusers' converted vae22 config).
     "wan2.2": WanVAEConfig(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12,
                            out_channels=12, patch_size=2, scale_factor_spatial=16,
