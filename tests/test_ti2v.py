@@ -47,7 +47,7 @@ def _save_folder(folder: str) -> None:
   transformer = diffusers.WanTransformer3DModel(**config)
   randomize(transformer, seed=21)
   vae_kwargs = {k: list(v) if isinstance(v, tuple) else v
-                for k, v in dataclasses.asdict(wan_vae.VAE_PRESETS["tiny-ti2v"]).items() if k != "clip_output"}
+                for k, v in dataclasses.asdict(wan_vae.VAE_PRESETS["tiny-ti2v"]).items()}
   vae = diffusers.AutoencoderKLWan(**vae_kwargs)
   text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
       vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,

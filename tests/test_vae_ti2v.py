@@ -21,7 +21,7 @@ pytestmark = pytest.mark.numerics
 
 # The tiny Wan 2.2 topology (VAE_PRESETS["tiny-ti2v"]) as diffusers' keyword arguments.
 TINY_TI2V = {k: list(v) if isinstance(v, tuple) else v
-             for k, v in dataclasses.asdict(V.VAE_PRESETS["tiny-ti2v"]).items() if k != "clip_output"}
+             for k, v in dataclasses.asdict(V.VAE_PRESETS["tiny-ti2v"]).items()}
 # As test_vae.py: ~30 layers in series of fp32 convs, 1e-4 of the output's scale (measured 1.8e-6
 # for the decode and 3e-7 for the encode).
 TOL = 1e-4
@@ -81,4 +81,4 @@ def test_released_wan22_config_shapes():
     ref = diffusers.AutoencoderKLWan(**{k: v for k, v in raw.items() if k != "clip_output" and k[0] != "_"})
   assert cfg.param_shapes() == {k: tuple(v.shape) for k, v in ref.state_dict().items()}
   with pytest.raises(ValueError, match="in_channels=3 must be a multiple of patch_size"):
-    V.WanVAEConfig(**{**{k: v for k, v in raw.items() if k[0] != "_"}, "in_channels": 3})
+    V.WanVAEConfig.from_diffusers({**raw, "in_channels": 3})

@@ -36,6 +36,11 @@ WAN22_LATENTS_STD = (
     0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744)
 
 
+# Keys of released vae config.json files that diffusers' `AutoencoderKLWan` does not take (the
+# converted Wan 2.2 VAE config carries `clip_output: false`); skipped by `from_diffusers`.
+IGNORED_KEYS = ("clip_output",)
+
+
 @dataclasses.dataclass(frozen=True)
 class WanVAEConfig:
   """`AutoencoderKLWan` config; field names and defaults are diffusers' (the released Wan 2.1 VAE).
@@ -43,8 +48,9 @@ class WanVAEConfig:
   `is_residual=True` is the Wan 2.2 VAE's topology (residual down / up blocks with `AvgDown3D` /
   `DupUp3D` shortcuts, upsamplers that keep the channels); `patch_size` p folds p x p pixels into
   channels before the encoder and back after the decoder, so `in_channels` / `out_channels` count
-  3 p^2 and the spatial factor is 2^(len(dim_mult) - 1) * p. `dropout` and `clip_output` (a key of
-  the converted Wan 2.2 config that diffusers ignores) are accepted and ignored.
+  3 p^2 and the spatial factor is 2^(len(dim_mult) - 1) * p. `dropout` is accepted and ignored;
+  `from_diffusers` also skips `clip_output` (a key of the converted Wan 2.2 config that diffusers'
+  `AutoencoderKLWan` does not take).
   """
   base_dim: int = 96
   decoder_base_dim: int | None = None
@@ -62,7 +68,6 @@ class WanVAEConfig:
   patch_size: int | None = None
   scale_factor_temporal: int | None = 4
   scale_factor_spatial: int | None = 8
-  clip_output: bool | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
@@ -122,6 +127,7 @@ class WanVAEConfig:
     if class_name != "AutoencoderKLWan":
       raise ValueError(f"expected an AutoencoderKLWan config, got {class_name=}")
     fields = {f.name for f in dataclasses.fields(cls)}
+    raw = {k: v for k, v in raw.items() if k not in IGNORED_KEYS}
     unknown = sorted(k for k in raw if not k.startswith("_") and k not in fields)
     if unknown:
       raise ValueError(f"unknown AutoencoderKLWan config keys {unknown}; known: {sorted(fields)}")
