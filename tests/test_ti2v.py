@@ -192,3 +192,21 @@ def nnx_merge(pipe):
   from flax import nnx
 
   return nnx.merge(pipe._graphdef, pipe.weights.experts[0])
+
+
+def test_fps_follows_the_preset(tmp_path):
+  """generate --preset wan2.2-ti2v-5b writes 24 fps (Wan2.2's sample_fps) unless --fps says."""
+  import warnings
+
+  from pipelines.cli.flags import build_parser
+  from pipelines.cli.run_plan import plan_run
+
+  def fps(*flags):
+    args = build_parser().parse_args(["--prompt", "a fox", "--out", str(tmp_path / "o.npy"), *flags])
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # a real model's preset on the tiny model warns
+      return plan_run(args).fps
+
+  assert fps("--preset", "wan2.2-ti2v-5b") == 24.0
+  assert fps("--preset", "wan2.2-ti2v-5b", "--fps", "12") == 12.0
+  assert fps() == 16.0

@@ -118,8 +118,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
   p.add_argument("--fps", type=float, default=None,
-                 help="frames per second of the output, %g to %g (default: the preset's (24 for wan2.2-ti2v-5b), 16 as Wan; a GIF "
-                      "without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
+                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan, 24 for "
+                      "wan2.2-ti2v-5b; a GIF without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
                       "--fps that is not 100 / an integer warns)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--contact-sheet", action="store_true",

@@ -81,7 +81,5 @@ def default_text_length(model: str) -> int:
   return tokenization.folder_text_length(model)
 
 
-# Frames per second of the output when neither --fps nor the preset says (Wan 2.1's 16).
-DEFAULT_FPS = 16.0
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")

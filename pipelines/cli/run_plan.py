@@ -17,7 +17,7 @@ from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_c
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
-from pipelines.cli.presets import DEFAULT_FPS, FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
+from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
@@ -34,8 +34,6 @@ def plan_run(args: argparse.Namespace) -> Plan:
   """
   _check_prompt(args)
   preset_name, preset = _preset(args)
-  if args.fps is None:  # the release's frame rate (Wan 2.2 TI2V-5B: 24), else Wan's 16
-    args.fps = preset.fps or DEFAULT_FPS
   guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
   mesh = _mesh_flags(args, cfg_active=guidance[0] > 1)
   _check_run_flags(args)
