@@ -181,8 +181,9 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   Args:
     vae: the model; latents are cast to its dtype, and the video comes back in it.
     latents: [B, C, F, Hl, Wl] with C == config.z_dim.
-    video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, 8Hl, 8Wl]) or "BFHWC" (the
-      pipeline's [B, frames, 8Hl, 8Wl, 3], the internal layout: no transpose).
+    video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, sHl, sWl], s =
+      `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
+      layout: no transpose).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
@@ -388,10 +389,10 @@ def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   Args:
     vae: the model; the video is cast to its dtype.
     video: [B, 3, frames, height, width] in [-1, 1] (diffusers layout), frames = 1 + 4k, height and
-      width multiples of 8.
+      width multiples of s = `config.spatial_factor` (8; 16 for the Wan 2.2 VAE).
 
   Returns:
-    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / 8, width / 8]; the
+    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / s, width / s]; the
     latent is `mean` (diffusers' `.mode()`); apply `normalize_latents` for the diffusion model.
 
   Raises:
