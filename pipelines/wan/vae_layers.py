@@ -7,6 +7,10 @@ Source of the math: diffusers `models/autoencoders/autoencoder_kl_wan.py` (`WanC
 input chunks, 1, 2 or 4 in the decoder; H, W between Hl, Wl and 8Hl, 8Wl). Channels-last is the
 layout `lax.conv_general_dilated` is fastest with on GPU and TPU.
 
+The Wan 2.2 VAE (`is_residual=True`) adds `ResidualGroup`s: a down / up block's layers plus a
+parameter-free shortcut of the block's input (`vae_residual.avg_down` / `dup_up`), run by the same
+loop and sharing the same cache dict; its 2x2 patching happens outside the layers (`vae.py`).
+
 Parameters are one flat dict keyed by diffusers' state-dict names (`decoder.up_blocks.0.resnets.1.
 conv1.weight`), with values in JAX layout: conv kernels `[kt, kh, kw, I, O]` (2D convs get kt = 1),
 biases `[O]`, RMS-norm gammas `[C]`. `param_shapes` gives the checkpoint-layout shapes for the same
