@@ -107,21 +107,19 @@ class Candidate:
 
 def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: int, height: int, width: int,
                text_tokens: int = 512, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
-               chip: Chip, quantized: tuple[int, int] = (0, 0),
-               spatial_factor: int = step_estimate.VAE_SPATIAL) -> list[Candidate]:
+               chip: Chip, quantized: tuple[int, int] = (0, 0), spatial_factor: int = 8) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
     config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn, patch, channels).
     param_counts: (block, other) parameters of one transformer (`transformer_config.param_counts`).
     devices: devices in the mesh.
-    frames, height, width, text_tokens: the video and text sizes.
+    frames, height, width, text_tokens, spatial_factor: video / text sizes, VAE pixels per latent.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
     chip: the accelerator (`CHIPS`).
     quantized: (one-byte block values, fp32 scales) of int8 / fp8 weights (`wan.quantization`).
-    spatial_factor: the VAE's pixels per latent (8; 16 for Wan 2.2 TI2V-5B).
 
   Raises:
     ValueError: devices < 1, bad counts, or no valid mesh (heads no divisor of the devices splits).
