@@ -28,7 +28,9 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "guidance_scale_2": "--guidance", "flow_shift": "--shift", "seed": "--seed",
                   "max_sequence_length": "--max-sequence-length", "step_cache": "--step-cache",
                   "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
-                  "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange", "prompt": "--prompt", "negative_prompt": "--negative-prompt"}
+                  "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange",
+                  "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
+                  "last_image": "--last-image"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -68,6 +70,11 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")
+  p.add_argument("--image", default=None, metavar="PATH",
+                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); "
+                      "without --size the video takes its aspect ratio within the preset's area")
+  p.add_argument("--last-image", default=None, metavar="PATH",
+                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B)")
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
                                                "(Wan's 832*480 also accepted)")
   p.add_argument("--frames", type=int, default=None,
@@ -118,8 +125,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default="output.mp4",
                  help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
   p.add_argument("--fps", type=float, default=None,
-                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan, 24 for "
-                      "wan2.2-ti2v-5b; a GIF without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
+                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan; a GIF "
+                      "without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
                       "--fps that is not 100 / an integer warns)" % video_io.FPS_RANGE)
   p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
   p.add_argument("--contact-sheet", action="store_true",
