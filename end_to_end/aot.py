@@ -83,6 +83,18 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
   return ulysses, devices // ulysses
 
 
+def _text_kv_spec(config: Any, text_len: int, dtype: Any, spec: Any) -> Any:
+  """The step's text argument as the pipeline passes it: every block's text K/V of the [cond;
+  uncond] rows (`transformer.TextKV`, [Z, 2, L, N, H] each, computed once before the loop)."""
+  import jax
+
+  from pipelines.wan.transformer import TextKV
+
+  heads = config.num_attention_heads
+  kv = jax.ShapeDtypeStruct((config.num_layers, 2, text_len, heads, config.dim // heads), dtype)
+  return TextKV(k_ZBLNH=spec(kv), v_ZBLNH=spec(kv))
+
+
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
                          attention_backend: str = "auto", quantize: str | None = None) -> dict[str, Any]:
@@ -146,7 +158,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
                         weight_shardings(state, mesh, mesh_spec.shard_weights))
   args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
-          spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), model_dtype)),
+          _text_kv_spec(config, text_len, model_dtype, spec),
           spec(jax.ShapeDtypeStruct((), jnp.float32)))
   from pipelines.parallel.plan import ParallelPlan
   from pipelines.pipeline.step import denoise_step

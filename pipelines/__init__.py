@@ -7,14 +7,17 @@
   storage/   safetensors reading, atomic writes, video files
   (attention/ and producers/ sit beside storage/, at the bottom.)
 
-`WanPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
+`WanPipeline`, `WanImageToVideoPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
 (`pipelines.cli.help`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
-__all__ = ["GenerationResult", "WanPipeline"]
+__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline"]
 
 
 def __getattr__(name: str):
+  if name == "WanImageToVideoPipeline":
+    from pipelines.pipeline import image_pipeline
+    return image_pipeline.WanImageToVideoPipeline
   if name in __all__:
     from pipelines.pipeline import wan_pipeline
     return getattr(wan_pipeline, name)

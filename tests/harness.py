@@ -37,3 +37,42 @@ def step_compiles(monkeypatch) -> list:
 
   monkeypatch.setattr(CompiledSteps, "get", get)
   return compiled
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def serve_process(root: str, data: str, port: int, *flags: str, log: str = "server.log"):
+  """A `serve` subprocess of the tiny default on 127.0.0.1:`port` with `--data-dir data` and `flags`
+  (stderr appended to data/`log`), in an environment of its own devices (`child_env`, no JAX
+  coordinator variables); returns its subprocess.Popen."""
+  import subprocess
+  import sys
+  os.makedirs(data, exist_ok=True)
+  command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--port", str(port),
+             "--data-dir", data, *flags]
+  env = {k: v for k, v in child_env(PYTHONPATH=root).items() if not k.startswith("JAX_COORDINATOR")
+         and k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+  return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(os.path.join(data, log), "a"))
+
+
+def wait_healthy(client, process, timeout: float = 180.0) -> None:
+  """Returns once `client` (an httpx.Client at the server) gets 200 from /health; fails if
+  `process` exits first or `timeout` seconds pass."""
+  import time
+  deadline = time.monotonic() + timeout
+  while True:
+    assert process.poll() is None, f"the server exited with status {process.returncode}"
+    try:
+      if client.get("/health").status_code == 200:
+        return
+    except Exception:  # noqa: BLE001 -- not listening yet
+      pass
+    assert time.monotonic() < deadline, f"the server did not get ready in {timeout} s"
+    time.sleep(0.1)

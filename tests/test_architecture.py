@@ -12,7 +12,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("attention", "producers", "pipelines")
 # Layer ranks: a module may import its own package and packages of a lower rank only.
-LAYERS = {"end_to_end": 7, "pipelines": 6, "pipelines.cli": 5, "pipelines.pipeline": 4, "pipelines.wan": 3,
+LAYERS = {"end_to_end": 8, "pipelines": 7, "pipelines.serve": 6, "pipelines.cli": 5, "pipelines.pipeline": 4, "pipelines.wan": 3,
           "pipelines.parallel": 2, "pipelines.storage": 1, "attention": 1, "producers": 1}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -303,3 +304,31 @@ def test_from_pretrained_errors(tmp_path, folders):
   (copy / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
   with pytest.raises(CheckpointError, match="no transformer_2/"):
     WanPipeline.from_pretrained(str(copy))
+
+
+def test_dpm_solver_matches_diffusers(folders, loaded, tmp_path):
+  """Wan's dpm++ sampler: diffusers' flow DPMSolverMultistepScheduler in the same pipeline gives the
+  same video (the fp32 bar of the UniPC cases), and a folder whose scheduler_config.json names it
+  is read as DPM-Solver++."""
+  from pipelines.pipeline.request import ModelFacts
+  from pipelines.wan import schedulers
+
+  ref_pipe = diffusers.WanPipeline.from_pretrained(folders["wan21"])
+  ref_pipe.set_progress_bar_config(disable=True)
+  ref_pipe.scheduler = diffusers.DPMSolverMultistepScheduler(
+      use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0)
+  kwargs = dict(**SIZE, num_inference_steps=3, guidance_scale=4.0, max_sequence_length=MAX_LEN)
+  with torch.no_grad():
+    ref = ref_pipe(PROMPTS, negative_prompt=NEGATIVES, latents=torch.from_numpy(LATENTS.copy()),
+                   output_type="np", **kwargs).frames
+  result = loaded["wan21"].run(PROMPTS, NEGATIVES, latents=LATENTS, scheduler="dpm++", **kwargs)
+  assert_psnr_at_least(result.frames, ref, FP32_VIDEO_PSNR_DB, name="DPM++ vs diffusers")
+  assert result.settings["scheduler"]["class"] == "DPMSolverConfig"
+  # Positive control: UniPC from the same latents is another video, so the bar can fail.
+  assert psnr(ref, folders["refs"][("wan21", 4, 4.0, None)]) < 45
+
+  folder = tmp_path / "wan21_dpm"
+  shutil.copytree(folders["wan21"], folder)
+  ref_pipe.scheduler.save_config(folder / "scheduler")
+  facts = ModelFacts.from_folder(str(folder), "float32")
+  assert facts.scheduler == schedulers.DPMSolverConfig(flow_shift=3.0)

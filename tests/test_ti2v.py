@@ -109,7 +109,7 @@ def test_image_to_video_matches_diffusers(refs, pipe, mesh):
                                     vae_parallel=False)
   request = ti2v_condition(pipe.vae, request, _image() * 2 - 1)
   result = pipe.generate(request)
-  assert result.settings["image_conditioned"]
+  assert result.settings["first_frame_latents_sha256"]
   assert_psnr_at_least(result.frames, refs["image"], TI2V_PSNR_DB, name=f"TI2V image-to-video, mesh {mesh}")
   # Positive control: the image and the text-only videos differ by far more than the bar.
   mse = np.mean((refs["image"].astype(np.float64) - refs["text"]) ** 2)
@@ -146,11 +146,11 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   text = jnp.zeros((2, 16, 32), jnp.float32)
   t_B = jnp.full((2,), 900.0)
 
-  def step(model, latents, condition, text, t_B):
-    timestep = ti2v.per_token_timesteps(t_B, latents.shape, model.config.patch_size, image=True)
-    return wan_transformer.forward(model, ti2v.model_input(latents, condition), timestep, text, plan)
+  def step(model, latents, condition, text, t_B):  # as `denoise_step` with a TI2V `condition`
+    x, timestep, _ = condition.transformer_inputs(latents, t_B, cfg=False)
+    return wan_transformer.forward(model, x, timestep, text, plan)
 
-  condition = latents[:, :, :1]
+  condition = ti2v.TI2VConditioning(patch_size=model.config.patch_size, first_frame_BCFHW=latents[:, :, :1])
   hlo = jax.jit(step).lower(model, latents, condition, text, t_B).compile().as_text()
   gathers = [line for line in hlo.splitlines() if re.search(r"= [^=]*\ball-gather(-start)?\(", line)]
   assert len(gathers) == 1 and "[2,20,32]" in gathers[0], gathers  # [B, T_padded, 4 * C]: the output
@@ -158,12 +158,12 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   assert _token_sized(hlo, 20, (d,)) == []
   assert _token_sized(hlo, 18, (d,)) == []
 
-  def built_whole(model, layout, timestep, text):  # the bug class: every device embeds every token
+  def built_whole(model, layout, timestep, dtype):  # the bug class: every device embeds every token
     timestep = jnp.pad(timestep, ((0, 0), (0, layout.padding)))
-    out = model.condition_embedder(timestep, text, freq_dim=model.config.freq_dim)
+    out = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
     return tuple(layout.constrain_rows(a) for a in out)
 
-  monkeypatch.setattr(wan_transformer, "_time_and_text", built_whole)
+  monkeypatch.setattr(wan_transformer, "_time", built_whole)
   # A new function: jit caches traces per function, so `step` would reuse the first trace.
   bad = jax.jit(lambda *args: step(*args)).lower(model, latents, condition, text, t_B).compile().as_text()
   assert _token_sized(bad, 20, (d,)), "the detector misses a per-token modulation built whole"

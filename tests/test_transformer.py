@@ -207,15 +207,20 @@ def test_forward_takes_a_plan():
     forward(model, *inputs, plan=attention.make_mesh(ulysses=2))
 
 
-def test_config_round_trip_and_rejects_i2v():
+def test_config_round_trip_and_checks_image_fields():
   folder = _folder("n2h12")
   with open(os.path.join(folder, "config.json")) as f:
     raw = json.load(f)
   config = WanTransformerConfig.from_dict(raw)
   assert config.num_attention_heads == 2 and config.dim == 24 and config.patch_size == (1, 2, 2)
   assert WanTransformerConfig.from_dict(config.to_dict()) == config
+  # The image branch (Wan 2.1 I2V): image_dim and added_kv_proj_dim (= D) together.
+  image = WanTransformerConfig.from_dict({**raw, "image_dim": 1280, "added_kv_proj_dim": 24})
+  assert image.has_image_branch and WanTransformerConfig.from_dict(image.to_dict()) == image
   with pytest.raises(ValueError, match="image_dim"):
     WanTransformerConfig.from_dict({**raw, "image_dim": 1280})
+  with pytest.raises(ValueError, match="must equal D=24"):
+    WanTransformerConfig.from_dict({**raw, "image_dim": 1280, "added_kv_proj_dim": 5120})
   with pytest.raises(ValueError, match="attention_head_dim"):
     WanTransformerConfig(attention_head_dim=7)
 

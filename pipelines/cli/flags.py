@@ -30,7 +30,8 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
                   "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange",
                   "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
-                  "last_image": "--last-image"}
+                  "last_image": "--last-image", "scheduler": "--scheduler", "timesteps": "--timesteps",
+                  "sigmas": "--sigmas"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -84,6 +85,16 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--guidance", default=None,
                  help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off")
   p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
+  p.add_argument("--scheduler", default=None, choices=("unipc", "euler", "dpm++"),
+                 help="the sampler: unipc (Wan's default), dpm++ (DPM-Solver++ multistep, Wan's "
+                      "--sample_solver dpm++) or euler (flow-match Euler, as lightx2v runs distilled "
+                      "models); default: the --preset's, else the model folder's")
+  p.add_argument("--timesteps", default=None, metavar="T,T,...",
+                 help="a custom schedule: decreasing timesteps in (0, 1000], e.g. 1000,750,500,250 "
+                      "(lightx2v's denoising_step_list: sigmas t/1000, shifted by --shift); sets the steps")
+  p.add_argument("--sigmas", default=None, metavar="S,S,...",
+                 help="a custom schedule as decreasing unshifted sigmas in (0, 1], e.g. 1,0.75,0.5,0.25 "
+                      "(diffusers' set_timesteps(sigmas=)); sets the steps")
   p.add_argument("--seed", type=int, default=None,
                  help="noise seed; -1 or none for a random one (printed and recorded in the sidecar)")
 
@@ -219,6 +230,19 @@ def parse_guidance(text: str) -> tuple[float, ...]:
     raise UsageError(f"--guidance {text!r} must be one number (e.g. 5.0) or two, 'HIGH,LOW', for the "
                      "two Wan 2.2 experts (e.g. 4.0,3.0)")
   return values
+
+
+def parse_numbers(text: str, flag: str) -> tuple[float, ...]:
+  """"1000,750,500,250" -> (1000.0, 750.0, 500.0, 250.0) (values checked by the request).
+
+  Raises:
+    UsageError: an empty item or one that is not a number.
+  """
+  try:
+    return tuple(float(v) for v in text.split(","))
+  except ValueError:
+    raise UsageError(f"{flag} {text!r} must be comma-separated numbers, e.g. {flag} "
+                     + ("1000,750,500,250" if flag == "--timesteps" else "1,0.75,0.5,0.25")) from None
 
 
 def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:

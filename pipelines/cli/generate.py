@@ -143,12 +143,13 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
 
 def _load(plan: Plan, request: Any) -> Any:
   """The pipeline of --model (weights straight onto the request's mesh), with the LoRAs fused."""
-  from pipelines.pipeline import WanPipeline
+  from pipelines.pipeline import WanImageToVideoPipeline, WanPipeline
 
   if plan.model in TINY_MODELS:
     pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random")
   else:
-    pipe = WanPipeline.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,
+    cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
+    pipe = cls.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,
                                        shard_weights=request.plan.shard_weights)
   weights: dict[str, dict[str, float]] = {}  # adapter name -> {transformer: weight}
   for path, scale, expert in plan.loras:

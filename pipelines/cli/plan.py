@@ -20,7 +20,7 @@ class Plan:
   width: int
   height: int
   frames: int  # as asked; the request rounds it to 4k + 1
-  steps: int
+  steps: int | None  # None: the custom schedule's length
   guidance: tuple[float, ...]
   shift: float | None  # None: the folder's
   seed: int | None  # None: drawn by `check_plan` (--seed -1 or none)
@@ -46,6 +46,12 @@ class Plan:
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
   contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
+  image: str | None = None  # --image PATH (image-to-video)
+  last_image: str | None = None  # --last-image PATH
+  size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
+  scheduler: str | None = None  # --scheduler or the preset's; None: the folder's
+  timesteps: tuple[float, ...] | None = None  # --timesteps or the preset's custom schedule
+  sigmas: tuple[float, ...] | None = None  # --sigmas
 
   @property
   def mesh_devices(self) -> int | None:

@@ -21,6 +21,9 @@ class Preset:
     source: where the numbers come from.
     negative_prompt: the negative prompt when none is given (Wan's scripts use `WAN_NEGATIVE_PROMPT`).
     fps: frames per second of the output when --fps is not given (Wan 2.1 and 2.2 A14B: 16).
+    scheduler: the sampler ("unipc", "euler", "dpm++"), or None for the model folder's.
+    timesteps: a custom schedule (`GenerationRequest`'s `timesteps`), or None; used when neither
+      --steps nor --timesteps / --sigmas is given.
   """
   width: int
   height: int
@@ -31,10 +34,14 @@ class Preset:
   source: str
   negative_prompt: str = ""
   fps: float = 16.0
+  scheduler: str | None = None
+  timesteps: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if len(self.guidance) not in (1, 2):
       raise ValueError(f"{self.guidance=} needs one scale or two (high-noise, low-noise expert)")
+    if self.timesteps is not None and len(self.timesteps) != self.steps:
+      raise ValueError(f"{self.timesteps=} must hold {self.steps=} values")
 
 
 # Wan's default negative prompt: Wan2.1 / Wan2.2 `wan/configs/shared_config.py` `sample_neg_prompt`,
@@ -51,6 +58,11 @@ PRESETS: dict[str, Preset] = {
     # Wan2.1 generate.py defaults for t2v-14B (shift 5.0, guide scale 5.0, 50 steps) at 1280*720.
     "wan2.1-t2v-14b": Preset(1280, 720, 81, 50, 5.0, (5.0,), "Wan2.1 generate.py; diffusers docs (720p: shift 5.0)",
                              WAN_NEGATIVE_PROMPT),
+    # Wan 2.1 T2V 14B with lightx2v's 4-step distillation LoRA (lightx2v configs/distill/wan21/
+    # wan_t2v_distill_lora_4step_cfg.json: 480x832 x 81, 4 steps, denoising_step_list [1000, 750,
+    # 500, 250], sample_shift 5, enable_cfg false; its WanStepDistillScheduler is flow-match Euler).
+    "wan2.1-t2v-14b-distill": Preset(832, 480, 81, 4, 5.0, (1.0,), "lightx2v configs/distill/wan21 (4-step LoRA)",
+                                     scheduler="euler", timesteps=(1000.0, 750.0, 500.0, 250.0)),
     # Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, 40 steps, sample_guide_scale (3.0 low
     # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
     "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py",
@@ -62,6 +74,19 @@ PRESETS: dict[str, Preset] = {
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
     "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
+    # Image-to-video. Wan2.1 generate.py: i2v 40 steps, shift 3.0 at 832*480 and 5.0 otherwise,
+    # guide scale 5.0; flf2v 50 steps, shift 16. Without --size the video takes the image's aspect
+    # ratio within width x height's area (`size_for_image`, as Wan's image2video.py).
+    "wan2.1-i2v-14b-480p": Preset(832, 480, 81, 40, 3.0, (5.0,), "Wan2.1 generate.py (i2v-14B, 832*480)",
+                                  WAN_NEGATIVE_PROMPT),
+    "wan2.1-i2v-14b-720p": Preset(1280, 720, 81, 40, 5.0, (5.0,), "Wan2.1 generate.py (i2v-14B, 1280*720)",
+                                  WAN_NEGATIVE_PROMPT),
+    "wan2.1-flf2v-14b-720p": Preset(1280, 720, 81, 50, 16.0, (5.0,), "Wan2.1 generate.py (flf2v-14B, 1280*720)",
+                                    WAN_NEGATIVE_PROMPT),
+    # Wan2.2 wan/configs/wan_i2v_A14B.py: shift 5.0, 40 steps, guide scale (3.5, 3.5), boundary 0.900
+    # (read from the folder's model_index.json).
+    "wan2.2-i2v-a14b": Preset(1280, 720, 81, 40, 5.0, (3.5, 3.5), "Wan2.2 configs/wan_i2v_A14B.py",
+                              WAN_NEGATIVE_PROMPT),
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")
@@ -79,6 +104,16 @@ def default_text_length(model: str) -> int:
     from pipelines.wan.tiny import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
     model = TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)
+
+
+def size_for_image(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:
+  """(width, height) of a video with the image's aspect ratio and about `area` pixels, each a
+  multiple of `multiple` (the VAE's spatial factor x the patch), floored as Wan2.1
+  wan/image2video.py does: h = floor(sqrt(area * ar) / multiple) * multiple, ar = H / W."""
+  ratio = image_height / image_width
+  height = int((area * ratio) ** 0.5 // multiple) * multiple
+  width = int((area / ratio) ** 0.5 // multiple) * multiple
+  return max(width, multiple), max(height, multiple)
 
 
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_numbers, parse_size
 from pipelines.cli.presets import TINY_MODELS
 from pipelines.parallel import estimate
 from pipelines.storage import video_io
@@ -22,7 +22,7 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange")
+             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -64,8 +64,12 @@ def _normalized(name: str, value: Any) -> Any:
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
   if name == "model":
     return value if value in TINY_MODELS else os.path.abspath(value)
+  if name in ("image", "last_image"):
+    return os.path.abspath(value)
   if name in ("shift", "fps"):
     return float(value)
+  if name in ("timesteps", "sigmas"):
+    return list(parse_numbers(value, "--" + name)) if isinstance(value, str) else [float(v) for v in value]
   if name == "step_cache":
     from pipelines.wan.step_cache import parse_step_cache
     return parse_step_cache(value, model="tiny").describe() if isinstance(value, str) else value
@@ -110,7 +114,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   for name in _RECORDED + _RECORDED_FREE:
     if name not in given and name in record:
       value = record[name]
-      if name == "guidance" and value is not None:
+      if name in ("guidance", "timesteps", "sigmas") and value is not None:
         value = ",".join(repr(float(g)) for g in value)
       setattr(args, name, value)
   args.checkpoint_dir = args.resume
@@ -126,6 +130,7 @@ class RunFacts:
     out: --out; fps: frames per second of the output.
     loras: (path, scale, expert 0 or 1), in loading order.
     negative_prompt: --negative-prompt (the request drops it when guidance is off).
+    image, last_image: --image / --last-image paths (their contents' digests are in the request).
   """
   model: str
   preset: str | None
@@ -133,17 +138,19 @@ class RunFacts:
   fps: float
   loras: tuple[tuple[str, float, int], ...]
   negative_prompt: str
+  image: str | None = None
+  last_image: str | None = None
 
   @classmethod
   def of(cls, plan: Plan) -> RunFacts:
     return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
-               negative_prompt=plan.negative_prompt)
+               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image)
 
 
 def flow_shift(request: Any) -> float:
-  """The flow shift of the request's scheduler (UniPC's `flow_shift`, Euler's `shift`)."""
-  scheduler = request.scheduler
-  return float(scheduler.flow_shift if hasattr(scheduler, "flow_shift") else scheduler.shift)
+  """The flow shift of the request's scheduler (UniPC's and DPM++'s `flow_shift`, Euler's `shift`)."""
+  from pipelines.wan import schedulers
+  return schedulers.flow_shift(request.scheduler)
 
 
 def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
@@ -166,6 +173,12 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
   record["quantize"] = request.model.quantize
   record["attention_exchange"] = request.plan.attention_exchange
+  for name in ("image", "last_image"):
+    record[name] = _normalized(name, getattr(facts, name))
+  from pipelines.wan import schedulers
+  record["scheduler"] = schedulers.solver_name(request.scheduler)
+  record["timesteps"] = None if request.timesteps is None else list(request.timesteps)
+  record["sigmas"] = None if request.sigmas is None else list(request.sigmas)
   return record
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
-from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_size
+from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_numbers, parse_size
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
@@ -44,11 +44,18 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if processes is None or processes.process_id == 0:  # only process 0 writes
     _check_outputs(args)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  for flag, path in (("--image", args.image), ("--last-image", args.last_image)):
+    if path is not None:
+      _check_image_file(flag, path)
+  if args.last_image is not None and args.image is None:
+    raise UsageError("--last-image needs --image too (the first frame)")
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
+  steps, timesteps, sigmas = _schedule_flags(args, preset)
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
               frames=args.frames if args.frames is not None else preset.frames,
-              steps=args.steps if args.steps is not None else preset.steps, guidance=guidance,
+              steps=steps, timesteps=timesteps, sigmas=sigmas,
+              scheduler=args.scheduler or preset.scheduler, guidance=guidance,
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
               seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
               dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
@@ -59,8 +66,48 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
-              vae_parallel=args.vae_parallel,
-              contact_sheet=args.contact_sheet, quantize=args.quantize)
+              vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
+              image=args.image, last_image=args.last_image, size_given=bool(args.size))
+
+
+def _check_image_file(flag: str, path: str) -> None:
+  """Raises UsageError unless `path` is an image file pillow reads (its header only)."""
+  import PIL.Image
+
+  if not os.path.isfile(path):
+    raise UsageError(f"{flag} {path!r} is not a file; give an image file (PNG, JPEG, ...)")
+  try:
+    with PIL.Image.open(path) as image:
+      image.verify()
+  except Exception as e:  # noqa: BLE001 (pillow raises many kinds)
+    raise UsageError(f"{flag} {path!r} is not an image pillow can read ({e})") from e
+
+
+def read_image(path: str | None) -> Any:
+  """The image file as numpy uint8 [H, W, 3] (RGB), or None."""
+  if path is None:
+    return None
+  import numpy as np
+  import PIL.Image
+
+  with PIL.Image.open(path) as image:
+    return np.asarray(image.convert("RGB"), np.uint8)
+
+
+def image_sized(plan: Plan, facts: Any) -> Plan:
+  """Without --size, an --image's aspect ratio within the preset's area (`presets.size_for_image`,
+  rounded to the model's multiple)."""
+  if plan.image is None or plan.size_given:
+    return plan
+  import PIL.Image
+
+  from pipelines.cli.presets import size_for_image
+
+  with PIL.Image.open(plan.image) as image:
+    w, h = image.size
+  width, height = size_for_image(h, w, plan.width * plan.height,
+                                 facts.spatial_factor * facts.transformer.patch_size[1])
+  return dataclasses.replace(plan, width=width, height=height)
 
 
 def _fps(args: argparse.Namespace, preset: Preset) -> float:
@@ -68,6 +115,19 @@ def _fps(args: argparse.Namespace, preset: Preset) -> float:
   if args.fps is not None:
     return float(args.fps)
   return video_io.gif_fps(preset.fps) if video_io.output_kind(args.out) == "gif" else preset.fps
+
+
+def _schedule_flags(args: argparse.Namespace, preset: Preset) -> tuple[Any, Any, Any]:
+  """(steps, timesteps, sigmas): --steps / --timesteps / --sigmas as given (a custom schedule sets
+  the step count: steps None unless --steps is given too), else the preset's (its custom schedule
+  only when --steps is not given)."""
+  timesteps = parse_numbers(args.timesteps, "--timesteps") if args.timesteps is not None else None
+  sigmas = parse_numbers(args.sigmas, "--sigmas") if args.sigmas is not None else None
+  if timesteps is not None or sigmas is not None:
+    return args.steps, timesteps, sigmas
+  if args.steps is not None:
+    return args.steps, None, None
+  return (None, preset.timesteps, None) if preset.timesteps is not None else (preset.steps, None, None)
 
 
 def _check_prompt(args: argparse.Namespace) -> None:
@@ -246,6 +306,7 @@ def check_plan(plan: Plan) -> Checked:
   if plan.processes is not None:
     devices.join(plan, facts)
   devices.check_device_flag(plan)
+  plan = image_sized(plan, facts)
   request = build_request(plan, facts, devices.draw_seed(plan))
   mesh_auto = plan.mesh is None
   if mesh_auto:
@@ -279,7 +340,9 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
         step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
         attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
-        attention_exchange=plan.attention_exchange)
+        attention_exchange=plan.attention_exchange, image=read_image(plan.image),
+        last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
+        sigmas=plan.sigmas)
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -8,10 +8,13 @@
 _EXPORTS = ("WanPipeline", "GenerationResult", "NonFiniteLatentsError", "TINY_TRANSFORMER",
             "TINY_DEFAULT_FOLDER", "TINY_SEED", "TINY_SCHEDULER", "DTYPES")
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "WanImageToVideoPipeline"]
 
 
 def __getattr__(name: str):
+  if name == "WanImageToVideoPipeline":
+    from pipelines.pipeline import image_pipeline
+    return image_pipeline.WanImageToVideoPipeline
   if name in _EXPORTS:
     from pipelines.pipeline import wan_pipeline
     return getattr(wan_pipeline, name)

@@ -19,7 +19,8 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "flow_shift", "seed", "latents", "max_sequence_length", "mesh", "prompt_embeds",
                      "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
-                     "vae_parallel", "decode", "attention_exchange")
+                     "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds",
+                     "timesteps", "sigmas", "scheduler")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -37,7 +38,16 @@ CALL_DOCS = """
   height, width: multiples of 16.
   num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
     warning, as diffusers does.
-  num_inference_steps: scheduler steps.
+  num_inference_steps: scheduler steps; None: 50, or the length of `timesteps` / `sigmas`.
+  timesteps: a custom schedule as N decreasing timesteps in (0, 1000] (lightx2v's
+    `denoising_step_list`, e.g. [1000, 750, 500, 250] for the 4-step distilled Wan): sigmas
+    t / 1000, shifted by the scheduler, the model fed each shifted sigma x 1000
+    (`wan.flow_schedule`).
+  sigmas: a custom schedule as N decreasing unshifted sigmas in (0, 1] (diffusers' flow schedulers'
+    `set_timesteps(sigmas=)`); at most one of `timesteps` and `sigmas`.
+  scheduler: None (the model folder's scheduler), "unipc", "euler" (flow-match Euler) or "dpm++"
+    (DPM-Solver++ multistep, Wan's `--sample_solver dpm++`), keeping the flow shift; or a config
+    (`wan.schedulers.UniPCConfig`, `FlowEulerConfig`, `DPMSolverConfig`).
   guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the
     unconditional pass off.
   seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
@@ -71,6 +81,9 @@ CALL_DOCS = """
   attention_exchange: "bf16" (default) or "fp8": Q, V and the attention output cross USP's Ulysses
     all-to-alls in e4m3 with per-head scales, K in bf16 (`attention.fp8_exchange`; with U > 1).
   decode: False skips the VAE (run: `frames` is None).
+  image, last_image, image_embeds: image-to-video models only (`WanImageToVideoPipeline`): the
+    first frame, the last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states
+    (`image_inputs.check_image_inputs`).
 """
 
 
@@ -86,6 +99,9 @@ class CallOptions:
     callback_tensor_inputs: the tensors it is handed.
     resume: resumable denoising (`ResumeConfig`), or None.
     hooks: extra `loop.StepHook`s, run after the built-in ones.
+    text_kv_once: the text's cross-attention keys and values computed once per prompt and expert
+      before the loop (again only if a callback replaces the text states or the weights change);
+      False computes them inside every step (the same video, bit for bit; for measurements).
   """
   progress: bool = True
   nan_guard: bool = True
@@ -94,6 +110,7 @@ class CallOptions:
   callback_tensor_inputs: tuple[str, ...] = ("latents",)
   resume: ResumeConfig | None = None
   hooks: tuple[StepHook, ...] = ()
+  text_kv_once: bool = True
 
 
 def split_options(kwargs: dict[str, Any], *, default_progress: bool = True) -> tuple[dict[str, Any], CallOptions]:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage import weights
-from pipelines.wan import schedulers, tiny, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import clip_vision, schedulers, tiny, tokenizer as tokenization, umt5, vae as wan_vae
 from pipelines.wan.folder import PipelineIndex
 from pipelines.wan.transformer import init_transformer, large_leaf_shardings
 from pipelines.wan.transformer_loading import load_transformer
@@ -32,25 +32,34 @@ def dtype_of(name: str) -> jnp.dtype:
 
 
 def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
-                 progress: bool | None, quantize: str | None = None) -> tuple[dict[str, Any], ParallelPlan | None]:
+                 progress: bool | None, quantize: str | None = None, *,
+                 image_to_video: bool = False) -> tuple[dict[str, Any], ParallelPlan | None]:
   """The `WanPipeline` constructor's keyword arguments read from `folder`, and the plan the weights
-  were placed for (None: the first device). `WanPipeline.from_pretrained` documents the arguments.
+  were placed for (None: the first device). `WanPipeline.from_pretrained` documents the arguments;
+  `image_to_video`: the caller is `WanImageToVideoPipeline` (its parts add `image_encoder` and
+  `image_processor`, None for Wan 2.2 I2V A14B).
 
   Raises:
+    ValueError: a text-to-video folder for the image-to-video class or the other way round.
     ValueError: an unknown dtype, or a mesh that does not fit the devices or heads.
     weights.CheckpointError: see `PipelineIndex.read`, `PipelineIndex.check_weights` and the loaders.
     tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
   """
   model_dtype, vae_dt = dtype_of(dtype), dtype_of(vae_dtype)
   index = PipelineIndex.read(folder)
+  if index.image_to_video != image_to_video:
+    want, other = (("WanImageToVideoPipeline", "WanPipeline") if index.image_to_video
+                   else ("WanPipeline", "WanImageToVideoPipeline"))
+    raise ValueError(f"{folder!r} is a {want} folder (model_index.json _class_name); load it with "
+                     f"{want}.from_pretrained, not {other}")
   plan = None
   if mesh is not None or shard_weights:
     plan = ParallelPlan.build(mesh, heads=index.transformer.num_attention_heads, shard_weights=shard_weights)
   index.check_weights()  # a truncated last file fails now, not after loading the others
   scheduler_config = schedulers.scheduler_config_from_dict(weights.read_json(
       os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
-  names = ["transformer"] + (["transformer_2"] if index.boundary_ratio is not None else [])
-  if index.has_transformer_2 and index.boundary_ratio is None:
+  names = index.experts
+  if index.has_transformer_2 and index.boundary_ratio is None and names == ("transformer",):
     warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
                   "it is not loaded", stacklevel=3)
   mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)
@@ -63,7 +72,32 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
                expand_timesteps=index.expand_timesteps, name=os.path.abspath(folder))
+  if image_to_video:
+    parts.update(image_encoder=None, image_processor=None)
+    if index.image_encoder:
+      parts.update(image_encoder=clip_vision.load_clip_vision(os.path.join(folder, "image_encoder")),
+                   image_processor=load_image_processor(os.path.join(folder, "image_processor")))
   return parts, plan
+
+
+def load_image_processor(folder: str) -> Any:
+  """transformers' `CLIPImageProcessor` of an `image_processor/` folder (without torchvision it is
+  transformers' PIL implementation, `CLIPImageProcessorPil`; the same pixels).
+
+  Raises:
+    weights.CheckpointError: no preprocessor_config.json.
+  """
+  if not os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
+    raise weights.CheckpointError(f"{folder!r} has no preprocessor_config.json (the CLIP image processor)")
+  import transformers
+  from transformers.utils import logging as transformers_logging
+
+  verbosity = transformers_logging.get_verbosity()
+  transformers_logging.set_verbosity_error()  # its note that torchvision is absent (the PIL one is used)
+  try:
+    return transformers.CLIPImageProcessor.from_pretrained(folder)
+  finally:
+    transformers_logging.set_verbosity(verbosity)
 
 
 def tiny_random_parts(dtype: str) -> dict[str, Any]:

@@ -22,9 +22,10 @@ import numpy as np
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import resume as resume_state
+from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
-from pipelines.wan import schedulers
+from pipelines.wan import flow_schedule, schedulers
 from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.transformer_config import WanTransformerConfig
 
@@ -40,12 +41,14 @@ class ModelFacts:
     transformer: the experts' shared config (heads, patch, text_dim, in_channels).
     spatial_factor, temporal_factor: the VAE's compression (8 and 4 for Wan 2.1).
     boundary_ratio: None (one expert) or Wan 2.2's switch ratio (two experts).
-    scheduler: the folder's scheduler config (`UniPCConfig` or `FlowEulerConfig`).
+    scheduler: the folder's scheduler config (`UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig`).
     max_sequence_length: the default text length L of calls.
     dtype: the transformer's dtype name ("float32" or "bfloat16").
     trained_video: (height, width, frames) when the weights know one video size only (the trained
       tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
     quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
+      and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
     expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
       `expand_timesteps`; `wan.ti2v`).
   """
@@ -60,6 +63,15 @@ class ModelFacts:
   trained_video: tuple[int, int, int] | None = None
   quantize: str | None = None
   expand_timesteps: bool = False
+  image_to_video: bool = False
+
+  def __post_init__(self):
+    t = self.transformer
+    want = 2 * t.out_channels + self.temporal_factor if self.image_to_video else t.out_channels
+    if t.in_channels != want:
+      kind = "image-to-video" if self.image_to_video else "text-to-video"
+      raise ValueError(f"a {kind} transformer needs in_channels={want} (out_channels={t.out_channels}), got "
+                       f"{t.in_channels}")
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
@@ -82,6 +94,7 @@ class ModelFacts:
                spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
                max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
+               image_to_video=index.image_to_video,
                expand_timesteps=index.expand_timesteps)
 
   @classmethod
@@ -108,7 +121,7 @@ class ModelFacts:
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k + 1) x height x width."""
-    return (batch, self.transformer.in_channels, (num_frames - 1) // self.temporal_factor + 1,
+    return (batch, self.transformer.out_channels, (num_frames - 1) // self.temporal_factor + 1,
             height // self.spatial_factor, width // self.spatial_factor)
 
   def tokens(self, latent_shape: tuple[int, ...]) -> int:
@@ -127,8 +140,9 @@ class GenerationRequest:
     num_videos_per_prompt: n; videos: B' = B x n.
     height, width, num_frames: pixels and frames (frames rounded to 4k + 1).
     steps: denoising steps.
+    timesteps, sigmas: the custom schedule as given (at most one; `flow_schedule`), or None.
     guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
-    scheduler: the scheduler config (flow shift applied).
+    scheduler: the scheduler config (solver chosen, flow shift applied).
     seed: the noise seed (None when `latents` are given).
     latents: float32 numpy [B', C, F, Hl, Wl] given, or None.
     latent_shape: [B', C, F, Hl, Wl].
@@ -137,8 +151,9 @@ class GenerationRequest:
     lora_scale: `attention_kwargs["scale"]` or None.
     step_cache: the parsed step-cache spec or None.
     decode: run the VAE (False: latents only).
-    condition: None, or the first-frame image conditioning of a Wan 2.2 TI2V run
-      (`pipeline.ti2v.TI2VCondition`, set by `pipeline.ti2v.ti2v_condition`).
+    image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
+    first_frame_latents: float32 numpy [B', C, 1, Hl, Wl], the normalised VAE latents of a Wan 2.2
+      TI2V run's first frame (set by `pipeline.ti2v.ti2v_condition`), or None.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -162,42 +177,54 @@ class GenerationRequest:
   lora_scale: float | None = None
   step_cache: Any = None
   decode: bool = True
-  condition: Any = None
+  image: ImageInputs | None = None
+  timesteps: tuple[float, ...] | None = None
+  sigmas: tuple[float, ...] | None = None
+  first_frame_latents: np.ndarray | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
-            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = 50, guidance_scale: Any = 5.0,
+            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = None, guidance_scale: Any = 5.0,
             guidance_scale_2: Any = None, flow_shift: Any = None, seed: Any = None, latents: Any = None,
             max_sequence_length: Any = None, mesh: Any = None, prompt_embeds: Any = None,
             negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1,
             attention_kwargs: Any = None, generator: Any = None, step_cache: Any = None,
             shard_weights: Any = False, attention_implementation: Any = "auto",
             attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
-            attention_exchange: Any = "bf16") -> GenerationRequest:
+            attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
+            image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
+            scheduler: Any = None) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
     `prompt_embeds`; at most one of `negative_prompt` and `negative_prompt_embeds`; a missing
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size. Every
     argument is checked for type as well as value (a bool is not an int, a str not a number,
-    NaN/inf not a number either), whether or not the call would use it.
+    NaN/inf not a number either), whether or not the call would use it. `num_inference_steps`
+    None is 50, or the length of `timesteps` / `sigmas` (`flow_schedule.custom_sigmas`).
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
     _refuse_generator(generator)
+    t = model.transformer
+    images = check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
+                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
     _warn_outside_training(model, int(height), int(width), num_frames)
-    steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    if num_inference_steps is not None:
+      num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+    scheduler = _scheduler(model, scheduler, flow_shift)
+    steps, _ = flow_schedule.custom_sigmas(num_inference_steps, sigmas, timesteps,
+                                           scheduler.num_train_timesteps)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
     cfg = guidance[0] > 1.0
-    scheduler = _scheduler(model, flow_shift)
     if cfg:
       _check_text_lengths(embeds, negative_embeds, length)
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
@@ -217,7 +244,7 @@ class GenerationRequest:
                width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
                scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
                max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-               decode=bool(decode))
+               decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas))
 
   # --- derived ---
 
@@ -245,6 +272,12 @@ class GenerationRequest:
                                                                                 np.float32)
                            for i in range(self.videos)])
 
+  def schedule(self) -> Any:
+    """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given)."""
+    _, sigmas = flow_schedule.custom_sigmas(self.steps, self.sigmas, self.timesteps,
+                                            self.scheduler.num_train_timesteps)
+    return self.scheduler.set_timesteps(self.steps, sigmas=sigmas)
+
   def experts_per_step(self, timesteps: Any) -> list[int]:
     """The expert of each step: 0 while t >= boundary_ratio * num_train_timesteps, then 1."""
     if self.model.boundary_ratio is None:
@@ -261,13 +294,13 @@ class GenerationRequest:
             "guidance_scale": self.guidance[0],
             "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
             "scheduler": _scheduler_record(self.scheduler), "boundary_ratio": self.model.boundary_ratio,
+            "timesteps": _listed(self.timesteps), "sigmas": _listed(self.sigmas),
             "dtype": self.model.dtype, "quantize": self.model.quantize,
             "explicit_latents": self.latents is not None,
             "num_videos_per_prompt": self.num_videos_per_prompt,
             "prompt_embeds_given": self.prompt_embeds is not None,
             "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,
-            "lora_scale": self.lora_scale, "image_conditioned": self.condition is not None,
-            **self.plan.describe()}
+            "lora_scale": self.lora_scale, **self._image_digests(), **self.plan.describe()}
 
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
@@ -283,9 +316,17 @@ class GenerationRequest:
         "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
         "prompt_embeds_sha256": _digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
-    } | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
-        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | (
-        {} if self.condition is None else {"condition_sha256": _digest(self.condition.latents)})
+    } | self._image_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
+        {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | {
+        name: list(given) for name, given in (("timesteps", self.timesteps), ("sigmas", self.sigmas))
+        if given is not None}
+
+  def _image_digests(self) -> dict[str, Any]:
+    """The input images' digests (image-to-video and TI2V's first frame only: text-to-video records
+    stay as they were)."""
+    first = {} if self.first_frame_latents is None else {
+        "first_frame_latents_sha256": _digest(self.first_frame_latents)}
+    return first | ({} if self.image is None else self.image.digests())
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------
@@ -347,13 +388,21 @@ def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> 
   return g1, g2
 
 
-def _scheduler(model: ModelFacts, flow_shift: Any) -> Any:
-  """The model's scheduler config with `flow_shift` applied (None: as the folder says)."""
+def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
+  """The model's scheduler config, or the solver `scheduler` names ("unipc", "euler", "dpm++") or is
+  (a `schedulers.SchedulerConfig`), with `flow_shift` applied (None: the config's)."""
+  config = model.scheduler
+  if isinstance(scheduler, str):
+    config = schedulers.switch_solver(config, scheduler)
+  elif scheduler is not None:
+    if not isinstance(scheduler, schedulers.SchedulerConfig):
+      raise ValueError(f"scheduler={scheduler!r} must be None (the model's), one of "
+                       f"{', '.join(schedulers.SOLVERS)}, or a scheduler config (schedulers.UniPCConfig, ...)")
+    config = scheduler
   if flow_shift is None:
-    return model.scheduler
+    return config
   shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
-  field = "flow_shift" if isinstance(model.scheduler, schedulers.UniPCConfig) else "shift"
-  return dataclasses.replace(model.scheduler, **{field: shift})
+  return schedulers.with_flow_shift(config, shift)
 
 
 def _warn_outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> None:
@@ -425,6 +474,15 @@ def _lora_scale(attention_kwargs: Any) -> float | None:
 
 def _scheduler_record(config: Any) -> dict[str, Any]:
   return dataclasses.asdict(config) | {"class": type(config).__name__}
+
+
+def _floats(values: Any) -> tuple[float, ...] | None:
+  """A checked custom schedule as a tuple of floats (None stays None)."""
+  return None if values is None else tuple(float(v) for v in values)
+
+
+def _listed(values: tuple[float, ...] | None) -> list[float] | None:
+  return None if values is None else list(values)
 
 
 def _digest(array: Any) -> str | None:

@@ -18,7 +18,7 @@ from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.callback import StepEndCallback
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import step_cache as wan_step_cache, ti2v
+from pipelines.wan import step_cache as wan_step_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,8 @@ class GenerationResult:
   Attributes:
     frames: float32 [B, frames, height, width, 3] in [0, 1]; None when run with `decode=False`.
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
-    timings: seconds: "text_encode", "compile" (0 when cached), "denoise" (all steps),
+    timings: seconds: "text_encode", "condition" (image-to-video: the images encoded; ~0 for
+      text-to-video), "compile" (0 when cached), "denoise" (all steps),
       "denoise_per_step" (mean), "decode", "total".
     settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
       step, steps run, the step resumed from, the step cache's skips.
@@ -49,7 +50,7 @@ class Runner:
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
-    self.condition: jax.Array | None = None  # TI2V image latents [B', C, 1, Hl, Wl], placed
+    self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text states, their TextKV)
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -77,7 +78,7 @@ class Runner:
     r, plan = self.request, self.request.plan
     noise = r.noise()
     self._check_processes_agree(noise)
-    schedule = r.scheduler.set_timesteps(r.steps)
+    schedule = r.schedule()
     state = LoopState(timesteps=schedule.timesteps, experts=r.experts_per_step(schedule.timesteps),
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
@@ -88,12 +89,19 @@ class Runner:
                else "text encode: none (text states given)")
     text = jax.block_until_ready(text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype))
     self.timings["text_encode"] = time.perf_counter() - start
-    state.latents, state.solver, state.text = distributed.put_replicated(
-        (state.latents, state.solver, text), plan.replicated)
-    if r.condition is not None:  # the TI2V image's latents, one copy for the whole loop
-      self.condition = distributed.put_replicated(r.condition.latents, plan.replicated)
+    condition = self._condition()
+    state.latents, state.solver, state.text, state.condition = distributed.put_replicated(
+        (state.latents, state.solver, text, condition), plan.replicated)
     state.cache = self._cache()
     return state
+
+  def _condition(self) -> Any:
+    """The step's conditioning beyond the text (`pipe.conditioning(request)`: None for text-to-video;
+    for image-to-video the encoded images), timed as "condition"."""
+    start = time.perf_counter()
+    condition = self.pipe.conditioning(self.request, self.stage)
+    self.timings["condition"] = time.perf_counter() - start
+    return condition
 
   def _check_processes_agree(self, noise: np.ndarray) -> None:
     """In a multi-process run, every process holds the same model (weights, LoRAs, configs: the
@@ -175,9 +183,9 @@ class Runner:
     self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated)
                      for e in sorted(set(state.experts))}
     first = state.experts[0]
-    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver, state.text,
-                                      self.guidance[first], state.cache, self.condition, plan=plan, cfg=r.cfg,
-                                      expand_timesteps=r.model.expand_timesteps,
+    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver,
+                                      self._text(first, state.text), self.guidance[first], state.cache,
+                                      state.condition, plan=plan, cfg=r.cfg,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
     return program
@@ -189,10 +197,24 @@ class Runner:
       k, expert = state.step, state.experts[state.step]
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
-      return program(self.pipe.weights.experts[expert], state.latents, state.solver, state.text,
-                     self.guidance[expert], state.cache, self.condition)
+      return program(self.pipe.weights.experts[expert], state.latents, state.solver,
+                     self._text(expert, state.text), self.guidance[expert], state.cache, state.condition)
 
     return step
+
+  def _text(self, expert: int, text: Any) -> Any:
+    """What the step takes as text: the `TextKV` of `expert`'s weights for these text states,
+    computed once and reused while the expert, its weights (a LoRA scale re-fuses them) and the
+    text states (a callback may replace them) stay the same; only the latest is kept (Wan 2.2's
+    high-noise expert does not come back). With `text_kv_once=False`, the text states themselves."""
+    if not self.options.text_kv_once:
+      return text
+    params = self.pipe.weights.experts[expert]
+    held = self._text_kv_of
+    if held is None or held[0] != expert or held[1] is not params or held[2] is not text:
+      kv = self.pipe.compiled_steps.text_kv(params, text, plan=self.request.plan)
+      self._text_kv_of = held = (expert, params, text, kv)
+    return held[3]
 
   def _hooks(self) -> list[StepHook]:
     """The loop's hooks, in order: timestep, LoRA scale, step-cache stats, NaN guard, resume writer,
@@ -220,9 +242,10 @@ class Runner:
     """(frames or None, host latents); timed as "decode"."""
     r = self.request
     start = time.perf_counter()
-    latents = distributed.to_host(state.latents)
-    if r.condition is not None:  # diffusers: the image's latents replace the first frame once more
-      latents = np.asarray(ti2v.model_input(jnp.asarray(latents), jnp.asarray(r.condition.latents)))
+    latents = state.latents
+    if state.condition is not None:  # TI2V: the image's latents replace the first frame once more
+      latents = state.condition.final_latents(latents)
+    latents = distributed.to_host(latents)
     frames = None
     if r.decode:
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")

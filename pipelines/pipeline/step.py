@@ -16,33 +16,36 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention.mesh import CFG_AXIS
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import step_cache as wan_step_cache, ti2v
-from pipelines.wan.transformer import forward
+from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan.transformer import TextKV, forward, text_kv
 
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
-                 text: jax.Array, guidance: jax.Array, cache: Any = None, condition: jax.Array | None = None,
-                 *, plan: ParallelPlan, cfg: bool, expand_timesteps: bool = False):
+                 text: jax.Array, guidance: jax.Array, cache: Any = None, condition: Any = None, *,
+                 plan: ParallelPlan, cfg: bool):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
     graphdef, params: `nnx.split` of a `WanTransformer` (static graph, array state).
     latents: float32 [B, C, F, Hl, Wl] (donated).
-    solver: `UniPCState` or `FlowEulerState` (donated).
-    text: [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim].
+    solver: `UniPCState`, `FlowEulerState` or `DPMSolverState` (donated).
+    text: the text's cross-attention K/V of this expert (`transformer.TextKV` [Z, 2B or B, L, N, H],
+      from `CompiledSteps.text_kv`: computed once per prompt and expert), or the text states
+      [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim] (their K/V
+      then computed inside the step: the same result, more work per step).
     guidance: float32 [] scale of this step's expert.
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
+    condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
+      gives the transformer's (latents, timestep, image states): `ImageConditioning` (image-to-video
+      channels and CLIP states) or `ti2v.TI2VConditioning` (Wan 2.2 TI2V: the first frame's latents
+      and per-token timesteps); a new conditioning is a new such class, not a change here.
     plan: where it runs (static): the mesh, the attention path and backend, weight sharding. With
       CFG=2 the cond rows run on the first half of the devices and the uncond rows on the second,
       each half running the whole USP schedule; the guidance mix then brings the two noise
       predictions together (one exchange of the noise-prediction size per step).
     cfg: classifier-free guidance on (static).
-    condition: None, or (TI2V image-to-video) float32 [B, C, 1, Hl, Wl] the normalised image
-      latents, the first frame of the transformer's input.
-    expand_timesteps: (static) one timestep per token (TI2V): 0 on the first frame's tokens with a
-      `condition`, else t (`wan.ti2v.per_token_timesteps`).
 
   Returns:
     (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite, new cache
@@ -54,12 +57,16 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   uncond)`, then `scheduler.step`.
   """
   model = nnx.merge(graphdef, params)
-  x, timestep = _transformer_inputs(model, latents, solver, condition, cfg, expand_timesteps)
+  x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
+  if cfg:
+    x = jnp.concatenate([x, x], axis=0)
+  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
+  x, timestep, image = (x, timestep, None) if condition is None else condition.transformer_inputs(x, timestep, cfg=cfg)
   stats = None
   if cache is None:
-    noise = forward(model, x, timestep, text, plan)  # model dtype
+    noise = forward(model, x, timestep, text, plan, image)  # model dtype
   else:
-    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan)
+    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan, image)
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -76,18 +83,6 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cache is not None:
     cache = wan_step_cache.constrain(cache, plan.mesh)  # residuals sequence-sharded, scalars replicated
   return (*out, cache, stats)
-
-
-def _transformer_inputs(model: Any, latents: jax.Array, solver: Any, condition: jax.Array | None, cfg: bool,
-                        expand_timesteps: bool) -> tuple[jax.Array, jax.Array]:
-  """(latents [B or 2B, C, F, Hl, Wl] in the model dtype, timestep [B or 2B] or per token [.., T])."""
-  x = ti2v.model_input(latents, condition).astype(model.dtype)  # diffusers: .to(transformer_dtype)
-  if cfg:
-    x = jnp.concatenate([x, x], axis=0)
-  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  if expand_timesteps:
-    timestep = ti2v.per_token_timesteps(timestep, x.shape, model.config.patch_size, image=condition is not None)
-  return x, timestep
 
 
 def guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:
@@ -124,8 +119,23 @@ def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.
                        check_vma=False)(noise, guidance)
 
 
-_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg", "expand_timesteps"),
+def text_kv_states(graphdef: nnx.GraphDef, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
+  """The text's cross-attention K/V of every block for these weights (`transformer.text_kv`).
+
+  Args:
+    graphdef, params: `nnx.split` of a `WanTransformer`.
+    text: [B or 2B, L, text_dim] text states (the step's rows).
+    plan: where it runs (static).
+
+  Returns:
+    `TextKV` [Z, B or 2B, L, N, H] in the model dtype, laid out as the step reads it.
+  """
+  return text_kv(nnx.merge(graphdef, params), text, plan)
+
+
+_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg"),
                             donate_argnames=("latents", "solver", "cache"))
+_text_kv_jit = jax.jit(text_kv_states, static_argnums=0, static_argnames=("plan",))
 
 
 class CompiledSteps:
@@ -144,21 +154,24 @@ class CompiledSteps:
     self._programs: dict[Any, Any] = {}
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
-          cache: Any, condition: jax.Array | None = None, *, plan: ParallelPlan, cfg: bool,
-          expand_timesteps: bool = False, on_compile: Callable[[], None] | None = None) -> Any:
+          cache: Any, condition: Any = None, *, plan: ParallelPlan, cfg: bool,
+          on_compile: Callable[[], None] | None = None) -> Any:
     """The compiled `denoise_step` for these arguments (compiled on the first request; `on_compile()`
     is called just before a compile). Call it as `program(params, latents, solver, text, guidance,
-    cache, condition)` (`condition` may be left out when None)."""
+    cache, condition)`."""
     args = (params, latents, solver, text, guidance, cache, condition)
     leaves, treedef = jax.tree.flatten(args)
-    key = (plan, cfg, expand_timesteps, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     if key not in self._programs:
       if on_compile is not None:
         on_compile()
       self.traces += 1
-      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg,
-                                                    expand_timesteps=expand_timesteps).compile()
+      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg).compile()
     return self._programs[key]
+
+  def text_kv(self, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
+    """`text_kv_states` for these weights and text states (compiled once per shape and plan)."""
+    return _text_kv_jit(self.graphdef, params, text, plan=plan)
 
   def programs(self) -> list[Any]:
     """The compiled programs, oldest first (e.g. to read one's HLO with `as_text()`)."""

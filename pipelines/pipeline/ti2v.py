@@ -1,4 +1,4 @@
-"""Image conditioning of a Wan 2.2 TI2V-5B run: `TI2VCondition` and `ti2v_condition`.
+"""Image conditioning of a Wan 2.2 TI2V-5B run: `ti2v_condition`.
 
 Glossary (DESIGN.md section 1): B' videos, C latent channels, F / Hl / Wl latent frames / height /
 width.
@@ -13,7 +13,8 @@ is the image's latents at every step (`wan.ti2v`). Here that is a request field:
     request = ti2v_condition(pipe.vae, request, image)   # image: [1 or B', 3, 704, 1280] in [-1, 1]
     frames = pipe.generate(request).frames
 
-The denoise step then takes the image latents as one more (replicated, not donated) argument.
+The request carries the image's latents (`first_frame_latents`); `WanPipeline.conditioning` turns
+them into the step's `condition` (`wan.ti2v.TI2VConditioning`, replicated, not donated).
 """
 
 from __future__ import annotations
@@ -27,17 +28,6 @@ from pipelines.pipeline.request import GenerationRequest
 from pipelines.wan import ti2v, vae as wan_vae
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class TI2VCondition:
-  """The first-frame conditioning of a TI2V request.
-
-  Attributes:
-    latents: float32 numpy [B', C, 1, Hl, Wl], the image's VAE latents normalised with the VAE's
-      latents_mean / latents_std (`wan.ti2v.encode_image`), one row per video.
-  """
-  latents: np.ndarray
-
-
 def ti2v_condition(vae: wan_vae.WanVAE, request: GenerationRequest, image: Any) -> GenerationRequest:
   """`request` conditioned on a first frame (diffusers' `WanImageToVideoPipeline` with a TI2V folder).
 
@@ -49,8 +39,8 @@ def ti2v_condition(vae: wan_vae.WanVAE, request: GenerationRequest, image: Any) 
       `VideoProcessor.preprocess` output).
 
   Returns:
-    The request with `condition` set (`TI2VCondition`); its resume identity includes the image's
-    latents.
+    The request with `first_frame_latents` set (float32 [B', C, 1, Hl, Wl]); its settings and
+    resume identity include their digest.
 
   Raises:
     ValueError: a model without `expand_timesteps` (Wan 2.1 / 2.2 A14B image-to-video conditions
@@ -71,4 +61,4 @@ def ti2v_condition(vae: wan_vae.WanVAE, request: GenerationRequest, image: Any) 
   if latents.shape != expected:
     raise ValueError(f"the image's latents {latents.shape} do not fit the request's {expected} (another "
                      "VAE than the pipeline's?)")
-  return dataclasses.replace(request, condition=TI2VCondition(latents))
+  return dataclasses.replace(request, first_frame_latents=latents.astype(np.float32))

@@ -46,7 +46,7 @@ from pipelines.pipeline.request import GenerationRequest, ModelFacts
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.storage import weights
-from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache,
+from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache, ti2v,
                            tokenizer as tokenization, umt5, vae as wan_vae)
 from pipelines.wan.tiny import (TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRAINED_VIDEO,  # noqa: F401
                                TINY_TRANSFORMER)
@@ -70,7 +70,7 @@ class WanPipeline(LoraLoaderMixin):
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
     expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`); image conditioning
       through `pipeline.ti2v.ti2v_condition`.
-    scheduler_config: `UniPCConfig` or `FlowEulerConfig`.
+    scheduler_config: `UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig` (`schedulers.SchedulerConfig`).
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
     max_sequence_length: the default text length L of calls (`tokenizer.text_length`).
@@ -141,7 +141,8 @@ class WanPipeline(LoraLoaderMixin):
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     quantization.check_mode(quantize)  # before any loading
-    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize)
+    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
+                                       image_to_video=cls.image_to_video)
     pipe = cls(**parts)
     pipe.quantization = quantize  # quantized as they were loaded
     if plan is not None:  # already where a call on this mesh wants them
@@ -201,6 +202,26 @@ class WanPipeline(LoraLoaderMixin):
 
   # --- what the model is ---
 
+  image_to_video = False  # WanImageToVideoPipeline: True
+
+  def _conditioning_weights(self) -> dict[str, Any]:
+    """Weights beyond the transformer, text encoder and VAE that decide the video (the fingerprint
+    covers them): none for text-to-video."""
+    return {}
+
+  def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
+    """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
+    text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
+    the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps
+    (`ti2v.TI2VConditioning`), with the request's first frame when it has one
+    (`pipeline.ti2v.ti2v_condition`)."""
+    del stage
+    if not self.expand_timesteps:
+      return None
+    first = request.first_frame_latents
+    return ti2v.TI2VConditioning(patch_size=tuple(self.transformer_config.patch_size),
+                                 first_frame_BCFHW=None if first is None else jnp.asarray(first, jnp.float32))
+
   @property
   def num_experts(self) -> int:
     return len(self.weights.experts)
@@ -238,7 +259,7 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name,
+                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video,
                       trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
                       quantize=self.quantization, expand_timesteps=self.expand_timesteps)
 
@@ -258,7 +279,7 @@ class WanPipeline(LoraLoaderMixin):
       if self.expand_timesteps:  # only then, so the other models' fingerprints stay as they were
         config["expand_timesteps"] = True
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
-      trees.update(text_encoder=self.weights.text_params, vae=self.vae)
+      trees.update(text_encoder=self.weights.text_params, vae=self.vae, **self._conditioning_weights())
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))
     return self._fingerprint[1]
 
@@ -313,7 +334,7 @@ class WanPipeline(LoraLoaderMixin):
     return request
 
   def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
-               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int = 50,
+               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int | None = None,
                guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
@@ -324,7 +345,8 @@ class WanPipeline(LoraLoaderMixin):
     """Generates videos; diffusers `WanPipeline.__call__(...).frames` with the same argument names.
 
     `call_options.CALL_DOCS` documents every argument (diffusers' meanings; plus `seed`, `mesh`,
-    `flow_shift`); `**options` takes `generator` (refused with the fix: pass noise as `latents`)
+    `flow_shift`, `timesteps` / `sigmas` (a custom schedule), `scheduler` ("unipc", "euler",
+    "dpm++")); `**options` takes `generator` (refused with the fix: pass noise as `latents`)
     and, for one release, the keyword arguments this call took before the step cache, resumable
     denoising, progress and the NaN guard moved to objects (`call_options.LEGACY_OPTIONS`).
 
@@ -352,7 +374,7 @@ class WanPipeline(LoraLoaderMixin):
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
 
   def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
-          num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+          num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
           seed: int | None = None, latents: Any = None, max_sequence_length: int | None = None,
           mesh: Mesh | str | None = None, **kwargs: Any) -> GenerationResult:
     """`__call__` returning a `GenerationResult` (frames, latents, timings and the resolved settings);
@@ -450,6 +472,6 @@ def _check_parts(text_config: umt5.UMT5Config, transformers: Sequence[WanTransfo
   config = transformers[0].config
   if text_config.d_model != config.text_dim:
     raise ValueError(f"text encoder d_model={text_config.d_model} != transformer text_dim={config.text_dim}")
-  if vae.config.z_dim != config.in_channels:
-    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer in_channels={config.in_channels}")
+  if vae.config.z_dim != config.out_channels:
+    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer out_channels={config.out_channels}")
 

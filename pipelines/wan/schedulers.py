@@ -1,4 +1,5 @@
-"""Flow-matching samplers for Wan: UniPC multistep (flow sigmas) and flow-match Euler.
+"""Flow-matching samplers for Wan: UniPC multistep (flow sigmas), flow-match Euler, and (in
+`dpm_solver`, re-exported here) DPM-Solver++ multistep; custom schedules in `flow_schedule`.
 
 Numerical references (diffusers): `UniPCMultistepScheduler` with `use_flow_sigmas=True`,
 `prediction_type="flow_prediction"` (the scheduler Wan ships: bh2, order 2, predict x0, lower-order
@@ -33,22 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_F32 = np.float32
+from pipelines.wan import flow_schedule
+from pipelines.wan.dpm_solver import DPMSolverConfig, DPMSolverSchedule, DPMSolverState  # noqa: F401
 
-
-def _mul(c: jax.Array, x: jax.Array) -> jax.Array:
-  """`c * x` for a 0-dim fp32 coefficient, with torch's rule that a 0-dim tensor does not promote:
-  the coefficient is rounded to x's float dtype first (so bf16 x gives a bf16 product, as in diffusers)."""
-  return c.astype(x.dtype) * x
-
-
-def _reject(config: Mapping[str, Any], cls: str, expected: Mapping[str, Any]) -> None:
-  """Raises ValueError naming every key of a diffusers config whose value this port does not implement."""
-  bad = {k: config[k] for k, want in expected.items() if k in config and config[k] != want
-         and not (want is None and config[k] in (None, False, 0))}
-  if bad:
-    raise ValueError(f"{cls}: unsupported scheduler settings {bad}; supported values are "
-                     f"{ {k: expected[k] for k in bad} }")
+_F32 = flow_schedule.F32
+_mul = flow_schedule.scaled
+_reject = flow_schedule.reject_settings
+_log32 = flow_schedule.log32
+_lambda = flow_schedule.flow_lambda
 
 
 # --- UniPC (flow) ------------------------------------------------------------------------------------
@@ -106,19 +99,25 @@ class UniPCConfig:
       kw["flow_shift"] = float(kw["flow_shift"])
     return cls(**kw)
 
-  def set_timesteps(self, num_inference_steps: int) -> "UniPCSchedule":
+  def set_timesteps(self, num_inference_steps: int, sigmas: Sequence[float] | None = None) -> "UniPCSchedule":
     """Host-side schedule, as `UniPCMultistepScheduler.set_timesteps` (flow-sigma branch).
 
+    Args:
+      num_inference_steps: N.
+      sigmas: None, or N unshifted sigmas (diffusers' `sigmas=`; `flow_schedule.custom_sigmas`
+        checks them), shifted here as diffusers does.
+
     Raises:
-      ValueError: `num_inference_steps` < 1.
+      ValueError: `num_inference_steps` < 1, or `sigmas` of another length.
     """
     n = num_inference_steps
     if n < 1:
       raise ValueError(f"{num_inference_steps=} must be >= 1")
     t_train = self.num_train_timesteps
-    sigmas = np.linspace(1, 1 / t_train, n + 1)[:-1]  # float64, as diffusers
-    shift = self.flow_shift
-    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    if sigmas is None:
+      sigmas = np.linspace(1, 1 / t_train, n + 1)[:-1]  # float64, as diffusers
+    sigmas = _given_sigmas(sigmas, n, np.float64)
+    sigmas = flow_schedule.shift(sigmas, self.flow_shift)
     if np.fabs(sigmas[0] - 1) < 1e-6:  # diffusers: keep log(alpha) finite at sigma = 1
       sigmas[0] -= 1e-6
     timesteps = (sigmas * t_train).astype(np.int64)  # torch `.to(int64)`: truncation
@@ -128,14 +127,12 @@ class UniPCConfig:
                          coefficients=_unipc_coefficients(self, sigmas))
 
 
-def _log32(x: np.float32) -> np.float32:
-  with np.errstate(divide="ignore"):
-    return _F32(np.log(np.float64(x)))
-
-
-def _lambda(sigma: np.float32) -> np.float32:
-  """log-SNR for flow sigmas: alpha = 1 - sigma (diffusers `_sigma_to_alpha_sigma_t`)."""
-  return _F32(_log32(_F32(1) - sigma) - _log32(sigma))
+def _given_sigmas(sigmas: Sequence[float], n: int, dtype: Any) -> np.ndarray:
+  """A copy of N sigmas in `dtype` (the caller checked their values with `custom_sigmas`)."""
+  sigmas = np.array(sigmas, dtype)
+  if sigmas.shape != (n,):
+    raise ValueError(f"sigmas of shape {sigmas.shape} for num_inference_steps={n}; give {n} sigmas")
+  return sigmas
 
 
 def _bh_terms(cfg: UniPCConfig, h: np.float32, order: int, rks: list[np.float32]):
@@ -371,27 +368,31 @@ class FlowEulerConfig:
     return cls(num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
                shift=float(config.get("shift", 1.0)))
 
-  def set_timesteps(self, num_inference_steps: int) -> "FlowEulerSchedule":
+  def set_timesteps(self, num_inference_steps: int, sigmas: Sequence[float] | None = None) -> "FlowEulerSchedule":
     """Host-side schedule, as `FlowMatchEulerDiscreteScheduler.__init__` + `set_timesteps`.
 
     Note diffusers shifts twice: sigma_max/min come from the already shifted training sigmas and
     the linspace between them is shifted again. Reproduced as is, since it defines the reference.
+    Given `sigmas` (N unshifted, diffusers' `sigmas=`) are cast to float32 and shifted once.
 
     Raises:
-      ValueError: `num_inference_steps` < 1.
+      ValueError: `num_inference_steps` < 1, or `sigmas` of another length.
     """
     n = num_inference_steps
     if n < 1:
       raise ValueError(f"{num_inference_steps=} must be >= 1")
     t_train = self.num_train_timesteps
     shift = self.shift
-    train = np.linspace(1, t_train, t_train, dtype=np.float32)[::-1]
-    train = (train / _F32(t_train)).astype(np.float32)
-    train = (_F32(shift) * train / (_F32(1) + _F32(shift - 1) * train)).astype(np.float32)
-    sigma_max, sigma_min = float(train[0]), float(train[-1])
-    timesteps = np.linspace(sigma_max * t_train, sigma_min * t_train, n)  # float64
-    sigmas = timesteps / t_train
-    sigmas = (shift * sigmas / (1 + (shift - 1) * sigmas)).astype(np.float32)
+    if sigmas is None:
+      train = np.linspace(1, t_train, t_train, dtype=np.float32)[::-1]
+      train = (train / _F32(t_train)).astype(np.float32)
+      train = (_F32(shift) * train / (_F32(1) + _F32(shift - 1) * train)).astype(np.float32)
+      sigma_max, sigma_min = float(train[0]), float(train[-1])
+      timesteps = np.linspace(sigma_max * t_train, sigma_min * t_train, n)  # float64
+      sigmas = timesteps / t_train
+    else:
+      sigmas = _given_sigmas(sigmas, n, np.float32)
+    sigmas = flow_schedule.shift(sigmas, shift).astype(np.float32)
     timesteps = (sigmas * _F32(t_train)).astype(np.float32)
     sigmas = np.concatenate([sigmas, np.zeros((1,), np.float32)])
     return FlowEulerSchedule(config=self, timesteps=timesteps, sigmas=sigmas)
@@ -434,7 +435,43 @@ class FlowEulerState:
     return prev.astype(model_output.dtype), dataclasses.replace(self, step_index=i + 1)
 
 
-SchedulerConfig = UniPCConfig | FlowEulerConfig
+SchedulerConfig = UniPCConfig | FlowEulerConfig | DPMSolverConfig
+
+# The solvers by the names `generate --scheduler` and `scheduler=` take (Wan's `--sample_solver`
+# names "unipc" and "dpm++"; "euler" is lightx2v's sampler for its distilled models).
+SOLVERS = {"unipc": UniPCConfig, "euler": FlowEulerConfig, "dpm++": DPMSolverConfig}
+
+
+def flow_shift(config: SchedulerConfig) -> float:
+  """The config's flow shift (UniPC's and DPM++'s `flow_shift`, Euler's `shift`)."""
+  return float(config.shift if isinstance(config, FlowEulerConfig) else config.flow_shift)
+
+
+def with_flow_shift(config: SchedulerConfig, shift: float) -> SchedulerConfig:
+  """The config with another flow shift."""
+  field = "shift" if isinstance(config, FlowEulerConfig) else "flow_shift"
+  return dataclasses.replace(config, **{field: float(shift)})
+
+
+def solver_name(config: SchedulerConfig) -> str:
+  """"unipc", "euler" or "dpm++"."""
+  return next(name for name, cls in SOLVERS.items() if isinstance(config, cls))
+
+
+def switch_solver(config: SchedulerConfig, name: str) -> SchedulerConfig:
+  """The solver `name` ("unipc", "euler", "dpm++") with `config`'s training timesteps and flow shift
+  and its own defaults otherwise (diffusers: `OtherScheduler.from_config(pipe.scheduler.config)`);
+  `config` itself when it already is that solver.
+
+  Raises:
+    ValueError: an unknown name (naming the choices).
+  """
+  if name not in SOLVERS:
+    raise ValueError(f"scheduler={name!r} must be one of {', '.join(SOLVERS)} (Wan's samplers: unipc, "
+                     "dpm++; euler for distilled few-step models)")
+  if isinstance(config, SOLVERS[name]):
+    return config
+  return with_flow_shift(SOLVERS[name](num_train_timesteps=config.num_train_timesteps), flow_shift(config))
 
 
 def scheduler_config_from_dict(config: Mapping[str, Any]) -> SchedulerConfig:
@@ -449,7 +486,8 @@ def scheduler_config_from_dict(config: Mapping[str, Any]) -> SchedulerConfig:
       return UniPCConfig.from_config(config)
     case "FlowMatchEulerDiscreteScheduler":
       return FlowEulerConfig.from_config(config)
+    case "DPMSolverMultistepScheduler":
+      return DPMSolverConfig.from_config(config)
     case _:
-      raise ValueError(f"unsupported scheduler {name=}; expected UniPCMultistepScheduler or "
-                       "FlowMatchEulerDiscreteScheduler")
-
+      raise ValueError(f"unsupported scheduler {name=}; expected UniPCMultistepScheduler, "
+                       "FlowMatchEulerDiscreteScheduler or DPMSolverMultistepScheduler")

@@ -75,12 +75,13 @@ class SequenceLayout:
       return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, sequence_spec(self.mesh)))
 
-  def constrain_rows(self, x: jax.Array) -> jax.Array:
-    """Pins axis 0 (batch) of a per-row array ([B, ...]: text states, time embeddings) to the
-    guidance split, replicated otherwise; a no-op without a mesh."""
+  def constrain_rows(self, x: jax.Array, axis: int = 0) -> jax.Array:
+    """Pins the batch axis (`axis`) of a per-row array ([B, ...]: text states, time embeddings;
+    [Z, B, ...]: text K/V) to the guidance split, replicated otherwise; a no-op without a mesh."""
     if self.mesh is None:
       return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(batch_axis(self.mesh))))
+    spec = P(*([None] * axis), batch_axis(self.mesh))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
   def gathered(self, block: Any) -> Any:
     """One layer's weights, replicated (an all-gather of each sharded leaf) when the weights are

@@ -15,9 +15,15 @@ so text-to-video runs every token at t, and image-to-video runs the first latent
 t = 0 with that frame replaced by the encoded image in the transformer's input at every step (the
 scheduler still steps the whole latents; the replacement is applied once more before decoding).
 The encoded image is `(vae.encode(image).mode() - latents_mean) / latents_std` (`encode_image`).
+
+`TI2VConditioning` carries this into the denoise step as its `condition` argument (the same place
+as image-to-video's `image_condition.ImageConditioning`): `transformer_inputs` gives the
+transformer's input and per-token timesteps, `final_latents` the last replacement.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +75,41 @@ def model_input(latents: jax.Array, condition: jax.Array | None) -> jax.Array:
   mask = first_frame_mask(latents.shape, image=True)
   condition = jnp.broadcast_to(condition[:, :, :1], latents.shape).astype(latents.dtype)
   return ((1 - mask) * condition + mask * latents).astype(latents.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TI2VConditioning:
+  """The step's conditioning of a Wan 2.2 TI2V model (a pytree: an argument of the compiled step,
+  replicated over the mesh).
+
+  Attributes:
+    patch_size: the transformer's (pt, ph, pw) (static).
+    first_frame_BCFHW: float32 [B, C, 1, Hl, Wl] normalised image latents (`encode_image`, one row
+      per video), or None (text-to-video: every token at t).
+  """
+  patch_size: tuple[int, int, int] = dataclasses.field(metadata={"static": True})
+  first_frame_BCFHW: jax.Array | None = None
+
+  def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool
+                         ) -> tuple[jax.Array, jax.Array, None]:
+    """(latents, per-token timestep float32 [B, T], no image states) the transformer sees for the
+    step's latents x (already doubled to [cond; uncond] under CFG): x with its first frame replaced
+    by the image's latents (`model_input`), 0 on the first frame's tokens with an image, else t.
+
+    The replacement after the cast to the model dtype equals diffusers' (mask 0 or 1 picks one
+    value, then `.to(transformer_dtype)` rounds it once either way)."""
+    condition = self.first_frame_BCFHW
+    if condition is not None and cfg:
+      condition = jnp.concatenate([condition, condition], axis=0)
+    x = model_input(x_BCFHW, condition)
+    timestep = per_token_timesteps(timestep_B, x.shape, self.patch_size, image=condition is not None)
+    return x, timestep, None
+
+  def final_latents(self, latents: jax.Array) -> jax.Array:
+    """The latents the VAE decodes: [B, C, F, Hl, Wl] with the first frame replaced once more by the
+    image's latents (diffusers, after the loop), unchanged without an image."""
+    return model_input(latents, self.first_frame_BCFHW)
 
 
 def encode_image(vae: wan_vae.WanVAE, image: np.ndarray) -> np.ndarray:

@@ -17,6 +17,8 @@ of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole f
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
 token count as `kv_valid_len` (padded keys masked), cross-attention is `attention.cross_attention`
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
+computed by `text_kv` for every block at once: the pipeline calls it once per (prompt, expert)
+before the loop and passes the `TextKV` to every step in place of the text states,
 and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
 `lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
@@ -48,13 +50,14 @@ from pipelines.wan.sequence_layout import SequenceLayout
 from pipelines.wan.transformer_config import (KEEP_IN_FP32, WanTransformerConfig, keeps_fp32,  # noqa: F401
                                               param_counts, param_shapes)
 from pipelines.wan.transformer_layers import (Attention, ConditionEmbedder, Dense, FeedForward,  # noqa: F401
-                                              LayerNorm, MLP, PatchEmbedding, WanBlock, timestep_embedding)
+                                              LayerNorm, MLP, PatchEmbedding, WanBlock, cross_attention_kv,
+                                              timestep_embedding)
 from pipelines.wan.weight_placement import (LARGE_LEAF_ELEMENTS, large_leaf_shardings,  # noqa: F401
                                             weight_shardings)
 
 
 class WanTransformer(nnx.Module):
-  """diffusers `WanTransformer3DModel` (text-to-video) as an NNX module; run it with `forward`.
+  """diffusers `WanTransformer3DModel` (text- or image-to-video) as an NNX module; run it with `forward`.
 
   Parameter tree (our layout; `transformer_loading` maps diffusers keys onto it):
     patch_embedding.{kernel [pt, ph, pw, C, D], bias [D]}
@@ -64,6 +67,9 @@ class WanTransformer(nnx.Module):
       blocks.norm2.{weight, bias} [Z, D] (when cross_attn_norm), blocks.ffn.proj_in [Z, D, E],
       blocks.ffn.proj_out [Z, E, D], blocks.scale_shift_table [Z, 6, D]
     scale_shift_table [2, D], proj_out [D, C_out * pt * ph * pw]
+    with an image branch (`config.has_image_branch`): condition_embedder.image_embedder.{norm1 [I],
+      proj_in [I, I], proj_out [I, D], norm2 [D], pos_embed [P, I] (FLF2V)} and
+      blocks.attn2.{add_k_proj, add_v_proj} [Z, D, D], blocks.attn2.norm_added_k [Z, D]
   (every Dense has .kernel [I, O] and .bias [O]).
   """
 
@@ -81,6 +87,62 @@ class WanTransformer(nnx.Module):
     return self.patch_embedding.kernel.dtype
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TextKV:
+  """The text's cross-attention keys and values of every block (`text_kv`), in the model dtype.
+
+  Attributes:
+    k_ZBLNH, v_ZBLNH: [Z, B, L, N, H]; replicated over a mesh's sequence devices (rows split over
+      "cfg" when the mesh splits the guidance, as the text states were).
+  """
+  k_ZBLNH: jax.Array
+  v_ZBLNH: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """[Z, B, L, N, H]."""
+    return tuple(self.k_ZBLNH.shape)
+
+
+def text_kv(model: WanTransformer, encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> TextKV:
+  """Every block's cross-attention keys and values of the text: the text embedder (diffusers'
+  `condition_embedder.text_embedder`), then `cross_attention_kv` of each block, by one layer scan.
+
+  They depend on the prompt and the weights only, so a denoising loop computes them once per
+  (prompt, expert) and passes them to `forward` at every step instead of the text states: the same
+  ops on the same values as computing them inside each forward (what `forward` does when given
+  text states), one call instead of one per step. No collective: the text is replicated and
+  cross-attention is local; with sharded weights each layer's are gathered, as in `run_blocks`.
+
+  Args:
+    model: a `WanTransformer`.
+    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
+    plan: where it runs (static under jit), None for one device.
+
+  Returns:
+    `TextKV` of [Z, B, L, N, H] in the model dtype.
+
+  Raises:
+    ValueError: states that are not [B, L, text_dim].
+  """
+  config = model.config
+  text = encoder_hidden_states
+  if text.ndim != 3 or text.shape[2] != config.text_dim:
+    raise ValueError(f"encoder_hidden_states must be [B, L, text_dim={config.text_dim}], got {text.shape=}")
+  layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
+  text_BLD = layout.constrain_rows(model.condition_embedder.text_embedder(text.astype(model.dtype)))
+
+  def body(_, attn):
+    attn = layout.gathered(attn)  # sharded weights: this layer's all-gather
+    kv = cross_attention_kv(attn.to_k, attn.to_v, attn.norm_k[...], text_BLD,
+                            heads=config.num_attention_heads, eps=config.eps)
+    return None, tuple(layout.constrain_rows(a) for a in kv)
+
+  _, (k, v) = jax.lax.scan(body, None, model.blocks.attn2)
+  return TextKV(k_ZBLNH=layout.constrain_rows(k, axis=1), v_ZBLNH=layout.constrain_rows(v, axis=1))
+
+
 def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None:
   if latents.ndim != 5 or latents.shape[1] != config.in_channels:
     raise ValueError(f"latents must be [B, C={config.in_channels}, F, Hl, Wl], got {latents.shape=}")
@@ -95,7 +157,13 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
   if timestep.shape not in ((batch,), (batch, tokens)):
     raise ValueError(f"timestep must be [B]=[{batch}] or per token [B, T]=[{batch}, {tokens}] (diffusers' "
                      f"Wan 2.2 TI2V `expand_timesteps`), got {timestep.shape=}")
-  if text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
+  if isinstance(text, TextKV):
+    heads = config.num_attention_heads
+    want = (config.num_layers, batch, text.shape[2], heads, config.dim // heads)
+    if text.shape != want or text.v_ZBLNH.shape != text.k_ZBLNH.shape:
+      raise ValueError(f"text K/V must be [Z, B, L, N, H]={want}, got {text.shape} (compute them with "
+                       "text_kv of this model and these rows)")
+  elif text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
     raise ValueError(f"encoder_hidden_states must be [B={batch}, L, text_dim={config.text_dim}], "
                      f"got {text.shape=}")
 
@@ -105,7 +173,8 @@ class ForwardContext:
   """What every block of one forward needs besides the video tokens (built by `embed`).
 
   Attributes:
-    text_BLD: [B, L, D] projected text states (replicated).
+    text_kv: every block's text keys and values (`TextKV`, replicated).
+    image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
     time_proj: [B, 1, 6, D] (one timestep per video) or [B, T_padded, 6, D] (per token, sharded like
       the tokens) timestep projection in the model dtype.
     temb: [B, 1, D] or [B, T_padded, D] timestep embedding in the model dtype (the output norm's
@@ -115,17 +184,36 @@ class ForwardContext:
       valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
   """
-  text_BLD: jax.Array
+  text_kv: TextKV
   time_proj: jax.Array
   temb: jax.Array
   rope: tuple[jax.Array, jax.Array]
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
+  image_BPD: jax.Array | None = None
 
 
-def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: jax.Array,
-          plan: ParallelPlan | None = None) -> tuple[jax.Array, ForwardContext]:
-  """The part of `forward` before the blocks: patch embedding, condition embedder, RoPE table.
+def _check_image(config: WanTransformerConfig, image: jax.Array | None, batch: int) -> None:
+  if not config.has_image_branch:
+    if image is not None:
+      raise ValueError("encoder_hidden_states_image given but this transformer has no image branch "
+                       "(image_dim is None): pass None")
+    return
+  rows = batch * (2 if config.pos_embed_seq_len is not None else 1)
+  if image is None or image.ndim != 3 or image.shape[0] != rows or image.shape[2] != config.image_dim:
+    raise ValueError(f"this transformer needs encoder_hidden_states_image [{rows}, J, image_dim="
+                     f"{config.image_dim}] (CLIP penultimate states; FLF2V: two rows per video), got "
+                     f"{None if image is None else image.shape}")
+  if config.pos_embed_seq_len is not None and 2 * image.shape[1] != config.pos_embed_seq_len:
+    raise ValueError(f"image states of {image.shape[1]} tokens per frame do not fit "
+                     f"{config.pos_embed_seq_len=} (first + last frame)")
+
+
+def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: Any,
+          plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
+          ) -> tuple[jax.Array, ForwardContext]:
+  """The part of `forward` before the blocks: patch embedding, time embedding, RoPE table, the
+  text K/V (`text_kv`) unless given, and the image embedding (I2V).
 
   Args: as `forward`.
 
@@ -138,6 +226,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   """
   config = model.config
   _check_inputs(config, latents, timestep, encoder_hidden_states)
+  _check_image(config, encoder_hidden_states_image, latents.shape[0])
   dtype = model.dtype
   _, _, f, h, w = latents.shape
   pt, ph, pw = config.patch_size
@@ -151,17 +240,24 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   x_BTD = layout.constrain(model.patch_embedding.project(patches))
   if layout.padding:
     x_BTD = layout.constrain(jnp.where((jnp.arange(layout.padded_tokens) < layout.tokens)[:, None], x_BTD, 0))
-  temb, time_proj, text_BLD = _time_and_text(model, layout, timestep, encoder_hidden_states.astype(dtype))
+  temb, time_proj = _time(model, layout, timestep, dtype)
+  kv = encoder_hidden_states
+  kv = kv if isinstance(kv, TextKV) else text_kv(model, kv, plan)
+  image_BPD = None
+  if encoder_hidden_states_image is not None:
+    embedder = model.condition_embedder.image_embedder
+    image_BPD = layout.constrain_rows(embedder(encoder_hidden_states_image.astype(dtype)))
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
-  context = ForwardContext(text_BLD=text_BLD, time_proj=time_proj, temb=temb, rope=rope,
-                           layout=layout, latent_shape=tuple(latents.shape))
+  context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
+                           layout=layout, latent_shape=tuple(latents.shape), image_BPD=image_BPD)
   return x_BTD, context
 
 
-def _time_and_text(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, text: jax.Array):
-  """(temb [B, 1 or T_padded, D], time_proj [B, 1 or T_padded, 6, D], text [B, L, D]).
+def _time(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, dtype: Any
+          ) -> tuple[jax.Array, jax.Array]:
+  """(temb [B, 1 or T_padded, D], time_proj [B, 1 or T_padded, 6, D]) in the model `dtype`.
 
   A per-token timestep [B, T] is padded to T_padded and pinned to the tokens' sharding before
   anything is computed from it, so every device embeds only its own tokens' timesteps: the
@@ -172,10 +268,10 @@ def _time_and_text(model: WanTransformer, layout: SequenceLayout, timestep: jax.
   per_token = timestep.ndim == 2
   if per_token:
     timestep = layout.constrain(jnp.pad(timestep, ((0, 0), (0, layout.padding))))
-  temb, time_proj, text_BLD = model.condition_embedder(timestep, text, freq_dim=model.config.freq_dim)
+  temb, time_proj = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
   if per_token:
-    return layout.constrain(temb), layout.constrain(time_proj), layout.constrain_rows(text_BLD)
-  return tuple(layout.constrain_rows(a) for a in (temb[:, None], time_proj[:, None], text_BLD))
+    return layout.constrain(temb), layout.constrain(time_proj)
+  return layout.constrain_rows(temb[:, None]), layout.constrain_rows(time_proj[:, None])
 
 
 def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext, start: int = 0,
@@ -199,16 +295,17 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   stop = layers if stop is None else stop
   if not 0 <= start < stop <= layers:
     raise ValueError(f"blocks {start}..{stop - 1} are not a non-empty range of the {layers} blocks")
-  blocks = model.blocks
+  per_layer = (model.blocks, context.text_kv.k_ZBLNH, context.text_kv.v_ZBLNH)
   if (start, stop) != (0, layers):
-    blocks = jax.tree.map(lambda a: a[start:stop], blocks)  # the Z axis of every stacked array
+    per_layer = jax.tree.map(lambda a: a[start:stop], per_layer)  # the Z axis of every stacked array
 
-  def body(x_BTD, block):
+  def body(x_BTD, layer):
+    block, k_BLNH, v_BLNH = layer
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
-    return block(x_BTD, context.text_BLD, context.time_proj, context.rope, config=model.config,
-                 layout=context.layout), None
+    return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
+                 layout=context.layout, image_BPD=context.image_BPD), None
 
-  x_BTD, _ = jax.lax.scan(body, x_BTD, blocks)
+  x_BTD, _ = jax.lax.scan(body, x_BTD, per_layer)
   return x_BTD
 
 
@@ -236,7 +333,8 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
-            encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> jax.Array:
+            encoder_hidden_states: Any, plan: ParallelPlan | None = None,
+            encoder_hidden_states_image: jax.Array | None = None) -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   `embed`, then every block (`run_blocks`), then `unembed`.
@@ -248,7 +346,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     timestep: [B] diffusion timesteps (0..1000, fractional allowed), or [B, T] one per token in
       (f, h, w) token order (diffusers' 2-D timestep of Wan 2.2 TI2V, `expand_timesteps`): the
       time embedding and every AdaLN modulation are then per token, sharded with the tokens.
-    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
+    encoder_hidden_states: [B, L, text_dim] text-encoder states (cast to the model dtype), or their
+      `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work).
     plan: where and how it runs (static under jit; frozen and hashable), None for
       `ParallelPlan.single()` (one device, "auto" attention). With a mesh the forward runs
       sequence-parallel over U * R devices, the batch split over the cfg axis (its size must
@@ -257,6 +356,10 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       `plan.attention_backend` and `plan.block_sizes` apply to every self- and cross-attention;
       with `plan.shard_weights` the stacked block weights arrive sharded over the mesh (FSDP /
       ZeRO-3, `weight_shardings`) and each layer's are all-gathered inside the layer scan.
+    encoder_hidden_states_image: [B, J, image_dim] CLIP penultimate states (FLF2V: [2B, J,
+      image_dim], each video's first and last frame) for a transformer with an image branch
+      (Wan 2.1 I2V / FLF2V), else None. Embedded once and attended by every block's
+      cross-attention beside the text (replicated, local).
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -264,7 +367,7 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   Raises:
     ValueError: shapes that do not fit the config, or a plan that is not a `ParallelPlan`.
   """
-  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan)
+  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image)
   return unembed(model, run_blocks(model, x_BTD, context), context)
 
 
@@ -326,9 +429,9 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0,
   def draw(path, shape):
     if path[-1] == "scale_shift_table":
       return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(config.dim))
-    if path[-1] in ("norm_q", "norm_k") or path[-2:] == ("norm2", "weight"):
-      return np.ones(shape, np.float32)
-    if path[-2:] == ("norm2", "bias"):
+    if path[-1] in ("norm_q", "norm_k", "norm_added_k") or path[-1] == "weight":
+      return np.ones(shape, np.float32)  # RMSNorm / LayerNorm gains
+    if path[-2] in ("norm1", "norm2") or path[-1] == "pos_embed":
       return np.zeros(shape, np.float32)
     # Dense / Conv kernel [..., I, O] ([pt, ph, pw, C, D]) or its bias, sharing its fan-in.
     kernel_shape = _lookup(shapes, (*path[:-1], "kernel"))

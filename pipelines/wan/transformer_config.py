@@ -1,10 +1,10 @@
 """Configuration of the Wan video transformer (diffusers' `WanTransformer3DModel` config.json).
 
 Field names and meanings follow diffusers so that `WanTransformerConfig.from_dict(config_json)`
-reads a diffusers `transformer/config.json` unchanged. Supported: Wan 2.1 T2V 1.3B / 14B, the Wan
-2.2 T2V A14B experts and Wan 2.2 TI2V-5B (whose image conditioning needs no transformer field);
-the CLIP image-conditioning fields (`image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`) must
-be null.
+reads a diffusers `transformer/config.json` unchanged: the text-to-video and image-to-video
+variants (Wan 2.1 T2V 1.3B / 14B, Wan 2.1 I2V 14B and FLF2V 14B with their CLIP image branch, Wan 2.2
+T2V / I2V A14B experts) and Wan 2.2 TI2V-5B (whose first-frame conditioning needs no transformer
+field; `wan.ti2v`).
 
 Also the parameter tree a config implies (`param_shapes`, `param_counts`) and which parameters
 stay fp32 (`keeps_fp32`): pure functions of the config, no JAX.
@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 # diffusers `WanTransformer3DModel._keep_in_fp32_modules` that own parameters ("rope", "norm1",
-# "norm3" own none); a parameter whose path holds one of these names is kept fp32.
-KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
+# "norm3" own none in the blocks; "norm1" / "norm2" also name the image embedder's LayerNorms); a
+# parameter whose path holds one of these names is kept fp32.
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2")
 
 
 def keeps_fp32(path: tuple[str, ...]) -> bool:
@@ -29,8 +30,6 @@ def keeps_fp32(path: tuple[str, ...]) -> bool:
 
 # diffusers config.json keys that carry no model information.
 _IGNORED_KEYS = ("_class_name", "_diffusers_version", "_name_or_path")
-# Image-to-video fields: accepted only when null (I2V / TI2V is not implemented).
-_I2V_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +50,12 @@ class WanTransformerConfig:
     qk_norm: only "rms_norm_across_heads" (RMSNorm over the full D for q and k).
     eps: epsilon of every LayerNorm / RMSNorm.
     rope_max_seq_len: largest position per grid axis that diffusers' RoPE table covers.
+    image_dim: width of the CLIP image states (1280 for Wan 2.1 I2V / FLF2V), None without the
+      image branch (T2V, Wan 2.2 I2V A14B).
+    added_kv_proj_dim: input width of the cross-attention's image keys / values (`add_k_proj`,
+      `add_v_proj`); D when `image_dim` is set, else None.
+    pos_embed_seq_len: image tokens of the image embedder's learned positions (FLF2V: 2 x 257 for
+      the first and last frame), None otherwise.
   """
 
   patch_size: tuple[int, int, int] = (1, 2, 2)
@@ -66,6 +71,9 @@ class WanTransformerConfig:
   qk_norm: str = "rms_norm_across_heads"
   eps: float = 1e-6
   rope_max_seq_len: int = 1024
+  image_dim: int | None = None
+  added_kv_proj_dim: int | None = None
+  pos_embed_seq_len: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -86,6 +94,26 @@ class WanTransformerConfig:
           "(diffusers applies that RMSNorm whatever this field says)")
     if not self.eps > 0:
       raise ValueError(f"{self.eps=} must be > 0")
+    self._check_image_fields()
+
+  def _check_image_fields(self) -> None:
+    for name in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r} must be None or a positive int")
+    if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+      raise ValueError(f"{self.image_dim=} and {self.added_kv_proj_dim=} must be set together (the image "
+                       "embedder feeds the cross-attention's image keys / values)")
+    if self.added_kv_proj_dim not in (None, self.dim):
+      raise ValueError(f"{self.added_kv_proj_dim=} must equal D={self.dim} (it projects the image embedder's "
+                       "D-wide output)")
+    if self.pos_embed_seq_len is not None and self.image_dim is None:
+      raise ValueError(f"{self.pos_embed_seq_len=} needs image_dim (the image embedder's positions)")
+
+  @property
+  def has_image_branch(self) -> bool:
+    """The transformer takes CLIP image states (`encoder_hidden_states_image`): Wan 2.1 I2V / FLF2V."""
+    return self.image_dim is not None
 
   @property
   def dim(self) -> int:
@@ -102,17 +130,11 @@ class WanTransformerConfig:
     """Reads a diffusers `WanTransformer3DModel` config.json dict.
 
     Raises:
-      ValueError: an image-conditioning field is set (I2V is not supported) or a key is unknown.
+      ValueError: a key is unknown or a value invalid.
     """
     config = dict(config)
     for key in _IGNORED_KEYS:
       config.pop(key, None)
-    for key in _I2V_KEYS:
-      value = config.pop(key, None)
-      if value is not None:
-        raise ValueError(
-            f"{key}={value!r}: image-conditioned Wan (I2V/TI2V) is not supported; "
-            "only text-to-video checkpoints (this field null) load")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - fields)
     if unknown:
@@ -135,6 +157,12 @@ PRESETS: dict[str, WanTransformerConfig] = {
     "wan2.1-t2v-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
     # Wan 2.2 T2V A14B: two experts with exactly the 14B architecture.
     "wan2.2-t2v-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+    # Image-to-video (Wan-AI/*-Diffusers transformer/config.json): noise + 4 mask + 16 condition channels.
+    "wan2.1-i2v-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36,
+                                           image_dim=1280, added_kv_proj_dim=5120),
+    "wan2.1-flf2v-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36,
+                                             image_dim=1280, added_kv_proj_dim=5120, pos_embed_seq_len=514),
+    "wan2.2-i2v-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36),
     # Wan 2.2 TI2V-5B (Wan2.2 wan/configs/wan_ti2v_5B.py: dim 3072, 24 heads, ffn 14336, 30 layers;
     # 48 latent channels of the Wan 2.2 VAE). One expert, per-token timesteps (`wan.ti2v`).
     "wan2.2-ti2v-5b": WanTransformerConfig(num_attention_heads=24, in_channels=48, out_channels=48,
@@ -162,13 +190,21 @@ def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
             "scale_shift_table": (z, 6, d)}
   if config.cross_attn_norm:
     blocks["norm2"] = {"weight": (z, d), "bias": (z, d)}
+  embedder = {
+      "time_embedder": {"linear_1": dense(config.freq_dim, d), "linear_2": dense(d, d)},
+      "time_proj": dense(d, 6 * d),
+      "text_embedder": {"linear_1": dense(config.text_dim, d), "linear_2": dense(d, d)},
+  }
+  if config.has_image_branch:
+    i = config.image_dim
+    embedder["image_embedder"] = {"norm1": {"weight": (i,), "bias": (i,)}, "proj_in": dense(i, i),
+                                  "proj_out": dense(i, d), "norm2": {"weight": (d,), "bias": (d,)}}
+    if config.pos_embed_seq_len is not None:
+      embedder["image_embedder"]["pos_embed"] = (config.pos_embed_seq_len, i)
+    blocks["attn2"].update(add_k_proj=dense(d, d, (z,)), add_v_proj=dense(d, d, (z,)), norm_added_k=(z, d))
   return {
       "patch_embedding": {"kernel": (pt, ph, pw, config.in_channels, d), "bias": (d,)},
-      "condition_embedder": {
-          "time_embedder": {"linear_1": dense(config.freq_dim, d), "linear_2": dense(d, d)},
-          "time_proj": dense(d, 6 * d),
-          "text_embedder": {"linear_1": dense(config.text_dim, d), "linear_2": dense(d, d)},
-      },
+      "condition_embedder": embedder,
       "blocks": blocks,
       "scale_shift_table": (2, d),
       "proj_out": dense(d, config.out_channels * config.patch_volume),

@@ -128,31 +128,59 @@ def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.
   return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
+def _gelu(x: jax.Array) -> jax.Array:
+  """torch's exact GELU: fp32 compute, one rounding to x.dtype."""
+  return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
+
+
+class ImageEmbedder(nnx.Module):
+  """diffusers `WanImageEmbedding`: (+ pos_embed) -> FP32LayerNorm -> Linear [I, I] -> GELU ->
+  Linear [I, D] -> FP32LayerNorm (both norms eps 1e-5, torch's default); I = image_dim."""
+
+  EPS = 1e-5
+
+  def __init__(self, params: Mapping[str, Any]):
+    self.norm1 = LayerNorm(**params["norm1"])  # fp32 (kept in fp32)
+    self.proj_in = Dense(**params["proj_in"])
+    self.proj_out = Dense(**params["proj_out"])
+    self.norm2 = LayerNorm(**params["norm2"])
+    self.pos_embed = nnx.Param(params["pos_embed"]) if "pos_embed" in params else None  # [P, I]
+
+  def __call__(self, image_BJI: jax.Array) -> jax.Array:
+    """[B', J, I] CLIP states in the model dtype -> [B, P, D] (with `pos_embed`, FLF2V: B' = 2B
+    rows, each video's first and last frame, joined into one row of P = 2J tokens)."""
+    if self.pos_embed is not None:
+      pos_PI = self.pos_embed[...]
+      image_BJI = image_BJI.reshape(-1, *pos_PI.shape) + pos_PI.astype(image_BJI.dtype)
+    h = self.norm1(image_BJI, eps=self.EPS)
+    h = self.proj_out(_gelu(self.proj_in(h)))
+    return self.norm2(h, eps=self.EPS)
+
+
 class ConditionEmbedder(nnx.Module):
-  """diffusers `WanTimeTextImageEmbedding` without the image branch."""
+  """diffusers `WanTimeTextImageEmbedding` (the image branch only where the config has one)."""
 
   def __init__(self, params: Mapping[str, Any]):
     self.time_embedder = MLP(params["time_embedder"], _silu)  # fp32 (kept in fp32)
     self.time_proj = Dense(**params["time_proj"])
     self.text_embedder = MLP(params["text_embedder"], _gelu_tanh)
+    self.image_embedder = ImageEmbedder(params["image_embedder"]) if "image_embedder" in params else None
 
-  def __call__(self, timestep: jax.Array, text: jax.Array, *, freq_dim: int):
-    """timestep [B] (per video) or [B, T] (per token), text [B, L, text_dim] in the model dtype.
-
-    Returns:
-      temb [B, D] / [B, T, D] and time_proj [B, 6, D] / [B, T, 6, D] in the model dtype (every row
-      computed on its own, so a sequence-sharded [B, T] timestep gives sharded results), text
-      [B, L, D].
-    """
+  def __call__(self, timestep: jax.Array, *, dtype: jnp.dtype, freq_dim: int):
+    """timestep [B] (per video) or [B, T] (per token, Wan 2.2 TI2V) -> temb [B, D] / [B, T, D] and
+    time_proj [B, 6, D] / [B, T, 6, D] in the model `dtype` (every row computed on its own, so a
+    sequence-sharded [B, T] timestep gives sharded results). The text branch (`text_embedder`:
+    [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`)."""
     sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [..., freq_dim]
-    temb = self.time_embedder(sinusoid).astype(text.dtype)  # diffusers: .type_as(text)
+    temb = self.time_embedder(sinusoid).astype(dtype)  # diffusers: .type_as(encoder_hidden_states)
     time_proj = self.time_proj(_silu(temb))  # [..., 6 * D]
-    time_proj = time_proj.reshape(*time_proj.shape[:-1], 6, -1)
-    return temb, time_proj, self.text_embedder(text)
+    return temb, time_proj.reshape(*time_proj.shape[:-1], 6, -1)
 
 
 class Attention(nnx.Module):
-  """diffusers `WanAttention` weights: to_q/to_k/to_v/to_out [D, D], RMSNorm gains norm_q/norm_k [D]."""
+  """diffusers `WanAttention` weights: to_q/to_k/to_v/to_out [D, D], RMSNorm gains norm_q/norm_k [D];
+  with an image branch (Wan 2.1 I2V cross-attention) also add_k_proj/add_v_proj [D, D] and the
+  image keys' RMSNorm gain norm_added_k [D]."""
 
   def __init__(self, params: Mapping[str, Any]):
     self.to_q = Dense(**params["to_q"])
@@ -161,6 +189,30 @@ class Attention(nnx.Module):
     self.to_out = Dense(**params["to_out"])
     self.norm_q = nnx.Param(params["norm_q"])
     self.norm_k = nnx.Param(params["norm_k"])
+    image = "add_k_proj" in params
+    self.add_k_proj = Dense(**params["add_k_proj"]) if image else None
+    self.add_v_proj = Dense(**params["add_v_proj"]) if image else None
+    self.norm_added_k = nnx.Param(params["norm_added_k"]) if image else None
+
+
+def cross_attention_kv(to_k: Dense, to_v: Dense, norm_k: jax.Array, states_BLD: jax.Array, *, heads: int,
+                       eps: float) -> tuple[jax.Array, jax.Array]:
+  """Keys and values of one block's cross-attention over conditioning states: k = RMSNorm(states
+  W_k) across heads (no RoPE), v = states W_v (diffusers `WanAttnProcessor`: `attn.to_k`,
+  `attn.norm_k`, `attn.to_v` on `encoder_hidden_states`). They depend on the prompt and the weights
+  only, not on the step, so the pipeline computes them once per prompt (`transformer.text_kv`); an
+  image branch passes its own projections (`add_k_proj`, `add_v_proj`, `norm_added_k`).
+
+  Args:
+    to_k, to_v: the block's projections (kernel [D, D]); norm_k: RMSNorm gain [D].
+    states_BLD: [B, L, D] projected conditioning states in the model dtype.
+
+  Returns:
+    (k_BLNH, v_BLNH), each [B, L, N, H] in the model dtype.
+  """
+  b, l, d = states_BLD.shape
+  k_BLNH = producers.rmsnorm_rope(to_k(states_BLD), norm_k, None, None, num_heads=heads, eps=eps)
+  return k_BLNH, to_v(states_BLD).reshape(b, l, heads, d // heads)
 
 
 class LayerNorm(nnx.Module):
@@ -200,17 +252,19 @@ class WanBlock(nnx.Module):
     self.ffn = FeedForward(params["ffn"])
     self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
 
-  def __call__(self, x_BTD: jax.Array, text_BLD: jax.Array, time_proj: jax.Array,
+  def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
-               layout: SequenceLayout) -> jax.Array:
+               layout: SequenceLayout, image_BPD: jax.Array | None = None) -> jax.Array:
     """One block.
 
     Args:
       x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
-      text_BLD: [B, L, D] projected text states (replicated).
+      text_kv: this block's cross-attention keys and values of the text, [B, L, N, H] each
+        (`cross_attention_kv`; replicated, computed once per prompt).
       time_proj: [B, 1, 6, D] (per video) or [B, T, 6, D] (per token, Wan 2.2 TI2V; sharded like
         the tokens) timestep projection in the model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
+      image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
 
     Returns:
       [B, T, D] in x's dtype.
@@ -233,15 +287,14 @@ class WanBlock(nnx.Module):
     x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
     x_BTD = layout.constrain(x_BTD)
 
-    # 2. Cross-attention: affine LayerNorm (fp32), q/k RMSNorm (no RoPE), text K/V replicated,
-    #    plain residual in the model dtype.
+    # 2. Cross-attention: affine LayerNorm (fp32), q RMSNorm (no RoPE) against the text K/V
+    #    (replicated, computed before the loop), plain residual in the model dtype.
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
     q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
-    k_BLNH = producers.rmsnorm_rope(a.to_k(text_BLD), a.norm_k[...], None, None, num_heads=heads,
-                                    eps=eps)
-    v_BLNH = a.to_v(text_BLD).reshape(b, -1, heads, head_dim)
-    o_BTD = layout.cross_attention(q_BTNH, k_BLNH, v_BLNH).reshape(b, t, d)
+    o_BTD = layout.cross_attention(q_BTNH, *text_kv).reshape(b, t, d)
+    if image_BPD is not None:
+      o_BTD = o_BTD + self._image_attention(q_BTNH, image_BPD, heads=heads, eps=eps, layout=layout)
     x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
 
     # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
@@ -250,3 +303,15 @@ class WanBlock(nnx.Module):
     x_BTD = (x_BTD.astype(f32) + f_BTD.astype(f32) * c_gate_msa).astype(dtype)
     return layout.constrain(x_BTD)
 
+  def _image_attention(self, q_BTNH: jax.Array, image_BPD: jax.Array, *, heads: int, eps: float,
+                       layout: SequenceLayout) -> jax.Array:
+    """The cross-attention's image term (diffusers `WanAttnProcessor`, "I2V task"): the text
+    branch's queries against keys `norm_added_k(add_k_proj(image))` and values `add_v_proj(image)`,
+    local like the text term (replicated K/V, no mask). Returns [B, T, D] in the model dtype, added
+    to the text term before `to_out`."""
+    a = self.attn2
+    b, t = q_BTNH.shape[:2]
+    k_BPNH = producers.rmsnorm_rope(a.add_k_proj(image_BPD), a.norm_added_k[...], None, None,
+                                    num_heads=heads, eps=eps)
+    v_BPNH = a.add_v_proj(image_BPD).reshape(b, -1, heads, q_BTNH.shape[-1])
+    return layout.cross_attention(q_BTNH, k_BPNH, v_BPNH).reshape(b, t, -1)

@@ -53,6 +53,7 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
       ("scale_shift_table", (1, 2, d), ("scale_shift_table",), _TABLE),
       *_linear("proj_out", ("proj_out",), config.out_channels * config.patch_volume, d),
   ]
+  top += list(_image_embedder(config))
   for key, shape, path, kind in top:
     yield key, shape, path, None, kind
   block = [("scale_shift_table", (1, 6, d), ("scale_shift_table",), _TABLE)]
@@ -62,6 +63,10 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
     block += _linear(f"{attn}.to_out.0", (attn, "to_out"), d, d)
     block += [(f"{attn}.norm_q.weight", (d,), (attn, "norm_q"), _COPY),
               (f"{attn}.norm_k.weight", (d,), (attn, "norm_k"), _COPY)]
+  if config.has_image_branch:
+    block += _linear("attn2.add_k_proj", ("attn2", "add_k_proj"), d, d)
+    block += _linear("attn2.add_v_proj", ("attn2", "add_v_proj"), d, d)
+    block += [("attn2.norm_added_k.weight", (d,), ("attn2", "norm_added_k"), _COPY)]
   if config.cross_attn_norm:
     block += [("norm2.weight", (d,), ("norm2", "weight"), _COPY),
               ("norm2.bias", (d,), ("norm2", "bias"), _COPY)]
@@ -70,6 +75,21 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
   for i in range(config.num_layers):
     for key, shape, path, kind in block:
       yield f"blocks.{i}.{key}", shape, ("blocks", *path), i, kind
+
+
+def _image_embedder(config: WanTransformerConfig):
+  """The image embedder's entries (Wan 2.1 I2V / FLF2V; none without an image branch)."""
+  if not config.has_image_branch:
+    return
+  d, i = config.dim, config.image_dim
+  prefix, path = "condition_embedder.image_embedder", ("condition_embedder", "image_embedder")
+  for norm, width in (("norm1", i), ("norm2", d)):
+    for leaf in ("weight", "bias"):
+      yield f"{prefix}.{norm}.{leaf}", (width,), (*path, norm, leaf), _COPY
+  yield from _linear(f"{prefix}.ff.net.0.proj", (*path, "proj_in"), i, i)
+  yield from _linear(f"{prefix}.ff.net.2", (*path, "proj_out"), d, i)
+  if config.pos_embed_seq_len is not None:
+    yield f"{prefix}.pos_embed", (1, config.pos_embed_seq_len, i), (*path, "pos_embed"), _TABLE
 
 
 def _to_ours(array: np.ndarray, kind: str) -> np.ndarray:

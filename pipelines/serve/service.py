@@ -1,0 +1,145 @@
+"""The service behind the routes: the model (loaded once, warmed up on a thread), the job table, the
+worker and the Prometheus metrics (`Service`). The app (`app.create_app`) only translates HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pipelines.serve import api
+from pipelines.serve.store import JobStore
+from pipelines.serve.worker import Worker, warm
+
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+  """The service's Prometheus metrics, in a registry of its own (no process-wide state).
+
+  Queue depth and jobs by status are read from the job table when scraped."""
+
+  def __init__(self, store: JobStore):
+    self.registry = CollectorRegistry()
+    Gauge("wan_serve_queue_depth", "jobs queued", registry=self.registry).set_function(
+        lambda: store.counts()["queued"])
+    jobs = Gauge("wan_serve_jobs", "jobs in the table by status", ["status"], registry=self.registry)
+    for status in api.STATUSES:
+      jobs.labels(status=status).set_function(lambda s=status: store.counts()[s])
+    self.finished_total = Counter("wan_serve_jobs_finished", "jobs finished by this process, by outcome",
+                                  ["status"], registry=self.registry)
+    self.step_seconds = Histogram("wan_serve_step_seconds", "one denoising step of a batch",
+                                  buckets=SECONDS_BUCKETS, registry=self.registry)
+    self.compile_seconds = Histogram("wan_serve_compile_seconds", "compiling a batch's step (0: cached)",
+                                     buckets=SECONDS_BUCKETS, registry=self.registry)
+    self.batch_seconds = Histogram("wan_serve_batch_seconds", "a batch from start to its videos written",
+                                   buckets=SECONDS_BUCKETS, registry=self.registry)
+
+  def finished(self, status: str, count: int, seconds: float | None = None) -> None:
+    self.finished_total.labels(status=status).inc(count)
+    if seconds is not None:
+      self.batch_seconds.observe(seconds)
+
+
+class Service:
+  """One model served: the job table in `config.data_dir`, a worker thread, metrics.
+
+  Args:
+    config: the `ServeConfig`.
+    facts: the model's `ModelFacts` (what requests are checked against; known before the weights).
+    load: returns the `WanPipeline` (called on the loading thread by `start`).
+    channel: process 0's `multihost.Channel` in a multi-process server, else None.
+  """
+
+  def __init__(self, config: Any, facts: Any, load: Any, channel: Any = None):
+    self.config, self.facts, self.load, self.channel = config, facts, load, channel
+    self.store = JobStore(config.data_dir)
+    self.metrics = Metrics(self.store)
+    self.worker: Worker | None = None
+    self.ready = threading.Event()
+    self.state = "starting"
+    self.error: str | None = None
+
+  def start(self, block: bool = False) -> None:
+    """Loads the model and compiles the warm-up shapes (on a thread unless `block`), then starts
+    the worker; /health says ready after that."""
+    if block:
+      self._boot()
+    else:
+      threading.Thread(target=self._boot, name="wan-serve-load", daemon=True).start()
+
+  def _boot(self) -> None:
+    try:
+      self.state = "loading"
+      pipe = self.load()
+      pipe.set_progress_bar_config(disable=True)
+      self.worker = Worker(pipe, self.config, self.store, self.metrics, channel=self.channel)
+      self.state = "warming up"
+      warm(pipe, self.config)
+      self.worker.start()
+      self.state = "ready"
+      self.ready.set()
+    except Exception as e:  # noqa: BLE001 -- reported by /health, the server stays up to say so
+      traceback.print_exc()
+      self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+
+  def stop(self) -> None:
+    if self.worker is not None:
+      self.worker.stop(timeout=60)
+    self.store.close()
+
+  # --- what the routes call ---
+
+  def submit(self, body: api.VideoCreate) -> dict[str, Any]:
+    """Checks a request and queues it; returns the job row.
+
+    Raises:
+      api.ApiError: 400 naming the field; 429 when the queue is full; 503 when the model failed to load.
+    """
+    if self.state == "failed":
+      raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
+    params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
+                            max_prompt_chars=self.config.max_prompt_chars)
+    api.check_request(params, self.facts, self.config.mesh)
+    row = self.store.add(params, api.batch_key(params), self.config.max_queue)
+    if row is None:
+      raise api.ApiError(429, f"the queue is full ({self.config.max_queue} jobs); retry later", code="queue_full")
+    if self.worker is not None:
+      self.worker.wake.set()
+    return row
+
+  def retry_after(self) -> int:
+    """Seconds a client should wait when the queue is full: the queue over the batch size times the
+    mean batch time so far (1 s when nothing ran yet)."""
+    count, total = 0.0, 0.0
+    for metric in self.metrics.batch_seconds.collect():
+      for sample in metric.samples:
+        count = sample.value if sample.name.endswith("_count") else count
+        total = sample.value if sample.name.endswith("_sum") else total
+    mean = total / count if count else 1.0
+    return max(1, int(mean * self.config.max_queue / self.config.max_batch + 0.5))
+
+  def content_path(self, row: dict[str, Any]) -> str | None:
+    """The finished video's file, only when it lies inside the data folder's videos/."""
+    folder = os.path.realpath(os.path.join(self.config.data_dir, "videos"))
+    path = row.get("output")
+    if not path:
+      return None
+    real = os.path.realpath(path)
+    return real if os.path.dirname(real) == folder and os.path.isfile(real) else None
+
+  def remove_files(self, row: dict[str, Any]) -> None:
+    path = self.content_path(row)
+    if path is not None:
+      for name in (path, path + ".json"):
+        if os.path.exists(name):
+          os.remove(name)
+
+  def health(self) -> dict[str, Any]:
+    return {"status": self.state, "ready": self.ready.is_set(), "model": self.facts.name, "mesh": self.config.mesh,
+            "error": self.error, "jobs": self.store.counts(), "time": time.time()}

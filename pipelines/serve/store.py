@@ -1,0 +1,220 @@
+"""The durable job table: one SQLite database (WAL journal, fsync on commit) in the data folder.
+
+A job row is written before the API answers, and every change of status is one transaction, so a
+server killed at any moment (kill -9 included) restarts with its queue as it was: queued jobs stay
+queued, a batch that was running is run again with the same members in the same order (so its
+denoising checkpoint matches and it resumes), and finished jobs stay served.
+
+Statuses: queued -> in_progress -> completed | failed; queued or in_progress -> cancelled.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  id TEXT UNIQUE NOT NULL,
+  created_at REAL NOT NULL,
+  status TEXT NOT NULL,
+  params TEXT NOT NULL,
+  batch_key TEXT NOT NULL,
+  progress INTEGER NOT NULL DEFAULT 0,
+  step INTEGER NOT NULL DEFAULT 0,
+  batch_id TEXT,
+  batch_index INTEGER,
+  batch_size INTEGER,
+  started_at REAL,
+  completed_at REAL,
+  output TEXT,
+  timings TEXT,
+  error TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
+CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id, batch_index);
+"""
+DB_FILE = "jobs.sqlite3"
+LOCK_FILE = "serve.lock"
+
+
+def new_id() -> str:
+  """A server-made job id: "video_" and 24 random hex digits (never a client's string)."""
+  return "video_" + secrets.token_hex(12)
+
+
+class DataDirBusy(OSError):
+  """Another server holds the data folder (two would run each other's batches)."""
+
+
+class JobStore:
+  """Thread-safe access to the job table (one connection, one lock; every write one transaction).
+  One process at a time holds a data folder (an exclusive `flock` on `LOCK_FILE`, released when the
+  store is closed or the process dies, kill -9 included).
+
+  Args:
+    directory: the data folder (created if missing); the table is `DB_FILE` in it.
+
+  Raises:
+    DataDirBusy: another process holds the folder.
+  """
+
+  def __init__(self, directory: str):
+    os.makedirs(directory, exist_ok=True)
+    self._holder = open(os.path.join(directory, LOCK_FILE), "a")
+    try:
+      fcntl.flock(self._holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      self._holder.close()
+      raise DataDirBusy(f"another serve process is using --data-dir {directory!r}; stop it or choose another "
+                        "folder") from e
+    self.path = os.path.join(directory, DB_FILE)
+    self._lock = threading.Lock()
+    self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+    self._db.row_factory = sqlite3.Row
+    self._db.execute("PRAGMA journal_mode=WAL")
+    self._db.execute("PRAGMA synchronous=FULL")
+    self._db.executescript(SCHEMA)
+
+  def _write(self, sql: str, args: tuple = ()) -> int:
+    with self._lock:
+      return self._db.execute(sql, args).rowcount
+
+  def _rows(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+    with self._lock:
+      rows = self._db.execute(sql, args).fetchall()
+    return [_row(r) for r in rows]
+
+  # --- the API's side ---
+
+  def add(self, params: dict[str, Any], batch_key: str, max_queue: int) -> dict[str, Any] | None:
+    """Queues a job; None when `max_queue` jobs are queued already (checked in the same transaction)."""
+    job_id = new_id()
+    with self._lock:
+      self._db.execute("BEGIN IMMEDIATE")
+      try:
+        queued = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0]
+        if queued >= max_queue:
+          self._db.execute("ROLLBACK")
+          return None
+        self._db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key) VALUES (?, ?, 'queued', ?, ?)",
+                         (job_id, time.time(), json.dumps(params), batch_key))
+        self._db.execute("COMMIT")
+      except BaseException:
+        self._db.execute("ROLLBACK")
+        raise
+    return self.get(job_id)
+
+  def get(self, job_id: str) -> dict[str, Any] | None:
+    """The job's row (params and timings decoded), or None."""
+    rows = self._rows("SELECT * FROM jobs WHERE id=?", (job_id,))
+    return rows[0] if rows else None
+
+  def page(self, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], bool] | None:
+    """Jobs newest first, `limit` of them, starting after the job `after`; (rows, has_more), or None
+    when there is no job `after`."""
+    start = None
+    if after is not None:
+      found = self._rows("SELECT seq FROM jobs WHERE id=?", (after,))
+      if not found:
+        return None
+      start = found[0]["seq"]
+    where, args = ("WHERE seq < ?", (start,)) if start is not None else ("", ())
+    rows = self._rows(f"SELECT * FROM jobs {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1))
+    return rows[:limit], len(rows) > limit
+
+  def cancel(self, job_id: str) -> bool:
+    """Marks a queued or running job cancelled; False when it had finished."""
+    return bool(self._write("UPDATE jobs SET status='cancelled', completed_at=? WHERE id=? AND status IN "
+                            "('queued', 'in_progress')", (time.time(), job_id)))
+
+  def delete(self, job_id: str) -> dict[str, Any] | None:
+    """Forgets a finished job (completed, failed or cancelled); returns its row, None otherwise."""
+    row = self.get(job_id)
+    if row is None or row["status"] in ("queued", "in_progress"):
+      return None
+    self._write("DELETE FROM jobs WHERE id=?", (job_id,))
+    return row
+
+  def counts(self) -> dict[str, int]:
+    """Jobs per status (every status, 0 included)."""
+    with self._lock:
+      found = dict(self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
+    return {s: int(found.get(s, 0)) for s in ("queued", "in_progress", "completed", "failed", "cancelled")}
+
+  # --- the worker's side ---
+
+  def next_batch(self, max_batch: int) -> tuple[str, list[dict[str, Any]]] | None:
+    """The next batch to run: (batch id, its jobs in batch order, cancelled ones included).
+
+    A batch left running by a killed server comes first, with its members as they were; else up
+    to `max_batch` queued jobs of the oldest job's batch key, oldest first, marked in_progress."""
+    with self._lock:
+      self._db.execute("BEGIN IMMEDIATE")
+      try:
+        picked = self._pick(max_batch)
+        self._db.execute("COMMIT")
+      except BaseException:
+        self._db.execute("ROLLBACK")
+        raise
+    return picked
+
+  def _pick(self, max_batch: int) -> tuple[str, list[dict[str, Any]]] | None:
+    running = self._db.execute("SELECT batch_id FROM jobs WHERE status='in_progress' ORDER BY seq LIMIT 1").fetchone()
+    if running is None:
+      first = self._db.execute("SELECT batch_key FROM jobs WHERE status='queued' ORDER BY seq LIMIT 1").fetchone()
+      if first is None:
+        return None
+      ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status='queued' AND batch_key=? ORDER BY seq "
+                                             "LIMIT ?", (first[0], max_batch)).fetchall()]
+      batch_id = "batch_" + secrets.token_hex(8)
+      for index, job_id in enumerate(ids):
+        self._db.execute("UPDATE jobs SET status='in_progress', batch_id=?, batch_index=?, batch_size=?, started_at=? "
+                         "WHERE id=?", (batch_id, index, len(ids), time.time(), job_id))
+    else:
+      batch_id = running[0]
+    rows = self._db.execute("SELECT * FROM jobs WHERE batch_id=? ORDER BY batch_index", (batch_id,)).fetchall()
+    return batch_id, [_row(r) for r in rows]
+
+  def statuses(self, job_ids: list[str]) -> dict[str, str]:
+    """{job id: status} of the given jobs."""
+    marks = ",".join("?" * len(job_ids))
+    with self._lock:
+      return dict(self._db.execute(f"SELECT id, status FROM jobs WHERE id IN ({marks})", job_ids).fetchall())
+
+  def progress(self, job_ids: list[str], step: int, steps: int) -> None:
+    """After `step` of `steps` denoising steps (only jobs still running are updated)."""
+    marks = ",".join("?" * len(job_ids))
+    self._write(f"UPDATE jobs SET step=?, progress=? WHERE status='in_progress' AND id IN ({marks})",
+                (step, int(100 * step / max(steps, 1)) if step < steps else 99, *job_ids))
+
+  def complete(self, job_id: str, output: str, timings: dict[str, float]) -> bool:
+    """Marks a running job completed with its video; False when it was cancelled meanwhile."""
+    return bool(self._write("UPDATE jobs SET status='completed', progress=100, output=?, timings=?, completed_at=? "
+                            "WHERE id=? AND status='in_progress'", (output, json.dumps(timings), time.time(), job_id)))
+
+  def fail(self, job_ids: list[str], error: str) -> None:
+    """Marks the given jobs that are still running failed, with the error message."""
+    marks = ",".join("?" * len(job_ids))
+    self._write(f"UPDATE jobs SET status='failed', error=?, completed_at=? WHERE status='in_progress' AND id IN "
+                f"({marks})", (error, time.time(), *job_ids))
+
+  def close(self) -> None:
+    with self._lock:
+      self._db.close()
+    self._holder.close()  # releases the folder
+
+
+def _row(row: sqlite3.Row) -> dict[str, Any]:
+  out = dict(row)
+  for name in ("params", "timings"):
+    if name in out:
+      out[name] = json.loads(out[name]) if out[name] else None
+  return out

@@ -1,0 +1,292 @@
+"""The one thread that owns the devices: takes batches from the job table, runs each through
+`WanPipeline.generate` with a progress-and-cancel hook and a denoising checkpoint, writes each job's
+video and sidecar atomically, then marks the job completed.
+
+A batch is up to `max_batch` queued jobs of one batch key (`api.batch_key`: same size, frames, steps,
+guidance, LoRAs); each job keeps its prompt and its own noise (video i of the batch gets the noise
+`numpy.random.default_rng(seed_i)` draws for a run alone, passed as `latents`), so each video equals
+its request run alone up to the batch's rounding.
+
+Cancelling: a cancelled job is marked at once (`store.cancel`); a running batch stops at the next
+step once none of its jobs is still wanted (a member cancelled alone is dropped when the batch ends).
+A job that raises fails with its message; the worker goes on with the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from pipelines.pipeline.call_options import CallOptions
+from pipelines.pipeline.loop import LoopState, StepHook
+from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
+from pipelines.serve import api, multihost
+from pipelines.storage import video_io
+
+
+class BatchCancelled(Exception):
+  """Every job of the running batch was cancelled: the loop stops before its next step."""
+
+
+class ServerStopping(Exception):
+  """The server is shutting down: the batch stops before its next step and stays in_progress, its
+  checkpoint kept, so the next start resumes it."""
+
+
+class JobProgress(StepHook):
+  """Writes each step's progress into the job table and stops the batch once all of it is cancelled
+  (or the server is stopping).
+
+  Args:
+    store: the `JobStore`.
+    job_ids: the batch's jobs still wanted when it started.
+    observe_step: called with each step's seconds (the metrics' histogram).
+    stopping: set when the server shuts down.
+    channel: a multi-process server's `multihost.Channel` (the decision is broadcast), or None.
+  """
+
+  def __init__(self, store: Any, job_ids: list[str], observe_step: Any, stopping: threading.Event,
+               channel: Any = None):
+    self.store, self.job_ids, self.observe_step, self.stopping = store, job_ids, observe_step, stopping
+    self.channel = channel
+
+  def before_step(self, state: LoopState) -> None:
+    code = multihost.STOPPING if self.stopping.is_set() else multihost.GO
+    if code == multihost.GO:
+      statuses = self.store.statuses(self.job_ids)
+      if not any(statuses.get(j) == "in_progress" for j in self.job_ids):
+        code = multihost.CANCELLED
+    if self.channel is not None:
+      self.channel.action(code)
+    _stop_for(code, state)
+
+  def after_step(self, state: LoopState) -> None:
+    self.observe_step(state.step_times[-1])
+    self.store.progress(self.job_ids, state.step + 1, state.steps)
+
+
+class FollowStep(StepHook):
+  """On a process other than 0: before each step, process 0's decision (go on, cancelled, stopping)."""
+
+  def __init__(self, channel: Any):
+    self.channel = channel
+
+  def before_step(self, state: LoopState) -> None:
+    _stop_for(self.channel.action(None), state)
+
+
+def _stop_for(code: int, state: LoopState) -> None:
+  if code == multihost.STOPPING:
+    raise ServerStopping(f"stopped before step {state.step + 1}/{state.steps}")
+  if code == multihost.CANCELLED:
+    raise BatchCancelled(f"cancelled before step {state.step + 1}/{state.steps}")
+
+
+@dataclasses.dataclass
+class Worker:
+  """The scheduling loop (`start` runs it on a daemon thread; `stop` ends it at the running batch's next
+  step, the batch left to resume).
+
+  Attributes:
+    pipe: the loaded `WanPipeline` (only this thread calls it after warm-up).
+    config: the `ServeConfig`.
+    store: the `JobStore`.
+    metrics: the service's `Metrics`.
+    wake: set when a job is queued (the loop otherwise polls every `poll_s`).
+    paused: while set, no new batch starts (the running one finishes).
+    running: the id of the batch running now, or None.
+    channel: a multi-process server's `multihost.Channel` (process 0 broadcasts what it runs; the
+      other processes run `follow`), or None.
+  """
+  pipe: Any
+  config: Any
+  store: Any
+  metrics: Any
+  wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+  poll_s: float = 0.5
+  paused: threading.Event = dataclasses.field(default_factory=threading.Event)
+  stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+  thread: threading.Thread | None = None
+  active_loras: tuple[str, ...] = ()
+  running: str | None = None
+  channel: Any = None
+
+  def start(self) -> None:
+    """Runs `loop` on a daemon thread."""
+    self.thread = threading.Thread(target=self.loop, name="wan-serve-worker", daemon=True)
+    self.thread.start()
+
+  def stop(self, timeout: float | None = None) -> None:
+    """Stops the loop (the running batch at its next step, left in_progress to resume) and joins it."""
+    self.stopping.set()
+    self.wake.set()
+    if self.thread is not None:
+      self.thread.join(timeout)
+
+  def loop(self) -> None:
+    """Runs batch after batch until stopped; waits for `wake` (or `poll_s`) when nothing is queued."""
+    while not self.stopping.is_set():
+      picked = None if self.paused.is_set() else self.store.next_batch(self.config.max_batch)
+      if picked is None:
+        self.wake.wait(self.poll_s)
+        self.wake.clear()
+        if self.channel is not None:
+          self.channel.message({"kind": "idle"})
+        continue
+      self.running = picked[0]
+      try:
+        self.run_batch(*picked)
+      finally:
+        self.running = None
+    if self.channel is not None:
+      self.channel.message({"kind": "stop"})
+
+  def follow(self) -> None:
+    """A process other than 0: runs what process 0 broadcasts, until it says stop."""
+    while True:
+      message = self.channel.message(None)
+      if message["kind"] == "stop":
+        return
+      if message["kind"] != "batch":
+        continue
+      self._use_loras(tuple(message["jobs"][0]["lora"]))
+      request = batch_request(self.pipe.facts, message["jobs"], self.config.mesh)
+      resume = ResumeConfig(os.path.join(self.config.data_dir, "checkpoints", message["id"]),
+                            every=self.config.checkpoint_every, resume=message["resume"], keep=True)
+      try:
+        self.pipe.generate(request, CallOptions(progress=False, hooks=(FollowStep(self.channel),)), resume=resume)
+      except (BatchCancelled, ServerStopping):
+        pass
+      except Exception:  # noqa: BLE001 -- process 0 reports the job's failure
+        traceback.print_exc()
+
+  def run_batch(self, batch_id: str, rows: list[dict[str, Any]]) -> None:
+    """Runs one batch to its end: completed, failed or cancelled (never raises)."""
+    live = [r["id"] for r in rows if r["status"] == "in_progress"]
+    folder = os.path.join(self.config.data_dir, "checkpoints", batch_id)
+    if not live:
+      shutil.rmtree(folder, ignore_errors=True)
+      return
+    started = time.perf_counter()
+    try:
+      result = self._generate(rows, live, folder)
+    except ServerStopping:
+      return  # in_progress with its checkpoint: the next start resumes it
+    except BatchCancelled:
+      self.metrics.finished("cancelled", len(live))
+    except Exception as e:  # noqa: BLE001 -- a failing job must not stop the server; its message is kept
+      traceback.print_exc()
+      self.store.fail(live, f"{type(e).__name__}: {e}")
+      self.metrics.finished("failed", len(live))
+    else:
+      self._write_outputs(rows, result, time.perf_counter() - started)
+    shutil.rmtree(folder, ignore_errors=True)
+
+  def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> Any:
+    """The batch's `GenerationResult`, resumed from `folder` when a checkpoint is there."""
+    self._use_loras(tuple(rows[0]["params"]["lora"]))
+    request = batch_request(self.pipe.facts, [r["params"] for r in rows], self.config.mesh)
+    resume = ResumeConfig(folder, every=self.config.checkpoint_every,
+                          resume=os.path.exists(os.path.join(folder, STATE_FILE)), keep=True)
+    if self.channel is not None:
+      self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": [r["params"] for r in rows],
+                            "resume": resume.resume})
+    hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping, self.channel)
+    result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=resume)
+    self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
+    return result
+
+  def _use_loras(self, names: tuple[str, ...]) -> None:
+    """Fuses exactly the named server LoRAs (re-read from their files when the set changes)."""
+    if names == self.active_loras:
+      return
+    self.pipe.unload_lora_weights()
+    self.active_loras = ()
+    paths = {name: (path, scale) for name, path, scale in self.config.loras}
+    for name in names:
+      self.pipe.load_lora_weights(paths[name][0], adapter_name=name, scale=paths[name][1])
+    self.active_loras = names
+
+  def _write_outputs(self, rows: list[dict[str, Any]], result: Any, seconds: float) -> None:
+    """Each wanted job's video and sidecar (atomic), then its row marked completed."""
+    statuses = self.store.statuses([r["id"] for r in rows])
+    for index, row in enumerate(rows):
+      if statuses.get(row["id"]) != "in_progress":
+        continue
+      try:
+        path, timings = write_job(self.config.data_dir, row, result, index, self.pipe, self.config)
+      except Exception as e:  # noqa: BLE001 -- the encoder failing fails this job only
+        self.store.fail([row["id"]], f"{type(e).__name__}: {e}")
+        self.metrics.finished("failed", 1)
+        continue
+      if self.store.complete(row["id"], path, timings):
+        self.metrics.finished("completed", 1, seconds=seconds)
+
+
+def job_noise(facts: Any, params: dict[str, Any]) -> np.ndarray:
+  """float32 [1, C, F, Hl, Wl]: the noise a run of this job alone draws from its seed
+  (`GenerationRequest.noise`: video 0 uses numpy.random.default_rng(seed))."""
+  shape = facts.latent_shape(1, params["height"], params["width"], params["num_frames"])
+  return np.random.default_rng(params["seed"]).standard_normal(shape, np.float32)
+
+
+def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> GenerationRequest:
+  """One `GenerationRequest` for jobs of one batch key: their prompts, their own noise stacked.
+
+  Raises:
+    ValueError: as `GenerationRequest.build` (a job's values were checked when it was queued).
+  """
+  latents = np.concatenate([job_noise(facts, p) for p in jobs])
+  return GenerationRequest.build(facts, [p["prompt"] for p in jobs], [p["negative_prompt"] for p in jobs],
+                                 latents=latents, **api.build_kwargs(jobs[0], mesh))
+
+
+def write_job(data_dir: str, row: dict[str, Any], result: Any, index: int, pipe: Any, config: Any
+              ) -> tuple[str, dict[str, float]]:
+  """Writes video `index` of the batch's result as the job's output and its JSON sidecar (each
+  atomically, `video_io`); returns (video path, the job's timings in seconds)."""
+  from pipelines.cli.output import versions
+
+  p = row["params"]
+  folder = os.path.join(data_dir, "videos")
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, f"{row['id']}.{p['output_format']}")
+  start = time.perf_counter()
+  video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True)
+  timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
+             "queued": float((row["started_at"] or row["created_at"]) - row["created_at"])}
+  settings = {**result.settings, "prompts": [p["prompt"]],
+              "negative_prompts": None if result.settings.get("negative_prompts") is None else [p["negative_prompt"]],
+              "seed": p["seed"], "explicit_latents": False}
+  video_io.write_json({"id": row["id"], "output": path, "request": p, "model": pipe.facts.name, "mesh": config.mesh,
+                       "batch": {"id": row["batch_id"], "index": index, "size": row["batch_size"]},
+                       "settings": settings, "lora": pipe.lora_info(), "timings_s": timings,
+                       "versions": versions()}, video_io.sidecar_path(path), overwrite=True)
+  return path, timings
+
+
+def warm(pipe: Any, config: Any) -> None:
+  """Compiles the step (and the decode) of every `config.warmup` shape and step count at every batch
+  size up to max_batch (the step program is compiled per shape, batch size and step count) by
+  running one step of it and decoding. Every process of a multi-process server calls it."""
+  preset = api.defaults(config.model)
+
+  def after_first_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+    pipe._interrupt = True  # diffusers' documented early stop: the rest of the steps skipped, decode runs
+    return {}
+
+  for width, height, frames, steps in config.warmup:
+    params = {"prompt": "warm-up", "negative_prompt": "", "width": width, "height": height, "num_frames": frames,
+              "num_inference_steps": preset.steps if steps is None else steps, "guidance_scale": preset.guidance[0],
+              "flow_shift": None, "seed": 0}
+    for size in range(1, config.max_batch + 1):
+      request = batch_request(pipe.facts, [params] * size, config.mesh)
+      pipe.generate(request, CallOptions(progress=False, callback=after_first_step))
