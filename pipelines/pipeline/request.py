@@ -216,11 +216,7 @@ class GenerationRequest:
     check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
     _warn_outside_training(model, int(height), int(width), num_frames)
-    if num_inference_steps is not None:
-      num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
-    scheduler = _scheduler(model, scheduler, flow_shift)
-    steps, _ = flow_schedule.custom_sigmas(num_inference_steps, sigmas, timesteps,
-                                           scheduler.num_train_timesteps)
+    scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
@@ -386,6 +382,16 @@ def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> 
     raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
                      "has one transformer: leave it None")
   return g1, g2
+
+
+def _schedule(model: ModelFacts, scheduler: Any, flow_shift: Any, num_inference_steps: Any, timesteps: Any,
+              sigmas: Any) -> tuple[Any, int]:
+  """(scheduler config, steps): `_scheduler`, and the step count checked against a custom schedule."""
+  if num_inference_steps is not None:
+    num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
+  config = _scheduler(model, scheduler, flow_shift)
+  steps, _ = flow_schedule.custom_sigmas(num_inference_steps, sigmas, timesteps, config.num_train_timesteps)
+  return config, steps
 
 
 def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:

@@ -29,10 +29,8 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     graphdef, params: `nnx.split` of a `WanTransformer` (static graph, array state).
     latents: float32 [B, C, F, Hl, Wl] (donated).
     solver: `UniPCState`, `FlowEulerState` or `DPMSolverState` (donated).
-    text: the text's cross-attention K/V of this expert (`transformer.TextKV` [Z, 2B or B, L, N, H],
-      from `CompiledSteps.text_kv`: computed once per prompt and expert), or the text states
-      [2B, L, text_dim] (cond rows, then uncond rows) under CFG, else [B, L, text_dim] (their K/V
-      then computed inside the step: the same result, more work per step).
+    text: this expert's text K/V (`TextKV` [Z, 2B or B, L, N, H], `CompiledSteps.text_kv`: once per
+      prompt), or text states [2B or B, L, text_dim] (cond rows first; K/V then made in the step).
     guidance: float32 [] scale of this step's expert.
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and

@@ -170,7 +170,8 @@ class ConditionEmbedder(nnx.Module):
     """timestep [B] (per video) or [B, T] (per token, Wan 2.2 TI2V) -> temb [B, D] / [B, T, D] and
     time_proj [B, 6, D] / [B, T, 6, D] in the model `dtype` (every row computed on its own, so a
     sequence-sharded [B, T] timestep gives sharded results). The text branch (`text_embedder`:
-    [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`)."""
+    [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`); the image
+    states go through `image_embedder` apart."""
     sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [..., freq_dim]
     temb = self.time_embedder(sinusoid).astype(dtype)  # diffusers: .type_as(encoder_hidden_states)
     time_proj = self.time_proj(_silu(temb))  # [..., 6 * D]
@@ -311,7 +312,6 @@ class WanBlock(nnx.Module):
     to the text term before `to_out`."""
     a = self.attn2
     b, t = q_BTNH.shape[:2]
-    k_BPNH = producers.rmsnorm_rope(a.add_k_proj(image_BPD), a.norm_added_k[...], None, None,
-                                    num_heads=heads, eps=eps)
-    v_BPNH = a.add_v_proj(image_BPD).reshape(b, -1, heads, q_BTNH.shape[-1])
+    k_BPNH, v_BPNH = cross_attention_kv(a.add_k_proj, a.add_v_proj, a.norm_added_k[...], image_BPD, heads=heads,
+                                        eps=eps)
     return layout.cross_attention(q_BTNH, k_BPNH, v_BPNH).reshape(b, t, -1)
