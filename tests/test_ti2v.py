@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from numerics import assert_psnr_at_least
-from pipelines import WanPipeline
+from pipelines import WanImageToVideoPipeline, WanPipeline
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.ti2v import ti2v_condition
@@ -114,6 +114,23 @@ def test_image_to_video_matches_diffusers(refs, pipe, mesh):
   # Positive control: the image and the text-only videos differ by far more than the bar.
   mse = np.mean((refs["image"].astype(np.float64) - refs["text"]) ** 2)
   assert 10 * np.log10(1 / mse) < 40, "the image barely changes diffusers' video: the check would be weak"
+
+
+def test_image_argument_matches_diffusers(refs, pipe):
+  """`image=` (HWC floats in [0, 1], as `generate --image` passes a file's pixels) is encoded by the
+  pipeline: `WanImageToVideoPipeline.from_pretrained` of the TI2V folder gives diffusers'
+  `WanImageToVideoPipeline(expand_timesteps=True)` video; TI2V refuses a last frame."""
+  image = _image()[0].transpose(1, 2, 0)
+  i2v = WanImageToVideoPipeline.from_pretrained(refs["folder"])
+  i2v.set_progress_bar_config(disable=True)
+  assert i2v.facts.expand_timesteps and not i2v.facts.image_to_video and i2v.image_encoder is None
+  frames = i2v(image, PROMPT, NEGATIVE, **CALL, latents=LATENTS)
+  assert_psnr_at_least(frames, refs["image"], TI2V_PSNR_DB, name="TI2V image= on WanImageToVideoPipeline")
+  with pytest.raises(ValueError, match="first frame only"):
+    GenerationRequest.build(pipe.facts, PROMPT, **CALL, seed=0, image=image, last_image=image)
+  with pytest.raises(ValueError, match="already has an `image`"):
+    ti2v_condition(pipe.vae, GenerationRequest.build(pipe.facts, PROMPT, **CALL, seed=0, image=image),
+                   _image() * 2 - 1)
 
 
 def test_condition_checks(pipe):

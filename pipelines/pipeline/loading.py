@@ -47,7 +47,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   """
   model_dtype, vae_dt = dtype_of(dtype), dtype_of(vae_dtype)
   index = PipelineIndex.read(folder)
-  if index.image_to_video != image_to_video:
+  if index.image_to_video != image_to_video and not index.expand_timesteps:  # TI2V: either class
     want, other = (("WanImageToVideoPipeline", "WanPipeline") if index.image_to_video
                    else ("WanPipeline", "WanImageToVideoPipeline"))
     raise ValueError(f"{folder!r} is a {want} folder (model_index.json _class_name); load it with "

@@ -209,7 +209,8 @@ class GenerationRequest:
     _refuse_generator(generator)
     t = model.transformer
     images = check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
-                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None)
+                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None,
+                                first_frame_only=model.expand_timesteps)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
@@ -318,8 +319,7 @@ class GenerationRequest:
         if given is not None}
 
   def _image_digests(self) -> dict[str, Any]:
-    """The input images' digests (image-to-video and TI2V's first frame only: text-to-video records
-    stay as they were)."""
+    """The input images' digests (image-to-video, TI2V's first frame; none for text-to-video)."""
     first = {} if self.first_frame_latents is None else {
         "first_frame_latents_sha256": _digest(self.first_frame_latents)}
     return first | ({} if self.image is None else self.image.digests())

@@ -45,8 +45,9 @@ from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.request import GenerationRequest, ModelFacts
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
+from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
 from pipelines.storage import weights
-from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache, ti2v,
+from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache,
                            tokenizer as tokenization, umt5, vae as wan_vae)
 from pipelines.wan.tiny import (TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRAINED_VIDEO,  # noqa: F401
                                TINY_TRANSFORMER)
@@ -212,15 +213,11 @@ class WanPipeline(LoraLoaderMixin):
   def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
-    the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps
-    (`ti2v.TI2VConditioning`), with the request's first frame when it has one
-    (`pipeline.ti2v.ti2v_condition`)."""
-    del stage
+    the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps, with the
+    request's first frame when it has one (`pipeline.ti2v.conditioning`)."""
     if not self.expand_timesteps:
       return None
-    first = request.first_frame_latents
-    return ti2v.TI2VConditioning(patch_size=tuple(self.transformer_config.patch_size),
-                                 first_frame_BCFHW=None if first is None else jnp.asarray(first, jnp.float32))
+    return ti2v_conditioning(self.vae, request, self.transformer_config.patch_size, stage)
 
   @property
   def num_experts(self) -> int:
@@ -259,7 +256,8 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video,
+                      dtype=jnp.dtype(self.dtype).name,
+                      image_to_video=self.image_to_video and not self.expand_timesteps,
                       trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
                       quantize=self.quantization, expand_timesteps=self.expand_timesteps)
 

@@ -25,7 +25,8 @@ class PipelineIndex:
     experts: the expert folders loaded, in order: ("transformer",), ("transformer", "transformer_2")
       or, for a Wan 2.2 folder saved with `boundary_ratio` 1.0 (every step is the low-noise
       expert's; diffusers' tests save such folders without `transformer/`), ("transformer_2",).
-    image_to_video: `_class_name` is WanImageToVideoPipeline.
+    image_to_video: `_class_name` is WanImageToVideoPipeline and not a TI2V folder (the channel-
+      conditioned models).
     image_encoder: `image_encoder/` and `image_processor/` are present and named (Wan 2.1 I2V / FLF2V).
     expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`).
   """
@@ -78,7 +79,7 @@ class PipelineIndex:
           "has no image_encoder/ and image_processor/ named in model_index.json; add them (the CLIP "
           "vision model and its CLIPImageProcessor)")
     return cls(folder=folder, transformer=config, has_transformer_2="transformer_2" in present,
-               boundary_ratio=boundary, experts=experts, image_to_video=PIPELINE_CLASSES[name],
+               boundary_ratio=boundary, experts=experts, image_to_video=PIPELINE_CLASSES[name] and not expand,
                image_encoder=encoder and config.has_image_branch, expand_timesteps=expand)
 
   @property
