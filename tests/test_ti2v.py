@@ -133,6 +133,33 @@ def test_image_argument_matches_diffusers(refs, pipe):
                    _image() * 2 - 1)
 
 
+def test_generate_image(refs, pipe, tmp_path, capsys):
+  """`generate --image` on a TI2V folder gives the Python call's video (`pipe(image=...)`, the
+  same PNG pixels and seed), and the sidecar records the image's digest. Positive control: the
+  text-only video of that seed is far from it."""
+  import json
+
+  import PIL.Image
+
+  from pipelines.cli import generate
+  from pipelines.pipeline.image_inputs import digest
+
+  pixels = (_image()[0].transpose(1, 2, 0) * 255).round().astype(np.uint8)
+  PIL.Image.fromarray(pixels).save(tmp_path / "first.png")
+  out = tmp_path / "video.npy"
+  argv = ["--model", refs["folder"], "--image", str(tmp_path / "first.png"), "--prompt", PROMPT,
+          "--negative-prompt", NEGATIVE, "--size", "96x64", "--frames", "9", "--steps", "2", "--guidance", "4",
+          "--seed", "0", "--max-sequence-length", "16", "--dtype", "float32", "--out", str(out)]
+  assert generate.main(argv) == 0, capsys.readouterr().err
+  video = np.load(out)
+  frames = pipe(PROMPT, NEGATIVE, **CALL, seed=0, image=pixels)
+  assert_psnr_at_least(video, frames[0], TI2V_PSNR_DB, name="generate --image vs pipe(image=)")
+  text_only = pipe(PROMPT, NEGATIVE, **CALL, seed=0)
+  assert np.mean((text_only[0] - frames[0]) ** 2) > 1e-4, "the image barely changes the video"
+  record = json.loads(open(f"{out}.json").read())
+  assert digest(pixels) in json.dumps(record)
+
+
 def test_condition_checks(pipe):
   request = GenerationRequest.build(pipe.facts, PROMPT, **CALL, seed=0)
   with pytest.raises(ValueError, match=r"image shape \(1, 3, 32, 96\) must be \[1 or 1, 3, 64, 96\]"):
