@@ -89,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     frames = round_num_frames(preset.frames if args.frames is None else args.frames)
     if args.max_sequence_length < 1:
       raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
-    experts = 2 if args.preset.startswith("wan2.2") else 1
+    experts = 2 if args.preset == "wan2.2-t2v-a14b" else 1
+    spatial = 16 if args.preset == "wan2.2-ti2v-5b" else 8  # the Wan 2.2 VAE of TI2V-5B
     model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
     found = planner.candidates(model, param_counts=param_counts(model), devices=devices, frames=frames,
                                height=height, width=width, text_tokens=args.max_sequence_length,
                                cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts,
-                               chip=planner.CHIPS[chip_name],
+                               chip=planner.CHIPS[chip_name], spatial_factor=spatial,
                                quantized=quantized_counts(model) if args.quantize else (0, 0))
   except ValueError as e:
     parser.print_usage(sys.stderr)

@@ -162,7 +162,8 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
                              devices=jax.device_count(), frames=request.num_frames,
                              height=request.height, width=request.width,
                              text_tokens=request.max_sequence_length, cfg=request.cfg,
-                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled)
+                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled,
+                             spatial_factor=request.model.spatial_factor)
   best = planner.recommend(found)
   if best is None:
     raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "

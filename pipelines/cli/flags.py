@@ -72,7 +72,8 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")
   p.add_argument("--image", default=None, metavar="PATH",
-                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); "
+                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
+                      "Wan 2.2 TI2V-5B); "
                       "without --size the video takes its aspect ratio within the preset's area")
   p.add_argument("--last-image", default=None, metavar="PATH",
                  help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B)")

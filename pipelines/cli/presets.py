@@ -67,6 +67,10 @@ PRESETS: dict[str, Preset] = {
     # noise, 4.0 high noise), boundary 0.875 (read from the folder's model_index.json).
     "wan2.2-t2v-a14b": Preset(1280, 720, 81, 40, 12.0, (4.0, 3.0), "Wan2.2 configs/wan_t2v_A14B.py",
                               WAN_NEGATIVE_PROMPT),
+    # Wan2.2 wan/configs/wan_ti2v_5B.py: sample_shift 5.0, 50 steps, sample_guide_scale 5.0,
+    # frame_num 121, sample_fps 24 (`fps`); its size list is 1280*704 / 704*1280.
+    "wan2.2-ti2v-5b": Preset(1280, 704, 121, 50, 5.0, (5.0,), "Wan2.2 configs/wan_ti2v_5B.py",
+                             WAN_NEGATIVE_PROMPT, fps=24.0),
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train_tiny.py); seconds on a laptop CPU.
     "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),

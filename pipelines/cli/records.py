@@ -194,7 +194,8 @@ def run_estimate(request: Any) -> estimate.Estimate:
   return estimate.estimate(
       request.model.transformer, frames=request.num_frames, height=request.height, width=request.width,
       text_tokens=request.max_sequence_length, steps=request.steps, cfg=request.cfg,
-      dtype=request.model.dtype, backend=jax.default_backend(), devices=request.plan.spec.devices)
+      dtype=request.model.dtype, backend=jax.default_backend(), devices=request.plan.spec.devices,
+      spatial_factor=request.model.spatial_factor)
 
 
 def default_checkpoint_dir(out: str) -> str:

@@ -22,7 +22,8 @@ CPU_FLOPS_PER_CORE = 13e9
 ACCELERATOR_FLOPS = {"bfloat16": 2e14, "float32": 5e13}
 # Runs whose denoising is estimated at this many seconds or more get a line before they start.
 LONG_S = 120.0
-# Wan's VAE: 8x spatial, 4x temporal compression (Wan 2.1 and the Wan 2.2 A14B experts).
+# Wan's VAE: 8x spatial, 4x temporal compression (Wan 2.1 and the Wan 2.2 A14B experts); the Wan 2.2
+# VAE of TI2V-5B is 16x spatial (`spatial_factor=16` below).
 VAE_SPATIAL, VAE_TEMPORAL = 8, 4
 
 
@@ -50,9 +51,11 @@ class Estimate:
     return self.seconds_per_step * self.steps
 
 
-def video_tokens(patch_size: tuple[int, int, int], frames: int, height: int, width: int) -> int:
-  """T = F/pt * (height/8)/ph * (width/8)/pw for a video of `frames` (4k + 1) frames."""
-  latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+def video_tokens(patch_size: tuple[int, int, int], frames: int, height: int, width: int,
+                 spatial_factor: int = VAE_SPATIAL) -> int:
+  """T = F/pt * (height/s)/ph * (width/s)/pw for a video of `frames` (4k + 1) frames, s the VAE's
+  pixels per latent (8; 16 for Wan 2.2 TI2V-5B)."""
+  latent = ((frames - 1) // VAE_TEMPORAL + 1, height // spatial_factor, width // spatial_factor)
   count = 1
   for n, p in zip(latent, patch_size):
     count *= n // p
@@ -75,7 +78,8 @@ def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:
 
 
 def estimate(config, *, frames: int, height: int, width: int, text_tokens: int, steps: int, cfg: bool,
-             dtype: str, backend: str, devices: int, cpu_cores: int | None = None) -> Estimate:
+             dtype: str, backend: str, devices: int, cpu_cores: int | None = None,
+             spatial_factor: int = VAE_SPATIAL) -> Estimate:
   """The denoising time of a run (module docstring).
 
   Args:
@@ -86,8 +90,9 @@ def estimate(config, *, frames: int, height: int, width: int, text_tokens: int, 
     backend: "cpu", "gpu", "tpu", ...
     devices: devices of the mesh (divide the work on an accelerator, not on CPU).
     cpu_cores: cores available to this process (default: the ones it may run on).
+    spatial_factor: the VAE's pixels per latent (8; 16 for Wan 2.2 TI2V-5B).
   """
-  tokens = video_tokens(config.patch_size, frames, height, width)
+  tokens = video_tokens(config.patch_size, frames, height, width, spatial_factor)
   rows = 2 if cfg else 1
   flops = step_flops(config, tokens, text_tokens, rows)
   if backend == "cpu":

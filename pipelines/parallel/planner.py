@@ -107,14 +107,14 @@ class Candidate:
 
 def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: int, height: int, width: int,
                text_tokens: int = 512, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
-               chip: Chip, quantized: tuple[int, int] = (0, 0)) -> list[Candidate]:
+               chip: Chip, quantized: tuple[int, int] = (0, 0), spatial_factor: int = 8) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
     config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn, patch, channels).
     param_counts: (block, other) parameters of one transformer (`transformer_config.param_counts`).
     devices: devices in the mesh.
-    frames, height, width, text_tokens: the video and text sizes.
+    frames, height, width, text_tokens, spatial_factor: video / text sizes, VAE pixels per latent.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
@@ -130,13 +130,13 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
   if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
     raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
   size, block_bytes = DTYPE_BYTES[dtype], _block_bytes(blocks, DTYPE_BYTES[dtype], quantized)
-  tokens = step_estimate.video_tokens(config.patch_size, frames, height, width)
+  tokens = step_estimate.video_tokens(config.patch_size, frames, height, width, spatial_factor)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
   per_layer = block_bytes / config.num_layers
   flops_total = step_estimate.step_flops(config, tokens, text_tokens, rows)
   peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
-  latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // 8) * (width // 8)
+  latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // spatial_factor) * (width // spatial_factor)
   out = []
   for spec in _meshes(devices, n, cfg):
     c, u, r, shard = spec.cfg, spec.ulysses, spec.ring, spec.shard_weights

@@ -83,7 +83,8 @@ CALL_DOCS = """
   decode: False skips the VAE (run: `frames` is None).
   image, last_image, image_embeds: image-to-video models only (`WanImageToVideoPipeline`): the
     first frame, the last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states
-    (`image_inputs.check_image_inputs`).
+    (`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional `image` only
+    (either class; `pipeline.ti2v`).
 """
 
 

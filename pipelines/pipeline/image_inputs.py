@@ -107,13 +107,16 @@ def clip_pixels(processor: Any, images: list[np.ndarray]) -> np.ndarray:
 
 
 def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_model: bool,
-                       image_dim: int | None, flf2v_positions: bool) -> ImageInputs | None:
+                       image_dim: int | None, flf2v_positions: bool, first_frame_only: bool = False
+                       ) -> ImageInputs | None:
   """The image arguments checked against the model (diffusers `WanImageToVideoPipeline.check_inputs`).
 
   Args:
     image_model: the model is image-to-video (it needs `image`).
     image_dim: the width I of the transformer's image states, None without an image branch.
     flf2v_positions: the image branch embeds two frames (FLF2V's `pos_embed`).
+    first_frame_only: a Wan 2.2 TI2V model: `image` optional (text-to-video without it), no
+      `last_image`, no `image_embeds`.
 
   Raises:
     ValueError: an image given to a text-to-video model, none given to an image-to-video one,
@@ -122,6 +125,11 @@ def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_
   """
   given = [n for n, v in (("image", image), ("last_image", last_image), ("image_embeds", image_embeds))
            if v is not None]
+  if first_frame_only:
+    if last_image is not None or image_embeds is not None:
+      raise ValueError("Wan 2.2 TI2V conditions on the first frame only: give `image`, not `last_image` or "
+                       "`image_embeds`")
+    return None if image is None else ImageInputs(image=image_array("image", image))
   if not image_model:
     if given:
       raise ValueError(f"{', '.join(given)} given, but this is a text-to-video model; image-to-video needs "

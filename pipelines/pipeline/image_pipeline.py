@@ -78,9 +78,14 @@ class WanImageToVideoPipeline(WanPipeline):
     """The request's images encoded: the condition latents with their mask channels, one row per
     video, and (Wan 2.1) the CLIP image states in the model dtype.
 
+    A Wan 2.2 TI2V folder (`expand_timesteps`) conditions as `WanPipeline` does (`pipeline.ti2v`):
+    the first frame's latents and per-token timesteps, its image optional.
+
     Raises:
       ValueError: a request without images (built for a text-to-video model).
     """
+    if self.expand_timesteps:
+      return super().conditioning(request, stage)
     inputs = request.image
     if inputs is None:
       raise ValueError("an image-to-video request needs `image` (GenerationRequest.build(pipe.facts, image=...))")

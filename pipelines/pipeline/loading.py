@@ -47,7 +47,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   """
   model_dtype, vae_dt = dtype_of(dtype), dtype_of(vae_dtype)
   index = PipelineIndex.read(folder)
-  if index.image_to_video != image_to_video:
+  if index.image_to_video != image_to_video and not index.expand_timesteps:  # TI2V: either class
     want, other = (("WanImageToVideoPipeline", "WanPipeline") if index.image_to_video
                    else ("WanPipeline", "WanImageToVideoPipeline"))
     raise ValueError(f"{folder!r} is a {want} folder (model_index.json _class_name); load it with "
@@ -71,7 +71,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
-               name=os.path.abspath(folder))
+               expand_timesteps=index.expand_timesteps, name=os.path.abspath(folder))
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)
     if index.image_encoder:

@@ -49,6 +49,8 @@ class ModelFacts:
     quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
     image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
+    expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
+      `expand_timesteps`; `wan.ti2v`).
   """
   name: str
   transformer: WanTransformerConfig
@@ -60,6 +62,7 @@ class ModelFacts:
   dtype: str
   trained_video: tuple[int, int, int] | None = None
   quantize: str | None = None
+  expand_timesteps: bool = False
   image_to_video: bool = False
 
   def __post_init__(self):
@@ -91,7 +94,8 @@ class ModelFacts:
                spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
                max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
-               image_to_video=index.image_to_video)
+               image_to_video=index.image_to_video,
+               expand_timesteps=index.expand_timesteps)
 
   @classmethod
   def tiny_default(cls, dtype: str) -> ModelFacts:
@@ -148,6 +152,8 @@ class GenerationRequest:
     step_cache: the parsed step-cache spec or None.
     decode: run the VAE (False: latents only).
     image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
+    first_frame_latents: float32 numpy [B', C, 1, Hl, Wl], the normalised VAE latents of a Wan 2.2
+      TI2V run's first frame (set by `pipeline.ti2v.ti2v_condition`), or None.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -174,6 +180,7 @@ class GenerationRequest:
   image: ImageInputs | None = None
   timesteps: tuple[float, ...] | None = None
   sigmas: tuple[float, ...] | None = None
+  first_frame_latents: np.ndarray | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -202,7 +209,8 @@ class GenerationRequest:
     _refuse_generator(generator)
     t = model.transformer
     images = check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
-                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None)
+                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None,
+                                first_frame_only=model.expand_timesteps)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
@@ -311,8 +319,10 @@ class GenerationRequest:
         if given is not None}
 
   def _image_digests(self) -> dict[str, Any]:
-    """The input images' digests (image-to-video only: text-to-video records stay as they were)."""
-    return {} if self.image is None else self.image.digests()
+    """The input images' digests (image-to-video, TI2V's first frame; none for text-to-video)."""
+    first = {} if self.first_frame_latents is None else {
+        "first_frame_latents_sha256": _digest(self.first_frame_latents)}
+    return first | ({} if self.image is None else self.image.digests())
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------

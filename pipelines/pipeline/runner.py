@@ -242,7 +242,10 @@ class Runner:
     """(frames or None, host latents); timed as "decode"."""
     r = self.request
     start = time.perf_counter()
-    latents = distributed.to_host(state.latents)
+    latents = state.latents
+    if state.condition is not None:  # TI2V: the image's latents replace the first frame once more
+      latents = state.condition.final_latents(latents)
+    latents = distributed.to_host(latents)
     frames = None
     if r.decode:
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")

@@ -36,8 +36,8 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
     condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
-      gives the transformer's (latents, timestep, image states), e.g. `ImageConditioning`; a new
-      conditioning (TI2V's per-token timesteps) is a new such class, not a change here.
+      gives the transformer's (latents, timestep, image states): `ImageConditioning` or TI2V's
+      `ti2v.TI2VConditioning` (first frame, per-token timesteps); a new one is a new such class.
     plan: where it runs (static): the mesh, the attention path and backend, weight sharding. With
       CFG=2 the cond rows run on the first half of the devices and the uncond rows on the second,
       each half running the whole USP schedule; the guidance mix then brings the two noise

@@ -45,6 +45,7 @@ from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.request import GenerationRequest, ModelFacts
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
+from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
 from pipelines.storage import weights
 from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache,
                            tokenizer as tokenization, umt5, vae as wan_vae)
@@ -56,7 +57,8 @@ DTYPES = loading.DTYPES
 
 
 class WanPipeline(LoraLoaderMixin):
-  """Text-to-video Wan (2.1 T2V, or 2.2 T2V A14B with two experts), sequence-parallel transformer.
+  """Text-to-video Wan (2.1 T2V, 2.2 T2V A14B with two experts, or 2.2 TI2V-5B), sequence-parallel
+  transformer.
 
   Build with `from_pretrained(folder)` or `tiny()`; call with prompts (`__call__`, or `run` for the
   timings and settings too, or `generate` with a checked `GenerationRequest`). LoRAs:
@@ -67,6 +69,8 @@ class WanPipeline(LoraLoaderMixin):
   Attributes:
     transformer_config: config shared by both experts.
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`); image conditioning
+      through `pipeline.ti2v.ti2v_condition`.
     scheduler_config: `UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig` (`schedulers.SchedulerConfig`).
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
@@ -79,7 +83,8 @@ class WanPipeline(LoraLoaderMixin):
 
   def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
-               scheduler_config: Any, boundary_ratio: float | None = None, name: str = ""):
+               scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
+               name: str = ""):
     _check_parts(text_encoder[0], transformers, vae, boundary_ratio)
     self.transformer_config = transformers[0].config
     self.text_encoder_config = text_encoder[0]
@@ -87,6 +92,7 @@ class WanPipeline(LoraLoaderMixin):
     self.max_sequence_length = tokenization.text_length(getattr(tokenizer, "model_max_length", None))
     self.scheduler_config = scheduler_config
     self.boundary_ratio = boundary_ratio
+    self.expand_timesteps = bool(expand_timesteps)
     self.name = name
     self.dtype = transformers[0].dtype
     split = [nnx.split(t) for t in transformers]
@@ -207,9 +213,11 @@ class WanPipeline(LoraLoaderMixin):
   def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
-    the work)."""
-    del request, stage
-    return None
+    the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps, with the
+    request's first frame when it has one (`pipeline.ti2v.conditioning`)."""
+    if not self.expand_timesteps:
+      return None
+    return ti2v_conditioning(self.vae, request, self.transformer_config.patch_size, stage)
 
   @property
   def num_experts(self) -> int:
@@ -248,9 +256,10 @@ class WanPipeline(LoraLoaderMixin):
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video,
+                      dtype=jnp.dtype(self.dtype).name,
+                      image_to_video=self.image_to_video and not self.expand_timesteps,
                       trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
-                      quantize=self.quantization)
+                      quantize=self.quantization, expand_timesteps=self.expand_timesteps)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -265,6 +274,8 @@ class WanPipeline(LoraLoaderMixin):
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio,
                 **({"quantize": self.quantization} if self.quantization else {})}
+      if self.expand_timesteps:  # only then, so the other models' fingerprints stay as they were
+        config["expand_timesteps"] = True
       trees = {f"transformer{i or ''}": state for i, state in enumerate(self.weights.experts)}
       trees.update(text_encoder=self.weights.text_params, vae=self.vae, **self._conditioning_weights())
       self._fingerprint = (self.weights.version, resume_state.model_fingerprint(trees, config))

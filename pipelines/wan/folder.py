@@ -25,8 +25,10 @@ class PipelineIndex:
     experts: the expert folders loaded, in order: ("transformer",), ("transformer", "transformer_2")
       or, for a Wan 2.2 folder saved with `boundary_ratio` 1.0 (every step is the low-noise
       expert's; diffusers' tests save such folders without `transformer/`), ("transformer_2",).
-    image_to_video: `_class_name` is WanImageToVideoPipeline.
+    image_to_video: `_class_name` is WanImageToVideoPipeline and not a TI2V folder (the channel-
+      conditioned models).
     image_encoder: `image_encoder/` and `image_processor/` are present and named (Wan 2.1 I2V / FLF2V).
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`).
   """
   folder: str
   transformer: WanTransformerConfig
@@ -35,6 +37,7 @@ class PipelineIndex:
   experts: tuple[str, ...] = ("transformer",)
   image_to_video: bool = False
   image_encoder: bool = False
+  expand_timesteps: bool = False
 
   @classmethod
   def read(cls, folder: str) -> PipelineIndex:
@@ -42,7 +45,7 @@ class PipelineIndex:
 
     Raises:
       weights.CheckpointError: no folder, no or invalid model_index.json, not a WanPipeline /
-        WanImageToVideoPipeline, a TI2V pipeline (`expand_timesteps`), `boundary_ratio` without
+        WanImageToVideoPipeline, `expand_timesteps` not a bool or with two experts, `boundary_ratio` without
         `transformer_2/` or outside (0, 1], a missing component folder, an image branch without
         `image_encoder/` and `image_processor/`.
     """
@@ -55,8 +58,9 @@ class PipelineIndex:
     name = index.get("_class_name", "WanPipeline")
     if name not in PIPELINE_CLASSES:
       raise weights.CheckpointError(f"{path!r}: {name=}; only {sorted(PIPELINE_CLASSES)} folders load")
-    if index.get("expand_timesteps"):
-      raise weights.CheckpointError(f"{path!r}: expand_timesteps=True (Wan 2.2 TI2V-5B) is not supported")
+    expand = index.get("expand_timesteps", False)
+    if not isinstance(expand, bool):
+      raise weights.CheckpointError(f"{path!r}: expand_timesteps={expand!r} must be true or false")
     for component in ("text_encoder", "tokenizer", "vae", "scheduler"):
       if not os.path.isdir(os.path.join(folder, component)):
         raise weights.CheckpointError(f"{folder!r} has no {component}/ folder; a Wan pipeline needs it")
@@ -64,6 +68,9 @@ class PipelineIndex:
                if isinstance(index.get(c), list) and index[c][0] is not None
                and os.path.isdir(os.path.join(folder, c))}
     boundary, experts = _experts(path, folder, index.get("boundary_ratio"), present)
+    if expand and boundary is not None:
+      raise weights.CheckpointError(f"{path!r}: expand_timesteps (Wan 2.2 TI2V-5B, one transformer) with "
+                                    f"boundary_ratio={boundary} (two experts) is no released Wan")
     config = WanTransformerConfig.from_dict(weights.read_config(os.path.join(folder, experts[0])))
     encoder = {"image_encoder", "image_processor"} <= present
     if config.has_image_branch and not encoder:
@@ -72,8 +79,8 @@ class PipelineIndex:
           "has no image_encoder/ and image_processor/ named in model_index.json; add them (the CLIP "
           "vision model and its CLIPImageProcessor)")
     return cls(folder=folder, transformer=config, has_transformer_2="transformer_2" in present,
-               boundary_ratio=boundary, experts=experts, image_to_video=PIPELINE_CLASSES[name],
-               image_encoder=encoder and config.has_image_branch)
+               boundary_ratio=boundary, experts=experts, image_to_video=PIPELINE_CLASSES[name] and not expand,
+               image_encoder=encoder and config.has_image_branch, expand_timesteps=expand)
 
   @property
   def weight_folders(self) -> list[str]:

@@ -95,3 +95,8 @@ class ImageConditioning:
       video = jnp.concatenate([video, video], axis=0)
       image = None if image is None else jnp.concatenate([image, image], axis=0)
     return jnp.concatenate([x_BCFHW, video], axis=1), timestep_B, image
+
+  def final_latents(self, latents: jax.Array) -> jax.Array:
+    """The latents the VAE decodes: the loop's latents unchanged (the condition rides in extra
+    channels, not in the latents)."""
+    return latents

@@ -153,9 +153,10 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
   tokens_grid = tuple(n // p for n, p in zip(grid, config.patch_size))
   if max(tokens_grid) > config.rope_max_seq_len:
     raise ValueError(f"token grid {tokens_grid} exceeds {config.rope_max_seq_len=} (diffusers' RoPE table)")
-  if timestep.shape != (batch,):
-    raise ValueError(f"timestep must be [B]=[{batch}] (per-token timesteps are not supported), "
-                     f"got {timestep.shape=}")
+  tokens = math.prod(tokens_grid)
+  if timestep.shape not in ((batch,), (batch, tokens)):
+    raise ValueError(f"timestep must be [B]=[{batch}] or per token [B, T]=[{batch}, {tokens}] (diffusers' "
+                     f"Wan 2.2 TI2V `expand_timesteps`), got {timestep.shape=}")
   if isinstance(text, TextKV):
     heads = config.num_attention_heads
     want = (config.num_layers, batch, text.shape[2], heads, config.dim // heads)
@@ -174,16 +175,18 @@ class ForwardContext:
   Attributes:
     text_kv: every block's text keys and values (`TextKV`, replicated).
     image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
-    time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
-    temb_BD: [B, D] timestep embedding in the model dtype (the output norm's modulation).
+    time_proj: [B, 1, 6, D] (one timestep per video) or [B, T_padded, 6, D] (per token, sharded like
+      the tokens) timestep projection in the model dtype.
+    temb: [B, 1, D] or [B, T_padded, D] timestep embedding in the model dtype (the output norm's
+      modulation), laid out as `time_proj`.
     rope: (cos, sin) float32 [T, H/2] at the tokens' global positions (padded rows: cos 1, sin 0).
     layout: where the tokens live and how attention runs (`SequenceLayout` of the call's plan: mesh,
       valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
   """
   text_kv: TextKV
-  time_proj_B6D: jax.Array
-  temb_BD: jax.Array
+  time_proj: jax.Array
+  temb: jax.Array
   rope: tuple[jax.Array, jax.Array]
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
@@ -230,9 +233,14 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   grid = (f // pt, h // ph, w // pw)
   layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, math.prod(grid))
 
-  x_BTD = model.patch_embedding(latents.astype(dtype))
-  temb_BD, time_proj_B6D = model.condition_embedder(timestep, dtype=dtype, freq_dim=config.freq_dim)
-  temb_BD, time_proj_B6D = (layout.constrain_rows(a) for a in (temb_BD, time_proj_B6D))
+  # Token rows are cut from the (replicated) latents, padded and sharded before they are embedded:
+  # each device projects only its own tokens. Padded rows are zero tokens.
+  patches = layout.constrain(jnp.pad(model.patch_embedding.patches(latents.astype(dtype)),
+                                     ((0, 0), (0, layout.padding), (0, 0))))
+  x_BTD = layout.constrain(model.patch_embedding.project(patches))
+  if layout.padding:
+    x_BTD = layout.constrain(jnp.where((jnp.arange(layout.padded_tokens) < layout.tokens)[:, None], x_BTD, 0))
+  temb, time_proj = _time(model, layout, timestep, dtype)
   kv = encoder_hidden_states
   kv = kv if isinstance(kv, TextKV) else text_kv(model, kv, plan)
   image_BPD = None
@@ -242,10 +250,28 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
-  x_BTD = layout.constrain(jnp.pad(x_BTD, ((0, 0), (0, layout.padding), (0, 0))))
-  context = ForwardContext(text_kv=kv, time_proj_B6D=time_proj_B6D, temb_BD=temb_BD, rope=rope,
+  context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
                            layout=layout, latent_shape=tuple(latents.shape), image_BPD=image_BPD)
   return x_BTD, context
+
+
+def _time(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, dtype: Any
+          ) -> tuple[jax.Array, jax.Array]:
+  """(temb [B, 1 or T_padded, D], time_proj [B, 1 or T_padded, 6, D]) in the model `dtype`.
+
+  A per-token timestep [B, T] is padded to T_padded and pinned to the tokens' sharding before
+  anything is computed from it, so every device embeds only its own tokens' timesteps: the
+  per-token embedding and modulation (T x 7D values per video) are never built whole on a device,
+  and nothing token-sized is gathered (tests/test_ti2v.py reads the compiled step). Padded rows
+  get timestep 0 (their tokens are dropped before unpatchify).
+  """
+  per_token = timestep.ndim == 2
+  if per_token:
+    timestep = layout.constrain(jnp.pad(timestep, ((0, 0), (0, layout.padding))))
+  temb, time_proj = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
+  if per_token:
+    return layout.constrain(temb), layout.constrain(time_proj)
+  return layout.constrain_rows(temb[:, None]), layout.constrain_rows(time_proj[:, None])
 
 
 def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext, start: int = 0,
@@ -276,7 +302,7 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   def body(x_BTD, layer):
     block, k_BLNH, v_BLNH = layer
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
-    return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj_B6D, context.rope, config=model.config,
+    return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
                  layout=context.layout, image_BPD=context.image_BPD), None
 
   x_BTD, _ = jax.lax.scan(body, x_BTD, per_layer)
@@ -297,8 +323,8 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
   pt, ph, pw = config.patch_size
   grid = (f // pt, h // ph, w // pw)
   # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
-  mod_B2D = model.scale_shift_table[...][None] + context.temb_BD[:, None, :].astype(jnp.float32)
-  shift, scale = jnp.split(mod_B2D, 2, axis=1)
+  mod = model.scale_shift_table[...][None, None] + context.temb[:, :, None].astype(jnp.float32)
+  shift, scale = mod[:, :, 0], mod[:, :, 1]  # fp32 [B, 1 or T_padded, D]
   x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
   x_BTP = model.proj_out(x_BTD)[:, : context.layout.tokens]  # P = pt * ph * pw * C_out
   x = x_BTP.reshape(b, *grid, pt, ph, pw, config.out_channels)
@@ -317,7 +343,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
     model: a `WanTransformer` (from `load_transformer` or `init_transformer`).
     latents: [B, C, F, Hl, Wl]; cast to the model dtype (diffusers' pipeline feeds
       `latents.to(transformer_dtype)`). F, Hl, Wl divisible by the patch size.
-    timestep: [B] diffusion timesteps (0..1000, fractional allowed).
+    timestep: [B] diffusion timesteps (0..1000, fractional allowed), or [B, T] one per token in
+      (f, h, w) token order (diffusers' 2-D timestep of Wan 2.2 TI2V, `expand_timesteps`): the
+      time embedding and every AdaLN modulation are then per token, sharded with the tokens.
     encoder_hidden_states: [B, L, text_dim] text-encoder states (cast to the model dtype), or their
       `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work).
     plan: where and how it runs (static under jit; frozen and hashable), None for

@@ -1,9 +1,10 @@
 """Configuration of the Wan video transformer (diffusers' `WanTransformer3DModel` config.json).
 
 Field names and meanings follow diffusers so that `WanTransformerConfig.from_dict(config_json)`
-reads a diffusers `transformer/config.json` unchanged. Only the text-to-video variants are
-the text-to-video and image-to-video variants (Wan 2.1 T2V 1.3B / 14B, Wan 2.1 I2V 14B and FLF2V 14B
-with their CLIP image branch, Wan 2.2 T2V / I2V A14B experts).
+reads a diffusers `transformer/config.json` unchanged: the text-to-video and image-to-video
+variants (Wan 2.1 T2V 1.3B / 14B, Wan 2.1 I2V 14B and FLF2V 14B with their CLIP image branch, Wan 2.2
+T2V / I2V A14B experts) and Wan 2.2 TI2V-5B (whose first-frame conditioning needs no transformer
+field; `wan.ti2v`).
 
 Also the parameter tree a config implies (`param_shapes`, `param_counts`) and which parameters
 stay fp32 (`keeps_fp32`): pure functions of the config, no JAX.
@@ -162,6 +163,10 @@ PRESETS: dict[str, WanTransformerConfig] = {
     "wan2.1-flf2v-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36,
                                              image_dim=1280, added_kv_proj_dim=5120, pos_embed_seq_len=514),
     "wan2.2-i2v-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36),
+    # Wan 2.2 TI2V-5B (Wan2.2 wan/configs/wan_ti2v_5B.py: dim 3072, 24 heads, ffn 14336, 30 layers;
+    # 48 latent channels of the Wan 2.2 VAE). One expert, per-token timesteps (`wan.ti2v`).
+    "wan2.2-ti2v-5b": WanTransformerConfig(num_attention_heads=24, in_channels=48, out_channels=48,
+                                           ffn_dim=14336, num_layers=30),
     # Embedded default for tests and smoke runs: every code path, seconds to compile on CPU.
     "tiny": WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32,
                                  ffn_dim=64, num_layers=2),

@@ -76,42 +76,55 @@ class MLP(nnx.Module):
 
 
 class PatchEmbedding(nnx.Module):
-  """Conv3d with kernel = stride = (pt, ph, pw), as one einsum over non-overlapping patches.
+  """Conv3d with kernel = stride = (pt, ph, pw), as one matmul over non-overlapping patches.
 
-  kernel [pt, ph, pw, C, D] (torch's [D, C, pt, ph, pw] transposed), bias [D].
+  kernel [pt, ph, pw, C, D] (torch's [D, C, pt, ph, pw] transposed), bias [D]. `patches` cuts the
+  latents into token rows (a reshape, no arithmetic) and `project` embeds rows, so a sequence-
+  parallel forward shards the rows before projecting them (each device embeds its own tokens).
   """
 
   def __init__(self, kernel: jax.Array, bias: jax.Array):
     self.kernel = nnx.Param(kernel)
     self.bias = nnx.Param(bias)
 
-  def __call__(self, latents: jax.Array) -> jax.Array:
-    """[B, C, F, Hl, Wl] -> [B, T, D] in the kernel dtype, tokens in (f, h, w) row-major order."""
+  def patches(self, latents: jax.Array) -> jax.Array:
+    """[B, C, F, Hl, Wl] -> [B, T, K] in the kernel dtype, K = pt ph pw C in (p, q, r, C) order,
+    tokens in (f, h, w) row-major order (lowercase p/q/r: offsets inside a patch)."""
     kernel = self.kernel[...]
     pt, ph, pw, _, _ = kernel.shape
     b, c, f, h, w = latents.shape
-    # lowercase letters: p/q/r are offsets inside a (pt, ph, pw) patch.
     x = latents.astype(kernel.dtype).reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
-    y = jnp.einsum("BCFpHqWr,pqrCD->BFHWD", x, kernel, preferred_element_type=jnp.float32)
-    y = (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
-    return y.reshape(b, -1, y.shape[-1])
+    x = x.transpose(0, 2, 4, 6, 3, 5, 7, 1)  # [B, F', H', W', pt, ph, pw, C]
+    return x.reshape(b, (f // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+
+  def project(self, patches_BTK: jax.Array) -> jax.Array:
+    """[B, T, K] -> [B, T, D] in the kernel dtype: fp32 accumulation, fp32 bias, one rounding."""
+    kernel = self.kernel[...]
+    y = jnp.einsum("BTK,KD->BTD", patches_BTK, kernel.reshape(-1, kernel.shape[-1]),
+                   preferred_element_type=jnp.float32)
+    return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+
+  def __call__(self, latents: jax.Array) -> jax.Array:
+    """[B, C, F, Hl, Wl] -> [B, T, D] in the kernel dtype, tokens in (f, h, w) row-major order."""
+    return self.project(self.patches(latents))
 
 
 def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
   """Sinusoidal embedding, diffusers `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`.
 
   Args:
-    timestep: [B], any real dtype (fractional timesteps allowed).
+    timestep: [B] or [B, T] (per-token, Wan 2.2 TI2V), any real dtype (fractional timesteps allowed).
     dim: even embedding width.
 
   Returns:
-    float32 [B, dim] = [cos(t * f_i), sin(t * f_i)], f_i = max_period ** (-i / (dim / 2)).
+    float32 [..., dim] = [cos(t * f_i), sin(t * f_i)], f_i = max_period ** (-i / (dim / 2)).
 
-  Math: diffusers embeddings.get_timestep_embedding (DDPM sinusoidal embedding).
+  Math: diffusers embeddings.get_timestep_embedding (DDPM sinusoidal embedding), applied to the
+  flattened timesteps as diffusers' `WanTransformer3DModel` does for a 2-D timestep.
   """
   half = dim // 2
   exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half  # [dim/2]
-  args = timestep.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # [B, dim/2]
+  args = timestep.astype(jnp.float32)[..., None] * jnp.exp(exponent)  # [..., dim/2]
   return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
@@ -154,13 +167,15 @@ class ConditionEmbedder(nnx.Module):
     self.image_embedder = ImageEmbedder(params["image_embedder"]) if "image_embedder" in params else None
 
   def __call__(self, timestep: jax.Array, *, dtype: jnp.dtype, freq_dim: int):
-    """timestep [B] -> temb [B, D] and time_proj [B, 6, D] in the model `dtype`. The text branch
-    (`text_embedder`: [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`);
-    the image states go through `image_embedder` apart."""
-    sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [B, freq_dim]
+    """timestep [B] (per video) or [B, T] (per token, Wan 2.2 TI2V) -> temb [B, D] / [B, T, D] and
+    time_proj [B, 6, D] / [B, T, 6, D] in the model `dtype` (every row computed on its own, so a
+    sequence-sharded [B, T] timestep gives sharded results). The text branch (`text_embedder`:
+    [B, L, text_dim] -> [B, L, D]) runs apart, once per prompt (`transformer.text_kv`); the image
+    states go through `image_embedder` apart."""
+    sinusoid = timestep_embedding(timestep, freq_dim)  # fp32 [..., freq_dim]
     temb = self.time_embedder(sinusoid).astype(dtype)  # diffusers: .type_as(encoder_hidden_states)
-    time_proj = self.time_proj(_silu(temb))  # [B, 6 * D]
-    return temb, time_proj.reshape(time_proj.shape[0], 6, -1)
+    time_proj = self.time_proj(_silu(temb))  # [..., 6 * D]
+    return temb, time_proj.reshape(*time_proj.shape[:-1], 6, -1)
 
 
 class Attention(nnx.Module):
@@ -238,7 +253,7 @@ class WanBlock(nnx.Module):
     self.ffn = FeedForward(params["ffn"])
     self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [6, D]
 
-  def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj_B6D: jax.Array,
+  def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
                layout: SequenceLayout, image_BPD: jax.Array | None = None) -> jax.Array:
     """One block.
@@ -247,7 +262,8 @@ class WanBlock(nnx.Module):
       x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
       text_kv: this block's cross-attention keys and values of the text, [B, L, N, H] each
         (`cross_attention_kv`; replicated, computed once per prompt).
-      time_proj_B6D: [B, 6, D] timestep projection in the model dtype.
+      time_proj: [B, 1, 6, D] (per video) or [B, T, 6, D] (per token, Wan 2.2 TI2V; sharded like
+        the tokens) timestep projection in the model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
       image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
 
@@ -258,8 +274,8 @@ class WanBlock(nnx.Module):
     b, t, d = x_BTD.shape
     head_dim = d // heads
     f32 = jnp.float32
-    mod_B6D = self.scale_shift_table[...][None] + time_proj_B6D.astype(f32)  # fp32
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = jnp.split(mod_B6D, 6, axis=1)
+    mod = self.scale_shift_table[...][None, None] + time_proj.astype(f32)  # fp32 [B, 1 or T, 6, D]
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
 
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)

@@ -1,10 +1,12 @@
-"""Wan 2.1 causal video VAE in JAX: config, loader, random init, chunked encode and decode.
+"""Wan causal video VAE in JAX: config, loader, random init, chunked encode and decode.
 
-Numerical reference: diffusers `AutoencoderKLWan` (Wan 2.1 VAE, `is_residual=False`), used by Wan 2.1
-and Wan 2.2 A14B; the layers live in `vae_layers.py`, the config and presets in `vae_config.py`
-(re-exported here). Public layouts follow diffusers: latents
-`[B, C, F, Hl, Wl]`, video `[B, 3, frames, height, width]` in [-1, 1], with frames = 1 + 4(F - 1)
-and height, width = 8Hl, 8Wl (`decode(..., video_layout="BFHWC")` returns the pipeline's
+Numerical reference: diffusers `AutoencoderKLWan`: the Wan 2.1 VAE (`is_residual=False`, used by
+Wan 2.1 and Wan 2.2 A14B) and the Wan 2.2 VAE of TI2V-5B (`is_residual=True`, z_dim 48, 2x2
+patches: 16x spatial); the layers live in `vae_layers.py` (the Wan 2.2 shortcuts and patching in
+`vae_residual.py`), the config and presets in `vae_config.py` (re-exported here). Public layouts
+follow diffusers: latents `[B, C, F, Hl, Wl]`, video `[B, 3, frames, height, width]` in [-1, 1],
+with frames = 1 + 4(F - 1) and height, width = sHl, sWl (s = `config.spatial_factor`: 8 for Wan
+2.1, 16 for Wan 2.2) (`decode(..., video_layout="BFHWC")` returns the pipeline's
 `[B, frames, height, width, 3]` directly). Internally everything is channels-last.
 
 Both directions run causally over time, one chunk at a time, exactly as diffusers does: the decoder
@@ -32,9 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.storage.weights import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
 from pipelines.parallel.distributed import put_host_leaves
-from pipelines.wan import vae_layers as L
+from pipelines.wan import vae_layers as L, vae_residual
 from pipelines.wan.vae_config import (VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD,  # noqa: F401
-                                      WanVAEConfig)
+                                      WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WanVAEConfig)
 
 ENCODER_CHUNK = 4  # video frames per encoder chunk after the first frame (diffusers `_encode`)
 
@@ -149,7 +151,7 @@ def decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
   post_quant = cfg.quant_layers()[1]
   x, _ = L.run_layers(vae.params, (post_quant,), z_BTHWC, None, first_chunk=cache is None)
   x, cache = L.run_layers(vae.params, cfg.decoder_layers(), x, cache, first_chunk=cache is None, rows=rows)
-  return jnp.clip(x, -1.0, 1.0), cache
+  return jnp.clip(vae_residual.unpatchify(x, cfg.patch), -1.0, 1.0), cache
 
 
 @jax.jit
@@ -179,8 +181,9 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
   Args:
     vae: the model; latents are cast to its dtype, and the video comes back in it.
     latents: [B, C, F, Hl, Wl] with C == config.z_dim.
-    video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, 8Hl, 8Wl]) or "BFHWC" (the
-      pipeline's [B, frames, 8Hl, 8Wl, 3], the internal layout: no transpose).
+    video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, sHl, sWl], s =
+      `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
+      layout: no transpose).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
@@ -366,6 +369,7 @@ def encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tupl
   None; then `ENCODER_CHUNK` frames) -> (mean and log-variance [B, 1, H/8, W/8, 2 z_dim], the
   feature cache for the next chunk)."""
   cfg = vae.config
+  x_BTHWC = vae_residual.patchify(x_BTHWC, cfg.patch)
   h, cache = L.run_layers(vae.params, cfg.encoder_layers(), x_BTHWC, cache, first_chunk=cache is None)
   h, _ = L.run_layers(vae.params, cfg.quant_layers()[:1], h, None, first_chunk=False)
   return h, cache
@@ -385,10 +389,10 @@ def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   Args:
     vae: the model; the video is cast to its dtype.
     video: [B, 3, frames, height, width] in [-1, 1] (diffusers layout), frames = 1 + 4k, height and
-      width multiples of 8.
+      width multiples of s = `config.spatial_factor` (8; 16 for the Wan 2.2 VAE).
 
   Returns:
-    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / 8, width / 8]; the
+    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / s, width / s]; the
     latent is `mean` (diffusers' `.mode()`); apply `normalize_latents` for the diffusion model.
 
   Raises:
@@ -402,8 +406,8 @@ def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   if video.ndim != 5:
     raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
   B, C, frames, height, width = video.shape
-  if C != cfg.in_channels:
-    raise ValueError(f"video has {C=} channels but the VAE expects {cfg.in_channels=}")
+  if C != cfg.video_channels:
+    raise ValueError(f"video has {C=} channels but the VAE expects {cfg.video_channels}")
   if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
     raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
   f = cfg.spatial_factor

@@ -1,4 +1,4 @@
-"""Layers of the Wan 2.1 causal video VAE (diffusers `AutoencoderKLWan`), functional and channels-last.
+"""Layers of the Wan causal video VAE (diffusers `AutoencoderKLWan`), functional and channels-last.
 
 Source of the math: diffusers `models/autoencoders/autoencoder_kl_wan.py` (`WanCausalConv3d`,
 `WanRMS_norm`, `WanResidualBlock`, `WanAttentionBlock`, `WanResample`, `WanEncoder3d`,
@@ -6,6 +6,10 @@ Source of the math: diffusers `models/autoencoders/autoencoder_kl_wan.py` (`WanC
 `[B, T, H, W, C]`: T frames, H x W pixels and C channels *at that level* (T = 1 or 4 in the encoder's
 input chunks, 1, 2 or 4 in the decoder; H, W between Hl, Wl and 8Hl, 8Wl). Channels-last is the
 layout `lax.conv_general_dilated` is fastest with on GPU and TPU.
+
+The Wan 2.2 VAE (`is_residual=True`) adds `ResidualGroup`s: a down / up block's layers plus a
+parameter-free shortcut of the block's input (`vae_residual.avg_down` / `dup_up`), run by the same
+loop and sharing the same cache dict; its 2x2 patching happens outside the layers (`vae.py`).
 
 Parameters are one flat dict keyed by diffusers' state-dict names (`decoder.up_blocks.0.resnets.1.
 conv1.weight`), with values in JAX layout: conv kernels `[kt, kh, kw, I, O]` (2D convs get kt = 1),
@@ -49,8 +53,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pipelines.wan import vae_residual
 from pipelines.wan.vae_topology import (AttnBlock, CausalConv, Layer, NormSiLU, Resample, ResBlock,  # noqa: F401
-                                          decoder_layers, encoder_layers, param_shapes, to_jax_layout)
+                                          ResidualGroup, Shortcut, decoder_layers, encoder_layers, param_shapes,
+                                          to_jax_layout)
 
 CACHE_T = 2  # frames of causal-conv input carried between chunks (diffusers' CACHE_T)
 RMS_EPS = 1e-12  # torch.nn.functional.normalize's default eps (clamps the L2 norm, not its square)
@@ -362,6 +368,20 @@ def run_layers(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache
   height split when called inside `shard_map` (decoder layers only), else None.
   """
   cache_out: Cache = {}
+  x = _run(p, layers, x, cache_in, cache_out, first_chunk, rows)
+  return x, cache_out
+
+
+def _shortcut(s: Shortcut, x: jax.Array, first_chunk: bool) -> jax.Array:
+  if s.kind == "avg_down":
+    return vae_residual.avg_down(s, x)
+  return vae_residual.dup_up(s, x, first_chunk)
+
+
+def _run(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache | None, cache_out: Cache,
+         first_chunk: bool, rows: RowShards | None) -> jax.Array:
+  """`run_layers`' loop, writing every cached conv's new cache into `cache_out` (keys are unique
+  conv names, so a `ResidualGroup`'s body shares the one dict)."""
   for layer in layers:
     match layer:
       case CausalConv():
@@ -374,6 +394,9 @@ def run_layers(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache
         x = resample(p, layer, x, cache_in, cache_out, first_chunk, rows)
       case NormSiLU():
         x = jax.nn.silu(rms_norm(x, p[f"{layer.name}.gamma"]))
+      case ResidualGroup():
+        body = _run(p, layer.body, x, cache_in, cache_out, first_chunk, rows)
+        x = body if layer.shortcut is None else body + _shortcut(layer.shortcut, x, first_chunk)
       case _:
         raise ValueError(f"unknown layer {layer=}")
-  return x, cache_out
+  return x

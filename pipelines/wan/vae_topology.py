@@ -1,7 +1,9 @@
-"""The Wan 2.1 causal video VAE's architecture as data: one source for parameter shapes and the forward.
+"""The Wan causal video VAE's architecture as data: one source for parameter shapes and the forward.
 
-The encoder and decoder are flat sequences of layer descriptions (`CausalConv`, `ResBlock`,
-`AttnBlock`, `Resample`, `NormSiLU`) named by diffusers' state-dict prefixes; `param_shapes` gives
+The encoder and decoder are sequences of layer descriptions (`CausalConv`, `ResBlock`,
+`AttnBlock`, `Resample`, `NormSiLU`, and for the Wan 2.2 VAE (`is_residual=True`) `ResidualGroup`:
+a down/up block whose input also takes a parameter-free `Shortcut`) named by diffusers' state-dict
+prefixes; `param_shapes` gives
 the checkpoint-layout shape of every key they own and `to_jax_layout` converts one checkpoint
 tensor to the layout `vae_layers` computes with. No compute; re-exported by `vae_layers`.
 """
@@ -52,7 +54,39 @@ class NormSiLU:
   dim: int
 
 
-Layer = CausalConv | ResBlock | AttnBlock | Resample | NormSiLU
+@dataclasses.dataclass(frozen=True)
+class Shortcut:
+  """diffusers' parameter-free shortcuts of the Wan 2.2 residual blocks, on `[B, T, H, W, C]`.
+
+  kind "avg_down" (`AvgDown3D`): space-to-channels by (factor_t, factor_s, factor_s), then the mean
+  of each group of in_dim * factor / out_dim channels; "dup_up" (`DupUp3D`): each channel repeated
+  out_dim * factor / in_dim times, then channels-to-space.
+  """
+  kind: str
+  in_dim: int
+  out_dim: int
+  factor_t: int
+  factor_s: int
+
+  def __post_init__(self):
+    factor = self.factor_t * self.factor_s ** 2
+    if self.kind == "avg_down" and (self.in_dim * factor) % self.out_dim:
+      raise ValueError(f"AvgDown3D: in_dim * factor = {self.in_dim} * {factor} must be divisible by {self.out_dim=}")
+    if self.kind == "dup_up" and (self.out_dim * factor) % self.in_dim:
+      raise ValueError(f"DupUp3D: out_dim * factor = {self.out_dim} * {factor} must be divisible by {self.in_dim=}")
+    if self.kind not in ("avg_down", "dup_up"):
+      raise ValueError(f"unknown shortcut {self.kind=}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualGroup:
+  """`WanResidualDownBlock` / `WanResidualUpBlock`: body(x) + shortcut(x) (no shortcut: body(x))."""
+  name: str
+  body: tuple
+  shortcut: Shortcut | None
+
+
+Layer = CausalConv | ResBlock | AttnBlock | Resample | NormSiLU | ResidualGroup
 
 
 def _mid_block(name: str, dim: int) -> list[Layer]:
@@ -61,12 +95,42 @@ def _mid_block(name: str, dim: int) -> list[Layer]:
           ResBlock(f"{name}.resnets.1", dim, dim)]
 
 
+def _residual_down(dims: Sequence[int], num_res_blocks: int, temperal_downsample: Sequence[bool]) -> list[Layer]:
+  """The Wan 2.2 encoder's `WanResidualDownBlock`s (no attention: diffusers builds none there)."""
+  groups: list[Layer] = []
+  last = len(dims) - 2
+  for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+    name = f"encoder.down_blocks.{i}"
+    body: list[Layer] = []
+    for j in range(num_res_blocks):
+      body.append(ResBlock(f"{name}.resnets.{j}", in_dim if j == 0 else out_dim, out_dim))
+    temporal = i != last and temperal_downsample[i]
+    if i != last:
+      body.append(Resample(f"{name}.downsampler", "downsample3d" if temporal else "downsample2d", out_dim, out_dim))
+    shortcut = Shortcut("avg_down", in_dim, out_dim, 2 if temporal else 1, 2 if i != last else 1)
+    groups.append(ResidualGroup(name, tuple(body), shortcut))
+  return groups
+
+
 def encoder_layers(
     *, in_channels: int, dim: int, z_dim: int, dim_mult: Sequence[int], num_res_blocks: int,
-    attn_scales: Sequence[float], temperal_downsample: Sequence[bool]) -> tuple[Layer, ...]:
-  """`WanEncoder3d` (is_residual=False) as a layer sequence; it outputs 2 * z_dim channels."""
+    attn_scales: Sequence[float], temperal_downsample: Sequence[bool], is_residual: bool = False) -> tuple[Layer, ...]:
+  """`WanEncoder3d` as a layer sequence; it outputs 2 * z_dim channels."""
   dims = [dim * u for u in (1, *dim_mult)]
   layers: list[Layer] = [CausalConv("encoder.conv_in", in_channels, dims[0], 3)]
+  if is_residual:
+    down = _residual_down(dims, num_res_blocks, temperal_downsample)
+  else:
+    down = _plain_down(dims, num_res_blocks, attn_scales, temperal_downsample)
+  layers += down
+  layers += _mid_block("encoder.mid_block", dims[-1])
+  layers += [NormSiLU("encoder.norm_out", dims[-1]), CausalConv("encoder.conv_out", dims[-1], 2 * z_dim, 3)]
+  return tuple(layers)
+
+
+def _plain_down(dims: Sequence[int], num_res_blocks: int, attn_scales: Sequence[float],
+                temperal_downsample: Sequence[bool]) -> list[Layer]:
+  """The Wan 2.1 encoder's down blocks (resnets, attention at `attn_scales`, resamplers), flat."""
   down: list[Layer] = []
   scale = 1.0
   for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
@@ -75,23 +139,41 @@ def encoder_layers(
       if scale in attn_scales:
         down.append(AttnBlock(f"encoder.down_blocks.{len(down)}", out_dim))
       in_dim = out_dim
-    if i != len(dim_mult) - 1:
+    if i != len(dims) - 2:
       mode = "downsample3d" if temperal_downsample[i] else "downsample2d"
       down.append(Resample(f"encoder.down_blocks.{len(down)}", mode, out_dim, out_dim))
       scale /= 2.0
-  layers += down
-  layers += _mid_block("encoder.mid_block", dims[-1])
-  layers += [NormSiLU("encoder.norm_out", dims[-1]), CausalConv("encoder.conv_out", dims[-1], 2 * z_dim, 3)]
-  return tuple(layers)
+  return down
+
+
+def _residual_up(dims: Sequence[int], num_res_blocks: int, temperal_upsample: Sequence[bool]) -> list[Layer]:
+  """The Wan 2.2 decoder's `WanResidualUpBlock`s: channels are not halved by the upsamplers."""
+  groups: list[Layer] = []
+  last = len(dims) - 2
+  for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+    name = f"decoder.up_blocks.{i}"
+    body: list[Layer] = [ResBlock(f"{name}.resnets.{j}", in_dim if j == 0 else out_dim, out_dim)
+                         for j in range(num_res_blocks + 1)]
+    shortcut = None
+    if i != last:
+      temporal = temperal_upsample[i]
+      body.append(Resample(f"{name}.upsampler", "upsample3d" if temporal else "upsample2d", out_dim, out_dim))
+      shortcut = Shortcut("dup_up", in_dim, out_dim, 2 if temporal else 1, 2)
+    groups.append(ResidualGroup(name, tuple(body), shortcut))
+  return groups
 
 
 def decoder_layers(
     *, out_channels: int, dim: int, z_dim: int, dim_mult: Sequence[int], num_res_blocks: int,
-    temperal_upsample: Sequence[bool]) -> tuple[Layer, ...]:
-  """`WanDecoder3d` (is_residual=False) as a layer sequence."""
+    temperal_upsample: Sequence[bool], is_residual: bool = False) -> tuple[Layer, ...]:
+  """`WanDecoder3d` as a layer sequence."""
   dims = [dim * u for u in (dim_mult[-1], *dim_mult[::-1])]
   layers: list[Layer] = [CausalConv("decoder.conv_in", z_dim, dims[0], 3)]
   layers += _mid_block("decoder.mid_block", dims[0])
+  if is_residual:
+    layers += _residual_up(dims, num_res_blocks, temperal_upsample)
+    return (*layers, NormSiLU("decoder.norm_out", dims[-1]),
+            CausalConv("decoder.conv_out", dims[-1], out_channels, 3))
   for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
     if i > 0:
       in_dim //= 2  # Wan 2.1: each upsampler halves the channels (`upsample_out_dim = dim // 2`).
@@ -136,6 +218,8 @@ def param_shapes(layers: Sequence[Layer]) -> dict[str, tuple[int, ...]]:
           conv(f"{name}.time_conv", d, d, (3, 1, 1))
       case NormSiLU(name, d):
         shapes[f"{name}.gamma"] = (d, 1, 1, 1)
+      case ResidualGroup(_, body, _):
+        shapes.update(param_shapes(body))
       case _:
         raise ValueError(f"unknown layer {layer=}")
   return shapes
