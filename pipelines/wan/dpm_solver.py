@@ -51,12 +51,7 @@ class DPMSolverConfig:
   euler_at_final: bool = False
 
   def __post_init__(self):
-    if self.num_train_timesteps < 1:
-      raise ValueError(f"{self.num_train_timesteps=} must be >= 1")
-    if not self.flow_shift > 0:
-      raise ValueError(f"{self.flow_shift=} must be > 0")
-    if self.solver_order not in (1, 2, 3):
-      raise ValueError(f"{self.solver_order=} must be 1, 2 or 3")
+    flow_schedule.check_multistep(self.num_train_timesteps, self.flow_shift, self.solver_order)
     if self.solver_type not in ("midpoint", "heun"):
       raise ValueError(f"{self.solver_type=} must be 'midpoint' or 'heun'")
 
@@ -104,10 +99,7 @@ class DPMSolverConfig:
       ramp = 1.0 - np.linspace(1, 1 / t_train, n + 1)  # float64, as diffusers
       sigmas = np.flip(flow_schedule.shift(ramp, self.flow_shift))[:-1].copy()
     else:
-      sigmas = np.array(sigmas, np.float64)
-      if sigmas.shape != (n,):
-        raise ValueError(f"sigmas of shape {sigmas.shape} for num_inference_steps={n}; give {n} sigmas")
-      sigmas = flow_schedule.shift(sigmas, self.flow_shift)
+      sigmas = flow_schedule.shift(flow_schedule.given_sigmas(sigmas, n, np.float64), self.flow_shift)
     timesteps = (sigmas * t_train).astype(np.int64)  # torch `.to(int64)`: truncation
     sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
     return DPMSolverSchedule(config=self, timesteps=timesteps, sigmas=sigmas,

@@ -37,6 +37,32 @@ def reject_settings(config: Mapping[str, Any], cls: str, expected: Mapping[str, 
                      f"{ {k: expected[k] for k in bad} }")
 
 
+def check_multistep(num_train_timesteps: int, flow_shift: float, solver_order: int) -> None:
+  """The settings every multistep flow sampler's config checks (UniPC, DPM++).
+
+  Raises:
+    ValueError: num_train_timesteps < 1, flow_shift not > 0, or solver_order not 1, 2 or 3.
+  """
+  if num_train_timesteps < 1:
+    raise ValueError(f"{num_train_timesteps=} must be >= 1")
+  if not flow_shift > 0:
+    raise ValueError(f"{flow_shift=} must be > 0")
+  if solver_order not in (1, 2, 3):
+    raise ValueError(f"{solver_order=} must be 1, 2 or 3")
+
+
+def given_sigmas(sigmas: Sequence[float], n: int, dtype: Any) -> np.ndarray:
+  """A copy of N sigmas in `dtype` (the caller checked their values with `custom_sigmas`).
+
+  Raises:
+    ValueError: not N of them.
+  """
+  sigmas = np.array(sigmas, dtype)
+  if sigmas.shape != (n,):
+    raise ValueError(f"sigmas of shape {sigmas.shape} for num_inference_steps={n}; give {n} sigmas")
+  return sigmas
+
+
 def log32(x: np.float32) -> np.float32:
   """fp32 log, correctly rounded (from float64), as torch's 0-dim `log` on CPU; log(0) = -inf."""
   with np.errstate(divide="ignore"):

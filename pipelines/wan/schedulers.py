@@ -62,12 +62,7 @@ class UniPCConfig:
   disable_corrector: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if self.num_train_timesteps < 1:
-      raise ValueError(f"{self.num_train_timesteps=} must be >= 1")
-    if not self.flow_shift > 0:
-      raise ValueError(f"{self.flow_shift=} must be > 0")
-    if self.solver_order not in (1, 2, 3):
-      raise ValueError(f"{self.solver_order=} must be 1, 2 or 3")
+    flow_schedule.check_multistep(self.num_train_timesteps, self.flow_shift, self.solver_order)
     if self.solver_type not in ("bh1", "bh2"):
       raise ValueError(f"{self.solver_type=} must be 'bh1' or 'bh2'")
     if self.final_sigmas_type not in ("zero", "sigma_min"):
@@ -116,7 +111,7 @@ class UniPCConfig:
     t_train = self.num_train_timesteps
     if sigmas is None:
       sigmas = np.linspace(1, 1 / t_train, n + 1)[:-1]  # float64, as diffusers
-    sigmas = _given_sigmas(sigmas, n, np.float64)
+    sigmas = flow_schedule.given_sigmas(sigmas, n, np.float64)
     sigmas = flow_schedule.shift(sigmas, self.flow_shift)
     if np.fabs(sigmas[0] - 1) < 1e-6:  # diffusers: keep log(alpha) finite at sigma = 1
       sigmas[0] -= 1e-6
@@ -125,14 +120,6 @@ class UniPCConfig:
     sigmas = np.concatenate([sigmas, [sigma_last]]).astype(np.float32)
     return UniPCSchedule(config=self, timesteps=timesteps, sigmas=sigmas,
                          coefficients=_unipc_coefficients(self, sigmas))
-
-
-def _given_sigmas(sigmas: Sequence[float], n: int, dtype: Any) -> np.ndarray:
-  """A copy of N sigmas in `dtype` (the caller checked their values with `custom_sigmas`)."""
-  sigmas = np.array(sigmas, dtype)
-  if sigmas.shape != (n,):
-    raise ValueError(f"sigmas of shape {sigmas.shape} for num_inference_steps={n}; give {n} sigmas")
-  return sigmas
 
 
 def _bh_terms(cfg: UniPCConfig, h: np.float32, order: int, rks: list[np.float32]):
@@ -391,7 +378,7 @@ class FlowEulerConfig:
       timesteps = np.linspace(sigma_max * t_train, sigma_min * t_train, n)  # float64
       sigmas = timesteps / t_train
     else:
-      sigmas = _given_sigmas(sigmas, n, np.float32)
+      sigmas = flow_schedule.given_sigmas(sigmas, n, np.float32)
     sigmas = flow_schedule.shift(sigmas, shift).astype(np.float32)
     timesteps = (sigmas * _F32(t_train)).astype(np.float32)
     sigmas = np.concatenate([sigmas, np.zeros((1,), np.float32)])
