@@ -9,7 +9,10 @@
 
 Presets (`end_to_end/bench_presets.py`): tiny; 1.3b-width (the real Wan 1.3B block width with 2
 of its 30 blocks, at a CPU-sized video); wan2.1-1.3b and wan2.1-14b (the real architectures at
-480p / 720p x 81 frames) for accelerators. Weights are random (timing depends on shapes only).
+480p / 720p x 81 frames) for accelerators; mlperf-wan22-t2v (MLPerf Inference v6.0's text-to-video
+settings, Wan 2.2 A14B: its warm total compares with the published latency per video; on a CPU
+backend it runs reduced and says it is not comparable). Weights are random (timing depends on
+shapes only).
 
 Stages (`end_to_end/timed_runs.py`): load (our random init, or from_pretrained of a folder), text
 encode, compile (our jitted denoise step; diffusers is eager: 0), denoise per step (min and
@@ -49,7 +52,7 @@ from typing import Any
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.cli.help import HelpFormatter  # no JAX import either
 
-PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
+PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b", "mlperf-wan22-t2v")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
@@ -73,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--guidance", type=float)
   ap.add_argument("--max-sequence-length", type=int)
   ap.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
-  ap.add_argument("--negative-prompt", default="blurry, low quality", help="the negative prompt")
-  ap.add_argument("--seed", type=int, default=0, help="weights and initial latents")
+  ap.add_argument("--negative-prompt", help="the negative prompt (default: the preset's, else 'blurry, low quality')")
+  ap.add_argument("--seed", type=int, help="weights and initial latents (default: the preset's, else 0)")
   ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
   ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
   ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
@@ -96,11 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def resolve_preset(args: argparse.Namespace):
-  """The preset with the command-line overrides applied (ValueError on bad values)."""
-  from end_to_end.bench_presets import PRESETS
+def resolve_preset(args: argparse.Namespace, backend: str | None = None):
+  """The preset with the command-line overrides applied (ValueError on bad values); a preset that
+  reproduces a published benchmark is first cut to CPU size when `backend` is "cpu"
+  (`bench_presets.reduced_for_cpu`)."""
+  from end_to_end.bench_presets import PRESETS, reduced_for_cpu
 
   preset = PRESETS[args.preset]
+  if args.compare and preset.boundary_ratio is not None:
+    raise ValueError(f"--compare builds a one-transformer diffusers pipeline; --preset {args.preset} has two "
+                     "experts (run it without --compare)")
+  if preset.reference and backend == "cpu":
+    preset = reduced_for_cpu(preset)
   overrides = {k: getattr(args, a) for k, a in (
       ("height", "height"), ("width", "width"), ("frames", "frames"), ("steps", "steps"), ("dtype", "dtype"),
       ("guidance", "guidance"), ("max_sequence_length", "max_sequence_length")) if getattr(args, a) is not None}
@@ -109,6 +119,13 @@ def resolve_preset(args: argparse.Namespace):
       raise ValueError(f"--layers {args.layers} must be >= 1")
     overrides["transformer"] = dataclasses.replace(preset.transformer, num_layers=args.layers)
   return dataclasses.replace(preset, **overrides)
+
+
+def changed_settings(args: argparse.Namespace) -> list[str]:
+  """The options given that change a preset's run settings (a comparable run leaves them unset)."""
+  names = ("height", "width", "frames", "steps", "layers", "dtype", "guidance", "max_sequence_length", "quantize",
+           "negative_prompt")
+  return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
 
 
 def _versions() -> dict[str, str]:
@@ -218,15 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_aot(args)
   if args.mesh:
     request_cpu_devices(devices)
+  import jax
 
   try:
-    preset = resolve_preset(args)
+    preset = resolve_preset(args, backend=jax.default_backend())
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  import jax
   import numpy as np
 
   from end_to_end import bench_presets, timed_runs
@@ -238,16 +255,27 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
 
-  call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=preset.height,
+  seed = args.seed if args.seed is not None else (preset.seed or 0)
+  negative = args.negative_prompt if args.negative_prompt is not None else (preset.negative_prompt or "blurry, low quality")
+  call = dict(prompt=args.prompt, negative_prompt=negative, height=preset.height,
               width=preset.width, frames=preset.frames, steps=preset.steps, guidance=preset.guidance,
               max_sequence_length=preset.max_sequence_length)
-  latents = np.random.default_rng(args.seed).standard_normal(preset.latent_shape, np.float32)
+  latents = np.random.default_rng(seed).standard_normal(preset.latent_shape, np.float32)
   print(f"preset {args.preset}: {preset.description}")
   t = preset.transformer
   print(f"  transformer {t.num_layers} layers D={t.dim} N={t.num_attention_heads} ffn={t.ffn_dim}; text encoder "
         f"{preset.text_encoder.num_layers} layers d={preset.text_encoder.d_model}; {preset.dtype}; "
         f"{preset.frames}x{preset.height}x{preset.width} -> latents {preset.latent_shape}, {preset.tokens} tokens; "
-        f"{preset.steps} steps, guidance {preset.guidance}, L={preset.max_sequence_length}")
+        f"{preset.steps} steps, guidance {preset.guidance}"
+        + ("" if preset.boundary_ratio is None else f" / {preset.guidance_2} (two experts, boundary "
+           f"{preset.boundary_ratio})") + f", L={preset.max_sequence_length}")
+  comparable = None
+  if preset.reference:
+    comparable = bench_presets.mlperf_comparability(
+        preset, reduced=jax.default_backend() == "cpu",
+        changed=changed_settings(args), runs=args.runs)
+    print(f"  comparable to {preset.reference}: "
+          + ("yes (the warm run's total)" if comparable["comparable"] else "NO: " + "; ".join(comparable["reasons"])))
   print(f"  ours: JAX {jax.default_backend()} x{jax.device_count()}, mesh {args.mesh or 'none (one device)'}"
         + (f"; diffusers: torch {torch_device}" if args.compare else ""), flush=True)
 
@@ -260,26 +288,28 @@ def main(argv: list[str] | None = None) -> int:
       print(f"  reusing the pipeline saved in {folder}")
     else:
       start = time.perf_counter()
-      bench_presets.save_diffusers_pipeline(preset, folder, seed=args.seed)
+      bench_presets.save_diffusers_pipeline(preset, folder, seed=seed)
       print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)",
             flush=True)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=args.seed, latent_shape=list(preset.latent_shape),
+      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
                     tokens=preset.tokens, transformer=preset.transformer.to_dict(),
-                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh),
-      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions())
+                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
+                    guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),
+      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions(), comparable=comparable)
   try:
     start = time.perf_counter()
     ours_pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
-                 else bench_presets.init_ours(preset, seed=args.seed))
+                 else bench_presets.init_ours(preset, seed=seed))
     if args.quantize:
       ours_pipe.quantize(args.quantize)
     ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
                 runs=[])
     for i in range(args.runs):
       stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh,
-                                                              attention_backend=args.attention_backend, **call)
+                                                              attention_backend=args.attention_backend,
+                                                              guidance_2=preset.guidance_2, **call)
       ours["runs"].append(stages)
       print(f"  ours run {i + 1}: total {stages['total']:.2f} s", flush=True)
     report["ours"] = ours
