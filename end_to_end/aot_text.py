@@ -56,7 +56,7 @@ def compiled_analysis(compiled: Any) -> dict[str, Any]:
 
 
 def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, dtype: str,
-                   mesh_spec: MeshSpec | None) -> tuple[Any, Any, str]:
+                   mesh_spec: MeshSpec | None, keep_wo_in_fp32: bool) -> tuple[Any, Any, str]:
   """(abstract params, abstract ids / mask, placement) with the pipeline's shardings."""
   import jax
   import jax.numpy as jnp
@@ -65,7 +65,7 @@ def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, d
   from pipelines.wan import umt5
   from pipelines.wan.weight_placement import large_leaf_shardings
 
-  params = umt5.abstract_params(config, dtype=jnp.dtype(dtype))
+  params = umt5.abstract_params(config, dtype=jnp.dtype(dtype), keep_wo_in_fp32=keep_wo_in_fp32)
   if mesh_spec is not None and mesh_spec.shard_weights:
     mesh = mesh_spec.build(devices)
     weight_shardings, inputs, placement = large_leaf_shardings(params, mesh), NamedSharding(mesh, P()), "sharded"
@@ -78,7 +78,8 @@ def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, d
 
 
 def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch: int = 2, text_len: int = 512,
-                         dtype: str = "bfloat16", mesh_spec: MeshSpec | None = None) -> dict[str, Any]:
+                         dtype: str = "bfloat16", mesh_spec: MeshSpec | None = None,
+                         keep_wo_in_fp32: bool = True) -> dict[str, Any]:
   """AOT-compiles the UMT5 encoder `preset` on `devices` (module docstring).
 
   Args:
@@ -88,6 +89,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
     dtype: "bfloat16" or "float32", every weight but `wo` (fp32).
     mesh_spec: None or a spec without `shard_weights`: one device, as the pipeline runs it; with
       `shard_weights`: the large weights split over the spec's devices (all of `devices`).
+    keep_wo_in_fp32: `load_umt5`'s option (the pipeline loads with True); False: `wo` in `dtype`.
 
   Returns:
     dict: stage "text", model, dtype, batch, text_len, placement ("one device" / "sharded"), mesh
@@ -113,7 +115,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   if sharded and mesh_spec.devices != len(devices):
     raise ValueError(f"mesh {mesh_spec} needs {mesh_spec.devices} devices; the topology has {len(devices)}")
   config = preset if isinstance(preset, umt5.UMT5Config) else umt5.PRESETS[preset]
-  placed, ids, placement = _placed_inputs(devices, config, batch, text_len, dtype, mesh_spec)
+  placed, ids, placement = _placed_inputs(devices, config, batch, text_len, dtype, mesh_spec, keep_wo_in_fp32)
   encode = jax.jit(umt5.encode, static_argnames="config")
   start, cpu_start = time.perf_counter(), time.process_time()
   compiled = encode.lower(placed, ids, ids, config=config).compile()
@@ -121,7 +123,8 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
 
   weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(placed))
   report: dict[str, Any] = dict(
-      stage="text", model=preset if isinstance(preset, str) else "custom", dtype=dtype, batch=batch, text_len=text_len, placement=placement,
+      stage="text", model=preset if isinstance(preset, str) else "custom", dtype=dtype,
+      wo_dtype="float32" if keep_wo_in_fp32 else dtype, batch=batch, text_len=text_len, placement=placement,
       mesh=mesh_spec.describe() if sharded else None, devices=len(devices) if sharded else 1,
       layers=config.num_layers, compile_s=compile_s, compile_cpu_s=compile_cpu_s, weights_bytes_per_device=int(weights),
       **compiled_analysis(compiled))
@@ -136,7 +139,7 @@ def format_row(r: dict[str, Any]) -> str:
   """One line of a text-stage report (GiB per device, TFLOP, collective counts / MiB)."""
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
-  return (f"text {r['model']} B={r['batch']} L={r['text_len']} {r['dtype']} {r['placement']}"
+  return (f"text {r['model']} B={r['batch']} L={r['text_len']} {r['dtype']} (wo {r['wo_dtype']}) {r['placement']}"
           f"{'' if r['mesh'] is None else ' ' + r['mesh']['spec']}: compile {r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU), weights "
           f"{r['weights_bytes_per_device'] / 2**30:.2f} GiB, args {mem.get('argument_size_in_bytes', 0) / 2**30:.2f} "
           f"GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} GiB, held "
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   ap.add_argument("--mesh", help="with --shard-weights: the mesh the weights split over, e.g. U=8")
   ap.add_argument("--shard-weights", action="store_true", help="split the large weights over --mesh")
+  ap.add_argument("--wo-in-dtype", action="store_true",
+                  help="the FFN output projections in --dtype too (load_umt5 keep_wo_in_fp32=False; the pipeline "
+                       "keeps them in fp32)")
   ap.add_argument("--init-timeout", type=float, default=120.0, help="seconds for libtpu to build the topology")
   ap.add_argument("--json", help="write the report here")
   args = ap.parse_args(argv)
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     return 3
   mesh = MeshSpec.parse(args.mesh, shard_weights=True) if args.mesh else None
   report = compile_text_encoder(devices, preset=args.preset, batch=args.batch, text_len=args.text_len,
-                                dtype=args.dtype, mesh_spec=mesh)
+                                dtype=args.dtype, mesh_spec=mesh, keep_wo_in_fp32=not args.wo_in_dtype)
   report["topology"] = args.topology
   print(f"AOT compile for TPU {args.topology} (compile-time analysis, NOT a runtime measurement):")
   print(format_row(report), flush=True)

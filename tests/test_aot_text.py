@@ -39,7 +39,9 @@ def test_text_encoder_one_device_and_sharded():
   # The program's arguments are the weights plus the int32 ids and mask.
   assert one["memory_analysis"]["argument_size_in_bytes"] == weights + 2 * B * L * 4
   assert all(v["count"] == 0 for v in one["collectives"].values())
-  assert one["cost_analysis"]["flops"] > 0 and one["compile_s"] > 0
+  assert one["cost_analysis"]["flops"] > 0 and one["compile_s"] > 0 and one["wo_dtype"] == "float32"
+  half_wo = aot_text.compile_text_encoder(jax.devices()[:1], preset=CONFIG, batch=B, text_len=L, keep_wo_in_fp32=False)
+  assert weights - half_wo["weights_bytes_per_device"] == CONFIG.num_layers * CONFIG.d_ff * CONFIG.d_model * 2
 
   spec = MeshSpec(ulysses=4, shard_weights=True)
   split = aot_text.compile_text_encoder(jax.devices()[:4], preset=CONFIG, batch=B, text_len=L, mesh_spec=spec)
