@@ -86,16 +86,17 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
     devices: the topology's devices (`aot.topology_devices`) or local ones.
     preset: a `umt5.PRESETS` name or a `umt5.UMT5Config`.
     batch, text_len: B and L of the int32 ids [B, L].
-    dtype: "bfloat16" or "float32", every weight but `wo` (fp32).
+    dtype: "bfloat16" or "float32": the weights' dtype (`wo`: see keep_wo_in_fp32).
     mesh_spec: None or a spec without `shard_weights`: one device, as the pipeline runs it; with
       `shard_weights`: the large weights split over the spec's devices (all of `devices`).
     keep_wo_in_fp32: `load_umt5`'s option (the pipeline loads with True); False: `wo` in `dtype`.
 
   Returns:
-    dict: stage "text", model, dtype, batch, text_len, placement ("one device" / "sharded"), mesh
-    (`MeshSpec.describe()` or None), devices (used), compile_s (wall), compile_cpu_s (this process's
-    CPU seconds: steadier than wall time on a shared host), weights_bytes_per_device,
-    resident_bytes_per_device, memory_analysis, cost_analysis, collectives (`compiled_analysis`).
+    dict: stage "text", model, dtype, wo_dtype, batch, text_len, placement ("one device" /
+    "sharded"), mesh (`MeshSpec.describe()`; one device: `MeshSpec()`'s), devices (used),
+    layers, compile_s (wall), compile_cpu_s (this process's CPU seconds: steadier than wall time
+    on a shared host), weights_bytes_per_device, resident_bytes_per_device (bytes), memory_analysis,
+    cost_analysis, collectives (`compiled_analysis`).
 
   Raises:
     ValueError: an unknown preset or dtype, batch / text_len < 1, a sharded mesh whose device
@@ -125,7 +126,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   report: dict[str, Any] = dict(
       stage="text", model=preset if isinstance(preset, str) else "custom", dtype=dtype,
       wo_dtype="float32" if keep_wo_in_fp32 else dtype, batch=batch, text_len=text_len, placement=placement,
-      mesh=mesh_spec.describe() if sharded else None, devices=len(devices) if sharded else 1,
+      mesh=(mesh_spec if sharded else MeshSpec()).describe(), devices=len(devices) if sharded else 1,
       layers=config.num_layers, compile_s=compile_s, compile_cpu_s=compile_cpu_s, weights_bytes_per_device=int(weights),
       **compiled_analysis(compiled))
   m = report.get("memory_analysis")
@@ -140,7 +141,8 @@ def format_row(r: dict[str, Any]) -> str:
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
   return (f"text {r['model']} B={r['batch']} L={r['text_len']} {r['dtype']} (wo {r['wo_dtype']}) {r['placement']}"
-          f"{'' if r['mesh'] is None else ' ' + r['mesh']['spec']}: compile {r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU), weights "
+          f"{' ' + r['mesh']['spec'] if r['placement'] == 'sharded' else ''}: compile {r['compile_s']:.1f} s "
+          f"({r['compile_cpu_s']:.1f} s CPU), weights "
           f"{r['weights_bytes_per_device'] / 2**30:.2f} GiB, args {mem.get('argument_size_in_bytes', 0) / 2**30:.2f} "
           f"GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} GiB, held "
           f"{r.get('resident_bytes_per_device', 0) / 2**30:.2f} GiB, code "

@@ -11,7 +11,7 @@ UMT5-XXL has 256,384; only the embedding table differs, which costs a gather, no
 | 1.3b-width    | Wan 1.3B block (D 1536, N 12, E 8960), 2 layers | UMT5-XXL width (d 4096), 1 layer | Wan 2.1 | 17 x 128 x 128, 3 steps |
 | wan2.1-1.3b   | Wan 2.1 1.3B (30 layers)             | UMT5-XXL (24 layers)         | Wan 2.1 | 81 x 480 x 832, bf16   |
 | wan2.1-14b    | Wan 2.1 14B (40 layers)              | UMT5-XXL (24 layers)         | Wan 2.1 | 81 x 720 x 1280, bf16  |
-| mlperf-wan22-t2v | Wan 2.2 A14B (two 40-layer experts) | UMT5-XXL (24 layers)        | Wan 2.1 | MLPerf's: 81 x 720 x 1280, 20 steps, bf16 |
+| mlperf-wan22-t2v | Wan 2.2 A14B (2 x 40 layers)      | UMT5-XXL (24 layers)         | Wan 2.1 | MLPerf's (README)      |
 
 Architectures: DESIGN.md section 6 (diffusers' Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers configs).
 `mlperf-wan22-t2v` carries MLPerf Inference's text-to-video settings (`MLPERF_SOURCE`); on a CPU

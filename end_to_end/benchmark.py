@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
 
   seed = args.seed if args.seed is not None else (preset.seed or 0)
-  negative = args.negative_prompt if args.negative_prompt is not None else (preset.negative_prompt or "blurry, low quality")
+  negative = args.negative_prompt
+  if negative is None:
+    negative = preset.negative_prompt or "blurry, low quality"
   call = dict(prompt=args.prompt, negative_prompt=negative, height=preset.height,
               width=preset.width, frames=preset.frames, steps=preset.steps, guidance=preset.guidance,
               max_sequence_length=preset.max_sequence_length)

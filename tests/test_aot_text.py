@@ -33,7 +33,7 @@ def test_abstract_params_are_the_loaded_tree():
 
 def test_text_encoder_one_device_and_sharded():
   one = aot_text.compile_text_encoder(jax.devices()[:1], preset=CONFIG, batch=B, text_len=L)
-  assert one["stage"] == "text" and one["placement"] == "one device" and one["devices"] == 1
+  assert one["stage"] == "text" and one["placement"] == "one device" and one["mesh"]["devices"] == 1
   weights = expected_weight_bytes(CONFIG, 2)
   assert one["weights_bytes_per_device"] == weights
   # The program's arguments are the weights plus the int32 ids and mask.
