@@ -1,5 +1,8 @@
 """The text encoder's AOT compile report (end_to_end/aot_text.py) on CPU devices (no libtpu)."""
 
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -61,3 +64,16 @@ def test_text_encoder_bad_arguments_raise_before_compiling():
     aot_text.compile_text_encoder(jax.devices()[:2], preset="tiny", mesh_spec=MeshSpec(ulysses=4, shard_weights=True))
   with pytest.raises(ValueError, match="float16"):
     aot_text.compile_text_encoder(jax.devices()[:1], preset="tiny", dtype="float16")
+
+
+def test_cli_usage_error_and_missing_libtpu(capsys, monkeypatch):
+  with pytest.raises(SystemExit) as stop:
+    aot_text.main(["--topology", "v6e:2x4", "--shard-weights"])  # --mesh missing
+  assert stop.value.code == 2 and "--mesh" in capsys.readouterr().err
+  if importlib.util.find_spec("libtpu") is not None:
+    pytest.skip("libtpu present: it would compile")
+  from end_to_end import aot
+  for key in aot.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
+    monkeypatch.setenv(key, os.environ.get(key, aot.OFFLINE_ENV[key]))
+  assert aot_text.main(["--topology", "v6e:2x4"]) == 3
+  assert "libtpu" in capsys.readouterr().err
