@@ -52,7 +52,7 @@ from typing import Any
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.cli.help import HelpFormatter  # no JAX import either
 
-PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b", "mlperf-wan22-t2v")
+PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "mlperf-wan22-t2v")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.

@@ -68,3 +68,8 @@ def test_benchmark_announces_the_cpu_reduction(monkeypatch, capsys):
   assert "guidance 4.0 / 3.0 (two experts, boundary 0.875)" in out
   assert benchmark.main(["--preset", NAME, "--compare", "diffusers"]) == 2
   assert "two experts" in capsys.readouterr().err
+
+
+def test_every_preset_is_a_command_line_choice():
+  # benchmark lists the names without importing bench_presets (no JAX before --aot sets its environment).
+  assert set(benchmark.PRESET_NAMES) == set(bench_presets.PRESETS)
