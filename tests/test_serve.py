@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from harness import free_port, serve_process, wait_healthy
+from harness import free_port, http_thread, serve_process, wait_healthy
 from pipelines.serve.app import create_app
 from pipelines.serve.main import build_service
 from pipelines.serve.options import ServeConfig
@@ -116,6 +116,7 @@ def test_create_poll_content_list_metrics(served):
     assert quality >= 60, quality
     sidecar = json.loads(open(os.path.join(service.config.data_dir, "videos", f"{job['id']}.npy.json")).read())
     assert sidecar["request"]["seed"] == seed and sidecar["settings"]["prompts"] == [job["prompt"]]
+    assert sidecar["warnings"] == job["warnings"] and "trained at 64x64" in job["warnings"][0]
   service.worker.paused.clear()
   video = client.get(f"/v1/videos/{mp4['id']}/content")
   assert video.status_code == 200 and video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
@@ -167,6 +168,28 @@ HOSTILE = [  # (body or raw bytes, status, the field named (None: the message na
 ]
 
 
+def test_concurrent_clients_get_their_videos(served, tmp_path):
+  """`end_to_end.serve_load` in small (2 clients x 2 jobs over HTTP): its checks all pass."""
+  from end_to_end import serve_load
+
+  service, _ = served
+  service.worker.paused.set()
+  idle(service)
+  pipe = service.worker.pipe  # shared; the module's worker is paused
+  load = Service(ServeConfig(model="tiny", data_dir=str(tmp_path), max_batch=2), service.facts, load=lambda: pipe)
+  load.start(block=True)
+  try:
+    with http_thread(create_app(load)) as url:
+      runs, _ = serve_load.run_clients(url, serve_load.plan(2, 2, [(32, 32, 5)], steps=3))
+    serve_load.check(runs, pipe, service.facts.trained_video)
+  finally:
+    load.stop()
+    service.worker.paused.clear()
+  assert [r.problems for r in runs] == [[]] * 4, [r.problems for r in runs]
+  assert min(r.result["psnr"] for r in runs) >= serve_load.MIN_PSNR  # each against its own request alone
+  assert max(r.result["control"] for r in runs) < serve_load.MIN_PSNR  # and not against another's
+
+
 @pytest.mark.parametrize("body,status,param,words", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
 def test_bad_request_is_refused_naming_the_field(served, body, status, param, words):
   service, client = served
@@ -214,6 +237,47 @@ def test_cancel_queued_and_running(served, monkeypatch):
   monkeypatch.undo()
   assert wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 7}).json()["id"])["status"] == \
       "completed"
+
+
+def test_cancel_route_never_deletes_a_finished_job(served):
+  """The page's Cancel (POST .../cancel) on a job that completed before the click arrived: 409, kept."""
+  service, client = served
+  service.worker.paused.set()
+  idle(service)
+  try:
+    queued, done = (client.post("/v1/videos", json={**SMALL, "prompt": p, "guidance_scale": 3.0}).json()["id"]
+                    for p in ("to cancel", "finished"))
+    cancelled = client.post(f"/v1/videos/{queued}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    again = client.post(f"/v1/videos/{queued}/cancel")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "not_cancellable", again.text
+    assert "is cancelled already" in again.json()["error"]["message"]
+    assert service.store.next_batch(1)[1][0]["id"] == done  # as the worker takes it
+    service.store.complete(done, "", {})  # ... and finishes it just before the click arrives
+    late = client.post(f"/v1/videos/{done}/cancel")
+    assert late.status_code == 409 and "is completed already" in late.json()["error"]["message"], late.text
+    assert client.get(f"/v1/videos/{done}").json()["status"] == "completed"  # kept
+    assert client.post("/v1/videos/video_" + "0" * 24 + "/cancel").status_code == 404
+  finally:
+    for job_id in (queued, done):
+      client.delete(f"/v1/videos/{job_id}")
+    service.worker.paused.clear()
+
+
+def test_job_warnings_are_kept_and_returned(served):
+  service, client = served
+  service.worker.paused.set()
+  try:
+    trained = client.post("/v1/videos", json={"prompt": "x", "size": "64x64", "num_frames": 17}).json()
+    off = client.post("/v1/videos", json={**SMALL, "prompt": "x", "num_frames": 6}).json()
+    assert trained["warnings"] == [], trained
+    got = client.get(f"/v1/videos/{off['id']}").json()["warnings"]
+    assert got == off["warnings"] and len(got) == 2, got
+    assert got[0].startswith("num_frames=6 rounded to 5") and "trained at 64x64 x 17 frames only; 32x32 x 5" in got[1]
+  finally:
+    for job in (trained, off):
+      client.delete(f"/v1/videos/{job['id']}")
+    service.worker.paused.clear()
 
 
 def test_failing_job_is_failed_and_the_next_runs(served, monkeypatch):
@@ -300,7 +364,8 @@ def test_api_key_guards_every_route_but_health(tmp_path, served):
   assert client.get("/health").status_code == 503  # answered without a key (not loaded: not ready)
   assert client.get("/").status_code == 200
   for method, path in (("get", "/v1/videos"), ("get", "/metrics"), ("get", "/v1/videos/video_" + "0" * 24),
-                       ("delete", "/v1/videos/video_" + "0" * 24), ("post", "/v1/videos")):
+                       ("delete", "/v1/videos/video_" + "0" * 24), ("post", "/v1/videos"),
+                       ("post", "/v1/videos/video_" + "0" * 24 + "/cancel")):
     response = getattr(client, method)(path)
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", (path, response.text)
   assert client.get("/v1/videos", headers={"Authorization": "Bearer wrong-key"}).status_code == 401
