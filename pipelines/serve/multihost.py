@@ -3,11 +3,14 @@ each decision (a batch to run, idle, stop; before every denoising step: go on, c
 and every other process makes the same `WanPipeline.generate` calls in the same order, so their
 collectives meet. Before a batch starts every process prepares it (its LoRAs fused, its request
 built) and all agree (`Channel.agree`): when any process failed, none runs it, process 0 fails its
-jobs and every process goes on with the next decision. Only process 0 writes (videos, sidecars, checkpoints); the data folder must be
-shared storage (every process reads a checkpoint to resume, as `generate --resume` needs).
+jobs and every process goes on with the next decision. Only process 0 writes (videos, sidecars,
+checkpoints); the data folder must be shared storage (every process reads a checkpoint to resume,
+as `generate --resume` needs).
 
 A process that dies stops the others through JAX's heartbeat (`distributed.initialize`); start them
-all again and the batch resumes from its checkpoint.
+all again and the batch resumes from its checkpoint. A failure inside `generate` on one process
+(after the agreement) is not caught on the others: they wait in the step's collectives until the
+heartbeat stops them.
 """
 
 from __future__ import annotations
