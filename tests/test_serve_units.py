@@ -1,7 +1,7 @@
 """`serve`'s parts that need no model.
 
-A multi-process server's batch that one process cannot prepare (its LoRA file missing there, a
-request that fails to build) is failed on process 0 and skipped by all, and the processes go on
+A multi-process server's batch that one process cannot prepare (its LoRA file missing there) or
+none can (a queued request that fails to build) is failed on process 0 and skipped by all, and the processes go on
 together: two processes simulated by two threads whose collectives (`multihost.Channel`'s broadcast
 and all-gather) meet at a barrier that also checks both made the same call (a mismatch or a process
 left waiting fails the test instead of hanging it). The pipeline is a stand-in that runs the hooks of
@@ -99,6 +99,8 @@ def test_a_batch_one_process_cannot_prepare_fails_everywhere_and_both_go_on(tmp_
   small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
   jobs = {name: service.submit(api.VideoCreate(prompt=name, lora=lora, **small))["id"]
           for name, lora in (("fox on 0", ["fox"]), ("owl on 1", ["owl"]), ("plain", []))}
+  bad = {**service.store.get(jobs["plain"])["params"], "width": 40}  # queued as if checked, fails to build
+  jobs = {"bad": service.store.add(bad, api.batch_key(bad), 64)["id"], **jobs}
   other = Worker(follower, config, store=None, metrics=None, channel=hub.channel(1))
   following = threading.Thread(target=other.follow, daemon=True)
   following.start()
@@ -113,6 +115,7 @@ def test_a_batch_one_process_cannot_prepare_fails_everywhere_and_both_go_on(tmp_
   assert rows["fox on 0"]["status"] == "failed" and "no LoRA file" in rows["fox on 0"]["error"], rows["fox on 0"]
   assert rows["owl on 1"]["status"] == "failed", rows["owl on 1"]
   assert "process(es) [1] could not prepare the batch" in rows["owl on 1"]["error"], rows["owl on 1"]
+  assert rows["bad"]["status"] == "failed" and "width=40" in rows["bad"]["error"], rows["bad"]
   assert rows["plain"]["status"] == "completed", rows["plain"]
   assert leader.runs == follower.runs == [["plain"]]  # the failed batches ran nowhere, the next one on both
 
