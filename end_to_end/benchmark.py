@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot-models", default="1.3b,14b",
                   help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
                        "A14B, 720x1280, both experts resident)")
+  ap.add_argument("--stages", default="step",
+                  help="with --aot, the programs compiled, comma-separated: text (the UMT5-XXL encoder), step (the "
+                       "denoise step of each --aot-models), decode (the VAE decoder's first and later chunk programs, "
+                       "one device and split over the topology)")
+  ap.add_argument("--compile-cache", metavar="DIR",
+                  help="with --aot, JAX's persistent compilation cache in DIR; each row says whether its entry was "
+                       "found (a second process, same programs) or written")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -180,8 +187,24 @@ def aot_targets() -> dict:
   return AOT_TARGETS
 
 
+def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec | None, name: str) -> dict[str, Any]:
+  """The denoise step of `--aot-models` entry `name` compiled (or the error that stopped it)."""
+  from end_to_end import aot, aot_stages
+
+  preset, height, width, shift = aot.AOT_TARGETS[name]
+  try:
+    row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot.compile_denoise_step(
+        devices, preset=preset, height=height, width=width, frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
+        text_len=aot.AOT_TEXT_LEN, flow_shift=shift, mesh_spec=mesh, attention_backend=args.attention_backend,
+        quantize=args.quantize))
+    return dict(row, stage="step", cache=cache)
+  except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
+    return dict(stage="step", model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
+                error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
 def run_aot(args: argparse.Namespace) -> int:
-  """`--aot`: compile the two targets for the topology and print the table (exit 3: no topology)."""
+  """`--aot`: compile the `--stages` programs for the topology and print their rows (exit 3: no topology)."""
   from end_to_end import aot
 
   print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
@@ -190,25 +213,34 @@ def run_aot(args: argparse.Namespace) -> int:
   except aot.TopologyUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
+  from end_to_end import aot_stages
+  from end_to_end.aot_text import format_row as format_text_row
+
   mesh = MeshSpec.parse(args.aot_mesh, shard_weights=args.shard_weights) if args.aot_mesh else None
-  rows = []
-  print(aot.format_header(args.aot), flush=True)
-  for name in args.aot_models.split(","):
-    preset, height, width, shift = aot.AOT_TARGETS[name]
-    try:
-      rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
-                                           frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
-                                           text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
-                                           mesh_spec=mesh, attention_backend=args.attention_backend,
-                                           quantize=args.quantize))
-    except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
-      rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
-                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-    print(aot.format_row(rows[-1]), flush=True)
-    if args.json:  # after every model: a long compile that is stopped keeps the rows done so far
+  stages, models, rows = aot_stages.parse_stages(args.stages), args.aot_models.split(","), []
+  if args.compile_cache:
+    aot_stages.enable_compile_cache(args.compile_cache)
+
+  def emit(row: dict[str, Any]) -> None:  # after every program: a stopped run keeps the rows done so far
+    rows.append(row)
+    if args.json:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                       versions=_versions(), rows=rows), f, indent=2)
+                       stages=stages, versions=_versions(), rows=rows), f, indent=2)
+
+  if "text" in stages:
+    for row in aot_stages.text_rows(devices, mesh, args.compile_cache):
+      print(format_text_row(row) + f", cache {row['cache']}", flush=True)
+      emit(row)
+  if "step" in stages:
+    print(aot.format_header(args.aot), flush=True)
+    for name in models:
+      row = _aot_step_row(args, devices, mesh, name)
+      print(aot.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
+      emit(row)
+  if "decode" in stages:
+    aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
+                           lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)))
   return 0
 
 
@@ -225,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--runs {args.runs} must be >= 1")
     if any(name not in aot_targets() for name in args.aot_models.split(",")):
       raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
+    from end_to_end.aot_stages import parse_stages  # no JAX import
+    parse_stages(args.stages)
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
   except ValueError as e:
