@@ -139,6 +139,17 @@ def _conv_taps(frames: Sequence[jax.Array], w: jax.Array, b: jax.Array, stride_h
   return out.reshape(B, T, *out.shape[1:]) + b
 
 
+def _pointwise_taps(frames: Sequence[jax.Array], w: jax.Array, b: jax.Array) -> jax.Array:
+  """sum_k frames[k] @ w[k, 0, 0] + b as ONE matmul: a conv whose kernel is 1x1 in space
+  ([kt, 1, 1, I, O]) is a matmul over channels of the kt time taps' frames [B, T, H, W, I] laid
+  side by side ([..., kt I] @ [kt I, O]; channel k I + i meets w[k, 0, 0, i]). The same products
+  and sums as the convolution; a compiler treats it as a matmul, not as one more distinct
+  convolution (a TPU compile pays per distinct convolution)."""
+  kt, _, _, I, O = w.shape
+  x = frames[0] if len(frames) == 1 else jnp.concatenate(frames, axis=-1)
+  return jnp.einsum("bthwi,io->bthwo", x, w.reshape(kt * I, O)) + b
+
+
 def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), padding) -> jax.Array:
   """Plain 3D conv, kernel `w: [kt, kh, kw, I, O]`, explicit ((t), (h), (w)) padding pairs.
 
@@ -151,6 +162,9 @@ def conv3d(x: jax.Array, w: jax.Array, b: jax.Array, *, stride=(1, 1, 1), paddin
   a TPU from a CPU host gets the 3D conv.
   """
   kt = w.shape[0]
+  if w.shape[1:3] == (1, 1) and tuple(stride) == (1, 1, 1) and all(tuple(p) == (0, 0) for p in padding):
+    T = x.shape[1] - kt + 1
+    return _pointwise_taps([x[:, k:k + T] for k in range(kt)], w, b)
 
   def full(x, w, b):
     return lax.conv_general_dilated(x, w, stride, padding, dimension_numbers=_CONV_DIMS) + b
@@ -184,6 +198,9 @@ def causal_conv(p: Params, name: str, x: jax.Array, cache_in: Cache | None, cach
   if kt > 1:
     prev = cache_in[name] if cache_in is not None else jnp.zeros((x.shape[0], kt - 1, *x.shape[2:]), x.dtype)
     cache_out[name] = jnp.concatenate([prev[:, -CACHE_T:], x], axis=1)[:, -CACHE_T:]
+    if (kh, kw) == (1, 1):  # a time-only kernel (upsample3d's time_conv): one matmul
+      T = x.shape[1]
+      return _pointwise_taps([jnp.concatenate([prev[:, k:], x], axis=1)[:, :T] for k in range(kt - 1)] + [x], w, b)
 
     def taps(prev, x, w, b):
       T = x.shape[1]
