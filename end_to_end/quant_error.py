@@ -22,7 +22,8 @@ The kernels are quantized from the fp32 checkpoint as `WanPipeline.from_pretrain
 quantize=...)` does. Rows: bfloat16 unquantized (the error every bf16 setting starts from); each
 mode x {float32, bfloat16} with every layer quantized; each layer alone, float32 (only its weight
 error shows). For a bfloat16 row, `vs bf16` = 20 log10(e / e_bf16): measured to predict the mean
-end-to-end PSNR cost over seeds (int8: +2.5 dB predicted, 2.2-3.2 dB measured over 8 seeds).
+end-to-end PSNR cost over seeds (int8: +2.2 dB predicted; over 8 seeds 2.3 dB below the mean of four
+resampled bf16 runs, end_to_end/README.md).
 Uncorrelated errors add in power: e^2 (all layers) ~ sum of the layers' e^2.
 """
 
