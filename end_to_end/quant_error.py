@@ -87,14 +87,33 @@ def candidate(config: Any, params: dict[str, Any], dtype: str, mode: str | None,
   return model
 
 
-def default_plan() -> list[tuple[str, str | None, str, tuple[tuple[str, str], ...]]]:
-  """The module docstring's rows as (dtype, mode, label, layers); the first is bfloat16 unquantized."""
+def default_plan(keep: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str | None, str, tuple]]:
+  """The module docstring's rows as (dtype, mode, label, layers); the first is bfloat16 unquantized.
+  With `keep` (paths under `blocks`), also int8 and fp8 in bfloat16 with those layers unquantized."""
   from pipelines.wan import quantization
 
   every = quantization.QUANTIZED_LINEARS
   plan = [("bfloat16", None, "all", every)]
   plan += [(dtype, mode, "all", every) for mode in quantization.MODES for dtype in ("float32", "bfloat16")]
+  rest = tuple(path for path in every if path not in keep)
+  plan += [("bfloat16", mode, "all but --keep", rest) for mode in ALONE_MODES if keep]
   return plan + [("float32", mode, ".".join(path), (path,)) for mode in ALONE_MODES for path in every]
+
+
+def parse_keep(text: str | None) -> tuple[tuple[str, str], ...]:
+  """'ffn.proj_in,attn1.to_v' -> (("ffn", "proj_in"), ("attn1", "to_v")); None -> ().
+
+  Raises:
+    ValueError: a name that is not one of `quantization.QUANTIZED_LINEARS`, naming the choices.
+  """
+  from pipelines.wan import quantization
+
+  names = {".".join(path): path for path in quantization.QUANTIZED_LINEARS}
+  keep = tuple(name.strip() for name in (text or "").split(",") if name.strip())
+  bad = [name for name in keep if name not in names]
+  if bad:
+    raise ValueError(f"--keep {text!r}: {', '.join(bad)} not among the quantized layers {', '.join(names)}")
+  return tuple(names[name] for name in keep)
 
 
 def measure(pipe: Any, seeds: list[int], steps: int, plan: list | None = None) -> list[dict[str, Any]]:
@@ -139,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                                formatter_class=HelpFormatter)
   ap.add_argument("--seeds", default="0,1", help="comma-separated seeds of the reference runs' initial latents")
   ap.add_argument("--steps", type=int, default=SETTINGS["num_inference_steps"], help="denoising steps")
+  ap.add_argument("--keep", help="comma-separated layers (e.g. ffn.proj_in,ffn.proj_out,attn1.to_v) to leave "
+                                  "unquantized in two extra rows, int8 and fp8 in bfloat16")
   ap.add_argument("--json", help="write the rows here")
   args = ap.parse_args(argv)
   try:
@@ -147,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.error(f"--seeds {args.seeds!r}: write comma-separated integers such as 0,1,2")
   if args.steps < 1:
     ap.error(f"--steps {args.steps} must be positive")
+  try:
+    keep = parse_keep(args.keep)
+  except ValueError as e:
+    ap.error(str(e))
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
-  rows = measure(WanPipeline.tiny("float32"), seeds, args.steps)
+  rows = measure(WanPipeline.tiny("float32"), seeds, args.steps, default_plan(keep))
   print(f"one-step noise-prediction error vs the float32 checkpoint: seeds {seeds}, {args.steps} steps")
   print(f"{'dtype':9s} {'mode':10s} {'layers':16s} {'rel rms':>9s} {'dB':>7s} {'vs bf16':>8s}")
   for row in rows:

@@ -30,3 +30,13 @@ def test_errors_are_the_quantizations_and_add_in_power(pipe):
   assert none == 0.0
   assert 1e-3 < int8 < fp8  # int8 weight error ~0.5 % of each weight: ~0.7 % of eps (measured)
   assert int8_ffn ** 2 + int8_rest ** 2 == pytest.approx(int8 ** 2, rel=0.25)
+
+
+def test_keep_names_the_layers():
+  assert quant_error.parse_keep("ffn.proj_in, attn1.to_v") == (("ffn", "proj_in"), ("attn1", "to_v"))
+  assert quant_error.parse_keep(None) == ()
+  with pytest.raises(ValueError, match="ffn.proj_up not among the quantized layers"):
+    quant_error.parse_keep("ffn.proj_up")
+  rows = [row for row in quant_error.default_plan((("ffn", "proj_in"),)) if row[2] == "all but --keep"]
+  assert [(dtype, mode) for dtype, mode, *_ in rows] == [("bfloat16", "int8"), ("bfloat16", "fp8")]
+  assert all(("ffn", "proj_in") not in layers and len(layers) == 9 for *_, layers in rows)
