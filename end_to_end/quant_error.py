@@ -2,6 +2,7 @@ r"""Where the quantization error comes from: the transformer's one-step noise-pr
 
   python -m end_to_end.quant_error                          # the trained tiny default, seeds 0, 1
   python -m end_to_end.quant_error --seeds 0,1,2,3 --json quant_error.json
+  python -m end_to_end.quant_error --keep ffn.proj_in,ffn.proj_out,attn1.to_v   # + rows with those in bf16
 
 The end-to-end PSNR of `end_to_end.quality` is a poor instrument for small weight errors: a video
 is a chaotic function of its rounding, so any change of the bf16 rounding pattern (a weight moved
@@ -21,7 +22,8 @@ Linear layers it quantizes), relative RMS over every input, both CFG branches:
 The kernels are quantized from the fp32 checkpoint as `WanPipeline.from_pretrained(...,
 quantize=...)` does. Rows: bfloat16 unquantized (the error every bf16 setting starts from); each
 mode x {float32, bfloat16} with every layer quantized; each layer alone, float32 (only its weight
-error shows). For a bfloat16 row, `vs bf16` = 20 log10(e / e_bf16): measured to predict the mean
+error shows); with `--keep`, int8 and fp8 in bfloat16 with the named layers unquantized. For a
+bfloat16 row, `vs bf16` = 20 log10(e / e_bf16): measured to predict the mean
 end-to-end PSNR cost over seeds (int8: +2.2 dB predicted; over 8 seeds 2.3 dB below the mean of four
 resampled bf16 runs, end_to_end/README.md).
 Uncorrelated errors add in power: e^2 (all layers) ~ sum of the layers' e^2.
