@@ -46,7 +46,9 @@ threshold dashed. Existing files of those names are refused before any compute.
 
 Quantization (`--quantize`, repeatable: none, int8, fp8, int8-w8a8): each candidate's transformer
 block weights quantized (`WanPipeline.quantize`); a quantized candidate is judged by bfloat16's
-thresholds (its error is of bf16's order), whatever its activation dtype.
+thresholds (its error is of bf16's order), whatever its activation dtype. `--attention-exchange fp8`
+(repeatable with bf16) sends Q, V and the attention output across the Ulysses all-to-alls in e4m3
+(`attention_exchange`; no effect on a mesh without Ulysses); judged by bfloat16's thresholds too.
 
 Matrix (`--matrix`): dtypes {float32, bfloat16} x meshes {U=1,R=1; U=2,R=2; U=4,R=1; U=1,R=4;
 U=4,R=2} x attention {auto, lse}: 20 candidates, one reference.
@@ -150,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--mesh", action="append", help="candidate mesh such as U=2,R=2 (repeatable; U=2,R=2 if none)")
   ap.add_argument("--quantize", action="append", choices=("none", "int8", "fp8", "int8-w8a8"),
                   help="candidate weight quantization (repeatable; none if not given)")
+  ap.add_argument("--attention-exchange", action="append", choices=("bf16", "fp8"),
+                  help="candidate Ulysses exchange dtype of Q, V and the output (repeatable; bf16 if none)")
   ap.add_argument("--attention", action="append", choices=("auto", "lse", "fixed_m"),
                   help="candidate attention path (repeatable; auto if none)")
   ap.add_argument("--matrix", action="store_true",
@@ -199,8 +203,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
   min_ssim = (parse_thresholds(args.min_ssim, "--min-ssim") if args.min_ssim is not None
               else dict(THRESHOLDS[content]["ssim"]))
   quantizes = [None if q == "none" else q for q in (args.quantize or ["none"])]
-  candidates = [dict(dtype=d, quantize=q, mesh=m, spec=specs[m], attention=a)
-                for d, q, m, a in itertools.product(dtypes, quantizes, meshes, attentions)]
+  exchanges = args.attention_exchange or ["bf16"]
+  candidates = [dict(dtype=d, quantize=q, exchange=x, mesh=m, spec=specs[m], attention=a)
+                for d, q, x, m, a in itertools.product(dtypes, quantizes, exchanges, meshes, attentions)]
   plots = None
   if args.plots is not None:
     names = [sheet_name(i, c) for i, c in enumerate(candidates)] + [PER_FRAME_PLOT]
@@ -238,7 +243,8 @@ def sheet_name(index: int, candidate: dict[str, Any]) -> str:
   spec = candidate["spec"]
   mesh = (f"C{spec.cfg}" if spec.cfg > 1 else "") + f"U{spec.ulysses}R{spec.ring}"
   quantize = f"_{candidate['quantize']}" if candidate.get("quantize") else ""
-  return f"{index:02d}_{candidate['dtype']}{quantize}_{mesh}_{candidate['attention']}.png"
+  exchange = "_fp8x" if candidate.get("exchange") == "fp8" else ""
+  return f"{index:02d}_{candidate['dtype']}{quantize}{exchange}_{mesh}_{candidate['attention']}.png"
 
 
 def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict[str, Any]]],
@@ -354,9 +360,11 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   def draw(seed: int) -> np.ndarray:  # the pipeline's own rule for video 0 of a seed
     return np.random.default_rng(seed).standard_normal(shape, np.float32)
 
-  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray, quantize=None):
+  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray, quantize=None,
+               exchange="bf16"):
     return pipeline(dtype, quantize).run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh,
-                               attention_implementation=implementation, progress=False, **call)
+                                         attention_implementation=implementation, progress=False,
+                                         attention_exchange=exchange, **call)
 
   print(f"backend {jax.default_backend()} x{jax.device_count()}; model {args.model!r}; "
         f"{args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance {args.guidance}, "
@@ -368,25 +376,28 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
 
   candidate_seed = args.seed if args.candidate_seed is None else args.candidate_seed
   candidate_latents = draw(candidate_seed)
-  quantized = any(c["quantize"] for c in p["candidates"])  # the quantize column only when asked for
+  # The quantize column only when asked for (any quantized or fp8-exchange candidate).
+  quantized = any(c["quantize"] or c["exchange"] != "bf16" for c in p["candidates"])
   print(f"{'dtype':9s} {'quantize  ' if quantized else ''}{'mesh':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
         f"{'SSIM mean':>9s} {'SSIM min':>9s} {'max|dlat|':>10s} {'sec':>6s}  verdict")
   rows, videos = [], []
   for index, c in enumerate(p["candidates"]):
     start = time.perf_counter()
-    out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents, c["quantize"])
+    out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents, c["quantize"], c["exchange"])
     seconds = time.perf_counter() - start
     metrics = compare_videos(ref.frames, out.frames)
     metrics["max_abs_latent_diff"] = max_abs_diff(ref.latents, out.latents)
-    failures = judge(metrics, "bfloat16" if c["quantize"] else c["dtype"], p, args.gate)
-    rows.append(dict(dtype=c["dtype"], quantize=c["quantize"], mesh=c["spec"].describe(), attention=c["attention"],
+    failures = judge(metrics, "bfloat16" if c["quantize"] or c["exchange"] != "bf16" else c["dtype"], p, args.gate)
+    rows.append(dict(dtype=c["dtype"], quantize=c["quantize"], attention_exchange=c["exchange"],
+                     mesh=c["spec"].describe(), attention=c["attention"],
                      seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
                      failures=failures, **metrics))
     if p["plots"] is not None:
       videos.append((sheet_name(index, c), out.frames[0], rows[-1]))
     verdict = "pass" if not failures else "FAIL: " + "; ".join(failures)
     mesh = str(c["spec"])
-    column = f"{c['quantize'] or 'none':9s} " if quantized else ""
+    label = (c["quantize"] or "none") + ("+fp8x" if c["exchange"] == "fp8" else "")
+    column = f"{label:9s} " if quantized else ""
     print(f"{c['dtype']:9s} {column}{mesh:8s} {c['attention']:9s} {metrics['psnr_mean']:9.2f} "
           f"{metrics['psnr_min']:9.2f} {metrics['ssim_mean']:9.5f} {metrics['ssim_min']:9.5f} "
           f"{metrics['max_abs_latent_diff']:10.3e} {seconds:6.1f}  {verdict}")

@@ -251,3 +251,8 @@ def test_quality_quantize_candidates():
   assert [c["quantize"] for c in found] == [None, "int8"]
   assert [quality.sheet_name(i, c) for i, c in enumerate(found)] == ["00_bfloat16_U1R1_auto.png",
                                                                      "01_bfloat16_int8_U1R1_auto.png"]
+  args = quality.build_parser().parse_args(["--model", "tiny-random", "--attention-exchange", "bf16",
+                                            "--attention-exchange", "fp8", "--mesh", "U=2,R=1"])
+  found = quality.plan(args)["candidates"]
+  assert [c["exchange"] for c in found] == ["bf16", "fp8"]
+  assert quality.sheet_name(1, found[1]) == "01_bfloat16_fp8x_U2R1_auto.png"
