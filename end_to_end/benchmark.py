@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
   ap.add_argument("--aot-models", default="1.3b,14b",
                   help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
-                       "A14B, 720x1280, both experts resident)")
+                       "A14B, 720x1280, both experts resident), i2v-14b (Wan 2.1 I2V 14B, 720x1280, CLIP "
+                       "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps)")
+  ap.add_argument("--aot-kv-in-step", action="store_true",
+                  help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
+                       "itself (CallOptions(text_kv_once=False)) instead of receiving them")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -177,16 +181,16 @@ def run_aot(args: argparse.Namespace) -> int:
   rows = []
   print(aot.format_header(args.aot), flush=True)
   for name in args.aot_models.split(","):
-    preset, height, width, shift = aot.AOT_TARGETS[name]
+    t = aot.AOT_TARGETS[name]
     try:
-      rows.append(aot.compile_denoise_step(devices, preset=preset, height=height, width=width,
-                                           frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
-                                           text_len=aot.AOT_TEXT_LEN, flow_shift=shift,
+      rows.append(aot.compile_denoise_step(devices, preset=t.preset, height=t.height, width=t.width,
+                                           frames=t.frames, dtype=args.dtype or "bfloat16",
+                                           text_len=aot.AOT_TEXT_LEN, flow_shift=t.flow_shift,
                                            mesh_spec=mesh, attention_backend=args.attention_backend,
-                                           quantize=args.quantize))
+                                           quantize=args.quantize, ti2v=t.ti2v, text_kv_once=not args.aot_kv_in_step))
     except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
-      rows.append(dict(model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
-                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+      rows.append(dict(model=t.preset, height=t.height, width=t.width, frames=t.frames,
+                       text_kv_once=not args.aot_kv_in_step, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
     print(aot.format_row(rows[-1]), flush=True)
     if args.json:  # after every model: a long compile that is stopped keeps the rows done so far
       with open(args.json, "w", encoding="utf-8") as f:
