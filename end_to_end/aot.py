@@ -158,7 +158,7 @@ def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
                          attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
-                         text_kv_once: bool = True) -> dict[str, Any]:
+                         text_kv_once: bool = True, lower_only: bool = False) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
   The step's conditioning follows the preset: a 36-channel transformer (image-to-video) gets the
@@ -177,10 +177,13 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
     ti2v: Wan 2.2 TI2V (`AotTarget.ti2v`).
     text_kv_once: the step receives the text (and image) K/V computed before the loop (the
       pipeline's default); False: the step computes them from the text and image states.
+    lower_only: trace and lower the step, no compile (checks that the arguments fit the step; the
+      report then has no compile time, collectives, memory or cost analysis).
 
   Returns:
-    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, compile_s, memory_analysis
-    (bytes per device), cost_analysis, collectives ({op: {count, bytes}}).
+    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, text_bytes_per_device (the step's
+    text argument: the held K/V, or the text states), compile_s, memory_analysis (bytes per device),
+    cost_analysis, collectives ({op: {count, bytes}}).
 
   Raises:
     ValueError: a mesh that does not fit the devices or heads.
@@ -242,15 +245,18 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="plan",
                  donate_argnums=(2, 3))
   start = time.perf_counter()
-  compiled = step.lower(graphdef, *args, plan=plan).compile()
-  compile_s = time.perf_counter() - start
-
+  lowered = step.lower(graphdef, *args, plan=plan)
   report: dict[str, Any] = dict(
       model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
       ti2v=ti2v, text_kv_once=text_kv_once,
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
-      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend, compile_s=compile_s,
-      collectives=hlo_collectives(compiled.as_text()))
+      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
+      text_bytes_per_device=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                for x in jax.tree.leaves(args[3])))
+  if lower_only:
+    return report
+  compiled = lowered.compile()
+  report.update(compile_s=time.perf_counter() - start, collectives=hlo_collectives(compiled.as_text()))
   weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(placed))
   experts = EXPERTS.get(preset, 1)
   report.update(weights_bytes_per_device=int(weights), experts=experts)
