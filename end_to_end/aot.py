@@ -252,10 +252,6 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
       mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
       text_bytes_per_device=_bytes_per_device(args[3]))
-  if lower_only:
-    return report
-  compiled = lowered.compile()
-  report.update(compile_s=time.perf_counter() - start, collectives=hlo_collectives(compiled.as_text()))
   weights = _bytes_per_device(placed)
   # Every argument as the pipeline holds it: jit drops the arguments a step does not read (with the
   # K/V held: every block's cross-attention to_k / to_v, and add_k_proj / add_v_proj and the image
@@ -265,6 +261,10 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   experts = EXPERTS.get(preset, 1)
   report.update(weights_bytes_per_device=int(weights), arguments_bytes_per_device=int(held_arguments),
                 experts=experts)
+  if lower_only:
+    return report
+  compiled = lowered.compile()
+  report.update(compile_s=time.perf_counter() - start, collectives=hlo_collectives(compiled.as_text()))
   memory = compiled.memory_analysis()
   if memory is not None:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
