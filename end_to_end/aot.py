@@ -106,12 +106,16 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
   return ulysses, devices // ulysses
 
 
-def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, *, once: bool) -> Any:
+def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, once: bool) -> Any:
   """The step's text argument as the pipeline passes it for the [cond; uncond] rows: every block's
   text K/V (`transformer.TextKV`, [Z, 2, L, N, H] each, with the image tokens' [Z, 2, P, N, H] for
-  a transformer with an image branch; computed once before the loop), or with `once=False` the
-  text states [2, L, text_dim] (K/V computed inside the step, `CallOptions(text_kv_once=False)`)."""
+  a transformer with an image branch; computed once before the loop, rows split over "cfg" as
+  `text_kv` lays them out), or with `once=False` the replicated text states [2, L, text_dim] (K/V
+  computed inside the step, `CallOptions(text_kv_once=False)`)."""
   import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from attention.mesh import batch_axis
 
   from pipelines.parallel.estimate import image_tokens
   from pipelines.wan.transformer import TextKV
@@ -120,8 +124,10 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, *, once: bool)
     return spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), dtype))
   heads = config.num_attention_heads
 
+  rows = NamedSharding(mesh, P(None, batch_axis(mesh)))
+
   def kv(tokens):
-    return spec(jax.ShapeDtypeStruct((config.num_layers, 2, tokens, heads, config.dim // heads), dtype))
+    return jax.ShapeDtypeStruct((config.num_layers, 2, tokens, heads, config.dim // heads), dtype, sharding=rows)
 
   image = image_tokens(config) or None
   return TextKV(k_ZBLNH=kv(text_len), v_ZBLNH=kv(text_len), image_k_ZBPNH=None if image is None else kv(image),
@@ -233,7 +239,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
                         weight_shardings(state, mesh, mesh_spec.shard_weights))
   args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
-          _text_spec(config, text_len, model_dtype, spec, once=text_kv_once),
+          _text_spec(config, text_len, model_dtype, spec, mesh, once=text_kv_once),
           spec(jax.ShapeDtypeStruct((), jnp.float32)), None,
           _condition_spec(config, latent_shape, model_dtype, spec, ti2v=ti2v))
   from pipelines.parallel.plan import ParallelPlan
