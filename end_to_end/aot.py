@@ -2,9 +2,11 @@
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
 guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.step.denoise_step`
-with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2), latents /
-solver state / text replicated, video tokens sharded over (ring, ulysses) inside the forward.
-Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
+with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2) or sharded,
+latents / solver state replicated, the text as the pipeline passes it (every block's text K/V, and
+the image tokens' for Wan 2.1 I2V, rows split over cfg; or the text states with `text_kv_once=False`),
+the image-to-video or TI2V condition of the target, video tokens sharded over (ring, ulysses)
+inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
 
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
