@@ -11,8 +11,12 @@ UMT5-XXL has 256,384; only the embedding table differs, which costs a gather, no
 | 1.3b-width    | Wan 1.3B block (D 1536, N 12, E 8960), 2 layers | UMT5-XXL width (d 4096), 1 layer | Wan 2.1 | 17 x 128 x 128, 3 steps |
 | wan2.1-1.3b   | Wan 2.1 1.3B (30 layers)             | UMT5-XXL (24 layers)         | Wan 2.1 | 81 x 480 x 832, bf16   |
 | wan2.1-14b    | Wan 2.1 14B (40 layers)              | UMT5-XXL (24 layers)         | Wan 2.1 | 81 x 720 x 1280, bf16  |
+| mlperf-wan22-t2v | Wan 2.2 A14B (2 x 40 layers)      | UMT5-XXL (24 layers)         | Wan 2.1 | MLPerf's (README)      |
 
 Architectures: DESIGN.md section 6 (diffusers' Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers configs).
+`mlperf-wan22-t2v` carries MLPerf Inference's text-to-video settings (`MLPERF_SOURCE`); on a CPU
+backend it runs reduced (`reduced_for_cpu`) and its record says it is not comparable
+(`mlperf_comparability`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,28 @@ from pipelines.wan.vae import VAE_PRESETS, WanVAEConfig
 
 _UMT5_XXL_WIDTH = dataclasses.replace(UMT5_PRESETS["umt5-xxl"], vocab_size=384, num_layers=1)
 
+MLPERF_PRESET = "mlperf-wan22-t2v"
+MLPERF_REFERENCE = "MLPerf Inference v6.0 wan-2.2-t2v-a14b, SingleStream (90th-percentile latency per video, s)"
+# mlcommons/inference text_to_video/wan-2.2-t2v-a14b/inference_config.yaml (commit b66003e1), read by its
+# run_mlperf.py: diffusers WanPipeline.from_pretrained(Wan-AI/Wan2.2-T2V-A14B-Diffusers, boundary_ratio=...,
+# bf16, VAE fp32), the negative prompt `.strip()`ped, and the same fixed initial latent
+# (data/fixed_latent.pt) for every prompt.
+MLPERF_SETTINGS = {
+    "height": 720, "width": 1280, "num_frames": 81, "fps": 16, "sample_steps": 20, "seed": 42,
+    "guidance_scale": 4.0, "guidance_scale_2": 3.0, "boundary_ratio": 0.875,
+    "negative_prompt": (
+        "vivid colors, overexposed, static, blurry details, subtitles, style,\n"
+        "work of art, painting, picture, still, overall grayish, worst quality,\n"
+        "low quality, JPEG artifacts, ugly, deformed, extra fingers, poorly drawn hands,\n"
+        "poorly drawn face, deformed, disfigured, deformed limbs, fused fingers,\n"
+        "static image, cluttered background, three legs, many people in the background,\n"
+        "walking backwards"),
+}
+MLPERF_SOURCE = "mlcommons/inference text_to_video/wan-2.2-t2v-a14b/inference_config.yaml (commit b66003e1)"
+# MLPerf keeps the folder's scheduler: diffusers' scripts/convert_wan_to_diffusers.py writes UniPC with
+# flow_shift 3.0 for Wan2.2-T2V-A14B (Wan's own script samples at 12.0; pipelines/cli/presets.py).
+MLPERF_FLOW_SHIFT = 3.0
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchPreset:
@@ -42,6 +68,11 @@ class BenchPreset:
     flow_shift: UniPC flow shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p).
     dtype: "float32" or "bfloat16" for transformer and text encoder (the VAE stays float32).
     description: one line for the report.
+    guidance_2: the low-noise expert's CFG scale (two experts), or None.
+    boundary_ratio: None (one transformer) or Wan 2.2's expert switch ratio (two experts, random
+      weights each).
+    negative_prompt, seed: the preset's own (None: the command's defaults).
+    reference: the published benchmark the preset's settings reproduce, or None.
   """
   transformer: WanTransformerConfig
   text_encoder: UMT5Config
@@ -55,6 +86,11 @@ class BenchPreset:
   flow_shift: float
   dtype: str
   description: str
+  guidance_2: float | None = None
+  boundary_ratio: float | None = None
+  negative_prompt: str | None = None
+  seed: int | None = None
+  reference: str | None = None
 
   def __post_init__(self):
     if self.height % 16 or self.width % 16 or self.height < 16 or self.width < 16:
@@ -65,6 +101,10 @@ class BenchPreset:
       raise ValueError(f"{self.steps=} and {self.max_sequence_length=} must be positive")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"{self.dtype=} must be 'float32' or 'bfloat16'")
+    if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
+      raise ValueError(f"{self.boundary_ratio=} must lie in (0, 1)")
+    if self.guidance_2 is not None and self.boundary_ratio is None:
+      raise ValueError(f"{self.guidance_2=} is the second expert's scale; it needs a boundary_ratio")
     if self.text_encoder.d_model != self.transformer.text_dim:
       raise ValueError(f"text encoder d_model={self.text_encoder.d_model} != transformer "
                        f"text_dim={self.transformer.text_dim}")
@@ -108,6 +148,16 @@ PRESETS: dict[str, BenchPreset] = {
             UMT5_PRESETS["umt5-xxl"], vocab_size=384), vae=VAE_PRESETS["wan2.1"], height=720, width=1280,
         frames=81, steps=10, max_sequence_length=512, guidance=5.0, flow_shift=5.0, dtype="bfloat16",
         description="Wan 2.1 T2V 14B architecture, random weights, 720p x 81 frames (accelerators)"),
+    MLPERF_PRESET: BenchPreset(
+        transformer=TRANSFORMER_PRESETS["wan2.2-t2v-a14b"], text_encoder=dataclasses.replace(
+            UMT5_PRESETS["umt5-xxl"], vocab_size=384), vae=VAE_PRESETS["wan2.1"],
+        height=MLPERF_SETTINGS["height"], width=MLPERF_SETTINGS["width"], frames=MLPERF_SETTINGS["num_frames"],
+        steps=MLPERF_SETTINGS["sample_steps"], max_sequence_length=512, guidance=MLPERF_SETTINGS["guidance_scale"],
+        guidance_2=MLPERF_SETTINGS["guidance_scale_2"], boundary_ratio=MLPERF_SETTINGS["boundary_ratio"],
+        flow_shift=MLPERF_FLOW_SHIFT, dtype="bfloat16", negative_prompt=MLPERF_SETTINGS["negative_prompt"],
+        seed=MLPERF_SETTINGS["seed"], reference=MLPERF_REFERENCE,
+        description="MLPerf Inference v6.0 text-to-video (Wan 2.2 T2V A14B, two experts): random weights at "
+                    "its settings; the warm run's total is its latency per video"),
 }
 
 
@@ -121,12 +171,55 @@ def init_ours(preset: BenchPreset, seed: int = 0):
   from pipelines.wan.transformer import init_transformer
 
   dtype = jnp.dtype(preset.dtype)
+  experts = 1 if preset.boundary_ratio is None else 2
   return WanPipeline(
       tokenizer=tokenizer.default_tokenizer(),
       text_encoder=(preset.text_encoder, umt5.init_umt5_params(preset.text_encoder, seed, dtype=dtype)),
-      transformers=[init_transformer(preset.transformer, seed, dtype)],
-      vae=vae.init_vae(preset.vae, jax.random.key(seed)),
+      transformers=[init_transformer(preset.transformer, seed + i, dtype) for i in range(experts)],
+      vae=vae.init_vae(preset.vae, jax.random.key(seed)), boundary_ratio=preset.boundary_ratio,
       scheduler_config=schedulers.UniPCConfig(flow_shift=preset.flow_shift), name="random init")
+
+
+# What `reduced_for_cpu` keeps of a preset meant for accelerators: one block per expert, one text
+# encoder layer, a 5 x 64 x 112 video (2 x 8 x 14 latents, 56 tokens); widths, steps, guidance,
+# expert switch and dtype unchanged.
+CPU_REDUCTION = dict(layers=1, text_layers=1, frames=5, height=64, width=112)
+
+
+def reduced_for_cpu(preset: BenchPreset) -> BenchPreset:
+  """`preset` cut to `CPU_REDUCTION` (its description says so): the same code paths and layer
+  widths in minutes on a CPU, at a size whose timings compare with nothing published."""
+  r = CPU_REDUCTION
+  return dataclasses.replace(
+      preset, transformer=dataclasses.replace(preset.transformer, num_layers=r["layers"]),
+      text_encoder=dataclasses.replace(preset.text_encoder, num_layers=r["text_layers"]),
+      frames=r["frames"], height=r["height"], width=r["width"],
+      description=(f"REDUCED for CPU ({r['layers']} of {preset.transformer.num_layers} blocks per expert, "
+                   f"{r['text_layers']} of {preset.text_encoder.num_layers} text encoder layers, "
+                   f"{r['frames']}x{r['height']}x{r['width']} instead of {preset.frames}x{preset.height}x"
+                   f"{preset.width}); NOT comparable to published numbers. " + preset.description))
+
+
+def mlperf_comparability(preset: BenchPreset, *, reduced: bool, changed: list[str], runs: int) -> dict[str, Any]:
+  """Whether a run of `preset` gives a number comparable to `preset.reference` (its warm run's
+  total against the published latency per video).
+
+  Args:
+    reduced: the preset was cut by `reduced_for_cpu`.
+    changed: the command-line options that changed the preset's settings (e.g. ["--steps"]).
+    runs: calls per pipeline (the comparable number is a warm run's).
+
+  Returns:
+    {"reference", "comparable" (bool), "reasons" (why not; empty when comparable)}.
+  """
+  reasons = []
+  if reduced:
+    reasons.append("reduced for CPU: " + ", ".join(f"{k} {v}" for k, v in CPU_REDUCTION.items()))
+  if changed:
+    reasons.append("settings changed by " + ", ".join(changed))
+  if runs < 2:
+    reasons.append("no warm run (--runs 1): the one run includes compiling")
+  return dict(reference=preset.reference, comparable=not reasons, reasons=reasons)
 
 
 def save_diffusers_pipeline(preset: BenchPreset, folder: str, seed: int = 0) -> None:

@@ -9,7 +9,10 @@
 
 Presets (`end_to_end/bench_presets.py`): tiny; 1.3b-width (the real Wan 1.3B block width with 2
 of its 30 blocks, at a CPU-sized video); wan2.1-1.3b and wan2.1-14b (the real architectures at
-480p / 720p x 81 frames) for accelerators. Weights are random (timing depends on shapes only).
+480p / 720p x 81 frames) for accelerators; mlperf-wan22-t2v (MLPerf Inference v6.0's text-to-video
+settings, Wan 2.2 A14B: its warm total compares with the published latency per video; on a CPU
+backend it runs reduced and says it is not comparable). Weights are random (timing depends on
+shapes only).
 
 Stages (`end_to_end/timed_runs.py`): load (our random init, or from_pretrained of a folder), text
 encode, compile (our jitted denoise step; diffusers is eager: 0), denoise per step (min and
@@ -49,7 +52,7 @@ from typing import Any
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.cli.help import HelpFormatter  # no JAX import either
 
-PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-14b")
+PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "mlperf-wan22-t2v")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
@@ -73,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--guidance", type=float)
   ap.add_argument("--max-sequence-length", type=int)
   ap.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
-  ap.add_argument("--negative-prompt", default="blurry, low quality", help="the negative prompt")
-  ap.add_argument("--seed", type=int, default=0, help="weights and initial latents")
+  ap.add_argument("--negative-prompt", help="the negative prompt (default: the preset's, else 'blurry, low quality')")
+  ap.add_argument("--seed", type=int, help="weights and initial latents (default: the preset's, else 0)")
   ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
   ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
   ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
@@ -89,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot-kv-in-step", action="store_true",
                   help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
                        "itself (CallOptions(text_kv_once=False)) instead of receiving them")
+  ap.add_argument("--stages", default="step",
+                  help="with --aot, the programs compiled, comma-separated: text (the UMT5-XXL encoder), step (the "
+                       "denoise step of each --aot-models), decode (the VAE decoder's first and later chunk programs, "
+                       "one device and split over the topology)")
+  ap.add_argument("--compile-cache", metavar="DIR",
+                  help="with --aot, JAX's persistent compilation cache in DIR; each row says whether its entry was "
+                       "found (a second process, same programs) or written")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -100,11 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def resolve_preset(args: argparse.Namespace):
-  """The preset with the command-line overrides applied (ValueError on bad values)."""
-  from end_to_end.bench_presets import PRESETS
+def resolve_preset(args: argparse.Namespace, backend: str | None = None):
+  """The preset with the command-line overrides applied (ValueError on bad values); a preset that
+  reproduces a published benchmark is first cut to CPU size when `backend` is "cpu"
+  (`bench_presets.reduced_for_cpu`)."""
+  from end_to_end.bench_presets import PRESETS, reduced_for_cpu
 
   preset = PRESETS[args.preset]
+  if args.compare and preset.boundary_ratio is not None:
+    raise ValueError(f"--compare builds a one-transformer diffusers pipeline; --preset {args.preset} has two "
+                     "experts (run it without --compare)")
+  if preset.reference and backend == "cpu":
+    preset = reduced_for_cpu(preset)
   overrides = {k: getattr(args, a) for k, a in (
       ("height", "height"), ("width", "width"), ("frames", "frames"), ("steps", "steps"), ("dtype", "dtype"),
       ("guidance", "guidance"), ("max_sequence_length", "max_sequence_length")) if getattr(args, a) is not None}
@@ -113,6 +130,13 @@ def resolve_preset(args: argparse.Namespace):
       raise ValueError(f"--layers {args.layers} must be >= 1")
     overrides["transformer"] = dataclasses.replace(preset.transformer, num_layers=args.layers)
   return dataclasses.replace(preset, **overrides)
+
+
+def changed_settings(args: argparse.Namespace) -> list[str]:
+  """The options given that change a preset's run settings (a comparable run leaves them unset)."""
+  names = ("height", "width", "frames", "steps", "layers", "dtype", "guidance", "max_sequence_length", "quantize",
+           "negative_prompt")
+  return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
 
 
 def _versions() -> dict[str, str]:
@@ -167,8 +191,24 @@ def aot_targets() -> dict:
   return AOT_TARGETS
 
 
+def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec | None, name: str) -> dict[str, Any]:
+  """The denoise step of `--aot-models` entry `name` compiled (or the error that stopped it)."""
+  from end_to_end import aot, aot_stages
+
+  t, once = aot.AOT_TARGETS[name], not args.aot_kv_in_step
+  try:
+    row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot.compile_denoise_step(
+        devices, preset=t.preset, height=t.height, width=t.width, frames=t.frames, dtype=args.dtype or "bfloat16",
+        text_len=aot.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh, attention_backend=args.attention_backend,
+        quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once))
+    return dict(row, stage="step", cache=cache)
+  except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
+    return dict(stage="step", model=t.preset, height=t.height, width=t.width, frames=t.frames, text_kv_once=once,
+                error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
 def run_aot(args: argparse.Namespace) -> int:
-  """`--aot`: compile the two targets for the topology and print the table (exit 3: no topology)."""
+  """`--aot`: compile the `--stages` programs for the topology and print their rows (exit 3: no topology)."""
   from end_to_end import aot
 
   print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
@@ -177,25 +217,34 @@ def run_aot(args: argparse.Namespace) -> int:
   except aot.TopologyUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
+  from end_to_end import aot_stages
+  from end_to_end.aot_text import format_row as format_text_row
+
   mesh = MeshSpec.parse(args.aot_mesh, shard_weights=args.shard_weights) if args.aot_mesh else None
-  rows = []
-  print(aot.format_header(args.aot), flush=True)
-  for name in args.aot_models.split(","):
-    t = aot.AOT_TARGETS[name]
-    try:
-      rows.append(aot.compile_denoise_step(devices, preset=t.preset, height=t.height, width=t.width,
-                                           frames=t.frames, dtype=args.dtype or "bfloat16",
-                                           text_len=aot.AOT_TEXT_LEN, flow_shift=t.flow_shift,
-                                           mesh_spec=mesh, attention_backend=args.attention_backend,
-                                           quantize=args.quantize, ti2v=t.ti2v, text_kv_once=not args.aot_kv_in_step))
-    except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
-      rows.append(dict(model=t.preset, height=t.height, width=t.width, frames=t.frames,
-                       text_kv_once=not args.aot_kv_in_step, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-    print(aot.format_row(rows[-1]), flush=True)
-    if args.json:  # after every model: a long compile that is stopped keeps the rows done so far
+  stages, models, rows = aot_stages.parse_stages(args.stages), args.aot_models.split(","), []
+  if args.compile_cache:
+    aot_stages.enable_compile_cache(args.compile_cache)
+
+  def emit(row: dict[str, Any]) -> None:  # after every program: a stopped run keeps the rows done so far
+    rows.append(row)
+    if args.json:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                       versions=_versions(), rows=rows), f, indent=2)
+                       stages=stages, versions=_versions(), rows=rows), f, indent=2)
+
+  if "text" in stages:
+    for row in aot_stages.text_rows(devices, mesh, args.compile_cache):
+      print(format_text_row(row) + f", cache {row['cache']}", flush=True)
+      emit(row)
+  if "step" in stages:
+    print(aot.format_header(args.aot), flush=True)
+    for name in models:
+      row = _aot_step_row(args, devices, mesh, name)
+      print(aot.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
+      emit(row)
+  if "decode" in stages:
+    aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
+                           lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)))
   return 0
 
 
@@ -212,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--runs {args.runs} must be >= 1")
     if any(name not in aot_targets() for name in args.aot_models.split(",")):
       raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
+    from end_to_end.aot_stages import parse_stages  # no JAX import
+    parse_stages(args.stages)
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
   except ValueError as e:
@@ -222,15 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_aot(args)
   if args.mesh:
     request_cpu_devices(devices)
+  import jax
 
   try:
-    preset = resolve_preset(args)
+    preset = resolve_preset(args, backend=jax.default_backend())
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  import jax
   import numpy as np
 
   from end_to_end import bench_presets, timed_runs
@@ -242,16 +293,29 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
 
-  call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=preset.height,
+  seed = args.seed if args.seed is not None else (preset.seed or 0)
+  negative = args.negative_prompt
+  if negative is None:
+    negative = preset.negative_prompt or "blurry, low quality"
+  call = dict(prompt=args.prompt, negative_prompt=negative, height=preset.height,
               width=preset.width, frames=preset.frames, steps=preset.steps, guidance=preset.guidance,
               max_sequence_length=preset.max_sequence_length)
-  latents = np.random.default_rng(args.seed).standard_normal(preset.latent_shape, np.float32)
+  latents = np.random.default_rng(seed).standard_normal(preset.latent_shape, np.float32)
   print(f"preset {args.preset}: {preset.description}")
   t = preset.transformer
   print(f"  transformer {t.num_layers} layers D={t.dim} N={t.num_attention_heads} ffn={t.ffn_dim}; text encoder "
         f"{preset.text_encoder.num_layers} layers d={preset.text_encoder.d_model}; {preset.dtype}; "
         f"{preset.frames}x{preset.height}x{preset.width} -> latents {preset.latent_shape}, {preset.tokens} tokens; "
-        f"{preset.steps} steps, guidance {preset.guidance}, L={preset.max_sequence_length}")
+        f"{preset.steps} steps, guidance {preset.guidance}"
+        + ("" if preset.boundary_ratio is None else f" / {preset.guidance_2} (two experts, boundary "
+           f"{preset.boundary_ratio})") + f", L={preset.max_sequence_length}")
+  comparable = None
+  if preset.reference:
+    comparable = bench_presets.mlperf_comparability(
+        preset, reduced=jax.default_backend() == "cpu",
+        changed=changed_settings(args), runs=args.runs)
+    print(f"  comparable to {preset.reference}: "
+          + ("yes (the warm run's total)" if comparable["comparable"] else "NO: " + "; ".join(comparable["reasons"])))
   print(f"  ours: JAX {jax.default_backend()} x{jax.device_count()}, mesh {args.mesh or 'none (one device)'}"
         + (f"; diffusers: torch {torch_device}" if args.compare else ""), flush=True)
 
@@ -264,26 +328,28 @@ def main(argv: list[str] | None = None) -> int:
       print(f"  reusing the pipeline saved in {folder}")
     else:
       start = time.perf_counter()
-      bench_presets.save_diffusers_pipeline(preset, folder, seed=args.seed)
+      bench_presets.save_diffusers_pipeline(preset, folder, seed=seed)
       print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)",
             flush=True)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=args.seed, latent_shape=list(preset.latent_shape),
+      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
                     tokens=preset.tokens, transformer=preset.transformer.to_dict(),
-                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh),
-      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions())
+                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
+                    guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),
+      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions(), comparable=comparable)
   try:
     start = time.perf_counter()
     ours_pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
-                 else bench_presets.init_ours(preset, seed=args.seed))
+                 else bench_presets.init_ours(preset, seed=seed))
     if args.quantize:
       ours_pipe.quantize(args.quantize)
     ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
                 runs=[])
     for i in range(args.runs):
       stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh,
-                                                              attention_backend=args.attention_backend, **call)
+                                                              attention_backend=args.attention_backend,
+                                                              guidance_2=preset.guidance_2, **call)
       ours["runs"].append(stages)
       print(f"  ours run {i + 1}: total {stages['total']:.2f} s", flush=True)
     report["ours"] = ours

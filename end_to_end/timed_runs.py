@@ -33,8 +33,10 @@ def _summary(text_encode: float, compile_s: float, steps: list[float], decode: f
 
 def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndarray, height: int, width: int,
              frames: int, steps: int, guidance: float, max_sequence_length: int,
-             mesh: str | None, attention_backend: str = "auto") -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-  """One `pipe.run` call (no progress output, as diffusers' side); `attention_backend` as `pipe.run`.
+             mesh: str | None, attention_backend: str = "auto",
+             guidance_2: float | None = None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+  """One `pipe.run` call (no progress output, as diffusers' side); `attention_backend` as `pipe.run`,
+  `guidance_2` its `guidance_scale_2` (the low-noise expert's scale of a two-expert pipeline).
 
   Returns:
     (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
@@ -44,7 +46,8 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
                     num_inference_steps=steps, guidance_scale=guidance, latents=latents,
                     max_sequence_length=max_sequence_length, mesh=mesh, progress=False,
-                    on_step=lambda k, seconds: step_times.append(seconds), attention_backend=attention_backend)
+                    on_step=lambda k, seconds: step_times.append(seconds), attention_backend=attention_backend,
+                    **({} if guidance_2 is None else {"guidance_scale_2": guidance_2}))
   t = result.timings
   return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),
           result.frames, result.latents)

@@ -76,3 +76,31 @@ def wait_healthy(client, process, timeout: float = 180.0) -> None:
       pass
     assert time.monotonic() < deadline, f"the server did not get ready in {timeout} s"
     time.sleep(0.1)
+
+
+def http_thread(app):
+  """A context manager: uvicorn serving the ASGI `app` on 127.0.0.1 on a thread of this process;
+  yields its base URL (stopped on exit)."""
+  import contextlib
+  import threading
+  import time
+
+  import uvicorn
+
+  @contextlib.contextmanager
+  def serving():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+      assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+      time.sleep(0.01)
+    try:
+      yield f"http://127.0.0.1:{port}"
+    finally:
+      server.should_exit = True
+      thread.join(30)
+
+  return serving()

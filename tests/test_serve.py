@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from harness import free_port, serve_process, wait_healthy
+from harness import free_port, http_thread, serve_process, wait_healthy
 from pipelines.serve.app import create_app
 from pipelines.serve.main import build_service
 from pipelines.serve.options import ServeConfig
@@ -116,6 +117,7 @@ def test_create_poll_content_list_metrics(served):
     assert quality >= 60, quality
     sidecar = json.loads(open(os.path.join(service.config.data_dir, "videos", f"{job['id']}.npy.json")).read())
     assert sidecar["request"]["seed"] == seed and sidecar["settings"]["prompts"] == [job["prompt"]]
+    assert sidecar["warnings"] == job["warnings"] and "trained at 64x64" in job["warnings"][0]
   service.worker.paused.clear()
   video = client.get(f"/v1/videos/{mp4['id']}/content")
   assert video.status_code == 200 and video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
@@ -165,6 +167,28 @@ HOSTILE = [  # (body or raw bytes, status, the field named (None: the message na
     (b'["a list"]', 400, None, "JSON object"),
     (b'{"prompt": "' + b"x" * 70000 + b'"}', 413, None, "limit of 65536 bytes"),
 ]
+
+
+def test_concurrent_clients_get_their_videos(served, tmp_path):
+  """`end_to_end.serve_load` in small (2 clients x 2 jobs over HTTP): its checks all pass."""
+  from end_to_end import serve_load
+
+  service, _ = served
+  service.worker.paused.set()
+  idle(service)
+  pipe = service.worker.pipe  # shared; the module's worker is paused
+  load = Service(ServeConfig(model="tiny", data_dir=str(tmp_path), max_batch=2), service.facts, load=lambda: pipe)
+  load.start(block=True)
+  try:
+    with http_thread(create_app(load)) as url:
+      runs, _ = serve_load.run_clients(url, serve_load.plan(2, 2, [(32, 32, 5)], steps=3))
+    serve_load.check(runs, pipe, service.facts.trained_video)
+  finally:
+    load.stop()
+    service.worker.paused.clear()
+  assert [r.problems for r in runs] == [[]] * 4, [r.problems for r in runs]
+  assert max(r.result["loss"] for r in runs) <= serve_load.MAX_LOSS_DB  # each as its request alone
+  assert min(r.result["control_loss"] for r in runs) > 5  # another job's video is far from it
 
 
 @pytest.mark.parametrize("body,status,param,words", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
@@ -300,7 +324,8 @@ def test_api_key_guards_every_route_but_health(tmp_path, served):
   assert client.get("/health").status_code == 503  # answered without a key (not loaded: not ready)
   assert client.get("/").status_code == 200
   for method, path in (("get", "/v1/videos"), ("get", "/metrics"), ("get", "/v1/videos/video_" + "0" * 24),
-                       ("delete", "/v1/videos/video_" + "0" * 24), ("post", "/v1/videos")):
+                       ("delete", "/v1/videos/video_" + "0" * 24), ("post", "/v1/videos"),
+                       ("post", "/v1/videos/video_" + "0" * 24 + "/cancel")):
     response = getattr(client, method)(path)
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", (path, response.text)
   assert client.get("/v1/videos", headers={"Authorization": "Bearer wrong-key"}).status_code == 401
@@ -400,7 +425,8 @@ def test_seconds_and_fps_give_frames(served):
 
 
 def test_two_process_server_runs_cancels_and_stops_together(served, tmp_path):
-  """Process 0 serves HTTP; process 1 follows its batches (a U=2 mesh over both), its cancel and its stop."""
+  """Process 0 serves HTTP; process 1 follows its batches (a U=2 mesh over both), its cancel and its stop;
+  a batch neither can prepare (its LoRA file gone) fails on both and they go on."""
   import httpx
 
   service, _ = served
@@ -408,11 +434,16 @@ def test_two_process_server_runs_cancels_and_stops_together(served, tmp_path):
   idle(service)
   data, cache, port, coordinator = str(tmp_path / "data"), str(tmp_path / "cache"), free_port(), free_port()
   os.makedirs(data)
-  flags = ("32x32x5x3", "--warmup", "32x32x5x20", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2")
+  fox = shutil.copy(service.config.loras[0][1], tmp_path / "fox.safetensors")
+  flags = ("32x32x5x3", "--warmup", "32x32x5x20", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+           "--lora", f"fox={fox}")
   processes = [_start(data, cache, port, flags + ("--process-id", str(i)), f"process{i}.log") for i in (0, 1)]
   try:
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
       wait_healthy(client, processes[0])
+      os.remove(fox)  # its job fails to prepare on both processes: failed, and both go on
+      lost = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "lora": ["fox"]}).json()["id"])
+      assert lost["status"] == "failed" and "fox.safetensors" in lost["error"]["message"], lost
       job = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "a red circle", "seed": 31}).json()["id"])
       assert job["status"] == "completed", job
       got = np.load(__import__("io").BytesIO(client.get(f"/v1/videos/{job['id']}/content").content))

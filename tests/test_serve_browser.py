@@ -178,11 +178,12 @@ def test_prompt_submitted_on_the_page_plays_as_a_video(page, tmp_path):
   assert (browser[..., 3] == 255).all() and ffmpeg.std() > 5  # a drawn frame, not a blank one
   mirrored = np.abs(browser[:, ::-1, :3].astype(int) - ffmpeg.astype(int)).mean()
   assert difference.mean() < 2 and difference.max() <= 8 and mirrored > 5 * difference.mean(), (difference, mirrored)
-  # A Cancel button drawn while the job ran, clicked after it finished, leaves the video (DELETE
-  # would delete a finished job).
+  # A Cancel button drawn while the job ran, clicked after it finished: the cancel route's 409 leaves
+  # the video (DELETE would delete a finished job), no error shown, the row redrawn as completed.
   stale = driver.execute_async_script(STALE_CANCEL, job_id)
   assert stale["message"] == "" and stale["rows"] == 1, stale
   assert client.get(f"/v1/videos/{job_id}/content").content == content
+  until(lambda: status_text(driver, job_id) == "completed", f"the page shows job {job_id} completed again", 10)
 
 
 def test_cancel_buttons_cancel_a_queued_and_a_running_job(page, tmp_path):

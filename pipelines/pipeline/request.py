@@ -216,7 +216,8 @@ class GenerationRequest:
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
-    _warn_outside_training(model, int(height), int(width), num_frames)
+    if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
+      warnings.warn(note, stacklevel=2)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
@@ -411,15 +412,14 @@ def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
   return schedulers.with_flow_shift(config, shift)
 
 
-def _warn_outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> None:
-  """Warns when a model that knows one video size (`ModelFacts.trained_video`) is asked for another."""
+def outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> str | None:
+  """`build`'s warning for a size a one-size model (`ModelFacts.trained_video`) was not trained at, or None."""
   if model.trained_video is None or (height, width, num_frames) == model.trained_video:
-    return
+    return None
   h, w, f = model.trained_video
-  warnings.warn(f"the {model.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x "
-                f"{num_frames} frames gives a video unlike its training (blotches, no shape): use {w}x{h} "
-                f"x {f} (generate's defaults), or a diffusers-format Wan folder for other sizes",
-                stacklevel=3)
+  return (f"the {model.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x {num_frames} "
+          f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} (generate's "
+          "defaults), or a diffusers-format Wan folder for other sizes")
 
 
 def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int) -> None:

@@ -84,6 +84,7 @@ class VideoObject(BaseModel):
   timings: dict[str, float] = Field(default_factory=dict)
   error: dict[str, Any] | None = None
   batch_size: int | None = None
+  warnings: list[str] = Field(default_factory=list)
 
 
 def defaults(model: str) -> Any:
@@ -179,24 +180,29 @@ def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
           "flow_shift": params["flow_shift"], "mesh": mesh}
 
 
-def check_request(params: dict[str, Any], facts: Any, mesh: Any) -> Any:
+def check_request(params: dict[str, Any], facts: Any, mesh: Any) -> tuple[Any, list[str]]:
   """The job's `GenerationRequest` (built as the Python call builds it), its values written back into
-  `params` as resolved (frames rounded to 4k + 1).
+  `params` as resolved (frames rounded to 4k + 1), and the job's warnings: frames rounded, a size the
+  model was not trained at (`request.outside_training`).
 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
   """
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.request import GenerationRequest, outside_training
 
+  asked = params["num_frames"]
   try:
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore")  # frames rounded to 4k + 1: the response shows the count used
+      warnings.simplefilter("ignore")  # made again below: Python's warning filters are shared by all threads
       request = GenerationRequest.build(facts, params["prompt"], params["negative_prompt"], seed=params["seed"],
                                         **build_kwargs(params, mesh))
   except ValueError as e:
     raise ApiError(400, str(e), _field(str(e))) from e
   params["num_frames"] = request.num_frames
-  return request
+  notes = [] if asked == request.num_frames else [
+      f"num_frames={asked} rounded to {request.num_frames}: Wan makes 4k + 1 frames"]
+  trained = outside_training(facts, request.height, request.width, request.num_frames)
+  return request, notes + ([] if trained is None else [trained])
 
 
 def _field(message: str) -> str | None:
@@ -221,4 +227,4 @@ def video_object(row: dict[str, Any], model: str) -> dict[str, Any]:
       seed=p["seed"], num_frames=p["num_frames"], num_inference_steps=p["num_inference_steps"], step=row["step"],
       output_format=p["output_format"], timings=row["timings"] or {},
       error=None if row["error"] is None else {"code": "generation_failed", "message": row["error"]},
-      batch_size=row["batch_size"]).model_dump()
+      batch_size=row["batch_size"], warnings=row.get("warnings") or []).model_dump()

@@ -4,6 +4,7 @@
   GET    /v1/videos               newest first: ?limit=20&after=ID -> {object: "list", data, has_more, ...}
   GET    /v1/videos/{id}          status, progress %, step, timings, error
   GET    /v1/videos/{id}/content  the video file (once completed)
+  POST   /v1/videos/{id}/cancel   cancel a queued or running job -> the video object; 409 once it finished
   DELETE /v1/videos/{id}          cancel a queued or running job; forget (and delete) a finished one
   GET    /health                  200 once the model is loaded and warmed up, else 503 (no auth)
   GET    /metrics                 Prometheus text
@@ -11,6 +12,8 @@
 
 With an API key every route but /health and / needs `Authorization: Bearer KEY`. Errors have
 OpenAI's body {"error": {"message", "type", "param", "code"}}; `param` names the field at fault.
+A client that means "stop it" (the page's Cancel) uses POST .../cancel: a job that finished before
+the request arrived stays as it is (409 "not_cancellable" naming its status), where DELETE would forget it.
 """
 
 from __future__ import annotations
@@ -152,6 +155,15 @@ def _add_video_routes(app: FastAPI, service: Any, auth: Any) -> None:
       raise api.ApiError(410, f"the file of video {video_id!r} is gone from the data folder", "video_id", code="gone")
     kind = row["params"]["output_format"]
     return FileResponse(path, media_type=api.MEDIA_TYPES[kind], filename=f"{video_id}.{kind}")
+
+  @app.post("/v1/videos/{video_id}/cancel", dependencies=[auth])
+  def cancel(video_id: str) -> dict:
+    _job(service, video_id)
+    if not service.store.cancel(video_id):
+      status = (service.store.get(video_id) or {"status": "deleted"})["status"]
+      raise api.ApiError(409, f"video {video_id!r} is {status} already; only a queued or in_progress video can be "
+                         "cancelled", "video_id", code="not_cancellable")
+    return api.video_object(service.store.get(video_id), model)
 
   @app.delete("/v1/videos/{video_id}", dependencies=[auth])
   def delete(video_id: str) -> dict:

@@ -25,12 +25,11 @@ from pipelines.serve.options import ServeConfig, parse
 def model_facts(config: ServeConfig) -> Any:
   """The `ModelFacts` of --model ("tiny", "tiny-random" or a folder) from its JSON files."""
   from pipelines.pipeline.request import ModelFacts
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
 
   if config.model == "tiny-random":
     return ModelFacts.tiny_random(config.dtype)
   if config.model == "tiny":
-    return ModelFacts.from_folder(TINY_DEFAULT_FOLDER, config.dtype, name="tiny")
+    return ModelFacts.tiny_default(config.dtype)  # with its one trained size (its jobs' warnings)
   return ModelFacts.from_folder(config.model, config.dtype)
 
 

@@ -105,8 +105,8 @@ class Service:
       raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
     params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
                             max_prompt_chars=self.config.max_prompt_chars)
-    api.check_request(params, self.facts, self.config.mesh)
-    row = self.store.add(params, api.batch_key(params), self.config.max_queue)
+    _, notes = api.check_request(params, self.facts, self.config.mesh)
+    row = self.store.add(params, api.batch_key(params), self.config.max_queue, warnings=notes)
     if row is None:
       raise api.ApiError(429, f"the queue is full ({self.config.max_queue} jobs); retry later", code="queue_full")
     if self.worker is not None:

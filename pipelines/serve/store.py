@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   completed_at REAL,
   output TEXT,
   timings TEXT,
-  error TEXT
+  error TEXT,
+  warnings TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
 CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id, batch_index);
@@ -82,6 +83,8 @@ class JobStore:
     self._db.execute("PRAGMA journal_mode=WAL")
     self._db.execute("PRAGMA synchronous=FULL")
     self._db.executescript(SCHEMA)
+    if "warnings" not in {column[1] for column in self._db.execute("PRAGMA table_info(jobs)")}:
+      self._db.execute("ALTER TABLE jobs ADD COLUMN warnings TEXT")  # a table from before jobs kept warnings
 
   def _write(self, sql: str, args: tuple = ()) -> int:
     with self._lock:
@@ -94,8 +97,10 @@ class JobStore:
 
   # --- the API's side ---
 
-  def add(self, params: dict[str, Any], batch_key: str, max_queue: int) -> dict[str, Any] | None:
-    """Queues a job; None when `max_queue` jobs are queued already (checked in the same transaction)."""
+  def add(self, params: dict[str, Any], batch_key: str, max_queue: int, warnings: list[str] | tuple = ()
+          ) -> dict[str, Any] | None:
+    """Queues a job with the warnings its checks gave; None when `max_queue` jobs are queued already
+    (checked in the same transaction)."""
     job_id = new_id()
     with self._lock:
       self._db.execute("BEGIN IMMEDIATE")
@@ -104,8 +109,9 @@ class JobStore:
         if queued >= max_queue:
           self._db.execute("ROLLBACK")
           return None
-        self._db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key) VALUES (?, ?, 'queued', ?, ?)",
-                         (job_id, time.time(), json.dumps(params), batch_key))
+        self._db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key, warnings) VALUES "
+                         "(?, ?, 'queued', ?, ?, ?)", (job_id, time.time(), json.dumps(params), batch_key,
+                                                       json.dumps(list(warnings))))
         self._db.execute("COMMIT")
       except BaseException:
         self._db.execute("ROLLBACK")
@@ -214,7 +220,7 @@ class JobStore:
 
 def _row(row: sqlite3.Row) -> dict[str, Any]:
   out = dict(row)
-  for name in ("params", "timings"):
+  for name in ("params", "timings", "warnings"):
     if name in out:
       out[name] = json.loads(out[name]) if out[name] else None
   return out

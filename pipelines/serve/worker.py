@@ -9,7 +9,9 @@ its request run alone up to the batch's rounding.
 
 Cancelling: a cancelled job is marked at once (`store.cancel`); a running batch stops at the next
 step once none of its jobs is still wanted (a member cancelled alone is dropped when the batch ends).
-A job that raises fails with its message; the worker goes on with the next batch.
+A job that raises fails with its message; the worker goes on with the next batch. In a
+multi-process server every process prepares the batch (LoRAs, request) and all agree before any
+runs it (`Worker._prepare`), so one process's failure there fails the jobs without stranding the others.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from pipelines.storage import video_io
 
 class BatchCancelled(Exception):
   """Every job of the running batch was cancelled: the loop stops before its next step."""
+
+
+class BatchNotPrepared(RuntimeError):
+  """Another process of a multi-process server failed to prepare the batch: no process runs it."""
 
 
 class ServerStopping(Exception):
@@ -157,11 +163,9 @@ class Worker:
         return
       if message["kind"] != "batch":
         continue
-      self._use_loras(tuple(message["jobs"][0]["lora"]))
-      request = batch_request(self.pipe.facts, message["jobs"], self.config.mesh)
-      resume = ResumeConfig(os.path.join(self.config.data_dir, "checkpoints", message["id"]),
-                            every=self.config.checkpoint_every, resume=message["resume"], keep=True)
+      folder = os.path.join(self.config.data_dir, "checkpoints", message["id"])
       try:
+        request, resume = self._prepare(message["jobs"], folder, message["resume"])
         self.pipe.generate(request, CallOptions(progress=False, hooks=(FollowStep(self.channel),)), resume=resume)
       except (BatchCancelled, ServerStopping):
         pass
@@ -192,17 +196,36 @@ class Worker:
 
   def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> Any:
     """The batch's `GenerationResult`, resumed from `folder` when a checkpoint is there."""
-    self._use_loras(tuple(rows[0]["params"]["lora"]))
-    request = batch_request(self.pipe.facts, [r["params"] for r in rows], self.config.mesh)
-    resume = ResumeConfig(folder, every=self.config.checkpoint_every,
-                          resume=os.path.exists(os.path.join(folder, STATE_FILE)), keep=True)
+    resume = os.path.exists(os.path.join(folder, STATE_FILE))
+    jobs = [r["params"] for r in rows]
     if self.channel is not None:
-      self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": [r["params"] for r in rows],
-                            "resume": resume.resume})
+      self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": jobs, "resume": resume})
+    request, config = self._prepare(jobs, folder, resume)
     hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping, self.channel)
-    result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=resume)
+    result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=config)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
     return result
+
+  def _prepare(self, jobs: list[dict[str, Any]], folder: str, resume: bool) -> tuple[GenerationRequest, ResumeConfig]:
+    """Every process: the batch's LoRAs fused and its request built; a multi-process server's
+    processes then agree (`Channel.agree`), so a failure on any of them skips the batch on all.
+
+    Raises:
+      BatchNotPrepared: another process failed to prepare it.
+      Exception: what preparing raised on this process.
+    """
+    error = None
+    try:
+      self._use_loras(tuple(jobs[0]["lora"]))
+      request = batch_request(self.pipe.facts, jobs, self.config.mesh)
+    except Exception as e:  # noqa: BLE001 -- raised below, once every process knows
+      error = e
+    failed = [] if self.channel is None else self.channel.agree(error is None)
+    if error is not None:
+      raise error
+    if failed:
+      raise BatchNotPrepared(f"process(es) {failed} could not prepare the batch (see their logs)")
+    return request, ResumeConfig(folder, every=self.config.checkpoint_every, resume=resume, keep=True)
 
   def _use_loras(self, names: tuple[str, ...]) -> None:
     """Fuses exactly the named server LoRAs (re-read from their files when the set changes)."""
@@ -269,6 +292,7 @@ def write_job(data_dir: str, row: dict[str, Any], result: Any, index: int, pipe:
   video_io.write_json({"id": row["id"], "output": path, "request": p, "model": pipe.facts.name, "mesh": config.mesh,
                        "batch": {"id": row["batch_id"], "index": index, "size": row["batch_size"]},
                        "settings": settings, "lora": pipe.lora_info(), "timings_s": timings,
+                       "warnings": row.get("warnings") or [],
                        "versions": versions()}, video_io.sidecar_path(path), overwrite=True)
   return path, timings
 

@@ -306,6 +306,23 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
                                         shardings=shardings, progress=progress)
 
 
+def abstract_params(config: UMT5Config, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True) -> Params:
+  """The params pytree as `jax.ShapeDtypeStruct`s (nothing allocated), as `load_umt5` would build it
+  with the same `dtype` and `keep_wo_in_fp32`: for ahead-of-time compiles and memory estimates."""
+  c = config
+  y, d, n, h, g = c.num_layers, c.d_model, c.num_heads, c.d_kv, c.d_ff
+  dtype = jnp.dtype(dtype)
+
+  def sds(shape, out_dtype=dtype):
+    return jax.ShapeDtypeStruct(shape, out_dtype)
+
+  layers = {"attn_norm": sds((y, d)), "ffn_norm": sds((y, d)), "q": sds((y, d, n, h)), "k": sds((y, d, n, h)),
+            "v": sds((y, d, n, h)), "o": sds((y, n, h, d)), "rel_bias": sds((y, c.relative_attention_num_buckets, n)),
+            "wi_0": sds((y, d, g)), "wi_1": sds((y, d, g)),
+            "wo": sds((y, g, d), jnp.dtype(jnp.float32) if keep_wo_in_fp32 else dtype)}
+  return {"embedding": sds((c.vocab_size, d)), "final_norm": sds((d,)), "layers": layers}
+
+
 def init_umt5_params(config: UMT5Config, seed: int = 0, *, dtype: Any = jnp.float32,
                      keep_wo_in_fp32: bool = True) -> Params:
   """Random params with transformers' UMT5 init (Mesh TensorFlow stds), e.g. for the tiny preset.

@@ -344,6 +344,43 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
   return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
 
 
+def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent_width: int,
+                          devices: list[Any], split: bool) -> dict[str, Any]:
+  """The decode's two chunk programs lowered (not compiled) for abstract latents; nothing runs.
+
+  Args:
+    vae: the model; its leaves may be `jax.ShapeDtypeStruct`s (they are placed like the programs').
+    batch, latent_height, latent_width: B, Hl, Wl of the latents.
+    devices: where the programs run: the first one (`decode`), or all of them with `split`
+      (`decode_parallel`, the latent rows padded to D * ceil(Hl / D) and split).
+    split: the height split over every device of `devices`.
+
+  Returns:
+    {"first": the lowered first-chunk program, "later": the lowered later-chunk program} (the
+    later one for the cache the first returns). `end_to_end/aot_vae.py` compiles them for a TPU.
+  """
+  mesh = Mesh(np.array(devices if split else devices[:1], dtype=object), ("all",))
+
+  def placed(tree, sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+  vae = WanVAE(vae.config, placed(vae.params, NamedSharding(mesh, P())))
+  if not split:
+    z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype),
+               NamedSharding(mesh, P()))
+    _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
+    return {"first": _decode_first_chunk.lower(vae, z),
+            "later": _decode_next_chunk.lower(vae, placed(cache, NamedSharding(mesh, P())), z)}
+  rmesh = row_mesh(mesh)
+  rows = row_split(rmesh.size, latent_height)
+  sharding = NamedSharding(rmesh, _ROWS_SPEC)
+  z = placed(jax.ShapeDtypeStruct((batch, 1, rows.devices * rows.band, latent_width, vae.config.z_dim), vae.dtype),
+             sharding)
+  _, cache = jax.eval_shape(lambda v, z: _decode_first_chunk_rows(v, z, mesh=rmesh, rows=rows), vae, z)
+  return {"first": _decode_first_chunk_rows.lower(vae, z, mesh=rmesh, rows=rows),
+          "later": _decode_next_chunk_rows.lower(vae, placed(cache, sharding), z, mesh=rmesh, rows=rows)}
+
+
 def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
                                 dtype: jnp.dtype = jnp.float32):
   """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.

@@ -1,0 +1,102 @@
+"""The whole-pipeline TPU AOT report's stages other than the denoise step: text encoder and VAE decode.
+
+`python -m end_to_end.benchmark --aot v6e:2x4 --stages text,step,decode --aot-models 14b` compiles
+every program a run needs, per stage: the UMT5-XXL text encoder (`aot_text`, once: every Wan model
+shares it), the denoise step for each model (`aot.compile_denoise_step`) and the VAE decoder's
+first-chunk and later-chunk programs (`aot_vae`), on one device and with the rows split over every
+device of the topology (`decode_parallel`). With `--compile-cache DIR`, JAX's persistent
+compilation cache is on and each row says whether DIR already held the program's entry ("entry
+found": a second process compiling the same program computed the same key) or the compile wrote
+it ("written"). On a host without a TPU the compile-only client cannot load a found entry (JAX
+warns and compiles again), so the warm compile time itself needs a TPU; the key match is what can
+be checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+STAGES = ("text", "step", "decode")
+# --aot-models name -> (VAE preset, height, width) of its decode.
+DECODE_TARGETS = {"1.3b": ("wan2.1", 480, 832), "14b": ("wan2.1", 720, 1280), "a14b": ("wan2.1", 720, 1280),
+                  "ti2v-5b": ("wan2.2", 704, 1280)}
+
+
+def parse_stages(text: str) -> list[str]:
+  """The comma-separated `--stages` value as a list (ValueError naming an unknown stage)."""
+  stages = [s.strip() for s in text.split(",") if s.strip()]
+  unknown = [s for s in stages if s not in STAGES]
+  if unknown or not stages:
+    raise ValueError(f"--stages {text!r}: comma-separated from {', '.join(STAGES)}")
+  return stages
+
+
+def enable_compile_cache(directory: str) -> None:
+  """JAX's persistent compilation cache in `directory`, for every program however short its compile."""
+  import jax
+
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def with_cache_status(directory: str | None, compile_fn: Callable[[], Any]) -> tuple[Any, str]:
+  """(compile_fn(), "off" | "written" | "entry found"): whether the cache gained an entry."""
+  if directory is None:
+    return compile_fn(), "off"
+  before = set(os.listdir(directory))
+  result = compile_fn()
+  return result, "written" if set(os.listdir(directory)) - before else "entry found"
+
+
+def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list[dict[str, Any]]:
+  """The text encoder as the pipeline places it: one device, and split when `mesh_spec` shards weights."""
+  from end_to_end.aot_text import compile_text_encoder
+
+  specs = [None] + ([mesh_spec] if mesh_spec is not None and mesh_spec.shard_weights else [])
+  rows = []
+  for spec in specs:
+    row, cache = with_cache_status(cache_dir, lambda: compile_text_encoder(devices, mesh_spec=spec))
+    rows.append(dict(row, cache=cache))
+  return rows
+
+
+def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: str | None,
+                emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+  """The VAE decoder's two programs for each distinct decode among `models`, one device and split."""
+  from end_to_end.aot_vae import compile_vae_decode
+
+  rows = []
+  for vae, height, width in dict.fromkeys(DECODE_TARGETS[m] for m in models if m in DECODE_TARGETS):
+    for split in (False, True):
+      start = time.perf_counter()
+      try:
+        found, cache = with_cache_status(cache_dir, lambda: compile_vae_decode(
+            devices, height=height, width=width, vae=vae, dtype=dtype, split=split))
+      except Exception as e:  # noqa: BLE001 - e.g. out of HBM: report the row, go on
+        found, cache = [dict(stage="decode", program="both", vae=vae, height=height, width=width, split=split,
+                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                             compile_s=time.perf_counter() - start)], "off"
+      for row in found:
+        rows.append(dict(row, cache=cache))
+        emit(rows[-1])
+  return rows
+
+
+def format_decode_row(r: dict[str, Any]) -> str:
+  """One line of the decode stage (per device: GiB, MiB; collectives count / MiB)."""
+  where = f"rows over {r['devices']}" if r["split"] else "one device"
+  head = f"decode {r['vae']} {r['height']}x{r['width']} {where:14s} {r['program']:5s}"
+  if "error" in r:
+    return f"{head} failed: {r['error']}"
+  mem = r.get("memory_analysis", {})
+  coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+  return (f"{head} compile {r['compile_s']:6.1f} s ({r['compile_cpu_s']:.1f} s CPU), convolutions "
+          f"{r['convolutions']} ({r['distinct_convolutions']} distinct), args "
+          f"{mem.get('argument_size_in_bytes', 0) / 2**30:.2f} GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} "
+          f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {coll or 'none'}, "
+          f"cache {r['cache']}")

@@ -1,0 +1,67 @@
+"""The whole-pipeline AOT report's parts that run without libtpu: the stage list, the VAE decode
+programs (compiled here for CPU devices), the distinct-convolution count that a TPU compile pays
+for, and the compile-cache status. The TPU numbers themselves are in end_to_end/README.md."""
+
+import jax
+import pytest
+
+from end_to_end import aot_stages, aot_vae, benchmark
+from pipelines.wan import vae as V
+from pipelines.wan.vae_config import VAE_PRESETS
+
+
+def test_stages_are_checked_before_any_compile(capsys):
+  assert aot_stages.parse_stages("text,decode") == ["text", "decode"]
+  for bad in ("vae", "", "step,encode"):
+    with pytest.raises(ValueError, match="comma-separated from text, step, decode"):
+      aot_stages.parse_stages(bad)
+  assert benchmark.main(["--aot", "v6e:2x4", "--stages", "step,vae"]) == 2
+  assert "--stages 'step,vae'" in capsys.readouterr().err
+
+
+def test_distinct_convolutions_counts_repeats_once():
+  line = ('%0 = stablehlo.convolution(%a, %b) dim_numbers = [b, 0, 1, f], window = {pad = [[0, 0]]} : '
+          '(tensor<1x8x8x4xf32>, tensor<3x3x4x4xf32>) -> tensor<1x8x8x4xf32>')
+  other = line.replace("pad = [[0, 0]]", "pad = [[1, 1]]")
+  assert aot_vae.distinct_convolutions("\n".join([line, line, other, "%1 = stablehlo.add"])) == (3, 2)
+
+
+def _upsamplers(config):
+  return sum(1 for layer in config.decoder_layers() if type(layer).__name__ == "Resample")
+
+
+def test_each_upsample_is_one_convolution_for_the_tpu():
+  """The TPU lowering of the later-chunk decode: one 2x2 convolution per upsampler (the four output
+  phases stacked on output channels), not one per phase with different paddings."""
+  config = VAE_PRESETS["wan2.1"]
+  vae = aot_vae.abstract_vae(config, jax.numpy.bfloat16)
+  z = jax.ShapeDtypeStruct((1, 1, 60, 104, config.z_dim), jax.numpy.bfloat16)
+  _, cache = jax.eval_shape(V._decode_first_chunk, vae, z)
+  text = V._decode_next_chunk.trace(vae, cache, z).lower(lowering_platforms=("tpu",)).as_text()
+  two_by_two = [line for line in text.splitlines() if "stablehlo.convolution" in line and "tensor<1x2x2x" in line]
+  assert len(two_by_two) == _upsamplers(config) == 3
+  convs, distinct = aot_vae.distinct_convolutions(text)
+  assert (convs, distinct) == (39, 16), (convs, distinct)
+
+
+def test_decode_programs_split_over_devices_move_only_halo_rows():
+  rows = aot_vae.compile_vae_decode(jax.devices()[:2], height=40, width=32, vae="tiny", dtype="float32", split=True,
+                                    programs=("first",))
+  assert [r["program"] for r in rows] == ["first"]
+  for r in rows:
+    assert r["stage"] == "decode" and r["devices"] == 2 and r["split"]
+    assert r["collectives"]["collective-permute"]["count"] > 0
+    assert r["collectives"]["all-gather"]["count"] == 0 and r["collectives"]["all-to-all"]["count"] == 0
+    assert r["memory_analysis"]["argument_size_in_bytes"] > 0 and r["compile_s"] > 0
+    assert "failed" not in aot_stages.format_decode_row(dict(r, cache="off"))
+  with pytest.raises(ValueError, match="multiples of 8"):
+    aot_vae.compile_vae_decode(jax.devices()[:1], height=44, width=32, vae="tiny")
+
+
+def test_cache_status_says_whether_an_entry_was_written(tmp_path):
+  def compile_writing(name):
+    return lambda: (tmp_path / name).write_text("x")
+
+  assert aot_stages.with_cache_status(None, compile_writing("a"))[1] == "off"
+  assert aot_stages.with_cache_status(str(tmp_path), compile_writing("b"))[1] == "written"
+  assert aot_stages.with_cache_status(str(tmp_path), compile_writing("b"))[1] == "entry found"
