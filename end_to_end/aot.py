@@ -2,9 +2,11 @@
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
 guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.step.denoise_step`
-with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2), latents /
-solver state / text replicated, video tokens sharded over (ring, ulysses) inside the forward.
-Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
+with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2) or sharded,
+latents / solver state replicated, the text as the pipeline passes it (every block's text K/V, and
+the image tokens' for Wan 2.1 I2V, rows split over cfg; or the text states with `text_kv_once=False`),
+the image-to-video or TI2V condition of the target, video tokens sharded over (ring, ulysses)
+inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `nnx.eval_shape`.
 
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
@@ -22,21 +24,44 @@ libtpu's one-process lock, which guards real chips, does not refuse a second com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
 from typing import Any
 
 
-# name -> (transformer preset, height, width, flow shift) compiled by `--aot`.
-AOT_TARGETS = {"1.3b": ("wan2.1-t2v-1.3b", 480, 832, 3.0), "14b": ("wan2.1-t2v-14b", 720, 1280, 5.0),
-               "a14b": ("wan2.2-t2v-a14b", 720, 1280, 12.0)}
+@dataclasses.dataclass(frozen=True)
+class AotTarget:
+  """One model and video that `--aot` compiles.
+
+  Attributes:
+    preset: the transformer preset (`pipelines.wan.transformer_config.PRESETS`).
+    height, width, frames: the video.
+    flow_shift: the scheduler's shift (the preset's, `pipelines.cli.presets`).
+    ti2v: Wan 2.2 TI2V (`expand_timesteps`: per-token timesteps, the first frame's latents in the
+      input, the Wan 2.2 VAE's 16x spatial latents).
+  """
+  preset: str
+  height: int
+  width: int
+  frames: int
+  flow_shift: float
+  ti2v: bool = False
+
+
+# name -> what `--aot` compiles (image-to-video: a 36-channel input of noise, mask and condition
+# latents, and for Wan 2.1 I2V the CLIP image tokens' K/V in every cross-attention).
+AOT_TARGETS = {"1.3b": AotTarget("wan2.1-t2v-1.3b", 480, 832, 81, 3.0),
+               "14b": AotTarget("wan2.1-t2v-14b", 720, 1280, 81, 5.0),
+               "a14b": AotTarget("wan2.2-t2v-a14b", 720, 1280, 81, 12.0),
+               "i2v-14b": AotTarget("wan2.1-i2v-14b", 720, 1280, 81, 5.0),
+               "ti2v-5b": AotTarget("wan2.2-ti2v-5b", 704, 1280, 121, 5.0, ti2v=True)}
 # Transformers resident in device memory per preset (Wan 2.2 A14B: the high- and low-noise experts).
 EXPERTS = {"wan2.2-t2v-a14b": 2}
 # Environment for compiling with libtpu on a host without a TPU (see the module docstring).
 OFFLINE_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-AOT_FRAMES = 81
 AOT_TEXT_LEN = 512
 
 
@@ -83,34 +108,90 @@ def default_degrees(devices: int, heads: int) -> tuple[int, int]:
   return ulysses, devices // ulysses
 
 
-def _text_kv_spec(config: Any, text_len: int, dtype: Any, spec: Any) -> Any:
-  """The step's text argument as the pipeline passes it: every block's text K/V of the [cond;
-  uncond] rows (`transformer.TextKV`, [Z, 2, L, N, H] each, computed once before the loop)."""
+def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, once: bool) -> Any:
+  """The step's text argument as the pipeline passes it for the [cond; uncond] rows: every block's
+  text K/V (`transformer.TextKV`, [Z, 2, L, N, H] each, with the image tokens' [Z, 2, P, N, H] for
+  a transformer with an image branch; computed once before the loop, rows split over "cfg" as
+  `text_kv` lays them out), or with `once=False` the replicated text states [2, L, text_dim] (K/V
+  computed inside the step, `CallOptions(text_kv_once=False)`)."""
   import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
+  from attention.mesh import batch_axis
+
+  from pipelines.parallel.estimate import image_tokens
   from pipelines.wan.transformer import TextKV
 
+  if not once:
+    return spec(jax.ShapeDtypeStruct((2, text_len, config.text_dim), dtype))
   heads = config.num_attention_heads
-  kv = jax.ShapeDtypeStruct((config.num_layers, 2, text_len, heads, config.dim // heads), dtype)
-  return TextKV(k_ZBLNH=spec(kv), v_ZBLNH=spec(kv))
+
+  rows = NamedSharding(mesh, P(None, batch_axis(mesh)))
+
+  def kv(tokens):
+    return jax.ShapeDtypeStruct((config.num_layers, 2, tokens, heads, config.dim // heads), dtype, sharding=rows)
+
+  image = image_tokens(config) or None
+  return TextKV(k_ZBLNH=kv(text_len), v_ZBLNH=kv(text_len), image_k_ZBPNH=None if image is None else kv(image),
+                image_v_ZBPNH=None if image is None else kv(image))
+
+
+def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec: Any, *, ti2v: bool) -> Any:
+  """The step's condition argument for one video (`pipeline.step.denoise_step`): None for
+  text-to-video; TI2V's first-frame latents [1, C, 1, Hl, Wl] (per-token timesteps); image-to-video's
+  mask + condition latents [1, in - out channels, F, Hl, Wl] and (Wan 2.1 I2V) the CLIP states
+  [1 or 2, J, I] (unused by the step when the text K/V hold the image's)."""
+  import jax
+  import jax.numpy as jnp
+
+  from pipelines.parallel.estimate import image_tokens
+  from pipelines.wan.image_condition import ImageConditioning
+  from pipelines.wan.ti2v import TI2VConditioning
+
+  b, _, f, hl, wl = latent_shape
+  if ti2v:
+    return TI2VConditioning(patch_size=config.patch_size,
+                            first_frame_BCFHW=spec(jax.ShapeDtypeStruct((b, config.out_channels, 1, hl, wl), jnp.float32)))
+  if config.in_channels == config.out_channels:
+    return None
+  video = spec(jax.ShapeDtypeStruct((b, config.in_channels - config.out_channels, f, hl, wl), jnp.float32))
+  image = None
+  if config.has_image_branch:
+    rows = b * (1 if config.pos_embed_seq_len is None else 2)
+    tokens = image_tokens(config) // (rows // b)  # J of one frame
+    image = spec(jax.ShapeDtypeStruct((rows, tokens, config.image_dim), dtype))
+  return ImageConditioning(video_BCFHW=video, image_BJI=image)
 
 
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
-                         attention_backend: str = "auto", quantize: str | None = None) -> dict[str, Any]:
+                         attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
+                         text_kv_once: bool = True, lower_only: bool = False) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
+  The step's conditioning follows the preset: a 36-channel transformer (image-to-video) gets the
+  mask and condition latents (`ImageConditioning`) and, with an image branch (Wan 2.1 I2V), the CLIP
+  image tokens' K/V held with the text's; `ti2v` gives Wan 2.2 TI2V's first-frame latents and
+  per-token timesteps on latents of the 16x Wan 2.2 VAE.
+
   Args:
+    preset: a transformer preset's name, or a `WanTransformerConfig` (reported as "custom").
     mesh_spec: an `attention.MeshSpec` (CFG split, weight sharding) or None for the default
       (U as large as the heads allow, no CFG split, weights replicated).
     attention_backend: "auto" (resolved for the devices' platform: the Pallas kernels on TPU),
       "xla" or "pallas".
     quantize: None or a `pipelines.wan.quantization.MODES` mode: the block Linear weights are
       int8 / fp8 arguments (with their fp32 scales) of the compiled step.
+    ti2v: Wan 2.2 TI2V (`AotTarget.ti2v`).
+    text_kv_once: the step receives the text (and image) K/V computed before the loop (the
+      pipeline's default); False: the step computes them from the text and image states.
+    lower_only: trace and lower the step, no compile (checks that the arguments fit the step; the
+      report then has no compile time, collectives, memory or cost analysis).
 
   Returns:
-    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, compile_s, memory_analysis
-    (bytes per device), cost_analysis, collectives ({op: {count, bytes}}).
+    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, text_bytes_per_device (the step's
+    text argument: the held K/V, or the text states), compile_s, memory_analysis (bytes per device),
+    cost_analysis, collectives ({op: {count, bytes}}).
 
   Raises:
     ValueError: a mesh that does not fit the devices or heads.
@@ -127,7 +208,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   from pipelines.wan.transformer import build_transformer
   from pipelines.wan.transformer_config import PRESETS, param_shapes
 
-  config = PRESETS[preset]
+  config = PRESETS[preset] if isinstance(preset, str) else preset
+  preset = preset if isinstance(preset, str) else "custom"
   if mesh_spec is None:
     ulysses, ring = default_degrees(len(devices), config.num_attention_heads)
     mesh_spec = attention.MeshSpec(ulysses=ulysses, ring=ring)
@@ -150,7 +232,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   def spec(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
 
-  latent_shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+  spatial = 16 if ti2v else 8  # the Wan 2.2 VAE of TI2V-5B: 16x spatial
+  latent_shape = (1, config.out_channels, (frames - 1) // 4 + 1, height // spatial, width // spatial)
   solver = schedulers.UniPCConfig(flow_shift=flow_shift).set_timesteps(50).init_state(latent_shape, jnp.float32)
   from pipelines.wan.transformer import weight_shardings
 
@@ -158,8 +241,9 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
                         weight_shardings(state, mesh, mesh_spec.shard_weights))
   args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
           jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
-          _text_kv_spec(config, text_len, model_dtype, spec),
-          spec(jax.ShapeDtypeStruct((), jnp.float32)))
+          _text_spec(config, text_len, model_dtype, spec, mesh, once=text_kv_once),
+          spec(jax.ShapeDtypeStruct((), jnp.float32)), None,
+          _condition_spec(config, latent_shape, model_dtype, spec, ti2v=ti2v))
   from pipelines.parallel.plan import ParallelPlan
   from pipelines.pipeline.step import denoise_step
 
@@ -169,26 +253,37 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="plan",
                  donate_argnums=(2, 3))
   start = time.perf_counter()
-  compiled = step.lower(graphdef, *args, plan=plan).compile()
-  compile_s = time.perf_counter() - start
-
+  lowered = step.lower(graphdef, *args, plan=plan)
   report: dict[str, Any] = dict(
       model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
+      ti2v=ti2v, text_kv_once=text_kv_once,
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
-      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend, compile_s=compile_s,
-      collectives=hlo_collectives(compiled.as_text()))
-  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(placed))
+      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
+      text_bytes_per_device=_bytes_per_device(args[3]))
+  weights = _bytes_per_device(placed)
+  # Every argument as the pipeline holds it: jit drops the arguments a step does not read (with the
+  # K/V held: every block's cross-attention to_k / to_v, and add_k_proj / add_v_proj and the image
+  # embedder of Wan 2.1 I2V; 3.9 + 3.9 GiB for the 14B I2V) from XLA's argument size, but the
+  # pipeline keeps those weights on the devices.
+  held_arguments = _bytes_per_device(args)
   experts = EXPERTS.get(preset, 1)
-  report.update(weights_bytes_per_device=int(weights), experts=experts)
+  report.update(weights_bytes_per_device=int(weights), arguments_bytes_per_device=int(held_arguments),
+                experts=experts)
+  if lower_only:
+    return report
+  compiled = lowered.compile()
+  report.update(compile_s=time.perf_counter() - start, collectives=hlo_collectives(compiled.as_text()))
   memory = compiled.memory_analysis()
   if memory is not None:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes", "alias_size_in_bytes")
     report["memory_analysis"] = m = {f: int(getattr(memory, f, 0)) for f in fields}
     # What one device holds while a step runs: the step's arguments (this expert's weights, the
-    # latents, solver state and text), its temporaries and outputs not aliased to donated inputs,
-    # plus the other expert's weights, which stay resident (same shardings) in a two-expert model.
-    report["resident_bytes_per_device"] = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
+    # latents, solver state and text; those the step does not read too), its temporaries and
+    # outputs not aliased to donated inputs, plus the other expert's weights, which stay resident
+    # (same shardings) in a two-expert model.
+    arguments = max(m["argument_size_in_bytes"], int(held_arguments))
+    report["resident_bytes_per_device"] = (arguments + m["temp_size_in_bytes"]
                                            + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
                                            + (experts - 1) * int(weights))
   cost = compiled.cost_analysis()
@@ -199,27 +294,36 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   return report
 
 
+def _bytes_per_device(tree: Any) -> int:
+  """Bytes one device holds of a pytree of `ShapeDtypeStruct`s with shardings."""
+  import jax
+
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def format_header(topology: str) -> str:
   """The AOT table's title and column names."""
   return "\n".join([
       f"AOT compile for TPU {topology} (compile-time analysis on this machine; NOT a runtime "
       "measurement). Denoise step = transformer on 2 rows (CFG) + guidance + UniPC; per device:",
-      f"{'model':16s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
+      f"{'model':22s} {'video':>14s} {'tokens':>7s} {'mesh':>8s} {'compile s':>9s} {'args GiB':>9s} "
       f"{'temp GiB':>9s} {'held GiB':>9s} {'code MiB':>8s} {'TFLOP':>8s} {'GB accessed':>11s}  "
       "collectives (count / MiB)",
-      "(held = args + temp + outputs not aliased to donated inputs + a second expert's weights where the "
-      "model has two)",
+      "(args: XLA's, without the arguments the step does not read; held = every argument the pipeline "
+      "holds + temp + outputs not aliased to donated inputs + a second expert's weights where the "
+      "model has two; 'kv/step': the step computes the text (and image) K/V itself instead of receiving them)",
       "(TFLOP, GB accessed and collectives count each loop body ONCE: the blocks run in one lax.scan "
       "and attention in block loops, so these are per program text, not per step)"])
 
 
 def format_row(r: dict[str, Any]) -> str:
   """One row of the AOT table (GiB per device, TFLOP per device, collective counts / MiB)."""
+  label = r["model"] + ("" if r.get("text_kv_once", True) else " kv/step")
   if "error" in r:
-    return f"{r['model']:16s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}"
+    return f"{label:22s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}"
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
-  return (f"{r['model']:16s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
+  return (f"{label:22s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
           f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} {r['compile_s']:9.1f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
           f"{r.get('resident_bytes_per_device', 0) / 2**30:9.2f} {mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "

@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
   ap.add_argument("--aot-models", default="1.3b,14b",
                   help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
-                       "A14B, 720x1280, both experts resident)")
+                       "A14B, 720x1280, both experts resident), i2v-14b (Wan 2.1 I2V 14B, 720x1280, CLIP "
+                       "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps)")
+  ap.add_argument("--aot-kv-in-step", action="store_true",
+                  help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
+                       "itself (CallOptions(text_kv_once=False)) instead of receiving them")
   ap.add_argument("--stages", default="step",
                   help="with --aot, the programs compiled, comma-separated: text (the UMT5-XXL encoder), step (the "
                        "denoise step of each --aot-models), decode (the VAE decoder's first and later chunk programs, "
@@ -191,15 +195,15 @@ def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec |
   """The denoise step of `--aot-models` entry `name` compiled (or the error that stopped it)."""
   from end_to_end import aot, aot_stages
 
-  preset, height, width, shift = aot.AOT_TARGETS[name]
+  t, once = aot.AOT_TARGETS[name], not args.aot_kv_in_step
   try:
     row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot.compile_denoise_step(
-        devices, preset=preset, height=height, width=width, frames=aot.AOT_FRAMES, dtype=args.dtype or "bfloat16",
-        text_len=aot.AOT_TEXT_LEN, flow_shift=shift, mesh_spec=mesh, attention_backend=args.attention_backend,
-        quantize=args.quantize))
+        devices, preset=t.preset, height=t.height, width=t.width, frames=t.frames, dtype=args.dtype or "bfloat16",
+        text_len=aot.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh, attention_backend=args.attention_backend,
+        quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once))
     return dict(row, stage="step", cache=cache)
   except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
-    return dict(stage="step", model=preset, height=height, width=width, frames=aot.AOT_FRAMES,
+    return dict(stage="step", model=t.preset, height=t.height, width=t.width, frames=t.frames, text_kv_once=once,
                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 
 import numpy as np
@@ -146,6 +147,39 @@ def test_cfg_parallel_parity(kinds):
   _, ref, pipe = kinds("i2v")
   frames = pipe(**_call_args("i2v"), latents=LATENTS, mesh="CFG=2,U=2,R=2")
   assert_psnr_at_least(frames, ref, PARITY_DB, name="i2v CFG=2,U=2,R=2 vs diffusers")
+
+
+@pytest.mark.parametrize("kind,mesh", [("i2v", None), ("flf2v", "CFG=2,U=2,R=1")])
+def test_image_kv_once_equals_recomputing_every_step(kinds, kind, mesh, monkeypatch):
+  """The image's cross-attention K/V (add_k_proj, norm_added_k, add_v_proj) computed once with the
+  text's before the loop (`transformer.text_kv`): the same latents, bit for bit, as computing them
+  inside every step (`text_kv_once=False`), on one device and on a CFG-split mesh. Positive
+  controls: the held step program has no matmul over the CLIP width (the image embedder and the
+  image K/V are gone from it) while the in-step one has, and the latents moved."""
+  from pipelines.pipeline.call_options import CallOptions
+  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.step import CompiledSteps
+
+  _, _, pipe = kinds(kind)
+  images = []
+  original = CompiledSteps.text_kv
+
+  def text_kv(self, params, text, image=None, **kwargs):
+    images.append(None if image is None else image.shape)
+    return original(self, params, text, image, **kwargs)
+
+  monkeypatch.setattr(CompiledSteps, "text_kv", text_kv)
+  request = GenerationRequest.build(pipe.facts, **_call_args(kind), latents=LATENTS, mesh=mesh, decode=False)
+  once = pipe.generate(request, CallOptions(progress=False))
+  frames = 2 if kind == "flf2v" else 1
+  assert images == [(2 * len(PROMPTS) * frames, 17, CLIP_WIDTH)]  # once, the [cond; uncond] rows
+  every = pipe.generate(request, CallOptions(progress=False, text_kv_once=False))
+  assert len(images) == 1
+  np.testing.assert_array_equal(once.latents, every.latents)
+  assert np.abs(once.latents - LATENTS).max() > 0.1
+  held, in_step = (p.as_text() for p in pipe.compiled_steps.programs()[-2:])
+  clip_matmul = re.compile(rf"= f32\[\d+,{CLIP_WIDTH}\]\{{[^}}]*\}} dot\(")  # the image embedder's proj_in
+  assert clip_matmul.search(in_step) and not clip_matmul.search(held)
 
 
 # --- folder forms ---------------------------------------------------------------------------------

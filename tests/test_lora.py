@@ -307,6 +307,32 @@ def test_refused_keys_and_shapes_name_them_and_change_nothing(tiny, tmp_path):
   assert _same(_leaves(tiny), base)
 
 
+def test_lora_file_is_read_once(tiny, tmp_path, monkeypatch):
+  """`load_lora_weights` opens the file once (one memory map gives its tensors and its digest), and
+  the adapter's sha256 is the file's (the digest `lora_digest` computes by reading it again)."""
+  import builtins
+  import hashlib
+
+  path = _write(tmp_path / "once.safetensors", _numpy_lora(tiny.transformer_config, modules=["blocks.0.attn1.to_q"]))
+  opened, real_open = [], builtins.open
+
+  def counting_open(file, *args, **kwargs):
+    if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
+      opened.append(args)
+    return real_open(file, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "open", counting_open)
+  tiny.load_lora_weights(path, adapter_name="once")
+  monkeypatch.undo()
+  try:
+    assert len(opened) == 1, opened
+    [adapter] = [a for a in tiny.lora_info()["adapters"] if a["name"] == "once"]
+    assert adapter["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest() == lora.lora_digest(path)
+    assert adapter["layers"] == 1
+  finally:
+    tiny.unload_lora_weights()
+
+
 def test_two_experts_load_into_transformer_2():
   """diffusers' `load_into_transformer_2=True`: the LoRA goes into the low-noise expert only."""
   tiny = WanPipeline.tiny(random=True)

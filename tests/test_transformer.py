@@ -225,6 +225,28 @@ def test_config_round_trip_and_checks_image_fields():
     WanTransformerConfig(attention_head_dim=7)
 
 
+def test_held_image_kv_refusals():
+  """A `TextKV` holding the image K/V goes without image states; both at once (they could differ),
+  neither for an image transformer, or image K/V for a text-only one are refused before any compute."""
+  from pipelines.wan.transformer import TextKV, text_kv
+
+  base = dataclasses.replace(PRESETS["tiny"], num_layers=1)
+  i2v = init_transformer(dataclasses.replace(base, in_channels=36, image_dim=24, added_kv_proj_dim=base.dim))
+  t2v = init_transformer(base)
+  latents, t = jnp.zeros((1, 36, 1, 2, 2)), jnp.zeros((1,))
+  text, image = jnp.zeros((1, 3, base.text_dim)), jnp.zeros((1, 5, 24))
+  kv = jnp.zeros((1, 1, 3, base.num_attention_heads, base.attention_head_dim))
+  held = TextKV(kv, kv, kv, kv)
+  with pytest.raises(ValueError, match="holds the image K/V already"):
+    forward(i2v, latents, t, held, None, image)
+  with pytest.raises(ValueError, match="needs encoder_hidden_states_image"):
+    forward(i2v, latents, t, TextKV(kv, kv), None, None)
+  with pytest.raises(ValueError, match="no image branch"):
+    forward(t2v, latents[:, :16], t, held, None, None)
+  with pytest.raises(ValueError, match="no image branch"):
+    text_kv(t2v, text, None, image)
+
+
 def _broken_copy(tmp_path, edit) -> str:
   """Copies the n2h12 folder with its state dict changed by edit(state)."""
   src = _folder("n2h12")

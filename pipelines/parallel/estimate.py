@@ -22,6 +22,8 @@ CPU_FLOPS_PER_CORE = 13e9
 ACCELERATOR_FLOPS = {"bfloat16": 2e14, "float32": 5e13}
 # Runs whose denoising is estimated at this many seconds or more get a line before they start.
 LONG_S = 120.0
+# CLIP ViT-H/14 image tokens of one frame at 224 x 224 (Wan 2.1 I2V's image encoder): 16 x 16 + 1.
+CLIP_IMAGE_TOKENS = 257
 # Wan's VAE: 8x spatial, 4x temporal compression (Wan 2.1 and the Wan 2.2 A14B experts); the Wan 2.2
 # VAE of TI2V-5B is 16x spatial (`spatial_factor=16` below).
 VAE_SPATIAL, VAE_TEMPORAL = 8, 4
@@ -60,6 +62,22 @@ def video_tokens(patch_size: tuple[int, int, int], frames: int, height: int, wid
   for n, p in zip(latent, patch_size):
     count *= n // p
   return count
+
+
+def image_tokens(config) -> int:
+  """P: the image tokens every cross-attention attends to beside the text (Wan 2.1 I2V: one CLIP
+  frame, 257; FLF2V: its `pos_embed_seq_len`, two frames), 0 without an image branch."""
+  if not config.has_image_branch:
+    return 0
+  return CLIP_IMAGE_TOKENS if config.pos_embed_seq_len is None else config.pos_embed_seq_len
+
+
+def held_kv_bytes(config, *, rows: int, text_tokens: int, dtype_bytes: int) -> int:
+  """Bytes of the cross-attention K/V one device holds for the whole run (`transformer.text_kv`,
+  computed once before the loop): keys and values of the text [Z, rows, L, N, H] and, with an image
+  branch, of the image [Z, rows, P, N, H], in the model dtype; `rows` the device's rows (2 under CFG,
+  1 on a CFG-split mesh). One expert's: the pipeline keeps only the current expert's K/V."""
+  return 2 * config.num_layers * rows * (text_tokens + image_tokens(config)) * config.dim * dtype_bytes
 
 
 def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:

@@ -9,7 +9,9 @@ C * R * U = the devices, weights replicated or sharded) and models one denoising
   weights / devices, plus the rest, plus two layers gathered at a time; quantized block kernels
   at one byte a value plus their fp32 scales) and activations (the
   residual stream and one block's intermediates for this device's rows and tokens: rows/C x T/(R*U)
-  x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers). The text
+  x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers) and the
+  cross-attention K/V held for the run (`estimate.held_kv_bytes`: text, and image for Wan 2.1 I2V,
+  [Z, rows/C, L (+ P), N, H] x 2, replicated over the sequence devices). The text
   encoder runs before the denoising loop and the VAE after it, so neither is counted. This is an
   estimate and says so; `end_to_end.benchmark --aot` gives XLA's own numbers for a TPU topology;
 - collective bytes per device per step, by kind: Ulysses all-to-alls (q/k/v out, the output back:
@@ -75,7 +77,8 @@ class Candidate:
   Attributes:
     mesh: the `MeshSpec`.
     bytes_per_device: estimated peak memory of one denoising step per device.
-    weight_bytes, activation_bytes: its two parts.
+    weight_bytes, activation_bytes, kv_bytes: its three parts (kv: the cross-attention K/V held for
+      the run, `estimate.held_kv_bytes`).
     collective_bytes: per device per step, by kind ("all_to_all", "ring_permute", "cfg_exchange",
       "weight_all_gather").
     flops_per_device: per step.
@@ -96,11 +99,13 @@ class Candidate:
   fits: bool
   memory: str = "estimate"
   memory_note: str = ""
+  kv_bytes: float = 0.0
 
   def to_dict(self) -> dict[str, Any]:
     return {"mesh": str(self.mesh), "shard_weights": self.mesh.shard_weights, "fits": self.fits,
             "bytes_per_device": None if math.isnan(self.bytes_per_device) else self.bytes_per_device, "weight_bytes": self.weight_bytes,
-            "activation_bytes": self.activation_bytes, "collective_bytes": dict(self.collective_bytes),
+            "activation_bytes": self.activation_bytes, "kv_bytes": self.kv_bytes,
+            "collective_bytes": dict(self.collective_bytes),
             "flops_per_device": self.flops_per_device, "step_s_model": self.step_s_model,
             "memory": self.memory, "memory_note": self.memory_note}
 
@@ -145,8 +150,8 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
     stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
     activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
                    + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
-                   + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
-                   + rows_local * text_tokens * d * size * 2)  # cross-attention K/V of the text
+                   + (2 * 2 * stream if r > 1 else 0))  # ring: K/V buffer and the one in flight
+    kv = step_estimate.held_kv_bytes(config, rows=rows_local, text_tokens=text_tokens, dtype_bytes=size)
     if shard:
       weights = (block_bytes / devices + other * size + 2 * per_layer) * experts
     else:
@@ -159,9 +164,9 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
     }
     flops = flops_total / devices
     step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
-    total = weights + activations
+    total = weights + activations + kv
     out.append(Candidate(spec, total, weights, activations, comm, flops, step_s,
-                         total <= FIT_FRACTION * chip.memory_bytes))
+                         total <= FIT_FRACTION * chip.memory_bytes, kv_bytes=kv))
   if not out:
     raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
   return out

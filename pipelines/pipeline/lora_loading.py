@@ -61,7 +61,8 @@ class LoraLoaderMixin:
       The adapter name.
 
     The adapter is fused at once, unless `unfuse_lora` was called last: then at the next
-    `fuse_lora`. Cost: reading the file, then per adapted parameter one host fp32 pass over it.
+    `fuse_lora`. Cost: reading the file once (one memory map gives its tensors and its sha256), then
+    per adapted parameter one host fp32 pass over it.
 
     Raises:
       weights.CheckpointError: no such file, a pickle file, several files in the folder, a
@@ -83,13 +84,12 @@ class LoraLoaderMixin:
     if (expert, name) in self._lora.adapters:
       raise ValueError(f"adapter_name={name!r} is already loaded into {lora.EXPERT_NAMES[expert]}; pick "
                        "another name, or unload_lora_weights() first")
-    state, metadata, where = lora.read_lora(pretrained_model_name_or_path_or_dict, weight_name)
-    layers = lora.parse_lora(state, metadata, self.transformer_config, where=where)
-    digest = lora.lora_digest(pretrained_model_name_or_path_or_dict, weight_name)
+    source = lora.load_lora(pretrained_model_name_or_path_or_dict, weight_name)  # one read of the file
+    layers = lora.parse_lora(source.state, source.metadata, self.transformer_config, where=source.where)
     for adapter in self._lora.adapters.values():
       adapter.active = adapter.active and adapter.expert != expert
-    self._lora.add(lora.Adapter(name=name, expert=expert, layers=layers, weight=scale, source=where,
-                                digest=digest))
+    self._lora.add(lora.Adapter(name=name, expert=expert, layers=layers, weight=scale, source=source.where,
+                                digest=source.sha256))
     self._experts = self._lora.refuse(self._experts, {expert})
     return name
 

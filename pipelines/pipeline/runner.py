@@ -50,7 +50,7 @@ class Runner:
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
-    self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text states, their TextKV)
+    self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text, condition, their TextKV)
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -184,7 +184,7 @@ class Runner:
                      for e in sorted(set(state.experts))}
     first = state.experts[0]
     program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver,
-                                      self._text(first, state.text), self.guidance[first], state.cache,
+                                      self._text(first, state), self.guidance[first], state.cache,
                                       state.condition, plan=plan, cfg=r.cfg,
                                       on_compile=lambda: self.stage(compiling))
     self.timings["compile"] = time.perf_counter() - start
@@ -198,23 +198,27 @@ class Runner:
       if state.cache is not None and k and expert != state.experts[k - 1]:
         state.cache = wan_step_cache.reset(state.cache)
       return program(self.pipe.weights.experts[expert], state.latents, state.solver,
-                     self._text(expert, state.text), self.guidance[expert], state.cache, state.condition)
+                     self._text(expert, state), self.guidance[expert], state.cache, state.condition)
 
     return step
 
-  def _text(self, expert: int, text: Any) -> Any:
-    """What the step takes as text: the `TextKV` of `expert`'s weights for these text states,
-    computed once and reused while the expert, its weights (a LoRA scale re-fuses them) and the
-    text states (a callback may replace them) stay the same; only the latest is kept (Wan 2.2's
-    high-noise expert does not come back). With `text_kv_once=False`, the text states themselves."""
+  def _text(self, expert: int, state: LoopState) -> Any:
+    """What the step takes as text: the `TextKV` of `expert`'s weights for the text states (and,
+    Wan 2.1 I2V / FLF2V, the condition's image states), computed once and reused while the expert,
+    its weights (a LoRA scale re-fuses them), the text states (a callback may replace them) and the
+    condition stay the same; only the latest is kept (Wan 2.2's high-noise expert does not come
+    back). With `text_kv_once=False`, the text states themselves."""
+    text, condition = state.text, state.condition
     if not self.options.text_kv_once:
       return text
     params = self.pipe.weights.experts[expert]
     held = self._text_kv_of
-    if held is None or held[0] != expert or held[1] is not params or held[2] is not text:
-      kv = self.pipe.compiled_steps.text_kv(params, text, plan=self.request.plan)
-      self._text_kv_of = held = (expert, params, text, kv)
-    return held[3]
+    if (held is None or held[0] != expert or held[1] is not params or held[2] is not text
+        or held[3] is not condition):
+      image = None if condition is None else condition.image_states(cfg=self.request.cfg)
+      kv = self.pipe.compiled_steps.text_kv(params, text, image, plan=self.request.plan)
+      self._text_kv_of = held = (expert, params, text, condition, kv)
+    return held[4]
 
   def _hooks(self) -> list[StepHook]:
     """The loop's hooks, in order: timestep, LoRA scale, step-cache stats, NaN guard, resume writer,

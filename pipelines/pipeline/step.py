@@ -30,7 +30,8 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     latents: float32 [B, C, F, Hl, Wl] (donated).
     solver: `UniPCState`, `FlowEulerState` or `DPMSolverState` (donated).
     text: this expert's text K/V (`TextKV` [Z, 2B or B, L, N, H], `CompiledSteps.text_kv`: once per
-      prompt), or text states [2B or B, L, text_dim] (cond rows first; K/V then made in the step).
+      prompt; Wan 2.1 I2V: with the image's, which replace the condition's image states), or text
+      states [2B or B, L, text_dim] (cond rows first; K/V then made in the step).
     guidance: float32 [] scale of this step's expert.
     cache: None (no step cache: the plain transformer forward) or the step-cache state
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
@@ -50,15 +51,12 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
     extra dispatch. Without a cache the last two are None; with one, the stats are
     {"skipped": bool [], "metric": float32 []} (`step_cache.cached_forward`).
 
-  The math is diffusers' `WanPipeline.__call__` loop body: `noise_pred = uncond + g * (cond -
-  uncond)`, then `scheduler.step`.
+  The math is diffusers' `WanPipeline.__call__` loop body: `noise_pred = uncond + g * (cond - uncond)`,
+  then `scheduler.step`.
   """
   model = nnx.merge(graphdef, params)
   x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
-  if cfg:
-    x = jnp.concatenate([x, x], axis=0)
-  timestep = jnp.broadcast_to(solver.timestep(), (x.shape[0],))
-  x, timestep, image = (x, timestep, None) if condition is None else condition.transformer_inputs(x, timestep, cfg=cfg)
+  x, timestep, image = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
   stats = None
   if cache is None:
     noise = forward(model, x, timestep, text, plan, image)  # model dtype
@@ -80,6 +78,20 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   if cache is not None:
     cache = wan_step_cache.constrain(cache, plan.mesh)  # residuals sequence-sharded, scalars replicated
   return (*out, cache, stats)
+
+
+def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition: Any, *, cfg: bool
+                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(latents [B or 2B, ...], timestep [B or 2B] or per token, image states or None) the transformer
+  sees: x doubled to [cond; uncond] under CFG, then the condition's inputs; no image states when the
+  text K/V hold the image's (computed once before the loop)."""
+  if cfg:
+    x = jnp.concatenate([x, x], axis=0)
+  timestep = jnp.broadcast_to(timestep, (x.shape[0],))
+  if condition is None:
+    return x, timestep, None
+  x, timestep, image = condition.transformer_inputs(x, timestep, cfg=cfg)
+  return x, timestep, None if isinstance(text, TextKV) and text.has_image else image
 
 
 def guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:
@@ -116,18 +128,22 @@ def _cfg_parallel_mix(noise: jax.Array, guidance: jax.Array, mesh: Mesh) -> jax.
                        check_vma=False)(noise, guidance)
 
 
-def text_kv_states(graphdef: nnx.GraphDef, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
-  """The text's cross-attention K/V of every block for these weights (`transformer.text_kv`).
+def text_kv_states(graphdef: nnx.GraphDef, params: nnx.State, text: jax.Array, image: jax.Array | None = None,
+                   *, plan: ParallelPlan) -> TextKV:
+  """The text's (and image's) cross-attention K/V of every block for these weights (`transformer.text_kv`).
 
   Args:
     graphdef, params: `nnx.split` of a `WanTransformer`.
     text: [B or 2B, L, text_dim] text states (the step's rows).
+    image: the step's CLIP image states ([B or 2B, J, I]; FLF2V two rows a video; the condition's
+      `image_states(cfg=...)`) for Wan 2.1 I2V / FLF2V, else None.
     plan: where it runs (static).
 
   Returns:
-    `TextKV` [Z, B or 2B, L, N, H] in the model dtype, laid out as the step reads it.
+    `TextKV` [Z, B or 2B, L, N, H] (and the image's [Z, B or 2B, P, N, H]) in the model dtype, laid
+    out as the step reads it.
   """
-  return text_kv(nnx.merge(graphdef, params), text, plan)
+  return text_kv(nnx.merge(graphdef, params), text, plan, image)
 
 
 _denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg"),
@@ -166,9 +182,10 @@ class CompiledSteps:
       self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg).compile()
     return self._programs[key]
 
-  def text_kv(self, params: nnx.State, text: jax.Array, *, plan: ParallelPlan) -> TextKV:
-    """`text_kv_states` for these weights and text states (compiled once per shape and plan)."""
-    return _text_kv_jit(self.graphdef, params, text, plan=plan)
+  def text_kv(self, params: nnx.State, text: jax.Array, image: jax.Array | None = None, *,
+              plan: ParallelPlan) -> TextKV:
+    """`text_kv_states` for these weights, text and image states (compiled once per shape and plan)."""
+    return _text_kv_jit(self.graphdef, params, text, image, plan=plan)
 
   def programs(self) -> list[Any]:
     """The compiled programs, oldest first (e.g. to read one's HLO with `as_text()`)."""

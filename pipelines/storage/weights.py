@@ -140,7 +140,28 @@ class TensorRef:
 
 
 def open_safetensors_file(path: str) -> dict[str, TensorRef]:
-  """Memory-maps one safetensors file and lists its tensors without reading their data.
+  """Memory-maps one safetensors file and lists its tensors without reading their data
+  (`map_safetensors_file` without the metadata and the map)."""
+  return map_safetensors_file(path).tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedSafetensors:
+  """One safetensors file mapped into memory once (`map_safetensors_file`).
+
+  Attributes:
+    tensors: key -> `TensorRef` (views of `buffer`, read when used).
+    metadata: the header's `__metadata__` (str -> str; empty when absent).
+    buffer: the whole file's read-only memory map (header included), e.g. to hash its bytes in the
+      same pass that reads them.
+  """
+  tensors: dict[str, TensorRef]
+  metadata: dict[str, str]
+  buffer: Any = dataclasses.field(repr=False, compare=False)
+
+
+def map_safetensors_file(path: str) -> MappedSafetensors:
+  """Memory-maps one safetensors file (one open, one map) and lists its tensors without reading their data.
 
   The format (huggingface/safetensors): an 8-byte little-endian header length N, N bytes of JSON
   {key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data,
@@ -166,11 +187,14 @@ def open_safetensors_file(path: str) -> dict[str, TensorRef]:
       if header_len > size - 8:
         raise bad(f"header of {header_len} bytes in a file of {size}")
       header = json.loads(f.read(header_len))
-      buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + header_len else b""
+      buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
   except (OSError, ValueError, UnicodeDecodeError) as e:
     raise bad(repr(e)) from e
   if not isinstance(header, dict):
     raise bad("the header is not a JSON object")
+  metadata = header.get("__metadata__") or {}
+  if not isinstance(metadata, dict):
+    raise bad("__metadata__ is not a JSON object")
   start = 8 + header_len
   refs: dict[str, TensorRef] = {}
   spans = []
@@ -194,7 +218,7 @@ def open_safetensors_file(path: str) -> dict[str, TensorRef]:
   spans.sort()
   if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or (spans and spans[0][0] != 0):
     raise bad("tensor byte ranges overlap or leave gaps")
-  return refs
+  return MappedSafetensors(tensors=refs, metadata=metadata, buffer=buffer)
 
 
 def open_safetensors_folder(folder: str) -> dict[str, TensorRef]:

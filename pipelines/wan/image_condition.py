@@ -88,13 +88,18 @@ class ImageConditioning:
                          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(latents, timestep, image states) the transformer sees for the step's latents x (already
     doubled to [cond; uncond] under CFG): [x; mask; condition] along channels in x's dtype, the
-    timestep unchanged, the image states doubled like x under CFG."""
+    timestep unchanged, the image states doubled like x under CFG (`image_states`)."""
     video = self.video_BCFHW.astype(x_BCFHW.dtype)
-    image = self.image_BJI
     if cfg:
       video = jnp.concatenate([video, video], axis=0)
-      image = None if image is None else jnp.concatenate([image, image], axis=0)
-    return jnp.concatenate([x_BCFHW, video], axis=1), timestep_B, image
+    return jnp.concatenate([x_BCFHW, video], axis=1), timestep_B, self.image_states(cfg=cfg)
+
+  def image_states(self, *, cfg: bool) -> jax.Array | None:
+    """The CLIP states the transformer's cross-attention sees ([B or 2B, J, I], FLF2V twice the
+    rows; [cond; uncond] copies under CFG), or None without an image branch: what the pipeline
+    turns into the image K/V once before the loop (`transformer.text_kv`)."""
+    image = self.image_BJI
+    return jnp.concatenate([image, image], axis=0) if cfg and image is not None else image
 
   def final_latents(self, latents: jax.Array) -> jax.Array:
     """The latents the VAE decodes: the loop's latents unchanged (the condition rides in extra

@@ -47,7 +47,7 @@ import numpy as np
 from pipelines.parallel import distributed
 from pipelines.wan.lora_convert import TRANSFORMER_PREFIX, WAN_PREFIX, normalize, text_encoder_keys  # noqa: F401
 from pipelines.wan.lora_format import (  # noqa: F401 (re-exported)
-    LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, lora_digest, lora_file, read_lora)
+    LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, LoraSource, load_lora, lora_digest, lora_file, read_lora)
 from pipelines.wan.transformer_config import WanTransformerConfig
 from pipelines.wan.transformer_loading import _to_ours, checkpoint_layout
 

@@ -7,6 +7,7 @@ The key layouts are `lora_convert`'s; what the keys mean for the transformer, an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -65,9 +66,26 @@ def lora_file(path: str | os.PathLike, weight_name: str | None = None) -> str:
   return path
 
 
-def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None
-              ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, str]:
-  """Reads a LoRA's tensors and its diffusers adapter metadata.
+@dataclasses.dataclass(frozen=True)
+class LoraSource:
+  """A LoRA read once (`load_lora`).
+
+  Attributes:
+    state: key -> float32 numpy array.
+    metadata: the parsed `lora_adapter_metadata` JSON, or None.
+    where: a name for messages (the file, or "the given state dict").
+    sha256: `lora_digest` of the source (hex), from the same read of the file.
+  """
+  state: dict[str, np.ndarray]
+  metadata: dict[str, Any] | None
+  where: str
+  sha256: str
+
+
+def load_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None) -> LoraSource:
+  """Reads a LoRA's tensors, its diffusers adapter metadata and its digest in one read of the file:
+  the file is opened and memory-mapped once (`weights.map_safetensors_file`), its bytes hashed and
+  its tensors converted from the same map (`read_lora` and `lora_digest` together read it twice).
 
   Args:
     source: a safetensors file, a folder holding one (see `lora_file`), or a state dict of numpy /
@@ -75,32 +93,47 @@ def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | 
     weight_name: the file's name inside the folder `source` (diffusers' argument).
 
   Returns:
-    (key -> float32 numpy array, the parsed `lora_adapter_metadata` JSON or None, a name for
-    messages).
+    `LoraSource` (float32 tensors, metadata or None, name for messages, SHA-256 hex).
 
   Raises:
     weights.CheckpointError: see `lora_file`; a truncated or corrupt file; metadata that is not
       JSON.
   """
   if isinstance(source, Mapping):
-    return {str(k): _float32(v) for k, v in source.items()}, None, "the given state dict"
-  from safetensors import SafetensorError, safe_open
+    return LoraSource({str(k): _float32(v) for k, v in source.items()}, None, "the given state dict",
+                      lora_digest(source))
+  return _read_file(lora_file(source, weight_name), digest=True)
 
-  path = lora_file(source, weight_name)
-  state = {}
-  try:
-    with safe_open(path, framework="numpy") as f:
-      header = f.metadata() or {}
-      for key in f.keys():
-        state[key] = _float32(f.get_tensor(key))
-  except (SafetensorError, OSError, ValueError) as e:
-    raise weights.CheckpointError(f"cannot read LoRA {path!r} (truncated or corrupt?): {e}") from e
-  raw = header.get(LORA_ADAPTER_METADATA_KEY)
+
+def read_lora(source: str | os.PathLike | Mapping[str, Any], weight_name: str | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, str]:
+  """Reads a LoRA's tensors and its diffusers adapter metadata (`load_lora` without the digest).
+
+  Returns:
+    (key -> float32 numpy array, the parsed `lora_adapter_metadata` JSON or None, a name for
+    messages).
+
+  Raises:
+    as `load_lora`.
+  """
+  if isinstance(source, Mapping):
+    return {str(k): _float32(v) for k, v in source.items()}, None, "the given state dict"
+  read = _read_file(lora_file(source, weight_name), digest=False)
+  return read.state, read.metadata, read.where
+
+
+def _read_file(path: str, *, digest: bool) -> LoraSource:
+  """One safetensors LoRA file through one memory map: tensors as float32, metadata, and (with
+  `digest`) the SHA-256 of the mapped bytes ("" without)."""
+  mapped = weights.map_safetensors_file(path)
+  sha256 = hashlib.sha256(mapped.buffer).hexdigest() if digest else ""
+  state = {key: _float32(ref.array()) for key, ref in mapped.tensors.items()}
+  raw = mapped.metadata.get(LORA_ADAPTER_METADATA_KEY)
   try:
     metadata = json.loads(raw) if raw else None
   except json.JSONDecodeError as e:
     raise weights.CheckpointError(f"{path!r}: {LORA_ADAPTER_METADATA_KEY} is not JSON: {e}") from e
-  return state, metadata, path
+  return LoraSource(state, metadata, path, sha256)
 
 
 def _float32(value: Any) -> np.ndarray:

@@ -106,6 +106,10 @@ class TI2VConditioning:
     timestep = per_token_timesteps(timestep_B, x.shape, self.patch_size, image=condition is not None)
     return x, timestep, None
 
+  def image_states(self, *, cfg: bool) -> None:
+    """No CLIP states: TI2V conditions through the latents and timesteps only."""
+    del cfg
+
   def final_latents(self, latents: jax.Array) -> jax.Array:
     """The latents the VAE decodes: [B, C, F, Hl, Wl] with the first frame replaced once more by the
     image's latents (diffusers, after the loop), unchanged without an image."""

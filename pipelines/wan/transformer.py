@@ -17,8 +17,9 @@ of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole f
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
 token count as `kv_valid_len` (padded keys masked), cross-attention is `attention.cross_attention`
 (local per shard) against replicated text K/V (no mask: diffusers' Wan cross-attention uses none),
-computed by `text_kv` for every block at once: the pipeline calls it once per (prompt, expert)
-before the loop and passes the `TextKV` to every step in place of the text states,
+computed by `text_kv` for every block at once (with the image's K/V for Wan 2.1 I2V / FLF2V): the
+pipeline calls it once per (prompt, expert) before the loop and passes the `TextKV` to every step
+in place of the text (and image) states,
 and padded rows are dropped before unpatchify. RoPE rows are global positions (the padded table is
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
 `lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
@@ -46,6 +47,7 @@ from flax import nnx
 
 import producers
 from pipelines.parallel.plan import ParallelPlan
+from pipelines.wan.cross_kv import TextKV, check_image_states, image_kv, text_kv  # noqa: F401
 from pipelines.wan.sequence_layout import SequenceLayout
 from pipelines.wan.transformer_config import (KEEP_IN_FP32, WanTransformerConfig, keeps_fp32,  # noqa: F401
                                               param_counts, param_shapes)
@@ -87,62 +89,6 @@ class WanTransformer(nnx.Module):
     return self.patch_embedding.kernel.dtype
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TextKV:
-  """The text's cross-attention keys and values of every block (`text_kv`), in the model dtype.
-
-  Attributes:
-    k_ZBLNH, v_ZBLNH: [Z, B, L, N, H]; replicated over a mesh's sequence devices (rows split over
-      "cfg" when the mesh splits the guidance, as the text states were).
-  """
-  k_ZBLNH: jax.Array
-  v_ZBLNH: jax.Array
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    """[Z, B, L, N, H]."""
-    return tuple(self.k_ZBLNH.shape)
-
-
-def text_kv(model: WanTransformer, encoder_hidden_states: jax.Array, plan: ParallelPlan | None = None) -> TextKV:
-  """Every block's cross-attention keys and values of the text: the text embedder (diffusers'
-  `condition_embedder.text_embedder`), then `cross_attention_kv` of each block, by one layer scan.
-
-  They depend on the prompt and the weights only, so a denoising loop computes them once per
-  (prompt, expert) and passes them to `forward` at every step instead of the text states: the same
-  ops on the same values as computing them inside each forward (what `forward` does when given
-  text states), one call instead of one per step. No collective: the text is replicated and
-  cross-attention is local; with sharded weights each layer's are gathered, as in `run_blocks`.
-
-  Args:
-    model: a `WanTransformer`.
-    encoder_hidden_states: [B, L, text_dim] text-encoder states; cast to the model dtype.
-    plan: where it runs (static under jit), None for one device.
-
-  Returns:
-    `TextKV` of [Z, B, L, N, H] in the model dtype.
-
-  Raises:
-    ValueError: states that are not [B, L, text_dim].
-  """
-  config = model.config
-  text = encoder_hidden_states
-  if text.ndim != 3 or text.shape[2] != config.text_dim:
-    raise ValueError(f"encoder_hidden_states must be [B, L, text_dim={config.text_dim}], got {text.shape=}")
-  layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
-  text_BLD = layout.constrain_rows(model.condition_embedder.text_embedder(text.astype(model.dtype)))
-
-  def body(_, attn):
-    attn = layout.gathered(attn)  # sharded weights: this layer's all-gather
-    kv = cross_attention_kv(attn.to_k, attn.to_v, attn.norm_k[...], text_BLD,
-                            heads=config.num_attention_heads, eps=config.eps)
-    return None, tuple(layout.constrain_rows(a) for a in kv)
-
-  _, (k, v) = jax.lax.scan(body, None, model.blocks.attn2)
-  return TextKV(k_ZBLNH=layout.constrain_rows(k, axis=1), v_ZBLNH=layout.constrain_rows(v, axis=1))
-
-
 def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None:
   if latents.ndim != 5 or latents.shape[1] != config.in_channels:
     raise ValueError(f"latents must be [B, C={config.in_channels}, F, Hl, Wl], got {latents.shape=}")
@@ -163,6 +109,10 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
     if text.shape != want or text.v_ZBLNH.shape != text.k_ZBLNH.shape:
       raise ValueError(f"text K/V must be [Z, B, L, N, H]={want}, got {text.shape} (compute them with "
                        "text_kv of this model and these rows)")
+    image = None if not text.has_image else (text.image_k_ZBPNH.shape, text.image_v_ZBPNH.shape)
+    if image is not None and (image[0] != image[1] or image[0][:2] != want[:2] or image[0][3:] != want[3:]):
+      raise ValueError(f"image K/V must be [Z, B, P, N, H] with (Z, B)={want[:2]} and (N, H)={want[3:]}, "
+                       f"got {image} (compute them with text_kv of this model and these rows)")
   elif text.ndim != 3 or text.shape[0] != batch or text.shape[2] != config.text_dim:
     raise ValueError(f"encoder_hidden_states must be [B={batch}, L, text_dim={config.text_dim}], "
                      f"got {text.shape=}")
@@ -173,8 +123,8 @@ class ForwardContext:
   """What every block of one forward needs besides the video tokens (built by `embed`).
 
   Attributes:
-    text_kv: every block's text keys and values (`TextKV`, replicated).
-    image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
+    text_kv: every block's text keys and values, and the image's for a transformer with an image
+      branch (`TextKV`, replicated).
     time_proj: [B, 1, 6, D] (one timestep per video) or [B, T_padded, 6, D] (per token, sharded like
       the tokens) timestep projection in the model dtype.
     temb: [B, 1, D] or [B, T_padded, D] timestep embedding in the model dtype (the output norm's
@@ -190,30 +140,26 @@ class ForwardContext:
   rope: tuple[jax.Array, jax.Array]
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
-  image_BPD: jax.Array | None = None
 
 
-def _check_image(config: WanTransformerConfig, image: jax.Array | None, batch: int) -> None:
-  if not config.has_image_branch:
-    if image is not None:
-      raise ValueError("encoder_hidden_states_image given but this transformer has no image branch "
-                       "(image_dim is None): pass None")
-    return
-  rows = batch * (2 if config.pos_embed_seq_len is not None else 1)
-  if image is None or image.ndim != 3 or image.shape[0] != rows or image.shape[2] != config.image_dim:
-    raise ValueError(f"this transformer needs encoder_hidden_states_image [{rows}, J, image_dim="
-                     f"{config.image_dim}] (CLIP penultimate states; FLF2V: two rows per video), got "
-                     f"{None if image is None else image.shape}")
-  if config.pos_embed_seq_len is not None and 2 * image.shape[1] != config.pos_embed_seq_len:
-    raise ValueError(f"image states of {image.shape[1]} tokens per frame do not fit "
-                     f"{config.pos_embed_seq_len=} (first + last frame)")
+def _check_image(config: WanTransformerConfig, image: jax.Array | None, text: Any, batch: int) -> None:
+  held = isinstance(text, TextKV) and text.has_image
+  if held and image is not None:
+    raise ValueError("encoder_hidden_states_image given with a TextKV that holds the image K/V already: "
+                     "pass one of them (encoder_hidden_states_image=None to use the held K/V)")
+  if config.has_image_branch and image is None and not held:
+    raise ValueError(f"this transformer needs encoder_hidden_states_image [B, J, image_dim={config.image_dim}] "
+                     "(CLIP penultimate states) or a TextKV holding the image K/V (text_kv with the image states)")
+  if not config.has_image_branch and held:
+    raise ValueError("the TextKV holds image K/V but this transformer has no image branch")
+  check_image_states(config, image, batch)
 
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: Any,
           plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
           ) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, time embedding, RoPE table, the
-  text K/V (`text_kv`) unless given, and the image embedding (I2V).
+  text K/V (`text_kv`) unless given, and the image K/V (I2V) unless the given `TextKV` holds them.
 
   Args: as `forward`.
 
@@ -226,7 +172,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   """
   config = model.config
   _check_inputs(config, latents, timestep, encoder_hidden_states)
-  _check_image(config, encoder_hidden_states_image, latents.shape[0])
+  _check_image(config, encoder_hidden_states_image, encoder_hidden_states, latents.shape[0])
   dtype = model.dtype
   _, _, f, h, w = latents.shape
   pt, ph, pw = config.patch_size
@@ -241,17 +187,16 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   if layout.padding:
     x_BTD = layout.constrain(jnp.where((jnp.arange(layout.padded_tokens) < layout.tokens)[:, None], x_BTD, 0))
   temb, time_proj = _time(model, layout, timestep, dtype)
-  kv = encoder_hidden_states
-  kv = kv if isinstance(kv, TextKV) else text_kv(model, kv, plan)
-  image_BPD = None
-  if encoder_hidden_states_image is not None:
-    embedder = model.condition_embedder.image_embedder
-    image_BPD = layout.constrain_rows(embedder(encoder_hidden_states_image.astype(dtype)))
+  kv, image = encoder_hidden_states, encoder_hidden_states_image
+  if not isinstance(kv, TextKV):
+    kv = text_kv(model, kv, plan, image)
+  elif image is not None:  # text K/V held, the image's made here
+    kv = image_kv(model, kv, image, plan)
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
-                           layout=layout, latent_shape=tuple(latents.shape), image_BPD=image_BPD)
+                           layout=layout, latent_shape=tuple(latents.shape))
   return x_BTD, context
 
 
@@ -295,15 +240,17 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   stop = layers if stop is None else stop
   if not 0 <= start < stop <= layers:
     raise ValueError(f"blocks {start}..{stop - 1} are not a non-empty range of the {layers} blocks")
-  per_layer = (model.blocks, context.text_kv.k_ZBLNH, context.text_kv.v_ZBLNH)
+  kv = context.text_kv
+  per_layer = (model.blocks, kv.k_ZBLNH, kv.v_ZBLNH, kv.image_k_ZBPNH, kv.image_v_ZBPNH)
   if (start, stop) != (0, layers):
     per_layer = jax.tree.map(lambda a: a[start:stop], per_layer)  # the Z axis of every stacked array
 
   def body(x_BTD, layer):
-    block, k_BLNH, v_BLNH = layer
+    block, k_BLNH, v_BLNH, image_k_BPNH, image_v_BPNH = layer
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
+    image_kv = None if image_k_BPNH is None else (image_k_BPNH, image_v_BPNH)
     return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
-                 layout=context.layout, image_BPD=context.image_BPD), None
+                 layout=context.layout, image_kv=image_kv), None
 
   x_BTD, _ = jax.lax.scan(body, x_BTD, per_layer)
   return x_BTD
@@ -347,7 +294,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       (f, h, w) token order (diffusers' 2-D timestep of Wan 2.2 TI2V, `expand_timesteps`): the
       time embedding and every AdaLN modulation are then per token, sharded with the tokens.
     encoder_hidden_states: [B, L, text_dim] text-encoder states (cast to the model dtype), or their
-      `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work).
+      `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work;
+      with an image branch it may hold the image K/V too, then `encoder_hidden_states_image` is None).
     plan: where and how it runs (static under jit; frozen and hashable), None for
       `ParallelPlan.single()` (one device, "auto" attention). With a mesh the forward runs
       sequence-parallel over U * R devices, the batch split over the cfg axis (its size must
@@ -358,7 +306,8 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       ZeRO-3, `weight_shardings`) and each layer's are all-gathered inside the layer scan.
     encoder_hidden_states_image: [B, J, image_dim] CLIP penultimate states (FLF2V: [2B, J,
       image_dim], each video's first and last frame) for a transformer with an image branch
-      (Wan 2.1 I2V / FLF2V), else None. Embedded once and attended by every block's
+      (Wan 2.1 I2V / FLF2V) unless `encoder_hidden_states` holds their K/V, else None. Embedded,
+      projected to every block's image K/V (`cross_kv.image_kv`) and attended by the
       cross-attention beside the text (replicated, local).
 
   Returns:

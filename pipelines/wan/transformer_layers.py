@@ -255,7 +255,7 @@ class WanBlock(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
-               layout: SequenceLayout, image_BPD: jax.Array | None = None) -> jax.Array:
+               layout: SequenceLayout, image_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """One block.
 
     Args:
@@ -265,7 +265,9 @@ class WanBlock(nnx.Module):
       time_proj: [B, 1, 6, D] (per video) or [B, T, 6, D] (per token, Wan 2.2 TI2V; sharded like
         the tokens) timestep projection in the model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
-      image_BPD: [B, P, D] embedded image states (replicated; Wan 2.1 I2V / FLF2V) or None.
+      image_kv: this block's cross-attention keys and values of the image, [B, P, N, H] each
+        (`cross_attention_kv` of `add_k_proj`, `add_v_proj`, `norm_added_k` on the embedded CLIP
+        states; replicated; Wan 2.1 I2V / FLF2V) or None.
 
     Returns:
       [B, T, D] in x's dtype.
@@ -294,8 +296,10 @@ class WanBlock(nnx.Module):
     a = self.attn2
     q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
     o_BTD = layout.cross_attention(q_BTNH, *text_kv).reshape(b, t, d)
-    if image_BPD is not None:
-      o_BTD = o_BTD + self._image_attention(q_BTNH, image_BPD, heads=heads, eps=eps, layout=layout)
+    if image_kv is not None:
+      # diffusers `WanAttnProcessor` ("I2V task"): the same queries against the image's K/V (no
+      # mask), added to the text term before `to_out`.
+      o_BTD = o_BTD + layout.cross_attention(q_BTNH, *image_kv).reshape(b, t, d)
     x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
 
     # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
@@ -303,15 +307,3 @@ class WanBlock(nnx.Module):
     f_BTD = self.ffn(h_BTD)
     x_BTD = (x_BTD.astype(f32) + f_BTD.astype(f32) * c_gate_msa).astype(dtype)
     return layout.constrain(x_BTD)
-
-  def _image_attention(self, q_BTNH: jax.Array, image_BPD: jax.Array, *, heads: int, eps: float,
-                       layout: SequenceLayout) -> jax.Array:
-    """The cross-attention's image term (diffusers `WanAttnProcessor`, "I2V task"): the text
-    branch's queries against keys `norm_added_k(add_k_proj(image))` and values `add_v_proj(image)`,
-    local like the text term (replicated K/V, no mask). Returns [B, T, D] in the model dtype, added
-    to the text term before `to_out`."""
-    a = self.attn2
-    b, t = q_BTNH.shape[:2]
-    k_BPNH, v_BPNH = cross_attention_kv(a.add_k_proj, a.add_v_proj, a.norm_added_k[...], image_BPD, heads=heads,
-                                        eps=eps)
-    return layout.cross_attention(q_BTNH, k_BPNH, v_BPNH).reshape(b, t, -1)
