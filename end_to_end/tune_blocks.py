@@ -7,7 +7,8 @@
 On a real device it times every pair of the grid for both exact paths (LSE and fixed-m), round-robin
 over the pairs so that load from other processes hits them all alike, and prints the table sorted by
 the time of `--rank-by` (default fixed_m, the path the gate picks on real inputs) with the winner and
-the current default (`attention.blockwise.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
+the current default (`BlockSizes.get_default` for the device kind, e.g. a TPU generation's entry of
+`attention.settings.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
 A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in the comment.
 
 With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot.py) nothing runs:
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
   import numpy as np
 
   from attention import BlockSizes, local_attention, resolve_backend
-  from attention.settings import DEFAULT_BLOCKS
 
+  if args.topology:
+    from end_to_end.aot import topology_devices
+
+    device = topology_devices(args.topology)[0]
+  else:
+    device = jax.devices()[0]
   platform = "tpu" if args.topology else jax.default_backend()
   backend = resolve_backend(args.backend, platform)
   if backend == "pallas" and platform == "cpu":
@@ -82,8 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   pairs = [BlockSizes(bq, bk) for bq, bk in itertools.product(grid_q, grid_kv)]
   shape = (args.batch, args.seq, args.heads, args.head_dim)
   dtype = jnp.dtype(args.dtype)
-  default = DEFAULT_BLOCKS.get((backend, "gpu" if platform in ("cuda", "rocm") else platform))
-  print(f"tune_blocks: backend={backend} platform={platform}"
+  default = BlockSizes.get_default(backend, platform, device.device_kind)
+  print(f"tune_blocks: backend={backend} platform={platform} ({device.device_kind})"
         f"{' (AOT ' + args.topology + ')' if args.topology else ''} [B,T,N,H]={shape} {args.dtype}; "
         f"current default {default}", flush=True)
 
@@ -95,9 +101,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if args.topology:
     from jax.sharding import SingleDeviceSharding
 
-    from end_to_end.aot import topology_devices
-
-    device = topology_devices(args.topology)[0]
     abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     for sizes in pairs:
       row = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"winner ({args.rank_by}): BlockSizes({rows[0]['block_q']}, {rows[0]['block_kv']})")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(backend=backend, platform=platform, topology=args.topology, shape=shape, dtype=args.dtype,
+      json.dump(dict(backend=backend, platform=platform, device_kind=device.device_kind, topology=args.topology, shape=shape, dtype=args.dtype,
                      default=None if default is None else [default.block_q, default.block_kv], rows=rows), f, indent=2)
   return rows
 
