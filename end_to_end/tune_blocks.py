@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -40,6 +42,15 @@ def _pairs(text: str) -> list[int]:
   if not sizes or min(sizes) <= 0:
     raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive ints, e.g. 128,256,512")
   return sizes
+
+
+def _scoped_vmem_mib(message: str) -> float | None:
+  """The scoped VMEM (MiB) of the allocation a TPU compile refused ("Scoped allocation with size
+  20.81M and limit 16.00M exceeded ..."), or None for any other error."""
+  found = re.search(r"Scoped allocation with size ([0-9.]+)([KMG])", message)
+  if not found:
+    return None
+  return float(found.group(1)) * {"K": 2**-10, "M": 1.0, "G": 2**10}[found.group(2)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,12 +70,68 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median reported)")
   ap.add_argument("--rank-by", default="fixed_m", choices=("fixed_m", "lse"), help="path that orders the table")
   ap.add_argument("--topology", help="TPU topology for an AOT compile check instead of timing, e.g. v6e:2x2")
+  ap.add_argument("--scoped-vmem-kib", type=int, default=None,
+                  help="with --topology: compile under this scoped VMEM limit (XLA's "
+                       "--xla_tpu_scoped_vmem_limit_kib; default the chip's own, 16 MiB on v5e, 32 MiB on "
+                       "v6e) so that Mosaic names the scoped VMEM of each kernel that needs more")
   ap.add_argument("--json", help="write the table here")
+  ap.add_argument("--pick", nargs="+", metavar="TABLE",
+                  help="instead of a grid: the pick of one chip's --topology tables (--json files, one per "
+                       "shape), by the rule of `pick_blocks`")
   return ap
+
+
+CODE_TOLERANCE = 1.25  # code of both paths within 25% of the grid's least counts as equal
+PADDING_TOLERANCE = 0.01  # padded work within 1% of the grid's least counts as equal
+
+
+def eligible_pairs(table: dict) -> list[tuple[int, int]]:
+  """The (block_q, block_kv) of one `--topology` table (a `--json` file's dict) that pass the pick's
+  filters, in the table's order: (1) fit: Mosaic compiled both paths under the chip's scoped VMEM
+  limit; (2) padding: the padded work T_pad * S_pad (T = S = the table's sequence, padded to the
+  blocks as `BlockLayout` pads them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
+  (3) code: the generated code of both paths together (the "auto" kernel holds both updates)
+  within `CODE_TOLERANCE` of the least of the fitting pairs."""
+  from attention.blockwise import BlockLayout, BlockSizes
+
+  seq = table["shape"][1]
+  fit = {(r["block_q"], r["block_kv"]): r for r in table["rows"]
+         if all("error" not in r[path] for path in ("lse", "fixed_m"))}
+  if not fit:
+    return []
+  layouts = {key: BlockLayout.make(seq, seq, BlockSizes(*key), "pallas") for key in fit}
+  work = {key: lay.T_pad * lay.S_pad for key, lay in layouts.items()}
+  code = {key: r["lse"]["code_mib"] + r["fixed_m"]["code_mib"] for key, r in fit.items()}
+  return [key for key in fit if work[key] <= min(work.values()) * (1 + PADDING_TOLERANCE)
+          and code[key] <= min(code.values()) * CODE_TOLERANCE]
+
+
+def pick_blocks(tables: list[dict]) -> tuple[int, int] | None:
+  """One chip's default from its tables (one per attention shape): of the pairs every table finds
+  eligible (`eligible_pairs`), the largest block_q * block_kv (fewer grid steps: each costs a fixed
+  overhead, the usual TPU heuristic), then the larger block_q (K/V are read from HBM once per query
+  block, so block_q sets the kernel's FLOPs per byte). None when no pair passes everywhere."""
+  common = set.intersection(*(set(eligible_pairs(t)) for t in tables)) if tables else set()
+  return max(common, key=lambda key: (key[0] * key[1], key[0]), default=None)
+
+
+def _pick_main(paths: list[str]) -> list[dict]:
+  tables = []
+  for path in paths:
+    with open(path) as f:
+      tables.append(json.load(f))
+    t = tables[-1]
+    print(f"{path}: {t.get('topology')} [B,T,N,H]={t['shape']} eligible {eligible_pairs(t)}")
+  print(f"pick: {pick_blocks(tables)}")
+  return tables
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
   args = build_parser().parse_args(argv)
+  if args.pick:
+    return _pick_main(args.pick)
+
+
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -74,6 +141,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if args.topology:
     from end_to_end.aot import topology_devices
 
+    if args.scoped_vmem_kib:  # read once, when libtpu starts
+      os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                        f" --xla_tpu_scoped_vmem_limit_kib={args.scoped_vmem_kib}")
     device = topology_devices(args.topology)[0]
   else:
     device = jax.devices()[0]
@@ -109,7 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         try:
           compiled = fn(sizes, impl).lower(abstract, abstract, abstract).compile()
         except Exception as e:  # noqa: BLE001 - a pair Mosaic refuses is a row of the table, not a crash
-          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                           scoped_vmem_mib=_scoped_vmem_mib(str(e)))
           continue
         mem = compiled.memory_analysis()
         row[impl] = dict(compile_s=time.perf_counter() - start,
@@ -117,7 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          temp_mib=mem.temp_size_in_bytes / 2**20)
       rows.append(row)
       cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
-                if "error" not in r else r["error"]) for r in (row["lse"], row["fixed_m"])]
+                if "error" not in r else f"{r['scoped_vmem_mib']:.2f} MiB scoped VMEM refused"
+                if r["scoped_vmem_mib"] else r["error"]) for r in (row["lse"], row["fixed_m"])]
       print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
   else:
     rng = np.random.default_rng(0)

@@ -178,6 +178,28 @@ def test_default_blocks_per_tpu_generation(monkeypatch):
   assert seen == [("cpu", jax.devices()[0].device_kind)] * 2
 
 
+def test_tune_blocks_pick_rule():
+  from end_to_end import tune_blocks
+
+  def row(bq, bk, code=1.0, error=None):
+    cell = dict(error=error) if error else dict(code_mib=code)
+    return dict(block_q=bq, block_kv=bk, lse=cell, fixed_m=dict(cell))
+
+  # T = 3000: blocks of 2048 pad it to 4096 (x1.86 the work of 3072); 1024 x 1024 has code 2x the
+  # least; 512 x 512 is refused. Left: the small pairs and 1024 x 512 / 512 x 1024 (equal area, the
+  # larger block_q wins).
+  rows = [row(256, 256), row(512, 256), row(512, 512, error="CompileTimeScopedVmemOom"), row(512, 1024, 1.2),
+          row(1024, 512, 1.1), row(1024, 1024, 2.0), row(2048, 512), row(512, 2048)]
+  table = dict(shape=[1, 3000, 2, 128], rows=rows)
+  assert tune_blocks.eligible_pairs(table) == [(256, 256), (512, 256), (512, 1024), (1024, 512)]
+  assert tune_blocks.pick_blocks([table]) == (1024, 512)
+  # A second shape where 1024 x 512 is refused: the pick must pass in every table.
+  other = dict(shape=[1, 4096, 2, 128], rows=[r if (r["block_q"], r["block_kv"]) != (1024, 512)
+                                              else row(1024, 512, error="refused") for r in rows])
+  assert tune_blocks.pick_blocks([table, other]) == (512, 1024)
+  assert tune_blocks.pick_blocks([dict(shape=[1, 256, 1, 128], rows=[row(256, 256, error="x")])]) is None
+
+
 def test_settings_import_without_jax():
   import pathlib
   import subprocess
