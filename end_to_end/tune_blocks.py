@@ -3,6 +3,7 @@
   python -m end_to_end.tune_blocks --backend xla --seq 4096                 # CPU: the XLA loops
   python -m end_to_end.tune_blocks --backend pallas --seq 32760 --dtype bfloat16   # on a GPU / TPU
   python -m end_to_end.tune_blocks --backend pallas --topology v6e:2x2      # TPU AOT: compile check
+  python -m end_to_end.tune_blocks --pick v6e-a.json v6e-b.json             # one chip's default
 
 On a real device it times every pair of the grid for both exact paths (LSE and fixed-m), round-robin
 over the pairs so that load from other processes hits them all alike, and prints the table sorted by
@@ -12,9 +13,10 @@ the current default (`BlockSizes.get_default` for the device kind, e.g. a TPU ge
 A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in the comment.
 
 With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot.py) nothing runs:
-each pair is compiled for one chip and the table gives compile seconds, generated code and scoped
-memory per pair, and which pairs Mosaic refuses (e.g. VMEM overflow). That prunes the grid a TPU
-run then times.
+each pair is compiled for one chip and the table gives compile seconds, generated code and temp
+(HBM) memory per pair, and which pairs Mosaic refuses (e.g. a kernel whose scoped VMEM exceeds the chip's
+limit: 16 MiB on v5e, 32 MiB on v6e, with the MiB it asked for). That prunes the grid a TPU run then
+times; `--pick` turns one chip's tables (one per attention shape) into its default (`pick_blocks`).
 
 The Pallas kernels on CPU run in interpret mode, whose speed says nothing about a TPU or GPU: that
 combination is refused.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import re
 import statistics
 import sys
@@ -44,13 +45,14 @@ def _pairs(text: str) -> list[int]:
   return sizes
 
 
-def _scoped_vmem_mib(message: str) -> float | None:
-  """The scoped VMEM (MiB) of the allocation a TPU compile refused ("Scoped allocation with size
-  20.81M and limit 16.00M exceeded ..."), or None for any other error."""
-  found = re.search(r"Scoped allocation with size ([0-9.]+)([KMG])", message)
+def _scoped_vmem_mib(message: str) -> list[float] | None:
+  """[needed, limit] scoped VMEM (MiB) of the allocation a TPU compile refused ("Scoped allocation
+  with size 20.81M and limit 16.00M exceeded ..."), or None for any other error."""
+  found = re.search(r"Scoped allocation with size ([0-9.]+)([KMG]) and limit ([0-9.]+)([KMG])", message)
   if not found:
     return None
-  return float(found.group(1)) * {"K": 2**-10, "M": 1.0, "G": 2**10}[found.group(2)]
+  unit = {"K": 2**-10, "M": 1.0, "G": 2**10}
+  return [float(found.group(1)) * unit[found.group(2)], float(found.group(3)) * unit[found.group(4)]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,10 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median reported)")
   ap.add_argument("--rank-by", default="fixed_m", choices=("fixed_m", "lse"), help="path that orders the table")
   ap.add_argument("--topology", help="TPU topology for an AOT compile check instead of timing, e.g. v6e:2x2")
-  ap.add_argument("--scoped-vmem-kib", type=int, default=None,
-                  help="with --topology: compile under this scoped VMEM limit (XLA's "
-                       "--xla_tpu_scoped_vmem_limit_kib; default the chip's own, 16 MiB on v5e, 32 MiB on "
-                       "v6e) so that Mosaic names the scoped VMEM of each kernel that needs more")
   ap.add_argument("--json", help="write the table here")
   ap.add_argument("--pick", nargs="+", metavar="TABLE",
                   help="instead of a grid: the pick of one chip's --topology tables (--json files, one per "
@@ -141,9 +139,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if args.topology:
     from end_to_end.aot import topology_devices
 
-    if args.scoped_vmem_kib:  # read once, when libtpu starts
-      os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                        f" --xla_tpu_scoped_vmem_limit_kib={args.scoped_vmem_kib}")
     device = topology_devices(args.topology)[0]
   else:
     device = jax.devices()[0]
@@ -188,7 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          temp_mib=mem.temp_size_in_bytes / 2**20)
       rows.append(row)
       cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
-                if "error" not in r else f"{r['scoped_vmem_mib']:.2f} MiB scoped VMEM refused"
+                if "error" not in r else "refused: scoped VMEM {:.2f} MiB > limit {:.2f} MiB".format(*r["scoped_vmem_mib"])
                 if r["scoped_vmem_mib"] else r["error"]) for r in (row["lse"], row["fixed_m"])]
       print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
   else:
