@@ -133,6 +133,10 @@ def test_backend_choice_and_errors():
     local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
   # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
   assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
+  # TPU v5e / v6e: their own entries (end_to_end/README.md, Block sizes per TPU generation).
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v4") == BlockSizes(512, 1024)
   assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
   assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
   # Pallas blocks: powers of two >= 128, capped by the given sizes.
