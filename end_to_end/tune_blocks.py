@@ -128,8 +128,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
   args = build_parser().parse_args(argv)
   if args.pick:
     return _pick_main(args.pick)
-
-
   import jax
   import jax.numpy as jnp
   import numpy as np
