@@ -401,7 +401,7 @@ def local_attention(
       input the output is all NaN, never a silently wrong number) or "auto" (the gate picks fixed-m
       when eligible, else LSE: XLA by `lax.cond`, Pallas by one kernel branching on the verdict;
       with the Pallas backend and a single key block, LSE alone, which then costs the same).
-    block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)`.
+    block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)` (this process's device kind).
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
     backend: "auto" (Pallas kernels on TPU and GPU, XLA elsewhere), "xla" or "pallas" (on CPU the
       kernels run in Pallas interpret mode: slow, exact). Same results either way.
@@ -428,14 +428,16 @@ def local_attention(
       q_prescaled=bool(q_prescaled), backend=backend)
 
 
-def check_block_sizes(block_sizes: BlockSizes | None, backend: str, platform: str | None = None) -> BlockSizes:
-  """The call's BlockSizes: the default of `backend` on `platform` (the platform the program is
-  compiled for, e.g. a mesh's devices'; None: JAX's default backend) when None.
+def check_block_sizes(block_sizes: BlockSizes | None, backend: str, platform: str | None = None,
+                      device_kind: str | None = None) -> BlockSizes:
+  """The call's BlockSizes: when None, the default of `backend` on `platform` and `device_kind` (the
+  devices the program is compiled for, e.g. a mesh's; None: JAX's default backend and device; the
+  TPU generation picks its entry, `BlockSizes.get_default`).
 
   Raises:
     ValueError: not a BlockSizes, or Pallas blocks that are not multiples of 128.
   """
-  block_sizes = BlockSizes.get_default(backend, platform) if block_sizes is None else block_sizes
+  block_sizes = BlockSizes.get_default(backend, platform, device_kind) if block_sizes is None else block_sizes
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   BlockLayout.make(1, 1, block_sizes, backend)  # the backend's own constraints

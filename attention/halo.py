@@ -75,9 +75,10 @@ def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_si
   """Checks, defaults, then the jitted program (shared by the halo and all-gather exchanges)."""
   _check_window_inputs(q, k, v, kv_valid_len, window)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  platform = mesh.devices.flat[0].platform
+  device = mesh.devices.flat[0]
+  platform = device.platform
   backend = bw.resolve_backend(backend, platform)
-  block_sizes = bw.check_block_sizes(block_sizes, backend, platform)
+  block_sizes = bw.check_block_sizes(block_sizes, backend, platform, device.device_kind)
   return _window_attention(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
                            scale=scale, block_sizes=block_sizes, exchange=exchange, backend=backend)
 

@@ -1,16 +1,15 @@
 """The attention settings every path shares: the kernels' block sizes, the backends, the paths.
 
-`BlockSizes` (static, hashable) and its measured or seeded defaults per (backend, platform),
+`BlockSizes` (static, hashable) and its measured or seeded defaults per (backend, platform), the
+platform being a TPU generation where one has its own entry (`platform_key`),
 `resolve_backend` ("auto" -> "pallas" on TPU / GPU, "xla" elsewhere) and the implementation names
-("auto" | "fixed_m" | "lse", DESIGN.md section 4). No compute; re-exported by `attention.blockwise`
-and `attention`.
+("auto" | "fixed_m" | "lse", DESIGN.md section 4). No compute, and no JAX until a default is asked
+for without naming the platform; re-exported by `attention.blockwise` and `attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import jax
 
 IMPLEMENTATIONS = ("auto", "fixed_m", "lse")
 
@@ -38,23 +37,66 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name} must be a positive int, got {name}={val!r}")
 
   @classmethod
-  def get_default(cls, backend: str = "xla", platform: str | None = None) -> "BlockSizes":
-    """The default blocks for `backend` ("xla" | "pallas") on `platform` ("cpu" | "tpu" | "gpu";
-    None: JAX's default backend)."""
-    platform = jax.default_backend() if platform is None else platform
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
-    return DEFAULT_BLOCKS.get((backend, platform), DEFAULT_BLOCKS[(backend, "cpu")])
+  def get_default(cls, backend: str = "xla", platform: str | None = None,
+                  device_kind: str | None = None) -> "BlockSizes":
+    """The default blocks for `backend` ("xla" | "pallas") on `platform` ("cpu" | "tpu" | "gpu",
+    or "cuda" / "rocm") of device kind `device_kind` (JAX's `Device.device_kind`, e.g. "TPU v5
+    lite"; AOT topology devices have one too). None for both: JAX's default backend and its first
+    device. The first entry of `DEFAULT_BLOCKS` found, in the order (backend, "tpu-v5e") (the
+    generation's, `platform_key`), (backend, "tpu"), (backend, "cpu").
+    """
+    if platform is None:
+      import jax  # noqa: PLC0415 (only a default for "this process's devices" starts JAX)
+
+      platform, device_kind = jax.default_backend(), jax.devices()[0].device_kind
+    key = platform_key(platform, device_kind)
+    base = key.split("-")[0]
+    for candidate in (key, base, "cpu"):
+      if (backend, candidate) in DEFAULT_BLOCKS:
+        return DEFAULT_BLOCKS[(backend, candidate)]
+    raise ValueError(f"no default block sizes for {backend=}; expected one of "
+                     f"{sorted({b for b, _ in DEFAULT_BLOCKS})}")
+
+
+# JAX's TPU device kinds (real chips and AOT topologies report the same names; jax's own table:
+# jax/_src/pallas/mosaic/tpu_info.py `chip_version_from_device_kind`) -> the generation that keys
+# its own DEFAULT_BLOCKS entries. Other TPUs (v4, v5p, TPU7x, ...) use the plain "tpu" entry.
+TPU_GENERATIONS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def platform_key(platform: str, device_kind: str | None = None) -> str:
+  """The platform part of a `DEFAULT_BLOCKS` key: "tpu-v5e" / "tpu-v6e" for a TPU whose device kind
+  is in `TPU_GENERATIONS`, "gpu" for "cuda" / "rocm", else `platform` as given ("tpu", "cpu").
+
+  E.g. platform_key("tpu", "TPU v6 lite") == "tpu-v6e"; platform_key("tpu", "TPU v4") == "tpu".
+  """
+  platform = "gpu" if platform in ("cuda", "rocm") else platform
+  generation = TPU_GENERATIONS.get(device_kind) if platform == "tpu" else None
+  return f"tpu-{generation}" if generation else platform
 
 
 # (backend, platform) -> defaults. XLA on CPU: measured at T = S = 4096, N = 12, H = 128 on 2 cores
-# (end_to_end/bench_attention.py). Pallas: TPU the splash-attention-like 512 x 1024 (VMEM per step
-# ~ bq*bk*4 B of logits + double-buffered K/V tiles, well inside v5e's 16 MiB scoped VMEM); GPU
-# the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry is interpret mode
-# (tests), small so that padding stays cheap. `end_to_end.tune_blocks` re-measures them.
+# (end_to_end/bench_attention.py). Pallas: TPU (other than v5e / v6e) the splash-attention-like
+# 512 x 1024 (VMEM per step ~ bq*bk*4 B of logits + double-buffered K/V tiles, inside v5e's 16 MiB
+# scoped VMEM); GPU the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry
+# is interpret mode (tests), small so that padding stays cheap.
+# TPU v5e and v6e: 1024 x 1024, picked from compiles only (`tune_blocks --topology v5e:2x2 /
+# v6e:2x2`, then `--pick`; libtpu 0.0.42; end_to_end/README.md "Block sizes per TPU generation" has
+# the tables) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128]; U=2,R=2:
+# [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048 squared.
+# Fit: v5e refuses 2048 x 2048 (scoped VMEM 23.9-27.9 MiB > 16) and, at 14B, 2048 x 1024 (19.6);
+# 1024 x 1024 needs ~10.1 MiB there; v6e (32 MiB) refuses none. Padding: 2048-blocks pad 14B's
+# 37,800 tokens to 38,912 (+3.2% work per axis, +6.0% both) against 37,888 (+0.5%) for <= 1024.
+# Code (LSE + fixed-m): 1024 x 1024 is 3.52-4.38 MiB (v5e) and 2.90-4.36 MiB (v6e), within 25% of
+# each shape's least (2.51-3.98 MiB; at most 1.19x); of the pairs that pass all three at every shape it has the
+# most work per grid step (half the steps of 512 x 1024, and twice its FLOPs per K/V byte read).
+# Not yet timed on a TPU: `tune_blocks --backend pallas` there is the check.
 DEFAULT_BLOCKS = {
     ("xla", "cpu"): BlockSizes(1024, 512),
     ("pallas", "cpu"): BlockSizes(128, 128),
     ("pallas", "tpu"): BlockSizes(512, 1024),
+    ("pallas", "tpu-v5e"): BlockSizes(1024, 1024),
+    ("pallas", "tpu-v6e"): BlockSizes(1024, 1024),
     ("pallas", "gpu"): BlockSizes(128, 128),
 }
 
@@ -75,5 +117,8 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
     raise ValueError(f"unknown attention {backend=}; expected one of {BACKENDS}")
   if backend != "auto":
     return backend
-  platform = jax.default_backend() if platform is None else platform
+  if platform is None:
+    import jax  # noqa: PLC0415 (see BlockSizes.get_default)
+
+    platform = jax.default_backend()
   return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"

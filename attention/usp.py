@@ -162,9 +162,10 @@ def usp_attention(
     raise ValueError(f"unknown {implementation=}; expected one of {bw.IMPLEMENTATIONS}")
   if exchange not in fp8x.EXCHANGES:
     raise ValueError(f"unknown {exchange=}; expected one of {fp8x.EXCHANGES}")
-  platform = mesh.devices.flat[0].platform
+  device = mesh.devices.flat[0]
+  platform = device.platform
   backend = bw.resolve_backend(backend, platform)
-  block_sizes = bw.check_block_sizes(block_sizes, backend, platform)
+  block_sizes = bw.check_block_sizes(block_sizes, backend, platform, device.device_kind)
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   return _usp(q, k, v, kv_valid_len, mesh=mesh, implementation=implementation, scale=scale,
               block_sizes=block_sizes, q_prescaled=bool(q_prescaled), backend=backend, exchange=exchange)
@@ -342,10 +343,11 @@ def cross_attention(
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
   U, R, _ = _mesh_parts(mesh, B)
   T_pad = round_up(T, U * R)
-  platform = mesh.devices.flat[0].platform
+  device = mesh.devices.flat[0]
+  platform = device.platform
   backend = bw.resolve_backend(backend, platform)
   local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
-                            block_sizes=bw.check_block_sizes(block_sizes, backend, platform), backend=backend)
+                            block_sizes=bw.check_block_sizes(block_sizes, backend, platform, device.device_kind), backend=backend)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))  # text rows follow their batch rows
   if kv_valid_len is None:
     fn = lambda q, k, v: local(q, k, v)

@@ -175,7 +175,7 @@ def main(argv=None):
   T_pad = -(-args.tokens // (U * R)) * (U * R)
   q = jax.ShapeDtypeStruct((args.batch, T_pad, args.heads, args.head_dim), dtype, sharding=sh)
   kv = jax.ShapeDtypeStruct((args.batch, T_pad, K, args.head_dim), dtype, sharding=sh)
-  default = BlockSizes.get_default(kernel_backend, platform)
+  default = BlockSizes.get_default(kernel_backend, platform, devices[0].device_kind)
   sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv)
   if args.kind == "usp":
     fn = lambda q, k, v: usp_attention(q, k, v, mesh=mesh, implementation=args.implementation,

@@ -3,17 +3,20 @@
   python -m end_to_end.tune_blocks --backend xla --seq 4096                 # CPU: the XLA loops
   python -m end_to_end.tune_blocks --backend pallas --seq 32760 --dtype bfloat16   # on a GPU / TPU
   python -m end_to_end.tune_blocks --backend pallas --topology v6e:2x2      # TPU AOT: compile check
+  python -m end_to_end.tune_blocks --pick v6e-a.json v6e-b.json             # one chip's default
 
 On a real device it times every pair of the grid for both exact paths (LSE and fixed-m), round-robin
 over the pairs so that load from other processes hits them all alike, and prints the table sorted by
 the time of `--rank-by` (default fixed_m, the path the gate picks on real inputs) with the winner and
-the current default (`attention.blockwise.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
+the current default (`BlockSizes.get_default` for the device kind, e.g. a TPU generation's entry of
+`attention.settings.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
 A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in the comment.
 
 With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot.py) nothing runs:
-each pair is compiled for one chip and the table gives compile seconds, generated code and scoped
-memory per pair, and which pairs Mosaic refuses (e.g. VMEM overflow). That prunes the grid a TPU
-run then times.
+each pair is compiled for one chip and the table gives compile seconds, generated code and temp
+(HBM) memory per pair, and which pairs Mosaic refuses (e.g. a kernel whose scoped VMEM exceeds the chip's
+limit: 16 MiB on v5e, 32 MiB on v6e, with the MiB it asked for). That prunes the grid a TPU run then
+times; `--pick` turns one chip's tables (one per attention shape) into its default (`pick_blocks`).
 
 The Pallas kernels on CPU run in interpret mode, whose speed says nothing about a TPU or GPU: that
 combination is refused.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -39,6 +43,16 @@ def _pairs(text: str) -> list[int]:
   if not sizes or min(sizes) <= 0:
     raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive ints, e.g. 128,256,512")
   return sizes
+
+
+def _scoped_vmem_mib(message: str) -> list[float] | None:
+  """[needed, limit] scoped VMEM (MiB) of the allocation a TPU compile refused ("Scoped allocation
+  with size 20.81M and limit 16.00M exceeded ..."), or None for any other error."""
+  found = re.search(r"Scoped allocation with size ([0-9.]+)([KMG]) and limit ([0-9.]+)([KMG])", message)
+  if not found:
+    return None
+  unit = {"K": 2**-10, "M": 1.0, "G": 2**10}
+  return [float(found.group(1)) * unit[found.group(2)], float(found.group(3)) * unit[found.group(4)]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,18 +73,73 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--rank-by", default="fixed_m", choices=("fixed_m", "lse"), help="path that orders the table")
   ap.add_argument("--topology", help="TPU topology for an AOT compile check instead of timing, e.g. v6e:2x2")
   ap.add_argument("--json", help="write the table here")
+  ap.add_argument("--pick", nargs="+", metavar="TABLE",
+                  help="instead of a grid: the pick of one chip's --topology tables (--json files, one per "
+                       "shape), by the rule of `pick_blocks`")
   return ap
+
+
+CODE_TOLERANCE = 1.25  # code of both paths within 25% of the grid's least counts as equal
+PADDING_TOLERANCE = 0.01  # padded work within 1% of the grid's least counts as equal
+
+
+def eligible_pairs(table: dict) -> list[tuple[int, int]]:
+  """The (block_q, block_kv) of one `--topology` table (a `--json` file's dict) that pass the pick's
+  filters, in the table's order: (1) fit: Mosaic compiled both paths under the chip's scoped VMEM
+  limit; (2) padding: the padded work T_pad * S_pad (T = S = the table's sequence, padded to the
+  blocks as `BlockLayout` pads them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
+  (3) code: the generated code of both paths together (the "auto" kernel holds both updates)
+  within `CODE_TOLERANCE` of the least of the fitting pairs."""
+  from attention.blockwise import BlockLayout, BlockSizes
+
+  seq = table["shape"][1]
+  fit = {(r["block_q"], r["block_kv"]): r for r in table["rows"]
+         if all("error" not in r[path] for path in ("lse", "fixed_m"))}
+  if not fit:
+    return []
+  layouts = {key: BlockLayout.make(seq, seq, BlockSizes(*key), "pallas") for key in fit}
+  work = {key: lay.T_pad * lay.S_pad for key, lay in layouts.items()}
+  code = {key: r["lse"]["code_mib"] + r["fixed_m"]["code_mib"] for key, r in fit.items()}
+  return [key for key in fit if work[key] <= min(work.values()) * (1 + PADDING_TOLERANCE)
+          and code[key] <= min(code.values()) * CODE_TOLERANCE]
+
+
+def pick_blocks(tables: list[dict]) -> tuple[int, int] | None:
+  """One chip's default from its tables (one per attention shape): of the pairs every table finds
+  eligible (`eligible_pairs`), the largest block_q * block_kv (fewer grid steps: each costs a fixed
+  overhead, the usual TPU heuristic), then the larger block_q (K/V are read from HBM once per query
+  block, so block_q sets the kernel's FLOPs per byte). None when no pair passes everywhere."""
+  common = set.intersection(*(set(eligible_pairs(t)) for t in tables)) if tables else set()
+  return max(common, key=lambda key: (key[0] * key[1], key[0]), default=None)
+
+
+def _pick_main(paths: list[str]) -> list[dict]:
+  tables = []
+  for path in paths:
+    with open(path) as f:
+      tables.append(json.load(f))
+    t = tables[-1]
+    print(f"{path}: {t.get('topology')} [B,T,N,H]={t['shape']} eligible {eligible_pairs(t)}")
+  print(f"pick: {pick_blocks(tables)}")
+  return tables
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
   args = build_parser().parse_args(argv)
+  if args.pick:
+    return _pick_main(args.pick)
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from attention import BlockSizes, local_attention, resolve_backend
-  from attention.settings import DEFAULT_BLOCKS
 
+  if args.topology:
+    from end_to_end.aot import topology_devices
+
+    device = topology_devices(args.topology)[0]
+  else:
+    device = jax.devices()[0]
   platform = "tpu" if args.topology else jax.default_backend()
   backend = resolve_backend(args.backend, platform)
   if backend == "pallas" and platform == "cpu":
@@ -82,8 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   pairs = [BlockSizes(bq, bk) for bq, bk in itertools.product(grid_q, grid_kv)]
   shape = (args.batch, args.seq, args.heads, args.head_dim)
   dtype = jnp.dtype(args.dtype)
-  default = DEFAULT_BLOCKS.get((backend, "gpu" if platform in ("cuda", "rocm") else platform))
-  print(f"tune_blocks: backend={backend} platform={platform}"
+  default = BlockSizes.get_default(backend, platform, device.device_kind)
+  print(f"tune_blocks: backend={backend} platform={platform} ({device.device_kind})"
         f"{' (AOT ' + args.topology + ')' if args.topology else ''} [B,T,N,H]={shape} {args.dtype}; "
         f"current default {default}", flush=True)
 
@@ -95,9 +164,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if args.topology:
     from jax.sharding import SingleDeviceSharding
 
-    from end_to_end.aot import topology_devices
-
-    device = topology_devices(args.topology)[0]
     abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     for sizes in pairs:
       row = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
@@ -106,7 +172,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         try:
           compiled = fn(sizes, impl).lower(abstract, abstract, abstract).compile()
         except Exception as e:  # noqa: BLE001 - a pair Mosaic refuses is a row of the table, not a crash
-          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                           scoped_vmem_mib=_scoped_vmem_mib(str(e)))
           continue
         mem = compiled.memory_analysis()
         row[impl] = dict(compile_s=time.perf_counter() - start,
@@ -114,7 +181,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          temp_mib=mem.temp_size_in_bytes / 2**20)
       rows.append(row)
       cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
-                if "error" not in r else r["error"]) for r in (row["lse"], row["fixed_m"])]
+                if "error" not in r else "refused: scoped VMEM {:.2f} MiB > limit {:.2f} MiB".format(*r["scoped_vmem_mib"])
+                if r["scoped_vmem_mib"] else r["error"]) for r in (row["lse"], row["fixed_m"])]
       print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
   else:
     rng = np.random.default_rng(0)
@@ -142,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"winner ({args.rank_by}): BlockSizes({rows[0]['block_q']}, {rows[0]['block_kv']})")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(backend=backend, platform=platform, topology=args.topology, shape=shape, dtype=args.dtype,
+      json.dump(dict(backend=backend, platform=platform, device_kind=device.device_kind, topology=args.topology, shape=shape, dtype=args.dtype,
                      default=None if default is None else [default.block_q, default.block_kv], rows=rows), f, indent=2)
   return rows
 

@@ -133,11 +133,86 @@ def test_backend_choice_and_errors():
     local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
   # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
   assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
+  # TPU v5e / v6e: their own entries (end_to_end/README.md, Block sizes per TPU generation).
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v4") == BlockSizes(512, 1024)
   assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
   assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
   # Pallas blocks: powers of two >= 128, capped by the given sizes.
   layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
   assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
+
+
+def test_default_blocks_per_tpu_generation(monkeypatch):
+  from attention import settings
+
+  # Device kinds as JAX reports them (real chips and AOT topologies alike).
+  assert settings.platform_key("tpu", "TPU v5 lite") == settings.platform_key("tpu", "TPU v5e") == "tpu-v5e"
+  assert settings.platform_key("tpu", "TPU v6 lite") == settings.platform_key("tpu", "TPU v6e") == "tpu-v6e"
+  assert settings.platform_key("tpu", "TPU v4") == settings.platform_key("tpu", None) == "tpu"
+  assert settings.platform_key("cuda", "NVIDIA H100 80GB HBM3") == "gpu"
+  assert settings.platform_key("cpu", "TPU v6 lite") == "cpu"  # a kind only counts on its platform
+  # Each generation reads its own entry, other TPUs the plain "tpu" one, then the CPU's. Distinct
+  # entries, so that equal defaults could not make the lookup pass by accident.
+  sentinels = {"tpu-v5e": BlockSizes(128, 256), "tpu-v6e": BlockSizes(256, 128), "tpu": BlockSizes(384, 384)}
+  for platform, sizes in sentinels.items():
+    monkeypatch.setitem(settings.DEFAULT_BLOCKS, ("pallas", platform), sizes)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == sentinels["tpu-v5e"]
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == sentinels["tpu-v6e"]
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5p") == sentinels["tpu"]
+  assert BlockSizes.get_default("pallas", "tpu") == sentinels["tpu"]
+  assert BlockSizes.get_default("xla", "tpu", "TPU v6 lite") == settings.DEFAULT_BLOCKS[("xla", "cpu")]
+  with pytest.raises(ValueError, match="no default block sizes"):
+    BlockSizes.get_default("triton", "cpu")
+  # A mesh's calls pass its devices' kind (here the CPU's), not just the platform.
+  seen = []
+
+  def record(block_sizes, backend, platform=None, device_kind=None):
+    seen.append((platform, device_kind))
+    raise RuntimeError("recorded")
+
+  monkeypatch.setattr(blockwise, "check_block_sizes", record)
+  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
+  mesh = make_mesh(ulysses=2, ring=1)
+  for call in (lambda: usp_attention(q, k, v, mesh=mesh),
+               lambda: halo_attention(q, k, v, mesh=mesh, window=2)):
+    with pytest.raises(RuntimeError, match="recorded"):
+      call()
+  assert seen == [("cpu", jax.devices()[0].device_kind)] * 2
+
+
+def test_tune_blocks_pick_rule():
+  from end_to_end import tune_blocks
+
+  def row(bq, bk, code=1.0, error=None):
+    cell = dict(error=error) if error else dict(code_mib=code)
+    return dict(block_q=bq, block_kv=bk, lse=cell, fixed_m=dict(cell))
+
+  # T = 3000: blocks of 2048 pad it to 4096 (x1.86 the work of 3072); 1024 x 1024 has code 2x the
+  # least; 512 x 512 is refused. Left: the small pairs and 1024 x 512 / 512 x 1024 (equal area, the
+  # larger block_q wins).
+  rows = [row(256, 256), row(512, 256), row(512, 512, error="CompileTimeScopedVmemOom"), row(512, 1024, 1.2),
+          row(1024, 512, 1.1), row(1024, 1024, 2.0), row(2048, 512), row(512, 2048)]
+  table = dict(shape=[1, 3000, 2, 128], rows=rows)
+  assert tune_blocks.eligible_pairs(table) == [(256, 256), (512, 256), (512, 1024), (1024, 512)]
+  assert tune_blocks.pick_blocks([table]) == (1024, 512)
+  # A second shape where 1024 x 512 is refused: the pick must pass in every table.
+  other = dict(shape=[1, 4096, 2, 128], rows=[r if (r["block_q"], r["block_kv"]) != (1024, 512)
+                                              else row(1024, 512, error="refused") for r in rows])
+  assert tune_blocks.pick_blocks([table, other]) == (512, 1024)
+  assert tune_blocks.pick_blocks([dict(shape=[1, 256, 1, 128], rows=[row(256, 256, error="x")])]) is None
+
+
+def test_settings_import_without_jax():
+  import pathlib
+  import subprocess
+  import sys
+
+  code = "import sys, attention.settings as s; s.platform_key('tpu', 'TPU v6 lite'); print('jax' in sys.modules)"
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+  assert out.stdout.strip() == "False"
 
 
 def test_tune_blocks_measures_grid_and_refuses_interpret_timing(tmp_path):
