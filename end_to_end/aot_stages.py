@@ -80,6 +80,7 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
             devices, height=height, width=width, vae=vae, dtype=dtype, split=split))
       except Exception as e:  # noqa: BLE001 - e.g. out of HBM: report the row, go on
         found, cache = [dict(stage="decode", program="both", vae=vae, height=height, width=width, split=split,
+                             devices=len(devices) if split else 1,
                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              compile_s=time.perf_counter() - start)], "off"
       for row in found:

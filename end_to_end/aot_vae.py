@@ -55,7 +55,8 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     vae: a `vae_config.VAE_PRESETS` name: "wan2.1" (Wan 2.1 and 2.2 A14B), "wan2.2" (TI2V-5B),
       "tiny" (tests).
     dtype: "bfloat16" or "float32", the VAE's weights and activations.
-    split: False: one device (`decode`); True: the latent rows over every device (`decode_parallel`).
+    split: False: one device (`decode`); True: the latent rows over every device of this process
+      (`decode_parallel`; a TPU host of v6e:2x4 holds 4 of the 8 chips).
     programs: which of "first" and "later" to compile.
 
   Returns:
@@ -67,6 +68,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   Raises:
     ValueError: an unknown vae or dtype, or a size that is not a multiple of the spatial factor.
   """
+  import jax
   import jax.numpy as jnp
 
   from end_to_end.aot_text import compiled_analysis
@@ -83,6 +85,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     raise ValueError(f"{height}x{width} must be positive multiples of {s} for the {vae} VAE")
   lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1, latent_height=height // s,
                                      latent_width=width // s, devices=devices, split=split)
+  decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
   rows = []
   for name, lowered in lowered_programs.items():
     if name not in programs:
@@ -91,7 +94,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     start, cpu_start = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     rows.append(dict(stage="decode", program=name, vae=vae, dtype=dtype, height=height, width=width,
-                     devices=len(devices) if split else 1, split=split, convolutions=convs,
+                     devices=decoding if split else 1, split=split, convolutions=convs,
                      distinct_convolutions=distinct, compile_s=time.perf_counter() - start,
                      compile_cpu_s=time.process_time() - cpu_start, **compiled_analysis(compiled)))
   return rows

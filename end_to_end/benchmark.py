@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--compile-cache", metavar="DIR",
                   help="with --aot, JAX's persistent compilation cache in DIR; each row says whether its entry was "
                        "found (a second process, same programs) or written")
+  ap.add_argument("--compile-effort", type=float, metavar="E",
+                  help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
+                       "(jax_exec_time_optimization_effort; default 0): below 0 trades the programs' speed for "
+                       "compile time")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -224,13 +228,17 @@ def run_aot(args: argparse.Namespace) -> int:
   stages, models, rows = aot_stages.parse_stages(args.stages), args.aot_models.split(","), []
   if args.compile_cache:
     aot_stages.enable_compile_cache(args.compile_cache)
+  if args.compile_effort is not None:
+    import jax
+    jax.config.update("jax_exec_time_optimization_effort", args.compile_effort)
 
   def emit(row: dict[str, Any]) -> None:  # after every program: a stopped run keeps the rows done so far
     rows.append(row)
     if args.json:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                       stages=stages, versions=_versions(), rows=rows), f, indent=2)
+                       stages=stages, compile_effort=args.compile_effort or 0.0, versions=_versions(), rows=rows),
+                  f, indent=2)
 
   if "text" in stages:
     for row in aot_stages.text_rows(devices, mesh, args.compile_cache):
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--runs {args.runs} must be >= 1")
     if any(name not in aot_targets() for name in args.aot_models.split(",")):
       raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
+    if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:
+      raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
     from end_to_end.aot_stages import parse_stages  # no JAX import
     parse_stages(args.stages)
     if args.aot and (args.compare or args.model or args.mesh):

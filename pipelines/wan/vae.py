@@ -351,8 +351,9 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
   Args:
     vae: the model; its leaves may be `jax.ShapeDtypeStruct`s (they are placed like the programs').
     batch, latent_height, latent_width: B, Hl, Wl of the latents.
-    devices: where the programs run: the first one (`decode`), or all of them with `split`
-      (`decode_parallel`, the latent rows padded to D * ceil(Hl / D) and split).
+    devices: where the programs run: the first one (`decode`), or with `split` all of them that
+      belong to this process (`decode_parallel`, `row_mesh`: the latent rows padded to D * ceil(Hl /
+      D) and split; a TPU host of a v6e:2x4 slice holds 4 of its 8 chips).
     split: the height split over every device of `devices`.
 
   Returns:
@@ -364,6 +365,8 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
   def placed(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
+  if split:  # as `decode_parallel`: the rows over this process's devices of the mesh
+    mesh = row_mesh(mesh)
   vae = WanVAE(vae.config, placed(vae.params, NamedSharding(mesh, P())))
   if not split:
     z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype),
@@ -371,7 +374,7 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
     _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
     return {"first": _decode_first_chunk.lower(vae, z),
             "later": _decode_next_chunk.lower(vae, placed(cache, NamedSharding(mesh, P())), z)}
-  rmesh = row_mesh(mesh)
+  rmesh = mesh
   rows = row_split(rmesh.size, latent_height)
   sharding = NamedSharding(rmesh, _ROWS_SPEC)
   z = placed(jax.ShapeDtypeStruct((batch, 1, rows.devices * rows.band, latent_width, vae.config.z_dim), vae.dtype),
