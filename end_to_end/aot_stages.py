@@ -14,8 +14,10 @@ be checked here.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,13 +47,43 @@ def enable_compile_cache(directory: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+class _CacheEvents(logging.Handler):
+  """Records JAX's persistent-cache hit and miss log lines: (program, "hit" | "miss")."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.events: list[tuple[str, str]] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    message = record.getMessage()
+    for marker, status in (("Persistent compilation cache hit for", "hit"),
+                           ("PERSISTENT COMPILATION CACHE MISS for", "miss")):
+      if message.startswith(marker):
+        self.events.append((message.split("'")[1], status))
+
+
 def with_cache_status(directory: str | None, compile_fn: Callable[[], Any]) -> tuple[Any, str]:
-  """(compile_fn(), "off" | "written" | "entry found"): whether the cache gained an entry."""
+  """(compile_fn(), status) of the programs compiled inside: "off" (no cache), "written" (every
+  lookup missed: this compile wrote the entries), "entry found" (every lookup found its entry: a
+  hit, or an entry the compile-only client could not load), or "mixed"; from JAX's own log lines
+  and warnings, so other processes writing to the same directory do not blur it."""
   if directory is None:
     return compile_fn(), "off"
-  before = set(os.listdir(directory))
-  result = compile_fn()
-  return result, "written" if set(os.listdir(directory)) - before else "entry found"
+  logger, handler = logging.getLogger("jax._src.compiler"), _CacheEvents()
+  level = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      result = compile_fn()
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  found = {str(w.message).split("'")[1] for w in caught
+           if str(w.message).startswith("Error reading persistent compilation cache entry")}
+  statuses = {"hit" if name in found or status == "hit" else "miss" for name, status in handler.events}
+  return result, {frozenset({"miss"}): "written", frozenset({"hit"}): "entry found"}.get(frozenset(statuses), "mixed")
 
 
 def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list[dict[str, Any]]:

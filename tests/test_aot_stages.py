@@ -2,6 +2,9 @@
 programs (compiled here for CPU devices), the distinct-convolution count that a TPU compile pays
 for, and the compile-cache status. The TPU numbers themselves are in end_to_end/README.md."""
 
+import logging
+import warnings
+
 import jax
 import pytest
 
@@ -61,10 +64,25 @@ def test_decode_programs_split_over_devices_move_only_halo_rows():
     aot_vae.compile_vae_decode(jax.devices()[:1], height=44, width=32, vae="tiny")
 
 
-def test_cache_status_says_whether_an_entry_was_written(tmp_path):
-  def compile_writing(name):
-    return lambda: (tmp_path / name).write_text("x")
+def test_cache_status_reads_jax_own_hit_and_miss_lines(tmp_path):
+  log = logging.getLogger("jax._src.compiler")
 
-  assert aot_stages.with_cache_status(None, compile_writing("a"))[1] == "off"
-  assert aot_stages.with_cache_status(str(tmp_path), compile_writing("b"))[1] == "written"
-  assert aot_stages.with_cache_status(str(tmp_path), compile_writing("b"))[1] == "entry found"
+  def compile_logging(*lines):
+    def fn():
+      for line in lines:
+        log.debug(line)
+      return "compiled"
+    return fn
+
+  miss = "PERSISTENT COMPILATION CACHE MISS for 'jit_f' with key 'k'"
+  hit = "Persistent compilation cache hit for 'jit_f' with key 'k'"
+  assert aot_stages.with_cache_status(None, compile_logging(miss)) == ("compiled", "off")
+  assert aot_stages.with_cache_status(str(tmp_path), compile_logging(miss)) == ("compiled", "written")
+  assert aot_stages.with_cache_status(str(tmp_path), compile_logging(hit)) == ("compiled", "entry found")
+  assert aot_stages.with_cache_status(str(tmp_path), compile_logging(hit, miss.replace("jit_f", "jit_g")))[1] == "mixed"
+
+  def found_but_not_loadable():  # what a compile-only TPU client does with a found entry
+    warnings.warn("Error reading persistent compilation cache entry for 'jit_f': JaxRuntimeError: ...")
+    log.debug(miss)
+
+  assert aot_stages.with_cache_status(str(tmp_path), found_but_not_loadable)[1] == "entry found"
