@@ -83,8 +83,9 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   s = config.spatial_factor
   if height % s or width % s or min(height, width) < s:
     raise ValueError(f"{height}x{width} must be positive multiples of {s} for the {vae} VAE")
-  lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1, latent_height=height // s,
-                                     latent_width=width // s, devices=devices, split=split)
+  lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1,
+                                             latent_height=height // s, latent_width=width // s, devices=devices,
+                                             split=split)
   decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
   rows = []
   for name, lowered in lowered_programs.items():

@@ -361,27 +361,26 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
     later one for the cache the first returns). `end_to_end/aot_vae.py` compiles them for a TPU.
   """
   mesh = Mesh(np.array(devices if split else devices[:1], dtype=object), ("all",))
+  if split:  # as `decode_parallel`: the rows over this process's devices
+    mesh = row_mesh(mesh)
+  replicated = NamedSharding(mesh, P())
 
   def placed(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
-  if split:  # as `decode_parallel`: the rows over this process's devices of the mesh
-    mesh = row_mesh(mesh)
-  vae = WanVAE(vae.config, placed(vae.params, NamedSharding(mesh, P())))
+  vae = WanVAE(vae.config, placed(vae.params, replicated))
   if not split:
-    z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype),
-               NamedSharding(mesh, P()))
+    z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype), replicated)
     _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
     return {"first": _decode_first_chunk.lower(vae, z),
-            "later": _decode_next_chunk.lower(vae, placed(cache, NamedSharding(mesh, P())), z)}
-  rmesh = mesh
-  rows = row_split(rmesh.size, latent_height)
-  sharding = NamedSharding(rmesh, _ROWS_SPEC)
+            "later": _decode_next_chunk.lower(vae, placed(cache, replicated), z)}
+  rows = row_split(mesh.size, latent_height)
+  sharding = NamedSharding(mesh, _ROWS_SPEC)
   z = placed(jax.ShapeDtypeStruct((batch, 1, rows.devices * rows.band, latent_width, vae.config.z_dim), vae.dtype),
              sharding)
-  _, cache = jax.eval_shape(lambda v, z: _decode_first_chunk_rows(v, z, mesh=rmesh, rows=rows), vae, z)
-  return {"first": _decode_first_chunk_rows.lower(vae, z, mesh=rmesh, rows=rows),
-          "later": _decode_next_chunk_rows.lower(vae, placed(cache, sharding), z, mesh=rmesh, rows=rows)}
+  _, cache = jax.eval_shape(lambda v, z: _decode_first_chunk_rows(v, z, mesh=mesh, rows=rows), vae, z)
+  return {"first": _decode_first_chunk_rows.lower(vae, z, mesh=mesh, rows=rows),
+          "later": _decode_next_chunk_rows.lower(vae, placed(cache, sharding), z, mesh=mesh, rows=rows)}
 
 
 def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
