@@ -163,6 +163,28 @@ def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec
   return ImageConditioning(video_BCFHW=video, image_BJI=image)
 
 
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes", "alias_size_in_bytes")
+
+
+def compiled_analysis(compiled: Any) -> dict[str, Any]:
+  """XLA's per-device analysis of a compiled program: memory_analysis (bytes, `MEMORY_FIELDS`),
+  cost_analysis (flops, bytes accessed, transcendentals) and collectives ({op: {count, bytes}});
+  a key is absent where the backend gives no such analysis."""
+  from end_to_end.collectives import hlo_collectives
+
+  out: dict[str, Any] = dict(collectives=hlo_collectives(compiled.as_text()))
+  memory = compiled.memory_analysis()
+  if memory is not None:
+    out["memory_analysis"] = {f: int(getattr(memory, f, 0)) for f in MEMORY_FIELDS}
+  cost = compiled.cost_analysis()
+  if cost:
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out["cost_analysis"] = {k: float(v) for k, v in cost.items()
+                            if k in ("flops", "bytes accessed", "transcendentals")}
+  return out
+
+
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
                          attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
@@ -205,7 +227,6 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import attention
-  from end_to_end.collectives import hlo_collectives
   from pipelines.wan import schedulers
   from pipelines.wan.transformer import build_transformer
   from pipelines.wan.transformer_config import PRESETS, param_shapes
@@ -275,12 +296,9 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
     return report
   compiled = lowered.compile()
   report.update(compile_s=time.perf_counter() - start, compile_cpu_s=time.process_time() - cpu_start,
-                collectives=hlo_collectives(compiled.as_text()))
-  memory = compiled.memory_analysis()
-  if memory is not None:
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes", "alias_size_in_bytes")
-    report["memory_analysis"] = m = {f: int(getattr(memory, f, 0)) for f in fields}
+                **compiled_analysis(compiled))
+  m = report.get("memory_analysis")
+  if m is not None:
     # What one device holds while a step runs: the step's arguments (this expert's weights, the
     # latents, solver state and text; those the step does not read too), its temporaries and
     # outputs not aliased to donated inputs, plus the other expert's weights, which stay resident
@@ -289,11 +307,6 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
     report["resident_bytes_per_device"] = (arguments + m["temp_size_in_bytes"]
                                            + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
                                            + (experts - 1) * int(weights))
-  cost = compiled.cost_analysis()
-  if cost:
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    report["cost_analysis"] = {k: float(v) for k, v in cost.items()
-                               if k in ("flops", "bytes accessed", "transcendentals")}
   return report
 
 

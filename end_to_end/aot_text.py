@@ -31,29 +31,8 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec
+from end_to_end import aot  # no JAX import either
 from pipelines.cli.help import HelpFormatter  # no JAX import: the TPU environment is set first
-
-MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                 "generated_code_size_in_bytes", "alias_size_in_bytes")
-
-
-def compiled_analysis(compiled: Any) -> dict[str, Any]:
-  """XLA's per-device analysis of a compiled program: memory_analysis (bytes, `MEMORY_FIELDS`),
-  cost_analysis (flops, bytes accessed, transcendentals) and collectives ({op: {count, bytes}});
-  a key is absent where the backend gives no such analysis."""
-  from end_to_end.collectives import hlo_collectives
-
-  out: dict[str, Any] = dict(collectives=hlo_collectives(compiled.as_text()))
-  memory = compiled.memory_analysis()
-  if memory is not None:
-    out["memory_analysis"] = {f: int(getattr(memory, f, 0)) for f in MEMORY_FIELDS}
-  cost = compiled.cost_analysis()
-  if cost:
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    out["cost_analysis"] = {k: float(v) for k, v in cost.items()
-                            if k in ("flops", "bytes accessed", "transcendentals")}
-  return out
-
 
 def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, dtype: str,
                    mesh_spec: MeshSpec | None, keep_wo_in_fp32: bool) -> tuple[Any, Any, str]:
@@ -96,7 +75,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
     "sharded"), mesh (`MeshSpec.describe()`; one device: `MeshSpec()`'s), devices (used),
     layers, compile_s (wall), compile_cpu_s (this process's CPU seconds: steadier than wall time
     on a shared host), weights_bytes_per_device, resident_bytes_per_device (bytes), memory_analysis,
-    cost_analysis, collectives (`compiled_analysis`).
+    cost_analysis, collectives (`aot.compiled_analysis`).
 
   Raises:
     ValueError: an unknown preset or dtype, batch / text_len < 1, a sharded mesh whose device
@@ -128,7 +107,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
       wo_dtype="float32" if keep_wo_in_fp32 else dtype, batch=batch, text_len=text_len, placement=placement,
       mesh=(mesh_spec if sharded else MeshSpec()).describe(), devices=len(devices) if sharded else 1,
       layers=config.num_layers, compile_s=compile_s, compile_cpu_s=compile_cpu_s, weights_bytes_per_device=int(weights),
-      **compiled_analysis(compiled))
+      **aot.compiled_analysis(compiled))
   m = report.get("memory_analysis")
   if m is not None:  # arguments (weights, ids, mask) + temporaries + outputs (nothing is donated)
     report["resident_bytes_per_device"] = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
@@ -168,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.shard_weights != bool(args.mesh):
     ap.error("--shard-weights and --mesh go together (without them the encoder runs on one device)")
-  from end_to_end import aot
-
   try:
     devices = aot.topology_devices(args.topology, timeout_s=args.init_timeout)
   except aot.TopologyUnavailable as e:

@@ -63,7 +63,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
     split, convolutions and distinct_convolutions (lowered program), compile_s (wall),
     compile_cpu_s (this process's CPU seconds, steadier on a shared host), memory_analysis,
-    cost_analysis, collectives (`aot_text.compiled_analysis`).
+    cost_analysis, collectives (`aot.compiled_analysis`).
 
   Raises:
     ValueError: an unknown vae or dtype, or a size that is not a multiple of the spatial factor.
@@ -71,7 +71,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   import jax
   import jax.numpy as jnp
 
-  from end_to_end.aot_text import compiled_analysis
+  from end_to_end.aot import compiled_analysis
   from pipelines.wan import vae as V
   from pipelines.wan.vae_config import VAE_PRESETS
 

@@ -31,28 +31,27 @@ PROMPTS = ("a red square moving right", "a blue circle moving up", "a green tria
            "a yellow square standing still", "a white circle moving down")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 now."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, max_batch: int, data: str, cache: str) -> tuple[subprocess.Popen, str]:
-  """A server process and its base URL, once /health says ready."""
+def launch_server(flags: list[str], data: str, start_timeout: float, tool: str) -> tuple[subprocess.Popen, str]:
+  """A `serve` process on a free 127.0.0.1 port with `flags` (its log in `data`/server.log) and its
+  base URL, once /health answers 200; SystemExit naming `tool` when it exits or is not ready in
+  `start_timeout` seconds (the process is then killed)."""
   import httpx
 
-  port = _free_port()
-  command = [sys.executable, "-m", "pipelines.serve.main", "--model", args.model, "--port", str(port),
-             "--data-dir", data, "--max-batch", str(max_batch), "--max-queue", "1000", "--compile-cache", cache,
-             "--warmup", f"{args.size}x{args.frames}x{args.steps}"] + (["--mesh", args.mesh] if args.mesh else [])
+  port = free_port()
+  command = [sys.executable, "-m", "pipelines.serve.main", "--port", str(port), "--data-dir", data, *flags]
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=open(os.path.join(data, "server.log"), "w"))
   url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + args.start_timeout
-  while time.monotonic() < deadline:
-    if process.poll() is not None:
-      raise SystemExit(f"bench_serve: the server exited; see {data}/server.log")
+  deadline = time.monotonic() + start_timeout
+  while time.monotonic() < deadline and process.poll() is None:
     try:
       if httpx.get(url + "/health", timeout=5).status_code == 200:
         return process, url
@@ -60,7 +59,14 @@ def start_server(args: argparse.Namespace, max_batch: int, data: str, cache: str
       pass
     time.sleep(0.2)
   process.kill()
-  raise SystemExit(f"bench_serve: the server was not ready after {args.start_timeout} s; see {data}/server.log")
+  raise SystemExit(f"{tool}: the server exited or was not ready in {start_timeout} s; see {data}/server.log")
+
+
+def start_server(args: argparse.Namespace, max_batch: int, data: str, cache: str) -> tuple[subprocess.Popen, str]:
+  """A server process and its base URL, once /health says ready."""
+  flags = ["--model", args.model, "--max-batch", str(max_batch), "--max-queue", "1000", "--compile-cache", cache,
+           "--warmup", f"{args.size}x{args.frames}x{args.steps}"] + (["--mesh", args.mesh] if args.mesh else [])
+  return launch_server(flags, data, args.start_timeout, "bench_serve")
 
 
 def one_job(client, args: argparse.Namespace, index: int) -> float:

@@ -30,7 +30,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -280,37 +279,15 @@ def report(runs: list[JobRun], wall_s: float) -> dict[str, Any]:
   return summary
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def start_server(data: str, args: argparse.Namespace, shapes: list[tuple[int, int, int]]
                  ) -> tuple[subprocess.Popen, str]:
   """A `serve` process of the tiny default with every shape warmed up, and its URL once /health is 200."""
-  import httpx
+  from end_to_end.bench_serve import launch_server
 
-  port = free_port()
   warmup = [flag for w, h, f in shapes for flag in ("--warmup", f"{w}x{h}x{f}x{args.steps}")]
-  command = [sys.executable, "-m", "pipelines.serve.main", "--model", "tiny", "--port", str(port), "--data-dir", data,
-             "--max-batch", str(args.max_batch), "--max-queue", "1000",
-             "--compile-cache", os.path.join(data, "compile-cache"), *warmup]
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=open(os.path.join(data, "server.log"), "w"))
-  url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + args.start_timeout
-  while time.monotonic() < deadline and process.poll() is None:
-    try:
-      if httpx.get(url + "/health", timeout=5).status_code == 200:
-        return process, url
-    except httpx.HTTPError:
-      pass
-    time.sleep(0.2)
-  process.kill()
-  raise SystemExit(f"serve_load: the server exited or was not ready in {args.start_timeout} s; see "
-                   f"{data}/server.log")
+  flags = ["--model", "tiny", "--max-batch", str(args.max_batch), "--max-queue", "1000",
+           "--compile-cache", os.path.join(data, "compile-cache"), *warmup]
+  return launch_server(flags, data, args.start_timeout, "serve_load")
 
 
 def main(argv: list[str] | None = None) -> int:
