@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     return _image_main(args)
 
   import jax
-  import numpy as np
 
   from end_to_end import bench_presets
   from pipelines.pipeline.call_options import CallOptions
@@ -76,19 +76,10 @@ def main(argv: list[str] | None = None) -> int:
   start = time.perf_counter()
   jax.block_until_ready(pipe.compiled_steps.text_kv(params, text, plan=request.plan))
   once_cost = time.perf_counter() - start
-  once, every = float(np.min(times["once"])), float(np.min(times["every step"]))
-  medians = {side: float(np.median(t)) for side, t in times.items()}
   config = pipe.transformer_config
   print(f"preset {args.preset}: D {config.dim}, {config.num_layers} layers, {request.tokens} video tokens, "
         f"{request.max_sequence_length} text tokens, {request.rows} rows (guidance {guidance}), {args.steps} steps")
-  print(f"median step: K/V once {medians['once'] * 1e3:.1f} ms, K/V every step {medians['every step'] * 1e3:.1f} ms; "
-        f"ratio every/once {medians['every step'] / medians['once']:.3f} (saves "
-        f"{(medians['every step'] - medians['once']) * 1e3:.1f} ms/step); fastest step: {once * 1e3:.1f} vs "
-        f"{every * 1e3:.1f} ms (ratio {every / once:.3f}); the one-off K/V precompute {once_cost * 1e3:.1f} ms; "
-        f"latents bit-identical: {bool(np.array_equal(latents['once'], latents['every step']))}")
-  if None not in flops.values():
-    print(f"XLA's FLOP count of one step: K/V once {flops['once'] / 1e9:.1f} GFLOP, every step "
-          f"{flops['every step'] / 1e9:.1f} GFLOP (ratio {flops['every step'] / flops['once']:.3f})")
+  _report("K/V", times, latents, flops, f"the one-off K/V precompute {once_cost * 1e3:.1f} ms")
   return 0
 
 
@@ -126,21 +117,31 @@ def _image_main(args: argparse.Namespace) -> int:
       times[side] += run(side)[0]
       print(f"round {r + 1} image K/V {side:>10}: steps {', '.join(f'{t * 1e3:.0f}' for t in times[side][-args.steps:])} ms",
             flush=True)
-  medians = {side: float(np.median(t)) for side, t in times.items()}
-  fastest = {side: float(np.min(t)) for side, t in times.items()}
   print(f"preset {args.preset} + image branch: D {preset.transformer.dim}, {preset.transformer.num_layers} layers, "
         f"{preset.tokens} video tokens, {preset.max_sequence_length} text + 257 image tokens, 2 rows (CFG), "
         f"{args.steps} steps")
-  print(f"median step: image K/V once {medians['once'] * 1e3:.1f} ms, every step {medians['every step'] * 1e3:.1f} ms; "
+  _report("image K/V", times, latents, flops,
+          f"text + image K/V precompute (first call, with its compile) {once_cost * 1e3:.0f} ms")
+  return 0
+
+
+def _report(what: str, times: dict[str, list[float]], latents: dict[str, Any], flops: dict[str, float | None],
+            precompute: str) -> None:
+  """The comparison's summary: median and fastest step of `what` held ("once") vs made in every
+  step (seconds in `times`), the precompute's cost, whether the latents are bit-identical, and
+  XLA's FLOPs of each step program where it counts them."""
+  import numpy as np
+
+  medians = {side: float(np.median(t)) for side, t in times.items()}
+  fastest = {side: float(np.min(t)) for side, t in times.items()}
+  print(f"median step: {what} once {medians['once'] * 1e3:.1f} ms, every step {medians['every step'] * 1e3:.1f} ms; "
         f"ratio every/once {medians['every step'] / medians['once']:.3f} (saves "
         f"{(medians['every step'] - medians['once']) * 1e3:.1f} ms/step); fastest step {fastest['once'] * 1e3:.1f} vs "
-        f"{fastest['every step'] * 1e3:.1f} ms (ratio {fastest['every step'] / fastest['once']:.3f}); text + image K/V "
-        f"precompute (first call, with its compile) {once_cost * 1e3:.0f} ms; latents bit-identical: "
-        f"{bool(np.array_equal(latents['once'], latents['every step']))}")
+        f"{fastest['every step'] * 1e3:.1f} ms (ratio {fastest['every step'] / fastest['once']:.3f}); {precompute}; "
+        f"latents bit-identical: {bool(np.array_equal(latents['once'], latents['every step']))}")
   if None not in flops.values():
-    print(f"XLA's FLOP count of one step: image K/V once {flops['once'] / 1e9:.2f} GFLOP, every step "
+    print(f"XLA's FLOP count of one step: {what} once {flops['once'] / 1e9:.2f} GFLOP, every step "
           f"{flops['every step'] / 1e9:.2f} GFLOP (ratio {flops['every step'] / flops['once']:.3f})")
-  return 0
 
 
 def _image_setup(preset, args):
