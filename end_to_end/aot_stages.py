@@ -99,8 +99,9 @@ def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list
 
 
 def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: str | None,
-                emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
-  """The VAE decoder's two programs for each distinct decode among `models`, one device and split."""
+                emit: Callable[[dict[str, Any]], None], compile_effort: float | None = None) -> list[dict[str, Any]]:
+  """The VAE decoder's two programs for each distinct decode among `models`, one device and split,
+  compiled at `compile_effort` (None: the pipeline's, `vae.decode_compile_effort`)."""
   from end_to_end.aot_vae import compile_vae_decode
 
   rows = []
@@ -109,7 +110,8 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
       start = time.perf_counter()
       try:
         found, cache = with_cache_status(cache_dir, lambda: compile_vae_decode(
-            devices, height=height, width=width, vae=vae, dtype=dtype, split=split))
+            devices, height=height, width=width, vae=vae, dtype=dtype, split=split,
+            compile_effort=compile_effort))
       except Exception as e:  # noqa: BLE001 - e.g. out of HBM: report the row, go on
         found, cache = [dict(stage="decode", program="both", vae=vae, height=height, width=width, split=split,
                              devices=len(devices) if split else 1,
@@ -129,8 +131,10 @@ def format_decode_row(r: dict[str, Any]) -> str:
     return f"{head} failed: {r['error']}"
   mem = r.get("memory_analysis", {})
   coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
-  return (f"{head} compile {r['compile_s']:6.1f} s ({r['compile_cpu_s']:.1f} s CPU), convolutions "
+  cycles = f"{r['estimated_cycles'] / 1e6:.0f} M cycles estimated, " if "estimated_cycles" in r else ""
+  return (f"{head} compile {r['compile_s']:6.1f} s ({r['compile_cpu_s']:.1f} s CPU, effort "
+          f"{r.get('compile_effort', 0):g}), convolutions "
           f"{r['convolutions']} ({r['distinct_convolutions']} distinct), args "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:.2f} GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} "
           f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {coll or 'none'}, "
-          f"cache {r['cache']}")
+          f"{cycles}cache {r['cache']}")

@@ -1,17 +1,19 @@
 """Ahead-of-time compile of the VAE decoder's two chunk programs for a TPU topology, without a TPU.
 
-What is compiled: the programs `pipelines.wan.vae.decode` runs (`_decode_first_chunk`, latent frame
-0 -> 1 video frame, and `_decode_next_chunk`, each later latent frame -> 4 frames with the causal
-feature cache donated), or with `split` the programs of `decode_parallel` (the latent rows split
-over every device of the topology, `_decode_first_chunk_rows` / `_decode_next_chunk_rows`). A
-decode of F latent frames runs the first program once and the later one F - 1 times, so these two
-compiles are the whole decode stage. Weights, latents and cache are `jax.ShapeDtypeStruct`s:
-nothing is allocated.
+What is compiled: the programs `pipelines.wan.vae.decode` runs (`vae.lower_decode_programs`: the
+first chunk, latent frame 0 -> 1 video frame, and the later chunk, each later latent frame -> 4
+frames with the causal feature cache donated), or with `split` the programs of `decode_parallel`
+(the latent rows split over every device of this process). A decode of F latent frames runs the
+first program once and the later one F - 1 times, so these two compiles are the whole decode stage.
+They compile at the optimization effort the pipeline uses on the devices' platform
+(`vae.decode_compile_effort`: -0.5 on TPU), or at the one given. Weights, latents and cache are
+`jax.ShapeDtypeStruct`s: nothing is allocated.
 
 Reported per program (XLA's numbers, per device): compile wall and CPU seconds, `memory_analysis()`,
-`cost_analysis()`, the collectives in the compiled HLO, and the number of distinct convolutions in
-the lowered program (a TPU compile pays per distinct convolution: shape, kernel and padding; the
-same convolution repeated is nearly free). A COMPILE-TIME report, not a runtime measurement.
+`cost_analysis()`, the collectives in the compiled HLO, libtpu's estimate of the run time in cycles
+(`aot.estimated_cycles`, to compare two efforts), and the number of distinct convolutions in the
+lowered program (a TPU compile pays per distinct convolution: shape, kernel and padding; the same
+convolution repeated is nearly free). A COMPILE-TIME report, not a runtime measurement.
 libtpu and its environment: `end_to_end/aot.py`.
 """
 
@@ -45,7 +47,8 @@ def abstract_vae(config: Any, dtype: Any) -> Any:
 
 def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str = "wan2.1",
                        dtype: str = "bfloat16", split: bool = False,
-                       programs: tuple[str, ...] = ("first", "later")) -> list[dict[str, Any]]:
+                       programs: tuple[str, ...] = ("first", "later"),
+                       compile_effort: float | None = None) -> list[dict[str, Any]]:
   """AOT-compiles the VAE decoder's first-chunk and later-chunk programs (module docstring).
 
   Args:
@@ -58,10 +61,12 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     split: False: one device (`decode`); True: the latent rows over every device of this process
       (`decode_parallel`; a TPU host of v6e:2x4 holds 4 of the 8 chips).
     programs: which of "first" and "later" to compile.
+    compile_effort: XLA's optimization effort; None: the pipeline's on the devices' platform
+      (`vae.decode_compile_effort`: -0.5 on TPU).
 
   Returns:
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
-    split, convolutions and distinct_convolutions (lowered program), compile_s (wall),
+    split, compile_effort, convolutions and distinct_convolutions (lowered program), compile_s (wall),
     compile_cpu_s (this process's CPU seconds, steadier on a shared host), memory_analysis,
     cost_analysis, collectives (`aot.compiled_analysis`).
 
@@ -85,7 +90,8 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     raise ValueError(f"{height}x{width} must be positive multiples of {s} for the {vae} VAE")
   lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1,
                                              latent_height=height // s, latent_width=width // s, devices=devices,
-                                             split=split)
+                                             split=split, compile_effort=compile_effort)
+  effort = V.decode_compile_effort(devices[0].platform) if compile_effort is None else compile_effort
   decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
   rows = []
   for name, lowered in lowered_programs.items():
@@ -95,7 +101,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     start, cpu_start = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     rows.append(dict(stage="decode", program=name, vae=vae, dtype=dtype, height=height, width=width,
-                     devices=decoding if split else 1, split=split, convolutions=convs,
+                     devices=decoding if split else 1, split=split, compile_effort=effort, convolutions=convs,
                      distinct_convolutions=distinct, compile_s=time.perf_counter() - start,
                      compile_cpu_s=time.process_time() - cpu_start, **compiled_analysis(compiled)))
   return rows

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "found (a second process, same programs) or written")
   ap.add_argument("--compile-effort", type=float, metavar="E",
                   help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
-                       "(jax_exec_time_optimization_effort; default 0): below 0 trades the programs' speed for "
-                       "compile time")
+                       "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
+                       "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
+                       "vae.decode_compile_effort)")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -237,7 +238,7 @@ def run_aot(args: argparse.Namespace) -> int:
     if args.json:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                       stages=stages, compile_effort=args.compile_effort or 0.0, versions=_versions(), rows=rows),
+                       stages=stages, compile_effort=args.compile_effort, versions=_versions(), rows=rows),
                   f, indent=2)
 
   if "text" in stages:
@@ -252,7 +253,8 @@ def run_aot(args: argparse.Namespace) -> int:
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
-                           lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)))
+                           lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)),
+                           compile_effort=args.compile_effort)
   return 0
 
 

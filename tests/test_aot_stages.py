@@ -29,6 +29,21 @@ def test_distinct_convolutions_counts_repeats_once():
   assert aot_vae.distinct_convolutions("\n".join([line, line, other, "%1 = stablehlo.add"])) == (3, 2)
 
 
+def test_estimated_cycles_sums_the_tpu_cost_model_and_is_absent_elsewhere():
+  """libtpu writes its cost model's estimate into each scheduled instruction's backend config (the
+  two lines are cut from a compiled v6e convolution); XLA:CPU writes none."""
+  from end_to_end import aot
+
+  tpu = ('%pad = bf16[6,722,1,1288,96]{1,4,3,2,0:T(8,128)(2,1)} pad(%bitcast, %constant), '
+         'backend_config={"flag_configs":[],"estimated_cycles":"202891","used_scoped_memory_configs":[]}\n'
+         '%copy.3 = bf16[1,4,720,1280,96]{3,4,2,1,0:T(8,128)(2,1)} copy(%fusion), '
+         'backend_config={"flag_configs":[],"estimated_cycles":"7353600"}')
+  assert aot.estimated_cycles(tpu) == 202891 + 7353600
+  compiled = jax.jit(lambda x: x * 2).lower(jax.numpy.ones(4)).compile()
+  assert aot.estimated_cycles(compiled.as_text()) is None
+  assert "estimated_cycles" not in aot.compiled_analysis(compiled)
+
+
 def _upsamplers(config):
   return sum(1 for layer in config.decoder_layers() if type(layer).__name__ == "Resample")
 
@@ -41,8 +56,9 @@ def test_each_upsample_is_one_distinct_convolution_for_the_tpu():
   config = VAE_PRESETS["wan2.1"]
   vae = aot_vae.abstract_vae(config, jax.numpy.bfloat16)
   z = jax.ShapeDtypeStruct((1, 1, 60, 104, config.z_dim), jax.numpy.bfloat16)
-  _, cache = jax.eval_shape(V._decode_first_chunk, vae, z)
-  text = V._decode_next_chunk.trace(vae, cache, z).lower(lowering_platforms=("tpu",)).as_text()
+  programs = V._chunk_programs(V.decode_compile_effort("tpu"))
+  _, cache = jax.eval_shape(programs.first, vae, z)
+  text = programs.later.trace(vae, cache, z).lower(lowering_platforms=("tpu",)).as_text()
   two_by_two = [line for line in text.splitlines() if "stablehlo.convolution" in line and "tensor<1x2x2x" in line]
   assert len(two_by_two) == 4 * _upsamplers(config) == 12
   assert aot_vae.distinct_convolutions("\n".join(two_by_two)) == (12, 3)  # one kind per upsampler
@@ -55,6 +71,7 @@ def test_decode_programs_split_over_devices_move_only_halo_rows():
                                     programs=("first",))
   assert [r["program"] for r in rows] == ["first"]
   for r in rows:
+    assert r["compile_effort"] == 0.0  # the pipeline's on CPU
     assert r["stage"] == "decode" and r["devices"] == 2 and r["split"]
     assert r["collectives"]["collective-permute"]["count"] > 0
     assert r["collectives"]["all-gather"]["count"] == 0 and r["collectives"]["all-to-all"]["count"] == 0

@@ -85,10 +85,28 @@ def test_later_chunks_share_one_program(models):
   _, vae, _ = models
   z = jax.random.normal(jax.random.key(0), (2, 16, 2, 4, 6))  # the parity tests' shapes
   V.decode(vae, z)
-  size = V._decode_next_chunk._cache_size()
+  later = V._chunk_programs(V.decode_compile_effort("cpu")).later
+  size = later._cache_size()
   video = V.decode(vae, jnp.concatenate([z] * 3, axis=2))
   assert video.shape == (2, 3, 21, 32, 48)
-  assert V._decode_next_chunk._cache_size() == size, "a longer video compiled a new chunk program"
+  assert later._cache_size() == size, "a longer video compiled a new chunk program"
+
+
+@pytest.mark.parametrize("models", ["tiny"], indirect=True)
+def test_decode_compile_effort_changes_the_program_not_the_video(models, monkeypatch):
+  """On TPU the decoder compiles at a lower XLA optimization effort (a faster compile); the programs
+  built that way must decode the same video. On CPU the effort is XLA's default."""
+  assert V.decode_compile_effort("tpu") == V.TPU_DECODE_COMPILE_EFFORT < 0
+  assert V.decode_compile_effort("cpu") == V.decode_compile_effort("gpu") == 0.0
+  _, vae, _ = models
+  z = jax.random.normal(jax.random.key(1), (1, 16, 2, 4, 6))
+  default = np.asarray(V.decode(vae, z))
+  monkeypatch.setattr(V, "decode_compile_effort", lambda platform: -0.5)
+  lowered = V._chunk_programs(-0.5).later
+  before = lowered._cache_size()
+  low_effort = np.asarray(V.decode(vae, z))
+  assert lowered._cache_size() == before + 1  # the -0.5 programs ran (positive control)
+  np.testing.assert_allclose(low_effort, default, rtol=0, atol=1e-5)  # fp32, values in [-1, 1]
 
 
 @pytest.mark.parametrize("models", ["tiny"], indirect=True)
@@ -174,8 +192,9 @@ def test_init_decodes_and_bf16_keeps_dtype():
   # bf16 inference: every activation and cache entry stays bf16 (abstract trace: no compile).
   vae16 = V.init_vae(cfg, jax.random.key(0), dtype=jnp.bfloat16)
   z16 = jax.ShapeDtypeStruct((1, 2, 4, 6, 16), jnp.bfloat16)
-  out, cache = jax.eval_shape(V._decode_first_chunk, vae16, z16)
-  out, cache = jax.eval_shape(V._decode_next_chunk, vae16, cache, z16)
+  programs = V._chunk_programs(V.decode_compile_effort("cpu"))
+  out, cache = jax.eval_shape(programs.first, vae16, z16)
+  out, cache = jax.eval_shape(programs.later, vae16, cache, z16)
   assert out.shape == (1, 8, 32, 48, 3)
   assert {x.dtype for x in (out, *cache.values())} == {jnp.dtype(jnp.bfloat16)}
 

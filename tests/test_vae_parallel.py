@@ -129,8 +129,9 @@ def test_collectives_are_halos_and_attention_ring(vaes):
   rmesh = V.row_mesh(_mesh(devices))
   rows = V.row_split(devices, hl)
   z = jax.ShapeDtypeStruct((1, 1, devices * rows.band, wl, 16), jnp.float32)
-  _, cache = jax.eval_shape(lambda v, z: V._decode_first_chunk_rows(v, z, mesh=rmesh, rows=rows), vae, z)
-  hlo = V._decode_next_chunk_rows.lower(vae, cache, z, mesh=rmesh, rows=rows).compile().as_text()
+  programs = V._chunk_programs(V.decode_compile_effort("cpu"))
+  _, cache = programs.first_rows.eval_shape(vae, z, mesh=rmesh, rows=rows)
+  hlo = programs.later_rows.lower(vae, cache, z, mesh=rmesh, rows=rows).compile().as_text()
   table = hlo_collectives(hlo)
   count, nbytes = _expected_permutes(vae.config, devices, rows.band, 1, wl, 4)
   assert table["collective-permute"] == {"count": count, "bytes": nbytes}, table

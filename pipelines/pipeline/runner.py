@@ -253,7 +253,7 @@ class Runner:
     frames = None
     if r.decode:
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")
-      frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh)
+      frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh, compile_effort=self.options.decode_compile_effort)
     self.timings["decode"] = time.perf_counter() - start
     return frames, latents
 

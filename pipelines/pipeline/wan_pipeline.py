@@ -452,10 +452,12 @@ class WanPipeline(LoraLoaderMixin):
     return text_states.encode_prompts(self.tokenizer, self.text_encoder_config, self.weights.text_params,
                                       prompts, max_sequence_length, self.dtype, mesh=self.weights.text_mesh)
 
-  def decode(self, latents: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
+  def decode(self, latents: np.ndarray, mesh: Mesh | None = None, *,
+             compile_effort: float | None = None) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1]
-    (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height)."""
-    return decode_videos(self.weights, latents, mesh)
+    (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height; the
+    programs compiled at `compile_effort`, None: the platform's)."""
+    return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort)
 
 
 def _check_parts(text_config: umt5.UMT5Config, transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,

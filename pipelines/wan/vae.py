@@ -154,13 +154,54 @@ def decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
   return jnp.clip(vae_residual.unpatchify(x, cfg.patch), -1.0, 1.0), cache
 
 
-@jax.jit
-def _decode_first_chunk(vae: WanVAE, z_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
-  return decode_chunk(vae, None, z_BTHWC)
+# XLA's execution-time optimization effort (`exec_time_optimization_effort` in [-1, 1], default 0)
+# of the decoder's programs on TPU: libtpu spends ~10-25 s of code generation per distinct large
+# convolution at 0 (the decoder has 10). Wan 2.1 VAE 720p bf16 on v6e, compile CPU s at 0 -> -0.5
+# (libtpu's own run-time estimate, `end_to_end.aot.estimated_cycles`): one device, first chunk 216
+# -> 41 s (+15 %), later 201 -> 58 s (+9 %, +1.8 GiB temporaries); split over 4 chips 173 -> 39 s
+# (+33 %), 201 -> 59 s (+19 %). A 21-chunk decode: 4-5x faster compile, +9 / +19 % estimated time.
+TPU_DECODE_COMPILE_EFFORT = -0.5
 
 
-# The cache is donated: its buffers are reused for the new cache instead of holding two copies.
-_decode_next_chunk = jax.jit(decode_chunk, donate_argnums=1)
+def decode_compile_effort(platform: str) -> float:
+  """The optimization effort the decoder's programs compile at on `platform` (a JAX device's
+  `.platform`): `TPU_DECODE_COMPILE_EFFORT` on "tpu", 0 (XLA's default) elsewhere (unmeasured)."""
+  return TPU_DECODE_COMPILE_EFFORT if platform == "tpu" else 0.0
+
+
+def check_compile_effort(compile_effort: float | None, platform: str) -> float:
+  """The effort a decode on `platform` compiles at: `compile_effort`, or the platform's when None.
+  Raises ValueError for anything but None or a number in [-1, 1]."""
+  if compile_effort is None:
+    return decode_compile_effort(platform)
+  if isinstance(compile_effort, bool) or not isinstance(compile_effort, (int, float)) \
+      or not -1.0 <= compile_effort <= 1.0:
+    raise ValueError(f"compile_effort={compile_effort!r} must be None (the platform's) or a number in [-1, 1] "
+                     "(XLA's exec_time_optimization_effort)")
+  return float(compile_effort)
+
+
+class _ChunkPrograms(NamedTuple):
+  first: Any  # (vae, z) -> (video chunk, cache); first_rows: split along height (vae, z, *, mesh, rows)
+  later: Any  # (vae, cache, z) -> (video chunk, cache), the cache donated; later_rows: split
+  first_rows: Any
+  later_rows: Any
+
+
+@functools.cache
+def _chunk_programs(effort: float) -> _ChunkPrograms:
+  """The decode's jitted chunk programs, compiled at XLA optimization `effort` (one set per value)."""
+  options = {"exec_time_optimization_effort": effort} if effort else None
+  rows_jit = functools.partial(jax.jit, static_argnames=("mesh", "rows"), compiler_options=options)
+  # The cache is donated: its buffers are reused for the new cache instead of holding two copies.
+  return _ChunkPrograms(jax.jit(lambda vae, z: decode_chunk(vae, None, z), compiler_options=options),
+                        jax.jit(decode_chunk, donate_argnums=1, compiler_options=options),
+                        rows_jit(_first_chunk_rows), rows_jit(_later_chunk_rows, donate_argnums=1))
+
+
+def _platform(tree: Any) -> str:  # of the first array of `tree` (the default backend's for host arrays)
+  leaf = jax.tree.leaves(tree)[0]
+  return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
 
 
 def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
@@ -173,7 +214,8 @@ def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
     raise ValueError(f"latents {latents.shape=} have an empty axis (zero frames?)")
 
 
-def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> jax.Array:
+def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
+           compile_effort: float | None = None) -> jax.Array:
   """Decodes VAE-space latents into a video in [-1, 1] (diffusers `AutoencoderKLWan.decode`).
 
   Apply `denormalize_latents` first to latents coming from the diffusion model, as WanPipeline does.
@@ -184,47 +226,39 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW") -> j
     video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, sHl, sWl], s =
       `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
       layout: no transpose).
+    compile_effort: XLA's optimization effort in [-1, 1] for the two chunk programs; None: the
+      platform's (`decode_compile_effort`: -0.5 on TPU, 0 elsewhere).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
 
   Raises:
-    ValueError: latents not 5-D, wrong channel count, an empty axis, or an unknown `video_layout`.
+    ValueError: latents not 5-D, wrong channel count, an empty axis, an unknown `video_layout`, or
+      a `compile_effort` outside [-1, 1].
 
-  Time chunking: latent frame 0 goes through `_decode_first_chunk` (no cache; upsample3d's time
-  conv skipped, so it yields 1 frame), frames 1..F-1 each through `_decode_next_chunk` (4 frames),
-  carrying the cache. The two programs are compiled once per (config, B, Hl, Wl, dtype). Only one
-  chunk's activations plus the cache are live at a time; the decoded frames accumulate. Call it
+  Time chunking: latent frame 0 goes through the first-chunk program (no cache; upsample3d's time
+  conv skipped, so it yields 1 frame), frames 1..F-1 each through the later-chunk program (4 frames),
+  carrying the cache. The two programs are compiled once per (config, B, Hl, Wl, dtype, effort).
+  Only one chunk's activations plus the cache are live at a time; the decoded frames accumulate. Call it
   outside `jit`: under an outer trace the Python loop over frames would be unrolled.
 
-  Peak memory, 81 frames at 480x832 (latents [1, 16, 21, 60, 104]), Wan 2.1 config (base_dim 96,
-  dim_mult [1, 2, 4, 4], z_dim 16), B = 1. This is an ESTIMATE, not a measurement on an
-  accelerator: `decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`, XLA's
-  `memory_analysis()` of the compiled later-chunk program lowered on CPU from abstract shapes
-  (nothing allocated), with the 3D convs as GPU/TPU run them (`vae_layers.conv3d`'s CPU branch off).
-  fp32 / bf16:
-    - arguments 4.10 / 2.05 GB: the feature cache (last 2 input frames, one halo row above and
-      below, of all 32 cached convs; dominated by the 7 full-resolution convs, 7 x 2 x 482 x 832 x
-      96 x 4 B = 2.16 GB fp32) and the weights (decoder 0.29 / 0.14 GB);
-    - per-chunk temporaries 4.62 / 3.86 GB (the bf16 figure is pessimistic: XLA:CPU upcasts bf16
-      convolutions to fp32, which GPU/TPU do not). The largest single ones: a full-resolution
-      causal conv's concat(cache, x) [6, 482, 832, 96] = 0.92 GB; the mid-block attention scores
-      [6240, 6240] fp32 are 0.16 GB; the 2x upsample is never materialised (`upsample_conv`);
-    - the cache output aliases the donated cache input, so one step holds about 8.7 GB fp32 or
-      5.9 GB bf16; with the CPU's per-time-tap convs the temporaries are 5.56 / 4.78 GB;
-    - the decoded video, 81 x 480 x 832 x 3 = 0.39 / 0.19 GB, accumulates beside it (plus one copy
-      for the final concatenation and one for the BCFHW transpose).
-  => peak about 9 GB in fp32 and about 6 GB in bf16 on one device, independent of the number of
-  frames; `decode_parallel` splits the cache and the activations over D devices.
+  Memory per device (XLA's memory analysis of the compiled later-chunk program): the feature cache
+  (last 2 input frames of the 32 cached convs) and weights, plus one chunk's temporaries; the new
+  cache aliases the donated one, so the peak does not grow with the frames (the decoded video
+  accumulates beside it). 720p bf16 on TPU v6e (`benchmark --aot v6e:2x4 --stages decode`):
+  arguments 4.23 GiB, temporaries 15.69 GiB at effort -0.5 (13.89 at 0). 480p on CPU
+  (`decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`), fp32 / bf16: arguments
+  4.10 / 2.05 GB, temporaries 5.56 / 4.78 GB. `decode_parallel` splits both over D devices.
   """
   _check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
     raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
+  programs = _chunk_programs(check_compile_effort(compile_effort, _platform(vae.params)))
   z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
-  chunk, cache = _decode_first_chunk(vae, z_BFHWC[:, :1])
+  chunk, cache = programs.first(vae, z_BFHWC[:, :1])
   chunks = [chunk]
   for i in range(1, z_BFHWC.shape[1]):
-    chunk, cache = _decode_next_chunk(vae, cache, z_BFHWC[:, i:i + 1])
+    chunk, cache = programs.later(vae, cache, z_BFHWC[:, i:i + 1])
     chunks.append(chunk)
   video_BFHWC = jnp.concatenate(chunks, axis=1)
   if video_layout == "BFHWC":
@@ -266,43 +300,44 @@ def _sharded(fn, mesh: Mesh, n_in: int):
                        out_specs=(_ROWS_SPEC, _ROWS_SPEC), check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "rows"))
-def _decode_first_chunk_rows(vae: WanVAE, z_BTHWC: jax.Array, *, mesh: Mesh,
-                             rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
+def _first_chunk_rows(vae: WanVAE, z_BTHWC: jax.Array, *, mesh: Mesh,
+                      rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
   return _sharded(lambda v, z: decode_chunk(v, None, z, rows), mesh, 1)(vae, z_BTHWC)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "rows"), donate_argnums=1)
-def _decode_next_chunk_rows(vae: WanVAE, cache: L.Cache, z_BTHWC: jax.Array, *, mesh: Mesh,
-                            rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
+def _later_chunk_rows(vae: WanVAE, cache: L.Cache, z_BTHWC: jax.Array, *, mesh: Mesh,
+                      rows: L.RowShards) -> tuple[jax.Array, L.Cache]:
   return _sharded(lambda v, c, z: decode_chunk(v, c, z, rows), mesh, 2)(vae, cache, z_BTHWC)
 
 
-def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh) -> Iterator[jax.Array]:
+def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh, *,
+                           compile_effort: float | None = None) -> Iterator[jax.Array]:
   """`decode_parallel`'s time chunks as they are computed, still split along height.
 
   Yields [B, T, 8 * Hp, 8Wl, 3] in the VAE's dtype, clamped to [-1, 1] (T = 1 for the first
   latent frame, 4 for each later one), sharded along height over `row_mesh(mesh)`; Hp = D *
-  ceil(Hl / D) >= Hl, and the rows from 8 * Hl on are padding for the caller to drop. Raises as
-  `decode_parallel` does, before any compute.
+  ceil(Hl / D) >= Hl, and the rows from 8 * Hl on are padding for the caller to drop.
+  `compile_effort` as in `decode`. Raises as `decode_parallel` does, before any compute.
   """
   _check_latents(vae.config, latents)
   rmesh = row_mesh(mesh)
+  programs = _chunk_programs(check_compile_effort(compile_effort, rmesh.devices.flat[0].platform))
   B, C, F, Hl, Wl = latents.shape
   rows = row_split(rmesh.size, Hl)
   sharding = NamedSharding(rmesh, _ROWS_SPEC)
   vae = jax.device_put(vae, NamedSharding(rmesh, P()))  # a no-op when already placed so
   z = np.asarray(jax.device_get(latents)).astype(vae.dtype).transpose(0, 2, 3, 4, 1)  # [B, F, Hl, Wl, C]
   z = np.pad(z, ((0, 0), (0, 0), (0, rows.devices * rows.band - Hl), (0, 0), (0, 0)))
-  chunk, cache = _decode_first_chunk_rows(vae, jax.device_put(z[:, :1], sharding), mesh=rmesh, rows=rows)
+  chunk, cache = programs.first_rows(vae, jax.device_put(z[:, :1], sharding), mesh=rmesh, rows=rows)
   yield chunk
   for i in range(1, F):
-    chunk, cache = _decode_next_chunk_rows(vae, cache, jax.device_put(z[:, i:i + 1], sharding),
-                                           mesh=rmesh, rows=rows)
+    chunk, cache = programs.later_rows(vae, cache, jax.device_put(z[:, i:i + 1], sharding),
+                                       mesh=rmesh, rows=rows)
     yield chunk
 
 
-def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str = "BCFHW") -> jax.Array:
+def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str = "BCFHW",
+                    compile_effort: float | None = None) -> jax.Array:
   """`decode` with the latents split along height over every device of `mesh` (spatial parallelism).
 
   Same math as `decode` (diffusers `AutoencoderKLWan.decode`), the same time chunks and causal
@@ -320,13 +355,14 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
     latents: [B, C, F, Hl, Wl] with C == config.z_dim (numpy or a JAX array).
     mesh: any `jax.sharding.Mesh`; its devices decode, in its device order.
     video_layout: "BCFHW" (diffusers) or "BFHWC" (the pipeline's), as in `decode`.
+    compile_effort: as in `decode`.
 
   Returns:
     The video [B, 3, frames, 8Hl, 8Wl] (or BFHWC), frames = 1 + 4(F - 1), in [-1, 1]; sharded
     along height over the mesh's devices when D divides Hl.
 
   Raises:
-    ValueError: as `decode` (latents' rank, channels, empty axes, layout), or `mesh` not a Mesh.
+    ValueError: as `decode` (latents' rank, channels, empty axes, layout, effort), or `mesh` not a Mesh.
 
   Memory per device: the cache and every activation are 1/D of `decode`'s plus one row above and
   below per conv input (a band of h rows costs (h + 2) / h); the attention scores are [h Wl, h Wl]
@@ -334,7 +370,7 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
   """
   if video_layout not in ("BCFHW", "BFHWC"):
     raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
-  chunks = list(decode_parallel_chunks(vae, latents, mesh))
+  chunks = list(decode_parallel_chunks(vae, latents, mesh, compile_effort=compile_effort))
   video_BFHWC = jnp.concatenate(chunks, axis=1)
   height = latents.shape[3] * vae.config.spatial_factor
   if video_BFHWC.shape[2] != height:
@@ -345,7 +381,7 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
 
 
 def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent_width: int,
-                          devices: list[Any], split: bool) -> dict[str, Any]:
+                          devices: list[Any], split: bool, compile_effort: float | None = None) -> dict[str, Any]:
   """The decode's two chunk programs lowered (not compiled) for abstract latents; nothing runs.
 
   Args:
@@ -355,11 +391,14 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
       belong to this process (`decode_parallel`, `row_mesh`: the latent rows padded to D * ceil(Hl /
       D) and split; a TPU host of a v6e:2x4 slice holds 4 of its 8 chips).
     split: the height split over every device of `devices`.
+    compile_effort: XLA's optimization effort the programs compile at; None: the one `decode`
+      uses on the devices' platform (`decode_compile_effort`).
 
   Returns:
     {"first": the lowered first-chunk program, "later": the lowered later-chunk program} (the
     later one for the cache the first returns). `end_to_end/aot_vae.py` compiles them for a TPU.
   """
+  programs = _chunk_programs(check_compile_effort(compile_effort, devices[0].platform))
   mesh = Mesh(np.array(devices if split else devices[:1], dtype=object), ("all",))
   if split:  # as `decode_parallel`: the rows over this process's devices
     mesh = row_mesh(mesh)
@@ -371,16 +410,15 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
   vae = WanVAE(vae.config, placed(vae.params, replicated))
   if not split:
     z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype), replicated)
-    _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
-    return {"first": _decode_first_chunk.lower(vae, z),
-            "later": _decode_next_chunk.lower(vae, placed(cache, replicated), z)}
+    _, cache = programs.first.eval_shape(vae, z)
+    return {"first": programs.first.lower(vae, z), "later": programs.later.lower(vae, placed(cache, replicated), z)}
   rows = row_split(mesh.size, latent_height)
   sharding = NamedSharding(mesh, _ROWS_SPEC)
   z = placed(jax.ShapeDtypeStruct((batch, 1, rows.devices * rows.band, latent_width, vae.config.z_dim), vae.dtype),
              sharding)
-  _, cache = jax.eval_shape(lambda v, z: _decode_first_chunk_rows(v, z, mesh=mesh, rows=rows), vae, z)
-  return {"first": _decode_first_chunk_rows.lower(vae, z, mesh=mesh, rows=rows),
-          "later": _decode_next_chunk_rows.lower(vae, placed(cache, sharding), z, mesh=mesh, rows=rows)}
+  _, cache = programs.first_rows.eval_shape(vae, z, mesh=mesh, rows=rows)
+  return {"first": programs.first_rows.lower(vae, z, mesh=mesh, rows=rows),
+          "later": programs.later_rows.lower(vae, placed(cache, sharding), z, mesh=mesh, rows=rows)}
 
 
 def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
@@ -393,10 +431,9 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
   """
   params = {k: jax.ShapeDtypeStruct(L.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
             for k, s in config.param_shapes().items()}
-  vae = WanVAE(config, params)
-  z = jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, config.z_dim), dtype)
-  _, cache = jax.eval_shape(_decode_first_chunk, vae, z)
-  return _decode_next_chunk.lower(vae, cache, z).compile().memory_analysis()
+  programs = lower_decode_programs(WanVAE(config, params), batch=batch, latent_height=latent_height,
+                                   latent_width=latent_width, devices=jax.devices()[:1], split=False)
+  return programs["later"].compile().memory_analysis()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""The VAE decoder's XLA optimization effort as a generation sets it (`CallOptions.decode_compile_effort`,
+default: `vae.decode_compile_effort` of the platform, -0.5 on TPU for a 4-5x faster compile): the
+option reaches the decoder's programs, leaves the video as it is, and a bad value fails at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipelines import WanPipeline
+from pipelines.pipeline.call_options import CallOptions
+from pipelines.pipeline.request import GenerationRequest
+from pipelines.wan import vae as V
+
+
+@pytest.mark.parametrize("bad", [2, -1.5, True, "low"])
+def test_a_bad_effort_fails_when_the_options_are_made(bad):
+  with pytest.raises(ValueError, match=f"compile_effort={bad!r} must be None"):
+    CallOptions(decode_compile_effort=bad)
+
+
+def test_the_effort_reaches_the_decoder_and_keeps_the_video():
+  pipe = WanPipeline.tiny(random=True)
+  request = GenerationRequest.build(pipe.facts, "a red square", height=32, width=32, num_frames=5,
+                                    num_inference_steps=2, seed=0, max_sequence_length=16)
+  default = pipe.generate(request, CallOptions(progress=False))
+  later = V._chunk_programs(-0.25).later
+  before = later._cache_size()
+  low = pipe.generate(request, CallOptions(progress=False, decode_compile_effort=-0.25))
+  assert later._cache_size() == before + 1  # the -0.25 programs decoded this video
+  assert default.frames.std() > 0.01  # a video, not a constant
+  # fp32 decode, values in [0, 1]: another XLA effort may only fuse differently (rounding).
+  np.testing.assert_allclose(low.frames, default.frames, rtol=0, atol=1e-5)
