@@ -31,3 +31,15 @@ def test_the_effort_reaches_the_decoder_and_keeps_the_video():
   assert default.frames.std() > 0.01  # a video, not a constant
   # fp32 decode, values in [0, 1]: another XLA effort may only fuse differently (rounding).
   np.testing.assert_allclose(low.frames, default.frames, rtol=0, atol=1e-5)
+
+
+def test_generate_and_serve_flags(capsys):
+  from pipelines.cli.flags import build_parser
+  from pipelines.serve import options
+
+  assert build_parser().parse_args(["--decode-compile-effort", "0"]).decode_compile_effort == 0.0
+  assert build_parser().parse_args([]).decode_compile_effort is None
+  assert options.parse(["--decode-compile-effort", "-0.5"]).decode_compile_effort == -0.5
+  with pytest.raises(SystemExit):
+    build_parser().parse_args(["--decode-compile-effort", "3"])
+  assert "compile_effort=3.0 must be None" in capsys.readouterr().err

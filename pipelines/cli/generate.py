@@ -175,7 +175,8 @@ def _generate(pipe: Any, request: Any, plan: Plan) -> Any:
 
   resume = None if plan.checkpoint_dir is None else ResumeConfig(
       plan.checkpoint_dir, every=plan.checkpoint_every, resume=plan.resume, keep=True)
-  return pipe.generate(request, CallOptions(progress=plan.writes, nan_guard=plan.nan_guard), resume=resume)
+  options = CallOptions(progress=plan.writes, nan_guard=plan.nan_guard, decode_compile_effort=plan.decode_compile_effort)
+  return pipe.generate(request, options, resume=resume)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any
 
-from pipelines.cli.flags import UsageError, parse_lora_arg
+from pipelines.cli.flags import UsageError, add_decode_effort_flag, parse_lora_arg
 
 API_KEY_ENV = "WAN_SERVE_API_KEY"
 LORA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -41,6 +41,7 @@ class ServeConfig:
     max_prompt_chars, max_body_bytes: request limits checked before anything is queued.
     compile_cache: JAX's persistent compilation cache folder, or None (off).
     processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
+    decode_compile_effort: `CallOptions.decode_compile_effort` of every job and of the warm-up.
   """
   model: str = "tiny"
   mesh: str | None = None
@@ -58,6 +59,7 @@ class ServeConfig:
   max_body_bytes: int = 64 * 1024
   compile_cache: str | None = None
   processes: Any = None
+  decode_compile_effort: float | None = None
 
   def __post_init__(self):
     for name in ("max_batch", "max_queue", "checkpoint_every", "max_prompt_chars", "max_body_bytes"):
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a LoRA requests may name as NAME; repeatable")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--checkpoint-every", type=int, default=1, help="steps between denoising checkpoints")
+  add_decode_effort_flag(p)
   p.add_argument("--compile-cache", default=None, help="JAX compilation cache folder (default: generate's)")
   p.add_argument("--no-compile-cache", action="store_true")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -162,4 +165,5 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
       max_batch=args.max_batch, max_queue=args.max_queue, warmup=tuple(parse_warmup(w) for w in args.warmup),
       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
-      compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes)
+      compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes,
+      decode_compile_effort=args.decode_compile_effort)

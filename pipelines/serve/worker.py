@@ -166,7 +166,9 @@ class Worker:
       folder = os.path.join(self.config.data_dir, "checkpoints", message["id"])
       try:
         request, resume = self._prepare(message["jobs"], folder, message["resume"])
-        self.pipe.generate(request, CallOptions(progress=False, hooks=(FollowStep(self.channel),)), resume=resume)
+        options = CallOptions(progress=False, hooks=(FollowStep(self.channel),),
+                              decode_compile_effort=self.config.decode_compile_effort)
+        self.pipe.generate(request, options, resume=resume)
       except (BatchCancelled, ServerStopping):
         pass
       except Exception:  # noqa: BLE001 -- process 0 reports the job's failure
@@ -202,7 +204,8 @@ class Worker:
       self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": jobs, "resume": resume})
     request, config = self._prepare(jobs, folder, resume)
     hook = JobProgress(self.store, live, self.metrics.step_seconds.observe, self.stopping, self.channel)
-    result = self.pipe.generate(request, CallOptions(progress=False, hooks=(hook,)), resume=config)
+    options = CallOptions(progress=False, hooks=(hook,), decode_compile_effort=self.config.decode_compile_effort)
+    result = self.pipe.generate(request, options, resume=config)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
     return result
 
@@ -313,4 +316,5 @@ def warm(pipe: Any, config: Any) -> None:
               "flow_shift": None, "seed": 0}
     for size in range(1, config.max_batch + 1):
       request = batch_request(pipe.facts, [params] * size, config.mesh)
-      pipe.generate(request, CallOptions(progress=False, callback=after_first_step))
+      pipe.generate(request, CallOptions(progress=False, callback=after_first_step,
+                                         decode_compile_effort=config.decode_compile_effort))
