@@ -102,6 +102,8 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
                 emit: Callable[[dict[str, Any]], None], compile_effort: float | None = None) -> list[dict[str, Any]]:
   """The VAE decoder's two programs for each distinct decode among `models`, one device and split,
   compiled at `compile_effort` (None: the pipeline's, `vae.decode_compile_effort`)."""
+  import jax
+
   from end_to_end.aot_vae import compile_vae_decode
 
   rows = []
@@ -114,7 +116,7 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
             compile_effort=compile_effort))
       except Exception as e:  # noqa: BLE001 - e.g. out of HBM: report the row, go on
         found, cache = [dict(stage="decode", program="both", vae=vae, height=height, width=width, split=split,
-                             devices=len(devices) if split else 1,
+                             devices=sum(d.process_index == jax.process_index() for d in devices) if split else 1,
                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              compile_s=time.perf_counter() - start)], "off"
       for row in found:
