@@ -66,6 +66,8 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert {"jax", "flax", "python"} <= set(sidecar["versions"])
   first = sidecar["compile_cache"]
   assert first["dir"] == cache and first["hits"] == 0 and first["written"] >= 3, first
+  for stage in ("text_encode", "compile", "decode"):  # each stage's own programs, compiled and stored
+    assert first["stages"][stage]["hits"] == 0 and first["stages"][stage]["compiled_for_cache"] >= 1, first
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp files left
 
   long_prompt = "a red fox running through snow, " * 20  # 639 bytes once stripped: 640 ByT5 tokens
@@ -85,8 +87,12 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert frames_warning.startswith("num_frames=16: ") and "rounding to 17" in frames_warning
   assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=64 tokens ([640] tokens) "
                                "and were truncated")
-  assert sidecar["compile_cache"]["hit"] and sidecar["compile_cache"]["hits"] >= 3, sidecar["compile_cache"]
-  assert "compile cache hit" in again.stdout
+  warm = sidecar["compile_cache"]
+  assert warm["hit"] and warm["hits"] >= 3, warm
+  for stage in ("text_encode", "compile", "decode"):  # every stage loaded what the first run stored
+    assert warm["stages"][stage]["hits"] >= 1, warm
+  assert re.search(r"compile cache hit \(\d+ of \d+ programs loaded: .*compile \d+/\d+.*decode \d+/\d+", again.stdout), \
+      again.stdout
 
 
 def test_gif_and_frames_outputs(tmp_path, capsys):

@@ -123,7 +123,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   weights = plan.dtype + (f", {plan.quantize} weights" if plan.quantize else "")
   print(f"generate: model {pipe.name} ({weights}), mesh {mesh_text(request)}: {checked.device_note}",
         file=sys.stderr)
-  result = _generate(pipe, request, plan)
+  result = _generate(pipe, request, plan, cache)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
@@ -164,9 +164,10 @@ def _load(plan: Plan, request: Any) -> Any:
 
 # --- the one call into the pipeline ---------------------------------------------------------------
 
-def _generate(pipe: Any, request: Any, plan: Plan) -> Any:
+def _generate(pipe: Any, request: Any, plan: Plan, cache: compile_cache.CacheUse) -> Any:
   """Runs the checked `request` on `pipe` (the only place the command calls the pipeline); the
-  checkpoint is kept (keep=True) and removed by `_run` once the video is written.
+  checkpoint is kept (keep=True) and removed by `_run` once the video is written; `cache` counts
+  each stage's compilation-cache hits.
 
   Returns: the pipeline's `GenerationResult` (frames None on processes that do not write).
   """
@@ -175,7 +176,8 @@ def _generate(pipe: Any, request: Any, plan: Plan) -> Any:
 
   resume = None if plan.checkpoint_dir is None else ResumeConfig(
       plan.checkpoint_dir, every=plan.checkpoint_every, resume=plan.resume, keep=True)
-  options = CallOptions(progress=plan.writes, nan_guard=plan.nan_guard, decode_compile_effort=plan.decode_compile_effort)
+  options = CallOptions(progress=plan.writes, nan_guard=plan.nan_guard, decode_compile_effort=plan.decode_compile_effort,
+                        on_stage=cache.mark)
   return pipe.generate(request, options, resume=resume)
 
 

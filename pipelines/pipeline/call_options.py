@@ -107,6 +107,9 @@ class CallOptions:
       None: the platform's (`vae.decode_compile_effort`: -0.5 on TPU, a 4-5x faster compile for a
       decode ~9-19 % slower by libtpu's own estimate; 0 elsewhere). 0 suits a long-lived server
       whose compiles are paid once.
+    on_stage: None or `on_stage(name)` as each stage starts, name a `timings` key: "text_encode",
+      "condition", "compile", "denoise", "decode" (e.g. `compile_cache.CacheUse.mark`: which stage
+      found its programs in the persistent compilation cache).
   """
   progress: bool = True
   nan_guard: bool = True
@@ -117,6 +120,7 @@ class CallOptions:
   hooks: tuple[StepHook, ...] = ()
   text_kv_once: bool = True
   decode_compile_effort: float | None = None
+  on_stage: Callable[[str], None] | None = None
 
   def __post_init__(self):
     from pipelines.wan.vae import check_compile_effort  # raises on a bad effort, before any work

@@ -84,6 +84,8 @@ class CacheUse:
       recorded before the write, which can still fail or be refused: see `_EVENTS`).
     entries_before: executables in the directory when the run started.
     names_before: their file names (what `written` compares with).
+    stages: the same counts per stage of the run ({stage: {lookups, hits, misses}}): "load" from
+      `enable` on, then each name `mark` is given (`CallOptions.on_stage`).
   """
   path: str | None
   lookups: int = 0
@@ -91,6 +93,8 @@ class CacheUse:
   misses: int = 0
   entries_before: int = 0
   names_before: frozenset[str] = dataclasses.field(default_factory=frozenset, repr=False)
+  stages: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  _stage: str = dataclasses.field(default="load", repr=False)
   _listening: bool = dataclasses.field(default=False, repr=False)
 
   def _count(self, event: str, **kwargs: Any) -> None:
@@ -98,6 +102,12 @@ class CacheUse:
     field = _EVENTS.get(event)
     if field is not None:
       setattr(self, field, getattr(self, field) + 1)
+      stage = self.stages.setdefault(self._stage, dict.fromkeys(_EVENTS.values(), 0))
+      stage[field] += 1
+
+  def mark(self, stage: str) -> None:
+    """The events from now on belong to `stage` (until the next mark)."""
+    self._stage = stage
 
   @property
   def written(self) -> int:
@@ -115,7 +125,9 @@ class CacheUse:
       return {"dir": None, "hit": False}
     return {"dir": self.path, "hit": self.hits > 0, "lookups": self.lookups, "hits": self.hits,
             "compiled_for_cache": self.misses, "written": self.written,
-            "entries_before": self.entries_before, "entries_after": _entries(self.path)}
+            "entries_before": self.entries_before, "entries_after": _entries(self.path),
+            "stages": {name: {"lookups": c["lookups"], "hits": c["hits"], "compiled_for_cache": c["misses"]}
+                       for name, c in self.stages.items()}}
 
   def close(self) -> None:
     """Stops counting (the cache itself stays configured: JAX decides once per process)."""
@@ -129,7 +141,8 @@ class CacheUse:
     if self.path is None:
       return "compile cache off"
     if self.hits:
-      return f"compile cache hit ({self.hits} of {self.lookups} programs loaded)"
+      stages = ", ".join(f"{name} {c['hits']}/{c['lookups']}" for name, c in self.stages.items() if c["lookups"])
+      return f"compile cache hit ({self.hits} of {self.lookups} programs loaded: {stages})"
     written = self.written
     unstored = max(self.misses - written, 0)
     text = f"compile cache filled ({written} programs written)" if written else "compile cache: nothing written"

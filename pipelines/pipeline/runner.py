@@ -57,11 +57,17 @@ class Runner:
     if self.options.progress:
       print(text, file=sys.stderr, flush=True)
 
+  def _enter(self, name: str) -> None:
+    """Stage `name` (its `timings` key) starts: `CallOptions.on_stage`."""
+    if self.options.on_stage is not None:
+      self.options.on_stage(name)
+
   def run(self) -> Any:
     """The whole generation; returns a `GenerationResult`."""
     start = time.perf_counter()
     state = self._initial_state()
     program = self._compile(state)
+    self._enter("denoise")
     denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
     self.timings["denoise"] = float(sum(state.step_times))
     self.timings["denoise_per_step"] = float(np.mean(state.step_times)) if state.step_times else 0.0
@@ -83,6 +89,7 @@ class Runner:
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
     self.pipe.weights.place(plan)  # before text encoding: its weights may be sharded too
+    self._enter("text_encode")
     start = time.perf_counter()
     texts = (r.prompts or []) + (r.negative_prompts or [])
     self.stage(f"text encode: {len(texts)} prompt(s) x {r.max_sequence_length} tokens" if texts
@@ -98,6 +105,7 @@ class Runner:
   def _condition(self) -> Any:
     """The step's conditioning beyond the text (`pipe.conditioning(request)`: None for text-to-video;
     for image-to-video the encoded images), timed as "condition"."""
+    self._enter("condition")
     start = time.perf_counter()
     condition = self.pipe.conditioning(self.request, self.stage)
     self.timings["condition"] = time.perf_counter() - start
@@ -176,6 +184,7 @@ class Runner:
   def _compile(self, state: LoopState) -> Any:
     """The compiled step for this run's shapes (compiled now if new; timed as "compile")."""
     r, pipe, plan = self.request, self.pipe, self.request.plan
+    self._enter("compile")
     start = time.perf_counter()
     compiling = (f"compile: the denoise step ({r.tokens} tokens, {pipe.transformer_config.num_layers} "
                  f"layers, mesh {plan.spec}{', weights sharded' if plan.shard_weights else ''})")
@@ -245,6 +254,7 @@ class Runner:
   def _decode(self, state: LoopState) -> tuple[np.ndarray | None, np.ndarray]:
     """(frames or None, host latents); timed as "decode"."""
     r = self.request
+    self._enter("decode")
     start = time.perf_counter()
     latents = state.latents
     if state.condition is not None:  # TI2V: the image's latents replace the first frame once more
