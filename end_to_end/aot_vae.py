@@ -62,7 +62,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
       (`decode_parallel`; a TPU host of v6e:2x4 holds 4 of the 8 chips).
     programs: which of "first" and "later" to compile.
     compile_effort: XLA's optimization effort; None: the pipeline's on the devices' platform
-      (`vae.decode_compile_effort`: -0.5 on TPU).
+      (`vae.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
@@ -91,7 +91,8 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1,
                                              latent_height=height // s, latent_width=width // s, devices=devices,
                                              split=split, compile_effort=compile_effort)
-  effort = V.decode_compile_effort(devices[0].platform) if compile_effort is None else compile_effort
+  effort = V.check_compile_effort(compile_effort, devices[0].platform)
+  effort = jax.config.jax_exec_time_optimization_effort if effort is None else effort  # JAX's own
   decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
   rows = []
   for name, lowered in lowered_programs.items():

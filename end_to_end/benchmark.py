@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--runs {args.runs} must be >= 1")
     if any(name not in aot_targets() for name in args.aot_models.split(",")):
       raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
-    if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:
+    if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:  # nan too
       raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
     from end_to_end.aot_stages import parse_stages  # no JAX import
     parse_stages(args.stages)

@@ -97,7 +97,7 @@ def test_decode_compile_effort_changes_the_program_not_the_video(models, monkeyp
   """On TPU the decoder compiles at a lower XLA optimization effort (a faster compile); the programs
   built that way must decode the same video. On CPU the effort is XLA's default."""
   assert V.decode_compile_effort("tpu") == V.TPU_DECODE_COMPILE_EFFORT < 0
-  assert V.decode_compile_effort("cpu") == V.decode_compile_effort("gpu") == 0.0
+  assert V.decode_compile_effort("cpu") is None and V.decode_compile_effort("gpu") is None  # JAX's own
   _, vae, _ = models
   z = jax.random.normal(jax.random.key(1), (1, 16, 2, 4, 6))
   default = np.asarray(V.decode(vae, z))

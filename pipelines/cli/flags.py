@@ -213,13 +213,13 @@ def add_decode_effort_flag(p: argparse.ArgumentParser) -> None:
 
     try:
       return check_compile_effort(float(text), "tpu")
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(str(e)) from e
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be a number in [-1, 1], got {text!r}") from None
 
   p.add_argument("--decode-compile-effort", type=effort, default=None, metavar="E",
                  help="XLA's optimization effort in [-1, 1] for the VAE decoder's programs (default: -0.5 on "
-                      "TPU, a 4-5x faster compile for a decode ~9-19%% slower by libtpu's estimate; 0 "
-                      "elsewhere); 0 suits a long-lived server")
+                      "TPU, a ~4x faster compile for a decode ~9-19%% slower by libtpu's estimate; JAX's own "
+                      "setting elsewhere); 0 suits a long-lived server")
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -104,9 +104,9 @@ class CallOptions:
       before the loop (again only if a callback replaces the text states or the weights change);
       False computes them inside every step (the same video, bit for bit; for measurements).
     decode_compile_effort: XLA's optimization effort in [-1, 1] for the VAE decoder's programs;
-      None: the platform's (`vae.decode_compile_effort`: -0.5 on TPU, a 4-5x faster compile for a
-      decode ~9-19 % slower by libtpu's own estimate; 0 elsewhere). 0 suits a long-lived server
-      whose compiles are paid once.
+      None: the platform's (`vae.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
+      decode ~9-19 % slower by libtpu's own estimate; JAX's own setting elsewhere). 0 suits a
+      long-lived server whose compiles are paid once.
     on_stage: None or `on_stage(name)` as each stage starts, name a `timings` key: "text_encode",
       "condition", "compile", "denoise", "decode" (e.g. `compile_cache.CacheUse.mark`: which stage
       found its programs in the persistent compilation cache).
@@ -126,6 +126,8 @@ class CallOptions:
     from pipelines.wan.vae import check_compile_effort  # raises on a bad effort, before any work
 
     check_compile_effort(self.decode_compile_effort, "tpu")
+    if self.on_stage is not None and not callable(self.on_stage):
+      raise ValueError(f"on_stage={self.on_stage!r} must be None or a callable on_stage(name)")
 
 
 def split_options(kwargs: dict[str, Any], *, default_progress: bool = True) -> tuple[dict[str, Any], CallOptions]:

@@ -18,7 +18,7 @@ from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.callback import StepEndCallback
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan import step_cache as wan_step_cache, vae as wan_vae
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,9 +274,11 @@ class Runner:
       cache = wan_step_cache.summary(r.step_cache, self.cache_stats.record(),
                                      num_layers=self.pipe.transformer_config.num_layers)
     resume = self.options.resume
+    effort = wan_vae.check_compile_effort(self.options.decode_compile_effort, jax.default_backend())
     return {**r.settings(), "experts_per_step": state.experts,
             "resumed_from_step": state.first_step if resume is not None and resume.resume else None,
-            "steps_run": len(state.step_times), "step_cache": cache}
+            "steps_run": len(state.step_times), "step_cache": cache,
+            "decode_compile_effort": jax.config.jax_exec_time_optimization_effort if effort is None else effort}
 
 
 def _result(frames: Any, latents: Any, timings: dict[str, float], settings: dict[str, Any]) -> Any:

@@ -68,6 +68,12 @@ class ServeConfig:
         raise UsageError(f"--{name.replace('_', '-')} {value!r} must be an int >= 1")
     if not 0 < self.port < 65536:
       raise UsageError(f"--port {self.port} must be in 1..65535")
+    from pipelines.wan.vae import check_compile_effort
+
+    try:
+      check_compile_effort(self.decode_compile_effort, "tpu")
+    except ValueError as e:
+      raise UsageError(f"--decode-compile-effort: {e}") from e
     if self.dtype not in ("float32", "bfloat16"):
       raise UsageError(f"--dtype {self.dtype!r} must be float32 or bfloat16")
     if self.api_key is not None and len(self.api_key) < 8:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -154,44 +155,44 @@ def decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
   return jnp.clip(vae_residual.unpatchify(x, cfg.patch), -1.0, 1.0), cache
 
 
-# XLA's execution-time optimization effort (`exec_time_optimization_effort` in [-1, 1], default 0)
-# of the decoder's programs on TPU: libtpu spends ~10-25 s of code generation per distinct large
-# convolution at 0 (the decoder has 10). Wan 2.1 VAE 720p bf16 on v6e, compile CPU s at 0 -> -0.5
-# (libtpu's own run-time estimate, `end_to_end.aot.estimated_cycles`): one device, first chunk 216
-# -> 41 s (+15 %), later 201 -> 58 s (+9 %, +1.8 GiB temporaries); split over 4 chips 173 -> 39 s
-# (+33 %), 201 -> 59 s (+19 %). A 21-chunk decode: 4-5x faster compile, +9 / +19 % estimated time.
+# XLA's `exec_time_optimization_effort` (in [-1, 1], default 0) of the decoder's programs on TPU:
+# libtpu spends 10-30 s of code generation per distinct large convolution at 0 (the decoder has 10).
+# Wan 2.1 VAE 720p bf16, v6e, compile CPU s at 0 -> -0.5 (libtpu's run-time estimate, `end_to_end.aot.
+# estimated_cycles`): one device, first chunk 216 -> 41 s (+15 %), later 201 -> 58 s (+9 %, +1.8 GiB
+# temp); split over 4 chips 173 -> 39 s (+33 %), 201 -> 59 s (+19 %): ~4x faster, +9 / +19 % decode.
 TPU_DECODE_COMPILE_EFFORT = -0.5
 
 
-def decode_compile_effort(platform: str) -> float:
-  """The optimization effort the decoder's programs compile at on `platform` (a JAX device's
-  `.platform`): `TPU_DECODE_COMPILE_EFFORT` on "tpu", 0 (XLA's default) elsewhere (unmeasured)."""
-  return TPU_DECODE_COMPILE_EFFORT if platform == "tpu" else 0.0
+def decode_compile_effort(platform: str) -> float | None:
+  """The effort the decoder's programs compile at on `platform` (a JAX device's `.platform`):
+  `TPU_DECODE_COMPILE_EFFORT` on "tpu"; None elsewhere: JAX's own `jax_exec_time_optimization_effort`."""
+  return TPU_DECODE_COMPILE_EFFORT if platform == "tpu" else None
 
 
-def check_compile_effort(compile_effort: float | None, platform: str) -> float:
-  """The effort a decode on `platform` compiles at: `compile_effort`, or the platform's when None.
-  Raises ValueError for anything but None or a number in [-1, 1]."""
+def check_compile_effort(compile_effort: Any, platform: str) -> float | None:
+  """The effort a decode on `platform` compiles at: `compile_effort` (a number, applied whatever
+  JAX's global setting), or the platform's when None. Raises ValueError for a non-number or a
+  number outside [-1, 1]."""
   if compile_effort is None:
     return decode_compile_effort(platform)
-  if isinstance(compile_effort, bool) or not isinstance(compile_effort, (int, float)) \
-      or not -1.0 <= compile_effort <= 1.0:
-    raise ValueError(f"compile_effort={compile_effort!r} must be None (the platform's) or a number in [-1, 1] "
-                     "(XLA's exec_time_optimization_effort)")
+  if isinstance(compile_effort, bool) or not isinstance(compile_effort, numbers.Real) \
+      or not -1.0 <= float(compile_effort) <= 1.0:
+    raise ValueError(f"compile_effort={compile_effort!r} must be a number in [-1, 1] (XLA's "
+                     "exec_time_optimization_effort), or None for the platform's")
   return float(compile_effort)
 
 
-class _ChunkPrograms(NamedTuple):
-  first: Any  # (vae, z) -> (video chunk, cache); first_rows: split along height (vae, z, *, mesh, rows)
-  later: Any  # (vae, cache, z) -> (video chunk, cache), the cache donated; later_rows: split
-  first_rows: Any
+class _ChunkPrograms(NamedTuple):  # first: (vae, z) -> (chunk, cache); later: (vae, cache, z), cache donated
+  first: Any
+  later: Any
+  first_rows: Any  # as first and later, split along height: (..., *, mesh, rows)
   later_rows: Any
 
 
 @functools.cache
-def _chunk_programs(effort: float) -> _ChunkPrograms:
-  """The decode's jitted chunk programs, compiled at XLA optimization `effort` (one set per value)."""
-  options = {"exec_time_optimization_effort": effort} if effort else None
+def _chunk_programs(effort: float | None) -> _ChunkPrograms:
+  """The decode's jitted chunk programs at XLA optimization `effort` (None: JAX's global setting)."""
+  options = None if effort is None else {"exec_time_optimization_effort": effort}
   rows_jit = functools.partial(jax.jit, static_argnames=("mesh", "rows"), compiler_options=options)
   # The cache is donated: its buffers are reused for the new cache instead of holding two copies.
   return _ChunkPrograms(jax.jit(lambda vae, z: decode_chunk(vae, None, z), compiler_options=options),
@@ -226,8 +227,8 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
     video_layout: "BCFHW" (diffusers' decoder output [B, 3, frames, sHl, sWl], s =
       `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
       layout: no transpose).
-    compile_effort: XLA's optimization effort in [-1, 1] for the two chunk programs; None: the
-      platform's (`decode_compile_effort`: -0.5 on TPU, 0 elsewhere).
+    compile_effort: XLA's optimization effort in [-1, 1] for the chunk programs; None: the
+      platform's (`decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
@@ -425,9 +426,8 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
                                 dtype: jnp.dtype = jnp.float32):
   """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
 
-  Nothing is allocated: weights, cache and latent frame are `jax.ShapeDtypeStruct`s; the result is
-  the backend's `CompiledMemoryStats` (argument, output, alias and temp sizes in bytes) for the
-  default backend. This is how the peak-memory estimate in `decode`'s docstring was obtained.
+  Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
+  default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `decode` cites it.
   """
   params = {k: jax.ShapeDtypeStruct(L.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
             for k, s in config.param_shapes().items()}
