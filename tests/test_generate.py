@@ -93,6 +93,7 @@ def test_command_writes_a_decodable_video(tmp_path):
     assert warm["stages"][stage]["hits"] >= 1, warm
   assert re.search(r"compile cache hit \(\d+ of \d+ programs loaded: .*compile \d+/\d+.*decode \d+/\d+", again.stdout), \
       again.stdout
+  assert "decode includes the VAE's first compile" in proc.stdout and "first compile" not in again.stdout
 
 
 def test_gif_and_frames_outputs(tmp_path, capsys):

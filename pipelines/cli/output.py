@@ -97,12 +97,14 @@ def summary_line(checked: Checked, result: Any, *, out: str, described: str, tim
   """"wrote OUT and OUT.json (F frames WxH @ FPS fps, seed S, mesh M) | load ..., total ...; cache"."""
   plan, request = checked.plan, checked.request
   frames, height, width = result.frames.shape[1:4]
+  decode = cache.stages.get("decode")  # every decode program loaded from the cache: no compile in it
+  compiled = "" if decode and decode["hits"] == decode["lookups"] else " (decode includes the VAE's first compile)"
   return (f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "
           f"seed {result.settings['seed']}, mesh {mesh_text(request)}) | load {fmt(times['load'])}, text encode "
           f"{fmt(times['text_encode'])}, compile {fmt(times['compile'])}, denoise "
           f"{fmt(times['denoise_per_step'])}/step x {result.settings.get('steps_run', request.steps)}, "
           f"decode {fmt(times['decode'])}, "
-          f"total {fmt(times['total'])} (decode includes the VAE's first compile); {cache.summary()}"
+          f"total {fmt(times['total'])}{compiled}; {cache.summary()}"
           f"{_step_cache_note(result.settings.get('step_cache'))}")
 
 
