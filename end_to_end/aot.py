@@ -353,10 +353,11 @@ def format_row(r: dict[str, Any]) -> str:
   if "error" in r:
     return f"{label:22s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}"
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
-  coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+  from end_to_end.collectives import summary
+
   return (f"{label:22s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
           f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} "
           f"{r['compile_s']:5.0f}/{r.get('compile_cpu_s', 0):<5.0f} "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:9.2f} {mem.get('temp_size_in_bytes', 0) / 2**30:9.2f} "
           f"{r.get('resident_bytes_per_device', 0) / 2**30:9.2f} {mem.get('generated_code_size_in_bytes', 0) / 2**20:8.1f} "
-          f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {coll or 'none'}")
+          f"{cost.get('flops', 0) / 1e12:8.1f} {cost.get('bytes accessed', 0) / 1e9:11.1f}  {summary(r['collectives'])}")

@@ -132,11 +132,12 @@ def format_decode_row(r: dict[str, Any]) -> str:
   if "error" in r:
     return f"{head} failed: {r['error']}"
   mem = r.get("memory_analysis", {})
-  coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+  from end_to_end.collectives import summary
+
   cycles = f"{r['estimated_cycles'] / 1e6:.0f} M cycles estimated, " if "estimated_cycles" in r else ""
   return (f"{head} compile {r['compile_s']:6.1f} s ({r['compile_cpu_s']:.1f} s CPU, effort "
           f"{r.get('compile_effort', 0):g}), convolutions "
           f"{r['convolutions']} ({r['distinct_convolutions']} distinct), args "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:.2f} GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} "
-          f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {coll or 'none'}, "
+          f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {summary(r['collectives'])}, "
           f"{cycles}cache {r['cache']}")

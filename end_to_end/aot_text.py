@@ -118,7 +118,8 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
 def format_row(r: dict[str, Any]) -> str:
   """One line of a text-stage report (GiB per device, TFLOP, collective counts / MiB)."""
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
-  coll = ", ".join(f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in r["collectives"].items() if v["count"])
+  from end_to_end.collectives import summary
+
   return (f"text {r['model']} B={r['batch']} L={r['text_len']} {r['dtype']} (wo {r['wo_dtype']}) {r['placement']}"
           f"{' ' + r['mesh']['spec'] if r['placement'] == 'sharded' else ''}: compile {r['compile_s']:.1f} s "
           f"({r['compile_cpu_s']:.1f} s CPU), weights "
@@ -126,7 +127,7 @@ def format_row(r: dict[str, Any]) -> str:
           f"GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} GiB, held "
           f"{r.get('resident_bytes_per_device', 0) / 2**30:.2f} GiB, code "
           f"{mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, {cost.get('flops', 0) / 1e12:.2f} TFLOP "
-          f"(one layer body), collectives {coll or 'none'}")
+          f"(one layer body), collectives {summary(r['collectives'])}")
 
 
 def main(argv: list[str] | None = None) -> int:

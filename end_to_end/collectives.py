@@ -55,6 +55,12 @@ def hlo_collectives(hlo: str) -> dict[str, dict[str, int]]:
   return table
 
 
+def summary(collectives: dict[str, dict[str, int]]) -> str:
+  """`hlo_collectives`' result as one phrase: "op count / MiB, ..." for the ops present, or "none"."""
+  found = [f"{op} {v['count']} / {v['bytes'] / 2**20:.1f}" for op, v in collectives.items() if v["count"]]
+  return ", ".join(found) or "none"
+
+
 def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
   """Theoretical per-device collectives of one USP call (DESIGN.md section 3)."""
   D = U * R
