@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from attention import fixed_m as fm
 from attention import kernels
+from attention.carry import Carry, Start, carry_lse, finish, init_carry, merge_partials  # noqa: F401
 from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
 from attention.settings import BACKENDS, DEFAULT_BLOCKS, IMPLEMENTATIONS, BlockSizes, resolve_backend  # noqa: F401
@@ -35,32 +36,6 @@ from attention.settings import BACKENDS, DEFAULT_BLOCKS, IMPLEMENTATIONS, BlockS
 Mode = Literal["lse", "fixed_m", "auto"]
 # Position given to padded key slots: far from every real position, so every mask rejects it.
 PAD_POSITION = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Carry:
-  """Running state of one query set against any number of key blocks (fp32).
-
-  Attributes:
-    o: [B, K, G, T, H] unnormalised output sum_j 2^(s_ij - m_i) v_j.
-    l: [B, K, G, T] sum_j 2^(s_ij - m_i).
-    m: [B, K, G, T] the row offset: running max (LSE, -inf before any key) or the pinned
-      b_i = q~_i . k_mean + m_i (fixed-m).
-  """
-
-  o: jax.Array
-  l: jax.Array
-  m: jax.Array
-
-
-jax.tree_util.register_dataclass(Carry, data_fields=["o", "l", "m"], meta_fields=[])
-
-
-def init_carry(q_BKGTH: jax.Array, row_offset_BKGT: jax.Array | None = None) -> Carry:
-  """Empty carry: LSE when row_offset is None (m = -inf), else fixed-m with m pinned to it."""
-  B, K, G, T, H = q_BKGTH.shape
-  m = jnp.full((B, K, G, T), -jnp.inf, jnp.float32) if row_offset_BKGT is None else row_offset_BKGT
-  return Carry(jnp.zeros((B, K, G, T, H), jnp.float32), jnp.zeros((B, K, G, T), jnp.float32), m)
 
 
 def _precision(dtype):
@@ -217,7 +192,8 @@ def attend(
     causal: bool = False,
     logit_scale: float = 1.0,
     fixed: jax.Array | None = None,
-) -> Carry:
+    finish_to=None,
+) -> Carry | jax.Array:
   """Accumulates the keys k/v into the carry of queries q, block by block.
 
   The one dispatch of every blockwise path: `layout.backend` "xla" runs `lax.map` over query blocks
@@ -227,7 +203,8 @@ def attend(
   blocks are one linear schedule sharing the same local shapes, and read best top to bottom.
 
   Args:
-    carry: from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad rows.
+    carry: a `Carry` from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad
+      rows; or a `Start` (an empty carry the Pallas kernel builds in VMEM, `attention.carry`).
     q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e).
     k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
       always: callers cannot forget the block padding. v_BKSH None: k_BKSH is the packed K/V
@@ -244,9 +221,12 @@ def attend(
     window, causal: as in `attention_reference`.
     logit_scale: static fp32 factor applied to the logits (see `query_scaling`).
     fixed: bool scalar, with mode "auto" only.
+    finish_to: None, or a dtype: return `finish(carry)` in that dtype (the Pallas kernel writes it
+      directly: no fp32 carry in HBM).
 
   Returns:
-    The updated Carry; `finish` turns it into the output.
+    The updated Carry (`finish` turns it into the output), or with `finish_to` the output
+    [B, K, G, T_pad, H] in that dtype.
 
   Raises:
     ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it.
@@ -262,8 +242,15 @@ def attend(
   if (mode == "auto") != (fixed is not None):
     raise ValueError(f"attend: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
+    finish_to = None if finish_to is None else jnp.dtype(finish_to)
     return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window,
-                          causal, logit_scale)
+                          causal, logit_scale, finish_to)
+  if isinstance(carry, Start):
+    carry = carry.materialise(q_BKGTH, logit_scale, fixed)
+  if finish_to is not None:
+    carry = attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode=mode, layout=layout, q_pos=q_pos, kv_pos=kv_pos,
+                   kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed)
+    return finish(carry).astype(finish_to)
   if mode == "auto":
     kw = dict(layout=layout, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, window=window, causal=causal,
               logit_scale=logit_scale)
@@ -312,65 +299,37 @@ def attend(
   return Carry(merge_q(out.o), merge_q(out.l), merge_q(out.m))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
+                   finish_to):
   """`attend` as one kernel call; differentiable: the backward pass is the XLA loops' VJP (a
   recompute of the forward in XLA, then its transpose), so gradients equal the XLA path's."""
-  o, l, m = kernels.attend_kernel(
-      carry.o, carry.l, carry.m, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q,
-      bk=layout.block_kv, S=layout.S, kv_padded=layout.kv_padded, window=window, causal=causal,
-      logit_scale=logit_scale, fixed=fixed)
-  return Carry(o, l, m)
+  return kernels.attend_kernel(
+      carry, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q, bk=layout.block_kv, S=layout.S,
+      kv_padded=layout.kv_padded, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed,
+      finish_to=finish_to)
 
 
-def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale):
-  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale)
+def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
+                       finish_to):
+  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
+                       finish_to)
   return out, (carry, q, k, v, q_pos, kv_pos, kv_limit, fixed)
 
 
-def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, residuals, cotangent):
+def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, finish_to, residuals, cotangent):
   carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
   xla = dataclasses.replace(layout, backend="xla")
 
   def update(carry, q, k, v):
     return attend(carry, q, k, v, mode=mode, layout=xla, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit,
-                  window=window, causal=causal, logit_scale=logit_scale, fixed=fixed)
+                  window=window, causal=causal, logit_scale=logit_scale, fixed=fixed, finish_to=finish_to)
 
   _, pullback = jax.vjp(update, carry, q, k, v)
   return (*pullback(cotangent), None, None, None, None)
 
 
 _attend_pallas.defvjp(_attend_pallas_fwd, _attend_pallas_bwd)
-
-
-def finish(carry: Carry) -> jax.Array:
-  """o / l as fp32 [B, K, G, T, H]; rows that saw no valid key give 0, not NaN."""
-  l = carry.l[..., None]
-  return jnp.where(l > 0, carry.o / jnp.where(l > 0, l, 1.0), 0.0)
-
-
-def carry_lse(carry: Carry) -> jax.Array:
-  """Base-2 log-sum-exp per row, fp32 [B, K, G, T] (-inf for rows with no valid key)."""
-  return jnp.where(carry.l > 0, carry.m + jnp.log2(jnp.where(carry.l > 0, carry.l, 1.0)), -jnp.inf)
-
-
-def merge_partials(o_a, lse_a, o_b, lse_b):
-  """Merges two normalised partial outputs of the same rows over disjoint key sets (base 2).
-
-  lse = max(a, b) + log2(2^(a - max) + 2^(b - max)); o = weights-averaged. Fully masked partials
-  (lse = -inf) are guarded: merging with one gives the other unchanged; both gives (0, -inf).
-
-  Args:
-    o_a, o_b: [..., T, H] normalised outputs; lse_a, lse_b: [..., T] base-2 LSEs.
-  """
-  mx = jnp.maximum(lse_a, lse_b)
-  mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  wa, wb = jnp.exp2(lse_a - mx_safe), jnp.exp2(lse_b - mx_safe)
-  tot = wa + wb
-  safe = jnp.where(tot > 0, tot, 1.0)
-  o = (wa[..., None] * o_a + wb[..., None] * o_b) / safe[..., None]
-  lse = jnp.where(tot > 0, mx_safe + jnp.log2(safe), -jnp.inf)
-  return o, lse
 
 
 def local_attention(
@@ -456,17 +415,16 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   windowed = window is not None or causal
   attend_kw = dict(layout=layout, q_pos=layout.q_positions(jnp.arange(T)),
                    kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=kv_limit, window=window,
-                   causal=causal, logit_scale=logit_scale)
+                   causal=causal, logit_scale=logit_scale, finish_to=q.dtype)
 
   def lse_path():
-    return finish(attend(init_carry(q_BKGTH), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw))
+    return attend(Start(), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw)
 
   def offsets(stats, c_max):
-    return fm.row_offsets(q_BKGTH, stats, c_max, windowed=windowed, logit_scale=logit_scale)
+    return fm.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=windowed)
 
   def fixed_m_path(stats, c_max):
-    return finish(attend(init_carry(q_BKGTH, offsets(stats, c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m",
-                         **attend_kw))
+    return attend(Start(offsets(stats, c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw)
 
   # One key block (e.g. 512 text keys): LSE rescales nothing that fixed-m would save, so the Pallas
   # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
@@ -480,8 +438,8 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
     if implementation == "fixed_m":
       out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
     elif backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
-      carry = init_carry(q_BKGTH, jnp.where(gate.eligible, offsets(stats, gate.c_max), -jnp.inf))
-      out = finish(attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible, **attend_kw))
+      out = attend(Start(offsets(stats, gate.c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible,
+                   **attend_kw)
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
   return layout.output(out).astype(q.dtype)

@@ -162,6 +162,69 @@ def fixed_m_gate(
   return GateResult(eligible, v_ok, c_max)
 
 
+@dataclasses.dataclass(frozen=True)
+class OffsetInputs:
+  """What the fixed-m row offsets need besides the queries, per batch element and kv head (fp32).
+
+  The kernels build the offsets from these and their own query tile (`offsets_of_rows`), so the
+  per-row offsets never exist in HBM.
+
+  Attributes:
+    k_mean: [B, K, H] the global valid-key mean (`KeyStats.k_mean`).
+    k_centred_max: [B, K] max ||k_j - k_mean|| over the global valid keys.
+    c_max: [B, K] the overflow cap (`GateResult.c_max`).
+    windowed: a window or causal mask hides keys from rows (lam = 1; static).
+    margin: bits kept from the fp32 exponent limits (static).
+  """
+
+  k_mean: jax.Array
+  k_centred_max: jax.Array
+  c_max: jax.Array
+  windowed: bool = False
+  margin: float = DEFAULT_MARGIN
+
+  def packed(self) -> jax.Array:
+    """fp32 [B, K, 8, H]: row 0 k_mean, row 1 k_centred_max, row 2 c_max (both repeated along H),
+    rows 3..7 zero: one (8, H) tile per (batch, kv head), the layout a TPU kernel block reads."""
+    B, K, H = self.k_mean.shape
+    rows = [self.k_mean, *(jnp.broadcast_to(x[:, :, None], (B, K, H)) for x in (self.k_centred_max, self.c_max))]
+    return jnp.pad(jnp.stack([x.astype(jnp.float32) for x in rows], axis=2), ((0, 0), (0, 0), (0, 5), (0, 0)))
+
+
+jax.tree_util.register_dataclass(
+    OffsetInputs, data_fields=["k_mean", "k_centred_max", "c_max"], meta_fields=["windowed", "margin"])
+
+
+def offsets_of_rows(q_rows, k_mean, k_centred_max, c_max, *, windowed=False, margin=DEFAULT_MARGIN,
+                    q_norm=None):
+  """The fixed-m offset b_i = q~_i . k_mean + m_i, m_i = u_i - c_i, of rows along the last axis.
+
+  The one formula for the XLA path (`row_offsets`) and the kernels (which call it on their query
+  tile). c_i = clip(u_i, (1 + lam) u_i - (126 - margin), c_max): m_i = 0 unless the bound forces
+  otherwise (module docstring).
+
+  Args:
+    q_rows: fp32 [..., H], q~ = q * scale * log2(e).
+    k_mean: fp32 broadcastable to q_rows ([..., 1 or rows, H]).
+    k_centred_max, c_max: fp32 broadcastable to [..., 1].
+    windowed, margin: as in `fixed_m_gate`.
+    q_norm: fp32 [..., 1] to use for ||q~_i|| (e.g. a per-block max); None: the row's own norm.
+
+  Returns:
+    fp32 [..., 1].
+  """
+  if q_norm is None:
+    q_norm = jnp.sqrt(jnp.sum(q_rows * q_rows, axis=-1, keepdims=True))
+  u = q_norm * k_centred_max
+  lam = 1.0 if windowed else 0.0
+  lower = (1.0 + lam) * u - (126.0 - margin)  # underflow of the top term
+  c = jnp.minimum(jnp.maximum(u, lower), jnp.maximum(c_max, 0.0))
+  # fp32 products and sum (a mul-sum, not a dot: XLA:TPU emits about half the code for it, 0.47 vs
+  # 0.82 MiB at Wan 14B's size, and fp32 products are exact either way)
+  qk_mean = jnp.sum(q_rows * k_mean, axis=-1, keepdims=True)
+  return qk_mean + (u - c)
+
+
 def row_offsets(
     q_scaled_BKGTH: jax.Array,
     stats: KeyStats,
@@ -174,11 +237,9 @@ def row_offsets(
 ) -> jax.Array:
   """Per-row subtraction b_i = q~_i . k_mean + m_i, with m_i = u_i - c_i (fp32 [B, K, G, T]).
 
-  c_i = clip(u_i, (1 + lam) u_i - (126 - margin), c_max): m_i = 0 (exp2 of the centred logit) unless
-  the bound forces otherwise; see the module docstring for why.
-
-  The fixed-m kernel computes 2^(q~_i . k_j - b_i) = 2^(z'_ij - m_i): virtual K-centring folds
-  into the same per-row offset as the pinned max, so K is never rewritten.
+  The XLA form of `offsets_of_rows` over a whole query set. The fixed-m kernel computes
+  2^(q~_i . k_j - b_i) = 2^(z'_ij - m_i): virtual K-centring folds into the same per-row offset as
+  the pinned max, so K is never rewritten.
 
   Args:
     q_scaled_BKGTH: queries whose product with `logit_scale` is q * scale * log2(e), heads grouped
@@ -187,23 +248,19 @@ def row_offsets(
     c_max_BK: from `fixed_m_gate`.
     windowed: as in `fixed_m_gate`.
     q_block: None for the per-row bound; an int for one bound per block of that many rows
-      (the max over the block's rows, what a Pallas kernel wants). T must be a multiple of it.
+      (the max over the block's rows). T must be a multiple of it.
     margin: as in `fixed_m_gate`.
     logit_scale: the kernels' logit factor (`blockwise.query_scaling`): q~ = q * logit_scale,
       formed here in fp32 (never rounded to q's dtype).
   """
   q = q_scaled_BKGTH.astype(jnp.float32) * logit_scale
   B, K, G, T, _ = q.shape
-  q_norm = jnp.sqrt(jnp.sum(q * q, axis=-1))  # [B, K, G, T]
+  q_norm = None
   if q_block is not None:
     if T % q_block:
       raise ValueError(f"{T=} must be a multiple of {q_block=} for a per-Q-block bound")
-    q_norm = jnp.repeat(jnp.max(q_norm.reshape(B, K, G, T // q_block, q_block), axis=-1), q_block, axis=-1)
-  u = q_norm * stats.k_centred_max[:, :, None, None]
-  lam = 1.0 if windowed else 0.0
-  lower = (1.0 + lam) * u - (126.0 - margin)  # underflow of the top term
-  c = jnp.minimum(jnp.maximum(u, lower), jnp.maximum(c_max_BK, 0.0)[:, :, None, None])
-  # fp32 products and sum (a mul-sum, not a dot: XLA:TPU emits about half the code for it, 0.47 vs
-  # 0.82 MiB at Wan 14B's size, and fp32 products are exact either way)
-  qk_mean = jnp.sum(q * stats.k_mean[:, :, None, None, :], axis=-1)
-  return qk_mean + (u - c)
+    q_norm = jnp.sqrt(jnp.sum(q * q, axis=-1))
+    q_norm = jnp.repeat(jnp.max(q_norm.reshape(B, K, G, T // q_block, q_block), axis=-1), q_block, axis=-1)[..., None]
+  per_bk = (slice(None), slice(None), None, None, None)
+  return offsets_of_rows(q, stats.k_mean[:, :, None, None, :], stats.k_centred_max[per_bk], c_max_BK[per_bk],
+                         windowed=windowed, margin=margin, q_norm=q_norm)[..., 0]

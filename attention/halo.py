@@ -135,10 +135,10 @@ def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, b
   layout = bw.BlockLayout.make(T, S, block_sizes, backend)
   q_in, logit_scale = bw.query_scaling(q, scale, False)
   q_BKGTH = layout.queries(q_in, K)
-  carry = bw.attend(bw.init_carry(q_BKGTH), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,
-                    q_pos=layout.q_positions(q_pos), kv_pos=layout.kv_positions(kv_pos),
-                    kv_limit=limit, window=window, causal=causal, logit_scale=logit_scale)
-  return layout.output(bw.finish(carry)).astype(q.dtype)
+  out = bw.attend(bw.Start(), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,
+                  q_pos=layout.q_positions(q_pos), kv_pos=layout.kv_positions(kv_pos),
+                  kv_limit=limit, window=window, causal=causal, logit_scale=logit_scale, finish_to=q.dtype)
+  return layout.output(out)
 
 
 def all_gather_window_attention(q, k, v, *, mesh, window, causal=False, kv_valid_len=None,

@@ -40,6 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from attention import fixed_m as fm
+from attention.carry import Carry, Start
+
 LANES = 128  # TPU vector lanes; the column layout of the per-row statistics
 _TRANS_B = (((1,), (1,)), ((), ()))  # q [rows, H] . k [bk, H]^T
 
@@ -78,22 +81,68 @@ def _rows_to_columns(x_1R):
   return jnp.transpose(jnp.broadcast_to(x_1R, (LANES, x_1R.shape[1])))
 
 
-def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in, l_in, m_in,
-                o_out, l_out, m_out, o_scr, l_scr, m_scr, qp_scr, *,
-                mode, G, bq, bk, S, kv_padded, use_limit, window, causal, logit_scale):
-  b, j = pl.program_id(0), pl.program_id(3)
-  H = q_ref.shape[-1]
-  rows = G * bq
-  needs_mask = use_limit or kv_padded or causal or window is not None
+def _fresh_offsets(q_ref, stats_ref, *, rows, H, logit_scale, windowed, margin):
+  """fp32 [rows, LANES]: the fixed-m offsets of this query tile (`fm.offsets_of_rows`) from the
+  stats tile [8, H] (`fm.OffsetInputs.packed`), as columns."""
+  q = q_ref[...].reshape(rows, H).astype(jnp.float32)
+  if logit_scale != 1.0:
+    q = q * logit_scale
+  st = stats_ref[...]
+  b = fm.offsets_of_rows(q, st[0:1, :], st[1:2, 0:1], st[2:3, 0:1], windowed=windowed, margin=margin)
+  return jnp.broadcast_to(b, (rows, LANES))
 
-  @pl.when(j == 0)
-  def _load_carry():
+
+def _tpu_init(ins, flag_ref, q_ref, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, start, mode, G, bq, needs_mask,
+              **offset_kw):
+  """The first key block's set-up of the VMEM carry: read from the carry inputs (start "carry") or
+  built here (o = l = 0, m = -inf or the fixed-m offsets: no zeros or offsets read from HBM)."""
+  rows, H = o_scr.shape
+  if start == "carry":
+    o_in, l_in, m_in = ins
     o_scr[...] = o_in[...].astype(jnp.float32).reshape(rows, H)
     for g in range(G):
       m_scr[g * bq:(g + 1) * bq, :] = _rows_to_columns(m_in[g:g + 1, :])
       l_scr[g * bq:(g + 1) * bq, :] = _rows_to_columns(l_in[g:g + 1, :])
-    if needs_mask:
-      qp_scr[...] = _rows_to_columns(qpos_ref[...])
+  else:
+    o_scr[...] = jnp.zeros(o_scr.shape, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+    if start == "offsets":
+      def pin():
+        m_scr[...] = _fresh_offsets(q_ref, ins[0], rows=rows, H=H, **offset_kw)
+      pl.when(flag_ref[0] != 0)(pin) if mode == "auto" else pin()
+  if needs_mask:
+    qp_scr[...] = _rows_to_columns(qpos_ref[...])
+
+
+def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq):
+  """The last key block's output: the carry, or with `finish` o / l in the output's dtype
+  (`carry.finish`: no fp32 o, l, m in HBM)."""
+  H = o_scr.shape[1]
+  if finish:
+    l = l_scr[:, :1]
+    o = jnp.where(l > 0, o_scr[...] / jnp.where(l > 0, l, 1.0), 0.0)
+    outs[0][...] = o.astype(outs[0].dtype).reshape(G, bq, H)
+    return
+  o_out, l_out, m_out = outs
+  o_out[...] = o_scr[...].reshape(G, bq, H)
+  for g in range(G):
+    m_out[g:g + 1, :] = jnp.transpose(m_scr[g * bq:(g + 1) * bq, :])[:1, :]
+    l_out[g:g + 1, :] = jnp.transpose(l_scr[g * bq:(g + 1) * bq, :])[:1, :]
+
+
+def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
+                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin):
+  n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
+  n_out = 1 if finish else 3
+  ins, outs, (o_scr, l_scr, m_scr, qp_scr) = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+  b, j = pl.program_id(0), pl.program_id(3)
+  H = q_ref.shape[-1]
+  rows = G * bq
+  needs_mask = use_limit or kv_padded or causal or window is not None
+  pl.when(j == 0)(functools.partial(
+      _tpu_init, ins, flag_ref, q_ref, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, mode=mode, G=G, bq=bq,
+      needs_mask=needs_mask, logit_scale=logit_scale, windowed=windowed, margin=margin))
 
   q = q_ref[...].reshape(rows, H)
   k, v = k_ref[...], v_ref[...]
@@ -131,16 +180,19 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_in
   else:
     lse_update()
 
-  @pl.when(j == pl.num_programs(3) - 1)
-  def _store_carry():
-    o_out[...] = o_scr[...].reshape(G, bq, H)
-    for g in range(G):
-      m_out[g:g + 1, :] = jnp.transpose(m_scr[g * bq:(g + 1) * bq, :])[:1, :]
-      l_out[g:g + 1, :] = jnp.transpose(l_scr[g * bq:(g + 1) * bq, :])[:1, :]
+  pl.when(j == pl.num_programs(3) - 1)(functools.partial(_tpu_store, outs, o_scr, l_scr, m_scr, finish=finish,
+                                                           G=G, bq=bq))
 
 
-def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
-              window, causal, logit_scale, interpret):
+def _start_kind(carry) -> str:
+  """"carry" (a Carry to continue), "offsets" (a fixed-m Start) or "lse" (an LSE Start)."""
+  if not isinstance(carry, Start):
+    return "carry"
+  return "lse" if carry.offsets is None else "offsets"
+
+
+def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
+              window, causal, logit_scale, finish_to, interpret):
   from jax.experimental.pallas import tpu as pltpu
 
   B, K, G, T, H = q.shape
@@ -148,41 +200,58 @@ def _tpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, 
   nq, nk = T // bq, S_pad // bk
   v_off = 0 if v is not None else K  # packed K/V: values are heads K..2K-1 of k
   v = k if v is None else v
+  start = _start_kind(carry)
+  offsets = carry.offsets if start == "offsets" else None
   sq = pl.squeezed
-  kernel = functools.partial(_tpu_kernel, mode=mode, G=G, bq=bq, bk=bk, S=S, kv_padded=kv_padded,
-                             use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale)
+  kernel = functools.partial(
+      _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
+      kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
+      windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin)
   q_spec = pl.BlockSpec((sq, sq, G, bq, H), lambda b, h, i, j, *_: (b, h, 0, i, 0))
   k_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h, j, 0))
   v_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + v_off, j, 0))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
+  in_specs = [q_spec, k_spec, v_spec, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
+              pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j))]
+  args = [limit, flag, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad)]
+  if start == "carry":
+    in_specs += [q_spec, row_spec, row_spec]
+    args += [carry.o, carry.l, carry.m]
+  elif start == "offsets":
+    in_specs.append(pl.BlockSpec((sq, sq, 8, H), lambda b, h, i, j, *_: (b, h, 0, 0)))
+    args.append(offsets.packed())
+  if finish_to is not None:
+    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, finish_to)]
+  else:
+    out_specs = [q_spec, row_spec, row_spec]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32), *[jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)] * 2]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(B, K, nq, nk),
-      in_specs=[q_spec, k_spec, v_spec,
-                pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
-                pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j)),
-                q_spec, row_spec, row_spec],
-      out_specs=[q_spec, row_spec, row_spec],
+      in_specs=in_specs,
+      out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((G * bq, H), jnp.float32), pltpu.VMEM((G * bq, LANES), jnp.float32),
                       pltpu.VMEM((G * bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.int32)])
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.float32), jax.ShapeDtypeStruct(l.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(m.shape, jnp.float32)],
-      input_output_aliases={7: 0, 8: 1, 9: 2},
+      out_shape=out_shape,
+      input_output_aliases={7: 0, 8: 1, 9: 2} if start == "carry" and finish_to is None else {},
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name=f"attend_{mode}",
-  )(limit, flag, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad), o, l, m)
+  )(*args)
 
 
 # --- GPU (Triton) -----------------------------------------------------------------------------------
 
-def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, o_in, l_in, m_in, o_out, l_out, m_out,
-                *, mode, bk, nk, H, S, kv_padded, use_limit, window, causal, logit_scale):
+def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, *refs, mode, fresh, finish, bk, nk, H, S,
+                kv_padded, use_limit, window, causal, logit_scale):
   from jax.experimental.pallas import triton as plgpu
+
+  n_in = 1 if fresh else 3  # fresh: m only (o = l = 0 here)
+  ins, outs = refs[:n_in], refs[n_in:]
 
   Hp = q_ref.shape[-1]
   head_ok = (jnp.arange(Hp) < H)[None, :]  # head dims that are not powers of two: masked loads
@@ -216,24 +285,35 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, o_in, l_in, m_
     pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     return alpha[:, None] * o + pv, alpha * l + jnp.sum(p, axis=1), m_new
 
-  init = (plgpu.load(o_in, mask=head_ok, other=0.0), l_in[...], m_in[...])
+  if fresh:
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(q.shape[:1], jnp.float32), ins[0][...])
+  else:
+    init = (plgpu.load(ins[0], mask=head_ok, other=0.0), ins[1][...], ins[2][...])
   o, l, m = jax.lax.fori_loop(0, nk, body, init)
-  plgpu.store(o_out, o, mask=head_ok)
-  l_out[...] = l
-  m_out[...] = m
+  if finish:  # o / l in the output dtype (`carry.finish`)
+    o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    plgpu.store(outs[0], o.astype(outs[0].dtype), mask=head_ok)
+    return
+  plgpu.store(outs[0], o, mask=head_ok)
+  outs[1][...] = l
+  outs[2][...] = m
 
 
-def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
-              window, causal, logit_scale, interpret):
+def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
+              window, causal, logit_scale, finish_to, interpret):
   """One program per (batch, query head, query block); K/V of the head's kv head read through
   L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles).
-  "auto": a `lax.cond` on the flag between the two single-mode kernels."""
+  "auto": a `lax.cond` on the flag between the two single-mode kernels. A `Start` carry: o = l = 0
+  in the kernel, its m (-inf or the fixed-m offsets) formed by XLA."""
   from jax.experimental.pallas import triton as plgpu
 
+  fresh = isinstance(carry, Start)
+  if fresh:
+    carry = Carry(None, None, carry.materialise(q, logit_scale, None if mode != "auto" else flag[0] != 0).m)
   if mode == "auto":
     kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
-              logit_scale=logit_scale, interpret=interpret)
-    args = (o, l, m, q, k, v, q_pos, kv_pos, limit, flag)
+              logit_scale=logit_scale, finish_to=finish_to, interpret=interpret)
+    args = (carry, q, k, v, q_pos, kv_pos, limit, flag)
     return jax.lax.cond(flag[0] != 0, lambda: tuple(_gpu_call(*args, mode="fixed_m", **kw)),
                         lambda: tuple(_gpu_call(*args, mode="lse", **kw)))
 
@@ -244,28 +324,35 @@ def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, 
   Hp = pl.next_power_of_2(H)
   Bp = pl.next_power_of_2(B)
   limit = jnp.pad(limit, (0, Bp - B))
-  kernel = functools.partial(_gpu_kernel, mode=mode, bk=bk, nk=S_pad // bk, H=H, S=S,
-                             kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
-                             logit_scale=logit_scale)
+  kernel = functools.partial(_gpu_kernel, mode=mode, fresh=carry.o is None, finish=finish_to is not None, bk=bk,
+                             nk=S_pad // bk, H=H, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
+                             causal=causal, logit_scale=logit_scale)
   sq = pl.squeezed
   q_spec = pl.BlockSpec((sq, sq, sq, bq, Hp), lambda b, h, g, i: (b, h, g, i, 0))
   k_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h, 0, 0))
   v_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + v_off, 0, 0))
   row_spec = pl.BlockSpec((sq, sq, sq, bq), lambda b, h, g, i: (b, h, g, i))
+  carry_in = [carry.m] if carry.o is None else [carry.o, carry.l, carry.m]
+  carry_specs = [row_spec] if carry.o is None else [q_spec, row_spec, row_spec]
+  rows = jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)
+  if finish_to is not None:
+    out_specs, out_shape, aliases = [q_spec], [jax.ShapeDtypeStruct(q.shape, finish_to)], {}
+  else:
+    out_specs, out_shape = [q_spec, row_spec, row_spec], [jax.ShapeDtypeStruct(q.shape, jnp.float32), rows, rows]
+    aliases = {6: 2} if carry.o is None else {6: 0, 7: 1, 8: 2}
   return pl.pallas_call(
       kernel,
       grid=(B, K, G, T // bq),
       in_specs=[q_spec, k_spec, v_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
                 pl.BlockSpec((S_pad,), lambda b, h, g, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, g, i: (0,)),
-                q_spec, row_spec, row_spec],
-      out_specs=[q_spec, row_spec, row_spec],
-      out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.float32), jax.ShapeDtypeStruct(l.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(m.shape, jnp.float32)],
-      input_output_aliases={6: 0, 7: 1, 8: 2},
+                *carry_specs],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=4 if H <= 64 else 8, num_stages=2),
       interpret=interpret,
       name=f"attend_{mode}",
-  )(q, k, v, q_pos, kv_pos, limit, o, l, m)
+  )(q, k, v, q_pos, kv_pos, limit, *carry_in)
 
 
 # --- dispatch -----------------------------------------------------------------------------------------
@@ -273,51 +360,62 @@ def _gpu_call(o, l, m, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, 
 KERNELS = ("tpu", "gpu")
 
 
-def attend_kernel(o, l, m, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal,
-                  logit_scale, fixed=None, kernel: str | None = None):
+def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal,
+                  logit_scale, fixed=None, finish_to=None, kernel: str | None = None):
   """Runs the block update of `blockwise.attend` as one Pallas call.
 
   Args:
-    o: fp32 [B, K, G, T_pad, H]; l, m: fp32 [B, K, G, T_pad]: the carry (`blockwise.Carry`).
+    carry: a `Carry` to continue (o fp32 [B, K, G, T_pad, H]; l, m fp32 [B, K, G, T_pad]), or a
+      `Start`: the empty carry, built in VMEM by the TPU kernel on its first key block (o = l = 0,
+      m = -inf for LSE or the fixed-m offsets of `Start.offsets`, in mode "auto" where `fixed`),
+      so no zeros and no offsets pass through HBM; the GPU kernel zeroes o and l itself and takes m
+      from XLA.
     q: [B, K, G, T_pad, H]; k, v: [B, K, S_pad, H] (bf16 / fp32, same dtype); or v None and k the
       packed K/V [B, 2K, S_pad, H] (keys then values, as USP's ring buffer: no unpacking copy).
       T_pad % bq == 0 and S_pad % bk == 0; slots >= S are block padding (masked here).
     q_pos: int32 [T_pad]; kv_pos: int32 [S_pad]: global positions (masks are built from them).
     limit: None or int32 [B]: keys at positions >= limit[b] are masked.
-    mode: "lse", "fixed_m" or "auto" (fixed-m when `fixed`, else LSE: the carry must then have been
-      initialised for the path the flag picks, as `blockwise.init_carry` does with the gate);
+    mode: "lse", "fixed_m" or "auto" (fixed-m when `fixed`, else LSE: a Carry must then have been
+      initialised for the path the flag picks, as `Start.materialise` does with the gate);
       window, causal: as `attention_reference`; logit_scale: static factor on the fp32 logits.
     fixed: bool scalar (traced), only with mode "auto".
+    finish_to: None, or a dtype: return the finished output o / l in it (`carry.finish`) instead
+      of the carry (the kernel writes it on its last key block: no fp32 o in HBM).
     kernel: None picks by the lowering platform (TPU kernel on TPU, GPU kernel on CUDA/ROCm, the
       TPU kernel in interpret mode elsewhere); "tpu" / "gpu" force one in interpret mode (tests).
 
   Returns:
-    The new (o, l, m), fp32, same shapes.
+    The new Carry (fp32, same shapes), or with `finish_to` the output [B, K, G, T_pad, H] in that
+    dtype (rows that saw no valid key give 0).
 
   Raises:
     ValueError: block sizes that do not divide the padded lengths or are not multiples of 128;
-      `fixed` given without mode "auto" or missing with it.
+      `fixed` given without mode "auto" or missing with it; a Start whose offsets do not match the
+      mode (fixed-m and "auto" need them, LSE takes none).
   """
   T, S_pad = q.shape[3], k.shape[2]
   if (mode == "auto") != (fixed is not None):
     raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
+  if isinstance(carry, Start) and (mode == "lse") != (carry.offsets is None):
+    raise ValueError(f"attend_kernel: a Start for mode {mode!r} "
+                     f"{'takes no' if mode == 'lse' else 'needs'} fixed-m offsets")
   if T % bq or S_pad % bk or bq % LANES or bk % LANES:
     raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} dividing the "
                      f"padded lengths; got bq={bq}, bk={bk} for T_pad={T}, S_pad={S_pad}")
   use_limit = limit is not None
   if limit is None:
     limit = jnp.zeros((q.shape[0],), jnp.int32)
-  kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit,
-            window=window, causal=causal, logit_scale=logit_scale)
+  kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
+            causal=causal, logit_scale=logit_scale, finish_to=None if finish_to is None else jnp.dtype(finish_to))
   flag = jnp.zeros((1,), jnp.int32) if fixed is None else jnp.asarray(fixed, jnp.int32).reshape(1)
-  args = (o, l, m, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32), flag)
+  args = (carry, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32), flag)
   if kernel is not None:
-    call = {"tpu": _tpu_call, "gpu": _gpu_call}[kernel]
-    return tuple(call(*args, interpret=True, **kw))
-  out = jax.lax.platform_dependent(
-      *args,
-      tpu=lambda *a: tuple(_tpu_call(*a, interpret=False, **kw)),
-      cuda=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
-      rocm=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
-      default=lambda *a: tuple(_tpu_call(*a, interpret=True, **kw)))
-  return tuple(out)
+    out = {"tpu": _tpu_call, "gpu": _gpu_call}[kernel](*args, interpret=True, **kw)
+  else:
+    out = jax.lax.platform_dependent(
+        *args,
+        tpu=lambda *a: tuple(_tpu_call(*a, interpret=False, **kw)),
+        cuda=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
+        rocm=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
+        default=lambda *a: tuple(_tpu_call(*a, interpret=True, **kw)))
+  return out[0] if finish_to is not None else Carry(*out)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from attention import BlockSizes, attention_reference, local_attention, make_mesh, resolve_backend, usp_attention
-from attention import blockwise, kernels
+from attention import blockwise, fixed_m, kernels
 from attention.halo import halo_attention
 from numerics import fp32_attention_tol as fp32_tol
 from numerics import within
@@ -54,17 +54,88 @@ def test_kernel_equals_xla_block_update(H, kernel, mode):
   m0 = jnp.full(qp.shape[:4], 3.0) if mode == "fixed_m" else None
   first = blockwise.attend(blockwise.init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
   want = blockwise.attend(first, qp, kp, vp, layout=xla, **kw)
-  got = kernels.attend_kernel(first.o, first.l, first.m, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+  got = kernels.attend_kernel(first, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
                               mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
                               window=40, causal=True, logit_scale=1.0, kernel=kernel, fixed=flag)
   # Same per-block arithmetic; only the order of the row sums may differ: <= a few fp32 ulps of
   # the sums' scale (l ~ S keys x 2^(s - m) <= ~1e3; o ~ l x max|v|).
-  for name, a, b in zip("olm", got, (want.o, want.l, want.m)):
+  for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
     assert a.shape == b.shape and a.dtype == jnp.float32
     scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
     err = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0))))
     within(err, 64 * 2.0**-24 * scale, f"{kernel} {mode} {name}")
     assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+
+
+def _start_case(mode, flag, seed):
+  """Inputs of a first key set: GQA, ragged lengths, block padding, a causal window (so the offsets'
+  windowed bound, lam = 1), and the Start of `mode` with offsets from the real key statistics."""
+  B, K, G, T, S, H = 2, 2, 2, 200, 300, 80
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+  layout = blockwise.BlockLayout.make(T, S, SIZES, "pallas")
+  limit = jnp.asarray([250, 300], jnp.int32)
+  stats = fixed_m.local_key_stats(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), limit)
+  c_max = fixed_m.headroom_cap(stats.v_absmax, stats.valid_count)
+  offsets = fixed_m.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=True)
+  start = blockwise.Start(None if mode == "lse" else offsets)
+  kw = dict(q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=limit,
+            window=40, causal=True, logit_scale=1.3, fixed=flag)
+  return start, layout, layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v), kw
+
+
+@pytest.mark.parametrize("mode", ["lse", "fixed_m", "auto:fixed_m", "auto:lse"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernel_start_and_finish_equal_xla(kernel, mode):
+  """A `Start` (the empty carry the TPU kernel builds in VMEM, fixed-m offsets included) and
+  `finish_to` (o / l written by the kernel in the output dtype) against the XLA loops on the
+  materialised carry. The carry's m is compared too: the kernel's own offsets are the ones used."""
+  flag = None
+  if mode.startswith("auto:"):
+    mode, flag = "auto", jnp.asarray(mode == "auto:fixed_m")
+  start, layout, qp, kp, vp, kw = _start_case(mode, flag, seed=7)
+  xla = dataclasses.replace(layout, backend="xla")
+  want = blockwise.attend(start.materialise(qp, kw["logit_scale"], flag), qp, kp, vp, mode=mode, layout=xla, **kw)
+  call = functools.partial(kernels.attend_kernel, start, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                           mode=mode, bq=128, bk=128, S=layout.S, kv_padded=True, window=40, causal=True,
+                           logit_scale=kw["logit_scale"], kernel=kernel, fixed=flag)
+  got = call()
+  if mode != "lse":  # the offsets formed in the kernel pin m (a positive control on the Start's use)
+    pinned = mode == "fixed_m" or bool(flag)
+    assert bool(jnp.all(jnp.isfinite(got.m))) == pinned
+  for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
+    scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
+    within(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0)))), 64 * 2.0**-24 * scale,
+           f"{kernel} {mode} start {name}")
+    assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+  out = call(finish_to=jnp.bfloat16)
+  assert out.shape == qp.shape and out.dtype == jnp.bfloat16
+  ref = blockwise.finish(want)  # |o / l| <= max|v|: one bf16 rounding (2^-9 relative) plus the carry's ulps
+  within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), 2.0**-8 * float(jnp.max(jnp.abs(ref))),
+         f"{kernel} {mode} finish")
+  assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) > 0.1  # not vacuous
+
+
+def test_start_must_match_the_mode():
+  start, layout, qp, kp, vp, kw = _start_case("fixed_m", None, seed=1)
+  args = (qp, kp, vp, kw["q_pos"], kw["kv_pos"], None)
+  common = dict(bq=128, bk=128, S=layout.S, kv_padded=True, window=None, causal=False, logit_scale=1.0)
+  with pytest.raises(ValueError, match="takes no fixed-m offsets"):
+    kernels.attend_kernel(start, *args, mode="lse", **common)
+  with pytest.raises(ValueError, match="needs fixed-m offsets"):
+    kernels.attend_kernel(blockwise.Start(), *args, mode="fixed_m", **common)
+
+
+def test_start_offsets_are_row_offsets():
+  """`Start.materialise` (the XLA and GPU form of the kernel's offsets) is `fixed_m.row_offsets`:
+  one formula, `fixed_m.offsets_of_rows`, bit for bit."""
+  start, layout, qp, _, _, kw = _start_case("fixed_m", None, seed=2)
+  x = start.offsets
+  stats = fixed_m.KeyStats(x.k_mean, x.k_centred_max, jnp.ones_like(x.c_max), jnp.ones((2,)))
+  want = fixed_m.row_offsets(qp, stats, x.c_max, windowed=True, logit_scale=kw["logit_scale"])
+  got = start.materialise(qp, kw["logit_scale"]).m
+  assert bool(jnp.all(got == want)) and bool(jnp.all(jnp.isfinite(got)))
 
 
 @functools.partial(jax.jit, static_argnames="mesh")
