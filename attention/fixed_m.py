@@ -82,7 +82,11 @@ def key_maxima(k_BSKH, v_BSKH, k_mean_BKH, valid_BS) -> tuple[jax.Array, jax.Arr
   valid = valid_BS[:, :, None]
   # sqrt after the max: monotone and correctly rounded, so the same value with S x fewer roots.
   kc_max = jnp.sqrt(jnp.max(jnp.where(valid, jnp.sum(kc * kc, axis=-1), 0.0), axis=1))
-  v_max = jnp.max(jnp.where(valid, jnp.max(jnp.abs(v_BSKH.astype(jnp.float32)), axis=-1), 0.0), axis=1)
+  # max |v| = max(max v, -min v) in v's own dtype (exact), each one reduction over tokens and head
+  # dims, converted after: written as max |fp32(v)| over two stages, XLA:TPU materialised the whole
+  # |v| in fp32 beside the v projection of the step and relaid it out for the reduction
+  v = jnp.where(valid[..., None], v_BSKH, jnp.zeros((), v_BSKH.dtype))
+  v_max = jnp.maximum(jnp.max(v, axis=(1, 3)), -jnp.min(v, axis=(1, 3))).astype(jnp.float32)
   return kc_max, v_max
 
 

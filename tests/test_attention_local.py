@@ -288,3 +288,25 @@ def test_bad_input_raises(case, match):
 def test_bad_block_sizes_raise(bad):
   with pytest.raises(ValueError, match="BlockSizes"):
     BlockSizes(**bad)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_key_maxima_v_absmax_is_exact(dtype):
+  """max |v| over the valid keys, per batch and kv head, exactly (the max of the magnitudes is one
+  of the values): a head whose largest magnitude is negative, padding keys with larger values that
+  must not count, a NaN that must propagate (the gate then refuses fixed-m)."""
+  B, S, K, H = 2, 40, 3, 16
+  rng = np.random.default_rng(5)
+  v = rng.normal(size=(B, S, K, H)).astype(np.float32)
+  v[1, 3, 1, 7] = -9.5  # batch 1, head 1: its largest magnitude is negative
+  v[:, 30:] = 100.0  # beyond valid_len[1] = 30: padding for batch 1 only
+  valid = np.arange(S)[None, :] < np.asarray([40, 30])[:, None]
+  v = np.asarray(jnp.asarray(v, dtype).astype(jnp.float32))
+  k = jnp.asarray(rng.normal(size=(B, S, K, H)), dtype)
+  _, got = fixed_m.key_maxima(k, jnp.asarray(v, dtype), jnp.zeros((B, K, H)), jnp.asarray(valid))
+  want = np.max(np.where(valid[:, :, None, None], np.abs(v), 0.0), axis=(1, 3))
+  assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), want)
+  assert np.all(np.asarray(got[0]) == 100.0) and float(got[1, 1]) == 9.5  # batch 0's keys are all valid
+  v_nan = jnp.asarray(v, dtype).at[1, 2, 0, 0].set(jnp.nan)
+  _, got = fixed_m.key_maxima(k, v_nan, jnp.zeros((B, K, H)), jnp.asarray(valid))
+  assert bool(jnp.isnan(got[1, 0])) and bool(jnp.all(jnp.isfinite(got[0])))
