@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
+from end_to_end.aot import estimated_cycles
 from pipelines.cli.help import HelpFormatter
 
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
@@ -109,7 +110,8 @@ def compile_local_kernels(device: Any, *, batch: int, heads: int, q_len: int, kv
       return dict(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     mem = compiled.memory_analysis()
     return dict(name=name, shape=[list(a.shape) for a in args], compile_s=time.perf_counter() - start,
-                code_mib=mem.generated_code_size_in_bytes / 2**20, temp_mib=mem.temp_size_in_bytes / 2**20)
+                code_mib=mem.generated_code_size_in_bytes / 2**20, temp_mib=mem.temp_size_in_bytes / 2**20,
+                estimated_cycles=estimated_cycles(compiled.as_text()))
 
   q, kv = spec(batch, q_len, heads, head_dim), spec(batch, kv_len, heads, head_dim)
   rows = [measure(f"ours {impl}", lambda q, k, v, impl=impl: attention.local_attention(
@@ -210,6 +212,10 @@ def main(argv=None):
     report["memory_analysis"] = {f: int(getattr(mem, f, 0)) for f in fields}
     print("memory_analysis (per device): " + ", ".join(f"{f.replace('_size_in_bytes', '')}={v / 2**20:.1f} MiB"
                                                        for f, v in report["memory_analysis"].items()))
+  cycles = estimated_cycles(compiled.as_text())
+  if cycles is not None:  # libtpu's model of the XLA work around the kernels (a kernel carries none)
+    report["estimated_cycles"] = cycles
+    print(f"estimated_cycles (libtpu's cost model, XLA ops only): {cycles / 1e6:.2f} M")
   cost = compiled.cost_analysis()
   if cost:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -224,7 +230,8 @@ def main(argv=None):
           "compiled for one chip:")
     for row in local:
       print(f"  {row['name']:24s} " + (row["error"] if "error" in row else
-            f"compile {row['compile_s']:5.1f} s  code {row['code_mib']:6.2f} MiB  temp {row['temp_mib']:7.1f} MiB"))
+            f"compile {row['compile_s']:5.1f} s  code {row['code_mib']:6.2f} MiB  temp {row['temp_mib']:7.1f} MiB"
+            + (f"  {row['estimated_cycles'] / 1e6:6.2f} Mcycles" if row.get("estimated_cycles") else "")))
   if args.topology:
     print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
   elif target == "cpu" and dtype == jnp.bfloat16:
