@@ -263,3 +263,15 @@ def test_call_checks(ours, kwargs, match):
   with pytest.raises(ValueError, match=match):
     ours(**{**call, **kwargs})
   assert ours.compiled_steps.traces == before  # failed before any compute
+
+
+def test_run_options_in_a_call_point_to_call_options(ours):
+  """A `CallOptions` field passed to the diffusers-style call names the object that takes it (with
+  the value given), before any compute; any other unknown name stays a plain TypeError."""
+  before = ours.compiled_steps.traces
+  call = dict(prompt="a fox", **COMMON, num_inference_steps=1, progress=False)
+  with pytest.raises(TypeError, match=r"\['decode_compile_effort'\]: run options.*CallOptions\(decode_compile_effort=-0.5\)"):
+    ours(**call, decode_compile_effort=-0.5)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['fps_out'\]"):
+    ours(**call, fps_out=16)
+  assert ours.compiled_steps.traces == before

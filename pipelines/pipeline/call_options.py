@@ -140,6 +140,11 @@ def split_options(kwargs: dict[str, Any], *, default_progress: bool = True) -> t
   """
   unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS) - set(LEGACY_OPTIONS)
                    - {"callback_on_step_end", "callback_on_step_end_tensor_inputs", "hooks"})
+  options = sorted(set(unknown) & {f.name for f in dataclasses.fields(CallOptions)})
+  if options:  # run options live in CallOptions, not among the request's arguments
+    given = ", ".join(f"{name}={kwargs[name]!r}" for name in options)
+    raise TypeError(f"WanPipeline call got {options}: run options, not request arguments; pass them as "
+                    f"pipe.generate(GenerationRequest.build(pipe.facts, prompt, ...), CallOptions({given}))")
   if unknown:
     raise TypeError(f"WanPipeline call got unexpected keyword argument(s) {unknown}")
   request = {k: v for k, v in kwargs.items() if k in REQUEST_ARGUMENTS}
