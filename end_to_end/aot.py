@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import time
 from typing import Any
 
@@ -168,21 +167,11 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in
                  "generated_code_size_in_bytes", "alias_size_in_bytes")
 
 
-def estimated_cycles(compiled_hlo: str) -> int | None:
-  """The TPU compiler's own run-time estimate of a compiled program: the sum of the
-  `estimated_cycles` its cost model writes into each scheduled instruction's backend config
-  (None where the backend writes none, e.g. CPU). A loop body is counted once, as in
-  `cost_analysis`; the figure compares two compiles of one program (e.g. at two optimization
-  efforts), it is not a measured time."""
-  cycles = [int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', compiled_hlo)]
-  return sum(cycles) if cycles else None
-
-
 def compiled_analysis(compiled: Any) -> dict[str, Any]:
   """XLA's per-device analysis of a compiled program: memory_analysis (bytes, `MEMORY_FIELDS`),
   cost_analysis (flops, bytes accessed, transcendentals), collectives ({op: {count, bytes}}) and
   estimated_cycles (`estimated_cycles`); a key is absent where the backend gives no such analysis."""
-  from end_to_end.collectives import hlo_collectives
+  from end_to_end.collectives import estimated_cycles, hlo_collectives
 
   text = compiled.as_text()
   out: dict[str, Any] = dict(collectives=hlo_collectives(text))

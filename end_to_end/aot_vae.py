@@ -11,7 +11,7 @@ They compile at the optimization effort the pipeline uses on the devices' platfo
 
 Reported per program (XLA's numbers, per device): compile wall and CPU seconds, `memory_analysis()`,
 `cost_analysis()`, the collectives in the compiled HLO, libtpu's estimate of the run time in cycles
-(`aot.estimated_cycles`, to compare two efforts), and the number of distinct convolutions in the
+(`collectives.estimated_cycles`, to compare two efforts), and the number of distinct convolutions in the
 lowered program (a TPU compile pays per distinct convolution: shape, kernel and padding; the same
 convolution repeated is nearly free). A COMPILE-TIME report, not a runtime measurement.
 libtpu and its environment: `end_to_end/aot.py`.

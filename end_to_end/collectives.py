@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from end_to_end.aot import estimated_cycles
 from pipelines.cli.help import HelpFormatter
 
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
@@ -54,6 +53,16 @@ def hlo_collectives(hlo: str) -> dict[str, dict[str, int]]:
         table[op]["count"] += 1
         table[op]["bytes"] += _shape_bytes(result)
   return table
+
+
+def estimated_cycles(compiled_hlo: str) -> int | None:
+  """The TPU compiler's own run-time estimate of a compiled program: the sum of the
+  `estimated_cycles` its cost model writes into each scheduled instruction's backend config
+  (None where the backend writes none, e.g. CPU). A loop body is counted once, as in
+  `cost_analysis`; the figure compares two compiles of one program (e.g. at two optimization
+  efforts), it is not a measured time."""
+  cycles = [int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', compiled_hlo)]
+  return sum(cycles) if cycles else None
 
 
 def summary(collectives: dict[str, dict[str, int]]) -> str:

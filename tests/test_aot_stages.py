@@ -32,15 +32,15 @@ def test_distinct_convolutions_counts_repeats_once():
 def test_estimated_cycles_sums_the_tpu_cost_model_and_is_absent_elsewhere():
   """libtpu writes its cost model's estimate into each scheduled instruction's backend config (the
   two lines are cut from a compiled v6e convolution); XLA:CPU writes none."""
-  from end_to_end import aot
+  from end_to_end import aot, collectives
 
   tpu = ('%pad = bf16[6,722,1,1288,96]{1,4,3,2,0:T(8,128)(2,1)} pad(%bitcast, %constant), '
          'backend_config={"flag_configs":[],"estimated_cycles":"202891","used_scoped_memory_configs":[]}\n'
          '%copy.3 = bf16[1,4,720,1280,96]{3,4,2,1,0:T(8,128)(2,1)} copy(%fusion), '
          'backend_config={"flag_configs":[],"estimated_cycles":"7353600"}')
-  assert aot.estimated_cycles(tpu) == 202891 + 7353600
+  assert collectives.estimated_cycles(tpu) == 202891 + 7353600
   compiled = jax.jit(lambda x: x * 2).lower(jax.numpy.ones(4)).compile()
-  assert aot.estimated_cycles(compiled.as_text()) is None
+  assert collectives.estimated_cycles(compiled.as_text()) is None
   assert "estimated_cycles" not in aot.compiled_analysis(compiled)
 
 
