@@ -4,7 +4,7 @@ One kernel call does what `blockwise.attend` does with `lax.map`/`lax.scan`: it 
 of one key set into the running (o, l, m) carry of every query block, with the same arithmetic
 (base 2, fp32 logits and accumulation, inputs in their own dtype for the two matmuls):
 
-* fixed-m: m is pinned per row (`fixed_m.row_offsets`); p = 2^(s - m), l += sum p, o += p v.
+* fixed-m: m is pinned per row (`fixed_m.offsets_of_rows`); p = 2^(s - m), l += sum p, o += p v.
 * LSE: online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, Alg. 1):
   m' = max(m, rowmax s), alpha = 2^(m - m'), l = alpha l + sum 2^(s - m'), o = alpha o + p v.
 * auto: either of the two, chosen by a runtime flag (the fixed-m gate's verdict, the same on every
@@ -25,6 +25,9 @@ TPU (`_tpu_call`): grid (B, K, T_pad / bq, S_pad / bk), the key axis innermost a
 block by a 2D transpose. GPU (`_gpu_call`): grid (B, K, G, T_pad / bq), one program per query head and
 block looping over the key blocks in registers (`lax.fori_loop`), as jax's Pallas GPU flash
 attention.
+The carry's two ends can live in the kernel: from a `carry.Start` the TPU kernel sets o = l = 0
+and m (-inf, or the fixed-m offsets of its own query tile) in VMEM on the first key block, and
+with `finish_to` it writes o / l in the output dtype on the last (`_tpu_init`, `_tpu_store`).
 On any other platform (CPU) the TPU kernel runs in Pallas interpret mode: slow, exact, and what the
 tests check against the float64 and dense references.
 
