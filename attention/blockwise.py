@@ -229,7 +229,8 @@ def attend(
     [B, K, G, T_pad, H] in that dtype.
 
   Raises:
-    ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it.
+    ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it;
+      a Start whose offsets do not fit the mode (`Start.check_mode`).
   """
   B, K, G, T, H = q_BKGTH.shape
   S = k_BKSH.shape[2]
@@ -241,6 +242,8 @@ def attend(
     raise ValueError(f"packed K/V needs 2K = {2 * K} heads, got k {k_BKSH.shape}")
   if (mode == "auto") != (fixed is not None):
     raise ValueError(f"attend: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
+  if isinstance(carry, Start):
+    carry.check_mode(mode)
   if layout.backend == "pallas":  # the same update as one Pallas kernel call (attention/kernels.py)
     finish_to = None if finish_to is None else jnp.dtype(finish_to)
     return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window,

@@ -57,6 +57,12 @@ class Start:
 
   offsets: fm.OffsetInputs | None = None
 
+  def check_mode(self, mode: str) -> None:
+    """Raises ValueError when the offsets do not fit the update's `mode` (fixed-m and "auto" need
+    them, LSE takes none): a fixed-m start at m = -inf would make every output NaN."""
+    if (mode == "lse") != (self.offsets is None):
+      raise ValueError(f"a Start for mode {mode!r} {'takes no' if mode == 'lse' else 'needs'} fixed-m offsets")
+
   def materialise(self, q_BKGTH: jax.Array, logit_scale: float, fixed: jax.Array | None = None) -> Carry:
     """The Carry itself, fp32, for queries q [B, K, G, T, H] (q * logit_scale = q~); `fixed` the
     mode-"auto" flag (bool scalar) or None."""

@@ -399,9 +399,8 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
   T, S_pad = q.shape[3], k.shape[2]
   if (mode == "auto") != (fixed is not None):
     raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
-  if isinstance(carry, Start) and (mode == "lse") != (carry.offsets is None):
-    raise ValueError(f"attend_kernel: a Start for mode {mode!r} "
-                     f"{'takes no' if mode == 'lse' else 'needs'} fixed-m offsets")
+  if isinstance(carry, Start):
+    carry.check_mode(mode)
   if T % bq or S_pad % bk or bq % LANES or bk % LANES:
     raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} dividing the "
                      f"padded lengths; got bq={bq}, bk={bk} for T_pad={T}, S_pad={S_pad}")
