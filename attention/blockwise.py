@@ -445,4 +445,4 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
                    **attend_kw)
     else:
       out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
-  return layout.output(out).astype(q.dtype)
+  return layout.output(out)  # in q's dtype (finish_to)

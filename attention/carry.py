@@ -68,11 +68,7 @@ class Start:
     mode-"auto" flag (bool scalar) or None."""
     if self.offsets is None:
       return init_carry(q_BKGTH)
-    q = q_BKGTH.astype(jnp.float32) * logit_scale
-    per_bk = (slice(None), slice(None), None, None, None)
-    x = self.offsets
-    b = fm.offsets_of_rows(q, x.k_mean[:, :, None, None, :], x.k_centred_max[per_bk], x.c_max[per_bk],
-                           windowed=x.windowed, margin=x.margin)[..., 0]
+    b = self.offsets.row_offsets(q_BKGTH, logit_scale)
     return init_carry(q_BKGTH, b if fixed is None else jnp.where(fixed, b, -jnp.inf))
 
 

@@ -194,6 +194,14 @@ class OffsetInputs:
     rows = [self.k_mean, *(jnp.broadcast_to(x[:, :, None], (B, K, H)) for x in (self.k_centred_max, self.c_max))]
     return jnp.pad(jnp.stack([x.astype(jnp.float32) for x in rows], axis=2), ((0, 0), (0, 0), (0, 5), (0, 0)))
 
+  def row_offsets(self, q_BKGTH: jax.Array, logit_scale: float = 1.0, q_norm_BKGT1: jax.Array | None = None):
+    """fp32 [B, K, G, T]: `offsets_of_rows` over a whole query set q [B, K, G, T, H] (q~ = q *
+    logit_scale, formed in fp32); `q_norm_BKGT1` as `offsets_of_rows`' q_norm."""
+    q = q_BKGTH.astype(jnp.float32) * logit_scale
+    per_bk = (slice(None), slice(None), None, None, None)
+    return offsets_of_rows(q, self.k_mean[:, :, None, None, :], self.k_centred_max[per_bk], self.c_max[per_bk],
+                           windowed=self.windowed, margin=self.margin, q_norm=q_norm_BKGT1)[..., 0]
+
 
 jax.tree_util.register_dataclass(
     OffsetInputs, data_fields=["k_mean", "k_centred_max", "c_max"], meta_fields=["windowed", "margin"])
@@ -257,14 +265,13 @@ def row_offsets(
     logit_scale: the kernels' logit factor (`blockwise.query_scaling`): q~ = q * logit_scale,
       formed here in fp32 (never rounded to q's dtype).
   """
-  q = q_scaled_BKGTH.astype(jnp.float32) * logit_scale
-  B, K, G, T, _ = q.shape
+  B, K, G, T, _ = q_scaled_BKGTH.shape
   q_norm = None
   if q_block is not None:
     if T % q_block:
       raise ValueError(f"{T=} must be a multiple of {q_block=} for a per-Q-block bound")
+    q = q_scaled_BKGTH.astype(jnp.float32) * logit_scale
     q_norm = jnp.sqrt(jnp.sum(q * q, axis=-1))
     q_norm = jnp.repeat(jnp.max(q_norm.reshape(B, K, G, T // q_block, q_block), axis=-1), q_block, axis=-1)[..., None]
-  per_bk = (slice(None), slice(None), None, None, None)
-  return offsets_of_rows(q, stats.k_mean[:, :, None, None, :], stats.k_centred_max[per_bk], c_max_BK[per_bk],
-                         windowed=windowed, margin=margin, q_norm=q_norm)[..., 0]
+  offsets = OffsetInputs(stats.k_mean, stats.k_centred_max, c_max_BK, windowed=windowed, margin=margin)
+  return offsets.row_offsets(q_scaled_BKGTH, logit_scale, q_norm)

@@ -273,7 +273,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   q_pos = positions(r, Lq, Tl, layout.T_pad)
   kv_limit = limit if (masked or Lk != Sl) else None
 
-  start = bw.Start()
+  start, fixed = bw.Start(), gate.eligible if implementation == "auto" else None
   if implementation != "lse":
     start = bw.Start(fm.OffsetInputs(*(jax.lax.dynamic_slice_in_dim(x, u * hk, hk, axis=1)
                                        for x in (k_mean, kc_max, gate.c_max))))
@@ -283,8 +283,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     # Pallas: one kernel branching on it). The last step returns the finished output in q's dtype.
     return bw.attend(carry, q_BKGTH, kv, None, mode=implementation, layout=layout, q_pos=q_pos,
                      kv_pos=kv_positions(src), kv_limit=kv_limit, logit_scale=logit_scale,
-                     fixed=gate.eligible if implementation == "auto" else None,
-                     finish_to=q.dtype if last else None)
+                     fixed=fixed, finish_to=q.dtype if last else None)
 
   # 4. Ring: send the buffer on before computing with it; the last step sends nothing.
   # The barrier ties each received buffer to the step's carry: the next send cannot start before
@@ -294,7 +293,7 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   # With one, the first step reads a materialised carry: in the 14B 720p step (v6e:2x4, U=4,R=2) a
   # `Start` there made XLA keep 0.54 GiB more temporaries per device (3.62 vs 3.08 GiB).
   perm = [(j, (j + 1) % R) for j in range(R)]
-  carry = start if R == 1 else start.materialise(q_BKGTH, logit_scale, gate.eligible if implementation == "auto" else None)
+  carry = start if R == 1 else start.materialise(q_BKGTH, logit_scale, fixed)
   for step in range(R):
     nxt = jax.lax.ppermute(kvbuf, RING_AXIS, perm) if step < R - 1 else None
     carry = block(carry, kvbuf, (r - step) % R, last=step == R - 1)
