@@ -6,7 +6,7 @@ frames with the causal feature cache donated), or with `split` the programs of `
 (the latent rows split over every device of this process). A decode of F latent frames runs the
 first program once and the later one F - 1 times, so these two compiles are the whole decode stage.
 They compile at the optimization effort the pipeline uses on the devices' platform
-(`vae.decode_compile_effort`: -0.5 on TPU), or at the one given. Weights, latents and cache are
+(`vae_effort.decode_compile_effort`: -0.5 on TPU), or at the one given. Weights, latents and cache are
 `jax.ShapeDtypeStruct`s: nothing is allocated.
 
 Reported per program (XLA's numbers, per device): compile wall and CPU seconds, `memory_analysis()`,
@@ -62,7 +62,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
       (`decode_parallel`; a TPU host of v6e:2x4 holds 4 of the 8 chips).
     programs: which of "first" and "later" to compile.
     compile_effort: XLA's optimization effort; None: the pipeline's on the devices' platform
-      (`vae.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
+      (`vae_effort.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
@@ -78,6 +78,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
 
   from end_to_end.aot import compiled_analysis
   from pipelines.wan import vae as V
+  from pipelines.wan.vae_effort import effective_compile_effort
   from pipelines.wan.vae_config import VAE_PRESETS
 
   if vae not in VAE_PRESETS:
@@ -91,8 +92,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   lowered_programs = V.lower_decode_programs(abstract_vae(config, jnp.dtype(dtype)), batch=1,
                                              latent_height=height // s, latent_width=width // s, devices=devices,
                                              split=split, compile_effort=compile_effort)
-  effort = V.check_compile_effort(compile_effort, devices[0].platform)
-  effort = jax.config.jax_exec_time_optimization_effort if effort is None else effort  # JAX's own
+  effort = effective_compile_effort(compile_effort, devices[0].platform)
   decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
   rows = []
   for name, lowered in lowered_programs.items():

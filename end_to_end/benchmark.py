@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
                        "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
                        "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
-                       "vae.decode_compile_effort)")
+                       "vae_effort.decode_compile_effort)")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from end_to_end import aot_stages, aot_vae, benchmark
-from pipelines.wan import vae as V
+from pipelines.wan import vae as V, vae_effort
 from pipelines.wan.vae_config import VAE_PRESETS
 
 
@@ -56,7 +56,7 @@ def test_each_upsample_is_one_distinct_convolution_for_the_tpu():
   config = VAE_PRESETS["wan2.1"]
   vae = aot_vae.abstract_vae(config, jax.numpy.bfloat16)
   z = jax.ShapeDtypeStruct((1, 1, 60, 104, config.z_dim), jax.numpy.bfloat16)
-  programs = V._chunk_programs(V.decode_compile_effort("tpu"))
+  programs = V._chunk_programs(vae_effort.decode_compile_effort("tpu"))
   _, cache = jax.eval_shape(programs.first, vae, z)
   text = programs.later.trace(vae, cache, z).lower(lowering_platforms=("tpu",)).as_text()
   two_by_two = [line for line in text.splitlines() if "stablehlo.convolution" in line and "tensor<1x2x2x" in line]

@@ -1,5 +1,5 @@
 """The VAE decoder's XLA optimization effort as a generation sets it (`CallOptions.decode_compile_effort`,
-default: `vae.decode_compile_effort` of the platform, -0.5 on TPU for a ~4x faster compile): the
+default: `vae_effort.decode_compile_effort` of the platform, -0.5 on TPU for a ~4x faster compile): the
 option reaches the decoder's programs, leaves the video as it is, is recorded with the video, and a
 bad value fails at once."""
 
@@ -11,7 +11,7 @@ import pytest
 from pipelines import WanPipeline
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import vae as V
+from pipelines.wan import vae as V, vae_effort
 
 
 @pytest.mark.parametrize("bad", [2, -1.5, True, "low", float("nan"), float("inf")])
@@ -21,9 +21,9 @@ def test_a_bad_effort_fails_when_the_options_are_made(bad):
 
 
 def test_an_explicit_effort_is_applied_and_none_is_the_platforms():
-  assert V.check_compile_effort(np.float32(-0.5), "cpu") == -0.5  # any real number
-  assert V.check_compile_effort(None, "tpu") == V.TPU_DECODE_COMPILE_EFFORT
-  assert V.check_compile_effort(None, "cpu") is None  # JAX's own setting there
+  assert vae_effort.check_compile_effort(np.float32(-0.5), "cpu") == -0.5  # any real number
+  assert vae_effort.check_compile_effort(None, "tpu") == vae_effort.TPU_DECODE_COMPILE_EFFORT
+  assert vae_effort.check_compile_effort(None, "cpu") is None  # JAX's own setting there
   # an explicit 0 compiles with the option set (JAX's global setting does not apply), None without
   assert V._chunk_programs(0.0) is not V._chunk_programs(None)
   assert V._chunk_programs(-0.0) is V._chunk_programs(0.0)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from pipelines.storage.weights import CheckpointError
 from numerics import EPS_F32, assert_close_scaled
-from pipelines.wan import vae as V
+from pipelines.wan import vae as V, vae_effort
 from pipelines.wan import vae_layers
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
@@ -85,7 +85,7 @@ def test_later_chunks_share_one_program(models):
   _, vae, _ = models
   z = jax.random.normal(jax.random.key(0), (2, 16, 2, 4, 6))  # the parity tests' shapes
   V.decode(vae, z)
-  later = V._chunk_programs(V.decode_compile_effort("cpu")).later
+  later = V._chunk_programs(vae_effort.decode_compile_effort("cpu")).later
   size = later._cache_size()
   video = V.decode(vae, jnp.concatenate([z] * 3, axis=2))
   assert video.shape == (2, 3, 21, 32, 48)
@@ -96,12 +96,12 @@ def test_later_chunks_share_one_program(models):
 def test_decode_compile_effort_changes_the_program_not_the_video(models, monkeypatch):
   """On TPU the decoder compiles at a lower XLA optimization effort (a faster compile); the programs
   built that way must decode the same video. On CPU the effort is XLA's default."""
-  assert V.decode_compile_effort("tpu") == V.TPU_DECODE_COMPILE_EFFORT < 0
-  assert V.decode_compile_effort("cpu") is None and V.decode_compile_effort("gpu") is None  # JAX's own
+  assert vae_effort.decode_compile_effort("tpu") == vae_effort.TPU_DECODE_COMPILE_EFFORT < 0
+  assert vae_effort.decode_compile_effort("cpu") is None and vae_effort.decode_compile_effort("gpu") is None  # JAX's own
   _, vae, _ = models
   z = jax.random.normal(jax.random.key(1), (1, 16, 2, 4, 6))
   default = np.asarray(V.decode(vae, z))
-  monkeypatch.setattr(V, "decode_compile_effort", lambda platform: -0.5)
+  monkeypatch.setattr(vae_effort, "decode_compile_effort", lambda platform: -0.5)
   lowered = V._chunk_programs(-0.5).later
   before = lowered._cache_size()
   low_effort = np.asarray(V.decode(vae, z))
@@ -192,7 +192,7 @@ def test_init_decodes_and_bf16_keeps_dtype():
   # bf16 inference: every activation and cache entry stays bf16 (abstract trace: no compile).
   vae16 = V.init_vae(cfg, jax.random.key(0), dtype=jnp.bfloat16)
   z16 = jax.ShapeDtypeStruct((1, 2, 4, 6, 16), jnp.bfloat16)
-  programs = V._chunk_programs(V.decode_compile_effort("cpu"))
+  programs = V._chunk_programs(vae_effort.decode_compile_effort("cpu"))
   out, cache = jax.eval_shape(programs.first, vae16, z16)
   out, cache = jax.eval_shape(programs.later, vae16, cache, z16)
   assert out.shape == (1, 8, 32, 48, 3)

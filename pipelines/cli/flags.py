@@ -207,9 +207,9 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_decode_effort_flag(p: argparse.ArgumentParser) -> None:
-  """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae.check_compile_effort`)."""
+  """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae_effort.check_compile_effort`)."""
   def effort(text: str) -> float:
-    from pipelines.wan.vae import check_compile_effort
+    from pipelines.wan.vae_effort import check_compile_effort
 
     try:
       return check_compile_effort(float(text), "tpu")

@@ -104,12 +104,17 @@ class CallOptions:
       before the loop (again only if a callback replaces the text states or the weights change);
       False computes them inside every step (the same video, bit for bit; for measurements).
     decode_compile_effort: XLA's optimization effort in [-1, 1] for the VAE decoder's programs;
-      None: the platform's (`vae.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
+      None: the platform's (`vae_effort.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
       decode ~9-19 % slower by libtpu's own estimate; JAX's own setting elsewhere). 0 suits a
       long-lived server whose compiles are paid once.
+    decode_compile_ahead: compile the VAE decoder's programs in a background thread while the
+      denoising loop runs (`decoding.CompileAhead`; the same programs, the same video), so that the
+      decoder's compile leaves the path to the first video where the host is idle during the steps
+      (TPU, GPU). False compiles them at the decode (e.g. to time the steps alone on a CPU).
     on_stage: None or `on_stage(name)` as each stage starts, name a `timings` key: "text_encode",
       "condition", "compile", "denoise", "decode" (e.g. `compile_cache.CacheUse.mark`: which stage
-      found its programs in the persistent compilation cache).
+      found its programs in the persistent compilation cache), called in the thread that does the
+      stage's work: "decode" also from the decoder's compile-ahead thread, as "denoise" runs.
   """
   progress: bool = True
   nan_guard: bool = True
@@ -120,10 +125,11 @@ class CallOptions:
   hooks: tuple[StepHook, ...] = ()
   text_kv_once: bool = True
   decode_compile_effort: float | None = None
+  decode_compile_ahead: bool = True
   on_stage: Callable[[str], None] | None = None
 
   def __post_init__(self):
-    from pipelines.wan.vae import check_compile_effort  # raises on a bad effort, before any work
+    from pipelines.wan.vae_effort import check_compile_effort  # raises on a bad effort, before any work
 
     check_compile_effort(self.decode_compile_effort, "tpu")
     if self.on_stage is not None and not callable(self.on_stage):

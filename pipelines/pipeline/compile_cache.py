@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 ENV = "WAN_USP_JAX_COMPILE_CACHE"
@@ -85,7 +86,9 @@ class CacheUse:
     entries_before: executables in the directory when the run started.
     names_before: their file names (what `written` compares with).
     stages: the same counts per stage of the run ({stage: {lookups, hits, misses}}): "load" from
-      `enable` on, then each name `mark` is given (`CallOptions.on_stage`).
+      `enable` on, then each name `mark` is given (`CallOptions.on_stage`) in the thread that
+      marks it (the decoder's compile-ahead thread marks "decode" while the loop's is "denoise");
+      a thread that never marked counts for the stage of the thread that made this `CacheUse`.
   """
   path: str | None
   lookups: int = 0
@@ -94,20 +97,29 @@ class CacheUse:
   entries_before: int = 0
   names_before: frozenset[str] = dataclasses.field(default_factory=frozenset, repr=False)
   stages: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-  _stage: str = dataclasses.field(default="load", repr=False)
+  _stage: str = dataclasses.field(default="load", repr=False)  # the making thread's stage
+  _owner: int = dataclasses.field(default_factory=threading.get_ident, repr=False, compare=False)
+  _marked: threading.local = dataclasses.field(default_factory=threading.local, repr=False, compare=False)
+  _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
   _listening: bool = dataclasses.field(default=False, repr=False)
 
   def _count(self, event: str, **kwargs: Any) -> None:
     del kwargs
     field = _EVENTS.get(event)
-    if field is not None:
+    if field is None:
+      return
+    name = getattr(self._marked, "stage", self._stage)
+    with self._lock:  # compiles in two threads (the decoder's ahead of time)
       setattr(self, field, getattr(self, field) + 1)
-      stage = self.stages.setdefault(self._stage, dict.fromkeys(_EVENTS.values(), 0))
+      stage = self.stages.setdefault(name, dict.fromkeys(_EVENTS.values(), 0))
       stage[field] += 1
 
   def mark(self, stage: str) -> None:
-    """The events from now on belong to `stage` (until the next mark)."""
-    self._stage = stage
+    """The events of the calling thread from now on belong to `stage` (until its next mark)."""
+    if threading.get_ident() == self._owner:
+      self._stage = stage
+    else:
+      self._marked.stage = stage
 
   @property
   def written(self) -> int:

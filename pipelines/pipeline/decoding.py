@@ -1,6 +1,12 @@
-"""Latents to video frames with the Wan VAE, on one device or split along height over a mesh."""
+"""Latents to video frames with the Wan VAE, on one device or split along height over a mesh, and
+the decoder's programs compiled ahead, in a background thread while the denoising loop runs."""
 
 from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +31,12 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   size whatever B, and only one video's activations are live. With a `mesh`, each video is decoded
   split along height over the mesh's devices (`vae.decode_parallel`; in a multi-process run, this
   process's devices), each time chunk copied to the host as it is done. `compile_effort`: XLA's
-  optimization effort for the decoder's programs (None: the platform's, `vae.decode_compile_effort`).
+  optimization effort for the decoder's programs (None: the platform's, `vae_effort.decode_compile_effort`).
   """
   vae = weights.vae
   videos = []
   height = latents.shape[3] * vae.config.spatial_factor
-  if mesh is not None and wan_vae.row_mesh(mesh).size == 1:
-    mesh = None  # one device either way: the unsplit programs
+  mesh = _split_mesh(mesh)
   for one in np.asarray(latents)[:, None]:
     z = wan_vae.denormalize_latents(vae.config, jnp.asarray(one).astype(vae.dtype))
     if mesh is None:
@@ -42,3 +47,61 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
               for c in wan_vae.decode_parallel_chunks(weights.vae_on(mesh), z, mesh, compile_effort=compile_effort)]
     videos.append(np.concatenate(chunks, axis=1))
   return np.concatenate(videos)
+
+
+def _split_mesh(mesh: Mesh | None) -> Mesh | None:
+  """The mesh a decode splits over, None for one device (a mesh of one decoding device included)."""
+  return None if mesh is None or wan_vae.row_mesh(mesh).size == 1 else mesh
+
+
+def lower_decoder(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: Mesh | None = None, *,
+                  compile_effort: float | None = None) -> dict[str, Any]:
+  """The VAE programs `decode_videos(weights, latents, mesh, compile_effort=...)` runs for latents of
+  `latents_shape` [B, C, F, Hl, Wl], lowered for the arguments as it places them (`vae.
+  lower_decode_programs`), so that compiling them compiles what that decode calls: JAX's in-memory
+  executable cache serves the decode. Nothing is placed or run. Raises ValueError for a bad effort."""
+  _, _, _, latent_height, latent_width = latents_shape
+  mesh = _split_mesh(mesh)
+  devices = None if mesh is None else list(wan_vae.row_mesh(mesh).devices.flat)
+  return wan_vae.lower_decode_programs(weights.vae, batch=1, latent_height=latent_height, latent_width=latent_width,
+                                       devices=devices, split=mesh is not None, compile_effort=compile_effort)
+
+
+class CompileAhead:
+  """Programs compiled in a background thread (started at construction), e.g. the VAE decoder's
+  while the denoising loop runs: on an accelerator the host is idle during the steps, so the
+  decoder's compile (40-60 s per program for a 720p TPU decode) leaves the path to the first video.
+
+  `lower()` returns {name: a `jax.stages.Lowered`}; each is compiled in the thread, which calls
+  `on_start()` first (the compile cache's stage attribution, `CallOptions.on_stage`). A failure is
+  kept, not raised: the later call compiles the program itself and raises there, where it belongs;
+  `join` warns with the error so that a mismatch is seen.
+  """
+
+  def __init__(self, lower: Any, on_start: Any = None, *, name: str = "compile-ahead"):
+    self.seconds = 0.0
+    self.compiled: list[str] = []
+    self.error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, args=(lower, on_start), name=name, daemon=True)
+    self._thread.start()
+
+  def _run(self, lower: Any, on_start: Any) -> None:
+    start = time.perf_counter()
+    try:
+      if on_start is not None:
+        on_start()
+      for name, lowered in lower().items():
+        lowered.compile()
+        self.compiled.append(name)
+    except Exception as e:  # noqa: BLE001 -- the caller's own compile raises it again
+      self.error = e
+    self.seconds = time.perf_counter() - start
+
+  def join(self) -> float:
+    """Waits for the compiles; returns their wall seconds (overlapped with whatever ran meanwhile)."""
+    self._thread.join()
+    if self.error is not None:
+      warnings.warn(f"compiling ahead ({self._thread.name}) failed, so it compiles when called: "
+                    f"{type(self.error).__name__}: {self.error}", RuntimeWarning, stacklevel=2)
+      self.error = None
+    return self.seconds

@@ -16,9 +16,11 @@ from pipelines.parallel import distributed
 from pipelines.pipeline import hooks as loop_hooks, resume as resume_state, text as text_states
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.callback import StepEndCallback
+from pipelines.pipeline.decoding import CompileAhead, lower_decoder
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import step_cache as wan_step_cache, vae as wan_vae
+from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan.vae_effort import effective_compile_effort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,9 @@ class GenerationResult:
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
     timings: seconds: "text_encode", "condition" (image-to-video: the images encoded; ~0 for
       text-to-video), "compile" (0 when cached), "denoise" (all steps),
-      "denoise_per_step" (mean), "decode", "total".
+      "denoise_per_step" (mean), "decode" (with the wait for the decoder's compile-ahead),
+      "decode_compile_ahead" (the decoder's programs compiled in the background, overlapping the
+      denoise; 0 when not compiled ahead), "total".
     settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
       step, steps run, the step resumed from, the step cache's skips.
   """
@@ -51,6 +55,7 @@ class Runner:
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
     self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text, condition, their TextKV)
+    self.decoder_ahead: CompileAhead | None = None
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -68,7 +73,12 @@ class Runner:
     state = self._initial_state()
     program = self._compile(state)
     self._enter("denoise")
-    denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
+    self.decoder_ahead = self._compile_decoder_ahead(state)
+    try:
+      denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
+    except BaseException:  # the compile thread ends before the run does, also when a step raises
+      self._join_decoder_ahead()
+      raise
     self.timings["denoise"] = float(sum(state.step_times))
     self.timings["denoise_per_step"] = float(np.mean(state.step_times)) if state.step_times else 0.0
     frames, latents = self._decode(state)
@@ -251,11 +261,28 @@ class Runner:
       hooks.append(loop_hooks.OnStep(o.on_step))
     return hooks + list(o.hooks)
 
+  def _compile_decoder_ahead(self, state: LoopState) -> CompileAhead | None:
+    """The decoder's programs for this run's latents compiled in a background thread while the
+    loop runs (`CallOptions.decode_compile_ahead`), or None (not decoding, or the option off)."""
+    r, o = self.request, self.options
+    if not (r.decode and o.decode_compile_ahead):
+      return None
+    shape = state.latents.shape
+    return CompileAhead(lambda: lower_decoder(self.pipe.weights, shape, r.plan.decode_mesh,
+                                              compile_effort=o.decode_compile_effort),
+                        on_start=lambda: self._enter("decode"), name="decoder-compile")
+
+  def _join_decoder_ahead(self) -> None:
+    """Waits for the decoder's compile-ahead (if any); its seconds are "decode_compile_ahead"."""
+    ahead, self.decoder_ahead = self.decoder_ahead, None
+    self.timings["decode_compile_ahead"] = ahead.join() if ahead is not None else 0.0
+
   def _decode(self, state: LoopState) -> tuple[np.ndarray | None, np.ndarray]:
     """(frames or None, host latents); timed as "decode"."""
     r = self.request
     self._enter("decode")
     start = time.perf_counter()
+    self._join_decoder_ahead()
     latents = state.latents
     if state.condition is not None:  # TI2V: the image's latents replace the first frame once more
       latents = state.condition.final_latents(latents)
@@ -274,11 +301,11 @@ class Runner:
       cache = wan_step_cache.summary(r.step_cache, self.cache_stats.record(),
                                      num_layers=self.pipe.transformer_config.num_layers)
     resume = self.options.resume
-    effort = wan_vae.check_compile_effort(self.options.decode_compile_effort, jax.default_backend())
     return {**r.settings(), "experts_per_step": state.experts,
             "resumed_from_step": state.first_step if resume is not None and resume.resume else None,
             "steps_run": len(state.step_times), "step_cache": cache,
-            "decode_compile_effort": jax.config.jax_exec_time_optimization_effort if effort is None else effort}
+            "decode_compile_effort": effective_compile_effort(self.options.decode_compile_effort,
+                                                               jax.default_backend())}
 
 
 def _result(frames: Any, latents: Any, timings: dict[str, float], settings: dict[str, Any]) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -36,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pipelines.storage.weights import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
 from pipelines.parallel.distributed import put_host_leaves
 from pipelines.wan import vae_layers as L, vae_residual
+from pipelines.wan.vae_effort import check_compile_effort
 from pipelines.wan.vae_config import (VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD,  # noqa: F401
                                       WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WanVAEConfig)
 
@@ -155,33 +155,6 @@ def decode_chunk(vae: WanVAE, cache: L.Cache | None, z_BTHWC: jax.Array,
   return jnp.clip(vae_residual.unpatchify(x, cfg.patch), -1.0, 1.0), cache
 
 
-# XLA's `exec_time_optimization_effort` (in [-1, 1], default 0) of the decoder's programs on TPU:
-# libtpu spends 10-30 s of code generation per distinct large convolution at 0 (the decoder has 10).
-# Wan 2.1 VAE 720p bf16, v6e, compile CPU s at 0 -> -0.5 (libtpu's run-time estimate, `end_to_end.
-# collectives.estimated_cycles`): one device, first chunk 216 -> 41 s (+15 %), later 201 -> 58 s (+9 %, +1.8 GiB
-# temp); split over 4 chips 173 -> 39 s (+33 %), 201 -> 59 s (+19 %): ~4x faster, +9 / +19 % decode.
-TPU_DECODE_COMPILE_EFFORT = -0.5
-
-
-def decode_compile_effort(platform: str) -> float | None:
-  """The effort the decoder's programs compile at on `platform` (a JAX device's `.platform`):
-  `TPU_DECODE_COMPILE_EFFORT` on "tpu"; None elsewhere: JAX's own `jax_exec_time_optimization_effort`."""
-  return TPU_DECODE_COMPILE_EFFORT if platform == "tpu" else None
-
-
-def check_compile_effort(compile_effort: Any, platform: str) -> float | None:
-  """The effort a decode on `platform` compiles at: `compile_effort` (a number, applied whatever
-  JAX's global setting), or the platform's when None. Raises ValueError for a non-number or a
-  number outside [-1, 1]."""
-  if compile_effort is None:
-    return decode_compile_effort(platform)
-  if isinstance(compile_effort, bool) or not isinstance(compile_effort, numbers.Real) \
-      or not -1.0 <= float(compile_effort) <= 1.0:
-    raise ValueError(f"compile_effort={compile_effort!r} must be a number in [-1, 1] (XLA's "
-                     "exec_time_optimization_effort), or None for the platform's")
-  return float(compile_effort)
-
-
 class _ChunkPrograms(NamedTuple):  # first: (vae, z) -> (chunk, cache); later: (vae, cache, z), cache donated
   first: Any
   later: Any
@@ -228,7 +201,7 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
       `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
       layout: no transpose).
     compile_effort: XLA's optimization effort in [-1, 1] for the chunk programs; None: the
-      platform's (`decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
+      platform's (`vae_effort.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
@@ -382,7 +355,8 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
 
 
 def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent_width: int,
-                          devices: list[Any], split: bool, compile_effort: float | None = None) -> dict[str, Any]:
+                          devices: list[Any] | None, split: bool,
+                          compile_effort: float | None = None) -> dict[str, Any]:
   """The decode's two chunk programs lowered (not compiled) for abstract latents; nothing runs.
 
   Args:
@@ -390,29 +364,43 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
     batch, latent_height, latent_width: B, Hl, Wl of the latents.
     devices: where the programs run: the first one (`decode`), or with `split` all of them that
       belong to this process (`decode_parallel`, `row_mesh`: the latent rows padded to D * ceil(Hl /
-      D) and split; a TPU host of a v6e:2x4 slice holds 4 of its 8 chips).
+      D) and split; a TPU host of a v6e:2x4 slice holds 4 of its 8 chips). None: as `decode` runs
+      on host latents and `vae` as it is placed (its committed leaves where they are, the rest on
+      the default device), so that compiling them compiles what that decode will call.
     split: the height split over every device of `devices`.
     compile_effort: XLA's optimization effort the programs compile at; None: the one `decode`
-      uses on the devices' platform (`decode_compile_effort`).
+      uses on the devices' platform (`vae_effort.decode_compile_effort`).
 
   Returns:
     {"first": the lowered first-chunk program, "later": the lowered later-chunk program} (the
     later one for the cache the first returns). `end_to_end/aot_vae.py` compiles them for a TPU.
+
+  Raises:
+    ValueError: `split` without `devices`, or a `compile_effort` outside [-1, 1].
   """
-  programs = _chunk_programs(check_compile_effort(compile_effort, devices[0].platform))
-  mesh = Mesh(np.array(devices if split else devices[:1], dtype=object), ("all",))
-  if split:  # as `decode_parallel`: the rows over this process's devices
-    mesh = row_mesh(mesh)
-  replicated = NamedSharding(mesh, P())
+  if split and not devices:
+    raise ValueError("a split decode needs its devices")
+  platform = _platform(vae.params) if devices is None else devices[0].platform
+  programs = _chunk_programs(check_compile_effort(compile_effort, platform))
 
   def placed(tree, sharding):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    def one(x):
+      where = sharding(x) if callable(sharding) else sharding
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+    return jax.tree.map(one, tree)
 
-  vae = WanVAE(vae.config, placed(vae.params, replicated))
   if not split:
+    if devices is None:  # jit's placement of `decode`'s arguments: committed leaves stay, the rest follow
+      replicated = None
+      vae = WanVAE(vae.config, placed(vae.params, lambda x: x.sharding if getattr(x, "committed", False) else None))
+    else:
+      replicated = NamedSharding(Mesh(np.array(devices[:1], dtype=object), ("all",)), P())
+      vae = WanVAE(vae.config, placed(vae.params, replicated))
     z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype), replicated)
     _, cache = programs.first.eval_shape(vae, z)
     return {"first": programs.first.lower(vae, z), "later": programs.later.lower(vae, placed(cache, replicated), z)}
+  mesh = row_mesh(Mesh(np.array(devices, dtype=object), ("all",)))  # as `decode_parallel`: this process's
+  vae = WanVAE(vae.config, placed(vae.params, NamedSharding(mesh, P())))
   rows = row_split(mesh.size, latent_height)
   sharding = NamedSharding(mesh, _ROWS_SPEC)
   z = placed(jax.ShapeDtypeStruct((batch, 1, rows.devices * rows.band, latent_width, vae.config.z_dim), vae.dtype),

@@ -1,0 +1,124 @@
+"""The VAE decoder's programs compiled ahead, in a background thread while the denoising loop runs
+(`CallOptions.decode_compile_ahead`, `decoding.CompileAhead`): the decode then compiles nothing
+(the programs compiled ahead are the ones it calls: one device and split along height), the video
+is the same bit for bit, a failure ahead of time falls back to compiling at the decode, the thread
+never outlives the run, and the compile cache counts its programs for "decode"."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from pipelines import WanPipeline
+from pipelines.pipeline import compile_cache
+from pipelines.pipeline.call_options import CallOptions
+from pipelines.pipeline.decoding import CompileAhead
+from pipelines.pipeline.loop import StepHook
+from pipelines.pipeline.request import GenerationRequest
+
+CHUNK_PROGRAMS = ("jit(<lambda>)", "jit(decode_chunk)", "jit(_first_chunk_rows)", "jit(_later_chunk_rows)")
+
+
+class _Compiles(logging.Handler):
+  """(thread name, program) of each XLA compile JAX logs (`jax_log_compiles`)."""
+
+  def __init__(self):
+    super().__init__()
+    self.seen: list[tuple[str, str]] = []
+
+  def emit(self, record):
+    message = record.getMessage()
+    if "Finished XLA compilation of " in message:
+      program = message.split("Finished XLA compilation of ")[1].split(" in ")[0]
+      self.seen.append((threading.current_thread().name, program))
+
+
+@pytest.fixture
+def compiles():
+  import jax
+
+  handler = _Compiles()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  before = jax.config.jax_log_compiles
+  jax.config.update("jax_log_compiles", True)  # global: the context manager's is the calling thread's
+  try:
+    yield handler
+  finally:
+    jax.config.update("jax_log_compiles", before)
+    logger.removeHandler(handler)
+
+
+def _generate(pipe, mesh, ahead: bool, effort: float):
+  request = GenerationRequest.build(pipe.facts, "a red square", height=48, width=16, num_frames=9,
+                                    num_inference_steps=2, seed=3, max_sequence_length=16, mesh=mesh)
+  # Each call's own effort: new chunk programs, so nothing another test compiled is reused.
+  return pipe.generate(request, CallOptions(progress=False, decode_compile_ahead=ahead, decode_compile_effort=effort))
+
+
+@pytest.mark.parametrize("mesh, effort", [(None, -0.125), ("U=2", -0.1875)])
+def test_the_decode_runs_the_programs_compiled_ahead(mesh, effort, compiles):
+  pipe = WanPipeline.tiny(random=True)
+  ahead = _generate(pipe, mesh, True, effort)
+  chunk = [(thread, p) for thread, p in compiles.seen if p in CHUNK_PROGRAMS]
+  assert len(chunk) == 2 and {thread for thread, _ in chunk} == {"decoder-compile"}, compiles.seen
+  assert ahead.timings["decode_compile_ahead"] > 0
+  compiles.seen.clear()
+  at_decode = _generate(pipe, mesh, False, effort + 0.0625)  # positive control: compiled by the decode
+  chunk = [(thread, p) for thread, p in compiles.seen if p in CHUNK_PROGRAMS]
+  assert len(chunk) == 2 and {thread for thread, _ in chunk} == {"MainThread"}, compiles.seen
+  assert at_decode.timings["decode_compile_ahead"] == 0.0
+  assert ahead.frames.std() > 0.01
+  np.testing.assert_allclose(ahead.frames, at_decode.frames, rtol=0, atol=1e-5)  # another effort: rounding
+
+
+def test_the_same_video_bit_for_bit():
+  pipe = WanPipeline.tiny(random=True)
+  ahead, at_decode = (_generate(pipe, None, flag, -0.25) for flag in (True, False))
+  np.testing.assert_array_equal(ahead.frames, at_decode.frames)
+
+
+def test_a_failure_ahead_is_kept_and_warned():
+  def lower():
+    raise ZeroDivisionError("no programs")
+
+  job = CompileAhead(lower, name="test-compile")
+  with pytest.warns(RuntimeWarning, match="test-compile.*ZeroDivisionError: no programs"):
+    job.join()
+  assert job.compiled == []
+
+
+def test_the_thread_ends_with_a_failing_run():
+  pipe = WanPipeline.tiny(random=True)
+
+  class Boom(StepHook):
+    def after_step(self, state):
+      raise RuntimeError("step hook failed")
+
+  request = GenerationRequest.build(pipe.facts, "a red square", height=32, width=32, num_frames=5,
+                                    num_inference_steps=2, seed=0, max_sequence_length=16)
+  with pytest.raises(RuntimeError, match="step hook failed"):
+    pipe.generate(request, CallOptions(progress=False, hooks=(Boom(),)))
+  assert not [t for t in threading.enumerate() if t.name == "decoder-compile"]
+
+
+def test_the_cache_counts_each_threads_stage():
+  use = compile_cache.CacheUse(path=None)
+  use.mark("denoise")
+  event = "/jax/compilation_cache/cache_hits"
+
+  def background(mark: str | None):
+    if mark:
+      use.mark(mark)
+    use._count(event)
+
+  for mark in ("decode", None):  # a thread that never marked counts for the maker's stage
+    thread = threading.Thread(target=background, args=(mark,))
+    thread.start()
+    thread.join()
+  use._count(event)
+  assert use.stages == {"decode": {"lookups": 0, "hits": 1, "misses": 0},
+                        "denoise": {"lookups": 0, "hits": 2, "misses": 0}}
