@@ -98,7 +98,13 @@ def summary_line(checked: Checked, result: Any, *, out: str, described: str, tim
   plan, request = checked.plan, checked.request
   frames, height, width = result.frames.shape[1:4]
   decode = cache.stages.get("decode")  # every decode program loaded from the cache: no compile in it
-  compiled = "" if decode and decode["hits"] == decode["lookups"] else " (decode includes the VAE's first compile)"
+  ahead = times.get("decode_compile_ahead", 0.0)
+  if decode and decode["hits"] == decode["lookups"]:
+    compiled = ""
+  elif ahead:
+    compiled = f" (the VAE's first compile, {fmt(ahead)}, ran beside the denoise loop; decode waited for the rest)"
+  else:
+    compiled = " (decode includes the VAE's first compile)"
   return (f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "
           f"seed {result.settings['seed']}, mesh {mesh_text(request)}) | load {fmt(times['load'])}, text encode "
           f"{fmt(times['text_encode'])}, compile {fmt(times['compile'])}, denoise "
