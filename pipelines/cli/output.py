@@ -97,12 +97,12 @@ def summary_line(checked: Checked, result: Any, *, out: str, described: str, tim
   """"wrote OUT and OUT.json (F frames WxH @ FPS fps, seed S, mesh M) | load ..., total ...; cache"."""
   plan, request = checked.plan, checked.request
   frames, height, width = result.frames.shape[1:4]
-  decode = cache.stages.get("decode")  # every decode program loaded from the cache: no compile in it
+  stages = [cache.stages[name] for name in ("decode", "decode_compile_ahead") if name in cache.stages]
   ahead = times.get("decode_compile_ahead", 0.0)
-  if decode and decode["hits"] == decode["lookups"]:
+  if stages and all(s["hits"] == s["lookups"] for s in stages):  # every decoder program from the cache
     compiled = ""
   elif ahead:
-    compiled = f" (the VAE's first compile, {fmt(ahead)}, ran beside the denoise loop; decode waited for the rest)"
+    compiled = f" (the VAE's first compile, {fmt(ahead)}, ran beside the text encoder, step compile and loop)"
   else:
     compiled = " (decode includes the VAE's first compile)"
   return (f"generate: wrote {out} and {described} ({frames} frames {width}x{height} @ {plan.fps:g} fps, "

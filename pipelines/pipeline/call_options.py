@@ -107,14 +107,15 @@ class CallOptions:
       None: the platform's (`vae_effort.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
       decode ~9-19 % slower by libtpu's own estimate; JAX's own setting elsewhere). 0 suits a
       long-lived server whose compiles are paid once.
-    decode_compile_ahead: compile the VAE decoder's programs in a background thread while the
-      denoising loop runs (`decoding.CompileAhead`; the same programs, the same video), so that the
-      decoder's compile leaves the path to the first video where the host is idle during the steps
-      (TPU, GPU). False compiles them at the decode (e.g. to time the steps alone on a CPU).
+    decode_compile_ahead: compile the VAE decoder's programs in a background thread from the text
+      encoding on, while the text encoder, the step's compile and the denoising loop run
+      (`ahead.CompileAhead`; the same programs, the same video), so that the decoder's compile
+      leaves the path to the first video where the host is idle (TPU, GPU: the device computes).
+      False compiles them at the decode (e.g. to time the steps alone on a CPU).
     on_stage: None or `on_stage(name)` as each stage starts, name a `timings` key: "text_encode",
       "condition", "compile", "denoise", "decode" (e.g. `compile_cache.CacheUse.mark`: which stage
       found its programs in the persistent compilation cache), called in the thread that does the
-      stage's work: "decode" also from the decoder's compile-ahead thread, as "denoise" runs.
+      stage's work: "decode_compile_ahead" from the decoder's compile thread, beside the others.
   """
   progress: bool = True
   nan_guard: bool = True

@@ -87,7 +87,7 @@ class CacheUse:
     names_before: their file names (what `written` compares with).
     stages: the same counts per stage of the run ({stage: {lookups, hits, misses}}): "load" from
       `enable` on, then each name `mark` is given (`CallOptions.on_stage`) in the thread that
-      marks it (the decoder's compile-ahead thread marks "decode" while the loop's is "denoise");
+      marks it (the decoder's compile-ahead thread marks "decode_compile_ahead" beside the others);
       a thread that never marked counts for the stage of the thread that made this `CacheUse`.
   """
   path: str | None

@@ -1,11 +1,8 @@
 """Latents to video frames with the Wan VAE, on one device or split along height over a mesh, and
-the decoder's programs compiled ahead, in a background thread while the denoising loop runs."""
+the decoder's programs lowered as that decode calls them (to compile them ahead)."""
 
 from __future__ import annotations
 
-import threading
-import time
-import warnings
 from typing import Any
 
 import jax
@@ -65,43 +62,3 @@ def lower_decoder(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: 
   devices = None if mesh is None else list(wan_vae.row_mesh(mesh).devices.flat)
   return wan_vae.lower_decode_programs(weights.vae, batch=1, latent_height=latent_height, latent_width=latent_width,
                                        devices=devices, split=mesh is not None, compile_effort=compile_effort)
-
-
-class CompileAhead:
-  """Programs compiled in a background thread (started at construction), e.g. the VAE decoder's
-  while the denoising loop runs: on an accelerator the host is idle during the steps, so the
-  decoder's compile (40-60 s per program for a 720p TPU decode) leaves the path to the first video.
-
-  `lower()` returns {name: a `jax.stages.Lowered`}; each is compiled in the thread, which calls
-  `on_start()` first (the compile cache's stage attribution, `CallOptions.on_stage`). A failure is
-  kept, not raised: the later call compiles the program itself and raises there, where it belongs;
-  `join` warns with the error so that a mismatch is seen.
-  """
-
-  def __init__(self, lower: Any, on_start: Any = None, *, name: str = "compile-ahead"):
-    self.seconds = 0.0
-    self.compiled: list[str] = []
-    self.error: BaseException | None = None
-    self._thread = threading.Thread(target=self._run, args=(lower, on_start), name=name, daemon=True)
-    self._thread.start()
-
-  def _run(self, lower: Any, on_start: Any) -> None:
-    start = time.perf_counter()
-    try:
-      if on_start is not None:
-        on_start()
-      for name, lowered in lower().items():
-        lowered.compile()
-        self.compiled.append(name)
-    except Exception as e:  # noqa: BLE001 -- the caller's own compile raises it again
-      self.error = e
-    self.seconds = time.perf_counter() - start
-
-  def join(self) -> float:
-    """Waits for the compiles; returns their wall seconds (overlapped with whatever ran meanwhile)."""
-    self._thread.join()
-    if self.error is not None:
-      warnings.warn(f"compiling ahead ({self._thread.name}) failed, so it compiles when called: "
-                    f"{type(self.error).__name__}: {self.error}", RuntimeWarning, stacklevel=2)
-      self.error = None
-    return self.seconds

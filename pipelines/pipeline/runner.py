@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -16,7 +17,8 @@ from pipelines.parallel import distributed
 from pipelines.pipeline import hooks as loop_hooks, resume as resume_state, text as text_states
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.callback import StepEndCallback
-from pipelines.pipeline.decoding import CompileAhead, lower_decoder
+from pipelines.pipeline.ahead import CompileAhead
+from pipelines.pipeline.decoding import lower_decoder
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.wan import step_cache as wan_step_cache
@@ -32,9 +34,10 @@ class GenerationResult:
     latents: float32 [B, C, F, Hl, Wl], the final denoised latents (before de-normalisation).
     timings: seconds: "text_encode", "condition" (image-to-video: the images encoded; ~0 for
       text-to-video), "compile" (0 when cached), "denoise" (all steps),
-      "denoise_per_step" (mean), "decode" (with the wait for the decoder's compile-ahead),
-      "decode_compile_ahead" (the decoder's programs compiled in the background, overlapping the
-      denoise; 0 when not compiled ahead), "total".
+      "denoise_per_step" (mean), "decode" (with any wait for the decoder's compile-ahead),
+      "decode_compile_ahead" (the decoder's programs compiled in a background thread from the text
+      encoding on, overlapping it, the step's compile and the loop; 0 when not compiled ahead),
+      "total".
     settings: the resolved call (`GenerationRequest.settings`) and what the run found: experts per
       step, steps run, the step resumed from, the step cache's skips.
   """
@@ -55,7 +58,7 @@ class Runner:
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
     self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text, condition, their TextKV)
-    self.decoder_ahead: CompileAhead | None = None
+    self._decoder_ahead: CompileAhead | None = None
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -70,14 +73,13 @@ class Runner:
   def run(self) -> Any:
     """The whole generation; returns a `GenerationResult`."""
     start = time.perf_counter()
-    state = self._initial_state()
-    program = self._compile(state)
-    self._enter("denoise")
-    self.decoder_ahead = self._compile_decoder_ahead(state)
     try:
+      state = self._initial_state()
+      program = self._compile(state)
+      self._enter("denoise")
       denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
-    except BaseException:  # the compile thread ends before the run does, also when a step raises
-      self._join_decoder_ahead()
+    except BaseException:  # a failing run does not wait for the decoder's compile (a daemon thread)
+      self._decoder_ahead = None
       raise
     self.timings["denoise"] = float(sum(state.step_times))
     self.timings["denoise_per_step"] = float(np.mean(state.step_times)) if state.step_times else 0.0
@@ -99,6 +101,7 @@ class Runner:
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
     self.pipe.weights.place(plan)  # before text encoding: its weights may be sharded too
+    self._decoder_ahead = self._compile_decoder_ahead(noise.shape)
     self._enter("text_encode")
     start = time.perf_counter()
     texts = (r.prompts or []) + (r.negative_prompts or [])
@@ -261,20 +264,27 @@ class Runner:
       hooks.append(loop_hooks.OnStep(o.on_step))
     return hooks + list(o.hooks)
 
-  def _compile_decoder_ahead(self, state: LoopState) -> CompileAhead | None:
-    """The decoder's programs for this run's latents compiled in a background thread while the
-    loop runs (`CallOptions.decode_compile_ahead`), or None (not decoding, or the option off)."""
+  def _compile_decoder_ahead(self, latents_shape: tuple[int, ...]) -> CompileAhead | None:
+    """The decoder's programs for latents of `latents_shape` [B, C, F, Hl, Wl]: lowered here (the
+    caller's thread-local JAX settings apply), compiled in a background thread while the text is
+    encoded, the step compiled and the loop run (`CallOptions.decode_compile_ahead`). None when not
+    decoding, with the option off, or when the lowering fails (warned; the decode compiles them)."""
     r, o = self.request, self.options
     if not (r.decode and o.decode_compile_ahead):
       return None
-    shape = state.latents.shape
-    return CompileAhead(lambda: lower_decoder(self.pipe.weights, shape, r.plan.decode_mesh,
-                                              compile_effort=o.decode_compile_effort),
-                        on_start=lambda: self._enter("decode"), name="decoder-compile")
+    try:
+      lowered = lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh,
+                              compile_effort=o.decode_compile_effort)
+    except Exception as e:  # noqa: BLE001 -- the decode lowers them again and raises there
+      warnings.warn(f"the VAE decoder's programs could not be lowered ahead ({type(e).__name__}: {e}); "
+                    "they compile at the decode", RuntimeWarning, stacklevel=2)
+      return None
+    return CompileAhead(lambda: [program.compile() for program in lowered.values()],
+                        on_start=lambda: self._enter("decode_compile_ahead"), name="decoder-compile")
 
   def _join_decoder_ahead(self) -> None:
     """Waits for the decoder's compile-ahead (if any); its seconds are "decode_compile_ahead"."""
-    ahead, self.decoder_ahead = self.decoder_ahead, None
+    ahead, self._decoder_ahead = self._decoder_ahead, None
     self.timings["decode_compile_ahead"] = ahead.join() if ahead is not None else 0.0
 
   def _decode(self, state: LoopState) -> tuple[np.ndarray | None, np.ndarray]:

@@ -398,7 +398,9 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
       vae = WanVAE(vae.config, placed(vae.params, replicated))
     z = placed(jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, vae.config.z_dim), vae.dtype), replicated)
     _, cache = programs.first.eval_shape(vae, z)
-    return {"first": programs.first.lower(vae, z), "later": programs.later.lower(vae, placed(cache, replicated), z)}
+    # jit returns the cache committed where the committed weights are (uncommitted when none is)
+    out = replicated or next((x.sharding for x in jax.tree.leaves(vae.params) if x.sharding is not None), None)
+    return {"first": programs.first.lower(vae, z), "later": programs.later.lower(vae, placed(cache, out), z)}
   mesh = row_mesh(Mesh(np.array(devices, dtype=object), ("all",)))  # as `decode_parallel`: this process's
   vae = WanVAE(vae.config, placed(vae.params, NamedSharding(mesh, P())))
   rows = row_split(mesh.size, latent_height)
