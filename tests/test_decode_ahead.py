@@ -8,10 +8,15 @@ cache counts each thread's programs for its own stage."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
+
+from harness import child_env
 
 from pipelines import WanPipeline
 from pipelines.pipeline import compile_cache
@@ -117,6 +122,32 @@ def test_a_failing_run_does_not_wait_for_the_thread():
   for thread in [t for t in threading.enumerate() if t.name == "decoder-compile"]:
     thread.join(timeout=120)  # it ends on its own
     assert not thread.is_alive()
+
+
+_FAILING_RUN = """
+import threading
+from pipelines import WanPipeline
+from pipelines.pipeline.call_options import CallOptions
+from pipelines.pipeline.request import GenerationRequest
+pipe = WanPipeline.tiny(random=True)
+def on_stage(name):
+  if name == "text_encode":
+    print("alive:", [t.name for t in threading.enumerate() if t.name == "decoder-compile"], flush=True)
+    raise RuntimeError("failed at " + name)
+request = GenerationRequest.build(pipe.facts, "x", height=128, width=128, num_frames=17, num_inference_steps=1,
+                                  seed=0, max_sequence_length=16)
+pipe.generate(request, CallOptions(progress=False, on_stage=on_stage))
+"""
+
+
+def test_a_process_failing_while_the_thread_compiles_keeps_its_exit_status():
+  """A daemon thread inside XLA at the interpreter's shutdown aborts the process (exit 134): the
+  compile thread is not one, so the failing process ends with Python's own status 1."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _FAILING_RUN], cwd=root, env={**child_env(), "PYTHONPATH": root},
+                        capture_output=True, text=True, timeout=300)
+  assert "alive: ['decoder-compile']" in proc.stdout, (proc.stdout, proc.stderr)  # it was compiling
+  assert proc.returncode == 1 and "RuntimeError: failed at text_encode" in proc.stderr, (proc.returncode, proc.stderr)
 
 
 def test_the_cache_counts_each_threads_stage():

@@ -16,6 +16,11 @@ class CompileAhead:
   same argument shapes, dtypes and shardings). On an accelerator the host is idle while the device
   computes, so a compile that overlaps another stage leaves the path to the first video.
 
+  The thread is not a daemon: a process that ends while it compiles waits for it at its exit (a
+  daemon thread inside XLA at the interpreter's shutdown aborts the process, exit 134, measured),
+  so a caller that gives up on the work (a failing run) loses no exit status, and a long-lived
+  process keeps the compiled programs.
+
   The thread calls `on_start()` first (the stage's name for the compile cache's per-thread
   accounting, `CallOptions.on_stage`). A failure is kept, not raised: the later call compiles the
   program itself and raises there, where it belongs; `join` warns with the error so that it is seen.
@@ -25,7 +30,7 @@ class CompileAhead:
                name: str = "compile-ahead"):
     self.seconds = 0.0
     self.error: Exception | None = None
-    self._thread = threading.Thread(target=self._run, args=(work, on_start), name=name, daemon=True)
+    self._thread = threading.Thread(target=self._run, args=(work, on_start), name=name, daemon=False)
     self._thread.start()
 
   def _run(self, work: Callable[[], Any], on_start: Callable[[], None] | None) -> None:

@@ -78,7 +78,7 @@ class Runner:
       program = self._compile(state)
       self._enter("denoise")
       denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
-    except BaseException:  # a failing run does not wait for the decoder's compile (a daemon thread)
+    except BaseException:  # a failing run does not wait for the decoder's compile (the process's exit does)
       self._decoder_ahead = None
       raise
     self.timings["denoise"] = float(sum(state.step_times))
