@@ -332,3 +332,20 @@ def test_dpm_solver_matches_diffusers(folders, loaded, tmp_path):
   ref_pipe.scheduler.save_config(folder / "scheduler")
   facts = ModelFacts.from_folder(str(folder), "float32")
   assert facts.scheduler == schedulers.DPMSolverConfig(flow_shift=3.0)
+
+
+def test_a_step_program_per_matmul_precision(tiny):
+  """The compiled step is reused for the same call, and not under another
+  `jax.default_matmul_precision` (part of what the program computes: on TPU "highest" runs fp32
+  matmuls in full, the default in bf16 passes), as JAX's own jit cache would not reuse it."""
+  import jax
+
+  call = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8, seed=0,
+              output_type="latent", progress=False)
+  tiny("a red square", **call)
+  traced = tiny.compiled_steps.traces
+  tiny("a red square", **call)
+  assert tiny.compiled_steps.traces == traced  # control: the same call compiles nothing
+  with jax.default_matmul_precision("highest"):
+    tiny("a red square", **call)
+  assert tiny.compiled_steps.traces == traced + 1

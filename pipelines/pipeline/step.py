@@ -153,8 +153,9 @@ _text_kv_jit = jax.jit(text_kv_states, static_argnums=0, static_argnames=("plan"
 
 class CompiledSteps:
   """The compiled denoise steps of one pipeline, one per (plan, guidance on, argument shapes,
-  dtypes and shardings); both experts of a Wan 2.2 pipeline share them (same graph, same shapes:
-  the weights are arguments).
+  dtypes and shardings, JAX's matmul precision in effect: `jax.default_matmul_precision(...)` is
+  part of what a program computes); both experts of a Wan 2.2 pipeline share them (same graph,
+  same shapes: the weights are arguments).
 
   Attributes:
     traces: how many step programs this object has traced and compiled (tests assert one per
@@ -174,7 +175,8 @@ class CompiledSteps:
     cache, condition)`."""
     args = (params, latents, solver, text, guidance, cache, condition)
     leaves, treedef = jax.tree.flatten(args)
-    key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+           jax.config.jax_default_matmul_precision)  # the caller's thread's, as jit's own cache keys it
     if key not in self._programs:
       if on_compile is not None:
         on_compile()
