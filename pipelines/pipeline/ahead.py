@@ -1,5 +1,5 @@
-"""Work done in a background thread ahead of the stage that needs it (`CompileAhead`): the denoise
-step compiled while the text encoder runs, the VAE decoder's programs while the denoising loop runs."""
+"""Work done in a background thread ahead of the stage that needs it (`CompileAhead`): the VAE
+decoder's programs compiled beside the text encoder, the step's compile and the denoising loop."""
 
 from __future__ import annotations
 
