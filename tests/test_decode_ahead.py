@@ -167,3 +167,20 @@ def test_the_cache_counts_each_threads_stage():
   use._count(event)
   assert use.stages == {"decode_compile_ahead": {"lookups": 0, "hits": 1, "misses": 0},
                         "denoise": {"lookups": 0, "hits": 2, "misses": 0}}
+
+
+def test_lowered_ahead_at_a_real_size():
+  """Wan 2.1's VAE at 480x832 (latents 60 x 104: no block or device count divides both): the
+  programs compiled ahead are the decode's chunk programs for that size (lowered only: nothing is
+  allocated)."""
+  import jax.numpy as jnp
+
+  from end_to_end.aot_vae import abstract_vae
+  from pipelines.wan import vae as V
+  from pipelines.wan.vae_config import VAE_PRESETS
+
+  vae = abstract_vae(VAE_PRESETS["wan2.1"], jnp.bfloat16)
+  lowered = V.lower_decode_programs(vae, batch=1, latent_height=60, latent_width=104, devices=None, split=False)
+  first, later = (lowered[name].out_info[0] for name in ("first", "later"))
+  assert first.shape == (1, 1, 480, 832, 3) and later.shape == (1, 4, 480, 832, 3)
+  assert first.dtype == later.dtype == jnp.bfloat16
