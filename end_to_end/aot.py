@@ -36,7 +36,7 @@ class AotTarget:
   """One model and video that `--aot` compiles.
 
   Attributes:
-    preset: the transformer preset (`pipelines.wan.transformer_config.PRESETS`).
+    preset: the transformer preset (`pipelines.wan.transformer.config.PRESETS`).
     height, width, frames: the video.
     flow_shift: the scheduler's shift (the preset's, `pipelines.cli.presets`).
     ti2v: Wan 2.2 TI2V (`expand_timesteps`: per-token timesteps, the first frame's latents in the
@@ -145,8 +145,7 @@ def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec
   import jax.numpy as jnp
 
   from pipelines.parallel.estimate import image_tokens
-  from pipelines.wan.image_condition import ImageConditioning
-  from pipelines.wan.ti2v import TI2VConditioning
+  from pipelines.wan.conditioning import ImageConditioning, TI2VConditioning
 
   b, _, f, hl, wl = latent_shape
   if ti2v:
@@ -206,7 +205,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       (U as large as the heads allow, no CFG split, weights replicated).
     attention_backend: "auto" (resolved for the devices' platform: the Pallas kernels on TPU),
       "xla" or "pallas".
-    quantize: None or a `pipelines.wan.quantization.MODES` mode: the block Linear weights are
+    quantize: None or a `pipelines.wan.transformer.quantization.MODES` mode: the block Linear weights are
       int8 / fp8 arguments (with their fp32 scales) of the compiled step.
     ti2v: Wan 2.2 TI2V (`AotTarget.ti2v`).
     text_kv_once: the step receives the text (and image) K/V computed before the loop (the
@@ -232,8 +231,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
 
   import attention
   from pipelines.wan import schedulers
-  from pipelines.wan.transformer import build_transformer
-  from pipelines.wan.transformer_config import PRESETS, param_shapes
+  from pipelines.wan.transformer import build_transformer, param_shapes, PRESETS
 
   config = PRESETS[preset] if isinstance(preset, str) else preset
   preset = preset if isinstance(preset, str) else "custom"
@@ -250,7 +248,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   def zeros(tree):
     return {k: zeros(v) if isinstance(v, dict) else jnp.zeros(v, jnp.float32) for k, v in tree.items()}
 
-  from pipelines.wan.quantization import quantize_transformer
+  from pipelines.wan.transformer import quantize_transformer
 
   abstract = nnx.eval_shape(lambda: quantize_transformer(
       build_transformer(config, zeros(param_shapes(config)), model_dtype), quantize))

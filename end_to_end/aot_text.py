@@ -41,8 +41,8 @@ def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, d
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-  from pipelines.wan import umt5
-  from pipelines.wan.weight_placement import large_leaf_shardings
+  from pipelines.wan.encoders import umt5
+  from pipelines.wan.transformer import large_leaf_shardings
 
   params = umt5.abstract_params(config, dtype=jnp.dtype(dtype), keep_wo_in_fp32=keep_wo_in_fp32)
   if mesh_spec is not None and mesh_spec.shard_weights:
@@ -83,7 +83,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   """
   import jax
 
-  from pipelines.wan import umt5
+  from pipelines.wan.encoders import umt5
 
   if not isinstance(preset, umt5.UMT5Config) and preset not in umt5.PRESETS:
     raise ValueError(f"preset {preset!r} is not a UMT5 preset; use one of {sorted(umt5.PRESETS)}")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.aot_text", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--topology", required=True, help="TPU topology, e.g. v6e:2x4 (needs libtpu)")
-  ap.add_argument("--preset", default="umt5-xxl", help="UMT5 preset (pipelines/wan/umt5.py PRESETS)")
+  ap.add_argument("--preset", default="umt5-xxl", help="UMT5 preset (pipelines/wan/encoders/umt5.py PRESETS)")
   ap.add_argument("--batch", type=int, default=2, help="prompts encoded at once (2: prompt + negative)")
   ap.add_argument("--text-len", type=int, default=512, help="L, text tokens")
   ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -39,9 +39,8 @@ def abstract_vae(config: Any, dtype: Any) -> Any:
   import numpy as np
 
   from pipelines.wan import vae as V
-  from pipelines.wan import vae_layers as L
 
-  return V.WanVAE(config, {k: jax.ShapeDtypeStruct(L.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
+  return V.WanVAE(config, {k: jax.ShapeDtypeStruct(V.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
                            for k, s in config.param_shapes().items()})
 
 
@@ -78,8 +77,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
 
   from end_to_end.aot import compiled_analysis
   from pipelines.wan import vae as V
-  from pipelines.wan.vae_effort import effective_compile_effort
-  from pipelines.wan.vae_config import VAE_PRESETS
+  from pipelines.wan.vae import VAE_PRESETS, effective_compile_effort
 
   if vae not in VAE_PRESETS:
     raise ValueError(f"vae {vae!r}: use one of {sorted(VAE_PRESETS)}")

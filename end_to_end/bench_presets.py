@@ -25,9 +25,10 @@ import dataclasses
 import os
 from typing import Any
 
-from pipelines.wan.tiny import TINY_TRANSFORMER
-from pipelines.wan.transformer_config import PRESETS as TRANSFORMER_PRESETS, WanTransformerConfig
-from pipelines.wan.umt5 import PRESETS as UMT5_PRESETS, UMT5Config
+from pipelines.wan.pretrained import TINY_TRANSFORMER
+from pipelines.wan.transformer import PRESETS as TRANSFORMER_PRESETS, WanTransformerConfig
+from pipelines.wan.encoders import UMT5Config
+from pipelines.wan.encoders.umt5 import PRESETS as UMT5_PRESETS
 from pipelines.wan.vae import VAE_PRESETS, WanVAEConfig
 
 _UMT5_XXL_WIDTH = dataclasses.replace(UMT5_PRESETS["umt5-xxl"], vocab_size=384, num_layers=1)
@@ -167,7 +168,8 @@ def init_ours(preset: BenchPreset, seed: int = 0):
   import jax.numpy as jnp
 
   from pipelines.pipeline import WanPipeline
-  from pipelines.wan import schedulers, tokenizer, umt5, vae
+  from pipelines.wan import schedulers, vae
+  from pipelines.wan.encoders import tokenizer, umt5
   from pipelines.wan.transformer import init_transformer
 
   dtype = jnp.dtype(preset.dtype)

@@ -156,7 +156,7 @@ def _image_setup(preset, args):
   from pipelines.parallel.plan import ParallelPlan
   from pipelines.pipeline.step import CompiledSteps
   from pipelines.wan import schedulers
-  from pipelines.wan.image_condition import ImageConditioning
+  from pipelines.wan.conditioning import ImageConditioning
   from pipelines.wan.transformer import init_transformer
 
   base = preset.transformer

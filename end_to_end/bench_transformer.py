@@ -30,9 +30,7 @@ import attention
 from attention.mesh import MeshSpec
 from pipelines.cli.help import HelpFormatter
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan.quantization import quantize_transformer
-from pipelines.wan.transformer import count_params, forward, init_transformer
-from pipelines.wan.transformer_config import PRESETS
+from pipelines.wan.transformer import count_params, forward, init_transformer, PRESETS, quantize_transformer
 
 
 def main() -> None:

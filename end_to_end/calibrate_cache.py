@@ -1,6 +1,6 @@
 r"""MagCache calibration: the per-step magnitude ratios of a model, written as JSON.
 
-  python -m end_to_end.calibrate_cache --out pipelines/wan/mag_ratios_tiny.json   # the trained default
+  python -m end_to_end.calibrate_cache --out pipelines/wan/step_cache/mag_ratios_tiny.json   # the trained default
   python -m end_to_end.calibrate_cache --model ./Wan2.1-T2V-1.3B-Diffusers --dtype bfloat16 \
       --size 832x480 --frames 81 --steps 50 --mesh U=4,R=2 --out wan21_1.3b_mag.json
 
@@ -19,7 +19,7 @@ shift 3, guidance 5; for a folder diffusers' `WanPipeline.__call__` defaults (83
 steps). Text length: `generate.default_text_length` (64 for `tiny`, 512 otherwise). Ratios belong to
 the model and settings they were measured with: the file records the model's name and fingerprint
 (`WanPipeline.fingerprint`), size, frames, steps and text length, which
-`pipelines.wan.mag_calibration.check_calibration` compares with a run's.
+`pipelines.wan.step_cache.calibration.check_calibration` compares with a run's.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
   from pipelines.cli.generate import TINY_MODELS, parse_size
   from pipelines.pipeline import WanPipeline
-  from pipelines.wan import mag_calibration
+  from pipelines.wan.step_cache import calibration as mag_calibration
 
   own = model_settings(args.model)
   width, height = parse_size(args.size) if args.size else (own["width"], own["height"])

@@ -43,7 +43,7 @@ def _topology(text: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
   from pipelines.parallel import planner
   from pipelines.cli.generate import PRESETS
-  from pipelines.wan.transformer_config import PRESETS as MODELS
+  from pipelines.wan.transformer import PRESETS as MODELS
 
   p = argparse.ArgumentParser(prog="plan", description=__doc__, formatter_class=HelpFormatter)
   p.add_argument("--preset", required=True, choices=[m for m in MODELS if m in PRESETS],
@@ -72,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.parallel import planner
   from pipelines.cli.generate import PRESETS
   from pipelines.pipeline.inputs import check_size, round_num_frames
-  from pipelines.wan.tiny import TINY_TRANSFORMER
-  from pipelines.wan.quantization import quantized_counts
-  from pipelines.wan.transformer_config import PRESETS as MODELS, param_counts
+  from pipelines.wan.pretrained import TINY_TRANSFORMER
+  from pipelines.wan.transformer import param_counts, PRESETS as MODELS, quantized_counts
 
   try:
     if args.topology and args.chip:

@@ -16,7 +16,7 @@ right", 64x64, 17 frames, 8 steps, guidance 5, negative prompt "") run in float3
 latents; every step's input latents and timestep, with the prompt's and the negative prompt's
 text states (float32, shared by every candidate: only the transformer differs).
 
-Error of a candidate transformer (a dtype, a mode of `pipelines.wan.quantization.MODES`, the block
+Error of a candidate transformer (a dtype, a mode of `pipelines.wan.transformer.quantization.MODES`, the block
 Linear layers it quantizes), relative RMS over every input, both CFG branches:
   e = sqrt(sum |eps - eps_ref|^2 / sum |eps_ref|^2),  eps_ref: the float32 checkpoint, unquantized.
 The kernels are quantized from the fp32 checkpoint as `WanPipeline.from_pretrained(...,
@@ -71,8 +71,7 @@ def candidate(config: Any, params: dict[str, Any], dtype: str, mode: str | None,
   import jax
   import jax.numpy as jnp
 
-  from pipelines.wan import quantization
-  from pipelines.wan.transformer import build_transformer
+  from pipelines.wan.transformer import build_transformer, quantization
 
   params = jax.tree.map(lambda a: a, params)  # a new tree: the fp32 one is kept whole
   for path in layers if mode else ():
@@ -92,7 +91,7 @@ def candidate(config: Any, params: dict[str, Any], dtype: str, mode: str | None,
 def default_plan(keep: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str | None, str, tuple]]:
   """The module docstring's rows as (dtype, mode, label, layers); the first is bfloat16 unquantized.
   With `keep` (paths under `blocks`), also int8 and fp8 in bfloat16 with those layers unquantized."""
-  from pipelines.wan import quantization
+  from pipelines.wan.transformer import quantization
 
   every = quantization.QUANTIZED_LINEARS
   plan = [("bfloat16", None, "all", every)]
@@ -108,7 +107,7 @@ def parse_keep(text: str | None) -> tuple[tuple[str, str], ...]:
   Raises:
     ValueError: a name that is not one of `quantization.QUANTIZED_LINEARS`, naming the choices.
   """
-  from pipelines.wan import quantization
+  from pipelines.wan.transformer import quantization
 
   names = {".".join(path): path for path in quantization.QUANTIZED_LINEARS}
   keep = tuple(name.strip() for name in (text or "").split(",") if name.strip())
@@ -125,9 +124,8 @@ def measure(pipe: Any, seeds: list[int], steps: int, plan: list | None = None) -
   import jax.numpy as jnp
   from flax import nnx
 
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
-  from pipelines.wan.transformer import forward
-  from pipelines.wan.transformer_loading import load_transformer
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+  from pipelines.wan.transformer import forward, load_transformer
 
   fp32 = load_transformer(f"{TINY_DEFAULT_FOLDER}/transformer")
   params = nnx.to_pure_dict(nnx.state(fp32, nnx.Param))

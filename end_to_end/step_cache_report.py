@@ -5,7 +5,7 @@ r"""Step caching: skipped steps vs video quality (and denoise time) against the 
   python -m end_to_end.step_cache_report --preset 1.3b-width --steps 20 --spec first-block:0.1 \
       --spec mag:0.05 --calibrate                              # wall time on the 1.3B-width preset
 
-Runs the pipeline once uncached (the reference) and once per `--spec` (pipelines/wan/step_cache.py
+Runs the pipeline once uncached (the reference) and once per `--spec` (pipelines/wan/step_cache/forward.py
 grammar), all with the same prompt, seed and settings, and prints per setting: the skipped steps
 (fraction of transformer evaluations whose blocks 1..Z-1 (first-block) or all blocks (MagCache)
 were skipped; the fraction of block evaluations skipped), PSNR and SSIM of the video against the
@@ -19,7 +19,7 @@ each setting's per-step change measures (`metrics`), to pick thresholds for anot
 (generate's "tiny" preset: 64x64 x 17 frames, 8 steps, 64 text tokens; `calibrate_cache.
 model_settings`), `tiny-random` the random-weight model (same size and steps, 512 tokens); MagCache
 uses the shipped ratios, calibrated for the trained default at those settings on other prompts
-(`pipelines/wan/mag_calibration.py`). A folder runs at 256x256 x 17, 50 steps, 512 tokens unless
+(`pipelines/wan/step_cache/calibration.py`). A folder runs at 256x256 x 17, 50 steps, 512 tokens unless
 told otherwise.
 `--preset NAME` builds an `end_to_end.bench_presets` pipeline (random weights) instead; with
 `--calibrate` its MagCache ratios are measured first (one uncached run, `calibrate_cache.calibrate`,

@@ -47,10 +47,10 @@ import optax
 from flax import nnx
 
 from end_to_end import synthetic_world as world
-from pipelines.wan import schedulers, tokenizer as tokenization, umt5, vae as wan_vae
+from pipelines.wan import schedulers, vae as wan_vae
+from pipelines.wan.encoders import tokenizer as tokenization, umt5
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan.transformer import forward, init_transformer
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer import forward, init_transformer, WanTransformerConfig
 
 # The trained tiny model's architecture. Patch (1, 2, 2) at 17 x 64 x 64 -> latents 5 x 8 x 8 -> 80
 # tokens (measured, 2 CPU cores: batch 32 in 0.42 s, 4x the samples per second of 128 x 128's 320
@@ -343,10 +343,10 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 # --- outputs ---------------------------------------------------------------------------------------
 
 def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
-  """Writes the diffusers-format folder (`pipelines.wan.saving.save_pipeline`); its tokenizer's
+  """Writes the diffusers-format folder (`pipelines.wan.pretrained.saving.save_pipeline`); its tokenizer's
   `model_max_length` is `MAX_SEQUENCE_LENGTH`, which `WanPipeline` and generate then use as the
   default text length (`tokenizer.text_length`). Returns the folder."""
-  from pipelines.wan.saving import save_pipeline
+  from pipelines.wan.pretrained import save_pipeline
   tokenizer = tokenization.default_tokenizer()
   tokenizer.model_max_length = MAX_SEQUENCE_LENGTH
   return save_pipeline(folder, transformer=transformer, text_encoder=encoder, vae=vae, tokenizer=tokenizer,

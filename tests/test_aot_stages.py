@@ -9,8 +9,7 @@ import jax
 import pytest
 
 from end_to_end import aot_stages, aot_vae, benchmark
-from pipelines.wan import vae as V, vae_effort
-from pipelines.wan.vae_config import VAE_PRESETS
+from pipelines.wan.vae import effort as vae_effort, model as V, VAE_PRESETS
 
 
 def test_stages_are_checked_before_any_compile(capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from attention.mesh import MeshSpec
 from end_to_end import aot_text
-from pipelines.wan import umt5
+from pipelines.wan.encoders import umt5
 
 # Small, but with weights of >= 2^20 values (embedding 4096 x 256, wi_0 / wi_1 / wo 2 x 256 x 2048),
 # which the pipeline's sharded placement (`large_leaf_shardings`) splits; the rest stays replicated.

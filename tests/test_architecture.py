@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("attention", "producers", "pipelines")
@@ -198,3 +200,101 @@ def test_positive_control_the_checks_can_fail(tmp_path):
   for kind in ("writes into module-level _SEEN", "_SEEN.update(...) mutates", "global _SEEN"):
     assert any(kind in line for line in found), (kind, found)
   assert _circles(known) == ["pipelines.cli.generate -> pipelines.wan.bad -> pipelines.cli.generate"]
+
+
+# --- the Wan model's components (pipelines/wan/__init__.py) -------------------------------------------
+GROUND_FLOOR = ("transformer", "vae", "encoders", "schedulers")  # import no other component
+UPPER_FLOOR = ("conditioning", "step_cache", "lora", "pretrained")  # import only the ground floor
+# Modules that load without JAX (the command line checks its flags with them before JAX starts).
+JAX_FREE = ("pipelines.wan.pretrained.folder", "pipelines.wan.lora.convert", "pipelines.wan.lora.format",
+            "pipelines.wan.step_cache.calibration", "pipelines.wan.step_cache.spec",
+            "pipelines.wan.encoders.tokenizer", "pipelines.wan.transformer.config", "pipelines.wan.vae.config",
+            "pipelines.wan.vae.effort", "pipelines.wan.vae.topology")
+
+
+def _component(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 and parts[:2] == ["pipelines", "wan"] else None
+
+
+def _floor_violations(known: dict[str, pathlib.Path]) -> list[str]:
+  """Imports between wan components that break the floors: a ground component importing another
+  component, an upper one importing anything but the ground floor."""
+  bad = []
+  for module, path in known.items():
+    own = _component(module)
+    if own is None:
+      continue
+    for line, target, _ in _imports(path, known):
+      theirs = _component(target)
+      if theirs is None or theirs == own:
+        continue
+      if own in GROUND_FLOOR or theirs not in GROUND_FLOOR:
+        bad.append(f"{_where(path)}:{line} ({own}) imports {target} ({theirs})")
+  return bad
+
+
+def test_wan_components_import_in_two_floors():
+  top = sorted(p.name for p in (ROOT / "pipelines/wan").iterdir() if p.name != "__pycache__")
+  assert top == sorted(["__init__.py", *GROUND_FLOOR, *UPPER_FLOOR]), top
+  bad = _floor_violations(_modules("pipelines"))
+  assert not bad, "imports across the wan floors:\n" + "\n".join(bad)
+
+
+def _deep_wan_imports(paths: dict[str, pathlib.Path]) -> list[str]:
+  """Imports, outside pipelines/wan, of a component's module by its dotted path
+  (`pipelines.wan.vae.model`) rather than through the component (`pipelines.wan.vae`)."""
+  bad = []
+  for module, path in paths.items():
+    if _component(module) is not None:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+      bad += [f"{_where(path)}:{node.lineno} imports {n}" for n in names
+              if n.startswith("pipelines.wan.") and len(n.split(".")) > 3]
+  return bad
+
+
+def test_product_reaches_wan_through_its_components():
+  bad = _deep_wan_imports(_modules(*PRODUCT))
+  assert not bad, "import the component (pipelines.wan.<component>), not its module:\n" + "\n".join(bad)
+
+
+def test_product_imports_no_private_name():
+  known = _modules(*PRODUCT)
+  bad = [f"{_where(path)}:{line} imports {name} from {target}" for path in known.values()
+         for line, target, names in _imports(path, known) if _layer(target) is not None
+         for name in names if name.startswith("_") and not name.startswith("__")]
+  assert not bad, "\n".join(bad)
+
+
+def test_jax_free_wan_modules_import_without_jax():
+  code = ("import sys\nfor name in ('jax', 'jaxlib', 'flax', 'qwix'):\n  sys.modules[name] = None\n"
+          + "".join(f"import {m}\n" for m in JAX_FREE))
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_positive_control_wan_floors(tmp_path):
+  """A ground component importing another, an upper one importing an upper one, and a product module
+  importing a component's inner module are each reported."""
+  sideways = tmp_path / "model.py"
+  sideways.write_text("from pipelines.wan.vae import decode\n")
+  upper = tmp_path / "fuse.py"
+  upper.write_text("from pipelines.wan import step_cache\nfrom pipelines.wan.transformer import forward\n")
+  deep = tmp_path / "runner.py"
+  deep.write_text("from pipelines.wan.vae.model import decode\n")
+  for name in ("vae.py", "sc.py", "t.py"):
+    (tmp_path / name).write_text("")
+  known = {"pipelines.wan.transformer.model": sideways, "pipelines.wan.lora.fuse": upper,
+           "pipelines.wan.vae": tmp_path / "vae.py", "pipelines.wan.step_cache": tmp_path / "sc.py",
+           "pipelines.wan.transformer": tmp_path / "t.py", "pipelines.pipeline.runner": deep}
+  assert _floor_violations(known) == [
+      f"{sideways}:1 (transformer) imports pipelines.wan.vae (vae)",
+      f"{upper}:1 (lora) imports pipelines.wan.step_cache (step_cache)"]
+  assert _deep_wan_imports({"pipelines.pipeline.runner": deep}) == [f"{deep}:1 imports pipelines.wan.vae.model"]
+  # The JAX-free check's blocker bites: a module that imports JAX fails under it.
+  done = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['jax'] = None\nimport pipelines.wan.vae.model"],
+                        cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr

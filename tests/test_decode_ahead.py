@@ -177,7 +177,7 @@ def test_lowered_ahead_at_a_real_size():
 
   from end_to_end.aot_vae import abstract_vae
   from pipelines.wan import vae as V
-  from pipelines.wan.vae_config import VAE_PRESETS
+  from pipelines.wan.vae import VAE_PRESETS
 
   vae = abstract_vae(VAE_PRESETS["wan2.1"], jnp.bfloat16)
   lowered = V.lower_decode_programs(vae, batch=1, latent_height=60, latent_width=104, devices=None, split=False)

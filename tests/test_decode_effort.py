@@ -11,7 +11,7 @@ import pytest
 from pipelines import WanPipeline
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import vae as V, vae_effort
+from pipelines.wan.vae import effort as vae_effort, model as V
 
 
 @pytest.mark.parametrize("bad", [2, -1.5, True, "low", float("nan"), float("inf")])

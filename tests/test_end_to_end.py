@@ -181,7 +181,7 @@ def test_aot_image_to_video_and_ti2v_steps_lower():
   U=2,R=2 CPU mesh. The held K/V are [Z, 2, L (+ P), N, H] x 2 in the model dtype."""
   import dataclasses
 
-  from pipelines.wan.transformer_config import PRESETS
+  from pipelines.wan.transformer import PRESETS
 
   tiny = dataclasses.replace(PRESETS["tiny"], num_layers=1)
   i2v = dataclasses.replace(tiny, in_channels=36, image_dim=24, added_kv_proj_dim=tiny.dim)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from pipelines.wan import flow_schedule, schedulers
+from pipelines.wan import schedulers
+from pipelines.wan.schedulers import flow_schedule
 from numerics import assert_close_scaled
 from test_dpm_solver import run_jax_schedule
 from test_schedulers import X_INIT, fake_model, trajectory_rel

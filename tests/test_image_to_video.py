@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pipelines import WanImageToVideoPipeline, WanPipeline
-from pipelines.pipeline import wan_pipeline
+from pipelines.wan import pretrained
 from numerics import assert_psnr_at_least
 from torch_weights import randomize
 
@@ -67,7 +67,7 @@ def _clip(with_projection: bool):
 
 def _save(kind: str, folder: str) -> None:
   torch.manual_seed(0)
-  base = dataclasses.replace(wan_pipeline.TINY_TRANSFORMER, in_channels=36, out_channels=16)
+  base = dataclasses.replace(pretrained.TINY_TRANSFORMER, in_channels=36, out_channels=16)
   if kind != "a14b":
     base = dataclasses.replace(base, image_dim=CLIP_WIDTH, added_kv_proj_dim=base.dim,
                                pos_embed_seq_len=34 if kind == "flf2v" else None)
@@ -220,7 +220,7 @@ def test_low_noise_expert_only_folder(kinds, tmp_path):
   """The Wan 2.2 form diffusers' tests save: no transformer/, boundary_ratio 1.0 (every t < 1000,
   so only transformer_2 runs, with guidance_scale_2 = guidance_scale). Ours loads transformer_2 as
   the one expert: >= 90 dB against diffusers on that folder; the T2V class reads the same form."""
-  from pipelines.wan.folder import PipelineIndex
+  from pipelines.wan.pretrained import PipelineIndex
 
   folder, _, _ = kinds("a14b")
   # UniPC (as diffusers' test): its first t is < 1000; flow-match Euler starts at t = 1000, where
@@ -255,7 +255,7 @@ def _pass_through_transformer():
   undoes the 1 / sqrt(eps), so the output is exactly linear. One flow-match Euler step from sigma 1
   to 0 then lands on x - (x - c) = c: the video decodes the condition latents, whose first frame is
   the VAE's reconstruction of the image."""
-  config = dataclasses.replace(wan_pipeline.TINY_TRANSFORMER, num_attention_heads=2, attention_head_dim=64,
+  config = dataclasses.replace(pretrained.TINY_TRANSFORMER, num_attention_heads=2, attention_head_dim=64,
                                num_layers=1, in_channels=36, out_channels=16, eps=1e10, image_dim=CLIP_WIDTH,
                                added_kv_proj_dim=128)
   model = diffusers.WanTransformer3DModel(**config.to_dict())
@@ -289,7 +289,7 @@ def pass_through_folder(tmp_path_factory):
       image_processor=processor, transformer=_pass_through_transformer()).save_pretrained(folder)
   # The trained tiny default's VAE (a random one reconstructs every image as about the same blur).
   shutil.rmtree(f"{folder}/vae")
-  os.symlink(os.path.join(wan_pipeline.TINY_DEFAULT_FOLDER, "vae"), f"{folder}/vae")
+  os.symlink(os.path.join(pretrained.TINY_DEFAULT_FOLDER, "vae"), f"{folder}/vae")
   return folder
 
 

@@ -18,7 +18,7 @@ from attention.mesh import MeshSpec
 from pipelines.storage import weights
 from pipelines.parallel import distributed
 from pipelines.pipeline import WanPipeline
-from pipelines.wan import saving
+from pipelines.wan.pretrained import saving
 from pipelines.wan.transformer import large_leaf_shardings, weight_shardings
 
 

@@ -1,4 +1,4 @@
-"""Tests for pipelines/wan/lora.py: LoRA loading against diffusers, exact unfuse, refusals, experts.
+"""Tests for pipelines/wan/lora/fuse.py: LoRA loading against diffusers, exact unfuse, refusals, experts.
 
 Reference: the tiny diffusers Wan 2.1 pipeline of tests/test_pipeline.py with a peft LoRA (rank 4,
 lora_alpha 8, `blocks.1.attn1.to_q` at rank 2 through rank_pattern; random non-zero lora_A and
@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from pipelines import WanPipeline
-from pipelines.wan import lora
-from pipelines.pipeline import wan_pipeline
+from pipelines.wan import lora, pretrained
+from pipelines.wan.lora import fuse as lora_fuse
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan.transformer import init_transformer
 from harness import step_compiles
@@ -186,7 +186,7 @@ def _numpy_lora(config, seed: int = 0, rank: int = 2, modules=None) -> dict[str,
 
 def _leaves(pipe: WanPipeline, expert: int = 0) -> dict:
   leaves = jax.tree_util.tree_flatten_with_path(pipe._experts[expert])[0]
-  return {lora._state_path(k): np.asarray(v) for k, v in leaves}
+  return {lora_fuse._state_path(k): np.asarray(v) for k, v in leaves}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -364,7 +364,7 @@ def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
 
   from pipelines.cli import generate
 
-  config = wan_pipeline.TINY_TRANSFORMER
+  config = pretrained.TINY_TRANSFORMER
   path = _write(tmp_path / "fox_lora.safetensors", _numpy_lora(config, modules=["blocks.0.attn1.to_q"]))
   other = _write(tmp_path / "snow_lora.safetensors", _numpy_lora(config, seed=1, modules=["blocks.1.attn2.to_k"]))
   argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",

@@ -1,4 +1,4 @@
-"""Tests for the LoRA key layouts (pipelines/wan/lora_convert.py) and several adapters at once
+"""Tests for the LoRA key layouts (pipelines/wan/lora/convert.py) and several adapters at once
 (pipelines/pipeline/lora_loading.py) against diffusers.
 
 Reference: the tiny diffusers Wan 2.1 pipeline of tests/test_pipeline.py, saved once for the
@@ -20,7 +20,8 @@ from safetensors.numpy import save_file
 
 from pipelines import WanPipeline
 from pipelines.wan import lora
-from pipelines.wan.tiny import TINY_TRANSFORMER
+from pipelines.wan.lora import fuse as lora_fuse
+from pipelines.wan.pretrained import TINY_TRANSFORMER
 from test_pipeline import psnr
 
 PROMPT = "a red fox running through snow"
@@ -174,7 +175,7 @@ def _video(pipe, **kwargs):
 
 def _leaves(pipe, expert=0):
   leaves = jax.tree_util.tree_flatten_with_path(pipe._experts[expert])[0]
-  return {lora._state_path(k): np.asarray(v) for k, v in leaves}
+  return {lora_fuse._state_path(k): np.asarray(v) for k, v in leaves}
 
 
 def _same(a, b):
@@ -290,7 +291,7 @@ def test_key_rules_and_refusals():
   """Name rules (kohya names back to Wan's, Wan's to diffusers'), alphas outside the blocks, and the
   refusals: text-encoder keys, a non-zero delta for a parameter the model lacks (a zero one is
   dropped, as the zero norm deltas of lightx2v files), a mis-shaped delta, LoHa parts."""
-  from pipelines.wan import lora_convert
+  from pipelines.wan.lora import convert as lora_convert
 
   assert lora_convert.musubi_to_wan("blocks_12_cross_attn_norm_k_img") == "blocks.12.cross_attn.norm_k_img"
   assert lora_convert.musubi_to_wan("blocks_0_ffn_2") == "blocks.0.ffn.2"

@@ -1,5 +1,5 @@
-"""Step-cache calibrations belong to a model: pipelines/wan/mag_calibration.py, the shipped tiny
-file (pipelines/wan/mag_ratios_tiny.json) and end_to_end/calibrate_cache.py's defaults."""
+"""Step-cache calibrations belong to a model: pipelines/wan/step_cache/calibration.py, the shipped tiny
+file (pipelines/wan/step_cache/mag_ratios_tiny.json) and end_to_end/calibrate_cache.py's defaults."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from end_to_end import calibrate_cache
 from pipelines import WanPipeline
 from pipelines.cli import generate
-from pipelines.wan import mag_calibration, step_cache
+from pipelines.wan import step_cache
+from pipelines.wan.step_cache import calibration as mag_calibration
 
 TRAINED = dict(height=64, width=64, num_frames=17, steps=8, max_sequence_length=64)
 # The first shipped file's metadata (random-weight tiny model, before fingerprints were recorded).

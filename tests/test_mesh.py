@@ -26,7 +26,7 @@ from end_to_end.collectives import hlo_collectives
 from numerics import assert_psnr_at_least
 from pipelines.parallel import planner
 from pipelines.pipeline import wan_pipeline
-from pipelines.wan.transformer_config import PRESETS, param_counts
+from pipelines.wan.transformer import PRESETS, param_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=1, max_sequence_length=16,
@@ -132,7 +132,7 @@ def _compiled(pipe, mesh: str, shard_weights: bool):
 def test_cfg_parallel_equals_one_device(pipe, reference, monkeypatch, mesh, sharded):
   """With sharded weights the text encoder's large weights are split over the mesh too (here every
   leaf of >= 64 values, so the tiny encoder's are); back on one device they are whole again."""
-  from pipelines.wan import weight_placement
+  from pipelines.wan.transformer import weight_placement
   monkeypatch.setattr(weight_placement, "LARGE_LEAF_ELEMENTS", 64)
   frames, _ = _compiled(pipe, mesh, sharded)
   assert_psnr_at_least(frames, reference, MESH_PSNR_DB, name=f"{mesh}{' weights sharded' if sharded else ''}")

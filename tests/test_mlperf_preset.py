@@ -3,7 +3,7 @@
 import pytest
 
 from end_to_end import bench_presets, benchmark
-from pipelines.wan.transformer_config import PRESETS as TRANSFORMERS
+from pipelines.wan.transformer import PRESETS as TRANSFORMERS
 
 # Expected values copied from mlcommons/inference text_to_video/wan-2.2-t2v-a14b/inference_config.yaml
 # (commit b66003e1), the file its run_mlperf.py reads; the negative prompt as its `.strip()` leaves it.

@@ -107,7 +107,7 @@ def test_processes_with_different_weights_are_refused(tmp_path):
   from safetensors.numpy import save_file
 
   from pipelines.wan import lora
-  from pipelines.wan.tiny import TINY_TRANSFORMER
+  from pipelines.wan.pretrained import TINY_TRANSFORMER
   layers = lora.linear_layers(TINY_TRANSFORMER)
   module = "blocks.0.attn1.to_q"
   (out_dim, in_dim), _, _ = layers[module]

@@ -20,8 +20,9 @@ import torch
 import attention
 from pipelines import WanPipeline
 from pipelines.pipeline import wan_pipeline
-from pipelines.wan import tokenizer
+from pipelines.wan.encoders import tokenizer
 from pipelines.storage.weights import CheckpointError
+from pipelines.wan import pretrained
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from torch_weights import randomize
 
@@ -48,7 +49,7 @@ def _save_diffusers_pipeline(folder: str, *, two_experts: bool) -> None:
   torch.manual_seed(0)
   # The embedded default's architecture (and the tiny UMT5 / VAE presets' below), so the compiled
   # programs are shared with the tiny-model tests.
-  config = wan_pipeline.TINY_TRANSFORMER.to_dict()
+  config = pretrained.TINY_TRANSFORMER.to_dict()
   experts = [diffusers.WanTransformer3DModel(**config) for _ in range(2 if two_experts else 1)]
   for i, expert in enumerate(experts):
     randomize(expert, seed=10 + i)

@@ -12,7 +12,7 @@ import pytest
 
 from end_to_end import quant_error
 from pipelines import WanPipeline
-from pipelines.wan import quantization
+from pipelines.wan.transformer import quantization
 
 
 @pytest.fixture(scope="module")

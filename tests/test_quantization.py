@@ -1,4 +1,4 @@
-"""Tests for pipelines/wan/quantization.py: int8 / fp8 weights, w8a8, sharded and quantized, LoRA order.
+"""Tests for pipelines/wan/transformer/quantization.py: int8 / fp8 weights, w8a8, sharded and quantized, LoRA order.
 
 References: numpy float64 twins of the quantized matmul (the same q and s; w8a8 quantizes the rows
 in numpy as the module docstring says) and the error bounds of round-to-nearest: int8
@@ -20,10 +20,8 @@ from flax import nnx
 from pipelines import WanPipeline
 from pipelines.parallel import planner
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import quantization
-from pipelines.wan.transformer import forward
-from pipelines.wan.transformer_config import PRESETS, param_counts
-from pipelines.wan.transformer_layers import Dense
+from pipelines.wan.transformer import forward, param_counts, PRESETS, quantization
+from pipelines.wan.transformer.layers import Dense
 
 EPS32 = 2.0 ** -24  # fp32 unit roundoff
 CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=3, max_sequence_length=16)
@@ -224,7 +222,7 @@ def test_from_pretrained_quantizes_the_checkpoint_values():
   """quantize= at load reads the block kernels as fp32 (not rounded to the model dtype first) and
   places the int8 values and scales where `weight_shardings` puts them."""
   from pipelines.storage import weights
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 
   folder = f"{TINY_DEFAULT_FOLDER}/transformer"
   checkpoint = weights.read_safetensors_folder(folder)["blocks.1.ffn.net.0.proj.weight"]  # torch [O, I]

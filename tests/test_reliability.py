@@ -32,12 +32,12 @@ from safetensors.numpy import save_file
 from harness import child_env, step_compiles
 from pipelines.cli import generate
 from pipelines.storage import video_io
-from pipelines.pipeline import wan_pipeline
+from pipelines.pipeline import (NonFiniteLatentsError, TINY_SCHEDULER, TINY_TRANSFORMER, wan_pipeline,
+                                WanPipeline)
 from pipelines.storage.weights import CheckpointError
-from pipelines.pipeline import TINY_SCHEDULER, TINY_TRANSFORMER, NonFiniteLatentsError, WanPipeline
-from pipelines.wan import tokenizer as tokenization, umt5, vae as wan_vae
-from pipelines.wan.transformer import init_transformer
-from pipelines.wan.transformer_loading import checkpoint_layout
+from pipelines.wan import vae as wan_vae
+from pipelines.wan.encoders import tokenizer as tokenization, umt5
+from pipelines.wan.transformer import checkpoint_layout, init_transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red fox running through snow"

@@ -1,4 +1,4 @@
-"""`pipelines.wan.saving`: a written diffusers folder loads back (`WanPipeline.from_pretrained`)
+"""`pipelines.wan.pretrained.saving`: a written diffusers folder loads back (`WanPipeline.from_pretrained`)
 with every weight bit for bit and the same configs."""
 
 import jax
@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 
 from pipelines.pipeline import WanPipeline
-from pipelines.wan import saving
+from pipelines.wan.pretrained import saving
 
 
 def test_saved_folder_loads_back_bit_for_bit(tmp_path):

@@ -40,7 +40,7 @@ def served(tmp_path_factory):
 
   from pipelines.pipeline.request import ModelFacts
   from pipelines.wan import lora
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 
   root = tmp_path_factory.mktemp("serve")
   (out_dim, in_dim), _, _ = lora.linear_layers(ModelFacts.from_folder(TINY_DEFAULT_FOLDER, "float32").transformer)[

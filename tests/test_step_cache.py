@@ -1,4 +1,4 @@
-"""Tests for pipelines/wan/step_cache.py: step caching through `WanPipeline.run(step_cache=...)`.
+"""Tests for pipelines/wan/step_cache/forward.py: step caching through `WanPipeline.run(step_cache=...)`.
 
 - threshold 0 never skips, and the cached program's latents equal the uncached ones bit for bit;
 - on 2x2, 1x4 and 4x1 meshes a run that skips some steps (and runs others: a positive control)
@@ -24,8 +24,7 @@ import pytest
 
 import attention
 from pipelines import WanPipeline
-from pipelines.pipeline import wan_pipeline
-from pipelines.wan import step_cache
+from pipelines.wan import pretrained, step_cache
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
@@ -161,9 +160,9 @@ def test_reset_keeps_the_layout():
   expects (residuals sequence-sharded, scalars replicated)."""
   mesh = attention.make_mesh(ulysses=2, ring=2)
   spec = step_cache.parse_step_cache("mag:0.1", model="tiny")
-  state = step_cache.init_state(spec, rows=2, tokens=45, config=wan_pipeline.TINY_TRANSFORMER,
+  state = step_cache.init_state(spec, rows=2, tokens=45, config=pretrained.TINY_TRANSFORMER,
                                 dtype=np.float32, steps=8, mesh=mesh)
-  assert state.residual.shape == (2, 48, wan_pipeline.TINY_TRANSFORMER.dim)  # 45 padded to 4 * 12
+  assert state.residual.shape == (2, 48, pretrained.TINY_TRANSFORMER.dim)  # 45 padded to 4 * 12
   state = dataclasses.replace(state, valid=~state.valid, acc_steps=state.acc_steps + 2)
   again = step_cache.reset(state)
   assert not bool(again.valid) and int(again.acc_steps) == 0 and int(again.step) == 0

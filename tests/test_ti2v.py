@@ -23,8 +23,9 @@ from pipelines import WanImageToVideoPipeline, WanPipeline
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.ti2v import ti2v_condition
-from pipelines.wan import ti2v, transformer as wan_transformer, vae as wan_vae
-from pipelines.wan.tiny import TINY_TRANSFORMER
+from pipelines.wan import transformer as wan_transformer, vae as wan_vae
+from pipelines.wan.conditioning import ti2v
+from pipelines.wan.pretrained import TINY_TRANSFORMER
 from torch_weights import randomize
 
 pytestmark = pytest.mark.numerics
@@ -218,7 +219,7 @@ def test_preset_and_planner_size_the_5b():
   diffusers' parameters exactly (5.0B); the planner counts the 16x VAE's tokens (27,280)."""
   from pipelines.cli.presets import PRESETS
   from pipelines.parallel import estimate, planner
-  from pipelines.wan.transformer_config import PRESETS as MODELS, param_counts
+  from pipelines.wan.transformer import PRESETS as MODELS, param_counts
 
   p = PRESETS["wan2.2-ti2v-5b"]
   assert (p.width, p.height, p.frames, p.steps, p.shift, p.guidance, p.fps) == (1280, 704, 121, 50, 5.0, (5.0,), 24.0)

@@ -1,4 +1,4 @@
-"""Tests for pipelines/wan/tokenizer.py `prompt_clean`: equal to diffusers' and Wan's (ftfy first).
+"""Tests for pipelines/wan/encoders/tokenizer.py `prompt_clean`: equal to diffusers' and Wan's (ftfy first).
 
 Reference: diffusers `pipelines/wan/pipeline_wan.py` `prompt_clean` with ftfy installed (its
 `basic_clean` runs `ftfy.fix_text` whenever `is_ftfy_available()`), and the token ids its
@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 
-from pipelines.wan import tokenizer
+from pipelines.wan.encoders import tokenizer
 
 pytest.importorskip("ftfy")
 pipeline_wan = pytest.importorskip("diffusers.pipelines.wan.pipeline_wan")

@@ -46,7 +46,7 @@ def test_vae_training_graph_is_the_pipelines_encode_and_decode():
   np.testing.assert_allclose(np.asarray(y), np.asarray(video), atol=1e-5)
 
 
-# --- the shipped default (pipelines/wan/tiny_default/, written by end_to_end.train_tiny) -----------
+# --- the shipped default (pipelines/wan/pretrained/tiny_default/, written by end_to_end.train_tiny) -----------
 
 def test_default_model_draws_what_the_prompt_says():
   """The issue's acceptance: every colour x motion of the grammar (shapes in turn), two seeds each,
@@ -82,7 +82,7 @@ def test_default_model_is_the_same_video_in_diffusers():
   from end_to_end import synthetic_world as world
   from numerics import FP32_VIDEO_PSNR_DB
   from pipelines import WanPipeline
-  from pipelines.wan.tiny import TINY_DEFAULT_FOLDER
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
   from end_to_end.video_metrics import psnr_per_frame
 
   ours = WanPipeline.tiny()
@@ -108,7 +108,7 @@ def test_default_text_length_is_the_one_trained_with(tmp_path):
   mask, so the padding is part of their input): `save_model`'s tokenizer says so, and the pipeline
   and generate take it as the default `max_sequence_length`; Wan's tokenizers (no limit) keep 512."""
   from pipelines.pipeline import WanPipeline
-  from pipelines.wan import tokenizer as tokenization
+  from pipelines.wan.encoders import tokenizer as tokenization
 
   assert [tokenization.text_length(v) for v in (10 ** 30, None, True, 0, 64, 512)] == [512, 512, 512, 512, 64, 512]
   tokenizer = tokenization.default_tokenizer()

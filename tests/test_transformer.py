@@ -25,9 +25,8 @@ from safetensors.numpy import load_file, save_file
 import attention
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage.weights import CheckpointError
-from pipelines.wan.transformer import forward, init_transformer, param_shapes
-from pipelines.wan.transformer_config import PRESETS, WanTransformerConfig
-from pipelines.wan.transformer_loading import load_transformer
+from pipelines.wan.transformer import (forward, init_transformer, load_transformer, param_shapes, PRESETS,
+                                       WanTransformerConfig)
 from numerics import EPS_F32, assert_close_scaled, within
 from torch_weights import randomize
 

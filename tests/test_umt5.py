@@ -13,7 +13,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from pipelines.storage.weights import CheckpointError
-from pipelines.wan import tokenizer, umt5
+from pipelines.wan.encoders import tokenizer, umt5
 from numerics import EPS_F32, assert_close_scaled
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2

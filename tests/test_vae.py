@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from pipelines.storage.weights import CheckpointError
 from numerics import EPS_F32, assert_close_scaled
-from pipelines.wan import vae as V, vae_effort
-from pipelines.wan import vae_layers
+from pipelines.wan import vae as V
+from pipelines.wan.vae import effort as vae_effort, model as vae_model
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
@@ -85,7 +85,7 @@ def test_later_chunks_share_one_program(models):
   _, vae, _ = models
   z = jax.random.normal(jax.random.key(0), (2, 16, 2, 4, 6))  # the parity tests' shapes
   V.decode(vae, z)
-  later = V._chunk_programs(vae_effort.decode_compile_effort("cpu")).later
+  later = vae_model._chunk_programs(vae_effort.decode_compile_effort("cpu")).later
   size = later._cache_size()
   video = V.decode(vae, jnp.concatenate([z] * 3, axis=2))
   assert video.shape == (2, 3, 21, 32, 48)
@@ -102,7 +102,7 @@ def test_decode_compile_effort_changes_the_program_not_the_video(models, monkeyp
   z = jax.random.normal(jax.random.key(1), (1, 16, 2, 4, 6))
   default = np.asarray(V.decode(vae, z))
   monkeypatch.setattr(vae_effort, "decode_compile_effort", lambda platform: -0.5)
-  lowered = V._chunk_programs(-0.5).later
+  lowered = vae_model._chunk_programs(-0.5).later
   before = lowered._cache_size()
   low_effort = np.asarray(V.decode(vae, z))
   assert lowered._cache_size() == before + 1  # the -0.5 programs ran (positive control)
@@ -184,7 +184,7 @@ def test_init_decodes_and_bf16_keeps_dtype():
   cfg = V.VAE_PRESETS["tiny"]
   vae = V.init_vae(cfg, jax.random.key(0))
   assert {k: v.shape for k, v in vae.params.items()} == {
-      k: vae_layers.to_jax_layout(k, np.empty(s)).shape for k, s in cfg.param_shapes().items()}
+      k: V.to_jax_layout(k, np.empty(s)).shape for k, s in cfg.param_shapes().items()}
   z = jax.random.normal(jax.random.key(1), (2, 16, 2, 4, 6))  # the parity tests' (compiled) shapes
   video = V.decode(vae, z)
   assert video.shape == (2, 3, 5, 32, 48) and video.dtype == jnp.float32
@@ -192,7 +192,7 @@ def test_init_decodes_and_bf16_keeps_dtype():
   # bf16 inference: every activation and cache entry stays bf16 (abstract trace: no compile).
   vae16 = V.init_vae(cfg, jax.random.key(0), dtype=jnp.bfloat16)
   z16 = jax.ShapeDtypeStruct((1, 2, 4, 6, 16), jnp.bfloat16)
-  programs = V._chunk_programs(vae_effort.decode_compile_effort("cpu"))
+  programs = vae_model._chunk_programs(vae_effort.decode_compile_effort("cpu"))
   out, cache = jax.eval_shape(programs.first, vae16, z16)
   out, cache = jax.eval_shape(programs.later, vae16, cache, z16)
   assert out.shape == (1, 8, 32, 48, 3)
@@ -210,7 +210,7 @@ def test_memory_analysis_of_chunk_step():
 def test_conv_form_follows_the_platform_compiled_for():
   """CPU programs run a stride-1 3D conv as one 2D conv per time tap; programs lowered for GPU or
   TPU (also ahead of time from a CPU host) keep the one 3D conv."""
-  from pipelines.wan import vae_layers as L
+  from pipelines.wan.vae import layers as L
 
   x = jax.ShapeDtypeStruct((1, 6, 8, 8, 4), jnp.float32)
   w = jax.ShapeDtypeStruct((3, 3, 3, 4, 4), jnp.float32)

@@ -13,8 +13,8 @@ import pytest
 
 from end_to_end.collectives import hlo_collectives
 from numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
-from pipelines.wan import vae as V, vae_effort
-from pipelines.wan import vae_layers as L
+from pipelines.wan import vae as V
+from pipelines.wan.vae import effort as vae_effort, layers as L, model as vae_model
 
 pytestmark = pytest.mark.numerics
 
@@ -129,7 +129,7 @@ def test_collectives_are_halos_and_attention_ring(vaes):
   rmesh = V.row_mesh(_mesh(devices))
   rows = V.row_split(devices, hl)
   z = jax.ShapeDtypeStruct((1, 1, devices * rows.band, wl, 16), jnp.float32)
-  programs = V._chunk_programs(vae_effort.decode_compile_effort("cpu"))
+  programs = vae_model._chunk_programs(vae_effort.decode_compile_effort("cpu"))
   _, cache = programs.first_rows.eval_shape(vae, z, mesh=rmesh, rows=rows)
   hlo = programs.later_rows.lower(vae, cache, z, mesh=rmesh, rows=rows).compile().as_text()
   table = hlo_collectives(hlo)

@@ -27,7 +27,7 @@ def model_facts(plan: Plan) -> Any:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
   """
   from pipelines.pipeline.request import ModelFacts
-  from pipelines.wan.folder import PipelineIndex
+  from pipelines.wan.pretrained import PipelineIndex
 
   if plan.model == "tiny-random":
     facts = ModelFacts.tiny_random(plan.dtype)
@@ -153,8 +153,7 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
                                                        ("h200", ("h200",)), ("h100", ("h100",)))
                if any(w in kind for w in words)), None)
   modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
-  from pipelines.wan.quantization import quantized_counts
-  from pipelines.wan.transformer_config import param_counts
+  from pipelines.wan.transformer import param_counts, quantized_counts
 
   config = request.model.transformer
   quantized = quantized_counts(config) if request.model.quantize else (0, 0)

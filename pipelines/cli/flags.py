@@ -13,8 +13,7 @@ import re
 from pipelines.cli.help import HelpFormatter
 from pipelines.cli.presets import PRESETS
 from pipelines.pipeline import compile_cache
-from pipelines.parallel import distributed
-from pipelines.parallel import estimate
+from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
 
 
@@ -209,7 +208,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
 def add_decode_effort_flag(p: argparse.ArgumentParser) -> None:
   """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae_effort.check_compile_effort`)."""
   def effort(text: str) -> float:
-    from pipelines.wan.vae_effort import check_compile_effort
+    from pipelines.wan.vae import check_compile_effort
 
     try:
       return check_compile_effort(float(text), "tpu")

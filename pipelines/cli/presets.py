@@ -97,11 +97,11 @@ def default_text_length(model: str) -> int:
   folder) was trained with, from its tokenizer's `model_max_length` (`tokenizer.folder_text_length`:
   64 for the trained tiny default, 512 for Wan folders); Wan's 512 for the random-weight tiny model.
   Reads one JSON file at most; loads no model."""
-  from pipelines.wan import tokenizer as tokenization
+  from pipelines.wan.encoders import tokenizer as tokenization
   if model == "tiny-random":
     return tokenization.WAN_TEXT_LENGTH
   if model == "tiny":
-    from pipelines.wan.tiny import TINY_DEFAULT_FOLDER  # a constant: no model is loaded
+    from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
     model = TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)
 

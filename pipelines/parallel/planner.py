@@ -1,6 +1,6 @@
 """Which mesh to run a Wan model on: every valid (CFG, U, R, weight sharding), what each costs, one pick.
 
-For a transformer config and its parameter counts (`pipelines.wan.transformer_config.param_counts`,
+For a transformer config and its parameter counts (`pipelines.wan.transformer.config.param_counts`,
 passed in: this layer imports no model code), a video size and a device count, `candidates`
 enumerates the `MeshSpec`s that can run it (C in {1, 2} with guidance on, U dividing the heads,
 C * R * U = the devices, weights replicated or sharded) and models one denoising step of each:

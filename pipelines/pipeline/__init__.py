@@ -5,17 +5,17 @@
 `compile_cache` load without importing JAX's model code.
 """
 
-_EXPORTS = ("WanPipeline", "GenerationResult", "NonFiniteLatentsError", "TINY_TRANSFORMER",
-            "TINY_DEFAULT_FOLDER", "TINY_SEED", "TINY_SCHEDULER", "DTYPES")
+from pipelines.wan import lazy_attributes
 
-__all__ = [*_EXPORTS, "WanImageToVideoPipeline"]
+_HOMES = (
+    ("pipelines.pipeline.hooks", ("NonFiniteLatentsError",)),
+    ("pipelines.pipeline.image_pipeline", ("WanImageToVideoPipeline",)),
+    ("pipelines.pipeline.loading", ("DTYPES",)),
+    ("pipelines.pipeline.runner", ("GenerationResult",)),
+    ("pipelines.pipeline.wan_pipeline", ("WanPipeline",)),
+    ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED", "TINY_TRANSFORMER")),
+)
 
+__all__ = sorted(name for _, names in _HOMES for name in names)
 
-def __getattr__(name: str):
-  if name == "WanImageToVideoPipeline":
-    from pipelines.pipeline import image_pipeline
-    return image_pipeline.WanImageToVideoPipeline
-  if name in _EXPORTS:
-    from pipelines.pipeline import wan_pipeline
-    return getattr(wan_pipeline, name)
-  raise AttributeError(f"module 'pipelines.pipeline' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)

@@ -130,7 +130,7 @@ class CallOptions:
   on_stage: Callable[[str], None] | None = None
 
   def __post_init__(self):
-    from pipelines.wan.vae_effort import check_compile_effort  # raises on a bad effort, before any work
+    from pipelines.wan.vae import check_compile_effort
 
     check_compile_effort(self.decode_compile_effort, "tpu")
     if self.on_stage is not None and not callable(self.on_stage):

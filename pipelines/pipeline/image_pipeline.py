@@ -23,7 +23,8 @@ import numpy as np
 from pipelines.pipeline.image_inputs import clip_pixels, to_video_frame
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.wan_pipeline import WanPipeline
-from pipelines.wan import clip_vision, image_condition
+from pipelines.wan.encoders import clip_vision
+from pipelines.wan.conditioning import image as image_condition
 
 
 class WanImageToVideoPipeline(WanPipeline):

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage import weights
-from pipelines.wan import clip_vision, schedulers, tiny, tokenizer as tokenization, umt5, vae as wan_vae
-from pipelines.wan.folder import PipelineIndex
-from pipelines.wan.transformer import init_transformer, large_leaf_shardings
-from pipelines.wan.transformer_loading import load_transformer
+from pipelines.wan import schedulers, vae as wan_vae
+from pipelines.wan.encoders import clip_vision, tokenizer as tokenization, umt5
+from pipelines.wan.pretrained import PipelineIndex, tiny
+from pipelines.wan.transformer import init_transformer, large_leaf_shardings, load_transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.parallel import distributed
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import umt5, vae as wan_vae
+from pipelines.wan import vae as wan_vae
+from pipelines.wan.encoders import umt5
 from pipelines.wan.transformer import large_leaf_shardings, weight_shardings
 
 

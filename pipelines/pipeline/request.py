@@ -25,9 +25,9 @@ from pipelines.pipeline import resume as resume_state
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
-from pipelines.wan import flow_schedule, schedulers
-from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan import schedulers, step_cache as wan_step_cache
+from pipelines.wan.schedulers import flow_schedule
+from pipelines.wan.transformer import WanTransformerConfig
 
 GUIDANCE_HINT = " (Wan: 5.0; <= 1 turns CFG off)"
 
@@ -83,37 +83,36 @@ class ModelFacts:
     import os
 
     from pipelines.storage import weights
-    from pipelines.wan import tokenizer, vae
-    from pipelines.wan.folder import PipelineIndex
+    from pipelines.wan import encoders, pretrained, vae
 
-    index = PipelineIndex.read(folder)
+    index = pretrained.PipelineIndex.read(folder)
     vae_config = vae.WanVAEConfig.from_diffusers(weights.read_config(os.path.join(folder, "vae")))
     scheduler = schedulers.scheduler_config_from_dict(weights.read_json(
         os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
     return cls(name=os.path.abspath(folder) if name is None else name, transformer=index.transformer,
                spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
-               max_sequence_length=tokenizer.folder_text_length(folder), dtype=dtype,
+               max_sequence_length=encoders.folder_text_length(folder), dtype=dtype,
                image_to_video=index.image_to_video,
                expand_timesteps=index.expand_timesteps)
 
   @classmethod
   def tiny_default(cls, dtype: str) -> ModelFacts:
     """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size."""
-    from pipelines.wan import tiny
+    from pipelines.wan import pretrained
 
-    facts = cls.from_folder(tiny.TINY_DEFAULT_FOLDER, dtype, name="tiny")
-    return dataclasses.replace(facts, trained_video=tiny.TINY_TRAINED_VIDEO)
+    facts = cls.from_folder(pretrained.TINY_DEFAULT_FOLDER, dtype, name="tiny")
+    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO)
 
   @classmethod
   def tiny_random(cls, dtype: str) -> ModelFacts:
     """The facts of the random-weight tiny model (`WanPipeline.tiny(random=True)`)."""
-    from pipelines.wan import tiny, tokenizer, vae
+    from pipelines.wan import encoders, pretrained, vae
 
     config = vae.VAE_PRESETS["tiny"]
-    return cls(name="tiny-random", transformer=tiny.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
-               temporal_factor=config.temporal_factor, boundary_ratio=None, scheduler=tiny.TINY_SCHEDULER,
-               max_sequence_length=tokenizer.WAN_TEXT_LENGTH, dtype=dtype)
+    return cls(name="tiny-random", transformer=pretrained.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
+               temporal_factor=config.temporal_factor, boundary_ratio=None, scheduler=pretrained.TINY_SCHEDULER,
+               max_sequence_length=encoders.WAN_TEXT_LENGTH, dtype=dtype)
 
   @property
   def experts(self) -> int:

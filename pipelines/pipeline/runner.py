@@ -22,7 +22,7 @@ from pipelines.pipeline.decoding import lower_decoder
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.vae_effort import effective_compile_effort
+from pipelines.wan.vae import effective_compile_effort
 
 
 @dataclasses.dataclass(frozen=True)

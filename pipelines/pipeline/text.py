@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.parallel import distributed
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import tokenizer as tokenization, umt5
+from pipelines.wan.encoders import tokenizer as tokenization, umt5
 
 _encode_jit = jax.jit(umt5.encode, static_argnames="config")
 

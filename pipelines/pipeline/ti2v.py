@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from pipelines.pipeline.image_inputs import to_video_frame
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.wan import ti2v, vae as wan_vae
+from pipelines.wan import vae as wan_vae
+from pipelines.wan.conditioning import ti2v
 
 
 def conditioning(vae: wan_vae.WanVAE, request: GenerationRequest, patch_size: tuple[int, int, int],

@@ -47,11 +47,11 @@ from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
 from pipelines.storage import weights
-from pipelines.wan import (lora, mag_calibration, quantization, step_cache as wan_step_cache,
-                           tokenizer as tokenization, umt5, vae as wan_vae)
-from pipelines.wan.tiny import (TINY_DEFAULT_FOLDER, TINY_SCHEDULER, TINY_SEED, TINY_TRAINED_VIDEO,  # noqa: F401
-                               TINY_TRANSFORMER)
-from pipelines.wan.transformer import WanTransformer
+from pipelines.wan import lora, step_cache as wan_step_cache, vae as wan_vae
+from pipelines.wan.step_cache import calibration as mag_calibration
+from pipelines.wan.transformer import quantization, WanTransformer
+from pipelines.wan.encoders import tokenizer as tokenization, umt5
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_VIDEO
 
 DTYPES = loading.DTYPES
 
@@ -287,7 +287,7 @@ class WanPipeline(LoraLoaderMixin):
     """Every following call caches steps: "first-block:THRESH" (first-block residual cache) or
     "mag:THRESH[:K][@RATIOS.json]" (MagCache), or a `step_cache.StepCacheSpec`: steps whose change
     measure stays below THRESH reuse a cached residual instead of running the transformer's blocks
-    (pipelines/wan/step_cache.py; diffusers' `enable_cache` idea).
+    (pipelines/wan/step_cache/forward.py; diffusers' `enable_cache` idea).
 
     Raises:
       ValueError: a malformed spec, or MagCache without ratios calibrated for this model.

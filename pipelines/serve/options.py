@@ -68,7 +68,7 @@ class ServeConfig:
         raise UsageError(f"--{name.replace('_', '-')} {value!r} must be an int >= 1")
     if not 0 < self.port < 65536:
       raise UsageError(f"--port {self.port} must be in 1..65535")
-    from pipelines.wan.vae_effort import check_compile_effort
+    from pipelines.wan.vae import check_compile_effort
 
     try:
       check_compile_effort(self.decode_compile_effort, "tpu")

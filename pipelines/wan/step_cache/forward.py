@@ -57,11 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention.mesh import sequence_spec
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import transformer as wan_transformer
-from pipelines.wan.sequence_layout import padded_tokens
-from pipelines.wan.step_cache_spec import (MAG_DEFAULT_MAX_SKIPS, MAG_DEFAULT_RETENTION, METHODS,  # noqa: F401
-                                           SPEC_HELP, TINY_RATIOS_FILE, StepCacheError, StepCacheSpec,
-                                           load_ratios, nearest_interp, parse_step_cache, summary)
+from pipelines.wan.transformer import model as wan_transformer, padded_tokens
+from pipelines.wan.step_cache.spec import (StepCacheSpec, nearest_interp)
 
 
 # --- the carried state -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipelines.wan import vae_topology as topology
+from pipelines.wan.vae import topology
 
 # Wan 2.1 VAE latent statistics (diffusers `AutoencoderKLWan` defaults, also in the released config).
 WAN21_LATENTS_MEAN = (

@@ -1,6 +1,6 @@
 """What a MagCache calibration was made for, and whether a run matches it.
 
-MagCache's per-step magnitude ratios (`pipelines/wan/step_cache.py`, arXiv:2506.09045) are a
+MagCache's per-step magnitude ratios (`pipelines/wan/step_cache/forward.py`, arXiv:2506.09045) are a
 property of one model at one setting: the residual's magnitude from step to step depends on the
 weights, on the token count (size, frames), on the sampler's sigmas (steps) and on the text
 conditioning (text length, as Wan's cross-attention sees the zero padding). Ratios measured for

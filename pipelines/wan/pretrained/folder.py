@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from pipelines.storage import weights
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer import WanTransformerConfig
 
 
 # model_index.json `_class_name`s that load, and whether each is image-to-video.

@@ -53,10 +53,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pipelines.wan import vae_residual
-from pipelines.wan.vae_topology import (AttnBlock, CausalConv, Layer, NormSiLU, Resample, ResBlock,  # noqa: F401
-                                          ResidualGroup, Shortcut, decoder_layers, encoder_layers, param_shapes,
-                                          to_jax_layout)
+from pipelines.wan.vae import residual as vae_residual
+from pipelines.wan.vae.topology import (AttnBlock, CausalConv, Layer, NormSiLU, Resample, ResBlock,
+                                        ResidualGroup, Shortcut)
 
 CACHE_T = 2  # frames of causal-conv input carried between chunks (diffusers' CACHE_T)
 RMS_EPS = 1e-12  # torch.nn.functional.normalize's default eps (clamps the L2 norm, not its square)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pipelines.wan.vae_topology import Shortcut
+from pipelines.wan.vae.topology import Shortcut
 
 
 def avg_down(s: Shortcut, x_BTHWC: jax.Array) -> jax.Array:

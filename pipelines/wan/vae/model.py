@@ -34,10 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.storage.weights import CheckpointError, HostLeaf, check_state_dict, read_config, read_safetensors_folder
 from pipelines.parallel.distributed import put_host_leaves
-from pipelines.wan import vae_layers as L, vae_residual
-from pipelines.wan.vae_effort import check_compile_effort
-from pipelines.wan.vae_config import (VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD,  # noqa: F401
-                                      WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WanVAEConfig)
+from pipelines.wan.vae import layers as L, residual as vae_residual
+from pipelines.wan.vae.effort import check_compile_effort
+from pipelines.wan.vae.config import WanVAEConfig
+from pipelines.wan.vae.topology import to_jax_layout
 
 ENCODER_CHUNK = 4  # video frames per encoder chunk after the first frame (diffusers `_encode`)
 
@@ -85,7 +85,7 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | No
     raise CheckpointError(f"{folder!r}: unsupported or invalid AutoencoderKLWan config: {e}") from e
   state = read_safetensors_folder(folder)  # memory-mapped views
   check_state_dict(state, config.param_shapes(), where=folder)
-  leaves = {k: HostLeaf.of(L.to_jax_layout(k, v), dtype) for k, v in state.items()}
+  leaves = {k: HostLeaf.of(to_jax_layout(k, v), dtype) for k, v in state.items()}
   params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 
@@ -108,7 +108,7 @@ def init_vae(config: WanVAEConfig, key: jax.Array, *, dtype: jnp.dtype = jnp.flo
     else:
       fan_in = int(np.prod(weight_shapes[name.rsplit(".", 1)[0] + ".weight"][1:]))
       value = u[start:start + size].reshape(shape) * np.float32(fan_in ** -0.5)
-    params[name] = jnp.asarray(L.to_jax_layout(name, value), dtype)
+    params[name] = jnp.asarray(to_jax_layout(name, value), dtype)
   return WanVAE(config, params)
 
 
@@ -419,7 +419,7 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
   Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
   default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `decode` cites it.
   """
-  params = {k: jax.ShapeDtypeStruct(L.to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
+  params = {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
             for k, s in config.param_shapes().items()}
   programs = lower_decode_programs(WanVAE(config, params), batch=batch, latent_height=latent_height,
                                    latent_width=latent_width, devices=jax.devices()[:1], split=False)

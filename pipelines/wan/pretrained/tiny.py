@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from pipelines.wan import schedulers
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer import WanTransformerConfig
 
 TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_dim=16, text_dim=32,
                                         ffn_dim=256, num_layers=2)

@@ -3,7 +3,7 @@
 Glossary (DESIGN.md section 1): B batch, C latent channels, F / Hl / Wl latent frames / height /
 width, T video tokens, L text tokens, N heads, H head dim, D = N * H, E ffn width, Z layers.
 
-Dtypes as diffusers loaded with `torch_dtype=dtype` (pipelines/wan/transformer.py): linear layers
+Dtypes as diffusers loaded with `torch_dtype=dtype` (pipelines/wan/transformer/model.py): linear layers
 accumulate in fp32 and round once to their kernel dtype; the fp32-kept modules (timestep MLP,
 AdaLN tables, cross-attention `norm2`) compute in fp32. `WanBlock` holds every block's weights with
 a leading Z axis and is run by the transformer's layer scan; where its tokens live and how its
@@ -22,9 +22,9 @@ import qwix
 from flax import nnx
 
 import producers
-from pipelines.wan import quantization
-from pipelines.wan.sequence_layout import SequenceLayout
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer import quantization
+from pipelines.wan.transformer.sequence_layout import SequenceLayout
+from pipelines.wan.transformer.config import WanTransformerConfig
 
 
 def _silu(x: jax.Array) -> jax.Array:

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer.config import WanTransformerConfig
 
 MODES = ("int8", "fp8", "int8-w8a8")
 QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int8-w8a8": jnp.int8}

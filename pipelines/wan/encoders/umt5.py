@@ -196,7 +196,7 @@ def encode(params: Params, input_ids: jax.Array, attention_mask: jax.Array, *,
 
 # --- checkpoint layout -------------------------------------------------------------------------------
 
-def _block_keys(i: int) -> dict[str, str]:
+def block_keys(i: int) -> dict[str, str]:
   a = f"encoder.block.{i}.layer.0."
   f = f"encoder.block.{i}.layer.1."
   return {
@@ -222,7 +222,7 @@ def checkpoint_shapes(config: UMT5Config) -> dict[str, tuple[int, ...]]:
                "rel_bias": (c.relative_attention_num_buckets, c.num_heads), "ffn_norm": (c.d_model,),
                "wi_0": (c.d_ff, c.d_model), "wi_1": (c.d_ff, c.d_model), "wo": (c.d_model, c.d_ff)}
   for i in range(c.num_layers):
-    for name, key in _block_keys(i).items():
+    for name, key in block_keys(i).items():
       shapes[key] = per_layer[name]
   return shapes
 
@@ -256,10 +256,10 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
     return w
 
   layers = {}
-  for name in _block_keys(0):
+  for name in block_keys(0):
     layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
     layers[name] = weights.HostLeaf.stack(
-        [conv(name, np.asarray(state[_block_keys(i)[name]])) for i in range(c.num_layers)], layer_dtype)
+        [conv(name, np.asarray(state[block_keys(i)[name]])) for i in range(c.num_layers)], layer_dtype)
   leaves = {
       "embedding": weights.HostLeaf.of(np.asarray(state["shared.weight"]), dtype),
       "final_norm": weights.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),

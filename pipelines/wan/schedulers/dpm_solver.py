@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.wan import flow_schedule
+from pipelines.wan.schedulers import flow_schedule
 
 _F32 = flow_schedule.F32
 _mul = flow_schedule.scaled

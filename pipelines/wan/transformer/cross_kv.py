@@ -20,9 +20,9 @@ from typing import Any
 import jax
 
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan.sequence_layout import SequenceLayout
-from pipelines.wan.transformer_config import WanTransformerConfig
-from pipelines.wan.transformer_layers import cross_attention_kv
+from pipelines.wan.transformer.sequence_layout import SequenceLayout
+from pipelines.wan.transformer.config import WanTransformerConfig
+from pipelines.wan.transformer.layers import cross_attention_kv
 
 
 @jax.tree_util.register_dataclass

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from pipelines.wan import schedulers, umt5, vae as wan_vae
-from pipelines.wan.transformer import WanTransformer
-from pipelines.wan.transformer_loading import checkpoint_layout
+from pipelines.wan import schedulers, vae as wan_vae
+from pipelines.wan.encoders import umt5
+from pipelines.wan.transformer import checkpoint_layout, WanTransformer
 
 DIFFUSERS_VERSION = "0.33.0"
 
@@ -95,7 +95,7 @@ def umt5_state_dict(config: umt5.UMT5Config, params: umt5.Params) -> dict[str, n
         w = w.reshape(c.num_heads * c.d_kv, c.d_model).T
       elif name in ("wi_0", "wi_1", "wo"):
         w = w.T
-      out[umt5._block_keys(i)[name]] = w
+      out[umt5.block_keys(i)[name]] = w
   return out
 
 

@@ -1,7 +1,7 @@
 """Step-cache settings: the spec strings, MagCache's calibrated ratios, the record of a cached run.
 
 No JAX: what a step-cache argument means (`parse_step_cache`), checked before anything is loaded.
-The methods and the state they carry are described in pipelines/wan/step_cache.py. S: denoising
+The methods and the state they carry are described in pipelines/wan/step_cache/forward.py. S: denoising
 steps.
 """
 
@@ -21,7 +21,7 @@ METHODS = ("first-block", "mag")
 MAG_DEFAULT_MAX_SKIPS = 3  # diffusers MagCacheConfig.max_skip_steps
 MAG_DEFAULT_RETENTION = 0.2  # diffusers MagCacheConfig.retention_ratio
 # Ratios of the embedded tiny model (`WanPipeline.tiny()`), written by
-# `python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/mag_ratios_tiny.json`.
+# `python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/step_cache/mag_ratios_tiny.json`.
 TINY_RATIOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mag_ratios_tiny.json")
 
 SPEC_HELP = ("None, 'first-block:THRESH' (e.g. 'first-block:0.05') or 'mag:THRESH[:K][@RATIOS.json]' "

@@ -45,11 +45,8 @@ import jax
 import numpy as np
 
 from pipelines.parallel import distributed
-from pipelines.wan.lora_convert import TRANSFORMER_PREFIX, WAN_PREFIX, normalize, text_encoder_keys  # noqa: F401
-from pipelines.wan.lora_format import (  # noqa: F401 (re-exported)
-    LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, LoraSource, load_lora, lora_digest, lora_file, read_lora)
-from pipelines.wan.transformer_config import WanTransformerConfig
-from pipelines.wan.transformer_loading import _to_ours, checkpoint_layout
+from pipelines.wan.lora.convert import TRANSFORMER_PREFIX, normalize, text_encoder_keys
+from pipelines.wan.transformer import checkpoint_layout, to_ours, WanTransformerConfig
 
 EXPERT_NAMES = ("transformer", "transformer_2")  # diffusers' component names of experts 0 and 1
 
@@ -211,7 +208,7 @@ def _full_delta(key: str, value: np.ndarray, target: tuple, name: str) -> tuple[
   shape, path, layer, kind = target
   if tuple(value.shape) != tuple(shape):
     return None, f"{name} {tuple(value.shape)} (model wants {tuple(shape)} for {key})"
-  return FullDelta(key=key, path=path, layer=layer, delta=np.asarray(_to_ours(value, kind), np.float32)), None
+  return FullDelta(key=key, path=path, layer=layer, delta=np.asarray(to_ours(value, kind), np.float32)), None
 
 
 def _config_fields(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any] | None:

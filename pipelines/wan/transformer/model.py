@@ -11,7 +11,7 @@ so the timestep MLP, all AdaLN modulation and every LayerNorm run in fp32 and ar
 `dtype` where diffusers calls `type_as`. Linear layers accumulate in fp32 and round once.
 
 Where it runs is one `pipelines.parallel.plan.ParallelPlan` (None: one device), from which each
-forward builds its `SequenceLayout` (pipelines/wan/sequence_layout.py). Sequence parallelism
+forward builds its `SequenceLayout` (pipelines/wan/transformer/sequence_layout.py). Sequence parallelism
 (DESIGN.md section 2): with a mesh, the video tokens are padded to a multiple
 of U * R and constrained to `P(None, ("ring", "ulysses"), None)` for the whole forward; every
 token-wise op runs on the local chunk; self-attention is `attention.usp_attention` with the valid
@@ -24,7 +24,7 @@ and padded rows are dropped before unpatchify. RoPE rows are global positions (t
 sharded with the tokens). The blocks' weights are stacked on a leading Z axis and run by one
 `lax.scan`, so the block is traced and compiled once whatever the depth. `forward` is `embed`
 (patch and condition embeddings, RoPE), `run_blocks` (any range of blocks) and `unembed` (output
-norm, projection, unpatchify), so a step cache (pipelines/wan/step_cache.py) can run block 0 and
+norm, projection, unpatchify), so a step cache (pipelines/wan/step_cache/forward.py) can run block 0 and
 blocks 1..Z-1 apart without a second copy of the block.
 
 The layers live in `transformer_layers`, the parameter tree and its fp32 policy in
@@ -47,15 +47,10 @@ from flax import nnx
 
 import producers
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan.cross_kv import TextKV, check_image_states, image_kv, text_kv  # noqa: F401
-from pipelines.wan.sequence_layout import SequenceLayout
-from pipelines.wan.transformer_config import (KEEP_IN_FP32, WanTransformerConfig, keeps_fp32,  # noqa: F401
-                                              param_counts, param_shapes)
-from pipelines.wan.transformer_layers import (Attention, ConditionEmbedder, Dense, FeedForward,  # noqa: F401
-                                              LayerNorm, MLP, PatchEmbedding, WanBlock, cross_attention_kv,
-                                              timestep_embedding)
-from pipelines.wan.weight_placement import (LARGE_LEAF_ELEMENTS, large_leaf_shardings,  # noqa: F401
-                                            weight_shardings)
+from pipelines.wan.transformer.cross_kv import TextKV, check_image_states, image_kv, text_kv
+from pipelines.wan.transformer.sequence_layout import SequenceLayout
+from pipelines.wan.transformer.config import (WanTransformerConfig, keeps_fp32, param_shapes)
+from pipelines.wan.transformer.layers import (ConditionEmbedder, Dense, PatchEmbedding, WanBlock)
 
 
 class WanTransformer(nnx.Module):
@@ -224,7 +219,7 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   """Blocks start..stop-1 (Python slice bounds, static) on x, by one `lax.scan` over their weights.
 
   `run_blocks(m, x, c)` runs every block (what `forward` does); a step cache runs block 0 with
-  `stop=1` and the rest with `start=1` (pipelines/wan/step_cache.py), the same scanned block.
+  `stop=1` and the rest with `start=1` (pipelines/wan/step_cache/forward.py), the same scanned block.
 
   Args:
     x_BTD: [B, T_padded, D] in the model dtype (from `embed` or a previous `run_blocks`).

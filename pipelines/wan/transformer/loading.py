@@ -18,9 +18,10 @@ from jax.sharding import Mesh
 
 from pipelines.storage import weights
 from pipelines.parallel import distributed
-from pipelines.wan import quantization
-from pipelines.wan.transformer import WanTransformer, build_transformer, keeps_fp32, weight_shardings
-from pipelines.wan.transformer_config import WanTransformerConfig
+from pipelines.wan.transformer import quantization
+from pipelines.wan.transformer.config import keeps_fp32, WanTransformerConfig
+from pipelines.wan.transformer.model import WanTransformer, build_transformer
+from pipelines.wan.transformer.weight_placement import weight_shardings
 
 # How a diffusers tensor becomes ours.
 _LINEAR, _CONV3D, _TABLE, _COPY = "linear", "conv3d", "table", "copy"
@@ -92,7 +93,7 @@ def _image_embedder(config: WanTransformerConfig):
     yield f"{prefix}.pos_embed", (1, config.pos_embed_seq_len, i), (*path, "pos_embed"), _TABLE
 
 
-def _to_ours(array: np.ndarray, kind: str) -> np.ndarray:
+def to_ours(array: np.ndarray, kind: str) -> np.ndarray:
   match kind:
     case "linear":
       return array.T
@@ -145,7 +146,7 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
   params: dict = {}
   stacked: dict[tuple[str, ...], list] = {}
   for key, _, path, layer, kind in layout:
-    view = _to_ours(state[key], kind)
+    view = to_ours(state[key], kind)
     if layer is None:
       _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype)))
     else:

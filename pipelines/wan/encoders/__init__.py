@@ -1,0 +1,21 @@
+"""The conditioning encoders: the UMT5 text encoder and its tokenizer, and the CLIP vision encoder of
+Wan 2.1 I2V / FLF2V. Each is a module of its own (`encoders.umt5`, `encoders.tokenizer`,
+`encoders.clip_vision`); the names below are their entry points.
+
+The names below are imported on first use (as `attention`'s are), so that importing the package
+imports none of its modules, and a JAX-free module among them loads without JAX.
+"""
+
+from pipelines.wan import lazy_attributes
+
+_HOMES = (
+    ("pipelines.wan.encoders.clip_vision", ("CLIPVision", "load_clip_vision", "penultimate_states")),
+    ("pipelines.wan.encoders.tokenizer", ("TokenizerNotFoundError", "WAN_TEXT_LENGTH", "default_tokenizer",
+                                          "folder_text_length", "load_tokenizer", "prompt_clean",
+                                          "text_length", "tokenize")),
+    ("pipelines.wan.encoders.umt5", ("UMT5Config", "init_umt5_params", "load_umt5")),
+)
+
+__all__ = sorted(name for _, names in _HOMES for name in names)
+
+__getattr__ = lazy_attributes(__name__, _HOMES)

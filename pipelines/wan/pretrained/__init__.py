@@ -1,0 +1,19 @@
+"""Pipeline folders: reading a diffusers-format folder's index, writing one, and the embedded tiny
+models (the trained default's folder, the random-weight model's configs).
+
+The names below are imported on first use (as `attention`'s are), so that importing the package
+imports none of its modules, and a JAX-free module among them loads without JAX.
+"""
+
+from pipelines.wan import lazy_attributes
+
+_HOMES = (
+    ("pipelines.wan.pretrained.folder", ("PipelineIndex",)),
+    ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
+    ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
+                                       "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
+)
+
+__all__ = sorted(name for _, names in _HOMES for name in names)
+
+__getattr__ = lazy_attributes(__name__, _HOMES)

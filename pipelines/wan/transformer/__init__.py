@@ -1,0 +1,25 @@
+"""The Wan video transformer (diffusers' `WanTransformer3DModel`) in Flax NNX, sequence-parallel:
+its config, layers, the text/image cross-attention K/V, where its tokens and weights live on a mesh,
+weight quantization, and loading diffusers folders.
+
+The names below are imported on first use (as `attention`'s are), so that importing the package
+imports none of its modules, and a JAX-free module among them loads without JAX.
+"""
+
+from pipelines.wan import lazy_attributes
+
+_HOMES = (
+    ("pipelines.wan.transformer.config", ("PRESETS", "WanTransformerConfig", "param_counts", "param_shapes")),
+    ("pipelines.wan.transformer.cross_kv", ("TextKV", "text_kv")),
+    ("pipelines.wan.transformer.loading", ("checkpoint_layout", "load_transformer", "to_ours")),
+    ("pipelines.wan.transformer.model", ("WanTransformer", "build_transformer", "count_params", "forward",
+                                         "init_transformer")),
+    ("pipelines.wan.transformer.quantization", ("QUANTIZED_LINEARS", "quantize_kernel",
+                                                "quantize_transformer", "quantized_counts")),
+    ("pipelines.wan.transformer.sequence_layout", ("SequenceLayout", "padded_tokens")),
+    ("pipelines.wan.transformer.weight_placement", ("large_leaf_shardings", "weight_shardings")),
+)
+
+__all__ = sorted(name for _, names in _HOMES for name in names)
+
+__getattr__ = lazy_attributes(__name__, _HOMES)

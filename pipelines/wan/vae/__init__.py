@@ -1,0 +1,24 @@
+"""The Wan causal video VAE (diffusers' `AutoencoderKLWan`): config and presets, the architecture as
+data, layers, chunked encode and decode (also split over a mesh), and the decoder's compile effort.
+
+The names below are imported on first use (as `attention`'s are), so that importing the package
+imports none of its modules, and a JAX-free module among them loads without JAX.
+"""
+
+from pipelines.wan import lazy_attributes
+
+_HOMES = (
+    ("pipelines.wan.vae.config", ("VAE_PRESETS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD",
+                                  "WAN22_LATENTS_MEAN", "WAN22_LATENTS_STD", "WanVAEConfig")),
+    ("pipelines.wan.vae.effort", ("TPU_DECODE_COMPILE_EFFORT", "check_compile_effort",
+                                  "decode_compile_effort", "effective_compile_effort")),
+    ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "decode", "decode_chunk", "decode_parallel",
+                                 "decode_parallel_chunks", "decode_step_memory_analysis",
+                                 "denormalize_latents", "encode", "encode_chunk", "init_vae", "load_vae",
+                                 "lower_decode_programs", "normalize_latents", "row_mesh", "row_split")),
+    ("pipelines.wan.vae.topology", ("to_jax_layout",)),
+)
+
+__all__ = sorted(name for _, names in _HOMES for name in names)
+
+__getattr__ = lazy_attributes(__name__, _HOMES)
