@@ -8,7 +8,7 @@ device count is added to them.
 
 import os
 
-from harness import DEVICE_FLAG
+from tests.harness import DEVICE_FLAG
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # generate's persistent compilation cache stays off (never the user's ~/.cache) unless a test

@@ -6,6 +6,8 @@ import os
 import re
 
 DEVICE_FLAG = "xla_force_host_platform_device_count"
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 
 def child_env(**extra: str) -> dict[str, str]:

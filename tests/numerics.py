@@ -35,8 +35,8 @@ FP32_ATTENTION_ULPS = 32
 
 # Two fp32 runs of the whole pipeline (ours vs diffusers, or ours on two meshes, processes, batch
 # layouts or attention paths): each transformer forward within ~1e-5 of its output's scale
-# (tests/test_transformer.py) over a few steps, the decode within 1e-4 of the video's range
-# (tests/test_vae.py), so the video's RMS error is <= 1e-4 of its range 1: PSNR >= 80 dB. Measured
+# (tests/pipelines/wan/transformer/test_model.py) over a few steps, the decode within 1e-4 of the video's range
+# (tests/pipelines/wan/vae/test_model.py), so the video's RMS error is <= 1e-4 of its range 1: PSNR >= 80 dB. Measured
 # >= 142 dB under three ISA settings. Real bugs cost far more (spurious keys in the softmax: 43 dB).
 FP32_VIDEO_PSNR_DB = 80.0
 

@@ -202,7 +202,7 @@ def _time(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, dt
   A per-token timestep [B, T] is padded to T_padded and pinned to the tokens' sharding before
   anything is computed from it, so every device embeds only its own tokens' timesteps: the
   per-token embedding and modulation (T x 7D values per video) are never built whole on a device,
-  and nothing token-sized is gathered (tests/test_ti2v.py reads the compiled step). Padded rows
+  and nothing token-sized is gathered (tests/pipelines/wan/conditioning/test_ti2v.py reads the compiled step). Padded rows
   get timestep 0 (their tokens are dropped before unpatchify).
   """
   per_token = timestep.ndim == 2

@@ -1,0 +1,334 @@
+"""The Pallas kernels (attention/kernels.py) in interpret mode, against the float64 and dense references.
+
+(The local grid runs with backend="pallas" in tests/attention/test_blockwise.py, beside the XLA loops.)
+
+`backend="pallas"` on CPU runs the TPU kernel (grid over key blocks, carry in scratch) in Pallas
+interpret mode; the GPU kernel (one program per query block looping over key blocks) is forced with
+`kernels.attend_kernel(kernel="gpu")`. Tolerances are the XLA path's (tests/numerics.py): the kernels
+do the same arithmetic in the same order per block, so they are no less exact.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import BlockSizes, attention_reference, local_attention, make_mesh, resolve_backend, usp_attention
+from attention import blockwise, fixed_m, kernels
+from attention.halo import halo_attention
+from tests.numerics import fp32_attention_tol as fp32_tol
+from tests.numerics import within
+from tests.attention.test_blockwise import BF16_TOL, _inputs
+from tests.attention.test_usp import MESHES
+from tests.harness import REPO_ROOT
+
+pytestmark = pytest.mark.numerics
+
+SIZES = BlockSizes(block_q=128, block_kv=128)
+IMPLS = ("lse", "fixed_m", "auto")
+
+
+@pytest.mark.parametrize("H,mode", [(H, mode) for H in (64, 80, 128) for mode in ("lse", "fixed_m")]
+                         + [(128, "auto:fixed_m"), (128, "auto:lse")])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernel_equals_xla_block_update(H, kernel, mode):
+  """Both kernels against `blockwise.attend`'s XLA loops on one carry: GQA (G = 2), ragged valid
+  lengths, block padding of T and S, a causal window, a carry that already holds a previous key set
+  (a second ring step), head dims 64 / 80 / 128 (80: the GPU kernel's padded, masked loads).
+  "auto:X": the one-kernel auto mode with the runtime flag set to pick X, against the XLA X."""
+  flag = None
+  if mode.startswith("auto:"):
+    mode, flag = mode[5:], jnp.asarray(mode == "auto:fixed_m")
+  B, K, G, T, S = 2, 2, 2, 200, 300
+  rng = np.random.default_rng(H)
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+  layout = blockwise.BlockLayout.make(T, S, SIZES, "pallas")
+  assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (128, 128, 256, 384)
+  qp, kp, vp = layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v)
+  kw = dict(mode=mode, q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)),
+            kv_limit=jnp.asarray([250, 300], jnp.int32), window=40, causal=True, logit_scale=1.0)
+  xla = dataclasses.replace(layout, backend="xla")
+  m0 = jnp.full(qp.shape[:4], 3.0) if mode == "fixed_m" else None
+  first = blockwise.attend(blockwise.init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
+  want = blockwise.attend(first, qp, kp, vp, layout=xla, **kw)
+  got = kernels.attend_kernel(first, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                              mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
+                              window=40, causal=True, logit_scale=1.0, kernel=kernel, fixed=flag)
+  # Same per-block arithmetic; only the order of the row sums may differ: <= a few fp32 ulps of
+  # the sums' scale (l ~ S keys x 2^(s - m) <= ~1e3; o ~ l x max|v|).
+  for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
+    assert a.shape == b.shape and a.dtype == jnp.float32
+    scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
+    err = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0))))
+    within(err, 64 * 2.0**-24 * scale, f"{kernel} {mode} {name}")
+    assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+  if H == 80:  # a Carry finished in the kernel (the last ring step), masked head dims on GPU
+    out = kernels.attend_kernel(first, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                                mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
+                                window=40, causal=True, logit_scale=1.0, kernel=kernel, fixed=flag,
+                                finish_to=jnp.float32)
+    ref = blockwise.finish(want)
+    within(float(jnp.max(jnp.abs(out - ref))), 64 * 2.0**-24 * float(jnp.max(jnp.abs(ref))), f"{kernel} {mode} finish")
+
+
+def _start_case(mode, flag, seed):
+  """Inputs of a first key set: GQA, ragged lengths, block padding, a causal window (so the offsets'
+  windowed bound, lam = 1), and the Start of `mode` with offsets from the real key statistics."""
+  B, K, G, T, S, H = 2, 2, 2, 200, 300, 80
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+  layout = blockwise.BlockLayout.make(T, S, SIZES, "pallas")
+  limit = jnp.asarray([250, 300], jnp.int32)
+  stats = fixed_m.local_key_stats(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), limit)
+  c_max = fixed_m.headroom_cap(stats.v_absmax, stats.valid_count)
+  offsets = fixed_m.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=True)
+  start = blockwise.Start(None if mode == "lse" else offsets)
+  kw = dict(q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=limit,
+            window=40, causal=True, logit_scale=1.3, fixed=flag)
+  return start, layout, layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v), kw
+
+
+@pytest.mark.parametrize("mode", ["lse", "fixed_m", "auto:fixed_m", "auto:lse"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernel_start_and_finish_equal_xla(kernel, mode):
+  """A `Start` (the empty carry the TPU kernel builds in VMEM, fixed-m offsets included) and
+  `finish_to` (o / l written by the kernel in the output dtype) against the XLA loops on the
+  materialised carry. The carry's m is compared too: the kernel's own offsets are the ones used."""
+  flag = None
+  if mode.startswith("auto:"):
+    mode, flag = "auto", jnp.asarray(mode == "auto:fixed_m")
+  start, layout, qp, kp, vp, kw = _start_case(mode, flag, seed=7)
+  xla = dataclasses.replace(layout, backend="xla")
+  want = blockwise.attend(start.materialise(qp, kw["logit_scale"], flag), qp, kp, vp, mode=mode, layout=xla, **kw)
+  call = functools.partial(kernels.attend_kernel, start, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                           mode=mode, bq=128, bk=128, S=layout.S, kv_padded=True, window=40, causal=True,
+                           logit_scale=kw["logit_scale"], kernel=kernel, fixed=flag)
+  got = call()
+  if mode != "lse":  # the offsets formed in the kernel pin m (a positive control on the Start's use)
+    pinned = mode == "fixed_m" or bool(flag)
+    assert bool(jnp.all(jnp.isfinite(got.m))) == pinned
+  for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
+    scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
+    within(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0)))), 64 * 2.0**-24 * scale,
+           f"{kernel} {mode} start {name}")
+    assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+  out = call(finish_to=jnp.bfloat16)
+  assert out.shape == qp.shape and out.dtype == jnp.bfloat16
+  ref = blockwise.finish(want)  # |o / l| <= max|v|: one bf16 rounding (2^-9 relative) plus the carry's ulps
+  within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), 2.0**-8 * float(jnp.max(jnp.abs(ref))),
+         f"{kernel} {mode} finish")
+  assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) > 0.1  # not vacuous
+
+
+def test_start_must_match_the_mode():
+  """A Start whose offsets do not fit the mode is refused by the kernel call and by `attend` on
+  either backend (the XLA loops would otherwise pin m = -inf: an all-NaN output)."""
+  start, layout, qp, kp, vp, kw = _start_case("fixed_m", None, seed=1)
+  args = (qp, kp, vp, kw["q_pos"], kw["kv_pos"], None)
+  common = dict(bq=128, bk=128, S=layout.S, kv_padded=True, window=None, causal=False, logit_scale=1.0)
+  with pytest.raises(ValueError, match="takes no fixed-m offsets"):
+    kernels.attend_kernel(start, *args, mode="lse", **common)
+  with pytest.raises(ValueError, match="needs fixed-m offsets"):
+    kernels.attend_kernel(blockwise.Start(), *args, mode="fixed_m", **common)
+  for backend in ("xla", "pallas"):
+    with pytest.raises(ValueError, match="needs fixed-m offsets"):
+      blockwise.attend(blockwise.Start(), qp, kp, vp, mode="fixed_m", layout=dataclasses.replace(layout, backend=backend),
+                       q_pos=kw["q_pos"], kv_pos=kw["kv_pos"])
+
+
+def test_start_offsets_are_row_offsets():
+  """`Start.materialise` (the XLA and GPU form of the kernel's offsets) is `fixed_m.row_offsets`:
+  one formula, `fixed_m.offsets_of_rows`, bit for bit."""
+  start, layout, qp, _, _, kw = _start_case("fixed_m", None, seed=2)
+  x = start.offsets
+  stats = fixed_m.KeyStats(x.k_mean, x.k_centred_max, jnp.ones_like(x.c_max), jnp.ones((2,)))
+  want = fixed_m.row_offsets(qp, stats, x.c_max, windowed=True, logit_scale=kw["logit_scale"])
+  got = start.materialise(qp, kw["logit_scale"]).m
+  assert bool(jnp.all(got == want)) and bool(jnp.all(jnp.isfinite(got)))
+
+
+@functools.partial(jax.jit, static_argnames="mesh")
+def _usp_paths(q, k, v, vl, mesh):
+  return {impl: usp_attention(q, k, v, mesh=mesh, kv_valid_len=vl, implementation=impl, backend="pallas",
+                              block_sizes=SIZES) for impl in IMPLS}
+
+
+@pytest.mark.parametrize("R,U", MESHES)
+def test_usp_kernel_every_mesh(R, U):
+  """T = 50 does not divide 8 devices; N=8, K=2 (repeated when U = 4, 8); key padding."""
+  mesh = make_mesh(ulysses=U, ring=R)
+  q, k, v = _inputs(2, 50, 50, 8, 2, 32, seed=1)
+  vl = jnp.asarray([50, 37], jnp.int32)
+  ref = attention_reference(q, k, v, kv_valid_len=vl)
+  for impl, out in _usp_paths(q, k, v, vl, mesh).items():
+    assert out.shape == q.shape and out.dtype == q.dtype
+    within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), f"pallas usp {impl} R={R} U={U}")
+
+
+@pytest.mark.parametrize("R,U", [(2, 2), (1, 4)])
+def test_usp_kernel_bf16(R, U):
+  mesh = make_mesh(ulysses=U, ring=R)
+  q, k, v = _inputs(1, 50, 50, 8, 2, 32, dtype=jnp.bfloat16)
+  ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for impl, out in _usp_paths(q, k, v, None, mesh).items():
+    assert out.dtype == jnp.bfloat16
+    within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), BF16_TOL, f"pallas usp {impl}")
+
+
+def test_usp_kernel_sink_on_one_shard_takes_lse():
+  """A sink on one shard fails the mesh-uniform gate: `auto` must run the LSE kernel on every device
+  (bitwise the LSE run) while forced `fixed_m` reports NaN; positive control: on clean input `auto`
+  is bitwise the fixed-m run."""
+  mesh = make_mesh(ulysses=2, ring=2)
+  q, k, v = _inputs(1, 64, 64, 4, 4, 32, seed=3)
+  clean = _usp_paths(q, k, v, None, mesh)
+  assert float(jnp.max(jnp.abs(clean["auto"] - clean["fixed_m"]))) == 0.0
+  assert float(jnp.max(jnp.abs(clean["auto"] - clean["lse"]))) > 0.0
+  q = q.at[:, 48:, 2].multiply(8.0)  # tokens 48..63: the last device only; u ~ 500 bits > the gate's ~240
+  k = k.at[:, 48:, 2].multiply(8.0)
+  outs = _usp_paths(q, k, v, None, mesh)
+  assert float(jnp.max(jnp.abs(outs["auto"] - outs["lse"]))) == 0.0
+  assert bool(jnp.all(jnp.isnan(outs["fixed_m"])))
+  ref = attention_reference(q, k, v)
+  others = jnp.asarray([0, 1, 3])
+  within(float(jnp.max(jnp.abs(outs["auto"][:, :, others] - ref[:, :, others]))), fp32_tol(v), "other heads")
+
+
+def test_halo_kernel_matches_windowed_reference():
+  mesh = make_mesh(ulysses=2, ring=2)
+  q, k, v = _inputs(1, 90, 90, 4, 2, 32, seed=4)
+  ref = attention_reference(q, k, v, window=20, causal=True)
+  out = halo_attention(q, k, v, mesh=mesh, window=20, causal=True, backend="pallas", block_sizes=SIZES)
+  within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "halo pallas")
+
+
+def test_backend_choice_and_errors():
+  assert resolve_backend("auto", "cpu") == "xla"
+  assert resolve_backend("auto", "tpu") == resolve_backend("auto", "gpu") == "pallas"
+  assert resolve_backend("xla", "tpu") == "xla"
+  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
+  with pytest.raises(ValueError, match="unknown attention backend"):
+    local_attention(q, k, v, backend="triton")
+  with pytest.raises(ValueError, match="multiples of 128"):
+    local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
+  # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
+  assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
+  # TPU v5e / v6e: their own entries (end_to_end/README.md, Block sizes per TPU generation).
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v4") == BlockSizes(512, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
+  assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
+  # Pallas blocks: powers of two >= 128, capped by the given sizes.
+  layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
+  assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
+
+
+def test_default_blocks_per_tpu_generation(monkeypatch):
+  from attention import settings
+
+  # Device kinds as JAX reports them (real chips and AOT topologies alike).
+  assert settings.platform_key("tpu", "TPU v5 lite") == settings.platform_key("tpu", "TPU v5e") == "tpu-v5e"
+  assert settings.platform_key("tpu", "TPU v6 lite") == settings.platform_key("tpu", "TPU v6e") == "tpu-v6e"
+  assert settings.platform_key("tpu", "TPU v4") == settings.platform_key("tpu", None) == "tpu"
+  assert settings.platform_key("cuda", "NVIDIA H100 80GB HBM3") == "gpu"
+  assert settings.platform_key("cpu", "TPU v6 lite") == "cpu"  # a kind only counts on its platform
+  # Each generation reads its own entry, other TPUs the plain "tpu" one, then the CPU's. Distinct
+  # entries, so that equal defaults could not make the lookup pass by accident.
+  sentinels = {"tpu-v5e": BlockSizes(128, 256), "tpu-v6e": BlockSizes(256, 128), "tpu": BlockSizes(384, 384)}
+  for platform, sizes in sentinels.items():
+    monkeypatch.setitem(settings.DEFAULT_BLOCKS, ("pallas", platform), sizes)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == sentinels["tpu-v5e"]
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == sentinels["tpu-v6e"]
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5p") == sentinels["tpu"]
+  assert BlockSizes.get_default("pallas", "tpu") == sentinels["tpu"]
+  assert BlockSizes.get_default("xla", "tpu", "TPU v6 lite") == settings.DEFAULT_BLOCKS[("xla", "cpu")]
+  with pytest.raises(ValueError, match="no default block sizes"):
+    BlockSizes.get_default("triton", "cpu")
+  # A mesh's calls pass its devices' kind (here the CPU's), not just the platform.
+  seen = []
+
+  def record(block_sizes, backend, platform=None, device_kind=None):
+    seen.append((platform, device_kind))
+    raise RuntimeError("recorded")
+
+  monkeypatch.setattr(blockwise, "check_block_sizes", record)
+  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
+  mesh = make_mesh(ulysses=2, ring=1)
+  for call in (lambda: usp_attention(q, k, v, mesh=mesh),
+               lambda: halo_attention(q, k, v, mesh=mesh, window=2)):
+    with pytest.raises(RuntimeError, match="recorded"):
+      call()
+  assert seen == [("cpu", jax.devices()[0].device_kind)] * 2
+
+
+def test_tune_blocks_pick_rule():
+  from end_to_end import tune_blocks
+
+  def row(bq, bk, code=1.0, error=None):
+    cell = dict(error=error) if error else dict(code_mib=code)
+    return dict(block_q=bq, block_kv=bk, lse=cell, fixed_m=dict(cell))
+
+  # T = 3000: blocks of 2048 pad it to 4096 (x1.86 the work of 3072); 1024 x 1024 has code 2x the
+  # least; 512 x 512 is refused. Left: the small pairs and 1024 x 512 / 512 x 1024 (equal area, the
+  # larger block_q wins).
+  rows = [row(256, 256), row(512, 256), row(512, 512, error="CompileTimeScopedVmemOom"), row(512, 1024, 1.2),
+          row(1024, 512, 1.1), row(1024, 1024, 2.0), row(2048, 512), row(512, 2048)]
+  table = dict(shape=[1, 3000, 2, 128], rows=rows)
+  assert tune_blocks.eligible_pairs(table) == [(256, 256), (512, 256), (512, 1024), (1024, 512)]
+  assert tune_blocks.pick_blocks([table]) == (1024, 512)
+  # A second shape where 1024 x 512 is refused: the pick must pass in every table.
+  other = dict(shape=[1, 4096, 2, 128], rows=[r if (r["block_q"], r["block_kv"]) != (1024, 512)
+                                              else row(1024, 512, error="refused") for r in rows])
+  assert tune_blocks.pick_blocks([table, other]) == (512, 1024)
+  assert tune_blocks.pick_blocks([dict(shape=[1, 256, 1, 128], rows=[row(256, 256, error="x")])]) is None
+
+
+def test_settings_import_without_jax():
+  import pathlib
+  import subprocess
+  import sys
+
+  code = "import sys, attention.settings as s; s.platform_key('tpu', 'TPU v6 lite'); print('jax' in sys.modules)"
+  root = pathlib.Path(REPO_ROOT)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+  assert out.stdout.strip() == "False"
+
+
+def test_tune_blocks_measures_grid_and_refuses_interpret_timing(tmp_path):
+  from end_to_end import tune_blocks
+
+  path = tmp_path / "table.json"
+  rows = tune_blocks.main(["--backend", "xla", "--seq", "256", "--heads", "2", "--head-dim", "32",
+                           "--dtype", "float32", "--block-q", "128,256", "--block-kv", "128", "--repeats", "1",
+                           "--json", str(path)])
+  assert sorted((r["block_q"], r["block_kv"]) for r in rows) == [(128, 128), (256, 128)]
+  times = [r["fixed_m"]["median_s"] for r in rows]
+  assert times == sorted(times) and all(t > 0 for t in times)
+  import json
+  assert json.loads(path.read_text())["rows"] == rows
+  with pytest.raises(SystemExit, match="interpret mode"):
+    tune_blocks.main(["--backend", "pallas"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_path_is_differentiable(impl):
+  """jax.grad through the Pallas kernels (custom VJP: the XLA loops' transpose) equals the dense
+  reference's gradient within 1e-5 of its scale (fp32; the forward error is ~1e-6 relative)."""
+  q, k, v = _inputs(1, 150, 150, 4, 2, 32, seed=5)
+  vl = jnp.asarray([120], jnp.int32)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+  ours = jax.grad(loss(lambda q, k, v: local_attention(q, k, v, kv_valid_len=vl, implementation=impl,
+                                                        backend="pallas", block_sizes=SIZES)), argnums=(0, 1, 2))
+  ref = jax.grad(loss(lambda q, k, v: attention_reference(q, k, v, kv_valid_len=vl)), argnums=(0, 1, 2))
+  for name, a, b in zip("qkv", ours(q, k, v), ref(q, k, v)):
+    within(float(jnp.max(jnp.abs(a - b))), 1e-5 * float(jnp.max(jnp.abs(b))), f"d{name} {impl}")
+  assert float(jnp.max(jnp.abs(ours(q, k, v)[1][:, 120:]))) == 0.0  # padded keys get no gradient
