@@ -24,6 +24,7 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.ti2v import ti2v_condition
 from pipelines.wan import transformer as wan_transformer, vae as wan_vae
+from pipelines.wan.transformer import model as transformer_model
 from pipelines.wan.conditioning import ti2v
 from pipelines.wan.pretrained import TINY_TRANSFORMER
 from tests.torch_weights import randomize
@@ -208,7 +209,7 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
     out = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
     return tuple(layout.constrain_rows(a) for a in out)
 
-  monkeypatch.setattr(wan_transformer, "_time", built_whole)
+  monkeypatch.setattr(transformer_model, "_time", built_whole)
   # A new function: jit caches traces per function, so `step` would reuse the first trace.
   bad = jax.jit(lambda *args: step(*args)).lower(model, latents, condition, text, t_B).compile().as_text()
   assert _token_sized(bad, 20, (d,)), "the detector misses a per-token modulation built whole"
