@@ -8,6 +8,8 @@ device count is added to them.
 
 import os
 
+import pytest
+
 from tests.harness import DEVICE_FLAG
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -21,3 +23,28 @@ if DEVICE_FLAG not in _flags:
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "exhaustive: runs after the default set (tests/selection.py); "
+                          "`-m exhaustive` selects it")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the tests of `selection.EXHAUSTIVE` (and `large` ones) `exhaustive`; without a `-m` that
+  names `exhaustive`, leaves them out (the README's test command), as `-m` would."""
+  from tests.selection import EXHAUSTIVE, is_exhaustive
+
+  later = [item for item in items if is_exhaustive(item)]
+  for item in later:
+    item.add_marker("exhaustive")
+  names = {n for item in items for n in (item.name, getattr(item, "originalname", item.name))}
+  whole_suite = all(os.path.abspath(a) == os.path.dirname(os.path.abspath(__file__)) for a in config.args)
+  if whole_suite and (unknown := sorted(EXHAUSTIVE - names)):
+    raise pytest.UsageError(f"tests/selection.py names tests that do not exist: {unknown}")
+  if "exhaustive" in (config.getoption("markexpr") or ""):
+    return
+  kept = [item for item in items if not is_exhaustive(item)]
+  if len(kept) < len(items):
+    config.hook.pytest_deselected(items=later)
+    items[:] = kept

@@ -1,0 +1,51 @@
+"""Which tests the README's test command runs, and which run after it (`.ci/run`'s second pass).
+
+The default run (`pytest -q -n 2`) keeps at least one case of every behaviour. The rest are marked
+`exhaustive` here, by test name (a function name takes all its parameter cases; `name[id]` one case),
+so that a test keeps its place in the table when its file moves: the further mesh sweeps of a
+behaviour a default case already checks, the real-size attention cases (marker `large`), and the
+whole-process runs (servers killed and restarted, multi-process runs, the quality and training
+tools) whose subject a faster default test already reaches. `pytest -m exhaustive` runs only them;
+`-m "exhaustive or not exhaustive"` runs everything.
+"""
+
+from __future__ import annotations
+
+EXHAUSTIVE = frozenset({
+    # multi-process runs (one two-process equality case stays in the default run)
+    "test_lost_process_ends_the_run_and_it_resumes",
+    "test_two_processes_equal_one[CFG=2,U=2,R=2-4]",
+    "test_ctrl_c_of_one_process",
+    "test_processes_with_different_weights_are_refused",
+    # serve as real processes (the in-process HTTP contract stays in the default run)
+    "test_server_process_serves_concurrent_jobs_and_survives_kill_9",
+    "test_two_process_server_runs_cancels_and_stops_together",
+    # the measuring tools end to end
+    "test_quality_default_check_passes_on_the_default_model",
+    "test_quality_tiny_2x2_fp32_and_bf16",
+    "test_default_model_draws_what_the_prompt_says",
+    "test_vae_training_graph_is_the_pipelines_encode_and_decode",
+    "test_default_model_is_the_same_video_in_diffusers",
+    "test_errors_are_the_quantizations_and_add_in_power",
+    # further meshes of a behaviour with a default case
+    "test_cfg_parallel_parity",
+    "test_cli_default_size_mesh_matches_one_device",
+    "test_generate_mesh_auto_and_cfg",
+    "test_cfg_parallel_equals_one_device[CFG=2,U=4-True]",
+    "test_mesh_invariance[R2xU4]",
+    "test_parallel_decode_equals_one_device[base8-2-2-4-4]",
+    "test_parallel_decode_equals_one_device[tiny-8-2-5-4]",
+    "test_parallel_decode_equals_one_device[tiny-4-1-5-4]",
+    "test_image_kv_once_equals_recomputing_every_step[flf2v-CFG=2,U=2,R=1]",
+    "test_the_decode_runs_the_programs_compiled_ahead[U=2--0.1875-False]",
+    "test_the_decode_runs_the_programs_compiled_ahead[None--0.3125-True]",
+    "test_usp_kernel_every_mesh[4-2]",
+    "test_usp_attention_gradient_matches_reference[2-2-pallas]",
+    "test_command_resumes_an_interrupted_run",
+})
+
+
+def is_exhaustive(item) -> bool:
+  """Whether a collected test runs after the default set (in the table above, or marked `large`)."""
+  name = getattr(item, "originalname", None) or item.name
+  return item.name in EXHAUSTIVE or name in EXHAUSTIVE or item.get_closest_marker("large") is not None
