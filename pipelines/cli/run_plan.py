@@ -17,7 +17,7 @@ from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_c
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_numbers, parse_size
-from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset
+from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
@@ -35,7 +35,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   _check_prompt(args)
   preset_name, preset = _preset(args)
   guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
-  mesh = _mesh_flags(args, cfg_active=guidance[0] > 1)
+  mesh = _mesh_flags(args, cfg_active=max(guidance) > 1)  # any expert guiding
   _check_run_flags(args)
   processes = _process_spec(args, mesh)
   loras = tuple((*parse_lora_arg(text, flag), expert)
@@ -68,7 +68,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
               vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
-              image=args.image, last_image=args.last_image, size_given=bool(args.size))
+              image=args.image, last_image=args.last_image, size_given=bool(args.size),
+              fps_given=args.fps is not None or preset_name is not None)
 
 
 def _check_image_file(flag: str, path: str) -> None:
@@ -85,14 +86,10 @@ def _check_image_file(flag: str, path: str) -> None:
 
 
 def read_image(path: str | None) -> Any:
-  """The image file as numpy uint8 [H, W, 3] (RGB), or None."""
-  if path is None:
-    return None
-  import numpy as np
-  import PIL.Image
+  """The image file as displayed, numpy uint8 [H, W, 3] (RGB; `storage.images`), or None."""
+  from pipelines.storage import images
 
-  with PIL.Image.open(path) as image:
-    return np.asarray(image.convert("RGB"), np.uint8)
+  return None if path is None else images.read_image(path).pixels
 
 
 def image_sized(plan: Plan, facts: Any) -> Plan:
@@ -100,15 +97,21 @@ def image_sized(plan: Plan, facts: Any) -> Plan:
   rounded to the model's multiple)."""
   if plan.image is None or plan.size_given:
     return plan
-  import PIL.Image
-
   from pipelines.cli.presets import size_for_image
+  from pipelines.storage import images
 
-  with PIL.Image.open(plan.image) as image:
-    w, h = image.size
+  w, h = images.displayed_size(plan.image)  # a phone's portrait JPEG stores its landscape pixels
   width, height = size_for_image(h, w, plan.width * plan.height,
                                  facts.spatial_factor * facts.transformer.patch_size[1])
   return dataclasses.replace(plan, width=width, height=height)
+
+
+def model_fps(plan: Plan, facts: Any) -> Plan:
+  """Without --fps or --preset, the model's own frame rate (`presets.model_fps`: TI2V-5B 24)."""
+  if plan.fps_given:
+    return plan
+  fps = model_fps_of(facts.expand_timesteps)
+  return dataclasses.replace(plan, fps=video_io.gif_fps(fps) if video_io.output_kind(plan.out) == "gif" else fps)
 
 
 def _fps(args: argparse.Namespace, preset: Preset) -> float:
@@ -307,7 +310,7 @@ def check_plan(plan: Plan) -> Checked:
   if plan.processes is not None:
     devices.join(plan, facts)
   devices.check_device_flag(plan)
-  plan = image_sized(plan, facts)
+  plan = model_fps(image_sized(plan, facts), facts)
   request = build_request(plan, facts, devices.draw_seed(plan))
   mesh_auto = plan.mesh is None
   if mesh_auto:

@@ -12,7 +12,6 @@ channels, F / Hl / Wl latent frames / height / width, L text tokens.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import warnings
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import resume as resume_state
-from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs
+from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
 from pipelines.wan import schedulers, step_cache as wan_step_cache
@@ -213,7 +212,7 @@ class GenerationRequest:
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
-    check_size(height, width, model.spatial_factor * model.transformer.patch_size[1])
+    check_size(height, width, model.spatial_factor, model.transformer.patch_size[1])
     num_frames = round_num_frames(num_frames, model.temporal_factor)
     if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
       warnings.warn(note, stacklevel=2)
@@ -221,7 +220,7 @@ class GenerationRequest:
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
-    cfg = guidance[0] > 1.0
+    cfg = max(guidance) > 1.0  # the unconditional rows exist when any expert guides (`expert_cfg`)
     if cfg:
       _check_text_lengths(embeds, negative_embeds, length)
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
@@ -260,6 +259,12 @@ class GenerationRequest:
     """Rows of one transformer forward: B', or 2 B' under CFG ([cond; uncond])."""
     return self.videos * (2 if self.cfg else 1)
 
+  def expert_cfg(self, expert: int) -> bool:
+    """Whether `expert`'s steps run the unconditional rows (DESIGN.md, "Guidance per expert"): its
+    scale is above 1, or another expert guides and the rows are split over the CFG axis or a step
+    cache holds [cond; uncond] residuals (then mixed at 1); else one pass of B' rows."""
+    return self.cfg and (self.guidance[expert] > 1.0 or self.plan.cfg_parallel or self.step_cache is not None)
+
   def noise(self) -> np.ndarray:
     """The initial latents float32 [B', C, F, Hl, Wl]: as given, or video i from
     `numpy.random.default_rng(seed + i)` (so a batch equals its prompts run alone)."""
@@ -290,6 +295,7 @@ class GenerationRequest:
             "prompts": self.prompts, "negative_prompts": self.negative_prompts,
             "guidance_scale": self.guidance[0],
             "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
+            "cfg_per_expert": [self.expert_cfg(e) for e in range(self.model.experts)],
             "scheduler": _scheduler_record(self.scheduler), "boundary_ratio": self.model.boundary_ratio,
             "timesteps": _listed(self.timesteps), "sigmas": _listed(self.sigmas),
             "dtype": self.model.dtype, "quantize": self.model.quantize,
@@ -311,8 +317,8 @@ class GenerationRequest:
         "scheduler": _scheduler_record(self.scheduler), "max_sequence_length": self.max_sequence_length,
         "dtype": self.model.dtype, "noise_sha256": resume_state.noise_digest(noise),
         "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
-        "prompt_embeds_sha256": _digest(self.prompt_embeds),
-        "negative_prompt_embeds_sha256": _digest(self.negative_prompt_embeds),
+        "prompt_embeds_sha256": digest(self.prompt_embeds),
+        "negative_prompt_embeds_sha256": digest(self.negative_prompt_embeds),
     } | self._image_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
         {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | {
         name: list(given) for name, given in (("timesteps", self.timesteps), ("sigmas", self.sigmas))
@@ -321,7 +327,7 @@ class GenerationRequest:
   def _image_digests(self) -> dict[str, Any]:
     """The input images' digests (image-to-video, TI2V's first frame; none for text-to-video)."""
     first = {} if self.first_frame_latents is None else {
-        "first_frame_latents_sha256": _digest(self.first_frame_latents)}
+        "first_frame_latents_sha256": digest(self.first_frame_latents)}
     return first | ({} if self.image is None else self.image.digests())
 
 
@@ -488,12 +494,3 @@ def _floats(values: Any) -> tuple[float, ...] | None:
 
 def _listed(values: tuple[float, ...] | None) -> list[float] | None:
   return None if values is None else list(values)
-
-
-def _digest(array: Any) -> str | None:
-  """SHA-256 (hex) of a host array's shape, dtype and bytes; None for None."""
-  if array is None:
-    return None
-  host = np.ascontiguousarray(np.asarray(array))
-  return hashlib.sha256(f"{host.shape}{host.dtype}".encode() + host.tobytes()).hexdigest()
-

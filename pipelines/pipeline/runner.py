@@ -57,6 +57,7 @@ class Runner:
     self.writer: resume_state.Writer | None = None
     self.cache_stats = loop_hooks.StepCacheStats()
     self.guidance: dict[int, jax.Array] = {}  # expert -> its scale, placed by `_compile`
+    self.programs: dict[int, Any] = {}  # expert -> its compiled step (`_compile`)
     self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text, condition, their TextKV)
     self._decoder_ahead: CompileAhead | None = None
 
@@ -75,9 +76,9 @@ class Runner:
     start = time.perf_counter()
     try:
       state = self._initial_state()
-      program = self._compile(state)
+      self._compile(state)
       self._enter("denoise")
-      denoise(state, self._step_fn(program), self._hooks(), interrupted=lambda: self.pipe.interrupt)
+      denoise(state, self._step, self._hooks(), interrupted=lambda: self.pipe.interrupt)
     except BaseException:  # a failing run does not wait for the decoder's compile (the process's exit does)
       self._decoder_ahead = None
       raise
@@ -194,35 +195,36 @@ class Runner:
       self.cache_stats.restore(self.restored.arrays.get(loop_hooks.StepCacheStats.CHECKPOINT_KEY))
     return cache
 
-  def _compile(self, state: LoopState) -> Any:
-    """The compiled step for this run's shapes (compiled now if new; timed as "compile")."""
+  def _compile(self, state: LoopState) -> None:
+    """The compiled step of each expert for this run's shapes (compiled now if new; timed as
+    "compile"): one program, or two where one expert runs without its unconditional rows."""
     r, pipe, plan = self.request, self.pipe, self.request.plan
     self._enter("compile")
     start = time.perf_counter()
     compiling = (f"compile: the denoise step ({r.tokens} tokens, {pipe.transformer_config.num_layers} "
                  f"layers, mesh {plan.spec}{', weights sharded' if plan.shard_weights else ''})")
+    experts = list(dict.fromkeys(state.experts))
     # Each expert's guidance scale float32 [], placed once for the whole loop.
-    self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated)
-                     for e in sorted(set(state.experts))}
-    first = state.experts[0]
-    program = pipe.compiled_steps.get(pipe.weights.experts[first], state.latents, state.solver,
-                                      self._text(first, state), self.guidance[first], state.cache,
-                                      state.condition, plan=plan, cfg=r.cfg,
-                                      on_compile=lambda: self.stage(compiling))
+    self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated) for e in experts}
+    compiled: dict[bool, Any] = {}
+    for e in reversed(experts):  # the first expert's text K/V last: the one the loop starts with
+      cfg = r.expert_cfg(e)
+      if cfg not in compiled:  # experts of one kind share the program (same shapes)
+        compiled[cfg] = pipe.compiled_steps.get(pipe.weights.experts[e], state.latents, state.solver,
+                                                self._text(e, state), self.guidance[e], state.cache,
+                                                state.condition, plan=plan, cfg=cfg,
+                                                on_compile=lambda: self.stage(compiling))
+      self.programs[e] = compiled[cfg]
     self.timings["compile"] = time.perf_counter() - start
-    return program
 
-  def _step_fn(self, program: Any):
-    """Step k: the step cache restarts at an expert switch; the program runs on that expert's
+  def _step(self, state: LoopState) -> Any:
+    """Step k: the step cache restarts at an expert switch; the expert's program runs on its
     weights (read at each step: a LoRA scale hook may have re-fused them)."""
-    def step(state: LoopState):
-      k, expert = state.step, state.experts[state.step]
-      if state.cache is not None and k and expert != state.experts[k - 1]:
-        state.cache = wan_step_cache.reset(state.cache)
-      return program(self.pipe.weights.experts[expert], state.latents, state.solver,
-                     self._text(expert, state), self.guidance[expert], state.cache, state.condition)
-
-    return step
+    k, expert = state.step, state.experts[state.step]
+    if state.cache is not None and k and expert != state.experts[k - 1]:
+      state.cache = wan_step_cache.reset(state.cache)
+    return self.programs[expert](self.pipe.weights.experts[expert], state.latents, state.solver,
+                                 self._text(expert, state), self.guidance[expert], state.cache, state.condition)
 
   def _text(self, expert: int, state: LoopState) -> Any:
     """What the step takes as text: the `TextKV` of `expert`'s weights for the text states (and,
@@ -230,15 +232,17 @@ class Runner:
     its weights (a LoRA scale re-fuses them), the text states (a callback may replace them) and the
     condition stay the same; only the latest is kept (Wan 2.2's high-noise expert does not come
     back). With `text_kv_once=False`, the text states themselves."""
-    text, condition = state.text, state.condition
+    text, condition, r = state.text, state.condition, self.request
+    cfg = r.expert_cfg(expert)
+    rows = text if cfg or not r.cfg else text[:r.videos]  # an expert without guidance: the cond rows
     if not self.options.text_kv_once:
-      return text
+      return rows
     params = self.pipe.weights.experts[expert]
     held = self._text_kv_of
     if (held is None or held[0] != expert or held[1] is not params or held[2] is not text
         or held[3] is not condition):
-      image = None if condition is None else condition.image_states(cfg=self.request.cfg)
-      kv = self.pipe.compiled_steps.text_kv(params, text, image, plan=self.request.plan)
+      image = None if condition is None else condition.image_states(cfg=cfg)
+      kv = self.pipe.compiled_steps.text_kv(params, rows, image, plan=r.plan)
       self._text_kv_of = held = (expert, params, text, condition, kv)
     return held[4]
 
