@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines.cli import records
 from pipelines.parallel import estimate
-from pipelines.storage import video_io
+from pipelines.storage import images, video_io
 
 if TYPE_CHECKING:
   from pipelines.cli.run_plan import Checked, Plan
@@ -82,6 +82,8 @@ def sidecar(checked: Checked, result: Any, *, out: str, sheet: str | None, lora:
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
       "contact_sheet": None if sheet is None else os.path.abspath(sheet),
+      "images": {name: images.describe(path) for name, path in (("image", plan.image), ("last_image", plan.last_image))
+                 if path is not None},
       "settings": result.settings, "lora": lora, "timings_s": times,
       "compile_cache": cache.report(),
       "checkpoint": None if plan.checkpoint_dir is None else {

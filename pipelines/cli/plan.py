@@ -50,6 +50,7 @@ class Plan:
   image: str | None = None  # --image PATH (image-to-video)
   last_image: str | None = None  # --last-image PATH
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
+  fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)
   scheduler: str | None = None  # --scheduler or the preset's; None: the folder's
   timesteps: tuple[float, ...] | None = None  # --timesteps or the preset's custom schedule
   sigmas: tuple[float, ...] | None = None  # --sigmas

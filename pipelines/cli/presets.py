@@ -118,3 +118,10 @@ def size_for_image(image_height: int, image_width: int, area: int, multiple: int
 
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
+
+
+def model_fps(expand_timesteps: bool) -> float:
+  """The frame rate a folder's model was trained at, for a video without --fps or --preset: 24 for
+  Wan 2.2 TI2V-5B (one timestep per token, `expand_timesteps`; configs/wan_ti2v_5B.py sample_fps),
+  else 16 (Wan 2.1, Wan 2.2 A14B). Played at another rate, the motion runs fast or slow."""
+  return 24.0 if expand_timesteps else FOLDER_DEFAULTS.fps

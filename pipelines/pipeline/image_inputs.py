@@ -2,7 +2,7 @@
 into `ImageInputs` (a `GenerationRequest` field), and what the run makes of them: the images at the
 video's size for the VAE, and the CLIP processor's pixels.
 
-Images are HWC with 3 channels: a PIL image (converted to RGB), a numpy uint8 array, or a float
+Images are HWC with 3 channels: a PIL image (as displayed: `storage.images.to_rgb`), a numpy uint8 array, or a float
 array in [0, 1]. The VAE sees them as diffusers' `VideoProcessor.preprocess` makes them: resized to
 the video's height x width (PIL, Lanczos) when they differ, then mapped to [-1, 1].
 """
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.pipeline.inputs import not_a
+from pipelines.storage import images
 
 IMAGE_FORMS = "a PIL image, a numpy uint8 [H, W, 3] array, or a float [H, W, 3] array in [0, 1]"
 
@@ -58,8 +59,8 @@ def image_array(name: str, value: Any) -> np.ndarray:
   """
   try:
     import PIL.Image
-    if isinstance(value, PIL.Image.Image):
-      return np.asarray(value.convert("RGB"), np.uint8)
+    if isinstance(value, PIL.Image.Image):  # 16-bit, alpha, palette, CMYK, EXIF rotation: `images`
+      return images.to_rgb(value).pixels
   except ImportError:  # pragma: no cover (pillow is a dependency)
     pass
   if isinstance(value, str) or not hasattr(value, "shape"):

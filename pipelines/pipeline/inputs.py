@@ -177,12 +177,13 @@ def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
   return int(num_frames)
 
 
-def check_size(height: int, width: int, multiple: int = 16) -> None:
-  """Raises ValueError unless height and width are positive multiples of `multiple` (16 for Wan:
-  VAE factor 8 x patch 2), naming the nearest valid sizes."""
+def check_size(height: int, width: int, vae_factor: int = 8, patch: int = 2) -> None:
+  """Raises ValueError unless height and width are positive multiples of vae_factor x patch (16 for
+  Wan 2.1: VAE factor 8 x patch 2; 32 for TI2V-5B: 16 x 2), naming the nearest valid sizes."""
+  multiple = vae_factor * patch
   for name, value in (("height", height), ("width", width)):
     if not is_int(value) or value < multiple or value % multiple:
       near = is_real(value) and math.isfinite(value)  # 40 -> "use 32 or 48"; 32.0 -> "use 32 or 48"
       lower = max(multiple, int(value) // multiple * multiple) if near else multiple
       raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}{not_a(value, is_int(value))} "
-                       f"(VAE factor 8 x patch 2); use {lower} or {lower + multiple}")
+                       f"(VAE factor {vae_factor} x patch {patch}); use {lower} or {lower + multiple}")
