@@ -2,7 +2,7 @@
 
 XLA reads the device count when the backend initialises, so the flag must be set before anything
 imports jax; pytest imports conftest.py first, which makes this the place. Flags already in
-XLA_FLAGS are kept (e.g. `--xla_cpu_max_isa=AVX2` to round as another CPU does; README, Test); the
+XLA_FLAGS are kept (e.g. `--xla_cpu_max_isa=AVX2` to round as another CPU does; docs/numerics.md); the
 device count is added to them.
 """
 

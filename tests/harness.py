@@ -22,6 +22,18 @@ def child_env(**extra: str) -> dict[str, str]:
   return {**env, "JAX_PLATFORMS": "cpu", **extra}
 
 
+def user_docs() -> str:
+  """README.md and docs/*.md, one after another: the documentation a user reads (the README links
+  the docs pages, where most facts live)."""
+  import glob
+  paths = [os.path.join(REPO_ROOT, "README.md"), *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))]
+  texts = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      texts.append(f.read())
+  return "\n".join(texts)
+
+
 def step_compiles(monkeypatch) -> list:
   """Records every denoise-step program compiled while the test runs, by any pipeline (the
   `CompiledSteps` of pipelines built inside `generate` too); returns the list it appends to."""

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.harness import REPO_ROOT, child_env
+from tests.harness import REPO_ROOT, child_env, user_docs
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 from attention.mesh import MeshSpec
@@ -247,9 +247,9 @@ def test_help_and_argument_errors_do_not_import_jax():
 
 
 def test_readme_names_the_sidecars_the_writer_writes():
-  """Every sidecar name the README gives for an output is `video_io.sidecar_path` of it (a folder of
-  PNG frames included)."""
-  readme = _words(open(os.path.join(ROOT, "README.md")).read())
+  """Every sidecar name the README and docs/ give for an output is `video_io.sidecar_path` of it (a
+  folder of PNG frames included)."""
+  readme = _words(user_docs())
   pairs = [("square.mp4", "square.mp4.json"), ("fox.gif", "fox.gif.json"), ("frames/", "frames.frames.json")]
   for out, named in pairs:
     assert f"`{named}`" in readme, named
@@ -272,10 +272,10 @@ def test_generate_needs_no_torch_and_the_readme_says_where_a_cpu_torch_comes_fro
 
 
 def test_readme_plan_command_runs_as_printed():
-  """The README's `end_to_end.plan` command, copied from it, exits 0 on a host without libtpu (it
-  says `--estimate`); without `--estimate` and without libtpu it exits 3 naming the fix."""
-  readme = _words(open(os.path.join(ROOT, "README.md")).read())
-  command = re.search(r"`python -m (end_to_end\.plan [^`]*)`", readme).group(1).split()
+  """The docs' `end_to_end.plan` command (docs/parallelism.md), copied from them, exits 0 on a host
+  without libtpu (it says `--estimate`); without `--estimate` and without libtpu it exits 3 naming
+  the fix."""
+  command = re.search(r"python -m (end_to_end\.plan [^`#\n]*--estimate[^`#\n]*)", user_docs()).group(1).split()
   assert "--estimate" in command
   done = _run(*command)
   assert done.returncode == 0 and "recommend" in done.stdout.lower(), done.stdout + done.stderr

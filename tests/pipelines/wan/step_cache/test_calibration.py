@@ -12,7 +12,7 @@ from pipelines import WanPipeline
 from pipelines.cli import generate
 from pipelines.wan import step_cache
 from pipelines.wan.step_cache import calibration as mag_calibration
-from tests.harness import REPO_ROOT
+from tests.harness import user_docs
 
 TRAINED = dict(height=64, width=64, num_frames=17, steps=8, max_sequence_length=64)
 # The first shipped file's metadata (random-weight tiny model, before fingerprints were recorded).
@@ -125,11 +125,7 @@ def test_random_models_ratios_skip_the_last_step_of_the_trained_default(trained)
 
 
 def test_readme_shows_these_thresholds():
-  """The README's step-cache example uses the thresholds measured above (and no other)."""
-  import os
+  """The docs' step-cache examples (README.md, docs/) use the thresholds measured above (and no other)."""
   import re
-  with open(os.path.join(REPO_ROOT, "README.md"),
-            encoding="utf-8") as f:
-    readme = f.read()
-  shown = set(re.findall(r"--step-cache ((?:mag|first-block):[0-9.]+)", readme))
+  shown = set(re.findall(r"--step-cache ((?:mag|first-block):[0-9.]+)", user_docs()))
   assert shown == set(README_SPECS), shown
