@@ -46,9 +46,11 @@ def flag_error(error: ValueError) -> UsageError:
   return UsageError(text)
 
 
-def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-  """Every flag of `generate`, in the order --help lists them; `description` heads --help."""
-  p = argparse.ArgumentParser(prog="generate", description=description, formatter_class=HelpFormatter)
+def build_parser(description: str | None = None, epilog: str | None = None) -> argparse.ArgumentParser:
+  """Every flag of `generate`, in the order --help lists them; `description` heads --help, `epilog`
+  follows the flags."""
+  p = argparse.ArgumentParser(prog="generate", description=description, epilog=epilog,
+                              formatter_class=HelpFormatter)
   _add_video_flags(p)
   _add_device_flags(p)
   _add_output_flags(p)
@@ -65,7 +67,7 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help="what to avoid (classifier-free guidance); default: the --preset's (Wan's default "
                       "negative prompt for the wan2.* presets, as Wan's scripts), else ''")
   p.add_argument("--model", default="tiny",
-                 help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model; default) or "
+                 help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model) or "
                       "'tiny-random' (embedded random weights)")
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
@@ -73,30 +75,38 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--image", default=None, metavar="PATH",
                  help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
                       "Wan 2.2 TI2V-5B); "
-                      "without --size the video takes its aspect ratio within the preset's area")
+                      "without --size the video takes its aspect ratio within the preset's area (default: none, "
+                      "text-to-video)")
   p.add_argument("--last-image", default=None, metavar="PATH",
-                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B)")
+                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
-                                               "(Wan's 832*480 also accepted)")
+                                               "(Wan's 832*480 also accepted; default: the --preset's, 64x64 for "
+                                               "tiny, 832x480 for a folder; with --image, the image's aspect ratio "
+                                               "within that area)")
   p.add_argument("--frames", type=int, default=None,
                  help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
-                      "(16 -> 17, 10 -> 9)")
-  p.add_argument("--steps", type=int, default=None, help="denoising steps")
+                      "(16 -> 17, 10 -> 9) (default: the --preset's, 17 for tiny, 81 for a folder)")
+  p.add_argument("--steps", type=int, default=None,
+                 help="denoising steps (default: the --preset's, 8 for tiny, 50 for a folder)")
   p.add_argument("--guidance", default=None,
-                 help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off")
-  p.add_argument("--shift", type=float, default=None, help="scheduler flow shift")
+                 help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off (default: the "
+                      "--preset's, 5 for tiny and a folder)")
+  p.add_argument("--shift", type=float, default=None,
+                 help="scheduler flow shift (default: the --preset's, 3 for tiny, the scheduler config's for a "
+                      "folder)")
   p.add_argument("--scheduler", default=None, choices=("unipc", "euler", "dpm++"),
                  help="the sampler: unipc (Wan's default), dpm++ (DPM-Solver++ multistep, Wan's "
                       "--sample_solver dpm++) or euler (flow-match Euler, as lightx2v runs distilled "
                       "models); default: the --preset's, else the model folder's")
   p.add_argument("--timesteps", default=None, metavar="T,T,...",
                  help="a custom schedule: decreasing timesteps in (0, 1000], e.g. 1000,750,500,250 "
-                      "(lightx2v's denoising_step_list: sigmas t/1000, shifted by --shift); sets the steps")
+                      "(lightx2v's denoising_step_list: sigmas t/1000, shifted by --shift); sets the steps "
+                      "(default: the --preset's, else the sampler's own spacing)")
   p.add_argument("--sigmas", default=None, metavar="S,S,...",
                  help="a custom schedule as decreasing unshifted sigmas in (0, 1], e.g. 1,0.75,0.5,0.25 "
-                      "(diffusers' set_timesteps(sigmas=)); sets the steps")
+                      "(diffusers' set_timesteps(sigmas=)); sets the steps (default: none)")
   p.add_argument("--seed", type=int, default=None,
-                 help="noise seed; -1 or none for a random one (printed and recorded in the sidecar)")
+                 help="noise seed; -1 also draws one (default: random, printed and recorded in the sidecar)")
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -118,14 +128,15 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                  help="fp8: Q, V and the attention output cross the Ulysses all-to-alls in e4m3 with per-head "
                       "scales, K in bf16 (5/8 of the bytes in, 1/2 out; a small change to the video)")
   p.add_argument("--devices", type=int, default=None,
-                 help="simulate N CPU devices (must equal the devices of --mesh); automatic when the mesh "
-                      "needs it")
+                 help="simulate N CPU devices (must equal the devices of --mesh) (default: as many as the "
+                      "mesh needs)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                 help="transformer/text-encoder dtype (default float32 for tiny, bfloat16 for a folder)")
+                 help="transformer/text-encoder dtype (default: float32 for tiny, bfloat16 for a folder)")
   p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int8-w8a8"),
                  help="the transformer's block Linear weights stored as int8 or fp8 (e4m3) with a scale per "
                       "output channel, dequantized in the matmul; int8-w8a8 also quantizes each matmul's "
-                      "input per token (int8 x int8, int32 sums). Applied after the LoRAs are fused")
+                      "input per token (int8 x int8, int32 sums). Applied after the LoRAs are fused (default: "
+                      "none, weights in --dtype)")
   add_decode_effort_flag(p)
   p.add_argument("--max-sequence-length", type=int, default=None,
                  help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
@@ -145,7 +156,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                  help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
                       "evenly spaced frames, small videos enlarged)")
   p.add_argument("--compile-cache", metavar="DIR", default=None,
-                 help=f"JAX's persistent compilation cache (when not given: ${compile_cache.ENV}, else "
+                 help=f"JAX's persistent compilation cache (default: ${compile_cache.ENV}, else "
                       f"{compile_cache.default_dir()})")
   p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
 
@@ -156,16 +167,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                  help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers/peft, original "
                       "Wan/ComfyUI/lightx2v or kohya/musubi keys) fused into the transformer with weight "
                       "SCALE (default 1); repeatable: all are active at once, W = base + sum of "
-                      "SCALE_i x delta_i")
+                      "SCALE_i x delta_i (default: none)")
   p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
                  help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
-                      "(diffusers' load_into_transformer_2=True); repeatable")
+                      "(diffusers' load_into_transformer_2=True); repeatable (default: none)")
   p.add_argument("--step-cache", default=None, metavar="SPEC",
                  help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
                       "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
                       "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
-                      "end_to_end.calibrate_cache`, built in for the tiny model); off when omitted. "
-                      "The skipped steps go into the sidecar")
+                      "end_to_end.calibrate_cache`, built in for the tiny model); the skipped steps go into "
+                      "the sidecar (default: off)")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
 
@@ -177,29 +188,30 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                  help="save the denoising state to DIR as the run goes (default for runs estimated "
                       f"at {estimate.LONG_S:g} s or more: OUT.resume beside the output)")
   c.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
-                 help="save after every N-th step (and after the last); default %(default)s")
+                 help="save after every N-th step (and after the last) (default: %(default)s)")
   c.add_argument("--no-checkpoint", action="store_true", help="no checkpoint, even for a long run")
   c.add_argument("--keep-checkpoint", action="store_true",
                  help="keep the checkpoint after the video is written (default: removed)")
   c.add_argument("--resume", metavar="DIR", default=None,
                  help="continue the run saved in DIR; other flags may be left out (they are read from "
-                      "DIR) and those given must match it, except the mesh, devices and output")
+                      "DIR) and those given must match it, except the mesh, devices and output (default: none, "
+                      "a new run)")
 
 
 def _add_process_flags(p: argparse.ArgumentParser) -> None:
   """Multi-process runs on JAX's distributed runtime: --coordinator, --num-processes, ..."""
   g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
   g.add_argument("--coordinator", default=None,
-                 help=f"HOST:PORT of process 0 (default ${distributed.ENV_COORDINATOR})")
+                 help=f"HOST:PORT of process 0 (default: ${distributed.ENV_COORDINATOR}, else one process)")
   g.add_argument("--num-processes", type=int, default=None,
-                 help=f"processes in the run (default ${distributed.ENV_NUM_PROCESSES})")
+                 help=f"processes in the run (default: ${distributed.ENV_NUM_PROCESSES})")
   g.add_argument("--process-id", type=int, default=None,
-                 help=f"this process, 0..N-1; 0 writes the output (default ${distributed.ENV_PROCESS_ID})")
+                 help=f"this process, 0..N-1; 0 writes the output (default: ${distributed.ENV_PROCESS_ID})")
   g.add_argument("--coordinator-timeout", type=int, default=distributed.DEFAULT_TIMEOUT_S,
-                 help="seconds to wait for the coordinator and every process (default %(default)s)")
+                 help="seconds to wait for the coordinator and every process (default: %(default)s)")
   g.add_argument("--heartbeat-timeout", type=int, default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
                  help="seconds without a heartbeat after which a process counts as lost and every "
-                      "process stops, exit status 3 (default %(default)s)")
+                      "process stops, exit status 3 (default: %(default)s)")
   g.add_argument("--runtime-log", metavar="FILE", default=None,
                  help="where the runtime's own log lines go in a multi-process run (default: a file "
                       "in the system temporary directory, named when something goes wrong)")

@@ -1,7 +1,8 @@
-"""`generate`: a Wan text-to-video clip from the command line, sequence-parallel over a mesh.
+"""Generate a video with a Wan model, on one device or sharded over a mesh.
 
   generate --prompt "a red square moving right" --mesh U=2,R=2 --out square.mp4
   generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 --prompt "..."
+  generate --model ./Wan2.1-I2V-14B-480P-Diffusers --preset wan2.1-i2v-14b-480p --image cat.png --prompt "..."
 
 `--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
 shapes world it was trained on (end_to_end/synthetic_world.py: "a red square moving right", "a
@@ -91,8 +92,10 @@ __all__ = ["main", "cli", "run", "build_parser", "UsageError", "parse_size", "pa
            "plan_run", "check_plan", "build_request"]
 
 def build_parser() -> argparse.ArgumentParser:
-  """The command line of `generate` (`flags.build_parser`), with this module's docstring as --help."""
-  return _build_parser(__doc__)
+  """The command line of `generate` (`flags.build_parser`): --help opens with this module's
+  docstring's first line and examples, and its other paragraphs follow the flags."""
+  paragraphs = __doc__.split("\n\n")
+  return _build_parser("\n\n".join(paragraphs[:2]), "\n\n".join(paragraphs[2:]))
 
 
 def run(checked: Checked, warnings_seen: list[str] | None = None) -> dict[str, Any]:

@@ -18,13 +18,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
   option's default appended as " (default: X)".
 
   Like argparse's ArgumentDefaultsHelpFormatter, except that a help text that already names its
-  default, an option whose default is None (the help says what happens instead) and an on/off flag
-  are left as written.
+  default, an option whose default is None or an empty list (its help says "(default: ...)" in
+  words instead of "None" or "[]") and an on/off flag are left as written.
   """
 
   def _get_help_string(self, action: argparse.Action) -> str:
     text = action.help or ""
-    if ("default" in text or action.default is None or action.default is argparse.SUPPRESS
+    if ("default" in text or action.default in (None, []) or action.default is argparse.SUPPRESS
         or action.nargs == 0 or not action.option_strings):
       return text
     return f"{text} (default: %(default)s)" if text else "default: %(default)s"

@@ -1,8 +1,5 @@
-"""The `serve` command's flags and the checked server configuration (`ServeConfig`). Imports no JAX.
-
-  serve --model tiny --mesh U=2,R=2 --port 8000 --data-dir ./wan-serve
-  serve --model ./Wan2.1-T2V-1.3B-Diffusers --mesh U=4,R=2 --warmup 832x480x81 --api-key "$KEY" \
-      --lora fox=./fox_lora.safetensors:0.8
+"""The `serve` command's flags (`build_parser`; its --help text is `DESCRIPTION` and `EPILOG`) and the
+checked server configuration (`ServeConfig`). Imports no JAX.
 """
 
 from __future__ import annotations
@@ -15,9 +12,35 @@ import re
 from typing import Any
 
 from pipelines.cli.flags import UsageError, add_decode_effort_flag, parse_lora_arg
+from pipelines.cli.help import HelpFormatter
+from pipelines.pipeline import compile_cache
 
 API_KEY_ENV = "WAN_SERVE_API_KEY"
 LORA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# `serve --help`: one line for users and examples before the flags, what to know after them.
+DESCRIPTION = """\
+Serve Wan videos over HTTP: a queue of generation jobs (OpenAI's Videos API) and a web page at /.
+
+  serve --model tiny --mesh U=2,R=2 --port 8000 --data-dir ./wan-serve --warmup 64x64x17x8
+  serve --model ./Wan2.1-T2V-1.3B-Diffusers --mesh U=4,R=2 --warmup 832x480x81 --api-key "$KEY" \\
+      --lora fox=./fox_lora.safetensors:0.8
+"""
+EPILOG = f"""\
+It listens at once while the model loads and the --warmup shapes compile (GET /health: 503 until
+ready); jobs queued meanwhile wait. Then: POST /v1/videos {{"prompt": ..., "size": "64x64", ...}},
+GET /v1/videos/ID, GET /v1/videos/ID/content, POST /v1/videos/ID/cancel, DELETE /v1/videos/ID, GET
+/metrics. Jobs, videos and checkpoints live in --data-dir: a server killed and started again on it
+loses nothing. It listens on 127.0.0.1 unless --host says otherwise; --api-key (or ${API_KEY_ENV})
+requires 'Authorization: Bearer KEY'.
+
+Multi-host: start the same command on every process with --coordinator HOST:PORT --num-processes N
+--process-id I; process 0 serves HTTP and the others run its batches; --data-dir must be shared
+storage.
+
+Exit status: 0 after Ctrl-C / SIGTERM (the running batch stops at its next step and resumes at the
+next start); 1 the coordinator not reached; 2 a usage error (nothing started).
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,33 +118,35 @@ class ServeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="serve", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--model", default="tiny", help="tiny (the trained embedded default), tiny-random, or a "
+  p = argparse.ArgumentParser(prog="serve", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+  p.add_argument("--model", default="tiny", help="tiny (the trained embedded model), tiny-random, or a "
                  "diffusers-format Wan folder")
   p.add_argument("--mesh", default=None, help="Ulysses x ring mesh, e.g. U=2,R=2 (default: one device)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the server to "
                  "the network (use --api-key then)")
-  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
   p.add_argument("--data-dir", default="wan-serve", help="job table, videos, sidecars and checkpoints")
   p.add_argument("--max-batch", type=int, default=4, help="same-shape jobs run together, at most this many")
   p.add_argument("--max-queue", type=int, default=64, help="queued jobs at most (beyond: HTTP 429)")
   p.add_argument("--warmup", action="append", default=[], metavar="WxHxF[xSTEPS]",
                  help="compile this shape and step count (e.g. 64x64x17; default steps: the model's) at "
-                      "every batch size before /health says ready; repeatable")
-  p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+                      "every batch size before /health says ready; repeatable (default: none)")
+  p.add_argument("--api-key", default=None,
+                 help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no authentication)")
   p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
-                 help="a LoRA requests may name as NAME; repeatable")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+                 help="a LoRA requests may name as NAME; repeatable (default: none)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the transformer's dtype")
   p.add_argument("--checkpoint-every", type=int, default=1, help="steps between denoising checkpoints")
   add_decode_effort_flag(p)
-  p.add_argument("--compile-cache", default=None, help="JAX compilation cache folder (default: generate's)")
-  p.add_argument("--no-compile-cache", action="store_true")
+  p.add_argument("--compile-cache", default=None, metavar="DIR",
+                 help=f"JAX's persistent compilation cache, as generate's (default: ${compile_cache.ENV}, else "
+                      f"{compile_cache.default_dir()})")
+  p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                 help="multi-host: process 0's address and a free port, the same on every process (or "
-                      "$JAX_COORDINATOR_ADDRESS); process 0 serves HTTP, the others follow it")
-  p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (or $JAX_NUM_PROCESSES)")
-  p.add_argument("--process-id", type=int, default=None, help="multi-host: this process, 0.. (or $JAX_PROCESS_ID)")
+                 help="multi-host: process 0's address and a free port, the same on every process; process 0 "
+                      "serves HTTP, the others follow it (default: $JAX_COORDINATOR_ADDRESS, else one process)")
+  p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (default: $JAX_NUM_PROCESSES)")
+  p.add_argument("--process-id", type=int, default=None, help="multi-host: this process, 0.. (default: $JAX_PROCESS_ID)")
   return p
 
 
@@ -159,7 +184,6 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
     UsageError: each bad flag, naming it and the fix.
   """
   from pipelines.parallel import distributed
-  from pipelines.pipeline import compile_cache
 
   args = build_parser().parse_args(argv)
   try:

@@ -57,6 +57,50 @@ def test_help_shows_defaults(module, expected):
   assert not [d for d in ("(default: None)", "(default: False)", "(default: True)") if d in text]
 
 
+def _option_blocks(help_text: str) -> dict[str, str]:
+  """--help's options, each as {"--flag": its header and help text, whitespace runs as one space},
+  for the options that take a value (the on/off flags and -h left out)."""
+  blocks, current = {}, None
+  for line in help_text.splitlines():
+    if re.match(r"  -", line):
+      header = re.split(r"\s{2,}", line.strip())[0]
+      words = header.replace(",", "").split()
+      current = words[-2] if any(not w.startswith("-") for w in words) else None
+      if current is not None:
+        blocks[current] = line
+    elif line.startswith("   ") and current is not None:
+      blocks[current] += line
+    else:
+      current = None
+  return {flag: _words(text) for flag, text in blocks.items()}
+
+
+@pytest.mark.parametrize("module,opening,shown", [
+    ("pipelines.cli.generate", "Generate a video with a Wan model, on one device or sharded over a mesh.",
+     {"--model": "(default: tiny)", "--steps": "(default: the --preset's, 8 for tiny, 50 for a folder)",
+      "--lora-2": "(default: none)", "--seed": "(default: random"}),
+    ("pipelines.serve.main", "Serve Wan videos over HTTP: a queue of generation jobs (OpenAI's Videos API) and a "
+     "web page at /.", {"--port": "(default: 8000)", "--host": "(default: 127.0.0.1)", "--model": "(default: tiny)",
+                        "--max-batch": "(default: 4)", "--warmup": "(default: none)"}),
+])
+def test_help_opens_with_one_line_for_users_and_shows_every_default(module, opening, shown):
+  """The line after the usage says what the command does, in one sentence (not a module docstring
+  for developers), and every option that takes a value says its default."""
+  proc = _run(module, "--help")
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  after_usage = lines[lines.index("") + 1:]
+  assert after_usage[0] == opening and after_usage[1] == "", after_usage[:3]
+  assert "Imports no JAX" not in proc.stdout and "`" not in after_usage[0]
+  blocks = _option_blocks(proc.stdout)
+  assert {"--mesh", "--model"} <= set(blocks) and "--overwrite" not in blocks, sorted(blocks)  # the parser's control
+  for flag, phrase in shown.items():
+    assert phrase in blocks[flag], (flag, blocks[flag])
+  required = {"--prompt"}  # generate's one option without a default
+  assert [f"{flag}: {text}" for flag, text in blocks.items() if "default" not in text and flag not in required] == []
+  assert not [d for d in ("(default: None)", "(default: [])", "(default: False)") if d in proc.stdout]
+
+
 def test_quality_help_keeps_its_line_continuation():
   """The example's trailing backslash was eaten by the docstring, joining two lines."""
   lines = _run("end_to_end.quality", "--help").stdout.splitlines()
