@@ -24,7 +24,7 @@ class BlockSizes:
     block_kv: keys per block (XLA: inner `lax.scan`; Pallas: the key loop).
   The Pallas kernels need multiples of 128 (TPU lanes) and, on GPU, powers of two.
   `get_default(backend, platform)` gives the measured (CPU / XLA) or seeded (Pallas) defaults,
-  `DEFAULT_BLOCKS`; `python -m end_to_end.tune_blocks` measures a grid and prints the winners.
+  `DEFAULT_BLOCKS`; `python -m end_to_end.bench.tune_blocks` measures a grid and prints the winners.
   """
 
   block_q: int = 1024
@@ -76,11 +76,11 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 
 
 # (backend, platform) -> defaults. XLA on CPU: measured at T = S = 4096, N = 12, H = 128 on 2 cores
-# (end_to_end/bench_attention.py). Pallas: TPU (other than v5e / v6e) the splash-attention-like
+# (end_to_end/bench/attention.py). Pallas: TPU (other than v5e / v6e) the splash-attention-like
 # 512 x 1024 (VMEM per step ~ bq*bk*4 B of logits + double-buffered K/V tiles, inside v5e's 16 MiB
 # scoped VMEM); GPU the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry
 # is interpret mode (tests), small so that padding stays cheap.
-# TPU v5e and v6e: 1024 x 1024, picked from compiles only (`tune_blocks --topology v5e:2x2 /
+# TPU v5e and v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v5e:2x2 /
 # v6e:2x2`, then `--pick`; libtpu 0.0.42; end_to_end/README.md "Block sizes per TPU generation" has
 # the tables) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128]; U=2,R=2:
 # [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048 squared.
@@ -90,7 +90,7 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # Code (LSE + fixed-m): 1024 x 1024 is 3.52-4.38 MiB (v5e) and 2.90-4.36 MiB (v6e), within 25% of
 # each shape's least (2.51-3.98 MiB; at most 1.19x); of the pairs that pass all three at every shape it has the
 # most work per grid step (half the steps of 512 x 1024, and twice its FLOPs per K/V byte read).
-# Not yet timed on a TPU: `tune_blocks --backend pallas` there is the check.
+# Not yet timed on a TPU: `bench.tune_blocks --backend pallas` there is the check.
 DEFAULT_BLOCKS = {
     ("xla", "cpu"): BlockSizes(1024, 512),
     ("pallas", "cpu"): BlockSizes(128, 128),

@@ -4,9 +4,9 @@
 #      (fp32 and bf16, GQA, padding, a causal window): correctness before speed;
 #   1. attention at Wan 2.1 1.3B 480p size (T = S = 32,760, N = 12, H = 128, bf16): cuDNN
 #      (jax.nn.dot_product_attention(implementation="cudnn")) vs our Pallas LSE and fixed-m kernels;
-#   2. a small block-size grid for the Pallas kernels (end_to_end/tune_blocks.py);
+#   2. a small block-size grid for the Pallas kernels (end_to_end/bench/tune_blocks.py);
 #   3. the denoise step of the full Wan 2.1 1.3B transformer at 480x832 x 81 frames, ours (JAX) vs
-#      diffusers' WanPipeline (PyTorch), same random weights, one process (end_to_end/benchmark.py).
+#      diffusers' WanPipeline (PyTorch), same random weights, one process (end_to_end/bench/pipeline.py).
 #
 # Run from the repository root:  bash end_to_end/gpu_recipe.sh
 # Uses the Python found as PYTHON (default python3) with what it has installed (jax with CUDA, flax,
@@ -98,13 +98,13 @@ json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "kernels_correctne
 print("all ok" if all(r.get("ok") for r in rows) else "SOME FAILED")
 EOF
 
-stage 1 150 "attention 32760 tokens: cuDNN vs Pallas LSE / fixed-m" "$PYTHON" -m end_to_end.bench_attention \
+stage 1 150 "attention 32760 tokens: cuDNN vs Pallas LSE / fixed-m" "$PYTHON" -m end_to_end.bench.attention \
   --seq 32760 --heads 12 --head-dim 128 --dtypes bfloat16 --backend pallas --repeats 10 --json "$OUT/attention.json"
 
-stage 2 120 "Pallas block sizes" "$PYTHON" -m end_to_end.tune_blocks --backend pallas --seq 32760 \
+stage 2 120 "Pallas block sizes" "$PYTHON" -m end_to_end.bench.tune_blocks --backend pallas --seq 32760 \
   --dtype bfloat16 --block-q 128,256 --block-kv 128,256 --repeats 5 --json "$OUT/tune_blocks.json"
 
-stage 3 330 "denoise step, Wan 2.1 1.3B 480p x 81: ours vs diffusers" "$PYTHON" -m end_to_end.benchmark \
+stage 3 330 "denoise step, Wan 2.1 1.3B 480p x 81: ours vs diffusers" "$PYTHON" -m end_to_end.bench.pipeline \
   --preset wan2.1-1.3b-step --steps "$STEPS" --runs 2 --compare diffusers --torch-device cuda \
   --folder "$OUT/.wan13b-random" --json "$OUT/denoise_step.json"
 rm -rf "$OUT/.wan13b-random"  # ~3 GB of random weights; the JSON keeps the numbers

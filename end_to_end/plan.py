@@ -7,7 +7,7 @@ Prints one row per (CFG, U, R, weight sharding): memory per device, collective b
 kind, FLOPs per device, a modelled step time, whether it fits, and the recommendation
 (pipelines/parallel/planner.py documents the model and the chip numbers). `--topology NAME:AxB` takes the
 chip from the name and the device count from the shape, and compiles every candidate's denoising
-step for that TPU topology ahead of time (libtpu, no TPU needed; `end_to_end/aot.py`): its memory
+step for that TPU topology ahead of time (libtpu, no TPU needed; `end_to_end/aot/step.py`): its memory
 is then XLA's own analysis of the compiled program (arguments + temporaries + outputs not aliased
 to donated inputs, plus the second expert's weights for Wan 2.2 A14B), and a candidate fits when
 that is at most the planner's fraction of the chip's memory (or XLA refuses it for running out of
@@ -154,13 +154,13 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
   """
   import dataclasses
 
-  from end_to_end import aot
+  from end_to_end.aot import step as aot_step
   from pipelines.parallel import planner
   from pipelines.cli.generate import PRESETS
 
   try:
-    devices = aot.topology_devices(args.topology, timeout_s=120)
-  except aot.TopologyUnavailable as e:
+    devices = aot_step.topology_devices(args.topology, timeout_s=120)
+  except aot_step.TopologyUnavailable as e:
     raise RuntimeError(f"{e}; or pass --estimate") from e
   preset = PRESETS[args.preset]
   out = []
@@ -168,7 +168,7 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
     print(f"  compiling {i + 1}/{len(found)}: {c.mesh}{' sharded' if c.mesh.shard_weights else ''} ...",
           end="", flush=True, file=sys.stderr)
     try:
-      report = aot.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
+      report = aot_step.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
                                         dtype=args.dtype, text_len=args.max_sequence_length,
                                         flow_shift=preset.shift, mesh_spec=c.mesh, quantize=args.quantize)
       code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20

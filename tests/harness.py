@@ -118,3 +118,19 @@ def http_thread(app):
       thread.join(30)
 
   return serving()
+
+
+def end_to_end_commands() -> list[str]:
+  """Dotted names of the command modules under end_to_end/ (read with `ast`, nothing imported): a
+  module is a command when it has an `if __name__ == "__main__":` block or a top-level `main`."""
+  import ast
+  import pathlib
+
+  found = []
+  for path in sorted(pathlib.Path(REPO_ROOT, "end_to_end").rglob("*.py")):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    main_block = any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
+    main_function = any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)
+    if main_block or main_function:
+      found.append(".".join(path.relative_to(REPO_ROOT).with_suffix("").parts))
+  return found

@@ -175,7 +175,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                  help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
                       "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
                       "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
-                      "end_to_end.calibrate_cache`, built in for the tiny model); the skipped steps go into "
+                      "end_to_end.train.calibrate_cache`, built in for the tiny model); the skipped steps go into "
                       "the sidecar (default: off)")
   p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")

@@ -5,7 +5,7 @@
   generate --model ./Wan2.1-I2V-14B-480P-Diffusers --preset wan2.1-i2v-14b-480p --image cat.png --prompt "..."
 
 `--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
-shapes world it was trained on (end_to_end/synthetic_world.py: "a red square moving right", "a
+shapes world it was trained on (end_to_end/train/synthetic_world.py: "a red square moving right", "a
 yellow triangle standing still", ...; 64x64 x 17 frames by default); `--model tiny-random` is the
 random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the
 CPU backend a mesh needing more devices than are visible is simulated with that many CPU devices (XLA's

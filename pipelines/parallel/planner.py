@@ -13,7 +13,7 @@ C * R * U = the devices, weights replicated or sharded) and models one denoising
   cross-attention K/V held for the run (`estimate.held_kv_bytes`: text, and image for Wan 2.1 I2V,
   [Z, rows/C, L (+ P), N, H] x 2, replicated over the sequence devices). The text
   encoder runs before the denoising loop and the VAE after it, so neither is counted. This is an
-  estimate and says so; `end_to_end.benchmark --aot` gives XLA's own numbers for a TPU topology;
+  estimate and says so; `end_to_end.bench.pipeline --aot` gives XLA's own numbers for a TPU topology;
 - collective bytes per device per step, by kind: Ulysses all-to-alls (q/k/v out, the output back:
   (U-1)/U of 4 activations per block), ring permutes (R-1 K/V buffers per block), the CFG exchange
   (one noise prediction), weight all-gathers ((devices-1)/devices of each layer's weights);

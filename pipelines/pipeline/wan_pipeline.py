@@ -157,8 +157,8 @@ class WanPipeline(LoraLoaderMixin):
     Args:
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
-        `python -m end_to_end.train_tiny`; it draws the shapes world of
-        `end_to_end.synthetic_world`, e.g. "a red square moving right", at 64x64 x 17 frames).
+        `python -m end_to_end.train.tiny`; it draws the shapes world of
+        `end_to_end.train.synthetic_world`, e.g. "a red square moving right", at 64x64 x 17 frames).
         True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).

@@ -268,7 +268,7 @@ def test_default_blocks_per_tpu_generation(monkeypatch):
 
 
 def test_tune_blocks_pick_rule():
-  from end_to_end import tune_blocks
+  from end_to_end.bench import tune_blocks
 
   def row(bq, bk, code=1.0, error=None):
     cell = dict(error=error) if error else dict(code_mib=code)
@@ -301,7 +301,7 @@ def test_settings_import_without_jax():
 
 
 def test_tune_blocks_measures_grid_and_refuses_interpret_timing(tmp_path):
-  from end_to_end import tune_blocks
+  from end_to_end.bench import tune_blocks
 
   path = tmp_path / "table.json"
   rows = tune_blocks.main(["--backend", "xla", "--seq", "256", "--heads", "2", "--head-dim", "32",

@@ -8,7 +8,8 @@ import warnings
 import jax
 import pytest
 
-from end_to_end import aot_stages, aot_vae, benchmark
+from end_to_end.aot import stages as aot_stages, vae as aot_vae
+from end_to_end.bench import pipeline as bench_pipeline
 from pipelines.wan.vae import effort as vae_effort, model as V, VAE_PRESETS
 
 
@@ -17,7 +18,7 @@ def test_stages_are_checked_before_any_compile(capsys):
   for bad in ("vae", "", "step,encode"):
     with pytest.raises(ValueError, match="comma-separated from text, step, decode"):
       aot_stages.parse_stages(bad)
-  assert benchmark.main(["--aot", "v6e:2x4", "--stages", "step,vae"]) == 2
+  assert bench_pipeline.main(["--aot", "v6e:2x4", "--stages", "step,vae"]) == 2
   assert "--stages 'step,vae'" in capsys.readouterr().err
 
 
@@ -31,7 +32,7 @@ def test_distinct_convolutions_counts_repeats_once():
 def test_estimated_cycles_sums_the_tpu_cost_model_and_is_absent_elsewhere():
   """libtpu writes its cost model's estimate into each scheduled instruction's backend config (the
   two lines are cut from a compiled v6e convolution); XLA:CPU writes none."""
-  from end_to_end import aot, collectives
+  from end_to_end.aot import collectives, step as aot_step
 
   tpu = ('%pad = bf16[6,722,1,1288,96]{1,4,3,2,0:T(8,128)(2,1)} pad(%bitcast, %constant), '
          'backend_config={"flag_configs":[],"estimated_cycles":"202891","used_scoped_memory_configs":[]}\n'
@@ -40,7 +41,7 @@ def test_estimated_cycles_sums_the_tpu_cost_model_and_is_absent_elsewhere():
   assert collectives.estimated_cycles(tpu) == 202891 + 7353600
   compiled = jax.jit(lambda x: x * 2).lower(jax.numpy.ones(4)).compile()
   assert collectives.estimated_cycles(compiled.as_text()) is None
-  assert "estimated_cycles" not in aot.compiled_analysis(compiled)
+  assert "estimated_cycles" not in aot_step.compiled_analysis(compiled)
 
 
 def _upsamplers(config):

@@ -1,4 +1,4 @@
-"""The text encoder's AOT compile report (end_to_end/aot_text.py) on CPU devices (no libtpu)."""
+"""The text encoder's AOT compile report (end_to_end/aot/text.py) on CPU devices (no libtpu)."""
 
 import importlib.util
 import os
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from attention.mesh import MeshSpec
-from end_to_end import aot_text
+from end_to_end.aot import text as aot_text
 from pipelines.wan.encoders import umt5
 
 # Small, but with weights of >= 2^20 values (embedding 4096 x 256, wi_0 / wi_1 / wo 2 x 256 x 2048),
@@ -72,8 +72,8 @@ def test_cli_usage_error_and_missing_libtpu(capsys, monkeypatch):
   assert stop.value.code == 2 and "--mesh" in capsys.readouterr().err
   if importlib.util.find_spec("libtpu") is not None:
     pytest.skip("libtpu present: it would compile")
-  from end_to_end import aot
-  for key in aot.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
-    monkeypatch.setenv(key, os.environ.get(key, aot.OFFLINE_ENV[key]))
+  from end_to_end.aot import step as aot_step
+  for key in aot_step.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
+    monkeypatch.setenv(key, os.environ.get(key, aot_step.OFFLINE_ENV[key]))
   assert aot_text.main(["--topology", "v6e:2x4"]) == 3
   assert "libtpu" in capsys.readouterr().err

@@ -1,8 +1,8 @@
-"""The MLPerf text-to-video benchmark preset (end_to_end/bench_presets.py `mlperf-wan22-t2v`)."""
+"""The MLPerf text-to-video benchmark preset (end_to_end/bench/presets.py `mlperf-wan22-t2v`)."""
 
 import pytest
 
-from end_to_end import bench_presets, benchmark
+from end_to_end.bench import pipeline as bench_pipeline, presets as bench_presets
 from pipelines.wan.transformer import PRESETS as TRANSFORMERS
 
 # Expected values copied from mlcommons/inference text_to_video/wan-2.2-t2v-a14b/inference_config.yaml
@@ -36,18 +36,18 @@ def test_preset_has_mlperf_settings():
 
 
 def args_for(*extra):
-  return benchmark.build_parser().parse_args(["--preset", NAME, *extra])
+  return bench_pipeline.build_parser().parse_args(["--preset", NAME, *extra])
 
 
 def test_cpu_run_is_reduced_and_not_comparable():
-  full = benchmark.resolve_preset(args_for(), backend="tpu")
+  full = bench_pipeline.resolve_preset(args_for(), backend="tpu")
   assert full == bench_presets.PRESETS[NAME]
   assert bench_presets.mlperf_comparability(full, reduced=False, changed=[], runs=2)["comparable"]
-  cpu = benchmark.resolve_preset(args_for(), backend="cpu")
+  cpu = bench_pipeline.resolve_preset(args_for(), backend="cpu")
   assert cpu.transformer.num_layers == 1 and cpu.text_encoder.num_layers == 1 and cpu.frames == 5
   assert cpu.steps == 20 and cpu.boundary_ratio == 0.875 and cpu.transformer.dim == 5120
   assert "REDUCED for CPU" in cpu.description and "NOT comparable" in cpu.description
-  verdict = bench_presets.mlperf_comparability(cpu, reduced=True, changed=benchmark.changed_settings(
+  verdict = bench_presets.mlperf_comparability(cpu, reduced=True, changed=bench_pipeline.changed_settings(
       args_for("--steps", "4")), runs=1)
   assert not verdict["comparable"] and len(verdict["reasons"]) == 3 and "--steps" in verdict["reasons"][1]
 
@@ -61,15 +61,15 @@ def test_benchmark_announces_the_cpu_reduction(monkeypatch, capsys):
     raise Stop
   monkeypatch.setattr(bench_presets, "init_ours", stop)
   with pytest.raises(Stop):
-    benchmark.main(["--preset", NAME])
+    bench_pipeline.main(["--preset", NAME])
   out = capsys.readouterr().out
   assert "REDUCED for CPU" in out and "5x64x112 instead of 81x720x1280" in out
   assert "comparable to MLPerf Inference v6.0" in out and "NO: reduced for CPU" in out
   assert "guidance 4.0 / 3.0 (two experts, boundary 0.875)" in out
-  assert benchmark.main(["--preset", NAME, "--compare", "diffusers"]) == 2
+  assert bench_pipeline.main(["--preset", NAME, "--compare", "diffusers"]) == 2
   assert "two experts" in capsys.readouterr().err
 
 
 def test_every_preset_is_a_command_line_choice():
   # benchmark lists the names without importing bench_presets (no JAX before --aot sets its environment).
-  assert set(benchmark.PRESET_NAMES) == set(bench_presets.PRESETS)
+  assert set(bench_pipeline.PRESET_NAMES) == set(bench_presets.PRESETS)

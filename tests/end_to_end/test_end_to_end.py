@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 
 from attention.mesh import MeshSpec
-from end_to_end import aot, benchmark, quality
-from end_to_end.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
+from end_to_end.aot import step as aot_step
+from end_to_end.bench import pipeline as bench_pipeline
+from end_to_end.quality import check as quality_check
+from end_to_end.quality.video_metrics import PSNR_CAP_DB, compare_videos, psnr_per_frame, ssim_per_frame
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, check_psnr, within
 
 BF16_MIN_SSIM = 0.94  # see the module doc
@@ -57,22 +59,22 @@ def test_metrics_reject_mismatched_shapes():
 # --- quality -------------------------------------------------------------------------------------
 
 def test_quality_thresholds_parse():
-  assert quality.parse_thresholds("35", "--min-psnr") == {"float32": 35.0, "bfloat16": 35.0}
-  assert quality.parse_thresholds("float32=60,bfloat16=35", "--min-psnr") == {"float32": 60.0, "bfloat16": 35.0}
-  with pytest.raises(quality.UsageError, match="unknown dtype 'fp8'"):
-    quality.parse_thresholds("fp8=3", "--min-psnr")
+  assert quality_check.parse_thresholds("35", "--min-psnr") == {"float32": 35.0, "bfloat16": 35.0}
+  assert quality_check.parse_thresholds("float32=60,bfloat16=35", "--min-psnr") == {"float32": 60.0, "bfloat16": 35.0}
+  with pytest.raises(quality_check.UsageError, match="unknown dtype 'fp8'"):
+    quality_check.parse_thresholds("fp8=3", "--min-psnr")
 
 
 @pytest.mark.parametrize("argv", [["--matrix", "--dtype", "float32"], ["--mesh", "U=2;R=2"],
                                   ["--min-ssim", "high"]])
 def test_quality_usage_errors_exit_2(argv, capsys):
-  assert quality.main(argv) == 2
+  assert quality_check.main(argv) == 2
   assert "error:" in capsys.readouterr().err
 
 
 def test_quality_tiny_2x2_fp32_and_bf16(tmp_path):
   path = tmp_path / "quality.json"
-  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--dtype", "bfloat16",
+  status = quality_check.main(QUALITY_ARGS + ["--dtype", "float32", "--dtype", "bfloat16",
                                         "--min-psnr", f"float32={FP32_VIDEO_PSNR_DB},bfloat16=35",
                                         "--min-ssim", f"bfloat16={BF16_MIN_SSIM}",
                                         "--json", str(path)])
@@ -103,7 +105,7 @@ def test_quality_positive_control_fails(tmp_path, capsys):
   refused by a second run before any compute."""
   path = tmp_path / "control.json"
   plots = tmp_path / "plots"
-  status = quality.main(QUALITY_ARGS + ["--dtype", "float32", "--candidate-seed", "1", "--json", str(path),
+  status = quality_check.main(QUALITY_ARGS + ["--dtype", "float32", "--candidate-seed", "1", "--json", str(path),
                                         "--plots", str(plots)])
   report = json.loads(path.read_text())
   (row,) = report["candidates"]
@@ -116,7 +118,7 @@ def test_quality_positive_control_fails(tmp_path, capsys):
   sheet = iio.imread(plots / "00_float32_U2R2_auto.png")
   plot = iio.imread(plots / "per_frame.png")
   assert sheet.ndim == 3 and sheet.shape[0] > 2 * 96 and plot.shape[:2] == (400, 1100)
-  assert quality.main(QUALITY_ARGS + ["--dtype", "float32", "--plots", str(plots)]) == 2
+  assert quality_check.main(QUALITY_ARGS + ["--dtype", "float32", "--plots", str(plots)]) == 2
   assert "already holds 00_float32_U2R2_auto.png, per_frame.png" in capsys.readouterr().err
 
 
@@ -125,41 +127,41 @@ def test_quality_positive_control_fails(tmp_path, capsys):
 def test_benchmark_tiny_compare_diffusers(tmp_path):
   pytest.importorskip("diffusers")
   path = tmp_path / "bench.json"
-  status = benchmark.main(["--preset", "tiny", "--compare", "diffusers", "--steps", "2", "--runs", "1",
+  status = bench_pipeline.main(["--preset", "tiny", "--compare", "diffusers", "--steps", "2", "--runs", "1",
                            "--max-sequence-length", "32", "--torch-device", "cpu", "--json", str(path)])
   report = json.loads(path.read_text())
   assert status == 0
   for side in ("ours", "diffusers"):
     assert report[side]["load_s"] > 0
     (run,) = report[side]["runs"]
-    for stage in benchmark.ROWS[1:]:
+    for stage in bench_pipeline.ROWS[1:]:
       assert isinstance(run[stage], float) and run[stage] >= 0, (side, stage, run.get(stage))
     assert len(run["step_times"]) == 2 and run["denoise_step_min"] <= run["denoise_step_median"]
     assert run["total"] >= run["denoise"] + run["decode"]
   assert report["ours"]["runs"][0]["compile"] > 0 and report["diffusers"]["runs"][0]["compile"] == 0
-  assert set(report["ratios"]) == set(benchmark.ROWS) and report["ratios"]["compile"] is None
+  assert set(report["ratios"]) == set(bench_pipeline.ROWS) and report["ratios"]["compile"] is None
   # Same weights, latents and settings: the two pipelines make the same video.
   check_psnr(report["agreement"]["psnr_mean_db"], FP32_VIDEO_PSNR_DB, "ours vs diffusers mean PSNR")
 
 
 def test_benchmark_usage_errors_exit_2(capsys):
-  assert benchmark.main(["--aot", "v6e:2x4", "--compare", "diffusers"]) == 2
-  assert benchmark.main(["--runs", "0"]) == 2
-  assert benchmark.main(["--mesh", "X=2"]) == 2
-  assert benchmark.main(["--aot", "v6e:2x4", "--aot-models", "7b"]) == 2
+  assert bench_pipeline.main(["--aot", "v6e:2x4", "--compare", "diffusers"]) == 2
+  assert bench_pipeline.main(["--runs", "0"]) == 2
+  assert bench_pipeline.main(["--mesh", "X=2"]) == 2
+  assert bench_pipeline.main(["--aot", "v6e:2x4", "--aot-models", "7b"]) == 2
   assert capsys.readouterr().err.count("error:") == 4
 
 
 # --- AOT (the same code path on CPU devices: no libtpu needed) -----------------------------------
 
 def test_aot_default_degrees():
-  assert aot.default_degrees(8, 12) == (4, 2)
-  assert aot.default_degrees(8, 40) == (8, 1)
-  assert aot.default_degrees(4, 2) == (2, 2)
+  assert aot_step.default_degrees(8, 12) == (4, 2)
+  assert aot_step.default_degrees(8, 40) == (8, 1)
+  assert aot_step.default_degrees(4, 2) == (2, 2)
 
 
 def test_aot_compile_denoise_step_on_cpu_mesh():
-  report = aot.compile_denoise_step(jax.devices()[:4], preset="tiny", height=48, width=80, frames=9,
+  report = aot_step.compile_denoise_step(jax.devices()[:4], preset="tiny", height=48, width=80, frames=9,
                                     dtype="bfloat16", text_len=16, flow_shift=3.0,
                                     mesh_spec=MeshSpec(ulysses=2, ring=2))
   assert report["mesh"]["spec"] == "U=2,R=2" and report["tokens"] == 45
@@ -172,7 +174,7 @@ def test_aot_compile_denoise_step_on_cpu_mesh():
   # Every layer's self-attention (scanned: one body) exchanges over Ulysses and permutes over ring.
   assert report["collectives"]["all-to-all"]["count"] >= 2
   assert report["collectives"]["collective-permute"]["count"] >= 1
-  assert "failed" not in aot.format_row(report) and "NOT a runtime" in aot.format_header("cpu")
+  assert "failed" not in aot_step.format_row(report) and "NOT a runtime" in aot_step.format_header("cpu")
 
 
 def test_aot_image_to_video_and_ti2v_steps_lower():
@@ -191,9 +193,9 @@ def test_aot_image_to_video_and_ti2v_steps_lower():
             lower_only=True)
   kv = 2 * 1 * 2 * tiny.dim * 2  # K and V x Z x [cond; uncond] x D x bf16, per token
   for config, image_tokens in ((tiny, 0), (i2v, 257), (flf2v, 514)):
-    report = aot.compile_denoise_step(jax.devices()[:4], preset=config, height=48, width=80, **kw)
+    report = aot_step.compile_denoise_step(jax.devices()[:4], preset=config, height=48, width=80, **kw)
     assert report["tokens"] == 45 and report["text_bytes_per_device"] == kv * (16 + image_tokens)
-  every = aot.compile_denoise_step(jax.devices()[:4], preset=i2v, height=48, width=80, text_kv_once=False, **kw)
+  every = aot_step.compile_denoise_step(jax.devices()[:4], preset=i2v, height=48, width=80, text_kv_once=False, **kw)
   assert every["text_bytes_per_device"] == 2 * 16 * tiny.text_dim * 2  # the text states
-  report = aot.compile_denoise_step(jax.devices()[:4], preset=ti2v, height=96, width=160, ti2v=True, **kw)
+  report = aot_step.compile_denoise_step(jax.devices()[:4], preset=ti2v, height=96, width=160, ti2v=True, **kw)
   assert report["latent_shape"] == [1, 48, 3, 6, 10] and report["tokens"] == 45

@@ -1,4 +1,4 @@
-"""Tests for end_to_end/quant_error.py: the one-step noise-prediction error of quantized weights.
+"""Tests for end_to_end/quality/quant_error.py: the one-step noise-prediction error of quantized weights.
 
 Checks on the trained tiny default (one seed, 2 steps): the unquantized float32 candidate reproduces
 the reference exactly (negative control: the error is the quantization's, nothing else); errors
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from end_to_end import quant_error
+from end_to_end.quality import quant_error
 from pipelines import WanPipeline
 from pipelines.wan.transformer import quantization
 

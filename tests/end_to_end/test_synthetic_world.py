@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from end_to_end import synthetic_world as world
+from end_to_end.train import synthetic_world as world
 
 
 def _scene(colour, shape, motion, seed=0):

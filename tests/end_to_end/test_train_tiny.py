@@ -1,11 +1,11 @@
-"""end_to_end.train_tiny's pieces against the product code they must agree with: the training pair
+"""end_to_end.train.tiny's pieces against the product code they must agree with: the training pair
 is what the flow samplers integrate, and the VAE training graph is the pipeline's encode + decode."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from end_to_end import train_tiny
+from end_to_end.train import tiny as train_tiny
 from pipelines.wan import schedulers, vae as wan_vae
 
 
@@ -46,14 +46,14 @@ def test_vae_training_graph_is_the_pipelines_encode_and_decode():
   np.testing.assert_allclose(np.asarray(y), np.asarray(video), atol=1e-5)
 
 
-# --- the shipped default (pipelines/wan/pretrained/tiny_default/, written by end_to_end.train_tiny) -----------
+# --- the shipped default (pipelines/wan/pretrained/tiny_default/, written by end_to_end.train.tiny) -----------
 
 def test_default_model_draws_what_the_prompt_says():
   """The issue's acceptance: every colour x motion of the grammar (shapes in turn), two seeds each,
   with the default's settings (8 steps, guidance 5, 64x64 x 17 frames) on a 2x2 mesh: >= 90 % of
-  the videos show the named colour moving the named way (`synthetic_world.check`). And videos of
+  the videos show the named colour moving the named way (`train.synthetic_world.check`). And videos of
   different prompts differ far more than videos of one prompt with different seeds."""
-  from end_to_end import synthetic_world as world
+  from end_to_end.train import synthetic_world as world
   from pipelines import WanPipeline
 
   pipe = WanPipeline.tiny()
@@ -79,11 +79,11 @@ def test_default_model_is_the_same_video_in_diffusers():
   import pytest
   diffusers = pytest.importorskip("diffusers")
   import torch
-  from end_to_end import synthetic_world as world
+  from end_to_end.train import synthetic_world as world
   from tests.numerics import FP32_VIDEO_PSNR_DB
   from pipelines import WanPipeline
   from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
-  from end_to_end.video_metrics import psnr_per_frame
+  from end_to_end.quality.video_metrics import psnr_per_frame
 
   ours = WanPipeline.tiny()
   size = dict(height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES)

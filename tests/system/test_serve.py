@@ -170,8 +170,8 @@ HOSTILE = [  # (body or raw bytes, status, the field named (None: the message na
 
 
 def test_concurrent_clients_get_their_videos(served, tmp_path):
-  """`end_to_end.serve_load` in small (2 clients x 2 jobs over HTTP): its checks all pass."""
-  from end_to_end import serve_load
+  """`end_to_end.serve.load` in small (2 clients x 2 jobs over HTTP): its checks all pass."""
+  from end_to_end.serve import load as serve_load
 
   service, _ = served
   service.worker.paused.set()

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.harness import REPO_ROOT, child_env, user_docs
+from tests.harness import REPO_ROOT, child_env, end_to_end_commands, user_docs
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 from attention.mesh import MeshSpec
@@ -43,10 +43,10 @@ def _words(text: str) -> str:
     ("pipelines.cli.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
                             "(default: output.mp4)", "(default: the preset's, 16 as Wan; a GIF without --fps", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
-    ("end_to_end.quality", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
+    ("end_to_end.quality.check", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
                             "(default: 17 for tiny, 9 otherwise)", "(default: 8 for tiny, 4 otherwise)",
                             "(default: mean)", "frames // 4 * 4 + 1"]),
-    ("end_to_end.bench_attention", ["(default: 4096)", "(default: 12)", "(default: 128)", "(default: 5)"]),
+    ("end_to_end.bench.attention", ["(default: 4096)", "(default: 12)", "(default: 128)", "(default: 5)"]),
 ])
 def test_help_shows_defaults(module, expected):
   proc = _run(module, "--help")
@@ -103,7 +103,7 @@ def test_help_opens_with_one_line_for_users_and_shows_every_default(module, open
 
 def test_quality_help_keeps_its_line_continuation():
   """The example's trailing backslash was eaten by the docstring, joining two lines."""
-  lines = _run("end_to_end.quality", "--help").stdout.splitlines()
+  lines = _run("end_to_end.quality.check", "--help").stdout.splitlines()
   i = next(i for i, line in enumerate(lines) if "--model ./Wan2.1-T2V-1.3B-Diffusers" in line)
   assert lines[i].endswith("--width 832 \\") and lines[i + 1].strip().startswith("--frames 81"), lines[i:i + 2]
 
@@ -111,12 +111,8 @@ def test_quality_help_keeps_its_line_continuation():
 def test_end_to_end_readme_names_every_tool():
   with open(os.path.join(ROOT, "end_to_end", "README.md"), encoding="utf-8") as f:
     readme = f.read()
-  tools = []
-  for path in sorted(glob.glob(os.path.join(ROOT, "end_to_end", "*.py"))):
-    with open(path, encoding="utf-8") as f:
-      if 'if __name__ == "__main__"' in f.read():
-        tools.append(f"python -m end_to_end.{os.path.basename(path)[:-3]}")
-  assert {"python -m end_to_end.quality", "python -m end_to_end.bench_attention"} <= set(tools)
+  tools = [f"python -m {module}" for module in end_to_end_commands()]
+  assert {"python -m end_to_end.quality.check", "python -m end_to_end.bench.attention"} <= set(tools)
   assert [t for t in tools if t not in readme] == []
 
 
@@ -141,7 +137,7 @@ def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
   assert proc.returncode == 2
   assert "generate: error: --mesh: mesh spec='2x2' does not say which degree is which; did you mean " \
          "'U=2,R=2'?" in proc.stderr, proc.stderr
-  proc = _run("end_to_end.quality", "--mesh", "2x4")
+  proc = _run("end_to_end.quality.check", "--mesh", "2x4")
   assert proc.returncode == 2 and "did you mean 'U=2,R=4' or 'U=4,R=2'?" in proc.stderr, proc.stderr
   with pytest.raises(ValueError, match="did you mean 'U=1,R=8' or 'U=8,R=1'"):
     MeshSpec.parse("1x8")
@@ -151,9 +147,9 @@ def test_grid_mesh_gets_the_spec_it_probably_means(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
 def test_quality_default_check_passes_on_the_default_model():
-  """`python -m end_to_end.quality` (its first example) passes on the trained tiny default with the
+  """`python -m end_to_end.quality.check` (its first example) passes on the trained tiny default with the
   thresholds for trained content, and prints meshes as U=..,R=.."""
-  proc = _run("end_to_end.quality", timeout=600)
+  proc = _run("end_to_end.quality.check", timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert re.search(r"^bfloat16 +U=2,R=2 +auto .* pass$", proc.stdout, re.M), proc.stdout
   assert "thresholds for structured video of a trained checkpoint, --content trained" in proc.stdout
@@ -164,11 +160,11 @@ def test_quality_default_check_passes_on_the_default_model():
 def test_quality_rounds_frames_as_the_pipeline_does(capsys):
   """--frames 4 runs 5 frames (its explicit latents had the shape of 4 frames: a ValueError). The
   sizes of test_reliability's calls, so that a worker reuses their compiled programs."""
-  from end_to_end import quality
+  from end_to_end.quality import check as quality_check
 
   argv = ["--frames", "4", "--steps", "1", "--height", "32", "--width", "32", "--max-sequence-length", "8",
           "--dtype", "float32", "--mesh", "U=1,R=1"]
-  assert quality.main(argv) == 0
+  assert quality_check.main(argv) == 0
   out = capsys.readouterr()
   assert "quality: warning: num_frames=4: num_frames - 1 must be divisible by 4; rounding to 5" in out.err
   assert "5 frames 32x32" in out.out

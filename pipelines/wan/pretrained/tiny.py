@@ -3,7 +3,7 @@
 The random-weight tiny model (`WanPipeline.tiny(random=True)`) runs every code path with random
 weights from `TINY_SEED`: 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim =
 the tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trained folder
-`TINY_DEFAULT_FOLDER` (written by `python -m end_to_end.train_tiny`).
+`TINY_DEFAULT_FOLDER` (written by `python -m end_to_end.train.tiny`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_di
                                         ffn_dim=256, num_layers=2)
 TINY_SEED = 0
 TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
-# (height, width, frames): the one video size the trained default saw (end_to_end/train_tiny.py);
+# (height, width, frames): the one video size the trained default saw (end_to_end/train/tiny.py);
 # `request.ModelFacts.trained_video` warns for any other.
 TINY_TRAINED_VIDEO = (64, 64, 17)
 TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_default")

@@ -8,7 +8,7 @@ another model or setting skip the wrong steps: the tiny model's first file, meas
 random-weight model at 256x256 / 512 tokens / 50 steps (ratios ~1.0), made `mag:0.05` on the trained
 default (64x64, 64 tokens, 8 steps; ratios 1.0 down to 0.75) skip 5 of 8 steps including the last.
 
-`end_to_end.calibrate_cache` writes `record_fields(...)` into every calibration file;
+`end_to_end.train.calibrate_cache` writes `record_fields(...)` into every calibration file;
 `check_calibration` compares a file's fields with a run's and says what differs.
 """
 
@@ -23,7 +23,7 @@ FIELDS = ("model", "model_fingerprint", "width", "height", "frames", "steps", "m
 
 def record_fields(*, model: str, fingerprint: str, width: int, height: int, frames: int, steps: int,
                   max_sequence_length: int) -> dict[str, Any]:
-  """The metadata `end_to_end.calibrate_cache` writes next to the ratios.
+  """The metadata `end_to_end.train.calibrate_cache` writes next to the ratios.
 
   Args:
     model: the model's name ("tiny", "tiny-random", or a folder's base name).
@@ -66,7 +66,7 @@ def check_calibration(metadata: Mapping[str, Any], *, model: str, height: int, w
   """Compares what a calibration was made for with a run; a warning when they differ.
 
   Args:
-    metadata: the calibration file's JSON object (`end_to_end.calibrate_cache` output).
+    metadata: the calibration file's JSON object (`end_to_end.train.calibrate_cache` output).
     model: the run's model name (`WanPipeline.name`: "tiny" for both embedded models, so pass
       `fingerprint` to tell them apart).
     height, width: pixels; num_frames: frames; steps: denoising steps of the run.
@@ -77,7 +77,7 @@ def check_calibration(metadata: Mapping[str, Any], *, model: str, height: int, w
   Returns:
     None when every recorded field matches the run; else one line naming each field that differs
     or that the file does not record, what the file says and what the run uses, and the
-    `calibrate_cache` command that measures ratios for this run. A step count that differs is
+    `train.calibrate_cache` command that measures ratios for this run. A step count that differs is
     included (ratios for another count are resampled by nearest index, which is only an
     approximation of the run's own sigmas).
   """
@@ -101,5 +101,5 @@ def check_calibration(metadata: Mapping[str, Any], *, model: str, height: int, w
   text = "" if max_sequence_length is None else f" --max-sequence-length {max_sequence_length}"
   return (f"{source} " + " and ".join(parts) + "; the skipped steps may be wrong (a step-cache "
           "calibration belongs to one model and setting). Measure ratios for this run with `python -m "
-          f"end_to_end.calibrate_cache --model MODEL --size {width}x{height} --frames {num_frames} "
+          f"end_to_end.train.calibrate_cache --model MODEL --size {width}x{height} --frames {num_frames} "
           f"--steps {steps}{text} --out ratios.json` and pass mag:THRESH@ratios.json")

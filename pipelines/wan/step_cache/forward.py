@@ -18,7 +18,7 @@ reuse a residual cached at the last step that ran them ("full step"):
   Magnitude-Aware Cache", arXiv:2506.09045; diffusers `hooks/mag_cache.py` `MagCacheConfig`).
   A calibration gives per-step magnitude ratios gamma_s = mean over tokens of
   ||R_s|| / ||R_{s-1}|| of the whole-transformer residual R = x_Z - x_0 (`calibrate_ratios`;
-  `python -m end_to_end.calibrate_cache` recomputes them). After the first `retention` fraction of
+  `python -m end_to_end.train.calibrate_cache` recomputes them). After the first `retention` fraction of
   steps (0.2, diffusers' default), each step multiplies an accumulated ratio by gamma_s, adds
   |1 - accumulated ratio| to an accumulated error and counts a consecutive step; while the error
   is below THRESH (strictly) and the count is <= K (default 3, diffusers' `max_skip_steps`) every

@@ -21,7 +21,7 @@ METHODS = ("first-block", "mag")
 MAG_DEFAULT_MAX_SKIPS = 3  # diffusers MagCacheConfig.max_skip_steps
 MAG_DEFAULT_RETENTION = 0.2  # diffusers MagCacheConfig.retention_ratio
 # Ratios of the embedded tiny model (`WanPipeline.tiny()`), written by
-# `python -m end_to_end.calibrate_cache --model tiny --out pipelines/wan/step_cache/mag_ratios_tiny.json`.
+# `python -m end_to_end.train.calibrate_cache --model tiny --out pipelines/wan/step_cache/mag_ratios_tiny.json`.
 TINY_RATIOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mag_ratios_tiny.json")
 
 SPEC_HELP = ("None, 'first-block:THRESH' (e.g. 'first-block:0.05') or 'mag:THRESH[:K][@RATIOS.json]' "
@@ -99,7 +99,7 @@ def _check_ratios(ratios: Any, source: str) -> tuple[float, ...]:
 
 
 def load_ratios(path: str) -> tuple[float, ...]:
-  """MagCache ratios from a calibration file (`end_to_end.calibrate_cache` output, or any JSON
+  """MagCache ratios from a calibration file (`end_to_end.train.calibrate_cache` output, or any JSON
   object with "ratios": [gamma_0, ..., gamma_{S-1}]).
 
   Raises:
@@ -107,7 +107,7 @@ def load_ratios(path: str) -> tuple[float, ...]:
   """
   if not os.path.isfile(path):
     raise StepCacheError(f"MagCache ratios file {path!r} does not exist; write one with "
-                         "`python -m end_to_end.calibrate_cache --model MODEL --out FILE.json`")
+                         "`python -m end_to_end.train.calibrate_cache --model MODEL --out FILE.json`")
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
@@ -155,7 +155,7 @@ def parse_step_cache(spec: str | StepCacheSpec | None, *, model: str = "") -> St
     if model != "tiny":
       raise StepCacheError(
           f"step_cache={spec!r}: MagCache needs ratios calibrated for this model ({model or 'unnamed'}); "
-          "write them with `python -m end_to_end.calibrate_cache --model FOLDER --out ratios.json` "
+          "write them with `python -m end_to_end.train.calibrate_cache --model FOLDER --out ratios.json` "
           f"and pass 'mag:{match['threshold']}:{k}@ratios.json'")
     path = TINY_RATIOS_FILE
   return StepCacheSpec("mag", threshold, max_skips=k, retention=MAG_DEFAULT_RETENTION,

@@ -3,7 +3,7 @@ the command line checks its flag without loading JAX).
 
 XLA's `exec_time_optimization_effort` is a number in [-1, 1], default 0. On TPU libtpu spends 10-30 s
 of code generation per distinct large convolution at 0, and the decoder has 10. Wan 2.1 VAE 720p
-bf16, v6e, compile CPU s at 0 -> -0.5 (libtpu's run-time estimate, `end_to_end.collectives.
+bf16, v6e, compile CPU s at 0 -> -0.5 (libtpu's run-time estimate, `end_to_end.aot.collectives.
 estimated_cycles`): one device, first chunk 216 -> 41 s (+15 %), later 201 -> 58 s (+9 %, +1.8 GiB
 temp); split over 4 chips 173 -> 39 s (+33 %), 201 -> 59 s (+19 %): ~4x faster, +9 / +19 % decode.
 """

@@ -219,7 +219,7 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
   Memory per device (XLA's memory analysis of the compiled later-chunk program): the feature cache
   (last 2 input frames of the 32 cached convs) and weights, plus one chunk's temporaries; the new
   cache aliases the donated one, so the peak does not grow with the frames (the decoded video
-  accumulates beside it). 720p bf16 on TPU v6e (`benchmark --aot v6e:2x4 --stages decode`):
+  accumulates beside it). 720p bf16 on TPU v6e (`bench.pipeline --aot v6e:2x4 --stages decode`):
   arguments 4.23 GiB, temporaries 15.69 GiB at effort -0.5 (13.89 at 0). 480p on CPU
   (`decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`), fp32 / bf16: arguments
   4.10 / 2.05 GB, temporaries 5.56 / 4.78 GB. `decode_parallel` splits both over D devices.
@@ -373,7 +373,7 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
 
   Returns:
     {"first": the lowered first-chunk program, "later": the lowered later-chunk program} (the
-    later one for the cache the first returns). `end_to_end/aot_vae.py` compiles them for a TPU.
+    later one for the cache the first returns). `end_to_end/aot/vae.py` compiles them for a TPU.
 
   Raises:
     ValueError: `split` without `devices`, or a `compile_effort` outside [-1, 1].

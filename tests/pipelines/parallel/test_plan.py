@@ -22,7 +22,7 @@ import pytest
 
 from attention.mesh import MESH_AXES, MeshSpec
 from end_to_end import plan as plan_cli
-from end_to_end.collectives import hlo_collectives
+from end_to_end.aot.collectives import hlo_collectives
 from tests.numerics import assert_psnr_at_least
 from pipelines.parallel import planner
 from pipelines.pipeline import wan_pipeline
@@ -237,9 +237,9 @@ def test_plan_command(tmp_path, capsys, preset, where):
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu present: it would compile")
 def test_plan_topology_without_libtpu_says_how(capsys, monkeypatch):
   """--topology compiles each candidate with libtpu; without it, exit 3 naming the fix (or --estimate)."""
-  from end_to_end import aot
-  for key in aot.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
-    monkeypatch.setenv(key, os.environ.get(key, aot.OFFLINE_ENV[key]))
+  from end_to_end.aot import step as aot_step
+  for key in aot_step.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
+    monkeypatch.setenv(key, os.environ.get(key, aot_step.OFFLINE_ENV[key]))
   assert plan_cli.main(["--preset", "wan2.1-t2v-1.3b", "--topology", "v6e:2x4"]) == 3
   err = capsys.readouterr().err
   assert "libtpu" in err and "--estimate" in err

@@ -175,7 +175,7 @@ def test_lowered_ahead_at_a_real_size():
   allocated)."""
   import jax.numpy as jnp
 
-  from end_to_end.aot_vae import abstract_vae
+  from end_to_end.aot.vae import abstract_vae
   from pipelines.wan import vae as V
   from pipelines.wan.vae import VAE_PRESETS
 

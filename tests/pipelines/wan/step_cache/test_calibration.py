@@ -1,5 +1,5 @@
 """Step-cache calibrations belong to a model: pipelines/wan/step_cache/calibration.py, the shipped tiny
-file (pipelines/wan/step_cache/mag_ratios_tiny.json) and end_to_end/calibrate_cache.py's defaults."""
+file (pipelines/wan/step_cache/mag_ratios_tiny.json) and end_to_end/train/calibrate_cache.py's defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from end_to_end import calibrate_cache
+from end_to_end.train import calibrate_cache
 from pipelines import WanPipeline
 from pipelines.cli import generate
 from pipelines.wan import step_cache
@@ -100,7 +100,7 @@ def trained():
   return WanPipeline.tiny()
 
 
-# The thresholds proposed for the README (measured with end_to_end.step_cache_report on the trained
+# The thresholds proposed for the README (measured with end_to_end.quality.step_cache on the trained
 # default at 64x64 x 17, 8 steps, three prompts: mag:0.15 skips steps 2 and 4, first-block:0.2
 # two or three of steps 2, 4, 6; never the last).
 README_SPECS = ("mag:0.15", "first-block:0.2")

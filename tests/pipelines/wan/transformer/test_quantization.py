@@ -241,16 +241,16 @@ def test_from_pretrained_quantizes_the_checkpoint_values():
 
 
 def test_quality_quantize_candidates():
-  from end_to_end import quality
+  from end_to_end.quality import check as quality_check
 
-  args = quality.build_parser().parse_args(["--model", "tiny-random", "--quantize", "none", "--quantize", "int8",
+  args = quality_check.build_parser().parse_args(["--model", "tiny-random", "--quantize", "none", "--quantize", "int8",
                                             "--mesh", "U=1,R=1"])
-  found = quality.plan(args)["candidates"]
+  found = quality_check.plan(args)["candidates"]
   assert [c["quantize"] for c in found] == [None, "int8"]
-  assert [quality.sheet_name(i, c) for i, c in enumerate(found)] == ["00_bfloat16_U1R1_auto.png",
+  assert [quality_check.sheet_name(i, c) for i, c in enumerate(found)] == ["00_bfloat16_U1R1_auto.png",
                                                                      "01_bfloat16_int8_U1R1_auto.png"]
-  args = quality.build_parser().parse_args(["--model", "tiny-random", "--attention-exchange", "bf16",
+  args = quality_check.build_parser().parse_args(["--model", "tiny-random", "--attention-exchange", "bf16",
                                             "--attention-exchange", "fp8", "--mesh", "U=2,R=1"])
-  found = quality.plan(args)["candidates"]
+  found = quality_check.plan(args)["candidates"]
   assert [c["exchange"] for c in found] == ["bf16", "fp8"]
-  assert quality.sheet_name(1, found[1]) == "01_bfloat16_fp8x_U2R1_auto.png"
+  assert quality_check.sheet_name(1, found[1]) == "01_bfloat16_fp8x_U2R1_auto.png"

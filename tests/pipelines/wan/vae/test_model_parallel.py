@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from end_to_end.collectives import hlo_collectives
+from end_to_end.aot.collectives import hlo_collectives
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from pipelines.wan import vae as V
 from pipelines.wan.vae import effort as vae_effort, layers as L, model as vae_model

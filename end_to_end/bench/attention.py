@@ -1,7 +1,7 @@
 """Times our blockwise attention (LSE and fixed-m) against the platform's best attention, in one run.
 
-  python -m end_to_end.bench_attention [--seq 4096] [--heads 12] [--head-dim 128] [--backend auto] [--json PATH]
-  python -m end_to_end.bench_attention --seq 32760 --dtypes bfloat16          # on a GPU: vs cuDNN
+  python -m end_to_end.bench.attention [--seq 4096] [--heads 12] [--head-dim 128] [--backend auto] [--json PATH]
+  python -m end_to_end.bench.attention --seq 32760 --dtypes bfloat16          # on a GPU: vs cuDNN
 
 Prints, per dtype, the median wall time of each baseline and of `attention.local_attention` with
 implementation "lse" and "fixed_m" on `--backend` (auto: the Pallas kernels on TPU and GPU, the XLA
@@ -63,7 +63,7 @@ def baselines(platform: str, dtype, shape, dense_limit_gb: float) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.bench_attention", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.attention", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--batch", type=int, default=1, help="B")
   ap.add_argument("--seq", type=int, default=4096, help="T = S")

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of the UMT5 text encoder for a TPU topology, on a machine without a TPU.
 
-  python -m end_to_end.aot_text --topology v6e:2x4 --json text.json                 # one device
-  python -m end_to_end.aot_text --topology v6e:2x4 --mesh U=8 --shard-weights       # weights split
+  python -m end_to_end.aot.text --topology v6e:2x4 --json text.json                 # one device
+  python -m end_to_end.aot.text --topology v6e:2x4 --mesh U=8 --shard-weights       # weights split
 
 What is compiled: `umt5.encode` jitted as the pipeline jits it (`pipelines.pipeline.text`:
 `jax.jit(umt5.encode, static_argnames="config")`) for int32 ids and mask [B, L] (B = 2: the prompt
@@ -15,10 +15,10 @@ mask are replicated, and GSPMD partitions the matmuls. Weights are `jax.ShapeDty
 
 Reported (XLA's numbers for the compiled program, per device): compile wall time,
 `memory_analysis()`, `cost_analysis()`, the collectives in the compiled HLO
-(`end_to_end.collectives.hlo_collectives`) and the weight bytes per device. A COMPILE-TIME report,
+(`end_to_end.aot.collectives.hlo_collectives`) and the weight bytes per device. A COMPILE-TIME report,
 not a runtime measurement. The 24 layers are one `lax.scan`: FLOPs, bytes accessed and collective
 counts see the layer body once (per program text, not per encode); memory_analysis is exact.
-libtpu and its environment: `end_to_end/aot.py`.
+libtpu and its environment: `end_to_end/aot/step.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec
-from end_to_end import aot  # no JAX import either
+from end_to_end.aot import step as aot_step  # no JAX import either
 from pipelines.cli.help import HelpFormatter  # no JAX import: the TPU environment is set first
 
 def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, dtype: str,
@@ -62,7 +62,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   """AOT-compiles the UMT5 encoder `preset` on `devices` (module docstring).
 
   Args:
-    devices: the topology's devices (`aot.topology_devices`) or local ones.
+    devices: the topology's devices (`step.topology_devices`) or local ones.
     preset: a `umt5.PRESETS` name or a `umt5.UMT5Config`.
     batch, text_len: B and L of the int32 ids [B, L].
     dtype: "bfloat16" or "float32": the weights' dtype (`wo`: see keep_wo_in_fp32).
@@ -75,7 +75,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
     "sharded"), mesh (`MeshSpec.describe()`; one device: `MeshSpec()`'s), devices (used),
     layers, compile_s (wall), compile_cpu_s (this process's CPU seconds: steadier than wall time
     on a shared host), weights_bytes_per_device, resident_bytes_per_device (bytes), memory_analysis,
-    cost_analysis, collectives (`aot.compiled_analysis`).
+    cost_analysis, collectives (`step.compiled_analysis`).
 
   Raises:
     ValueError: an unknown preset or dtype, batch / text_len < 1, a sharded mesh whose device
@@ -107,7 +107,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
       wo_dtype="float32" if keep_wo_in_fp32 else dtype, batch=batch, text_len=text_len, placement=placement,
       mesh=(mesh_spec if sharded else MeshSpec()).describe(), devices=len(devices) if sharded else 1,
       layers=config.num_layers, compile_s=compile_s, compile_cpu_s=compile_cpu_s, weights_bytes_per_device=int(weights),
-      **aot.compiled_analysis(compiled))
+      **aot_step.compiled_analysis(compiled))
   m = report.get("memory_analysis")
   if m is not None:  # arguments (weights, ids, mask) + temporaries + outputs (nothing is donated)
     report["resident_bytes_per_device"] = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
@@ -118,7 +118,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
 def format_row(r: dict[str, Any]) -> str:
   """One line of a text-stage report (GiB per device, TFLOP, collective counts / MiB)."""
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
-  from end_to_end.collectives import summary
+  from end_to_end.aot.collectives import summary
 
   return (f"text {r['model']} B={r['batch']} L={r['text_len']} {r['dtype']} (wo {r['wo_dtype']}) {r['placement']}"
           f"{' ' + r['mesh']['spec'] if r['placement'] == 'sharded' else ''}: compile {r['compile_s']:.1f} s "
@@ -131,7 +131,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.aot_text", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.aot.text", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--topology", required=True, help="TPU topology, e.g. v6e:2x4 (needs libtpu)")
   ap.add_argument("--preset", default="umt5-xxl", help="UMT5 preset (pipelines/wan/encoders/umt5.py PRESETS)")
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.shard_weights != bool(args.mesh):
     ap.error("--shard-weights and --mesh go together (without them the encoder runs on one device)")
   try:
-    devices = aot.topology_devices(args.topology, timeout_s=args.init_timeout)
-  except aot.TopologyUnavailable as e:
+    devices = aot_step.topology_devices(args.topology, timeout_s=args.init_timeout)
+  except aot_step.TopologyUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
   mesh = MeshSpec.parse(args.mesh, shard_weights=True) if args.mesh else None

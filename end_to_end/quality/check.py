@@ -1,13 +1,13 @@
 r"""Quality check: does a faster setting (bf16, a mesh, the fixed-m path) give the same video?
 
-  python -m end_to_end.quality                                   # tiny model, bf16 on U=2,R=2
-  python -m end_to_end.quality --model tiny-random               # the random-weight tiny model
-  python -m end_to_end.quality --dtype float32 --mesh U=2,R=2 --min-psnr 60
-  python -m end_to_end.quality --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
-  python -m end_to_end.quality --plots quality_plots              # + contact sheets and per-frame plot
-  python -m end_to_end.quality --dtype bfloat16 --dtype float32 --quantize none --quantize int8 \
+  python -m end_to_end.quality.check                                   # tiny model, bf16 on U=2,R=2
+  python -m end_to_end.quality.check --model tiny-random               # the random-weight tiny model
+  python -m end_to_end.quality.check --dtype float32 --mesh U=2,R=2 --min-psnr 60
+  python -m end_to_end.quality.check --matrix --json quality.json      # {fp32, bf16} x 5 meshes x 2 paths
+  python -m end_to_end.quality.check --plots quality_plots              # + contact sheets and per-frame plot
+  python -m end_to_end.quality.check --dtype bfloat16 --dtype float32 --quantize none --quantize int8 \
       --quantize fp8 --quantize int8-w8a8 --mesh U=1,R=1                 # quantized weights
-  python -m end_to_end.quality --model ./Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
+  python -m end_to_end.quality.check --model ./Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
       --frames 81 --steps 50 --dtype bfloat16 --mesh U=4,R=2
 
 Runs `WanPipeline` once as the REFERENCE (float32, one device, attention forced onto the LSE
@@ -26,7 +26,7 @@ error. A mesh larger than the visible device count is simulated on CPU (fake dev
 JAX starts).
 
 Models (`--model`): 'tiny', the embedded trained tiny default (`WanPipeline.tiny()`, the shapes
-world of end_to_end/synthetic_world.py; run at its own settings unless given: "a red square moving
+world of end_to_end/train/synthetic_world.py; run at its own settings unless given: "a red square moving
 right", 64x64, 17 frames, 8 steps, its 64 text tokens); 'tiny-random', the random-weight tiny model
 (`WanPipeline.tiny(random=True)`); or a diffusers-format folder. For the last two the defaults are
 48x64, 9 frames, 4 steps, "a red fox running through snow", 512 text tokens.
@@ -127,7 +127,7 @@ def parse_thresholds(text: str | None, flag: str) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality.check", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--model", default="tiny",
                   help="'tiny' (the embedded trained model), 'tiny-random' (embedded random weights) or a "
@@ -262,7 +262,7 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from end_to_end.video_metrics import PSNR_CAP_DB
+  from end_to_end.quality.video_metrics import PSNR_CAP_DB
   from pipelines.storage import video_io
 
   os.makedirs(directory, exist_ok=True)
@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   import jax
   import numpy as np
 
-  from end_to_end.video_metrics import compare_videos, max_abs_diff
+  from end_to_end.quality.video_metrics import compare_videos, max_abs_diff
   from pipelines.pipeline.wan_pipeline import WanPipeline, round_num_frames
 
   if jax.device_count() < p["devices"]:

@@ -11,10 +11,10 @@ They compile at the optimization effort the pipeline uses on the devices' platfo
 
 Reported per program (XLA's numbers, per device): compile wall and CPU seconds, `memory_analysis()`,
 `cost_analysis()`, the collectives in the compiled HLO, libtpu's estimate of the run time in cycles
-(`collectives.estimated_cycles`, to compare two efforts), and the number of distinct convolutions in the
+(`aot.collectives.estimated_cycles`, to compare two efforts), and the number of distinct convolutions in the
 lowered program (a TPU compile pays per distinct convolution: shape, kernel and padding; the same
 convolution repeated is nearly free). A COMPILE-TIME report, not a runtime measurement.
-libtpu and its environment: `end_to_end/aot.py`.
+libtpu and its environment: `end_to_end/aot/step.py`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   """AOT-compiles the VAE decoder's first-chunk and later-chunk programs (module docstring).
 
   Args:
-    devices: the topology's devices (`aot.topology_devices`) or local ones.
+    devices: the topology's devices (`step.topology_devices`) or local ones.
     height, width: the video's size in pixels (multiples of the VAE's spatial factor: 8 for
       "wan2.1", 16 for "wan2.2").
     vae: a `vae_config.VAE_PRESETS` name: "wan2.1" (Wan 2.1 and 2.2 A14B), "wan2.2" (TI2V-5B),
@@ -67,7 +67,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
     split, compile_effort, convolutions and distinct_convolutions (lowered program), compile_s (wall),
     compile_cpu_s (this process's CPU seconds, steadier on a shared host), memory_analysis,
-    cost_analysis, collectives (`aot.compiled_analysis`).
+    cost_analysis, collectives (`step.compiled_analysis`).
 
   Raises:
     ValueError: an unknown vae or dtype, or a size that is not a multiple of the spatial factor.
@@ -75,7 +75,7 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   import jax
   import jax.numpy as jnp
 
-  from end_to_end.aot import compiled_analysis
+  from end_to_end.aot.step import compiled_analysis
   from pipelines.wan import vae as V
   from pipelines.wan.vae import VAE_PRESETS, effective_compile_effort
 

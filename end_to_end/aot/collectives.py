@@ -1,7 +1,7 @@
 """Collectives of one attention call, read from the compiled HLO, next to the theoretical minimum.
 
-  python -m end_to_end.collectives --mesh U=2,R=2 --tokens 32760 --heads 12 --head-dim 128 --dtype bfloat16
-  python -m end_to_end.collectives --mesh U=2,R=4 --topology v6e:2x4   # TPU AOT (needs libtpu)
+  python -m end_to_end.aot.collectives --mesh U=2,R=2 --tokens 32760 --heads 12 --head-dim 128 --dtype bfloat16
+  python -m end_to_end.aot.collectives --mesh U=2,R=4 --topology v6e:2x4   # TPU AOT (needs libtpu)
 
 Lowers and compiles `attention.usp_attention` (or `--kind halo --window W`) for abstract inputs of
 the given shape on the given mesh, then counts each collective in the compiled HLO with the bytes
@@ -136,7 +136,7 @@ def compile_local_kernels(device: Any, *, batch: int, heads: int, q_len: int, kv
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.collectives", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.aot.collectives", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--mesh", default="U=2,R=2", help="Ulysses and ring degrees, e.g. U=2,R=4 (default U=2,R=2)")
   ap.add_argument("--batch", type=int, default=1, help="B (default 1)")

@@ -1,14 +1,14 @@
 r"""Few steps vs quality: each sampler at N steps against the model's own sampler at many steps.
 
-  python -m end_to_end.steps_report                               # trained tiny default, its settings
-  python -m end_to_end.steps_report --steps 4,8,16,32 --reference-steps 50 --json r.json --plot r.png
+  python -m end_to_end.quality.steps                               # trained tiny default, its settings
+  python -m end_to_end.quality.steps --steps 4,8,16,32 --reference-steps 50 --json r.json --plot r.png
 
 Runs the pipeline with the reference setting (the model folder's scheduler, `--reference-steps`)
 and with every `--scheduler` (unipc, dpm++, euler) at every `--steps` count, plus flow-match Euler on
 lightx2v's 4-step list (timesteps 1000,750,500,250: what a step-distilled model is run with; on a
 model that is not distilled it shows what that schedule costs), all with the same prompts, seed and
 settings, and prints per setting the PSNR and SSIM of the video against the reference
-(`end_to_end.video_metrics`: per-frame values, averaged over frames, then over the prompts; the
+(`end_to_end.quality.video_metrics`: per-frame values, averaged over frames, then over the prompts; the
 worst frame of any prompt too). `--model tiny` (default) is the trained embedded default
 `WanPipeline.tiny()` at its own settings (64x64 x 17 frames, guidance 5, 64 text tokens) on three
 prompts of its shapes world.
@@ -27,7 +27,7 @@ LIGHTX2V_STEPS = (1000.0, 750.0, 500.0, 250.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.steps_report", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality.steps", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--model", default="tiny", help="'tiny' (the trained default), 'tiny-random' or a diffusers Wan folder")
   ap.add_argument("--steps", default="4,8,16,32", help="step counts of the candidates")
@@ -48,7 +48,7 @@ def _mean_metrics(reference: list[Any], videos: list[Any]) -> dict[str, float]:
   per-video frame means, and the worst frame of any prompt."""
   import numpy as np
 
-  from end_to_end import video_metrics
+  from end_to_end.quality import video_metrics
 
   rows = [video_metrics.compare_videos(r, v) for r, v in zip(reference, videos)]
   return {"psnr_mean": float(np.mean([r["psnr_mean"] for r in rows])),
@@ -85,7 +85,7 @@ def write_plot(path: str, rows: list[dict[str, Any]], reference: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  from end_to_end import calibrate_cache
+  from end_to_end.train import calibrate_cache
   from pipelines.cli.generate import TINY_MODELS, parse_size
   from pipelines.pipeline import WanPipeline
   from pipelines.wan import schedulers

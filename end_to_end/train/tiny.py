@@ -1,6 +1,6 @@
-"""Trains the tiny Wan on the synthetic shapes world (`end_to_end.synthetic_world`).
+"""Trains the tiny Wan on the synthetic shapes world (`end_to_end.train.synthetic_world`).
 
-    python -m end_to_end.train_tiny --out DIR [--seed S] [--minutes M]
+    python -m end_to_end.train.tiny --out DIR [--seed S] [--minutes M]
 
 With the product's own model code (pipelines/wan/*):
 1. the VAE (`AutoencoderKLWan` topology, `TINY_TRAINED_VAE`) as an autoencoder: MSE between the
@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from end_to_end import synthetic_world as world
+from end_to_end.train import synthetic_world as world
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import tokenizer as tokenization, umt5
 from pipelines.parallel.plan import ParallelPlan

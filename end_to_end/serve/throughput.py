@@ -1,7 +1,7 @@
 """Throughput and latency of `serve`: videos per minute and p50 / p95 latency at several client
 concurrencies, with and without batching.
 
-  python -m end_to_end.bench_serve [--model tiny] [--mesh U=2,R=2] [--concurrency 1,4,8] [--jobs 16]
+  python -m end_to_end.serve.throughput [--model tiny] [--mesh U=2,R=2] [--concurrency 1,4,8] [--jobs 16]
       [--max-batch 4] [--size 64x64] [--frames 17] [--steps 8] [--json F]
 
 For each setting (`--max-batch 1`: no batching; `--max-batch N`) one real server process is started
@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ("a red square moving right", "a blue circle moving up", "a green triangle moving left",
            "a yellow square standing still", "a white circle moving down")
 

@@ -1,9 +1,9 @@
 """The whole-pipeline TPU AOT report's stages other than the denoise step: text encoder and VAE decode.
 
-`python -m end_to_end.benchmark --aot v6e:2x4 --stages text,step,decode --aot-models 14b` compiles
-every program a run needs, per stage: the UMT5-XXL text encoder (`aot_text`, once: every Wan model
-shares it), the denoise step for each model (`aot.compile_denoise_step`) and the VAE decoder's
-first-chunk and later-chunk programs (`aot_vae`), on one device and with the rows split over every
+`python -m end_to_end.bench.pipeline --aot v6e:2x4 --stages text,step,decode --aot-models 14b` compiles
+every program a run needs, per stage: the UMT5-XXL text encoder (`text.py`, once: every Wan model
+shares it), the denoise step for each model (`step.compile_denoise_step`) and the VAE decoder's
+first-chunk and later-chunk programs (`vae.py`), on one device and with the rows split over every
 device of the topology (`decode_parallel`). With `--compile-cache DIR`, JAX's persistent
 compilation cache is on and each row says whether DIR already held the program's entry ("entry
 found": a second process compiling the same program computed the same key) or the compile wrote
@@ -88,7 +88,7 @@ def with_cache_status(directory: str | None, compile_fn: Callable[[], Any]) -> t
 
 def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list[dict[str, Any]]:
   """The text encoder as the pipeline places it: one device, and split when `mesh_spec` shards weights."""
-  from end_to_end.aot_text import compile_text_encoder
+  from end_to_end.aot.text import compile_text_encoder
 
   specs = [None] + ([mesh_spec] if mesh_spec is not None and mesh_spec.shard_weights else [])
   rows = []
@@ -104,7 +104,7 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
   compiled at `compile_effort` (None: the pipeline's, `vae_effort.decode_compile_effort`)."""
   import jax
 
-  from end_to_end.aot_vae import compile_vae_decode
+  from end_to_end.aot.vae import compile_vae_decode
 
   rows = []
   for vae, height, width in dict.fromkeys(DECODE_TARGETS[m] for m in models if m in DECODE_TARGETS):
@@ -132,7 +132,7 @@ def format_decode_row(r: dict[str, Any]) -> str:
   if "error" in r:
     return f"{head} failed: {r['error']}"
   mem = r.get("memory_analysis", {})
-  from end_to_end.collectives import summary
+  from end_to_end.aot.collectives import summary
 
   cycles = f"{r['estimated_cycles'] / 1e6:.0f} M cycles estimated, " if "estimated_cycles" in r else ""
   return (f"{head} compile {r['compile_s']:6.1f} s ({r['compile_cpu_s']:.1f} s CPU, effort "

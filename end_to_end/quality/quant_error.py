@@ -1,10 +1,10 @@
 r"""Where the quantization error comes from: the transformer's one-step noise-prediction error.
 
-  python -m end_to_end.quant_error                          # the trained tiny default, seeds 0, 1
-  python -m end_to_end.quant_error --seeds 0,1,2,3 --json quant_error.json
-  python -m end_to_end.quant_error --keep ffn.proj_in,ffn.proj_out,attn1.to_v   # + rows with those in bf16
+  python -m end_to_end.quality.quant_error                          # the trained tiny default, seeds 0, 1
+  python -m end_to_end.quality.quant_error --seeds 0,1,2,3 --json quant_error.json
+  python -m end_to_end.quality.quant_error --keep ffn.proj_in,ffn.proj_out,attn1.to_v   # + rows with those in bf16
 
-The end-to-end PSNR of `end_to_end.quality` is a poor instrument for small weight errors: a video
+The end-to-end PSNR of `end_to_end.quality.check` is a poor instrument for small weight errors: a video
 is a chaotic function of its rounding, so any change of the bf16 rounding pattern (a weight moved
 by 2^-12 of itself, 8x below bf16's own rounding) moves one seed's PSNR by up to 8 dB and the mean
 of eight seeds by up to 2.4 dB. This tool measures the error where it is made instead: the
@@ -154,7 +154,7 @@ def measure(pipe: Any, seeds: list[int], steps: int, plan: list | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.quant_error", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality.quant_error", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--seeds", default="0,1", help="comma-separated seeds of the reference runs' initial latents")
   ap.add_argument("--steps", type=int, default=SETTINGS["num_inference_steps"], help="denoising steps")

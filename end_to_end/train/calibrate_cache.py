@@ -1,7 +1,7 @@
 r"""MagCache calibration: the per-step magnitude ratios of a model, written as JSON.
 
-  python -m end_to_end.calibrate_cache --out pipelines/wan/step_cache/mag_ratios_tiny.json   # the trained default
-  python -m end_to_end.calibrate_cache --model ./Wan2.1-T2V-1.3B-Diffusers --dtype bfloat16 \
+  python -m end_to_end.train.calibrate_cache --out pipelines/wan/step_cache/mag_ratios_tiny.json   # the trained default
+  python -m end_to_end.train.calibrate_cache --model ./Wan2.1-T2V-1.3B-Diffusers --dtype bfloat16 \
       --size 832x480 --frames 81 --steps 50 --mesh U=4,R=2 --out wan21_1.3b_mag.json
 
 Runs the pipeline with every step computed (MagCache with threshold 0) and records, per step s,
@@ -34,14 +34,14 @@ from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.cli.help import HelpFormatter
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
-# The trained tiny default draws end_to_end.synthetic_world's shapes; calibrate on prompts it knows
-# (not the ones step_cache_report was measured with: "a red square moving right", "a blue square
+# The trained tiny default draws end_to_end.train.synthetic_world's shapes; calibrate on prompts it knows
+# (not the ones quality.step_cache was measured with: "a red square moving right", "a blue square
 # moving left", "a red triangle moving down").
 TINY_PROMPTS = ("a green circle moving down", "a yellow triangle standing still", "a white circle moving up")
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.calibrate_cache", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.train.calibrate_cache", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--model", default="tiny",
                   help="'tiny' (the trained embedded default, WanPipeline.tiny()), 'tiny-random' "
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
       "calibration": {"prompts": prompts, "size": f"{width}x{height}", "frames": frames,
                       "guidance": guidance, "shift": args.shift, "seed": args.seed,
                       "max_sequence_length": text_length, "dtype": dtype, "mesh": args.mesh},
-      "command": "python -m end_to_end.calibrate_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
+      "command": "python -m end_to_end.train.calibrate_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
   }
   with open(args.out, "w", encoding="utf-8") as f:
     json.dump(record, f, indent=1)

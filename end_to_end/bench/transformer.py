@@ -3,16 +3,16 @@ r"""Benchmark: compile time and per-step time of the Wan transformer (random ini
 Default: the Wan 2.1 1.3B architecture (30 layers, D 1536, N 12, ffn 8960) at 17 frames 128x128
 (latents [1, 16, 5, 16, 16] -> 320 tokens) with 512 text tokens, fp32, one device:
 
-  python -m end_to_end.bench_transformer
-  python -m end_to_end.bench_transformer --dtype bfloat16 --batch 2
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m end_to_end.bench_transformer \
+  python -m end_to_end.bench.transformer
+  python -m end_to_end.bench.transformer --dtype bfloat16 --batch 2
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m end_to_end.bench.transformer \
       --ring 2 --ulysses 2       # sequence-parallel (fake CPU devices)
 
 Compile time is `jit(...).lower(...).compile()` wall time; the step time is the mean over
 `--steps` calls after one warm-up call. `--quantize none --quantize int8` times both settings of
 the same random weights in one process, their steps interleaved:
 
-  python -m end_to_end.bench_transformer --dtype bfloat16 --layers 2 --height 64 --width 64 \
+  python -m end_to_end.bench.transformer --dtype bfloat16 --layers 2 --height 64 --width 64 \
       --text-len 64 --steps 10 --quantize none --quantize int8 --quantize int8-w8a8
 """
 

@@ -1,13 +1,13 @@
 """How long loading a diffusers Wan folder takes, and how much host memory it needs: ours vs diffusers.
 
-  python -m end_to_end.bench_load --preset 1.3b-width [--folder DIR] [--rounds 3] [--mesh U=2,R=2]
+  python -m end_to_end.bench.load --preset 1.3b-width [--folder DIR] [--rounds 3] [--mesh U=2,R=2]
       [--shard-weights] [--json F]
 
 Each load runs in a fresh Python process (so one load's memory cannot hide in another's), after
 that process has imported its library (ours: `pipelines.pipeline` and transformers'
 `AutoTokenizer`, which imports torch; theirs: diffusers, torch and transformers): the timed part is `from_pretrained`
 only, with the weights on their devices when it returns (ours: `block_until_ready` on every
-array). The folder is written once with `bench_presets.save_diffusers_pipeline` when `--folder` is
+array). The folder is written once with `bench.presets.save_diffusers_pipeline` when `--folder` is
 not given or empty, and read once before the first round so that both sides find it in the page
 cache. Rounds alternate the order (ours first, then theirs first) so that drift of a noisy
 machine falls on both sides. Per side: median load seconds and the peak of the process's
@@ -97,7 +97,7 @@ def _warm_page_cache(folder: str) -> None:
 
 def _one(side: str, folder: str, dtype: str, mesh: str, shard: bool) -> dict:
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                        env.get("PYTHONPATH", "")])
   out = subprocess.run([sys.executable, "-c", _CHILD, side, folder, dtype, mesh, "1" if shard else "0"],
                        capture_output=True, text=True, env=env, check=False)
@@ -108,7 +108,7 @@ def _one(side: str, folder: str, dtype: str, mesh: str, shard: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from end_to_end.bench_presets import PRESETS
+  from end_to_end.bench.presets import PRESETS
 
   ap = argparse.ArgumentParser(prog="bench_load", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.shard_weights and not args.mesh:
     ap.error("--shard-weights needs --mesh")
 
-  from end_to_end import bench_presets
+  from end_to_end.bench import presets as bench_presets
 
   preset = PRESETS[args.preset]
   folder = args.folder or tempfile.mkdtemp(prefix="wan_load_bench_")

@@ -1,28 +1,28 @@
 r"""Step caching: skipped steps vs video quality (and denoise time) against the uncached run.
 
-  python -m end_to_end.step_cache_report                        # trained tiny default, its settings
-  python -m end_to_end.step_cache_report --spec first-block:0.1 --spec mag:0.05 --json report.json
-  python -m end_to_end.step_cache_report --preset 1.3b-width --steps 20 --spec first-block:0.1 \
+  python -m end_to_end.quality.step_cache                        # trained tiny default, its settings
+  python -m end_to_end.quality.step_cache --spec first-block:0.1 --spec mag:0.05 --json report.json
+  python -m end_to_end.quality.step_cache --preset 1.3b-width --steps 20 --spec first-block:0.1 \
       --spec mag:0.05 --calibrate                              # wall time on the 1.3B-width preset
 
 Runs the pipeline once uncached (the reference) and once per `--spec` (pipelines/wan/step_cache/forward.py
 grammar), all with the same prompt, seed and settings, and prints per setting: the skipped steps
 (fraction of transformer evaluations whose blocks 1..Z-1 (first-block) or all blocks (MagCache)
 were skipped; the fraction of block evaluations skipped), PSNR and SSIM of the video against the
-uncached one (`end_to_end.video_metrics`: mean and min over frames), and the denoise wall time with
+uncached one (`end_to_end.quality.video_metrics`: mean and min over frames), and the denoise wall time with
 its speedup over the uncached run (compile excluded: `run` compiles before its loop). On a shared
 machine whose load drifts between runs, the in-run estimate is steadier: it compares the median
 times of the full and the skipped steps of the same run (`in_run_speedup`). The JSON also holds
 each setting's per-step change measures (`metrics`), to pick thresholds for another model.
 
 `--model tiny` (default) is the trained embedded default `WanPipeline.tiny()` at its own settings
-(generate's "tiny" preset: 64x64 x 17 frames, 8 steps, 64 text tokens; `calibrate_cache.
+(generate's "tiny" preset: 64x64 x 17 frames, 8 steps, 64 text tokens; `train.calibrate_cache.
 model_settings`), `tiny-random` the random-weight model (same size and steps, 512 tokens); MagCache
 uses the shipped ratios, calibrated for the trained default at those settings on other prompts
 (`pipelines/wan/step_cache/calibration.py`). A folder runs at 256x256 x 17, 50 steps, 512 tokens unless
 told otherwise.
-`--preset NAME` builds an `end_to_end.bench_presets` pipeline (random weights) instead; with
-`--calibrate` its MagCache ratios are measured first (one uncached run, `calibrate_cache.calibrate`,
+`--preset NAME` builds an `end_to_end.bench.presets` pipeline (random weights) instead; with
+`--calibrate` its MagCache ratios are measured first (one uncached run, `train.calibrate_cache.calibrate`,
 on another seed) and used by every "mag" spec without a file.
 """
 
@@ -42,11 +42,11 @@ DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.step_cache_report", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.quality.step_cache", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--model", default="tiny", help="'tiny' (the trained default), 'tiny-random' or a "
                   "diffusers Wan folder (ignored with --preset)")
-  ap.add_argument("--preset", default=None, help="an end_to_end.bench_presets name, e.g. 1.3b-width")
+  ap.add_argument("--preset", default=None, help="an end_to_end.bench.presets name, e.g. 1.3b-width")
   ap.add_argument("--spec", action="append", help=f"step-cache setting (repeatable; default {DEFAULT_SPECS})")
   ap.add_argument("--prompt", default="a red fox running through snow", help="the prompt of every run")
   ap.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the tiny models' 64x64, the "
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
   import numpy as np
 
-  from end_to_end import bench_presets, calibrate_cache, video_metrics
+  from end_to_end.bench import presets as bench_presets
+  from end_to_end.quality import video_metrics
+  from end_to_end.train import calibrate_cache
   from pipelines.cli.generate import TINY_MODELS, parse_size
   from pipelines.pipeline import WanPipeline
 

@@ -1,20 +1,20 @@
 """End-to-end runtime of text-to-video generation by stage, ours and (optionally) diffusers'.
 
-  python -m end_to_end.benchmark --preset tiny --compare diffusers
-  python -m end_to_end.benchmark --preset 1.3b-width --compare diffusers --json bench.json   # CPU
-  python -m end_to_end.benchmark --preset wan2.1-1.3b --compare diffusers --steps 10          # 1 GPU
-  python -m end_to_end.benchmark --preset wan2.1-14b --mesh U=4,R=2                           # 8 chips
-  python -m end_to_end.benchmark --model ./Wan2.1-T2V-1.3B-Diffusers --compare diffusers      # real weights
-  python -m end_to_end.benchmark --aot v6e:2x4 --json aot.json       # TPU compile report, no TPU needed
+  python -m end_to_end.bench.pipeline --preset tiny --compare diffusers
+  python -m end_to_end.bench.pipeline --preset 1.3b-width --compare diffusers --json bench.json   # CPU
+  python -m end_to_end.bench.pipeline --preset wan2.1-1.3b --compare diffusers --steps 10          # 1 GPU
+  python -m end_to_end.bench.pipeline --preset wan2.1-14b --mesh U=4,R=2                           # 8 chips
+  python -m end_to_end.bench.pipeline --model ./Wan2.1-T2V-1.3B-Diffusers --compare diffusers      # real weights
+  python -m end_to_end.bench.pipeline --aot v6e:2x4 --json aot.json       # TPU compile report, no TPU needed
 
-Presets (`end_to_end/bench_presets.py`): tiny; 1.3b-width (the real Wan 1.3B block width with 2
+Presets (`end_to_end/bench/presets.py`): tiny; 1.3b-width (the real Wan 1.3B block width with 2
 of its 30 blocks, at a CPU-sized video); wan2.1-1.3b and wan2.1-14b (the real architectures at
 480p / 720p x 81 frames) for accelerators; mlperf-wan22-t2v (MLPerf Inference v6.0's text-to-video
 settings, Wan 2.2 A14B: its warm total compares with the published latency per video; on a CPU
 backend it runs reduced and says it is not comparable). Weights are random (timing depends on
 shapes only).
 
-Stages (`end_to_end/timed_runs.py`): load (our random init, or from_pretrained of a folder), text
+Stages (`end_to_end/bench/timed_runs.py`): load (our random init, or from_pretrained of a folder), text
 encode, compile (our jitted denoise step; diffusers is eager: 0), denoise per step (min and
 median over steps), all steps, VAE decode, total (the call, load excluded). `--runs 2` (default)
 calls each pipeline twice with the same inputs: run 1 is what one video costs from a fresh
@@ -28,7 +28,7 @@ steps, guidance, sequence length and the same explicit initial latents, in this 
 after the other; their videos are compared (PSNR) as a check that the settings match. diffusers
 runs on --torch-device (default: cuda when available, else cpu), ours on JAX's default backend.
 
-`--aot TOPOLOGY` (e.g. v6e:2x4, v5e:4x4; needs libtpu, see `end_to_end/aot.py`) compiles the
+`--aot TOPOLOGY` (e.g. v6e:2x4, v5e:4x4; needs libtpu, see `end_to_end/aot/step.py`) compiles the
 denoise step of Wan 1.3B at 480p and Wan 14B at 720p (81 frames, bf16, CFG) for that TPU
 topology here and prints per-device memory and cost analysis, compile time and collectives. It is
 a compile-time report, not a runtime measurement. If the topology cannot be initialised within
@@ -57,7 +57,7 @@ ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_medi
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.benchmark", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.pipeline", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
                   help="architecture and video size (table in end_to_end/README.md)")
@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_preset(args: argparse.Namespace, backend: str | None = None):
   """The preset with the command-line overrides applied (ValueError on bad values); a preset that
   reproduces a published benchmark is first cut to CPU size when `backend` is "cpu"
-  (`bench_presets.reduced_for_cpu`)."""
-  from end_to_end.bench_presets import PRESETS, reduced_for_cpu
+  (`bench.presets.reduced_for_cpu`)."""
+  from end_to_end.bench.presets import PRESETS, reduced_for_cpu
 
   preset = PRESETS[args.preset]
   if args.compare and preset.boundary_ratio is not None:
@@ -192,19 +192,19 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def aot_targets() -> dict:
-  from end_to_end.aot import AOT_TARGETS  # no JAX import: safe before the TPU environment is set
+  from end_to_end.aot.step import AOT_TARGETS  # no JAX import: safe before the TPU environment is set
   return AOT_TARGETS
 
 
 def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec | None, name: str) -> dict[str, Any]:
   """The denoise step of `--aot-models` entry `name` compiled (or the error that stopped it)."""
-  from end_to_end import aot, aot_stages
+  from end_to_end.aot import stages as aot_stages, step as aot_step
 
-  t, once = aot.AOT_TARGETS[name], not args.aot_kv_in_step
+  t, once = aot_step.AOT_TARGETS[name], not args.aot_kv_in_step
   try:
-    row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot.compile_denoise_step(
+    row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot_step.compile_denoise_step(
         devices, preset=t.preset, height=t.height, width=t.width, frames=t.frames, dtype=args.dtype or "bfloat16",
-        text_len=aot.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh, attention_backend=args.attention_backend,
+        text_len=aot_step.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh, attention_backend=args.attention_backend,
         quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once))
     return dict(row, stage="step", cache=cache)
   except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
@@ -214,16 +214,16 @@ def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec |
 
 def run_aot(args: argparse.Namespace) -> int:
   """`--aot`: compile the `--stages` programs for the topology and print their rows (exit 3: no topology)."""
-  from end_to_end import aot
+  from end_to_end.aot import step as aot_step
 
   print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
   try:
-    devices = aot.topology_devices(args.aot, timeout_s=args.aot_init_timeout)
-  except aot.TopologyUnavailable as e:
+    devices = aot_step.topology_devices(args.aot, timeout_s=args.aot_init_timeout)
+  except aot_step.TopologyUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  from end_to_end import aot_stages
-  from end_to_end.aot_text import format_row as format_text_row
+  from end_to_end.aot import stages as aot_stages
+  from end_to_end.aot.text import format_row as format_text_row
 
   mesh = MeshSpec.parse(args.aot_mesh, shard_weights=args.shard_weights) if args.aot_mesh else None
   stages, models, rows = aot_stages.parse_stages(args.stages), args.aot_models.split(","), []
@@ -246,10 +246,10 @@ def run_aot(args: argparse.Namespace) -> int:
       print(format_text_row(row) + f", cache {row['cache']}", flush=True)
       emit(row)
   if "step" in stages:
-    print(aot.format_header(args.aot), flush=True)
+    print(aot_step.format_header(args.aot), flush=True)
     for name in models:
       row = _aot_step_row(args, devices, mesh, name)
-      print(aot.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
+      print(aot_step.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
     if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:  # nan too
       raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
-    from end_to_end.aot_stages import parse_stages  # no JAX import
+    from end_to_end.aot.stages import parse_stages  # no JAX import
     parse_stages(args.stages)
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
@@ -296,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
   import numpy as np
 
-  from end_to_end import bench_presets, timed_runs
-  from end_to_end.video_metrics import max_abs_diff, psnr_per_frame
+  from end_to_end.bench import presets as bench_presets, timed_runs
+  from end_to_end.quality.video_metrics import max_abs_diff, psnr_per_frame
   from pipelines.pipeline import WanPipeline
 
   torch_device = args.torch_device

@@ -1,6 +1,6 @@
 """The load acceptance of `serve`: a real server process under concurrent clients, every video checked.
 
-  python -m end_to_end.serve_load [--clients 4] [--jobs-per-client 5] [--max-batch 4] [--steps 8]
+  python -m end_to_end.serve.load [--clients 4] [--jobs-per-client 5] [--max-batch 4] [--steps 8]
       [--shapes 64x64x17,48x32x9,32x32x5] [--json F]
 
 One `serve` process of the embedded tiny default (uvicorn on 127.0.0.1, a free port, a temporary
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ("a red square moving right", "a blue circle moving up", "a green triangle moving left",
            "a yellow square standing still", "a white circle moving down", "a red triangle moving up",
            "a blue square moving left")
@@ -282,7 +282,7 @@ def report(runs: list[JobRun], wall_s: float) -> dict[str, Any]:
 def start_server(data: str, args: argparse.Namespace, shapes: list[tuple[int, int, int]]
                  ) -> tuple[subprocess.Popen, str]:
   """A `serve` process of the tiny default with every shape warmed up, and its URL once /health is 200."""
-  from end_to_end.bench_serve import launch_server
+  from end_to_end.serve.throughput import launch_server
 
   warmup = [flag for w, h, f in shapes for flag in ("--warmup", f"{w}x{h}x{f}x{args.steps}")]
   flags = ["--model", "tiny", "--max-batch", str(args.max_batch), "--max-queue", "1000",

@@ -10,7 +10,7 @@ inside the forward. Nothing is allocated: weights are `ShapeDtypeStruct`s from `
 
 Reported per device (XLA's own numbers for the compiled program): `memory_analysis()` (argument,
 output, temp and code bytes), `cost_analysis()` (flops, bytes accessed, transcendentals), compile
-wall time, and the collectives in the compiled HLO (`end_to_end.collectives.hlo_collectives`).
+wall time, and the collectives in the compiled HLO (`end_to_end.aot.collectives.hlo_collectives`).
 This is a COMPILE-TIME report, not a runtime measurement: no step is executed. XLA's cost analysis
 and the HLO collective count see each loop body once (the transformer blocks are one `lax.scan`, the
 attention runs block loops), so FLOPs, bytes accessed and collective counts are per program text,
@@ -18,7 +18,7 @@ not per step (a step runs the block body num_layers times); memory_analysis is e
 
 libtpu: `pip install --no-deps --target DIR "libtpu==0.0.42.*"`, DIR on PYTHONPATH, and run with
 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost so that libtpu does not wait
-for a TPU metadata server (`benchmark --aot` sets these, and ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that
+for a TPU metadata server (`bench.pipeline --aot` sets these, and ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that
 libtpu's one-process lock, which guards real chips, does not refuse a second compile-only process).
 """
 
@@ -170,7 +170,7 @@ def compiled_analysis(compiled: Any) -> dict[str, Any]:
   """XLA's per-device analysis of a compiled program: memory_analysis (bytes, `MEMORY_FIELDS`),
   cost_analysis (flops, bytes accessed, transcendentals), collectives ({op: {count, bytes}}) and
   estimated_cycles (`estimated_cycles`); a key is absent where the backend gives no such analysis."""
-  from end_to_end.collectives import estimated_cycles, hlo_collectives
+  from end_to_end.aot.collectives import estimated_cycles, hlo_collectives
 
   text = compiled.as_text()
   out: dict[str, Any] = dict(collectives=hlo_collectives(text))
@@ -340,7 +340,7 @@ def format_row(r: dict[str, Any]) -> str:
   if "error" in r:
     return f"{label:22s} {r['frames']}x{r['height']}x{r['width']:<6d} failed: {r['error']}"
   mem, cost = r.get("memory_analysis", {}), r.get("cost_analysis", {})
-  from end_to_end.collectives import summary
+  from end_to_end.aot.collectives import summary
 
   return (f"{label:22s} {r['frames']:>3d}x{r['height']}x{r['width']:<5d} {r['tokens']:7d} "
           f"{r['mesh']['spec'] + (' sw' if r['mesh']['shard_weights'] else ''):>8s} "

@@ -1,6 +1,6 @@
 """What computing the text's cross-attention K/V once per prompt saves per denoising step.
 
-  python -m end_to_end.bench_text_kv --preset 1.3b-width --steps 4 --rounds 4
+  python -m end_to_end.bench.text_kv --preset 1.3b-width --steps 4 --rounds 4
 
 One pipeline (a benchmark preset's architecture, random weights), both step programs compiled
 first, then `--rounds` pairs of runs in alternating order (K/V once before the loop, the pipeline's
@@ -10,7 +10,7 @@ each side over all rounds, their ratios, XLA's FLOP count of each step program (
 measure of the work saved), the one-off cost of the precompute, and whether the two latents are
 bit-identical.
 
-  python -m end_to_end.bench_text_kv --image --preset 1.3b-width --steps 4 --rounds 4
+  python -m end_to_end.bench.text_kv --image --preset 1.3b-width --steps 4 --rounds 4
 
 `--image`: what holding the image tokens' K/V as well saves (Wan 2.1 I2V: `add_k_proj`,
 `norm_added_k`, `add_v_proj` of the 257 CLIP tokens in every block). The preset's transformer gets
@@ -29,7 +29,7 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-  from end_to_end.bench_presets import PRESETS
+  from end_to_end.bench.presets import PRESETS
 
   ap = argparse.ArgumentParser(prog="bench_text_kv", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
   import jax
 
-  from end_to_end import bench_presets
+  from end_to_end.bench import presets as bench_presets
   from pipelines.pipeline.call_options import CallOptions
   from pipelines.pipeline.request import GenerationRequest
 
@@ -88,7 +88,7 @@ def _image_main(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
 
-  from end_to_end import bench_presets
+  from end_to_end.bench import presets as bench_presets
 
   preset = bench_presets.PRESETS[args.preset]
   steps, params, inputs = _image_setup(preset, args)

@@ -1,6 +1,6 @@
 """What saving the denoising state after every step costs: step time with and without checkpoints.
 
-  python -m end_to_end.bench_checkpoint --preset 1.3b-width --steps 6 --rounds 3
+  python -m end_to_end.bench.checkpoint --preset 1.3b-width --steps 6 --rounds 3
 
 One pipeline (a benchmark preset's architecture, random weights), one compile, then `--rounds`
 pairs of runs in alternating order (without, with `checkpoint_every=1`; the VAE is skipped), so
@@ -18,7 +18,7 @@ import tempfile
 
 
 def main(argv: list[str] | None = None) -> int:
-  from end_to_end.bench_presets import PRESETS
+  from end_to_end.bench.presets import PRESETS
 
   ap = argparse.ArgumentParser(prog="bench_checkpoint", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
   import numpy as np
 
-  from end_to_end import bench_presets
+  from end_to_end.bench import presets as bench_presets
   from pipelines.pipeline import resume
 
   preset = bench_presets.PRESETS[args.preset]

@@ -1,9 +1,9 @@
 """Grid search over attention block sizes: times `local_attention` for each (block_q, block_kv).
 
-  python -m end_to_end.tune_blocks --backend xla --seq 4096                 # CPU: the XLA loops
-  python -m end_to_end.tune_blocks --backend pallas --seq 32760 --dtype bfloat16   # on a GPU / TPU
-  python -m end_to_end.tune_blocks --backend pallas --topology v6e:2x2      # TPU AOT: compile check
-  python -m end_to_end.tune_blocks --pick v6e-a.json v6e-b.json             # one chip's default
+  python -m end_to_end.bench.tune_blocks --backend xla --seq 4096                 # CPU: the XLA loops
+  python -m end_to_end.bench.tune_blocks --backend pallas --seq 32760 --dtype bfloat16   # on a GPU / TPU
+  python -m end_to_end.bench.tune_blocks --backend pallas --topology v6e:2x2      # TPU AOT: compile check
+  python -m end_to_end.bench.tune_blocks --pick v6e-a.json v6e-b.json             # one chip's default
 
 On a real device it times every pair of the grid for both exact paths (LSE and fixed-m), round-robin
 over the pairs so that load from other processes hits them all alike, and prints the table sorted by
@@ -12,7 +12,7 @@ the current default (`BlockSizes.get_default` for the device kind, e.g. a TPU ge
 `attention.settings.DEFAULT_BLOCKS`) side by side; `--json` keeps the table.
 A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in the comment.
 
-With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot.py) nothing runs:
+With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot/step.py) nothing runs:
 each pair is compiled for one chip and the table gives compile seconds, generated code and temp
 (HBM) memory per pair, and which pairs Mosaic refuses (e.g. a kernel whose scoped VMEM exceeds the chip's
 limit: 16 MiB on v5e, 32 MiB on v6e, with the MiB it asked for). That prunes the grid a TPU run then
@@ -56,7 +56,7 @@ def _scoped_vmem_mib(message: str) -> list[float] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m end_to_end.tune_blocks", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.tune_blocks", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
                   help="kernels to tune (auto: Pallas on TPU/GPU, XLA on CPU)")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   from attention import BlockSizes, local_attention, resolve_backend
 
   if args.topology:
-    from end_to_end.aot import topology_devices
+    from end_to_end.aot.step import topology_devices
 
     device = topology_devices(args.topology)[0]
   else:

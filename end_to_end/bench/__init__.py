@@ -1,0 +1,1 @@
+"""Benchmarks: the pipeline by stage next to diffusers, and its parts (attention, transformer, loading, ...)."""

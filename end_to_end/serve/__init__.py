@@ -1,0 +1,1 @@
+"""`serve` under load: throughput and latency, and the load acceptance (every video checked)."""
