@@ -1,0 +1,64 @@
+"""Every measuring tool under end_to_end/ starts (`python -m <module> --help` exits 0), every
+`python -m end_to_end.<module>` the repository names is one of them, and the folder stays organised by
+purpose (end_to_end/README.md, Layout).
+
+The commands are found by reading the source (`tests.harness.end_to_end_commands`), so a new one is
+covered without a change here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from tests.harness import REPO_ROOT, child_env, end_to_end_commands
+
+MAX_TOP_LEVEL_MODULES = 12
+# Where `python -m end_to_end.<module>` is written for people to run: docs, docstrings, help texts, scripts.
+NAMED_IN = ("*.md", "docs/**/*.md", "end_to_end/**/*.md", "end_to_end/**/*.sh", "pyproject.toml",
+            *(f"{top}/**/*.{ext}" for top in ("attention", "producers", "pipelines", "end_to_end", "tests")
+              for ext in ("py", "json")))
+
+
+def _help(module: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, env=child_env(),
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_every_command_prints_its_help():
+  commands = end_to_end_commands()
+  # The discovery finds commands in every purpose folder, and no library.
+  assert {"end_to_end.plan", "end_to_end.quality.check", "end_to_end.bench.pipeline", "end_to_end.aot.text",
+          "end_to_end.serve.load", "end_to_end.train.tiny"} <= set(commands), commands
+  assert not {"end_to_end.bench.presets", "end_to_end.quality.video_metrics"} & set(commands), commands
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    done = dict(zip(commands, pool.map(_help, commands)))
+  failed = {m: (p.returncode, p.stderr[-1500:]) for m, p in done.items() if p.returncode != 0}
+  assert not failed, failed
+  empty = [m for m, p in done.items() if "usage:" not in p.stdout]
+  assert not empty, f"--help printed no usage line: {empty}"
+
+
+def test_every_named_command_exists():
+  """A renamed or removed command leaves no `python -m end_to_end.<module>` behind that would fail."""
+  commands = set(end_to_end_commands())
+  root = pathlib.Path(REPO_ROOT)
+  stale = set()
+  for pattern in NAMED_IN:
+    for path in root.glob(pattern):
+      for name in re.findall(r"python -m (end_to_end(?:\.\w+)+)", path.read_text(encoding="utf-8")):
+        if name not in commands:
+          stale.add(f"{path.relative_to(root)}: python -m {name}")
+  assert not stale, "\n".join(sorted(stale))
+
+
+def test_end_to_end_is_organised_by_purpose():
+  top = sorted(name for name in os.listdir(os.path.join(REPO_ROOT, "end_to_end"))
+               if name.endswith(".py") and name != "__init__.py")
+  assert len(top) <= MAX_TOP_LEVEL_MODULES, (
+      f"{len(top)} modules at end_to_end/'s top level ({top}); at most {MAX_TOP_LEVEL_MODULES}: put a new "
+      f"tool in the folder of its purpose (aot/, bench/, quality/, serve/, train/)")
