@@ -1,6 +1,7 @@
 """The Pallas kernels (attention/kernels.py) in interpret mode, against the float64 and dense references.
 
-(The local grid runs with backend="pallas" in tests/attention/test_blockwise.py, beside the XLA loops.)
+(The local grid runs with backend="pallas" in tests/attention/test_blockwise.py, beside the XLA loops;
+the kernel's `Start` is checked in test_carry.py, the backend choice and block sizes in test_settings.py.)
 
 `backend="pallas"` on CPU runs the TPU kernel (grid over key blocks, carry in scratch) in Pallas
 interpret mode; the GPU kernel (one program per query block looping over key blocks) is forced with
@@ -16,14 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention import BlockSizes, attention_reference, local_attention, make_mesh, resolve_backend, usp_attention
+from attention import BlockSizes, attention_reference, local_attention, make_mesh, usp_attention
 from attention import blockwise, fixed_m, kernels
 from attention.halo import halo_attention
 from tests.numerics import fp32_attention_tol as fp32_tol
 from tests.numerics import within
 from tests.attention.test_blockwise import BF16_TOL, _inputs
 from tests.attention.test_usp import MESHES
-from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.numerics
 
@@ -125,33 +125,6 @@ def test_kernel_start_and_finish_equal_xla(kernel, mode):
   assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) > 0.1  # not vacuous
 
 
-def test_start_must_match_the_mode():
-  """A Start whose offsets do not fit the mode is refused by the kernel call and by `attend` on
-  either backend (the XLA loops would otherwise pin m = -inf: an all-NaN output)."""
-  start, layout, qp, kp, vp, kw = _start_case("fixed_m", None, seed=1)
-  args = (qp, kp, vp, kw["q_pos"], kw["kv_pos"], None)
-  common = dict(bq=128, bk=128, S=layout.S, kv_padded=True, window=None, causal=False, logit_scale=1.0)
-  with pytest.raises(ValueError, match="takes no fixed-m offsets"):
-    kernels.attend_kernel(start, *args, mode="lse", **common)
-  with pytest.raises(ValueError, match="needs fixed-m offsets"):
-    kernels.attend_kernel(blockwise.Start(), *args, mode="fixed_m", **common)
-  for backend in ("xla", "pallas"):
-    with pytest.raises(ValueError, match="needs fixed-m offsets"):
-      blockwise.attend(blockwise.Start(), qp, kp, vp, mode="fixed_m", layout=dataclasses.replace(layout, backend=backend),
-                       q_pos=kw["q_pos"], kv_pos=kw["kv_pos"])
-
-
-def test_start_offsets_are_row_offsets():
-  """`Start.materialise` (the XLA and GPU form of the kernel's offsets) is `fixed_m.row_offsets`:
-  one formula, `fixed_m.offsets_of_rows`, bit for bit."""
-  start, layout, qp, _, _, kw = _start_case("fixed_m", None, seed=2)
-  x = start.offsets
-  stats = fixed_m.KeyStats(x.k_mean, x.k_centred_max, jnp.ones_like(x.c_max), jnp.ones((2,)))
-  want = fixed_m.row_offsets(qp, stats, x.c_max, windowed=True, logit_scale=kw["logit_scale"])
-  got = start.materialise(qp, kw["logit_scale"]).m
-  assert bool(jnp.all(got == want)) and bool(jnp.all(jnp.isfinite(got)))
-
-
 @functools.partial(jax.jit, static_argnames="mesh")
 def _usp_paths(q, k, v, vl, mesh):
   return {impl: usp_attention(q, k, v, mesh=mesh, kv_valid_len=vl, implementation=impl, backend="pallas",
@@ -207,66 +180,6 @@ def test_halo_kernel_matches_windowed_reference():
   within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "halo pallas")
 
 
-def test_backend_choice_and_errors():
-  assert resolve_backend("auto", "cpu") == "xla"
-  assert resolve_backend("auto", "tpu") == resolve_backend("auto", "gpu") == "pallas"
-  assert resolve_backend("xla", "tpu") == "xla"
-  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
-  with pytest.raises(ValueError, match="unknown attention backend"):
-    local_attention(q, k, v, backend="triton")
-  with pytest.raises(ValueError, match="multiples of 128"):
-    local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(64, 128))
-  # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
-  assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
-  # TPU v5e / v6e: their own entries (end_to_end/README.md, Block sizes per TPU generation).
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(1024, 1024)
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == BlockSizes(1024, 1024)
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v4") == BlockSizes(512, 1024)
-  assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
-  assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
-  # Pallas blocks: powers of two >= 128, capped by the given sizes.
-  layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
-  assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
-
-
-def test_default_blocks_per_tpu_generation(monkeypatch):
-  from attention import settings
-
-  # Device kinds as JAX reports them (real chips and AOT topologies alike).
-  assert settings.platform_key("tpu", "TPU v5 lite") == settings.platform_key("tpu", "TPU v5e") == "tpu-v5e"
-  assert settings.platform_key("tpu", "TPU v6 lite") == settings.platform_key("tpu", "TPU v6e") == "tpu-v6e"
-  assert settings.platform_key("tpu", "TPU v4") == settings.platform_key("tpu", None) == "tpu"
-  assert settings.platform_key("cuda", "NVIDIA H100 80GB HBM3") == "gpu"
-  assert settings.platform_key("cpu", "TPU v6 lite") == "cpu"  # a kind only counts on its platform
-  # Each generation reads its own entry, other TPUs the plain "tpu" one, then the CPU's. Distinct
-  # entries, so that equal defaults could not make the lookup pass by accident.
-  sentinels = {"tpu-v5e": BlockSizes(128, 256), "tpu-v6e": BlockSizes(256, 128), "tpu": BlockSizes(384, 384)}
-  for platform, sizes in sentinels.items():
-    monkeypatch.setitem(settings.DEFAULT_BLOCKS, ("pallas", platform), sizes)
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == sentinels["tpu-v5e"]
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == sentinels["tpu-v6e"]
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5p") == sentinels["tpu"]
-  assert BlockSizes.get_default("pallas", "tpu") == sentinels["tpu"]
-  assert BlockSizes.get_default("xla", "tpu", "TPU v6 lite") == settings.DEFAULT_BLOCKS[("xla", "cpu")]
-  with pytest.raises(ValueError, match="no default block sizes"):
-    BlockSizes.get_default("triton", "cpu")
-  # A mesh's calls pass its devices' kind (here the CPU's), not just the platform.
-  seen = []
-
-  def record(block_sizes, backend, platform=None, device_kind=None):
-    seen.append((platform, device_kind))
-    raise RuntimeError("recorded")
-
-  monkeypatch.setattr(blockwise, "check_block_sizes", record)
-  q, k, v = _inputs(1, 8, 8, 2, 2, 16)
-  mesh = make_mesh(ulysses=2, ring=1)
-  for call in (lambda: usp_attention(q, k, v, mesh=mesh),
-               lambda: halo_attention(q, k, v, mesh=mesh, window=2)):
-    with pytest.raises(RuntimeError, match="recorded"):
-      call()
-  assert seen == [("cpu", jax.devices()[0].device_kind)] * 2
-
-
 def test_tune_blocks_pick_rule():
   from end_to_end.bench import tune_blocks
 
@@ -287,17 +200,6 @@ def test_tune_blocks_pick_rule():
                                               else row(1024, 512, error="refused") for r in rows])
   assert tune_blocks.pick_blocks([table, other]) == (512, 1024)
   assert tune_blocks.pick_blocks([dict(shape=[1, 256, 1, 128], rows=[row(256, 256, error="x")])]) is None
-
-
-def test_settings_import_without_jax():
-  import pathlib
-  import subprocess
-  import sys
-
-  code = "import sys, attention.settings as s; s.platform_key('tpu', 'TPU v6 lite'); print('jax' in sys.modules)"
-  root = pathlib.Path(REPO_ROOT)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
-  assert out.stdout.strip() == "False"
 
 
 def test_tune_blocks_measures_grid_and_refuses_interpret_timing(tmp_path):
@@ -332,3 +234,4 @@ def test_kernel_path_is_differentiable(impl):
   for name, a, b in zip("qkv", ours(q, k, v), ref(q, k, v)):
     within(float(jnp.max(jnp.abs(a - b))), 1e-5 * float(jnp.max(jnp.abs(b))), f"d{name} {impl}")
   assert float(jnp.max(jnp.abs(ours(q, k, v)[1][:, 120:]))) == 0.0  # padded keys get no gradient
+

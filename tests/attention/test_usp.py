@@ -1,4 +1,8 @@
-"""2D USP, cross-attention and halo attention on fake CPU meshes, against the dense reference."""
+"""2D USP and cross-attention (attention/usp.py) on fake CPU meshes, against the dense reference.
+
+Halo attention and the strategy switch are tested in test_halo.py, with this file's inputs and HLO
+collective counts.
+"""
 
 import functools
 import re
@@ -10,7 +14,6 @@ import pytest
 
 from attention import (attention_reference, cross_attention, make_mesh, usp_attention,
                        workable_degrees)
-from attention.halo import halo_attention, sequence_parallel_attention
 from tests.numerics import fp32_attention_tol as fp32_tol
 from tests.numerics import within
 
@@ -156,46 +159,6 @@ def test_cross_attention_is_local():
   assert sum(_collective_counts(hlo).values()) == 0
 
 
-@pytest.mark.parametrize("shards", [2, 4, 8])
-@pytest.mark.parametrize("window", ["smaller", "equal", "larger"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_halo_matches_windowed_reference(shards, window, causal):
-  mesh = make_mesh(ulysses=2 if shards >= 4 else 1, ring=shards // (2 if shards >= 4 else 1))
-  T = 48
-  shard = T // shards
-  w = {"smaller": max(1, shard // 2), "equal": shard, "larger": 2 * shard + 1}[window]
-  q, k, v = _inputs(2, T, 4, 2, 16)
-  vl = jnp.asarray([T, T - 5], jnp.int32)
-  ref = attention_reference(q, k, v, window=w, causal=causal, kv_valid_len=vl)
-  out = halo_attention(q, k, v, mesh=mesh, window=w, causal=causal, kv_valid_len=vl)
-  within(_err(out, ref), fp32_tol(v), "halo")
-
-
-def test_halo_moves_only_the_window():
-  mesh = make_mesh(ulysses=2, ring=2)
-  x = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.float32)
-  hlo = jax.jit(lambda q, k, v: halo_attention(q, k, v, mesh=mesh, window=4)).lower(x, x, x).compile().as_text()
-  counts = _collective_counts(hlo)
-  assert counts["collective-permute"] == 2 and counts["all-gather"] == 0 and counts["all-to-all"] == 0
-  # Each permute carries the packed K/V halo [2, B, w, K, H] only.
-  assert re.search(r"f32\[2,1,4,4,16\][^\n]*collective-permute", hlo)
-
-
-def test_strategy_switch():
-  mesh = make_mesh(ulysses=2, ring=2)
-  q, k, v = _inputs(1, 40, 4, 4, 16)
-  ref_global = attention_reference(q, k, v)
-  ref_local = attention_reference(q, k, v, window=6)
-  within(_err(sequence_parallel_attention(q, k, v, mesh=mesh), ref_global), fp32_tol(v), "strategy usp")
-  for strategy in ("halo", "all_gather", None):
-    out = sequence_parallel_attention(q, k, v, mesh=mesh, window=6, strategy=strategy)
-    within(_err(out, ref_local), fp32_tol(v), strategy)
-  with pytest.raises(ValueError, match="unknown strategy"):
-    sequence_parallel_attention(q, k, v, mesh=mesh, window=6, strategy="ring")
-  with pytest.raises(ValueError, match="global"):
-    sequence_parallel_attention(q, k, v, mesh=mesh, window=6, strategy="usp")
-
-
 @pytest.mark.parametrize("mesh,tokens,heads,kv_heads", [("U=2,R=4", 250, 4, 2), ("R=2,U=4", 256, 8, 2)])
 def test_collectives_report_meets_minimum(mesh, tokens, heads, kv_heads, tmp_path):
   from end_to_end.aot.collectives import main
@@ -205,3 +168,4 @@ def test_collectives_report_meets_minimum(mesh, tokens, heads, kv_heads, tmp_pat
   assert report["collectives"] == report["minimum"]
   assert report["collectives"]["all-to-all"]["bytes"] > 0
   assert (tmp_path / "r.json").exists()
+
