@@ -1,4 +1,6 @@
-"""Tests for the mesh's one owner (attention.MeshSpec), CFG parallelism, weight sharding and the planner.
+"""Tests for the parallel plan (pipelines/parallel/plan.py): CFG parallelism and weight sharding, and
+the plan and generate commands' mesh choice. (MeshSpec: tests/attention/test_mesh_spec.py; the
+planner: test_planner.py.)
 
 CFG-parallel and weight-sharded runs of the fp32 tiny pipeline must equal the one-device run
 (>= 60 dB PSNR; sharded runs agree to ~1e-7, so the bound has a wide margin), and their compiled
@@ -9,11 +11,9 @@ layer scan on top.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
-import pkgutil
 import re
 
 import jax
@@ -24,71 +24,11 @@ from attention.mesh import MESH_AXES, MeshSpec
 from end_to_end import plan as plan_cli
 from end_to_end.aot.collectives import hlo_collectives
 from tests.numerics import assert_psnr_at_least
-from pipelines.parallel import planner
 from pipelines.pipeline import wan_pipeline
-from pipelines.wan.transformer import PRESETS, param_counts
-from tests.harness import REPO_ROOT
 
-ROOT = REPO_ROOT
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=1, max_sequence_length=16,
           progress=False)
 MESH_PSNR_DB = 60.0
-
-
-# --- the spec -------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text,expected", [
-    ("U=2,R=2", MeshSpec(2, 2)), ("R=2,U=4", MeshSpec(4, 2)), ("U=4", MeshSpec(4, 1)), ("r=3", MeshSpec(1, 3)),
-    ("U=1,R=1", MeshSpec()), ("CFG=2,U=2,R=2", MeshSpec(2, 2, 2)), ("u=4,cfg=2", MeshSpec(4, 1, 2)),
-])
-def test_parse_and_print(text, expected):
-  spec = MeshSpec.parse(text)
-  assert spec == expected
-  assert MeshSpec.parse(str(spec)) == spec  # the printed form reads back
-  assert spec.devices == spec.cfg * spec.ring * spec.ulysses
-
-
-@pytest.mark.parametrize("text,match", [
-    ("U2", "malformed"), ("U=2,U=2", "twice"), ("U=0", ">= 1"), ("X=2", "malformed"), ("CFG=3", "CFG=1 or CFG=2"),
-    ("2x4", "did you mean 'U=2,R=4' or 'U=4,R=2'"), ("auto", "chosen by the planner"),
-])
-def test_parse_errors(text, match):
-  with pytest.raises(ValueError, match=match):
-    MeshSpec.parse(text)
-
-
-def test_check_names_what_works():
-  with pytest.raises(ValueError, match=r"12 heads, not divisible by the Ulysses degree U=8; with 8 devices use "
-                                       r"one of: U=1,R=8, U=2,R=4, U=4,R=2"):
-    MeshSpec(8, 1).check(num_heads=12, device_count=8)
-  with pytest.raises(ValueError, match="needs 16 devices but 8 are visible"):
-    MeshSpec(4, 4).check(device_count=8)
-  with pytest.raises(ValueError, match=r"guidance is off .*use U=2,R=2"):
-    MeshSpec(2, 2, 2).check(cfg_active=False, device_count=8)
-  MeshSpec(2, 2, 2).check(num_heads=12, device_count=8, cfg_active=True)  # fits: no error
-  mesh = MeshSpec(2, 2, 2).build()
-  assert tuple(mesh.axis_names) == MESH_AXES and dict(mesh.shape) == {"cfg": 2, "ring": 2, "ulysses": 2}
-  # Ulysses innermost, then ring, cfg outermost: consecutive devices share a Ulysses group
-  assert [d.id for d in mesh.devices[0, 0]] == [0, 1] and [d.id for d in mesh.devices[1, 0]] == [4, 5]
-  assert MeshSpec.of(mesh) == MeshSpec(2, 2, 2)
-
-
-def test_one_parser_one_device_request():
-  """The mesh is parsed and fake devices are requested in attention/mesh_spec.py only."""
-  for package in ("attention", "pipelines", "end_to_end"):
-    for info in pkgutil.walk_packages([os.path.join(ROOT, package)], prefix=f"{package}."):
-      if info.name.endswith("__main__"):
-        continue
-      module = importlib.import_module(info.name)
-      for name in ("parse_mesh", "format_mesh", "check_mesh", "working_meshes"):
-        assert not hasattr(module, name) or info.name == "attention.mesh_spec", f"{info.name}.{name}"
-  writers = []
-  for folder in ("attention", "pipelines", "end_to_end"):
-    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
-      for f in files:
-        if f.endswith(".py") and re.search(r'os\.environ\["XLA_FLAGS"\]\s*=', open(os.path.join(dirpath, f)).read()):
-          writers.append(os.path.relpath(os.path.join(dirpath, f), ROOT))
-  assert writers == [os.path.join("attention", "mesh_spec.py")]
 
 
 # --- CFG parallelism and weight sharding ----------------------------------------------------------
@@ -191,35 +131,7 @@ def test_cfg_mesh_needs_guidance(pipe):
     pipe.run("a fox", shard_weights=True, **KW)
 
 
-# --- the planner ----------------------------------------------------------------------------------
-
-def test_planner_fits_14b_only_with_sharded_weights_on_v5e():
-  model = PRESETS["wan2.1-t2v-14b"]
-  found = planner.candidates(model, param_counts=param_counts(model), devices=8, frames=81, height=720,
-                             width=1280, chip=planner.CHIPS["v5e"])
-  assert {c.mesh.shard_weights for c in found if c.fits} == {True}
-  assert any(not c.fits for c in found)  # replicated 28.6 GB of weights: not on a 16 GiB chip
-  best = planner.recommend(found)
-  assert best is not None and best.fits and best.mesh.devices == 8
-  # every candidate is valid: U splits the 40 heads, C * R * U = 8, CFG=2 present
-  assert all(40 % c.mesh.ulysses == 0 and c.mesh.devices == 8 for c in found)
-  assert {c.mesh.cfg for c in found} == {1, 2}
-
-
-def test_planner_counts_the_held_cross_attention_kv():
-  """The text K/V held for the run ([Z, rows/C, L, N, H] x 2; Wan 2.1 I2V: + the image's 257 tokens)
-  are in the memory per device: 14B under CFG in bf16, 2 x 40 x 2 x 512 x 5120 x 2 bytes = 0.84 GB
-  (DESIGN.md section 2), halved by a CFG-split mesh; the I2V model holds 769 tokens' worth."""
-  kwargs = dict(devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v6e"])
-  t2v, i2v = PRESETS["wan2.1-t2v-14b"], PRESETS["wan2.1-i2v-14b"]
-  for model, tokens in ((t2v, 512), (i2v, 512 + 257)):
-    for c in planner.candidates(model, param_counts=param_counts(model), **kwargs):
-      want = 2 * 40 * (2 // c.mesh.cfg) * tokens * 5120 * 2
-      assert c.kv_bytes == want, (str(c.mesh), c.kv_bytes, want)
-      assert c.bytes_per_device == c.weight_bytes + c.activation_bytes + c.kv_bytes
-      assert c.to_dict()["kv_bytes"] == want
-  assert 2 * 40 * 2 * 512 * 5120 * 2 == pytest.approx(0.84e9, rel=2e-3)
-
+# --- the plan command and --mesh auto -----------------------------------------------------------
 
 @pytest.mark.parametrize("preset", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b"])
 @pytest.mark.parametrize("where", [["--devices", "8"], ["--topology", "v6e:2x4", "--estimate"]])
@@ -264,3 +176,4 @@ def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
   assert generate.main(args + ["--mesh", "CFG=2,U=2", "--guidance", "1.0", "--out", str(tmp_path / "d.npy")]) == 2
   assert ("--mesh: mesh CFG=2,U=2,R=1 splits classifier-free guidance over CFG=2, but guidance is off "
           "(guidance_scale <= 1); use U=2,R=1 (or turn guidance on)") in capsys.readouterr().err
+

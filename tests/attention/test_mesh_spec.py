@@ -1,0 +1,71 @@
+"""The mesh's one owner (attention/mesh_spec.py `MeshSpec`): parsing and printing, the errors that name
+a fix, the checks against heads, devices and guidance, the built mesh's axis order, and that no other
+module parses a mesh or requests fake devices."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+
+import pytest
+
+from attention.mesh import MESH_AXES, MeshSpec
+from tests.harness import REPO_ROOT
+
+ROOT = REPO_ROOT
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("U=2,R=2", MeshSpec(2, 2)), ("R=2,U=4", MeshSpec(4, 2)), ("U=4", MeshSpec(4, 1)), ("r=3", MeshSpec(1, 3)),
+    ("U=1,R=1", MeshSpec()), ("CFG=2,U=2,R=2", MeshSpec(2, 2, 2)), ("u=4,cfg=2", MeshSpec(4, 1, 2)),
+])
+def test_parse_and_print(text, expected):
+  spec = MeshSpec.parse(text)
+  assert spec == expected
+  assert MeshSpec.parse(str(spec)) == spec  # the printed form reads back
+  assert spec.devices == spec.cfg * spec.ring * spec.ulysses
+
+
+@pytest.mark.parametrize("text,match", [
+    ("U2", "malformed"), ("U=2,U=2", "twice"), ("U=0", ">= 1"), ("X=2", "malformed"), ("CFG=3", "CFG=1 or CFG=2"),
+    ("2x4", "did you mean 'U=2,R=4' or 'U=4,R=2'"), ("auto", "chosen by the planner"),
+])
+def test_parse_errors(text, match):
+  with pytest.raises(ValueError, match=match):
+    MeshSpec.parse(text)
+
+
+def test_check_names_what_works():
+  with pytest.raises(ValueError, match=r"12 heads, not divisible by the Ulysses degree U=8; with 8 devices use "
+                                       r"one of: U=1,R=8, U=2,R=4, U=4,R=2"):
+    MeshSpec(8, 1).check(num_heads=12, device_count=8)
+  with pytest.raises(ValueError, match="needs 16 devices but 8 are visible"):
+    MeshSpec(4, 4).check(device_count=8)
+  with pytest.raises(ValueError, match=r"guidance is off .*use U=2,R=2"):
+    MeshSpec(2, 2, 2).check(cfg_active=False, device_count=8)
+  MeshSpec(2, 2, 2).check(num_heads=12, device_count=8, cfg_active=True)  # fits: no error
+  mesh = MeshSpec(2, 2, 2).build()
+  assert tuple(mesh.axis_names) == MESH_AXES and dict(mesh.shape) == {"cfg": 2, "ring": 2, "ulysses": 2}
+  # Ulysses innermost, then ring, cfg outermost: consecutive devices share a Ulysses group
+  assert [d.id for d in mesh.devices[0, 0]] == [0, 1] and [d.id for d in mesh.devices[1, 0]] == [4, 5]
+  assert MeshSpec.of(mesh) == MeshSpec(2, 2, 2)
+
+
+def test_one_parser_one_device_request():
+  """The mesh is parsed and fake devices are requested in attention/mesh_spec.py only."""
+  for package in ("attention", "pipelines", "end_to_end"):
+    for info in pkgutil.walk_packages([os.path.join(ROOT, package)], prefix=f"{package}."):
+      if info.name.endswith("__main__"):
+        continue
+      module = importlib.import_module(info.name)
+      for name in ("parse_mesh", "format_mesh", "check_mesh", "working_meshes"):
+        assert not hasattr(module, name) or info.name == "attention.mesh_spec", f"{info.name}.{name}"
+  writers = []
+  for folder in ("attention", "pipelines", "end_to_end"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+      for f in files:
+        if f.endswith(".py") and re.search(r'os\.environ\["XLA_FLAGS"\]\s*=', open(os.path.join(dirpath, f)).read()):
+          writers.append(os.path.relpath(os.path.join(dirpath, f), ROOT))
+  assert writers == [os.path.join("attention", "mesh_spec.py")]

@@ -1,0 +1,37 @@
+"""The mesh planner (pipelines/parallel/planner.py): which candidates fit a chip (the 14B model on v5e
+only with sharded weights) and the held cross-attention K/V in the memory per device."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.parallel import planner
+from pipelines.wan.transformer import PRESETS, param_counts
+
+
+def test_planner_fits_14b_only_with_sharded_weights_on_v5e():
+  model = PRESETS["wan2.1-t2v-14b"]
+  found = planner.candidates(model, param_counts=param_counts(model), devices=8, frames=81, height=720,
+                             width=1280, chip=planner.CHIPS["v5e"])
+  assert {c.mesh.shard_weights for c in found if c.fits} == {True}
+  assert any(not c.fits for c in found)  # replicated 28.6 GB of weights: not on a 16 GiB chip
+  best = planner.recommend(found)
+  assert best is not None and best.fits and best.mesh.devices == 8
+  # every candidate is valid: U splits the 40 heads, C * R * U = 8, CFG=2 present
+  assert all(40 % c.mesh.ulysses == 0 and c.mesh.devices == 8 for c in found)
+  assert {c.mesh.cfg for c in found} == {1, 2}
+
+
+def test_planner_counts_the_held_cross_attention_kv():
+  """The text K/V held for the run ([Z, rows/C, L, N, H] x 2; Wan 2.1 I2V: + the image's 257 tokens)
+  are in the memory per device: 14B under CFG in bf16, 2 x 40 x 2 x 512 x 5120 x 2 bytes = 0.84 GB
+  (DESIGN.md section 2), halved by a CFG-split mesh; the I2V model holds 769 tokens' worth."""
+  kwargs = dict(devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v6e"])
+  t2v, i2v = PRESETS["wan2.1-t2v-14b"], PRESETS["wan2.1-i2v-14b"]
+  for model, tokens in ((t2v, 512), (i2v, 512 + 257)):
+    for c in planner.candidates(model, param_counts=param_counts(model), **kwargs):
+      want = 2 * 40 * (2 // c.mesh.cfg) * tokens * 5120 * 2
+      assert c.kv_bytes == want, (str(c.mesh), c.kv_bytes, want)
+      assert c.bytes_per_device == c.weight_bytes + c.activation_bytes + c.kv_bytes
+      assert c.to_dict()["kv_bytes"] == want
+  assert 2 * 40 * 2 * 512 * 5120 * 2 == pytest.approx(0.84e9, rel=2e-3)
