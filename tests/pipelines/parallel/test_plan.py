@@ -1,6 +1,6 @@
 """Tests for the parallel plan (pipelines/parallel/plan.py): CFG parallelism and weight sharding, and
-the plan and generate commands' mesh choice. (MeshSpec: tests/attention/test_mesh_spec.py; the
-planner: test_planner.py.)
+generate's --mesh auto. (MeshSpec: tests/attention/test_mesh_spec.py; the planner: test_planner.py;
+the plan command: tests/end_to_end/test_plan.py.)
 
 CFG-parallel and weight-sharded runs of the fp32 tiny pipeline must equal the one-device run
 (>= 60 dB PSNR; sharded runs agree to ~1e-7, so the bound has a wide margin), and their compiled
@@ -11,9 +11,7 @@ layer scan on top.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 
 import jax
@@ -21,7 +19,6 @@ import numpy as np
 import pytest
 
 from attention.mesh import MESH_AXES, MeshSpec
-from end_to_end import plan as plan_cli
 from end_to_end.aot.collectives import hlo_collectives
 from tests.numerics import assert_psnr_at_least
 from pipelines.pipeline import wan_pipeline
@@ -131,31 +128,7 @@ def test_cfg_mesh_needs_guidance(pipe):
     pipe.run("a fox", shard_weights=True, **KW)
 
 
-# --- the plan command and --mesh auto -----------------------------------------------------------
-
-@pytest.mark.parametrize("preset", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b"])
-@pytest.mark.parametrize("where", [["--devices", "8"], ["--topology", "v6e:2x4", "--estimate"]])
-def test_plan_command(tmp_path, capsys, preset, where):
-  out = tmp_path / "plan.json"
-  assert plan_cli.main(["--preset", preset, *where, "--json", str(out)]) == 0
-  report = json.loads(out.read_text())
-  assert report["recommended"] is not None and report["memory"] == "estimate"
-  chosen = [c for c in report["candidates"] if c["mesh"] == report["recommended"]
-            and c["shard_weights"] == report["recommended_shard_weights"]]
-  assert len(chosen) == 1 and chosen[0]["fits"]
-  assert f"recommended: --mesh {report['recommended']}" in capsys.readouterr().out
-
-
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu present: it would compile")
-def test_plan_topology_without_libtpu_says_how(capsys, monkeypatch):
-  """--topology compiles each candidate with libtpu; without it, exit 3 naming the fix (or --estimate)."""
-  from end_to_end.aot import step as aot_step
-  for key in aot_step.OFFLINE_ENV:  # restored after the test (the command sets them for libtpu)
-    monkeypatch.setenv(key, os.environ.get(key, aot_step.OFFLINE_ENV[key]))
-  assert plan_cli.main(["--preset", "wan2.1-t2v-1.3b", "--topology", "v6e:2x4"]) == 3
-  err = capsys.readouterr().err
-  assert "libtpu" in err and "--estimate" in err
-
+# --- generate --mesh auto ------------------------------------------------------------------------
 
 def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
   from pipelines.cli import generate
