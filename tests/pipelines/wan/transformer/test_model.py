@@ -1,7 +1,9 @@
-"""Tests for pipelines/wan/transformer*.py: diffusers parity, sequence-parallel invariance, loading.
+"""Tests for pipelines/wan/transformer/model.py: diffusers parity, sequence-parallel invariance, one
+scanned layer, random init, the plan argument and the held image K/V's refusals.
 
 Reference: diffusers `WanTransformer3DModel` built in torch with random weights, saved with
-`save_pretrained(safe_serialization=True)` and read back by our loader. Tiny configs, odd latent
+`save_pretrained(safe_serialization=True)` and read back by our loader (diffusers_folders.py; the
+config and loader tests are in test_config.py and test_loading.py). Tiny configs, odd latent
 grids (F=3, Hl=6, Wl=10 -> T = 45 tokens, which no mesh here divides, so padding is exercised).
 Compiled functions are shared: one module-level jit, models cached per config.
 """
@@ -9,10 +11,7 @@ Compiled functions are shared: one module-level jit, models cached per config.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-import os
 import re
 
 import jax
@@ -20,61 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
 
 import attention
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.storage.weights import CheckpointError
-from pipelines.wan.transformer import (forward, init_transformer, load_transformer, param_shapes, PRESETS,
-                                       WanTransformerConfig)
+from pipelines.wan.transformer import forward, init_transformer, param_shapes, PRESETS, WanTransformerConfig
 from tests.numerics import EPS_F32, assert_close_scaled, within
-from tests.torch_weights import randomize
+from tests.pipelines.wan.transformer.diffusers_folders import COMMON, TORCH_CONFIGS, _ours, _torch_model
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
-diffusers = pytest.importorskip("diffusers")
 
-# Small enough to compile in seconds; N=4 divides every Ulysses degree the sharded tests use.
-TORCH_CONFIGS = {
-    "n2h12": dict(num_attention_heads=2, attention_head_dim=12, num_layers=2),
-    "n3h16": dict(num_attention_heads=3, attention_head_dim=16, num_layers=3),
-    "n4h12": dict(num_attention_heads=4, attention_head_dim=12, num_layers=2),
-}
-COMMON = dict(in_channels=4, out_channels=4, text_dim=20, freq_dim=256, ffn_dim=40)
 GRID = (3, 6, 10)  # (F, Hl, Wl)
 BATCH = 2
 
 forward_jit = jax.jit(forward, static_argnames=("plan",))
-
-
-_FOLDERS: dict[str, str] = {}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _saved_models(tmp_path_factory):
-  """Saves each random diffusers model once per session (lazily, by `_folder`)."""
-  _FOLDERS["root"] = str(tmp_path_factory.mktemp("wan_transformers"))
-  yield
-  _FOLDERS.clear()
-
-
-def _folder(name: str) -> str:
-  if name not in _FOLDERS:
-    model = diffusers.WanTransformer3DModel(**TORCH_CONFIGS[name], **COMMON)
-    randomize(model, seed=sum(map(ord, name)), spread=1.6)
-    _FOLDERS[name] = os.path.join(_FOLDERS["root"], name, "transformer")
-    model.save_pretrained(_FOLDERS[name], safe_serialization=True)
-  return _FOLDERS[name]
-
-
-@functools.cache
-def _torch_model(name: str, dtype: torch.dtype):
-  return diffusers.WanTransformer3DModel.from_pretrained(_folder(name), torch_dtype=dtype).eval()
-
-
-@functools.cache
-def _ours(name: str, dtype) -> object:
-  return load_transformer(_folder(name), dtype)
 
 
 def _inputs(text_len: int, seed: int = 0):
@@ -206,24 +164,6 @@ def test_forward_takes_a_plan():
     forward(model, *inputs, plan=attention.make_mesh(ulysses=2))
 
 
-def test_config_round_trip_and_checks_image_fields():
-  folder = _folder("n2h12")
-  with open(os.path.join(folder, "config.json")) as f:
-    raw = json.load(f)
-  config = WanTransformerConfig.from_dict(raw)
-  assert config.num_attention_heads == 2 and config.dim == 24 and config.patch_size == (1, 2, 2)
-  assert WanTransformerConfig.from_dict(config.to_dict()) == config
-  # The image branch (Wan 2.1 I2V): image_dim and added_kv_proj_dim (= D) together.
-  image = WanTransformerConfig.from_dict({**raw, "image_dim": 1280, "added_kv_proj_dim": 24})
-  assert image.has_image_branch and WanTransformerConfig.from_dict(image.to_dict()) == image
-  with pytest.raises(ValueError, match="image_dim"):
-    WanTransformerConfig.from_dict({**raw, "image_dim": 1280})
-  with pytest.raises(ValueError, match="must equal D=24"):
-    WanTransformerConfig.from_dict({**raw, "image_dim": 1280, "added_kv_proj_dim": 5120})
-  with pytest.raises(ValueError, match="attention_head_dim"):
-    WanTransformerConfig(attention_head_dim=7)
-
-
 def test_held_image_kv_refusals():
   """A `TextKV` holding the image K/V goes without image states; both at once (they could differ),
   neither for an image transformer, or image K/V for a text-only one are refused before any compute."""
@@ -245,46 +185,3 @@ def test_held_image_kv_refusals():
   with pytest.raises(ValueError, match="no image branch"):
     text_kv(t2v, text, None, image)
 
-
-def _broken_copy(tmp_path, edit) -> str:
-  """Copies the n2h12 folder with its state dict changed by edit(state)."""
-  src = _folder("n2h12")
-  dst = tmp_path / "transformer"
-  dst.mkdir()
-  (dst / "config.json").write_text(open(os.path.join(src, "config.json")).read())
-  state = load_file(os.path.join(src, "diffusion_pytorch_model.safetensors"))
-  edit(state)
-  save_file(state, str(dst / "diffusion_pytorch_model.safetensors"))
-  return str(dst)
-
-
-@pytest.mark.parametrize("edit,message", [
-    (lambda s: s.pop("blocks.1.attn2.norm_k.weight"),
-     r"missing keys \(1\).*blocks\.1\.attn2\.norm_k\.weight"),
-    (lambda s: s.update({"blocks.0.extra.weight": np.ones(3, np.float32)}),
-     r"unexpected keys \(1\).*blocks\.0\.extra\.weight"),
-    (lambda s: s.update({"proj_out.weight": np.ones((16, 25), np.float32)}),
-     r"shape mismatches \(1\).*proj_out\.weight: checkpoint \(16, 25\) vs model \(16, 24\)"),
-])
-def test_loader_reports_bad_keys(tmp_path, edit, message):
-  with pytest.raises(CheckpointError, match=message):
-    load_transformer(_broken_copy(tmp_path, edit))
-
-
-def test_loader_reads_sharded_folder(tmp_path):
-  """A folder split into several safetensors files with an index loads to the same parameters."""
-  name = "n2h12"
-  folder = str(tmp_path / "transformer")
-  _torch_model(name, torch.float32).save_pretrained(folder, safe_serialization=True, max_shard_size="20KB")
-  assert any(n.endswith(".safetensors.index.json") for n in os.listdir(folder))
-  single, sharded = _ours(name, jnp.float32), load_transformer(folder, jnp.float32)
-  # Bit-exact: the same stored values, read from two file layouts (no arithmetic).
-  for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_loader_refuses_pickle_only(tmp_path):
-  (tmp_path / "config.json").write_text(open(os.path.join(_folder("n2h12"), "config.json")).read())
-  (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"not loaded")
-  with pytest.raises(CheckpointError, match="pickle"):
-    load_transformer(str(tmp_path))
