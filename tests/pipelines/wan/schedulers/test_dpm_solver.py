@@ -1,5 +1,5 @@
 """DPM-Solver++ (flow) parity with diffusers' `DPMSolverMultistepScheduler(use_flow_sigmas=True,
-prediction_type="flow_prediction")` over whole trajectories, driven by test_schedulers' fake model
+prediction_type="flow_prediction")` over whole trajectories, driven by test_unipc.py's fake model
 (bitwise equal in both frameworks), so any difference comes from the solvers; agreement is to
 float32 rounding (`trajectory_rel`: the jitted step contracts FMAs where torch rounds every op)."""
 
@@ -79,12 +79,3 @@ def test_dpm_config_read_from_a_scheduler_config_json(tmp_path):
   with pytest.raises(ValueError, match="use_flow_sigmas"):
     schedulers.scheduler_config_from_dict({"_class_name": "DPMSolverMultistepScheduler"})
 
-
-def test_switch_solver_keeps_the_shift():
-  unipc = schedulers.UniPCConfig(flow_shift=3.0)
-  dpm = schedulers.switch_solver(unipc, "dpm++")
-  assert dpm == schedulers.DPMSolverConfig(flow_shift=3.0)
-  assert schedulers.switch_solver(dpm, "euler") == schedulers.FlowEulerConfig(shift=3.0)
-  assert schedulers.switch_solver(unipc, "unipc") is unipc
-  with pytest.raises(ValueError, match="unipc, euler, dpm"):
-    schedulers.switch_solver(unipc, "ddim")
