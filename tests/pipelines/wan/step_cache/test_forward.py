@@ -5,11 +5,12 @@
   skips the same steps as one device and gives the same latents to fp32 tolerance, for both
   methods; the decision is a globally reduced scalar, so a device taking another branch would
   deadlock or show here;
-- bad specs refused before compute.
+- bad specs refused before compute (what a spec string means: test_spec.py).
 
 Tiny model, 48x80 x 9 frames (45 tokens: every mesh here pads, so the statistics' padding mask is
 exercised), 8 steps, CFG on (cond and uncond rows share one decision). Latents are compared
-instead of decoded frames (equal latents decode to equal frames; the VAE is not under test).
+instead of decoded frames (equal latents decode to equal frames; the VAE is not under test). The
+pipeline (`tiny`, per module) comes from conftest.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 import pytest
 
 import attention
-from pipelines import WanPipeline
 from pipelines.wan import pretrained, step_cache
 from tests.harness import TESTS_DIR
 
@@ -42,11 +42,6 @@ SKIPPING = {"first-block": "first-block:0.13", "mag": f"mag:0.01:2@{RANDOM_RATIO
 # fp32 latents of two meshes differ only in summation order (attention, statistics); 1e-5 of the
 # latents' unit scale is >= 4x the largest difference measured (2.4e-7 on frames, ~1e-6 latents).
 FP32_LATENT_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny():
-  return WanPipeline.tiny(random=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +109,6 @@ def test_settings_record_and_repeat_call_compiles_nothing(tiny, one_device):
   assert len(again.settings["step_cache"]["skipped_steps"]) > len(record["skipped_steps"])
 
 
-def test_mag_ratios_file_and_resampling(tmp_path, tiny):
-  path = tmp_path / "ratios.json"
-  path.write_text(json.dumps({"ratios": [1.0, 0.5, 2.0]}))
-  spec = step_cache.parse_step_cache(f"mag:0.1:2@{path}", model="/some/folder")
-  assert (spec.threshold, spec.max_skips, spec.ratios) == (0.1, 2, (1.0, 0.5, 2.0))
-  # Index round(i * 2 / 4) with round-half-to-even, as torch.round in diffusers' nearest_interp.
-  np.testing.assert_array_equal(step_cache.nearest_interp(spec.ratios, 5), [1.0, 1.0, 0.5, 2.0, 2.0])
-  tiny_spec = step_cache.parse_step_cache("mag:0.1", model="tiny")
-  # The shipped file: the trained tiny default's 8 steps (tests/pipelines/wan/step_cache/test_calibration.py).
-  assert tiny_spec.max_skips == step_cache.MAG_DEFAULT_MAX_SKIPS and len(tiny_spec.ratios) == 8
-
-
 @pytest.mark.parametrize("spec,match", [
     ("first-block", "not understood"),
     ("first-block:", "not understood"),
@@ -143,17 +126,6 @@ def test_bad_specs_refused_before_compute(tiny, spec, match):
   with pytest.raises(ValueError, match=match):
     tiny.run(PROMPT, step_cache=spec, **KWARGS)
   assert tiny.compiled_steps.traces == traced
-
-
-def test_mag_without_ratios_needs_a_calibration_for_a_folder(tmp_path):
-  bad = tmp_path / "bad.json"
-  bad.write_text(json.dumps({"ratios": [1.0, -1.0]}))
-  with pytest.raises(step_cache.StepCacheError, match="calibrate_cache --model FOLDER"):
-    step_cache.parse_step_cache("mag:0.1", model="/models/wan")
-  with pytest.raises(step_cache.StepCacheError, match="finite numbers > 0"):
-    step_cache.parse_step_cache(f"mag:0.1@{bad}", model="tiny")
-  with pytest.raises(step_cache.StepCacheError, match="threshold"):
-    step_cache.StepCacheSpec("first-block", float("inf"))
 
 
 def test_reset_keeps_the_layout():
@@ -200,3 +172,4 @@ def test_interrupted_cached_run_resumes_to_the_same_video(tiny, one_device, tmp_
   assert np.allclose(record["metrics"][1:], reference["metrics"][1:], rtol=1e-4), (record, reference)
   err = float(np.max(np.abs(result.latents - one_device["first-block"].latents)))
   assert err <= FP32_LATENT_TOL, f"resumed cached run: max |latents - uninterrupted| = {err}"
+
