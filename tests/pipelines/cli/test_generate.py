@@ -1,4 +1,5 @@
-"""Tests for pipelines/cli/generate.py and pipelines/storage/video_io.py: the command end to end, every check.
+"""Tests for pipelines/cli/generate.py: the command end to end, every check (the video files
+themselves: tests/pipelines/storage/test_video_io.py).
 
 The end-to-end run is a fresh subprocess without the harness's device count (harness.child_env), so
 the command itself must simulate the mesh's CPU devices; the checks run in-process (this process
@@ -8,7 +9,6 @@ already has 8 fake CPU devices, see conftest.py) and must fail before any model 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -20,21 +20,13 @@ from PIL import Image
 import pytest
 
 from tests.harness import REPO_ROOT, child_env, step_compiles
+from tests.pipelines.storage.video_files import _decode_mp4, _fake_ffmpeg
 from pipelines.cli import generate
 from pipelines.storage import video_io
-from pipelines.pipeline import wan_pipeline
 from pipelines.cli.help import warnings_as_lines
 
 ROOT = REPO_ROOT
 PROMPT = "a red fox running through snow"
-
-
-def _decode_mp4(path: str) -> tuple[tuple[int, int], int]:
-  """((width, height), frame count) as ffmpeg reads the file back."""
-  import imageio_ffmpeg
-  reader = imageio_ffmpeg.read_frames(path)
-  meta = next(reader)
-  return tuple(meta["size"]), sum(1 for _ in reader)
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe
@@ -149,33 +141,6 @@ def test_gif_and_frames_outputs(tmp_path, capsys):
 BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
 
 
-def test_contact_sheet_tiles_are_the_frames(tmp_path):
-  """Every tile is the frame's uint8 pixels, each repeated zoom x zoom; columns evenly spaced."""
-  rng = np.random.default_rng(0)
-  videos = [rng.random((17, 24, 40, 3), dtype=np.float32) for _ in range(2)]
-  assert video_io.sheet_columns(17, 9) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
-  assert video_io.sheet_columns(81, 9) == list(range(0, 81, 10)) and video_io.sheet_columns(3, 9) == [0, 1, 2]
-  image = video_io.contact_sheet(videos, labels=["reference", "candidate"])
-  zoom, gap = 4, 2  # ceil(96 / 24)
-  tile_h, tile_w = 24 * zoom, 40 * zoom
-  label_w = image.shape[1] - 9 * (tile_w + gap) - gap
-  header_h = image.shape[0] - 2 * (tile_h + gap)
-  assert label_w > 0 and header_h > 0
-  for r, video in enumerate(videos):
-    for c, f in enumerate(video_io.sheet_columns(17, 9)):
-      y, x = header_h + r * (tile_h + gap), label_w + gap + c * (tile_w + gap)
-      want = video_io.to_uint8(video)[f].repeat(zoom, 0).repeat(zoom, 1)
-      np.testing.assert_array_equal(image[y:y + tile_h, x:x + tile_w], want)
-  path = str(tmp_path / "sheet.png")
-  video_io.write_contact_sheet(videos, path)
-  with pytest.raises(video_io.OutputError, match="exists"):
-    video_io.write_contact_sheet(videos, path)
-  with pytest.raises(video_io.OutputError, match="PNG"):
-    video_io.write_contact_sheet(videos, str(tmp_path / "sheet.jpg"))
-  with pytest.raises(ValueError, match="one shape"):
-    video_io.contact_sheet([videos[0], videos[1][:5]])
-
-
 @pytest.mark.parametrize("extra,message", [
     (["--preset", "wan3"], "unknown --preset 'wan3'; use one of wan2.1-t2v-1.3b"),
     (["--size", "40x32"], "width=40 must be a positive multiple of 16"),
@@ -280,104 +245,6 @@ def test_vae_parallel_flag(tmp_path):
 @pytest.mark.parametrize("text,expected", [("832x480", (832, 480)), ("1280*720", (1280, 720))])
 def test_parse_size(text, expected):
   assert generate.parse_size(text) == expected
-
-
-def _fake_ffmpeg(tmp_path, mode: str) -> str:
-  """An ffmpeg that breaks when encoding (its input is stdin, "-i -") and is the real one otherwise:
-  "fail" exits 3 with a message, "silent" exits 0 having written an empty file (what ffmpeg does
-  when the mp4 muxer refuses a frame rate)."""
-  import imageio_ffmpeg
-  broken = {"fail": "echo 'fake encoder: refusing this input' >&2; exit 3",
-            "silent": 'for last; do :; done; : > "$last"; exit 0'}[mode]
-  script = tmp_path / f"ffmpeg_{mode}"
-  script.write_text(f"""#!/bin/sh
-case " $* " in *" -i - "*) ;; *) exec '{imageio_ffmpeg.get_ffmpeg_exe()}' "$@";; esac
-{broken}
-""")
-  script.chmod(0o755)
-  return str(script)
-
-
-FRAMES = np.random.default_rng(0).random((5, 16, 16, 3), dtype=np.float32)
-
-
-@pytest.mark.parametrize("mode,message", [
-    ("fail", "ffmpeg encoding the mp4 exited with status 3: fake encoder: refusing this input"),
-    ("silent", "ffmpeg decoding the mp4 back exited with status"),
-])
-def test_encoder_failure_leaves_nothing(tmp_path, monkeypatch, mode, message):
-  """imageio-ffmpeg's writer did not raise for either: a failed encode left an empty file."""
-  videos = tmp_path / "videos"
-  videos.mkdir()
-  monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _fake_ffmpeg(tmp_path, mode))
-  with pytest.raises(video_io.EncodeError, match=r"writing '.*fox.mp4' failed; nothing was written there: "
-                                                 + re.escape(message)):
-    video_io.write_video(FRAMES, str(videos / "fox.mp4"))
-  assert os.listdir(videos) == []  # no empty file, no temporary file
-  (videos / "old.mp4").write_bytes(b"old")  # with overwrite, a failure keeps the old output
-  with pytest.raises(video_io.EncodeError):
-    video_io.write_video(FRAMES, str(videos / "old.mp4"), overwrite=True)
-  assert os.listdir(videos) == ["old.mp4"] and (videos / "old.mp4").read_bytes() == b"old"
-
-
-@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
-def test_odd_size_mp4(tmp_path):
-  """17x33 frames: refused before encoding (was an empty .mp4), or padded / cropped with a warning."""
-  frames = np.random.default_rng(1).random((3, 17, 33, 3), dtype=np.float32)
-  with pytest.raises(video_io.OutputError, match=r"frames of 33x17 cannot be written to .*odd.mp4': mp4 "
-                                                 r"\(H.264, yuv420p\) needs an even width and height; pass "
-                                                 r"odd_size='pad'"):
-    video_io.write_video(frames, str(tmp_path / "odd.mp4"))
-  assert os.listdir(tmp_path) == []
-  for odd_size, size in (("pad", (34, 18)), ("crop", (32, 16))):
-    out = str(tmp_path / f"{odd_size}.mp4")
-    match = rf"frames of 33x17 written as {size[0]}x{size[1]} \(odd_size='{odd_size}'\)"
-    with pytest.warns(UserWarning, match=match):
-      video_io.write_video(frames, out, odd_size=odd_size)
-    assert _decode_mp4(out) == (size, 3)
-  with pytest.raises(video_io.OutputError, match=r"odd_size='round' must be one of \('error', 'pad', 'crop'\)"):
-    video_io.write_video(frames, str(tmp_path / "x.mp4"), odd_size="round")
-  video_io.write_video(frames, str(tmp_path / "odd.gif"), fps=10)  # only mp4 needs even sizes
-
-
-@pytest.mark.parametrize("fps", [math.inf, math.nan, 0.0, -16.0, 1e-9, 1e9, True, "16", None])
-def test_write_video_refuses_fps_it_cannot_store(tmp_path, fps):
-  with pytest.raises(video_io.OutputError, match=rf"fps={re.escape(repr(fps))} must be a finite number"):
-    video_io.write_video(FRAMES, str(tmp_path / "fox.mp4"), fps=fps)
-  assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.parametrize("fps,delay_ms,exact", [
-    (60, 20, False),  # 16.7 ms: 2 cs is nearest (was 10 ms, 100 fps)
-    (120, 10, False),  # 8.3 ms: 1 cs (was 0, no delay)
-    (1000, 10, False),  # never 0
-    (16, 60, False),  # 62.5 ms: 6 cs (16.7 fps)
-    (25, 40, True),
-    (100 / 3, 30, True),
-    (0.001, 655350, False),  # 1000 s: the longest delay a GIF holds
-])
-def test_gif_delay_is_the_nearest_centisecond(tmp_path, fps, delay_ms, exact):
-  from PIL import ImageSequence
-  out = str(tmp_path / "clip.gif")
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    video_io.write_video(FRAMES, out, fps=fps)
-  rounded = [w for w in caught if issubclass(w.category, video_io.FrameRateWarning)]
-  assert len(rounded) == (0 if exact else 1), [str(w.message) for w in caught]
-  if not exact:
-    message = str(rounded[0].message)
-    assert f"{fps:g} fps" in message and f"stored as {delay_ms // 10} cs" in message
-  with Image.open(out) as gif:
-    assert [frame.info["duration"] for frame in ImageSequence.Iterator(gif)] == [delay_ms] * len(FRAMES)
-
-
-def test_gif_of_repeated_frames_reads_back(tmp_path):
-  """Pillow stores a run of identical frames once with the run's delay: still the frames sent."""
-  from PIL import ImageSequence
-  frames = np.repeat(FRAMES[:2], [3, 2], axis=0)
-  video_io.write_video(frames, str(tmp_path / "clip.gif"), fps=10)
-  with Image.open(tmp_path / "clip.gif") as gif:
-    assert [frame.info["duration"] for frame in ImageSequence.Iterator(gif)] == [300, 200]
 
 
 # --- the command's numeric checks and its encoder errors -------------------------------------
