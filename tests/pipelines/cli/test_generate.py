@@ -1,5 +1,5 @@
-"""Tests for pipelines/cli/generate.py: the command end to end, every check (the video files
-themselves: tests/pipelines/storage/test_video_io.py).
+"""Tests for pipelines/cli/generate.py: the command as a whole: end to end in a subprocess, its
+checks before compute (exit status 2, nothing written), the command and the Python call refusing alike.
 
 The end-to-end run is a fresh subprocess without the harness's device count (harness.child_env), so
 the command itself must simulate the mesh's CPU devices; the checks run in-process (this process
@@ -13,17 +13,12 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 
-import numpy as np
-from PIL import Image
 import pytest
 
 from tests.harness import REPO_ROOT, child_env, step_compiles
 from tests.pipelines.storage.video_files import _decode_mp4, _fake_ffmpeg
 from pipelines.cli import generate
-from pipelines.storage import video_io
-from pipelines.cli.help import warnings_as_lines
 
 ROOT = REPO_ROOT
 PROMPT = "a red fox running through snow"
@@ -89,53 +84,6 @@ def test_command_writes_a_decodable_video(tmp_path):
                    proc.stdout), proc.stdout
   assert "first compile" not in again.stdout
   assert json.loads((tmp_path / "again.mp4.json").read_text())["timings_s"]["decode_compile_ahead"] > 0
-
-
-def test_gif_and_frames_outputs(tmp_path, capsys):
-  """In-process run (one device) to a .gif with its contact sheet; the frames-folder writer on the
-  same frames.
-
-  Sizes as in tests/pipelines/pipeline/test_wan_pipeline.py, so that in one session the compiled programs are reused.
-  """
-  out = tmp_path / "clip.gif"
-  argv = ["--prompt", PROMPT, "--size", "80x48", "--frames", "9", "--steps", "2", "--seed", "1",
-          "--max-sequence-length", "32", "--out", str(out), "--contact-sheet"]
-  assert generate.main(argv) == 0
-  import imageio.v3 as iio
-  gif = iio.imread(out, index=None)
-  assert gif.shape[:3] == (9, 48, 80)
-  assert "wrote" in capsys.readouterr().out
-  sheet = iio.imread(tmp_path / "clip.gif.contact.png")  # 9 frames: one row of 9 tiles, 2x enlarged
-  assert sheet.shape[2] == 3 and sheet.shape[1] == 9 * (160 + 2) + 2 and sheet.shape[0] > 96
-  sidecar = json.loads((tmp_path / "clip.gif.json").read_text())
-  assert sidecar["contact_sheet"] == str(tmp_path / "clip.gif.contact.png")
-  # No --fps: Wan's 16 fps as the nearest rate a GIF stores exactly (6 cs), without a warning (the
-  # one warning: 80x48 x 9 is not the default model's trained size).
-  assert sidecar["video"]["fps"] == pytest.approx(100 / 6), sidecar
-  assert [w[:41] for w in sidecar["warnings"]] == ["the 'tiny' model was trained at 64x64 x 1"], sidecar
-  with Image.open(out) as stored:
-    assert stored.info["duration"] == 60
-  # Same output again: refused without --overwrite, replaced with it.
-  assert generate.main(argv) == 2
-  assert "exists; pass --overwrite" in capsys.readouterr().err
-  assert generate.main(argv + ["--overwrite"]) == 0
-
-  (tmp_path / "clip.gif").unlink()  # the contact sheet alone still blocks a run without --overwrite
-  (tmp_path / "clip.gif.json").unlink()
-  assert generate.main(argv) == 2
-  assert "clip.gif.contact.png' exists; pass --overwrite" in capsys.readouterr().err
-
-  frames = np.linspace(0, 1, 3 * 16 * 16 * 3, dtype=np.float32).reshape(3, 16, 16, 3)
-  folder = str(tmp_path / "frames") + os.sep
-  assert video_io.output_kind(folder) == "frames"
-  video_io.write_video(frames, folder)
-  names = sorted(os.listdir(tmp_path / "frames"))
-  assert names == ["frame_00000.png", "frame_00001.png", "frame_00002.png"]
-  np.testing.assert_array_equal(iio.imread(tmp_path / "frames" / names[2]), video_io.to_uint8(frames)[2])
-  with pytest.raises(video_io.OutputError, match="overwrite"):
-    video_io.write_video(frames, folder)
-  video_io.write_video(frames[:1], folder, overwrite=True)
-  assert os.listdir(tmp_path / "frames") == ["frame_00000.png"]
 
 
 BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
@@ -208,45 +156,6 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
   assert "other.gif.json' exists" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("given,rounded", [(10, 9), (16, 17), (19, 17)])
-def test_frames_round_as_diffusers_with_a_warning(tmp_path, capsys, given, rounded):
-  """num_frames // 4 * 4 + 1 as diffusers: not always down (16 -> 17); the command's warning line."""
-  args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", str(given), "--out", str(tmp_path / "a.mp4")])
-  with warnings_as_lines("generate"):  # the request rounds (after JAX starts, before any weights)
-    request = generate.check_plan(generate.plan_run(args)).request
-  assert request.num_frames == rounded
-  assert (f"generate: warning: num_frames={given}: num_frames - 1 must be divisible by 4; rounding to "
-          f"{rounded} as diffusers does") in capsys.readouterr().err
-
-
-def test_presets_are_the_published_defaults(tmp_path):
-  p = generate.PRESETS
-  assert (p["wan2.1-t2v-1.3b"].width, p["wan2.1-t2v-1.3b"].height, p["wan2.1-t2v-1.3b"].frames) == (832, 480, 81)
-  assert (p["wan2.1-t2v-1.3b"].steps, p["wan2.1-t2v-1.3b"].shift, p["wan2.1-t2v-1.3b"].guidance) == (50, 3.0, (5.0,))
-  assert (p["wan2.1-t2v-14b"].width, p["wan2.1-t2v-14b"].height, p["wan2.1-t2v-14b"].shift) == (1280, 720, 5.0)
-  a14b = p["wan2.2-t2v-a14b"]
-  assert (a14b.width, a14b.height, a14b.frames, a14b.steps, a14b.shift, a14b.guidance) == (
-      1280, 720, 81, 40, 12.0, (4.0, 3.0))
-  args = generate.build_parser().parse_args(["--prompt", "x", "--preset", "wan2.1-t2v-14b",
-                                             "--size", "480x272", "--steps", "3",
-                                             "--out", str(tmp_path / "a.mp4")])
-  plan = generate.plan_run(args)  # flags override the preset, the rest comes from it
-  assert (plan.width, plan.height, plan.steps, plan.frames, plan.shift) == (480, 272, 3, 81, 5.0)
-
-
-def test_vae_parallel_flag(tmp_path):
-  """The decode is split over the mesh by default; --no-vae-parallel keeps it on one device."""
-  parse = generate.build_parser().parse_args
-  out = ["--out", str(tmp_path / "a.mp4")]
-  assert generate.plan_run(parse(BASE[:-4] + out)).vae_parallel is True
-  assert generate.plan_run(parse(BASE[:-4] + ["--no-vae-parallel"] + out)).vae_parallel is False
-
-
-@pytest.mark.parametrize("text,expected", [("832x480", (832, 480)), ("1280*720", (1280, 720))])
-def test_parse_size(text, expected):
-  assert generate.parse_size(text) == expected
-
-
 # --- the command's numeric checks and its encoder errors -------------------------------------
 
 @pytest.mark.parametrize("fps", ["inf", "1e-9"])
@@ -277,14 +186,6 @@ def test_command_reports_encoder_failure(tmp_path):
   assert os.listdir(videos) == []
 
 
-def test_gif_fps_warning_before_compute(tmp_path, capsys):
-  args = generate.build_parser().parse_args(BASE + ["--fps", "60", "--out", str(tmp_path / "a.gif")])
-  with warnings_as_lines("generate"):  # as main shows warnings
-    generate.plan_run(args)
-  assert ("generate: warning: GIF frame delays are whole centiseconds: 60 fps (a 16.67 ms delay) is stored "
-          "as 2 cs = 50 fps" in capsys.readouterr().err)
-
-
 # --- one check per value: the command and the Python call refuse alike ------------------------------
 
 TINY_ARGV = ["--prompt", PROMPT, "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "1",
@@ -309,63 +210,3 @@ def test_command_and_python_call_refuse_alike(tmp_path, capsys, flags, flag, kwa
   err = capsys.readouterr().err
   assert f"generate: error: {flag}: {refused.value}" in err, err
   assert os.listdir(tmp_path) == []
-
-
-def _checked(tmp_path, *flags):
-  args = generate.build_parser().parse_args(TINY_ARGV + list(flags) + ["--out", str(tmp_path / "a.mp4")])
-  return generate.check_plan(generate.plan_run(args))
-
-
-def test_run_record_and_sidecar_come_from_the_request(tmp_path):
-  """The run record (--resume) and the sidecar's request fields are the request's values: a changed
-  request field shows in both."""
-  import dataclasses
-  import types
-
-  from pipelines.cli import output, records
-
-  checked = _checked(tmp_path, "--steps", "2")
-  facts = records.RunFacts.of(checked.plan)
-  record = records.request_record(checked.request, facts)
-  assert (record["steps"], record["seed"], record["size"], record["frames"]) == (2, 0, "32x32", 5)
-  assert record["model"] == "tiny-random" and record["guidance"] == [5.0] and record["shift"] == 3.0
-  assert set(record) == set(records._RECORDED + records._RECORDED_FREE)
-  changed = dataclasses.replace(checked, request=dataclasses.replace(checked.request, steps=7, seed=11,
-                                                                     prompts=["a blue circle"]))
-  record = records.request_record(changed.request, facts)
-  assert (record["steps"], record["seed"], record["prompt"]) == (7, 11, "a blue circle")
-  result = types.SimpleNamespace(frames=np.zeros((1, 5, 32, 32, 3), np.float32), settings={"seed": 11})
-  cache = types.SimpleNamespace(report=lambda: {})
-  sidecar = output.sidecar(changed, result, out=str(tmp_path / "a.mp4"), sheet=None, lora=[], times={},
-                           cache=cache, warnings_seen=[])
-  assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny-random")  # records name the model used
-  records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
-  saved = json.loads((tmp_path / "ckpt" / generate.RUN_RECORD).read_text())
-  assert saved["steps"] == 7 and saved == record
-  # The sidecar's settings (what the pipeline records) and the resume identity come from it too.
-  assert changed.request.settings()["steps"] == 7 and changed.request.settings()["prompts"] == ["a blue circle"]
-  identity = changed.request.identity("f" * 64, changed.request.noise())
-  before = checked.request.identity("f" * 64, checked.request.noise())
-  assert identity["num_inference_steps"] == 7 and identity["prompts"] == ["a blue circle"]
-  assert identity["noise_sha256"] != before["noise_sha256"]  # seed 11's noise, not seed 0's
-
-
-def test_the_trained_default_warns_outside_its_one_video_size(tmp_path):
-  """The trained tiny default knows 64x64 x 17 frames only: another size warns before any compute
-  (the Python call and the command build the same request); its own size, and the random tiny
-  model at any size, do not (the control)."""
-  from pipelines.pipeline.request import GenerationRequest, ModelFacts
-
-  trained = ModelFacts.tiny_default("float32")
-  call = {"num_inference_steps": 1, "seed": 0}
-  with pytest.warns(UserWarning, match=r"trained at 64x64 x 17 frames only; 128x128 x 9 frames"):
-    GenerationRequest.build(trained, PROMPT, height=128, width=128, num_frames=9, **call)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    GenerationRequest.build(trained, PROMPT, height=64, width=64, num_frames=17, **call)
-    GenerationRequest.build(ModelFacts.tiny_random("float32"), PROMPT, height=128, width=128, num_frames=9, **call)
-  argv = ["--prompt", PROMPT, "--size", "128x128", "--frames", "9", "--steps", "1", "--out", str(tmp_path / "a.mp4")]
-  with warnings.catch_warnings(record=True) as seen:
-    warnings.simplefilter("always")
-    generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
-  assert any("trained at 64x64 x 17 frames only" in str(w.message) for w in seen)

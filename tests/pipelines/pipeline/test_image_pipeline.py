@@ -320,7 +320,7 @@ def test_generate_image_first_frame_is_the_image(pass_through_folder, tmp_path, 
           "--max-sequence-length", "16", "--dtype", "float32", "--out", str(out)]
   assert generate.main(argv) == 0, capsys.readouterr().err
   video = np.load(out)
-  assert video.shape == (9, 48, 80, 3)  # test_generate's size and VAE: its decode program is shared
+  assert video.shape == (9, 48, 80, 3)  # test_output's size and VAE (tests/pipelines/cli): its decode program is shared
   pipe = WanImageToVideoPipeline.from_pretrained(pass_through_folder)
 
   def reconstruction(img):
