@@ -1,9 +1,13 @@
 """Tests for pipelines/cli/presets.py: the published sampling defaults `generate` starts from (Wan
-2.1 / 2.2), with flags that override a preset's values."""
+2.1 / 2.2 and the distilled few-step preset), with flags that override a preset's values."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from pipelines.cli import generate
+from tests.pipelines.cli.test_run_plan import _checked
 
 
 def test_presets_are_the_published_defaults(tmp_path):
@@ -19,3 +23,17 @@ def test_presets_are_the_published_defaults(tmp_path):
                                              "--out", str(tmp_path / "a.mp4")])
   plan = generate.plan_run(args)  # flags override the preset, the rest comes from it
   assert (plan.width, plan.height, plan.steps, plan.frames, plan.shift) == (480, 272, 3, 81, 5.0)
+
+
+def test_distilled_preset_is_lightx2v_4_step(tmp_path):
+  from pipelines.wan import schedulers
+  with pytest.warns(UserWarning, match="real Wan checkpoint"):
+    request = _checked(tmp_path, "--preset", "wan2.1-t2v-14b-distill").request
+  assert (request.width, request.height, request.num_frames, request.steps) == (832, 480, 81, 4)
+  assert request.guidance == (1.0, 1.0) and not request.cfg and request.negative_prompts is None
+  assert request.scheduler == schedulers.FlowEulerConfig(shift=5.0)
+  assert request.timesteps == (1000.0, 750.0, 500.0, 250.0)
+  np.testing.assert_allclose(request.schedule().timesteps, [1000, 937.5, 833.3333, 625], rtol=1e-6)
+  # --steps replaces the preset's step list with the scheduler's own schedule of that many steps.
+  with pytest.warns(UserWarning):
+    assert _checked(tmp_path, "--preset", "wan2.1-t2v-14b-distill", "--steps", "8").request.timesteps is None

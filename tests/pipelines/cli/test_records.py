@@ -1,15 +1,22 @@
 """Tests for pipelines/cli/records.py: the run record `generate` keeps beside a checkpoint and the
-sidecar, both from the request.
+sidecar, both from the request; `--checkpoint-dir`, an interrupted run and `generate --resume`
+(flags read back from the record, a differing one refused, the checkpoint folder's checks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import numpy as np
 
 from pipelines.cli import generate
+from pipelines.pipeline import resume
+from pipelines.pipeline import wan_pipeline
+from tests.numerics import assert_psnr_at_least
 from tests.pipelines.cli.test_generate import TINY_ARGV
+from tests.pipelines.pipeline.test_resume import PROMPT, RESUME_PSNR_DB
 
 
 def _checked(tmp_path, *flags):
@@ -49,3 +56,51 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   before = checked.request.identity("f" * 64, checked.request.noise())
   assert identity["num_inference_steps"] == 7 and identity["prompts"] == ["a blue circle"]
   assert identity["noise_sha256"] != before["noise_sha256"]  # seed 11's noise, not seed 0's
+
+
+def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
+  """generate --checkpoint-dir, interrupted (Ctrl-C) after step 3 of 5: exit 130 and a hint; then
+  `generate --resume DIR` with only a new mesh and output continues it to the same video;
+  a given flag that differs from the saved run is refused naming it."""
+  args = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "5", "--seed", "3",
+          "--max-sequence-length", "8", "--step-cache", "first-block:0.05"]
+  assert generate.main(args + ["--out", str(tmp_path / "ref.npy")]) == 0
+  folder = str(tmp_path / "ckpt")
+  original_generate = wan_pipeline.WanPipeline.generate
+
+  def interrupted(self, request, options, **kw):
+    def on_step(k, seconds):
+      if k == 2:
+        raise KeyboardInterrupt
+    return original_generate(self, request, dataclasses.replace(options, on_step=on_step), **kw)
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "generate", interrupted)
+  capsys.readouterr()
+  assert generate.main(args + ["--out", str(tmp_path / "a.npy"), "--checkpoint-dir", folder]) == 130
+  err = capsys.readouterr().err
+  assert f"continue with generate --resume {folder}" in err, err
+  assert not os.path.exists(tmp_path / "a.npy")
+  assert json.load(open(os.path.join(folder, generate.RUN_RECORD)))["seed"] == 3
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "generate", original_generate)
+
+  assert generate.main(["--resume", folder, "--steps", "6"]) == 2
+  err = capsys.readouterr().err
+  assert "--steps: saved 5, given 6" in err, err
+  assert generate.main(["--resume", folder, "--mesh", "U=2,R=2", "--out", str(tmp_path / "b.npy")]) == 0
+  err = capsys.readouterr().err
+  assert f"continuing the run saved in {folder}" in err, err
+  resumed, reference = np.load(tmp_path / "b.npy"), np.load(tmp_path / "ref.npy")
+  assert_psnr_at_least(resumed, reference, RESUME_PSNR_DB, name="generate --resume on U=2,R=2")
+  sidecar = json.load(open(tmp_path / "b.npy.json"))
+  assert sidecar["checkpoint"]["resumed_from_step"] == 3 and sidecar["prompt"] == PROMPT
+  assert sidecar["settings"]["step_cache"]["spec"].startswith("first-block:0.05")  # read from the record
+  assert not os.path.exists(folder)  # removed after the video was written
+  # a checkpoint folder that cannot be one is refused before compute
+  (tmp_path / "file").write_text("x")
+  for bad in (str(tmp_path / "file"), str(tmp_path / "missing" / "ckpt")):
+    assert generate.main(args + ["--out", str(tmp_path / "c.npy"), "--checkpoint-dir", bad]) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
+  # a new run into a folder holding a saved run is refused before compute
+  os.makedirs(folder)
+  open(os.path.join(folder, resume.STATE_FILE), "wb").close()
+  assert generate.main(args + ["--out", str(tmp_path / "c.npy"), "--checkpoint-dir", folder]) == 2
+  assert f"continue it with --resume {folder}" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Tests for pipelines/cli/run_plan.py: from `generate`'s flags to a checked request before any
 compute (`plan_run`, `check_plan`): frames rounded as diffusers does with a warning line, a GIF's
-frame-delay warning."""
+frame-delay warning, and the schedule flags (--scheduler, --timesteps, --sigmas) reaching the
+request and its run record."""
 
 from __future__ import annotations
 
@@ -28,3 +29,32 @@ def test_gif_fps_warning_before_compute(tmp_path, capsys):
     generate.plan_run(args)
   assert ("generate: warning: GIF frame delays are whole centiseconds: 60 fps (a 16.67 ms delay) is stored "
           "as 2 cs = 50 fps" in capsys.readouterr().err)
+
+
+def _checked(tmp_path, *flags):
+  from pipelines.cli import generate
+  argv = ["--prompt", "a red square", "--model", "tiny-random", "--seed", "0", "--out", str(tmp_path / "a.mp4")]
+  return generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv + list(flags))))
+
+
+def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
+  from pipelines.cli import records
+  from pipelines.cli.flags import UsageError
+  from pipelines.wan import schedulers
+  checked = _checked(tmp_path, "--scheduler", "dpm++", "--timesteps", "1000,750,500,250")
+  request = checked.request
+  assert request.scheduler == schedulers.DPMSolverConfig(flow_shift=3.0) and request.steps == 4
+  record = records.request_record(request, records.RunFacts.of(checked.plan))
+  assert record["scheduler"] == "dpm++" and record["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
+  assert record["timesteps"] == records._normalized("timesteps", "1000,750,500,250")  # --resume compares so
+  assert request.settings()["timesteps"] == record["timesteps"] and request.settings()["sigmas"] is None
+  identity = request.identity("f" * 64, request.noise())
+  assert identity["timesteps"] == record["timesteps"] and identity["scheduler"]["class"] == "DPMSolverConfig"
+  assert "timesteps" not in _checked(tmp_path).request.identity("f" * 64, request.noise())  # old checkpoints resume
+  assert _checked(tmp_path, "--sigmas", "1,0.5").request.sigmas == (1.0, 0.5)
+  with pytest.raises(UsageError, match="--steps: num_inference_steps=8 but timesteps=.* holds 4"):
+    _checked(tmp_path, "--steps", "8", "--timesteps", "1000,750,500,250")
+  with pytest.raises(UsageError, match="--timesteps: timesteps=.*strictly decreasing"):
+    _checked(tmp_path, "--timesteps", "250,500")
+  with pytest.raises(UsageError, match="--timesteps '1000,x' must be comma-separated numbers"):
+    _checked(tmp_path, "--timesteps", "1000,x")

@@ -19,7 +19,6 @@ import torch
 
 import attention
 from pipelines import WanPipeline
-from pipelines.pipeline import wan_pipeline
 from pipelines.wan.encoders import tokenizer
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan import pretrained
@@ -248,14 +247,6 @@ def test_wan_negative_prompt_matches_diffusers(folders, loaded, monkeypatch):
   with pytest.warns(UserWarning, match="truncated"):
     unfixed = loaded["wan21"].run(prompts, negatives, latents=LATENTS, **kwargs).frames
   assert psnr(unfixed, ref) < 50, "the prompts should tokenise differently without ftfy"
-
-
-def test_round_num_frames_warns_like_diffusers():
-  with pytest.warns(UserWarning, match="rounding to 81"):
-    assert wan_pipeline.round_num_frames(83) == 81
-  assert wan_pipeline.round_num_frames(81) == 81
-  with pytest.raises(ValueError, match="positive int"):
-    wan_pipeline.round_num_frames(0)
 
 
 CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8)

@@ -1,6 +1,8 @@
-"""Few-step Wan as distilled models run: CFG-free steps (guidance 1: one transformer pass of B rows),
-the text's cross-attention K/V computed once per (prompt, expert) before the loop, the distilled
-preset and the schedule flags of `generate`.
+"""Tests for pipelines/pipeline/step.py's text K/V programs, as few-step (distilled) Wan runs them:
+CFG-free steps (guidance 1: one transformer pass of B rows), the text's cross-attention K/V computed
+once per (prompt, expert) before the loop (`CompiledSteps.text_kv`); and the CFG mesh refused
+without guidance (same tiny pipeline). The distilled preset and the schedule flags of `generate`:
+tests/pipelines/cli/test_presets.py and test_run_plan.py.
 
 Text K/V once (`transformer.text_kv`, `Runner._text`): the same latents, bit for bit, as computing
 them inside every step (`CallOptions(text_kv_once=False)`), on one device and on a U=2,R=2 mesh,
@@ -105,49 +107,6 @@ def test_text_kv_follows_a_callback_that_replaces_the_prompt(tiny, monkeypatch):
   np.testing.assert_array_equal(once.latents, every.latents)
   plain = tiny.generate(request, CallOptions(progress=False))
   assert np.abs(plain.latents - once.latents).max() > 1e-3
-
-
-def _checked(tmp_path, *flags):
-  from pipelines.cli import generate
-  argv = ["--prompt", "a red square", "--model", "tiny-random", "--seed", "0", "--out", str(tmp_path / "a.mp4")]
-  return generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv + list(flags))))
-
-
-def test_distilled_preset_is_lightx2v_4_step(tmp_path):
-  from pipelines.wan import schedulers
-  with pytest.warns(UserWarning, match="real Wan checkpoint"):
-    request = _checked(tmp_path, "--preset", "wan2.1-t2v-14b-distill").request
-  assert (request.width, request.height, request.num_frames, request.steps) == (832, 480, 81, 4)
-  assert request.guidance == (1.0, 1.0) and not request.cfg and request.negative_prompts is None
-  assert request.scheduler == schedulers.FlowEulerConfig(shift=5.0)
-  assert request.timesteps == (1000.0, 750.0, 500.0, 250.0)
-  np.testing.assert_allclose(request.schedule().timesteps, [1000, 937.5, 833.3333, 625], rtol=1e-6)
-  # --steps replaces the preset's step list with the scheduler's own schedule of that many steps.
-  with pytest.warns(UserWarning):
-    assert _checked(tmp_path, "--preset", "wan2.1-t2v-14b-distill", "--steps", "8").request.timesteps is None
-
-
-def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
-  from pipelines.cli import records
-  from pipelines.cli.flags import UsageError
-  from pipelines.wan import schedulers
-  checked = _checked(tmp_path, "--scheduler", "dpm++", "--timesteps", "1000,750,500,250")
-  request = checked.request
-  assert request.scheduler == schedulers.DPMSolverConfig(flow_shift=3.0) and request.steps == 4
-  record = records.request_record(request, records.RunFacts.of(checked.plan))
-  assert record["scheduler"] == "dpm++" and record["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
-  assert record["timesteps"] == records._normalized("timesteps", "1000,750,500,250")  # --resume compares so
-  assert request.settings()["timesteps"] == record["timesteps"] and request.settings()["sigmas"] is None
-  identity = request.identity("f" * 64, request.noise())
-  assert identity["timesteps"] == record["timesteps"] and identity["scheduler"]["class"] == "DPMSolverConfig"
-  assert "timesteps" not in _checked(tmp_path).request.identity("f" * 64, request.noise())  # old checkpoints resume
-  assert _checked(tmp_path, "--sigmas", "1,0.5").request.sigmas == (1.0, 0.5)
-  with pytest.raises(UsageError, match="--steps: num_inference_steps=8 but timesteps=.* holds 4"):
-    _checked(tmp_path, "--steps", "8", "--timesteps", "1000,750,500,250")
-  with pytest.raises(UsageError, match="--timesteps: timesteps=.*strictly decreasing"):
-    _checked(tmp_path, "--timesteps", "250,500")
-  with pytest.raises(UsageError, match="--timesteps '1000,x' must be comma-separated numbers"):
-    _checked(tmp_path, "--timesteps", "1000,x")
 
 
 def test_cfg_mesh_without_guidance_names_the_mesh_to_use(tiny):
