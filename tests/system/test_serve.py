@@ -391,29 +391,6 @@ def test_server_process_serves_concurrent_jobs_and_survives_kill_9(served, tmp_p
     service.worker.paused.clear()
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--warmup", "64x64"], "--warmup '64x64' is malformed"),
-    (["--warmup", "33x32x5"], "width=33 must be a positive multiple of 16"),
-    (["--mesh", "U=16"], "--mesh U=16"),
-    (["--lora", "no-path-given"], "NAME=PATH"),
-    (["--lora", "fox=/no/such.safetensors"], "is not a file or folder"),
-    (["--max-batch", "0"], "--max-batch 0 must be an int >= 1"),
-    (["--api-key", "short"], "at least 8 characters"),
-])
-def test_serve_command_refuses_bad_flags_before_loading(argv, words, capsys, monkeypatch):
-  import uvicorn
-
-  from pipelines.serve.main import main
-
-  def started(*args, **kwargs):
-    raise AssertionError(f"serve {argv} started instead of refusing")
-
-  monkeypatch.setattr(Service, "start", started)
-  monkeypatch.setattr(uvicorn, "run", started)
-  assert main(argv) == 2
-  assert words in capsys.readouterr().err
-
-
 def test_seconds_and_fps_give_frames(served):
   service, client = served
   service.worker.paused.set()
