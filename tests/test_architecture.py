@@ -298,3 +298,30 @@ def test_positive_control_wan_floors(tmp_path):
   done = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['jax'] = None\nimport pipelines.wan.vae.model"],
                         cwd=ROOT, capture_output=True, text=True)
   assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+# --- tests mirror the product -------------------------------------------------------------------------
+MIRRORED_FRACTION = 0.6  # of product modules with a same-named test file (tests/<folder>/test_<name>.py)
+
+
+def _test_file_of(module: pathlib.Path) -> pathlib.Path:
+  relative = module.relative_to(ROOT)
+  return ROOT / "tests" / relative.parent / f"test_{relative.name}"
+
+
+def test_tests_mirror_the_product():
+  """Every product package has its test folder; most modules a test file at the same path."""
+  modules = [p for p in _modules(*PRODUCT).values() if p.name != "__init__.py" and p.name != "__main__.py"]
+  packages = {p.parent for p in modules}
+  missing = sorted(str(p.relative_to(ROOT)) for p in packages if not (ROOT / "tests" / p.relative_to(ROOT)).is_dir())
+  assert not missing, f"product packages without a test folder: {missing}"
+  mirrored = [p for p in modules if _test_file_of(p).exists()]
+  fraction = len(mirrored) / len(modules)
+  lacking = sorted(str(p.relative_to(ROOT)) for p in modules if p not in mirrored)
+  assert fraction >= MIRRORED_FRACTION, f"{fraction:.0%} of product modules have a test file; without: {lacking}"
+
+
+def test_positive_control_mirror_paths():
+  assert _test_file_of(ROOT / "pipelines/wan/vae/model.py") == ROOT / "tests/pipelines/wan/vae/test_model.py"
+  assert _test_file_of(ROOT / "pipelines/wan/vae/model.py").exists()
+  assert not _test_file_of(ROOT / "pipelines/wan/vae/no_such_module.py").exists()

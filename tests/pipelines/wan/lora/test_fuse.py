@@ -359,7 +359,7 @@ def test_two_experts_load_into_transformer_2():
 def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
   """`generate --lora A:0.8 --lora B:0.5` fuses both LoRAs at once, each with its weight (recorded in
   the sidecar with the files' SHA-256, and in the run record); a LoRA that does not fit is refused
-  before compute, naming its keys. Sizes as test_generate's in-process run (one program)."""
+  before compute, naming its keys. Sizes as the in-process run of tests/pipelines/cli/test_output.py (one program)."""
   import json
 
   from pipelines.cli import generate
