@@ -19,14 +19,14 @@ from pipelines.cli.plan import Plan
 
 
 def model_facts(plan: Plan) -> Any:
-  """The `ModelFacts` of --model (`pipelines.pipeline.request`), named as the pipeline names it
+  """The `ModelFacts` of --model (`pipelines.pipeline.model_facts`), named as the pipeline names it
   ("tiny" for both tiny models); a folder's weight files are checked too (safetensors present,
   headers intact), reading no tensor data.
 
   Raises:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
   """
-  from pipelines.pipeline.request import ModelFacts
+  from pipelines.pipeline.model_facts import ModelFacts
   from pipelines.wan.pretrained import PipelineIndex
 
   if plan.model == "tiny-random":

@@ -42,7 +42,8 @@ from pipelines.pipeline.hooks import NonFiniteLatentsError  # noqa: F401 (re-exp
 from pipelines.pipeline.inputs import check_output_type, frames_to_pil, round_num_frames  # noqa: F401
 from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.pipeline.placement import PlacedWeights
-from pipelines.pipeline.request import GenerationRequest, ModelFacts
+from pipelines.pipeline.model_facts import ModelFacts
+from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
@@ -251,7 +252,7 @@ class WanPipeline(LoraLoaderMixin):
 
   @property
   def facts(self) -> ModelFacts:
-    """What checking a call needs to know of this model (`request.ModelFacts`)."""
+    """What checking a call needs to know of this model (`model_facts.ModelFacts`)."""
     return ModelFacts(name=self.name, transformer=self.transformer_config,
                       spatial_factor=self.vae.config.spatial_factor,
                       temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,

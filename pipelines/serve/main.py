@@ -24,7 +24,7 @@ from pipelines.serve.options import ServeConfig, parse
 
 def model_facts(config: ServeConfig) -> Any:
   """The `ModelFacts` of --model ("tiny", "tiny-random" or a folder) from its JSON files."""
-  from pipelines.pipeline.request import ModelFacts
+  from pipelines.pipeline.model_facts import ModelFacts
 
   if config.model == "tiny-random":
     return ModelFacts.tiny_random(config.dtype)

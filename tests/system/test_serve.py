@@ -38,7 +38,7 @@ def served(tmp_path_factory):
   LoRA named "fox" (random, on one layer)."""
   from safetensors.numpy import save_file
 
-  from pipelines.pipeline.request import ModelFacts
+  from pipelines.pipeline.model_facts import ModelFacts
   from pipelines.wan import lora
   from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 

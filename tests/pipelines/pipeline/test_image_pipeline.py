@@ -387,7 +387,8 @@ def test_size_follows_the_image(pass_through_folder, tmp_path):
 def test_image_inputs_checked_and_in_the_identity(pass_through_folder):
   """The request's image checks (no compute) and the digests in its settings and resume identity:
   another image is another run."""
-  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.request import GenerationRequest
 
   facts = ModelFacts.from_folder(pass_through_folder, "float32")
   assert facts.image_to_video

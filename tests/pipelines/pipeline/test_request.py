@@ -15,7 +15,8 @@ def test_the_trained_default_warns_outside_its_one_video_size(tmp_path):
   """The trained tiny default knows 64x64 x 17 frames only: another size warns before any compute
   (the Python call and the command build the same request); its own size, and the random tiny
   model at any size, do not (the control)."""
-  from pipelines.pipeline.request import GenerationRequest, ModelFacts
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.request import GenerationRequest
 
   trained = ModelFacts.tiny_default("float32")
   call = {"num_inference_steps": 1, "seed": 0}

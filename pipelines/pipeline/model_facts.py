@@ -1,0 +1,111 @@
+"""What is known of a model before its weights load: `ModelFacts`, read from a folder's JSON files
+(`from_folder`) or the embedded tiny models' configs. `GenerationRequest.build` checks a call against
+them; the command line and the server read them before loading anything.
+
+Glossary (DESIGN.md section 1): B' videos, C latent channels, F / Hl / Wl latent frames / height /
+width, T video tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pipelines.wan import schedulers
+from pipelines.wan.transformer import WanTransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+  """What checking a request needs to know of the model, without its weights.
+
+  Attributes:
+    name: where the weights come from (folder path, "tiny" or "tiny-random").
+    transformer: the experts' shared config (heads, patch, text_dim, in_channels).
+    spatial_factor, temporal_factor: the VAE's compression (8 and 4 for Wan 2.1).
+    boundary_ratio: None (one expert) or Wan 2.2's switch ratio (two experts).
+    scheduler: the folder's scheduler config (`UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig`).
+    max_sequence_length: the default text length L of calls.
+    dtype: the transformer's dtype name ("float32" or "bfloat16").
+    trained_video: (height, width, frames) when the weights know one video size only (the trained
+      tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
+    quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
+      and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
+    expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
+      `expand_timesteps`; `wan.ti2v`).
+  """
+  name: str
+  transformer: WanTransformerConfig
+  spatial_factor: int
+  temporal_factor: int
+  boundary_ratio: float | None
+  scheduler: schedulers.SchedulerConfig
+  max_sequence_length: int
+  dtype: str
+  trained_video: tuple[int, int, int] | None = None
+  quantize: str | None = None
+  expand_timesteps: bool = False
+  image_to_video: bool = False
+
+  def __post_init__(self):
+    t = self.transformer
+    want = 2 * t.out_channels + self.temporal_factor if self.image_to_video else t.out_channels
+    if t.in_channels != want:
+      kind = "image-to-video" if self.image_to_video else "text-to-video"
+      raise ValueError(f"a {kind} transformer needs in_channels={want} (out_channels={t.out_channels}), got "
+                       f"{t.in_channels}")
+
+  @classmethod
+  def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
+    """The facts of a diffusers-format Wan folder from its JSON files (no weights read).
+
+    Raises:
+      weights.CheckpointError: a folder that is not a Wan pipeline, or unreadable configs.
+    """
+    import os
+
+    from pipelines.storage import weights
+    from pipelines.wan import encoders, pretrained, vae
+
+    index = pretrained.PipelineIndex.read(folder)
+    vae_config = vae.WanVAEConfig.from_diffusers(weights.read_config(os.path.join(folder, "vae")))
+    scheduler = schedulers.scheduler_config_from_dict(weights.read_json(
+        os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
+    return cls(name=os.path.abspath(folder) if name is None else name, transformer=index.transformer,
+               spatial_factor=vae_config.spatial_factor, temporal_factor=vae_config.temporal_factor,
+               boundary_ratio=index.boundary_ratio, scheduler=scheduler,
+               max_sequence_length=encoders.folder_text_length(folder), dtype=dtype,
+               image_to_video=index.image_to_video,
+               expand_timesteps=index.expand_timesteps)
+
+  @classmethod
+  def tiny_default(cls, dtype: str) -> ModelFacts:
+    """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size."""
+    from pipelines.wan import pretrained
+
+    facts = cls.from_folder(pretrained.TINY_DEFAULT_FOLDER, dtype, name="tiny")
+    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO)
+
+  @classmethod
+  def tiny_random(cls, dtype: str) -> ModelFacts:
+    """The facts of the random-weight tiny model (`WanPipeline.tiny(random=True)`)."""
+    from pipelines.wan import encoders, pretrained, vae
+
+    config = vae.VAE_PRESETS["tiny"]
+    return cls(name="tiny-random", transformer=pretrained.TINY_TRANSFORMER, spatial_factor=config.spatial_factor,
+               temporal_factor=config.temporal_factor, boundary_ratio=None, scheduler=pretrained.TINY_SCHEDULER,
+               max_sequence_length=encoders.WAN_TEXT_LENGTH, dtype=dtype)
+
+  @property
+  def experts(self) -> int:
+    return 1 if self.boundary_ratio is None else 2
+
+  def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+    """[B, C, F, Hl, Wl] for a video of `num_frames` (4k + 1) x height x width."""
+    return (batch, self.transformer.out_channels, (num_frames - 1) // self.temporal_factor + 1,
+            height // self.spatial_factor, width // self.spatial_factor)
+
+  def tokens(self, latent_shape: tuple[int, ...]) -> int:
+    """T, the video tokens of one video: the latent grid over the patch size."""
+    return math.prod(n // p for n, p in zip(latent_shape[2:], self.transformer.patch_size))
