@@ -173,6 +173,38 @@ def test_no_module_level_mutable_state():
   assert not bad, "\n".join(bad)
 
 
+# Calls that draw a random seed; only `pipelines.pipeline.seed` makes them (`random_seed`).
+SEED_DRAWS = {"randbelow", "getrandbits", "SeedSequence", "randint", "randrange", "urandom"}
+SEED_OWNER = "pipelines.pipeline.seed"
+
+
+def _seed_draws(path: pathlib.Path) -> list[str]:
+  """Every call in the file to a function of `SEED_DRAWS` (`secrets.randbelow`, numpy's
+  `SeedSequence`, ...), named with its line."""
+  bad = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Call):
+      name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+      if name in SEED_DRAWS:
+        bad.append(f"{_where(path)}:{node.lineno} {name}(...)")
+  return bad
+
+
+def test_one_module_draws_random_seeds():
+  """The command, the Python call and the server draw a seed with `seed.random_seed` only."""
+  bad = [line for module, path in _modules("pipelines").items() if module != SEED_OWNER
+         for line in _seed_draws(path)]
+  assert not bad, "draw seeds with pipelines.pipeline.seed.random_seed:\n" + "\n".join(bad)
+
+
+def test_positive_control_seed_draws(tmp_path):
+  drawn = tmp_path / "api.py"
+  drawn.write_text("import secrets\nimport numpy as np\nseed = secrets.randbelow(2 ** 31)\n"
+                   "other = int(np.random.SeedSequence().entropy % 2 ** 31)\nname = secrets.token_hex(8)\n")
+  assert _seed_draws(drawn) == [f"{drawn}:3 randbelow(...)", f"{drawn}:4 SeedSequence(...)"]
+  assert _seed_draws(_modules("pipelines")[SEED_OWNER])  # the owner itself is seen drawing
+
+
 def test_no_undeclared_private_attributes():
   """Attributes are declared in __init__, not looked up with a default (`getattr(self, "_x", d)`)."""
   bad = []

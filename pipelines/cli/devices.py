@@ -83,14 +83,16 @@ def check_device_flag(plan: Plan) -> None:
 
 
 def draw_seed(plan: Plan) -> int:
-  """--seed, or for --seed -1 / none one drawn here (process 0's in a multi-process run), so that it
-  is printed before any compute."""
+  """--seed, or for --seed -1 / none one drawn here (`seed.random_seed`; process 0's in a
+  multi-process run), so that it is printed before any compute."""
   import jax
   import numpy as np
 
+  from pipelines.pipeline.seed import random_seed
+
   if plan.seed is not None:
     return plan.seed
-  seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+  seed = random_seed()
   if jax.process_count() > 1:  # one random seed for all: process 0's
     from jax.experimental import multihost_utils
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))

@@ -51,7 +51,8 @@ CALL_DOCS = """
   guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the
     unconditional pass off.
   seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
-    numpy.random.default_rng(seed + i); None draws one (reported in `run(...).settings`).
+    numpy.random.default_rng(seed + i); a list of B' ints gives each video its own (video i uses
+    seed[i]); None draws one (reported in `run(...).settings`).
   latents: explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed.
   max_sequence_length: L, text tokens (prompts truncated / zero-padded to it); None: the
     pipeline's `max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.

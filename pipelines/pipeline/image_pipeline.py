@@ -15,6 +15,7 @@ states (`image_condition.ImageConditioning`, an argument of the compiled step).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ class WanImageToVideoPipeline(WanPipeline):
 
   def __call__(self, image: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int = 480,
                width: int = 832, num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
-               seed: int | None = None, latents: Any = None, max_sequence_length: int | None = None,
+               seed: int | Sequence[int] | None = None, latents: Any = None, max_sequence_length: int | None = None,
                mesh: Any = None, *, last_image: Any = None, image_embeds: Any = None, **kwargs: Any) -> Any:
     """Generates videos from an image; diffusers `WanImageToVideoPipeline.__call__(...).frames`.
 

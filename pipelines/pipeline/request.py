@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.pipeline import resume as resume_state
+from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
@@ -45,7 +45,8 @@ class GenerationRequest:
     timesteps, sigmas: the custom schedule as given (at most one; `flow_schedule`), or None.
     guidance: (scale of expert 1, scale of expert 2); cfg: guidance on (scale > 1).
     scheduler: the scheduler config (solver chosen, flow shift applied).
-    seed: the noise seed (None when `latents` are given).
+    seed: the noise seed: an int (video i uses seed + i), a tuple of one seed per video (a server's
+      batch: each job's own), or None when `latents` are given (`seed.video_seeds`).
     latents: float32 numpy [B', C, F, Hl, Wl] given, or None.
     latent_shape: [B', C, F, Hl, Wl].
     max_sequence_length: L for encoded prompts.
@@ -71,7 +72,7 @@ class GenerationRequest:
   guidance: tuple[float, float]
   cfg: bool
   scheduler: Any
-  seed: int | None
+  seed: int | tuple[int, ...] | None
   latents: np.ndarray | None
   latent_shape: tuple[int, ...]
   max_sequence_length: int
@@ -170,13 +171,11 @@ class GenerationRequest:
     return self.cfg and (self.guidance[expert] > 1.0 or self.plan.cfg_parallel or self.step_cache is not None)
 
   def noise(self) -> np.ndarray:
-    """The initial latents float32 [B', C, F, Hl, Wl]: as given, or video i from
-    `numpy.random.default_rng(seed + i)` (so a batch equals its prompts run alone)."""
+    """The initial latents float32 [B', C, F, Hl, Wl]: as given, or video i from its seed
+    (`seed.seeded_noise` of `seed.video_seeds`: seed + i, so a batch equals its prompts run alone)."""
     if self.latents is not None:
       return self.latents
-    return np.concatenate([np.random.default_rng(self.seed + i).standard_normal((1, *self.latent_shape[1:]),
-                                                                                np.float32)
-                           for i in range(self.videos)])
+    return seeding.seeded_noise(seeding.video_seeds(self.seed, self.videos), self.latent_shape[1:])
 
   def schedule(self) -> Any:
     """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given)."""
@@ -195,7 +194,7 @@ class GenerationRequest:
     """The request as the sidecar's `settings` record it (JSON-able; the loop adds what the run
     found: experts per step, steps run, resumed-from step, step-cache skips)."""
     return {"height": self.height, "width": self.width, "num_frames": self.num_frames, "steps": self.steps,
-            "cfg": self.cfg, "seed": self.seed, "max_sequence_length": self.max_sequence_length,
+            "cfg": self.cfg, "seed": _listed(self.seed), "max_sequence_length": self.max_sequence_length,
             "prompts": self.prompts, "negative_prompts": self.negative_prompts,
             "guidance_scale": self.guidance[0],
             "guidance_scale_2": self.guidance[1] if self.model.boundary_ratio is not None else None,
@@ -227,6 +226,19 @@ class GenerationRequest:
         {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | {
         name: list(given) for name, given in (("timesteps", self.timesteps), ("sigmas", self.sigmas))
         if given is not None}
+
+  def video_settings(self, settings: dict[str, Any], video: int) -> dict[str, Any]:
+    """A run's `settings` (`settings()` and what the loop added) as a run of video `video` (0..B'-1)
+    alone records them: its prompt and negative prompt (prompt video // n, n videos per prompt), its
+    seed (`seed.video_seeds`), one video per prompt; what it shares with the batch as it is."""
+    prompt = video // self.num_videos_per_prompt
+    own = {"num_videos_per_prompt": 1}
+    for name, given in (("prompts", self.prompts), ("negative_prompts", self.negative_prompts)):
+      if given is not None:
+        own[name] = [given[prompt]]
+    if self.seed is not None:
+      own["seed"] = seeding.video_seeds(self.seed, self.videos)[video]
+    return {**settings, **own}
 
   def _image_digests(self) -> dict[str, Any]:
     """The input images' digests (image-to-video, TI2V's first frame; none for text-to-video)."""
@@ -344,9 +356,13 @@ def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray |
                      "both embeds with the same L")
 
 
-def _noise(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[int | None, np.ndarray | None]:
-  """(seed, latents): exactly one of them; a seed drawn when neither is given (one process)."""
-  if seed is not None:
+def _noise(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[Any, np.ndarray | None]:
+  """(seed, latents): exactly one of them; a seed drawn when neither is given (one process). A seed is
+  an int or one int per video (`seed.video_seeds`)."""
+  if isinstance(seed, (list, tuple)):
+    seed = tuple(check_int(f"seed[{i}]", s, minimum=0) for i, s in enumerate(seed))
+    seeding.video_seeds(seed, shape[0])  # raises unless one per video
+  elif seed is not None:
     seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
   if latents is not None:
     latents = noise_array(latents)
@@ -362,7 +378,7 @@ def _noise(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[
     if jax.process_count() > 1:
       raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
                        "process draws the same noise; pass seed=...")
-    seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+    seed = seeding.random_seed()
   return seed, None
 
 
@@ -396,5 +412,6 @@ def _floats(values: Any) -> tuple[float, ...] | None:
   return None if values is None else tuple(float(v) for v in values)
 
 
-def _listed(values: tuple[float, ...] | None) -> list[float] | None:
-  return None if values is None else list(values)
+def _listed(values: Any) -> Any:
+  """A tuple as a list (JSON's); anything else as it is."""
+  return list(values) if isinstance(values, tuple) else values

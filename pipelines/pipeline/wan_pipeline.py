@@ -10,8 +10,8 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
    `negative_prompt_embeds` are used as they are instead. Each prompt's rows are repeated
    `num_videos_per_prompt` times;
 2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed
-   + i)`), so the same seed gives the same video on every mesh; diffusers' torch `generator` has
-   no counterpart: pass its noise as `latents` for exact parity;
+   + i)`, pipeline/seed.py), so the same seed gives the same video on every mesh; diffusers' torch
+   `generator` has no counterpart: pass its noise as `latents` for exact parity;
 3. the scheduler's timesteps on the host; for step k the expert is `transformer` while
    t_k >= boundary_ratio * num_train_timesteps, else `transformer_2` (Wan 2.2 A14B);
 4. the denoising loop (pipeline/loop.py) runs one compiled step per timestep (pipeline/step.py:
@@ -334,7 +334,7 @@ class WanPipeline(LoraLoaderMixin):
 
   def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
                height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int | None = None,
-               guidance_scale: float = 5.0, seed: int | None = None, latents: Any = None,
+               guidance_scale: float = 5.0, seed: int | Sequence[int] | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
                num_videos_per_prompt: int = 1, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
@@ -374,7 +374,7 @@ class WanPipeline(LoraLoaderMixin):
 
   def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
           num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
-          seed: int | None = None, latents: Any = None, max_sequence_length: int | None = None,
+          seed: int | Sequence[int] | None = None, latents: Any = None, max_sequence_length: int | None = None,
           mesh: Mesh | str | None = None, **kwargs: Any) -> GenerationResult:
     """`__call__` returning a `GenerationResult` (frames, latents, timings and the resolved settings);
     `decode=False` skips the VAE (`frames` is None). The keyword arguments are `__call__`'s.

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import re
-import secrets
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
+from pipelines.pipeline.seed import random_seed
 
 FORMATS = ("mp4", "gif", "npy")
 MEDIA_TYPES = {"mp4": "video/mp4", "gif": "image/gif", "npy": "application/octet-stream"}
@@ -164,7 +164,7 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
                    f"{list(loras) or 'none'} (started with serve --lora NAME=PATH)", "lora")
   preset = defaults(model)
   width, height = _size(body.size, preset)
-  seed = secrets.randbelow(2 ** 31) if body.seed is None else body.seed
+  seed = random_seed() if body.seed is None else body.seed
   return {"prompt": body.prompt, "negative_prompt": preset.negative_prompt if body.negative_prompt is None
           else body.negative_prompt, "width": width, "height": height, "num_frames": _frames(body, preset),
           "num_inference_steps": preset.steps if body.num_inference_steps is None else body.num_inference_steps,

@@ -3,9 +3,9 @@
 video and sidecar atomically, then marks the job completed.
 
 A batch is up to `max_batch` queued jobs of one batch key (`api.batch_key`: same size, frames, steps,
-guidance, LoRAs); each job keeps its prompt and its own noise (video i of the batch gets the noise
-`numpy.random.default_rng(seed_i)` draws for a run alone, passed as `latents`), so each video equals
-its request run alone up to the batch's rounding.
+guidance, LoRAs); each job keeps its prompt and its own seed (the batch's request is seeded with one
+seed per video, `seed.video_seeds`), so each video equals its request run alone up to the batch's
+rounding, and its sidecar records its own prompt and seed (`GenerationRequest.video_settings`).
 
 Cancelling: a cancelled job is marked at once (`store.cancel`); a running batch stops at the next
 step once none of its jobs is still wanted (a member cancelled alone is dropped when the batch ends).
@@ -23,8 +23,6 @@ import threading
 import time
 import traceback
 from typing import Any
-
-import numpy as np
 
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
@@ -183,7 +181,7 @@ class Worker:
       return
     started = time.perf_counter()
     try:
-      result = self._generate(rows, live, folder)
+      request, result = self._generate(rows, live, folder)
     except ServerStopping:
       return  # in_progress with its checkpoint: the next start resumes it
     except BatchCancelled:
@@ -193,11 +191,11 @@ class Worker:
       self.store.fail(live, f"{type(e).__name__}: {e}")
       self.metrics.finished("failed", len(live))
     else:
-      self._write_outputs(rows, result, time.perf_counter() - started)
+      self._write_outputs(rows, request, result, time.perf_counter() - started)
     shutil.rmtree(folder, ignore_errors=True)
 
-  def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> Any:
-    """The batch's `GenerationResult`, resumed from `folder` when a checkpoint is there."""
+  def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> tuple[GenerationRequest, Any]:
+    """The batch's request and its `GenerationResult`, resumed from `folder` when a checkpoint is there."""
     resume = os.path.exists(os.path.join(folder, STATE_FILE))
     jobs = [r["params"] for r in rows]
     if self.channel is not None:
@@ -207,7 +205,7 @@ class Worker:
     options = CallOptions(progress=False, hooks=(hook,), decode_compile_effort=self.config.decode_compile_effort)
     result = self.pipe.generate(request, options, resume=config)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
-    return result
+    return request, result
 
   def _prepare(self, jobs: list[dict[str, Any]], folder: str, resume: bool) -> tuple[GenerationRequest, ResumeConfig]:
     """Every process: the batch's LoRAs fused and its request built; a multi-process server's
@@ -241,14 +239,15 @@ class Worker:
       self.pipe.load_lora_weights(paths[name][0], adapter_name=name, scale=paths[name][1])
     self.active_loras = names
 
-  def _write_outputs(self, rows: list[dict[str, Any]], result: Any, seconds: float) -> None:
+  def _write_outputs(self, rows: list[dict[str, Any]], request: GenerationRequest, result: Any,
+                     seconds: float) -> None:
     """Each wanted job's video and sidecar (atomic), then its row marked completed."""
     statuses = self.store.statuses([r["id"] for r in rows])
     for index, row in enumerate(rows):
       if statuses.get(row["id"]) != "in_progress":
         continue
       try:
-        path, timings = write_job(self.config.data_dir, row, result, index, self.pipe, self.config)
+        path, timings = write_job(self.config.data_dir, row, request, result, index, self.pipe, self.config)
       except Exception as e:  # noqa: BLE001 -- the encoder failing fails this job only
         self.store.fail([row["id"]], f"{type(e).__name__}: {e}")
         self.metrics.finished("failed", 1)
@@ -257,28 +256,22 @@ class Worker:
         self.metrics.finished("completed", 1, seconds=seconds)
 
 
-def job_noise(facts: Any, params: dict[str, Any]) -> np.ndarray:
-  """float32 [1, C, F, Hl, Wl]: the noise a run of this job alone draws from its seed
-  (`GenerationRequest.noise`: video 0 uses numpy.random.default_rng(seed))."""
-  shape = facts.latent_shape(1, params["height"], params["width"], params["num_frames"])
-  return np.random.default_rng(params["seed"]).standard_normal(shape, np.float32)
-
-
 def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> GenerationRequest:
-  """One `GenerationRequest` for jobs of one batch key: their prompts, their own noise stacked.
+  """One `GenerationRequest` for jobs of one batch key: their prompts, each video seeded with its
+  job's seed (the noise of the job run alone).
 
   Raises:
     ValueError: as `GenerationRequest.build` (a job's values were checked when it was queued).
   """
-  latents = np.concatenate([job_noise(facts, p) for p in jobs])
   return GenerationRequest.build(facts, [p["prompt"] for p in jobs], [p["negative_prompt"] for p in jobs],
-                                 latents=latents, **api.build_kwargs(jobs[0], mesh))
+                                 seed=[p["seed"] for p in jobs], **api.build_kwargs(jobs[0], mesh))
 
 
-def write_job(data_dir: str, row: dict[str, Any], result: Any, index: int, pipe: Any, config: Any
-              ) -> tuple[str, dict[str, float]]:
+def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, result: Any, index: int, pipe: Any,
+              config: Any) -> tuple[str, dict[str, float]]:
   """Writes video `index` of the batch's result as the job's output and its JSON sidecar (each
-  atomically, `video_io`); returns (video path, the job's timings in seconds)."""
+  atomically, `video_io`; the settings of that video as run alone, `GenerationRequest.video_settings`);
+  returns (video path, the job's timings in seconds)."""
   from pipelines.cli.output import versions
 
   p = row["params"]
@@ -289,9 +282,7 @@ def write_job(data_dir: str, row: dict[str, Any], result: Any, index: int, pipe:
   video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True)
   timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
              "queued": float((row["started_at"] or row["created_at"]) - row["created_at"])}
-  settings = {**result.settings, "prompts": [p["prompt"]],
-              "negative_prompts": None if result.settings.get("negative_prompts") is None else [p["negative_prompt"]],
-              "seed": p["seed"], "explicit_latents": False}
+  settings = request.video_settings(result.settings, index)
   video_io.write_json({"id": row["id"], "output": path, "request": p, "model": pipe.facts.name, "mesh": config.mesh,
                        "batch": {"id": row["batch_id"], "index": index, "size": row["batch_size"]},
                        "settings": settings, "lora": pipe.lora_info(), "timings_s": timings,

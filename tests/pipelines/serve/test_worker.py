@@ -5,23 +5,26 @@ on process 0 and skipped by all, and the processes go on together.
 Two processes are simulated by two threads whose collectives (`multihost.Channel`'s broadcast and
 all-gather) meet at a barrier that also checks both made the same call (a mismatch or a process left
 waiting fails the test instead of hanging it). The pipeline is a stand-in that runs the hooks of
-each step (no model).
+each step (no model). A batch is seeded one seed per job, and each job's sidecar records its own
+run.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import types
 
 import numpy as np
 
 from pipelines.pipeline.loop import LoopState
+from pipelines.pipeline.request import GenerationRequest
 from pipelines.serve import api
 from pipelines.serve.main import model_facts
 from pipelines.serve.multihost import Channel
 from pipelines.serve.options import ServeConfig
 from pipelines.serve.service import Service
-from pipelines.serve.worker import Worker
+from pipelines.serve.worker import Worker, batch_request, write_job
 
 
 class Hub:
@@ -121,3 +124,27 @@ def wait_finished(service, job_id: str) -> dict:
       return row
     threading.Event().wait(0.05)
   raise AssertionError(f"job {job_id} still {row['status']} after 30 s")
+
+
+def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path):
+  """Each job's video starts from its own seed's noise (the batch's request holds one seed per video,
+  so its settings say seeded, not given latents), and its sidecar's settings are those of the job run
+  alone: its prompt, its seed."""
+  config = ServeConfig(model="tiny-random", data_dir=str(tmp_path))
+  facts = model_facts(config)
+  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 3, "output_format": "npy"}
+  jobs = [api.job_params(api.VideoCreate(prompt=p, seed=s, **small), model="tiny-random", loras=(),
+                         max_prompt_chars=100) for p, s in (("a fox", 5), ("an owl", 2 ** 40))]
+  batch = batch_request(facts, jobs, None)
+  alone = [GenerationRequest.build(facts, j["prompt"], j["negative_prompt"], seed=j["seed"],
+                                   **api.build_kwargs(j, None)) for j in jobs]
+  np.testing.assert_array_equal(batch.noise(), np.concatenate([r.noise() for r in alone]))
+  result = types.SimpleNamespace(frames=np.zeros((2, 5, 32, 32, 3), np.float32), timings={}, settings=batch.settings())
+  pipe = types.SimpleNamespace(facts=facts, lora_info=dict)
+  for index, (job, one) in enumerate(zip(jobs, alone)):
+    row = {"id": f"video_{index}", "params": job, "started_at": 1.0, "created_at": 0.0, "batch_id": "batch_1",
+           "batch_size": 2}
+    path, _ = write_job(str(tmp_path), row, batch, result, index, pipe, config)
+    sidecar = json.loads(open(path + ".json").read())
+    assert sidecar["settings"] == json.loads(json.dumps(one.settings())), index  # (JSON: tuples as lists)
+    assert (sidecar["settings"]["seed"], sidecar["settings"]["explicit_latents"]) == (job["seed"], False)
