@@ -25,7 +25,7 @@ import json
 import math
 import sys
 
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 
 def _topology(text: str) -> tuple[str, int]:

@@ -1,6 +1,8 @@
 """Wan video diffusion in JAX, in layers that import only downward (DESIGN.md, Architecture):
 
-  cli/       the `generate` command: flags, presets, run records, output writing, exit codes
+  serve/     the `serve` command: an HTTP video service over one loaded pipeline
+  cli/       the `generate` command: flags, run records, output writing, exit codes
+  commands/  what every command line shares: presets, flag pieces (`UsageError`), --help, versions
   pipeline/  one generation: the checked request, the compiled step, the denoising loop, `WanPipeline`
   wan/       the model: transformer, VAE, UMT5, tokenizer, schedulers, step-cache and LoRA math, folders
   parallel/  where things run: the parallel plan, array and weight placement, processes, planner
@@ -8,7 +10,7 @@
   (attention/ and producers/ sit beside storage/, at the bottom.)
 
 `WanPipeline`, `WanImageToVideoPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
-(`pipelines.cli.help`, `storage`, `parallel.distributed`) load without starting to import JAX.
+(`pipelines.commands`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
 __all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline"]

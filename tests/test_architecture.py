@@ -14,8 +14,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("attention", "producers", "pipelines")
 # Layer ranks: a module may import its own package and packages of a lower rank only.
-LAYERS = {"end_to_end": 8, "pipelines": 7, "pipelines.serve": 6, "pipelines.cli": 5, "pipelines.pipeline": 4, "pipelines.wan": 3,
-          "pipelines.parallel": 2, "pipelines.storage": 1, "attention": 1, "producers": 1}
+LAYERS = {"end_to_end": 9, "pipelines": 8, "pipelines.serve": 7, "pipelines.cli": 6, "pipelines.commands": 5,
+          "pipelines.pipeline": 4, "pipelines.wan": 3, "pipelines.parallel": 2, "pipelines.storage": 1, "attention": 1,
+          "producers": 1}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # Linear schedules that read best whole (their docstrings say why).
@@ -87,6 +88,34 @@ def test_measuring_tools_import_nothing_private():
          for line, target, names in _imports(path, known) if _layer(target) not in (None, "end_to_end")
          for name in names if name.startswith("_")]
   assert not bad, "\n".join(bad)
+
+
+def _imports_between(known: dict[str, pathlib.Path], importer: str, imported: str) -> list[str]:
+  """Every import, in a module of package `importer`, of package `imported` (at any depth, lazy ones
+  too), named with its file and line."""
+  inside = lambda module, package: module == package or module.startswith(package + ".")  # noqa: E731
+  return [f"{_where(path)}:{line} imports {target}" for module, path in known.items() if inside(module, importer)
+          for line, target, _ in _imports(path, known) if inside(target, imported)]
+
+
+def test_serve_imports_nothing_from_the_command():
+  """`serve` and `generate` share only what lies below both (`pipelines.commands`: presets, flag
+  pieces, versions; `pipelines.pipeline` and down), so either changes without the other."""
+  bad = _imports_between(_modules("pipelines"), "pipelines.serve", "pipelines.cli")
+  assert not bad, "serve imports the generate command (move what both need to pipelines/commands):\n" + "\n".join(bad)
+
+
+def test_positive_control_serve_imports_from_the_command(tmp_path):
+  """Each way of reaching the command from serve is reported; what lies below both is not."""
+  api, main, worker = (tmp_path / f"{name}.py" for name in ("api", "main", "worker"))
+  api.write_text("from pipelines.cli.presets import PRESETS\nfrom pipelines.commands.presets import TINY_MODELS\n")
+  main.write_text("import pipelines.cli.flags\n\n\ndef f():\n  from pipelines.cli import output\n")
+  worker.write_text("from pipelines.pipeline.seed import random_seed\nfrom pipelines.commands import versions\n")
+  known = {"pipelines.serve.api": api, "pipelines.serve.main": main, "pipelines.serve.worker": worker,
+           "pipelines.cli.output": tmp_path / "output.py"}
+  assert _imports_between(known, "pipelines.serve", "pipelines.cli") == [
+      f"{api}:1 imports pipelines.cli.presets", f"{main}:1 imports pipelines.cli.flags",
+      f"{main}:5 imports pipelines.cli.output"]
 
 
 def _circles(known: dict[str, pathlib.Path]) -> list[str]:
@@ -301,10 +330,21 @@ def test_product_imports_no_private_name():
   assert not bad, "\n".join(bad)
 
 
-def test_jax_free_wan_modules_import_without_jax():
+def _import_without_jax(modules: tuple[str, ...]) -> subprocess.CompletedProcess:
+  """A fresh interpreter, JAX, jaxlib, flax and qwix blocked, importing `modules`."""
   code = ("import sys\nfor name in ('jax', 'jaxlib', 'flax', 'qwix'):\n  sys.modules[name] = None\n"
-          + "".join(f"import {m}\n" for m in JAX_FREE))
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+          + "".join(f"import {m}\n" for m in modules))
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_jax_free_wan_modules_import_without_jax():
+  done = _import_without_jax(JAX_FREE)
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_shared_command_pieces_import_without_jax():
+  """Both commands check their flags with `pipelines.commands` before JAX starts."""
+  done = _import_without_jax(tuple(m for m in _modules("pipelines") if m.startswith("pipelines.commands")))
   assert done.returncode == 0, done.stderr[-2000:]
 
 

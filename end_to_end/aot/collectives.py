@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s8": 1, "u8": 1}

@@ -38,7 +38,7 @@ class AotTarget:
   Attributes:
     preset: the transformer preset (`pipelines.wan.transformer.config.PRESETS`).
     height, width, frames: the video.
-    flow_shift: the scheduler's shift (the preset's, `pipelines.cli.presets`).
+    flow_shift: the scheduler's shift (the preset's, `pipelines.commands.presets`).
     ti2v: Wan 2.2 TI2V (`expand_timesteps`: per-token timesteps, the first frame's latents in the
       input, the Wan 2.2 VAE's 16x spatial latents).
   """

@@ -32,7 +32,7 @@ from typing import Any
 
 from attention.mesh import MeshSpec
 from end_to_end.aot import step as aot_step  # no JAX import either
-from pipelines.cli.help import HelpFormatter  # no JAX import: the TPU environment is set first
+from pipelines.commands.help import HelpFormatter  # no JAX import: the TPU environment is set first
 
 def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, dtype: str,
                    mesh_spec: MeshSpec | None, keep_wo_in_fp32: bool) -> tuple[Any, Any, str]:

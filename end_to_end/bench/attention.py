@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import BlockSizes, local_attention, resolve_backend
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 
 def _time_interleaved(fns: dict, args, repeats: int) -> dict[str, float]:

@@ -50,7 +50,7 @@ import time
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
-from pipelines.cli.help import HelpFormatter  # no JAX import either
+from pipelines.commands.help import HelpFormatter  # no JAX import either
 
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "mlperf-wan22-t2v")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")

@@ -52,7 +52,7 @@ MLPERF_SETTINGS = {
 }
 MLPERF_SOURCE = "mlcommons/inference text_to_video/wan-2.2-t2v-a14b/inference_config.yaml (commit b66003e1)"
 # MLPerf keeps the folder's scheduler: diffusers' scripts/convert_wan_to_diffusers.py writes UniPC with
-# flow_shift 3.0 for Wan2.2-T2V-A14B (Wan's own script samples at 12.0; pipelines/cli/presets.py).
+# flow_shift 3.0 for Wan2.2-T2V-A14B (Wan's own script samples at 12.0; pipelines/commands/presets.py).
 MLPERF_FLOW_SHIFT = 3.0
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 import attention
 from attention.mesh import MeshSpec
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import count_params, forward, init_transformer, PRESETS, quantize_transformer
 

@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 
 def _pairs(text: str) -> list[int]:

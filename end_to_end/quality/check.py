@@ -66,7 +66,7 @@ from typing import Any
 
 # JAX's backend has not started yet, so fake devices can still be requested here.
 from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
-from pipelines.cli.help import HelpFormatter, warnings_as_lines
+from pipelines.commands.help import HelpFormatter, warnings_as_lines
 from pipelines.cli.generate import TINY_MODELS, default_text_length
 
 DTYPES = ("float32", "bfloat16")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 SETTINGS = dict(prompt="a red square moving right", height=64, width=64, num_frames=17,
                 num_inference_steps=8, guidance_scale=5.0, max_sequence_length=64)

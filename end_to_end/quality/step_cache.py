@@ -35,7 +35,7 @@ import tempfile
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag:0.005", "mag:0.01",
                  "mag:0.05")

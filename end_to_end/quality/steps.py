@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 LIGHTX2V_STEPS = (1000.0, 750.0, 500.0, 250.0)
 

@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.help import HelpFormatter
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
 # The trained tiny default draws end_to_end.train.synthetic_world's shapes; calibrate on prompts it knows

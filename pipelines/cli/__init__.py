@@ -1,3 +1,3 @@
-"""The `generate` command (`generate`): flags, presets, the run plan, run records, output writing,
-exit codes. The top layer: imports `pipelines.pipeline` and everything below it, lazily where JAX
-would slow `--help`."""
+"""The `generate` command (`generate`): flags, the run plan, run records, output writing, exit codes.
+Imports `pipelines.commands` (presets and flag pieces it shares with `serve`), `pipelines.pipeline`
+and everything below them, lazily where JAX would slow `--help`; never `pipelines.serve`."""

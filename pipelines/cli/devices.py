@@ -11,7 +11,8 @@ import sys
 from typing import Any
 
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
-from pipelines.cli.flags import UsageError, flag_error
+from pipelines.cli.flags import flag_error
+from pipelines.commands.flags import UsageError
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 

@@ -1,24 +1,20 @@
 """The command line of `generate`: its flags (`build_parser`, in argument groups), the parsers of
-flag values (`parse_size`, `parse_guidance`, `parse_lora_arg`) and `UsageError`. Imports no JAX; the
-values themselves are checked by `pipelines.pipeline.request.GenerationRequest` (run_plan.py).
+flag values (`parse_size`, `parse_guidance`, `parse_numbers`; `parse_lora_arg` and `UsageError` are
+both commands', `pipelines.commands.flags`) and `flag_error`. Imports no JAX; the values themselves
+are checked by `pipelines.pipeline.request.GenerationRequest` (run_plan.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import re
 
-from pipelines.cli.help import HelpFormatter
-from pipelines.cli.presets import PRESETS
+from pipelines.commands.flags import UsageError, add_decode_effort_flag
+from pipelines.commands.help import HelpFormatter
+from pipelines.commands.presets import PRESETS
 from pipelines.pipeline import compile_cache
 from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
-
-
-class UsageError(ValueError):
-  """A command-line argument that cannot work; the message says what to do instead."""
 
 
 # The request's argument names (`GenerationRequest.build`) and the flags that give them.
@@ -217,22 +213,6 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
                       "in the system temporary directory, named when something goes wrong)")
 
 
-def add_decode_effort_flag(p: argparse.ArgumentParser) -> None:
-  """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae_effort.check_compile_effort`)."""
-  def effort(text: str) -> float:
-    from pipelines.wan.vae import check_compile_effort
-
-    try:
-      return check_compile_effort(float(text), "tpu")
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"must be a number in [-1, 1], got {text!r}") from None
-
-  p.add_argument("--decode-compile-effort", type=effort, default=None, metavar="E",
-                 help="XLA's optimization effort in [-1, 1] for the VAE decoder's programs (default: -0.5 on "
-                      "TPU, a ~4x faster compile for a decode ~9-19%% slower by libtpu's estimate; JAX's own "
-                      "setting elsewhere); 0 suits a long-lived server")
-
-
 def parse_size(text: str) -> tuple[int, int]:
   """"832x480" or "832*480" -> (width, height).
 
@@ -272,25 +252,3 @@ def parse_numbers(text: str, flag: str) -> tuple[float, ...]:
   except ValueError:
     raise UsageError(f"{flag} {text!r} must be comma-separated numbers, e.g. {flag} "
                      + ("1000,750,500,250" if flag == "--timesteps" else "1,0.75,0.5,0.25")) from None
-
-
-def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:
-  """`PATH[:SCALE]` -> (path, scale); SCALE defaults to 1 (a path holding ':' keeps it when what
-  follows the last ':' is not a number).
-
-  Raises:
-    UsageError: no such file or folder, or a scale that is not finite.
-  """
-  path, scale = text, 1.0
-  head, sep, tail = text.rpartition(":")
-  if sep:
-    try:
-      path, scale = head, float(tail)
-    except ValueError:
-      pass
-  if not math.isfinite(scale):
-    raise UsageError(f"{flag} {text!r}: the scale {tail!r} must be a finite number (1: as trained)")
-  if not os.path.exists(path):
-    raise UsageError(f"{flag} {text!r}: {path!r} is not a file or folder; pass a LoRA .safetensors "
-                     "file (or its folder), optionally with :SCALE")
-  return path, scale

@@ -68,11 +68,12 @@ import sys
 import time
 from typing import Any
 
-from pipelines.cli.flags import UsageError, parse_guidance, parse_lora_arg, parse_size  # noqa: F401 (re-exported)
+from pipelines.cli.flags import parse_guidance, parse_size  # noqa: F401 (re-exported)
+from pipelines.commands.flags import UsageError, parse_lora_arg  # noqa: F401 (re-exported)
 from pipelines.cli.flags import build_parser as _build_parser
-from pipelines.cli.help import warnings_as_lines
+from pipelines.commands.help import warnings_as_lines
 from pipelines.cli.output import announce, mesh_text, sidecar, summary_line, timings, write_outputs
-from pipelines.cli.presets import (FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset,  # noqa: F401 (re-exported)
+from pipelines.commands.presets import (FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset,  # noqa: F401 (re-exported)
                                    default_text_length)
 from pipelines.cli.records import (RUN_RECORD, RunFacts, apply_resume, check_checkpoint_dir,  # noqa: F401
                                    default_checkpoint_dir, flow_shift, given_flags, remove_checkpoint, resume_hint,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from pipelines.cli import records
+from pipelines.commands.versions import versions
 from pipelines.parallel import estimate
 from pipelines.storage import images, video_io
 
@@ -122,18 +122,6 @@ def _step_cache_note(record: dict[str, Any] | None) -> str:
     return ""
   return (f"; step cache {record['spec']} skipped {len(record['skipped_steps'])}/{len(record['metrics'])} "
           "steps")
-
-
-def versions() -> dict[str, str]:
-  """The versions of Python and the packages that make the video, for the sidecar."""
-  from importlib import metadata
-  out = {"python": platform.python_version()}
-  for name in ("wan-usp-jax", "jax", "jaxlib", "flax", "numpy", "imageio-ffmpeg", "transformers"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = "not installed"
-  return out
 
 
 def fmt(seconds: float) -> str:

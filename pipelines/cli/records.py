@@ -11,8 +11,9 @@ import json
 import os
 from typing import Any
 
-from pipelines.cli.flags import UsageError, build_parser, parse_guidance, parse_lora_arg, parse_numbers, parse_size
-from pipelines.cli.presets import TINY_MODELS
+from pipelines.cli.flags import build_parser, parse_guidance, parse_numbers, parse_size
+from pipelines.commands.flags import UsageError, parse_lora_arg
+from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import estimate
 from pipelines.storage import video_io
 

@@ -16,8 +16,9 @@ from typing import Any
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
 from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
-from pipelines.cli.flags import UsageError, flag_error, parse_guidance, parse_lora_arg, parse_numbers, parse_size
-from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
+from pipelines.cli.flags import flag_error, parse_guidance, parse_numbers, parse_size
+from pipelines.commands.flags import UsageError, parse_lora_arg
+from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
@@ -97,7 +98,7 @@ def image_sized(plan: Plan, facts: Any) -> Plan:
   rounded to the model's multiple)."""
   if plan.image is None or plan.size_given:
     return plan
-  from pipelines.cli.presets import size_for_image
+  from pipelines.commands.presets import size_for_image
   from pipelines.storage import images
 
   w, h = images.displayed_size(plan.image)  # a phone's portrait JPEG stores its landscape pixels

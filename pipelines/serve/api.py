@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.cli.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
+from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
 from pipelines.pipeline.seed import random_seed
 
 FORMATS = ("mp4", "gif", "npy")
@@ -88,7 +88,7 @@ class VideoObject(BaseModel):
 
 
 def defaults(model: str) -> Any:
-  """The sampling defaults of the served model (`cli.presets`): the tiny preset, or diffusers'."""
+  """The sampling defaults of the served model (`commands.presets`): the tiny preset, or diffusers'."""
   return PRESETS["tiny"] if model in TINY_MODELS else FOLDER_DEFAULTS
 
 

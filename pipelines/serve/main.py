@@ -18,7 +18,7 @@ import signal
 import sys
 from typing import Any
 
-from pipelines.cli.flags import UsageError
+from pipelines.commands.flags import UsageError
 from pipelines.serve.options import ServeConfig, parse
 
 

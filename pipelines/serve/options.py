@@ -11,8 +11,8 @@ import os
 import re
 from typing import Any
 
-from pipelines.cli.flags import UsageError, add_decode_effort_flag, parse_lora_arg
-from pipelines.cli.help import HelpFormatter
+from pipelines.commands.flags import UsageError, add_decode_effort_flag, parse_lora_arg
+from pipelines.commands.help import HelpFormatter
 from pipelines.pipeline import compile_cache
 
 API_KEY_ENV = "WAN_SERVE_API_KEY"

@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any
 
+from pipelines.commands.versions import versions
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
 from pipelines.pipeline.request import GenerationRequest
@@ -272,8 +273,6 @@ def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, re
   """Writes video `index` of the batch's result as the job's output and its JSON sidecar (each
   atomically, `video_io`; the settings of that video as run alone, `GenerationRequest.video_settings`);
   returns (video path, the job's timings in seconds)."""
-  from pipelines.cli.output import versions
-
   p = row["params"]
   folder = os.path.join(data_dir, "videos")
   os.makedirs(folder, exist_ok=True)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pipelines.cli import generate
-from pipelines.cli.presets import model_fps
+from pipelines.commands.presets import model_fps
 from tests.pipelines.wan.conditioning.test_ti2v import PROMPT, _save_folder
 
 pytest.importorskip("diffusers")

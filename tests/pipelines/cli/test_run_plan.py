@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines.cli import generate
-from pipelines.cli.help import warnings_as_lines
+from pipelines.commands.help import warnings_as_lines
 from tests.pipelines.cli.test_generate import BASE
 
 
@@ -39,7 +39,7 @@ def _checked(tmp_path, *flags):
 
 def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
   from pipelines.cli import records
-  from pipelines.cli.flags import UsageError
+  from pipelines.commands.flags import UsageError
   from pipelines.wan import schedulers
   checked = _checked(tmp_path, "--scheduler", "dpm++", "--timesteps", "1000,750,500,250")
   request = checked.request

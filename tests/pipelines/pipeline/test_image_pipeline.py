@@ -372,7 +372,7 @@ def test_size_follows_the_image(pass_through_folder, tmp_path):
   to the model's multiple as Wan2.1 image2video.py does (832x480 area, a 5:3 image: 800x480)."""
   from pipelines.cli import run_plan
   from pipelines.cli.flags import build_parser
-  from pipelines.cli.presets import size_for_image
+  from pipelines.commands.presets import size_for_image
 
   assert size_for_image(768, 1024, 1280 * 720, 16) == (1104, 816)  # Wan's lat_h 102 x 8, lat_w 138 x 8
   PIL.fromarray(np.zeros((60, 100, 3), np.uint8)).save(tmp_path / "wide.png")

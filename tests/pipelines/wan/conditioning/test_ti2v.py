@@ -218,7 +218,7 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
 def test_preset_and_planner_size_the_5b():
   """wan2.2-ti2v-5b: Wan2.2 configs/wan_ti2v_5B.py's sampling defaults; the transformer preset has
   diffusers' parameters exactly (5.0B); the planner counts the 16x VAE's tokens (27,280)."""
-  from pipelines.cli.presets import PRESETS
+  from pipelines.commands.presets import PRESETS
   from pipelines.parallel import estimate, planner
   from pipelines.wan.transformer import PRESETS as MODELS, param_counts
 

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 # Wan's default negative prompt: Wan2.1 `wan/configs/shared_config.py` `sample_neg_prompt`, used by
 # its generate.py when no negative prompt is given (diffusers' WanPipeline docstring example holds
 # its English translation, below). Full of fullwidth commas, which ftfy maps to ",".
-from pipelines.cli.presets import WAN_NEGATIVE_PROMPT as PRESETS_NEGATIVE  # noqa: E402
+from pipelines.commands.presets import WAN_NEGATIVE_PROMPT as PRESETS_NEGATIVE  # noqa: E402
 WAN_NEGATIVE_PROMPT = (
     "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
     "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
@@ -128,7 +128,8 @@ def test_wan_presets_use_wans_default_negative_prompt():
   """generate's wan2.* presets with guidance default the negative prompt to Wan's (as Wan's
   generate.py); the tiny preset, the guidance-free distilled one and an explicit --negative-prompt
   keep theirs."""
-  from pipelines.cli import flags, presets, run_plan
+  from pipelines.cli import flags, run_plan
+  from pipelines.commands import presets
   assert PRESETS_NEGATIVE == WAN_NEGATIVE_PROMPT
   for name, preset in presets.PRESETS.items():  # guidance 1 (distilled) has no negative prompt to use
     guided = max(preset.guidance) > 1

@@ -1,4 +1,4 @@
-"""Tests for pipelines/cli/presets.py: the published sampling defaults `generate` starts from (Wan
+"""Tests for pipelines/commands/presets.py: the published sampling defaults `generate` starts from (Wan
 2.1 / 2.2 and the distilled few-step preset), with flags that override a preset's values."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The published sampling defaults `generate` starts from: `PRESETS` (one per Wan release and the
-tiny model), `FOLDER_DEFAULTS` (a folder without --preset), the embedded model names and the
-default text length of a model. Imports no JAX.
+"""The published sampling defaults both commands start from (`generate`'s --preset; `serve`, for what
+a job leaves out): `PRESETS` (one per Wan release and the tiny model), `FOLDER_DEFAULTS` (a folder
+without --preset), the embedded model names and the default text length of a model. Imports no JAX.
 """
 
 from __future__ import annotations
