@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.parallel import planner
   from pipelines.cli.generate import PRESETS
   from pipelines.pipeline.inputs import check_size, round_num_frames
+  from pipelines.pipeline.model_facts import token_facts
   from pipelines.wan.pretrained import TINY_TRANSFORMER
   from pipelines.wan.transformer import param_counts, PRESETS as MODELS, quantized_counts
+  from pipelines.wan.vae import VAE_PRESETS
 
   try:
     if args.topology and args.chip:
@@ -89,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_sequence_length < 1:
       raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
     experts = 2 if args.preset == "wan2.2-t2v-a14b" else 1
-    spatial = 16 if args.preset == "wan2.2-ti2v-5b" else 8  # the Wan 2.2 VAE of TI2V-5B
     model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
-    found = planner.candidates(model, param_counts=param_counts(model), devices=devices, frames=frames,
-                               height=height, width=width, text_tokens=args.max_sequence_length,
-                               cfg=preset.guidance[0] > 1, dtype=args.dtype, experts=experts,
-                               chip=planner.CHIPS[chip_name], spatial_factor=spatial,
+    # The VAE of each preset's folder: Wan 2.2's for TI2V-5B (16x spatial), Wan 2.1's for the others.
+    vae = VAE_PRESETS[{"tiny": "tiny", "wan2.2-ti2v-5b": "wan2.2"}.get(args.preset, "wan2.1")]
+    facts = token_facts(model, spatial_factor=vae.spatial_factor, temporal_factor=vae.temporal_factor,
+                        text_tokens=args.max_sequence_length)
+    found = planner.candidates(model, facts, param_counts=param_counts(model), devices=devices, frames=frames,
+                               height=height, width=width, cfg=preset.guidance[0] > 1, dtype=args.dtype,
+                               experts=experts, chip=planner.CHIPS[chip_name],
                                quantized=quantized_counts(model) if args.quantize else (0, 0))
   except ValueError as e:
     parser.print_usage(sys.stderr)

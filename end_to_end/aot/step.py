@@ -119,7 +119,7 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, 
 
   from attention.mesh import batch_axis
 
-  from pipelines.parallel.estimate import image_tokens
+  from pipelines.pipeline.model_facts import image_tokens
   from pipelines.wan.transformer import TextKV
 
   if not once:
@@ -144,7 +144,7 @@ def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec
   import jax
   import jax.numpy as jnp
 
-  from pipelines.parallel.estimate import image_tokens
+  from pipelines.pipeline.model_facts import image_tokens
   from pipelines.wan.conditioning import ImageConditioning, TI2VConditioning
 
   b, _, f, hl, wl = latent_shape

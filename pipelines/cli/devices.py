@@ -160,12 +160,10 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
 
   config = request.model.transformer
   quantized = quantized_counts(config) if request.model.quantize else (0, 0)
-  found = planner.candidates(config, param_counts=param_counts(config), quantized=quantized,
+  found = planner.candidates(config, request.token_facts, param_counts=param_counts(config), quantized=quantized,
                              devices=jax.device_count(), frames=request.num_frames,
-                             height=request.height, width=request.width,
-                             text_tokens=request.max_sequence_length, cfg=request.cfg,
-                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled,
-                             spatial_factor=request.model.spatial_factor)
+                             height=request.height, width=request.width, cfg=request.cfg,
+                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled)
   best = planner.recommend(found)
   if best is None:
     raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "

@@ -193,10 +193,9 @@ def run_estimate(request: Any) -> estimate.Estimate:
   """The modelled time of the request on this backend (`pipelines.parallel.estimate`)."""
   import jax
   return estimate.estimate(
-      request.model.transformer, frames=request.num_frames, height=request.height, width=request.width,
-      text_tokens=request.max_sequence_length, steps=request.steps, cfg=request.cfg,
-      dtype=request.model.dtype, backend=jax.default_backend(), devices=request.plan.spec.devices,
-      spatial_factor=request.model.spatial_factor)
+      request.model.transformer, request.token_facts, frames=request.num_frames, height=request.height,
+      width=request.width, steps=request.steps, cfg=request.cfg, dtype=request.model.dtype,
+      backend=jax.default_backend(), devices=request.plan.spec.devices)
 
 
 def default_checkpoint_dir(out: str) -> str:

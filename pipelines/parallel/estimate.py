@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from pipelines.parallel.token_facts import TokenFacts
+
 # Sustained FLOP/s of one CPU core on the transformer step (XLA:CPU; float32 and bfloat16 alike).
 # Measured with the tiny model at 832x480 x 81 frames (32760 tokens, attention-bound, 2.3 TFLOP per
 # step) on 2 cores of x86 machines: 61-64 s per step (18 GFLOP/s per core), 85 s (13), and 125 s
@@ -22,11 +24,6 @@ CPU_FLOPS_PER_CORE = 13e9
 ACCELERATOR_FLOPS = {"bfloat16": 2e14, "float32": 5e13}
 # Runs whose denoising is estimated at this many seconds or more get a line before they start.
 LONG_S = 120.0
-# CLIP ViT-H/14 image tokens of one frame at 224 x 224 (Wan 2.1 I2V's image encoder): 16 x 16 + 1.
-CLIP_IMAGE_TOKENS = 257
-# Wan's VAE: 8x spatial, 4x temporal compression (Wan 2.1 and the Wan 2.2 A14B experts); the Wan 2.2
-# VAE of TI2V-5B is 16x spatial (`spatial_factor=16` below).
-VAE_SPATIAL, VAE_TEMPORAL = 8, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,31 +50,13 @@ class Estimate:
     return self.seconds_per_step * self.steps
 
 
-def video_tokens(patch_size: tuple[int, int, int], frames: int, height: int, width: int,
-                 spatial_factor: int = VAE_SPATIAL) -> int:
-  """T = F/pt * (height/s)/ph * (width/s)/pw for a video of `frames` (4k + 1) frames, s the VAE's
-  pixels per latent (8; 16 for Wan 2.2 TI2V-5B)."""
-  latent = ((frames - 1) // VAE_TEMPORAL + 1, height // spatial_factor, width // spatial_factor)
-  count = 1
-  for n, p in zip(latent, patch_size):
-    count *= n // p
-  return count
-
-
-def image_tokens(config) -> int:
-  """P: the image tokens every cross-attention attends to beside the text (Wan 2.1 I2V: one CLIP
-  frame, 257; FLF2V: its `pos_embed_seq_len`, two frames), 0 without an image branch."""
-  if not config.has_image_branch:
-    return 0
-  return CLIP_IMAGE_TOKENS if config.pos_embed_seq_len is None else config.pos_embed_seq_len
-
-
-def held_kv_bytes(config, *, rows: int, text_tokens: int, dtype_bytes: int) -> int:
+def held_kv_bytes(config, token_facts: TokenFacts, *, rows: int, dtype_bytes: int) -> int:
   """Bytes of the cross-attention K/V one device holds for the whole run (`transformer.text_kv`,
   computed once before the loop): keys and values of the text [Z, rows, L, N, H] and, with an image
-  branch, of the image [Z, rows, P, N, H], in the model dtype; `rows` the device's rows (2 under CFG,
-  1 on a CFG-split mesh). One expert's: the pipeline keeps only the current expert's K/V."""
-  return 2 * config.num_layers * rows * (text_tokens + image_tokens(config)) * config.dim * dtype_bytes
+  branch, of the image [Z, rows, P, N, H] (L + P: `token_facts.context_tokens`), in the model dtype;
+  `rows` the device's rows (2 under CFG, 1 on a CFG-split mesh). One expert's: the pipeline keeps
+  only the current expert's K/V."""
+  return 2 * config.num_layers * rows * token_facts.context_tokens * config.dim * dtype_bytes
 
 
 def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:
@@ -95,24 +74,23 @@ def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:
   return float(block * config.num_layers * rows)
 
 
-def estimate(config, *, frames: int, height: int, width: int, text_tokens: int, steps: int, cfg: bool,
-             dtype: str, backend: str, devices: int, cpu_cores: int | None = None,
-             spatial_factor: int = VAE_SPATIAL) -> Estimate:
+def estimate(config, token_facts: TokenFacts, *, frames: int, height: int, width: int, steps: int, cfg: bool,
+             dtype: str, backend: str, devices: int, cpu_cores: int | None = None) -> Estimate:
   """The denoising time of a run (module docstring).
 
   Args:
     config: the `WanTransformerConfig`.
-    frames, height, width, text_tokens, steps: the run's video and text sizes and step count.
+    token_facts: how the model's videos become tokens, L the run's text length (`TokenFacts`).
+    frames, height, width, steps: the run's video size and step count.
     cfg: classifier-free guidance on (two transformer rows per step).
     dtype: "float32" or "bfloat16" (matters on accelerators only).
     backend: "cpu", "gpu", "tpu", ...
     devices: devices of the mesh (divide the work on an accelerator, not on CPU).
     cpu_cores: cores available to this process (default: the ones it may run on).
-    spatial_factor: the VAE's pixels per latent (8; 16 for Wan 2.2 TI2V-5B).
   """
-  tokens = video_tokens(config.patch_size, frames, height, width, spatial_factor)
+  tokens = token_facts.video_tokens(frames, height, width)
   rows = 2 if cfg else 1
-  flops = step_flops(config, tokens, text_tokens, rows)
+  flops = step_flops(config, tokens, token_facts.text_tokens, rows)
   if backend == "cpu":
     cores = max(cpu_cores or _usable_cores(), 1)
     rate, basis = CPU_FLOPS_PER_CORE * cores, f"{cores} CPU core{'s' if cores > 1 else ''}"

@@ -1,7 +1,8 @@
 """Which mesh to run a Wan model on: every valid (CFG, U, R, weight sharding), what each costs, one pick.
 
 For a transformer config and its parameter counts (`pipelines.wan.transformer.config.param_counts`,
-passed in: this layer imports no model code), a video size and a device count, `candidates`
+passed in: this layer imports no model code), how its videos become tokens (`TokenFacts`), a video
+size and a device count, `candidates`
 enumerates the `MeshSpec`s that can run it (C in {1, 2} with guidance on, U dividing the heads,
 C * R * U = the devices, weights replicated or sharded) and models one denoising step of each:
 
@@ -33,6 +34,7 @@ from typing import Any
 
 from attention.mesh import MeshSpec, heads_fit
 from pipelines.parallel import estimate as step_estimate
+from pipelines.parallel.token_facts import TokenFacts
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -110,16 +112,16 @@ class Candidate:
             "memory": self.memory, "memory_note": self.memory_note}
 
 
-def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: int, height: int, width: int,
-               text_tokens: int = 512, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
-               chip: Chip, quantized: tuple[int, int] = (0, 0), spatial_factor: int = 8) -> list[Candidate]:
+def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int], devices: int, frames: int,
+               height: int, width: int, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
+               chip: Chip, quantized: tuple[int, int] = (0, 0)) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
-    config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn, patch, channels).
+    config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn).
+    token_facts: how its videos become tokens, and L (`TokenFacts`: VAE, patch, image and text tokens).
     param_counts: (block, other) parameters of one transformer (`transformer_config.param_counts`).
-    devices: devices in the mesh.
-    frames, height, width, text_tokens, spatial_factor: video / text sizes, VAE pixels per latent.
+    devices, frames, height, width: devices in the mesh; the video's size.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
@@ -135,13 +137,13 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
   if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
     raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
   size, block_bytes = DTYPE_BYTES[dtype], _block_bytes(blocks, DTYPE_BYTES[dtype], quantized)
-  tokens = step_estimate.video_tokens(config.patch_size, frames, height, width, spatial_factor)
+  tokens = token_facts.video_tokens(frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
   per_layer = block_bytes / config.num_layers
-  flops_total = step_estimate.step_flops(config, tokens, text_tokens, rows)
+  flops_total = step_estimate.step_flops(config, tokens, token_facts.text_tokens, rows)
   peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
-  latent_bytes = 4 * config.out_channels * ((frames - 1) // 4 + 1) * (height // spatial_factor) * (width // spatial_factor)
+  latent_bytes = 4 * token_facts.latent_channels * math.prod(token_facts.latent_grid(frames, height, width))
   out = []
   for spec in _meshes(devices, n, cfg):
     c, u, r, shard = spec.cfg, spec.ulysses, spec.ring, spec.shard_weights
@@ -151,7 +153,7 @@ def candidates(config, *, param_counts: tuple[int, int], devices: int, frames: i
     activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
                    + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
                    + (2 * 2 * stream if r > 1 else 0))  # ring: K/V buffer and the one in flight
-    kv = step_estimate.held_kv_bytes(config, rows=rows_local, text_tokens=text_tokens, dtype_bytes=size)
+    kv = step_estimate.held_kv_bytes(config, token_facts, rows=rows_local, dtype_bytes=size)
     if shard:
       weights = (block_bytes / devices + other * size + 2 * per_layer) * experts
     else:

@@ -1,6 +1,7 @@
 """What is known of a model before its weights load: `ModelFacts`, read from a folder's JSON files
 (`from_folder`) or the embedded tiny models' configs. `GenerationRequest.build` checks a call against
-them; the command line and the server read them before loading anything.
+them; the command line and the server read them before loading anything. How its videos become
+tokens is `token_facts` (the planner's `parallel.token_facts.TokenFacts`, built here from the configs).
 
 Glossary (DESIGN.md section 1): B' videos, C latent channels, F / Hl / Wl latent frames / height /
 width, T video tokens.
@@ -9,8 +10,8 @@ width, T video tokens.
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from pipelines.parallel.token_facts import TokenFacts
 from pipelines.wan import schedulers
 from pipelines.wan.transformer import WanTransformerConfig
 
@@ -101,11 +102,42 @@ class ModelFacts:
   def experts(self) -> int:
     return 1 if self.boundary_ratio is None else 2
 
+  @property
+  def token_facts(self) -> TokenFacts:
+    """How this model's videos become tokens (`token_facts`), L its default text length."""
+    return token_facts(self.transformer, spatial_factor=self.spatial_factor, temporal_factor=self.temporal_factor,
+                       text_tokens=self.max_sequence_length)
+
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k + 1) x height x width."""
-    return (batch, self.transformer.out_channels, (num_frames - 1) // self.temporal_factor + 1,
-            height // self.spatial_factor, width // self.spatial_factor)
+    return (batch, self.transformer.out_channels, *self.token_facts.latent_grid(num_frames, height, width))
 
   def tokens(self, latent_shape: tuple[int, ...]) -> int:
     """T, the video tokens of one video: the latent grid over the patch size."""
-    return math.prod(n // p for n, p in zip(latent_shape[2:], self.transformer.patch_size))
+    return self.token_facts.latent_tokens(latent_shape[2:])
+
+
+def image_tokens(transformer: WanTransformerConfig) -> int:
+  """P, the image tokens every cross-attention attends to beside the text: 0 without an image branch;
+  FLF2V's `pos_embed_seq_len` (two CLIP frames, 514); else one CLIP frame's (Wan 2.1 I2V: Wan's
+  ViT-H/14 at 224, `clip_vision.CLIPVisionConfig().tokens` = 16 x 16 + 1 = 257)."""
+  if not transformer.has_image_branch:
+    return 0
+  if transformer.pos_embed_seq_len is not None:
+    return transformer.pos_embed_seq_len
+  from pipelines.wan.encoders import clip_vision
+
+  return clip_vision.CLIPVisionConfig().tokens
+
+
+def token_facts(transformer: WanTransformerConfig, *, spatial_factor: int, temporal_factor: int,
+                text_tokens: int) -> TokenFacts:
+  """The `TokenFacts` of a model from its configs: the transformer's patch, latent channels and image
+  tokens (`image_tokens`), the VAE's factors (`WanVAEConfig.spatial_factor` / `temporal_factor`), L.
+
+  Raises:
+    ValueError: a count out of range (`TokenFacts`).
+  """
+  return TokenFacts(temporal_factor=temporal_factor, spatial_factor=spatial_factor,
+                    patch_size=transformer.patch_size, latent_channels=transformer.out_channels,
+                    image_tokens=image_tokens(transformer), text_tokens=text_tokens)

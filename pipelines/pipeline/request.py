@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from pipelines.parallel.plan import ParallelPlan
+from pipelines.parallel.token_facts import TokenFacts
 from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
@@ -158,6 +159,11 @@ class GenerationRequest:
   def tokens(self) -> int:
     """T, the video tokens of one video."""
     return self.model.tokens(self.latent_shape)
+
+  @property
+  def token_facts(self) -> TokenFacts:
+    """The model's `token_facts` with L this request's text length (what the planner reads)."""
+    return dataclasses.replace(self.model.token_facts, text_tokens=self.max_sequence_length)
 
   @property
   def rows(self) -> int:

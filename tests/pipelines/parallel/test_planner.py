@@ -6,13 +6,19 @@ from __future__ import annotations
 import pytest
 
 from pipelines.parallel import planner
+from pipelines.pipeline.model_facts import token_facts
 from pipelines.wan.transformer import PRESETS, param_counts
+
+
+def wan21_tokens(model):
+  """The `TokenFacts` of a Wan 2.1 folder's model (its VAE: 8x spatial, 4x temporal; L = 512)."""
+  return token_facts(model, spatial_factor=8, temporal_factor=4, text_tokens=512)
 
 
 def test_planner_fits_14b_only_with_sharded_weights_on_v5e():
   model = PRESETS["wan2.1-t2v-14b"]
-  found = planner.candidates(model, param_counts=param_counts(model), devices=8, frames=81, height=720,
-                             width=1280, chip=planner.CHIPS["v5e"])
+  found = planner.candidates(model, wan21_tokens(model), param_counts=param_counts(model), devices=8, frames=81,
+                             height=720, width=1280, chip=planner.CHIPS["v5e"])
   assert {c.mesh.shard_weights for c in found if c.fits} == {True}
   assert any(not c.fits for c in found)  # replicated 28.6 GB of weights: not on a 16 GiB chip
   best = planner.recommend(found)
@@ -29,7 +35,7 @@ def test_planner_counts_the_held_cross_attention_kv():
   kwargs = dict(devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v6e"])
   t2v, i2v = PRESETS["wan2.1-t2v-14b"], PRESETS["wan2.1-i2v-14b"]
   for model, tokens in ((t2v, 512), (i2v, 512 + 257)):
-    for c in planner.candidates(model, param_counts=param_counts(model), **kwargs):
+    for c in planner.candidates(model, wan21_tokens(model), param_counts=param_counts(model), **kwargs):
       want = 2 * 40 * (2 // c.mesh.cfg) * tokens * 5120 * 2
       assert c.kv_bytes == want, (str(c.mesh), c.kv_bytes, want)
       assert c.bytes_per_device == c.weight_bytes + c.activation_bytes + c.kv_bytes

@@ -219,7 +219,8 @@ def test_preset_and_planner_size_the_5b():
   """wan2.2-ti2v-5b: Wan2.2 configs/wan_ti2v_5B.py's sampling defaults; the transformer preset has
   diffusers' parameters exactly (5.0B); the planner counts the 16x VAE's tokens (27,280)."""
   from pipelines.commands.presets import PRESETS
-  from pipelines.parallel import estimate, planner
+  from pipelines.parallel import planner
+  from pipelines.pipeline.model_facts import token_facts
   from pipelines.wan.transformer import PRESETS as MODELS, param_counts
 
   p = PRESETS["wan2.2-ti2v-5b"]
@@ -228,9 +229,10 @@ def test_preset_and_planner_size_the_5b():
   with torch.device("meta"):
     ref = diffusers.WanTransformer3DModel(**config.to_dict())
   assert sum(param_counts(config)) == sum(p.numel() for p in ref.parameters()) == 4_999_787_712
-  assert estimate.video_tokens(config.patch_size, 121, 704, 1280, spatial_factor=16) == 31 * 22 * 40
-  found = planner.candidates(config, param_counts=param_counts(config), devices=8, frames=121, height=704,
-                             width=1280, chip=planner.CHIPS["v6e"], spatial_factor=16)
+  facts = token_facts(config, spatial_factor=16, temporal_factor=4, text_tokens=512)
+  assert facts.video_tokens(121, 704, 1280) == 31 * 22 * 40
+  found = planner.candidates(config, facts, param_counts=param_counts(config), devices=8, frames=121, height=704,
+                             width=1280, chip=planner.CHIPS["v6e"])
   best = planner.recommend(found)
   assert best is not None and all(24 % c.mesh.ulysses == 0 for c in found)
 

@@ -20,6 +20,7 @@ from flax import nnx
 from pipelines import WanPipeline
 from pipelines.parallel import planner
 from pipelines.parallel.plan import ParallelPlan
+from pipelines.pipeline.model_facts import token_facts
 from pipelines.wan.transformer import forward, param_counts, PRESETS, quantization
 from pipelines.wan.transformer.layers import Dense
 
@@ -185,7 +186,8 @@ def test_planner_counts_quantized_bytes():
   counts = param_counts(config)
   values, scales = quantization.quantized_counts(config)
   assert values / counts[0] > 0.98  # the block Linear kernels are nearly all of the blocks
-  kwargs = dict(param_counts=counts, devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v5e"])
+  kwargs = dict(param_counts=counts, devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v5e"],
+                token_facts=token_facts(config, spatial_factor=8, temporal_factor=4, text_tokens=512))
   plain = {(str(c.mesh), c.mesh.shard_weights): c for c in planner.candidates(config, **kwargs)}
   quant = {(str(c.mesh), c.mesh.shard_weights): c
            for c in planner.candidates(config, **kwargs, quantized=(values, scales))}
