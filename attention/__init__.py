@@ -9,7 +9,8 @@ checked by the command line before JAX starts) loads without importing JAX.
 import importlib
 
 _HOMES = (
-    ("attention.blockwise", ("local_attention", "merge_partials")),
+    ("attention.blockwise", ("local_attention",)),
+    ("attention.carry", ("merge_partials",)),
     ("attention.fixed_m", ("GateResult", "KeyStats", "fixed_m_gate")),
     ("attention.mesh", ("CFG_AXIS", "MESH_AXES", "RING_AXIS", "SEQUENCE_SPEC", "ULYSSES_AXIS", "MeshSpec",
                         "make_mesh", "mesh_degrees", "request_cpu_devices", "sequence_spec")),

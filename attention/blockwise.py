@@ -28,10 +28,10 @@ import jax.numpy as jnp
 
 from attention import fixed_m as fm
 from attention import kernels
-from attention.carry import Carry, Start, carry_lse, finish, init_carry, merge_partials  # noqa: F401
+from attention.carry import Carry, Start, finish
 from attention.masks import key_mask, validate_qkv
 from attention.padding import pad_axis, round_up
-from attention.settings import BACKENDS, DEFAULT_BLOCKS, IMPLEMENTATIONS, BlockSizes, resolve_backend  # noqa: F401
+from attention.settings import IMPLEMENTATIONS, BlockSizes, resolve_backend
 
 Mode = Literal["lse", "fixed_m", "auto"]
 # Position given to padded key slots: far from every real position, so every mask rejects it.

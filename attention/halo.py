@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from attention import blockwise as bw
+from attention.carry import Start
 from attention.masks import validate_qkv
 from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, batch_axis, mesh_degrees, sequence_spec
 from attention.padding import pad_axis, round_up
+from attention.settings import BlockSizes, resolve_backend
 from attention.usp import usp_attention
 
 Strategy = Literal["usp", "halo", "all_gather"]
@@ -47,7 +49,7 @@ def halo_attention(
     causal: bool = False,
     kv_valid_len: jax.Array | None = None,
     scale: float | None = None,
-    block_sizes: bw.BlockSizes | None = None,
+    block_sizes: BlockSizes | None = None,
     backend: str = "auto",
 ) -> jax.Array:
   """Exact sliding-window attention with only the window's K/V exchanged between neighbours.
@@ -77,7 +79,7 @@ def _window_call(q, k, v, kv_valid_len, *, mesh, window, causal, scale, block_si
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = mesh.devices.flat[0]
   platform = device.platform
-  backend = bw.resolve_backend(backend, platform)
+  backend = resolve_backend(backend, platform)
   block_sizes = bw.check_block_sizes(block_sizes, backend, platform, device.device_kind)
   return _window_attention(q, k, v, kv_valid_len, mesh=mesh, window=int(window), causal=bool(causal),
                            scale=scale, block_sizes=block_sizes, exchange=exchange, backend=backend)
@@ -135,7 +137,7 @@ def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, b
   layout = bw.BlockLayout.make(T, S, block_sizes, backend)
   q_in, logit_scale = bw.query_scaling(q, scale, False)
   q_BKGTH = layout.queries(q_in, K)
-  out = bw.attend(bw.Start(), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,
+  out = bw.attend(Start(), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,
                   q_pos=layout.q_positions(q_pos), kv_pos=layout.kv_positions(kv_pos),
                   kv_limit=limit, window=window, causal=causal, logit_scale=logit_scale, finish_to=q.dtype)
   return layout.output(out)

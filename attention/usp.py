@@ -28,10 +28,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 from attention import blockwise as bw
 from attention import fixed_m as fm
 from attention import fp8_exchange as fp8x
+from attention.carry import Start
 from attention.masks import validate_qkv
 from attention.padding import pad_axis, round_up
 from attention.mesh import (CFG_AXIS, RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit,
                             sequence_spec)
+from attention.settings import IMPLEMENTATIONS, BlockSizes, resolve_backend
 
 
 def workable_degrees(num_devices: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
@@ -84,7 +86,7 @@ def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
   return recv.reshape(B, recv.shape[2], U * L_pad, H)
 
 
-def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: bw.BlockSizes, backend: str) -> tuple[int, int]:
+def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: BlockSizes, backend: str) -> tuple[int, int]:
   """The smallest (Lq >= Tl, Lk >= Sl) whose gathered lengths U * L are whole numbers of the blocks
   `BlockLayout.make` picks for them (so no pad copy follows the exchange); Lq == Lk when Tl == Sl
   (one exchange). Static; a few hundred steps at most."""
@@ -118,7 +120,7 @@ def usp_attention(
     kv_valid_len: jax.Array | None = None,
     implementation: str = "auto",
     scale: float | None = None,
-    block_sizes: bw.BlockSizes | None = None,
+    block_sizes: BlockSizes | None = None,
     q_prescaled: bool = False,
     backend: str = "auto",
     exchange: str = "bf16",
@@ -158,13 +160,13 @@ def usp_attention(
   K = k.shape[2]
   U, R, _ = _mesh_parts(mesh, B)
   check_heads(N, K, U, R)
-  if implementation not in bw.IMPLEMENTATIONS:
-    raise ValueError(f"unknown {implementation=}; expected one of {bw.IMPLEMENTATIONS}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown {implementation=}; expected one of {IMPLEMENTATIONS}")
   if exchange not in fp8x.EXCHANGES:
     raise ValueError(f"unknown {exchange=}; expected one of {fp8x.EXCHANGES}")
   device = mesh.devices.flat[0]
   platform = device.platform
-  backend = bw.resolve_backend(backend, platform)
+  backend = resolve_backend(backend, platform)
   block_sizes = bw.check_block_sizes(block_sizes, backend, platform, device.device_kind)
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   return _usp(q, k, v, kv_valid_len, mesh=mesh, implementation=implementation, scale=scale,
@@ -273,9 +275,9 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
   q_pos = positions(r, Lq, Tl, layout.T_pad)
   kv_limit = limit if (masked or Lk != Sl) else None
 
-  start, fixed = bw.Start(), gate.eligible if implementation == "auto" else None
+  start, fixed = Start(), gate.eligible if implementation == "auto" else None
   if implementation != "lse":
-    start = bw.Start(fm.OffsetInputs(*(jax.lax.dynamic_slice_in_dim(x, u * hk, hk, axis=1)
+    start = Start(fm.OffsetInputs(*(jax.lax.dynamic_slice_in_dim(x, u * hk, hk, axis=1)
                                        for x in (k_mean, kc_max, gate.c_max))))
 
   def block(carry, kv, src, last):  # kv: the packed [B, 2 hk, U * Lk, H], read in place
@@ -321,7 +323,7 @@ def cross_attention(
     kv_valid_len: jax.Array | None = None,
     implementation: str = "auto",
     scale: float | None = None,
-    block_sizes: bw.BlockSizes | None = None,
+    block_sizes: BlockSizes | None = None,
     backend: str = "auto",
 ) -> jax.Array:
   """Attention of sequence-sharded queries to replicated keys (text cross-attention): no exchange.
@@ -339,7 +341,7 @@ def cross_attention(
   T_pad = round_up(T, U * R)
   device = mesh.devices.flat[0]
   platform = device.platform
-  backend = bw.resolve_backend(backend, platform)
+  backend = resolve_backend(backend, platform)
   local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
                             block_sizes=bw.check_block_sizes(block_sizes, backend, platform, device.device_kind), backend=backend)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))  # text rows follow their batch rows

@@ -42,7 +42,7 @@ def _topology(text: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
   from pipelines.parallel import planner
-  from pipelines.cli.generate import PRESETS
+  from pipelines.commands.presets import PRESETS
   from pipelines.wan.transformer import PRESETS as MODELS
 
   p = argparse.ArgumentParser(prog="plan", description=__doc__, formatter_class=HelpFormatter)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   from pipelines.parallel import planner
-  from pipelines.cli.generate import PRESETS
+  from pipelines.commands.presets import PRESETS
   from pipelines.pipeline.inputs import check_size, round_num_frames
   from pipelines.pipeline.model_facts import token_facts
   from pipelines.wan.pretrained import TINY_TRANSFORMER
@@ -160,7 +160,7 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
 
   from end_to_end.aot import step as aot_step
   from pipelines.parallel import planner
-  from pipelines.cli.generate import PRESETS
+  from pipelines.commands.presets import PRESETS
 
   try:
     devices = aot_step.topology_devices(args.topology, timeout_s=120)

@@ -234,6 +234,36 @@ def test_positive_control_seed_draws(tmp_path):
   assert _seed_draws(_modules("pipelines")[SEED_OWNER])  # the owner itself is seen drawing
 
 
+def _reexports(path: pathlib.Path) -> list[str]:
+  """`from a import b  # noqa: F401` in a module that is not a package's `__init__`: names kept for
+  others to import from here (a facade in disguise; STYLE.md, one address per name). A side-effect
+  `import x  # noqa: F401` is not one."""
+  if path.name == "__init__.py":
+    return []
+  lines = path.read_text().splitlines()
+  return [f"{_where(path)}:{node.lineno} re-exports {', '.join(a.name for a in node.names)} from {node.module}"
+          for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+          and any("noqa: F401" in line for line in lines[node.lineno - 1:node.end_lineno])]
+
+
+def test_names_have_one_address():
+  """A name is imported from its home (or its package's lazy facade), not from a module that passes it on."""
+  bad = [line for path in _modules(*PRODUCT, "end_to_end").values() for line in _reexports(path)]
+  assert not bad, "import these from their homes (or list them in the package's __init__ facade):\n" + "\n".join(bad)
+
+
+def test_positive_control_reexports(tmp_path):
+  module = tmp_path / "wan_pipeline.py"
+  module.write_text("from a.hooks import Error  # noqa: F401 (re-exported)\nfrom a.inputs import (f,  # noqa: F401\n"
+                    "  g)\nfrom a.inputs import h\n\n\ndef k():\n  import PIL.Image  # noqa: F401\n")
+  (tmp_path / "pkg").mkdir()
+  facade = tmp_path / "pkg" / "__init__.py"
+  facade.write_text(module.read_text())
+  assert _reexports(module) == [f"{module}:1 re-exports Error from a.hooks",
+                                f"{module}:2 re-exports f, g from a.inputs"]
+  assert _reexports(facade) == []
+
+
 def test_no_undeclared_private_attributes():
   """Attributes are declared in __init__, not looked up with a default (`getattr(self, "_x", d)`)."""
   bad = []

@@ -90,7 +90,8 @@ def eligible_pairs(table: dict) -> list[tuple[int, int]]:
   blocks as `BlockLayout` pads them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
   (3) code: the generated code of both paths together (the "auto" kernel holds both updates)
   within `CODE_TOLERANCE` of the least of the fitting pairs."""
-  from attention.blockwise import BlockLayout, BlockSizes
+  from attention.blockwise import BlockLayout
+  from attention.settings import BlockSizes
 
   seq = table["shape"][1]
   fit = {(r["block_q"], r["block_kv"]): r for r in table["rows"]

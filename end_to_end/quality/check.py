@@ -67,7 +67,7 @@ from typing import Any
 # JAX's backend has not started yet, so fake devices can still be requested here.
 from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.commands.help import HelpFormatter, warnings_as_lines
-from pipelines.cli.generate import TINY_MODELS, default_text_length
+from pipelines.commands.presets import TINY_MODELS, default_text_length
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
@@ -230,7 +230,7 @@ OTHER_DEFAULTS = dict(prompt="a red fox running through snow", height=48, width=
 
 def fill_defaults(args: argparse.Namespace) -> None:
   """Sets the settings left at None from --model (`TINY_DEFAULTS` / `OTHER_DEFAULTS`; the text
-  length as generate takes it: `pipelines.cli.generate.default_text_length`)."""
+  length as generate takes it: `pipelines.commands.presets.default_text_length`)."""
   for name, value in (TINY_DEFAULTS if args.model == "tiny" else OTHER_DEFAULTS).items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -326,7 +326,8 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   import numpy as np
 
   from end_to_end.quality.video_metrics import compare_videos, max_abs_diff
-  from pipelines.pipeline.wan_pipeline import WanPipeline, round_num_frames
+  from pipelines.pipeline.inputs import round_num_frames
+  from pipelines.pipeline.wan_pipeline import WanPipeline
 
   if jax.device_count() < p["devices"]:
     print(f"error: the largest candidate mesh needs {p['devices']} devices but JAX sees "

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
   from end_to_end.bench import presets as bench_presets
   from end_to_end.quality import video_metrics
   from end_to_end.train import calibrate_cache
-  from pipelines.cli.generate import TINY_MODELS, parse_size
+  from pipelines.cli.flags import parse_size
+  from pipelines.commands.presets import TINY_MODELS
   from pipelines.pipeline import WanPipeline
 
   steps, text_length = 50, 512  # a preset's or a folder's, unless given

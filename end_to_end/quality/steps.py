@@ -86,7 +86,8 @@ def write_plot(path: str, rows: list[dict[str, Any]], reference: str) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   from end_to_end.train import calibrate_cache
-  from pipelines.cli.generate import TINY_MODELS, parse_size
+  from pipelines.cli.flags import parse_size
+  from pipelines.commands.presets import TINY_MODELS
   from pipelines.pipeline import WanPipeline
   from pipelines.wan import schedulers
 

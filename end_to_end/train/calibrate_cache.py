@@ -16,7 +16,7 @@ count are resampled by nearest index.
 Defaults are the model's own settings (`pipelines.cli.generate`): for `tiny` (the trained embedded
 default, `WanPipeline.tiny()`) and `tiny-random` the "tiny" preset, 64x64 x 17 frames, 8 steps, flow
 shift 3, guidance 5; for a folder diffusers' `WanPipeline.__call__` defaults (832x480 x 81, 50
-steps). Text length: `generate.default_text_length` (64 for `tiny`, 512 otherwise). Ratios belong to
+steps). Text length: `presets.default_text_length` (64 for `tiny`, 512 otherwise). Ratios belong to
 the model and settings they were measured with: the file records the model's name and fingerprint
 (`WanPipeline.fingerprint`), size, frames, steps and text length, which
 `pipelines.wan.step_cache.calibration.check_calibration` compares with a run's.
@@ -93,18 +93,19 @@ def model_settings(model: str) -> dict[str, Any]:
   """The settings `model` ("tiny", "tiny-random" or a folder) runs at by default, as `generate`
   picks them: {"width", "height", "frames", "steps", "guidance", "max_sequence_length"}. Loads no
   model (reads the tokenizer config of a folder at most)."""
-  from pipelines.cli import generate
+  from pipelines.commands import presets
 
-  preset = generate.PRESETS["tiny"] if model in generate.TINY_MODELS else generate.FOLDER_DEFAULTS
+  preset = presets.PRESETS["tiny"] if model in presets.TINY_MODELS else presets.FOLDER_DEFAULTS
   return {"width": preset.width, "height": preset.height, "frames": preset.frames, "steps": preset.steps,
-          "guidance": preset.guidance[0], "max_sequence_length": generate.default_text_length(model)}
+          "guidance": preset.guidance[0], "max_sequence_length": presets.default_text_length(model)}
 
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   mesh_spec = MeshSpec.parse(args.mesh)
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
-  from pipelines.cli.generate import TINY_MODELS, parse_size
+  from pipelines.cli.flags import parse_size
+  from pipelines.commands.presets import TINY_MODELS
   from pipelines.pipeline import WanPipeline
   from pipelines.wan.step_cache import calibration as mag_calibration
 

@@ -68,29 +68,22 @@ import sys
 import time
 from typing import Any
 
-from pipelines.cli.flags import parse_guidance, parse_size  # noqa: F401 (re-exported)
-from pipelines.commands.flags import UsageError, parse_lora_arg  # noqa: F401 (re-exported)
 from pipelines.cli.flags import build_parser as _build_parser
-from pipelines.commands.help import warnings_as_lines
 from pipelines.cli.output import announce, mesh_text, sidecar, summary_line, timings, write_outputs
-from pipelines.commands.presets import (FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset,  # noqa: F401 (re-exported)
-                                   default_text_length)
-from pipelines.cli.records import (RUN_RECORD, RunFacts, apply_resume, check_checkpoint_dir,  # noqa: F401
-                                   default_checkpoint_dir, flow_shift, given_flags, remove_checkpoint, resume_hint,
-                                   tidy_checkpoint, write_run_record)
-from pipelines.cli.run_plan import Checked, Plan, build_request, check_plan, plan_run  # noqa: F401 (re-exported)
+from pipelines.cli.records import (RunFacts, apply_resume, given_flags, remove_checkpoint, resume_hint, tidy_checkpoint,
+                                   write_run_record)
+from pipelines.cli.plan import Plan
+from pipelines.cli.run_plan import Checked, check_plan, plan_run
+from pipelines.commands.help import warnings_as_lines
+from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import distributed
 from pipelines.parallel import supervisor
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 from pipelines.storage import weights
 
+__all__ = ["main", "cli", "run", "build_parser"]
 
-# The command (`main`, `cli`) and, re-exported for scripts and tests, the names it is made of.
-__all__ = ["main", "cli", "run", "build_parser", "UsageError", "parse_size", "parse_guidance", "parse_lora_arg",
-           "Preset", "PRESETS", "FOLDER_DEFAULTS", "TINY_MODELS", "default_text_length", "RUN_RECORD",
-           "apply_resume", "given_flags", "check_checkpoint_dir", "default_checkpoint_dir", "Plan", "Checked",
-           "plan_run", "check_plan", "build_request"]
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line of `generate` (`flags.build_parser`): --help opens with this module's

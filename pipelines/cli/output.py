@@ -17,7 +17,8 @@ from pipelines.parallel import estimate
 from pipelines.storage import images, video_io
 
 if TYPE_CHECKING:
-  from pipelines.cli.run_plan import Checked, Plan
+  from pipelines.cli.plan import Plan
+  from pipelines.cli.run_plan import Checked
 
 
 def announce(checked: Checked) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
-from pipelines.cli.plan import Plan  # noqa: F401 (re-exported)
 from pipelines.cli.flags import flag_error, parse_guidance, parse_numbers, parse_size
+from pipelines.cli.plan import Plan
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
 from pipelines.parallel import distributed

@@ -38,8 +38,7 @@ from attention.mesh import MeshSpec
 from pipelines.pipeline import loading, resume as resume_state, text as text_states
 from pipelines.pipeline.call_options import CallOptions, split_options
 from pipelines.pipeline.decoding import decode_videos
-from pipelines.pipeline.hooks import NonFiniteLatentsError  # noqa: F401 (re-exported)
-from pipelines.pipeline.inputs import check_output_type, frames_to_pil, round_num_frames  # noqa: F401
+from pipelines.pipeline.inputs import check_output_type, frames_to_pil
 from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.model_facts import ModelFacts

@@ -15,6 +15,7 @@ import pytest
 
 from attention import BlockSizes, merge_partials
 from attention import blockwise, fixed_m, kernels
+from attention.carry import Start, carry_lse, finish, init_carry
 from tests.attention.test_blockwise import _err, _inputs, _scaled
 from tests.attention.test_kernels import _start_case
 from tests.numerics import fp32_attention_tol as fp32_tol
@@ -32,9 +33,9 @@ def test_merge_partials_equals_full_and_guards_empty():
   @functools.partial(jax.jit, static_argnums=(0, 1))
   def part(lo, hi):
     layout = blockwise.BlockLayout.make(T, hi - lo, BlockSizes(16, 96))
-    c = blockwise.attend(blockwise.init_carry(qs), qs, ks[:, :, lo:hi], vs[:, :, lo:hi], mode="lse",
+    c = blockwise.attend(init_carry(qs), qs, ks[:, :, lo:hi], vs[:, :, lo:hi], mode="lse",
                          layout=layout, q_pos=jnp.arange(T), kv_pos=jnp.arange(lo, hi))
-    return blockwise.finish(c), blockwise.carry_lse(c)
+    return finish(c), carry_lse(c)
 
   o, lse = merge_partials(*part(0, 40), *part(40, 96))
   o_full, lse_full = part(0, 96)
@@ -58,10 +59,10 @@ def test_start_must_match_the_mode():
   with pytest.raises(ValueError, match="takes no fixed-m offsets"):
     kernels.attend_kernel(start, *args, mode="lse", **common)
   with pytest.raises(ValueError, match="needs fixed-m offsets"):
-    kernels.attend_kernel(blockwise.Start(), *args, mode="fixed_m", **common)
+    kernels.attend_kernel(Start(), *args, mode="fixed_m", **common)
   for backend in ("xla", "pallas"):
     with pytest.raises(ValueError, match="needs fixed-m offsets"):
-      blockwise.attend(blockwise.Start(), qp, kp, vp, mode="fixed_m", layout=dataclasses.replace(layout, backend=backend),
+      blockwise.attend(Start(), qp, kp, vp, mode="fixed_m", layout=dataclasses.replace(layout, backend=backend),
                        q_pos=kw["q_pos"], kv_pos=kw["kv_pos"])
 
 

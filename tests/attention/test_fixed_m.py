@@ -15,6 +15,7 @@ import pytest
 
 from attention import BlockSizes, attention_reference, fixed_m_gate, local_attention
 from attention import blockwise, fixed_m
+from attention.carry import finish, init_carry
 from tests.attention.test_blockwise import _err, _inputs, _reference_f64, _scaled
 from tests.numerics import fp32_attention_tol as fp32_tol
 from tests.numerics import within
@@ -105,9 +106,9 @@ def test_per_q_block_bound_is_exact():
   @jax.jit
   def fixed_m_with(b):
     layout = blockwise.BlockLayout.make(T, S, BlockSizes(64, 300))
-    carry = blockwise.attend(blockwise.init_carry(qs, b), qs, ks, vs, mode="fixed_m", layout=layout,
+    carry = blockwise.attend(init_carry(qs, b), qs, ks, vs, mode="fixed_m", layout=layout,
                              q_pos=jnp.arange(T), kv_pos=jnp.arange(S))
-    return blockwise.finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
   ref = attention_reference(q, k, v)
   for b in (b_row, b_blk):

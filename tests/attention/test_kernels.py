@@ -19,6 +19,7 @@ import pytest
 
 from attention import BlockSizes, attention_reference, local_attention, make_mesh, usp_attention
 from attention import blockwise, fixed_m, kernels
+from attention.carry import Start, finish, init_carry
 from attention.halo import halo_attention
 from tests.numerics import fp32_attention_tol as fp32_tol
 from tests.numerics import within
@@ -53,7 +54,7 @@ def test_kernel_equals_xla_block_update(H, kernel, mode):
             kv_limit=jnp.asarray([250, 300], jnp.int32), window=40, causal=True, logit_scale=1.0)
   xla = dataclasses.replace(layout, backend="xla")
   m0 = jnp.full(qp.shape[:4], 3.0) if mode == "fixed_m" else None
-  first = blockwise.attend(blockwise.init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
+  first = blockwise.attend(init_carry(qp, m0), qp, kp, vp, layout=xla, **kw)  # a previous step
   want = blockwise.attend(first, qp, kp, vp, layout=xla, **kw)
   got = kernels.attend_kernel(first, qp, kp, vp, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
                               mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
@@ -71,7 +72,7 @@ def test_kernel_equals_xla_block_update(H, kernel, mode):
                                 mode=mode if flag is None else "auto", bq=128, bk=128, S=S, kv_padded=True,
                                 window=40, causal=True, logit_scale=1.0, kernel=kernel, fixed=flag,
                                 finish_to=jnp.float32)
-    ref = blockwise.finish(want)
+    ref = finish(want)
     within(float(jnp.max(jnp.abs(out - ref))), 64 * 2.0**-24 * float(jnp.max(jnp.abs(ref))), f"{kernel} {mode} finish")
 
 
@@ -87,7 +88,7 @@ def _start_case(mode, flag, seed):
   stats = fixed_m.local_key_stats(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), limit)
   c_max = fixed_m.headroom_cap(stats.v_absmax, stats.valid_count)
   offsets = fixed_m.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=True)
-  start = blockwise.Start(None if mode == "lse" else offsets)
+  start = Start(None if mode == "lse" else offsets)
   kw = dict(q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=limit,
             window=40, causal=True, logit_scale=1.3, fixed=flag)
   return start, layout, layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v), kw
@@ -119,7 +120,7 @@ def test_kernel_start_and_finish_equal_xla(kernel, mode):
     assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
   out = call(finish_to=jnp.bfloat16)
   assert out.shape == qp.shape and out.dtype == jnp.bfloat16
-  ref = blockwise.finish(want)  # |o / l| <= max|v|: one bf16 rounding (2^-9 relative) plus the carry's ulps
+  ref = finish(want)  # |o / l| <= max|v|: one bf16 rounding (2^-9 relative) plus the carry's ulps
   within(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))), 2.0**-8 * float(jnp.max(jnp.abs(ref))),
          f"{kernel} {mode} finish")
   assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) > 0.1  # not vacuous

@@ -30,7 +30,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from tests.harness import REPO_ROOT, child_env, step_compiles
-from pipelines.cli import generate
+from pipelines.cli import generate, run_plan
 from pipelines.storage import video_io
 from pipelines.pipeline import (NonFiniteLatentsError, TINY_SCHEDULER, TINY_TRANSFORMER, wan_pipeline,
                                 WanPipeline)
@@ -356,7 +356,7 @@ def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
   assert generate.main(argv) == 1
   assert "generate: error: latents hold NaN/inf after denoising step 1/2" in capsys.readouterr().err
   assert os.listdir(tmp_path) == []
-  plan = generate.plan_run(generate.build_parser().parse_args(argv + ["--no-nan-guard"]))
+  plan = run_plan.plan_run(generate.build_parser().parse_args(argv + ["--no-nan-guard"]))
   assert plan.nan_guard is False
 
 

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from pipelines.cli import generate
+from pipelines.cli import generate, records, run_plan
 from pipelines.pipeline import resume
 from pipelines.pipeline import wan_pipeline
 from tests.numerics import assert_psnr_at_least
@@ -21,7 +21,7 @@ from tests.pipelines.pipeline.test_resume import PROMPT, RESUME_PSNR_DB
 
 def _checked(tmp_path, *flags):
   args = generate.build_parser().parse_args(TINY_ARGV + list(flags) + ["--out", str(tmp_path / "a.mp4")])
-  return generate.check_plan(generate.plan_run(args))
+  return run_plan.check_plan(run_plan.plan_run(args))
 
 
 def test_run_record_and_sidecar_come_from_the_request(tmp_path):
@@ -48,7 +48,7 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
                            cache=cache, warnings_seen=[])
   assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny-random")  # records name the model used
   records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
-  saved = json.loads((tmp_path / "ckpt" / generate.RUN_RECORD).read_text())
+  saved = json.loads((tmp_path / "ckpt" / records.RUN_RECORD).read_text())
   assert saved["steps"] == 7 and saved == record
   # The sidecar's settings (what the pipeline records) and the resume identity come from it too.
   assert changed.request.settings()["steps"] == 7 and changed.request.settings()["prompts"] == ["a blue circle"]
@@ -79,7 +79,7 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
   err = capsys.readouterr().err
   assert f"continue with generate --resume {folder}" in err, err
   assert not os.path.exists(tmp_path / "a.npy")
-  assert json.load(open(os.path.join(folder, generate.RUN_RECORD)))["seed"] == 3
+  assert json.load(open(os.path.join(folder, records.RUN_RECORD)))["seed"] == 3
   monkeypatch.setattr(wan_pipeline.WanPipeline, "generate", original_generate)
 
   assert generate.main(["--resume", folder, "--steps", "6"]) == 2

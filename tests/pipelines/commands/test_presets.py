@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.cli import generate
+from pipelines.cli import generate, run_plan
+from pipelines.commands import presets
 from tests.pipelines.cli.test_run_plan import _checked
 
 
 def test_presets_are_the_published_defaults(tmp_path):
-  p = generate.PRESETS
+  p = presets.PRESETS
   assert (p["wan2.1-t2v-1.3b"].width, p["wan2.1-t2v-1.3b"].height, p["wan2.1-t2v-1.3b"].frames) == (832, 480, 81)
   assert (p["wan2.1-t2v-1.3b"].steps, p["wan2.1-t2v-1.3b"].shift, p["wan2.1-t2v-1.3b"].guidance) == (50, 3.0, (5.0,))
   assert (p["wan2.1-t2v-14b"].width, p["wan2.1-t2v-14b"].height, p["wan2.1-t2v-14b"].shift) == (1280, 720, 5.0)
@@ -21,7 +22,7 @@ def test_presets_are_the_published_defaults(tmp_path):
   args = generate.build_parser().parse_args(["--prompt", "x", "--preset", "wan2.1-t2v-14b",
                                              "--size", "480x272", "--steps", "3",
                                              "--out", str(tmp_path / "a.mp4")])
-  plan = generate.plan_run(args)  # flags override the preset, the rest comes from it
+  plan = run_plan.plan_run(args)  # flags override the preset, the rest comes from it
   assert (plan.width, plan.height, plan.steps, plan.frames, plan.shift) == (480, 272, 3, 81, 5.0)
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.pipeline import wan_pipeline
+from pipelines.pipeline import inputs
 
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
 
 def test_round_num_frames_warns_like_diffusers():
   with pytest.warns(UserWarning, match="rounding to 81"):
-    assert wan_pipeline.round_num_frames(83) == 81
-  assert wan_pipeline.round_num_frames(81) == 81
+    assert inputs.round_num_frames(83) == 81
+  assert inputs.round_num_frames(81) == 81
   with pytest.raises(ValueError, match="positive int"):
-    wan_pipeline.round_num_frames(0)
+    inputs.round_num_frames(0)

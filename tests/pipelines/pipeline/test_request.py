@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from pipelines.cli import generate
+from pipelines.cli import generate, run_plan
 from tests.pipelines.cli.test_generate import PROMPT
 
 
@@ -29,5 +29,5 @@ def test_the_trained_default_warns_outside_its_one_video_size(tmp_path):
   argv = ["--prompt", PROMPT, "--size", "128x128", "--frames", "9", "--steps", "1", "--out", str(tmp_path / "a.mp4")]
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
-    generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
+    run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv)))
   assert any("trained at 64x64 x 17 frames only" in str(w.message) for w in seen)

@@ -9,7 +9,7 @@ import pytest
 
 from end_to_end.train import calibrate_cache
 from pipelines import WanPipeline
-from pipelines.cli import generate
+from pipelines.commands import presets
 from pipelines.wan import step_cache
 from pipelines.wan.step_cache import calibration as mag_calibration
 from tests.harness import user_docs
@@ -34,9 +34,9 @@ def fingerprints():
 def test_shipped_file_is_the_trained_default_at_its_settings(shipped, fingerprints):
   """The file the embedded model's `mag:` uses was measured on that model (its fingerprint) at the
   size, frames, steps and text length it runs at by default (generate's "tiny" preset)."""
-  preset = generate.PRESETS["tiny"]
+  preset = presets.PRESETS["tiny"]
   assert (preset.width, preset.height, preset.frames, preset.steps) == (64, 64, 17, 8)
-  assert generate.default_text_length("tiny") == 64
+  assert presets.default_text_length("tiny") == 64
   assert mag_calibration.check_calibration(shipped, model="tiny", fingerprint=fingerprints["trained"],
                                            **TRAINED) is None
   assert len(shipped["ratios"]) == 8 and shipped["ratios"][0] == 1.0

@@ -207,11 +207,11 @@ def test_planner_counts_quantized_bytes():
 def test_generate_quantize_flag(tmp_path):
   """--quantize reaches the request's model facts, the run record (--resume) and the sidecar's
   settings; the command's pipeline is quantized after its LoRAs and matches the request."""
-  from pipelines.cli import generate, records
+  from pipelines.cli import generate, records, run_plan
 
   argv = ["--prompt", "a fox", "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "1",
           "--quantize", "fp8", "--attention-exchange", "fp8", "--out", str(tmp_path / "a.npy")]
-  checked = generate.check_plan(generate.plan_run(generate.build_parser().parse_args(argv)))
+  checked = run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv)))
   assert checked.plan.quantize == "fp8" and checked.request.model.quantize == "fp8"
   record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
   assert record["quantize"] == "fp8" and record["attention_exchange"] == "fp8"
