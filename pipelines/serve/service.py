@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipelines.serve import api
 from pipelines.serve.store import JobStore
-from pipelines.serve.worker import Worker, warm
+from pipelines.serve.worker import Worker, remove_outputs, warm
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -134,11 +134,9 @@ class Service:
     return real if os.path.dirname(real) == folder and os.path.isfile(real) else None
 
   def remove_files(self, row: dict[str, Any]) -> None:
-    path = self.content_path(row)
-    if path is not None:
-      for name in (path, path + ".json"):
-        if os.path.exists(name):
-          os.remove(name)
+    """A forgotten job's video and sidecar, where it was written even if never completed (a cancel
+    that raced the write)."""
+    remove_outputs(self.config.data_dir, row)
 
   def health(self) -> dict[str, Any]:
     return {"status": self.state, "ready": self.ready.is_set(), "model": self.facts.name, "mesh": self.config.mesh,

@@ -242,7 +242,9 @@ class Worker:
 
   def _write_outputs(self, rows: list[dict[str, Any]], request: GenerationRequest, result: Any,
                      seconds: float) -> None:
-    """Each wanted job's video and sidecar (atomic), then its row marked completed."""
+    """Each wanted job's video and sidecar (atomic), then its row marked completed; a job cancelled
+    while its files were written (a cancel racing the write) has them removed again, so no file is
+    left that no route serves."""
     statuses = self.store.statuses([r["id"] for r in rows])
     for index, row in enumerate(rows):
       if statuses.get(row["id"]) != "in_progress":
@@ -255,6 +257,8 @@ class Worker:
         continue
       if self.store.complete(row["id"], path, timings):
         self.metrics.finished("completed", 1, seconds=seconds)
+      else:
+        remove_outputs(self.config.data_dir, row)
 
 
 def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> GenerationRequest:
@@ -268,15 +272,27 @@ def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> Generati
                                  seed=[p["seed"] for p in jobs], **api.build_kwargs(jobs[0], mesh))
 
 
+def output_paths(data_dir: str, row: dict[str, Any]) -> tuple[str, str]:
+  """(video, sidecar) where `write_job` writes a job's outputs: videos/<id>.<format> and its .json."""
+  path = os.path.join(data_dir, "videos", f"{row['id']}.{row['params']['output_format']}")
+  return path, video_io.sidecar_path(path)
+
+
+def remove_outputs(data_dir: str, row: dict[str, Any]) -> None:
+  """Removes a job's video and sidecar where they exist (`output_paths`)."""
+  for name in output_paths(data_dir, row):
+    if os.path.exists(name):
+      os.remove(name)
+
+
 def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, result: Any, index: int, pipe: Any,
               config: Any) -> tuple[str, dict[str, float]]:
   """Writes video `index` of the batch's result as the job's output and its JSON sidecar (each
   atomically, `video_io`; the settings of that video as run alone, `GenerationRequest.video_settings`);
   returns (video path, the job's timings in seconds)."""
   p = row["params"]
-  folder = os.path.join(data_dir, "videos")
-  os.makedirs(folder, exist_ok=True)
-  path = os.path.join(folder, f"{row['id']}.{p['output_format']}")
+  path, sidecar = output_paths(data_dir, row)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   start = time.perf_counter()
   video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True)
   timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
@@ -286,7 +302,7 @@ def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, re
                        "batch": {"id": row["batch_id"], "index": index, "size": row["batch_size"]},
                        "settings": settings, "lora": pipe.lora_info(), "timings_s": timings,
                        "warnings": row.get("warnings") or [],
-                       "versions": versions()}, video_io.sidecar_path(path), overwrite=True)
+                       "versions": versions()}, sidecar, overwrite=True)
   return path, timings
 
 

@@ -148,3 +148,37 @@ def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path
     sidecar = json.loads(open(path + ".json").read())
     assert sidecar["settings"] == json.loads(json.dumps(one.settings())), index  # (JSON: tuples as lists)
     assert (sidecar["settings"]["seed"], sidecar["settings"]["explicit_latents"]) == (job["seed"], False)
+
+
+def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
+  """A cancel that lands after the last step, while the job's files are written (forced: the store
+  marks it cancelled from inside the write), ends `cancelled` with no video or sidecar left in
+  videos/; DELETE then reports deleted with nothing left. Positive control: an uncancelled job's
+  files stay and DELETE removes them."""
+  from pipelines.serve import worker as worker_module
+
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path), max_batch=1)
+  facts = model_facts(config)
+  service = Service(config, facts, load=lambda: StandInPipe(facts))
+  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
+  raced, kept = (service.submit(api.VideoCreate(prompt=p, **small))["id"] for p in ("raced", "kept"))
+  write = worker_module.write_job
+
+  def write_then_cancelled(data_dir, row, *args):
+    out = write(data_dir, row, *args)
+    if row["id"] == raced:
+      assert service.store.cancel(raced)  # the cancel arrives between the write and `complete`
+    return out
+
+  monkeypatch.setattr(worker_module, "write_job", write_then_cancelled)
+  videos = tmp_path / "videos"
+  service.start(block=True)
+  try:
+    rows = {job: wait_finished(service, job) for job in (raced, kept)}
+    assert rows[raced]["status"] == "cancelled" and rows[kept]["status"] == "completed", rows
+    assert sorted(p.name for p in videos.iterdir()) == [f"{kept}.npy", f"{kept}.npy.json"]
+    for job in (raced, kept):
+      service.remove_files(service.store.delete(job))
+    assert list(videos.iterdir()) == []
+  finally:
+    service.stop()
