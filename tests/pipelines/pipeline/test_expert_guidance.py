@@ -60,7 +60,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hand_made(folder):
-  """The by-hand reference for (1, 4), and the experts used per step."""
+  """The by-hand reference video for (g, g2) = (1, 4)."""
   pipe = diffusers.WanPipeline.from_pretrained(folder)
   with torch.no_grad():
     return _by_hand(pipe, (1.0, 4.0))
