@@ -32,8 +32,7 @@ from safetensors.numpy import save_file
 from tests.harness import REPO_ROOT, child_env, step_compiles
 from pipelines.cli import generate, run_plan
 from pipelines.storage import video_io
-from pipelines.pipeline import (NonFiniteLatentsError, TINY_SCHEDULER, TINY_TRANSFORMER, wan_pipeline,
-                                WanPipeline)
+from pipelines.pipeline import (NonFiniteLatentsError, TINY_SCHEDULER, TINY_TRANSFORMER, WanPipeline)
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan import vae as wan_vae
 from pipelines.wan.encoders import tokenizer as tokenization, umt5

@@ -18,6 +18,6 @@ TINY_TRANSFORMER = WanTransformerConfig(num_attention_heads=8, attention_head_di
 TINY_SEED = 0
 TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # (height, width, frames): the one video size the trained default saw (end_to_end/train/tiny.py);
-# `request.ModelFacts.trained_video` warns for any other.
+# `model_facts.ModelFacts.trained_video` warns for any other.
 TINY_TRAINED_VIDEO = (64, 64, 17)
 TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_default")

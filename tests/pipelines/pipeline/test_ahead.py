@@ -8,7 +8,6 @@ cache counts each thread's programs for its own stage."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
