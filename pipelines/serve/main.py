@@ -46,16 +46,21 @@ def loader(config: ServeConfig) -> Any:
 
 
 def check(config: ServeConfig, facts: Any) -> None:
-  """The mesh, the warm-up shapes and the LoRAs against the model, before anything is loaded.
+  """The model's kind, the mesh, the warm-up shapes and the LoRAs against the model, before anything
+  is loaded.
 
   Raises:
-    UsageError: naming the flag and the problem.
+    UsageError: naming the flag and the problem (an image-to-video model: serve takes no image).
   """
   from pipelines.pipeline.request import GenerationRequest
   from pipelines.wan import lora
 
   from pipelines.serve.api import defaults
 
+  if facts.image_to_video:  # each of its videos needs a first frame, which no route takes yet
+    raise UsageError(f"--model {config.model}: an image-to-video model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B: "
+                     "every video starts from an image), and serve takes no image input; serve a "
+                     "text-to-video or TI2V-5B folder, or run this one with generate --image PATH")
   preset = defaults(config.model)
   try:  # the mesh against the devices and heads, at the model's default size
     GenerationRequest.build(facts, "check", height=preset.height, width=preset.width, num_frames=preset.frames,

@@ -29,3 +29,23 @@ def test_serve_command_refuses_bad_flags_before_loading(argv, words, capsys, mon
   monkeypatch.setattr(uvicorn, "run", started)
   assert main(argv) == 2
   assert words in capsys.readouterr().err
+
+
+def test_an_image_to_video_model_is_refused_for_its_kind():
+  """An image-to-video folder is refused naming its kind and the way out (it said `--mesh None:
+  image=None: ... generate --image PATH`, a flag never given); positive control: its text-to-video
+  twin passes the same check."""
+  import dataclasses
+
+  from pipelines.commands.flags import UsageError
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.serve.main import check
+  from pipelines.serve.options import ServeConfig
+
+  text = ModelFacts.tiny_random("float32")
+  config = ServeConfig(model="tiny-random")
+  check(config, text)
+  image = dataclasses.replace(text, transformer=dataclasses.replace(
+      text.transformer, in_channels=2 * text.transformer.out_channels + text.temporal_factor), image_to_video=True)
+  with pytest.raises(UsageError, match=r"--model tiny-random: an image-to-video model .* generate --image PATH"):
+    check(config, image)
