@@ -54,7 +54,7 @@ class VideoCreate(BaseModel):
   model: str | None = None
   size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 64x64")
   seconds: Any = None
-  fps: Any = 16
+  fps: Any = None  # None: the model's own rate (`commands.presets.model_fps`: TI2V-5B 24, else 16)
   num_frames: Any = None
   num_inference_steps: Any = None
   guidance_scale: Any = None
@@ -148,8 +148,10 @@ def _check_numbers(body: VideoCreate) -> None:
     raise ApiError(400, f"seed={seed} must be below 2**63", "seed")
 
 
-def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_prompt_chars: int) -> dict[str, Any]:
-  """A request's values resolved (defaults filled, seed drawn when missing), before the model checks.
+def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_prompt_chars: int,
+               fps: float = 16.0) -> dict[str, Any]:
+  """A request's values resolved (defaults filled, seed drawn when missing; `fps` when the body gives
+  none: the model's frame rate), before the model checks.
 
   Raises:
     ApiError: a value outside the server's limits, an unknown LoRA name or model.
@@ -157,6 +159,7 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
   if body.model is not None and body.model != model:
     raise ApiError(400, f"model={body.model!r}: this server serves {model!r} only", "model")
   _check_text(body, max_prompt_chars)
+  body = body.model_copy(update={"fps": fps}) if body.fps is None else body
   _check_numbers(body)
   unknown = [name for name in body.lora if name not in loras]
   if unknown or len(set(body.lora)) != len(body.lora):

@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pipelines.commands.presets import model_fps
 from pipelines.serve import api
 from pipelines.serve.store import JobStore
 from pipelines.serve.worker import Worker, remove_outputs, warm
@@ -104,7 +105,7 @@ class Service:
     if self.state == "failed":
       raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
     params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
-                            max_prompt_chars=self.config.max_prompt_chars)
+                            max_prompt_chars=self.config.max_prompt_chars, fps=model_fps(self.facts.expand_timesteps))
     _, notes = api.check_request(params, self.facts, self.config.mesh)
     row = self.store.add(params, api.batch_key(params), self.config.max_queue, warnings=notes)
     if row is None:

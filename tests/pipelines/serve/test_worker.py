@@ -182,3 +182,21 @@ def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
     assert list(videos.iterdir()) == []
   finally:
     service.stop()
+
+
+def test_a_job_without_fps_takes_the_models_frame_rate(tmp_path):
+  """serve's default fps is the model's (TI2V-5B: 24, `presets.model_fps`), as generate's; a given
+  fps wins; positive control: a Wan 2.1-style model gets 16."""
+  import dataclasses
+
+  config = ServeConfig(model="tiny-random", data_dir=str(tmp_path))
+  text = model_facts(config)
+  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
+  for facts, want in ((text, 16.0), (dataclasses.replace(text, expand_timesteps=True), 24.0)):
+    service = Service(config, facts, load=lambda: None)
+    try:
+      row = service.store.get(service.submit(api.VideoCreate(prompt="a fox", **small))["id"])
+      given = service.store.get(service.submit(api.VideoCreate(prompt="a fox", fps=12, **small))["id"])
+    finally:
+      service.stop()
+    assert (row["params"]["fps"], given["params"]["fps"]) == (want, 12)
