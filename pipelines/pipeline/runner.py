@@ -206,15 +206,17 @@ class Runner:
     experts = list(dict.fromkeys(state.experts))
     # Each expert's guidance scale float32 [], placed once for the whole loop.
     self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated) for e in experts}
-    compiled: dict[bool, Any] = {}
-    for e in reversed(experts):  # the first expert's text K/V last: the one the loop starts with
-      cfg = r.expert_cfg(e)
-      if cfg not in compiled:  # experts of one kind share the program (same shapes)
-        compiled[cfg] = pipe.compiled_steps.get(pipe.weights.experts[e], state.latents, state.solver,
-                                                self._text(e, state), self.guidance[e], state.cache,
-                                                state.condition, plan=plan, cfg=cfg,
-                                                on_compile=lambda: self.stage(compiling))
-      self.programs[e] = compiled[cfg]
+    kinds: dict[bool, int] = {}  # experts of one kind share the program (same shapes): its first expert
+    for e in experts:
+      kinds.setdefault(r.expert_cfg(e), e)
+    compiled = {}
+    # The loop's first expert last, so that the text K/V held after compiling is the one step 0 needs.
+    for cfg, e in sorted(kinds.items(), key=lambda kind: kind[1] == experts[0]):
+      compiled[cfg] = pipe.compiled_steps.get(pipe.weights.experts[e], state.latents, state.solver,
+                                              self._text(e, state), self.guidance[e], state.cache,
+                                              state.condition, plan=plan, cfg=cfg,
+                                              on_compile=lambda: self.stage(compiling))
+    self.programs = {e: compiled[r.expert_cfg(e)] for e in experts}
     self.timings["compile"] = time.perf_counter() - start
 
   def _step(self, state: LoopState) -> Any:
