@@ -71,7 +71,7 @@ def key_validity(S: int, kv_valid_len: jax.Array | None, offset=0) -> jax.Array:
 
 
 def key_sum(k_BSKH: jax.Array, valid_BS: jax.Array) -> jax.Array:
-  """fp32 [B, K, H] sum of the valid keys (one `psum` away from the global mean under USP)."""
+  """fp32 [B, K, H] sum of the valid keys (USP gathers the devices' sums and adds them in mesh order)."""
   k = jnp.where(valid_BS[:, :, None, None], k_BSKH.astype(jnp.float32), 0.0)
   return jnp.sum(k, axis=1)
 

@@ -4,7 +4,8 @@ One call, inside `jax.shard_map` (DESIGN.md section 3; USP: Fang & Zhao 2024, ar
 Ulysses: Jacobs et al. 2023; ring attention: Liu et al. 2023):
 
 1. local shards q [B, T/(UR), N, H], k/v [B, S/(UR), K, H]; q pre-scaled by scale * log2(e);
-2. pre-all-to-all reductions: the k sum for the global valid-key mean in ONE `psum`, then per-head
+2. pre-all-to-all reductions: the k sums for the global valid-key mean in ONE `all_gather` (added in
+   mesh order, so the same bits whatever runs the collective), then per-head
    max ||q~||, max ||k - k_mean||, max |v| in ONE packed `pmax`, both over (ring, ulysses); the
    fixed-m gate computed from them is therefore the same on every device;
 3. ONE packed all-to-all over `ulysses` for q, k and v (split heads, gather the ring group's tokens);
@@ -13,7 +14,7 @@ Ulysses: Jacobs et al. 2023; ring attention: Liu et al. 2023):
    LSE block update inside each step, over one (o, l, m) carry (XLA: a `lax.cond`; Pallas: one
    kernel branching on the scalar verdict);
 5. ONE all-to-all back to [B, T/(UR), N, H].
-Per call: 2 all-to-alls, R - 1 collective-permutes, 1 psum + 1 pmax of O(B N H), no all-gather.
+Per call: 2 all-to-alls, R - 1 collective-permutes, 1 all-gather (U R B K H) + 1 pmax of O(B N H).
 """
 
 from __future__ import annotations
@@ -223,7 +224,10 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
     count = limit.astype(jnp.float32)
     k_sum = fm.key_sum(k, valid)
     if U * R > 1:
-      k_sum = jax.lax.psum(k_sum, axes)
+      # Gathered and added in mesh order on every device, not `psum`: an all-reduce's order is
+      # its implementation's (XLA's in-process one and gloo's across processes differ), and one
+      # ulp of the mean moves m and every exp2 after it; this way 2 processes equal 1 bit for bit.
+      k_sum = jnp.sum(jax.lax.all_gather(k_sum, axes), axis=0)
     k_mean = k_sum / jnp.maximum(count, 1.0)[:, None, None]
     kc_max, v_max = fm.key_maxima(k, v, k_mean, valid)
     q_norm = fm.query_norm_max(qs) * logit_scale  # [B, N] of q * scale * log2 e

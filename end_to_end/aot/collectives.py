@@ -6,8 +6,8 @@
 Lowers and compiles `attention.usp_attention` (or `--kind halo --window W`) for abstract inputs of
 the given shape on the given mesh, then counts each collective in the compiled HLO with the bytes
 its buffer holds per device. The theoretical minimum for USP (DESIGN.md section 3) is 2 all-to-alls
-(q/k/v in, output back), R - 1 permutes of the packed K/V shard, and two tiny all-reduces for the
-fixed-m gate. With `--topology` it compiles for that TPU topology on this machine (libtpu needed:
+(q/k/v in, output back), R - 1 permutes of the packed K/V shard, and for the fixed-m gate one tiny
+all-gather of the k sums (added in mesh order) and one tiny all-reduce (pmax) of the maxima. With `--topology` it compiles for that TPU topology on this machine (libtpu needed:
 `pip install --no-deps --target DIR "libtpu==0.0.42.*"`, put DIR on PYTHONPATH, and run with
 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 so libtpu does not wait for a TPU metadata server) and also prints
 `memory_analysis()` and `cost_analysis()`. This is a compile-time report, not a runtime measurement.
@@ -83,8 +83,8 @@ def usp_minimum(B, T, N, K, H, U, R, dtype_bytes) -> dict[str, dict[str, int]]:
   return {
       "all-to-all": a2a,
       "collective-permute": {"count": R - 1, "bytes": (R - 1) * kv_shard},
-      "all-reduce": {"count": 2 if D > 1 else 0, "bytes": (B * Kp * H + B * (N + 2 * Kp)) * 4 if D > 1 else 0},
-      "all-gather": {"count": 0, "bytes": 0},
+      "all-reduce": {"count": 1 if D > 1 else 0, "bytes": B * (N + 2 * Kp) * 4 if D > 1 else 0},
+      "all-gather": {"count": 1 if D > 1 else 0, "bytes": D * B * Kp * H * 4 if D > 1 else 0},
   }
 
 

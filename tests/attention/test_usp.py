@@ -128,7 +128,8 @@ def test_compiled_collectives(R, U):
   x = jax.ShapeDtypeStruct((1, 256, 8, 32), jnp.bfloat16)
   hlo = jax.jit(lambda q, k, v: usp_attention(q, k, v, mesh=mesh)).lower(x, x, x).compile().as_text()
   counts = _collective_counts(hlo)
-  assert counts == {"all-to-all": 2, "collective-permute": R - 1, "all-reduce": 2, "all-gather": 0}, counts
+  # the k sums gathered (added in mesh order), the maxima in one pmax
+  assert counts == {"all-to-all": 2, "collective-permute": R - 1, "all-reduce": 1, "all-gather": 1}, counts
 
 
 @pytest.mark.parametrize("U,R,N,K,match", [

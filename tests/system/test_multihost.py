@@ -3,8 +3,13 @@
 The processes are fresh interpreters on 127.0.0.1 (a free port picked at run time, gloo CPU
 collectives, XLA_FLAGS without the harness's device count: the command splits the mesh's 4 devices
 over the 2 processes itself).
-Their video (.npy float32 frames, unquantised) must equal the single-process 4-device run of the
-same command, which runs in this process meanwhile (8 fake devices; the mesh uses the first 4).
+Their video (.npy float32 frames, unquantised) must equal, bit for bit, the single-process run of
+the same command, which runs in this process meanwhile (8 fake devices; the mesh uses the first
+ones): every collective of the step moves data or takes a max, and the one sum (the attention's
+k sums) is gathered and added in mesh order, so no collective implementation reorders a sum
+(DESIGN.md section 3). Both decode on one device (--no-vae-parallel): split by rows, a multi-process
+run decodes over the writing process's devices only, another split than one process's (DESIGN.md
+section 8).
 Every process started here is bounded by a timeout and killed by PID in a `finally`.
 """
 
@@ -73,7 +78,7 @@ def test_two_processes_equal_one(tmp_path, mesh, per_process):
   on a loaded 2-core host three JAX processes can starve a heartbeat for the default 30 s while
   process 1 waits at the shutdown barrier for process 0 to decode and write."""
   out, ref = tmp_path / "multi.npy", tmp_path / "single.npy"
-  args = list(ARGS)
+  args = list(ARGS) + ["--no-vae-parallel"]
   args[args.index("--mesh") + 1] = mesh
   coordinator = f"127.0.0.1:{_free_port()}"
   logs = [str(tmp_path / f"process{i}.log") for i in range(2)]
@@ -94,7 +99,8 @@ def test_two_processes_equal_one(tmp_path, mesh, per_process):
   assert "process 1 done; process 0 writes" in text[1], text[1]
   multi, single = np.load(out), np.load(ref)
   assert multi.shape == single.shape == (5, 32, 32, 3)
-  assert_psnr_at_least(multi, single, FP32_VIDEO_PSNR_DB, name="2 processes vs 1")
+  assert single.std() > 0.01  # a video, not a constant that any two runs share
+  np.testing.assert_array_equal(multi, single, err_msg="2 processes vs 1: not bit-identical")
   assert sorted(os.listdir(tmp_path)) == sorted(["multi.npy", "multi.npy.json", "single.npy", "single.npy.json",
                                                  "process0.log", "process1.log"])
 

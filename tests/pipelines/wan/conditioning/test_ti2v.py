@@ -184,7 +184,8 @@ def _token_sized(hlo: str, tokens: int, widths: tuple[int, ...]) -> list[str]:
 
 def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   """The compiled TI2V step on U=2,R=2 (18 tokens padded to 20) has the plain step's collectives
-  (one all-gather: the noise prediction for unpatchify) and no whole per-token tensor on a device;
+  (all-gathers: the attention's k sums, per layer, and the noise prediction for unpatchify) and no
+  whole per-token tensor on a device;
   positive control: the same detector finds one when the embedding is built replicated."""
   plan = ParallelPlan.build("U=2,R=2", heads=8)
   model = jax.device_put(nnx_merge(pipe), plan.replicated)
@@ -199,7 +200,8 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   condition = ti2v.TI2VConditioning(patch_size=model.config.patch_size, first_frame_BCFHW=latents[:, :, :1])
   hlo = jax.jit(step).lower(model, latents, condition, text, t_B).compile().as_text()
   gathers = [line for line in hlo.splitlines() if re.search(r"= [^=]*\ball-gather(-start)?\(", line)]
-  assert len(gathers) == 1 and "[2,20,32]" in gathers[0], gathers  # [B, T_padded, 4 * C]: the output
+  outputs = [line for line in gathers if "[2,20,32]" in line]  # [B, T_padded, 4 * C]: the output
+  assert len(gathers) == 2 and len(outputs) == 1, gathers  # the other: the k sums [U R, B, K, H]
   d = pipe.transformer_config.dim
   assert _token_sized(hlo, 20, (d,)) == []
   assert _token_sized(hlo, 18, (d,)) == []

@@ -119,10 +119,10 @@ def test_sharded_matches_single_device(ring, ulysses):
   compiled = forward_jit.lower(model, latents, timestep, text, plan=plan).compile()
   sharded = compiled(model, latents, timestep, text)
   assert_close_scaled(sharded, single, rel=FP32_REL, name=f"R={ring} U={ulysses} vs one device")
-  # DESIGN.md section 3: per block 2 all-to-alls, R - 1 permutes, 1 psum + 1 pmax, no all-gather;
-  # the one all-gather assembles the output for unpatchify. More means a token-wise op or the
-  # cross-attention lost the sequence sharding (check the sharding constraints).
-  want = {"all-gather": 1, "all-to-all": 2, "collective-permute": ring - 1, "all-reduce": 2}
+  # DESIGN.md section 3: per block 2 all-to-alls, R - 1 permutes, 1 all-gather of the k sums + 1
+  # pmax; the other all-gather assembles the output for unpatchify. More means a token-wise op or
+  # the cross-attention lost the sequence sharding (check the sharding constraints).
+  want = {"all-gather": 2, "all-to-all": 2, "collective-permute": ring - 1, "all-reduce": 1}
   assert _collective_counts(compiled.as_text()) == want
 
 
