@@ -1,13 +1,15 @@
-"""The HTTP API's bodies (OpenAI's Videos API shape, as sglang's `/v1/videos` serves it) and the checks
-that turn a `VideoCreate` into a job: the server's own limits first, then the very
-`GenerationRequest.build` the `generate` command and the Python call use, so a bad value gets the
-same message everywhere (`ApiError`, naming the field, before anything is queued).
+"""The HTTP API's bodies (OpenAI's Videos API, as the official SDK sends it: `multipart/form-data`, or
+JSON) and the checks that turn a `VideoCreate` into a job: the text first (UTF-8 that can be stored
+and sent back), the server's own limits, then the very `GenerationRequest.build` the `generate`
+command and the Python call use, so a bad value gets the same message everywhere (`ApiError`,
+naming the field, before anything is stored or queued).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import unicodedata
 import warnings
 from typing import Any, Literal
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
 from pipelines.pipeline.seed import random_seed
 
+JOB_ID = re.compile(r"video_[0-9a-f]{24}")
 FORMATS = ("mp4", "gif", "npy")
 MEDIA_TYPES = {"mp4": "video/mp4", "gif": "image/gif", "npy": "application/octet-stream"}
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
@@ -26,7 +29,10 @@ MAX_STEPS = 500
 # GenerationRequest.build's argument -> the API field a client set.
 FIELDS = {"height": "size", "width": "size", "num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
           "guidance_scale": "guidance_scale", "seed": "seed", "prompt": "prompt", "negative_prompt": "negative_prompt",
-          "mesh": "mesh", "flow_shift": "flow_shift"}
+          "mesh": "mesh", "flow_shift": "flow_shift", "image": "input_reference"}
+# Characters no field may hold: C0 / C1 controls and DEL (tab, newline and carriage return allowed),
+# lone surrogates (not UTF-8: nothing could send such a text back), the noncharacters U+FFFE / U+FFFF.
+_ALLOWED_CONTROLS = "\t\n\r"
 
 
 class ApiError(Exception):
@@ -37,54 +43,153 @@ class ApiError(Exception):
     self.status, self.message, self.param, self.code = status, message, param, code
 
   def body(self) -> dict[str, Any]:
-    """OpenAI's error body."""
-    return {"error": {"message": self.message, "type": "invalid_request_error" if self.status < 500 else "server_error",
-                      "param": self.param, "code": self.code}}
+    """OpenAI's error body (`ErrorBody`); the message made sendable (a lone surrogate quoted from a
+    request becomes U+FFFD, never an encoding failure)."""
+    kind = "invalid_request_error" if self.status < 500 else "server_error"
+    kind = "authentication_error" if self.status == 401 else kind
+    return {"error": {"message": sendable(self.message), "type": kind, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+  message: str
+  type: str = Field(description="invalid_request_error, authentication_error or server_error")
+  param: str | None = Field(None, description="the request field at fault")
+  code: str | None = None
+
+
+class ErrorBody(BaseModel):
+  """OpenAI's error body: every status other than 2xx has it."""
+  error: ErrorDetail
+
+
+def sendable(text: str) -> str:
+  """`text` as valid UTF-8 (lone surrogates replaced by U+FFFD)."""
+  return text.encode("utf-8", "replace").decode("utf-8") if isinstance(text, str) else str(text)
+
+
+def check_text(name: str, text: Any) -> None:
+  """Refuses a text field a job could not store and send back, before anything is stored.
+
+  Raises:
+    ApiError: 400 naming `name`: a lone surrogate (not UTF-8), NUL, another control character
+      (C0 / C1 / DEL; tab, newline and carriage return are allowed) or a noncharacter.
+  """
+  if not isinstance(text, str):
+    return
+  for i, ch in enumerate(text):
+    if "\ud800" <= ch <= "\udfff":
+      why = f"a lone surrogate U+{ord(ch):04X} (not UTF-8; a client sent a broken \\u escape)"
+    elif ch == "\x00":
+      why = "a NUL character"
+    elif unicodedata.category(ch) == "Cc" and ch not in _ALLOWED_CONTROLS:
+      why = f"the control character U+{ord(ch):04X}"
+    elif ch in "\ufffe\uffff":
+      why = f"the noncharacter U+{ord(ch):04X}"
+    else:
+      continue
+    raise ApiError(400, f"{name} holds {why} at position {i}; send plain UTF-8 text", name)
+
+
+def _typed(kind: Any, description: str, **more: Any) -> Any:
+  """A field whose value reaches our own checks as sent (their messages name it), published in the
+  schema as `kind` (a JSON Schema type, or a list of them)."""
+  kinds = [kind] if isinstance(kind, str) else list(kind)
+  return Field(None, description=description, json_schema_extra={"anyOf": [{"type": k} for k in kinds + ["null"]],
+                                                                 **more})
 
 
 class VideoCreate(BaseModel):
-  """POST /v1/videos. Numbers are passed to `GenerationRequest.build` as sent (its checks apply).
-
-  `num_frames` wins over `seconds` x `fps`; neither: the model's default length. `lora` names
-  LoRAs the server was started with (`serve --lora NAME=PATH`), never a path.
+  """POST /v1/videos: a JSON object, or `multipart/form-data` (as the OpenAI SDK sends it; a form's
+  numbers are read as this schema's types). `num_frames` wins over `seconds` x `fps`; neither: the
+  model's default length. `lora` names LoRAs the server was started with, never a path.
+  `input_reference`: the first frame of an image-to-video or TI2V model, an image file part, or
+  {"image_url": "data:image/png;base64,..."}.
   """
   model_config = ConfigDict(extra="forbid")
-  prompt: str
-  negative_prompt: str | None = None
-  model: str | None = None
-  size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 64x64")
-  seconds: Any = None
-  fps: Any = None  # None: the model's own rate (`commands.presets.model_fps`: TI2V-5B 24, else 16)
-  num_frames: Any = None
-  num_inference_steps: Any = None
-  guidance_scale: Any = None
-  flow_shift: Any = None
-  seed: Any = None
+  prompt: str = Field(description="what the video shows")
+  negative_prompt: str | None = Field(None, description="what to steer away from (default: the model's)")
+  model: str | None = Field(None, description="the served model's id (GET /v1/models), or absent")
+  size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 64x64 or 832x480")
+  seconds: Any = _typed(["string", "number"], "clip length in seconds (OpenAI sends a string, e.g. \"4\")")
+  fps: Any = _typed("number", "frames per second (default: the model's, TI2V-5B 24, else 16)")
+  num_frames: Any = _typed("integer", "frames, 4k + 1 (wins over seconds)")
+  num_inference_steps: Any = _typed("integer", "denoising steps")
+  guidance_scale: Any = _typed("number", "classifier-free guidance scale (> 1: with guidance)")
+  flow_shift: Any = _typed("number", "the flow-matching schedule's shift (default: the model's)")
+  seed: Any = _typed("integer", "random seed, 0 <= seed < 2**63 (default: drawn)")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
-  lora: list[str] = Field(default_factory=list)
+  lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
+  input_reference: Any = Field(None, description="the first frame: an image file part, or {\"image_url\": a base64 "
+                               "data URL}", json_schema_extra={"anyOf": [
+                                   {"type": "string", "format": "binary"},
+                                   {"type": "object", "properties": {"image_url": {"type": "string"},
+                                                                     "file_id": {"type": "string"}}},
+                                   {"type": "null"}]})
+
+
+class VideoRemix(BaseModel):
+  """POST /v1/videos/{id}/remix."""
+  model_config = ConfigDict(extra="forbid")
+  prompt: str
+
+
+class VideoError(BaseModel):
+  code: str
+  message: str
 
 
 class VideoObject(BaseModel):
-  """A job as GET /v1/videos/{id} returns it (OpenAI's video object plus the run's details)."""
+  """A job as GET /v1/videos/{id} returns it: OpenAI's video object plus the run's details."""
   id: str
   object: Literal["video"] = "video"
   model: str
   status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
-  progress: int
-  created_at: int
+  progress: int = Field(description="percent of the denoising steps done")
+  created_at: int = Field(description="Unix seconds")
   completed_at: int | None = None
+  expires_at: int | None = Field(None, description="Unix seconds after which the video may be deleted "
+                                 "(None: kept until deleted)")
   size: str
   seconds: str
   prompt: str
-  seed: int
-  num_frames: int
-  num_inference_steps: int
-  step: int
-  output_format: str
+  remixed_from_video_id: str | None = None
+  seed: int | None = None
+  num_frames: int | None = None
+  num_inference_steps: int | None = None
+  step: int = 0
+  output_format: str = "mp4"
   timings: dict[str, float] = Field(default_factory=dict)
-  error: dict[str, Any] | None = None
+  error: VideoError | None = None
   batch_size: int | None = None
   warnings: list[str] = Field(default_factory=list)
+  input_reference_sha256: str | None = Field(None, description="SHA-256 of the first frame's pixels, when given")
+
+
+class VideoList(BaseModel):
+  object: Literal["list"] = "list"
+  data: list[VideoObject]
+  first_id: str | None = None
+  last_id: str | None = None
+  has_more: bool
+
+
+class VideoDeleted(BaseModel):
+  id: str
+  object: Literal["video.deleted"] = "video.deleted"
+  deleted: bool
+  status: str
+
+
+class ModelObject(BaseModel):
+  id: str
+  object: Literal["model"] = "model"
+  created: int
+  owned_by: str = "wan-usp-jax"
+
+
+class ModelList(BaseModel):
+  object: Literal["list"] = "list"
+  data: list[ModelObject]
 
 
 def defaults(model: str) -> Any:
@@ -123,14 +228,14 @@ def _frames(body: VideoCreate, preset: Any) -> Any:
 
 
 def _check_text(body: VideoCreate, limit: int) -> None:
+  for name in ("prompt", "negative_prompt", "model", "size", "seconds"):
+    check_text(name, getattr(body, name))
+  for name in body.lora:
+    check_text("lora", name)
   for name in ("prompt", "negative_prompt"):
     text = getattr(body, name)
-    if text is None:
-      continue
-    if len(text) > limit:
+    if text is not None and len(text) > limit:
       raise ApiError(400, f"{name} holds {len(text)} characters; this server takes at most {limit}", name)
-    if "\x00" in text:
-      raise ApiError(400, f"{name} holds a NUL character", name)
   if not body.prompt.strip():
     raise ApiError(400, "prompt is empty; describe the video, e.g. 'a red square moving right'", "prompt")
 
@@ -156,9 +261,9 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
   Raises:
     ApiError: a value outside the server's limits, an unknown LoRA name or model.
   """
-  if body.model is not None and body.model != model:
-    raise ApiError(400, f"model={body.model!r}: this server serves {model!r} only", "model")
   _check_text(body, max_prompt_chars)
+  if body.model is not None and body.model != model:
+    raise ApiError(400, f"model={body.model!r}: this server serves {model!r} only (GET /v1/models)", "model")
   body = body.model_copy(update={"fps": fps}) if body.fps is None else body
   _check_numbers(body)
   unknown = [name for name in body.lora if name not in loras]
@@ -183,10 +288,11 @@ def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
           "flow_shift": params["flow_shift"], "mesh": mesh}
 
 
-def check_request(params: dict[str, Any], facts: Any, mesh: Any) -> tuple[Any, list[str]]:
-  """The job's `GenerationRequest` (built as the Python call builds it), its values written back into
-  `params` as resolved (frames rounded to 4k + 1), and the job's warnings: frames rounded, a size the
-  model was not trained at (`request.outside_training`).
+def check_request(params: dict[str, Any], facts: Any, mesh: Any, image: Any = None) -> tuple[Any, list[str]]:
+  """The job's `GenerationRequest` (built as the Python call builds it; `image`: the first frame,
+  uint8 [H, W, 3], or None), its values written back into `params` as resolved (frames rounded to
+  4k + 1), and the job's warnings: frames rounded, a size the model was not trained at
+  (`request.outside_training`).
 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
@@ -198,7 +304,7 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any) -> tuple[Any, l
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # made again below: Python's warning filters are shared by all threads
       request = GenerationRequest.build(facts, params["prompt"], params["negative_prompt"], seed=params["seed"],
-                                        **build_kwargs(params, mesh))
+                                        image=image, **build_kwargs(params, mesh))
   except ValueError as e:
     raise ApiError(400, str(e), _field(str(e))) from e
   params["num_frames"] = request.num_frames
@@ -217,17 +323,48 @@ def _field(message: str) -> str | None:
 def batch_key(params: dict[str, Any]) -> str:
   """Jobs with equal keys run as one batch: everything but the prompts, seed and output."""
   keep = ("width", "height", "num_frames", "num_inference_steps", "guidance_scale", "flow_shift", "lora")
-  return repr(tuple((k, params[k]) for k in keep) + (("cfg", params["guidance_scale"] > 1),))
+  reference = (params.get("input_reference") or {}).get("sha256")  # a batch shares one first frame
+  return repr(tuple((k, params[k]) for k in keep) + (("cfg", params["guidance_scale"] > 1),
+                                                     ("input_reference", reference)))
 
 
-def video_object(row: dict[str, Any], model: str) -> dict[str, Any]:
-  """The API's view of a job row (`store.JobStore`)."""
+def video_object(row: dict[str, Any], model: str, retention_s: float | None = None) -> dict[str, Any]:
+  """The API's view of a job row (`store.JobStore`), valid UTF-8 whatever the row holds: a row that
+  cannot be read (written by another program, or by a version that stored broken text) is shown
+  as a failed video saying so (`unreadable_object`), never an error for the whole list."""
+  try:
+    return _video_object(row, model, retention_s)
+  except Exception as e:  # noqa: BLE001 -- one bad row must not hide the others
+    return unreadable_object(row, model, e)
+
+
+def _video_object(row: dict[str, Any], model: str, retention_s: float | None) -> dict[str, Any]:
   p = row["params"]
+  completed = None if row["completed_at"] is None else int(row["completed_at"])
+  expires = None if completed is None or retention_s is None else int(completed + retention_s)
+  reference = p.get("input_reference") or {}
   return VideoObject(
       id=row["id"], model=model, status=row["status"], progress=row["progress"], created_at=int(row["created_at"]),
-      completed_at=None if row["completed_at"] is None else int(row["completed_at"]),
-      size=f"{p['width']}x{p['height']}", seconds=f"{(p['num_frames'] - 1) / p['fps']:g}", prompt=p["prompt"],
-      seed=p["seed"], num_frames=p["num_frames"], num_inference_steps=p["num_inference_steps"], step=row["step"],
-      output_format=p["output_format"], timings=row["timings"] or {},
-      error=None if row["error"] is None else {"code": "generation_failed", "message": row["error"]},
-      batch_size=row["batch_size"], warnings=row.get("warnings") or []).model_dump()
+      completed_at=completed, expires_at=expires, size=f"{p['width']}x{p['height']}",
+      seconds=f"{(p['num_frames'] - 1) / p['fps']:g}", prompt=sendable(p["prompt"]),
+      remixed_from_video_id=p.get("remixed_from_video_id"), seed=p["seed"], num_frames=p["num_frames"],
+      num_inference_steps=p["num_inference_steps"], step=row["step"], output_format=p["output_format"],
+      timings=row["timings"] or {},
+      error=None if row["error"] is None else {"code": "generation_failed", "message": sendable(row["error"])},
+      batch_size=row["batch_size"], warnings=[sendable(w) for w in row.get("warnings") or []],
+      input_reference_sha256=reference.get("sha256")).model_dump()
+
+
+def unreadable_object(row: dict[str, Any], model: str, error: Exception) -> dict[str, Any]:
+  """A failed `VideoObject` for a job row that cannot be shown, with what went wrong."""
+  def number(name: str) -> int:
+    value = row.get(name)
+    return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
+
+  status = row.get("status") if row.get("status") in STATUSES else "failed"
+  return VideoObject(
+      id=sendable(str(row.get("id"))), model=model, status=status, progress=number("progress"),
+      created_at=number("created_at"), size="0x0", seconds="0", prompt="", step=number("step"),
+      error={"code": "unreadable_job", "message": sendable(f"this job's stored record cannot be read "
+                                                           f"({type(error).__name__}: {error}); delete it")}
+  ).model_dump()

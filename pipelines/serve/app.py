@@ -1,88 +1,61 @@
-"""The HTTP routes (FastAPI): OpenAI's Videos API shape, health, metrics and the web page.
+"""The HTTP routes (FastAPI): OpenAI's Videos API as its official SDK speaks it, models, health,
+metrics, the web page, and the published schema.
 
-  POST   /v1/videos               queue a video (VideoCreate) -> the video object, status "queued"
-  GET    /v1/videos               newest first: ?limit=20&after=ID -> {object: "list", data, has_more, ...}
-  GET    /v1/videos/{id}          status, progress %, step, timings, error
-  GET    /v1/videos/{id}/content  the video file (once completed)
-  POST   /v1/videos/{id}/cancel   cancel a queued or running job -> the video object; 409 once it finished
-  DELETE /v1/videos/{id}          cancel a queued or running job; forget (and delete) a finished one
-  GET    /health                  200 once the model is loaded and warmed up, else 503 (no auth)
-  GET    /metrics                 Prometheus text
-  GET    /                        the web page (no auth; it asks for the key when the API does)
+  POST   /v1/videos                 queue a video: JSON or multipart/form-data (`forms`), with an
+                                    optional input_reference image -> the video object, "queued"
+  GET    /v1/videos                 ?order=desc|asc&limit=20&after=ID -> {object: "list", data, has_more, ...}
+  GET    /v1/videos/{id}            status, progress %, step, timings, error
+  GET    /v1/videos/{id}/content    ?variant=video|thumbnail|spritesheet (once completed)
+  POST   /v1/videos/{id}/remix      a new video from a finished one (needs video-to-video: a 400 saying so)
+  POST   /v1/videos/{id}/cancel     cancel a queued or running job -> the video object; 409 once it finished
+  DELETE /v1/videos/{id}            cancel a queued or running job; forget (and delete) a finished one
+  GET    /v1/models[/{id}]          the served model
+  GET    /health                    200 once the model is loaded and warmed up, else 503 (no auth)
+  GET    /metrics                   Prometheus text
+  GET    /                          the web page (no auth; it asks for the key when the API does)
+  GET    /openapi.json, /docs, /redoc   the schema and its pages (no auth; `serve --no-docs`: none)
 
-With an API key every route but /health and / needs `Authorization: Bearer KEY`. Errors have
-OpenAI's body {"error": {"message", "type", "param", "code"}}; `param` names the field at fault.
-A client that means "stop it" (the page's Cancel) uses POST .../cancel: a job that finished before
-the request arrived stays as it is (409 "not_cancellable" naming its status), where DELETE would forget it.
+With an API key every route but /health, / and the schema needs `Authorization: Bearer KEY`. Every
+error, unknown routes and methods and server faults included, has OpenAI's body {"error":
+{"message", "type", "param", "code"}}; `param` names the field at fault. A client that means "stop
+it" (the page's Cancel) uses POST .../cancel: a job that finished before the request arrived stays
+as it is (409 "not_cancellable" naming its status), where DELETE would forget it.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
+import time
+import traceback
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.serve import api
+from pipelines.serve import api, forms, previews
+from pipelines.serve.openapi import CONTENT_TYPES, create_body, errors, publish
 
-JOB_ID = re.compile(r"video_[0-9a-f]{24}")
-
-
-def _validation_error(errors: list[dict[str, Any]]) -> api.ApiError:
-  first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-  field = ".".join(str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")) or None
-  what = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
-  return api.ApiError(400, f"{field or 'body'}: {what}", field)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-  """The request body, refused (413) past `limit` bytes before more is read."""
-  declared = request.headers.get("content-length")
-  if declared is not None and (not declared.isdigit() or int(declared) > limit):
-    raise api.ApiError(413, f"the request body is over this server's limit of {limit} bytes", code="too_large")
-  body = bytearray()
-  async for chunk in request.stream():
-    body += chunk
-    if len(body) > limit:
-      raise api.ApiError(413, f"the request body is over this server's limit of {limit} bytes", code="too_large")
-  return bytes(body)
-
-
-def parse_create(raw: bytes) -> api.VideoCreate:
-  """A POST body as a `VideoCreate`.
-
-  Raises:
-    api.ApiError: not a JSON object, or a field of the wrong kind or unknown (naming it).
-  """
-  try:
-    data = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise api.ApiError(400, f"the body is not JSON ({e}); send a JSON object like {{\"prompt\": \"...\"}}") from e
-  if not isinstance(data, dict):
-    raise api.ApiError(400, f"the body must be a JSON object, not a {type(data).__name__}")
-  try:
-    return api.VideoCreate.model_validate(data)
-  except ValidationError as e:
-    raise _validation_error(e.errors()) from e
+JOB_ID = api.JOB_ID
+POLL_AFTER_MS = 500  # the SDK's poll() waits this long between status requests (header openai-poll-after-ms)
 
 
 def _job(service: Any, job_id: str) -> dict[str, Any]:
   row = service.store.get(job_id) if JOB_ID.fullmatch(job_id) else None
   if row is None:
-    raise api.ApiError(404, f"no video {job_id!r}", "video_id", code="not_found")
+    raise api.ApiError(404, f"no video {api.sendable(job_id)!r}", "video_id", code="not_found")
   return row
 
 
 def create_app(service: Any) -> FastAPI:
   """The FastAPI app over a `service.Service` (routes in this module's docstring)."""
-  app = FastAPI(title="wan-usp-jax serve", docs_url=None, redoc_url=None, openapi_url=None)
+  docs = service.config.docs
+  app = FastAPI(title="wan-usp-jax serve", version="1", summary="Wan video generation, OpenAI's Videos API",
+                docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                openapi_url="/openapi.json" if docs else None)
   key = service.config.api_key
 
   def authorized(request: Request) -> None:
@@ -92,6 +65,14 @@ def create_app(service: Any) -> FastAPI:
     if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), key.encode())):
       raise api.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="unauthorized")
 
+  _add_error_handlers(app, service)
+  _add_video_routes(app, service, Depends(authorized))
+  _add_other_routes(app, service, Depends(authorized))
+  publish(app)
+  return app
+
+
+def _add_error_handlers(app: FastAPI, service: Any) -> None:
   @app.exception_handler(api.ApiError)
   async def api_error(request: Request, e: api.ApiError) -> JSONResponse:
     headers = {"Retry-After": str(service.retry_after())} if e.status == 429 else None
@@ -100,77 +81,131 @@ def create_app(service: Any) -> FastAPI:
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-    error = _validation_error(list(e.errors()))
+    error = forms.validation_error(list(e.errors()))
     return JSONResponse(error.body(), status_code=error.status)
 
-  _add_video_routes(app, service, Depends(authorized))
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+    what = {404: f"no route {request.method} {request.url.path}; the API is under /v1 (GET /openapi.json lists it)",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+    error = api.ApiError(e.status_code, what, code=code)
+    return JSONResponse(error.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
-  @app.get("/health")
-  def health() -> JSONResponse:
-    return JSONResponse(service.health(), status_code=200 if service.ready.is_set() else 503)
-
-  @app.get("/metrics", dependencies=[Depends(authorized)])
-  def metrics() -> Response:
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-  @app.get("/", response_class=HTMLResponse)
-  def page() -> HTMLResponse:
-    return HTMLResponse(resources.files("pipelines.serve").joinpath("static/index.html").read_text("utf-8"))
-
-  return app
+  @app.exception_handler(Exception)
+  async def fault(request: Request, e: Exception) -> JSONResponse:
+    traceback.print_exception(e)
+    error = api.ApiError(500, f"the server failed on this request ({type(e).__name__}); its log has the details",
+                         code="server_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 def _add_video_routes(app: FastAPI, service: Any, auth: Any) -> None:
   model = service.facts.name
 
-  @app.post("/v1/videos", dependencies=[auth])
-  async def create(request: Request) -> JSONResponse:
-    body = parse_create(await _read_body(request, service.config.max_body_bytes))
-    row = service.submit(body)
-    return JSONResponse(api.video_object(row, model), status_code=200)
+  def shown(row: dict[str, Any]) -> dict[str, Any]:
+    return api.video_object(row, model)
 
-  @app.get("/v1/videos", dependencies=[auth])
-  def listing(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64)) -> dict:
-    page = service.store.page(limit, after)
+  @app.post("/v1/videos", dependencies=[auth], response_model=api.VideoObject, openapi_extra=create_body(),
+            responses=errors(400, 401, 413, 429, 503), summary="Queue a video")
+  async def create(request: Request) -> JSONResponse:
+    body, upload = await forms.read_create(request, service.config)
+    return JSONResponse(shown(service.submit(body, upload)), status_code=200)
+
+  @app.get("/v1/videos", dependencies=[auth], response_model=api.VideoList, responses=errors(400, 401, 404),
+           summary="List videos")
+  def listing(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
+              order: Literal["asc", "desc"] = Query("desc", description="by creation: desc newest first")) -> dict:
+    page = service.store.page(limit, after, order)
     if page is None:
-      raise api.ApiError(404, f"after={after!r}: no such video (pass the id of a listed video)", "after",
-                         code="not_found")
+      raise api.ApiError(404, f"after={api.sendable(after)!r}: no such video (pass the id of a listed video)",
+                         "after", code="not_found")
     rows, more = page
-    data = [api.video_object(r, model) for r in rows]
+    data = [shown(r) for r in rows]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
-  @app.get("/v1/videos/{video_id}", dependencies=[auth])
-  def retrieve(video_id: str) -> dict:
-    return api.video_object(_job(service, video_id), model)
+  @app.get("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoObject,
+           responses=errors(401, 404), summary="A video's status")
+  def retrieve(video_id: str) -> JSONResponse:
+    return JSONResponse(shown(_job(service, video_id)), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
-  @app.get("/v1/videos/{video_id}/content", dependencies=[auth])
-  def content(video_id: str) -> FileResponse:
+  @app.get("/v1/videos/{video_id}/content", dependencies=[auth], response_class=Response,
+           responses={200: {"description": "the video or a still", "content": {t: {} for t in CONTENT_TYPES}},
+                      **errors(400, 401, 404, 409, 410)}, summary="Download a video or its previews")
+  def content(video_id: str, variant: Literal["video", "thumbnail", "spritesheet"] = Query("video")) -> Response:
     row = _job(service, video_id)
     if row["status"] != "completed":
       raise api.ApiError(409, f"video {video_id!r} is {row['status']}, not completed; poll GET /v1/videos/{video_id}",
                          "video_id", code="not_ready")
-    path = service.content_path(row)
+    path = service.content_path(row, variant)
     if path is None:
-      raise api.ApiError(410, f"the file of video {video_id!r} is gone from the data folder", "video_id", code="gone")
+      raise api.ApiError(410, f"the {variant} of video {video_id!r} is gone from the data folder", "variant",
+                         code="gone")
+    if variant != "video":
+      extension, media_type = previews.VARIANTS[variant]
+      return FileResponse(path, media_type=media_type, filename=f"{video_id}.{variant}.{extension}")
     kind = row["params"]["output_format"]
     return FileResponse(path, media_type=api.MEDIA_TYPES[kind], filename=f"{video_id}.{kind}")
 
-  @app.post("/v1/videos/{video_id}/cancel", dependencies=[auth])
+  @app.post("/v1/videos/{video_id}/remix", dependencies=[auth], response_model=api.VideoObject,
+            responses=errors(400, 401, 404), summary="Remix a video (needs video-to-video)")
+  def remix(video_id: str, body: api.VideoRemix) -> dict:
+    _job(service, video_id)
+    api.check_text("prompt", body.prompt)
+    raise api.ApiError(400, f"remix of {video_id!r}: remixing needs video-to-video, which this server does not "
+                       "offer yet; create a new video with POST /v1/videos", "video_id", code="unsupported")
+
+  @app.post("/v1/videos/{video_id}/cancel", dependencies=[auth], response_model=api.VideoObject,
+            responses=errors(401, 404, 409), summary="Cancel a queued or running video")
   def cancel(video_id: str) -> dict:
     _job(service, video_id)
     if not service.store.cancel(video_id):
       status = (service.store.get(video_id) or {"status": "deleted"})["status"]
       raise api.ApiError(409, f"video {video_id!r} is {status} already; only a queued or in_progress video can be "
                          "cancelled", "video_id", code="not_cancellable")
-    return api.video_object(service.store.get(video_id), model)
+    return shown(service.store.get(video_id))
 
-  @app.delete("/v1/videos/{video_id}", dependencies=[auth])
+  @app.delete("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoDeleted | api.VideoObject,
+              responses=errors(401, 404), summary="Cancel a running video, or delete a finished one")
   def delete(video_id: str) -> dict:
     row = _job(service, video_id)
     if service.store.cancel(video_id):
-      return api.video_object(service.store.get(video_id), model)
+      return shown(service.store.get(video_id))
     removed = service.store.delete(video_id)
     if removed is not None:
       service.remove_files(removed)
     return {"id": video_id, "object": "video.deleted", "deleted": removed is not None, "status": row["status"]}
+
+
+def _add_other_routes(app: FastAPI, service: Any, auth: Any) -> None:
+  started = int(time.time())
+
+  def model_object() -> dict[str, Any]:
+    return {"id": service.facts.name, "object": "model", "created": started, "owned_by": "wan-usp-jax"}
+
+  @app.get("/v1/models", dependencies=[auth], response_model=api.ModelList, responses=errors(401),
+           summary="The served model")
+  def models() -> dict:
+    return {"object": "list", "data": [model_object()]}
+
+  @app.get("/v1/models/{model_id}", dependencies=[auth], response_model=api.ModelObject, responses=errors(401, 404),
+           summary="The served model, by id")
+  def model(model_id: str) -> dict:
+    if model_id != service.facts.name:
+      raise api.ApiError(404, f"no model {api.sendable(model_id)!r}; this server serves {service.facts.name!r}",
+                         "model", code="not_found")
+    return model_object()
+
+  @app.get("/health", responses={503: {"description": "loading, warming up, or failed"}}, summary="Ready or not")
+  def health() -> JSONResponse:
+    return JSONResponse(service.health(), status_code=200 if service.ready.is_set() else 503)
+
+  @app.get("/metrics", dependencies=[auth], response_class=Response, responses={
+      200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}, **errors(401)}, summary="Prometheus metrics")
+  def metrics() -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+  @app.get("/", response_class=HTMLResponse, summary="The web page")
+  def page() -> HTMLResponse:
+    return HTMLResponse(resources.files("pipelines.serve").joinpath("static/index.html").read_text("utf-8"))

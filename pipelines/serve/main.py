@@ -18,6 +18,8 @@ import signal
 import sys
 from typing import Any
 
+import numpy as np
+
 from pipelines.commands.flags import UsageError
 from pipelines.serve.options import ServeConfig, parse
 
@@ -40,6 +42,9 @@ def loader(config: ServeConfig) -> Any:
   def load() -> Any:
     if config.model in ("tiny", "tiny-random"):
       return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random")
+    if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
+      from pipelines.pipeline.image_pipeline import WanImageToVideoPipeline
+      return WanImageToVideoPipeline.from_pretrained(config.model, dtype=config.dtype, mesh=config.mesh)
     return WanPipeline.from_pretrained(config.model, dtype=config.dtype, mesh=config.mesh)
 
   return load
@@ -57,20 +62,21 @@ def check(config: ServeConfig, facts: Any) -> None:
 
   from pipelines.serve.api import defaults
 
-  if facts.image_to_video:  # each of its videos needs a first frame, which no route takes yet
-    raise UsageError(f"--model {config.model}: an image-to-video model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B: "
-                     "every video starts from an image), and serve takes no image input; serve a "
-                     "text-to-video or TI2V-5B folder, or run this one with generate --image PATH")
   preset = defaults(config.model)
+
+  def image(width: int, height: int) -> Any:  # an image-to-video model's requests bring their first frame
+    return np.zeros((height, width, 3), np.uint8) if facts.image_to_video else None
+
   try:  # the mesh against the devices and heads, at the model's default size
     GenerationRequest.build(facts, "check", height=preset.height, width=preset.width, num_frames=preset.frames,
-                            seed=0, num_inference_steps=1, mesh=config.mesh)
+                            seed=0, num_inference_steps=1, mesh=config.mesh, image=image(preset.width, preset.height))
   except ValueError as e:
     raise UsageError(f"--mesh {config.mesh}: {e}") from e
   for width, height, frames, steps in config.warmup:
     try:
       GenerationRequest.build(facts, "warm-up", height=height, width=width, num_frames=frames, seed=0,
-                              num_inference_steps=1 if steps is None else steps, mesh=config.mesh)
+                              num_inference_steps=1 if steps is None else steps, mesh=config.mesh,
+                              image=image(width, height))
     except ValueError as e:
       raise UsageError(f"--warmup {width}x{height}x{frames}{'' if steps is None else f'x{steps}'} / --mesh "
                        f"{config.mesh}: {e}") from e

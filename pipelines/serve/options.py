@@ -62,6 +62,8 @@ class ServeConfig:
     dtype: the transformer's dtype ("float32" or "bfloat16").
     checkpoint_every: denoising steps between checkpoints (a killed server resumes from the last).
     max_prompt_chars, max_body_bytes: request limits checked before anything is queued.
+    max_upload_bytes: the most a multipart body (an input_reference file) may add to max_body_bytes.
+    docs: publish /openapi.json and its pages (/docs, /redoc).
     compile_cache: JAX's persistent compilation cache folder, or None (off).
     processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
     decode_compile_effort: `CallOptions.decode_compile_effort` of every job and of the warm-up.
@@ -80,12 +82,15 @@ class ServeConfig:
   checkpoint_every: int = 1
   max_prompt_chars: int = 2000
   max_body_bytes: int = 64 * 1024
+  max_upload_bytes: int = 32 * 2 ** 20
+  docs: bool = True
   compile_cache: str | None = None
   processes: Any = None
   decode_compile_effort: float | None = None
 
   def __post_init__(self):
-    for name in ("max_batch", "max_queue", "checkpoint_every", "max_prompt_chars", "max_body_bytes"):
+    for name in ("max_batch", "max_queue", "checkpoint_every", "max_prompt_chars", "max_body_bytes",
+                 "max_upload_bytes"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"--{name.replace('_', '-')} {value!r} must be an int >= 1")
@@ -137,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a LoRA requests may name as NAME; repeatable (default: none)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the transformer's dtype")
   p.add_argument("--checkpoint-every", type=int, default=1, help="steps between denoising checkpoints")
+  p.add_argument("--max-upload-mb", type=float, default=32.0, metavar="MB",
+                 help="largest input_reference file a request may send, in MiB")
+  p.add_argument("--no-docs", action="store_true", help="do not publish /openapi.json, /docs and /redoc")
   add_decode_effort_flag(p)
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help=f"JAX's persistent compilation cache, as generate's (default: ${compile_cache.ENV}, else "
@@ -196,4 +204,11 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
       compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes,
-      decode_compile_effort=args.decode_compile_effort)
+      decode_compile_effort=args.decode_compile_effort, max_upload_bytes=_megabytes(args.max_upload_mb),
+      docs=not args.no_docs)
+
+
+def _megabytes(value: float) -> int:
+  if not (value > 0 and value <= 4096):
+    raise UsageError(f"--max-upload-mb {value!r} must be in (0, 4096]")
+  return int(value * 2 ** 20)

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipelines.commands.presets import model_fps
-from pipelines.serve import api
+from pipelines.serve import api, previews, references
 from pipelines.serve.store import JobStore
 from pipelines.serve.worker import Worker, remove_outputs, warm
 
@@ -96,8 +96,9 @@ class Service:
 
   # --- what the routes call ---
 
-  def submit(self, body: api.VideoCreate) -> dict[str, Any]:
-    """Checks a request and queues it; returns the job row.
+  def submit(self, body: api.VideoCreate, upload: Any = None) -> dict[str, Any]:
+    """Checks a request (its text, values and `input_reference`, `upload`: a `forms.Upload`) and
+    queues it; returns the job row. Nothing is stored for a request that is refused.
 
     Raises:
       api.ApiError: 400 naming the field; 429 when the queue is full; 503 when the model failed to load.
@@ -106,7 +107,12 @@ class Service:
       raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
     params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
                             max_prompt_chars=self.config.max_prompt_chars, fps=model_fps(self.facts.expand_timesteps))
-    _, notes = api.check_request(params, self.facts, self.config.mesh)
+    reference = references.from_body(body.input_reference, upload)
+    pixels = None if reference is None else references.decode(reference, self.facts)
+    references.require(self.facts, pixels is not None)
+    _, notes = api.check_request(params, self.facts, self.config.mesh, image=pixels)
+    if pixels is not None:
+      params["input_reference"] = references.store(self.config.data_dir, pixels)
     row = self.store.add(params, api.batch_key(params), self.config.max_queue, warnings=notes)
     if row is None:
       raise api.ApiError(429, f"the queue is full ({self.config.max_queue} jobs); retry later", code="queue_full")
@@ -125,19 +131,25 @@ class Service:
     mean = total / count if count else 1.0
     return max(1, int(mean * self.config.max_queue / self.config.max_batch + 0.5))
 
-  def content_path(self, row: dict[str, Any]) -> str | None:
-    """The finished video's file, only when it lies inside the data folder's videos/."""
+  def content_path(self, row: dict[str, Any], variant: str = "video") -> str | None:
+    """The finished video's file (`variant` "video") or one of its previews ("thumbnail",
+    "spritesheet": `previews`), only when it lies inside the data folder's videos/."""
     folder = os.path.realpath(os.path.join(self.config.data_dir, "videos"))
-    path = row.get("output")
+    path = row.get("output") if variant == "video" else previews.preview_path(self.config.data_dir, row["id"], variant)
     if not path:
       return None
     real = os.path.realpath(path)
     return real if os.path.dirname(real) == folder and os.path.isfile(real) else None
 
   def remove_files(self, row: dict[str, Any]) -> None:
-    """A forgotten job's video and sidecar, where it was written even if never completed (a cancel
-    that raced the write)."""
+    """A forgotten job's video, sidecar and previews, where they were written even if never completed
+    (a cancel that raced the write), and its input_reference once no other job uses it."""
     remove_outputs(self.config.data_dir, row)
+    reference = (row.get("params") or {}).get("input_reference") or {}
+    if reference.get("sha256") and not self.store.uses_reference(reference["sha256"]):
+      path = os.path.join(self.config.data_dir, references.INPUTS, f"{reference['sha256']}.png")
+      if os.path.exists(path):
+        os.remove(path)
 
   def health(self) -> dict[str, Any]:
     return {"status": self.state, "ready": self.ready.is_set(), "model": self.facts.name, "mesh": self.config.mesh,

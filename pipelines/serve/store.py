@@ -80,6 +80,9 @@ class JobStore:
     self._lock = threading.Lock()
     self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
     self._db.row_factory = sqlite3.Row
+    # Text that is not UTF-8 (a row written by another program) is read with U+FFFD, never an error
+    # that would fail every query touching the row.
+    self._db.text_factory = lambda raw: raw.decode("utf-8", "replace")
     self._db.execute("PRAGMA journal_mode=WAL")
     self._db.execute("PRAGMA synchronous=FULL")
     self._db.executescript(SCHEMA)
@@ -123,18 +126,28 @@ class JobStore:
     rows = self._rows("SELECT * FROM jobs WHERE id=?", (job_id,))
     return rows[0] if rows else None
 
-  def page(self, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], bool] | None:
-    """Jobs newest first, `limit` of them, starting after the job `after`; (rows, has_more), or None
-    when there is no job `after`."""
+  def page(self, limit: int, after: str | None = None, order: str = "desc"
+           ) -> tuple[list[dict[str, Any]], bool] | None:
+    """Jobs newest first (`order` "desc") or oldest first ("asc"), `limit` of them, starting after the
+    job `after`; (rows, has_more), or None when there is no job `after`."""
+    if order not in ("asc", "desc"):
+      raise ValueError(f"order={order!r} must be 'asc' or 'desc'")
     start = None
     if after is not None:
       found = self._rows("SELECT seq FROM jobs WHERE id=?", (after,))
       if not found:
         return None
       start = found[0]["seq"]
-    where, args = ("WHERE seq < ?", (start,)) if start is not None else ("", ())
-    rows = self._rows(f"SELECT * FROM jobs {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1))
+    where, args = (f"WHERE seq {'<' if order == 'desc' else '>'} ?", (start,)) if start is not None else ("", ())
+    rows = self._rows(f"SELECT * FROM jobs {where} ORDER BY seq {order.upper()} LIMIT ?", (*args, limit + 1))
     return rows[:limit], len(rows) > limit
+
+  def uses_reference(self, sha256: str) -> bool:
+    """Whether any job keeps the input_reference of that digest."""
+    with self._lock:
+      return self._db.execute("SELECT 1 FROM jobs WHERE json_valid(params) AND "
+                              "json_extract(params, '$.input_reference.sha256') = ? LIMIT 1",
+                              (sha256,)).fetchone() is not None
 
   def cancel(self, job_id: str) -> bool:
     """Marks a queued or running job cancelled; False when it had finished."""
@@ -219,8 +232,14 @@ class JobStore:
 
 
 def _row(row: sqlite3.Row) -> dict[str, Any]:
+  """A row as a dict, its JSON columns decoded; a column that does not decode is kept as its text
+  under "unreadable" (the API shows such a job as failed, `api.unreadable_object`)."""
   out = dict(row)
   for name in ("params", "timings", "warnings"):
     if name in out:
-      out[name] = json.loads(out[name]) if out[name] else None
+      try:
+        out[name] = json.loads(out[name]) if out[name] else None
+      except (TypeError, ValueError):
+        out.setdefault("unreadable", []).append(name)
+        out[name] = None
   return out

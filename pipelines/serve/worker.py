@@ -24,12 +24,14 @@ import time
 import traceback
 from typing import Any
 
+import numpy as np
+
 from pipelines.commands.versions import versions
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
-from pipelines.serve import api, multihost
+from pipelines.serve import api, multihost, previews, references
 from pipelines.storage import video_io
 
 
@@ -268,8 +270,12 @@ def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> Generati
   Raises:
     ValueError: as `GenerationRequest.build` (a job's values were checked when it was queued).
   """
+  reference = jobs[0].get("input_reference")  # one per batch (`api.batch_key`)
+  image = None if reference is None else references.load(reference)
+  if image is None and facts.image_to_video:  # the warm-up: any first frame compiles the same programs
+    image = np.full((jobs[0]["height"], jobs[0]["width"], 3), 128, np.uint8)
   return GenerationRequest.build(facts, [p["prompt"] for p in jobs], [p["negative_prompt"] for p in jobs],
-                                 seed=[p["seed"] for p in jobs], **api.build_kwargs(jobs[0], mesh))
+                                 seed=[p["seed"] for p in jobs], image=image, **api.build_kwargs(jobs[0], mesh))
 
 
 def output_paths(data_dir: str, row: dict[str, Any]) -> tuple[str, str]:
@@ -279,8 +285,9 @@ def output_paths(data_dir: str, row: dict[str, Any]) -> tuple[str, str]:
 
 
 def remove_outputs(data_dir: str, row: dict[str, Any]) -> None:
-  """Removes a job's video and sidecar where they exist (`output_paths`)."""
-  for name in output_paths(data_dir, row):
+  """Removes a job's video, sidecar and previews where they exist (`output_paths`, `previews`)."""
+  shown = [previews.preview_path(data_dir, row["id"], variant) for variant in previews.VARIANTS]
+  for name in (*(output_paths(data_dir, row) if row.get("params") else ()), *shown):
     if os.path.exists(name):
       os.remove(name)
 
@@ -295,6 +302,7 @@ def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, re
   os.makedirs(os.path.dirname(path), exist_ok=True)
   start = time.perf_counter()
   video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True)
+  previews.write_previews(data_dir, row["id"], result.frames[index])
   timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
              "queued": float((row["started_at"] or row["created_at"]) - row["created_at"])}
   settings = request.video_settings(result.settings, index)

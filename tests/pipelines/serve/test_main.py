@@ -31,10 +31,10 @@ def test_serve_command_refuses_bad_flags_before_loading(argv, words, capsys, mon
   assert words in capsys.readouterr().err
 
 
-def test_an_image_to_video_model_is_refused_for_its_kind():
-  """An image-to-video folder is refused naming its kind and the way out (it said `--mesh None:
-  image=None: ... generate --image PATH`, a flag never given); positive control: its text-to-video
-  twin passes the same check."""
+def test_an_image_to_video_model_is_checked_with_a_first_frame():
+  """An image-to-video model is served (its jobs bring their first frame as `input_reference`): the
+  startup checks build its requests with an image, so the mesh and --warmup are checked as for
+  text-to-video; a bad --warmup size is still refused naming the flag (positive control)."""
   import dataclasses
 
   from pipelines.commands.flags import UsageError
@@ -43,9 +43,10 @@ def test_an_image_to_video_model_is_refused_for_its_kind():
   from pipelines.serve.options import ServeConfig
 
   text = ModelFacts.tiny_random("float32")
-  config = ServeConfig(model="tiny-random")
-  check(config, text)
+  config = ServeConfig(model="tiny-random", warmup=((32, 32, 5, 2),))
   image = dataclasses.replace(text, transformer=dataclasses.replace(
       text.transformer, in_channels=2 * text.transformer.out_channels + text.temporal_factor), image_to_video=True)
-  with pytest.raises(UsageError, match=r"--model tiny-random: an image-to-video model .* generate --image PATH"):
-    check(config, image)
+  check(config, text)
+  check(config, image)
+  with pytest.raises(UsageError, match=r"--warmup 33x32x5x2"):
+    check(dataclasses.replace(config, warmup=((33, 32, 5, 2),)), image)

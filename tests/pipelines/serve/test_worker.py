@@ -152,8 +152,8 @@ def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path
 
 def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
   """A cancel that lands after the last step, while the job's files are written (forced: the store
-  marks it cancelled from inside the write), ends `cancelled` with no video or sidecar left in
-  videos/; DELETE then reports deleted with nothing left. Positive control: an uncancelled job's
+  marks it cancelled from inside the write), ends `cancelled` with no video, sidecar or preview
+  left in videos/; DELETE then reports deleted with nothing left. Positive control: an uncancelled job's
   files stay and DELETE removes them."""
   from pipelines.serve import worker as worker_module
 
@@ -176,7 +176,8 @@ def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
   try:
     rows = {job: wait_finished(service, job) for job in (raced, kept)}
     assert rows[raced]["status"] == "cancelled" and rows[kept]["status"] == "completed", rows
-    assert sorted(p.name for p in videos.iterdir()) == [f"{kept}.npy", f"{kept}.npy.json"]
+    assert sorted(p.name for p in videos.iterdir()) == [f"{kept}.npy", f"{kept}.npy.json",
+                                                        f"{kept}.spritesheet.jpg", f"{kept}.thumbnail.webp"]
     for job in (raced, kept):
       service.remove_files(service.store.delete(job))
     assert list(videos.iterdir()) == []
