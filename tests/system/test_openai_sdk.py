@@ -1,0 +1,164 @@
+"""`serve` driven by the official `openai` SDK, unmodified and without extra headers, over a real
+uvicorn server: create (the SDK's multipart form), poll, create_and_poll, retrieve, list in both
+orders, download_content for each variant, remix, delete, models; and `input_reference` with a PNG
+on a TI2V model, whose video must start from the image (the first frame its VAE reconstruction).
+
+Our own fields travel as the SDK's `extra_body` (form fields beside its own).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from pipelines.serve.app import create_app  # noqa: E402
+from pipelines.serve.main import build_service  # noqa: E402
+from pipelines.serve.options import ServeConfig  # noqa: E402
+from tests.harness import http_thread  # noqa: E402
+from tests.numerics import assert_psnr_at_least  # noqa: E402
+
+# The SDK marks its videos resource deprecated (OpenAI's hosted Sora API); the protocol is what we serve.
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+SMALL = {"num_frames": 5, "num_inference_steps": 3, "seed": 7}
+
+
+def _client(url: str) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"{url}/v1", api_key="not-checked", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  """(service, SDK client) of a tiny-default server on a real uvicorn thread."""
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path_factory.mktemp("sdk") / "data"), max_batch=1)
+  service = build_service(config)
+  service.start(block=True)
+  with http_thread(create_app(service)) as url:
+    yield service, _client(url)
+  service.stop()
+
+
+def _image(kind: str, data: bytes) -> tuple[str, tuple[int, int]]:
+  import PIL.Image
+
+  with PIL.Image.open(io.BytesIO(data)) as image:
+    return image.format, image.size
+
+
+def test_sdk_create_poll_list_download_remix_delete(server):
+  service, client = server
+  first = client.videos.create(prompt="a red fox running", size="32x32", extra_body={**SMALL, "output_format": "npy"})
+  assert first.status == "queued" and first.object == "video" and first.model == "tiny", first
+  done = client.videos.poll(first.id)
+  assert done.status == "completed" and done.progress == 100 and done.size == "32x32", done
+  assert done.completed_at >= done.created_at and done.expires_at is None and done.error is None
+  second = client.videos.create_and_poll(prompt="a blue bird", size="32x32", seconds="0.25",
+                                         extra_body={"num_inference_steps": 3, "seed": 8})
+  assert second.status == "completed" and second.seconds == "0.25", second  # 0.25 s at 16 fps: 5 frames
+  assert client.videos.retrieve(second.id).prompt == "a blue bird"
+
+  asc = [v.id for v in client.videos.list(order="asc").data]
+  desc = [v.id for v in client.videos.list(order="desc").data]
+  assert asc[-2:] == [first.id, second.id] and desc[:2] == [second.id, first.id], (asc, desc)
+  paged = client.videos.list(order="asc", limit=1, after=first.id).data
+  assert [v.id for v in paged] == [second.id]
+
+  frames = np.load(io.BytesIO(client.videos.download_content(first.id).read()))
+  assert frames.shape == (5, 32, 32, 3) and frames.std() > 0.01
+  mp4 = client.videos.download_content(second.id, variant="video").read()
+  assert mp4[4:8] == b"ftyp", mp4[:16]  # the video itself
+  thumbnail = client.videos.download_content(first.id, variant="thumbnail").read()
+  assert _image("thumbnail", thumbnail) == ("WEBP", (32, 32))
+  import PIL.Image
+  shown = np.asarray(PIL.Image.open(io.BytesIO(thumbnail)).convert("RGB"))
+  np.testing.assert_array_equal(shown, np.clip(np.rint(frames[0] * 255), 0, 255).astype(np.uint8))  # lossless
+  sheet_format, (sheet_w, sheet_h) = _image("spritesheet", client.videos.download_content(
+      first.id, variant="spritesheet").read())
+  assert sheet_format == "JPEG" and sheet_w > 5 * 32 and sheet_h > 32  # the 5 frames side by side
+
+  with pytest.raises(openai.BadRequestError) as remixed:
+    client.videos.remix(first.id, prompt="the fox, at night")
+  error = remixed.value.body
+  assert error["param"] == "video_id" and "video-to-video" in error["message"], error
+  with pytest.raises(openai.NotFoundError):
+    client.videos.remix("video_" + "0" * 24, prompt="x")
+
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  deleted = client.videos.delete(first.id)
+  assert deleted.deleted and deleted.id == first.id
+  with pytest.raises(openai.NotFoundError) as gone:
+    client.videos.retrieve(first.id)
+  assert gone.value.body["code"] == "not_found"
+  assert not any(name.startswith(first.id) for name in __import__("os").listdir(f"{service.config.data_dir}/videos"))
+
+
+def test_sdk_errors_are_openai_errors(server):
+  """The SDK raises its typed errors with OpenAI's body: a bad field (400, `param`), an image on a
+  text-to-video model (400 naming input_reference and the model), an unknown model."""
+  _, client = server
+  with pytest.raises(openai.BadRequestError) as bad:
+    client.videos.create(prompt="x", size="33x32")
+  assert bad.value.body["param"] == "size" and "multiple of 16" in bad.value.body["message"]
+  with pytest.raises(openai.BadRequestError) as image:
+    client.videos.create(prompt="x", input_reference=("first.png", _png(np.zeros((32, 32, 3), np.uint8)), "image/png"))
+  assert image.value.body["param"] == "input_reference" and "'tiny' is text-to-video" in image.value.body["message"]
+  with pytest.raises(openai.BadRequestError) as model:
+    client.videos.create(prompt="x", model="sora-2")
+  assert model.value.body["param"] == "model" and "serves 'tiny' only" in model.value.body["message"]
+
+
+def _png(pixels: np.ndarray) -> bytes:
+  import PIL.Image
+
+  buffer = io.BytesIO()
+  PIL.Image.fromarray(pixels).save(buffer, format="PNG")
+  return buffer.getvalue()
+
+
+def test_sdk_input_reference_starts_a_ti2v_video(tmp_path):
+  """A PNG sent as the SDK's `input_reference` on the tiny TI2V model: the video equals the Python
+  call with that image (`pipe(image=...)`, checked against diffusers in test_ti2v.py), its first
+  frame is the image's VAE reconstruction, and the sidecar records the image's digest. Positive
+  controls: the same request without the image gives another video; a video file is refused."""
+  pytest.importorskip("diffusers")
+  from pipelines.pipeline.image_inputs import digest, to_video_frame
+  from pipelines.wan.conditioning import ti2v
+  from tests.pipelines.wan.conditioning.test_ti2v import CALL, NEGATIVE, PROMPT, TI2V_PSNR_DB, _image, _save_folder
+
+  folder = str(tmp_path / "ti2v")
+  _save_folder(folder)
+  pixels = (_image()[0].transpose(1, 2, 0) * 255).round().astype(np.uint8)  # [64, 96, 3]
+  config = ServeConfig(model=folder, data_dir=str(tmp_path / "data"), max_batch=1)
+  service = build_service(config)
+  service.start(block=True)
+  extra = {"num_frames": 9, "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 0, "negative_prompt": NEGATIVE,
+           "output_format": "npy"}
+  try:
+    with http_thread(create_app(service)) as url:
+      client = _client(url)
+      job = client.videos.create_and_poll(prompt=PROMPT, size="96x64", extra_body=extra,
+                                          input_reference=("first.png", _png(pixels), "image/png"))
+      assert job.status == "completed", job
+      video = np.load(io.BytesIO(client.videos.download_content(job.id).read()))
+      plain = client.videos.create_and_poll(prompt=PROMPT, size="96x64", extra_body=extra)
+      text_only = np.load(io.BytesIO(client.videos.download_content(plain.id).read()))
+      with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt=PROMPT, input_reference=("clip.mp4", b"\0\0\0\x20ftypisom" + b"\0" * 64,
+                                                             "video/mp4"))
+      assert refused.value.body["param"] == "input_reference" and "is a video" in refused.value.body["message"]
+    pipe = service.worker.pipe
+    call = {k: v for k, v in CALL.items() if k != "max_sequence_length"}
+    expected = pipe(PROMPT, NEGATIVE, **call, seed=0, image=pixels)[0]
+    assert_psnr_at_least(video, expected, TI2V_PSNR_DB, name="served input_reference vs pipe(image=)")
+    first = ti2v.encode_image(pipe.vae, to_video_frame(pixels, 64, 96)[None])  # as the pipeline encodes it
+    reconstruction = pipe.decode(np.asarray(first))[0][0]
+    assert_psnr_at_least(video[0], reconstruction, TI2V_PSNR_DB, name="first frame vs the image's VAE reconstruction")
+    assert np.mean((text_only - video) ** 2) > 1e-4, "the image barely changes the video"
+    sidecar = json.load(open(f"{config.data_dir}/videos/{job.id}.npy.json"))
+    assert sidecar["settings"]["image_sha256"] == digest(pixels) == job.model_extra["input_reference_sha256"]
+  finally:
+    service.stop()
