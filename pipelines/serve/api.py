@@ -33,6 +33,7 @@ FIELDS = {"height": "size", "width": "size", "num_frames": "num_frames", "num_in
 # Characters no field may hold: C0 / C1 controls and DEL (tab, newline and carriage return allowed),
 # lone surrogates (not UTF-8: nothing could send such a text back), the noncharacters U+FFFE / U+FFFF.
 _ALLOWED_CONTROLS = "\t\n\r"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -62,9 +63,9 @@ class ErrorBody(BaseModel):
   error: ErrorDetail
 
 
-def sendable(text: str) -> str:
-  """`text` as valid UTF-8 (lone surrogates replaced by U+FFFD)."""
-  return text.encode("utf-8", "replace").decode("utf-8") if isinstance(text, str) else str(text)
+def sendable(text: Any) -> str:
+  """`text` as a string that encodes as UTF-8 (lone surrogates replaced by U+FFFD)."""
+  return _SURROGATE.sub("\ufffd", text if isinstance(text, str) else str(text))
 
 
 def check_text(name: str, text: Any) -> None:

@@ -57,3 +57,56 @@ def test_job_warnings_are_kept_and_returned(unloaded):
   assert got == off["warnings"] and len(got) == 2, got
   assert got[0].startswith("num_frames=6 rounded to 5") and "trained at 64x64 x 17 frames only; 32x32 x 5" in got[1]
   assert client.get("/v1/videos").json()["data"][0]["warnings"] == got  # the listing too
+
+
+HOSTILE_TEXT = ["a red \ud8a0 square", "\udc00", "a\x00b", "\x01start", "ansi \x1b[2J clear", "del \x7f",
+                "next line \x85", "csi \x9b", "bell \x07", "back\x08space", "form\x0cfeed", "non \ufffe char",
+                "non \uffff char"]
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_hostile_text_is_refused_before_anything_is_stored(unloaded, field):
+  """Each string a client could send in JSON that a job could not store and send back (lone
+  surrogates, NUL and other controls, noncharacters): 400 naming the field, nothing queued, the
+  list and the page as before. Positive control: tab, newline and any printable text are kept."""
+  import json
+
+  service, client = unloaded
+  before = client.get("/v1/videos").json()
+  for text in HOSTILE_TEXT:
+    body = json.dumps({**SMALL, "prompt": "x", field: text})  # ASCII JSON: \\u escapes, as a client sends them
+    answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == field, (repr(text), answer.text)
+  assert service.store.counts()["queued"] == 0
+  assert client.get("/v1/videos").json() == before and client.get("/").status_code == 200
+  kept = client.post("/v1/videos", json={**SMALL, "prompt": "x", field: "tab\there\nnew line, ünïcödé 日本 🦊"})
+  assert kept.status_code == 200, kept.text
+
+
+def test_a_row_that_cannot_be_read_does_not_break_the_list(unloaded):
+  """Rows written into the SQLite table by another program: text that is not UTF-8, params that are
+  not JSON, a prompt holding a lone surrogate (as JSON escapes it): the list still answers, each such
+  job shown as failed with the reason, and the good job beside them as it is."""
+  service, client = unloaded
+  good = client.post("/v1/videos", json={**SMALL, "prompt": "a good job"}).json()["id"]
+  params = {"prompt": "a red \ud8a0 square", "negative_prompt": "", "width": 32, "height": 32, "num_frames": 5,
+            "num_inference_steps": 3, "guidance_scale": 5.0, "flow_shift": None, "seed": 1, "fps": 16.0,
+            "output_format": "npy", "lora": []}
+  import json
+
+  db = service.store._db  # as another program writing the table would
+  rows = [("video_" + "a" * 24, b'{"prompt": "\xff\xfe not utf-8"}'),
+          ("video_" + "b" * 24, "{not json"), ("video_" + "c" * 24, json.dumps(params))]
+  for job_id, text in rows:
+    db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key) VALUES (?, 0, 'completed', "
+               "CAST(? AS TEXT), '')", (job_id, text))  # bytes stored as TEXT: not UTF-8
+  listing = client.get("/v1/videos?limit=100")
+  assert listing.status_code == 200, listing.text
+  shown = {job["id"]: job for job in listing.json()["data"]}
+  assert shown[good]["prompt"] == "a good job" and shown[good]["error"] is None
+  for job_id in ("video_" + "a" * 24, "video_" + "b" * 24):
+    assert shown[job_id]["error"]["code"] == "unreadable_job", shown[job_id]
+  assert shown["video_" + "c" * 24]["prompt"] == "a red \ufffd square"  # sent as valid UTF-8
+  assert client.get("/v1/videos/" + "video_" + "b" * 24).status_code == 200
+  assert client.get("/").status_code == 200
