@@ -39,6 +39,8 @@ NOT_RUN = {
     "curl -s localhost:8000/v1/videos -H 'Content-Type: application/json' -d "
     "'{\"prompt\": \"a red square moving right\", \"size\": \"64x64\", \"num_frames\": 17, \"seed\": 1}'":
         "needs a running server (tests/system/test_serve.py checks the API)",
+    "curl -s localhost:8000/v1/videos -F 'prompt=a red square moving right' -F size=64x64 -F num_frames=17":
+        "needs a running server (the same form as the SDK's: tests/system/test_openai_sdk.py)",
     "curl -s localhost:8000/v1/videos/video_...": "needs a running server and a job id",
     "curl -s localhost:8000/v1/videos/video_.../content -o square.mp4": "needs a running server and a job id",
     "curl -s -X POST localhost:8000/v1/videos/video_.../cancel": "needs a running server and a job id",
