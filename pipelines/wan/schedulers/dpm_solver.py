@@ -106,12 +106,13 @@ class DPMSolverConfig:
                              coefficients=_coefficients(self, sigmas))
 
 
-def _orders(cfg: DPMSolverConfig, n: int) -> list[int]:
+def _orders(cfg: DPMSolverConfig, n: int, total: int | None = None) -> list[int]:
   """Each step's order, as diffusers' `step` picks it (warm-up, then the lower-order final steps:
-  always first order into the zero final sigma)."""
+  always first order into the zero final sigma); `total`: the full schedule's steps when these n
+  are its tail (diffusers' "short schedule" test reads the full one)."""
   orders = []
   for i in range(n):
-    short = cfg.lower_order_final and n < 15
+    short = cfg.lower_order_final and (n if total is None else total) < 15
     final = i == n - 1  # final_sigmas_type "zero" makes the last step first order whatever the rest
     second = i == n - 2 and short
     if cfg.solver_order == 1 or i < 1 or final:
@@ -123,7 +124,7 @@ def _orders(cfg: DPMSolverConfig, n: int) -> list[int]:
   return orders
 
 
-def _coefficients(cfg: DPMSolverConfig, sigmas: np.ndarray) -> dict[str, np.ndarray]:
+def _coefficients(cfg: DPMSolverConfig, sigmas: np.ndarray, total: int | None = None) -> dict[str, np.ndarray]:
   """float32 [N] tables of x' = cx x - c0 m0 + cd1 D1 + cd2 D2 with D1_0 = a0 (m0 - m1),
   D1_1 = a1 (m1 - m2), D1 = D1_0 + k1 (D1_0 - D1_1), D2 = k2 (D1_0 - D1_1), in diffusers' op order.
 
@@ -134,7 +135,7 @@ def _coefficients(cfg: DPMSolverConfig, sigmas: np.ndarray) -> dict[str, np.ndar
   tables = {name: np.zeros((n,), np.float32) for name in _TABLES}
   lam = [flow_schedule.flow_lambda(s) for s in sigmas]
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-    for i, order in enumerate(_orders(cfg, n)):
+    for i, order in enumerate(_orders(cfg, n, total)):
       alpha_t = _F32(_F32(1) - sigmas[i + 1])
       h = _F32(lam[i + 1] - lam[i])
       em1 = _F32(flow_schedule.exp32(_F32(-h)) - _F32(1))  # torch.exp(-h) - 1.0
@@ -157,7 +158,7 @@ def _coefficients(cfg: DPMSolverConfig, sigmas: np.ndarray) -> dict[str, np.ndar
   for name, table in tables.items():
     if not np.all(np.isfinite(table)):
       raise ValueError(f"non-finite DPM-Solver++ coefficient table {name!r} for sigmas {sigmas}")
-  tables["orders"] = np.array(_orders(cfg, n), np.int32)
+  tables["orders"] = np.array(_orders(cfg, n, total), np.int32)
   return tables
 
 
@@ -174,6 +175,19 @@ class DPMSolverSchedule:
   timesteps: np.ndarray
   sigmas: np.ndarray
   coefficients: dict[str, np.ndarray]
+
+  def tail(self, start: int) -> DPMSolverSchedule:
+    """The steps from `start` on, run by a fresh solver (video-to-video's strength; see
+    `UniPCSchedule.tail`).
+
+    Raises:
+      ValueError: `start` outside [0, N).
+    """
+    if not 0 <= start < len(self.timesteps):
+      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    sigmas = self.sigmas[start:]
+    return DPMSolverSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=sigmas,
+                             coefficients=_coefficients(self.config, sigmas, total=len(self.timesteps)))
 
   def init_state(self, sample_shape: Sequence[int], dtype: Any = jnp.float32) -> DPMSolverState:
     """Fresh solver state; `dtype` is the history's (x0, fp32 in Wan: the sample's dtype)."""

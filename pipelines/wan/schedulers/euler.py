@@ -85,6 +85,16 @@ class FlowEulerSchedule:
   timesteps: np.ndarray
   sigmas: np.ndarray
 
+  def tail(self, start: int) -> "FlowEulerSchedule":
+    """The steps from `start` on (video-to-video's strength; Euler keeps no history).
+
+    Raises:
+      ValueError: `start` outside [0, N).
+    """
+    if not 0 <= start < len(self.timesteps):
+      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    return FlowEulerSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=self.sigmas[start:])
+
   def init_state(self, sample_shape: Sequence[int] = (), dtype: Any = jnp.float32) -> "FlowEulerState":
     """Fresh state (Euler keeps no history; the arguments exist to match `UniPCSchedule`)."""
     del sample_shape, dtype

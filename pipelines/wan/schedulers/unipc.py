@@ -170,8 +170,10 @@ def _zero_step_rks(cfg: UniPCConfig, order: int, n: int) -> list[np.float32]:
   return [_F32(1)] * (order - 1)
 
 
-def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.ndarray]:
-  """Per-step UniPC coefficients (host, float32), mirroring `UniPCMultistepScheduler.step`.
+def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray, offset: int = 0) -> dict[str, np.ndarray]:
+  """Per-step UniPC coefficients (host, float32), mirroring `UniPCMultistepScheduler.step`; `offset`:
+  the schedule's first step in the full one (a tail, `UniPCSchedule.tail`: `disable_corrector`
+  names full-schedule steps).
 
   For step i the predictor goes sigmas[i] -> sigmas[i + 1] with order p_i and the corrector (from
   step 1 on) refines the sample at sigmas[i] with order p_{i-1}:
@@ -221,7 +223,7 @@ def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray) -> dict[str, np.nd
 
   for i in range(n):
     fill("p_", i + 1, i, orders[i], [i - k for k in range(1, orders[i])], i, corrector=False)
-    if i > 0 and (i - 1) not in cfg.disable_corrector:
+    if i > 0 and (i - 1 + offset) not in cfg.disable_corrector:
       tables["use_corrector"][i] = 1
       p = orders[i - 1]
       fill("c_", i, i - 1, p, [i - (k + 1) for k in range(1, p)], i, corrector=True)
@@ -245,6 +247,20 @@ class UniPCSchedule:
   timesteps: np.ndarray
   sigmas: np.ndarray
   coefficients: dict[str, np.ndarray]
+
+  def tail(self, start: int) -> "UniPCSchedule":
+    """The steps from `start` on, run by a fresh solver: what diffusers does when a pipeline runs
+    `timesteps[start:]` after `set_timesteps(N)` (video-to-video's strength): the solver's warm-up
+    orders restart there, the caps at the steps left stay the full schedule's.
+
+    Raises:
+      ValueError: `start` outside [0, N).
+    """
+    if not 0 <= start < len(self.timesteps):
+      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    sigmas = self.sigmas[start:]
+    return UniPCSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=sigmas,
+                         coefficients=_unipc_coefficients(self.config, sigmas, offset=start))
 
   def init_state(self, sample_shape: Sequence[int], dtype: Any = jnp.float32) -> "UniPCState":
     """Fresh solver state; `dtype` is the history dtype (the x0 dtype: the sample's, fp32 in Wan)."""
