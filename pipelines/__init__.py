@@ -9,17 +9,20 @@
   storage/   safetensors reading, atomic writes, video files
   (attention/ and producers/ sit beside storage/, at the bottom.)
 
-`WanPipeline`, `WanImageToVideoPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
+`WanPipeline`, `WanImageToVideoPipeline`, `WanVideoToVideoPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
 (`pipelines.commands`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
-__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline"]
+__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline", "WanVideoToVideoPipeline"]
 
 
 def __getattr__(name: str):
   if name == "WanImageToVideoPipeline":
     from pipelines.pipeline import image_pipeline
     return image_pipeline.WanImageToVideoPipeline
+  if name == "WanVideoToVideoPipeline":
+    from pipelines.pipeline import video_pipeline
+    return video_pipeline.WanVideoToVideoPipeline
   if name in __all__:
     from pipelines.pipeline import wan_pipeline
     return getattr(wan_pipeline, name)

@@ -20,7 +20,7 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
                      "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds",
-                     "timesteps", "sigmas", "scheduler")
+                     "timesteps", "sigmas", "scheduler", "video", "strength")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -86,6 +86,8 @@ CALL_DOCS = """
     first frame, the last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states
     (`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional `image` only
     (either class; `pipeline.ti2v`).
+  video, strength: video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames
+    to start from and the share of the schedule that runs, in (0, 1] (`video_inputs`).
 """
 
 

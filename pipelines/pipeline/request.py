@@ -23,6 +23,7 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.parallel.token_facts import TokenFacts
 from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
+from pipelines.pipeline.video_inputs import VideoInputs, check_video_inputs
 from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
                                        not_a, round_num_frames, texts)
 from pipelines.pipeline.model_facts import ModelFacts
@@ -58,6 +59,7 @@ class GenerationRequest:
     image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
     first_frame_latents: float32 numpy [B', C, 1, Hl, Wl], the normalised VAE latents of a Wan 2.2
       TI2V run's first frame (set by `pipeline.ti2v.ti2v_condition`), or None.
+    video: the video-to-video input and strength (`video_inputs.VideoInputs`), or None.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -85,6 +87,7 @@ class GenerationRequest:
   timesteps: tuple[float, ...] | None = None
   sigmas: tuple[float, ...] | None = None
   first_frame_latents: np.ndarray | None = None
+  video: VideoInputs | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -97,7 +100,7 @@ class GenerationRequest:
             attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
             attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
             image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
-            scheduler: Any = None) -> GenerationRequest:
+            scheduler: Any = None, video: Any = None, strength: Any = 0.8) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -123,6 +126,12 @@ class GenerationRequest:
     if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
       warnings.warn(note, stacklevel=2)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
+    source = check_video_inputs(video, strength, num_frames=num_frames, steps=steps,
+                                temporal_factor=model.temporal_factor,
+                                video_model=not (model.image_to_video or model.expand_timesteps))
+    if source is not None and step_cache is not None:
+      raise ValueError(f"step_cache={step_cache!r} with a video: the step cache is calibrated for whole "
+                       "schedules; leave it out for video-to-video")
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
@@ -146,7 +155,8 @@ class GenerationRequest:
                width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
                scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
                max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-               decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas))
+               decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas),
+               video=source)
 
   # --- derived ---
 
@@ -184,10 +194,17 @@ class GenerationRequest:
     return seeding.seeded_noise(seeding.video_seeds(self.seed, self.videos), self.latent_shape[1:])
 
   def schedule(self) -> Any:
-    """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given)."""
+    """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given); for
+    video-to-video its tail from the strength's first step (`video_inputs.VideoInputs.start`)."""
     _, sigmas = flow_schedule.custom_sigmas(self.steps, self.sigmas, self.timesteps,
                                             self.scheduler.num_train_timesteps)
-    return self.scheduler.set_timesteps(self.steps, sigmas=sigmas)
+    schedule = self.scheduler.set_timesteps(self.steps, sigmas=sigmas)
+    return schedule if self.video is None else schedule.tail(self.video.start(self.steps))
+
+  @property
+  def steps_run(self) -> int:
+    """The denoising steps that run: `steps`, or video-to-video's last int(steps x strength)."""
+    return self.steps if self.video is None else self.steps - self.video.start(self.steps)
 
   def experts_per_step(self, timesteps: Any) -> list[int]:
     """The expert of each step: 0 while t >= boundary_ratio * num_train_timesteps, then 1."""
@@ -212,7 +229,7 @@ class GenerationRequest:
             "num_videos_per_prompt": self.num_videos_per_prompt,
             "prompt_embeds_given": self.prompt_embeds is not None,
             "negative_prompt_embeds_given": self.negative_prompt_embeds is not None,
-            "lora_scale": self.lora_scale, **self._image_digests(), **self.plan.describe()}
+            "lora_scale": self.lora_scale, **self._input_digests(), **self.plan.describe()}
 
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
     """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
@@ -228,7 +245,7 @@ class GenerationRequest:
         "num_videos_per_prompt": self.num_videos_per_prompt, "lora_scale": self.lora_scale,
         "prompt_embeds_sha256": digest(self.prompt_embeds),
         "negative_prompt_embeds_sha256": digest(self.negative_prompt_embeds),
-    } | self._image_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
+    } | self._input_digests() | ({} if self.step_cache is None else {"step_cache": self.step_cache.identity()}) | (
         {} if self.plan.attention_exchange == "bf16" else {"attention_exchange": self.plan.attention_exchange}) | {
         name: list(given) for name, given in (("timesteps", self.timesteps), ("sigmas", self.sigmas))
         if given is not None}
@@ -246,11 +263,13 @@ class GenerationRequest:
       own["seed"] = seeding.video_seeds(self.seed, self.videos)[video]
     return {**settings, **own}
 
-  def _image_digests(self) -> dict[str, Any]:
-    """The input images' digests (image-to-video, TI2V's first frame; none for text-to-video)."""
+  def _input_digests(self) -> dict[str, Any]:
+    """The input images' and video's digests (image-to-video, TI2V's first frame, video-to-video's
+    video and strength; none for text-to-video)."""
     first = {} if self.first_frame_latents is None else {
         "first_frame_latents_sha256": digest(self.first_frame_latents)}
-    return first | ({} if self.image is None else self.image.digests())
+    video = {} if self.video is None else self.video.digests()
+    return first | ({} if self.image is None else self.image.digests()) | video
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------

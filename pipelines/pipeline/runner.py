@@ -111,6 +111,8 @@ class Runner:
     text = jax.block_until_ready(text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype))
     self.timings["text_encode"] = time.perf_counter() - start
     condition = self._condition()
+    if self.restored is None:  # video-to-video: the encoded video, noised (a resumed run has its latents)
+      state.latents = self._start_latents(noise, schedule.sigmas[0])
     state.latents, state.solver, state.text, state.condition = distributed.put_replicated(
         (state.latents, state.solver, text, condition), plan.replicated)
     state.cache = self._cache()
@@ -124,6 +126,14 @@ class Runner:
     condition = self.pipe.conditioning(self.request, self.stage)
     self.timings["condition"] = time.perf_counter() - start
     return condition
+
+  def _start_latents(self, noise: np.ndarray, sigma: np.float32) -> np.ndarray:
+    """`pipe.initial_latents` (the noise, or video-to-video's noised video), timed as "video_encode"."""
+    start = time.perf_counter()
+    latents = self.pipe.initial_latents(self.request, noise, sigma, self.stage)
+    if latents is not noise:
+      self.timings["video_encode"] = time.perf_counter() - start
+    return latents
 
   def _check_processes_agree(self, noise: np.ndarray) -> None:
     """In a multi-process run, every process holds the same model (weights, LoRAs, configs: the

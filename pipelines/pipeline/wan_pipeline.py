@@ -47,7 +47,7 @@ from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
 from pipelines.storage import weights
-from pipelines.wan import lora, step_cache as wan_step_cache, vae as wan_vae
+from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as wan_step_cache, vae as wan_vae
 from pipelines.wan.step_cache import calibration as mag_calibration
 from pipelines.wan.transformer import quantization, WanTransformer
 from pipelines.wan.encoders import tokenizer as tokenization, umt5
@@ -209,6 +209,19 @@ class WanPipeline(LoraLoaderMixin):
     """Weights beyond the transformer, text encoder and VAE that decide the video (the fingerprint
     covers them): none for text-to-video."""
     return {}
+
+  def initial_latents(self, request: GenerationRequest, noise: np.ndarray, sigma: np.float32, stage: Any
+                      ) -> np.ndarray:
+    """The loop's starting latents float32 [B', C, F, Hl, Wl]: the noise (or the `latents` given),
+    or for video-to-video the request's video encoded by the VAE and noised to `sigma`, the first
+    running step's (`wan.conditioning.noised`; diffusers' `WanVideoToVideoPipeline.prepare_latents`;
+    `stage(line)` announces the encode)."""
+    if request.video is None or request.latents is not None:
+      return noise
+    frames = request.video.frames
+    stage(f"video encode: {len(frames)} frames at {request.width}x{request.height} (VAE)")
+    x0 = wan_conditioning.encode_video(self.vae, request.video.pixels(request.height, request.width))
+    return wan_conditioning.noised(x0, noise, sigma)
 
   def conditioning(self, request: GenerationRequest, stage: Any) -> Any:
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
@@ -421,7 +434,7 @@ class WanPipeline(LoraLoaderMixin):
     if resume is not None:
       options = dataclasses.replace(options, resume=resume)
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
-    self._num_timesteps = request.steps
+    self._num_timesteps = request.steps_run
     return Runner(self, request, options).run()
 
   def _check_calibration(self, request: GenerationRequest) -> None:

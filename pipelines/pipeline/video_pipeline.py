@@ -1,0 +1,60 @@
+"""Wan video-to-video (diffusers' `WanVideoToVideoPipeline`): a text-to-video Wan folder that starts
+from a video instead of pure noise.
+
+Everything but the start is `WanPipeline`'s (the request, the runner, the compiled step, the loop,
+decoding): the request carries the video and `strength` (`video_inputs.VideoInputs`); its schedule
+is the tail of the `num_inference_steps` schedule from step N - int(N x strength) on, run by a fresh
+solver (`Schedule.tail`); the loop starts from the video encoded by the VAE and noised to that
+step's sigma (`WanPipeline.initial_latents`). `seed` keeps its meaning: the noise mixed in is the
+array that `seed` gives a text-to-video call of the same latent shape.
+
+Source: diffusers `pipelines/wan/pipeline_wan_video2video.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipelines.pipeline.wan_pipeline import WanPipeline
+
+
+class WanVideoToVideoPipeline(WanPipeline):
+  """Video-to-video Wan; build with `from_pretrained(folder)` of a diffusers text-to-video folder
+  (`WanPipeline` or `WanVideoToVideoPipeline`), call with a video and prompts (`__call__`)."""
+
+  def __call__(self, video: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int = 480,
+               width: int = 832, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+               strength: float = 0.8, seed: int | Sequence[int] | None = None, latents: Any = None,
+               max_sequence_length: int | None = None, mesh: Any = None, **kwargs: Any) -> Any:
+    """Generates videos from a video; diffusers `WanVideoToVideoPipeline.__call__(...).frames`.
+
+    Args:
+      video: the frames (a list of PIL images, as diffusers takes, or numpy uint8 [F, H, W, 3] /
+        float [F, H, W, 3] in [0, 1]; resized to height x width); its 4k + 1 first frames are used
+        (the VAE's groups of 4) and give the video's length.
+      strength: in (0, 1]: the last int(num_inference_steps x strength) steps run, from the video
+        noised to the first one's sigma (1: from nearly pure noise; diffusers' default 0.8).
+      latents: diffusers' meaning: the already noised starting latents (the video is then not encoded).
+      the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
+
+    Returns and Raises:
+      as `WanPipeline.__call__`; also ValueError for a missing or bad video or strength (before
+      any compute).
+    """
+    if video is None and latents is None:
+      raise ValueError("video is required: give the frames to start from (a list of PIL images or an array "
+                       "[F, H, W, 3])")
+    frames = kwargs.pop("num_frames", None)
+    if video is not None:
+      try:
+        count = len(video)
+      except TypeError:
+        count = 1  # not a sequence: the request's checks name it
+      step = self.facts.temporal_factor
+      frames = max(count - 1, 0) // step * step + 1 if frames is None else frames
+    elif frames is None:
+      frames = (latents.shape[2] - 1) * self.facts.temporal_factor + 1
+    return super().__call__(prompt, negative_prompt, height, width, frames, num_inference_steps,
+                            guidance_scale, seed, latents, max_sequence_length, mesh, video=video,
+                            strength=strength, **kwargs)
