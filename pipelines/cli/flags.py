@@ -26,7 +26,7 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange",
                   "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
                   "last_image": "--last-image", "scheduler": "--scheduler", "timesteps": "--timesteps",
-                  "sigmas": "--sigmas"}
+                  "sigmas": "--sigmas", "video": "--video", "strength": "--strength"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -75,6 +75,12 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                       "text-to-video)")
   p.add_argument("--last-image", default=None, metavar="PATH",
                  help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
+  p.add_argument("--video", default=None, metavar="PATH",
+                 help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
+                      ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
+                      "frames give the length (default: none)")
+  p.add_argument("--strength", type=float, default=0.8,
+                 help="with --video: the share of the steps that run, in (0, 1]; lower keeps more of the video")
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
                                                "(Wan's 832*480 also accepted; default: the --preset's, 64x64 for "
                                                "tiny, 832x480 for a folder; with --image, the image's aspect ratio "

@@ -48,6 +48,8 @@ class Plan:
   contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
   image: str | None = None  # --image PATH (image-to-video)
+  video: str | None = None  # --video PATH (video-to-video)
+  strength: float = 0.8  # --strength (with --video)
   last_image: str | None = None  # --last-image PATH
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
   fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)

@@ -23,7 +23,7 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas")
+             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -65,9 +65,9 @@ def _normalized(name: str, value: Any) -> Any:
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
   if name == "model":
     return value if value in TINY_MODELS else os.path.abspath(value)
-  if name in ("image", "last_image"):
+  if name in ("image", "last_image", "video"):
     return os.path.abspath(value)
-  if name in ("shift", "fps"):
+  if name in ("shift", "fps", "strength"):
     return float(value)
   if name in ("timesteps", "sigmas"):
     return list(parse_numbers(value, "--" + name)) if isinstance(value, str) else [float(v) for v in value]
@@ -132,6 +132,7 @@ class RunFacts:
     loras: (path, scale, expert 0 or 1), in loading order.
     negative_prompt: --negative-prompt (the request drops it when guidance is off).
     image, last_image: --image / --last-image paths (their contents' digests are in the request).
+    video: the --video path (its frames' digest and the strength are in the request).
   """
   model: str
   preset: str | None
@@ -141,11 +142,13 @@ class RunFacts:
   negative_prompt: str
   image: str | None = None
   last_image: str | None = None
+  video: str | None = None
 
   @classmethod
   def of(cls, plan: Plan) -> RunFacts:
     return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
-               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image)
+               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
+               video=plan.video)
 
 
 def flow_shift(request: Any) -> float:
@@ -174,8 +177,9 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
   record["quantize"] = request.model.quantize
   record["attention_exchange"] = request.plan.attention_exchange
-  for name in ("image", "last_image"):
+  for name in ("image", "last_image", "video"):
     record[name] = _normalized(name, getattr(facts, name))
+  record["strength"] = None if request.video is None else request.video.strength
   from pipelines.wan import schedulers
   record["scheduler"] = schedulers.solver_name(request.scheduler)
   record["timesteps"] = None if request.timesteps is None else list(request.timesteps)

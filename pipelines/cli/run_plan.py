@@ -50,11 +50,15 @@ def plan_run(args: argparse.Namespace) -> Plan:
       _check_image_file(flag, path)
   if args.last_image is not None and args.image is None:
     raise UsageError("--last-image needs --image too (the first frame)")
+  video_frames = None if args.video is None else _video_length(args.video)
+  if args.video is not None and args.image is not None:
+    raise UsageError(f"--video {args.video} and --image {args.image}: give one (video-to-video starts from a video, "
+                     "image-to-video from an image)")
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
   steps, timesteps, sigmas = _schedule_flags(args, preset)
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
               preset=preset_name, width=width, height=height,
-              frames=args.frames if args.frames is not None else preset.frames,
+              frames=args.frames if args.frames is not None else (video_frames or preset.frames),
               steps=steps, timesteps=timesteps, sigmas=sigmas,
               scheduler=args.scheduler or preset.scheduler, guidance=guidance,
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
@@ -70,7 +74,30 @@ def plan_run(args: argparse.Namespace) -> Plan:
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
               vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
               image=args.image, last_image=args.last_image, size_given=bool(args.size),
+              video=args.video, strength=args.strength,
               fps_given=args.fps is not None or preset_name is not None)
+
+
+def _video_length(path: str) -> int:
+  """The frames a --video gives (its 4k + 1 first ones), read before any weight loads.
+
+  Raises:
+    UsageError: a file that is not a video this reads (`video_io.read_video`).
+  """
+  from pipelines.storage import video_io
+
+  try:
+    count = len(video_io.read_video(path))
+  except ValueError as e:
+    raise UsageError(f"--video: {e}") from e
+  return (count - 1) // 4 * 4 + 1
+
+
+def read_video(path: str | None) -> Any:
+  """The --video file's frames (`video_io.read_video`), or None."""
+  from pipelines.storage import video_io
+
+  return None if path is None else video_io.read_video(path)
 
 
 def _check_image_file(flag: str, path: str) -> None:
@@ -347,7 +374,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
         attention_exchange=plan.attention_exchange, image=read_image(plan.image),
         last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
-        sigmas=plan.sigmas)
+        sigmas=plan.sigmas, **({} if plan.video is None else dict(video=read_video(plan.video),
+                                                                    strength=plan.strength)))
   except ValueError as e:
     raise flag_error(e) from e
 
