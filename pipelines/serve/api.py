@@ -29,7 +29,8 @@ MAX_STEPS = 500
 # GenerationRequest.build's argument -> the API field a client set.
 FIELDS = {"height": "size", "width": "size", "num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
           "guidance_scale": "guidance_scale", "seed": "seed", "prompt": "prompt", "negative_prompt": "negative_prompt",
-          "mesh": "mesh", "flow_shift": "flow_shift", "image": "input_reference"}
+          "mesh": "mesh", "flow_shift": "flow_shift", "image": "input_reference", "video": "input_reference",
+          "strength": "strength"}
 # Characters no field may hold: C0 / C1 controls and DEL (tab, newline and carriage return allowed),
 # lone surrogates (not UTF-8: nothing could send such a text back), the noncharacters U+FFFE / U+FFFF.
 _ALLOWED_CONTROLS = "\t\n\r"
@@ -104,7 +105,8 @@ class VideoCreate(BaseModel):
   numbers are read as this schema's types). `num_frames` wins over `seconds` x `fps`; neither: the
   model's default length. `lora` names LoRAs the server was started with, never a path.
   `input_reference`: the first frame of an image-to-video or TI2V model, an image file part, or
-  {"image_url": "data:image/png;base64,..."}.
+  {"image_url": "data:image/png;base64,..."}; or, for a text-to-video model, a video file to start
+  from (video-to-video, `strength`).
   """
   model_config = ConfigDict(extra="forbid")
   prompt: str = Field(description="what the video shows")
@@ -118,6 +120,8 @@ class VideoCreate(BaseModel):
   guidance_scale: Any = _typed("number", "classifier-free guidance scale (> 1: with guidance)")
   flow_shift: Any = _typed("number", "the flow-matching schedule's shift (default: the model's)")
   seed: Any = _typed("integer", "random seed, 0 <= seed < 2**63 (default: drawn)")
+  strength: Any = _typed("number", "with a video input_reference (video-to-video): the share of the steps that "
+                         "run, in (0, 1] (default 0.8)")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
   lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
   input_reference: Any = Field(None, description="the first frame: an image file part, or {\"image_url\": a base64 "
@@ -129,9 +133,11 @@ class VideoCreate(BaseModel):
 
 
 class VideoRemix(BaseModel):
-  """POST /v1/videos/{id}/remix."""
+  """POST /v1/videos/{id}/remix: a new job from a finished one's video (video-to-video) with this
+  prompt and the finished job's other settings."""
   model_config = ConfigDict(extra="forbid")
   prompt: str
+  strength: Any = _typed("number", "the share of the steps that run, in (0, 1] (default 0.8)")
 
 
 class VideoError(BaseModel):
@@ -279,7 +285,7 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
           "num_inference_steps": preset.steps if body.num_inference_steps is None else body.num_inference_steps,
           "guidance_scale": preset.guidance[0] if body.guidance_scale is None else body.guidance_scale,
           "flow_shift": body.flow_shift, "seed": seed, "fps": body.fps, "output_format": body.output_format,
-          "lora": sorted(body.lora)}
+          "lora": sorted(body.lora), "strength": 0.8 if body.strength is None else body.strength}
 
 
 def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -289,11 +295,11 @@ def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
           "flow_shift": params["flow_shift"], "mesh": mesh}
 
 
-def check_request(params: dict[str, Any], facts: Any, mesh: Any, image: Any = None) -> tuple[Any, list[str]]:
-  """The job's `GenerationRequest` (built as the Python call builds it; `image`: the first frame,
-  uint8 [H, W, 3], or None), its values written back into `params` as resolved (frames rounded to
-  4k + 1), and the job's warnings: frames rounded, a size the model was not trained at
-  (`request.outside_training`).
+def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any = None) -> tuple[Any, list[str]]:
+  """The job's `GenerationRequest` (built as the Python call builds it; `reference`: the decoded
+  input_reference, `references.Decoded`, or None), its values written back into `params` as
+  resolved (frames rounded to 4k + 1), and the job's warnings: frames rounded, a size the model
+  was not trained at (`request.outside_training`).
 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
@@ -305,7 +311,7 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, image: Any = No
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # made again below: Python's warning filters are shared by all threads
       request = GenerationRequest.build(facts, params["prompt"], params["negative_prompt"], seed=params["seed"],
-                                        image=image, **build_kwargs(params, mesh))
+                                        **reference_kwargs(params, reference), **build_kwargs(params, mesh))
   except ValueError as e:
     raise ApiError(400, str(e), _field(str(e))) from e
   params["num_frames"] = request.num_frames
@@ -313,6 +319,15 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, image: Any = No
       f"num_frames={asked} rounded to {request.num_frames}: Wan makes 4k + 1 frames"]
   trained = outside_training(facts, request.height, request.width, request.num_frames)
   return request, notes + ([] if trained is None else [trained])
+
+
+def reference_kwargs(params: dict[str, Any], reference: Any) -> dict[str, Any]:
+  """`GenerationRequest.build`'s image or video arguments of a job's decoded input_reference."""
+  if reference is None:
+    return {}
+  if reference.kind == "image":
+    return {"image": reference.pixels}
+  return {"video": reference.pixels, "strength": params.get("strength", 0.8)}
 
 
 def _field(message: str) -> str | None:
@@ -323,8 +338,8 @@ def _field(message: str) -> str | None:
 
 def batch_key(params: dict[str, Any]) -> str:
   """Jobs with equal keys run as one batch: everything but the prompts, seed and output."""
-  keep = ("width", "height", "num_frames", "num_inference_steps", "guidance_scale", "flow_shift", "lora")
-  reference = (params.get("input_reference") or {}).get("sha256")  # a batch shares one first frame
+  keep = ("width", "height", "num_frames", "num_inference_steps", "guidance_scale", "flow_shift", "lora", "strength")
+  reference = (params.get("input_reference") or {}).get("sha256")  # a batch shares one first frame or video
   return repr(tuple((k, params[k]) for k in keep) + (("cfg", params["guidance_scale"] > 1),
                                                      ("input_reference", reference)))
 

@@ -2,11 +2,11 @@
 metrics, the web page, and the published schema.
 
   POST   /v1/videos                 queue a video: JSON or multipart/form-data (`forms`), with an
-                                    optional input_reference image -> the video object, "queued"
+                                    optional input_reference image or video -> the video object, "queued"
   GET    /v1/videos                 ?order=desc|asc&limit=20&after=ID -> {object: "list", data, has_more, ...}
   GET    /v1/videos/{id}            status, progress %, step, timings, error
   GET    /v1/videos/{id}/content    ?variant=video|thumbnail|spritesheet (once completed)
-  POST   /v1/videos/{id}/remix      a new video from a finished one (needs video-to-video: a 400 saying so)
+  POST   /v1/videos/{id}/remix      a new video from a finished one's video and a new prompt (video-to-video)
   POST   /v1/videos/{id}/cancel     cancel a queued or running job -> the video object; 409 once it finished
   DELETE /v1/videos/{id}            cancel a queued or running job; forget (and delete) a finished one
   GET    /v1/models[/{id}]          the served model
@@ -149,12 +149,11 @@ def _add_video_routes(app: FastAPI, service: Any, auth: Any) -> None:
     return FileResponse(path, media_type=api.MEDIA_TYPES[kind], filename=f"{video_id}.{kind}")
 
   @app.post("/v1/videos/{video_id}/remix", dependencies=[auth], response_model=api.VideoObject,
-            responses=errors(400, 401, 404), summary="Remix a video (needs video-to-video)")
+            responses=errors(400, 401, 404, 409, 410, 429, 503), summary="Remix a finished video (video-to-video)")
   def remix(video_id: str, body: api.VideoRemix) -> dict:
-    _job(service, video_id)
+    row = _job(service, video_id)
     api.check_text("prompt", body.prompt)
-    raise api.ApiError(400, f"remix of {video_id!r}: remixing needs video-to-video, which this server does not "
-                       "offer yet; create a new video with POST /v1/videos", "video_id", code="unsupported")
+    return shown(service.remix(row, body))
 
   @app.post("/v1/videos/{video_id}/cancel", dependencies=[auth], response_model=api.VideoObject,
             responses=errors(401, 404, 409), summary="Cancel a queued or running video")

@@ -1,21 +1,25 @@
-"""A job's `input_reference`: the first frame of an image-to-video or TI2V model, sent as a file part
-(or a base64 data URL), checked against the served model, decoded by the one image reader
-(`storage.images`: 16-bit, alpha, palette, CMYK, EXIF orientation) and kept in the data folder's
-`inputs/` under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so
-the worker and a restarted server read the very pixels the request sent.
+"""A job's `input_reference`: the first frame of an image-to-video or TI2V model, or the video a
+text-to-video model starts from (video-to-video, with the job's `strength`; also what `remix`
+gives a job: the finished job's video). Sent as a file part (or a base64 data URL), checked against
+the served model, decoded by the one image reader (`storage.images`: 16-bit, alpha, palette, CMYK,
+EXIF orientation) or video reader (`video_io.read_video`), and kept in the data folder's `inputs/`
+under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so the worker
+and a restarted server read the very pixels the request sent.
 
 What the loaded model cannot take is a 400 naming `input_reference` and the model: an image for a
-text-to-video model, a video (video-to-video is not available yet), a file that is not an image,
-a URL or a file id (no fetching: send the file itself); a missing image for an image-to-video model.
+text-to-video model, a video for an image-to-video or TI2V one, a file that is neither, a URL or a
+file id (no fetching: send the file itself); a missing image for an image-to-video model.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import os
 import re
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -59,21 +63,37 @@ def from_body(value: Any, upload: Upload | None) -> Upload | None:
   return Upload(data, None, match.group(1) or None)
 
 
-def decode(upload: Upload, facts: Any) -> np.ndarray:
-  """The reference's pixels, uint8 [H, W, 3] RGB as displayed, for the served model.
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """A decoded reference: `kind` "image" (pixels uint8 [H, W, 3]) or "video" (frames [F, H, W, 3],
+  uint8, or float32 in [0, 1] from a .npy)."""
+  kind: str
+  pixels: np.ndarray
+
+
+def decode(upload: Upload, facts: Any, max_frames: int) -> Decoded:
+  """The reference's pixels for the served model: an image (RGB as displayed) for an image-to-video
+  or TI2V model, a video (its first `max_frames` frames) for a text-to-video one.
 
   Raises:
     api.ApiError: 400 naming input_reference and the model (module docstring).
   """
+  model = f"model {facts.name!r}"
+  takes_image = facts.image_to_video or facts.expand_timesteps
+  if _is_video(upload):
+    if takes_image:
+      raise api.ApiError(400, f"input_reference {_name(upload)} is a video; {model} starts from an image (the "
+                         "first frame); send one image", "input_reference")
+    return Decoded("video", _video(upload, max_frames))
+  if not takes_image:
+    raise api.ApiError(400, f"input_reference: {model} is text-to-video: it takes a video to start from "
+                       "(video-to-video), not an image; send a video file, or the prompt alone", "input_reference")
+  return Decoded("image", _image(upload, model))
+
+
+def _image(upload: Upload, model: str) -> np.ndarray:
   import PIL.Image
 
-  model = f"model {facts.name!r}"
-  if not (facts.image_to_video or facts.expand_timesteps):
-    raise api.ApiError(400, f"input_reference: {model} is text-to-video and takes no reference; send the prompt "
-                       "alone, or serve an image-to-video or TI2V model", "input_reference")
-  if _is_video(upload):
-    raise api.ApiError(400, f"input_reference {_name(upload)} is a video; {model} takes an image (the first "
-                       "frame), and video-to-video is not available yet", "input_reference")
   try:
     with PIL.Image.open(io.BytesIO(upload.data)) as image:
       if image.size[0] * image.size[1] > MAX_PIXELS:
@@ -81,7 +101,7 @@ def decode(upload: Upload, facts: Any) -> np.ndarray:
                            f"server takes at most {MAX_PIXELS} pixels", "input_reference")
       if getattr(image, "n_frames", 1) > 1:
         raise api.ApiError(400, f"input_reference {_name(upload)} is animated ({image.n_frames} frames); {model} "
-                           "takes one image, and video-to-video is not available yet", "input_reference")
+                           "takes one image (the first frame)", "input_reference")
       image.load()
       return images.to_rgb(image).pixels
   except api.ApiError:
@@ -91,39 +111,64 @@ def decode(upload: Upload, facts: Any) -> np.ndarray:
                        "PNG, JPEG or WebP file", "input_reference") from e
 
 
-def require(facts: Any, given: bool) -> None:
+def _video(upload: Upload, max_frames: int) -> np.ndarray:
+  """A video upload's frames (written to a temporary file for the decoder)."""
+  suffix = ".webm" if upload.data[:4] == b"\x1aE\xdf\xa3" else ".avi" if upload.data[8:12] == b"AVI " else ".mp4"
+  with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, "reference" + suffix)
+    with open(path, "wb") as f:
+      f.write(upload.data)
+    try:
+      frames = video_io.read_video(path, max_frames=max_frames)
+    except ValueError as e:
+      raise api.ApiError(400, f"input_reference {_name(upload)} is not a video ffmpeg can read; send an mp4, "
+                         "webm, mov or avi file", "input_reference") from e
+  if frames.shape[1] * frames.shape[2] > MAX_PIXELS:
+    raise api.ApiError(400, f"input_reference {_name(upload)} is {frames.shape[2]}x{frames.shape[1]} pixels; this "
+                       f"server takes at most {MAX_PIXELS} pixels", "input_reference")
+  return frames
+
+
+def require(facts: Any, given: Decoded | None) -> None:
   """An image-to-video model's job must bring its first frame.
 
   Raises:
     api.ApiError: 400 naming input_reference and the model.
   """
-  if facts.image_to_video and not given:
+  if facts.image_to_video and given is None:
     raise api.ApiError(400, f"input_reference is required: model {facts.name!r} is image-to-video (every video "
                        "starts from an image); send one as a file part", "input_reference")
 
 
-def store(data_dir: str, pixels: np.ndarray) -> dict[str, str]:
-  """Writes the pixels as `inputs/<sha256>.png` (atomic; kept if already there) and returns the job's
-  `input_reference` record: {"sha256", "path"}."""
+def store(data_dir: str, given: Decoded) -> dict[str, str]:
+  """Writes the pixels as `inputs/<sha256>.png` (an image) or `.npy` (a video's frames), atomically,
+  kept if already there; returns the job's `input_reference` record: {"kind", "sha256", "path"}."""
   import PIL.Image
 
-  sha = digest(pixels)
-  path = os.path.join(data_dir, INPUTS, f"{sha}.png")
+  sha = digest(given.pixels)
+  path = os.path.join(data_dir, INPUTS, f"{sha}.{'png' if given.kind == 'image' else 'npy'}")
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with video_io.atomic_file(path, ".png", overwrite=True) as temp:
-      PIL.Image.fromarray(pixels).save(temp, format="PNG")
-  return {"sha256": sha, "path": path}
+    with video_io.atomic_file(path, os.path.splitext(path)[1], overwrite=True) as temp:
+      if given.kind == "image":
+        PIL.Image.fromarray(given.pixels).save(temp, format="PNG")
+      else:
+        with open(temp, "wb") as f:
+          np.save(f, given.pixels, allow_pickle=False)
+  return {"kind": given.kind, "sha256": sha, "path": path}
 
 
 def load(record: dict[str, str]) -> np.ndarray:
-  """A stored reference's pixels, uint8 [H, W, 3].
+  """A stored reference's pixels: uint8 [H, W, 3] (an image) or [F, H, W, 3] (a video).
 
   Raises:
     ValueError: the file is gone or holds other pixels than its name says.
   """
   try:
-    pixels = images.read_image(record["path"]).pixels
+    if record.get("kind", "image") == "image":
+      pixels = images.read_image(record["path"]).pixels
+    else:
+      pixels = np.load(record["path"], allow_pickle=False)
   except OSError as e:
     raise ValueError(f"the input_reference file {record['path']!r} cannot be read ({e})") from e
   if digest(pixels) != record["sha256"]:

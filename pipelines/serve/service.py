@@ -96,9 +96,11 @@ class Service:
 
   # --- what the routes call ---
 
-  def submit(self, body: api.VideoCreate, upload: Any = None) -> dict[str, Any]:
-    """Checks a request (its text, values and `input_reference`, `upload`: a `forms.Upload`) and
-    queues it; returns the job row. Nothing is stored for a request that is refused.
+  def submit(self, body: api.VideoCreate, upload: Any = None, *, given: Any = None,
+             remixed_from: str | None = None) -> dict[str, Any]:
+    """Checks a request (its text, values and `input_reference`: `upload`, a `forms.Upload`, or
+    `given`, already decoded) and queues it; returns the job row. Nothing is stored for a request
+    that is refused.
 
     Raises:
       api.ApiError: 400 naming the field; 429 when the queue is full; 503 when the model failed to load.
@@ -107,18 +109,52 @@ class Service:
       raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
     params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
                             max_prompt_chars=self.config.max_prompt_chars, fps=model_fps(self.facts.expand_timesteps))
-    reference = references.from_body(body.input_reference, upload)
-    pixels = None if reference is None else references.decode(reference, self.facts)
-    references.require(self.facts, pixels is not None)
-    _, notes = api.check_request(params, self.facts, self.config.mesh, image=pixels)
-    if pixels is not None:
-      params["input_reference"] = references.store(self.config.data_dir, pixels)
+    if given is None:
+      reference = references.from_body(body.input_reference, upload)
+      given = None if reference is None else references.decode(reference, self.facts, api.MAX_FRAMES)
+    references.require(self.facts, given)
+    if given is not None and given.kind == "video" and body.num_frames is None:
+      params["num_frames"] = (len(given.pixels) - 1) // self.facts.temporal_factor * self.facts.temporal_factor + 1
+    _, notes = api.check_request(params, self.facts, self.config.mesh, given)
+    if given is not None:
+      params["input_reference"] = references.store(self.config.data_dir, given)
+    if remixed_from is not None:
+      params["remixed_from_video_id"] = remixed_from
     row = self.store.add(params, api.batch_key(params), self.config.max_queue, warnings=notes)
     if row is None:
       raise api.ApiError(429, f"the queue is full ({self.config.max_queue} jobs); retry later", code="queue_full")
     if self.worker is not None:
       self.worker.wake.set()
     return row
+
+  def remix(self, row: dict[str, Any], remix: api.VideoRemix) -> dict[str, Any]:
+    """A new job from finished job `row`'s video (video-to-video) with `remix.prompt` and the row's
+    other settings (size, steps, guidance, shift, seed, LoRAs, format); returns its row.
+
+    Raises:
+      api.ApiError: 409 unless `row` is completed; 410 when its video is gone; 400 on a model that
+        cannot start from a video (image-to-video, TI2V) or as `submit`.
+    """
+    from pipelines.storage import video_io
+
+    video_id = row["id"]
+    if row["status"] != "completed":
+      raise api.ApiError(409, f"video {video_id!r} is {row['status']}; only a completed video can be remixed",
+                         "video_id", code="not_ready")
+    if self.facts.image_to_video or self.facts.expand_timesteps:
+      raise api.ApiError(400, f"remix needs video-to-video, and model {self.facts.name!r} starts from an image, "
+                         "not a video; create a new video with POST /v1/videos", "video_id", code="unsupported")
+    path = self.content_path(row)
+    if path is None:
+      raise api.ApiError(410, f"the file of video {video_id!r} is gone from the data folder", "video_id", code="gone")
+    p = row["params"]
+    body = api.VideoCreate(
+        prompt=remix.prompt, negative_prompt=p["negative_prompt"], size=f"{p['width']}x{p['height']}",
+        fps=p["fps"], num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
+        flow_shift=p["flow_shift"], seed=p["seed"], output_format=p["output_format"], lora=p["lora"],
+        strength=remix.strength)
+    frames = video_io.read_video(path, max_frames=api.MAX_FRAMES)
+    return self.submit(body, given=references.Decoded("video", frames), remixed_from=video_id)
 
   def retry_after(self) -> int:
     """Seconds a client should wait when the queue is full: the queue over the batch size times the
@@ -147,8 +183,9 @@ class Service:
     remove_outputs(self.config.data_dir, row)
     reference = (row.get("params") or {}).get("input_reference") or {}
     if reference.get("sha256") and not self.store.uses_reference(reference["sha256"]):
-      path = os.path.join(self.config.data_dir, references.INPUTS, f"{reference['sha256']}.png")
-      if os.path.exists(path):
+      folder = os.path.realpath(os.path.join(self.config.data_dir, references.INPUTS))
+      path = os.path.realpath(str(reference.get("path")))
+      if os.path.dirname(path) == folder and os.path.exists(path):
         os.remove(path)
 
   def health(self) -> dict[str, Any]:

@@ -270,12 +270,13 @@ def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> Generati
   Raises:
     ValueError: as `GenerationRequest.build` (a job's values were checked when it was queued).
   """
-  reference = jobs[0].get("input_reference")  # one per batch (`api.batch_key`)
-  image = None if reference is None else references.load(reference)
-  if image is None and facts.image_to_video:  # the warm-up: any first frame compiles the same programs
-    image = np.full((jobs[0]["height"], jobs[0]["width"], 3), 128, np.uint8)
+  record = jobs[0].get("input_reference")  # one per batch (`api.batch_key`)
+  reference = None if record is None else references.Decoded(record.get("kind", "image"), references.load(record))
+  if reference is None and facts.image_to_video:  # the warm-up: any first frame compiles the same programs
+    reference = references.Decoded("image", np.full((jobs[0]["height"], jobs[0]["width"], 3), 128, np.uint8))
   return GenerationRequest.build(facts, [p["prompt"] for p in jobs], [p["negative_prompt"] for p in jobs],
-                                 seed=[p["seed"] for p in jobs], image=image, **api.build_kwargs(jobs[0], mesh))
+                                 seed=[p["seed"] for p in jobs], **api.reference_kwargs(jobs[0], reference),
+                                 **api.build_kwargs(jobs[0], mesh))
 
 
 def output_paths(data_dir: str, row: dict[str, Any]) -> tuple[str, str]:

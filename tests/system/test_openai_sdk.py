@@ -80,10 +80,12 @@ def test_sdk_create_poll_list_download_remix_delete(server):
       first.id, variant="spritesheet").read())
   assert sheet_format == "JPEG" and sheet_w > 5 * 32 and sheet_h > 32  # the 5 frames side by side
 
-  with pytest.raises(openai.BadRequestError) as remixed:
-    client.videos.remix(first.id, prompt="the fox, at night")
-  error = remixed.value.body
-  assert error["param"] == "video_id" and "video-to-video" in error["message"], error
+  remixed = client.videos.remix(first.id, prompt="the fox, at night")
+  assert remixed.remixed_from_video_id == first.id and remixed.size == "32x32", remixed
+  remixed = client.videos.poll(remixed.id)
+  assert remixed.status == "completed", remixed
+  night = np.load(io.BytesIO(client.videos.download_content(remixed.id).read()))
+  assert night.shape == frames.shape and np.mean((night - frames) ** 2) > 1e-5  # a new video, from the old one
   with pytest.raises(openai.NotFoundError):
     client.videos.remix("video_" + "0" * 24, prompt="x")
 
@@ -105,10 +107,38 @@ def test_sdk_errors_are_openai_errors(server):
   assert bad.value.body["param"] == "size" and "multiple of 16" in bad.value.body["message"]
   with pytest.raises(openai.BadRequestError) as image:
     client.videos.create(prompt="x", input_reference=("first.png", _png(np.zeros((32, 32, 3), np.uint8)), "image/png"))
-  assert image.value.body["param"] == "input_reference" and "'tiny' is text-to-video" in image.value.body["message"]
+  error = image.value.body
+  assert error["param"] == "input_reference" and "'tiny' is text-to-video: it takes a video" in error["message"]
   with pytest.raises(openai.BadRequestError) as model:
     client.videos.create(prompt="x", model="sora-2")
   assert model.value.body["param"] == "model" and "serves 'tiny' only" in model.value.body["message"]
+
+
+def test_sdk_video_input_reference_runs_video_to_video(server, tmp_path):
+  """An mp4 sent as `input_reference` on a text-to-video model: a video-to-video job whose video
+  equals the Python call on the decoded frames at the job's strength; the frame count comes from
+  the video. Control: the same request at another strength gives another video."""
+  from pipelines.storage import video_io
+
+  service, client = server
+  y, x = np.mgrid[0:32, 0:32] / 32.0
+  source = np.stack([np.stack([x, y, np.full_like(x, 0.5)], -1)] * 5).astype(np.float32)
+  for f in range(5):
+    source[f, 10:20, 2 + 4 * f:12 + 4 * f] = (0.9, 0.2, 0.1)
+  video_io.write_video(source, str(tmp_path / "in.mp4"), fps=16)
+  upload = ("in.mp4", (tmp_path / "in.mp4").read_bytes(), "video/mp4")
+  extra = {"num_inference_steps": 4, "seed": 3, "strength": 0.5, "output_format": "npy"}
+  job = client.videos.create_and_poll(prompt="a red fox", size="32x32", input_reference=upload, extra_body=extra)
+  assert job.status == "completed" and job.model_extra["num_frames"] == 5, job
+  served = np.load(io.BytesIO(client.videos.download_content(job.id).read()))
+  frames = video_io.read_video(str(tmp_path / "in.mp4"))
+  pipe = service.worker.pipe
+  expected = pipe("a red fox", height=32, width=32, num_frames=5, num_inference_steps=4, seed=3, video=frames,
+                  strength=0.5)[0]
+  assert_psnr_at_least(served, expected, 80.0, name="served video-to-video vs the Python call")
+  other = client.videos.create_and_poll(prompt="a red fox", size="32x32", input_reference=upload,
+                                        extra_body={**extra, "strength": 1.0})
+  assert np.mean((np.load(io.BytesIO(client.videos.download_content(other.id).read())) - served) ** 2) > 1e-5
 
 
 def _png(pixels: np.ndarray) -> bytes:
