@@ -94,8 +94,8 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off (default: the "
                       "--preset's, 5 for tiny and a folder)")
   p.add_argument("--shift", type=float, default=None,
-                 help="scheduler flow shift (default: the --preset's, 3 for tiny, the scheduler config's for a "
-                      "folder)")
+                 help="scheduler flow shift, in [0.01, 1000] (Wan: 3 at 480p, 5 at 720p; default: the --preset's, "
+                      "3 for tiny, the scheduler config's for a folder)")
   p.add_argument("--scheduler", default=None, choices=("unipc", "euler", "dpm++"),
                  help="the sampler: unipc (Wan's default), dpm++ (DPM-Solver++ multistep, Wan's "
                       "--sample_solver dpm++) or euler (flow-match Euler, as lightx2v runs distilled "

@@ -149,14 +149,16 @@ class GenerationRequest:
                               shard_weights=shard_weights, attention_implementation=attention_implementation,
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
-    return cls(model=model, prompts=prompts, negative_prompts=negatives if cfg else None,
-               prompt_embeds=embeds, negative_prompt_embeds=negative_embeds if cfg else None,
-               num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
-               width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
-               scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
-               max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-               decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas),
-               video=source)
+    request = cls(model=model, prompts=prompts, negative_prompts=negatives if cfg else None,
+                  prompt_embeds=embeds, negative_prompt_embeds=negative_embeds if cfg else None,
+                  num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
+                  width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
+                  scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
+                  max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
+                  decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas),
+                  video=source)
+    _check_schedule(request)
+    return request
 
   # --- derived ---
 
@@ -272,6 +274,11 @@ class GenerationRequest:
     return first | ({} if self.image is None else self.image.digests()) | video
 
 
+# flow_shift's accepted range: beyond it float32 sigmas collapse (s = 1e7 puts every sigma within
+# 1e-7 of 1, s = 1e-30 every timestep at 0) and the solvers' tables turn singular.
+FLOW_SHIFT_RANGE = (0.01, 1000.0)
+
+
 # --- the checks, in diffusers' order ------------------------------------------------------------
 
 def _refuse_generator(generator: Any) -> None:
@@ -355,7 +362,32 @@ def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
   if flow_shift is None:
     return config
   shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
+  if not FLOW_SHIFT_RANGE[0] <= shift <= FLOW_SHIFT_RANGE[1]:
+    raise ValueError(f"flow_shift={flow_shift!r} must be in [{FLOW_SHIFT_RANGE[0]:g}, {FLOW_SHIFT_RANGE[1]:g}]: "
+                     "beyond, every sigma of the schedule rounds to 1 (or to 0) and the steps collapse into one "
+                     "timestep (Wan uses 1 to 12: 3.0 at 480p, 5.0 at 720p)")
   return schedulers.with_flow_shift(config, shift)
+
+
+def _check_schedule(request: GenerationRequest) -> None:
+  """The run's schedule and solver tables, computed now (host, numpy) so that a setting that makes
+  them singular or non-finite is refused before anything loads, not in the worker or after the
+  weights: the sigmas and timesteps finite and non-increasing, every coefficient finite.
+
+  Raises:
+    ValueError: naming flow_shift and num_inference_steps (and the custom schedule, when given).
+  """
+  what = (f"flow_shift={schedulers.flow_shift(request.scheduler):g} with num_inference_steps={request.steps}"
+          + (" and the given timesteps / sigmas" if request.timesteps or request.sigmas else ""))
+  try:
+    schedule = request.schedule()
+  except (ValueError, ArithmeticError, np.linalg.LinAlgError) as e:
+    raise ValueError(f"{what} gives no usable schedule ({e}); use a flow_shift in [1, 12] or fewer steps") from e
+  sigmas = np.asarray(schedule.sigmas, np.float64)
+  if not (np.isfinite(sigmas).all() and np.isfinite(np.asarray(schedule.timesteps, np.float64)).all()
+          and (np.diff(sigmas) <= 0).all()):
+    raise ValueError(f"{what} gives a schedule that is not finite and decreasing (sigmas {sigmas}); use a "
+                     "flow_shift in [1, 12]")
 
 
 def outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> str | None:

@@ -1,13 +1,16 @@
 """Tests for pipelines/pipeline/request.py: what `GenerationRequest.build` decides from the model's
-facts (`ModelFacts`) before any compute: the trained tiny default's one video size."""
+facts (`ModelFacts`) before any compute: the trained tiny default's one video size; a flow shift
+without a usable schedule (refused at build, for generate, the Python call and serve alike)."""
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 
 from pipelines.cli import generate, run_plan
+from pipelines.pipeline.request import GenerationRequest
 from tests.pipelines.cli.test_generate import PROMPT
 
 
@@ -31,3 +34,62 @@ def test_the_trained_default_warns_outside_its_one_video_size(tmp_path):
     warnings.simplefilter("always")
     run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv)))
   assert any("trained at 64x64 x 17 frames only" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("shift,words", [(1e7, "must be in [0.01, 1000]"), (1e30, "must be in [0.01, 1000]"),
+                                         (1e-30, "must be in [0.01, 1000]"), (-1, "must be a finite number > 0"),
+                                         (float("nan"), "must be a finite number > 0"),
+                                         (float("inf"), "must be a finite number > 0")])
+@pytest.mark.parametrize("scheduler", ["unipc", "euler", "dpm++"])
+def test_a_flow_shift_without_a_usable_schedule_is_refused_at_build(shift, words, scheduler):
+  """Every solver: refused by `build` (so generate, the Python call and serve refuse it before any
+  weight loads), naming flow_shift; it used to pass and fail in the worker ("Singular matrix")."""
+  import re
+
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  facts = ModelFacts.tiny_random("float32")
+  with pytest.raises(ValueError, match=rf"^flow_shift={re.escape(repr(shift))} {re.escape(words)}"):
+    GenerationRequest.build(facts, "x", height=32, width=32, num_frames=5, seed=0, flow_shift=shift,
+                            scheduler=scheduler)
+
+
+@pytest.mark.parametrize("shift", [0.01, 1.0, 12.0, 1000.0])
+def test_flow_shifts_in_range_give_finite_tables(shift):
+  """Positive control: the range's ends and Wan's values build, and their tables are finite."""
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  facts = ModelFacts.tiny_random("float32")
+  for scheduler in ("unipc", "euler", "dpm++"):
+    request = GenerationRequest.build(facts, "x", height=32, width=32, num_frames=5, seed=0, flow_shift=shift,
+                                      num_inference_steps=50, scheduler=scheduler)
+    schedule = request.schedule()
+    assert np.isfinite(schedule.sigmas).all() and (np.diff(schedule.sigmas) <= 0).all()
+    assert all(np.isfinite(t).all() for t in getattr(schedule, "coefficients", {}).values())
+
+
+def test_a_schedule_that_turns_singular_is_refused_naming_flow_shift(monkeypatch):
+  """The tables are computed at build: a solver failing on them is a ValueError naming flow_shift
+  and the steps (forced: the coefficient table raising as a singular solve would)."""
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.wan.schedulers import unipc
+
+  def singular(*args, **kwargs):
+    raise np.linalg.LinAlgError("Singular matrix")
+
+  monkeypatch.setattr(unipc, "_unipc_coefficients", singular)
+  with pytest.raises(ValueError, match=r"flow_shift=7 with num_inference_steps=9 gives no usable schedule "
+                                       r"\(Singular matrix\)"):
+    GenerationRequest.build(ModelFacts.tiny_random("float32"), "x", height=32, width=32, num_frames=5, seed=0,
+                            flow_shift=7.0, num_inference_steps=9, scheduler="unipc")
+
+
+def test_generate_refuses_a_huge_shift_before_loading(tmp_path, capsys, monkeypatch):
+  """`generate --shift 1e7`: exit 2 naming --shift, before any weight loads (it ended in a
+  traceback after the model loaded)."""
+  from pipelines.pipeline import wan_pipeline
+
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "tiny", lambda *a, **k: pytest.fail("loaded weights"))
+  argv = ["--prompt", PROMPT, "--shift", "1e7", "--steps", "2", "--out", str(tmp_path / "a.mp4")]
+  assert generate.main(argv) == 2
+  assert "--shift: flow_shift=10000000.0 must be in [0.01, 1000]" in capsys.readouterr().err

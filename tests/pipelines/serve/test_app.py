@@ -110,3 +110,16 @@ def test_a_row_that_cannot_be_read_does_not_break_the_list(unloaded):
   assert shown["video_" + "c" * 24]["prompt"] == "a red \ufffd square"  # sent as valid UTF-8
   assert client.get("/v1/videos/" + "video_" + "b" * 24).status_code == 200
   assert client.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("shift", ["1e7", "1e30", "1e-30", "-1", "NaN", "Infinity"])
+def test_a_flow_shift_without_a_usable_schedule_is_a_400(unloaded, shift):
+  """Checked when queued by the same `GenerationRequest.build` (it used to be queued and fail in the
+  worker): 400 naming flow_shift, nothing queued."""
+  service, client = unloaded
+  body = '{"prompt": "x", "size": "32x32", "num_frames": 5, "flow_shift": %s}' % shift
+  answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+  assert answer.status_code == 400 and answer.json()["error"]["param"] == "flow_shift", answer.text
+  form = client.post("/v1/videos", data={"prompt": "x", "size": "32x32", "flow_shift": shift.lower()})
+  assert form.status_code == 400 and form.json()["error"]["param"] == "flow_shift", form.text
+  assert service.store.counts()["queued"] == 0
