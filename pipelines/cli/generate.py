@@ -125,7 +125,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)
     return {}
   start = time.perf_counter()
-  out, sheet = write_outputs(plan, result.frames[0])
+  out, sheet = write_outputs(plan, result.frames[0], checked)
   times = timings(load_s, result.timings, time.perf_counter() - start)
   record = sidecar(checked, result, out=out, sheet=sheet, lora=pipe.lora_info(), times=times, cache=cache,
                    warnings_seen=warnings_seen)

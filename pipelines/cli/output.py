@@ -45,16 +45,26 @@ def mesh_text(request: Any) -> str:
   return str(spec) + (", weights sharded" if spec.shard_weights else "")
 
 
-def write_outputs(plan: Plan, frames: Any) -> tuple[str, str | None]:
-  """The video (one [F, H, W, 3] float array) to --out and, with --contact-sheet, its contact sheet;
-  returns (video path, sheet path or None). See `video_io.write_video` for the errors."""
+def write_outputs(plan: Plan, frames: Any, checked: Checked | None = None) -> tuple[str, str | None]:
+  """The video (one [F, H, W, 3] float array) to --out, tagged with the run's prompt and parameters
+  (`video_tags`) when `checked` is given, and, with --contact-sheet, its contact sheet; returns
+  (video path, sheet path or None). See `video_io.write_video` for the errors."""
+  tags = None if checked is None else video_tags(checked)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", video_io.FrameRateWarning)  # printed by plan_run, before compute
-    out = video_io.write_video(frames, plan.out, fps=plan.fps, overwrite=plan.overwrite)
+    out = video_io.write_video(frames, plan.out, fps=plan.fps, overwrite=plan.overwrite, metadata=tags)
   sheet = None
   if plan.contact_sheet:
     sheet = video_io.write_contact_sheet([frames], video_io.contact_sheet_path(out), overwrite=plan.overwrite)
   return out, sheet
+
+
+def video_tags(checked: Checked) -> dict[str, str]:
+  """The written video's text tags (`video_io.metadata_tags`): the prompt, and as JSON the request as
+  the run record holds it (`records.request_record`: prompt, negative prompt, model, size, frames,
+  steps, guidance, shift, seed, LoRAs, ...)."""
+  asked = records.request_record(checked.request, records.RunFacts.of(checked.plan))
+  return video_io.metadata_tags(asked["prompt"], {k: v for k, v in asked.items() if k not in ("out",)})
 
 
 def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[str, float]:

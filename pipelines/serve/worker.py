@@ -302,7 +302,10 @@ def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, re
   path, sidecar = output_paths(data_dir, row)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   start = time.perf_counter()
-  video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True)
+  tags = video_io.metadata_tags(p["prompt"], {**{k: v for k, v in p.items() if k != "input_reference"},
+                                              "model": pipe.facts.name, "id": row["id"],
+                                              "input_reference_sha256": (p.get("input_reference") or {}).get("sha256")})
+  video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True, metadata=tags)
   previews.write_previews(data_dir, row["id"], result.frames[index])
   timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
              "queued": float((row["started_at"] or row["created_at"]) - row["created_at"])}

@@ -326,9 +326,10 @@ def _ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) ->
   return done.stdout.decode(errors="replace")
 
 
-def _write_mp4(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
-  """H.264 (libx264, yuv420p, crf 10); returns (frames, height, width) as ffmpeg decodes the file
-  back (every frame, stopping at the first decoding error).
+def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
+  """H.264 (libx264, yuv420p, crf 10), `tags` as the container's metadata (`-metadata`); returns
+  (frames, height, width) as ffmpeg decodes the file back (every frame, stopping at the first
+  decoding error).
 
   imageio-ffmpeg's own writer neither reports ffmpeg's exit status nor raises when the encoder
   refuses its input (it leaves an empty file): ffmpeg runs here, its stderr kept for the error.
@@ -336,7 +337,8 @@ def _write_mp4(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int
   _, height, width, _ = frames.shape
   rate = fractions.Fraction(fps).limit_denominator(1_000_000)  # exact for 24000/1001 and the like
   _ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
-           "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10", "-f", "mp4", path],
+           "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
+           *[a for key, value in tags.items() for a in ("-metadata", f"{key}={value}")], "-f", "mp4", path],
           "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
   # framecrc: a "#dimensions 0: WxH" header, then one line per decoded frame.
   lines = _ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
@@ -346,14 +348,15 @@ def _write_mp4(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int
   return sum(1 for line in lines if line.strip() and not line.startswith("#")), height, width
 
 
-def _write_gif(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
-  """A looping GIF at `fps`, one a GIF stores (`write_video` rounds it with `gif_delay_cs`);
-  returns (frames, height, width) as Pillow decodes it back, counting each stored frame as its
-  delay / the delay sent."""
+def _write_gif(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
+  """A looping GIF at `fps`, one a GIF stores (`write_video` rounds it with `gif_delay_cs`), `tags`
+  as one comment extension (JSON); returns (frames, height, width) as Pillow decodes it back,
+  counting each stored frame as its delay / the delay sent."""
   from PIL import Image, ImageSequence
   delay_ms = 10 * round(100 / fps)
   images = [Image.fromarray(frame) for frame in to_uint8(frames)]
-  images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=delay_ms, loop=0)
+  comment = {"comment": json.dumps(tags, ensure_ascii=False).encode("utf-8")} if tags else {}
+  images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=delay_ms, loop=0, **comment)
   with Image.open(path) as gif:
     delays = []
     for frame in ImageSequence.Iterator(gif):
@@ -366,22 +369,27 @@ def _write_gif(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int
   return sum(delays) // delay_ms, height, width
 
 
-def _write_npy(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
-  """float32 frames; returns their (frames, height, width) if they read back bit-exact."""
-  del fps  # metadata only (the sidecar holds it)
+def _write_npy(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
+  """float32 frames; returns their (frames, height, width) if they read back bit-exact. A .npy holds
+  no metadata (the sidecar does)."""
+  del fps, tags
   np.save(path, frames)
   return _same(np.load(path), frames)
 
 
-def _write_frames(frames: np.ndarray, path: str, fps: float) -> tuple[int, int, int]:
-  """frame_00000.png, ... in the folder `path`; returns (frames, height, width) if they read back
-  bit-exact."""
+def _write_frames(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
+  """frame_00000.png, ... in the folder `path`, each with `tags` as iTXt chunks; returns (frames,
+  height, width) if they read back bit-exact."""
   import imageio.v3 as iio
+  from PIL import Image, PngImagePlugin
   del fps
   frames = to_uint8(frames)
   names = [os.path.join(path, f"frame_{i:05d}.png") for i in range(len(frames))]
+  info = PngImagePlugin.PngInfo()
+  for key, value in tags.items():
+    info.add_itxt(key, value)
   for name, frame in zip(names, frames):
-    iio.imwrite(name, frame)
+    Image.fromarray(frame).save(name, format="PNG", pnginfo=info)
   return _same(np.stack([iio.imread(name) for name in names]), frames)
 
 
@@ -392,12 +400,12 @@ def _same(stored: np.ndarray, sent: np.ndarray) -> tuple[int, int, int]:
   return sent.shape[:3]
 
 
-_WRITERS: dict[str, Callable[[np.ndarray, str, float], tuple[int, int, int]]] = {
+_WRITERS: dict[str, Callable[[np.ndarray, str, float, dict[str, str]], tuple[int, int, int]]] = {
     "mp4": _write_mp4, "gif": _write_gif, "npy": _write_npy, "frames": _write_frames}
 
 
 def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: bool = False,
-                odd_size: str = "error") -> str:
+                odd_size: str = "error", metadata: dict[str, str] | None = None) -> str:
   """Writes one video atomically after checking that it reads back; returns the path written.
 
   Args:
@@ -407,6 +415,9 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
       delay (`gif_delay_cs`, with a `FrameRateWarning` when inexact).
     overwrite: replace an existing output.
     odd_size: for an mp4 of odd height or width: "error", "pad" or "crop" (`check_frame_size`).
+    metadata: text tags for the file (`metadata_tags`: title and comment): the mp4's container
+      metadata, the GIF's comment, each PNG frame's iTXt chunks; none in a .npy. `read_metadata`
+      reads them back.
 
   Raises:
     OutputError: see `check_output` (the video's own path, checked before encoding and again just
@@ -429,7 +440,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
     fps = 100 / gif_delay_cs(fps)  # the nearest fps a GIF stores
   with atomic_file(path, "" if kind == "frames" else "." + kind, overwrite, folder=kind == "frames") as temp:
     try:
-      stored = tuple(_WRITERS[kind](frames, temp, fps))
+      stored = tuple(_WRITERS[kind](frames, temp, fps, dict(metadata or {})))
       if stored != frames.shape[:3]:
         raise EncodeError(f"the {kind} output reads back as {stored[0]} frames of {stored[2]}x{stored[1]}, "
                           f"not the {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]} sent")
@@ -438,6 +449,71 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
                                                   f"({type(e).__name__}: {e})")
       raise EncodeError(f"writing {path!r} failed; nothing was written there: {why}") from e
   return path
+
+
+def metadata_tags(prompt: str, parameters: dict[str, Any]) -> dict[str, str]:
+  """A video's text tags, as ComfyUI's SaveVideo writes its prompt: "title" the prompt, "comment"
+  the run's parameters as JSON (prompt, seed, size, steps, guidance, model, ...: enough to make it
+  again), "encoder" this package (ffmpeg keeps its own in an mp4)."""
+  from importlib import metadata as package_metadata
+
+  try:
+    version = package_metadata.version("wan-usp-jax")
+  except package_metadata.PackageNotFoundError:
+    version = "source"
+  return {"title": prompt, "comment": json.dumps(parameters, ensure_ascii=False, default=str, sort_keys=True),
+          "software": f"wan-usp-jax {version}"}
+
+
+def read_metadata(path: str) -> dict[str, str]:
+  """The text tags of a video `write_video` wrote (`metadata_tags`): an mp4's container metadata
+  (ffmpeg's own "encoder" tag included), a GIF's comment, a frame folder's first PNG's text chunks;
+  {} for a .npy.
+
+  Raises:
+    EncodeError: ffmpeg cannot read the mp4.
+  """
+  kind = output_kind(path)
+  if kind == "npy":
+    return {}
+  if kind == "gif":
+    from PIL import Image
+    with Image.open(path) as gif:
+      comment = gif.info.get("comment")
+    return json.loads(comment.decode("utf-8")) if comment else {}
+  if kind == "frames":
+    from PIL import Image
+    with Image.open(os.path.join(path, "frame_00000.png")) as frame:
+      return {k: str(v) for k, v in frame.text.items()}
+  return _parse_ffmetadata(_ffmpeg(["-i", path, "-f", "ffmetadata", "-"], "reading the mp4's metadata"))
+
+
+def _parse_ffmetadata(text: str) -> dict[str, str]:
+  """ffmpeg's ffmetadata text (";FFMETADATA1", then key=value lines; '=', ';', '#', '\\' and newlines
+  escaped with a backslash) as a dict of the global section."""
+  tags: dict[str, str] = {}
+  lines, current, escaped = [], [], False
+  for ch in text:
+    if escaped:
+      current.append(("\\", ch))
+      escaped = False
+    elif ch == "\\":
+      escaped = True
+    elif ch == "\n":
+      lines.append(current)
+      current = []
+    else:
+      current.append(("", ch))
+  lines.append(current)
+  for line in lines:
+    if not line or (line[0] == ("", ";") or line[0] == ("", "#")):
+      continue
+    if line[0] == ("", "["):
+      break  # a stream or chapter section: the global tags are done
+    split = next((i for i, item in enumerate(line) if item == ("", "=")), None)
+    if split is not None:
+      tags["".join(c for _, c in line[:split])] = "".join(c for _, c in line[split + 1:])
+  return tags
 
 
 def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> str:

@@ -71,6 +71,9 @@ def test_sdk_create_poll_list_download_remix_delete(server):
   assert frames.shape == (5, 32, 32, 3) and frames.std() > 0.01
   mp4 = client.videos.download_content(second.id, variant="video").read()
   assert mp4[4:8] == b"ftyp", mp4[:16]  # the video itself
+  from pipelines.storage import video_io
+  tags = video_io.read_metadata(service.content_path(service.store.get(second.id)))
+  assert tags["title"] == "a blue bird" and json.loads(tags["comment"])["seed"] == 8, tags  # as generate tags it
   thumbnail = client.videos.download_content(first.id, variant="thumbnail").read()
   assert _image("thumbnail", thumbnail) == ("WEBP", (32, 32))
   import PIL.Image

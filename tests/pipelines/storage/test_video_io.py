@@ -128,3 +128,26 @@ def test_gif_of_repeated_frames_reads_back(tmp_path):
   video_io.write_video(frames, str(tmp_path / "clip.gif"), fps=10)
   with Image.open(tmp_path / "clip.gif") as gif:
     assert [frame.info["duration"] for frame in ImageSequence.Iterator(gif)] == [300, 200]
+
+
+TRICKY_PROMPT = 'a "red" fox; = \\ back\nslash, ünïcödé 日本 🦊 # not a comment'
+
+
+@pytest.mark.parametrize("name", ["v.mp4", "v.gif", "frames"])
+def test_metadata_tags_round_trip_exactly(tmp_path, name):
+  """The prompt and parameters come back exactly from each tagged format (quotes, '=', ';', '#',
+  backslash, newline, non-ASCII); positive control: another prompt gives other tags; a .npy has none."""
+  import json
+
+  frames = np.random.default_rng(0).random((3, 16, 16, 3), np.float32)
+  parameters = {"prompt": TRICKY_PROMPT, "seed": 7, "steps": 4, "size": "16x16"}
+  path = str(tmp_path / name)
+  video_io.write_video(frames, path, fps=20, metadata=video_io.metadata_tags(TRICKY_PROMPT, parameters))
+  tags = video_io.read_metadata(path)
+  assert tags["title"] == TRICKY_PROMPT and json.loads(tags["comment"]) == parameters, tags
+  other = str(tmp_path / ("other_" + name))
+  video_io.write_video(frames, other, fps=20, metadata=video_io.metadata_tags("a cat", {"seed": 7}))
+  assert video_io.read_metadata(other)["title"] == "a cat"
+  npy = str(tmp_path / "v.npy")
+  video_io.write_video(frames, npy, fps=20, metadata=video_io.metadata_tags("x", {}))
+  assert video_io.read_metadata(npy) == {}
