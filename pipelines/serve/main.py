@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.commands.flags import UsageError
+from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
 
 
@@ -158,18 +159,20 @@ def main(argv: list[str] | None = None) -> int:
   except (UsageError, OSError, DistributedError) as e:
     print(f"serve: error: {e}", file=sys.stderr)
     return 1 if isinstance(e, DistributedError) else 2
+  events.configure(config.log_level)
   if config.public() and config.api_key is None:
-    print(f"serve: warning: listening on {config.host} without --api-key: anyone who reaches this port can "
-          "queue videos", file=sys.stderr)
+    events.log().warning(f"warning: listening on {config.host} without --api-key: anyone who reaches this port "
+                         "can queue videos")
   service.start()
   # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again once it has restored
   # these handlers: leaving through `finally` stops the worker (the running batch left to resume).
   for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, _exit_cleanly)
-  print(f"serve: http://{config.host}:{config.port}/ (model {service.facts.name}, mesh {config.mesh or 'one device'}, "
-        f"data {config.data_dir}); /health says when the model is ready", file=sys.stderr, flush=True)
+  events.log().info(f"listening at {service.url} (model {service.facts.name}, mesh {config.mesh or 'one device'}, "
+                       f"data {config.data_dir}); /health says when the model is ready")
   try:
-    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.log_level in ("debug", "info"))
   finally:
     service.stop()  # a multi-process server's worker tells the others to stop
     if config.processes is not None:

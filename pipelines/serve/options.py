@@ -28,10 +28,13 @@ Serve Wan videos over HTTP: a queue of generation jobs (OpenAI's Videos API) and
 """
 EPILOG = f"""\
 It listens at once while the model loads and the --warmup shapes compile (GET /health: 503 until
-ready); jobs queued meanwhile wait. Then: POST /v1/videos {{"prompt": ..., "size": "64x64", ...}},
-GET /v1/videos/ID, GET /v1/videos/ID/content, POST /v1/videos/ID/cancel, DELETE /v1/videos/ID, GET
-/metrics. Jobs, videos and checkpoints live in --data-dir: a server killed and started again on it
-loses nothing. It listens on 127.0.0.1 unless --host says otherwise; --api-key (or ${API_KEY_ENV})
+ready; it prints each stage, then a ready line and one line per job); jobs queued meanwhile wait.
+The official openai SDK works unchanged (OpenAI(base_url="http://HOST:PORT/v1").videos.create(...),
+create_and_poll, list, download_content, remix, delete); the schema is at /openapi.json and /docs.
+Or: POST /v1/videos {{"prompt": ..., "size": "64x64", ...}} (JSON or multipart, with an
+input_reference file), GET /v1/videos/ID, GET /v1/videos/ID/content, POST /v1/videos/ID/cancel,
+DELETE /v1/videos/ID, GET /metrics. Jobs, videos and checkpoints live in --data-dir: a server killed
+and started again on it loses nothing. It listens on 127.0.0.1 unless --host says otherwise; --api-key (or ${API_KEY_ENV})
 requires 'Authorization: Bearer KEY'.
 
 Multi-host: start the same command on every process with --coordinator HOST:PORT --num-processes N
@@ -64,6 +67,7 @@ class ServeConfig:
     max_prompt_chars, max_body_bytes: request limits checked before anything is queued.
     max_upload_bytes: the most a multipart body (an input_reference file) may add to max_body_bytes.
     docs: publish /openapi.json and its pages (/docs, /redoc).
+    log_level: serve's own lines and uvicorn's (its access log shows at "info" and "debug").
     compile_cache: JAX's persistent compilation cache folder, or None (off).
     processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
     decode_compile_effort: `CallOptions.decode_compile_effort` of every job and of the warm-up.
@@ -84,6 +88,7 @@ class ServeConfig:
   max_body_bytes: int = 64 * 1024
   max_upload_bytes: int = 32 * 2 ** 20
   docs: bool = True
+  log_level: str = "info"
   compile_cache: str | None = None
   processes: Any = None
   decode_compile_effort: float | None = None
@@ -102,6 +107,8 @@ class ServeConfig:
       check_compile_effort(self.decode_compile_effort, "tpu")
     except ValueError as e:
       raise UsageError(f"--decode-compile-effort: {e}") from e
+    if self.log_level not in ("debug", "info", "warning", "error"):
+      raise UsageError(f"--log-level {self.log_level!r} must be debug, info, warning or error")
     if self.dtype not in ("float32", "bfloat16"):
       raise UsageError(f"--dtype {self.dtype!r} must be float32 or bfloat16")
     if self.api_key is not None and len(self.api_key) < 8:
@@ -145,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-upload-mb", type=float, default=32.0, metavar="MB",
                  help="largest input_reference file a request may send, in MiB")
   p.add_argument("--no-docs", action="store_true", help="do not publish /openapi.json, /docs and /redoc")
+  p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                 help="what serve prints: loading, warm-up, ready and per-job lines and uvicorn's access log at "
+                      "info; warnings and errors only at warning")
   add_decode_effort_flag(p)
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help=f"JAX's persistent compilation cache, as generate's (default: ${compile_cache.ENV}, else "
@@ -205,7 +215,7 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
       compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes,
       decode_compile_effort=args.decode_compile_effort, max_upload_bytes=_megabytes(args.max_upload_mb),
-      docs=not args.no_docs)
+      docs=not args.no_docs, log_level=args.log_level)
 
 
 def _megabytes(value: float) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pipelines.commands.presets import model_fps
-from pipelines.serve import api, previews, references
+from pipelines.serve import api, events, previews, references
 from pipelines.serve.store import JobStore
 from pipelines.serve.worker import Worker, remove_outputs, warm
 
@@ -75,19 +75,33 @@ class Service:
       threading.Thread(target=self._boot, name="wan-serve-load", daemon=True).start()
 
   def _boot(self) -> None:
+    log = events.log()
     try:
       self.state = "loading"
+      log.info(f"loading model {self.facts.name} ({self.config.dtype}) ...")
+      started = time.perf_counter()
       pipe = self.load()
       pipe.set_progress_bar_config(disable=True)
+      log.info(f"model loaded in {time.perf_counter() - started:.1f} s")
       self.worker = Worker(pipe, self.config, self.store, self.metrics, channel=self.channel)
       self.state = "warming up"
       warm(pipe, self.config)
       self.worker.start()
       self.state = "ready"
       self.ready.set()
+      docs = ", schema at /docs" if self.config.docs else ""
+      log.info(f"ready at {self.url} (model {self.facts.name}, mesh {self.config.mesh or 'one device'}): "
+               f"POST /v1/videos{docs}; {self.store.counts()['queued']} job(s) queued")
     except Exception as e:  # noqa: BLE001 -- reported by /health, the server stays up to say so
       traceback.print_exc()
       self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+      log.error(f"the model failed to load ({self.error}); /health says so, POST /v1/videos answers 503")
+
+  @property
+  def url(self) -> str:
+    """The page's URL, as the server listens (`config.host`, `config.port`)."""
+    host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+    return f"http://{host}:{self.config.port}/"
 
   def stop(self) -> None:
     if self.worker is not None:

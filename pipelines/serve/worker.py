@@ -31,7 +31,7 @@ from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
-from pipelines.serve import api, multihost, previews, references
+from pipelines.serve import api, events, multihost, previews, references
 from pipelines.storage import video_io
 
 
@@ -183,16 +183,24 @@ class Worker:
       shutil.rmtree(folder, ignore_errors=True)
       return
     started = time.perf_counter()
+    running = [r for r in rows if r["id"] in live]
+    for row in running:
+      events.log().info(events.job_line(row, "started", batch=len(running)))
     try:
       request, result = self._generate(rows, live, folder)
     except ServerStopping:
       return  # in_progress with its checkpoint: the next start resumes it
     except BatchCancelled:
       self.metrics.finished("cancelled", len(live))
+      for row in running:
+        events.log().info(events.job_line(row, "cancelled", seconds=time.perf_counter() - started))
     except Exception as e:  # noqa: BLE001 -- a failing job must not stop the server; its message is kept
       traceback.print_exc()
       self.store.fail(live, f"{type(e).__name__}: {e}")
       self.metrics.finished("failed", len(live))
+      for row in running:
+        events.log().error(events.job_line(row, "failed", seconds=time.perf_counter() - started,
+                                           batch=len(running), error=f"{type(e).__name__}: {e}"))
     else:
       self._write_outputs(rows, request, result, time.perf_counter() - started)
     shutil.rmtree(folder, ignore_errors=True)
@@ -256,11 +264,14 @@ class Worker:
       except Exception as e:  # noqa: BLE001 -- the encoder failing fails this job only
         self.store.fail([row["id"]], f"{type(e).__name__}: {e}")
         self.metrics.finished("failed", 1)
+        events.log().error(events.job_line(row, "failed", seconds=seconds, error=f"{type(e).__name__}: {e}"))
         continue
       if self.store.complete(row["id"], path, timings):
         self.metrics.finished("completed", 1, seconds=seconds)
+        events.log().info(events.job_line(row, "completed", seconds=seconds, batch=len(rows)))
       else:
         remove_outputs(self.config.data_dir, row)
+        events.log().info(events.job_line(row, "cancelled", seconds=seconds))
 
 
 def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> GenerationRequest:
@@ -328,11 +339,14 @@ def warm(pipe: Any, config: Any) -> None:
     pipe._interrupt = True  # diffusers' documented early stop: the rest of the steps skipped, decode runs
     return {}
 
-  for width, height, frames, steps in config.warmup:
+  shapes = [(shape, size) for shape in config.warmup for size in range(1, config.max_batch + 1)]
+  for i, ((width, height, frames, steps), size) in enumerate(shapes):
     params = {"prompt": "warm-up", "negative_prompt": "", "width": width, "height": height, "num_frames": frames,
               "num_inference_steps": preset.steps if steps is None else steps, "guidance_scale": preset.guidance[0],
               "flow_shift": None, "seed": 0}
-    for size in range(1, config.max_batch + 1):
-      request = batch_request(pipe.facts, [params] * size, config.mesh)
-      pipe.generate(request, CallOptions(progress=False, callback=after_first_step,
-                                         decode_compile_effort=config.decode_compile_effort))
+    started = time.perf_counter()
+    request = batch_request(pipe.facts, [params] * size, config.mesh)
+    pipe.generate(request, CallOptions(progress=False, callback=after_first_step,
+                                       decode_compile_effort=config.decode_compile_effort))
+    events.log().info(f"warm-up {i + 1}/{len(shapes)}: {width}x{height} x {request.num_frames} frames, "
+                      f"{params['num_inference_steps']} steps, batch {size}: {time.perf_counter() - started:.1f} s")
