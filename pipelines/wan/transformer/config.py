@@ -53,7 +53,9 @@ class WanTransformerConfig:
     image_dim: width of the CLIP image states (1280 for Wan 2.1 I2V / FLF2V), None without the
       image branch (T2V, Wan 2.2 I2V A14B).
     added_kv_proj_dim: input width of the cross-attention's image keys / values (`add_k_proj`,
-      `add_v_proj`); D when `image_dim` is set, else None.
+      `add_v_proj`); D for Wan 2.1 I2V / FLF2V. None with `image_dim` set (diffusers' own
+      image-to-video test model): the embedded image tokens join the text context and go through
+      `to_k` / `to_v` with it (`image_in_context`).
     pos_embed_seq_len: image tokens of the image embedder's learned positions (FLF2V: 2 x 257 for
       the first and last frame), None otherwise.
   """
@@ -101,9 +103,9 @@ class WanTransformerConfig:
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r} must be None or a positive int")
-    if (self.image_dim is None) != (self.added_kv_proj_dim is None):
-      raise ValueError(f"{self.image_dim=} and {self.added_kv_proj_dim=} must be set together (the image "
-                       "embedder feeds the cross-attention's image keys / values)")
+    if self.added_kv_proj_dim is not None and self.image_dim is None:
+      raise ValueError(f"{self.added_kv_proj_dim=} needs image_dim (the image embedder feeds the "
+                       "cross-attention's image keys / values)")
     if self.added_kv_proj_dim not in (None, self.dim):
       raise ValueError(f"{self.added_kv_proj_dim=} must equal D={self.dim} (it projects the image embedder's "
                        "D-wide output)")
@@ -114,6 +116,13 @@ class WanTransformerConfig:
   def has_image_branch(self) -> bool:
     """The transformer takes CLIP image states (`encoder_hidden_states_image`): Wan 2.1 I2V / FLF2V."""
     return self.image_dim is not None
+
+  @property
+  def image_in_context(self) -> bool:
+    """The embedded image tokens join the text context ([image; text], one set of K/V by `to_k` /
+    `to_v`) instead of their own `add_k_proj` / `add_v_proj` keys: `image_dim` without
+    `added_kv_proj_dim`, as diffusers' `WanTransformer3DModel` runs it."""
+    return self.image_dim is not None and self.added_kv_proj_dim is None
 
   @property
   def dim(self) -> int:
@@ -201,7 +210,8 @@ def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
                                   "proj_out": dense(i, d), "norm2": {"weight": (d,), "bias": (d,)}}
     if config.pos_embed_seq_len is not None:
       embedder["image_embedder"]["pos_embed"] = (config.pos_embed_seq_len, i)
-    blocks["attn2"].update(add_k_proj=dense(d, d, (z,)), add_v_proj=dense(d, d, (z,)), norm_added_k=(z, d))
+    if not config.image_in_context:
+      blocks["attn2"].update(add_k_proj=dense(d, d, (z,)), add_v_proj=dense(d, d, (z,)), norm_added_k=(z, d))
   return {
       "patch_embedding": {"kernel": (pt, ph, pw, config.in_channels, d), "bias": (d,)},
       "condition_embedder": embedder,

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer.sequence_layout import SequenceLayout
@@ -36,11 +37,14 @@ class TextKV:
     image_k_ZBPNH, image_v_ZBPNH: the image's (`add_k_proj`, `norm_added_k`, `add_v_proj` of the
       embedded CLIP states), [Z, B, P, N, H] laid out as the text's; None when not held (no image
       branch, or the forward is given the image states and computes them itself).
+    image_in_text: the text K/V are of [image; text] (a transformer whose image tokens join the
+      context, `config.image_in_context`: L counts the P image tokens first). Static.
   """
   k_ZBLNH: jax.Array
   v_ZBLNH: jax.Array
   image_k_ZBPNH: jax.Array | None = None
   image_v_ZBPNH: jax.Array | None = None
+  image_in_text: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -49,8 +53,8 @@ class TextKV:
 
   @property
   def has_image(self) -> bool:
-    """Whether the image's K/V are held."""
-    return self.image_k_ZBPNH is not None
+    """Whether the image's K/V are held (apart, or within the text's)."""
+    return self.image_k_ZBPNH is not None or self.image_in_text
 
 
 def check_image_states(config: WanTransformerConfig, image: jax.Array | None, batch: int) -> None:
@@ -114,6 +118,9 @@ def text_kv(model: Any, encoder_hidden_states: jax.Array, plan: ParallelPlan | N
   layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
   text_BLD = layout.constrain_rows(model.condition_embedder.text_embedder(text.astype(model.dtype)))
   image_BPD = None if image is None else _embed_image(model, layout, image)
+  if image_BPD is not None and config.image_in_context:  # diffusers: concat([image, text]) as the context
+    context = layout.constrain_rows(jnp.concatenate([image_BPD, text_BLD], axis=1))
+    return TextKV(*_scan_kv(model, layout, context, None), image_in_text=True)
   return TextKV(*_scan_kv(model, layout, text_BLD, image_BPD))
 
 
@@ -133,6 +140,9 @@ def image_kv(model: Any, kv: TextKV, encoder_hidden_states_image: jax.Array, pla
   """
   if kv.has_image:
     raise ValueError("these K/V hold the image's already")
+  if model.config.image_in_context:
+    raise ValueError("this transformer attends the image tokens as part of the text context (image_dim without "
+                     "added_kv_proj_dim): compute its K/V with text_kv(..., encoder_hidden_states_image=...)")
   check_image_states(model.config, encoder_hidden_states_image, kv.shape[1])
   layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
   image_k, image_v = _scan_kv(model, layout, None, _embed_image(model, layout, encoder_hidden_states_image))

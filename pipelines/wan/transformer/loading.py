@@ -64,7 +64,7 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
     block += _linear(f"{attn}.to_out.0", (attn, "to_out"), d, d)
     block += [(f"{attn}.norm_q.weight", (d,), (attn, "norm_q"), _COPY),
               (f"{attn}.norm_k.weight", (d,), (attn, "norm_k"), _COPY)]
-  if config.has_image_branch:
+  if config.has_image_branch and not config.image_in_context:
     block += _linear("attn2.add_k_proj", ("attn2", "add_k_proj"), d, d)
     block += _linear("attn2.add_v_proj", ("attn2", "add_v_proj"), d, d)
     block += [("attn2.norm_added_k.weight", (d,), ("attn2", "norm_added_k"), _COPY)]

@@ -104,7 +104,7 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
     if text.shape != want or text.v_ZBLNH.shape != text.k_ZBLNH.shape:
       raise ValueError(f"text K/V must be [Z, B, L, N, H]={want}, got {text.shape} (compute them with "
                        "text_kv of this model and these rows)")
-    image = None if not text.has_image else (text.image_k_ZBPNH.shape, text.image_v_ZBPNH.shape)
+    image = None if text.image_k_ZBPNH is None else (text.image_k_ZBPNH.shape, text.image_v_ZBPNH.shape)
     if image is not None and (image[0] != image[1] or image[0][:2] != want[:2] or image[0][3:] != want[3:]):
       raise ValueError(f"image K/V must be [Z, B, P, N, H] with (Z, B)={want[:2]} and (N, H)={want[3:]}, "
                        f"got {image} (compute them with text_kv of this model and these rows)")

@@ -4,10 +4,11 @@ image branch, the CLIP vision encoder, the condition latents and mask).
 Reference: tiny diffusers `WanImageToVideoPipeline`s (random weights, ByT5 tokenizer, a tiny
 transformers CLIP vision model and `CLIPImageProcessor`, so nothing is downloaded) saved with
 `save_pretrained` and read back by `WanImageToVideoPipeline.from_pretrained`; both run with the same
-explicit latents, prompts, images and settings, fp32. Three kinds, one folder each: Wan 2.1 I2V
-(CLIP branch, UniPC), Wan 2.1 FLF2V (CLIP branch with two-frame `pos_embed`, first and last image)
-and Wan 2.2 I2V A14B (36-channel experts without an image branch, boundary 0.9, two guidance
-scales, flow-match Euler). Text length 512: diffusers' attention splits image from text states by
+explicit latents, prompts, images and settings, fp32. Four kinds, one folder each: Wan 2.1 I2V
+(CLIP branch, UniPC), Wan 2.1 FLF2V (CLIP branch with two-frame `pos_embed`, first and last image),
+Wan 2.2 I2V A14B (36-channel experts without an image branch, boundary 0.9, two guidance scales,
+flow-match Euler), and diffusers' own I2V test model (`image_dim` without `added_kv_proj_dim`: the
+embedded image tokens join the text context). Text length 512: diffusers' attention splits image from text states by
 assuming it. Latent grid F=3, Hl=6, Wl=10 (45 tokens: U * R = 4 pads).
 """
 
@@ -40,7 +41,7 @@ NEGATIVES = ["blurry", ""]
 SIZE = dict(height=48, width=80, num_frames=9)  # tests/pipelines/pipeline/test_wan_pipeline.py's size: the VAE programs are shared
 TEXT_LEN = 512
 CLIP_WIDTH = 24
-KINDS = ("i2v", "flf2v", "a14b")
+KINDS = ("i2v", "flf2v", "a14b", "i2v-context")  # i2v-context: diffusers' own test model (image_dim, no added K/V)
 
 
 def psnr(a, b) -> float:
@@ -68,8 +69,8 @@ def _clip(with_projection: bool):
 def _save(kind: str, folder: str) -> None:
   torch.manual_seed(0)
   base = dataclasses.replace(pretrained.TINY_TRANSFORMER, in_channels=36, out_channels=16)
-  if kind != "a14b":
-    base = dataclasses.replace(base, image_dim=CLIP_WIDTH, added_kv_proj_dim=base.dim,
+  if kind != "a14b":  # i2v-context: the image tokens join the text context, as diffusers' I2V test builds it
+    base = dataclasses.replace(base, image_dim=CLIP_WIDTH, added_kv_proj_dim=None if kind == "i2v-context" else base.dim,
                                pos_embed_seq_len=34 if kind == "flf2v" else None)
   experts = [diffusers.WanTransformer3DModel(**base.to_dict()) for _ in range(2 if kind == "a14b" else 1)]
   for i, expert in enumerate(experts):
