@@ -183,8 +183,7 @@ class DPMSolverSchedule:
     Raises:
       ValueError: `start` outside [0, N).
     """
-    if not 0 <= start < len(self.timesteps):
-      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    flow_schedule.check_tail_start(start, len(self.timesteps))
     sigmas = self.sigmas[start:]
     return DPMSolverSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=sigmas,
                              coefficients=_coefficients(self.config, sigmas, total=len(self.timesteps)))

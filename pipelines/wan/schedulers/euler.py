@@ -91,8 +91,7 @@ class FlowEulerSchedule:
     Raises:
       ValueError: `start` outside [0, N).
     """
-    if not 0 <= start < len(self.timesteps):
-      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    flow_schedule.check_tail_start(start, len(self.timesteps))
     return FlowEulerSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=self.sigmas[start:])
 
   def init_state(self, sample_shape: Sequence[int] = (), dtype: Any = jnp.float32) -> "FlowEulerState":

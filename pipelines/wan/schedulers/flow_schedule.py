@@ -51,6 +51,16 @@ def check_multistep(num_train_timesteps: int, flow_shift: float, solver_order: i
     raise ValueError(f"{solver_order=} must be 1, 2 or 3")
 
 
+def check_tail_start(start: int, steps: int) -> None:
+  """A schedule's tail (`Schedule.tail`) starts at a step of it.
+
+  Raises:
+    ValueError: `start` outside [0, steps).
+  """
+  if not 0 <= start < steps:
+    raise ValueError(f"start={start} must be in [0, {steps})")
+
+
 def given_sigmas(sigmas: Sequence[float], n: int, dtype: Any) -> np.ndarray:
   """A copy of N sigmas in `dtype` (the caller checked their values with `custom_sigmas`).
 

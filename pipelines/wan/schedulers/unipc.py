@@ -256,8 +256,7 @@ class UniPCSchedule:
     Raises:
       ValueError: `start` outside [0, N).
     """
-    if not 0 <= start < len(self.timesteps):
-      raise ValueError(f"start={start} must be in [0, {len(self.timesteps)})")
+    flow_schedule.check_tail_start(start, len(self.timesteps))
     sigmas = self.sigmas[start:]
     return UniPCSchedule(config=self.config, timesteps=self.timesteps[start:], sigmas=sigmas,
                          coefficients=_unipc_coefficients(self.config, sigmas, offset=start))
