@@ -127,6 +127,9 @@ class Service:
       reference = references.from_body(body.input_reference, upload)
       given = None if reference is None else references.decode(reference, self.facts, api.MAX_FRAMES)
     references.require(self.facts, given)
+    if body.strength is not None and (given is None or given.kind != "video"):
+      raise api.ApiError(400, f"strength={body.strength!r} applies to video-to-video only: send a video as "
+                         "input_reference, or leave strength out", "strength")
     if given is not None and given.kind == "video" and body.num_frames is None:
       params["num_frames"] = (len(given.pixels) - 1) // self.facts.temporal_factor * self.facts.temporal_factor + 1
     _, notes = api.check_request(params, self.facts, self.config.mesh, given)

@@ -123,3 +123,11 @@ def test_a_flow_shift_without_a_usable_schedule_is_a_400(unloaded, shift):
   form = client.post("/v1/videos", data={"prompt": "x", "size": "32x32", "flow_shift": shift.lower()})
   assert form.status_code == 400 and form.json()["error"]["param"] == "flow_shift", form.text
   assert service.store.counts()["queued"] == 0
+
+
+def test_strength_without_a_video_is_refused(unloaded):
+  """strength is video-to-video's: alone it would be silently ignored, so it is a 400 naming it."""
+  service, client = unloaded
+  answer = client.post("/v1/videos", json={**SMALL, "prompt": "x", "strength": 0.5})
+  assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength", answer.text
+  assert service.store.counts()["queued"] == 0
