@@ -31,6 +31,7 @@ import json
 import math
 import numbers
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,6 +45,8 @@ VIDEO_SUFFIXES = (".mp4", ".gif", ".npy")
 FPS_RANGE = (1e-3, 1000.0)  # frames per second; a frame every 1000 s .. 1 ms
 ODD_SIZES = ("error", "pad", "crop")
 GIF_MAX_DELAY_CS = 65535  # a GIF frame delay is an unsigned 16-bit count of centiseconds
+TAG_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,78}")  # a PNG keyword's length; no '=' (ffmpeg's key=value)
+ARGV_TAG_BYTES = 65536  # a longer mp4 tag reaches ffmpeg through a file (Linux: one argument <= 128 KiB)
 
 
 class OutputError(ValueError):
@@ -327,25 +330,44 @@ def _ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) ->
 
 
 def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
-  """H.264 (libx264, yuv420p, crf 10), `tags` as the container's metadata (`-metadata`); returns
-  (frames, height, width) as ffmpeg decodes the file back (every frame, stopping at the first
-  decoding error).
+  """H.264 (libx264, yuv420p, crf 10), `tags` as the container's metadata (`_metadata_options`);
+  returns (frames, height, width) as ffmpeg decodes the file back (every frame, stopping at the
+  first decoding error).
 
   imageio-ffmpeg's own writer neither reports ffmpeg's exit status nor raises when the encoder
   refuses its input (it leaves an empty file): ffmpeg runs here, its stderr kept for the error.
   """
   _, height, width, _ = frames.shape
   rate = fractions.Fraction(fps).limit_denominator(1_000_000)  # exact for 24000/1001 and the like
-  _ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
-           "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
-           *[a for key, value in tags.items() for a in ("-metadata", f"{key}={value}")], "-f", "mp4", path],
-          "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
+  with tempfile.TemporaryDirectory(prefix="wan-tags.") as folder:
+    _ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
+             "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
+             *_metadata_options(tags, folder), "-f", "mp4", path],
+            "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
   # framecrc: a "#dimensions 0: WxH" header, then one line per decoded frame.
   lines = _ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
   lines = lines.splitlines()
   sizes = [line.split(":")[1].strip() for line in lines if line.startswith("#dimensions 0:")]
   width, height = (int(n) for n in sizes[0].split("x")) if sizes else (0, 0)
   return sum(1 for line in lines if line.strip() and not line.startswith("#")), height, width
+
+
+def _metadata_options(tags: dict[str, str], folder: str) -> list[str]:
+  """ffmpeg's output options that store `tags` (`check_tags`) exactly: `-metadata key=value`, or
+  for a tag over `ARGV_TAG_BYTES` of UTF-8, `-/metadata FILE` (the option's value read from a file
+  written in `folder`; ffmpeg >= 7.0, as imageio-ffmpeg ships). ffmpeg's ffmetadata input is no
+  way in: it cannot hold a value that ends in a backslash."""
+  options = []
+  for number, (key, value) in enumerate(tags.items()):
+    text = f"{key}={value}"
+    if len(text.encode("utf-8")) <= ARGV_TAG_BYTES:
+      options += ["-metadata", text]
+      continue
+    name = os.path.join(folder, f"tag_{number}.txt")
+    with open(name, "w", encoding="utf-8", newline="") as f:  # newline="": the text exactly
+      f.write(text)
+    options += ["-/metadata", name]
+  return options
 
 
 def _write_gif(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
@@ -415,13 +437,14 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
       delay (`gif_delay_cs`, with a `FrameRateWarning` when inexact).
     overwrite: replace an existing output.
     odd_size: for an mp4 of odd height or width: "error", "pad" or "crop" (`check_frame_size`).
-    metadata: text tags for the file (`metadata_tags`: title and comment): the mp4's container
-      metadata, the GIF's comment, each PNG frame's iTXt chunks; none in a .npy. `read_metadata`
-      reads them back.
+    metadata: text tags for the file (`metadata_tags`: title and comment; `check_tags`), stored
+      exactly: the mp4's container metadata, the GIF's comment (the tags as one JSON object), each
+      PNG frame's iTXt chunks; none in a .npy. `read_metadata` reads them back.
 
   Raises:
     OutputError: see `check_output` (the video's own path, checked before encoding and again just
-      before the rename), `check_fps` and `check_frame_size`; raised before anything is written.
+      before the rename), `check_fps`, `check_frame_size` and `check_tags`; raised before anything
+      is written.
     EncodeError: the encoder failed (the message holds ffmpeg's exit status and the first lines
       of its stderr), or the output does not read back with the frame count and size sent. The temporary
       file is removed; an existing output under `path` is left as it was.
@@ -429,6 +452,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
   """
   fps = check_fps(fps)
   check_output(path, overwrite=overwrite, sidecar=False)
+  tags = check_tags(metadata or {})
   kind = output_kind(path)
   path = path.rstrip(os.sep) or path
   frames = np.asarray(frames, np.float32)
@@ -440,7 +464,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
     fps = 100 / gif_delay_cs(fps)  # the nearest fps a GIF stores
   with atomic_file(path, "" if kind == "frames" else "." + kind, overwrite, folder=kind == "frames") as temp:
     try:
-      stored = tuple(_WRITERS[kind](frames, temp, fps, dict(metadata or {})))
+      stored = tuple(_WRITERS[kind](frames, temp, fps, tags))
       if stored != frames.shape[:3]:
         raise EncodeError(f"the {kind} output reads back as {stored[0]} frames of {stored[2]}x{stored[1]}, "
                           f"not the {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]} sent")
@@ -451,41 +475,78 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
   return path
 
 
+def check_tags(tags: dict[str, str]) -> dict[str, str]:
+  """`tags` as `write_video` stores them (a copy), if every format can hold them exactly.
+
+  Raises:
+    OutputError: a key not matching `TAG_KEY` (a letter, then letters, digits or '_'; at most 79:
+      a PNG keyword), or a value that is not a str, holds a NUL or is not UTF-8 (a lone surrogate).
+  """
+  for key, value in tags.items():
+    if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
+      raise OutputError(f"metadata key {key!r} must be a letter then up to 78 letters, digits or '_'")
+    if not isinstance(value, str):
+      raise OutputError(f"metadata {key!r} must be text, got {type(value).__name__}")
+    if "\0" in value:
+      raise OutputError(f"metadata {key!r} holds a NUL character, which no container tag keeps")
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise OutputError(f"metadata {key!r} is not UTF-8 text ({e})") from e
+  return dict(tags)
+
+
 def metadata_tags(prompt: str, parameters: dict[str, Any]) -> dict[str, str]:
   """A video's text tags, as ComfyUI's SaveVideo writes its prompt: "title" the prompt, "comment"
-  the run's parameters as JSON (prompt, seed, size, steps, guidance, model, ...: enough to make it
-  again), "encoder" this package (ffmpeg keeps its own in an mp4)."""
+  the run's parameters as one line of JSON (prompt, seed, size, steps, guidance, model, ...: enough to
+  make it again) with "software" ("wan-usp-jax 0.1.0") added unless given. The package goes into
+  the JSON because ffmpeg keeps its own "encoder" tag in an mp4 and drops unknown keys there."""
   from importlib import metadata as package_metadata
 
   try:
     version = package_metadata.version("wan-usp-jax")
   except package_metadata.PackageNotFoundError:
     version = "source"
-  return {"title": prompt, "comment": json.dumps(parameters, ensure_ascii=False, default=str, sort_keys=True),
-          "software": f"wan-usp-jax {version}"}
+  comment = {"software": f"wan-usp-jax {version}", **parameters}
+  return {"title": prompt, "comment": json.dumps(comment, ensure_ascii=False, default=str, sort_keys=True)}
 
 
 def read_metadata(path: str) -> dict[str, str]:
-  """The text tags of a video `write_video` wrote (`metadata_tags`): an mp4's container metadata
-  (ffmpeg's own "encoder" tag included), a GIF's comment, a frame folder's first PNG's text chunks;
-  {} for a .npy.
+  """The text tags of a video (`metadata_tags` where `write_video` wrote it): an mp4's container
+  metadata (with ffmpeg's own: "encoder", "major_brand", ...), a GIF's comment (another program's
+  comment that is no JSON object comes back as {"comment": its text}), a frame folder's first PNG's
+  text chunks; {} for a .npy.
 
   Raises:
+    OutputError: not a path `write_video` writes (`output_kind`).
     EncodeError: ffmpeg cannot read the mp4.
+    OSError: no such file (for a folder, no frame_00000.png).
   """
   kind = output_kind(path)
   if kind == "npy":
     return {}
   if kind == "gif":
-    from PIL import Image
-    with Image.open(path) as gif:
-      comment = gif.info.get("comment")
-    return json.loads(comment.decode("utf-8")) if comment else {}
+    return _gif_comment(path)
   if kind == "frames":
     from PIL import Image
     with Image.open(os.path.join(path, "frame_00000.png")) as frame:
       return {k: str(v) for k, v in frame.text.items()}
   return _parse_ffmetadata(_ffmpeg(["-i", path, "-f", "ffmetadata", "-"], "reading the mp4's metadata"))
+
+
+def _gif_comment(path: str) -> dict[str, str]:
+  """A GIF's comment extension as tags: `_write_gif`'s JSON object, else {"comment": the text}."""
+  from PIL import Image
+  with Image.open(path) as gif:
+    comment = gif.info.get("comment")
+  if not comment:
+    return {}
+  text = comment.decode("utf-8", errors="replace")
+  try:
+    tags = json.loads(text)
+  except json.JSONDecodeError:
+    return {"comment": text}
+  return {k: str(v) for k, v in tags.items()} if isinstance(tags, dict) else {"comment": text}
 
 
 def _parse_ffmetadata(text: str) -> dict[str, str]:

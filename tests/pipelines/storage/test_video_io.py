@@ -130,24 +130,63 @@ def test_gif_of_repeated_frames_reads_back(tmp_path):
     assert [frame.info["duration"] for frame in ImageSequence.Iterator(gif)] == [300, 200]
 
 
-TRICKY_PROMPT = 'a "red" fox; = \\ back\nslash, ünïcödé 日本 🦊 # not a comment'
+TRICKY_PROMPT = 'a "red" fox; = \\ back\nslash,\r\ttab ünïcödé 日本 🦊 # not a comment \\'  # ends in a backslash
+
+
+def _tagged(tmp_path, name: str, prompt: str, parameters: dict) -> dict[str, str]:
+  """Writes 3 frames of 16x16 to tmp_path/name tagged with `metadata_tags(prompt, parameters)`;
+  returns `read_metadata` of the file."""
+  frames = np.random.default_rng(0).random((3, 16, 16, 3), np.float32)
+  path = str(tmp_path / name)
+  video_io.write_video(frames, path, fps=20, metadata=video_io.metadata_tags(prompt, parameters))
+  return video_io.read_metadata(path)
 
 
 @pytest.mark.parametrize("name", ["v.mp4", "v.gif", "frames"])
 def test_metadata_tags_round_trip_exactly(tmp_path, name):
   """The prompt and parameters come back exactly from each tagged format (quotes, '=', ';', '#',
-  backslash, newline, non-ASCII); positive control: another prompt gives other tags; a .npy has none."""
+  backslashes (a last one too), newline, CR, tab, non-ASCII), with the package in the JSON;
+  positive control: another prompt gives other tags; a .npy has none."""
   import json
 
-  frames = np.random.default_rng(0).random((3, 16, 16, 3), np.float32)
-  parameters = {"prompt": TRICKY_PROMPT, "seed": 7, "steps": 4, "size": "16x16"}
-  path = str(tmp_path / name)
-  video_io.write_video(frames, path, fps=20, metadata=video_io.metadata_tags(TRICKY_PROMPT, parameters))
-  tags = video_io.read_metadata(path)
-  assert tags["title"] == TRICKY_PROMPT and json.loads(tags["comment"]) == parameters, tags
-  other = str(tmp_path / ("other_" + name))
-  video_io.write_video(frames, other, fps=20, metadata=video_io.metadata_tags("a cat", {"seed": 7}))
-  assert video_io.read_metadata(other)["title"] == "a cat"
-  npy = str(tmp_path / "v.npy")
-  video_io.write_video(frames, npy, fps=20, metadata=video_io.metadata_tags("x", {}))
-  assert video_io.read_metadata(npy) == {}
+  parameters = {"prompt": TRICKY_PROMPT, "seed": 7, "steps": 4, "size": "16x16", "guidance": [5.0]}
+  tags = _tagged(tmp_path, name, TRICKY_PROMPT, parameters)
+  comment = json.loads(tags["comment"])
+  assert tags["title"] == TRICKY_PROMPT and comment == {**parameters, "software": comment["software"]}, tags
+  assert comment["software"].startswith("wan-usp-jax "), comment
+  other = _tagged(tmp_path, "other_" + name, "a cat", {"seed": 8})
+  assert other["title"] == "a cat" and json.loads(other["comment"])["seed"] == 8 and other != tags
+  assert _tagged(tmp_path, "v.npy", "x", {}) == {}
+
+
+def test_mp4_tags_longer_than_an_argument_round_trip(tmp_path):
+  """A prompt over `ARGV_TAG_BYTES` (and its JSON, over Linux's 128 KiB for one argument) reaches
+  ffmpeg through a file and comes back exactly; positive control: at the limit it goes as an argument."""
+  import json
+
+  prompt = (TRICKY_PROMPT + " ") * 9000  # ~ 430 KB of UTF-8
+  assert len(prompt.encode("utf-8")) > 131072
+  tags = _tagged(tmp_path, "long.mp4", prompt, {"prompt": prompt, "negative_prompt": prompt})
+  assert tags["title"] == prompt and json.loads(tags["comment"])["negative_prompt"] == prompt
+  at_limit = "x" * (video_io.ARGV_TAG_BYTES - len("title="))
+  options = video_io._metadata_options({"title": at_limit, "comment": at_limit + "y"}, str(tmp_path))
+  assert options[:2] == ["-metadata", f"title={at_limit}"] and options[2] == "-/metadata", options[2:]
+
+
+@pytest.mark.parametrize("tags, why", [({"title": "a\0b"}, "NUL"), ({"title": "\ud800"}, "not UTF-8"),
+                                       ({"a=b": "x"}, "must be a letter"), ({"title": 5}, "must be text")])
+def test_tags_no_format_keeps_are_refused_before_writing(tmp_path, tags, why):
+  """A NUL, a lone surrogate, a key ffmpeg or PNG cannot hold, a value not text: OutputError, no file."""
+  frames = np.zeros((1, 16, 16, 3), np.float32)
+  with pytest.raises(video_io.OutputError, match=why):
+    video_io.write_video(frames, str(tmp_path / "v.mp4"), metadata=tags)
+  assert os.listdir(tmp_path) == []
+
+
+def test_another_programs_gif_comment_reads_as_text(tmp_path):
+  """A GIF comment that is not our JSON object comes back as {"comment": text}, not an error."""
+  path = tmp_path / "other.gif"
+  Image.new("RGB", (4, 4)).save(path, comment=b"made elsewhere; not JSON")
+  assert video_io.read_metadata(str(path)) == {"comment": "made elsewhere; not JSON"}
+  Image.new("RGB", (4, 4)).save(path, comment=b'["a list"]')
+  assert video_io.read_metadata(str(path)) == {"comment": '["a list"]'}
