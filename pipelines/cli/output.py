@@ -62,9 +62,10 @@ def write_outputs(plan: Plan, frames: Any, checked: Checked | None = None) -> tu
 def video_tags(checked: Checked) -> dict[str, str]:
   """The written video's text tags (`video_io.metadata_tags`): the prompt, and as JSON the request as
   the run record holds it (`records.request_record`: prompt, negative prompt, model, size, frames,
-  steps, guidance, shift, seed, LoRAs, ...)."""
+  steps, guidance, shift, seed, LoRAs, ...; not the output path) and the mesh (`mesh_text`)."""
   asked = records.request_record(checked.request, records.RunFacts.of(checked.plan))
-  return video_io.metadata_tags(asked["prompt"], {k: v for k, v in asked.items() if k not in ("out",)})
+  parameters = {**{k: v for k, v in asked.items() if k != "out"}, "mesh": mesh_text(checked.request)}
+  return video_io.metadata_tags(asked["prompt"], parameters)
 
 
 def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[str, float]:

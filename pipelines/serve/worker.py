@@ -304,19 +304,28 @@ def remove_outputs(data_dir: str, row: dict[str, Any]) -> None:
       os.remove(name)
 
 
+def job_tags(row: dict[str, Any], model: str, mesh: str | None) -> dict[str, str]:
+  """A job's video tags (`video_io.metadata_tags`, as `generate` tags its video): the prompt, and as
+  JSON the job's parameters (the input reference by its SHA-256, not its pixels), the model, the
+  mesh ("U=2,R=2"; None: one device) and the job's id."""
+  p = row["params"]
+  reference = p.get("input_reference") or {}
+  parameters = {**{k: v for k, v in p.items() if k != "input_reference"}, "model": model, "mesh": mesh,
+                "id": row["id"], "input_reference_sha256": reference.get("sha256")}
+  return video_io.metadata_tags(p["prompt"], parameters)
+
+
 def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, result: Any, index: int, pipe: Any,
               config: Any) -> tuple[str, dict[str, float]]:
-  """Writes video `index` of the batch's result as the job's output and its JSON sidecar (each
-  atomically, `video_io`; the settings of that video as run alone, `GenerationRequest.video_settings`);
-  returns (video path, the job's timings in seconds)."""
+  """Writes video `index` of the batch's result as the job's output, tagged (`job_tags`), and its
+  JSON sidecar (each atomically, `video_io`; the settings of that video as run alone,
+  `GenerationRequest.video_settings`); returns (video path, the job's timings in seconds)."""
   p = row["params"]
   path, sidecar = output_paths(data_dir, row)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   start = time.perf_counter()
-  tags = video_io.metadata_tags(p["prompt"], {**{k: v for k, v in p.items() if k != "input_reference"},
-                                              "model": pipe.facts.name, "id": row["id"],
-                                              "input_reference_sha256": (p.get("input_reference") or {}).get("sha256")})
-  video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True, metadata=tags)
+  video_io.write_video(result.frames[index], path, fps=p["fps"], overwrite=True,
+                       metadata=job_tags(row, pipe.facts.name, config.mesh))
   previews.write_previews(data_dir, row["id"], result.frames[index])
   timings = {**{k: float(v) for k, v in result.timings.items()}, "write": time.perf_counter() - start,
              "queued": float((row["started_at"] or row["created_at"]) - row["created_at"])}

@@ -54,6 +54,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   tags = video_io.read_metadata(str(out))  # the mp4 carries the prompt and parameters (ffmpeg shows them)
   parameters = json.loads(tags["comment"])
   assert tags["title"] == PROMPT and parameters["seed"] == 5 and parameters["steps"] == 2, tags
+  assert parameters["mesh"].startswith("U=2,R=2") and parameters["prompt"] == PROMPT and "out" not in parameters
   assert {"text_encode", "compile", "denoise_per_step", "decode"} <= set(sidecar["timings_s"])
   assert {"jax", "flax", "python"} <= set(sidecar["versions"])
   first = sidecar["compile_cache"]

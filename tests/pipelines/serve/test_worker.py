@@ -25,6 +25,7 @@ from pipelines.serve.multihost import Channel
 from pipelines.serve.options import ServeConfig
 from pipelines.serve.service import Service
 from pipelines.serve.worker import Worker, batch_request, write_job
+from pipelines.storage import video_io
 
 
 class Hub:
@@ -129,10 +130,10 @@ def wait_finished(service, job_id: str) -> dict:
 def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path):
   """Each job's video starts from its own seed's noise (the batch's request holds one seed per video,
   so its settings say seeded, not given latents), and its sidecar's settings are those of the job run
-  alone: its prompt, its seed."""
-  config = ServeConfig(model="tiny-random", data_dir=str(tmp_path))
+  alone: its prompt, its seed. Its mp4 carries its own prompt and seed as tags (`job_tags`)."""
+  config = ServeConfig(model="tiny-random", data_dir=str(tmp_path), mesh="U=1,R=1")
   facts = model_facts(config)
-  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 3, "output_format": "npy"}
+  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 3, "output_format": "mp4"}
   jobs = [api.job_params(api.VideoCreate(prompt=p, seed=s, **small), model="tiny-random", loras=(),
                          max_prompt_chars=100) for p, s in (("a fox", 5), ("an owl", 2 ** 40))]
   batch = batch_request(facts, jobs, None)
@@ -148,6 +149,10 @@ def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path
     sidecar = json.loads(open(path + ".json").read())
     assert sidecar["settings"] == json.loads(json.dumps(one.settings())), index  # (JSON: tuples as lists)
     assert (sidecar["settings"]["seed"], sidecar["settings"]["explicit_latents"]) == (job["seed"], False)
+    tags = video_io.read_metadata(path)
+    comment = json.loads(tags["comment"])
+    assert tags["title"] == job["prompt"] and (comment["seed"], comment["id"]) == (job["seed"], row["id"]), tags
+    assert (comment["model"], comment["mesh"], comment["num_inference_steps"]) == ("tiny-random", "U=1,R=1", 3)
 
 
 def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
