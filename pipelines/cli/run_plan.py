@@ -374,8 +374,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
         attention_exchange=plan.attention_exchange, image=read_image(plan.image),
         last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
-        sigmas=plan.sigmas, **({} if plan.video is None else dict(video=read_video(plan.video),
-                                                                    strength=plan.strength)))
+        sigmas=plan.sigmas, **({} if plan.video is None else {"video": read_video(plan.video)}),
+        **({} if plan.strength is None else {"strength": plan.strength}))  # checked, used or not
   except ValueError as e:
     raise flag_error(e) from e
 

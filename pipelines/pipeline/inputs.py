@@ -48,14 +48,18 @@ def check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> int
   return int(value)
 
 
-def check_number(name: str, value: Any, *, positive: bool = False, hint: str = "") -> float:
-  """`value` as a float, if it is a finite real number (a bool or str is not), > 0 with `positive`.
+def check_number(name: str, value: Any, *, positive: bool = False, within: tuple[float, float] | None = None,
+                 hint: str = "") -> float:
+  """`value` as a float, if it is a finite real number (a bool or str is not), > 0 with `positive`,
+  in the closed range `within` (lo, hi) when given.
 
   Raises:
-    ValueError: otherwise, naming the argument, its value, its type when wrong, and `hint`.
+    ValueError: otherwise, naming the argument, its value, its type when wrong, the range, and `hint`.
   """
-  if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-    raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}"
+  bounds = "" if within is None else f" in [{within[0]:g}, {within[1]:g}]"
+  if (not is_real(value) or not math.isfinite(value) or (positive and value <= 0)
+      or (within is not None and not within[0] <= value <= within[1])):
+    raise ValueError(f"{name}={value!r} must be a finite number{' > 0' if positive else ''}{bounds}"
                      f"{not_a(value, is_real(value))}{hint}")
   return float(value)
 

@@ -275,8 +275,15 @@ class GenerationRequest:
 
 
 # flow_shift's accepted range: beyond it float32 sigmas collapse (s = 1e7 puts every sigma within
-# 1e-7 of 1, s = 1e-30 every timestep at 0) and the solvers' tables turn singular.
+# 1e-7 of 1, s = 1e-30 every timestep at 0) and the solvers' tables turn singular (distinct sigmas
+# run out near s = 3e4 at 50 steps); its ends give finite tables on every solver up to 1000 steps.
 FLOW_SHIFT_RANGE = (0.01, 1000.0)
+# guidance_scale's: below 0 the mix steers away from the prompt; above 100 (ComfyUI's cap) the mixed
+# prediction is over 100x the model's own and the latents leave the range it was trained on (huge
+# scales overflow to inf); Wan uses 1 to 7.
+GUIDANCE_RANGE = (0.0, 100.0)
+# |attention_kwargs["scale"]|: ComfyUI's LoRA strength range (a scale like 1e30 fuses inf weights).
+LORA_SCALE_LIMIT = 100.0
 
 
 # --- the checks, in diffusers' order ------------------------------------------------------------
@@ -328,10 +335,10 @@ def _text_inputs(model: ModelFacts, prompt: Any, negative_prompt: Any, prompt_em
 
 def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> tuple[float, float]:
   """(g1, g2): the experts' guidance scales; g2 defaults to g1 and needs two experts."""
-  g1 = check_number("guidance_scale", guidance_scale, hint=GUIDANCE_HINT)
+  g1 = check_number("guidance_scale", guidance_scale, within=GUIDANCE_RANGE, hint=GUIDANCE_HINT)
   if guidance_scale_2 is None:
     return g1, g1
-  g2 = check_number("guidance_scale_2", guidance_scale_2, hint=GUIDANCE_HINT)
+  g2 = check_number("guidance_scale_2", guidance_scale_2, within=GUIDANCE_RANGE, hint=GUIDANCE_HINT)
   if model.boundary_ratio is None:
     raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
                      "has one transformer: leave it None")
@@ -345,6 +352,9 @@ def _schedule(model: ModelFacts, scheduler: Any, flow_shift: Any, num_inference_
     num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
   config = _scheduler(model, scheduler, flow_shift)
   steps, _ = flow_schedule.custom_sigmas(num_inference_steps, sigmas, timesteps, config.num_train_timesteps)
+  if steps > config.num_train_timesteps:  # the tables are computed at build: O(steps) time and memory
+    raise ValueError(f"num_inference_steps={steps} must be at most {config.num_train_timesteps}, the scheduler's "
+                     "num_train_timesteps (more steps than trained noise levels sample no finer); Wan uses 40 to 50")
   return config, steps
 
 
@@ -454,9 +464,10 @@ def _lora_scale(attention_kwargs: Any) -> float | None:
   if "scale" not in attention_kwargs:
     return None
   scale = attention_kwargs["scale"]
-  if not is_real(scale) or not math.isfinite(scale):
-    raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number (the "
-                     f"LoRA scale; 1.0 = as loaded){not_a(scale, is_real(scale))}")
+  if not is_real(scale) or not math.isfinite(scale) or abs(scale) > LORA_SCALE_LIMIT:
+    raise ValueError(f"attention_kwargs={attention_kwargs!r}: 'scale' must be a finite number in "
+                     f"[-{LORA_SCALE_LIMIT:g}, {LORA_SCALE_LIMIT:g}] (the LoRA scale; 1.0 = as loaded; 0: off)"
+                     f"{not_a(scale, is_real(scale))}")
   return float(scale)
 
 

@@ -66,6 +66,8 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
       one of the image forms or of different sizes, fewer than 1 frame, num_frames that differs
       from the video's, strength not a number in (0, 1], or one that runs no step.
   """
+  if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
+    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")  # used or not
   if video is None:
     return None
   if not video_model:
@@ -80,8 +82,6 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
   if num_frames is not None and num_frames != used:
     raise ValueError(f"num_frames={num_frames!r} differs from the video's {used} frames; leave num_frames "
                      "out (a video-to-video call takes its length from the video)")
-  if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
-    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")
   result = VideoInputs(frames=frames, strength=float(strength))
   if result.start(steps) >= steps:
     raise ValueError(f"strength={strength!r} with num_inference_steps={steps} runs no step (int(steps x "

@@ -291,7 +291,8 @@ CLI_CASES = [  # (id, extra arguments ({folder} and {tmp} filled in), message)
     ("size not a multiple of 16", ["--size", "40x32"],
      "width=40 must be a positive multiple of 16 (VAE factor 8 x patch 2); use 32 or 48"),
     ("steps 0", ["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
-    ("NaN guidance", ["--guidance", "nan"], "--guidance: guidance_scale=nan must be a finite number (Wan: 5.0; <= 1 turns CFG off)"),
+    ("NaN guidance", ["--guidance", "nan"],
+     "--guidance: guidance_scale=nan must be a finite number in [0, 100] (Wan: 5.0; <= 1 turns CFG off)"),
     ("mesh U=0", ["--mesh", "U=0"], "--mesh: mesh spec='U=0': U=0 must be >= 1"),
     ("mesh U=8 with 12 heads", ["--model", "{mismatch}", "--mesh", "U=8"],
      "the model has 12 heads, not divisible by the Ulysses degree U=8; with 8 devices use one of: "

@@ -122,7 +122,8 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
     (["--fps", "1e9"], "--fps: fps=1000000000.0 must be a finite number"),
     (["--shift", "inf"], "--shift: flow_shift=inf must be a finite number > 0"),
     (["--shift", "nan"], "--shift: flow_shift=nan must be a finite number > 0"),
-    (["--guidance", "4,inf"], "--guidance: guidance_scale_2=inf must be a finite number (Wan: 5.0; <= 1 turns CFG off)"),
+    (["--guidance", "4,inf"], "--guidance: guidance_scale_2=inf must be a finite number in [0, 100] (Wan: 5.0; "
+                              "<= 1 turns CFG off)"),
     (["--frames", "-5"], "--frames: num_frames=-5 must be a positive int (Wan uses 4k+1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
     (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or None"),

@@ -1,6 +1,7 @@
 """Tests for pipelines/pipeline/request.py: what `GenerationRequest.build` decides from the model's
 facts (`ModelFacts`) before any compute: the trained tiny default's one video size; a flow shift
-without a usable schedule (refused at build, for generate, the Python call and serve alike)."""
+without a usable schedule and every other number out of its range (refused at build, for generate,
+the Python call and serve alike)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,69 @@ def test_generate_refuses_a_huge_shift_before_loading(tmp_path, capsys, monkeypa
   argv = ["--prompt", PROMPT, "--shift", "1e7", "--steps", "2", "--out", str(tmp_path / "a.mp4")]
   assert generate.main(argv) == 2
   assert "--shift: flow_shift=10000000.0 must be in [0.01, 1000]" in capsys.readouterr().err
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("guidance_scale", NAN, "must be a finite number in [0, 100]"),
+    ("guidance_scale", INF, "must be a finite number in [0, 100]"),
+    ("guidance_scale", -1.0, "must be a finite number in [0, 100] (Wan: 5.0; <= 1 turns CFG off)"),
+    ("guidance_scale", 1e30, "must be a finite number in [0, 100]"),
+    ("guidance_scale_2", 101.0, "must be a finite number in [0, 100]"),
+    ("num_inference_steps", 0, "must be a positive int"),
+    ("num_inference_steps", -3, "must be a positive int"),
+    ("num_inference_steps", 100_000, "must be at most 1000, the scheduler's num_train_timesteps"),
+    ("seed", -1, "must be a non-negative int"),
+    ("strength", NAN, "must be a number in (0, 1]"),
+    ("strength", 2.0, "must be a number in (0, 1]"),
+])
+def test_every_number_out_of_range_is_refused_at_build_naming_it(name, value, words):
+  """Each number is refused by `build` with a message that starts with its name and value (serve
+  maps that name to the API field) and says the range, before any compute; 100000 steps used to
+  spend seconds building tables, 1e30 guidance to reach the worker; strength is checked unused too."""
+  import re
+
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  call = {"height": 32, "width": 32, "num_frames": 5, "seed": 0, "num_inference_steps": 4, name: value}
+  with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} {re.escape(words)}"):
+    GenerationRequest.build(ModelFacts.tiny_random("float32"), "x", **call)
+
+
+@pytest.mark.parametrize("scale", [NAN, 1e30, -101.0])
+def test_a_lora_scale_out_of_range_is_refused_at_build(scale):
+  """The call's LoRA scale (`attention_kwargs["scale"]`) is finite and within [-100, 100]."""
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  with pytest.raises(ValueError, match=r"^attention_kwargs=.*'scale' must be a finite number in \[-100, 100\]"):
+    GenerationRequest.build(ModelFacts.tiny_random("float32"), "x", height=32, width=32, num_frames=5, seed=0,
+                            num_inference_steps=4, attention_kwargs={"scale": scale})
+
+
+def test_the_ends_of_every_range_build():
+  """Positive control: guidance 0 and 100, 1000 steps, LoRA scale -100 and 100, strength 1 build,
+  and the 1000-step schedule at flow shift 1000 is finite and decreasing."""
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  facts = ModelFacts.tiny_random("float32")
+  call = {"height": 32, "width": 32, "num_frames": 5, "seed": 0, "num_inference_steps": 4}
+  for extra in ({"guidance_scale": 0.0}, {"guidance_scale": 100.0}, {"attention_kwargs": {"scale": -100.0}},
+                {"attention_kwargs": {"scale": 100}}, {"strength": 1.0}):
+    GenerationRequest.build(facts, "x", **(call | extra))
+  request = GenerationRequest.build(facts, "x", **(call | {"num_inference_steps": 1000, "flow_shift": 1000.0}))
+  sigmas = np.asarray(request.schedule().sigmas)
+  assert len(sigmas) == 1001 and np.isfinite(sigmas).all() and (np.diff(sigmas) <= 0).all()
+
+
+@pytest.mark.parametrize("flags,words", [(["--guidance", "1e30"], "--guidance: guidance_scale=1e+30 must be"),
+                                         (["--steps", "5000"], "--steps: num_inference_steps=5000 must be at most"),
+                                         (["--strength", "nan"], "--strength: strength=nan must be")])
+def test_generate_refuses_a_number_out_of_range_before_loading(tmp_path, capsys, monkeypatch, flags, words):
+  """exit 2 naming the flag, before any weight loads."""
+  from pipelines.pipeline import wan_pipeline
+
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "tiny", lambda *a, **k: pytest.fail("loaded weights"))
+  assert generate.main(["--prompt", PROMPT, *flags, "--out", str(tmp_path / "a.mp4")]) == 2
+  assert words in capsys.readouterr().err
