@@ -322,12 +322,14 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
 
 
 def reference_kwargs(params: dict[str, Any], reference: Any) -> dict[str, Any]:
-  """`GenerationRequest.build`'s image or video arguments of a job's decoded input_reference."""
+  """`GenerationRequest.build`'s image or video arguments of a job's decoded input_reference, and the
+  job's strength (passed, so checked, with or without a video, as every number)."""
+  strength = {"strength": params.get("strength", 0.8)}
   if reference is None:
-    return {}
+    return strength
   if reference.kind == "image":
-    return {"image": reference.pixels}
-  return {"video": reference.pixels, "strength": params.get("strength", 0.8)}
+    return {"image": reference.pixels} | strength
+  return {"video": reference.pixels} | strength
 
 
 def _field(message: str) -> str | None:

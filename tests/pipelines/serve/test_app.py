@@ -131,3 +131,15 @@ def test_strength_without_a_video_is_refused(unloaded):
   answer = client.post("/v1/videos", json={**SMALL, "prompt": "x", "strength": 0.5})
   assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength", answer.text
   assert service.store.counts()["queued"] == 0
+
+
+@pytest.mark.parametrize("field,value", [("guidance_scale", "1e30"), ("guidance_scale", "-1"),
+                                         ("strength", "NaN"), ("strength", "2")])
+def test_a_number_out_of_its_range_is_a_400(unloaded, field, value):
+  """Every number is checked when queued by `GenerationRequest.build` (a 1e30 guidance used to be
+  queued and fail in the worker; a strength without a video was not checked): 400 naming the field."""
+  service, client = unloaded
+  body = f'{{"prompt": "x", "size": "32x32", "num_frames": 5, "{field}": {value}}}'
+  answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+  assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+  assert service.store.counts()["queued"] == 0
