@@ -80,7 +80,8 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                       ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
                       "frames give the length (default: none)")
   p.add_argument("--strength", type=float, default=0.8,
-                 help="with --video: the share of the steps that run, in (0, 1]; lower keeps more of the video")
+                 help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
+                      "too); lower keeps more of the video")
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
                                                "(Wan's 832*480 also accepted; default: the --preset's, 64x64 for "
                                                "tiny, 832x480 for a folder; with --image, the image's aspect ratio "
@@ -89,10 +90,10 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
                       "(16 -> 17, 10 -> 9) (default: the --preset's, 17 for tiny, 81 for a folder)")
   p.add_argument("--steps", type=int, default=None,
-                 help="denoising steps (default: the --preset's, 8 for tiny, 50 for a folder)")
+                 help="denoising steps, 1 to 1000 (default: the --preset's, 8 for tiny, 50 for a folder)")
   p.add_argument("--guidance", default=None,
-                 help="CFG scale, or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off (default: the "
-                      "--preset's, 5 for tiny and a folder)")
+                 help="CFG scale in [0, 100], or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off "
+                      "(default: the --preset's, 5 for tiny and a folder)")
   p.add_argument("--shift", type=float, default=None,
                  help="scheduler flow shift, in [0.01, 1000] (Wan: 3 at 480p, 5 at 720p; default: the --preset's, "
                       "3 for tiny, the scheduler config's for a folder)")

@@ -38,7 +38,8 @@ CALL_DOCS = """
   height, width: multiples of 16.
   num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
     warning, as diffusers does.
-  num_inference_steps: scheduler steps; None: 50, or the length of `timesteps` / `sigmas`.
+  num_inference_steps: scheduler steps, at most the scheduler's num_train_timesteps (1000); None:
+    50, or the length of `timesteps` / `sigmas`.
   timesteps: a custom schedule as N decreasing timesteps in (0, 1000] (lightx2v's
     `denoising_step_list`, e.g. [1000, 750, 500, 250] for the 4-step distilled Wan): sigmas
     t / 1000, shifted by the scheduler, the model fed each shifted sigma x 1000
@@ -48,8 +49,8 @@ CALL_DOCS = """
   scheduler: None (the model folder's scheduler), "unipc", "euler" (flow-match Euler) or "dpm++"
     (DPM-Solver++ multistep, Wan's `--sample_solver dpm++`), keeping the flow shift; or a config
     (`wan.schedulers.UniPCConfig`, `FlowEulerConfig`, `DPMSolverConfig`).
-  guidance_scale: CFG scale (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the
-    unconditional pass off.
+  guidance_scale: CFG scale in [0, 100] (of `transformer`, the high-noise expert, for Wan 2.2);
+    <= 1 turns the unconditional pass off.
   seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
     numpy.random.default_rng(seed + i); a list of B' ints gives each video its own (video i uses
     seed[i]); None draws one (reported in `run(...).settings`).
@@ -58,8 +59,11 @@ CALL_DOCS = """
     pipeline's `max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.
   mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond
     halves on the two halves of the devices), an `attention.MeshSpec`, or a built mesh.
-  guidance_scale_2: the low-noise expert's scale (two-expert pipelines); default guidance_scale.
-  flow_shift: overrides the scheduler config's shift.
+  guidance_scale_2: the low-noise expert's scale in [0, 100] (two-expert pipelines); default
+    guidance_scale.
+  flow_shift: overrides the scheduler config's shift; in [0.01, 1000] (Wan: 3.0 at 480p, 5.0 at
+    720p, 12 for Wan 2.2 A14B). The schedule and solver tables are computed when the call is
+    checked: one that comes out singular or non-finite is a ValueError naming flow_shift.
   num_videos_per_prompt: videos per prompt (text states repeated prompt-major, as diffusers).
   prompt_embeds, negative_prompt_embeds: precomputed text states [B, L, text_dim] (numpy, JAX or
     CPU torch) used as given; under CFG both must have the same L.
@@ -71,8 +75,9 @@ CALL_DOCS = """
     "prompt_embeds" / "negative_prompt_embeds" replace the pipeline's (same shape, finite, else
     ValueError). `pipe._interrupt = True` skips the remaining steps; the latents so far decode.
   callback_on_step_end_tensor_inputs: names from `CALLBACK_TENSOR_INPUTS`; default ["latents"].
-  attention_kwargs: None or {"scale": s}: the LoRA scale for this call only (diffusers scales its
-    PEFT LoRA layers by s during the call); the pipeline's scale is restored afterwards.
+  attention_kwargs: None or {"scale": s}, s in [-100, 100]: the LoRA scale for this call only
+    (diffusers scales its PEFT LoRA layers by s during the call); the pipeline's scale is restored
+    afterwards.
   generator: not supported (ValueError): pass diffusers' noise as `latents`.
   shard_weights: split the transformer's block weights over the mesh (FSDP: gathered a layer at a
     time in the layer scan); same video. Needs a mesh of several devices.
@@ -87,7 +92,8 @@ CALL_DOCS = """
     (`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional `image` only
     (either class; `pipeline.ti2v`).
   video, strength: video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames
-    to start from and the share of the schedule that runs, in (0, 1] (`video_inputs`).
+    to start from and the share of the schedule that runs, in (0, 1] (`video_inputs`; checked
+    without a video too).
 """
 
 
