@@ -24,8 +24,8 @@ from pipelines.parallel.token_facts import TokenFacts
 from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.video_inputs import VideoInputs, check_video_inputs
-from pipelines.pipeline.inputs import (check_int, check_number, check_size, embeds_array, is_real, noise_array,
-                                       not_a, round_num_frames, texts)
+from pipelines.pipeline.inputs import (check_flag, check_int, check_number, check_size, embeds_array, is_real,
+                                       noise_array, not_a, round_num_frames, texts)
 from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.wan import schedulers, step_cache as wan_step_cache
 from pipelines.wan.schedulers import flow_schedule
@@ -114,10 +114,7 @@ class GenerationRequest:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
     _refuse_generator(generator)
-    t = model.transformer
-    images = check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
-                                image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None,
-                                first_frame_only=model.expand_timesteps)
+    images = _image_inputs(model, image, last_image, image_embeds)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
@@ -129,9 +126,6 @@ class GenerationRequest:
     source = check_video_inputs(video, strength, num_frames=num_frames, steps=steps,
                                 temporal_factor=model.temporal_factor,
                                 video_model=not (model.image_to_video or model.expand_timesteps))
-    if source is not None and step_cache is not None:
-      raise ValueError(f"step_cache={step_cache!r} with a video: the step cache is calibrated for whole "
-                       "schedules; leave it out for video-to-video")
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
@@ -141,24 +135,20 @@ class GenerationRequest:
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
     seed, noise = _noise(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
                          f"frames at {height}x{width}")
-    if not isinstance(decode, (bool, np.bool_)):
-      raise ValueError(f"decode={decode!r} must be True or False{not_a(decode)}")
+    decode = check_flag("decode", decode)
     lora_scale = _lora_scale(attention_kwargs)
-    cache_spec = wan_step_cache.parse_step_cache(step_cache, model=model.name)
+    cache_spec = _step_cache(model, step_cache, source)
     plan = ParallelPlan.build(mesh, heads=model.transformer.num_attention_heads, cfg_active=cfg,
                               shard_weights=shard_weights, attention_implementation=attention_implementation,
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
-    request = cls(model=model, prompts=prompts, negative_prompts=negatives if cfg else None,
-                  prompt_embeds=embeds, negative_prompt_embeds=negative_embeds if cfg else None,
-                  num_videos_per_prompt=per_prompt, videos=batch * per_prompt, height=int(height),
-                  width=int(width), num_frames=num_frames, steps=steps, guidance=guidance, cfg=cfg,
-                  scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
-                  max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec,
-                  decode=bool(decode), image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas),
-                  video=source)
-    _check_schedule(request)
-    return request
+    return _check_schedule(cls(
+        model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,
+        negative_prompt_embeds=negative_embeds if cfg else None, num_videos_per_prompt=per_prompt,
+        videos=batch * per_prompt, height=int(height), width=int(width), num_frames=num_frames, steps=steps,
+        guidance=guidance, cfg=cfg, scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
+        max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec, decode=decode,
+        image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas), video=source))
 
   # --- derived ---
 
@@ -296,6 +286,22 @@ def _refuse_generator(generator: Any) -> None:
                      "shape, generator=torch.Generator().manual_seed(s)) as diffusers' randn_tensor draws it")
 
 
+def _image_inputs(model: ModelFacts, image: Any, last_image: Any, image_embeds: Any) -> ImageInputs | None:
+  """`image_inputs.check_image_inputs` against the model's kind and transformer."""
+  t = model.transformer
+  return check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
+                            image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None,
+                            first_frame_only=model.expand_timesteps)
+
+
+def _step_cache(model: ModelFacts, step_cache: Any, source: VideoInputs | None) -> Any:
+  """The parsed step-cache spec (`step_cache.parse_step_cache`), or None; none with a video."""
+  if source is not None and step_cache is not None:
+    raise ValueError(f"step_cache={step_cache!r} with a video: the step cache is calibrated for whole "
+                     "schedules; leave it out for video-to-video")
+  return wan_step_cache.parse_step_cache(step_cache, model=model.name)
+
+
 def _text_inputs(model: ModelFacts, prompt: Any, negative_prompt: Any, prompt_embeds: Any,
                  negative_prompt_embeds: Any) -> tuple[Any, Any, Any, Any, int]:
   """(prompts, negatives, embeds, negative embeds, B), as diffusers' `check_inputs` allows them."""
@@ -379,10 +385,10 @@ def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
   return schedulers.with_flow_shift(config, shift)
 
 
-def _check_schedule(request: GenerationRequest) -> None:
-  """The run's schedule and solver tables, computed now (host, numpy) so that a setting that makes
-  them singular or non-finite is refused before anything loads, not in the worker or after the
-  weights: the sigmas and timesteps finite and non-increasing, every coefficient finite.
+def _check_schedule(request: GenerationRequest) -> GenerationRequest:
+  """`request`, once its schedule and solver tables are computed (host, numpy) so that a setting that
+  makes them singular or non-finite is refused before anything loads, not in the worker or after
+  the weights: the sigmas and timesteps finite and non-increasing, every coefficient finite.
 
   Raises:
     ValueError: naming flow_shift and num_inference_steps (and the custom schedule, when given).
@@ -398,6 +404,7 @@ def _check_schedule(request: GenerationRequest) -> None:
           and (np.diff(sigmas) <= 0).all()):
     raise ValueError(f"{what} gives a schedule that is not finite and decreasing (sigmas {sigmas}); use a "
                      "flow_shift in [1, 12]")
+  return request
 
 
 def outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> str | None:
