@@ -40,7 +40,7 @@ Thresholds belong to the content (`--content`, default from --model):
 --min-psnr / --min-ssim replace them.
 
 Plots (`--plots DIR`, created if needed): per candidate a contact sheet `NN_<dtype>_<mesh>_<attention>.png`
-(frame grid: the reference row over the candidate row, `pipelines.storage.video_io.contact_sheet`) and
+(frame grid: the reference row over the candidate row, `pipelines.storage.contact_sheet.contact_sheet`) and
 `per_frame.png` (matplotlib): PSNR and SSIM per frame of every candidate, with each dtype's
 threshold dashed. Existing files of those names are refused before any compute.
 
@@ -264,6 +264,7 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
 
   from end_to_end.quality.video_metrics import PSNR_CAP_DB
   from pipelines.storage import video_io
+  from pipelines.storage import contact_sheet
 
   os.makedirs(directory, exist_ok=True)
   written = []
@@ -271,7 +272,7 @@ def write_plots(directory: str, reference, candidates: list[tuple[str, Any, dict
   axes = ((ax_p, "psnr_per_frame", "min_psnr"), (ax_s, "ssim_per_frame", "min_ssim"))
   for name, frames, row in candidates:
     label = f"{row['dtype']}{' ' + row['quantize'] if row.get('quantize') else ''} {row['mesh']['spec']} {row['attention']}"
-    written.append(video_io.write_contact_sheet(
+    written.append(contact_sheet.write_contact_sheet(
         [reference, frames], os.path.join(directory, name), labels=["reference fp32 1 dev lse", label]))
     for ax, key, _ in axes:
       ax.plot(range(len(row[key])), row[key], marker="o", ms=3, label=label)

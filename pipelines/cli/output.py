@@ -15,6 +15,8 @@ from pipelines.cli import records
 from pipelines.commands.versions import versions
 from pipelines.parallel import estimate
 from pipelines.storage import images, video_io
+from pipelines.storage import video_tags
+from pipelines.storage import contact_sheet
 
 if TYPE_CHECKING:
   from pipelines.cli.plan import Plan
@@ -47,25 +49,25 @@ def mesh_text(request: Any) -> str:
 
 def write_outputs(plan: Plan, frames: Any, checked: Checked | None = None) -> tuple[str, str | None]:
   """The video (one [F, H, W, 3] float array) to --out, tagged with the run's prompt and parameters
-  (`video_tags`) when `checked` is given, and, with --contact-sheet, its contact sheet; returns
+  (`run_tags`) when `checked` is given, and, with --contact-sheet, its contact sheet; returns
   (video path, sheet path or None). See `video_io.write_video` for the errors."""
-  tags = None if checked is None else video_tags(checked)
+  tags = None if checked is None else run_tags(checked)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", video_io.FrameRateWarning)  # printed by plan_run, before compute
     out = video_io.write_video(frames, plan.out, fps=plan.fps, overwrite=plan.overwrite, metadata=tags)
   sheet = None
   if plan.contact_sheet:
-    sheet = video_io.write_contact_sheet([frames], video_io.contact_sheet_path(out), overwrite=plan.overwrite)
+    sheet = contact_sheet.write_contact_sheet([frames], contact_sheet.contact_sheet_path(out), overwrite=plan.overwrite)
   return out, sheet
 
 
-def video_tags(checked: Checked) -> dict[str, str]:
-  """The written video's text tags (`video_io.metadata_tags`): the prompt, and as JSON the request as
+def run_tags(checked: Checked) -> dict[str, str]:
+  """The written video's text tags (`video_tags.metadata_tags`): the prompt, and as JSON the request as
   the run record holds it (`records.request_record`: prompt, negative prompt, model, size, frames,
   steps, guidance, shift, seed, LoRAs, ...; not the output path) and the mesh (`mesh_text`)."""
   asked = records.request_record(checked.request, records.RunFacts.of(checked.plan))
   parameters = {**{k: v for k, v in asked.items() if k != "out"}, "mesh": mesh_text(checked.request)}
-  return video_io.metadata_tags(asked["prompt"], parameters)
+  return video_tags.metadata_tags(asked["prompt"], parameters)
 
 
 def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[str, float]:

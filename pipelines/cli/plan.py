@@ -45,7 +45,7 @@ class Plan:
   attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
   attention_exchange: str = "bf16"  # "bf16" | "fp8": Q, V, output in e4m3 across the Ulysses all-to-alls
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
-  contact_sheet: bool = False  # also write video_io.contact_sheet_path(out)
+  contact_sheet: bool = False  # also write contact_sheet.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
   image: str | None = None  # --image PATH (image-to-video)
   video: str | None = None  # --video PATH (video-to-video)

@@ -23,6 +23,8 @@ from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
+from pipelines.storage import video_reading
+from pipelines.storage import contact_sheet
 
 
 def plan_run(args: argparse.Namespace) -> Plan:
@@ -82,22 +84,20 @@ def _video_length(path: str) -> int:
   """The frames a --video gives (its 4k + 1 first ones), read before any weight loads.
 
   Raises:
-    UsageError: a file that is not a video this reads (`video_io.read_video`).
+    UsageError: a file that is not a video this reads (`video_reading.read_video`).
   """
-  from pipelines.storage import video_io
 
   try:
-    count = len(video_io.read_video(path))
+    count = len(video_reading.read_video(path))
   except ValueError as e:
     raise UsageError(f"--video: {e}") from e
   return (count - 1) // 4 * 4 + 1
 
 
 def read_video(path: str | None) -> Any:
-  """The --video file's frames (`video_io.read_video`), or None."""
-  from pipelines.storage import video_io
+  """The --video file's frames (`video_reading.read_video`), or None."""
 
-  return None if path is None else video_io.read_video(path)
+  return None if path is None else video_reading.read_video(path)
 
 
 def _check_image_file(flag: str, path: str) -> None:
@@ -276,7 +276,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
   except video_io.OutputError as e:
     raise UsageError(f"--fps: {e}") from e
   video_io.check_output(args.out, overwrite=args.overwrite)
-  sheet = video_io.contact_sheet_path(args.out) if args.contact_sheet else None
+  sheet = contact_sheet.contact_sheet_path(args.out) if args.contact_sheet else None
   if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
     raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")
   if video_io.output_kind(args.out) == "gif" and args.fps is not None:

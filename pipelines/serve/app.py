@@ -148,6 +148,12 @@ def _add_video_routes(app: FastAPI, service: Any, auth: Any) -> None:
     kind = row["params"]["output_format"]
     return FileResponse(path, media_type=api.MEDIA_TYPES[kind], filename=f"{video_id}.{kind}")
 
+  _add_job_actions(app, service, auth, shown)
+
+
+def _add_job_actions(app: FastAPI, service: Any, auth: Any, shown: Any) -> None:
+  """remix, cancel and delete of one job."""
+
   @app.post("/v1/videos/{video_id}/remix", dependencies=[auth], response_model=api.VideoObject,
             responses=errors(400, 401, 404, 409, 410, 429, 503), summary="Remix a finished video (video-to-video)")
   def remix(video_id: str, body: api.VideoRemix) -> dict:

@@ -1,6 +1,6 @@
 """The still images a finished job offers beside its video (`GET /v1/videos/{id}/content?variant=`, as
 OpenAI's Videos API names them): `thumbnail`, the first frame as a WebP image, and `spritesheet`,
-the video's frames in one grid (`video_io.contact_sheet`: up to 9 evenly spaced frames, numbered) as
+the video's frames in one grid (`contact_sheet.contact_sheet`: up to 9 evenly spaced frames, numbered) as
 a JPEG. Both are written with the video (atomically) and removed with it.
 """
 
@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from pipelines.storage import video_io
+
+from pipelines.storage import contact_sheet
 
 VARIANTS = {"thumbnail": ("webp", "image/webp"), "spritesheet": ("jpg", "image/jpeg")}
 
@@ -32,7 +34,7 @@ def write_previews(data_dir: str, job_id: str, frames: np.ndarray) -> list[str]:
   import PIL.Image
 
   images: dict[str, Any] = {"thumbnail": video_io.to_uint8(frames[:1])[0],
-                            "spritesheet": video_io.contact_sheet([frames])}
+                            "spritesheet": contact_sheet.contact_sheet([frames])}
   paths = []
   for variant, pixels in images.items():
     path = preview_path(data_dir, job_id, variant)

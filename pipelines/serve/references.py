@@ -2,7 +2,7 @@
 text-to-video model starts from (video-to-video, with the job's `strength`; also what `remix`
 gives a job: the finished job's video). Sent as a file part (or a base64 data URL), checked against
 the served model, decoded by the one image reader (`storage.images`: 16-bit, alpha, palette, CMYK,
-EXIF orientation) or video reader (`video_io.read_video`), and kept in the data folder's `inputs/`
+EXIF orientation) or video reader (`video_reading.read_video`), and kept in the data folder's `inputs/`
 under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so the worker
 and a restarted server read the very pixels the request sent.
 
@@ -28,6 +28,7 @@ from pipelines.pipeline.image_inputs import digest
 from pipelines.serve import api
 from pipelines.serve.forms import Upload
 from pipelines.storage import images, video_io
+from pipelines.storage import video_reading
 
 MAX_PIXELS = 64 * 2 ** 20  # an image's width x height at most (its decoded RGB: 192 MiB)
 INPUTS = "inputs"
@@ -119,7 +120,7 @@ def _video(upload: Upload, max_frames: int) -> np.ndarray:
     with open(path, "wb") as f:
       f.write(upload.data)
     try:
-      frames = video_io.read_video(path, max_frames=max_frames)
+      frames = video_reading.read_video(path, max_frames=max_frames)
     except ValueError as e:
       raise api.ApiError(400, f"input_reference {_name(upload)} is not a video ffmpeg can read; send an mp4, "
                          "webm, mov or avi file", "input_reference") from e

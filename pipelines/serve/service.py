@@ -152,7 +152,7 @@ class Service:
       api.ApiError: 409 unless `row` is completed; 410 when its video is gone; 400 on a model that
         cannot start from a video (image-to-video, TI2V) or as `submit`.
     """
-    from pipelines.storage import video_io
+    from pipelines.storage import video_reading
 
     video_id = row["id"]
     if row["status"] != "completed":
@@ -170,7 +170,7 @@ class Service:
         fps=p["fps"], num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
         flow_shift=p["flow_shift"], seed=p["seed"], output_format=p["output_format"], lora=p["lora"],
         strength=remix.strength)
-    frames = video_io.read_video(path, max_frames=api.MAX_FRAMES)
+    frames = video_reading.read_video(path, max_frames=api.MAX_FRAMES)
     return self.submit(body, given=references.Decoded("video", frames), remixed_from=video_id)
 
   def retry_after(self) -> int:

@@ -33,6 +33,7 @@ from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
 from pipelines.serve import api, events, multihost, previews, references
 from pipelines.storage import video_io
+from pipelines.storage import video_tags
 
 
 class BatchCancelled(Exception):
@@ -305,14 +306,14 @@ def remove_outputs(data_dir: str, row: dict[str, Any]) -> None:
 
 
 def job_tags(row: dict[str, Any], model: str, mesh: str | None) -> dict[str, str]:
-  """A job's video tags (`video_io.metadata_tags`, as `generate` tags its video): the prompt, and as
+  """A job's video tags (`video_tags.metadata_tags`, as `generate` tags its video): the prompt, and as
   JSON the job's parameters (the input reference by its SHA-256, not its pixels), the model, the
   mesh ("U=2,R=2"; None: one device) and the job's id."""
   p = row["params"]
   reference = p.get("input_reference") or {}
   parameters = {**{k: v for k, v in p.items() if k != "input_reference"}, "model": model, "mesh": mesh,
                 "id": row["id"], "input_reference_sha256": reference.get("sha256")}
-  return video_io.metadata_tags(p["prompt"], parameters)
+  return video_tags.metadata_tags(p["prompt"], parameters)
 
 
 def write_job(data_dir: str, row: dict[str, Any], request: GenerationRequest, result: Any, index: int, pipe: Any,

@@ -113,105 +113,6 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
       raise OutputError(f"{target!r} exists; pass --overwrite to replace it, or choose another --out")
 
 
-def contact_sheet_path(path: str) -> str:
-  """The frame grid written next to an output: fox.mp4 -> fox.mp4.contact.png, frames/ ->
-  frames.contact.png (named after all of the output, like `sidecar_path`)."""
-  path = path.rstrip(os.sep) or path
-  return path + ".contact.png"
-
-
-def sheet_columns(num_frames: int, max_columns: int) -> list[int]:
-  """The frame indices a contact sheet shows: all of them when they fit, else `max_columns` evenly
-  spaced ones from the first frame to the last.
-
-  Raises:
-    ValueError: no frame, or max_columns < 2.
-  """
-  if num_frames < 1 or max_columns < 2:
-    raise ValueError(f"a contact sheet needs >= 1 frame and >= 2 columns, got {num_frames=}, {max_columns=}")
-  if num_frames <= max_columns:
-    return list(range(num_frames))
-  return sorted({round(i * (num_frames - 1) / (max_columns - 1)) for i in range(max_columns)})
-
-
-def contact_sheet(rows: list[np.ndarray], *, labels: list[str] | None = None, max_columns: int = 9,
-                  min_tile_height: int = 96, gap: int = 2) -> np.ndarray:
-  """A grid of frames as one image: one row per video, one column per shown frame (`sheet_columns`),
-  a header with the frame numbers and, with `labels`, each row's label on its left.
-
-  Args:
-    rows: videos, each float [F, H, W, 3] in [0, 1], all the same shape.
-    labels: None or one short text per row.
-    max_columns: at most this many frames per row.
-    min_tile_height: frames smaller than this are enlarged by a whole factor (nearest neighbour:
-      every pixel stays visible as it is).
-    gap: pixels between tiles.
-
-  Returns:
-    uint8 [height, width, 3]: tiles are `to_uint8` of the frames, exactly (enlarged by repetition).
-
-  Raises:
-    ValueError: no rows, rows of different shapes, or a label count that differs from the rows'.
-  """
-  from PIL import Image, ImageDraw, ImageFont
-
-  if not rows:
-    raise ValueError("a contact sheet needs at least one video")
-  videos = [to_uint8(r) for r in rows]
-  if any(v.shape != videos[0].shape for v in videos):
-    raise ValueError(f"contact sheet rows must have one shape, got {[v.shape for v in videos]}")
-  if labels is not None and len(labels) != len(videos):
-    raise ValueError(f"{len(labels)} labels for {len(videos)} rows")
-  F, H, W, _ = videos[0].shape
-  columns = sheet_columns(F, max_columns)
-  zoom = max(1, math.ceil(min_tile_height / H))
-  th, tw = H * zoom, W * zoom
-  font = ImageFont.load_default()
-  measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-
-  def text_size(text: str) -> tuple[int, int]:
-    left, top, right, bottom = measure.textbbox((0, 0), text, font=font)
-    return right - left, bottom - top
-
-  label_w = 0 if labels is None else max(text_size(t)[0] for t in labels) + 3 * gap
-  header_h = text_size("frame 0")[1] + 3 * gap
-  height = header_h + len(videos) * (th + gap)
-  width = label_w + len(columns) * (tw + gap) + gap
-  sheet = Image.new("RGB", (width, height), (40, 40, 40))
-  draw = ImageDraw.Draw(sheet)
-  for c, f in enumerate(columns):
-    draw.text((label_w + gap + c * (tw + gap), gap), f"frame {f}", fill=(220, 220, 220), font=font)
-  for r, video in enumerate(videos):
-    y = header_h + r * (th + gap)
-    if labels is not None:
-      draw.text((gap, y + (th - text_size(labels[r])[1]) // 2), labels[r], fill=(220, 220, 220), font=font)
-    for c, f in enumerate(columns):
-      tile = video[f].repeat(zoom, axis=0).repeat(zoom, axis=1)
-      sheet.paste(Image.fromarray(tile), (label_w + gap + c * (tw + gap), y))
-  return np.asarray(sheet)
-
-
-def write_contact_sheet(rows: list[np.ndarray], path: str, *, labels: list[str] | None = None,
-                        max_columns: int = 9, overwrite: bool = False) -> str:
-  """Writes `contact_sheet(rows, ...)` as a PNG atomically (same rules as `write_video`); returns
-  the path.
-
-  Raises:
-    OutputError: `path` does not end in .png, or exists without `overwrite`.
-    ValueError: see `contact_sheet`.
-  """
-  import imageio.v3 as iio
-
-  if not path.lower().endswith(".png"):
-    raise OutputError(f"a contact sheet is a PNG image; {path!r} does not end in .png")
-  if os.path.lexists(path) and not overwrite:
-    raise OutputError(f"{path!r} exists; pass --overwrite to replace it")
-  image = contact_sheet(rows, labels=labels, max_columns=max_columns)
-  with atomic_file(path, ".png", overwrite) as temp:
-    iio.imwrite(temp, image, extension=".png")
-  return path
-
-
 def _check_frames(frames: np.ndarray) -> np.ndarray:
   if frames.ndim != 4 or frames.shape[-1] != 3:
     raise ValueError(f"frames must be [F, H, W, 3], got {frames.shape=}")
@@ -308,7 +209,7 @@ def _fit_size(frames: np.ndarray, path: str, odd_size: str) -> np.ndarray:
   return np.pad(frames, padding, mode="edge")[:, :new_height, :new_width]
 
 
-def _ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) -> str:
+def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) -> str:
   """Runs imageio-ffmpeg's ffmpeg; returns its stdout.
 
   Raises:
@@ -340,12 +241,12 @@ def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) 
   _, height, width, _ = frames.shape
   rate = fractions.Fraction(fps).limit_denominator(1_000_000)  # exact for 24000/1001 and the like
   with tempfile.TemporaryDirectory(prefix="wan-tags.") as folder:
-    _ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
+    run_ffmpeg(["-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(rate),
              "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
              *_metadata_options(tags, folder), "-f", "mp4", path],
             "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
   # framecrc: a "#dimensions 0: WxH" header, then one line per decoded frame.
-  lines = _ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
+  lines = run_ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
   lines = lines.splitlines()
   sizes = [line.split(":")[1].strip() for line in lines if line.startswith("#dimensions 0:")]
   width, height = (int(n) for n in sizes[0].split("x")) if sizes else (0, 0)
@@ -437,9 +338,9 @@ def write_video(frames: np.ndarray, path: str, *, fps: float = 16.0, overwrite: 
       delay (`gif_delay_cs`, with a `FrameRateWarning` when inexact).
     overwrite: replace an existing output.
     odd_size: for an mp4 of odd height or width: "error", "pad" or "crop" (`check_frame_size`).
-    metadata: text tags for the file (`metadata_tags`: title and comment; `check_tags`), stored
+    metadata: text tags for the file (`video_tags.metadata_tags`: title and comment; `check_tags`), stored
       exactly: the mp4's container metadata, the GIF's comment (the tags as one JSON object), each
-      PNG frame's iTXt chunks; none in a .npy. `read_metadata` reads them back.
+      PNG frame's iTXt chunks; none in a .npy. `video_tags.read_metadata` reads them back.
 
   Raises:
     OutputError: see `check_output` (the video's own path, checked before encoding and again just
@@ -496,87 +397,6 @@ def check_tags(tags: dict[str, str]) -> dict[str, str]:
   return dict(tags)
 
 
-def metadata_tags(prompt: str, parameters: dict[str, Any]) -> dict[str, str]:
-  """A video's text tags, as ComfyUI's SaveVideo writes its prompt: "title" the prompt, "comment"
-  the run's parameters as one line of JSON (prompt, seed, size, steps, guidance, model, ...: enough to
-  make it again) with "software" ("wan-usp-jax 0.1.0") added unless given. The package goes into
-  the JSON because ffmpeg keeps its own "encoder" tag in an mp4 and drops unknown keys there."""
-  from importlib import metadata as package_metadata
-
-  try:
-    version = package_metadata.version("wan-usp-jax")
-  except package_metadata.PackageNotFoundError:
-    version = "source"
-  comment = {"software": f"wan-usp-jax {version}", **parameters}
-  return {"title": prompt, "comment": json.dumps(comment, ensure_ascii=False, default=str, sort_keys=True)}
-
-
-def read_metadata(path: str) -> dict[str, str]:
-  """The text tags of a video (`metadata_tags` where `write_video` wrote it): an mp4's container
-  metadata (with ffmpeg's own: "encoder", "major_brand", ...), a GIF's comment (another program's
-  comment that is no JSON object comes back as {"comment": its text}), a frame folder's first PNG's
-  text chunks; {} for a .npy.
-
-  Raises:
-    OutputError: not a path `write_video` writes (`output_kind`).
-    EncodeError: ffmpeg cannot read the mp4.
-    OSError: no such file (for a folder, no frame_00000.png).
-  """
-  kind = output_kind(path)
-  if kind == "npy":
-    return {}
-  if kind == "gif":
-    return _gif_comment(path)
-  if kind == "frames":
-    from PIL import Image
-    with Image.open(os.path.join(path, "frame_00000.png")) as frame:
-      return {k: str(v) for k, v in frame.text.items()}
-  return _parse_ffmetadata(_ffmpeg(["-i", path, "-f", "ffmetadata", "-"], "reading the mp4's metadata"))
-
-
-def _gif_comment(path: str) -> dict[str, str]:
-  """A GIF's comment extension as tags: `_write_gif`'s JSON object, else {"comment": the text}."""
-  from PIL import Image
-  with Image.open(path) as gif:
-    comment = gif.info.get("comment")
-  if not comment:
-    return {}
-  text = comment.decode("utf-8", errors="replace")
-  try:
-    tags = json.loads(text)
-  except json.JSONDecodeError:
-    return {"comment": text}
-  return {k: str(v) for k, v in tags.items()} if isinstance(tags, dict) else {"comment": text}
-
-
-def _parse_ffmetadata(text: str) -> dict[str, str]:
-  """ffmpeg's ffmetadata text (";FFMETADATA1", then key=value lines; '=', ';', '#', '\\' and newlines
-  escaped with a backslash) as a dict of the global section."""
-  tags: dict[str, str] = {}
-  lines, current, escaped = [], [], False
-  for ch in text:
-    if escaped:
-      current.append(("\\", ch))
-      escaped = False
-    elif ch == "\\":
-      escaped = True
-    elif ch == "\n":
-      lines.append(current)
-      current = []
-    else:
-      current.append(("", ch))
-  lines.append(current)
-  for line in lines:
-    if not line or (line[0] == ("", ";") or line[0] == ("", "#")):
-      continue
-    if line[0] == ("", "["):
-      break  # a stream or chapter section: the global tags are done
-    split = next((i for i, item in enumerate(line) if item == ("", "=")), None)
-    if split is not None:
-      tags["".join(c for _, c in line[:split])] = "".join(c for _, c in line[split + 1:])
-  return tags
-
-
 def write_json(data: dict[str, Any], path: str, *, overwrite: bool = False) -> str:
   """Writes a JSON file atomically (same temp-then-rename rule as `write_video`)."""
   with atomic_file(path, ".json", overwrite) as temp:
@@ -629,71 +449,3 @@ def _replace(temp: str, path: str, overwrite: bool) -> None:
       shutil.rmtree(trash, ignore_errors=True)
       return
   os.replace(temp, path)
-
-
-VIDEO_INPUTS = ".mp4, .mov, .mkv, .webm, .avi, .gif, .npy (float [F, H, W, 3] in [0, 1]) or a folder of image frames"
-
-
-def read_video(path: str, max_frames: int | None = None) -> np.ndarray:
-  """The frames of a video file, as the decoder shows them: uint8 [F, H, W, 3] RGB, or for .npy
-  float32 [F, H, W, 3] in [0, 1] as `write_video` stores them (`VIDEO_INPUTS`); at most
-  `max_frames` (the first ones).
-
-  mp4 and the other containers are decoded by imageio-ffmpeg's ffmpeg (every codec it has);
-  a GIF's frames by Pillow (composited as displayed); a folder's image files in name order by
-  `storage.images` (16-bit, alpha, EXIF as for --image).
-
-  Raises:
-    ValueError: not one of `VIDEO_INPUTS`, no frames, frames of different sizes, or a file the
-      decoder cannot read (naming the path and the decoder's message).
-  """
-  kind = "folder" if os.path.isdir(path) else os.path.splitext(path)[1].lower()
-  try:
-    if kind == ".npy":
-      frames = np.load(path, allow_pickle=False)[:max_frames].astype(np.float32)
-    elif kind == "folder":
-      frames = _read_frame_folder(path, max_frames)
-    elif kind == ".gif":
-      frames = _read_gif(path, max_frames)
-    elif kind in (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"):
-      frames = _read_ffmpeg(path, max_frames)
-    else:
-      raise ValueError(f"{path!r} is not a video this reads; give {VIDEO_INPUTS}")
-  except (OSError, RuntimeError, IndexError) as e:
-    raise ValueError(f"{path!r} cannot be read as a video ({type(e).__name__}: {e})") from e
-  if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
-    raise ValueError(f"{path!r} holds no [F, H, W, 3] video (shape {frames.shape})")
-  if kind == ".npy" and (not np.isfinite(frames).all() or frames.min() < 0 or frames.max() > 1):
-    raise ValueError(f"{path!r}: .npy frames must be finite and in [0, 1]")
-  return frames
-
-
-def _read_ffmpeg(path: str, max_frames: int | None) -> np.ndarray:
-  import imageio.v2 as imageio
-
-  frames = []
-  with imageio.get_reader(path, "ffmpeg") as reader:
-    for frame in reader:
-      frames.append(np.asarray(frame)[..., :3])
-      if max_frames is not None and len(frames) >= max_frames:
-        break
-  return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
-
-
-def _read_gif(path: str, max_frames: int | None) -> np.ndarray:
-  from PIL import Image, ImageSequence
-
-  with Image.open(path) as gif:
-    frames = [np.asarray(frame.convert("RGB")) for frame in ImageSequence.Iterator(gif)]
-  return np.stack(frames[:max_frames])
-
-
-def _read_frame_folder(path: str, max_frames: int | None) -> np.ndarray:
-  from pipelines.storage import images
-
-  names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in
-                 (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"))[:max_frames]
-  frames = [images.read_image(os.path.join(path, name)).pixels for name in names]
-  if len({f.shape for f in frames}) > 1:
-    raise ValueError(f"the frames in {path!r} differ in size: {sorted({f.shape for f in frames})}")
-  return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)

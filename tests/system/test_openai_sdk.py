@@ -71,8 +71,8 @@ def test_sdk_create_poll_list_download_remix_delete(server):
   assert frames.shape == (5, 32, 32, 3) and frames.std() > 0.01
   mp4 = client.videos.download_content(second.id, variant="video").read()
   assert mp4[4:8] == b"ftyp", mp4[:16]  # the video itself
-  from pipelines.storage import video_io
-  tags = video_io.read_metadata(service.content_path(service.store.get(second.id)))
+  from pipelines.storage import video_tags
+  tags = video_tags.read_metadata(service.content_path(service.store.get(second.id)))
   assert tags["title"] == "a blue bird" and json.loads(tags["comment"])["seed"] == 8, tags  # as generate tags it
   thumbnail = client.videos.download_content(first.id, variant="thumbnail").read()
   assert _image("thumbnail", thumbnail) == ("WEBP", (32, 32))
@@ -121,7 +121,7 @@ def test_sdk_video_input_reference_runs_video_to_video(server, tmp_path):
   """An mp4 sent as `input_reference` on a text-to-video model: a video-to-video job whose video
   equals the Python call on the decoded frames at the job's strength; the frame count comes from
   the video. Control: the same request at another strength gives another video."""
-  from pipelines.storage import video_io
+  from pipelines.storage import video_io, video_reading
 
   service, client = server
   y, x = np.mgrid[0:32, 0:32] / 32.0
@@ -134,7 +134,7 @@ def test_sdk_video_input_reference_runs_video_to_video(server, tmp_path):
   job = client.videos.create_and_poll(prompt="a red fox", size="32x32", input_reference=upload, extra_body=extra)
   assert job.status == "completed" and job.model_extra["num_frames"] == 5, job
   served = np.load(io.BytesIO(client.videos.download_content(job.id).read()))
-  frames = video_io.read_video(str(tmp_path / "in.mp4"))
+  frames = video_reading.read_video(str(tmp_path / "in.mp4"))
   pipe = service.worker.pipe
   expected = pipe("a red fox", height=32, width=32, num_frames=5, num_inference_steps=4, seed=3, video=frames,
                   strength=0.5)[0]

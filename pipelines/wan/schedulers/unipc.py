@@ -172,10 +172,7 @@ def _zero_step_rks(cfg: UniPCConfig, order: int, n: int) -> list[np.float32]:
 
 def _unipc_coefficients(cfg: UniPCConfig, sigmas: np.ndarray, offset: int = 0) -> dict[str, np.ndarray]:
   """Per-step UniPC coefficients (host, float32), mirroring `UniPCMultistepScheduler.step`; `offset`:
-  the schedule's first step in the full one (a tail, `UniPCSchedule.tail`: `disable_corrector`
-  names full-schedule steps).
-
-  For step i the predictor goes sigmas[i] -> sigmas[i + 1] with order p_i and the corrector (from
+  a tail's first step in the full schedule (`disable_corrector` names full-schedule steps). For step i the predictor goes sigmas[i] -> sigmas[i + 1] with order p_i and the corrector (from
   step 1 on) refines the sample at sigmas[i] with order p_{i-1}:
     x = cx * x_prev - cm0 * m0 - cres * (sum_k rho_k * (m_k - m0) / rk_k [+ rho_t * (x0_i - m0)])
   Unused history slots get rho 0 and rk 1, so they contribute an exact zero.

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from pipelines.storage import video_io
+
+from pipelines.storage import video_tags
 
 from tests.harness import REPO_ROOT, child_env, step_compiles
 from tests.pipelines.storage.video_files import _decode_mp4, _fake_ffmpeg
@@ -51,7 +52,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert sidecar["seed_drawn"] is False and sidecar["warnings"] == []
   assert sidecar["mesh"]["U"] == 2 and sidecar["mesh"]["R"] == 2
   assert sidecar["video"] == {"frames": 17, "height": 64, "width": 64, "fps": 16.0}
-  tags = video_io.read_metadata(str(out))  # the mp4 carries the prompt and parameters (ffmpeg shows them)
+  tags = video_tags.read_metadata(str(out))  # the mp4 carries the prompt and parameters (ffmpeg shows them)
   parameters = json.loads(tags["comment"])
   assert tags["title"] == PROMPT and parameters["seed"] == 5 and parameters["steps"] == 2, tags
   assert parameters["mesh"].startswith("U=2,R=2") and parameters["prompt"] == PROMPT and "out" not in parameters

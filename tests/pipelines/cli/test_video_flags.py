@@ -15,6 +15,7 @@ from pipelines.cli import generate
 from pipelines.commands.presets import PRESETS
 from pipelines.pipeline.image_inputs import digest
 from pipelines.storage import video_io
+from pipelines.storage import video_reading
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 
 ARGS = ["--prompt", "a red square moving right", "--size", "64x64", "--steps", "4", "--seed", "2",
@@ -38,7 +39,7 @@ def test_generate_video_equals_the_python_call_and_records_the_input(tmp_path, c
   assert generate.main(ARGS + ["--video", source, "--strength", "0.6", "--out", str(out)]) == 0, \
       capsys.readouterr().err
   written = np.load(out)
-  frames = video_io.read_video(source)
+  frames = video_reading.read_video(source)
   pipe = WanVideoToVideoPipeline.tiny()
   pipe.set_progress_bar_config(disable=True)
   negative = PRESETS["tiny"].negative_prompt  # generate's default for the tiny model

@@ -25,7 +25,7 @@ from pipelines.serve.multihost import Channel
 from pipelines.serve.options import ServeConfig
 from pipelines.serve.service import Service
 from pipelines.serve.worker import Worker, batch_request, write_job
-from pipelines.storage import video_io
+from pipelines.storage import video_tags
 
 
 class Hub:
@@ -149,7 +149,7 @@ def test_a_batch_is_seeded_per_job_and_each_sidecar_records_its_own_run(tmp_path
     sidecar = json.loads(open(path + ".json").read())
     assert sidecar["settings"] == json.loads(json.dumps(one.settings())), index  # (JSON: tuples as lists)
     assert (sidecar["settings"]["seed"], sidecar["settings"]["explicit_latents"]) == (job["seed"], False)
-    tags = video_io.read_metadata(path)
+    tags = video_tags.read_metadata(path)
     comment = json.loads(tags["comment"])
     assert tags["title"] == job["prompt"] and (comment["seed"], comment["id"]) == (job["seed"], row["id"]), tags
     assert (comment["model"], comment["mesh"], comment["num_inference_steps"]) == ("tiny-random", "U=1,R=1", 3)

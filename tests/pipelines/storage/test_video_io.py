@@ -18,6 +18,10 @@ from PIL import Image
 import pytest
 
 from pipelines.storage import video_io
+
+from pipelines.storage import video_tags
+
+from pipelines.storage import contact_sheet
 from tests.pipelines.storage.video_files import _decode_mp4, _fake_ffmpeg
 
 
@@ -25,27 +29,27 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
   """Every tile is the frame's uint8 pixels, each repeated zoom x zoom; columns evenly spaced."""
   rng = np.random.default_rng(0)
   videos = [rng.random((17, 24, 40, 3), dtype=np.float32) for _ in range(2)]
-  assert video_io.sheet_columns(17, 9) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
-  assert video_io.sheet_columns(81, 9) == list(range(0, 81, 10)) and video_io.sheet_columns(3, 9) == [0, 1, 2]
-  image = video_io.contact_sheet(videos, labels=["reference", "candidate"])
+  assert contact_sheet.sheet_columns(17, 9) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+  assert contact_sheet.sheet_columns(81, 9) == list(range(0, 81, 10)) and contact_sheet.sheet_columns(3, 9) == [0, 1, 2]
+  image = contact_sheet.contact_sheet(videos, labels=["reference", "candidate"])
   zoom, gap = 4, 2  # ceil(96 / 24)
   tile_h, tile_w = 24 * zoom, 40 * zoom
   label_w = image.shape[1] - 9 * (tile_w + gap) - gap
   header_h = image.shape[0] - 2 * (tile_h + gap)
   assert label_w > 0 and header_h > 0
   for r, video in enumerate(videos):
-    for c, f in enumerate(video_io.sheet_columns(17, 9)):
+    for c, f in enumerate(contact_sheet.sheet_columns(17, 9)):
       y, x = header_h + r * (tile_h + gap), label_w + gap + c * (tile_w + gap)
       want = video_io.to_uint8(video)[f].repeat(zoom, 0).repeat(zoom, 1)
       np.testing.assert_array_equal(image[y:y + tile_h, x:x + tile_w], want)
   path = str(tmp_path / "sheet.png")
-  video_io.write_contact_sheet(videos, path)
+  contact_sheet.write_contact_sheet(videos, path)
   with pytest.raises(video_io.OutputError, match="exists"):
-    video_io.write_contact_sheet(videos, path)
+    contact_sheet.write_contact_sheet(videos, path)
   with pytest.raises(video_io.OutputError, match="PNG"):
-    video_io.write_contact_sheet(videos, str(tmp_path / "sheet.jpg"))
+    contact_sheet.write_contact_sheet(videos, str(tmp_path / "sheet.jpg"))
   with pytest.raises(ValueError, match="one shape"):
-    video_io.contact_sheet([videos[0], videos[1][:5]])
+    contact_sheet.contact_sheet([videos[0], videos[1][:5]])
 
 
 FRAMES = np.random.default_rng(0).random((5, 16, 16, 3), dtype=np.float32)
@@ -138,8 +142,8 @@ def _tagged(tmp_path, name: str, prompt: str, parameters: dict) -> dict[str, str
   returns `read_metadata` of the file."""
   frames = np.random.default_rng(0).random((3, 16, 16, 3), np.float32)
   path = str(tmp_path / name)
-  video_io.write_video(frames, path, fps=20, metadata=video_io.metadata_tags(prompt, parameters))
-  return video_io.read_metadata(path)
+  video_io.write_video(frames, path, fps=20, metadata=video_tags.metadata_tags(prompt, parameters))
+  return video_tags.read_metadata(path)
 
 
 @pytest.mark.parametrize("name", ["v.mp4", "v.gif", "frames"])
@@ -187,6 +191,6 @@ def test_another_programs_gif_comment_reads_as_text(tmp_path):
   """A GIF comment that is not our JSON object comes back as {"comment": text}, not an error."""
   path = tmp_path / "other.gif"
   Image.new("RGB", (4, 4)).save(path, comment=b"made elsewhere; not JSON")
-  assert video_io.read_metadata(str(path)) == {"comment": "made elsewhere; not JSON"}
+  assert video_tags.read_metadata(str(path)) == {"comment": "made elsewhere; not JSON"}
   Image.new("RGB", (4, 4)).save(path, comment=b'["a list"]')
-  assert video_io.read_metadata(str(path)) == {"comment": '["a list"]'}
+  assert video_tags.read_metadata(str(path)) == {"comment": '["a list"]'}
