@@ -14,6 +14,7 @@ Source: diffusers `pipelines/wan/pipeline_wan_video2video.py` (`get_timesteps`, 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import warnings
 from typing import Any
 
@@ -96,8 +97,8 @@ def _frames(video: Any) -> np.ndarray:
   elif isinstance(video, (list, tuple)):
     items = list(video)
   else:
-    raise ValueError(f"video must be a list of frames (PIL images or [H, W, 3] arrays) or an array "
-                     f"[F, H, W, 3], got {type(video).__name__}{not_a(video)}")
+    raise ValueError(f"video={reprlib.repr(video)} must be a list of frames (PIL images or [H, W, 3] arrays) or "
+                     f"an array [F, H, W, 3]{not_a(video)}")
   if not items:
     raise ValueError("video has no frames; give at least one")
   frames = [image_array(f"video[{i}]", frame) for i, frame in enumerate(items)]

@@ -249,6 +249,9 @@ WRONG_TYPES = {
     "image": [np.zeros((16, 16, 3), np.uint8)],
     "last_image": [np.zeros((16, 16, 3), np.uint8)],
     "image_embeds": [np.zeros((1, 4, 8), np.float32)],
+    # video-to-video's: not frames; a strength outside (0, 1] or not a number (checked without a video too)
+    "video": [123, "clip.mp4"],
+    "strength": ["high", -1, None, True],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 
