@@ -58,6 +58,10 @@ class WanTransformerConfig:
       `to_k` / `to_v` with it (`image_in_context`).
     pos_embed_seq_len: image tokens of the image embedder's learned positions (FLF2V: 2 x 257 for
       the first and last frame), None otherwise.
+    vace_layers: the blocks after which a VACE hint is added (diffusers' `WanVACETransformer3DModel`:
+      one VACE block per entry, the first at block 0), None for a transformer without VACE.
+    vace_in_channels: channels of the VACE context (`vace_patch_embedding`'s input): the inactive
+      and reactive video latents and the spatial mask, 2 C + (VAE spatial factor)^2 (96 for Wan 2.1).
   """
 
   patch_size: tuple[int, int, int] = (1, 2, 2)
@@ -76,6 +80,8 @@ class WanTransformerConfig:
   image_dim: int | None = None
   added_kv_proj_dim: int | None = None
   pos_embed_seq_len: int | None = None
+  vace_layers: tuple[int, ...] | None = None
+  vace_in_channels: int = 96
 
   def __post_init__(self):
     object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -97,6 +103,30 @@ class WanTransformerConfig:
     if not self.eps > 0:
       raise ValueError(f"{self.eps=} must be > 0")
     self._check_image_fields()
+    self._check_vace_fields()
+
+  def _check_vace_fields(self) -> None:
+    if self.vace_layers is None:
+      return
+    layers = self.vace_layers
+    if not isinstance(layers, (list, tuple)) or not layers or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layers):
+      raise ValueError(f"vace_layers={layers!r} must be a non-empty list of block indices (or None: no VACE)")
+    object.__setattr__(self, "vace_layers", tuple(layers))
+    if list(self.vace_layers) != sorted(set(self.vace_layers)) or self.vace_layers[0] != 0 or (
+        self.vace_layers[-1] >= self.num_layers):
+      raise ValueError(f"vace_layers={list(layers)} must be increasing block indices from 0 to at most "
+                       f"num_layers - 1 = {self.num_layers - 1} (diffusers: the first VACE block feeds block 0)")
+    if not isinstance(self.vace_in_channels, int) or self.vace_in_channels < 1:
+      raise ValueError(f"vace_in_channels={self.vace_in_channels!r} must be a positive int")
+    if self.image_dim is not None:
+      raise ValueError("a VACE transformer with an image branch (image_dim) is not supported: no released VACE "
+                       "model has one and diffusers' WanVACEPipeline passes no image states")
+
+  @property
+  def has_vace(self) -> bool:
+    """The transformer has VACE blocks (`vace_layers`): it takes a VACE context every forward."""
+    return self.vace_layers is not None
 
   def _check_image_fields(self) -> None:
     for name in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
@@ -152,12 +182,18 @@ class WanTransformerConfig:
       config["out_channels"] = config["in_channels"]  # diffusers: out_channels or in_channels
     if "patch_size" in config:
       config["patch_size"] = tuple(config["patch_size"])
+    if config.get("vace_layers") is not None:
+      config["vace_layers"] = tuple(config["vace_layers"])
     return cls(**config)
 
   def to_dict(self) -> dict[str, Any]:
     """The diffusers config.json fields (round-trips through `from_dict`)."""
     out = dataclasses.asdict(self)
     out["patch_size"] = list(self.patch_size)
+    if self.vace_layers is None:  # a plain WanTransformer3DModel config: no VACE keys
+      del out["vace_layers"], out["vace_in_channels"]
+    else:
+      out["vace_layers"] = list(self.vace_layers)
     return out
 
 
@@ -176,6 +212,11 @@ PRESETS: dict[str, WanTransformerConfig] = {
     # 48 latent channels of the Wan 2.2 VAE). One expert, per-token timesteps (`wan.ti2v`).
     "wan2.2-ti2v-5b": WanTransformerConfig(num_attention_heads=24, in_channels=48, out_channels=48,
                                            ffn_dim=14336, num_layers=30),
+    # VACE (diffusers' WanVACETransformer3DModel; Wan-AI/Wan2.1-VACE-*-diffusers transformer/config.json):
+    # the T2V model plus one VACE block every 2 (1.3B) or 5 (14B) blocks over a 96-channel context.
+    "wan2.1-vace-1.3b": WanTransformerConfig(vace_layers=tuple(range(0, 30, 2))),
+    "wan2.1-vace-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40,
+                                            vace_layers=tuple(range(0, 40, 5))),
     # Embedded default for tests and smoke runs: every code path, seconds to compile on CPU.
     "tiny": WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32,
                                  ffn_dim=64, num_layers=2),
@@ -190,20 +231,27 @@ def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
   def dense(i, o, layers=()):
     return {"kernel": (*layers, i, o), "bias": (*layers, o)}
 
-  def attn():
-    return {**{n: dense(d, d, (z,)) for n in ("to_q", "to_k", "to_v", "to_out")},
-            "norm_q": (z, d), "norm_k": (z, d)}
+  def block(layers: int) -> dict[str, Any]:
+    attn = {**{n: dense(d, d, (layers,)) for n in ("to_q", "to_k", "to_v", "to_out")},
+            "norm_q": (layers, d), "norm_k": (layers, d)}
+    out = {"attn1": attn, "attn2": dict(attn),
+           "ffn": {"proj_in": dense(d, e, (layers,)), "proj_out": dense(e, d, (layers,))},
+           "scale_shift_table": (layers, 6, d)}
+    if config.cross_attn_norm:
+      out["norm2"] = {"weight": (layers, d), "bias": (layers, d)}
+    return out
 
-  blocks = {"attn1": attn(), "attn2": attn(),
-            "ffn": {"proj_in": dense(d, e, (z,)), "proj_out": dense(e, d, (z,))},
-            "scale_shift_table": (z, 6, d)}
-  if config.cross_attn_norm:
-    blocks["norm2"] = {"weight": (z, d), "bias": (z, d)}
+  blocks = block(z)
   embedder = {
       "time_embedder": {"linear_1": dense(config.freq_dim, d), "linear_2": dense(d, d)},
       "time_proj": dense(d, 6 * d),
       "text_embedder": {"linear_1": dense(config.text_dim, d), "linear_2": dense(d, d)},
   }
+  top = {}
+  if config.has_vace:  # one VACE block per vace layer (diffusers' `WanVACETransformerBlock`)
+    v = len(config.vace_layers)
+    top = {"vace_patch_embedding": {"kernel": (pt, ph, pw, config.vace_in_channels, d), "bias": (d,)},
+           "vace_proj_in": dense(d, d), "vace_blocks": {**block(v), "proj_out": dense(d, d, (v,))}}
   if config.has_image_branch:
     i = config.image_dim
     embedder["image_embedder"] = {"norm1": {"weight": (i,), "bias": (i,)}, "proj_in": dense(i, i),
@@ -218,6 +266,7 @@ def param_shapes(config: WanTransformerConfig) -> dict[str, Any]:
       "blocks": blocks,
       "scale_shift_table": (2, d),
       "proj_out": dense(d, config.out_channels * config.patch_volume),
+      **top,
   }
 
 
@@ -231,5 +280,5 @@ def param_counts(config: WanTransformerConfig) -> tuple[int, int]:
       return sum(count(v) for v in tree.values())
     return math.prod(tree)
 
-  blocks = count(shapes["blocks"])
+  blocks = count(shapes["blocks"]) + count(shapes.get("vace_blocks", {}))
   return blocks, count(shapes) - blocks

@@ -39,12 +39,16 @@ class TextKV:
       branch, or the forward is given the image states and computes them itself).
     image_in_text: the text K/V are of [image; text] (a transformer whose image tokens join the
       context, `config.image_in_context`: L counts the P image tokens first). Static.
+    vace_k_VBLNH, vace_v_VBLNH: a VACE transformer's VACE blocks' K/V of the text, [V, B, L, N, H]
+      laid out as the text's; None without VACE.
   """
   k_ZBLNH: jax.Array
   v_ZBLNH: jax.Array
   image_k_ZBPNH: jax.Array | None = None
   image_v_ZBPNH: jax.Array | None = None
   image_in_text: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  vace_k_VBLNH: jax.Array | None = None
+  vace_v_VBLNH: jax.Array | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -104,7 +108,8 @@ def text_kv(model: Any, encoder_hidden_states: jax.Array, plan: ParallelPlan | N
       transformer with an image branch, or None (then no image K/V are held).
 
   Returns:
-    `TextKV`: text [Z, B, L, N, H] (and image [Z, B, P, N, H]) in the model dtype.
+    `TextKV`: text [Z, B, L, N, H] (and image [Z, B, P, N, H]; a VACE transformer's VACE blocks'
+    [V, B, L, N, H]) in the model dtype.
 
   Raises:
     ValueError: text states that are not [B, L, text_dim]; image states as `check_image_states`.
@@ -120,8 +125,11 @@ def text_kv(model: Any, encoder_hidden_states: jax.Array, plan: ParallelPlan | N
   image_BPD = None if image is None else _embed_image(model, layout, image)
   if image_BPD is not None and config.image_in_context:  # diffusers: concat([image, text]) as the context
     context = layout.constrain_rows(jnp.concatenate([image_BPD, text_BLD], axis=1))
-    return TextKV(*_scan_kv(model, layout, context, None), image_in_text=True)
-  return TextKV(*_scan_kv(model, layout, text_BLD, image_BPD))
+    return TextKV(*_scan_kv(model.blocks.attn2, config, layout, context, None), image_in_text=True)
+  vace = {}
+  if config.has_vace:  # the VACE blocks attend to the same text with their own projections
+    vace = dict(zip(("vace_k_VBLNH", "vace_v_VBLNH"), _scan_kv(model.vace_blocks.attn2, config, layout, text_BLD, None)))
+  return TextKV(*_scan_kv(model.blocks.attn2, config, layout, text_BLD, image_BPD), **vace)
 
 
 def image_kv(model: Any, kv: TextKV, encoder_hidden_states_image: jax.Array, plan: ParallelPlan | None = None
@@ -145,7 +153,8 @@ def image_kv(model: Any, kv: TextKV, encoder_hidden_states_image: jax.Array, pla
                      "added_kv_proj_dim): compute its K/V with text_kv(..., encoder_hidden_states_image=...)")
   check_image_states(model.config, encoder_hidden_states_image, kv.shape[1])
   layout = SequenceLayout(ParallelPlan.single() if plan is None else plan, 1)
-  image_k, image_v = _scan_kv(model, layout, None, _embed_image(model, layout, encoder_hidden_states_image))
+  image_k, image_v = _scan_kv(model.blocks.attn2, model.config, layout, None,
+                              _embed_image(model, layout, encoder_hidden_states_image))
   return dataclasses.replace(kv, image_k_ZBPNH=image_k, image_v_ZBPNH=image_v)
 
 
@@ -154,11 +163,11 @@ def _embed_image(model: Any, layout: SequenceLayout, image: jax.Array) -> jax.Ar
   return layout.constrain_rows(model.condition_embedder.image_embedder(image.astype(model.dtype)))
 
 
-def _scan_kv(model: Any, layout: SequenceLayout, text_BLD: jax.Array | None, image_BPD: jax.Array | None
-             ) -> list[jax.Array]:
-  """One layer scan: [text k, text v] of the text states and [image k, image v] of the image states
-  that are given, each [Z, B, L or P, N, H] in the model dtype."""
-  config = model.config
+def _scan_kv(attn2: Any, config: WanTransformerConfig, layout: SequenceLayout, text_BLD: jax.Array | None,
+             image_BPD: jax.Array | None) -> list[jax.Array]:
+  """One layer scan over the stacked cross-attentions `attn2` (the blocks' or the VACE blocks'):
+  [text k, text v] of the text states and [image k, image v] of the image states that are given,
+  each [Z or V, B, L or P, N, H] in the model dtype."""
 
   def body(_, attn):
     attn = layout.gathered(attn)  # sharded weights: this layer's all-gather
@@ -168,5 +177,5 @@ def _scan_kv(model: Any, layout: SequenceLayout, text_BLD: jax.Array | None, ima
           for (to_k, to_v, norm_k), s in pairs if s is not None]
     return None, tuple(layout.constrain_rows(a) for pair in kv for a in pair)
 
-  _, out = jax.lax.scan(body, None, model.blocks.attn2)
+  _, out = jax.lax.scan(body, None, attn2)
   return [layout.constrain_rows(a, axis=1) for a in out]

@@ -37,7 +37,7 @@ LayoutEntry = tuple[str, tuple[int, ...], tuple[str, ...], int | None, str]
 
 def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
   """Yields (diffusers key, diffusers shape, our path, layer index or None, transform)."""
-  d, e = config.dim, config.ffn_dim
+  d = config.dim
   pt, ph, pw = config.patch_size
   top = [
       ("patch_embedding.weight", (d, config.in_channels, pt, ph, pw), ("patch_embedding", "kernel"), _CONV3D),
@@ -57,6 +57,17 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
   top += list(_image_embedder(config))
   for key, shape, path, kind in top:
     yield key, shape, path, None, kind
+  block = list(_block_entries(config))
+  for i in range(config.num_layers):
+    for key, shape, path, kind in block:
+      yield f"blocks.{i}.{key}", shape, ("blocks", *path), i, kind
+  if config.has_vace:
+    yield from _vace_entries(config, block)
+
+
+def _block_entries(config: WanTransformerConfig):
+  """One block's (key under `blocks.{i}.`, shape, our path under `blocks`, transform)."""
+  d, e = config.dim, config.ffn_dim
   block = [("scale_shift_table", (1, 6, d), ("scale_shift_table",), _TABLE)]
   for attn in ("attn1", "attn2"):
     for proj in ("to_q", "to_k", "to_v"):
@@ -73,9 +84,22 @@ def checkpoint_layout(config: WanTransformerConfig) -> Iterator[LayoutEntry]:
               ("norm2.bias", (d,), ("norm2", "bias"), _COPY)]
   block += _linear("ffn.net.0.proj", ("ffn", "proj_in"), e, d)
   block += _linear("ffn.net.2", ("ffn", "proj_out"), d, e)
-  for i in range(config.num_layers):
-    for key, shape, path, kind in block:
-      yield f"blocks.{i}.{key}", shape, ("blocks", *path), i, kind
+  return block
+
+
+def _vace_entries(config: WanTransformerConfig, block: list) -> Iterator[LayoutEntry]:
+  """diffusers' `WanVACETransformer3DModel` keys: `vace_patch_embedding`, `vace_blocks.{i}` (a block's
+  keys and `proj_out`; block 0 also `proj_in`, our `vace_proj_in`), stacked on a leading V axis."""
+  d = config.dim
+  pt, ph, pw = config.patch_size
+  yield ("vace_patch_embedding.weight", (d, config.vace_in_channels, pt, ph, pw), ("vace_patch_embedding", "kernel"),
+         None, _CONV3D)
+  yield "vace_patch_embedding.bias", (d,), ("vace_patch_embedding", "bias"), None, _COPY
+  for key, shape, path, kind in _linear("vace_blocks.0.proj_in", ("vace_proj_in",), d, d):
+    yield key, shape, path, None, kind
+  for i in range(len(config.vace_layers)):
+    for key, shape, path, kind in [*block, *_linear("proj_out", ("proj_out",), d, d)]:
+      yield f"vace_blocks.{i}.{key}", shape, ("vace_blocks", *path), i, kind
 
 
 def _image_embedder(config: WanTransformerConfig):
@@ -150,8 +174,9 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
     if layer is None:
       _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype)))
     else:
-      stacked.setdefault(path, [None] * config.num_layers)[layer] = view
-  kernels = {("blocks", *p, "kernel") for p in quantization.QUANTIZED_LINEARS} if quantize else set()
+      stacked.setdefault(path, [None] * layer_count(config, path[0]))[layer] = view
+  kernels = {(stack, *p, "kernel") for p in quantization.QUANTIZED_LINEARS
+             for stack in quantization.block_stacks(config)} if quantize else set()
   for path, layers in stacked.items():
     _set(params, path, weights.HostLeaf.stack(layers, np.float32 if path in kernels else _leaf_dtype(path, dtype)))
   kernels = {path: _pop(params, path) for path in kernels}
@@ -175,6 +200,11 @@ def _quantized_leaf(leaf: weights.HostLeaf, mode: str, mesh: Mesh | None, shard_
   del full
   placed = where(quantized)
   return quantized if placed is None else distributed.put_sharded(quantized, placed)
+
+
+def layer_count(config: WanTransformerConfig, stack: str) -> int:
+  """The layers of a stack of blocks: Z for "blocks", V for "vace_blocks"."""
+  return len(config.vace_layers) if stack == "vace_blocks" else config.num_layers
 
 
 def _leaf_dtype(path: tuple[str, ...], dtype) -> np.dtype:

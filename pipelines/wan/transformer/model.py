@@ -51,6 +51,7 @@ from pipelines.wan.transformer.cross_kv import TextKV, check_image_states, image
 from pipelines.wan.transformer.sequence_layout import SequenceLayout
 from pipelines.wan.transformer.config import (WanTransformerConfig, keeps_fp32, param_shapes)
 from pipelines.wan.transformer.layers import (ConditionEmbedder, Dense, PatchEmbedding, WanBlock)
+from pipelines.wan.transformer.vace import VaceBlock, check_control, hint_slots, vace_hints
 
 
 class WanTransformer(nnx.Module):
@@ -67,6 +68,9 @@ class WanTransformer(nnx.Module):
     with an image branch (`config.has_image_branch`): condition_embedder.image_embedder.{norm1 [I],
       proj_in [I, I], proj_out [I, D], norm2 [D], pos_embed [P, I] (FLF2V)} and
       blocks.attn2.{add_k_proj, add_v_proj} [Z, D, D], blocks.attn2.norm_added_k [Z, D]
+    with VACE (`config.has_vace`, `transformer.vace`): vace_patch_embedding.{kernel [pt, ph, pw, Cv, D],
+      bias [D]}, vace_proj_in [D, D] (diffusers' `vace_blocks.0.proj_in`) and vace_blocks: the
+      blocks' tree with a leading V axis plus proj_out [V, D, D]
   (every Dense has .kernel [I, O] and .bias [O]).
   """
 
@@ -77,6 +81,10 @@ class WanTransformer(nnx.Module):
     self.blocks = WanBlock(params["blocks"])
     self.scale_shift_table = nnx.Param(params["scale_shift_table"])  # fp32 [2, D]
     self.proj_out = Dense(**params["proj_out"])
+    vace = config.has_vace
+    self.vace_patch_embedding = PatchEmbedding(**params["vace_patch_embedding"]) if vace else None
+    self.vace_proj_in = Dense(**params["vace_proj_in"]) if vace else None
+    self.vace_blocks = VaceBlock(params["vace_blocks"]) if vace else None
 
   @property
   def dtype(self) -> jnp.dtype:
@@ -104,6 +112,10 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
     if text.shape != want or text.v_ZBLNH.shape != text.k_ZBLNH.shape:
       raise ValueError(f"text K/V must be [Z, B, L, N, H]={want}, got {text.shape} (compute them with "
                        "text_kv of this model and these rows)")
+    vace = None if text.vace_k_VBLNH is None else tuple(text.vace_k_VBLNH.shape)
+    if config.has_vace and vace != (len(config.vace_layers), *want[1:]):
+      raise ValueError(f"text K/V of a VACE transformer must hold its VACE blocks' [V, B, L, N, H]="
+                       f"{[len(config.vace_layers), *want[1:]]}, got {vace} (compute them with text_kv of this model)")
     image = None if text.image_k_ZBPNH is None else (text.image_k_ZBPNH.shape, text.image_v_ZBPNH.shape)
     if image is not None and (image[0] != image[1] or image[0][:2] != want[:2] or image[0][3:] != want[3:]):
       raise ValueError(f"image K/V must be [Z, B, P, N, H] with (Z, B)={want[:2]} and (N, H)={want[3:]}, "
@@ -128,6 +140,8 @@ class ForwardContext:
     layout: where the tokens live and how attention runs (`SequenceLayout` of the call's plan: mesh,
       valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
+    hints_VBTD: a VACE transformer's scaled hints [V, B, T_padded, D] in the model dtype
+      (`vace.vace_hints`, sequence-sharded), None without VACE.
   """
   text_kv: TextKV
   time_proj: jax.Array
@@ -135,6 +149,7 @@ class ForwardContext:
   rope: tuple[jax.Array, jax.Array]
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
+  hints_VBTD: jax.Array | None = None
 
 
 def _check_image(config: WanTransformerConfig, image: jax.Array | None, text: Any, batch: int) -> None:
@@ -151,10 +166,12 @@ def _check_image(config: WanTransformerConfig, image: jax.Array | None, text: An
 
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: Any,
-          plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
+          plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None, *,
+          control_hidden_states: jax.Array | None = None, control_hidden_states_scale: jax.Array | None = None
           ) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, time embedding, RoPE table, the
-  text K/V (`text_kv`) unless given, and the image K/V (I2V) unless the given `TextKV` holds them.
+  text K/V (`text_kv`) unless given, the image K/V (I2V) unless the given `TextKV` holds them, and a
+  VACE transformer's hints (`vace.vace_hints`).
 
   Args: as `forward`.
 
@@ -168,6 +185,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   config = model.config
   _check_inputs(config, latents, timestep, encoder_hidden_states)
   _check_image(config, encoder_hidden_states_image, encoder_hidden_states, latents.shape[0])
+  check_control(config, control_hidden_states, control_hidden_states_scale, latents.shape)
   dtype = model.dtype
   _, _, f, h, w = latents.shape
   pt, ph, pw = config.patch_size
@@ -192,6 +210,9 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
                            layout=layout, latent_shape=tuple(latents.shape))
+  if config.has_vace:
+    hints = vace_hints(model, x_BTD, control_hidden_states, control_hidden_states_scale, context)
+    context = dataclasses.replace(context, hints_VBTD=hints)
   return x_BTD, context
 
 
@@ -235,17 +256,22 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
   stop = layers if stop is None else stop
   if not 0 <= start < stop <= layers:
     raise ValueError(f"blocks {start}..{stop - 1} are not a non-empty range of the {layers} blocks")
-  kv = context.text_kv
-  per_layer = (model.blocks, kv.k_ZBLNH, kv.v_ZBLNH, kv.image_k_ZBPNH, kv.image_v_ZBPNH)
+  kv, hints = context.text_kv, context.hints_VBTD
+  slots = None if hints is None else jnp.asarray(hint_slots(model.config))
+  per_layer = (model.blocks, kv.k_ZBLNH, kv.v_ZBLNH, kv.image_k_ZBPNH, kv.image_v_ZBPNH, slots)
   if (start, stop) != (0, layers):
     per_layer = jax.tree.map(lambda a: a[start:stop], per_layer)  # the Z axis of every stacked array
 
   def body(x_BTD, layer):
-    block, k_BLNH, v_BLNH, image_k_BPNH, image_v_BPNH = layer
+    block, k_BLNH, v_BLNH, image_k_BPNH, image_v_BPNH, slot = layer
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
     image_kv = None if image_k_BPNH is None else (image_k_BPNH, image_v_BPNH)
-    return block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
-                 layout=context.layout, image_kv=image_kv), None
+    x_BTD = block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
+                  layout=context.layout, image_kv=image_kv)
+    if slot is not None:  # VACE: after a vace layer's block, its hint (diffusers: x + hint * scale)
+      hint_BTD = jax.lax.dynamic_index_in_dim(hints, jnp.maximum(slot, 0), keepdims=False)
+      x_BTD = context.layout.constrain(jnp.where(slot >= 0, x_BTD + hint_BTD, x_BTD))
+    return x_BTD, None
 
   x_BTD, _ = jax.lax.scan(body, x_BTD, per_layer)
   return x_BTD
@@ -276,7 +302,9 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
 
 def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
             encoder_hidden_states: Any, plan: ParallelPlan | None = None,
-            encoder_hidden_states_image: jax.Array | None = None) -> jax.Array:
+            encoder_hidden_states_image: jax.Array | None = None, *,
+            control_hidden_states: jax.Array | None = None,
+            control_hidden_states_scale: jax.Array | None = None) -> jax.Array:
   """Noise (flow) prediction of diffusers' `WanTransformer3DModel.forward`. Jit-friendly.
 
   `embed`, then every block (`run_blocks`), then `unembed`.
@@ -304,6 +332,10 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       (Wan 2.1 I2V / FLF2V) unless `encoder_hidden_states` holds their K/V, else None. Embedded,
       projected to every block's image K/V (`cross_kv.image_kv`) and attended by the
       cross-attention beside the text (replicated, local).
+    control_hidden_states: [B, Cv, F, Hl, Wl] the VACE context (`vace_in_channels` on the latents'
+      grid) for a transformer with VACE blocks (`config.vace_layers`), else None; diffusers' name.
+    control_hidden_states_scale: [V] one scale per VACE block (diffusers' `conditioning_scale`), or
+      None for ones.
 
   Returns:
     [B, C_out, F, Hl, Wl] in the model dtype.
@@ -311,7 +343,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
   Raises:
     ValueError: shapes that do not fit the config, or a plan that is not a `ParallelPlan`.
   """
-  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image)
+  x_BTD, context = embed(model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image,
+                         control_hidden_states=control_hidden_states,
+                         control_hidden_states_scale=control_hidden_states_scale)
   return unembed(model, run_blocks(model, x_BTD, context), context)
 
 
@@ -368,7 +402,8 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0,
   """
   shapes = param_shapes(config)
   rng = np.random.default_rng(seed)
-  fan_in = {"patch_embedding": config.in_channels * config.patch_volume}
+  fan_in = {"patch_embedding": config.in_channels * config.patch_volume,
+            "vace_patch_embedding": config.vace_in_channels * config.patch_volume}
 
   def draw(path, shape):
     if path[-1] == "scale_shift_table":

@@ -3,7 +3,7 @@
 Glossary (DESIGN.md section 1): B batch, T tokens, D model width, E ffn width, Z layers; a Linear's
 kernel is [I, O] ([Z, I, O] stacked over the blocks).
 
-What is quantized: the eight Linear layers of every block (`QUANTIZED_LINEARS`: self- and
+What is quantized: the eight Linear layers of every block and every VACE block (`QUANTIZED_LINEARS`: self- and
 cross-attention q, k, v, out; the feed-forward's proj_in, proj_out), about 98 % of a Wan
 transformer's weights. What keeps its dtype, and why:
 - the norms' gains (`norm_q`, `norm_k`, `norm2`): D values per layer, multiplied into every token;
@@ -124,6 +124,11 @@ def dense(x: jax.Array, kernel: qwix.QArray, bias: jax.Array, *, int8_activation
   return (y + bias.astype(jnp.float32)).astype(dtype)
 
 
+def block_stacks(config: WanTransformerConfig) -> tuple[str, ...]:
+  """The stacks of blocks whose Linear kernels are quantized: "blocks", and "vace_blocks" with VACE."""
+  return ("blocks", "vace_blocks") if config.has_vace else ("blocks",)
+
+
 def quantize_transformer(model: Any, mode: str | None) -> Any:
   """Quantizes a `WanTransformer`'s block Linear kernels in place (`QUANTIZED_LINEARS`); returns it.
 
@@ -137,14 +142,14 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
   mode = check_mode(mode)
   if mode is None:
     return model
-  for path in QUANTIZED_LINEARS:
-    layer = model.blocks
+  for stack, path in ((stack, path) for stack in block_stacks(model.config) for path in QUANTIZED_LINEARS):
+    layer = getattr(model, stack)
     for name in path:
       layer = getattr(layer, name)
     kernel = layer.kernel.get_value()
     if isinstance(kernel, qwix.QArray):
       if jnp.dtype(kernel.qtype) != jnp.dtype(QTYPES[mode]):
-        raise ValueError(f"blocks.{'.'.join(path)} is quantized to {jnp.dtype(kernel.qtype).name} already, "
+        raise ValueError(f"{stack}.{'.'.join(path)} is quantized to {jnp.dtype(kernel.qtype).name} already, "
                          f"not {mode}; quantize the full-precision weights")
     else:
       layer.kernel.set_value(quantize_kernel_jit(kernel, mode))
@@ -155,7 +160,8 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
 def quantized_counts(config: WanTransformerConfig) -> tuple[int, int]:
   """(quantized kernel values, their fp32 scales) of one transformer of `config`: what the mesh
   planner counts as 1-byte and 4-byte weights (`pipelines.parallel.planner.candidates`)."""
-  d, e, z = config.dim, config.ffn_dim, config.num_layers
+  d, e = config.dim, config.ffn_dim
+  z = config.num_layers + (len(config.vace_layers) if config.has_vace else 0)  # VACE blocks quantized alike
   values = z * (8 * d * d + 2 * d * e)
   scales = z * (8 * d + e + d)
   return values, scales

@@ -22,7 +22,8 @@ def weight_shardings(state: Any, mesh: Mesh | None, shard_weights: bool = False)
   weights) and block weights with no such axis stay replicated.
 
   Args:
-    state: the weights (leaves are arrays; the block weights under a "blocks" key).
+    state: the weights (leaves are arrays; the block weights under a "blocks" key, a VACE
+      transformer's VACE blocks under "vace_blocks", placed alike).
     mesh: None (one device: `SingleDeviceSharding` of the first device) or the mesh.
     shard_weights: split the block weights as above.
   """
@@ -31,7 +32,7 @@ def weight_shardings(state: Any, mesh: Mesh | None, shard_weights: bool = False)
     return jax.tree.map(lambda _: one, state)
 
   def place(path, leaf) -> NamedSharding:
-    in_blocks = any(getattr(k, "key", getattr(k, "name", None)) == "blocks" for k in path)
+    in_blocks = any(getattr(k, "key", getattr(k, "name", None)) in ("blocks", "vace_blocks") for k in path)
     if not (shard_weights and in_blocks):
       return NamedSharding(mesh, P())
     return _split_largest_axis(mesh, tuple(leaf.shape), first_axis=1)
