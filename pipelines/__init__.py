@@ -9,11 +9,12 @@
   storage/   safetensors reading, atomic writes, video files
   (attention/ and producers/ sit beside storage/, at the bottom.)
 
-`WanPipeline`, `WanImageToVideoPipeline`, `WanVideoToVideoPipeline` and `GenerationResult` are imported on first use, so that the JAX-free modules
+`WanPipeline`, `WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, `WanVACEPipeline` and `GenerationResult` are
+imported on first use, so that the JAX-free modules
 (`pipelines.commands`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
-__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline", "WanVideoToVideoPipeline"]
+__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline", "WanVACEPipeline", "WanVideoToVideoPipeline"]
 
 
 def __getattr__(name: str):
@@ -23,6 +24,9 @@ def __getattr__(name: str):
   if name == "WanVideoToVideoPipeline":
     from pipelines.pipeline import video_pipeline
     return video_pipeline.WanVideoToVideoPipeline
+  if name == "WanVACEPipeline":
+    from pipelines.pipeline import vace_pipeline
+    return vace_pipeline.WanVACEPipeline
   if name in __all__:
     from pipelines.pipeline import wan_pipeline
     return getattr(wan_pipeline, name)

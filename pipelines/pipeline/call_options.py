@@ -20,7 +20,8 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
                      "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds",
-                     "timesteps", "sigmas", "scheduler", "video", "strength")
+                     "timesteps", "sigmas", "scheduler", "video", "strength", "mask", "reference_images",
+                     "conditioning_scale")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -93,7 +94,11 @@ CALL_DOCS = """
     (either class; `pipeline.ti2v`).
   video, strength: video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames
     to start from and the share of the schedule that runs, in (0, 1] (`video_inputs`; checked
-    without a video too).
+    without a video too). On a VACE model `video` is VACE's (`WanVACEPipeline`).
+  mask, reference_images, conditioning_scale: VACE models only (`WanVACEPipeline`, `vace_inputs`):
+    which pixels of `video` to generate (white) and keep (black), images the video should show
+    (each adds a latent frame in front, dropped before decoding), the VACE hints' weight (one
+    number or one per VACE layer).
 """
 
 

@@ -56,6 +56,10 @@ class ModelFacts:
       kind = "image-to-video" if self.image_to_video else "text-to-video"
       raise ValueError(f"a {kind} transformer needs in_channels={want} (out_channels={t.out_channels}), got "
                        f"{t.in_channels}")
+    context = 2 * t.out_channels + self.spatial_factor ** 2  # VACE: inactive + reactive latents, the pixel mask
+    if t.has_vace and t.vace_in_channels != context:
+      raise ValueError(f"a VACE transformer over this VAE needs vace_in_channels={context} (2 x {t.out_channels} "
+                       f"latent channels + {self.spatial_factor}^2 mask channels), got {t.vace_in_channels}")
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:

@@ -23,6 +23,7 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.parallel.token_facts import TokenFacts
 from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
+from pipelines.pipeline.vace_inputs import VACEInputs, check_vace_inputs
 from pipelines.pipeline.video_inputs import VideoInputs, check_video_inputs
 from pipelines.pipeline.inputs import (check_flag, check_int, check_number, check_size, embeds_array, is_real,
                                        noise_array, not_a, round_num_frames, texts)
@@ -60,6 +61,9 @@ class GenerationRequest:
     first_frame_latents: float32 numpy [B', C, 1, Hl, Wl], the normalised VAE latents of a Wan 2.2
       TI2V run's first frame (set by `pipeline.ti2v.ti2v_condition`), or None.
     video: the video-to-video input and strength (`video_inputs.VideoInputs`), or None.
+    vace: a VACE model's video, mask, reference images and scales (`vace_inputs.VACEInputs`), or
+      None (not a VACE model). Its n reference images add n latent frames in front of the video's
+      (`latent_shape`), dropped before decoding.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -88,6 +92,7 @@ class GenerationRequest:
   sigmas: tuple[float, ...] | None = None
   first_frame_latents: np.ndarray | None = None
   video: VideoInputs | None = None
+  vace: VACEInputs | None = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -100,7 +105,8 @@ class GenerationRequest:
             attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
             attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
             image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
-            scheduler: Any = None, video: Any = None, strength: Any = 0.8) -> GenerationRequest:
+            scheduler: Any = None, video: Any = None, strength: Any = 0.8, mask: Any = None,
+            reference_images: Any = None, conditioning_scale: Any = 1.0) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -123,7 +129,8 @@ class GenerationRequest:
     if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
       warnings.warn(note, stacklevel=2)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
-    source = check_video_inputs(video, strength, num_frames=num_frames, steps=steps,
+    vace = _vace_inputs(model, video, mask, reference_images, conditioning_scale, num_frames)
+    source = check_video_inputs(None if vace else video, strength, num_frames=num_frames, steps=steps,
                                 temporal_factor=model.temporal_factor,
                                 video_model=not (model.image_to_video or model.expand_timesteps))
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
@@ -132,7 +139,8 @@ class GenerationRequest:
     cfg = max(guidance) > 1.0  # the unconditional rows exist when any expert guides (`expert_cfg`)
     if cfg:
       _check_text_lengths(embeds, negative_embeds, length)
-    shape = model.latent_shape(batch * per_prompt, height, width, num_frames)
+    references = 0 if vace is None else len(vace.references)
+    shape = model.latent_shape(batch * per_prompt, height, width, num_frames + model.temporal_factor * references)
     seed, noise = _noise(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
                          f"frames at {height}x{width}")
     decode = check_flag("decode", decode)
@@ -148,7 +156,7 @@ class GenerationRequest:
         videos=batch * per_prompt, height=int(height), width=int(width), num_frames=num_frames, steps=steps,
         guidance=guidance, cfg=cfg, scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
         max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec, decode=decode,
-        image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas), video=source))
+        image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas), video=source, vace=vace))
 
   # --- derived ---
 
@@ -261,7 +269,8 @@ class GenerationRequest:
     first = {} if self.first_frame_latents is None else {
         "first_frame_latents_sha256": digest(self.first_frame_latents)}
     video = {} if self.video is None else self.video.digests()
-    return first | ({} if self.image is None else self.image.digests()) | video
+    vace = {} if self.vace is None else self.vace.digests()
+    return first | ({} if self.image is None else self.image.digests()) | video | vace
 
 
 # flow_shift's accepted range: beyond it float32 sigmas collapse (s = 1e7 puts every sigma within
@@ -292,6 +301,22 @@ def _image_inputs(model: ModelFacts, image: Any, last_image: Any, image_embeds: 
   return check_image_inputs(image, last_image, image_embeds, image_model=model.image_to_video,
                             image_dim=t.image_dim, flf2v_positions=t.pos_embed_seq_len is not None,
                             first_frame_only=model.expand_timesteps)
+
+
+def _vace_inputs(model: ModelFacts, video: Any, mask: Any, reference_images: Any, conditioning_scale: Any,
+                 num_frames: int) -> VACEInputs | None:
+  """`vace_inputs.check_vace_inputs` for a VACE model; for another, the VACE-only arguments refused."""
+  layers = model.transformer.vace_layers
+  if layers is None:
+    given = [name for name, value in (("mask", mask), ("reference_images", reference_images)) if value is not None]
+    if not (is_real(conditioning_scale) and conditioning_scale == 1.0):
+      given.append("conditioning_scale")
+    if given:
+      raise ValueError(f"{', '.join(given)} given, but this model has no VACE blocks (they condition a VACE model: "
+                       "WanVACEPipeline of a Wan VACE folder); leave them out")
+    return None
+  return check_vace_inputs(video, mask, reference_images, conditioning_scale, num_frames=num_frames,
+                           vace_layers=len(layers), temporal_factor=model.temporal_factor)
 
 
 def _step_cache(model: ModelFacts, step_cache: Any, source: VideoInputs | None) -> Any:

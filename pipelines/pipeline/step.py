@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from attention.mesh import CFG_AXIS
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan import step_cache as wan_step_cache
+from pipelines.wan.conditioning.inputs import StepInputs
 from pipelines.wan.transformer import TextKV, forward, text_kv
 
 
@@ -37,8 +38,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
     condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
-      gives the transformer's (latents, timestep, image states): `ImageConditioning` or TI2V's
-      `ti2v.TI2VConditioning` (first frame, per-token timesteps); a new one is a new such class.
+      gives the transformer's `StepInputs` (latents, timestep, image states, VACE context):
+      `ImageConditioning`, TI2V's `TI2VConditioning` (first frame, per-token timesteps) or
+      `VACEConditioning`; a new one is a new such class.
     plan: where it runs (static): the mesh, the attention path and backend, weight sharding. With
       CFG=2 the cond rows run on the first half of the devices and the uncond rows on the second,
       each half running the whole USP schedule; the guidance mix then brings the two noise
@@ -56,12 +58,14 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   """
   model = nnx.merge(graphdef, params)
   x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
-  x, timestep, image = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
+  inputs = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
+  control = dict(control_hidden_states=inputs.control, control_hidden_states_scale=inputs.control_scale)
   stats = None
   if cache is None:
-    noise = forward(model, x, timestep, text, plan, image)  # model dtype
+    noise = forward(model, inputs.latents, inputs.timestep, text, plan, inputs.image, **control)  # model dtype
   else:
-    noise, cache, stats = wan_step_cache.cached_forward(model, x, timestep, text, cache, plan, image)
+    noise, cache, stats = wan_step_cache.cached_forward(model, inputs.latents, inputs.timestep, text, cache, plan,
+                                                        inputs.image, **control)
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -81,17 +85,17 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
 
 
 def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition: Any, *, cfg: bool
-                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """(latents [B or 2B, ...], timestep [B or 2B] or per token, image states or None) the transformer
-  sees: x doubled to [cond; uncond] under CFG, then the condition's inputs; no image states when the
-  text K/V hold the image's (computed once before the loop)."""
+                        ) -> StepInputs:
+  """The `StepInputs` the transformer sees (latents [B or 2B, ...], timestep [B or 2B] or per token,
+  image states, VACE context): x doubled to [cond; uncond] under CFG, then the condition's inputs;
+  no image states when the text K/V hold the image's (computed once before the loop)."""
   if cfg:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(timestep, (x.shape[0],))
   if condition is None:
-    return x, timestep, None
-  x, timestep, image = condition.transformer_inputs(x, timestep, cfg=cfg)
-  return x, timestep, None if isinstance(text, TextKV) and text.has_image else image
+    return StepInputs(x, timestep)
+  inputs = condition.transformer_inputs(x, timestep, cfg=cfg)
+  return inputs._replace(image=None) if isinstance(text, TextKV) and text.has_image else inputs
 
 
 def guidance_mix(cond: jax.Array, uncond: jax.Array, guidance: jax.Array) -> jax.Array:

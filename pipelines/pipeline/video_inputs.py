@@ -74,7 +74,7 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
   if not video_model:
     raise ValueError("video given, but this model cannot start from a video (video-to-video runs on a "
                      "text-to-video Wan folder: WanVideoToVideoPipeline); leave video out")
-  frames = _frames(video)
+  frames = video_frames("video", video)
   used = (len(frames) - 1) // temporal_factor * temporal_factor + 1
   if used != len(frames):
     warnings.warn(f"video has {len(frames)} frames; the VAE encodes 4k + 1 of them, so the last "
@@ -90,21 +90,26 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
   return result
 
 
-def _frames(video: Any) -> np.ndarray:
-  """The frames as one numpy array [F, H, W, 3] (uint8 or float32)."""
+def video_frames(name: str, video: Any) -> np.ndarray:
+  """The frames of argument `name` as one numpy array [F, H, W, 3] (uint8 or float32 in [0, 1]).
+
+  Raises:
+    ValueError: naming `name`: not a list of frames or an array [F, H, W, 3], no frames, a frame in
+      none of the image forms, or frames of different sizes or kinds.
+  """
   if isinstance(video, np.ndarray) and video.ndim == 4:
     items = list(video)
   elif isinstance(video, (list, tuple)):
     items = list(video)
   else:
-    raise ValueError(f"video={reprlib.repr(video)} must be a list of frames (PIL images or [H, W, 3] arrays) or "
+    raise ValueError(f"{name}={reprlib.repr(video)} must be a list of frames (PIL images or [H, W, 3] arrays) or "
                      f"an array [F, H, W, 3]{not_a(video)}")
   if not items:
-    raise ValueError("video has no frames; give at least one")
-  frames = [image_array(f"video[{i}]", frame) for i, frame in enumerate(items)]
+    raise ValueError(f"{name} has no frames; give at least one")
+  frames = [image_array(f"{name}[{i}]", frame) for i, frame in enumerate(items)]
   shapes = {f.shape for f in frames}
   kinds = {f.dtype for f in frames}
   if len(shapes) > 1 or len(kinds) > 1:
-    raise ValueError(f"video frames must share one size and kind, got sizes {sorted(shapes)} and kinds "
+    raise ValueError(f"{name} frames must share one size and kind, got sizes {sorted(shapes)} and kinds "
                      f"{sorted(str(k) for k in kinds)}")
   return np.stack(frames)

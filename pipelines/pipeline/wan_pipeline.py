@@ -46,6 +46,7 @@ from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
+from pipelines.pipeline.vace_inputs import conditioning as vace_conditioning
 from pipelines.storage import weights
 from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as wan_step_cache, vae as wan_vae
 from pipelines.wan.step_cache import calibration as mag_calibration
@@ -227,7 +228,11 @@ class WanPipeline(LoraLoaderMixin):
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
     the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps, with the
-    request's first frame when it has one (`pipeline.ti2v.conditioning`)."""
+    request's first frame when it has one (`pipeline.ti2v.conditioning`); a VACE model its VACE
+    context, from the request's video, mask and reference images or none of them
+    (`vace_inputs.conditioning`)."""
+    if self.transformer_config.has_vace:
+      return vace_conditioning(self.vae, request, stage)
     if not self.expand_timesteps:
       return None
     return ti2v_conditioning(self.vae, request, self.transformer_config.patch_size, stage)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.wan import vae as wan_vae
+from pipelines.wan.conditioning.inputs import StepInputs
 
 
 def mask_channels(num_frames: int, temporal_factor: int, latent_height: int, latent_width: int, *,
@@ -84,15 +85,14 @@ class ImageConditioning:
   video_BCFHW: jax.Array
   image_BJI: jax.Array | None = None
 
-  def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool
-                         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(latents, timestep, image states) the transformer sees for the step's latents x (already
+  def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool) -> StepInputs:
+    """The `StepInputs` (latents, timestep, image states) the transformer sees for the step's latents x (already
     doubled to [cond; uncond] under CFG): [x; mask; condition] along channels in x's dtype, the
     timestep unchanged, the image states doubled like x under CFG (`image_states`)."""
     video = self.video_BCFHW.astype(x_BCFHW.dtype)
     if cfg:
       video = jnp.concatenate([video, video], axis=0)
-    return jnp.concatenate([x_BCFHW, video], axis=1), timestep_B, self.image_states(cfg=cfg)
+    return StepInputs(jnp.concatenate([x_BCFHW, video], axis=1), timestep_B, self.image_states(cfg=cfg))
 
   def image_states(self, *, cfg: bool) -> jax.Array | None:
     """The CLIP states the transformer's cross-attention sees ([B or 2B, J, I], FLF2V twice the

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.wan import vae as wan_vae
+from pipelines.wan.conditioning.inputs import StepInputs
 
 
 def first_frame_mask(latent_shape: tuple[int, ...], image: bool) -> jax.Array:
@@ -91,9 +92,8 @@ class TI2VConditioning:
   patch_size: tuple[int, int, int] = dataclasses.field(metadata={"static": True})
   first_frame_BCFHW: jax.Array | None = None
 
-  def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool
-                         ) -> tuple[jax.Array, jax.Array, None]:
-    """(latents, per-token timestep float32 [B, T], no image states) the transformer sees for the
+  def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool) -> StepInputs:
+    """The `StepInputs` (latents, per-token timestep float32 [B, T]) the transformer sees for the
     step's latents x (already doubled to [cond; uncond] under CFG): x with its first frame replaced
     by the image's latents (`model_input`), 0 on the first frame's tokens with an image, else t.
 
@@ -104,7 +104,7 @@ class TI2VConditioning:
       condition = jnp.concatenate([condition, condition], axis=0)
     x = model_input(x_BCFHW, condition)
     timestep = per_token_timesteps(timestep_B, x.shape, self.patch_size, image=condition is not None)
-    return x, timestep, None
+    return StepInputs(x, timestep)
 
   def image_states(self, *, cfg: bool) -> None:
     """No CLIP states: TI2V conditions through the latents and timesteps only."""

@@ -10,7 +10,10 @@ from pipelines.wan.transformer import WanTransformerConfig
 
 
 # model_index.json `_class_name`s that load, and whether each is image-to-video.
-PIPELINE_CLASSES = {"WanPipeline": False, "WanImageToVideoPipeline": True}
+# model_index.json `_class_name`s that load, and whether the folder is image-to-video (channel-conditioned).
+# A VACE folder is known by its transformer (`vace_layers`), a video-to-video one is a text-to-video model.
+PIPELINE_CLASSES = {"WanPipeline": False, "WanImageToVideoPipeline": True, "WanVACEPipeline": False,
+                    "WanVideoToVideoPipeline": False}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -241,14 +241,17 @@ def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.
 
 def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
                    encoder_hidden_states: jax.Array, state: State,
-                   plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None
+                   plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None, *,
+                   control_hidden_states: jax.Array | None = None,
+                   control_hidden_states_scale: jax.Array | None = None
                    ) -> tuple[jax.Array, State, dict[str, jax.Array]]:
   """`transformer.forward` with a step cache. Jit-friendly; the skip is one mesh-uniform `lax.cond`.
 
   Args:
-    model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image: as
-      `transformer.forward` (latents [B, C, F, Hl, Wl], timestep [B], text [B, L, text_dim]; plan
-      None: one device; image states for Wan 2.1 I2V / FLF2V, else None).
+    model, latents, timestep, encoder_hidden_states, plan, encoder_hidden_states_image,
+      control_hidden_states, control_hidden_states_scale: as `transformer.forward` (latents [B, C,
+      F, Hl, Wl], timestep [B], text [B, L, text_dim]; plan None: one device; image states for Wan
+      2.1 I2V / FLF2V, else None; a VACE transformer's context and scales, else None).
     state: this step's `FirstBlockState` or `MagState` (from `init_state` or the previous step).
 
   Returns:
@@ -263,7 +266,8 @@ def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, ti
   if not isinstance(state, (FirstBlockState, MagState)):
     raise TypeError(f"state must be a FirstBlockState or MagState, got {type(state).__name__}")
   x0_BTD, context = wan_transformer.embed(model, latents, timestep, encoder_hidden_states, plan,
-                                         encoder_hidden_states_image)
+                                         encoder_hidden_states_image, control_hidden_states=control_hidden_states,
+                                         control_hidden_states_scale=control_hidden_states_scale)
   if isinstance(state, FirstBlockState):
     xz_BTD, state, stats = _first_block_step(model, x0_BTD, context, state)
   else:

@@ -194,7 +194,7 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   t_B = jnp.full((2,), 900.0)
 
   def step(model, latents, condition, text, t_B):  # as `denoise_step` with a TI2V `condition`
-    x, timestep, _ = condition.transformer_inputs(latents, t_B, cfg=False)
+    x, timestep, *_ = condition.transformer_inputs(latents, t_B, cfg=False)
     return wan_transformer.forward(model, x, timestep, text, plan)
 
   condition = ti2v.TI2VConditioning(patch_size=model.config.patch_size, first_frame_BCFHW=latents[:, :, :1])

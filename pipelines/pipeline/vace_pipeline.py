@@ -1,0 +1,62 @@
+"""Wan VACE (diffusers' `WanVACEPipeline`): one model for reference-to-video, video-to-video with a
+mask (inpainting, outpainting), control videos (pose, depth, ...) and first/last frames.
+
+Everything but the VACE context is `WanPipeline`'s (the request, the runner, the compiled step, the
+loop, decoding, both experts of a Wan 2.2 VACE-Fun folder): the request carries the video, mask,
+reference images and per-layer scales (`vace_inputs.VACEInputs`); once before the loop they are
+encoded into the VACE context (`vace_inputs.conditioning`), which every step's transformer reads
+beside the latents (`wan.conditioning.VACEConditioning`); the reference images' latent frames sit
+in front of the video's and are dropped before decoding. A `WanPipeline` of the same folder runs
+the same way (the model decides, not the class); this class gives diffusers' argument order.
+
+Source: diffusers `pipelines/wan/pipeline_wan_vace.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipelines.pipeline.wan_pipeline import WanPipeline
+
+
+class WanVACEPipeline(WanPipeline):
+  """VACE Wan; build with `from_pretrained(folder)` of a diffusers `WanVACEPipeline` folder (Wan 2.1
+  VACE 1.3B / 14B; Wan 2.2 VACE-Fun A14B with transformer_2 and boundary_ratio), call with prompts
+  and any of video, mask, reference images (`__call__`)."""
+
+  def __init__(self, **parts: Any):
+    super().__init__(**parts)
+    if not self.transformer_config.has_vace:
+      raise ValueError("this transformer has no VACE blocks (its config.json has no vace_layers): load the folder "
+                       "with WanPipeline, or give a Wan VACE folder")
+
+  def __call__(self, prompt: Any = None, negative_prompt: Any = None, video: Any = None, mask: Any = None,
+               reference_images: Any = None, conditioning_scale: float | Sequence[float] = 1.0, height: int = 480,
+               width: int = 832, num_frames: int | None = None, num_inference_steps: int = 50,
+               guidance_scale: float = 5.0, seed: int | Sequence[int] | None = None, latents: Any = None,
+               max_sequence_length: int | None = None, mesh: Any = None, **kwargs: Any) -> Any:
+    """Generates videos; diffusers `WanVACEPipeline.__call__(...).frames`.
+
+    Args:
+      video: the frames to condition on (a list of PIL images or an array [F, H, W, 3], uint8 or float
+        in [0, 1]; F = 4k + 1), resized to height x width; None: none (zeros, every pixel generated).
+      mask: which pixels to generate (white, 1) and which to keep from the video (black, 0): one image
+        for every frame or one per frame, in the video's size; None: generate everything. Needs video.
+      reference_images: an image or a list of images (subjects, styles) the video should show; each
+        adds one latent frame in front of the video's, dropped before decoding.
+      conditioning_scale: the VACE hints' weight, one number or one per VACE layer.
+      num_frames: the video's length (None: the video's, or 81 without a video).
+      the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
+
+    Returns and Raises:
+      as `WanPipeline.__call__`; also ValueError for bad VACE inputs (before any compute).
+    """
+    if num_frames is None:
+      try:
+        num_frames = 81 if video is None else len(video)
+      except TypeError:
+        num_frames = 81  # not a sequence: the request's checks name it
+    return super().__call__(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
+                            guidance_scale, seed, latents, max_sequence_length, mesh, video=video, mask=mask,
+                            reference_images=reference_images, conditioning_scale=conditioning_scale, **kwargs)
