@@ -26,7 +26,8 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange",
                   "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
                   "last_image": "--last-image", "scheduler": "--scheduler", "timesteps": "--timesteps",
-                  "sigmas": "--sigmas", "video": "--video", "strength": "--strength"}
+                  "sigmas": "--sigmas", "video": "--video", "strength": "--strength", "mask": "--mask",
+                  "reference_images": "--reference-image", "conditioning_scale": "--conditioning-scale"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -78,7 +79,15 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--video", default=None, metavar="PATH",
                  help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
                       ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
-                      "frames give the length (default: none)")
+                      "frames give the length; on a VACE model, the video VACE conditions on (default: none)")
+  p.add_argument("--mask", default=None, metavar="PATH",
+                 help="VACE models, with --video: which pixels to generate (white) and which to keep (black); an "
+                      "image for every frame, or a video of --video's length and size (default: generate all)")
+  p.add_argument("--reference-image", action="append", default=[], metavar="PATH",
+                 help="VACE models: an image (a subject, a style) the video should show; repeat for several "
+                      "(default: none)")
+  p.add_argument("--conditioning-scale", default=None, metavar="S or S,S,...",
+                 help="VACE models: the VACE hints' weight, one number or one per VACE layer (default: 1)")
   p.add_argument("--strength", type=float, default=0.8,
                  help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
                       "too); lower keeps more of the video")

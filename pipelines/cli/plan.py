@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+from typing import Any
 
 from attention.mesh_spec import MeshSpec
 from pipelines.parallel import distributed
@@ -48,7 +48,10 @@ class Plan:
   contact_sheet: bool = False  # also write contact_sheet.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
   image: str | None = None  # --image PATH (image-to-video)
-  video: str | None = None  # --video PATH (video-to-video)
+  video: str | None = None  # --video PATH (video-to-video; a VACE model's video)
+  mask: str | None = None  # --mask PATH (VACE)
+  reference_images: tuple[str, ...] = ()  # --reference-image PATH, repeated (VACE)
+  conditioning_scale: Any = 1.0  # --conditioning-scale (VACE): a float or a tuple of floats
   strength: float = 0.8  # --strength (with --video)
   last_image: str | None = None  # --last-image PATH
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)

@@ -47,7 +47,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if processes is None or processes.process_id == 0:  # only process 0 writes
     _check_outputs(args)
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
-  for flag, path in (("--image", args.image), ("--last-image", args.last_image)):
+  for flag, path in (("--image", args.image), ("--last-image", args.last_image),
+                     *(("--reference-image", r) for r in args.reference_image)):
     if path is not None:
       _check_image_file(flag, path)
   if args.last_image is not None and args.image is None:
@@ -56,6 +57,10 @@ def plan_run(args: argparse.Namespace) -> Plan:
   if args.video is not None and args.image is not None:
     raise UsageError(f"--video {args.video} and --image {args.image}: give one (video-to-video starts from a video, "
                      "image-to-video from an image)")
+  if args.mask is not None and args.video is None:
+    raise UsageError(f"--mask {args.mask} needs --video (the mask marks which of the video's pixels to generate)")
+  if args.mask is not None:
+    read_mask(args.mask)  # readable before anything loads
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
   steps, timesteps, sigmas = _schedule_flags(args, preset)
   return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
@@ -76,7 +81,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
               vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
               image=args.image, last_image=args.last_image, size_given=bool(args.size),
-              video=args.video, strength=args.strength,
+              video=args.video, strength=args.strength, mask=args.mask,
+              reference_images=tuple(args.reference_image), conditioning_scale=_conditioning_scale(args),
               fps_given=args.fps is not None or preset_name is not None)
 
 
@@ -92,6 +98,31 @@ def _video_length(path: str) -> int:
   except ValueError as e:
     raise UsageError(f"--video: {e}") from e
   return (count - 1) // 4 * 4 + 1
+
+
+def _conditioning_scale(args: argparse.Namespace) -> Any:
+  """--conditioning-scale as one float or a tuple of floats (1.0 when not given)."""
+  if args.conditioning_scale is None:
+    return 1.0
+  values = parse_numbers(args.conditioning_scale, "--conditioning-scale")
+  return values[0] if len(values) == 1 else tuple(values)
+
+
+def read_mask(path: str | None) -> Any:
+  """The --mask file: one image (numpy uint8 [H, W, 3], for every frame) or a video's frames.
+
+  Raises:
+    UsageError: a file that is neither an image pillow reads nor a video this reads.
+  """
+  if path is None:
+    return None
+  if os.path.isfile(path) and os.path.splitext(path)[1].lower() not in video_reading.VIDEO_SUFFIXES:
+    _check_image_file("--mask", path)
+    return read_image(path)
+  try:
+    return video_reading.read_video(path)
+  except ValueError as e:
+    raise UsageError(f"--mask: {e}") from e
 
 
 def read_video(path: str | None) -> Any:
@@ -375,6 +406,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         attention_exchange=plan.attention_exchange, image=read_image(plan.image),
         last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
         sigmas=plan.sigmas, **({} if plan.video is None else {"video": read_video(plan.video)}),
+        mask=read_mask(plan.mask), reference_images=[read_image(p) for p in plan.reference_images] or None,
+        conditioning_scale=plan.conditioning_scale,
         **({} if plan.strength is None else {"strength": plan.strength}))  # checked, used or not
   except ValueError as e:
     raise flag_error(e) from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,8 @@ def check_vace_inputs(video: Any, mask: Any, reference_images: Any, conditioning
 
   Raises:
     ValueError: naming the argument and the fix: a mask without a video, frames not in an image
-      form, a video whose length differs from num_frames, a mask whose length is neither 1 nor the
+      form, a video whose length (its 4k + 1 first frames: the rest are dropped with a warning, as
+      diffusers' VAE drops them) differs from num_frames, a mask whose length is neither 1 nor the
       video's or whose size is not the video's, reference images that are not images, a scale that
       is not a finite number or one per VACE block.
   """
@@ -125,15 +127,17 @@ def check_vace_inputs(video: Any, mask: Any, reference_images: Any, conditioning
                        "video too (diffusers refuses a mask alone as well)")
     return VACEInputs(video=None, mask=None, references=references, scale=scale)
   frames = video_frames("video", video)
+  masks = None if mask is None else video_frames("mask", [mask] if _is_image(mask) else mask)
+  used = (len(frames) - 1) // temporal_factor * temporal_factor + 1
+  if used != len(frames):
+    warnings.warn(f"video has {len(frames)} frames; the VAE encodes 4k + 1 of them, so the last {len(frames) - used} "
+                  "(and the mask's) are not used", stacklevel=3)
+    masks = masks if masks is None or len(masks) != len(frames) else masks[:used]
+    frames = frames[:used]
   if num_frames is not None and len(frames) != num_frames:
     raise ValueError(f"video has {len(frames)} frames but num_frames={num_frames}: give a video of num_frames "
                      "(4k + 1) frames, or leave num_frames out to take the video's length")
-  if (len(frames) - 1) % temporal_factor:
-    raise ValueError(f"video has {len(frames)} frames; a VACE video needs 4k + 1 (e.g. "
-                     f"{(len(frames) - 1) // temporal_factor * temporal_factor + 1}): trim it")
-  masks = None
-  if mask is not None:
-    masks = video_frames("mask", [mask] if _is_image(mask) else mask)
+  if masks is not None:
     if len(masks) not in (1, len(frames)) or masks.shape[1:3] != frames.shape[1:3]:
       raise ValueError(f"mask is {len(masks)} frame(s) of {masks.shape[2]}x{masks.shape[1]}; it must be one image "
                        f"or {len(frames)} frames (the video's) of the video's size {frames.shape[2]}x{frames.shape[1]}")

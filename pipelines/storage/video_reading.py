@@ -9,6 +9,8 @@ import os
 import numpy as np
 
 
+# File suffixes read as videos (a folder of frames is one too); anything else is an image file.
+VIDEO_SUFFIXES = (".npy", ".gif", ".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
 VIDEO_INPUTS = ".mp4, .mov, .mkv, .webm, .avi, .gif, .npy (float [F, H, W, 3] in [0, 1]) or a folder of image frames"
 
 
@@ -33,7 +35,7 @@ def read_video(path: str, max_frames: int | None = None) -> np.ndarray:
       frames = _read_frame_folder(path, max_frames)
     elif kind == ".gif":
       frames = _read_gif(path, max_frames)
-    elif kind in (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"):
+    elif kind in VIDEO_SUFFIXES:
       frames = _read_ffmpeg(path, max_frames)
     else:
       raise ValueError(f"{path!r} is not a video this reads; give {VIDEO_INPUTS}")

@@ -12,10 +12,6 @@ Controls: another mask, or no reference image, changes diffusers' own video by f
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import numpy as np
 import pytest
 
@@ -28,7 +24,7 @@ from pipelines.pipeline.wan_pipeline import WanPipeline  # noqa: E402
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER  # noqa: E402
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least  # noqa: E402
 from tests.pipelines.pipeline.test_video_pipeline import _video, psnr  # noqa: E402
-from tests.torch_weights import randomize  # noqa: E402
+from tests.pipelines.pipeline.vace_folder import build_vace_folder  # noqa: E402
 
 PROMPT, NEGATIVE = "a red square moving right", "blurry"
 CALL = dict(height=32, width=48, num_inference_steps=3, guidance_scale=4.0, max_sequence_length=32)
@@ -36,24 +32,7 @@ CALL = dict(height=32, width=48, num_inference_steps=3, guidance_scale=4.0, max_
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  root = str(tmp_path_factory.mktemp("vace_folder"))
-  for part in ("text_encoder", "tokenizer", "vae", "scheduler"):
-    shutil.copytree(os.path.join(TINY_DEFAULT_FOLDER, part), os.path.join(root, part))
-  base = diffusers.WanTransformer3DModel.from_pretrained(os.path.join(TINY_DEFAULT_FOLDER, "transformer"))
-  config = {k: v for k, v in base.config.items() if not k.startswith("_")}
-  model = diffusers.WanVACETransformer3DModel(**config, vace_layers=[0, 2], vace_in_channels=96)
-  missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
-  assert not unexpected and all(k.startswith("vace_") for k in missing)
-  randomize(model.vace_blocks, seed=3, spread=0.5)
-  randomize(model.vace_patch_embedding, seed=4, spread=0.5)
-  model.save_pretrained(os.path.join(root, "transformer"), safe_serialization=True)
-  with open(os.path.join(TINY_DEFAULT_FOLDER, "model_index.json")) as f:
-    index = json.load(f)
-  index.update(_class_name="WanVACEPipeline", transformer=["diffusers", "WanVACETransformer3DModel"])
-  index.pop("expand_timesteps")
-  with open(os.path.join(root, "model_index.json"), "w") as f:
-    json.dump(index, f)
-  return root
+  return build_vace_folder(str(tmp_path_factory.mktemp("vace_folder")))
 
 
 @pytest.fixture(scope="module")
