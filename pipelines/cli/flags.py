@@ -69,28 +69,7 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")
-  p.add_argument("--image", default=None, metavar="PATH",
-                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
-                      "Wan 2.2 TI2V-5B); "
-                      "without --size the video takes its aspect ratio within the preset's area (default: none, "
-                      "text-to-video)")
-  p.add_argument("--last-image", default=None, metavar="PATH",
-                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
-  p.add_argument("--video", default=None, metavar="PATH",
-                 help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
-                      ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
-                      "frames give the length; on a VACE model, the video VACE conditions on (default: none)")
-  p.add_argument("--mask", default=None, metavar="PATH",
-                 help="VACE models, with --video: which pixels to generate (white) and which to keep (black); an "
-                      "image for every frame, or a video of --video's length and size (default: generate all)")
-  p.add_argument("--reference-image", action="append", default=[], metavar="PATH",
-                 help="VACE models: an image (a subject, a style) the video should show; repeat for several "
-                      "(default: none)")
-  p.add_argument("--conditioning-scale", default=None, metavar="S or S,S,...",
-                 help="VACE models: the VACE hints' weight, one number or one per VACE layer (default: 1)")
-  p.add_argument("--strength", type=float, default=0.8,
-                 help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
-                      "too); lower keeps more of the video")
+  _add_media_flags(p)
   p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
                                                "(Wan's 832*480 also accepted; default: the --preset's, 64x64 for "
                                                "tiny, 832x480 for a folder; with --image, the image's aspect ratio "
@@ -119,6 +98,32 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                       "(diffusers' set_timesteps(sigmas=)); sets the steps (default: none)")
   p.add_argument("--seed", type=int, default=None,
                  help="noise seed; -1 also draws one (default: random, printed and recorded in the sidecar)")
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+  """The user's own media: images, a video, VACE's mask and reference images, and their weights."""
+  p.add_argument("--image", default=None, metavar="PATH",
+                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
+                      "Wan 2.2 TI2V-5B); "
+                      "without --size the video takes its aspect ratio within the preset's area (default: none, "
+                      "text-to-video)")
+  p.add_argument("--last-image", default=None, metavar="PATH",
+                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
+  p.add_argument("--video", default=None, metavar="PATH",
+                 help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
+                      ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
+                      "frames give the length; on a VACE model, the video VACE conditions on (default: none)")
+  p.add_argument("--mask", default=None, metavar="PATH",
+                 help="VACE models, with --video: which pixels to generate (white) and which to keep (black); an "
+                      "image for every frame, or a video of --video's length and size (default: generate all)")
+  p.add_argument("--reference-image", action="append", default=[], metavar="PATH",
+                 help="VACE models: an image (a subject, a style) the video should show; repeat for several "
+                      "(default: none)")
+  p.add_argument("--conditioning-scale", default=None, metavar="S or S,S,...",
+                 help="VACE models: the VACE hints' weight, one number or one per VACE layer (default: 1)")
+  p.add_argument("--strength", type=float, default=0.8,
+                 help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
+                      "too); lower keeps more of the video")
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.parallel import distributed
+from pipelines.pipeline import seed as seeding
 
 
 def is_int(value: Any) -> bool:
@@ -117,6 +118,41 @@ def noise_array(latents: Any) -> np.ndarray:
     raise ValueError(f"latents={reprlib.repr(latents)} ({what}) must be an array of real numbers "
                      "[B, C, F, Hl, Wl] (float32 noise), or None to draw it from the seed")
   return array.astype(np.float32)
+
+
+def seed_or_latents(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[Any, np.ndarray | None]:
+  """(seed, latents): exactly one of them, checked; a seed drawn (`seed.random_seed`) when neither is
+  given. A seed is an int >= 0 or one per video (`seed.video_seeds`); latents float32 [B', C, F, Hl, Wl].
+
+  Args:
+    shape: the call's latent shape [B', C, F, Hl, Wl]; what: the call in words, for the messages.
+
+  Raises:
+    ValueError: both given, a negative or non-int seed, seeds not one per video, latents of another
+      shape or with NaN/inf values, neither given in a multi-process run (each process would draw
+      its own).
+  """
+  if isinstance(seed, (list, tuple)):
+    seed = tuple(check_int(f"seed[{i}]", s, minimum=0) for i, s in enumerate(seed))
+    seeding.video_seeds(seed, shape[0])  # raises unless one per video
+  elif seed is not None:
+    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
+  if latents is not None:
+    latents = noise_array(latents)
+    if seed is not None:
+      raise ValueError(f"give either seed ({seed=}) or latents, not both")
+    if latents.shape != shape:
+      raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for {what}")
+    if not np.isfinite(latents).all():
+      raise ValueError(f"latents hold {int((~np.isfinite(latents)).sum())} NaN/inf values; pass "
+                       "finite noise (or a seed)")
+    return None, latents
+  if seed is None:
+    if jax.process_count() > 1:
+      raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
+                       "process draws the same noise; pass seed=...")
+    seed = seeding.random_seed()
+  return seed, None
 
 
 def embeds_array(name: str, value: Any, text_dim: int) -> np.ndarray:

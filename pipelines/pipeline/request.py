@@ -26,7 +26,7 @@ from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, dig
 from pipelines.pipeline.vace_inputs import VACEInputs, check_vace_inputs
 from pipelines.pipeline.video_inputs import VideoInputs, check_video_inputs
 from pipelines.pipeline.inputs import (check_flag, check_int, check_number, check_size, embeds_array, is_real,
-                                       noise_array, not_a, round_num_frames, texts)
+                                       noise_array, not_a, round_num_frames, seed_or_latents, texts)
 from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.wan import schedulers, step_cache as wan_step_cache
 from pipelines.wan.schedulers import flow_schedule
@@ -129,19 +129,16 @@ class GenerationRequest:
     if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
       warnings.warn(note, stacklevel=2)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
-    vace = _vace_inputs(model, video, mask, reference_images, conditioning_scale, num_frames)
-    source = check_video_inputs(None if vace else video, strength, num_frames=num_frames, steps=steps,
-                                temporal_factor=model.temporal_factor,
-                                video_model=not (model.image_to_video or model.expand_timesteps))
+    vace, source = _video_inputs(model, video, strength, mask, reference_images, conditioning_scale,
+                                 num_frames=num_frames, steps=steps)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
     cfg = max(guidance) > 1.0  # the unconditional rows exist when any expert guides (`expert_cfg`)
-    if cfg:
-      _check_text_lengths(embeds, negative_embeds, length)
+    _check_text_lengths(embeds, negative_embeds, length, cfg)
     references = 0 if vace is None else len(vace.references)
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames + model.temporal_factor * references)
-    seed, noise = _noise(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
+    seed, noise = seed_or_latents(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
                          f"frames at {height}x{width}")
     decode = check_flag("decode", decode)
     lora_scale = _lora_scale(attention_kwargs)
@@ -303,20 +300,15 @@ def _image_inputs(model: ModelFacts, image: Any, last_image: Any, image_embeds: 
                             first_frame_only=model.expand_timesteps)
 
 
-def _vace_inputs(model: ModelFacts, video: Any, mask: Any, reference_images: Any, conditioning_scale: Any,
-                 num_frames: int) -> VACEInputs | None:
-  """`vace_inputs.check_vace_inputs` for a VACE model; for another, the VACE-only arguments refused."""
-  layers = model.transformer.vace_layers
-  if layers is None:
-    given = [name for name, value in (("mask", mask), ("reference_images", reference_images)) if value is not None]
-    if not (is_real(conditioning_scale) and conditioning_scale == 1.0):
-      given.append("conditioning_scale")
-    if given:
-      raise ValueError(f"{', '.join(given)} given, but this model has no VACE blocks (they condition a VACE model: "
-                       "WanVACEPipeline of a Wan VACE folder); leave them out")
-    return None
-  return check_vace_inputs(video, mask, reference_images, conditioning_scale, num_frames=num_frames,
-                           vace_layers=len(layers), temporal_factor=model.temporal_factor)
+def _video_inputs(model: ModelFacts, video: Any, strength: Any, mask: Any, reference_images: Any,
+                  conditioning_scale: Any, *, num_frames: int, steps: int) -> tuple[VACEInputs | None, VideoInputs | None]:
+  """(VACE's inputs, video-to-video's): the video is VACE's on a VACE model, else video-to-video's."""
+  vace = check_vace_inputs(video, mask, reference_images, conditioning_scale, num_frames=num_frames,
+                           vace_layers=model.transformer.vace_layers, temporal_factor=model.temporal_factor)
+  source = check_video_inputs(None if vace else video, strength, num_frames=num_frames, steps=steps,
+                              temporal_factor=model.temporal_factor,
+                              video_model=not (model.image_to_video or model.expand_timesteps))
+  return vace, source
 
 
 def _step_cache(model: ModelFacts, step_cache: Any, source: VideoInputs | None) -> Any:
@@ -442,9 +434,12 @@ def outside_training(model: ModelFacts, height: int, width: int, num_frames: int
           "defaults), or a diffusers-format Wan folder for other sizes")
 
 
-def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int) -> None:
+def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int,
+                        cfg: bool) -> None:
   """Under CFG, [cond; uncond] run as one batch (one forward per step), so both need the same L;
   diffusers runs them separately, where differing L (each attended in full, no text mask) works."""
+  if not cfg:
+    return
   given = {name: e.shape[1] for name, e in (("prompt_embeds", embeds), ("negative_prompt_embeds", negative_embeds))
            if e is not None}
   if len(set(given.values()) | ({length} if len(given) < 2 else set())) > 1:
@@ -453,32 +448,6 @@ def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray |
                      f"prompt's text states at one length (the encoded one is max_sequence_length="
                      f"{length}); pass max_sequence_length equal to the embeds' L, or "
                      "both embeds with the same L")
-
-
-def _noise(seed: Any, latents: Any, shape: tuple[int, ...], what: str) -> tuple[Any, np.ndarray | None]:
-  """(seed, latents): exactly one of them; a seed drawn when neither is given (one process). A seed is
-  an int or one int per video (`seed.video_seeds`)."""
-  if isinstance(seed, (list, tuple)):
-    seed = tuple(check_int(f"seed[{i}]", s, minimum=0) for i, s in enumerate(seed))
-    seeding.video_seeds(seed, shape[0])  # raises unless one per video
-  elif seed is not None:
-    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
-  if latents is not None:
-    latents = noise_array(latents)
-    if seed is not None:
-      raise ValueError(f"give either seed ({seed=}) or latents, not both")
-    if latents.shape != shape:
-      raise ValueError(f"latents.shape={latents.shape} must be [B, C, F, Hl, Wl]={shape} for {what}")
-    if not np.isfinite(latents).all():
-      raise ValueError(f"latents hold {int((~np.isfinite(latents)).sum())} NaN/inf values; pass "
-                       "finite noise (or a seed)")
-    return None, latents
-  if seed is None:
-    if jax.process_count() > 1:
-      raise ValueError("a multi-process run needs an explicit seed (or latents) so that every "
-                       "process draws the same noise; pass seed=...")
-    seed = seeding.random_seed()
-  return seed, None
 
 
 def _lora_scale(attention_kwargs: Any) -> float | None:

@@ -16,8 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention.mesh import CFG_AXIS
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.wan import step_cache as wan_step_cache
-from pipelines.wan.conditioning.inputs import StepInputs
+from pipelines.wan import conditioning, step_cache as wan_step_cache
 from pipelines.wan.transformer import TextKV, forward, text_kv
 
 
@@ -59,13 +58,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   model = nnx.merge(graphdef, params)
   x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
   inputs = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
-  control = dict(control_hidden_states=inputs.control, control_hidden_states_scale=inputs.control_scale)
-  stats = None
-  if cache is None:
-    noise = forward(model, inputs.latents, inputs.timestep, text, plan, inputs.image, **control)  # model dtype
-  else:
-    noise, cache, stats = wan_step_cache.cached_forward(model, inputs.latents, inputs.timestep, text, cache, plan,
-                                                        inputs.image, **control)
+  noise, cache, stats = _noise_prediction(model, inputs, text, cache, plan)  # model dtype
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -84,8 +77,19 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   return (*out, cache, stats)
 
 
+def _noise_prediction(model: Any, inputs: conditioning.StepInputs, text: Any, cache: Any, plan: ParallelPlan
+                      ) -> tuple[jax.Array, Any, Any]:
+  """(noise prediction in the model dtype, new cache state, cache stats): the plain forward (no
+  cache: None, None) or the step cache's (`step_cache.cached_forward`)."""
+  control = dict(control_hidden_states=inputs.control, control_hidden_states_scale=inputs.control_scale)
+  if cache is None:
+    return forward(model, inputs.latents, inputs.timestep, text, plan, inputs.image, **control), None, None
+  return wan_step_cache.cached_forward(model, inputs.latents, inputs.timestep, text, cache, plan, inputs.image,
+                                       **control)
+
+
 def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition: Any, *, cfg: bool
-                        ) -> StepInputs:
+                        ) -> conditioning.StepInputs:
   """The `StepInputs` the transformer sees (latents [B or 2B, ...], timestep [B or 2B] or per token,
   image states, VACE context): x doubled to [cond; uncond] under CFG, then the condition's inputs;
   no image states when the text K/V hold the image's (computed once before the loop)."""
@@ -93,7 +97,7 @@ def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition:
     x = jnp.concatenate([x, x], axis=0)
   timestep = jnp.broadcast_to(timestep, (x.shape[0],))
   if condition is None:
-    return StepInputs(x, timestep)
+    return conditioning.StepInputs(x, timestep)
   inputs = condition.transformer_inputs(x, timestep, cfg=cfg)
   return inputs._replace(image=None) if isinstance(text, TextKV) and text.has_image else inputs
 

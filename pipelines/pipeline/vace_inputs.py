@@ -8,7 +8,7 @@ Frames and images are in one of `image_inputs.IMAGE_FORMS`. What the VAE sees is
   own size, which must then be the call's for the model to run) and mapped to [-1, 1];
 - mask frames likewise, then (m + 1) / 2: 1 (white) = generate, 0 (black) = keep; one mask image
   stands for every frame;
-- each reference image resized (Lanczos) to its own size rounded down to the VAE's spatial factor,
+- each reference image resized (Lanczos) to its own size floored to a multiple of the VAE's spatial factor,
   mapped to [-1, 1], scaled bilinearly (torch's `interpolate(mode="bilinear", align_corners=False)`)
   to fit height x width with its aspect kept, and centred on a white canvas.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import warnings
 from typing import Any
 
@@ -101,25 +102,31 @@ def bilinear(image_CHW: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def check_vace_inputs(video: Any, mask: Any, reference_images: Any, conditioning_scale: Any, *,
-                      num_frames: int | None, vace_layers: int, temporal_factor: int) -> VACEInputs:
+                      num_frames: int | None, vace_layers: tuple[int, ...] | None,
+                      temporal_factor: int) -> VACEInputs | None:
   """The VACE arguments checked against each other and the model.
 
   Args:
     num_frames: the call's frames (None: the video's, else 81), after rounding to 4k + 1.
-    vace_layers: V, the model's VACE blocks.
+    vace_layers: the model's VACE layers (`WanTransformerConfig.vace_layers`: V of them); None: it
+      has none (then `video` is another conditioning's, e.g. video-to-video's: not checked here).
     temporal_factor: frames per latent frame after the first (4).
 
   Returns:
-    The `VACEInputs`; its video holds 4k + 1 frames.
+    The `VACEInputs` (its video holds 4k + 1 frames), or None for a model without VACE blocks.
 
   Raises:
-    ValueError: naming the argument and the fix: a mask without a video, frames not in an image
-      form, a video whose length (its 4k + 1 first frames: the rest are dropped with a warning, as
+    ValueError: naming the argument and the fix: a VACE-only argument (mask, reference_images, a
+      conditioning_scale other than 1) on a model without VACE blocks, a mask without a video,
+      frames not in an image form, a video whose length (its 4k + 1 first frames: the rest are dropped with a warning, as
       diffusers' VAE drops them) differs from num_frames, a mask whose length is neither 1 nor the
       video's or whose size is not the video's, reference images that are not images, a scale that
       is not a finite number or one per VACE block.
   """
-  scale = _scale(conditioning_scale, vace_layers)
+  if vace_layers is None:
+    _refuse_without_vace(mask, reference_images, conditioning_scale)
+    return None
+  scale = _scale(conditioning_scale, len(vace_layers))
   references = _references(reference_images)
   if video is None:
     if mask is not None:
@@ -142,6 +149,16 @@ def check_vace_inputs(video: Any, mask: Any, reference_images: Any, conditioning
       raise ValueError(f"mask is {len(masks)} frame(s) of {masks.shape[2]}x{masks.shape[1]}; it must be one image "
                        f"or {len(frames)} frames (the video's) of the video's size {frames.shape[2]}x{frames.shape[1]}")
   return VACEInputs(video=frames, mask=masks, references=references, scale=scale)
+
+
+def _refuse_without_vace(mask: Any, reference_images: Any, conditioning_scale: Any) -> None:
+  given = [f"{name}={reprlib.repr(value)}" for name, value in (("mask", mask), ("reference_images", reference_images))
+           if value is not None]
+  if not (is_real(conditioning_scale) and conditioning_scale == 1.0):
+    given.append(f"conditioning_scale={reprlib.repr(conditioning_scale)}")
+  if given:
+    raise ValueError(f"{', '.join(given)} given, but this model has no VACE blocks (they condition a VACE model: "
+                     "WanVACEPipeline of a Wan VACE folder); leave them out")
 
 
 def _is_image(value: Any) -> bool:

@@ -287,7 +287,10 @@ class WanPipeline(LoraLoaderMixin):
     """SHA-256 (hex) of this pipeline's model: configs, dtypes and sampled values of every weight
     (`resume.model_fingerprint`); computed again only after the weights change (a LoRA fused)."""
     if self._fingerprint is None or self._fingerprint[0] != self.weights.version:
-      config = {"transformer": dataclasses.asdict(self.transformer_config),
+      transformer = dataclasses.asdict(self.transformer_config)
+      if not self.transformer_config.has_vace:  # so the other models' fingerprints stay as they were
+        del transformer["vace_layers"], transformer["vace_in_channels"]
+      config = {"transformer": transformer,
                 "text_encoder": dataclasses.asdict(self.text_encoder_config),
                 "vae": dataclasses.asdict(self.vae.config), "dtype": jnp.dtype(self.dtype).name,
                 "vae_dtype": jnp.dtype(self.vae.dtype).name, "boundary_ratio": self.boundary_ratio,

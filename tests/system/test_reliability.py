@@ -252,6 +252,10 @@ WRONG_TYPES = {
     # video-to-video's: not frames; a strength outside (0, 1] or not a number (checked without a video too)
     "video": [123, "clip.mp4"],
     "strength": ["high", -1, None, True],
+    # VACE's, given to a model without VACE blocks (VACE's own checks: tests/pipelines/pipeline/test_vace_pipeline.py)
+    "mask": [np.zeros((1, 16, 16, 3), np.uint8), "mask.png"],
+    "reference_images": ["ref.png", ["a.png", "b.png"], np.zeros((16, 16, 3), np.uint8)],
+    "conditioning_scale": [0.5, "1", None, [1.0, 1.0]],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 
