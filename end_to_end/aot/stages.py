@@ -24,7 +24,7 @@ from typing import Any
 STAGES = ("text", "step", "decode")
 # --aot-models name -> (VAE preset, height, width) of its decode.
 DECODE_TARGETS = {"1.3b": ("wan2.1", 480, 832), "14b": ("wan2.1", 720, 1280), "a14b": ("wan2.1", 720, 1280),
-                  "i2v-14b": ("wan2.1", 720, 1280),
+                  "i2v-14b": ("wan2.1", 720, 1280), "vace-14b": ("wan2.1", 720, 1280),
                   "ti2v-5b": ("wan2.2", 704, 1280)}
 
 

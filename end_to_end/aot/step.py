@@ -56,7 +56,9 @@ AOT_TARGETS = {"1.3b": AotTarget("wan2.1-t2v-1.3b", 480, 832, 81, 3.0),
                "14b": AotTarget("wan2.1-t2v-14b", 720, 1280, 81, 5.0),
                "a14b": AotTarget("wan2.2-t2v-a14b", 720, 1280, 81, 12.0),
                "i2v-14b": AotTarget("wan2.1-i2v-14b", 720, 1280, 81, 5.0),
-               "ti2v-5b": AotTarget("wan2.2-ti2v-5b", 704, 1280, 121, 5.0, ti2v=True)}
+               "ti2v-5b": AotTarget("wan2.2-ti2v-5b", 704, 1280, 121, 5.0, ti2v=True),
+               # VACE 14B: the 14B plus 8 VACE blocks over a 96-channel context (no reference frame)
+               "vace-14b": AotTarget("wan2.1-vace-14b", 720, 1280, 81, 5.0)}
 # Transformers resident in device memory per preset (Wan 2.2 A14B: the high- and low-noise experts).
 EXPERTS = {"wan2.2-t2v-a14b": 2}
 # Environment for compiling with libtpu on a host without a TPU (see the module docstring).
@@ -128,26 +130,34 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, 
 
   rows = NamedSharding(mesh, P(None, batch_axis(mesh)))
 
-  def kv(tokens):
-    return jax.ShapeDtypeStruct((config.num_layers, 2, tokens, heads, config.dim // heads), dtype, sharding=rows)
+  def kv(tokens, layers=config.num_layers):
+    return jax.ShapeDtypeStruct((layers, 2, tokens, heads, config.dim // heads), dtype, sharding=rows)
 
   image = image_tokens(config) or None
+  vace = len(config.vace_layers) if config.has_vace else None  # the VACE blocks' own text K/V
   return TextKV(k_ZBLNH=kv(text_len), v_ZBLNH=kv(text_len), image_k_ZBPNH=None if image is None else kv(image),
-                image_v_ZBPNH=None if image is None else kv(image))
+                image_v_ZBPNH=None if image is None else kv(image),
+                vace_k_VBLNH=None if vace is None else kv(text_len, vace),
+                vace_v_VBLNH=None if vace is None else kv(text_len, vace))
 
 
 def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec: Any, *, ti2v: bool) -> Any:
   """The step's condition argument for one video (`pipeline.step.denoise_step`): None for
-  text-to-video; TI2V's first-frame latents [1, C, 1, Hl, Wl] (per-token timesteps); image-to-video's
-  mask + condition latents [1, in - out channels, F, Hl, Wl] and (Wan 2.1 I2V) the CLIP states
-  [1 or 2, J, I] (unused by the step when the text K/V hold the image's)."""
+  text-to-video; VACE's context [1, Cv, F, Hl, Wl] and scales [V]; TI2V's first-frame latents
+  [1, C, 1, Hl, Wl] (per-token timesteps); image-to-video's mask + condition latents
+  [1, in - out channels, F, Hl, Wl] and (Wan 2.1 I2V) the CLIP states [1 or 2, J, I] (unused by
+  the step when the text K/V hold the image's)."""
   import jax
   import jax.numpy as jnp
 
   from pipelines.pipeline.model_facts import image_tokens
-  from pipelines.wan.conditioning import ImageConditioning, TI2VConditioning
+  from pipelines.wan.conditioning import ImageConditioning, TI2VConditioning, VACEConditioning
 
   b, _, f, hl, wl = latent_shape
+  if config.has_vace:  # the VACE context on the latents' grid and one scale per VACE block
+    return VACEConditioning(
+        context_BCFHW=spec(jax.ShapeDtypeStruct((b, config.vace_in_channels, f, hl, wl), jnp.float32)),
+        scale_V=spec(jax.ShapeDtypeStruct((len(config.vace_layers),), jnp.float32)))
   if ti2v:
     return TI2VConditioning(patch_size=config.patch_size,
                             first_frame_BCFHW=spec(jax.ShapeDtypeStruct((b, config.out_channels, 1, hl, wl), jnp.float32)))

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--aot-models", default="1.3b,14b",
                   help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
                        "A14B, 720x1280, both experts resident), i2v-14b (Wan 2.1 I2V 14B, 720x1280, CLIP "
-                       "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps)")
+                       "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps), vace-14b "
+                       "(Wan 2.1 VACE 14B, 720x1280: 8 VACE blocks over the 96-channel context)")
   ap.add_argument("--aot-kv-in-step", action="store_true",
                   help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
                        "itself (CallOptions(text_kv_once=False)) instead of receiving them")
