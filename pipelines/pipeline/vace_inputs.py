@@ -152,13 +152,23 @@ def check_vace_inputs(video: Any, mask: Any, reference_images: Any, conditioning
 
 
 def _refuse_without_vace(mask: Any, reference_images: Any, conditioning_scale: Any) -> None:
-  given = [f"{name}={reprlib.repr(value)}" for name, value in (("mask", mask), ("reference_images", reference_images))
+  given = [f"{name}={_shown(value)}" for name, value in (("mask", mask), ("reference_images", reference_images))
            if value is not None]
   if not (is_real(conditioning_scale) and conditioning_scale == 1.0):
-    given.append(f"conditioning_scale={reprlib.repr(conditioning_scale)}")
+    given.append(f"conditioning_scale={_shown(conditioning_scale)}")
   if given:
     raise ValueError(f"{', '.join(given)} given, but this model has no VACE blocks (they condition a VACE model: "
                      "WanVACEPipeline of a Wan VACE folder); leave them out")
+
+
+def _shown(value: Any) -> str:
+  """A value for a message: an array as its shape and dtype (a list of them element-wise), else its
+  short repr."""
+  if isinstance(value, np.ndarray):
+    return f"<{value.dtype} array {list(value.shape)}>"
+  if isinstance(value, (list, tuple)) and any(isinstance(v, np.ndarray) for v in value):
+    return f"[{', '.join(_shown(v) for v in value)}]"
+  return reprlib.repr(value)
 
 
 def _is_image(value: Any) -> bool:

@@ -66,8 +66,8 @@ def test_generate_vace_equals_the_python_call(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--reference-image", "{ref}"], "reference_images given, but this model has no VACE blocks"),
-    (["--conditioning-scale", "0.5"], "conditioning_scale given, but this model has no VACE blocks"),
+    (["--reference-image", "{ref}"], "reference_images=[<uint8 array [20, 28, 3]>] given, but this model has no VACE blocks"),
+    (["--conditioning-scale", "0.5"], "conditioning_scale=0.5 given, but this model has no VACE blocks"),
     (["--mask", "{mask}"], "--mask {mask} needs --video"),
     (["--reference-image", "nothing.png"], "--reference-image 'nothing.png' is not a file"),
 ])

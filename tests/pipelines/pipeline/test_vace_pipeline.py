@@ -62,19 +62,20 @@ def _reference_image(height=20, width=28) -> np.ndarray:
   return np.stack([200 + 0 * x, 30 + 6 * y, 10 * x % 255], axis=-1).astype(np.uint8)
 
 
-def _diffusers(reference, ours, monkeypatch, *, video=None, mask=None, refs=(), scale=1.0) -> np.ndarray:
+def _diffusers(reference, ours, monkeypatch, *, video=None, mask=None, refs=(), scale=1.0, **call) -> np.ndarray:
   import PIL.Image
 
   from diffusers.pipelines.wan import pipeline_wan_vace as module
 
-  noise = GenerationRequest.build(ours.facts, PROMPT, NEGATIVE, num_frames=9, seed=0, reference_images=list(refs)
-                                  or None, conditioning_scale=scale, **CALL).noise()
+  call = CALL | {"num_frames": 9} | call
+  noise = GenerationRequest.build(ours.facts, PROMPT, NEGATIVE, seed=0, reference_images=list(refs) or None,
+                                  conditioning_scale=scale, **call).noise()
   monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise.copy()))
   pil = lambda frames: None if frames is None else [PIL.Image.fromarray(f) for f in frames]  # noqa: E731
   with torch.no_grad():
     frames = reference(prompt=PROMPT, negative_prompt=NEGATIVE, video=pil(video), mask=pil(mask),
-                       reference_images=pil(refs) or None, conditioning_scale=scale, num_frames=9,
-                       output_type="np", **CALL).frames
+                       reference_images=pil(refs) or None, conditioning_scale=scale, output_type="np",
+                       **call).frames
   return np.asarray(frames)
 
 
@@ -91,6 +92,40 @@ def test_video_mask_reference_matches_diffusers(reference, ours, monkeypatch, me
     assert psnr(other, want) < 60
     unreferenced = ours(PROMPT, NEGATIVE, video=video, mask=mask, conditioning_scale=scale, seed=0, **CALL)
     assert psnr(unreferenced, want) < 60
+
+
+@pytest.mark.parametrize("mesh", [None, "CFG=2,U=2,R=1"])
+def test_control_video_at_half_scale_matches_diffusers(reference, ours, monkeypatch, mesh):
+  """A control video (pose / depth style: no mask, every pixel generated from it) at
+  conditioning_scale 0.5, non-square, 13 frames; CFG's halves on two device groups."""
+  video, call = _video(13).transpose(0, 2, 1, 3).copy(), dict(CALL, height=48, width=32)  # [13, 48, 32, 3]
+  want = _diffusers(reference, ours, monkeypatch, video=video, scale=0.5, num_frames=13, height=48, width=32)
+  got = ours(PROMPT, NEGATIVE, video=video, conditioning_scale=0.5, seed=0, mesh=mesh, **call)
+  assert got.shape == want.shape == (1, 13, 48, 32, 3)
+  assert_psnr_at_least(got, want, FP32_VIDEO_PSNR_DB, name=f"VACE control video {mesh=}")
+  if mesh is None:  # controls: another video, or the full scale, is another video
+    assert psnr(ours(PROMPT, NEGATIVE, video=video[::-1].copy(), conditioning_scale=0.5, seed=0, **call), want) < 60
+    assert psnr(ours(PROMPT, NEGATIVE, video=video, seed=0, **call), want) < 60
+
+
+def test_two_experts_match_diffusers(tmp_path, monkeypatch):
+  """Wan 2.2 VACE-Fun A14B's layout: transformer_2 (another VACE model) runs the steps below
+  boundary_ratio, as diffusers' WanVACEPipeline(transformer_2=, boundary_ratio=)."""
+  folder = build_vace_folder(str(tmp_path / "fun"), boundary_ratio=0.9)
+  reference = diffusers.WanVACEPipeline.from_pretrained(folder)
+  reference.set_progress_bar_config(disable=True)
+  ours = WanVACEPipeline.from_pretrained(folder)
+  ours.set_progress_bar_config(disable=True)
+  video, mask, call = _video(), _mask(), dict(CALL, num_inference_steps=4, guidance_scale_2=2.0)
+  request = ours.check_inputs(PROMPT, NEGATIVE, video=video, mask=mask, num_frames=9, seed=0, **call)
+  assert set(request.experts_per_step(request.schedule().timesteps)) == {0, 1}  # both experts run
+  want = _diffusers(reference, ours, monkeypatch, video=video, mask=mask, **call)
+  got = ours(PROMPT, NEGATIVE, video=video, mask=mask, seed=0, **call)
+  assert_psnr_at_least(got, want, FP32_VIDEO_PSNR_DB, name="VACE two experts")
+  single = diffusers.WanVACEPipeline.from_pretrained(build_vace_folder(str(tmp_path / "one")))
+  single.set_progress_bar_config(disable=True)
+  one_expert = _diffusers(single, ours, monkeypatch, video=video, mask=mask, num_inference_steps=4)
+  assert psnr(one_expert, want) < 60  # control: transformer_2 changes diffusers' own video
 
 
 def test_references_alone_match_diffusers(reference, ours, monkeypatch):
@@ -113,7 +148,8 @@ def test_a_plain_wan_pipeline_of_the_folder_runs_vace(ours, folder):
   b = ours(PROMPT, NEGATIVE, num_frames=9, seed=0, **CALL)
   np.testing.assert_array_equal(a, b)
   text_only = WanPipeline.tiny(random=True)
-  with pytest.raises(ValueError, match="mask, reference_images given, but this model has no VACE blocks"):
+  refused = r"mask=<uint8 array \[9, 32, 48, 3\]>, reference_images=\[<uint8 array \[20, 28, 3\]>\] given, but this"
+  with pytest.raises(ValueError, match=refused + " model has no VACE blocks"):
     text_only.check_inputs(PROMPT, mask=_mask(), reference_images=[_reference_image()], num_frames=9, **CALL)
 
 

@@ -41,7 +41,9 @@ def test_two_experts_and_their_boundary(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"_class_name": "StableDiffusionPipeline"}, r"_class_name|only \['WanImageToVideoPipeline', 'WanPipeline'\]"),
+    ({"_class_name": "StableDiffusionPipeline"},
+     r"name='StableDiffusionPipeline'; only \['WanImageToVideoPipeline', 'WanPipeline', 'WanVACEPipeline', "
+     r"'WanVideoToVideoPipeline'\] folders load"),
     ({"expand_timesteps": "yes"}, r"expand_timesteps='yes' must be true or false"),
     ({"boundary_ratio": 0.875}, r"boundary_ratio"),
     ({"expand_timesteps": True, "boundary_ratio": 0.9, "transformer_2": ["diffusers", "WanTransformer3DModel"]},
