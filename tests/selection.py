@@ -64,6 +64,8 @@ EXHAUSTIVE = frozenset({
     "test_cfg_parallel_equals_one_device[CFG=2,R=4-False]",  # test_cfg_parallel_collectives stays
     "test_interrupted_run_resumes_to_the_same_video[1-3-U=2,R=2]",  # [1-2-None] stays
     "test_text_kv_once_equals_recomputing_every_step[None-1.0]",  # [U=2,R=2-4.0] stays
+    "test_video_mask_reference_matches_diffusers[U=2,R=2]",  # VACE: CFG=2,U=2,R=1 stays (control video)
+    "test_sequence_parallel_equals_one_device[1-4-True]",  # VACE blocks: 2x2 with sharded weights stays
     # whole-process runs whose subject a default test reaches
     "test_every_command_prints_its_help",  # test_docs_commands runs --help of every documented command
     "test_benchmark_tiny_compare_diffusers",
