@@ -106,7 +106,8 @@ class VideoCreate(BaseModel):
   model's default length. `lora` names LoRAs the server was started with, never a path.
   `input_reference`: the first frame of an image-to-video or TI2V model, an image file part, or
   {"image_url": "data:image/png;base64,..."}; or, for a text-to-video model, a video file to start
-  from (video-to-video, `strength`).
+  from (video-to-video, `strength`); on a VACE model, a reference image (the subject or style the
+  video shows) or the video VACE conditions on (e.g. a pose or depth video).
   """
   model_config = ConfigDict(extra="forbid")
   prompt: str = Field(description="what the video shows")
@@ -124,8 +125,9 @@ class VideoCreate(BaseModel):
                          "run, in (0, 1] (default 0.8)")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
   lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
-  input_reference: Any = Field(None, description="the first frame: an image file part, or {\"image_url\": a base64 "
-                               "data URL}", json_schema_extra={"anyOf": [
+  input_reference: Any = Field(None, description="an image file part (the first frame; a VACE model's reference image) "
+                               "or a video file part (video-to-video; a VACE model's video), or {\"image_url\": a "
+                               "base64 data URL}", json_schema_extra={"anyOf": [
                                    {"type": "string", "format": "binary"},
                                    {"type": "object", "properties": {"image_url": {"type": "string"},
                                                                      "file_id": {"type": "string"}}},
@@ -329,6 +331,8 @@ def reference_kwargs(params: dict[str, Any], reference: Any) -> dict[str, Any]:
     return strength
   if reference.kind == "image":
     return {"image": reference.pixels} | strength
+  if reference.kind == "reference":  # a VACE model's reference image
+    return {"reference_images": [reference.pixels]} | strength
   return {"video": reference.pixels} | strength
 
 

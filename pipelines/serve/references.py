@@ -1,6 +1,7 @@
-"""A job's `input_reference`: the first frame of an image-to-video or TI2V model, or the video a
+"""A job's `input_reference`: the first frame of an image-to-video or TI2V model, the video a
 text-to-video model starts from (video-to-video, with the job's `strength`; also what `remix`
-gives a job: the finished job's video). Sent as a file part (or a base64 data URL), checked against
+gives a job: the finished job's video), or on a VACE model a reference image (reference-to-video)
+or the video VACE conditions on (a control video; remix's too). Sent as a file part (or a base64 data URL), checked against
 the served model, decoded by the one image reader (`storage.images`: 16-bit, alpha, palette, CMYK,
 EXIF orientation) or video reader (`video_reading.read_video`), and kept in the data folder's `inputs/`
 under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so the worker
@@ -66,26 +67,31 @@ def from_body(value: Any, upload: Upload | None) -> Upload | None:
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
-  """A decoded reference: `kind` "image" (pixels uint8 [H, W, 3]) or "video" (frames [F, H, W, 3],
-  uint8, or float32 in [0, 1] from a .npy)."""
+  """A decoded reference: `kind` "image" (a first frame: pixels uint8 [H, W, 3]), "reference" (a
+  VACE reference image, the same form) or "video" (frames [F, H, W, 3], uint8, or float32 in
+  [0, 1] from a .npy)."""
   kind: str
   pixels: np.ndarray
 
 
 def decode(upload: Upload, facts: Any, max_frames: int) -> Decoded:
   """The reference's pixels for the served model: an image (RGB as displayed) for an image-to-video
-  or TI2V model, a video (its first `max_frames` frames) for a text-to-video one.
+  or TI2V model, a video (its first `max_frames` frames) for a text-to-video one; on a VACE model
+  an image is a reference image and a video the video VACE conditions on.
 
   Raises:
     api.ApiError: 400 naming input_reference and the model (module docstring).
   """
   model = f"model {facts.name!r}"
+  vace = facts.transformer.has_vace
   takes_image = facts.image_to_video or facts.expand_timesteps
   if _is_video(upload):
-    if takes_image:
+    if takes_image and not vace:
       raise api.ApiError(400, f"input_reference {_name(upload)} is a video; {model} starts from an image (the "
                          "first frame); send one image", "input_reference")
     return Decoded("video", _video(upload, max_frames))
+  if vace:
+    return Decoded("reference", _image(upload, model))
   if not takes_image:
     raise api.ApiError(400, f"input_reference: {model} is text-to-video: it takes a video to start from "
                        "(video-to-video), not an image; send a video file, or the prompt alone", "input_reference")
@@ -147,11 +153,11 @@ def store(data_dir: str, given: Decoded) -> dict[str, str]:
   import PIL.Image
 
   sha = digest(given.pixels)
-  path = os.path.join(data_dir, INPUTS, f"{sha}.{'png' if given.kind == 'image' else 'npy'}")
+  path = os.path.join(data_dir, INPUTS, f"{sha}.{'npy' if given.kind == 'video' else 'png'}")
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with video_io.atomic_file(path, os.path.splitext(path)[1], overwrite=True) as temp:
-      if given.kind == "image":
+      if given.kind != "video":
         PIL.Image.fromarray(given.pixels).save(temp, format="PNG")
       else:
         with open(temp, "wb") as f:
@@ -166,7 +172,7 @@ def load(record: dict[str, str]) -> np.ndarray:
     ValueError: the file is gone or holds other pixels than its name says.
   """
   try:
-    if record.get("kind", "image") == "image":
+    if record.get("kind", "image") != "video":
       pixels = images.read_image(record["path"]).pixels
     else:
       pixels = np.load(record["path"], allow_pickle=False)

@@ -127,9 +127,10 @@ class Service:
       reference = references.from_body(body.input_reference, upload)
       given = None if reference is None else references.decode(reference, self.facts, api.MAX_FRAMES)
     references.require(self.facts, given)
-    if body.strength is not None and (given is None or given.kind != "video"):
-      raise api.ApiError(400, f"strength={body.strength!r} applies to video-to-video only: send a video as "
-                         "input_reference, or leave strength out", "strength")
+    if body.strength is not None and (given is None or given.kind != "video" or self.facts.transformer.has_vace):
+      raise api.ApiError(400, f"strength={body.strength!r} applies to video-to-video only (a text-to-video model "
+                         "given a video as input_reference; a VACE model conditions on its video at every step); "
+                         "leave strength out", "strength")
     if given is not None and given.kind == "video" and body.num_frames is None:
       params["num_frames"] = (len(given.pixels) - 1) // self.facts.temporal_factor * self.facts.temporal_factor + 1
     _, notes = api.check_request(params, self.facts, self.config.mesh, given)
@@ -145,8 +146,9 @@ class Service:
     return row
 
   def remix(self, row: dict[str, Any], remix: api.VideoRemix) -> dict[str, Any]:
-    """A new job from finished job `row`'s video (video-to-video) with `remix.prompt` and the row's
-    other settings (size, steps, guidance, shift, seed, LoRAs, format); returns its row.
+    """A new job from finished job `row`'s video (video-to-video; on a VACE model, the video VACE
+    conditions on) with `remix.prompt` and the row's other settings (size, steps, guidance, shift,
+    seed, LoRAs, format); returns its row.
 
     Raises:
       api.ApiError: 409 unless `row` is completed; 410 when its video is gone; 400 on a model that

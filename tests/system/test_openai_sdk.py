@@ -1,7 +1,8 @@
 """`serve` driven by the official `openai` SDK, unmodified and without extra headers, over a real
 uvicorn server: create (the SDK's multipart form), poll, create_and_poll, retrieve, list in both
 orders, download_content for each variant, remix, delete, models; and `input_reference` with a PNG
-on a TI2V model, whose video must start from the image (the first frame its VAE reconstruction).
+on a TI2V model, whose video must start from the image (the first frame its VAE reconstruction),
+and a PNG or an mp4 on a VACE model (a reference image; the video VACE conditions on).
 
 Our own fields travel as the SDK's `extra_body` (form fields beside its own).
 """
@@ -193,5 +194,59 @@ def test_sdk_input_reference_starts_a_ti2v_video(tmp_path):
     assert np.mean((text_only - video) ** 2) > 1e-4, "the image barely changes the video"
     sidecar = json.load(open(f"{config.data_dir}/videos/{job.id}.npy.json"))
     assert sidecar["settings"]["image_sha256"] == digest(pixels) == job.model_extra["input_reference_sha256"]
+  finally:
+    service.stop()
+
+
+def test_sdk_input_reference_on_a_vace_model(tmp_path):
+  """On a VACE folder an image input_reference is a reference image and a video the video VACE
+  conditions on: each job equals the Python call with that input (`WanVACEPipeline`, equal to
+  diffusers in test_vace_pipeline.py); remix conditions on the finished job's video; strength is
+  refused (VACE does not use it). Controls: without the reference, and with another video, the
+  videos differ."""
+  pytest.importorskip("diffusers")
+  from pipelines.pipeline.image_inputs import digest
+  from pipelines.storage import video_io, video_reading
+  from tests.pipelines.pipeline.vace_folder import build_vace_folder
+
+  folder = build_vace_folder(str(tmp_path / "vace"))
+  config = ServeConfig(model=folder, data_dir=str(tmp_path / "data"), max_batch=1)
+  service = build_service(config)
+  service.start(block=True)
+  extra = {"num_inference_steps": 2, "seed": 0, "output_format": "npy"}
+  reference = np.zeros((20, 28, 3), np.uint8)
+  reference[4:16, 6:22] = (230, 40, 30)
+  y, x = np.mgrid[0:32, 0:48] / 48.0
+  source = np.stack([np.stack([x, y, np.full_like(x, 0.5)], -1)] * 5).astype(np.float32)
+  video_io.write_video(source, str(tmp_path / "in.mp4"), fps=16)
+  clip = ("in.mp4", (tmp_path / "in.mp4").read_bytes(), "video/mp4")
+
+  def run(client, **kwargs):
+    job = client.videos.create_and_poll(prompt="a red fox", size="48x32", **kwargs)
+    assert job.status == "completed", job
+    return job, np.load(io.BytesIO(client.videos.download_content(job.id).read()))
+
+  try:
+    with http_thread(create_app(service)) as url:
+      client = _client(url)
+      job, referenced = run(client, input_reference=("ref.png", _png(reference), "image/png"),
+                            extra_body={**extra, "num_frames": 5})
+      _, plain = run(client, extra_body={**extra, "num_frames": 5})
+      _, conditioned = run(client, input_reference=clip, extra_body=extra)
+      remixed = client.videos.poll(client.videos.remix(job.id, prompt="a blue fox").id)
+      assert remixed.status == "completed" and remixed.remixed_from_video_id == job.id, remixed
+      with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt="x", input_reference=clip, extra_body={"strength": 0.5})
+      assert refused.value.body["param"] == "strength", refused.value.body
+    pipe = service.worker.pipe
+    call = dict(height=32, width=48, num_frames=5, num_inference_steps=2, seed=0)
+    assert_psnr_at_least(referenced, pipe("a red fox", reference_images=[reference], **call)[0], 80.0,
+                         name="served reference image vs the Python call")
+    frames = video_reading.read_video(str(tmp_path / "in.mp4"))
+    assert_psnr_at_least(conditioned, pipe("a red fox", video=frames, **call)[0], 80.0,
+                         name="served VACE video vs the Python call")
+    assert remixed.model_extra["input_reference_sha256"] == digest(
+        video_reading.read_video(service.content_path(service.store.get(job.id))))
+    assert np.mean((plain - referenced) ** 2) > 1e-5 and np.mean((plain - conditioned) ** 2) > 1e-5
   finally:
     service.stop()
