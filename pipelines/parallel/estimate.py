@@ -34,7 +34,7 @@ class Estimate:
     seconds_per_step: one denoising step.
     steps: denoising steps.
     tokens: T, video tokens per frame set (after the patch embedding).
-    layers: transformer blocks.
+    layers: transformer blocks a forward runs (a VACE model's VACE blocks too).
     rows: transformer rows per step (2 under classifier-free guidance).
     basis: the throughput assumed, in words (e.g. "2 CPU cores").
   """
@@ -50,13 +50,19 @@ class Estimate:
     return self.seconds_per_step * self.steps
 
 
+def forward_blocks(config) -> int:
+  """Transformer blocks one forward runs: the `num_layers` main blocks, and a VACE model's V VACE
+  blocks (`WanTransformerConfig.vace_layers`: the same block over the VACE context's tokens)."""
+  return config.num_layers + len(config.vace_layers or ())
+
+
 def held_kv_bytes(config, token_facts: TokenFacts, *, rows: int, dtype_bytes: int) -> int:
   """Bytes of the cross-attention K/V one device holds for the whole run (`transformer.text_kv`,
   computed once before the loop): keys and values of the text [Z, rows, L, N, H] and, with an image
   branch, of the image [Z, rows, P, N, H] (L + P: `token_facts.context_tokens`), in the model dtype;
   `rows` the device's rows (2 under CFG, 1 on a CFG-split mesh). One expert's: the pipeline keeps
-  only the current expert's K/V."""
-  return 2 * config.num_layers * rows * token_facts.context_tokens * config.dim * dtype_bytes
+  only the current expert's K/V. A VACE model's VACE blocks hold their text K/V too."""
+  return 2 * forward_blocks(config) * rows * token_facts.context_tokens * config.dim * dtype_bytes
 
 
 def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:
@@ -64,14 +70,15 @@ def step_flops(config, tokens: int, text_tokens: int, rows: int) -> float:
 
   Per block and row, with D = N * H: self-attention projections 8 T D^2 and scores + values
   4 T^2 D; cross-attention q/o projections 4 T D^2, k/v projections of the text 4 L D^2, scores +
-  values 4 T L D; feed-forward 4 T D ffn. Norms, RoPE and the embeddings are left out (a few %).
+  values 4 T L D; feed-forward 4 T D ffn; the VACE blocks as many more (`forward_blocks`). Norms,
+  RoPE and the embeddings are left out (a few %).
 
   Args:
     config: a `WanTransformerConfig`.
   """
   d, t, l = config.dim, tokens, text_tokens
   block = 12 * t * d * d + 4 * t * t * d + 4 * l * d * d + 4 * t * l * d + 4 * t * d * config.ffn_dim
-  return float(block * config.num_layers * rows)
+  return float(block * forward_blocks(config) * rows)
 
 
 def estimate(config, token_facts: TokenFacts, *, frames: int, height: int, width: int, steps: int, cfg: bool,
@@ -97,7 +104,7 @@ def estimate(config, token_facts: TokenFacts, *, frames: int, height: int, width
   else:
     rate = ACCELERATOR_FLOPS.get(dtype, ACCELERATOR_FLOPS["float32"]) * devices
     basis = f"{devices} {backend} device{'s' if devices > 1 else ''}, assumed {rate / devices / 1e12:.0f} TFLOP/s each"
-  return Estimate(flops / rate, steps, tokens, config.num_layers, rows, basis)
+  return Estimate(flops / rate, steps, tokens, forward_blocks(config), rows, basis)
 
 
 def _usable_cores() -> int:

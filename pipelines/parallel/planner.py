@@ -10,13 +10,15 @@ C * R * U = the devices, weights replicated or sharded) and models one denoising
   weights / devices, plus the rest, plus two layers gathered at a time; quantized block kernels
   at one byte a value plus their fp32 scales) and activations (the
   residual stream and one block's intermediates for this device's rows and tokens: rows/C x T/(R*U)
-  x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers) and the
+  x (10 D + 2 ffn) values, the Ulysses-gathered q/k/v and the ring's two K/V buffers; a VACE
+  model's V hints, one stream each, held from the VACE scan to the main one) and the
   cross-attention K/V held for the run (`estimate.held_kv_bytes`: text, and image for Wan 2.1 I2V,
   [Z, rows/C, L (+ P), N, H] x 2, replicated over the sequence devices). The text
   encoder runs before the denoising loop and the VAE after it, so neither is counted. This is an
   estimate and says so; `end_to_end.bench.pipeline --aot` gives XLA's own numbers for a TPU topology;
 - collective bytes per device per step, by kind: Ulysses all-to-alls (q/k/v out, the output back:
-  (U-1)/U of 4 activations per block), ring permutes (R-1 K/V buffers per block), the CFG exchange
+  (U-1)/U of 4 activations per block, VACE blocks included), ring permutes (R-1 K/V buffers per
+  block), the CFG exchange
   (one noise prediction), weight all-gathers ((devices-1)/devices of each layer's weights);
 - FLOPs per device (`estimate.step_flops` / devices);
 - a modelled step time: FLOPs at the chip's dense peak plus collective bytes at its per-device
@@ -140,7 +142,8 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
   tokens = token_facts.video_tokens(frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
-  per_layer = block_bytes / config.num_layers
+  blocks_run = step_estimate.forward_blocks(config)  # a VACE model's VACE blocks too
+  per_layer = block_bytes / blocks_run
   flops_total = step_estimate.step_flops(config, tokens, token_facts.text_tokens, rows)
   peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
   latent_bytes = 4 * token_facts.latent_channels * math.prod(token_facts.latent_grid(frames, height, width))
@@ -152,15 +155,16 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
     stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
     activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
                    + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
-                   + (2 * 2 * stream if r > 1 else 0))  # ring: K/V buffer and the one in flight
+                   + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
+                   + len(config.vace_layers or ()) * stream)  # VACE: every VACE block's hint, held at once
     kv = step_estimate.held_kv_bytes(config, token_facts, rows=rows_local, dtype_bytes=size)
     if shard:
       weights = (block_bytes / devices + other * size + 2 * per_layer) * experts
     else:
       weights = (block_bytes + other * size) * experts
     comm = {
-        "all_to_all": config.num_layers * 4 * stream * (u - 1) / u,
-        "ring_permute": config.num_layers * (r - 1) * 2 * stream,
+        "all_to_all": blocks_run * 4 * stream * (u - 1) / u,
+        "ring_permute": blocks_run * (r - 1) * 2 * stream,
         "cfg_exchange": latent_bytes if c == 2 else 0.0,
         "weight_all_gather": (block_bytes * (devices - 1) / devices) if shard else 0.0,
     }

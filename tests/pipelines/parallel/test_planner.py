@@ -41,3 +41,29 @@ def test_planner_counts_the_held_cross_attention_kv():
       assert c.bytes_per_device == c.weight_bytes + c.activation_bytes + c.kv_bytes
       assert c.to_dict()["kv_bytes"] == want
   assert 2 * 40 * 2 * 512 * 5120 * 2 == pytest.approx(0.84e9, rel=2e-3)
+
+
+def test_planner_counts_the_vace_blocks():
+  """A VACE 14B (8 VACE blocks on the 14B's 40) against the 14B itself, mesh by mesh: the 8 blocks'
+  weights, FLOPs (48 / 40 of the 14B's), exchanges and text K/V, and the 8 hints held at once (one
+  [rows/C, T/(R U), D] stream each); then the planner's pick for 720p x 81 on v6e fits with sharded
+  weights, as the step compiled for that topology does (end_to_end/README, TPU compile report)."""
+  from pipelines.parallel import estimate
+
+  kwargs = dict(devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v6e"])
+  t2v, vace = PRESETS["wan2.1-t2v-14b"], PRESETS["wan2.1-vace-14b"]
+  assert estimate.forward_blocks(t2v) == 40 and estimate.forward_blocks(vace) == 48
+  plain = {str(c.mesh): c for c in planner.candidates(t2v, wan21_tokens(t2v), param_counts=param_counts(t2v), **kwargs)}
+  found = planner.candidates(vace, wan21_tokens(vace), param_counts=param_counts(vace), **kwargs)
+  assert {str(c.mesh) for c in found} == set(plain)
+  tokens = 21 * 45 * 80
+  for c in found:
+    base, sequence = plain[str(c.mesh)], c.mesh.ulysses * c.mesh.ring
+    assert c.flops_per_device == pytest.approx(base.flops_per_device * 48 / 40, rel=1e-12)
+    assert c.kv_bytes == base.kv_bytes * 48 // 40
+    assert c.collective_bytes["all_to_all"] == pytest.approx(base.collective_bytes["all_to_all"] * 48 / 40, rel=1e-12)
+    hints = 8 * (2 // c.mesh.cfg) * -(-tokens // sequence) * 5120 * 2
+    assert c.activation_bytes == base.activation_bytes + hints, str(c.mesh)
+    assert c.weight_bytes > base.weight_bytes
+  best = planner.recommend(found)
+  assert best is not None and best.fits and best.mesh.shard_weights
