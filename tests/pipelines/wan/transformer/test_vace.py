@@ -10,6 +10,7 @@ branch adds at most as many blocks again, so twice that), bf16 as there.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,12 @@ FP32_REL = 2 * 4 * 4 * math.sqrt(48) * EPS_F32  # (4 blocks + 2 VACE blocks) x 4
 BF16_REL = 3e-2
 
 forward_jit = jax.jit(forward, static_argnames=("plan",))
+
+
+def _collective_counts(hlo: str) -> dict[str, int]:
+  """Collectives in compiled HLO text (a scan body is printed once: per block + the rest)."""
+  ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
+  return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", hlo)) for op in ops}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +98,32 @@ def test_sequence_parallel_equals_one_device(folder, ring, ulysses, shard):
   model = load_transformer(folder, jnp.float32)
   single = forward_jit(model, latents, timestep, text, control_hidden_states=control)
   plan = ParallelPlan.build(attention.make_mesh(ulysses=ulysses, ring=ring), heads=4, shard_weights=shard)
-  sharded = forward_jit(model, latents, timestep, text, plan, control_hidden_states=control)
+  compiled = forward_jit.lower(model, latents, timestep, text, plan, control_hidden_states=control).compile()
+  sharded = compiled(model, latents, timestep, text, control_hidden_states=control)
   assert_close_scaled(sharded, single, rel=FP32_REL, name=f"VACE R={ring} U={ulysses} shard={shard} vs one device")
+  if not shard:  # the VACE scan's block body has the main one's collectives (DESIGN.md section 3), nothing more
+    want = {"all-gather": 2 + 1, "all-to-all": 2 * 2, "collective-permute": 2 * (ring - 1), "all-reduce": 2}
+    assert _collective_counts(compiled.as_text()) == want
+
+
+@pytest.mark.large
+def test_real_size_sequence_parallel_equals_one_device(tmp_path):
+  """480x832 x 81 frames: 21 x 60 x 104 latents, 32,760 tokens (no multiple of any attention block),
+  a VACE context of the same grid; U=2,R=2 equals one device within the fp32 bar at that length."""
+  config = dict(CONFIG, num_layers=2, vace_layers=[0])
+  model = diffusers.WanVACETransformer3DModel(**config)
+  randomize(model, seed=8, spread=1.6)
+  model.save_pretrained(str(tmp_path / "transformer"), safe_serialization=True)
+  ours = load_transformer(str(tmp_path / "transformer"), jnp.float32)
+  rng = np.random.default_rng(3)
+  latents = rng.standard_normal((1, 4, 21, 60, 104), dtype=np.float32)
+  control = rng.standard_normal((1, CONFIG["vace_in_channels"], 21, 60, 104), dtype=np.float32)
+  timestep, text = np.array([500.0], np.float32), rng.standard_normal((1, 9, 20), dtype=np.float32)
+  single = forward_jit(ours, latents, timestep, text, control_hidden_states=control)
+  plan = ParallelPlan.build(attention.make_mesh(ulysses=2, ring=2), heads=4)
+  sharded = forward_jit(ours, latents, timestep, text, plan, control_hidden_states=control)
+  rel = 2 * 3 * 4 * math.sqrt(32760) * EPS_F32  # 3 blocks x 4 sums of length <= 32,760, as FP32_REL
+  assert_close_scaled(sharded, single, rel=rel, name="VACE 32,760 tokens U=2,R=2 vs one device")
 
 
 def test_matches_diffusers_bf16(folder):
