@@ -87,6 +87,12 @@ PRESETS: dict[str, Preset] = {
     # (read from the folder's model_index.json).
     "wan2.2-i2v-a14b": Preset(1280, 720, 81, 40, 5.0, (3.5, 3.5), "Wan2.2 configs/wan_i2v_A14B.py",
                               WAN_NEGATIVE_PROMPT),
+    # VACE. Wan2.1 generate.py: vace-1.3B / vace-14B 50 steps, shift 16 (as flf2v), guide scale
+    # 5.0, 81 frames; vace-1.3B at 832*480 (its sizes: 480p only), vace-14B at 1280*720.
+    "wan2.1-vace-1.3b": Preset(832, 480, 81, 50, 16.0, (5.0,), "Wan2.1 generate.py (vace-1.3B, 832*480)",
+                               WAN_NEGATIVE_PROMPT),
+    "wan2.1-vace-14b": Preset(1280, 720, 81, 50, 16.0, (5.0,), "Wan2.1 generate.py (vace-14B, 1280*720)",
+                              WAN_NEGATIVE_PROMPT),
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")

@@ -19,6 +19,9 @@ def test_presets_are_the_published_defaults(tmp_path):
   a14b = p["wan2.2-t2v-a14b"]
   assert (a14b.width, a14b.height, a14b.frames, a14b.steps, a14b.shift, a14b.guidance) == (
       1280, 720, 81, 40, 12.0, (4.0, 3.0))
+  for name, size in (("wan2.1-vace-1.3b", (832, 480)), ("wan2.1-vace-14b", (1280, 720))):  # generate.py: vace = flf2v's shift
+    vace = p[name]
+    assert (vace.width, vace.height, vace.frames, vace.steps, vace.shift, vace.guidance) == (*size, 81, 50, 16.0, (5.0,))
   args = generate.build_parser().parse_args(["--prompt", "x", "--preset", "wan2.1-t2v-14b",
                                              "--size", "480x272", "--steps", "3",
                                              "--out", str(tmp_path / "a.mp4")])
