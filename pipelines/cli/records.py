@@ -23,7 +23,8 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 # Flags that decide the video: with --resume each is read from the record, and one given must match.
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength")
+             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength",
+             "mask", "reference_image", "conditioning_scale")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -65,8 +66,12 @@ def _normalized(name: str, value: Any) -> Any:
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
   if name == "model":
     return value if value in TINY_MODELS else os.path.abspath(value)
-  if name in ("image", "last_image", "video"):
+  if name in ("image", "last_image", "video", "mask"):
     return os.path.abspath(value)
+  if name == "reference_image":
+    return [os.path.abspath(path) for path in value]
+  if name == "conditioning_scale":
+    return list(parse_numbers(value, "--conditioning-scale")) if isinstance(value, str) else [float(v) for v in value]
   if name in ("shift", "fps", "strength"):
     return float(value)
   if name in ("timesteps", "sigmas"):
@@ -115,7 +120,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   for name in _RECORDED + _RECORDED_FREE:
     if name not in given and name in record:
       value = record[name]
-      if name in ("guidance", "timesteps", "sigmas") and value is not None:
+      if name in ("guidance", "timesteps", "sigmas", "conditioning_scale") and value is not None:
         value = ",".join(repr(float(g)) for g in value)
       setattr(args, name, value)
   args.checkpoint_dir = args.resume
@@ -133,6 +138,8 @@ class RunFacts:
     negative_prompt: --negative-prompt (the request drops it when guidance is off).
     image, last_image: --image / --last-image paths (their contents' digests are in the request).
     video: the --video path (its frames' digest and the strength are in the request).
+    mask, reference_images: VACE's --mask and --reference-image paths (digests in the request).
+    conditioning_scale: --conditioning-scale, one float or a tuple of floats.
   """
   model: str
   preset: str | None
@@ -143,12 +150,16 @@ class RunFacts:
   image: str | None = None
   last_image: str | None = None
   video: str | None = None
+  mask: str | None = None
+  reference_images: tuple[str, ...] = ()
+  conditioning_scale: Any = 1.0
 
   @classmethod
   def of(cls, plan: Plan) -> RunFacts:
     return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
                negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
-               video=plan.video)
+               video=plan.video, mask=plan.mask, reference_images=plan.reference_images,
+               conditioning_scale=plan.conditioning_scale)
 
 
 def flow_shift(request: Any) -> float:
@@ -177,8 +188,11 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
   record["quantize"] = request.model.quantize
   record["attention_exchange"] = request.plan.attention_exchange
-  for name in ("image", "last_image", "video"):
+  for name in ("image", "last_image", "video", "mask"):
     record[name] = _normalized(name, getattr(facts, name))
+  record["reference_image"] = _normalized("reference_image", facts.reference_images)
+  scale = facts.conditioning_scale
+  record["conditioning_scale"] = _normalized("conditioning_scale", scale if isinstance(scale, tuple) else (scale,))
   record["strength"] = None if request.video is None else request.video.strength
   from pipelines.wan import schedulers
   record["scheduler"] = schedulers.solver_name(request.scheduler)

@@ -135,10 +135,8 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
   """
   if devices < 1:
     raise ValueError(f"devices={devices} must be >= 1")
-  blocks, other = param_counts
-  if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
-    raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
-  size, block_bytes = DTYPE_BYTES[dtype], _block_bytes(blocks, DTYPE_BYTES[dtype], quantized)
+  size, other = DTYPE_BYTES[dtype], _check_counts(param_counts)[1]
+  block_bytes = _block_bytes(param_counts[0], size, quantized)
   tokens = token_facts.video_tokens(frames, height, width)
   rows = 2 if cfg else 1
   d, n = config.dim, config.num_attention_heads
@@ -176,6 +174,14 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
   if not out:
     raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
   return out
+
+
+def _check_counts(param_counts: tuple[int, int]) -> tuple[int, int]:
+  """(block, other) parameter counts, checked (`candidates`' `param_counts`)."""
+  blocks, other = param_counts
+  if not (isinstance(blocks, int) and isinstance(other, int) and blocks >= 1 and other >= 0):
+    raise ValueError(f"param_counts={param_counts!r} must be (block parameters >= 1, other parameters >= 0)")
+  return blocks, other
 
 
 def _block_bytes(blocks: int, size: int, quantized: tuple[int, int]) -> int:

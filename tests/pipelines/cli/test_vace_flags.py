@@ -80,3 +80,24 @@ def test_vace_flags_refused_before_loading(tmp_path, capsys, monkeypatch, extra,
   code = generate.main(ARGS + ["--frames", "9", "--out", str(tmp_path / "o.npy")] + extra)
   err = capsys.readouterr().err
   assert code == 2 and words.format(mask=mask) in err, err
+
+
+def test_resume_refuses_a_changed_reference_image(tmp_path, capsys):
+  """The reference image's digest is part of the run's identity: another image behind the same path
+  is refused on --resume, naming the digest, and nothing is written; the same image resumes."""
+  import PIL.Image
+
+  folder = build_vace_folder(str(tmp_path / "vace"))
+  _, _, ref = _inputs(tmp_path)
+  ckpt = str(tmp_path / "ckpt")
+  argv = ARGS + ["--model", folder, "--dtype", "float32", "--frames", "9", "--reference-image", ref,
+                 "--out", str(tmp_path / "a.npy"), "--checkpoint-dir", ckpt, "--keep-checkpoint"]
+  assert generate.main(argv) == 0, capsys.readouterr().err
+  assert generate.main(["--resume", ckpt, "--out", str(tmp_path / "same.npy"), "--keep-checkpoint"]) == 0, (
+      capsys.readouterr().err)
+  np.testing.assert_array_equal(np.load(tmp_path / "same.npy"), np.load(tmp_path / "a.npy"))  # control
+  PIL.Image.fromarray(np.full((20, 28, 3), (20, 200, 90), np.uint8)).save(ref)  # another image, same path
+  code = generate.main(["--resume", ckpt, "--out", str(tmp_path / "b.npy")])
+  err = capsys.readouterr().err
+  assert code != 0 and "reference_images_sha256" in err, err
+  assert not (tmp_path / "b.npy").exists()
