@@ -1,10 +1,10 @@
 """A job's `input_reference`: the first frame of an image-to-video or TI2V model, the video a
 text-to-video model starts from (video-to-video, with the job's `strength`; also what `remix`
 gives a job: the finished job's video), or on a VACE model a reference image (reference-to-video)
-or the video VACE conditions on (a control video; remix's too). Sent as a file part (or a base64 data URL), checked against
-the served model, decoded by the one image reader (`storage.images`: 16-bit, alpha, palette, CMYK,
-EXIF orientation) or video reader (`video_reading.read_video`), and kept in the data folder's `inputs/`
-under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so the worker
+or the video VACE conditions on (a control video; remix's too). Sent as a file part (or a base64
+data URL), checked against the served model, decoded by the one image reader (`storage.images`:
+16-bit, alpha, palette, CMYK, EXIF orientation) or video reader (`video_reading.read_video`), and
+kept in the data folder's `inputs/` under the SHA-256 of its pixels (`image_inputs.digest`, as the sidecar records it), so the worker
 and a restarted server read the very pixels the request sent.
 
 What the loaded model cannot take is a 400 naming `input_reference` and the model: an image for a

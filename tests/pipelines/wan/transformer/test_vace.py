@@ -10,7 +10,6 @@ branch adds at most as many blocks again, so twice that), bf16 as there.
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import forward, load_transformer, quantize_transformer, WanTransformerConfig
 from pipelines.wan.transformer.vace import hint_slots
 from tests.numerics import EPS_F32, assert_close_scaled
+from tests.pipelines.wan.transformer.test_model import _collective_counts
 from tests.torch_weights import randomize
 
 diffusers = pytest.importorskip("diffusers")
@@ -37,11 +37,6 @@ BF16_REL = 3e-2
 
 forward_jit = jax.jit(forward, static_argnames=("plan",))
 
-
-def _collective_counts(hlo: str) -> dict[str, int]:
-  """Collectives in compiled HLO text (a scan body is printed once: per block + the rest)."""
-  ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
-  return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", hlo)) for op in ops}
 
 
 @pytest.fixture(scope="module")
