@@ -12,6 +12,9 @@ otherwise diffusers / peft):
   modulation, diffusers' `blocks.N.scale_shift_table`).
 - kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `.lora_up.weight`,
   `.alpha` (the Wan module name with `.` written `_`).
+VACE models' `vace_blocks.N.` hold a block's modules plus Wan's `before_proj` / `after_proj`
+(diffusers' `proj_in` / `proj_out`); diffusers converts none of these for the Wan and kohya layouts,
+we do.
 
 The normalized layout (`transformer.` + diffusers names):
   `{module}.lora_A.weight` [r, I], `{module}.lora_B.weight` [O, r], `{module}.lora_B.bias` [O],
@@ -56,9 +59,12 @@ _BLOCK_MODULES = {
     "norm1": "norm1", "norm3": "norm2", "norm2": "norm3",
     "modulation": "scale_shift_table",
 }
+# VACE blocks (Wan's `vace_blocks.N.`, diffusers' `vace_blocks.N.`) hold a block's modules plus these
+# (diffusers' scripts/convert_wan_to_diffusers.py: before_proj -> proj_in, after_proj -> proj_out).
+_VACE_MODULES = {**_BLOCK_MODULES, "before_proj": "proj_in", "after_proj": "proj_out"}
 _TOP_MODULES = {
     "head.head": "proj_out", "head.modulation": "scale_shift_table", "head.norm": "norm_out",
-    "patch_embedding": "patch_embedding",
+    "patch_embedding": "patch_embedding", "vace_patch_embedding": "vace_patch_embedding",
     "text_embedding.0": "condition_embedder.text_embedder.linear_1",
     "text_embedding.2": "condition_embedder.text_embedder.linear_2",
     "time_embedding.0": "condition_embedder.time_embedder.linear_1",
@@ -75,8 +81,8 @@ _WAN_KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_down\.weight|lora_A\.weigh
 _PARTS = {"lora_down.weight": "lora_A.weight", "lora_A.weight": "lora_A.weight",
           "lora_up.weight": "lora_B.weight", "lora_B.weight": "lora_B.weight", "alpha": "alpha"}
 # Wan name pieces holding "_" (longest first), for reading kohya / musubi names back.
-_UNDERSCORED = ("time_projection", "text_embedding", "time_embedding", "patch_embedding", "norm_k_img",
-                "self_attn", "cross_attn", "img_emb", "norm_q", "norm_k", "k_img", "v_img")
+_UNDERSCORED = ("vace_patch_embedding", "time_projection", "text_embedding", "time_embedding", "patch_embedding", "norm_k_img",
+                "vace_blocks", "before_proj", "after_proj", "self_attn", "cross_attn", "img_emb", "norm_q", "norm_k", "k_img", "v_img")
 
 
 def layout(state: Mapping[str, np.ndarray]) -> str:
@@ -89,12 +95,13 @@ def layout(state: Mapping[str, np.ndarray]) -> str:
 
 
 def wan_module(name: str) -> str | None:
-  """An original Wan module name (`blocks.3.self_attn.q`, `head.head`) as diffusers' (`blocks.3.
-  attn1.to_q`, `proj_out`); None for a name diffusers' Wan has no module for."""
-  match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+  """An original Wan module name (`blocks.3.self_attn.q`, `head.head`, `vace_blocks.0.before_proj`)
+  as diffusers' (`blocks.3.attn1.to_q`, `proj_out`, `vace_blocks.0.proj_in`); None for a name
+  diffusers' Wan has no module for."""
+  match = re.fullmatch(r"(blocks|vace_blocks)\.(\d+)\.(.+)", name)
   if match:
-    inner = _BLOCK_MODULES.get(match[2])
-    return None if inner is None else f"blocks.{match[1]}.{inner}"
+    inner = (_VACE_MODULES if match[1] == "vace_blocks" else _BLOCK_MODULES).get(match[3])
+    return None if inner is None else f"{match[1]}.{match[2]}.{inner}"
   return _TOP_MODULES.get(name)
 
 
@@ -152,9 +159,9 @@ def normalize(state: Mapping[str, np.ndarray]
 def _normalized_key(name: str) -> str | None:
   """An original Wan key without its prefix (`blocks.0.self_attn.q.lora_down.weight`) in the
   normalized layout without `transformer.`, or None when diffusers' Wan has no such module."""
-  modulation = re.fullmatch(r"blocks\.(\d+)\.diff_m", name)
+  modulation = re.fullmatch(r"((?:vace_)?blocks\.\d+)\.diff_m", name)
   if modulation:
-    return f"blocks.{modulation[1]}.scale_shift_table.diff"
+    return f"{modulation[1]}.scale_shift_table.diff"
   match = _WAN_KEY.fullmatch(name)
   module = wan_module(match["module"]) if match else None
   if module is None:

@@ -12,6 +12,8 @@ for those the reference is diffusers on a transformer whose weights the test mod
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 
 import jax
 import numpy as np
@@ -337,3 +339,64 @@ def test_set_adapters_refusals(world):
     ours.fuse_lora(0.5)  # diffusers' first parameter is `components`
   assert _same(_leaves(ours), fused)
   ours.unload_lora_weights()
+
+
+def test_vace_block_loras_equal_diffusers(tmp_path):
+  """LoRAs on the VACE blocks (Wan 2.1 VACE / VACE-Fun community files): the ComfyUI / Wan layout
+  (`diffusion_model.vace_blocks.N.self_attn.q`, `before_proj`, `after_proj`, `alpha`) and kohya's
+  (`lora_unet_vace_blocks_N_...`) against diffusers' peft load of the same update written in
+  diffusers' names (alpha folded into lora_B: diffusers does not convert VACE keys of the Wan
+  layout). Control: the LoRA moves diffusers' video far beyond the bar."""
+  diffusers = pytest.importorskip("diffusers")
+  pytest.importorskip("peft")
+  import torch
+  from pipelines.pipeline.vace_pipeline import WanVACEPipeline
+  from tests.pipelines.pipeline.test_video_pipeline import _video as control_video
+  from tests.pipelines.pipeline.vace_folder import build_vace_folder
+
+  folder = build_vace_folder(str(tmp_path / "vace"))
+  with open(os.path.join(folder, "transformer", "config.json")) as f:
+    config = json.load(f)
+  d, e = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"]
+  rng, wan, kohya, peft_state = np.random.default_rng(11), {}, {}, {}
+  modules = [("self_attn.q", "attn1.to_q", (d, d)), ("cross_attn.o", "attn2.to_out.0", (d, d)),
+             ("ffn.0", "ffn.net.0.proj", (e, d)), ("after_proj", "proj_out", (d, d))]
+  for i in range(2):
+    for j, (module, diffusers_module, shape) in enumerate(modules + ([("before_proj", "proj_in", (d, d))] if i == 0 else [])):
+      down, up = _pair(rng, shape, 2 + j % 2)
+      alpha = float(1 + j)
+      wan |= {f"diffusion_model.vace_blocks.{i}.{module}.lora_down.weight": down,
+              f"diffusion_model.vace_blocks.{i}.{module}.lora_up.weight": 3 * up,
+              f"diffusion_model.vace_blocks.{i}.{module}.alpha": np.asarray(alpha, np.float32)}
+      name = f"lora_unet_vace_blocks_{i}_{module.replace('.', '_')}"
+      kohya |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": 3 * up,
+                f"{name}.alpha": np.asarray(alpha, np.float32)}
+      peft_state |= {f"transformer.vace_blocks.{i}.{diffusers_module}.lora_A.weight": down,
+                     f"transformer.vace_blocks.{i}.{diffusers_module}.lora_B.weight": 3 * up * alpha / down.shape[0]}
+  files = {name: str(tmp_path / f"{name}.safetensors") for name in ("wan", "kohya", "peft")}
+  for name, state in (("wan", wan), ("kohya", kohya), ("peft", peft_state)):
+    save_file(state, files[name])
+  video = control_video(9)
+  call = dict(height=32, width=48, num_frames=9, num_inference_steps=2, guidance_scale=4.0, max_sequence_length=32)
+  latents = np.random.default_rng(6).standard_normal((1, 16, 3, 4, 6)).astype(np.float32)
+  ref = diffusers.WanVACEPipeline.from_pretrained(folder)
+  ref.set_progress_bar_config(disable=True)
+
+  def run():
+    import PIL.Image
+    with torch.no_grad():
+      return ref(PROMPT, video=[PIL.Image.fromarray(f) for f in video], latents=torch.from_numpy(latents.copy()),
+                 output_type="np", **call).frames
+
+  base = run()
+  ref.load_lora_weights(files["peft"], adapter_name="vace")
+  want = run()
+  ours = WanVACEPipeline.from_pretrained(folder)
+  ours.set_progress_bar_config(disable=True)
+  for name in ("wan", "kohya", "peft"):
+    ours.load_lora_weights(files[name], adapter_name=name)
+    value = psnr(ours(PROMPT, video=video, latents=latents, **call), want)
+    print(f"VACE-block LoRA, {name} layout: {value:.1f} dB vs diffusers")
+    assert value >= BAR_DB, f"{name}: {value:.1f} dB"
+    ours.unload_lora_weights()
+  assert psnr(want, base) < 45
