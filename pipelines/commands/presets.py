@@ -93,6 +93,11 @@ PRESETS: dict[str, Preset] = {
                                WAN_NEGATIVE_PROMPT),
     "wan2.1-vace-14b": Preset(1280, 720, 81, 50, 16.0, (5.0,), "Wan2.1 generate.py (vace-14B, 1280*720)",
                               WAN_NEGATIVE_PROMPT),
+    # Wan 2.2 VACE-Fun A14B (two experts, boundary 0.900 from the folder's model_index.json): lightx2v
+    # configs/wan22_vace/a800/bf16/wan22_moe_vace.json: 832*480 x 81, 40 steps, sample_shift 8,
+    # sample_guide_scale (3.5, 3.5).
+    "wan2.2-vace-fun-a14b": Preset(832, 480, 81, 40, 8.0, (3.5, 3.5), "lightx2v configs/wan22_vace (VACE-Fun A14B)",
+                                   WAN_NEGATIVE_PROMPT),
 }
 # The embedded models (`--model`): the trained default and the random-weight one.
 TINY_MODELS = ("tiny", "tiny-random")

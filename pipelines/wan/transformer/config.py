@@ -217,6 +217,10 @@ PRESETS: dict[str, WanTransformerConfig] = {
     "wan2.1-vace-1.3b": WanTransformerConfig(vace_layers=tuple(range(0, 30, 2))),
     "wan2.1-vace-14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40,
                                             vace_layers=tuple(range(0, 40, 5))),
+    # Wan 2.2 VACE-Fun A14B (alibaba-pai; diffusers #12324): each expert is the 14B with the 14B's VACE
+    # layout.
+    "wan2.2-vace-fun-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40,
+                                                 vace_layers=tuple(range(0, 40, 5))),
     # Embedded default for tests and smoke runs: every code path, seconds to compile on CPU.
     "tiny": WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32,
                                  ffn_dim=64, num_layers=2),

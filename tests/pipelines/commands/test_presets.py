@@ -22,6 +22,8 @@ def test_presets_are_the_published_defaults(tmp_path):
   for name, size in (("wan2.1-vace-1.3b", (832, 480)), ("wan2.1-vace-14b", (1280, 720))):  # generate.py: vace = flf2v's shift
     vace = p[name]
     assert (vace.width, vace.height, vace.frames, vace.steps, vace.shift, vace.guidance) == (*size, 81, 50, 16.0, (5.0,))
+  fun = p["wan2.2-vace-fun-a14b"]  # lightx2v configs/wan22_vace/.../wan22_moe_vace.json
+  assert (fun.width, fun.height, fun.frames, fun.steps, fun.shift, fun.guidance) == (832, 480, 81, 40, 8.0, (3.5, 3.5))
   args = generate.build_parser().parse_args(["--prompt", "x", "--preset", "wan2.1-t2v-14b",
                                              "--size", "480x272", "--steps", "3",
                                              "--out", str(tmp_path / "a.mp4")])
