@@ -27,7 +27,9 @@ _REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames
                   "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
                   "last_image": "--last-image", "scheduler": "--scheduler", "timesteps": "--timesteps",
                   "sigmas": "--sigmas", "video": "--video", "strength": "--strength", "mask": "--mask",
-                  "reference_images": "--reference-image", "conditioning_scale": "--conditioning-scale"}
+                  "reference_images": "--reference-image", "conditioning_scale": "--conditioning-scale",
+                  "context_frames": "--context-frames", "context_overlap": "--context-overlap",
+                  "context_fuse": "--context-fuse"}
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -77,6 +79,15 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--frames", type=int, default=None,
                  help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
                       "(16 -> 17, 10 -> 9) (default: the --preset's, 17 for tiny, 81 for a folder)")
+  p.add_argument("--context-frames", type=int, default=None, metavar="L",
+                 help="a video longer than the model's trained clip in overlapping context windows of L frames "
+                      "(4k+1; Wan: 81, tiny: 17), blended at every step; W=2 in --mesh runs two at once "
+                      "(default: none, one clip)")
+  p.add_argument("--context-overlap", type=int, default=None, metavar="O",
+                 help="with --context-frames: frames neighbouring windows share at least, a multiple of 4 "
+                      "below L (default: a quarter of L)")
+  p.add_argument("--context-fuse", choices=("pyramid", "flat"), default="pyramid",
+                 help="with --context-frames: the overlaps' blend weights (default: pyramid, as ComfyUI)")
   p.add_argument("--steps", type=int, default=None,
                  help="denoising steps, 1 to 1000 (default: the --preset's, 8 for tiny, 50 for a folder)")
   p.add_argument("--guidance", default=None,
@@ -131,7 +142,7 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--mesh", default="U=1,R=1",
                  help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
                       "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
-                      "devices; 'auto' takes the planner's pick for the visible devices (end_to_end.plan)")
+                      "devices; W=2,U=2,R=1 runs --context-frames windows two at once; 'auto' takes the planner's pick for the visible devices (end_to_end.plan)")
   p.add_argument("--shard-weights", action="store_true",
                  help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
                       "too big to replicate on each device)")

@@ -53,6 +53,9 @@ class Plan:
   reference_images: tuple[str, ...] = ()  # --reference-image PATH, repeated (VACE)
   conditioning_scale: Any = 1.0  # --conditioning-scale (VACE): a float or a tuple of floats
   strength: float = 0.8  # --strength (with --video)
+  context_frames: int | None = None  # --context-frames (long videos in context windows)
+  context_overlap: int | None = None  # --context-overlap; None: the request's default
+  context_fuse: str = "pyramid"  # --context-fuse
   last_image: str | None = None  # --last-image PATH
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
   fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)

@@ -24,7 +24,7 @@ RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resum
 _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
              "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength",
-             "mask", "reference_image", "conditioning_scale")
+             "mask", "reference_image", "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 
@@ -194,6 +194,10 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   scale = facts.conditioning_scale
   record["conditioning_scale"] = _normalized("conditioning_scale", scale if isinstance(scale, tuple) else (scale,))
   record["strength"] = None if request.video is None else request.video.strength
+  windows, factor = request.windows, request.model.temporal_factor
+  record["context_frames"] = None if windows is None else (windows.length - 1) * factor + 1
+  record["context_overlap"] = None if windows is None else windows.overlap * factor
+  record["context_fuse"] = "pyramid" if windows is None else windows.fuse
   from pipelines.wan import schedulers
   record["scheduler"] = schedulers.solver_name(request.scheduler)
   record["timesteps"] = None if request.timesteps is None else list(request.timesteps)

@@ -83,7 +83,8 @@ def plan_run(args: argparse.Namespace) -> Plan:
               image=args.image, last_image=args.last_image, size_given=bool(args.size),
               video=args.video, strength=args.strength, mask=args.mask,
               reference_images=tuple(args.reference_image), conditioning_scale=_conditioning_scale(args),
-              fps_given=args.fps is not None or preset_name is not None)
+              context_frames=args.context_frames, context_overlap=args.context_overlap,
+              context_fuse=args.context_fuse, fps_given=args.fps is not None or preset_name is not None)
 
 
 def _video_length(path: str) -> int:
@@ -407,7 +408,8 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
         last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
         sigmas=plan.sigmas, **({} if plan.video is None else {"video": read_video(plan.video)}),
         mask=read_mask(plan.mask), reference_images=[read_image(p) for p in plan.reference_images] or None,
-        conditioning_scale=plan.conditioning_scale,
+        conditioning_scale=plan.conditioning_scale, context_frames=plan.context_frames,
+        context_overlap=plan.context_overlap, context_fuse=plan.context_fuse,
         **({} if plan.strength is None else {"strength": plan.strength}))  # checked, used or not
   except ValueError as e:
     raise flag_error(e) from e

@@ -21,7 +21,7 @@ REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "gu
                      "step_cache", "shard_weights", "attention_implementation", "attention_backend",
                      "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds",
                      "timesteps", "sigmas", "scheduler", "video", "strength", "mask", "reference_images",
-                     "conditioning_scale")
+                     "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -99,6 +99,12 @@ CALL_DOCS = """
     which pixels of `video` to generate (white) and keep (black), images the video should show
     (each adds a latent frame in front, dropped before decoding), the VACE hints' weight (one
     number or one per VACE layer).
+  context_frames, context_overlap, context_fuse: a video longer than the model's trained clip in
+    overlapping context windows (ComfyUI's `WanContextWindowsManual`): each step runs one forward
+    per window of `context_frames` frames (4k + 1; Wan: 81), neighbouring windows sharing at least
+    `context_overlap` frames (a multiple of 4; default a quarter of the window), their noise
+    predictions blended with `context_fuse` "pyramid" (default) or "flat" weights
+    (`wan.conditioning.windows`). A mesh with W=2 runs two windows at once on two device groups.
 """
 
 

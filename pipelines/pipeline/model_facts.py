@@ -61,6 +61,24 @@ class ModelFacts:
       raise ValueError(f"a VACE transformer over this VAE needs vace_in_channels={context} (2 x {t.out_channels} "
                        f"latent channels + {self.spatial_factor}^2 mask channels), got {t.vace_in_channels}")
 
+  @property
+  def trained_frames(self) -> int | None:
+    """The frames of the clips the model was trained on, or None (unknown: the random-weight tiny):
+    the tiny default's 17, TI2V-5B's 121 (Wan2.2 configs/wan_ti2v_5B.py), else Wan's 81."""
+    if self.trained_video is not None:
+      return self.trained_video[2]
+    return None if self.name == "tiny-random" else 121 if self.expand_timesteps else 81
+
+  def outside_training(self, height: int, width: int, num_frames: int) -> str | None:
+    """The warning for a size a one-size model (`trained_video`) was not trained at, or None."""
+    if self.trained_video is None or (height, width, num_frames) == self.trained_video:
+      return None
+    h, w, f = self.trained_video
+    return (f"the {self.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x {num_frames} "
+            f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} (generate's "
+            "defaults; longer videos in context windows of that length, context_frames), or a diffusers-format "
+            "Wan folder for other sizes")
+
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
     """The facts of a diffusers-format Wan folder from its JSON files (no weights read).

@@ -25,6 +25,7 @@ from pipelines.pipeline import resume as resume_state, seed as seeding
 from pipelines.pipeline.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.vace_inputs import VACEInputs, check_vace_inputs
 from pipelines.pipeline.video_inputs import VideoInputs, check_video_inputs
+from pipelines.pipeline.window_inputs import check_context_windows
 from pipelines.pipeline.inputs import (check_flag, check_int, check_number, check_size, embeds_array, is_real,
                                        noise_array, not_a, round_num_frames, seed_or_latents, texts)
 from pipelines.pipeline.model_facts import ModelFacts
@@ -64,6 +65,7 @@ class GenerationRequest:
     vace: a VACE model's video, mask, reference images and scales (`vace_inputs.VACEInputs`), or
       None (not a VACE model). Its n reference images add n latent frames in front of the video's
       (`latent_shape`), dropped before decoding.
+    windows: the context windows (`wan.conditioning.ContextWindows`, latent frames), or None: one clip.
   """
   model: ModelFacts
   prompts: list[str] | None
@@ -93,6 +95,7 @@ class GenerationRequest:
   first_frame_latents: np.ndarray | None = None
   video: VideoInputs | None = None
   vace: VACEInputs | None = None
+  windows: Any = None
 
   @classmethod
   def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
@@ -106,7 +109,8 @@ class GenerationRequest:
             attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
             image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
             scheduler: Any = None, video: Any = None, strength: Any = 0.8, mask: Any = None,
-            reference_images: Any = None, conditioning_scale: Any = 1.0) -> GenerationRequest:
+            reference_images: Any = None, conditioning_scale: Any = 1.0, context_frames: Any = None,
+            context_overlap: Any = None, context_fuse: Any = "pyramid") -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -124,10 +128,7 @@ class GenerationRequest:
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
-    check_size(height, width, model.spatial_factor, model.transformer.patch_size[1])
-    num_frames = round_num_frames(num_frames, model.temporal_factor)
-    if (note := outside_training(model, int(height), int(width), num_frames)) is not None:
-      warnings.warn(note, stacklevel=2)
+    num_frames = _size_and_frames(model, height, width, num_frames, context_frames)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
     vace, source = _video_inputs(model, video, strength, mask, reference_images, conditioning_scale,
                                  num_frames=num_frames, steps=steps)
@@ -140,20 +141,23 @@ class GenerationRequest:
     shape = model.latent_shape(batch * per_prompt, height, width, num_frames + model.temporal_factor * references)
     seed, noise = seed_or_latents(seed, latents, shape, f"{batch} prompt(s) x {per_prompt} video(s), {num_frames} "
                          f"frames at {height}x{width}")
-    decode = check_flag("decode", decode)
-    lora_scale = _lora_scale(attention_kwargs)
+    decode, lora_scale = check_flag("decode", decode), _lora_scale(attention_kwargs)
     cache_spec = _step_cache(model, step_cache, source)
     plan = ParallelPlan.build(mesh, heads=model.transformer.num_attention_heads, cfg_active=cfg,
                               shard_weights=shard_weights, attention_implementation=attention_implementation,
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
+    windows = check_context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames, model=model,
+                                    windows_degree=getattr(plan, "windows", 1), vace=vace is not None,  # TEMP
+                                    step_cache=cache_spec is not None)
     return _check_schedule(cls(
         model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,
         negative_prompt_embeds=negative_embeds if cfg else None, num_videos_per_prompt=per_prompt,
         videos=batch * per_prompt, height=int(height), width=int(width), num_frames=num_frames, steps=steps,
         guidance=guidance, cfg=cfg, scheduler=scheduler, seed=seed, latents=noise, latent_shape=shape,
         max_sequence_length=length, plan=plan, lora_scale=lora_scale, step_cache=cache_spec, decode=decode,
-        image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas), video=source, vace=vace))
+        image=images, timesteps=_floats(timesteps), sigmas=_floats(sigmas), video=source, vace=vace,
+        windows=windows))
 
   # --- derived ---
 
@@ -171,6 +175,11 @@ class GenerationRequest:
   def token_facts(self) -> TokenFacts:
     """The model's `token_facts` with L this request's text length (what the planner reads)."""
     return dataclasses.replace(self.model.token_facts, text_tokens=self.max_sequence_length)
+
+  @property
+  def clip_frames(self) -> int:
+    """The frames one transformer forward sees: a context window's, else the video's."""
+    return self.num_frames if self.windows is None else (self.windows.length - 1) * self.model.temporal_factor + 1
 
   @property
   def rows(self) -> int:
@@ -267,7 +276,8 @@ class GenerationRequest:
         "first_frame_latents_sha256": digest(self.first_frame_latents)}
     video = {} if self.video is None else self.video.digests()
     vace = {} if self.vace is None else self.vace.digests()
-    return first | ({} if self.image is None else self.image.digests()) | video | vace
+    windows = {} if self.windows is None else {"context_windows": self.windows.describe()}
+    return first | ({} if self.image is None else self.image.digests()) | video | vace | windows
 
 
 # flow_shift's accepted range: beyond it float32 sigmas collapse (s = 1e7 puts every sigma within
@@ -424,14 +434,15 @@ def _check_schedule(request: GenerationRequest) -> GenerationRequest:
   return request
 
 
-def outside_training(model: ModelFacts, height: int, width: int, num_frames: int) -> str | None:
-  """`build`'s warning for a size a one-size model (`ModelFacts.trained_video`) was not trained at, or None."""
-  if model.trained_video is None or (height, width, num_frames) == model.trained_video:
-    return None
-  h, w, f = model.trained_video
-  return (f"the {model.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x {num_frames} "
-          f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} (generate's "
-          "defaults), or a diffusers-format Wan folder for other sizes")
+def _size_and_frames(model: ModelFacts, height: Any, width: Any, num_frames: Any, context_frames: Any) -> int:
+  """The size checked and num_frames rounded to 4k + 1 (`inputs.round_num_frames`), warning when a
+  one-size model is asked for another clip (its windows' length with context windows)."""
+  check_size(height, width, model.spatial_factor, model.transformer.patch_size[1])
+  num_frames = round_num_frames(num_frames, model.temporal_factor)
+  clip = num_frames if context_frames is None or not is_real(context_frames) else int(context_frames)
+  if (note := model.outside_training(int(height), int(width), clip)) is not None:
+    warnings.warn(note, stacklevel=3)
+  return num_frames
 
 
 def _check_text_lengths(embeds: np.ndarray | None, negative_embeds: np.ndarray | None, length: int,

@@ -224,7 +224,7 @@ class Runner:
     for cfg, e in sorted(kinds.items(), key=lambda kind: kind[1] == experts[0]):
       compiled[cfg] = pipe.compiled_steps.get(pipe.weights.experts[e], state.latents, state.solver,
                                               self._text(e, state), self.guidance[e], state.cache,
-                                              state.condition, plan=plan, cfg=cfg,
+                                              state.condition, plan=plan, cfg=cfg, windows=r.windows,
                                               on_compile=lambda: self.stage(compiling))
     self.programs = {e: compiled[r.expert_cfg(e)] for e in experts}
     self.timings["compile"] = time.perf_counter() - start

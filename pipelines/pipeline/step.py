@@ -22,7 +22,7 @@ from pipelines.wan.transformer import TextKV, forward, text_kv
 
 def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, solver: Any,
                  text: jax.Array, guidance: jax.Array, cache: Any = None, condition: Any = None, *,
-                 plan: ParallelPlan, cfg: bool):
+                 plan: ParallelPlan, cfg: bool, windows: conditioning.ContextWindows | None = None):
   """One denoising step: transformer on [cond; uncond], guidance mix, scheduler step.
 
   Args:
@@ -45,6 +45,9 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       each half running the whole USP schedule; the guidance mix then brings the two noise
       predictions together (one exchange of the noise-prediction size per step).
     cfg: classifier-free guidance on (static).
+    windows: None (one clip), or the context windows (static; `wan.conditioning.windows`): the
+      transformer runs on every window of the video, `plan.windows` at once (`_windowed_noise`),
+      and the blended noise prediction goes through the guidance mix and the scheduler as one.
 
   Returns:
     (latents float32 [B, C, F, Hl, Wl], new solver state, bool [] all latents finite, new cache
@@ -58,7 +61,8 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   model = nnx.merge(graphdef, params)
   x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
   inputs = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
-  noise, cache, stats = _noise_prediction(model, inputs, text, cache, plan)  # model dtype
+  noise, cache, stats = (_noise_prediction(model, inputs, text, cache, plan) if windows is None else  # model dtype
+                         _windowed_noise(model, inputs, text, plan, windows, outer=2 if cfg and plan.cfg_parallel else 1))
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -86,6 +90,30 @@ def _noise_prediction(model: Any, inputs: conditioning.StepInputs, text: Any, ca
     return forward(model, inputs.latents, inputs.timestep, text, plan, inputs.image, **control), None, None
   return wan_step_cache.cached_forward(model, inputs.latents, inputs.timestep, text, cache, plan, inputs.image,
                                        **control)
+
+
+def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, plan: ParallelPlan,
+                    windows: conditioning.ContextWindows, *, outer: int) -> tuple[jax.Array, None, None]:
+  """(the whole video's noise prediction [R', C, F, Hl, Wl] in the model dtype, no cache, no stats)
+  from its context windows:
+  a scan over rounds of G = `plan.windows` windows, each round one forward of [outer x G x inner]
+  rows (every (cfg, windows) device group one window's), then `conditioning.blend` (one all-reduce
+  over the windows axis when G > 1).
+
+  Args:
+    inputs: the whole video's `StepInputs` (rows [R'], frames F).
+    outer: 2 when the guidance halves run on separate device groups (CFG=2), else 1.
+  """
+  groups = getattr(plan, "windows", 1)  # TEMP
+  starts, _ = windows.rounds(groups)
+  text = conditioning.tile_text(text, groups, outer)
+
+  def body(carry, starts_G):
+    x = conditioning.window_inputs(inputs, starts_G, windows.length, outer)
+    return carry, forward(model, x.latents, x.timestep, text, plan, x.image)
+
+  _, noise = jax.lax.scan(body, None, jnp.asarray(starts))
+  return conditioning.blend(noise, windows, groups, outer, plan.mesh if groups > 1 else None), None, None
 
 
 def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition: Any, *, cfg: bool
@@ -154,7 +182,7 @@ def text_kv_states(graphdef: nnx.GraphDef, params: nnx.State, text: jax.Array, i
   return text_kv(nnx.merge(graphdef, params), text, plan, image)
 
 
-_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg"),
+_denoise_step_jit = jax.jit(denoise_step, static_argnums=0, static_argnames=("plan", "cfg", "windows"),
                             donate_argnames=("latents", "solver", "cache"))
 _text_kv_jit = jax.jit(text_kv_states, static_argnums=0, static_argnames=("plan",))
 
@@ -177,19 +205,19 @@ class CompiledSteps:
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
           cache: Any, condition: Any = None, *, plan: ParallelPlan, cfg: bool,
-          on_compile: Callable[[], None] | None = None) -> Any:
+          windows: conditioning.ContextWindows | None = None, on_compile: Callable[[], None] | None = None) -> Any:
     """The compiled `denoise_step` for these arguments (compiled on the first request; `on_compile()`
     is called just before a compile). Call it as `program(params, latents, solver, text, guidance,
     cache, condition)`."""
     args = (params, latents, solver, text, guidance, cache, condition)
     leaves, treedef = jax.tree.flatten(args)
-    key = (plan, cfg, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+    key = (plan, cfg, windows, treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves),
            jax.config.jax_default_matmul_precision)  # the caller's thread's, as jit's own cache keys it
     if key not in self._programs:
       if on_compile is not None:
         on_compile()
       self.traces += 1
-      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg).compile()
+      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg, windows=windows).compile()
     return self._programs[key]
 
   def text_kv(self, params: nnx.State, text: jax.Array, image: jax.Array | None = None, *,

@@ -30,7 +30,8 @@ MAX_STEPS = 500
 FIELDS = {"height": "size", "width": "size", "num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
           "guidance_scale": "guidance_scale", "seed": "seed", "prompt": "prompt", "negative_prompt": "negative_prompt",
           "mesh": "mesh", "flow_shift": "flow_shift", "image": "input_reference", "video": "input_reference",
-          "strength": "strength"}
+          "strength": "strength", "context_frames": "context_frames", "context_overlap": "context_overlap",
+          "context_fuse": "context_fuse"}
 # Characters no field may hold: C0 / C1 controls and DEL (tab, newline and carriage return allowed),
 # lone surrogates (not UTF-8: nothing could send such a text back), the noncharacters U+FFFE / U+FFFF.
 _ALLOWED_CONTROLS = "\t\n\r"
@@ -123,6 +124,11 @@ class VideoCreate(BaseModel):
   seed: Any = _typed("integer", "random seed, 0 <= seed < 2**63 (default: drawn)")
   strength: Any = _typed("number", "with a video input_reference (video-to-video): the share of the steps that "
                          "run, in (0, 1] (default 0.8)")
+  context_frames: Any = _typed("integer", "a video longer than the model's trained clip in overlapping context "
+                               "windows of this many frames, 4k + 1 (Wan: 81; default: one clip)")
+  context_overlap: Any = _typed("integer", "with context_frames: frames neighbouring windows share at least, a "
+                                "multiple of 4 (default: a quarter of the window)")
+  context_fuse: Any = _typed("string", "with context_frames: \"pyramid\" (default) or \"flat\" blend weights")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
   lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
   input_reference: Any = Field(None, description="an image file part (the first frame; a VACE model's reference image) "
@@ -287,26 +293,29 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
           "num_inference_steps": preset.steps if body.num_inference_steps is None else body.num_inference_steps,
           "guidance_scale": preset.guidance[0] if body.guidance_scale is None else body.guidance_scale,
           "flow_shift": body.flow_shift, "seed": seed, "fps": body.fps, "output_format": body.output_format,
-          "lora": sorted(body.lora), "strength": 0.8 if body.strength is None else body.strength}
+          "lora": sorted(body.lora), "strength": 0.8 if body.strength is None else body.strength,
+          "context_frames": body.context_frames, "context_overlap": body.context_overlap,
+          "context_fuse": "pyramid" if body.context_fuse is None else body.context_fuse}
 
 
 def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
   """`GenerationRequest.build`'s keyword arguments of one job (without the prompt)."""
   return {"height": params["height"], "width": params["width"], "num_frames": params["num_frames"],
           "num_inference_steps": params["num_inference_steps"], "guidance_scale": params["guidance_scale"],
-          "flow_shift": params["flow_shift"], "mesh": mesh}
+          "flow_shift": params["flow_shift"], "mesh": mesh, "context_frames": params.get("context_frames"),
+          "context_overlap": params.get("context_overlap"), "context_fuse": params.get("context_fuse", "pyramid")}
 
 
 def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any = None) -> tuple[Any, list[str]]:
   """The job's `GenerationRequest` (built as the Python call builds it; `reference`: the decoded
   input_reference, `references.Decoded`, or None), its values written back into `params` as
   resolved (frames rounded to 4k + 1), and the job's warnings: frames rounded, a size the model
-  was not trained at (`request.outside_training`).
+  was not trained at (`ModelFacts.outside_training`).
 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
   """
-  from pipelines.pipeline.request import GenerationRequest, outside_training
+  from pipelines.pipeline.request import GenerationRequest
 
   asked = params["num_frames"]
   try:
@@ -319,7 +328,7 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
   params["num_frames"] = request.num_frames
   notes = [] if asked == request.num_frames else [
       f"num_frames={asked} rounded to {request.num_frames}: Wan makes 4k + 1 frames"]
-  trained = outside_training(facts, request.height, request.width, request.num_frames)
+  trained = facts.outside_training(request.height, request.width, request.clip_frames)
   return request, notes + ([] if trained is None else [trained])
 
 
@@ -345,6 +354,7 @@ def _field(message: str) -> str | None:
 def batch_key(params: dict[str, Any]) -> str:
   """Jobs with equal keys run as one batch: everything but the prompts, seed and output."""
   keep = ("width", "height", "num_frames", "num_inference_steps", "guidance_scale", "flow_shift", "lora", "strength")
+  keep += tuple(name for name in ("context_frames", "context_overlap", "context_fuse") if name in params)
   reference = (params.get("input_reference") or {}).get("sha256")  # a batch shares one first frame or video
   return repr(tuple((k, params[k]) for k in keep) + (("cfg", params["guidance_scale"] > 1),
                                                      ("input_reference", reference)))

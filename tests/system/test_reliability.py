@@ -256,6 +256,10 @@ WRONG_TYPES = {
     "mask": [np.zeros((1, 16, 16, 3), np.uint8), "mask.png"],
     "reference_images": ["ref.png", ["a.png", "b.png"], np.zeros((16, 16, 3), np.uint8)],
     "conditioning_scale": [0.5, "1", None, [1.0, 1.0]],
+    # context windows: not 4k + 1, longer than the video, not an int; overlap and fuse without windows
+    "context_frames": ["17", 16, 33, True, 0],
+    "context_overlap": [4, "4", -4],
+    "context_fuse": ["pyramids", 1, None],
 }
 WRONG_TYPE_CASES = [(name, value) for name, values in WRONG_TYPES.items() for value in values]
 

@@ -58,3 +58,22 @@ def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
     _checked(tmp_path, "--timesteps", "250,500")
   with pytest.raises(UsageError, match="--timesteps '1000,x' must be comma-separated numbers"):
     _checked(tmp_path, "--timesteps", "1000,x")
+
+
+def test_context_window_flags_reach_the_request_and_its_records(tmp_path):
+  """--context-frames / --context-overlap / --context-fuse become the request's windows (latent
+  frames), the run record keeps them in the flags' form (--resume compares so); bad values name the
+  flag before anything loads."""
+  from pipelines.cli import records
+  from pipelines.commands.flags import UsageError
+  from pipelines.wan.conditioning import ContextWindows
+  checked = _checked(tmp_path, "--frames", "65", "--size", "32x32", "--context-frames", "17", "--context-overlap", "8",
+                     "--context-fuse", "flat")
+  assert checked.request.windows == ContextWindows(frames=17, length=5, overlap=2, fuse="flat")
+  record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
+  assert (record["context_frames"], record["context_overlap"], record["context_fuse"]) == (17, 8, "flat")
+  assert _checked(tmp_path).request.windows is None
+  with pytest.raises(UsageError, match=r"--context-overlap: context_overlap=6 must be a multiple of 4"):
+    _checked(tmp_path, "--frames", "65", "--context-frames", "17", "--context-overlap", "6")
+  with pytest.raises(UsageError, match=r"--context-frames: context_frames=81 is longer than the video"):
+    _checked(tmp_path, "--frames", "65", "--context-frames", "81")

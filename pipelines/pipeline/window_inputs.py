@@ -1,0 +1,96 @@
+"""A long video's context windows as the call gives them (`context_frames`, `context_overlap`,
+`context_fuse`, in video frames), checked into `wan.conditioning.ContextWindows` (latent frames; a
+`GenerationRequest` field), and the warning for a long video asked for without them.
+
+Source of the method: ComfyUI's `WanContextWindowsManual` (comfy/context_windows.py); the windows'
+layout and blend are `wan.conditioning.windows`'.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from pipelines.pipeline.inputs import check_int, not_a
+from pipelines.pipeline.model_facts import ModelFacts
+from pipelines.wan.conditioning import FUSES, ContextWindows
+
+
+
+def default_overlap(context_frames: int, temporal_factor: int = 4) -> int:
+  """A quarter of the window, in whole latent frames (81 -> 20, 17 -> 4)."""
+  return (context_frames - 1) // 4 // temporal_factor * temporal_factor
+
+
+def check_context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
+                          model: ModelFacts, windows_degree: int, vace: bool, step_cache: bool
+                          ) -> ContextWindows | None:
+  """The call's context windows, or None (no windows; a window as long as the video is none).
+
+  Args:
+    context_frames: None, or a window's video frames, k x temporal_factor + 1 and <= num_frames.
+    context_overlap: None (`default_overlap`), or the video frames neighbouring windows share at least: a
+      multiple of temporal_factor, below context_frames.
+    context_fuse: "pyramid" (default) or "flat".
+    num_frames: the call's frames (4k + 1).
+    model: the model's facts: its VAE's temporal factor (4), its trained clip (`trained_frames`: a
+      longer video without windows warns, `long_video_note`; a one-size model warns elsewhere).
+    windows_degree: the mesh's W (windows run W at once); W > 1 needs windows.
+    vace, step_cache: whether the call is a VACE one / caches steps (neither composes with windows yet).
+
+  Raises:
+    ValueError: each bad value, named with the fix, before anything loads or computes.
+  """
+  temporal_factor = model.temporal_factor
+  if context_frames is None:
+    for name, value, default in (("context_overlap", context_overlap, None), ("context_fuse", context_fuse, "pyramid")):
+      if value != default:
+        raise ValueError(f"{name}={value!r} without context_frames: give context_frames (a window's frames, "
+                         f"e.g. 81 for Wan) too, or leave {name} out")
+    if windows_degree > 1:
+      raise ValueError(f"the mesh's W={windows_degree} runs context windows in parallel, but context_frames "
+                       f"is not given: give context_frames (e.g. 81 for Wan) or drop W from the mesh")
+    trained = None if model.trained_video else model.trained_frames
+    if (note := long_video_note(num_frames, trained, temporal_factor=temporal_factor)) is not None:
+      warnings.warn(note, stacklevel=4)
+    return None
+  frames = check_int("context_frames", context_frames, minimum=1, hint=" (a window's frames, e.g. 81)")
+  if (frames - 1) % temporal_factor:
+    low = (frames - 1) // temporal_factor * temporal_factor + 1
+    raise ValueError(f"context_frames={frames} must be {temporal_factor}k + 1 (the VAE's frame groups); "
+                     f"use {low} or {low + temporal_factor}")
+  if frames > num_frames:
+    raise ValueError(f"context_frames={frames} is longer than the video (num_frames={num_frames}); use at "
+                     f"most {num_frames}, or leave context_frames out for one clip")
+  overlap = default_overlap(frames, temporal_factor) if context_overlap is None else check_int(
+      "context_overlap", context_overlap, minimum=0, hint=" (frames shared by neighbouring windows)")
+  if overlap % temporal_factor or overlap >= frames:
+    raise ValueError(f"context_overlap={overlap} must be a multiple of {temporal_factor} below context_frames="
+                     f"{frames} (e.g. {default_overlap(frames, temporal_factor)})")
+  if not isinstance(context_fuse, str) or context_fuse not in FUSES:
+    raise ValueError(f"context_fuse={context_fuse!r}{not_a(context_fuse) if not isinstance(context_fuse, str) else ''}"
+                     f" must be one of {FUSES}")
+  for name, on in (("a VACE model", vace), ("step_cache", step_cache)):
+    if on and frames < num_frames:
+      raise ValueError(f"context windows with {name} are not supported yet; leave context_frames out or "
+                       f"{'use a text-, image- or video-to-video model' if vace else 'leave step_cache out'}")
+  latent = (num_frames - 1) // temporal_factor + 1
+  if frames == num_frames:
+    if windows_degree > 1:
+      raise ValueError(f"context_frames={frames} is the whole video: one window, nothing for the mesh's "
+                       f"W={windows_degree} to run in parallel; drop W from the mesh or use shorter windows")
+    return None
+  return ContextWindows(frames=latent, length=(frames - 1) // temporal_factor + 1,
+                        overlap=overlap // temporal_factor, fuse=context_fuse)
+
+
+def long_video_note(num_frames: int, trained_frames: int | None, *, temporal_factor: int = 4) -> str | None:
+  """The warning for a video longer than the model's trained clip without context windows, naming
+  the flags that keep its length, or None."""
+  if trained_frames is None or num_frames <= trained_frames:
+    return None
+  overlap = default_overlap(trained_frames, temporal_factor)
+  return (f"{num_frames} frames is longer than the model's trained {trained_frames}-frame clips: the video "
+          f"degrades (and attention memory grows with the square of the frames); keep the length with context "
+          f"windows: context_frames={trained_frames}, context_overlap={overlap} (generate --context-frames "
+          f"{trained_frames} --context-overlap {overlap}; add W=2 to the mesh to run windows in parallel)")
