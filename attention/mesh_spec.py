@@ -4,19 +4,24 @@ This module imports no JAX (the command line parses and checks a mesh before JAX
 imported by `MeshSpec.check` without a device count and by `MeshSpec.build`. `attention.mesh` holds
 the JAX side: the sequence `PartitionSpec`s and `make_mesh`.
 
-DESIGN.md section 2. The mesh has three axes, outermost first:
+DESIGN.md section 2. The mesh has three axes, outermost first (four with a windows split):
 - "cfg" (C): classifier-free guidance parallelism; the cond and uncond halves of the batch run on
   the two halves of the devices (C = 1: no split);
+- "windows" (W, only when W > 1): context windows of a long video run in parallel; each guidance
+  half's rows are split again over W groups of R * U consecutive devices;
 - "ring" (R): K/V rotation (may cross hosts);
 - "ulysses" (U): the all-to-all over heads, innermost, so its all-to-all stays among neighbouring
   devices.
 Tokens are sharded over ring and ulysses jointly, ring-major: device (c, r, u) holds token chunk
 r * U + u of batch rows c * B/C ... (c + 1) * B/C - 1, i.e. `P(CFG_AXIS, (RING_AXIS, ULYSSES_AXIS))`
-(`SEQUENCE_SPEC`; without a cfg split the batch axis is simply replicated over a size-1 axis).
+(`SEQUENCE_SPEC`; without a cfg split the batch axis is simply replicated over a size-1 axis). With
+a windows axis the rows are split over (cfg, windows), cfg-major: device (c, w, r, u) holds token
+chunk r * U + u of row chunk c * W + w, i.e. `P((CFG_AXIS, WINDOWS_AXIS), (RING_AXIS, ULYSSES_AXIS))`.
+With W = 1 the mesh has no windows axis at all, so every W = 1 program is the three-axis one.
 
-The spec string, used by every command and report: "U=2,R=2", "CFG=2,U=2,R=2" (any order, case
-of the names free, missing degrees are 1). `MeshSpec` is also the only place that asks XLA for fake
-CPU devices (`request_cpu_devices`).
+The spec string, used by every command and report: "U=2,R=2", "CFG=2,U=2,R=2", "CFG=2,W=2,U=2,R=1"
+(any order, case of the names free, missing degrees are 1). `MeshSpec` is also the only place that
+asks XLA for fake CPU devices (`request_cpu_devices`).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ if TYPE_CHECKING:
   from jax.sharding import Mesh
 
 CFG_AXIS = "cfg"
+WINDOWS_AXIS = "windows"
 RING_AXIS = "ring"
 ULYSSES_AXIS = "ulysses"
-MESH_AXES = (CFG_AXIS, RING_AXIS, ULYSSES_AXIS)
+MESH_AXES = (CFG_AXIS, RING_AXIS, ULYSSES_AXIS)  # the axes of a mesh with W = 1
+WINDOWS_MESH_AXES = (CFG_AXIS, WINDOWS_AXIS, RING_AXIS, ULYSSES_AXIS)  # ... and with W > 1
 SEQUENCE_AXES = (RING_AXIS, ULYSSES_AXIS)
 DEVICE_FLAG = "xla_force_host_platform_device_count"
-_NAMES = {"U": "ulysses", "R": "ring", "CFG": "cfg"}
+_NAMES = {"U": "ulysses", "R": "ring", "CFG": "cfg", "W": "windows"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,9 +69,11 @@ class MeshSpec:
     ulysses: U >= 1, the Ulysses degree (all-to-all over heads; U must split the heads).
     ring: R >= 1, the ring degree (K/V rotation).
     cfg: C in {1, 2}, classifier-free guidance parallelism (2: cond and uncond on separate halves).
-    shard_weights: shard the stacked transformer block weights over all C * R * U devices
+    shard_weights: shard the stacked transformer block weights over all C * W * R * U devices
       (FSDP / ZeRO-3 style: gathered one layer at a time inside the layer scan) instead of
       replicating them.
+    windows: W >= 1, context windows run in parallel: each guidance half's batch rows split over
+      W groups of R * U devices (the mesh gains a "windows" axis only when W > 1).
 
   Raises:
     ValueError: a degree that is not an int >= 1, or cfg > 2.
@@ -73,9 +82,10 @@ class MeshSpec:
   ring: int = 1
   cfg: int = 1
   shard_weights: bool = False
+  windows: int = 1
 
   def __post_init__(self):
-    for name in ("ulysses", "ring", "cfg"):
+    for name in ("ulysses", "ring", "cfg", "windows"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"mesh degree {name}={value!r} must be an integer >= 1")
@@ -90,7 +100,8 @@ class MeshSpec:
 
   @classmethod
   def parse(cls, spec: str, *, shard_weights: bool = False) -> MeshSpec:
-    """"U=2,R=2" / "CFG=2,U=4" / "R=2,U=4,CFG=2" (any order; missing degrees are 1) -> MeshSpec.
+    """"U=2,R=2" / "CFG=2,U=4" / "R=2,U=4,CFG=2" / "CFG=2,W=2,U=2,R=1" (any order, any case;
+    missing degrees are 1) -> MeshSpec.
 
     Raises:
       ValueError: a malformed spec (for "AxB", naming the U=...,R=... it probably means), a
@@ -105,46 +116,68 @@ class MeshSpec:
       a, b = grid.groups()
       meant = f"'U={a},R={b}'" if a == b else f"'U={a},R={b}' or 'U={b},R={a}'"
       raise ValueError(f"mesh {spec=} does not say which degree is which; did you mean {meant}? Name "
-                       "them: U is the Ulysses degree, R the ring degree, CFG the guidance split")
+                       "them: U is the Ulysses degree, R the ring degree, CFG the guidance split, W the "
+                       "context windows run in parallel")
     degrees: dict[str, int] = {}
     for part in text.replace(" ", "").split(","):
-      match = re.fullmatch(r"(U|R|CFG)=(\d+)", part, flags=re.IGNORECASE)
+      match = re.fullmatch(r"(U|R|CFG|W)=(\d+)", part, flags=re.IGNORECASE)
       if match is None:
-        raise ValueError(f"mesh {spec=} is malformed at {part!r}; write e.g. 'U=2,R=2', 'R=2,U=4', 'U=4' "
-                         "or 'CFG=2,U=2,R=2' (U: Ulysses degree, R: ring degree, CFG: 1 or 2)")
+        raise ValueError(f"mesh {spec=} is malformed at {part!r}; write e.g. 'U=2,R=2', 'R=2,U=4', 'U=4', "
+                         "'CFG=2,U=2,R=2' or 'CFG=2,W=2,U=2,R=1' (U: Ulysses degree, R: ring degree, CFG: 1 "
+                         "or 2, W: context windows run in parallel)")
       axis, value = match.group(1).upper(), int(match.group(2))
       if axis in degrees:
-        raise ValueError(f"mesh {spec=} gives {axis} twice; give each of U, R and CFG at most once")
+        raise ValueError(f"mesh {spec=} gives {axis} twice; give each of U, R, CFG and W at most once")
       if value < 1:
         raise ValueError(f"mesh {spec=}: {axis}={value} must be >= 1")
       degrees[axis] = value
     return cls(ulysses=degrees.get("U", 1), ring=degrees.get("R", 1), cfg=degrees.get("CFG", 1),
-               shard_weights=shard_weights)
+               shard_weights=shard_weights, windows=degrees.get("W", 1))
 
   def __str__(self) -> str:
-    """The spec string: "U=2,R=2", with "CFG=2," in front when the guidance is split."""
+    """The spec string: "U=2,R=2", with "CFG=2," and then "W=2," in front when the guidance or the
+    windows are split ("CFG=2,W=2,U=2,R=1")."""
     text = f"U={self.ulysses},R={self.ring}"
+    text = f"W={self.windows},{text}" if self.windows > 1 else text
     return f"CFG={self.cfg},{text}" if self.cfg > 1 else text
 
   def describe(self) -> dict[str, object]:
-    """For logs and sidecars: {"spec", "CFG", "U", "R", "devices", "shard_weights"}."""
-    return {"spec": str(self), "CFG": self.cfg, "U": self.ulysses, "R": self.ring, "devices": self.devices,
-            "shard_weights": self.shard_weights}
+    """For logs and sidecars: {"spec", "CFG", "W", "U", "R", "devices", "shard_weights"}."""
+    return {"spec": str(self), "CFG": self.cfg, "W": self.windows, "U": self.ulysses, "R": self.ring,
+            "devices": self.devices, "shard_weights": self.shard_weights}
 
   @property
   def devices(self) -> int:
-    """C * R * U."""
-    return self.cfg * self.ring * self.ulysses
+    """C * W * R * U."""
+    return self.cfg * self.windows * self.ring * self.ulysses
 
   @property
   def sequence_devices(self) -> int:
-    """R * U: the devices of one guidance branch, which shard its tokens."""
+    """R * U: the devices of one (guidance branch, windows group), which shard its tokens."""
     return self.ring * self.ulysses
+
+  @property
+  def row_groups(self) -> int:
+    """C * W: the device groups the batch rows are split over (the batch must be a multiple)."""
+    return self.cfg * self.windows
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The built mesh's axis names: `MESH_AXES` when W = 1, `WINDOWS_MESH_AXES` when W > 1."""
+    return WINDOWS_MESH_AXES if self.windows > 1 else MESH_AXES
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The built mesh's shape, matching `axes`: (C, R, U), or (C, W, R, U) when W > 1."""
+    if self.windows > 1:
+      return (self.cfg, self.windows, self.ring, self.ulysses)
+    return (self.cfg, self.ring, self.ulysses)
 
   # --- validation ---
 
   def workable(self, num_heads: int, num_kv_heads: int | None = None) -> list[MeshSpec]:
-    """The specs with this one's device count, cfg and weight sharding whose U splits the heads."""
+    """The specs with this one's device count, cfg, windows and weight sharding whose U splits the
+    heads."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     return [dataclasses.replace(self, ulysses=u, ring=self.sequence_devices // u)
             for u in _divisors(self.sequence_devices) if heads_fit(u, num_heads, num_kv_heads)]
@@ -186,37 +219,41 @@ class MeshSpec:
   # --- building ---
 
   def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The `jax.sharding.Mesh` of shape (C, R, U), axes `MESH_AXES`, Auto axis types.
+    """The `jax.sharding.Mesh` of shape `shape`, axes `axes`, Auto axis types: (C, R, U) over
+    `MESH_AXES` when W = 1 (exactly the three-axis mesh), (C, W, R, U) over `WINDOWS_MESH_AXES`
+    when W > 1.
 
     Args:
-      devices: at least C * R * U devices (default `jax.devices()`); the first C * R * U are laid
-        out row-major, so consecutive devices share a Ulysses group and the two guidance halves
-        are the first and second half (across hosts when each host holds half).
+      devices: at least C * W * R * U devices (default `jax.devices()`); the first C * W * R * U
+        are laid out row-major, so consecutive devices share a Ulysses group, a windows group is
+        R * U consecutive devices, and the two guidance halves are the first and second half
+        (across hosts when each host holds half).
 
     Raises:
-      ValueError: fewer devices than C * R * U.
+      ValueError: fewer devices than C * W * R * U.
     """
     import jax  # noqa: PLC0415 (building a mesh starts JAX; parsing and checking do not)
     from jax.sharding import Mesh  # noqa: PLC0415
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < self.devices:
       self.check(device_count=len(devices))
-    grid = np.array(devices[: self.devices], dtype=object).reshape(self.cfg, self.ring, self.ulysses)
-    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    grid = np.array(devices[: self.devices], dtype=object).reshape(self.shape)
+    return Mesh(grid, self.axes, axis_types=(jax.sharding.AxisType.Auto,) * len(self.axes))
 
   @classmethod
   def of(cls, mesh: Mesh, *, shard_weights: bool = False) -> MeshSpec:
-    """The spec of a built mesh (a mesh without a cfg axis has C = 1).
+    """The spec of a built mesh (a mesh without a cfg axis has C = 1, without a windows axis W = 1).
 
     Raises:
       ValueError: a mesh without the ring and ulysses axes, or with other axes.
     """
     names = tuple(mesh.axis_names)
-    if RING_AXIS not in names or ULYSSES_AXIS not in names or set(names) - set(MESH_AXES):
-      raise ValueError(f"mesh axes must be {MESH_AXES} (cfg optional), got {names}; build meshes with "
-                       "attention.MeshSpec(...).build() or attention.make_mesh")
+    if RING_AXIS not in names or ULYSSES_AXIS not in names or set(names) - set(WINDOWS_MESH_AXES):
+      raise ValueError(f"mesh axes must be {MESH_AXES} or {WINDOWS_MESH_AXES} (cfg and windows optional), "
+                       f"got {names}; build meshes with attention.MeshSpec(...).build() or attention.make_mesh")
     return cls(ulysses=int(mesh.shape[ULYSSES_AXIS]), ring=int(mesh.shape[RING_AXIS]),
-               cfg=int(mesh.shape.get(CFG_AXIS, 1)), shard_weights=shard_weights)
+               cfg=int(mesh.shape.get(CFG_AXIS, 1)), shard_weights=shard_weights,
+               windows=int(mesh.shape.get(WINDOWS_AXIS, 1)))
 
 
 def request_cpu_devices(count: int) -> int | None:

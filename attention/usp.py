@@ -7,7 +7,8 @@ Ulysses: Jacobs et al. 2023; ring attention: Liu et al. 2023):
 2. pre-all-to-all reductions: the k sums for the global valid-key mean in ONE `all_gather` (added in
    mesh order, so the same bits whatever runs the collective), then per-head
    max ||q~||, max ||k - k_mean||, max |v| in ONE packed `pmax`, both over (ring, ulysses); the
-   fixed-m gate computed from them is therefore the same on every device;
+   fixed-m gate computed from them is therefore the same on every device of a row group (when the
+   batch rows are split over cfg and/or windows, one `pmin` over those axes makes it the mesh's);
 3. ONE packed all-to-all over `ulysses` for q, k and v (split heads, gather the ring group's tokens);
 4. R ring steps over `ring`: the packed K/V buffer is `ppermute`d to the next rank before the block
    compute it overlaps, R - 1 permutes in all; a mesh-uniform branch picks the fixed-m or the
@@ -32,8 +33,7 @@ from attention import fp8_exchange as fp8x
 from attention.carry import Start
 from attention.masks import validate_qkv
 from attention.padding import pad_axis, round_up
-from attention.mesh import (CFG_AXIS, RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit,
-                            sequence_spec)
+from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit, sequence_spec
 from attention.settings import IMPLEMENTATIONS, BlockSizes, resolve_backend
 
 
@@ -44,16 +44,17 @@ def workable_degrees(num_devices: int, num_heads: int, num_kv_heads: int) -> lis
 
 
 def _mesh_parts(mesh: Mesh, batch: int) -> tuple[int, int, int]:
-  """(U, R, C) of the mesh, checking that C splits the batch.
+  """(U, R, G) of the mesh, G = C * W the row groups, checking that G splits the batch.
 
   Raises:
-    ValueError: a mesh without the mesh axes, or a batch that the cfg axis does not split.
+    ValueError: a mesh without the mesh axes, or a batch that the cfg and windows axes do not split.
   """
   spec = MeshSpec.of(mesh)
-  if batch % spec.cfg:
-    raise ValueError(f"mesh {spec} splits the batch over CFG={spec.cfg} but the batch has {batch} rows; "
-                     "the cfg axis needs an even batch (cond and uncond rows)")
-  return spec.ulysses, spec.ring, spec.cfg
+  if batch % spec.row_groups:
+    raise ValueError(f"mesh {spec} splits the batch over CFG={spec.cfg} x W={spec.windows} = {spec.row_groups} "
+                     f"device groups but the batch has {batch} rows; the batch must be a multiple of "
+                     f"{spec.row_groups} (cond and uncond rows, times the windows run at once)")
+  return spec.ulysses, spec.ring, spec.row_groups
 
 
 def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> None:
@@ -154,8 +155,8 @@ def usp_attention(
     sharded, like the Wan transformer, pad once themselves and pass `kv_valid_len`).
 
   Raises:
-    ValueError: bad shapes/dtypes, unknown implementation, heads that do not split over U (the
-      message names the workable (U, R)), before any compute.
+    ValueError: bad shapes/dtypes, unknown implementation, heads that do not split over U (naming
+      the workable (U, R)), a batch that is no multiple of C * W (row groups), before any compute.
   """
   B, T, N, H = validate_qkv(q, k, v, kv_valid_len=kv_valid_len)
   K = k.shape[2]
@@ -179,7 +180,7 @@ def usp_attention(
 def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_prescaled, backend, exchange):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  U, R, C = _mesh_parts(mesh, B)
+  U, R, G = _mesh_parts(mesh, B)
   D = U * R
   if K < U:  # grouped order: rank u gets kv head u // (U // K), next to its query heads
     k, v = jnp.repeat(k, U // K, axis=2), jnp.repeat(v, U // K, axis=2)
@@ -190,7 +191,8 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
   else:
     limit = jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   body = functools.partial(
-      _usp_body, U=U, R=R, C=C, num_heads=N, implementation=implementation, scale=scale,
+      _usp_body, U=U, R=R, row_axes=batch_axis(mesh) if G > 1 else None, num_heads=N,
+      implementation=implementation, scale=scale,
       block_sizes=block_sizes, q_prescaled=q_prescaled, masked=(kv_valid_len is not None or S_pad != S),
       backend=backend, fp8=exchange == "fp8" and U > 1 and T == S)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))
@@ -199,10 +201,11 @@ def _usp(q, k, v, kv_valid_len, *, mesh, implementation, scale, block_sizes, q_p
   return out[:, :T]
 
 
-def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, block_sizes, q_prescaled,
+def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scale, block_sizes, q_prescaled,
               masked, backend, fp8=False):
-  """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local (B: this guidance branch's rows
-  when C = 2); limit [B] global valid keys.
+  """Per-device program. q [B, Tl, N, H], k/v [B, Sl, Kp, H] local (B: this device group's rows when
+  the batch is split over cfg and/or windows); limit [B] global valid keys. row_axes: the batch
+  axes (`batch_axis`) when they split the rows (C * W > 1), else None.
 
   It stays one piece: its numbered stages (reductions, all-to-all, ring loop, all-to-all back) are
   one linear schedule over the same local shapes and collectives, and read best top to bottom.
@@ -240,8 +243,8 @@ def _usp_body(q, k, v, limit, *, U, R, C, num_heads, implementation, scale, bloc
       packed = jax.lax.pmax(jax.lax.stop_gradient(packed), axes)
     q_norm, kc_max, v_max = packed[:, :N], packed[:, N:N + Kp], packed[:, N + Kp:]
     gate = fm.fixed_m_gate(q_norm, kc_max, v_max, count)
-    if C > 1:  # each branch's statistics are its own; the path is chosen for the whole mesh
-      gate = fm.GateResult(jax.lax.pmin(gate.eligible.astype(jnp.int32), CFG_AXIS) > 0, gate.v_ok, gate.c_max)
+    if row_axes is not None:  # each row group's statistics are its own; the path is chosen for the whole mesh
+      gate = fm.GateResult(jax.lax.pmin(gate.eligible.astype(jnp.int32), row_axes) > 0, gate.v_ok, gate.c_max)
 
   # 3. One packed all-to-all over ulysses: heads split, the ring group's tokens gathered, heads-major.
   # Each source's token block is padded from Tl (Sl) to Lq (Lk) rows so that the gathered length

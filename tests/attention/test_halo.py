@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attention import attention_reference, make_mesh
+from attention import MeshSpec, attention_reference, make_mesh
 from attention.halo import halo_attention, sequence_parallel_attention
 from tests.attention.test_usp import _collective_counts, _err, _inputs
 from tests.numerics import fp32_attention_tol as fp32_tol
@@ -29,6 +29,22 @@ def test_halo_matches_windowed_reference(shards, window, causal):
   ref = attention_reference(q, k, v, window=w, causal=causal, kv_valid_len=vl)
   out = halo_attention(q, k, v, mesh=mesh, window=w, causal=causal, kv_valid_len=vl)
   within(_err(out, ref), fp32_tol(v), "halo")
+
+
+@pytest.mark.parametrize("spec", ["W=2,U=2,R=1", "CFG=2,W=2,U=1,R=2"])
+def test_window_attention_rows_split_over_windows(spec):
+  """Batch rows over (cfg, windows), tokens over (ring, ulysses): both exchanges equal the reference."""
+  mesh = MeshSpec.parse(spec).build()
+  q, k, v = _inputs(4, 48, 4, 2, 16, seed=6)
+  vl = jnp.asarray([48, 43, 30, 48], jnp.int32)
+  for causal in (False, True):
+    ref = attention_reference(q, k, v, window=5, causal=causal, kv_valid_len=vl)
+    for strategy in ("halo", "all_gather"):
+      out = sequence_parallel_attention(q, k, v, mesh=mesh, window=5, causal=causal, kv_valid_len=vl,
+                                        strategy=strategy)
+      within(_err(out, ref), fp32_tol(v), f"{spec} {strategy} causal={causal}")
+      rows_split = jax.sharding.PartitionSpec(("cfg", "windows"), ("ring", "ulysses"))
+      assert out.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, rows_split), 4), out.sharding
 
 
 def test_halo_moves_only_the_window():

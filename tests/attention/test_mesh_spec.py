@@ -9,9 +9,10 @@ import os
 import pkgutil
 import re
 
+import jax
 import pytest
 
-from attention.mesh import MESH_AXES, MeshSpec
+from attention.mesh import MESH_AXES, WINDOWS_AXIS, WINDOWS_MESH_AXES, MeshSpec, batch_axis, sequence_spec
 from tests.harness import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -20,17 +21,44 @@ ROOT = REPO_ROOT
 @pytest.mark.parametrize("text,expected", [
     ("U=2,R=2", MeshSpec(2, 2)), ("R=2,U=4", MeshSpec(4, 2)), ("U=4", MeshSpec(4, 1)), ("r=3", MeshSpec(1, 3)),
     ("U=1,R=1", MeshSpec()), ("CFG=2,U=2,R=2", MeshSpec(2, 2, 2)), ("u=4,cfg=2", MeshSpec(4, 1, 2)),
+    ("W=2,U=2,R=2", MeshSpec(2, 2, windows=2)), ("CFG=2,W=2,U=2,R=1", MeshSpec(2, 1, 2, windows=2)),
+    ("r=2,w=4", MeshSpec(1, 2, windows=4)), ("U=2,W=1", MeshSpec(2, 1)),
 ])
 def test_parse_and_print(text, expected):
   spec = MeshSpec.parse(text)
   assert spec == expected
   assert MeshSpec.parse(str(spec)) == spec  # the printed form reads back
-  assert spec.devices == spec.cfg * spec.ring * spec.ulysses
+  assert spec.devices == spec.cfg * spec.windows * spec.ring * spec.ulysses
+
+
+@pytest.mark.parametrize("spec,text", [
+    (MeshSpec(2, 2, windows=2), "W=2,U=2,R=2"), (MeshSpec(2, 1, 2, windows=2), "CFG=2,W=2,U=2,R=1"),
+    (MeshSpec(2, 2, 2), "CFG=2,U=2,R=2"), (MeshSpec(4, 1, windows=1), "U=4,R=1"),
+])
+def test_windows_printed_after_cfg_only_when_split(spec, text):
+  assert str(spec) == text
+  described = spec.describe()
+  assert described["W"] == spec.windows and described["spec"] == text
+  assert described["devices"] == spec.devices and spec.sequence_devices == spec.ring * spec.ulysses
+
+
+def test_windows_degree_checked_like_the_others():
+  for bad in (0, -1, True, 1.5, "2"):
+    with pytest.raises(ValueError, match="windows="):
+      MeshSpec(windows=bad)
+  assert MeshSpec(windows=2).workable(4) == [MeshSpec(1, 1, windows=2)]  # W kept, R * U = 1
+  assert [str(s) for s in MeshSpec(4, 1, 2, windows=2).workable(2)] == ["CFG=2,W=2,U=1,R=4", "CFG=2,W=2,U=2,R=2"]
+  with pytest.raises(ValueError, match="needs 16 devices but 8 are visible"):
+    MeshSpec(2, 2, 2, windows=2).check(device_count=8)
+  with pytest.raises(ValueError, match=r"guidance is off .*use W=2,U=2,R=1"):
+    MeshSpec(2, 1, 2, windows=2).check(cfg_active=False, device_count=8)
 
 
 @pytest.mark.parametrize("text,match", [
     ("U2", "malformed"), ("U=2,U=2", "twice"), ("U=0", ">= 1"), ("X=2", "malformed"), ("CFG=3", "CFG=1 or CFG=2"),
     ("2x4", "did you mean 'U=2,R=4' or 'U=4,R=2'"), ("auto", "chosen by the planner"),
+    ("W=0", ">= 1"), ("W=2,w=2", "W twice"), ("WINDOWS=2", "W: context windows run in parallel"),
+    ("2x2", "W the context windows run in parallel"),
 ])
 def test_parse_errors(text, match):
   with pytest.raises(ValueError, match=match):
@@ -51,6 +79,25 @@ def test_check_names_what_works():
   # Ulysses innermost, then ring, cfg outermost: consecutive devices share a Ulysses group
   assert [d.id for d in mesh.devices[0, 0]] == [0, 1] and [d.id for d in mesh.devices[1, 0]] == [4, 5]
   assert MeshSpec.of(mesh) == MeshSpec(2, 2, 2)
+  assert batch_axis(mesh) == "cfg" and WINDOWS_AXIS not in mesh.axis_names  # W = 1: the three-axis mesh
+
+
+@pytest.mark.parametrize("text,shape", [("W=2,U=2,R=1", (1, 2, 1, 2)), ("CFG=2,W=2,U=2,R=1", (2, 2, 1, 2)),
+                                        ("W=4,R=2", (1, 4, 2, 1))])
+def test_windows_mesh_layout(text, shape):
+  """W > 1: axes (cfg, windows, ring, ulysses), row-major over the devices (a windows group is R * U
+  consecutive devices); the rows split over (cfg, windows), cfg-major."""
+  spec = MeshSpec.parse(text)
+  mesh = spec.build()
+  assert tuple(mesh.axis_names) == WINDOWS_MESH_AXES == ("cfg", "windows", "ring", "ulysses")
+  assert tuple(mesh.devices.shape) == shape == spec.shape
+  assert [d.id for d in mesh.devices.flat] == list(range(spec.devices))
+  c, w, r, u = shape
+  assert [d.id for d in mesh.devices[c - 1, w - 1].flat] == list(range(spec.devices - r * u, spec.devices))
+  assert MeshSpec.of(mesh) == spec
+  assert MeshSpec.of(mesh, shard_weights=True) == MeshSpec.parse(text, shard_weights=True)
+  assert batch_axis(mesh) == ("cfg", "windows")
+  assert sequence_spec(mesh) == jax.sharding.PartitionSpec(("cfg", "windows"), ("ring", "ulysses"))
 
 
 def test_one_parser_one_device_request():

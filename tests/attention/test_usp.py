@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention import (attention_reference, cross_attention, make_mesh, usp_attention,
+from attention import (MeshSpec, attention_reference, cross_attention, make_mesh, usp_attention,
                        workable_degrees)
 from tests.numerics import fp32_attention_tol as fp32_tol
 from tests.numerics import within
@@ -103,6 +103,54 @@ def test_sink_on_one_shard_sends_every_device_to_lse():
   within(_err(outs["auto"][:, :, others], ref[:, :, others]), fp32_tol(v), "heads without the sink")
   # The sink head's logits reach ~350 nats: fp32 rounding of the logits alone is ~2e-5 there.
   within(_err(outs["auto"][:, :, 2], ref[:, :, 2]), 1e-4, "sink head (logits x64)")
+
+
+# Batch rows split over a windows axis (W = 2), with and without a cfg split: device group (c, w) holds
+# row chunk c * W + w; each group runs USP over its own (ring, ulysses) devices.
+WINDOW_MESHES = ["W=2,U=2,R=1", "CFG=2,W=2,U=2,R=1", "W=2,U=1,R=2"]
+
+
+@pytest.mark.parametrize("spec", WINDOW_MESHES)
+@pytest.mark.parametrize("case", ["mha", "gqa_padded"])
+def test_usp_rows_split_over_windows_fp32(spec, case):
+  mesh = MeshSpec.parse(spec).build()
+  if case == "mha":
+    q, k, v = _inputs(4, 64, 8, 8, 32, seed=2)
+    vl = None
+  else:  # T = 50 tokens, N=8, K=2, a different key padding in every row
+    q, k, v = _inputs(4, 50, 8, 2, 32, seed=3)
+    vl = jnp.asarray([50, 37, 21, 44], jnp.int32)
+  ref = attention_reference(q, k, v, kv_valid_len=vl)
+  for impl, out in _all_paths(q, k, v, vl, mesh).items():
+    assert out.shape == q.shape and out.dtype == q.dtype
+    within(_err(out, ref), fp32_tol(v), f"{spec} {impl}")
+    if case == "mha":  # rows over (cfg, windows), tokens over (ring, ulysses)
+      rows_split = jax.sharding.PartitionSpec(("cfg", "windows"), ("ring", "ulysses"))
+      assert out.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, rows_split), 4), out.sharding
+
+
+@pytest.mark.parametrize("spec,rows", [("W=2,U=2,R=1", 2), ("CFG=2,W=2,U=2,R=1", 4)])
+def test_sink_in_one_windows_group_sends_every_device_to_lse(spec, rows):
+  """The fixed-m gate is AND-reduced over every batch axis: a sink in the last row group's rows only
+  (device group (C-1, W-1)) sends the other groups to LSE too."""
+  mesh = MeshSpec.parse(spec).build()
+  q, k, v = _inputs(rows, 64, 4, 4, 32, seed=4)
+  clean = _all_paths(q, k, v, None, mesh)
+  assert _err(clean["auto"], clean["fixed_m"]) == 0.0 and _err(clean["auto"], clean["lse"]) > 0.0
+  last = rows - rows // MeshSpec.parse(spec).row_groups  # the first row of the last group
+  q = q.at[last:, :, 2].multiply(8.0)
+  k = k.at[last:, :, 2].multiply(8.0)
+  outs = _all_paths(q, k, v, None, mesh)
+  assert _err(outs["auto"][:last], outs["lse"][:last]) == 0.0  # the clean rows took the LSE path too
+  assert _err(outs["auto"], outs["lse"]) == 0.0
+  assert bool(jnp.all(jnp.isnan(outs["fixed_m"])))  # forced fixed-m refuses on every device
+
+
+def test_batch_not_split_by_the_row_groups_is_refused():
+  mesh = MeshSpec.parse("CFG=2,W=2,U=2,R=1").build()
+  q, k, v = _inputs(2, 16, 4, 4, 8)
+  with pytest.raises(ValueError, match=r"CFG=2 x W=2 = 4 device groups but the batch has 2 rows"):
+    usp_attention(q, k, v, mesh=mesh)
 
 
 def test_kv_head_order_matters():
