@@ -9,7 +9,8 @@ from attention.mesh_spec import MeshSpec
 def check_spec(spec: MeshSpec, *, cfg_active: bool | None, heads: int | None = None,
                kv_heads: int | None = None) -> None:
   """The mesh rules that need no devices (JAX's backend need not have started): sharded weights
-  need a mesh of several devices, CFG=2 needs guidance, U must split the heads.
+  need a mesh of several devices, CFG=2 needs guidance, U must split the heads. (A windows split
+  W > 1 needs no rule of its own: a `MeshSpec` with W > 1 is a mesh of W or more devices.)
 
   Args:
     spec: the mesh asked for.

@@ -1,13 +1,14 @@
 """The parallel plan: where and how one generation runs, built once per call, every mesh rule here.
 
 A `ParallelPlan` holds the mesh as the user asked for it (`attention.MeshSpec`: degrees and weight
-sharding), the built (cfg, ring, ulysses) `jax.sharding.Mesh`, the attention settings (path, the
-backend resolved once for the mesh's platform, block sizes) and the VAE's parallel decode. It is
-frozen and hashable: the one static argument of the jitted denoise step, and what the transformer's
-sequence layout (`wan.transformer.SequenceLayout`) is built from.
+sharding), the built (cfg, ring, ulysses) `jax.sharding.Mesh` ((cfg, windows, ring, ulysses) with a
+windows split: W context windows run at once, their rows on separate device groups), the attention
+settings (path, the backend resolved once for the mesh's platform, block sizes) and the VAE's
+parallel decode. It is frozen and hashable: the one static argument of the jitted denoise step,
+and what the transformer's sequence layout (`wan.transformer.SequenceLayout`) is built from.
 
 The rules, each written once (`ParallelPlan.build`):
-- U must split the heads (and the kv heads); C * R * U devices must be visible;
+- U must split the heads (and the kv heads); C * W * R * U devices must be visible;
 - CFG=2 needs guidance on;
 - sharded weights need a mesh of several devices (`check_spec`: the rules that need no devices);
 - in a multi-process run the mesh spans every process's devices (`distributed`).
@@ -52,8 +53,9 @@ class ParallelPlan:
   """Where one generation runs and how its attention is computed (frozen, hashable).
 
   Attributes:
-    spec: the `MeshSpec` (C, R, U degrees and `shard_weights`); `MeshSpec()` on one device.
-    mesh: the built (cfg, ring, ulysses) mesh, or None (one device: the first).
+    spec: the `MeshSpec` (C, W, R, U degrees and `shard_weights`); `MeshSpec()` on one device.
+    mesh: the built (cfg, ring, ulysses) or (cfg, windows, ring, ulysses) mesh, or None (one
+      device: the first).
     attention_implementation: "auto" | "lse" | "fixed_m", the transformer's attention path.
     attention_backend: "xla" | "pallas", resolved for the mesh's platform ("auto" never stays).
     block_sizes: the attention kernels' `BlockSizes`, or None for `attention`'s defaults.
@@ -78,8 +80,8 @@ class ParallelPlan:
     """Checks a call's parallel settings against the model and the devices, and builds the plan.
 
     Args:
-      mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2"), a `MeshSpec`, or a
-        built `jax.sharding.Mesh` with axes (cfg,) ring, ulysses.
+      mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2"; "CFG=2,W=2,U=2,R=1"), a
+        `MeshSpec`, or a built `jax.sharding.Mesh` with axes (cfg,) (windows,) ring, ulysses.
       heads, kv_heads: the transformer's query and kv heads N, K (U must split them; K defaults to N).
       cfg_active: whether guidance is on (CFG=2 needs it); None: not known yet (a load).
       shard_weights: shard the transformer's block weights over the mesh (also set by a `MeshSpec`).
@@ -141,6 +143,12 @@ class ParallelPlan:
     return self.mesh is not None and self.spec.cfg == 2
 
   @property
+  def windows(self) -> int:
+    """W: the context windows a forward runs at once, their rows split over the mesh's "windows"
+    axis (cfg-major: `attention.mesh.batch_axis`); 1 without a mesh or without a windows split."""
+    return 1 if self.mesh is None else self.spec.windows
+
+  @property
   def replicated(self) -> jax.sharding.Sharding:
     """Where replicated arrays (latents, solver state, text states) live: the whole mesh, or the
     first device."""
@@ -162,8 +170,8 @@ class ParallelPlan:
     return (tuple(d.id for d in self.mesh.devices.flat), tuple(self.mesh.shape.items()), self.shard_weights)
 
   def describe(self) -> dict[str, Any]:
-    """For settings and sidecars: the mesh (`MeshSpec.describe`, None on one device), the attention
-    path and backend, and whether the decode is split."""
+    """For settings and sidecars: the mesh (`MeshSpec.describe`, with its CFG, W, U, R; None on one
+    device), the attention path and backend, and whether the decode is split."""
     return {"mesh": None if self.mesh is None else self.spec.describe(),
             "attention_implementation": self.attention_implementation,
             "attention_backend": self.attention_backend, "attention_exchange": self.attention_exchange,

@@ -149,7 +149,7 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
   for spec in _meshes(devices, n, cfg):
     c, u, r, shard = spec.cfg, spec.ulysses, spec.ring, spec.shard_weights
     rows_local = rows // c
-    t_local = -(-tokens // (devices // c))  # tokens per device: T over the R * U sequence devices
+    t_local = -(-tokens // spec.sequence_devices)  # tokens per device: T over the R * U sequence devices
     stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
     activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
                    + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)

@@ -321,8 +321,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       with an image branch it may hold the image K/V too, then `encoder_hidden_states_image` is None).
     plan: where and how it runs (static under jit; frozen and hashable), None for
       `ParallelPlan.single()` (one device, "auto" attention). With a mesh the forward runs
-      sequence-parallel over U * R devices, the batch split over the cfg axis (its size must
-      divide B); `plan.attention_implementation` ("auto": fixed-m where the mesh-uniform gate
+      sequence-parallel over U * R devices, the batch split over the cfg axis and, when the mesh
+      has one, the windows axis, cfg-major (C * W must divide B);
+      `plan.attention_implementation` ("auto": fixed-m where the mesh-uniform gate
       admits it, else LSE; "lse" or "fixed_m" forced, NaN where the gate rejects),
       `plan.attention_backend` and `plan.block_sizes` apply to every self- and cross-attention;
       with `plan.shard_weights` the stacked block weights arrive sharded over the mesh (FSDP /

@@ -5,7 +5,8 @@ U / R Ulysses / ring degrees.
 
 On one device the tokens stay whole; under a mesh they are padded to a multiple of U * R and
 sharded over ("ring", "ulysses") for the whole forward, the batch split over "cfg" when the mesh
-has a guidance split (DESIGN.md section 2). Self-attention is `attention.usp_attention` with the
+has a guidance split, and over ("cfg", "windows") when it has a windows axis (`attention.mesh.batch_axis`;
+DESIGN.md section 2). Self-attention is `attention.usp_attention` with the
 valid token count as `kv_valid_len`; cross-attention is `attention.cross_attention` (local per
 shard) against replicated text K/V.
 """
@@ -37,11 +38,12 @@ def padded_tokens(mesh: Mesh | None, tokens: int) -> int:
 
 class SequenceLayout:
   """Where the video tokens live: one device (plan without a mesh) or sharded over
-  ("ring", "ulysses"), the batch split over "cfg" when the mesh has a guidance split.
+  ("ring", "ulysses"), the batch split over `attention.mesh.batch_axis` ("cfg", and "windows" when
+  the mesh has that axis).
 
   Attributes:
     plan: the `ParallelPlan` it was built from.
-    mesh: the plan's (cfg, ring, ulysses) mesh or None.
+    mesh: the plan's (cfg, ring, ulysses) or (cfg, windows, ring, ulysses) mesh, or None.
     tokens: T, the valid token count.
     padded_tokens: T rounded up to a multiple of U * R (== T without a mesh).
     gather_weights: the block weights arrive sharded over the mesh (`ParallelPlan.shard_weights`)
@@ -69,15 +71,16 @@ class SequenceLayout:
     return self.padded_tokens - self.tokens
 
   def constrain(self, x: jax.Array) -> jax.Array:
-    """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding (and axis 0 to the guidance
-    split); a no-op without a mesh."""
+    """Pins axis 1 (tokens) of [B, T, ...] to the sequence sharding (and axis 0 to the row split
+    over cfg / windows); a no-op without a mesh."""
     if self.mesh is None:
       return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, sequence_spec(self.mesh)))
 
   def constrain_rows(self, x: jax.Array, axis: int = 0) -> jax.Array:
     """Pins the batch axis (`axis`) of a per-row array ([B, ...]: text states, time embeddings;
-    [Z, B, ...]: text K/V) to the guidance split, replicated otherwise; a no-op without a mesh."""
+    [Z, B, ...]: text K/V) to the row split over cfg / windows (`batch_axis`), replicated
+    otherwise; a no-op without a mesh."""
     if self.mesh is None:
       return x
     spec = P(*([None] * axis), batch_axis(self.mesh))

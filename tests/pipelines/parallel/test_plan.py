@@ -18,9 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from attention.mesh import MESH_AXES, MeshSpec
+from attention.mesh import MESH_AXES, WINDOWS_MESH_AXES, MeshSpec
 from end_to_end.aot.collectives import hlo_collectives
 from tests.numerics import assert_psnr_at_least
+from pipelines.parallel.mesh_rules import check_spec
+from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import wan_pipeline
 
 KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=1, max_sequence_length=16,
@@ -126,6 +128,26 @@ def test_cfg_mesh_needs_guidance(pipe):
     pipe.run("a fox", mesh="CFG=2,U=2", **dict(KW, guidance_scale=1.0))
   with pytest.raises(ValueError, match="shard_weights=True splits the weights over a mesh"):
     pipe.run("a fox", shard_weights=True, **KW)
+
+
+# --- the windows degree -------------------------------------------------------------------------
+
+def test_plan_windows_degree():
+  """`ParallelPlan.windows` is the spec's W on a mesh (from a string, a `MeshSpec` or a built mesh),
+  1 without one or without a windows split; the description carries W."""
+  plan = ParallelPlan.build("CFG=2,W=2,U=2,R=1", heads=4, cfg_active=True, shard_weights=True)
+  assert plan.windows == 2 and plan.cfg_parallel and plan.shard_weights
+  assert tuple(plan.mesh.axis_names) == WINDOWS_MESH_AXES and plan.mesh.devices.size == 8
+  assert str(plan) == "CFG=2,W=2,U=2,R=1" and plan.describe()["mesh"]["W"] == 2
+  assert ParallelPlan.build(plan.mesh, heads=4).windows == 2
+  assert ParallelPlan.build(MeshSpec(windows=4), heads=4).windows == 4
+  plain = ParallelPlan.build("U=2,R=2", heads=4)
+  assert plain.windows == 1 and plain.describe()["mesh"]["W"] == 1 and tuple(plain.mesh.axis_names) == MESH_AXES
+  assert ParallelPlan.single().windows == 1
+  assert plan.placement != ParallelPlan.build("CFG=2,U=4,R=1", heads=4, shard_weights=True).placement
+  with pytest.raises(ValueError, match="needs 16 devices but 8 are visible"):
+    ParallelPlan.build("W=2,CFG=2,U=2,R=2", heads=4)
+  check_spec(MeshSpec(windows=2, shard_weights=True), cfg_active=False, heads=4)  # W alone: a 2-device mesh
 
 
 # --- generate --mesh auto ------------------------------------------------------------------------

@@ -126,6 +126,28 @@ def test_sharded_matches_single_device(ring, ulysses):
   assert _collective_counts(compiled.as_text()) == want
 
 
+@pytest.mark.parametrize("spec,local_rows", [("W=2,U=2,R=1", 2), ("CFG=2,W=2,U=2,R=1", 1)])
+def test_rows_split_over_windows_match_unsplit(spec, local_rows):
+  """4 batch rows split over a windows axis (and cfg) give the forward with the rows on one
+  (ring, ulysses) group; each device's all-to-alls carry only its group's rows, and the fixed-m
+  gate adds one all-reduce (the pmin over the batch axes)."""
+  rng = np.random.default_rng(5)
+  latents = rng.standard_normal((4, COMMON["in_channels"], *GRID), dtype=np.float32)
+  timestep = np.array([981.0, 37.5, 500.0, 3.0], np.float32)
+  text = rng.standard_normal((4, 16, COMMON["text_dim"]), dtype=np.float32)
+  model = _ours("n4h12", jnp.float32)
+  whole = forward_jit(model, latents, timestep, text, plan=ParallelPlan.build("U=2,R=1", heads=4))
+  plan = ParallelPlan.build(spec, heads=4, cfg_active=True)
+  assert plan.windows == 2
+  compiled = forward_jit.lower(model, latents, timestep, text, plan=plan).compile()
+  split = compiled(model, latents, timestep, text)
+  assert_close_scaled(split, whole, rel=FP32_REL, name=f"{spec} vs U=2,R=1")
+  hlo = compiled.as_text()
+  assert _collective_counts(hlo) == {"all-gather": 2, "all-to-all": 2, "collective-permute": 0, "all-reduce": 2}
+  exchanged = set(re.findall(r"= \(?f32\[(\d+),[^\n]* all-to-all\(", hlo))  # [rows, ...] of each exchange
+  assert exchanged == {str(local_rows)}, exchanged
+
+
 def _jaxpr_size(num_layers: int) -> int:
   config = dataclasses.replace(PRESETS["tiny"], num_layers=num_layers)
   model = jax.eval_shape(lambda: init_transformer(config, 0))
