@@ -201,7 +201,8 @@ def compiled_analysis(compiled: Any) -> dict[str, Any]:
 def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
                          attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
-                         text_kv_once: bool = True, lower_only: bool = False) -> dict[str, Any]:
+                         text_kv_once: bool = True, lower_only: bool = False,
+                         context: tuple[int, int] | None = None) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
   The step's conditioning follows the preset: a 36-channel transformer (image-to-video) gets the
@@ -222,6 +223,9 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       pipeline's default); False: the step computes them from the text and image states.
     lower_only: trace and lower the step, no compile (checks that the arguments fit the step; the
       report then has no compile time, collectives, memory or cost analysis).
+    context: None (one clip of `frames`), or (context_frames, context_overlap) in video frames: the
+      step runs the transformer on context windows of the video (`wan.conditioning.windows`), W of
+      them at once on a mesh with a windows axis.
 
   Returns:
     dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, text_bytes_per_device (the step's
@@ -285,13 +289,17 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   backend = attention.resolve_backend(attention_backend, devices[0].platform)
   # Built directly (not `ParallelPlan.build`): the topology's devices are not this host's.
   plan = ParallelPlan(spec=mesh_spec, mesh=mesh, attention_backend=backend)
-  step = jax.jit(functools.partial(denoise_step, cfg=True), static_argnums=0, static_argnames="plan",
-                 donate_argnums=(2, 3))
+  windows = None
+  if context is not None:
+    from pipelines.wan.conditioning import ContextWindows
+    windows = ContextWindows(frames=latent_shape[2], length=(context[0] - 1) // 4 + 1, overlap=context[1] // 4)
+  step = jax.jit(functools.partial(denoise_step, cfg=True, windows=windows), static_argnums=0,
+                 static_argnames="plan", donate_argnums=(2, 3))
   start, cpu_start = time.perf_counter(), time.process_time()
   lowered = step.lower(graphdef, *args, plan=plan)
   report: dict[str, Any] = dict(
       model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
-      ti2v=ti2v, text_kv_once=text_kv_once,
+      ti2v=ti2v, text_kv_once=text_kv_once, context_windows=None if windows is None else windows.describe(),
       latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
       mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
       text_bytes_per_device=_bytes_per_device(args[3]))

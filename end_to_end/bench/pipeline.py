@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
                        "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
                        "vae_effort.decode_compile_effort)")
+  ap.add_argument("--aot-frames", type=int, help="with --aot: the video's frames instead of each target's (4k + 1)")
+  ap.add_argument("--aot-context", metavar="FRAMES,OVERLAP",
+                  help="with --aot: the step on context windows of FRAMES video frames overlapping by OVERLAP "
+                       "(e.g. 81,32 with --aot-frames 241; W in --aot-mesh runs W windows at once)")
   ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
   ap.add_argument("--shard-weights", action="store_true",
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
@@ -204,9 +208,10 @@ def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec |
   t, once = aot_step.AOT_TARGETS[name], not args.aot_kv_in_step
   try:
     row, cache = aot_stages.with_cache_status(args.compile_cache, lambda: aot_step.compile_denoise_step(
-        devices, preset=t.preset, height=t.height, width=t.width, frames=t.frames, dtype=args.dtype or "bfloat16",
-        text_len=aot_step.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh, attention_backend=args.attention_backend,
-        quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once))
+        devices, preset=t.preset, height=t.height, width=t.width, frames=args.aot_frames or t.frames,
+        dtype=args.dtype or "bfloat16", text_len=aot_step.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh,
+        attention_backend=args.attention_backend, quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once,
+        context=None if args.aot_context is None else tuple(int(v) for v in args.aot_context.split(","))))
     return dict(row, stage="step", cache=cache)
   except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
     return dict(stage="step", model=t.preset, height=t.height, width=t.width, frames=t.frames, text_kv_once=once,

@@ -148,7 +148,7 @@ class GenerationRequest:
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
     windows = check_context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames, model=model,
-                                    windows_degree=getattr(plan, "windows", 1), vace=vace is not None,  # TEMP
+                                    windows_degree=plan.windows, vace=vace is not None,
                                     step_cache=cache_spec is not None)
     return _check_schedule(cls(
         model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from attention.mesh import CFG_AXIS
+from attention.mesh import CFG_AXIS, batch_axis
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan import conditioning, step_cache as wan_step_cache
 from pipelines.wan.transformer import TextKV, forward, text_kv
@@ -104,13 +104,16 @@ def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, plan
     inputs: the whole video's `StepInputs` (rows [R'], frames F).
     outer: 2 when the guidance halves run on separate device groups (CFG=2), else 1.
   """
-  groups = getattr(plan, "windows", 1)  # TEMP
+  groups = plan.windows
   starts, _ = windows.rounds(groups)
   text = conditioning.tile_text(text, groups, outer)
 
   def body(carry, starts_G):
     x = conditioning.window_inputs(inputs, starts_G, windows.length, outer)
-    return carry, forward(model, x.latents, x.timestep, text, plan, x.image)
+    noise = forward(model, x.latents, x.timestep, text, plan, x.image)
+    if groups > 1:  # each group keeps its window's rows (no gather of every window's to every device)
+      noise = jax.lax.with_sharding_constraint(noise, NamedSharding(plan.mesh, P(batch_axis(plan.mesh))))
+    return carry, noise
 
   _, noise = jax.lax.scan(body, None, jnp.asarray(starts))
   return conditioning.blend(noise, windows, groups, outer, plan.mesh if groups > 1 else None), None, None

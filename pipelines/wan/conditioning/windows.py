@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from attention.mesh import CFG_AXIS
-WINDOWS_AXIS = "windows"  # TEMP
+from attention.mesh import CFG_AXIS, WINDOWS_AXIS
 from pipelines.wan.conditioning.inputs import StepInputs
 
 FUSES = ("pyramid", "flat")

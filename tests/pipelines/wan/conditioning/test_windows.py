@@ -113,3 +113,23 @@ def test_windows_on_two_device_groups_equal_one_after_another(tiny, mesh, refere
   assert value >= 100
   other = tiny.run(mesh=reference, **(kw | dict(context_overlap=8))).latents
   assert psnr(other, sequential) < 80  # control: other windows are another video
+
+
+def test_the_windows_axis_adds_one_all_reduce_of_the_prediction(tiny):
+  """On W=2 the groups' blended predictions meet in one all-reduce of the video's noise-prediction
+  size ([2 rows, C, F, Hl, Wl] over the windows groups) and no window's prediction is gathered to
+  every device; the sequential windows (U=2,R=1) have no such all-reduce (control)."""
+  import re
+
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  kw = KW | dict(num_frames=33, latents=_noise(9, seed=4), context_frames=13, context_overlap=4)
+  counts = {}
+  for mesh in ("W=2,U=2,R=1", "U=2,R=1"):
+    tiny.compiled_steps.clear()
+    tiny.run(mesh=mesh, **kw)
+    hlo = tiny.compiled_steps.programs()[-1].as_text()
+    counts[mesh] = (len(re.findall(r"f32\[2,16,9,4,4\]\{[\d,]*\} all-reduce(-start)?\(", hlo)),
+                    len(re.findall(r"f32\[2,2,16,4,4,4\]\{[\d,]*\} all-gather(-start)?\(", hlo)))
+  # (all-reduces of the prediction, all-gathers of the rounds' stacked window predictions [2, 2, C, Lw, ...])
+  assert counts["W=2,U=2,R=1"] == (1, 0) and counts["U=2,R=1"][0] == 0, counts
