@@ -143,3 +143,25 @@ def test_a_number_out_of_its_range_is_a_400(unloaded, field, value):
   answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
   assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
   assert service.store.counts()["queued"] == 0
+
+
+def test_context_windows_are_queued_and_bad_ones_named(unloaded):
+  """context_frames / context_overlap / context_fuse reach the request (JSON and the SDK's form): a
+  65-frame job in 17-frame windows of the trained default is queued without the trained-size
+  warning (each window is a trained clip), jobs with other windows do not batch together, and a bad
+  window is a 400 naming its field."""
+  service, client = unloaded
+  long = {"prompt": "x", "size": "64x64", "num_frames": 65, "context_frames": 17, "context_overlap": 8}
+  queued = client.post("/v1/videos", json=long)
+  assert queued.status_code == 200 and queued.json()["warnings"] == [], queued.text
+  form = client.post("/v1/videos", data={**{k: str(v) for k, v in long.items()}, "context_fuse": "flat"})
+  assert form.status_code == 200, form.text
+  from pipelines.serve import api
+  first, second = (service.store.get(job["id"])["params"] for job in (queued.json(), form.json()))
+  assert first["context_frames"] == 17 and second["context_fuse"] == "flat"
+  assert api.batch_key(first) != api.batch_key(second)
+  for field, value in (("context_frames", 16), ("context_overlap", 6), ("context_fuse", '"mean"')):
+    body = '{"prompt": "x", "size": "64x64", "num_frames": 65, "context_frames": 17, "%s": %s}' % (field, value)
+    answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+  assert service.store.counts()["queued"] == 2
