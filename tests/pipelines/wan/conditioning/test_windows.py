@@ -133,3 +133,33 @@ def test_the_windows_axis_adds_one_all_reduce_of_the_prediction(tiny):
                     len(re.findall(r"f32\[2,2,16,4,4,4\]\{[\d,]*\} all-gather(-start)?\(", hlo)))
   # (all-reduces of the prediction, all-gathers of the rounds' stacked window predictions [2, 2, C, Lw, ...])
   assert counts["W=2,U=2,R=1"] == (1, 0) and counts["U=2,R=1"][0] == 0, counts
+
+
+def test_ti2v_windows_give_the_first_window_the_image(tmp_path):
+  """Wan 2.2 TI2V (per-token timesteps, the first frame's latents in the input) in windows: a one-step
+  run is the blend of window 0's own image-to-video run and the later windows' own text-to-video runs
+  (each window sees its slice of the per-token timesteps: 0 on the image's tokens, only in window 0).
+  Control: giving every window the image (the later windows' own runs with it) is another result."""
+  from tests.pipelines.wan.conditioning import test_ti2v
+
+  folder = str(tmp_path / "ti2v")
+  test_ti2v._save_folder(folder)
+  pipe = WanPipeline.from_pretrained(folder)
+  pipe.set_progress_bar_config(disable=True)
+  image = test_ti2v._image()[0].transpose(1, 2, 0)
+  noise = np.random.default_rng(7).standard_normal((1, 8, 9, 4, 6)).astype(np.float32)
+  kw = dict(prompt=test_ti2v.PROMPT, negative_prompt=test_ti2v.NEGATIVE, height=64, width=96, num_inference_steps=1,
+            guidance_scale=4.0, max_sequence_length=16, decode=False, image=image)
+  got = pipe.run(num_frames=33, latents=noise, context_frames=13, context_overlap=4, **kw).latents
+  windows = ContextWindows(frames=9, length=4, overlap=1)
+  parts = [pipe.run(num_frames=13, latents=noise[:, :, s:s + 4].copy(), **(kw if s == 0 else kw | {"image": None}))
+           .latents for s in windows.starts]
+  want = np.zeros_like(got, np.float64)
+  counts = windows.counts()
+  for part, s in zip(parts, windows.starts):
+    want[:, :, s:s + 4] += part * (windows.weights() / counts[s:s + 4])[:, None, None]
+  err = np.abs(got - want).max()
+  print(f"TI2V windows: max |windowed - blend of windows| = {err:.2e}")
+  assert err < 1e-5 * np.abs(want).max()
+  imaged = pipe.run(num_frames=13, latents=noise[:, :, 3:7].copy(), **kw).latents
+  assert np.abs(imaged - parts[1]).max() > 1e-3  # the image in a later window would change it
