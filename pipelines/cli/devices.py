@@ -163,7 +163,9 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
   found = planner.candidates(config, request.token_facts, param_counts=param_counts(config), quantized=quantized,
                              devices=jax.device_count(), frames=request.num_frames,
                              height=request.height, width=request.width, cfg=request.cfg,
-                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled)
+                             dtype=request.model.dtype, experts=request.model.experts, chip=modelled,
+                             windows=None if request.windows is None else (request.clip_frames,
+                                                                           len(request.windows.starts)))
   best = planner.recommend(found)
   if best is None:
     raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "

@@ -21,6 +21,10 @@ C * R * U = the devices, weights replicated or sharded) and models one denoising
   block), the CFG exchange
   (one noise prediction), weight all-gathers ((devices-1)/devices of each layer's weights);
 - FLOPs per device (`estimate.step_flops` / devices);
+- with context windows (`windows`): each forward one window's tokens, ceil(n / W) rounds of W
+  windows (one per (cfg, windows) device group; W = 1: the windows one after another), the
+  activations of one window, the all-to-alls and permutes once a round, plus one all-reduce of the
+  whole video's prediction over W;
 - a modelled step time: FLOPs at the chip's dense peak plus collective bytes at its per-device
   link bandwidth, with no overlap (so an upper bound of the model; real runs overlap some of it).
 
@@ -116,7 +120,8 @@ class Candidate:
 
 def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int], devices: int, frames: int,
                height: int, width: int, cfg: bool = True, dtype: str = "bfloat16", experts: int = 1,
-               chip: Chip, quantized: tuple[int, int] = (0, 0)) -> list[Candidate]:
+               chip: Chip, quantized: tuple[int, int] = (0, 0), windows: tuple[int, int] | None = None
+               ) -> list[Candidate]:
   """Every valid mesh for this model, video and device count, with its modelled cost.
 
   Args:
@@ -129,51 +134,62 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
     experts: transformers resident (2 for Wan 2.2 A14B).
     chip: the accelerator (`CHIPS`).
     quantized: (one-byte block values, fp32 scales) of int8 / fp8 weights (`wan.quantization`).
+    windows: None (one clip of `frames`), or context windows as (a window's video frames, the
+      windows' count n): each forward sees one window's tokens, and meshes with W in 2..n groups run
+      ceil(n / W) rounds of W windows (their padding slots cost as windows), plus one all-reduce of
+      the video's prediction a step.
 
   Raises:
     ValueError: devices < 1, bad counts, or no valid mesh (heads no divisor of the devices splits).
   """
   if devices < 1:
     raise ValueError(f"devices={devices} must be >= 1")
-  size, other = DTYPE_BYTES[dtype], _check_counts(param_counts)[1]
-  block_bytes = _block_bytes(param_counts[0], size, quantized)
-  tokens = token_facts.video_tokens(frames, height, width)
+  size = DTYPE_BYTES[dtype]
+  block_bytes = _block_bytes(_check_counts(param_counts)[0], size, quantized)
+  forward_frames, count = (frames, 1) if windows is None else windows
+  tokens = token_facts.video_tokens(forward_frames, height, width)
   rows = 2 if cfg else 1
-  d, n = config.dim, config.num_attention_heads
-  blocks_run = step_estimate.forward_blocks(config)  # a VACE model's VACE blocks too
-  per_layer = block_bytes / blocks_run
-  flops_total = step_estimate.step_flops(config, tokens, token_facts.text_tokens, rows)
-  peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
-  latent_bytes = 4 * token_facts.latent_channels * math.prod(token_facts.latent_grid(frames, height, width))
-  out = []
-  for spec in _meshes(devices, n, cfg):
-    c, u, r, shard = spec.cfg, spec.ulysses, spec.ring, spec.shard_weights
-    rows_local = rows // c
-    t_local = -(-tokens // spec.sequence_devices)  # tokens per device: T over the R * U sequence devices
-    stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
-    activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
-                   + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
-                   + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
-                   + len(config.vace_layers or ()) * stream)  # VACE: every VACE block's hint, held at once
-    kv = step_estimate.held_kv_bytes(config, token_facts, rows=rows_local, dtype_bytes=size)
-    if shard:
-      weights = (block_bytes / devices + other * size + 2 * per_layer) * experts
-    else:
-      weights = (block_bytes + other * size) * experts
-    comm = {
-        "all_to_all": blocks_run * 4 * stream * (u - 1) / u,
-        "ring_permute": blocks_run * (r - 1) * 2 * stream,
-        "cfg_exchange": latent_bytes if c == 2 else 0.0,
-        "weight_all_gather": (block_bytes * (devices - 1) / devices) if shard else 0.0,
-    }
-    flops = flops_total / devices
-    step_s = flops / peak + sum(comm.values()) / chip.link_bytes_per_s
-    total = weights + activations + kv
-    out.append(Candidate(spec, total, weights, activations, comm, flops, step_s,
-                         total <= FIT_FRACTION * chip.memory_bytes, kv_bytes=kv))
+  facts = dict(block_bytes=block_bytes, other_bytes=param_counts[1] * size, size=size, tokens=tokens, rows=rows,
+               flops=step_estimate.step_flops(config, tokens, token_facts.text_tokens, rows),
+               latent_bytes=4 * token_facts.latent_channels * math.prod(token_facts.latent_grid(frames, height, width)),
+               kv=lambda rows_local: step_estimate.held_kv_bytes(config, token_facts, rows=rows_local, dtype_bytes=size))
+  out = [_candidate(config, spec, devices, experts, chip, dtype, count, **facts)
+         for spec in _meshes(devices, config.num_attention_heads, cfg, max_windows=count)]
   if not out:
-    raise ValueError(f"no mesh of {devices} devices splits the model's {n} heads")
+    raise ValueError(f"no mesh of {devices} devices splits the model's {config.num_attention_heads} heads")
   return out
+
+
+def _candidate(config, spec: MeshSpec, devices: int, experts: int, chip: Chip, dtype: str, count: int, *,
+               block_bytes: int, other_bytes: int, size: int, tokens: int, rows: int, flops: float,
+               latent_bytes: int, kv: Any) -> Candidate:
+  """One mesh's modelled cost (`candidates`; count: the forwards a step runs, `rounds` of W)."""
+  c, u, r, w, shard = spec.cfg, spec.ulysses, spec.ring, spec.windows, spec.shard_weights
+  d, rounds = config.dim, -(-count // w)
+  blocks_run = step_estimate.forward_blocks(config)  # a VACE model's VACE blocks too
+  rows_local = rows // c
+  t_local = -(-tokens // spec.sequence_devices)  # tokens per device: T over the R * U sequence devices
+  stream = rows_local * t_local * d * size  # one [rows, T_local, D] activation
+  activations = (rows_local * t_local * (10 * d + 2 * config.ffn_dim) * size  # one block's temps
+                 + 3 * stream  # q/k/v gathered over Ulysses (T_g = U T_local, D/U heads)
+                 + (2 * 2 * stream if r > 1 else 0)  # ring: K/V buffer and the one in flight
+                 + len(config.vace_layers or ()) * stream)  # VACE: every VACE block's hint, held at once
+  per_layer = block_bytes / blocks_run
+  weights = ((block_bytes / devices + 2 * per_layer) if shard else block_bytes) * experts + other_bytes * experts
+  comm = {
+      "all_to_all": rounds * blocks_run * 4 * stream * (u - 1) / u,
+      "ring_permute": rounds * blocks_run * (r - 1) * 2 * stream,
+      "cfg_exchange": latent_bytes if c == 2 else 0.0,
+      "weight_all_gather": rounds * (block_bytes * (devices - 1) / devices) if shard else 0.0,
+      "windows_all_reduce": 2 * latent_bytes if w > 1 else 0.0,
+  }
+  flops_device = rounds * w * flops / devices  # each (cfg, windows) group: one window's forward a round
+  peak = chip.peak_flops if dtype == "bfloat16" else chip.peak_flops / 4
+  step_s = flops_device / peak + sum(comm.values()) / chip.link_bytes_per_s
+  kv_bytes = kv(rows_local)
+  total = weights + activations + kv_bytes
+  return Candidate(spec, total, weights, activations, comm, flops_device, step_s,
+                   total <= FIT_FRACTION * chip.memory_bytes, kv_bytes=kv_bytes)
 
 
 def _check_counts(param_counts: tuple[int, int]) -> tuple[int, int]:
@@ -193,14 +209,16 @@ def _block_bytes(blocks: int, size: int, quantized: tuple[int, int]) -> int:
   return (blocks - one_byte) * size + one_byte + 4 * scales
 
 
-def _meshes(devices: int, heads: int, cfg: bool):
-  """Every valid `MeshSpec` of `devices`: C in {1, 2} (2 only with guidance and an even count), U
-  dividing the heads, C * R * U = devices, weights replicated or (with several devices) sharded."""
+def _meshes(devices: int, heads: int, cfg: bool, max_windows: int = 1):
+  """Every valid `MeshSpec` of `devices`: C in {1, 2} (2 only with guidance and an even count), W
+  from 1 to `max_windows` (the context windows' count), U dividing the heads, C * W * R * U =
+  devices, weights replicated or (with several devices) sharded."""
   for c in ((1, 2) if cfg and devices % 2 == 0 else (1,)):
-    seq = devices // c
-    for u in (u for u in range(1, seq + 1) if seq % u == 0 and heads_fit(u, heads, heads)):
-      for shard in ((False, True) if devices > 1 else (False,)):
-        yield MeshSpec(ulysses=u, ring=seq // u, cfg=c, shard_weights=shard)
+    for w in (w for w in range(1, min(max_windows, devices // c) + 1) if devices // c % w == 0):
+      seq = devices // c // w
+      for u in (u for u in range(1, seq + 1) if seq % u == 0 and heads_fit(u, heads, heads)):
+        for shard in ((False, True) if devices > 1 else (False,)):
+          yield MeshSpec(ulysses=u, ring=seq // u, cfg=c, windows=w, shard_weights=shard)
 
 
 def recommend(found: list[Candidate]) -> Candidate | None:

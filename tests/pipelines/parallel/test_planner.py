@@ -67,3 +67,23 @@ def test_planner_counts_the_vace_blocks():
     assert c.weight_bytes > base.weight_bytes
   best = planner.recommend(found)
   assert best is not None and best.fits and best.mesh.shard_weights
+
+
+def test_context_windows_size_memory_by_a_window_and_consider_w():
+  """With context windows the planner sizes activations by one window's tokens (not the video's),
+  offers W up to the windows' count, and models W windows a round: the 14B at 720p x 241 frames in
+  windows of 81 (5 windows) on 8 v6e chips."""
+  from pipelines.parallel import planner
+
+  config = PRESETS["wan2.1-t2v-14b"]
+  facts = token_facts(config, spatial_factor=8, temporal_factor=4, text_tokens=512)
+  common = dict(param_counts=param_counts(config), devices=8, frames=241, height=720, width=1280,
+                chip=planner.CHIPS["v6e"])
+  clip = {str(c.mesh) + str(c.mesh.shard_weights): c for c in planner.candidates(config, facts, **common)}
+  found = planner.candidates(config, facts, **common, windows=(81, 5))
+  windowed = {str(c.mesh) + str(c.mesh.shard_weights): c for c in found}
+  assert {c.mesh.windows for c in found} == {1, 2, 4}  # W <= 5 windows and not {c.mesh.windows for c in clip.values()} - {1}
+  one, two = windowed["U=8,R=1False"], windowed["W=2,U=4,R=1False"]
+  assert one.activation_bytes < clip["U=8,R=1False"].activation_bytes / 2  # 75,600 tokens a forward, not 219,600
+  assert two.flops_per_device == pytest.approx(one.flops_per_device * 6 / 5)  # 3 rounds of 2 (a padding slot)
+  assert two.collective_bytes["windows_all_reduce"] > 0 == one.collective_bytes["windows_all_reduce"]
