@@ -9,7 +9,8 @@
   with it; bar: fp32 rounding of a few sums (1e-5 of the latents' range ~4).
 - Windows that do not overlap are separate clips (every share exactly 1), over the whole schedule.
 - W=2 (windows on two device groups, one all-reduce a step) equals the same windows run one after
-  another on one group, to fp32 rounding (>= 100 dB), with an odd number of windows (one padding copy).
+  another on one group, to fp32 rounding (>= 100 dB), with an odd number of windows (one padding copy),
+  also with CFG=2 and the weights sharded over the whole mesh.
 - A window as long as the video is no window: the same video bit for bit.
 """
 
@@ -100,13 +101,14 @@ def test_a_window_as_long_as_the_video_is_none(tiny):
   np.testing.assert_array_equal(plain.latents, same.latents)
 
 
-@pytest.mark.parametrize("mesh,reference", [("W=2,U=2,R=1", "U=2,R=1"), ("CFG=2,W=2,U=2,R=1", "CFG=2,U=2,R=1")])
-def test_windows_on_two_device_groups_equal_one_after_another(tiny, mesh, reference):
+@pytest.mark.parametrize("mesh,reference,shard", [("W=2,U=2,R=1", "U=2,R=1", False),
+                                                  ("CFG=2,W=2,U=2,R=1", "CFG=2,U=2,R=1", True)])
+def test_windows_on_two_device_groups_equal_one_after_another(tiny, mesh, reference, shard):
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   noise = _noise(9, seed=3)  # three windows: the second round pads with a copy of weight 0
   kw = KW | dict(num_frames=33, latents=noise, context_frames=13, context_overlap=4, num_inference_steps=2)
-  parallel = tiny.run(mesh=mesh, **kw).latents
+  parallel = tiny.run(mesh=mesh, shard_weights=shard, **kw).latents  # weights split over all 8 devices
   sequential = tiny.run(mesh=reference, **kw).latents
   value = psnr(parallel, sequential)
   print(f"{mesh} vs {reference}: {value:.1f} dB")
