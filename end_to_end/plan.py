@@ -40,6 +40,29 @@ def _topology(text: str) -> tuple[str, int]:
   return chip.lower(), math.prod(dims)
 
 
+def _overlap(args: argparse.Namespace) -> int:
+  from pipelines.pipeline.window_inputs import default_overlap
+  return default_overlap(args.context_frames) if args.context_overlap is None else args.context_overlap
+
+
+def _windows(args: argparse.Namespace, frames: int):
+  """--context-frames / --context-overlap as `ContextWindows` (None without them).
+
+  Raises:
+    ValueError: a window not 4k + 1, longer than the video, or an overlap not a multiple of 4 below it.
+  """
+  from pipelines.wan.conditioning import ContextWindows
+  if args.context_frames is None:
+    if args.context_overlap is not None:
+      raise ValueError("--context-overlap needs --context-frames")
+    return None
+  length, overlap = args.context_frames, _overlap(args)
+  if length < 1 or (length - 1) % 4 or length > frames or overlap < 0 or overlap % 4 or overlap >= length:
+    raise ValueError(f"--context-frames {length} --context-overlap {overlap}: a window is 4k + 1 frames, at most "
+                     f"the video's {frames}, the overlap a multiple of 4 below it")
+  return ContextWindows(frames=(frames - 1) // 4 + 1, length=(length - 1) // 4 + 1, overlap=overlap // 4)
+
+
 def build_parser() -> argparse.ArgumentParser:
   from pipelines.parallel import planner
   from pipelines.commands.presets import PRESETS
@@ -56,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--height", type=int)
   p.add_argument("--width", type=int)
   p.add_argument("--frames", type=int)
+  p.add_argument("--context-frames", type=int, metavar="L",
+                 help="the video in context windows of L frames (4k + 1): memory by a window's tokens, meshes "
+                      "with W (windows at once) up to the windows' count")
+  p.add_argument("--context-overlap", type=int, metavar="O",
+                 help="with --context-frames: frames neighbouring windows share (default: a quarter of L)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
   p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens")
   p.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"), default=None,
@@ -96,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     vae = VAE_PRESETS[{"tiny": "tiny", "wan2.2-ti2v-5b": "wan2.2"}.get(args.preset, "wan2.1")]
     facts = token_facts(model, spatial_factor=vae.spatial_factor, temporal_factor=vae.temporal_factor,
                         text_tokens=args.max_sequence_length)
+    windows = _windows(args, frames)
     found = planner.candidates(model, facts, param_counts=param_counts(model), devices=devices, frames=frames,
+                               windows=None if windows is None else (args.context_frames, len(windows.starts)),
                                height=height, width=width, cfg=preset.guidance[0] > 1, dtype=args.dtype,
                                experts=experts, chip=planner.CHIPS[chip_name],
                                quantized=quantized_counts(model) if args.quantize else (0, 0))
@@ -114,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
       return 3
     memory_kind = "xla"
   best = planner.recommend(found)
-  print(f"{args.preset}, {frames} frames {width}x{height}, {args.dtype}"
+  print(f"{args.preset}, {frames} frames {width}x{height}"
+        f"{'' if args.context_frames is None else f' in windows of {args.context_frames}'}, {args.dtype}"
         f"{', ' + args.quantize if args.quantize else ''}, {devices} x {chip.name} "
         f"({chip.memory_bytes / planner.GiB:.0f} GiB each; {chip.source})")
   print("memory: the planner's estimate (pipelines/parallel/planner.py), not XLA's analysis" if memory_kind == "estimate"
@@ -174,7 +205,9 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
     try:
       report = aot_step.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
                                         dtype=args.dtype, text_len=args.max_sequence_length,
-                                        flow_shift=preset.shift, mesh_spec=c.mesh, quantize=args.quantize)
+                                        flow_shift=preset.shift, mesh_spec=c.mesh, quantize=args.quantize,
+                                        context=None if args.context_frames is None else
+                                        (args.context_frames, _overlap(args)))
       code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20
       held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s, code {code:.1f} MiB"
       fits = held <= planner.FIT_FRACTION * chip.memory_bytes

@@ -34,3 +34,18 @@ def test_plan_topology_without_libtpu_says_how(capsys, monkeypatch):
   assert plan_cli.main(["--preset", "wan2.1-t2v-1.3b", "--topology", "v6e:2x4"]) == 3
   err = capsys.readouterr().err
   assert "libtpu" in err and "--estimate" in err
+
+
+def test_plan_with_context_windows_offers_w(tmp_path, capsys):
+  """--context-frames: candidates with W (windows at once) and memory by one window's tokens; a bad
+  window is a usage error."""
+  out, clip = tmp_path / "w.json", tmp_path / "clip.json"
+  common = ["--preset", "wan2.1-t2v-14b", "--devices", "8", "--frames", "241"]
+  assert plan_cli.main([*common, "--context-frames", "81", "--context-overlap", "32", "--json", str(out)]) == 0
+  assert plan_cli.main([*common, "--json", str(clip)]) == 0
+  windowed, whole = json.loads(out.read_text())["candidates"], json.loads(clip.read_text())["candidates"]
+  assert any(c["mesh"].startswith("W=2,") for c in windowed) and not any("W=" in c["mesh"] for c in whole)
+  same = lambda found: next(c for c in found if c["mesh"] == "U=8,R=1" and not c["shard_weights"])  # noqa: E731
+  assert same(windowed)["activation_bytes"] < same(whole)["activation_bytes"] / 2
+  assert "in windows of 81" in capsys.readouterr().out
+  assert plan_cli.main([*common, "--context-frames", "80"]) == 2
