@@ -165,3 +165,19 @@ def test_context_windows_are_queued_and_bad_ones_named(unloaded):
     answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
   assert service.store.counts()["queued"] == 2
+
+
+def test_a_long_job_without_windows_warns_with_the_window_fields():
+  """A job longer than a Wan folder's trained 81 frames, without context windows, keeps a warning
+  naming context_frames / context_overlap; with windows (control) it has none."""
+  import dataclasses
+
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.serve import api
+  facts = dataclasses.replace(ModelFacts.tiny_random("float32"), name="/models/wan-folder")  # trained on 81 frames
+  params = {"prompt": "x", "negative_prompt": "", "seed": 0, "width": 32, "height": 32, "num_frames": 85,
+            "num_inference_steps": 2, "guidance_scale": 5.0, "flow_shift": None}
+  _, notes = api.check_request(dict(params), facts, None)
+  assert len(notes) == 1 and "context_frames=81, context_overlap=20" in notes[0], notes
+  _, notes = api.check_request(dict(params, context_frames=81, context_overlap=20), facts, None)
+  assert notes == []
