@@ -40,27 +40,16 @@ def _topology(text: str) -> tuple[str, int]:
   return chip.lower(), math.prod(dims)
 
 
-def _overlap(args: argparse.Namespace) -> int:
-  from pipelines.pipeline.window_inputs import default_overlap
-  return default_overlap(args.context_frames) if args.context_overlap is None else args.context_overlap
-
-
 def _windows(args: argparse.Namespace, frames: int):
-  """--context-frames / --context-overlap as `ContextWindows` (None without them).
+  """--context-frames / --context-overlap as `ContextWindows` (`window_inputs.context_windows`; None
+  without them or for a window as long as the video).
 
   Raises:
-    ValueError: a window not 4k + 1, longer than the video, or an overlap not a multiple of 4 below it.
+    ValueError: the request's own refusals (a window not 4k + 1, longer than the video, an overlap
+      not a multiple of 4 below it, an overlap without a window).
   """
-  from pipelines.wan.conditioning import ContextWindows
-  if args.context_frames is None:
-    if args.context_overlap is not None:
-      raise ValueError("--context-overlap needs --context-frames")
-    return None
-  length, overlap = args.context_frames, _overlap(args)
-  if length < 1 or (length - 1) % 4 or length > frames or overlap < 0 or overlap % 4 or overlap >= length:
-    raise ValueError(f"--context-frames {length} --context-overlap {overlap}: a window is 4k + 1 frames, at most "
-                     f"the video's {frames}, the overlap a multiple of 4 below it")
-  return ContextWindows(frames=(frames - 1) // 4 + 1, length=(length - 1) // 4 + 1, overlap=overlap // 4)
+  from pipelines.pipeline.window_inputs import context_windows
+  return context_windows(args.context_frames, args.context_overlap, "pyramid", num_frames=frames)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                         text_tokens=args.max_sequence_length)
     windows = _windows(args, frames)
     found = planner.candidates(model, facts, param_counts=param_counts(model), devices=devices, frames=frames,
-                               windows=None if windows is None else (args.context_frames, len(windows.starts)),
+                               windows=None if windows is None else (windows.video_frames()[0], len(windows.starts)),
                                height=height, width=width, cfg=preset.guidance[0] > 1, dtype=args.dtype,
                                experts=experts, chip=planner.CHIPS[chip_name],
                                quantized=quantized_counts(model) if args.quantize else (0, 0))
@@ -197,7 +186,7 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
     devices = aot_step.topology_devices(args.topology, timeout_s=120)
   except aot_step.TopologyUnavailable as e:
     raise RuntimeError(f"{e}; or pass --estimate") from e
-  preset = PRESETS[args.preset]
+  preset, windows = PRESETS[args.preset], _windows(args, frames)
   out = []
   for i, c in enumerate(found):
     print(f"  compiling {i + 1}/{len(found)}: {c.mesh}{' sharded' if c.mesh.shard_weights else ''} ...",
@@ -206,8 +195,7 @@ def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip)
       report = aot_step.compile_denoise_step(devices, preset=args.preset, height=height, width=width, frames=frames,
                                         dtype=args.dtype, text_len=args.max_sequence_length,
                                         flow_shift=preset.shift, mesh_spec=c.mesh, quantize=args.quantize,
-                                        context=None if args.context_frames is None else
-                                        (args.context_frames, _overlap(args)))
+                                        context=None if windows is None else windows.video_frames())
       code = report["memory_analysis"]["generated_code_size_in_bytes"] / 2**20
       held, note = float(report["resident_bytes_per_device"]), f"{report['compile_s']:.0f} s, code {code:.1f} MiB"
       fits = held <= planner.FIT_FRACTION * chip.memory_bytes

@@ -291,8 +291,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   plan = ParallelPlan(spec=mesh_spec, mesh=mesh, attention_backend=backend)
   windows = None
   if context is not None:
-    from pipelines.wan.conditioning import ContextWindows
-    windows = ContextWindows(frames=latent_shape[2], length=(context[0] - 1) // 4 + 1, overlap=context[1] // 4)
+    from pipelines.pipeline.window_inputs import context_windows
+    windows = context_windows(context[0], context[1], "pyramid", num_frames=frames)
   step = jax.jit(functools.partial(denoise_step, cfg=True, windows=windows), static_argnums=0,
                  static_argnames="plan", donate_argnums=(2, 3))
   start, cpu_start = time.perf_counter(), time.process_time()

@@ -142,7 +142,8 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--mesh", default="U=1,R=1",
                  help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
                       "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
-                      "devices; W=2,U=2,R=1 runs --context-frames windows two at once; 'auto' takes the planner's pick for the visible devices (end_to_end.plan)")
+                      "devices; W=2,U=2,R=1 runs --context-frames windows two at once; 'auto' takes the "
+                      "planner's pick for the visible devices (end_to_end.plan)")
   p.add_argument("--shard-weights", action="store_true",
                  help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
                       "too big to replicate on each device)")

@@ -194,9 +194,9 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   scale = facts.conditioning_scale
   record["conditioning_scale"] = _normalized("conditioning_scale", scale if isinstance(scale, tuple) else (scale,))
   record["strength"] = None if request.video is None else request.video.strength
-  windows, factor = request.windows, request.model.temporal_factor
-  record["context_frames"] = None if windows is None else (windows.length - 1) * factor + 1
-  record["context_overlap"] = None if windows is None else windows.overlap * factor
+  windows = request.windows
+  frames, overlap = (None, None) if windows is None else windows.video_frames(request.model.temporal_factor)
+  record["context_frames"], record["context_overlap"] = frames, overlap
   record["context_fuse"] = "pyramid" if windows is None else windows.fuse
   from pipelines.wan import schedulers
   record["scheduler"] = schedulers.solver_name(request.scheduler)

@@ -179,7 +179,7 @@ class GenerationRequest:
   @property
   def clip_frames(self) -> int:
     """The frames one transformer forward sees: a context window's, else the video's."""
-    return self.num_frames if self.windows is None else (self.windows.length - 1) * self.model.temporal_factor + 1
+    return self.num_frames if self.windows is None else self.windows.video_frames(self.model.temporal_factor)[0]
 
   @property
   def rows(self) -> int:

@@ -16,7 +16,6 @@ from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.wan.conditioning import FUSES, ContextWindows
 
 
-
 def default_overlap(context_frames: int, temporal_factor: int = 4) -> int:
   """A quarter of the window, in whole latent frames (81 -> 20, 17 -> 4)."""
   return (context_frames - 1) // 4 // temporal_factor * temporal_factor
@@ -25,34 +24,55 @@ def default_overlap(context_frames: int, temporal_factor: int = 4) -> int:
 def check_context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
                           model: ModelFacts, windows_degree: int, vace: bool, step_cache: bool
                           ) -> ContextWindows | None:
-  """The call's context windows, or None (no windows; a window as long as the video is none).
+  """The call's context windows (`context_windows`), or None, checked against the mesh and the
+  call's other features; without windows, a video longer than the model's trained clip warns
+  (`long_video_warning`).
 
   Args:
-    context_frames: None, or a window's video frames, k x temporal_factor + 1 and <= num_frames.
-    context_overlap: None (`default_overlap`), or the video frames neighbouring windows share at least: a
-      multiple of temporal_factor, below context_frames.
-    context_fuse: "pyramid" (default) or "flat".
-    num_frames: the call's frames (4k + 1).
-    model: the model's facts: its VAE's temporal factor (4), its trained clip (`trained_frames`: a
-      longer video without windows warns, `long_video_note`; a one-size model warns elsewhere).
+    context_frames, context_overlap, context_fuse, num_frames: as `context_windows` takes them.
+    model: the model's facts: its VAE's temporal factor (4), its trained clip.
     windows_degree: the mesh's W (windows run W at once); W > 1 needs windows.
     vace, step_cache: whether the call is a VACE one / caches steps (neither composes with windows yet).
 
   Raises:
     ValueError: each bad value, named with the fix, before anything loads or computes.
   """
-  temporal_factor = model.temporal_factor
+  windows = context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames,
+                            temporal_factor=model.temporal_factor)
+  for name, on in (("a VACE model", vace), ("step_cache", step_cache)):
+    if on and windows is not None:
+      raise ValueError(f"context windows with {name} are not supported yet; leave context_frames out or "
+                       f"{'use a text-, image- or video-to-video model' if vace else 'leave step_cache out'}")
+  if windows is None and windows_degree > 1:
+    why = (" is not given" if context_frames is None else
+           f"={context_frames} is the whole video (one window, nothing to run in parallel)")
+    raise ValueError(f"the mesh's W={windows_degree} runs context windows in parallel, but context_frames{why}: "
+                     f"give shorter windows (context_frames, e.g. 81 for Wan) or drop W from the mesh")
+  if context_frames is None and (note := long_video_warning(model, num_frames)) is not None:
+    warnings.warn(note, stacklevel=4)
+  return windows
+
+
+def context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
+                    temporal_factor: int = 4) -> ContextWindows | None:
+  """The windows the values give, in latent frames, or None (no windows; a window as long as the
+  video is none).
+
+  Args:
+    context_frames: None, or a window's video frames, k x temporal_factor + 1 and <= num_frames.
+    context_overlap: None (`default_overlap`), or the video frames neighbouring windows share at least: a
+      multiple of temporal_factor, below context_frames.
+    context_fuse: "pyramid" (default) or "flat".
+    num_frames: the video's frames (4k + 1).
+
+  Raises:
+    ValueError: each bad value, named with the fix.
+  """
   if context_frames is None:
     for name, value, default in (("context_overlap", context_overlap, None), ("context_fuse", context_fuse, "pyramid")):
       if value != default:
         raise ValueError(f"{name}={value!r} without context_frames: give context_frames (a window's frames, "
                          f"e.g. 81 for Wan) too, or leave {name} out")
-    if windows_degree > 1:
-      raise ValueError(f"the mesh's W={windows_degree} runs context windows in parallel, but context_frames "
-                       f"is not given: give context_frames (e.g. 81 for Wan) or drop W from the mesh")
-    trained = None if model.trained_video else model.trained_frames
-    if (note := long_video_note(num_frames, trained, temporal_factor=temporal_factor)) is not None:
-      warnings.warn(note, stacklevel=4)
     return None
   frames = check_int("context_frames", context_frames, minimum=1, hint=" (a window's frames, e.g. 81)")
   if (frames - 1) % temporal_factor:
@@ -70,18 +90,17 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
   if not isinstance(context_fuse, str) or context_fuse not in FUSES:
     raise ValueError(f"context_fuse={context_fuse!r}{not_a(context_fuse) if not isinstance(context_fuse, str) else ''}"
                      f" must be one of {FUSES}")
-  for name, on in (("a VACE model", vace), ("step_cache", step_cache)):
-    if on and frames < num_frames:
-      raise ValueError(f"context windows with {name} are not supported yet; leave context_frames out or "
-                       f"{'use a text-, image- or video-to-video model' if vace else 'leave step_cache out'}")
-  latent = (num_frames - 1) // temporal_factor + 1
   if frames == num_frames:
-    if windows_degree > 1:
-      raise ValueError(f"context_frames={frames} is the whole video: one window, nothing for the mesh's "
-                       f"W={windows_degree} to run in parallel; drop W from the mesh or use shorter windows")
     return None
-  return ContextWindows(frames=latent, length=(frames - 1) // temporal_factor + 1,
+  return ContextWindows(frames=(num_frames - 1) // temporal_factor + 1, length=(frames - 1) // temporal_factor + 1,
                         overlap=overlap // temporal_factor, fuse=context_fuse)
+
+
+def long_video_warning(model: ModelFacts, num_frames: int) -> str | None:
+  """`long_video_note` for this model: none for a one-size model (`ModelFacts.trained_video`), whose
+  own warning (`ModelFacts.outside_training`) names windows already."""
+  trained = None if model.trained_video else model.trained_frames
+  return long_video_note(num_frames, trained, temporal_factor=model.temporal_factor)
 
 
 def long_video_note(num_frames: int, trained_frames: int | None, *, temporal_factor: int = 4) -> str | None:

@@ -311,13 +311,13 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
   input_reference, `references.Decoded`, or None), its values written back into `params` as
   resolved (frames rounded to 4k + 1), and the job's warnings: frames rounded, a size the model
   was not trained at (`ModelFacts.outside_training`), a video longer than its trained clip without
-  context windows (`window_inputs.long_video_note`).
+  context windows (`window_inputs.long_video_warning`).
 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
   """
   from pipelines.pipeline.request import GenerationRequest
-  from pipelines.pipeline.window_inputs import long_video_note
+  from pipelines.pipeline.window_inputs import long_video_warning
 
   asked = params["num_frames"]
   try:
@@ -331,8 +331,8 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
   notes = [] if asked == request.num_frames else [
       f"num_frames={asked} rounded to {request.num_frames}: Wan makes 4k + 1 frames"]
   trained = facts.outside_training(request.height, request.width, request.clip_frames)
-  if trained is None and request.windows is None and not facts.trained_video:
-    trained = long_video_note(request.num_frames, facts.trained_frames)  # a long clip: the window fields to use
+  if trained is None and request.windows is None:
+    trained = long_video_warning(facts, request.num_frames)  # a long clip: the window fields to use
   return request, notes + ([] if trained is None else [trained])
 
 

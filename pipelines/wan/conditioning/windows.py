@@ -87,6 +87,11 @@ class ContextWindows:
     shares = np.stack([self.weights() / counts[s:s + self.length] * (k < n) for k, s in enumerate(starts)])
     return starts.reshape(-1, groups), shares.astype(np.float32).reshape(-1, groups, self.length)
 
+  def video_frames(self, temporal_factor: int = 4) -> tuple[int, int]:
+    """(a window's video frames, the overlap in video frames): the call's `context_frames` and
+    `context_overlap` these latent frames came from."""
+    return (self.length - 1) * temporal_factor + 1, self.overlap * temporal_factor
+
   def describe(self) -> dict[str, Any]:
     """For sidecars and the resume identity: latent frames, overlap, fuse and the starts."""
     return {"latent_length": self.length, "latent_overlap": self.overlap, "fuse": self.fuse,
