@@ -28,6 +28,13 @@ SHAPES = ("square", "circle", "triangle")
 MOTIONS: dict[str, tuple[int, int]] = {
     "moving left": (-1, 0), "moving right": (1, 0), "moving up": (0, -1), "moving down": (0, 1),
     "standing still": (0, 0)}
+# Slow motions: the shape crosses SLOW_TRAVEL_RANGE of the frame over SLOW_FRAMES frames (what a
+# long video of this 64x64 world can show: at the motions above, 65 frames would leave the frame).
+# A shorter clip of a slow scene is a window of its SLOW_FRAMES-frame render.
+SLOW_MOTIONS: dict[str, tuple[int, int]] = {
+    "moving slowly left": (-1, 0), "moving slowly right": (1, 0), "moving slowly up": (0, -1),
+    "moving slowly down": (0, 1)}
+DIRECTIONS = {**MOTIONS, **SLOW_MOTIONS}
 BACKGROUND = (0.06, 0.06, 0.08)
 
 # Defaults: the tiny model's generate preset (pipelines/cli/generate.py PRESETS["tiny"]).
@@ -36,6 +43,8 @@ FRAMES, HEIGHT, WIDTH = 17, 64, 64
 # Rendering ranges, as fractions of the frame side: shape size, travel over the clip.
 SIZE_RANGE = (0.22, 0.3)
 TRAVEL_RANGE = (0.4, 0.5)
+SLOW_FRAMES = 65
+SLOW_TRAVEL_RANGE = (0.5, 0.62)  # at most 1 - 2 (largest size / 2 + margin) = 0.64
 # The path's midpoint (the centre, for standing still) lies within this distance of the frame's
 # centre, per axis: every prompt names a nearly fixed video (what a tiny model learns in minutes on
 # a CPU), and seeds still move and resize the shape a little.
@@ -45,6 +54,8 @@ CENTRE_JITTER = 0.08
 DIFF_THRESHOLD = 0.25  # max |pixel - background| over RGB for a pixel to belong to the object
 MOVE_MIN = 0.2  # moving: centroid displacement in the named direction >= 20 % of the frame side
 STILL_MAX = 0.1  # standing still: centroid displacement < 10 % of the frame side
+# Slow motions, over 17 frames (15 frames between the first and last pairs: 0.12-0.145 rendered).
+SLOW_MOVE_MIN = 0.07
 # The object's mean share of each frame's pixels must lie in this range (the rendered shapes cover
 # 2-9 %): an empty video, or noise where most pixels differ from the background, is no object.
 COVERAGE_RANGE = (0.005, 0.4)
@@ -75,7 +86,7 @@ class Scene:
              ) -> tuple[float, float]:
     """(x, y) centre of the shape at `frame` of a `frames`-frame clip, fractions of width / height."""
     a = frame / max(frames - 1, 1)
-    dx, dy = MOTIONS[self.motion]
+    dx, dy = DIRECTIONS[self.motion]
     side = min(height, width)
     return (self.start[0] + dx * self.travel * a * side / width,
             self.start[1] + dy * self.travel * a * side / height)
@@ -87,7 +98,7 @@ def prompt_for(colour: str, shape: str, motion: str) -> str:
   Raises:
     ValueError: a word the grammar does not have.
   """
-  for word, known in ((colour, COLOURS), (shape, SHAPES), (motion, MOTIONS)):
+  for word, known in ((colour, COLOURS), (shape, SHAPES), (motion, DIRECTIONS)):
     if word not in known:
       raise ValueError(f"{word!r} is not in the grammar; known: {list(known)}")
   return f"a {colour} {shape} {motion}"
@@ -99,28 +110,37 @@ def parse_prompt(prompt: str) -> tuple[str, str, str]:
   Raises:
     ValueError: a prompt outside the grammar.
   """
-  for colour, shape, motion in itertools.product(COLOURS, SHAPES, MOTIONS):
+  for colour, shape, motion in itertools.product(COLOURS, SHAPES, DIRECTIONS):
     if prompt.strip().lower() == prompt_for(colour, shape, motion):
       return colour, shape, motion
   raise ValueError(f"{prompt!r} is not in the grammar 'a {{colour}} {{shape}} {{motion}}' with colours "
-                   f"{list(COLOURS)}, shapes {list(SHAPES)}, motions {list(MOTIONS)}")
+                   f"{list(COLOURS)}, shapes {list(SHAPES)}, motions {list(DIRECTIONS)}")
 
 
 def all_prompts() -> list[str]:
-  """Every prompt of the grammar (5 colours x 3 shapes x 5 motions = 75), in a fixed order."""
+  """Every prompt of the 17-frame grammar (5 colours x 3 shapes x 5 motions = 75), in a fixed order."""
   return [prompt_for(c, s, m) for c, s, m in itertools.product(COLOURS, SHAPES, MOTIONS)]
+
+
+def slow_prompts() -> list[str]:
+  """Every slow-motion prompt (5 colours x 3 shapes x 4 motions = 60), in a fixed order."""
+  return [prompt_for(c, s, m) for c, s, m in itertools.product(COLOURS, SHAPES, SLOW_MOTIONS)]
 
 
 def random_scene(rng: np.random.Generator, colour: str | None = None, shape: str | None = None,
                  motion: str | None = None) -> Scene:
-  """Draws a scene; words not given are drawn uniformly. The shape stays inside the frame all clip."""
+  """Draws a scene; words not given are drawn uniformly (motions: `MOTIONS`'). The shape stays
+  inside the frame all clip (a slow motion's clip: `SLOW_FRAMES` frames). A slow path's midpoint is
+  anywhere it fits, not near the centre."""
   colour = colour or str(rng.choice(list(COLOURS)))
   shape = shape or str(rng.choice(SHAPES))
   motion = motion or str(rng.choice(list(MOTIONS)))
   size = float(rng.uniform(*SIZE_RANGE))
-  dx, dy = MOTIONS[motion]
-  travel = 0.0 if (dx, dy) == (0, 0) else float(rng.uniform(*TRAVEL_RANGE))
+  dx, dy = DIRECTIONS[motion]
+  slow = motion in SLOW_MOTIONS
+  travel = 0.0 if (dx, dy) == (0, 0) else float(rng.uniform(*(SLOW_TRAVEL_RANGE if slow else TRAVEL_RANGE)))
   margin = size / 2 + 0.02
+  jitter = 0.2 if slow else CENTRE_JITTER  # across the path
 
   def start_along(d: int) -> float:
     lo, hi = margin, 1 - margin
@@ -128,7 +148,9 @@ def random_scene(rng: np.random.Generator, colour: str | None = None, shape: str
       hi -= travel
     elif d < 0:
       lo += travel
-    mid = 0.5 + float(rng.uniform(-CENTRE_JITTER, CENTRE_JITTER))
+    if slow and d != 0:  # anywhere along the path
+      return float(rng.uniform(lo, hi))
+    mid = 0.5 + float(rng.uniform(-jitter, jitter))
     return float(np.clip(mid - d * travel / 2, lo, hi))
 
   return Scene(colour, shape, motion, size, (start_along(dx), start_along(dy)), travel)
@@ -251,7 +273,7 @@ def check(video: np.ndarray, prompt: str, background: tuple[float, float, float]
     return False, f"no object in every frame (coverage {seen.coverage:.3f})"
   if not COVERAGE_RANGE[0] <= seen.coverage <= COVERAGE_RANGE[1]:
     return False, f"object coverage {seen.coverage:.3f} outside {COVERAGE_RANGE}: no single shape"
-  dx, dy = MOTIONS[motion]
+  dx, dy = DIRECTIONS[motion]
   moved = float(np.hypot(*seen.displacement))
   along = seen.displacement[0] * dx + seen.displacement[1] * dy
   what = (f"colour {seen.colour} (mean RGB {np.round(seen.mean_rgb, 2).tolist()}), displacement "
@@ -260,6 +282,66 @@ def check(video: np.ndarray, prompt: str, background: tuple[float, float, float]
     return False, f"wrong colour: {what}"
   if (dx, dy) == (0, 0):
     return (moved < STILL_MAX), (what if moved < STILL_MAX else f"moved {moved:.2f} >= {STILL_MAX}: {what}")
-  if along < MOVE_MIN:
-    return False, f"moved {along:+.2f} < {MOVE_MIN} {motion.split()[-1]}: {what}"
+  least = SLOW_MOVE_MIN if motion in SLOW_MOTIONS else MOVE_MIN
+  if along < least:
+    return False, f"moved {along:+.2f} < {least} {motion.split()[-1]}: {what}"
   return True, what
+
+
+# Long-video rule (`check_long`): per SEGMENT frames the named colour and progress the named way.
+SEGMENT = 16
+SEGMENT_MOVE_MIN = 0.04  # slow: 0.12-0.155 per 16 frames rendered
+LONG_MOVE_MIN = 0.3  # slow over 65 frames: 0.5-0.62 rendered
+STEP_JUMP_MAX = 0.06  # centroid change between consecutive frames (slow: ~0.01 rendered)
+PART_SHARE = 0.25  # a second group of object pixels this large against the largest is a second shape
+
+
+def object_parts(mask_HW: np.ndarray) -> int:
+  """Connected groups (8-connectivity, scikit-image's `label`) of object pixels at least PART_SHARE
+  the size of the largest (smaller ones are a decoder's ringing at the shape's edges)."""
+  from skimage.measure import label
+  sizes = np.bincount(label(mask_HW, connectivity=2).ravel())[1:]
+  return int(np.count_nonzero(sizes >= PART_SHARE * sizes.max())) if sizes.size else 0
+
+
+def check_long(video: np.ndarray, prompt: str) -> tuple[bool, str]:
+  """Does a long `video` (float [frames >= 2 SEGMENT, H, W, 3] in [0, 1]) keep showing `prompt`?
+
+  Every frame: one shape (one connected group of object pixels, `object_parts`). Every SEGMENT-frame
+  span: the named colour (`detect`). Motion (centroid per frame): a moving prompt advances >=
+  SEGMENT_MOVE_MIN in the named direction over every span and >= LONG_MOVE_MIN over the video, and
+  never jumps more than STEP_JUMP_MAX between frames (no reset at a window boundary); standing
+  still moves < STILL_MAX over the video.
+
+  Raises:
+    ValueError: a prompt outside the grammar, or fewer than 2 SEGMENT frames.
+  """
+  colour, _, motion = parse_prompt(prompt)
+  video = np.asarray(video, np.float32)
+  if video.ndim != 4 or video.shape[0] < 2 * SEGMENT:
+    raise ValueError(f"video must be [frames >= {2 * SEGMENT}, height, width, 3], got {video.shape}")
+  frames, height, width, _ = video.shape
+  bg = np.median(video.reshape(-1, 3), axis=0)
+  mask = np.abs(video - bg).max(axis=-1) > DIFF_THRESHOLD
+  parts = [object_parts(m) for m in mask]
+  if any(p != 1 for p in parts):
+    bad = [f for f, p in enumerate(parts) if p != 1]
+    return False, f"{len(bad)} frames without exactly one shape (first: frame {bad[0]}, {parts[bad[0]]} parts)"
+  for s in range(0, frames - SEGMENT, SEGMENT):
+    seen = detect(video[s:s + SEGMENT + 1], tuple(bg))
+    if seen.colour != colour:
+      return False, f"frames {s}-{s + SEGMENT}: colour {seen.colour}, not {colour}"
+  ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+  c = np.asarray([((xs[m].mean() + 0.5) / width, (ys[m].mean() + 0.5) / height) for m in mask])
+  jump = float(np.abs(np.diff(c, axis=0)).max())
+  if jump > STEP_JUMP_MAX:
+    return False, f"the shape jumps {jump:.2f} between frames {int(np.abs(np.diff(c, axis=0)).max(1).argmax())}+1"
+  d = np.asarray(DIRECTIONS[motion], np.float32)
+  total = c[-2:].mean(0) - c[:2].mean(0)
+  if not d.any():
+    moved = float(np.hypot(*total))
+    return moved < STILL_MAX, f"moved {moved:.2f} in all (standing still: < {STILL_MAX})"
+  spans = [float((c[s + SEGMENT] - c[s]) @ d) for s in range(0, frames - SEGMENT, SEGMENT)]
+  if min(spans) < SEGMENT_MOVE_MIN or float(total @ d) < LONG_MOVE_MIN:
+    return False, f"progress per {SEGMENT} frames {np.round(spans, 2).tolist()}, {float(total @ d):+.2f} in all"
+  return True, f"progress per {SEGMENT} frames {np.round(spans, 2).tolist()}, {float(total @ d):+.2f} in all"

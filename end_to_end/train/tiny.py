@@ -250,6 +250,18 @@ def flow_pair(x0, noise, sigma):
   return (1 - s) * x0 + s * noise, noise - x0
 
 
+def given_first_frame(x0, xt, sigma, given, patch_size):
+  """TI2V rows: where `given` ([B], 1 or 0), the first latent frame is the clean x0's and its
+  tokens' timestep is 0 (diffusers' `expand_timesteps` mask); -> (x_t [B, C, F, Hl, Wl], timestep
+  float32 [B, F Hl Wl / (ph pw)] in (f, h, w) token order, loss weight [B, 1, F, 1, 1])."""
+  first = jnp.zeros(x0.shape[2], jnp.float32).at[0].set(1.0)
+  keep = given[:, None] * first[None]  # [B, F]
+  xt = jnp.where(keep[:, None, :, None, None] > 0, x0, xt)
+  tokens = (x0.shape[3] // patch_size[1]) * (x0.shape[4] // patch_size[2])
+  timestep = jnp.repeat((1 - keep) * sigma[:, None] * 1000.0, tokens, axis=1)
+  return xt, timestep, (1 - keep)[:, None, :, None, None]
+
+
 # Kernels zeroed at the start of training: every residual branch's output projection (self- and
 # cross-attention; feed-forward and final: both named proj_out).
 ZERO_INIT = ("['attn1']['to_out']['kernel']", "['attn2']['to_out']['kernel']", "['proj_out']['kernel']")
@@ -269,8 +281,10 @@ def zero_residual_outputs(params):
 def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarray, *, seed: int,
                       seconds: float, batch: int = 32, lr: float = 1e-3, ema_decay: float = 0.995,
                       config: WanTransformerConfig = TINY_TRAINED_TRANSFORMER, model=None,
-                      attention_implementation: str = "lse", warm: int = 100):
-  """Flow-matching training (module docstring) for about `seconds`.
+                      attention_implementation: str = "lse", warm: int = 100, image_share: float = 0.0):
+  """Flow-matching training (module docstring) for about `seconds`; with `image_share` > 0 that
+  share of the rows get their clean first latent frame and timestep 0 on its tokens, the loss on
+  the other frames (Wan 2.2 TI2V's conditioning, `given_first_frame`).
 
   Args:
     latents: float32 [n, C, F, Hl, Wl] normalised diffusion latents.
@@ -302,16 +316,20 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 
   plan = ParallelPlan.single(attention_implementation)
 
-  def loss_fn(params, x0, noise, sigma, text):
+  def loss_fn(params, x0, noise, sigma, text, given):
     xt, target = flow_pair(x0, noise, sigma)
-    pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
-    return jnp.mean(jnp.square(pred - target))
+    if not image_share:
+      pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
+      return jnp.mean(jnp.square(pred - target))
+    xt, timestep, weight = given_first_frame(x0, xt, sigma, given, config.patch_size)
+    pred = forward(nnx.merge(graphdef, params), xt, timestep, text, plan)
+    return jnp.sum(weight * jnp.square(pred - target)) / (jnp.sum(weight) * x0.shape[1] * x0[0, 0, 0].size)
 
   @jax.jit
-  def step(params, ema, state, x0, noise, sigma, text, rate):
+  def step(params, ema, state, x0, noise, sigma, text, given, rate):
     inject = state[1]
     state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
-    loss, grads = jax.value_and_grad(loss_fn)(params, x0, noise, sigma, text)
+    loss, grads = jax.value_and_grad(loss_fn)(params, x0, noise, sigma, text, given)
     updates, state = opt.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
@@ -331,8 +349,9 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
     rows = np.where(rng.random(batch) < CFG_DROPOUT, empty, text_ids[idx])
     sigma = training_sigmas(rng.random(batch).astype(np.float32))
     noise = rng.standard_normal(latents[idx].shape).astype(np.float32)
-    params, ema, state, loss = step(params, ema, state, latents[idx], noise, sigma, texts_dev[rows],
-                                          np.float32(learning_rate(k)))
+    given = (rng.random(batch) < image_share).astype(np.float32)
+    params, ema, state, loss = step(params, ema, state, latents[idx], noise, sigma, texts_dev[rows], given,
+                                    np.float32(learning_rate(k)))
     history.append((k, float(loss)))
     if k % 100 == 0:
       log(f"transformer step {k}: loss {history[-1][1]:.4f} ({time.perf_counter() - start:.0f} s)")

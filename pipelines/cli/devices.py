@@ -30,13 +30,9 @@ def model_facts(plan: Plan) -> Any:
   from pipelines.pipeline.model_facts import ModelFacts
   from pipelines.wan.pretrained import PipelineIndex
 
-  if plan.model == "tiny-random":
-    facts = ModelFacts.tiny_random(plan.dtype)
-  elif plan.model == "tiny":
-    facts = ModelFacts.tiny_default(plan.dtype)
-  else:
+  if plan.model not in ("tiny", "tiny-i2v", "tiny-random"):
     PipelineIndex.read(plan.model).check_weights()
-    facts = ModelFacts.from_folder(plan.model, plan.dtype)
+  facts = ModelFacts.of_model(plan.model, plan.dtype)
   return dataclasses.replace(facts, quantize=plan.quantize)
 
 

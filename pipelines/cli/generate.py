@@ -143,7 +143,7 @@ def _load(plan: Plan, request: Any) -> Any:
   from pipelines.pipeline import WanImageToVideoPipeline, WanPipeline
 
   if plan.model in TINY_MODELS:
-    pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random")
+    pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random", image=plan.model == "tiny-i2v")
   else:
     cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
     pipe = cls.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,

@@ -99,8 +99,9 @@ PRESETS: dict[str, Preset] = {
     "wan2.2-vace-fun-a14b": Preset(832, 480, 81, 40, 8.0, (3.5, 3.5), "lightx2v configs/wan22_vace (VACE-Fun A14B)",
                                    WAN_NEGATIVE_PROMPT),
 }
-# The embedded models (`--model`): the trained default and the random-weight one.
-TINY_MODELS = ("tiny", "tiny-random")
+# The embedded models (`--model`): the trained default, the same run with a first frame given
+# (TI2V-style, `--image`), and the random-weight one.
+TINY_MODELS = ("tiny", "tiny-i2v", "tiny-random")
 
 
 def default_text_length(model: str) -> int:
@@ -111,7 +112,7 @@ def default_text_length(model: str) -> int:
   from pipelines.wan.encoders import tokenizer as tokenization
   if model == "tiny-random":
     return tokenization.WAN_TEXT_LENGTH
-  if model == "tiny":
+  if model in ("tiny", "tiny-i2v"):
     from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
     model = TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)

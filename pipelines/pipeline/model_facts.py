@@ -103,12 +103,22 @@ class ModelFacts:
                expand_timesteps=index.expand_timesteps)
 
   @classmethod
-  def tiny_default(cls, dtype: str) -> ModelFacts:
-    """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size."""
+  def of_model(cls, model: str, dtype: str) -> ModelFacts:
+    """The facts of `model`: "tiny", "tiny-i2v", "tiny-random" or a folder (`from_folder`)."""
+    if model == "tiny-random":
+      return cls.tiny_random(dtype)
+    if model in ("tiny", "tiny-i2v"):
+      return cls.tiny_default(dtype, image=model == "tiny-i2v")
+    return cls.from_folder(model, dtype)
+
+  @classmethod
+  def tiny_default(cls, dtype: str, image: bool = False) -> ModelFacts:
+    """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size;
+    `image`: as "tiny-i2v" (`WanPipeline.tiny(image=True)`: a first frame given, TI2V-style)."""
     from pipelines.wan import pretrained
 
-    facts = cls.from_folder(pretrained.TINY_DEFAULT_FOLDER, dtype, name="tiny")
-    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO)
+    facts = cls.from_folder(pretrained.TINY_DEFAULT_FOLDER, dtype, name="tiny-i2v" if image else "tiny")
+    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO, expand_timesteps=image)
 
   @classmethod
   def tiny_random(cls, dtype: str) -> ModelFacts:

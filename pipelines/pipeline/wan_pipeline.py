@@ -52,7 +52,7 @@ from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as 
 from pipelines.wan.step_cache import calibration as mag_calibration
 from pipelines.wan.transformer import quantization, WanTransformer
 from pipelines.wan.encoders import tokenizer as tokenization, umt5
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_VIDEO
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO
 
 DTYPES = loading.DTYPES
 
@@ -152,22 +152,34 @@ class WanPipeline(LoraLoaderMixin):
     return pipe
 
   @classmethod
-  def tiny(cls, dtype: str = "float32", *, random: bool = False, quantize: str | None = None) -> WanPipeline:
+  def tiny(cls, dtype: str = "float32", *, random: bool = False, quantize: str | None = None,
+           image: bool = False) -> WanPipeline:
     """The embedded default (no download, no files outside the package).
 
     Args:
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
-        `python -m end_to_end.train.tiny`; it draws the shapes world of
-        `end_to_end.train.synthetic_world`, e.g. "a red square moving right", at 64x64 x 17 frames).
+        `python -m end_to_end.train.tiny` and `end_to_end.train.long_clips`; it draws the shapes
+        world of `end_to_end.train.synthetic_world`, e.g. "a red square moving right", at 64x64 x
+        17 frames, longer in context windows of 17, e.g. "a red square moving slowly right").
         True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
+      image: the trained model run as Wan 2.2 TI2V runs (`expand_timesteps`, name "tiny-i2v"):
+        `pipe(prompt, image=first_frame)` continues the given 64x64 frame; without an image, text to
+        video as "tiny". It was trained for both (`end_to_end.train.long_clips`).
+
+    Raises:
+      ValueError: `image` with `random`, or an unknown quantize mode.
     """
     quantization.check_mode(quantize)
+    if image and random:
+      raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
+                       "model (random=True) was not trained for it: pass one of them")
     if not random:
       pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
-      pipe.name = "tiny"
+      pipe.name = "tiny-i2v" if image else "tiny"
+      pipe.expand_timesteps = image
       return pipe
     pipe = cls(**loading.tiny_random_parts(dtype))
     if quantize is not None:
@@ -276,7 +288,7 @@ class WanPipeline(LoraLoaderMixin):
                       scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
                       dtype=jnp.dtype(self.dtype).name,
                       image_to_video=self.image_to_video and not self.expand_timesteps,
-                      trained_video=TINY_TRAINED_VIDEO if self.name == "tiny" else None,
+                      trained_video=TINY_TRAINED_VIDEO if self.name in TINY_TRAINED_NAMES else None,
                       quantize=self.quantization, expand_timesteps=self.expand_timesteps)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:

@@ -26,14 +26,10 @@ from pipelines.serve.options import ServeConfig, parse
 
 
 def model_facts(config: ServeConfig) -> Any:
-  """The `ModelFacts` of --model ("tiny", "tiny-random" or a folder) from its JSON files."""
+  """The `ModelFacts` of --model ("tiny", "tiny-i2v", "tiny-random" or a folder) from its JSON files."""
   from pipelines.pipeline.model_facts import ModelFacts
 
-  if config.model == "tiny-random":
-    return ModelFacts.tiny_random(config.dtype)
-  if config.model == "tiny":
-    return ModelFacts.tiny_default(config.dtype)  # with its one trained size (its jobs' warnings)
-  return ModelFacts.from_folder(config.model, config.dtype)
+  return ModelFacts.of_model(config.model, config.dtype)
 
 
 def loader(config: ServeConfig) -> Any:
@@ -41,8 +37,8 @@ def loader(config: ServeConfig) -> Any:
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:
-    if config.model in ("tiny", "tiny-random"):
-      return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random")
+    if config.model in ("tiny", "tiny-i2v", "tiny-random"):
+      return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random", image=config.model == "tiny-i2v")
     if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
       from pipelines.pipeline.image_pipeline import WanImageToVideoPipeline
       return WanImageToVideoPipeline.from_pretrained(config.model, dtype=config.dtype, mesh=config.mesh)

@@ -11,7 +11,7 @@ _HOMES = (
     ("pipelines.wan.pretrained.folder", ("PipelineIndex",)),
     ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
     ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
-                                       "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
+                                       "TINY_TRAINED_NAMES", "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
 )
 
 __all__ = sorted(name for _, names in _HOMES for name in names)

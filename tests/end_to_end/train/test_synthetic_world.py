@@ -77,3 +77,55 @@ def test_detector_negative_controls():
   assert not world.check(video, "a white square standing still")[0]
   with pytest.raises(ValueError, match="frames >= 2"):
     world.detect(right[:1])
+
+
+# --- slow motions and the long-video rule (end_to_end.train.long_clips, issue: long videos) ----------
+
+def test_slow_scenes_stay_in_frame_over_65_frames_and_pass_both_rules():
+  """Every slow motion, many draws: the shape stays inside the frame for all 65 frames, a 17-frame
+  window passes `check` (its slow threshold) and the whole clip `check_long`; the fast rule's
+  threshold would refuse the window (the slow rule is what lets it pass)."""
+  rng = np.random.default_rng(0)
+  prompts = world.slow_prompts()
+  assert len(prompts) == len(set(prompts)) == 5 * 3 * 4 and not set(prompts) & set(world.all_prompts())
+  for motion in list(world.SLOW_MOTIONS) + ["standing still"]:
+    for _ in range(20):
+      scene = world.random_scene(rng, motion=motion)
+      for f in (0, world.SLOW_FRAMES - 1):
+        half = scene.size / 2
+        assert all(half <= c <= 1 - half for c in scene.centre(f, world.SLOW_FRAMES))
+    video = world.render(scene, frames=world.SLOW_FRAMES)
+    assert world.check_long(video, scene.prompt)[0], (scene, world.check_long(video, scene.prompt))
+    assert world.check(video[24:41], scene.prompt)[0]
+    if motion != "standing still":
+      dx, dy = world.DIRECTIONS[motion]
+      d = world.detect(video[24:41]).displacement
+      assert d[0] * dx + d[1] * dy < world.MOVE_MIN  # slower than the fast motions' bar
+
+
+def _long(motion="moving slowly right", seed=1):
+  scene = world.random_scene(np.random.default_rng(seed), colour="red", shape="square", motion=motion)
+  return scene, world.render(scene, frames=world.SLOW_FRAMES)
+
+
+def test_long_rule_negative_controls():
+  """What the long-video acceptance must refuse: a reset at a window boundary (the clip restarting),
+  a second shape, another colour in one span, motion the wrong way, a shape that stops."""
+  scene, video = _long()
+  assert world.check_long(video, scene.prompt)[0]  # the positive control
+  reset = np.concatenate([video[:33], video[:32]])
+  assert "jumps" in world.check_long(reset, scene.prompt)[1]
+  two = video.copy()
+  two[40:, :, :, :] = np.maximum(video[40:], np.roll(video[40:], 32, axis=2))
+  assert "exactly one shape" in world.check_long(two, scene.prompt)[1]
+  green = video.copy()
+  green[48:] = np.where(np.abs(video[48:] - video[0, 0, 0]).max(-1, keepdims=True) > 0.25,
+                        np.asarray(world.COLOURS["green"], np.float32), video[48:])
+  assert "colour" in world.check_long(green, scene.prompt)[1]
+  assert not world.check_long(video[::-1], scene.prompt)[0]
+  stops = np.concatenate([video[:33], np.repeat(video[32:33], 32, axis=0)])
+  assert not world.check_long(stops, scene.prompt)[0]
+  still, still_video = _long("standing still")
+  assert world.check_long(still_video, still.prompt)[0] and not world.check_long(video, still.prompt)[0]
+  with pytest.raises(ValueError, match="frames"):
+    world.check_long(video[:17], scene.prompt)

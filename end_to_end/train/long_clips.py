@@ -1,0 +1,308 @@
+"""Teaches the trained tiny default long videos: its VAE decoder 65-frame clips, its transformer slow
+motion (what a 65-frame clip of the 64x64 world can show) and the first frame given (TI2V-style).
+
+    python -m end_to_end.train.long_clips --out DIR [--from FOLDER] [--minutes M]
+
+The tiny default (`end_to_end.train.tiny`) was trained on 17-frame clips. Asked for 65 frames it
+fails twice, whatever the sampler does:
+- its VAE decoder's causal time cache was only ever run for 5 latent frames: decoding the encoder's
+  latents of a clean 65-frame clip, the error grows from 0.02 (frames 0-20) to 0.17-0.19 (frames
+  36-64, mean absolute pixel error), while the same latents decoded as 5-frame pieces stay at
+  0.03-0.05, so the encoder is sound and only the decoder needs training;
+- its world cannot hold a long video: every clip moves 40-50 % of the frame in 17 frames, so 65
+  frames of that motion leave the frame. The world's slow motions ("a red square moving slowly
+  right": 50-62 % of the frame over 65 frames, `synthetic_world.SLOW_TRAVEL_RANGE`, from anywhere
+  on the path) are what a long video of it shows; 17-frame windows of such clips are what the
+  context windows (`pipelines/wan/conditioning/windows.py`) ask the transformer for.
+
+Steps, each from the folder given (default: the shipped tiny default):
+1. the decoder (+ post_quant_conv), encoder frozen (so the latents and the transformer's training
+   data are unchanged), on whole 65-frame clips (slow and still scenes) and 17-frame clips, with
+   the same loss as `tiny.train_vae`;
+2. a dataset: 17-frame clips of the original world, and 5-latent-frame windows of encoded 65-frame
+   slow clips (every window offset), normalised with the folder's latents_mean / latents_std;
+3. the transformer fine-tuned from the folder's on that mix (`tiny.train_transformer`, with
+   `image_share` of the rows given their clean first latent frame, timestep 0 on its tokens,
+   the loss on the other frames: Wan 2.2 TI2V's conditioning, `pipelines/pipeline/ti2v.py`), at a
+   lower learning rate and without the warm start's zero-init.
+Writes DIR/model/ (the default's layout), DIR/report.json (times, losses, the VAE's 65-frame
+reconstruction error by frame, the detector's verdicts), DIR/long.png (contact sheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from end_to_end.train import synthetic_world as world, tiny
+from pipelines.wan import vae as wan_vae
+
+LONG_FRAMES = 65
+# Decoder batches (frames, crop side, share of the steps), drawn at each step: 65-frame clips (the
+# time cache run 17 chunks long; 32x32 crops: the cache is what needs teaching, at 1/4 of a full
+# frame's cost), and 17-frame crops so the short clips stay as they were.
+DECODER_PHASES = ((LONG_FRAMES, 32, 0.7), (world.FRAMES, 48, 0.3))
+DECODED = ("decoder.", "post_quant_conv.")
+
+
+def log(msg: str) -> None:
+  tiny.log(msg)
+
+
+def long_scene(rng: np.random.Generator) -> world.Scene:
+  """A 65-frame scene: slow motion (70 %) or standing still."""
+  if rng.random() < 0.3:
+    return world.random_scene(rng, motion="standing still")
+  return world.random_scene(rng, motion=str(rng.choice(list(world.SLOW_MOTIONS))))
+
+
+def clip_batch(rng: np.random.Generator, batch: int, frames: int, crop: int) -> np.ndarray:
+  """float32 [batch, frames, crop, crop, 3] in [-1, 1]: long scenes at 65 frames, the original
+  world's at 17 (random crops when `crop` < the frame)."""
+  out = np.empty((batch, frames, crop, crop, 3), np.float32)
+  for b in range(batch):
+    scene = long_scene(rng) if frames == LONG_FRAMES else world.random_scene(rng)
+    clip = world.render(scene, frames=frames)
+    y0, x0 = (int(rng.integers(0, n - crop + 1)) for n in (world.HEIGHT, world.WIDTH))
+    out[b] = clip[:, y0:y0 + crop, x0:x0 + crop] * 2 - 1
+  return out
+
+
+def decode_all(params, config: wan_vae.WanVAEConfig, z_BFHWC: jax.Array) -> jax.Array:
+  """Latent frames [B, 1 + k, Hl, Wl, z] -> video [B, 1 + 4k, 8Hl, 8Wl, 3], the decoder's chunks in
+  a `lax.scan` (one traced chunk, whatever the length)."""
+  vae = wan_vae.WanVAE(config, params)
+  first, cache = wan_vae.decode_chunk(vae, None, z_BFHWC[:, :1])
+
+  def body(cache, z):
+    y, cache = wan_vae.decode_chunk(vae, cache, z[:, None])
+    return cache, y
+
+  _, rest = jax.lax.scan(body, cache, jnp.moveaxis(z_BFHWC[:, 1:], 1, 0))
+  rest = jnp.moveaxis(rest, 0, 1)  # [B, k, 4, H, W, 3]
+  return jnp.concatenate([first, rest.reshape(rest.shape[0], -1, *rest.shape[3:])], axis=1)
+
+
+def encode_mean(vae: wan_vae.WanVAE, x_BFHWC: jax.Array) -> jax.Array:
+  """The encoder's mean, VAE space: [B, 1 + k, Hl, Wl, z]."""
+  return jnp.moveaxis(wan_vae.encode(vae, jnp.moveaxis(x_BFHWC, -1, 1)).mean, 1, -1)
+
+
+def train_decoder(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
+                  latent_noise: float = 0.1, phases=DECODER_PHASES):
+  """Fine-tunes the decoder (`DECODED` parameters) for about `seconds`, each step's batch drawn
+  from `phases` by their shares; the encoder is frozen. Returns (the VAE, [(step, loss)])."""
+  config = vae.config
+  trained = {k: v for k, v in vae.params.items() if k.startswith(DECODED)}
+  frozen = {k: v for k, v in vae.params.items() if not k.startswith(DECODED)}
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
+  state = opt.init(trained)
+  background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
+  encode = jax.jit(lambda x: encode_mean(vae, x))
+
+  def loss_fn(trained, x, z):
+    y = decode_all({**frozen, **trained}, config, z)
+    w = 1 + tiny.OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
+    return jnp.mean(w * jnp.square(y - x)) / jnp.mean(w)
+
+  @jax.jit
+  def step(trained, state, x, z, rate):
+    inject = state[1]
+    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
+    loss, grads = jax.value_and_grad(loss_fn)(trained, x, z)
+    updates, state = opt.update(grads, state, trained)
+    return optax.apply_updates(trained, updates), state, loss
+
+  rng = np.random.default_rng(seed)
+  history, start, k = [], time.perf_counter(), 0
+  shares = np.asarray([share for *_, share in phases])
+  while time.perf_counter() - start < seconds:
+    frac = min((time.perf_counter() - start) / seconds, 1.0)
+    rate = lr * min(1.0, (k + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    frames, crop, _ = phases[int(rng.choice(len(phases), p=shares / shares.sum()))]
+    x = clip_batch(rng, batch, frames, crop)
+    z = encode(x)
+    z = z + latent_noise * rng.standard_normal(z.shape).astype(np.float32)
+    trained, state, loss = step(trained, state, x, z, np.float32(rate))
+    history.append((k, float(loss)))
+    if k % 20 == 0:
+      log(f"decoder step {k}: loss {history[-1][1]:.5f} ({time.perf_counter() - start:.0f} s)")
+    k += 1
+  return wan_vae.WanVAE(config, {**frozen, **trained}), history
+
+
+def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int = 4) -> dict:
+  """Mean absolute pixel error by 8-frame span of `count` clean 65-frame clips encoded and decoded
+  as the pipeline does, and the long-video detector's verdict on each."""
+  errors, verdicts = [], []
+  for _ in range(count):
+    scene = long_scene(rng)
+    clip = world.render(scene, frames=LONG_FRAMES)
+    z = wan_vae.encode(vae, jnp.asarray(clip.transpose(3, 0, 1, 2)[None] * 2 - 1)).mean
+    video = np.clip(np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))[0] * 0.5 + 0.5, 0, 1)
+    errors.append(np.abs(video - clip).mean(axis=(1, 2, 3)))
+    verdicts.append(f"{scene.prompt}: {world.check_long(video, scene.prompt)}")
+  by_span = np.mean(errors, axis=0)
+  return {"error_by_8_frames": [round(float(by_span[i:i + 8].mean()), 4) for i in range(0, LONG_FRAMES, 8)],
+          "seen": verdicts}
+
+
+# --- the transformer's data ------------------------------------------------------------------------
+
+def encode_clips(vae: wan_vae.WanVAE, scenes: list[world.Scene], frames: int, batch: int = 4) -> np.ndarray:
+  """The scenes rendered at `frames` and encoded: normalised latents float32 [n, 16, 1 + (frames-1)/4, 8, 8]."""
+  out = []
+  for first in range(0, len(scenes), batch):
+    clips = np.stack([world.render(s, frames=frames) for s in scenes[first:first + batch]]) * 2 - 1
+    mean = wan_vae.encode(vae, jnp.asarray(clips.transpose(0, 4, 1, 2, 3))).mean
+    out.append(np.asarray(wan_vae.normalize_latents(vae.config, mean)))
+  return np.concatenate(out)
+
+
+def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int
+                 ) -> tuple[np.ndarray, list[str]]:
+  """`short` 17-frame clips of the original world and 4 windows (5 latent frames, offsets drawn,
+  the first window in one of 4) of each of `long` 65-frame scenes: (latents [n, 16, 5, 8, 8], prompts)."""
+  scenes = [world.random_scene(rng) for _ in range(short)]
+  latents, prompts = [encode_clips(vae, scenes, world.FRAMES)], [s.prompt for s in scenes]
+  long_scenes = [long_scene(rng) for _ in range(long)]
+  encoded = encode_clips(vae, long_scenes, LONG_FRAMES)
+  window = latents[0].shape[2]
+  for scene, z in zip(long_scenes, encoded):
+    offsets = rng.choice(z.shape[1] - window + 1, 4, replace=False)
+    latents.append(np.stack([z[:, o:o + window] for o in offsets]))
+    prompts += [scene.prompt] * 4
+  return np.concatenate(latents), prompts
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+def long_samples(folder: str, prompts: list[str], seeds=(0,), steps: int = 8) -> list[dict]:
+  """Each prompt at 65 frames in context windows of 17 overlapping by 8 (5 windows), the tiny
+  preset's settings otherwise, judged by `world.check_long`."""
+  from pipelines.pipeline import WanPipeline
+  pipe = WanPipeline.from_pretrained(folder)
+  out = []
+  for prompt in prompts:
+    for seed in seeds:
+      video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=LONG_FRAMES,
+                   num_inference_steps=steps, guidance_scale=5.0, seed=seed, progress=False,
+                   context_frames=world.FRAMES, context_overlap=8)[0]
+      ok, seen = world.check_long(video, prompt)
+      out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": seen, "video": video})
+  return out
+
+
+def image_samples(folder: str, rng: np.random.Generator, count: int, steps: int = 8) -> list[dict]:
+  """TI2V: a rendered first frame of a drawn scene (a fast motion; its colour, shape and position
+  drawn) given to the folder's transformer as `expand_timesteps` does, 17 frames; the detector on
+  the video, and the first frame's mean absolute pixel error against the given one."""
+  from PIL import Image
+  from pipelines.pipeline import WanPipeline
+  pipe = WanPipeline.from_pretrained(folder)
+  pipe.expand_timesteps = True
+  out = []
+  for i in range(count):
+    scene = world.random_scene(rng)
+    first = world.render(scene, only=[0])[0]
+    image = Image.fromarray(np.round(first * 255).astype(np.uint8))
+    video = pipe(scene.prompt, image=image, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
+                 num_inference_steps=steps, guidance_scale=5.0, seed=i, progress=False)[0]
+    ok, seen = world.check(video, scene.prompt)
+    out.append({"prompt": scene.prompt, "ok": bool(ok), "seen": seen,
+                "first_frame_error": float(np.abs(np.clip(video[0], 0, 1) - first).mean()), "video": video})
+  return out
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+def _texts(encoder) -> tuple[list[str], np.ndarray]:
+  grammar = world.all_prompts() + world.slow_prompts()
+  return grammar, tiny.encode_texts(encoder, grammar + [""])
+
+
+def _report(out: str, report: dict) -> None:
+  with open(os.path.join(out, "report.json"), "w") as f:
+    json.dump(report, f, indent=2)
+
+
+def _checks(folder: str, seed: int, report: dict, out: str) -> None:
+  """The detector on 17-frame samples (10 held-out prompts x 2 seeds), 65-frame windowed samples
+  (slow and still prompts), and first-frame-given samples; long.png shows the long ones."""
+  from pipelines.storage.contact_sheet import write_contact_sheet
+  rng = np.random.default_rng(seed + 7)
+  held_out = [str(p) for p in rng.choice(world.all_prompts(), 10, replace=False)]
+  short = tiny.sample_and_check(folder, held_out)
+  longs = long_samples(folder, ["a red square moving slowly right", "a green circle moving slowly left",
+                                "a blue triangle moving slowly down", "a yellow square moving slowly up",
+                                "a white circle moving slowly right", "a red triangle standing still"])
+  images = image_samples(folder, np.random.default_rng(seed + 9), 10)
+  for name, rows in (("short", short), ("long", longs), ("image", images)):
+    report[name] = {"passed": sum(r["ok"] for r in rows), "of": len(rows),
+                    "seen": [{k: v for k, v in r.items() if k != "video"} for r in rows]}
+  write_contact_sheet([r["video"] for r in longs], os.path.join(out, "long.png"),
+                      labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in longs], max_columns=9)
+  write_contact_sheet([r["video"] for r in images], os.path.join(out, "image.png"),
+                      labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in images], max_columns=9)
+
+
+def main(argv: list[str] | None = None) -> int:
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+  from pipelines.wan.transformer import load_transformer
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True, help="output folder (model/, report.json, long.png, image.png)")
+  p.add_argument("--from", dest="source", default=TINY_DEFAULT_FOLDER, help="the model folder to train further")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget of the training")
+  p.add_argument("--decoder-fraction", type=float, default=0.35, help="share of --minutes for the decoder")
+  p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
+  p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
+  p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
+  p.add_argument("--image-share", type=float, default=0.3, help="rows given their first frame (TI2V)")
+  args = p.parse_args(argv)
+  t0 = time.perf_counter()
+  os.makedirs(args.out, exist_ok=True)
+  report = {k: v for k, v in vars(args).items()}
+  vae = wan_vae.load_vae(os.path.join(args.source, "vae"))
+  report["vae_before"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
+  log(f"65-frame reconstruction before: {report['vae_before']['error_by_8_frames']}")
+  vae, decoder_history = train_decoder(vae, args.decoder_fraction * args.minutes * 60, seed=args.seed)
+  report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
+  log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
+  _report(args.out, report)
+  latents, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
+  encoder = tiny.text_encoder()
+  grammar, texts = _texts(encoder)
+  seconds = args.minutes * 60 - (time.perf_counter() - t0)
+  log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
+  transformer, history = tiny.train_transformer(
+      latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
+      lr=args.lr, warm=30, model=load_transformer(os.path.join(args.source, "transformer")),
+      image_share=args.image_share)
+  folder = tiny.save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
+  report["losses"] = {"decoder_last20": float(np.mean([l for _, l in decoder_history[-20:]])),
+                      "transformer_last100": float(np.mean([l for _, l in history[-100:]])),
+                      "decoder_steps": len(decoder_history), "transformer_steps": len(history)}
+  report["train_seconds"] = time.perf_counter() - t0
+  _checks(folder, args.seed, report, args.out)
+  report["total_seconds"] = time.perf_counter() - t0
+  _report(args.out, report)
+  log(f"done in {report['total_seconds'] / 60:.1f} min: short {report['short']['passed']}/{report['short']['of']}, "
+      f"long {report['long']['passed']}/{report['long']['of']}, image {report['image']['passed']}/"
+      f"{report['image']['of']}; {folder}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

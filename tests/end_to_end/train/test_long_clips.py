@@ -1,0 +1,64 @@
+"""end_to_end.train.long_clips's pieces against the product code they must agree with: the decoder's
+scan is the pipeline's chunked decode, the TI2V training rows are what `expand_timesteps` sampling
+feeds the transformer, and the training set's windows are slices of the long clips' latents."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from end_to_end.train import long_clips, synthetic_world as world, tiny as train_tiny
+from pipelines.wan import vae as wan_vae
+
+
+def test_decoder_scan_is_the_pipelines_decode():
+  """`decode_all` (one traced chunk in a scan, what the decoder trains through) equals `vae.decode`
+  on 3 latent frames (9 video frames) of the random tiny VAE. Tolerance: fp32, |x| <= 1 -> 1e-5."""
+  vae = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(2))
+  z = jnp.asarray(np.random.default_rng(2).standard_normal((1, 3, 2, 2, 16)).astype(np.float32))
+  with jax.disable_jit():
+    ours = long_clips.decode_all(vae.params, vae.config, z)
+    theirs = wan_vae.decode(vae, jnp.moveaxis(z, -1, 1), video_layout="BFHWC")
+  assert ours.shape == (1, 9, 16, 16, 3)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
+
+
+def test_given_first_frame_rows_are_ti2v_sampling_inputs():
+  """A given row: its first latent frame is the clean one, its first frame's tokens (Hl Wl / 4 with
+  patch (1, 2, 2)) have timestep 0, the rest 1000 sigma (diffusers' expand_timesteps mask), and the
+  loss weight leaves that frame out; a row not given is the plain flow pair with a flat timestep."""
+  rng = np.random.default_rng(0)
+  x0, noise = (jnp.asarray(rng.standard_normal((2, 4, 3, 4, 4)).astype(np.float32)) for _ in range(2))
+  sigma = jnp.asarray([0.5, 0.8], jnp.float32)
+  xt, _ = train_tiny.flow_pair(x0, noise, sigma)
+  given = jnp.asarray([1.0, 0.0])
+  out, timestep, weight = train_tiny.given_first_frame(x0, xt, sigma, given, (1, 2, 2))
+  np.testing.assert_array_equal(out[0, :, 0], x0[0, :, 0])
+  np.testing.assert_array_equal(out[0, :, 1:], xt[0, :, 1:])
+  np.testing.assert_array_equal(out[1], xt[1])
+  assert timestep.shape == (2, 12)
+  np.testing.assert_array_equal(timestep[0], [0.0] * 4 + [500.0] * 8)
+  np.testing.assert_allclose(timestep[1], 800.0)
+  np.testing.assert_array_equal(weight[:, 0, :, 0, 0], [[0, 1, 1], [1, 1, 1]])
+
+
+def test_training_set_windows_are_slices_of_the_long_latents(monkeypatch):
+  """Each long scene gives 4 windows of 5 latent frames at distinct offsets, each a slice of that
+  scene's encoded 65-frame latents, with its prompt; the short clips come first."""
+  calls = []
+
+  def fake_encode(vae, scenes, frames, batch=4):
+    calls.append(frames)
+    frames_l = 1 + (frames - 1) // 4
+    return np.stack([np.broadcast_to(np.arange(frames_l, dtype=np.float32)[None, :, None, None] + 100 * i,
+                                     (2, frames_l, 1, 1)) for i in range(len(scenes))])
+
+  monkeypatch.setattr(long_clips, "encode_clips", fake_encode)
+  latents, prompts = long_clips.training_set(None, np.random.default_rng(0), short=3, long=2)
+  assert calls == [world.FRAMES, long_clips.LONG_FRAMES]
+  assert latents.shape == (3 + 8, 2, 5, 1, 1) and len(prompts) == 11
+  for i in range(2):
+    rows = latents[3 + 4 * i:7 + 4 * i, 0, :, 0, 0] - 100 * i
+    starts = rows[:, 0]
+    assert len(set(starts)) == 4 and all(0 <= s <= 12 for s in starts)
+    np.testing.assert_array_equal(rows, starts[:, None] + np.arange(5))
+    assert len(set(prompts[3 + 4 * i:7 + 4 * i])) == 1
