@@ -65,3 +65,16 @@ def test_model_and_request_shapes_come_from_the_token_facts():
 def test_token_facts_refuse_a_bad_count():
   with pytest.raises(ValueError, match="spatial_factor=0"):
     token_facts(PRESETS["tiny"], spatial_factor=0, temporal_factor=4, text_tokens=512)
+
+
+def test_of_model_names_the_embedded_models():
+  """"tiny-i2v" is the trained default's facts with a first frame taken (expand_timesteps), its one
+  trained size kept; "tiny" takes none; a folder reads its own files."""
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_VIDEO
+
+  tiny, i2v = ModelFacts.of_model("tiny", "float32"), ModelFacts.of_model("tiny-i2v", "float32")
+  assert (tiny.name, tiny.expand_timesteps, i2v.name, i2v.expand_timesteps) == ("tiny", False, "tiny-i2v", True)
+  assert tiny.trained_video == i2v.trained_video == TINY_TRAINED_VIDEO
+  assert ModelFacts.of_model("tiny-random", "float32").trained_video is None
+  folder = ModelFacts.of_model(TINY_DEFAULT_FOLDER, "float32")
+  assert folder.transformer == tiny.transformer and not folder.expand_timesteps

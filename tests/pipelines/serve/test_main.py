@@ -50,3 +50,15 @@ def test_an_image_to_video_model_is_checked_with_a_first_frame():
   check(config, image)
   with pytest.raises(UsageError, match=r"--warmup 33x32x5x2"):
     check(dataclasses.replace(config, warmup=((33, 32, 5, 2),)), image)
+
+
+def test_tiny_i2v_is_served_as_a_model_that_takes_a_first_frame():
+  """--model tiny-i2v: its facts take an image (a job's input_reference, `references.py`), and the
+  loader gives the trained default run TI2V-style; --model tiny takes none (control)."""
+  from pipelines.serve.main import loader, model_facts
+  from pipelines.serve.options import ServeConfig
+
+  i2v, text = ServeConfig(model="tiny-i2v"), ServeConfig(model="tiny")
+  assert model_facts(i2v).expand_timesteps and not model_facts(text).expand_timesteps
+  pipe = loader(i2v)()
+  assert (pipe.name, pipe.expand_timesteps) == ("tiny-i2v", True)
