@@ -15,14 +15,30 @@ from pipelines.cli.flags import flag_error
 from pipelines.commands.flags import UsageError
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
+from pipelines.wan.pretrained import download_snapshot, hub_id
 
 from pipelines.cli.plan import Plan
 
 
+def fetch_model(plan: Plan) -> Plan:
+  """A Hugging Face Hub --model (org/name[@revision]) downloaded into the Hub cache where missing
+  (`pretrained.download_snapshot`: the files the pipeline loads; processes of one host download once):
+  the plan with its snapshot folder and commit. Any other --model: the plan as it is.
+
+  Raises:
+    weights.CheckpointError: no such repo or revision, not a Wan pipeline, not cached while offline.
+  """
+  parsed = hub_id(plan.model)
+  if parsed is None:
+    return plan
+  snapshot = download_snapshot(*parsed)
+  return dataclasses.replace(plan, model_folder=snapshot.folder, model_commit=snapshot.commit)
+
+
 def model_facts(plan: Plan) -> Any:
   """The `ModelFacts` of --model (`pipelines.pipeline.model_facts`), named as the pipeline names it
-  ("tiny" for both tiny models); a folder's weight files are checked too (safetensors present,
-  headers intact), reading no tensor data.
+  ("tiny" for both tiny models, a Hub model's repo id); a folder's weight files are checked too
+  (safetensors present, headers intact), reading no tensor data.
 
   Raises:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
@@ -30,9 +46,13 @@ def model_facts(plan: Plan) -> Any:
   from pipelines.pipeline.model_facts import ModelFacts
   from pipelines.wan.pretrained import PipelineIndex
 
-  if plan.model not in ("tiny", "tiny-i2v", "tiny-random"):
-    PipelineIndex.read(plan.model).check_weights()
-  facts = ModelFacts.of_model(plan.model, plan.dtype)
+  if plan.model in ("tiny", "tiny-i2v", "tiny-random"):
+    facts = ModelFacts.of_model(plan.model, plan.dtype)
+  else:
+    folder = plan.model_folder or plan.model
+    PipelineIndex.read(folder).check_weights()
+    name = None if plan.model_folder is None else hub_id(plan.model)[0]  # a Hub model: its repo id
+    facts = ModelFacts.from_folder(folder, plan.dtype, name=name)
   return dataclasses.replace(facts, quantize=plan.quantize)
 
 
@@ -54,7 +74,7 @@ def join(plan: Plan, facts: Any) -> None:
   distributed.initialize(plan.processes)
   try:  # the same command on every process (only the id differs)
     distributed.check_same_settings({k: v for k, v in dataclasses.asdict(plan).items()
-                                     if k not in ("processes", "compile_cache")})  # (per-host paths)
+                                     if k not in ("processes", "compile_cache", "model_folder")})  # (per-host paths)
   except ValueError as e:
     raise UsageError(str(e)) from e
 

@@ -66,8 +66,9 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help="what to avoid (classifier-free guidance); default: the --preset's (Wan's default "
                       "negative prompt for the wan2.* presets, as Wan's scripts), else ''")
   p.add_argument("--model", default="tiny",
-                 help="a diffusers-format Wan folder, 'tiny' (embedded trained shapes-world model), 'tiny-i2v' "
-                      "(the same, continuing an --image first frame) or 'tiny-random' (embedded random weights)")
+                 help="a diffusers-format Wan folder, a Hugging Face Hub id org/name[@revision] (downloaded "
+                      "once into the Hub cache), 'tiny' (embedded trained shapes-world model), 'tiny-i2v' (the "
+                      "same, continuing an --image first frame) or 'tiny-random' (embedded random weights)")
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")

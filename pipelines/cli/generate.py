@@ -81,6 +81,7 @@ from pipelines.parallel import supervisor
 from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 from pipelines.storage import weights
+from pipelines.wan.pretrained import hub_id
 
 __all__ = ["main", "cli", "run", "build_parser"]
 
@@ -146,8 +147,9 @@ def _load(plan: Plan, request: Any) -> Any:
     pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random", image=plan.model == "tiny-i2v")
   else:
     cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
-    pipe = cls.from_pretrained(plan.model, dtype=plan.dtype, mesh=request.plan.mesh,
-                                       shard_weights=request.plan.shard_weights)
+    model = plan.model if plan.model_commit is None else f"{hub_id(plan.model)[0]}@{plan.model_commit}"
+    pipe = cls.from_pretrained(model, dtype=plan.dtype, mesh=request.plan.mesh,
+                               shard_weights=request.plan.shard_weights)  # a Hub model: the commit checked
   weights: dict[str, dict[str, float]] = {}  # adapter name -> {transformer: weight}
   for path, scale, expert in plan.loras:
     name = pipe.load_lora_weights(path, scale=scale, load_into_transformer_2=expert == 1)

@@ -91,7 +91,7 @@ def sidecar(checked: Checked, result: Any, *, out: str, sheet: str | None, lora:
   return {
       "output": os.path.abspath(out), "prompt": asked["prompt"], "negative_prompt": asked["negative_prompt"],
       "seed": asked["seed"], "seed_drawn": plan.seed is None, "model": request.model.name,
-      "preset": asked["preset"],
+      "model_commit": asked["model_commit"], "preset": asked["preset"],
       "mesh": {**request.plan.spec.describe(), "auto": checked.mesh_auto, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},

@@ -62,6 +62,8 @@ class Plan:
   scheduler: str | None = None  # --scheduler or the preset's; None: the folder's
   timesteps: tuple[float, ...] | None = None  # --timesteps or the preset's custom schedule
   sigmas: tuple[float, ...] | None = None  # --sigmas
+  model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
+  model_commit: str | None = None  # a Hub --model's resolved commit
 
   @property
   def mesh_devices(self) -> int | None:

@@ -16,6 +16,7 @@ from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import estimate
 from pipelines.storage import video_io
+from pipelines.wan.pretrained import hub_id
 
 from pipelines.cli.plan import Plan
 
@@ -27,6 +28,8 @@ _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "
              "mask", "reference_image", "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
+# Facts the record holds that no flag sets: a Hub --model's resolved commit (None for any other model).
+_RECORDED_FACTS = ("model_commit",)
 
 
 def check_checkpoint_dir(directory: str) -> None:
@@ -64,8 +67,8 @@ def _normalized(name: str, value: Any) -> Any:
   if name == "guidance":
     values = list(parse_guidance(value)) if isinstance(value, str) else list(value)
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
-  if name == "model":
-    return value if value in TINY_MODELS else os.path.abspath(value)
+  if name == "model":  # a Hub id as given (org/name[@revision]), a folder as its absolute path
+    return value if value in TINY_MODELS or hub_id(value) is not None else os.path.abspath(value)
   if name in ("image", "last_image", "video", "mask"):
     return os.path.abspath(value)
   if name == "reference_image":
@@ -131,7 +134,8 @@ class RunFacts:
   """What the run record and the sidecar hold besides the request: the command's own facts.
 
   Attributes:
-    model: --model as given ("tiny", "tiny-random" or a folder).
+    model: --model as given ("tiny", "tiny-random", a folder or a Hub id org/name[@revision]).
+    model_commit: a Hub --model's resolved commit, or None.
     preset: the --preset applied, or None.
     out: --out; fps: frames per second of the output.
     loras: (path, scale, expert 0 or 1), in loading order.
@@ -153,11 +157,12 @@ class RunFacts:
   mask: str | None = None
   reference_images: tuple[str, ...] = ()
   conditioning_scale: Any = 1.0
+  model_commit: str | None = None
 
   @classmethod
   def of(cls, plan: Plan) -> RunFacts:
-    return cls(model=plan.model, preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
-               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
+    return cls(model=plan.model, model_commit=plan.model_commit, preset=plan.preset, out=plan.out, fps=plan.fps,
+               loras=plan.loras, negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
                video=plan.video, mask=plan.mask, reference_images=plan.reference_images,
                conditioning_scale=plan.conditioning_scale)
 
@@ -173,12 +178,13 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   prompt, negative prompt, seed and preset from it): every value from the `GenerationRequest`,
   in the flags' form, and the command's own facts.
 
-  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE`.
+  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE` + `_RECORDED_FACTS`.
   """
   g1, g2 = request.guidance
   record = {"prompt": request.prompts[0],
             "negative_prompt": request.negative_prompts[0] if request.negative_prompts else facts.negative_prompt,
-            "model": _normalized("model", facts.model), "preset": facts.preset,
+            "model": _normalized("model", facts.model), "model_commit": facts.model_commit,
+            "preset": facts.preset,
             "size": f"{request.width}x{request.height}", "frames": request.num_frames, "steps": request.steps,
             "guidance": [g1] if g1 == g2 else [g1, g2], "shift": flow_shift(request), "seed": request.seed,
             "dtype": request.model.dtype, "max_sequence_length": request.max_sequence_length,

@@ -25,6 +25,7 @@ from pipelines.pipeline import compile_cache
 from pipelines.storage import video_io
 from pipelines.storage import video_reading
 from pipelines.storage import contact_sheet
+from pipelines.wan.pretrained import hub_id
 
 
 def plan_run(args: argparse.Namespace) -> Plan:
@@ -211,10 +212,10 @@ def _preset(args: argparse.Namespace) -> tuple[str | None, Preset]:
     UsageError: --model neither a tiny model nor a folder, or an unknown --preset.
   """
   tiny = args.model in TINY_MODELS
-  if not tiny and not os.path.isdir(args.model):
+  if not tiny and not os.path.isdir(args.model) and hub_id(args.model) is None:
     raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
-                     "(model_index.json, transformer/, ...) or 'tiny' for the embedded default "
-                     "('tiny-random': random weights)")
+                     "(model_index.json, transformer/, ...), a Hugging Face Hub id (org/name[@revision]) "
+                     "or 'tiny' for the embedded default ('tiny-random': random weights)")
   preset_name = args.preset or ("tiny" if tiny else None)
   if preset_name is not None and preset_name not in PRESETS:
     raise UsageError(f"unknown --preset {preset_name!r}; use one of {', '.join(PRESETS)}")
@@ -366,6 +367,7 @@ def check_plan(plan: Plan) -> Checked:
   from pipelines.cli import devices
 
   requested = request_cpu_devices_for(plan)
+  plan = devices.fetch_model(plan)
   facts = devices.model_facts(plan)
   if plan.processes is not None:
     devices.join(plan, facts)

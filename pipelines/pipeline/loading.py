@@ -1,10 +1,12 @@
-"""Building a `WanPipeline`'s parts: from a diffusers-format folder, or the embedded tiny models."""
+"""Building a `WanPipeline`'s parts: from a diffusers-format folder (a local one, or a Hugging Face Hub
+repo's snapshot: `locate`), or the embedded tiny models."""
 
 from __future__ import annotations
 
 import functools
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,7 +16,7 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage import weights
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import clip_vision, tokenizer as tokenization, umt5
-from pipelines.wan.pretrained import PipelineIndex, tiny
+from pipelines.wan.pretrained import HubSnapshot, PipelineIndex, download_snapshot, hub_id, tiny
 from pipelines.wan.transformer import init_transformer, large_leaf_shardings, load_transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -31,13 +33,57 @@ def dtype_of(name: str) -> jnp.dtype:
   return DTYPES[name]
 
 
+def locate(model: str, *, revision: str | None = None, token: str | bool | None = None,
+           cache_dir: str | None = None, local_files_only: bool = False,
+           image_to_video: bool | None = None) -> tuple[str, str, HubSnapshot | None]:
+  """(local folder, the pipeline's name, the Hub snapshot or None) of a `from_pretrained` model: a
+  folder as it is (named by its absolute path), or a Hub id `org/name[@revision]` downloaded where
+  not cached (`pretrained.download_snapshot`; named by its repo id). `image_to_video`: the class
+  loading it (None: either), checked against the repo's model_index.json before any weight is
+  downloaded.
+
+  Raises:
+    ValueError: a revision both in the id and as `revision`, or a repo of the other class.
+    weights.CheckpointError: see `pretrained.download_snapshot`.
+  """
+  parsed = hub_id(model)
+  if parsed is None:
+    return model, os.path.abspath(model), None
+  repo_id, asked = parsed
+  if asked is not None and revision is not None and asked != revision:
+    raise ValueError(f"{model!r} names revision {asked!r} and revision={revision!r} another; give one")
+
+  def check_index(index: dict[str, Any]) -> None:
+    if image_to_video is not None:
+      check_class(repo_id, index.get("_class_name") == "WanImageToVideoPipeline",
+                  index.get("expand_timesteps") is True, image_to_video)
+
+  snapshot = download_snapshot(repo_id, asked or revision, token=token, cache_dir=cache_dir,
+                               local_files_only=local_files_only, check_index=check_index)
+  return snapshot.folder, repo_id, snapshot
+
+
+def check_class(where: str, folder_image_to_video: bool, expand_timesteps: bool, image_to_video: bool) -> None:
+  """A folder or repo loads with the class of its model_index.json `_class_name` (a TI2V one with either).
+
+  Raises:
+    ValueError: a text-to-video folder for the image-to-video class or the other way round.
+  """
+  if folder_image_to_video != image_to_video and not expand_timesteps:
+    want, other = (("WanImageToVideoPipeline", "WanPipeline") if folder_image_to_video
+                   else ("WanPipeline", "WanImageToVideoPipeline"))
+    raise ValueError(f"{where!r} is a {want} folder (model_index.json _class_name); load it with "
+                     f"{want}.from_pretrained, not {other}")
+
+
 def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
-                 progress: bool | None, quantize: str | None = None, *,
-                 image_to_video: bool = False) -> tuple[dict[str, Any], ParallelPlan | None]:
+                 progress: bool | None, quantize: str | None = None, *, image_to_video: bool = False,
+                 name: str | None = None) -> tuple[dict[str, Any], ParallelPlan | None]:
   """The `WanPipeline` constructor's keyword arguments read from `folder`, and the plan the weights
   were placed for (None: the first device). `WanPipeline.from_pretrained` documents the arguments;
   `image_to_video`: the caller is `WanImageToVideoPipeline` (its parts add `image_encoder` and
-  `image_processor`, None for Wan 2.2 I2V A14B).
+  `image_processor`, None for Wan 2.2 I2V A14B); `name`: the pipeline's (None: the folder's
+  absolute path).
 
   Raises:
     ValueError: a text-to-video folder for the image-to-video class or the other way round.
@@ -47,11 +93,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   """
   model_dtype, vae_dt = dtype_of(dtype), dtype_of(vae_dtype)
   index = PipelineIndex.read(folder)
-  if index.image_to_video != image_to_video and not index.expand_timesteps:  # TI2V: either class
-    want, other = (("WanImageToVideoPipeline", "WanPipeline") if index.image_to_video
-                   else ("WanPipeline", "WanImageToVideoPipeline"))
-    raise ValueError(f"{folder!r} is a {want} folder (model_index.json _class_name); load it with "
-                     f"{want}.from_pretrained, not {other}")
+  check_class(folder, index.image_to_video, index.expand_timesteps, image_to_video)
   plan = None
   if mesh is not None or shard_weights:
     plan = ParallelPlan.build(mesh, heads=index.transformer.num_attention_heads, shard_weights=shard_weights)
@@ -71,7 +113,8 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
-               expand_timesteps=index.expand_timesteps, name=os.path.abspath(folder))
+               expand_timesteps=index.expand_timesteps,
+               name=os.path.abspath(folder) if name is None else name)
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)
     if index.image_encoder:
@@ -109,3 +152,20 @@ def tiny_random_parts(dtype: str) -> dict[str, Any]:
               transformers=[init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED, model_dtype)],
               vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(tiny.TINY_SEED)),
               scheduler_config=tiny.TINY_SCHEDULER, name="tiny-random")
+
+
+def check_parts(text_config: umt5.UMT5Config, transformers: Sequence[Any], vae: wan_vae.WanVAE,
+                 boundary_ratio: float | None) -> None:
+  """Raises ValueError unless the parts fit together (one or two experts of one config)."""
+  if len(transformers) not in (1, 2) or (len(transformers) == 2) != (boundary_ratio is not None):
+    raise ValueError(f"need one transformer, or two with a boundary_ratio; got {len(transformers)=} "
+                     f"{boundary_ratio=}")
+  configs = {t.config for t in transformers}
+  if len(configs) != 1:
+    raise ValueError(f"both experts must share one config, got {configs}")
+  config = transformers[0].config
+  if text_config.d_model != config.text_dim:
+    raise ValueError(f"text encoder d_model={text_config.d_model} != transformer text_dim={config.text_dim}")
+  if vae.config.z_dim != config.out_channels:
+    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer out_channels={config.out_channels}")
+

@@ -86,7 +86,7 @@ class WanPipeline(LoraLoaderMixin):
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
                scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
                name: str = ""):
-    _check_parts(text_encoder[0], transformers, vae, boundary_ratio)
+    loading.check_parts(text_encoder[0], transformers, vae, boundary_ratio)
     self.transformer_config = transformers[0].config
     self.text_encoder_config = text_encoder[0]
     self.tokenizer = tokenizer
@@ -114,8 +114,10 @@ class WanPipeline(LoraLoaderMixin):
   @classmethod
   def from_pretrained(cls, folder: str, dtype: str = "float32", vae_dtype: str = "float32", *,
                       mesh: Mesh | MeshSpec | str | None = None, shard_weights: bool = False,
-                      progress: bool | None = None, quantize: str | None = None) -> WanPipeline:
-    """Loads a diffusers-format Wan folder (safetensors only).
+                      progress: bool | None = None, quantize: str | None = None, revision: str | None = None,
+                      token: str | bool | None = None, cache_dir: str | None = None,
+                      local_files_only: bool = False) -> WanPipeline:
+    """Loads a diffusers-format Wan folder (safetensors only), local or a Hugging Face Hub repo's.
 
     The weight files are memory-mapped and each weight is laid out, cast and placed on its devices
     in one copy, straight from the mapping (`distributed.put_host_leaves`): host memory beyond the
@@ -123,7 +125,9 @@ class WanPipeline(LoraLoaderMixin):
 
     Args:
       folder: holds model_index.json, transformer/ (+ transformer_2/ and `boundary_ratio` in
-        model_index.json for Wan 2.2 A14B), text_encoder/, tokenizer/, vae/, scheduler/.
+        model_index.json for Wan 2.2 A14B), text_encoder/, tokenizer/, vae/, scheduler/. Or a Hub
+        id, "org/name" or "org/name@revision" (not an existing path): only the files the pipeline
+        loads are downloaded into the Hub cache (`pretrained.hub`), and the pipeline is named by it.
       dtype: "float32" or "bfloat16": transformer(s) and text encoder (diffusers' `torch_dtype`).
       vae_dtype: the VAE's dtype; float32 by default as Wan's reference code and diffusers' Wan
         examples run it.
@@ -136,15 +140,20 @@ class WanPipeline(LoraLoaderMixin):
         quantized as they are loaded, from the checkpoint's values (`quantize` says what and how;
         `transformer_loading.load_transformer`: one fp32 stacked kernel at a time on the devices);
         with `shard_weights` the 1-byte values and their scales are what is split and gathered.
+      revision, token, cache_dir, local_files_only: a Hub id's, as huggingface_hub's (HF_TOKEN,
+        HF_HUB_CACHE, HF_HUB_OFFLINE and HF_ENDPOINT apply).
 
     Raises:
       ValueError: an unknown dtype or quantize mode, or a mesh that does not fit the devices or heads.
-      weights.CheckpointError: a folder that is not a Wan pipeline, a bad weight file.
+      weights.CheckpointError: a folder that is not a Wan pipeline, a bad weight file; a Hub repo
+        missing, of another pipeline, not cached while offline (`pretrained.download_snapshot`).
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
     quantization.check_mode(quantize)  # before any loading
+    folder, name, _ = loading.locate(folder, revision=revision, token=token, cache_dir=cache_dir,
+                                     local_files_only=local_files_only, image_to_video=cls.image_to_video)
     parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
-                                       image_to_video=cls.image_to_video)
+                                       image_to_video=cls.image_to_video, name=name)
     pipe = cls(**parts)
     pipe.quantization = quantize  # quantized as they were loaded
     if plan is not None:  # already where a call on this mesh wants them
@@ -159,18 +168,15 @@ class WanPipeline(LoraLoaderMixin):
     Args:
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
-        `python -m end_to_end.train.tiny` and `end_to_end.train.long_clips`; it draws the shapes
-        world of `end_to_end.train.synthetic_world`, e.g. "a red square moving right", at 64x64 x
-        17 frames, longer in context windows of 17, e.g. "a red square moving slowly right").
+        `end_to_end.train.tiny`, then `.long_clips`): the shapes world, e.g. "a red square moving
+        right" at 64x64 x 17 frames, or "... moving slowly right" longer in context windows of 17).
         True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
-      image: the trained model run as Wan 2.2 TI2V runs (`expand_timesteps`, name "tiny-i2v"):
-        `pipe(prompt, image=first_frame)` continues the given 64x64 frame; without an image, text to
-        video as "tiny". It was trained for both (`end_to_end.train.long_clips`).
+      image: the trained model run as TI2V (`expand_timesteps`, "tiny-i2v"): `pipe(prompt,
+        image=first_frame)` continues the given frame (trained for it: `train.long_clips`).
 
-    Raises:
-      ValueError: `image` with `random`, or an unknown quantize mode.
+    Raises: ValueError: `image` with `random`, or an unknown quantize mode.
     """
     quantization.check_mode(quantize)
     if image and random:
@@ -491,20 +497,4 @@ class WanPipeline(LoraLoaderMixin):
     (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height; the
     programs compiled at `compile_effort`, None: the platform's)."""
     return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort)
-
-
-def _check_parts(text_config: umt5.UMT5Config, transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
-                 boundary_ratio: float | None) -> None:
-  """Raises ValueError unless the parts fit together (one or two experts of one config)."""
-  if len(transformers) not in (1, 2) or (len(transformers) == 2) != (boundary_ratio is not None):
-    raise ValueError(f"need one transformer, or two with a boundary_ratio; got {len(transformers)=} "
-                     f"{boundary_ratio=}")
-  configs = {t.config for t in transformers}
-  if len(configs) != 1:
-    raise ValueError(f"both experts must share one config, got {configs}")
-  config = transformers[0].config
-  if text_config.d_model != config.text_dim:
-    raise ValueError(f"text encoder d_model={text_config.d_model} != transformer text_dim={config.text_dim}")
-  if vae.config.z_dim != config.out_channels:
-    raise ValueError(f"VAE z_dim={vae.config.z_dim} != transformer out_channels={config.out_channels}")
 

@@ -14,6 +14,7 @@ next start); 1 the coordinator not reached; 2 a usage error (nothing started).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 from typing import Any
@@ -25,11 +26,37 @@ from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
 
 
+def fetch_model(config: ServeConfig) -> ServeConfig:
+  """A Hugging Face Hub --model (org/name[@revision]) downloaded into the Hub cache where missing
+  (`pretrained.download_snapshot`; processes of one host download once) and pinned to the commit it
+  resolved to ("org/name@commit"), so that the checks and every load read those files without
+  asking the Hub again; any other --model as it is.
+
+  Raises:
+    UsageError: no such repo or revision, not a Wan pipeline, not cached while offline.
+  """
+  from pipelines.wan.pretrained import download_snapshot, hub_id
+
+  parsed = hub_id(config.model)
+  if parsed is None:
+    return config
+  try:
+    snapshot = download_snapshot(*parsed)
+  except ValueError as e:
+    raise UsageError(f"--model {config.model}: {e}") from e
+  return dataclasses.replace(config, model=snapshot.pinned)
+
+
 def model_facts(config: ServeConfig) -> Any:
-  """The `ModelFacts` of --model ("tiny", "tiny-i2v", "tiny-random" or a folder) from its JSON files."""
+  """The `ModelFacts` of --model ("tiny", "tiny-i2v", "tiny-random", a folder or a pinned Hub id) from its
+  JSON files."""
+  from pipelines.pipeline.loading import locate
   from pipelines.pipeline.model_facts import ModelFacts
 
-  return ModelFacts.of_model(config.model, config.dtype)
+  if config.model in ("tiny", "tiny-i2v", "tiny-random"):
+    return ModelFacts.of_model(config.model, config.dtype)  # the trained ones with their one size
+  folder, name, _ = locate(config.model)  # a Hub model: in the cache already (`fetch_model`)
+  return ModelFacts.from_folder(folder, config.dtype, name=name)
 
 
 def loader(config: ServeConfig) -> Any:
@@ -148,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.parallel.distributed import DistributedError
 
   try:
-    config = parse(argv)
+    config = fetch_model(parse(argv))
     if config.processes is not None and config.processes.process_id != 0:
       return follow(config)
     service = build_service(config)

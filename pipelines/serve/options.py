@@ -51,7 +51,8 @@ class ServeConfig:
   """What the server runs with (checked by `parse`; every field has its flag).
 
   Attributes:
-    model: "tiny", "tiny-i2v", "tiny-random" or a diffusers-format Wan folder.
+    model: "tiny", "tiny-i2v", "tiny-random", a diffusers-format Wan folder or a Hub id "org/name[@revision]"
+      (`main.fetch_model` downloads it and pins the commit: "org/name@commit").
     mesh: the mesh spec string ("U=2,R=2"), or None (one device).
     host, port: where HTTP listens (127.0.0.1 by default: reachable from this machine only).
     data_dir: the job table (`jobs.sqlite3`), videos, sidecars and denoising checkpoints.
@@ -131,8 +132,9 @@ class ServeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="serve", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
-  p.add_argument("--model", default="tiny", help="tiny (the trained embedded model), tiny-i2v (the same, "
-                 "its jobs may bring a first frame: input_reference), tiny-random, or a diffusers-format Wan folder")
+  p.add_argument("--model", default="tiny", help="tiny (the trained embedded model), tiny-i2v (the same, its "
+                 "jobs may bring a first frame: input_reference), tiny-random, a diffusers-format Wan folder, or a "
+                 "Hugging Face Hub id org/name[@revision]")
   p.add_argument("--mesh", default=None, help="Ulysses x ring mesh, e.g. U=2,R=2 (default: one device)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the server to "
                  "the network (use --api-key then)")

@@ -1,5 +1,6 @@
-"""Pipeline folders: reading a diffusers-format folder's index, writing one, and the embedded tiny
-models (the trained default's folder, the random-weight model's configs).
+"""Pipeline folders: reading a diffusers-format folder's index, writing one, fetching one from the
+Hugging Face Hub (`hub`), and the embedded tiny models (the trained default's folder, the
+random-weight model's configs).
 
 The names below are imported on first use (as `attention`'s are), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
@@ -9,6 +10,7 @@ from pipelines.wan import lazy_attributes
 
 _HOMES = (
     ("pipelines.wan.pretrained.folder", ("PipelineIndex",)),
+    ("pipelines.wan.pretrained.hub", ("HubSnapshot", "download_snapshot", "hub_id")),
     ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
     ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
                                        "TINY_TRAINED_NAMES", "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),

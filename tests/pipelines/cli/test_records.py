@@ -37,7 +37,8 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   record = records.request_record(checked.request, facts)
   assert (record["steps"], record["seed"], record["size"], record["frames"]) == (2, 0, "32x32", 5)
   assert record["model"] == "tiny-random" and record["guidance"] == [5.0] and record["shift"] == 3.0
-  assert set(record) == set(records._RECORDED + records._RECORDED_FREE)
+  assert set(record) == set(records._RECORDED + records._RECORDED_FREE + records._RECORDED_FACTS)
+  assert record["model_commit"] is None  # not a Hub model
   changed = dataclasses.replace(checked, request=dataclasses.replace(checked.request, steps=7, seed=11,
                                                                      prompts=["a blue circle"]))
   record = records.request_record(changed.request, facts)

@@ -62,3 +62,29 @@ def test_tiny_i2v_is_served_as_a_model_that_takes_a_first_frame():
   assert model_facts(i2v).expand_timesteps and not model_facts(text).expand_timesteps
   pipe = loader(i2v)()
   assert (pipe.name, pipe.expand_timesteps) == ("tiny-i2v", True)
+
+
+def test_a_hub_model_is_fetched_once_and_pinned_to_its_commit(tmp_path, monkeypatch, capsys):
+  """serve --model org/name: downloaded before the checks (through huggingface_hub, here from a local
+  stand-in of the Hub), then every check and load reads that commit's files without asking again;
+  the model is named by its repo id (GET /v1/models); a missing repo is a usage error."""
+  import pathlib
+
+  from pipelines.serve.main import fetch_model, loader, main, model_facts
+  from pipelines.serve.options import ServeConfig
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+  from tests.pipelines.wan.pretrained.hub_server import FakeHub, point_huggingface_hub_at
+
+  folder = pathlib.Path(TINY_DEFAULT_FOLDER)
+  files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+  with FakeHub({"test-org/tiny-wan": {"main": files}}) as hub:
+    point_huggingface_hub_at(hub.url, str(tmp_path / "hub-cache"), monkeypatch)
+    config = fetch_model(ServeConfig(model="test-org/tiny-wan"))
+    assert config.model == "test-org/tiny-wan@" + hub.commit("test-org/tiny-wan")
+    asked = len(hub.requests)
+    facts = model_facts(config)
+    pipe = loader(config)()
+    assert facts.name == pipe.name == "test-org/tiny-wan" and pipe.facts == facts
+    assert len(hub.requests) == asked and sorted(hub.file_gets()) == sorted(f"test-org/tiny-wan:{p}" for p in files)
+    assert main(["--model", "test-org/nope"]) == 2
+  assert "serve: error: --model test-org/nope: no Hub repo 'test-org/nope'" in capsys.readouterr().err
