@@ -202,7 +202,7 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
                          dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
                          attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
                          text_kv_once: bool = True, lower_only: bool = False,
-                         context: tuple[int, int] | None = None) -> dict[str, Any]:
+                         context: tuple[int, int] | None = None, breakdown: bool = False) -> dict[str, Any]:
   """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
 
   The step's conditioning follows the preset: a 36-channel transformer (image-to-video) gets the
@@ -317,6 +317,9 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
   compiled = lowered.compile()
   report.update(compile_s=time.perf_counter() - start, compile_cpu_s=time.process_time() - cpu_start,
                 **compiled_analysis(compiled))
+  if breakdown:
+    from end_to_end.aot.breakdown import analyse
+    report["breakdown"] = analyse(compiled.as_text(), devices[0].device_kind, len(devices))
   m = report.get("memory_analysis")
   if m is not None:
     # What one device holds while a step runs: the step's arguments (this expert's weights, the

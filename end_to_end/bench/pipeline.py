@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
   ap.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
                   help="attention kernels (auto: Pallas on TPU/GPU, so the Pallas kernels for --aot; XLA on CPU)")
+  ap.add_argument("--breakdown", action="store_true",
+                  help="with --aot and the step stage: where the step's modelled time goes, by op class (libtpu's "
+                       "estimated cycles, the Pallas kernels' grid model, the collectives' ICI model), each against "
+                       "the chip's roofline, and a modelled MFU (end_to_end/aot/breakdown.py)")
   ap.add_argument("--aot-init-timeout", type=float, default=120.0,
                   help="seconds allowed for libtpu to build the topology before giving up")
   ap.add_argument("--json", help="write the report here")
@@ -211,7 +215,8 @@ def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec |
         devices, preset=t.preset, height=t.height, width=t.width, frames=args.aot_frames or t.frames,
         dtype=args.dtype or "bfloat16", text_len=aot_step.AOT_TEXT_LEN, flow_shift=t.flow_shift, mesh_spec=mesh,
         attention_backend=args.attention_backend, quantize=args.quantize, ti2v=t.ti2v, text_kv_once=once,
-        context=None if args.aot_context is None else tuple(int(v) for v in args.aot_context.split(","))))
+        context=None if args.aot_context is None else tuple(int(v) for v in args.aot_context.split(",")),
+        breakdown=args.breakdown))
     return dict(row, stage="step", cache=cache)
   except Exception as e:  # noqa: BLE001 - e.g. XLA "ran out of memory in hbm": report per model, go on
     return dict(stage="step", model=t.preset, height=t.height, width=t.width, frames=t.frames, text_kv_once=once,
@@ -256,6 +261,9 @@ def run_aot(args: argparse.Namespace) -> int:
     for name in models:
       row = _aot_step_row(args, devices, mesh, name)
       print(aot_step.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
+      if "breakdown" in row:
+        from end_to_end.aot.breakdown import format_breakdown
+        print(format_breakdown(row["breakdown"]), flush=True)
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
@@ -281,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
     from end_to_end.aot.stages import parse_stages  # no JAX import
     parse_stages(args.stages)
+    if args.breakdown and not (args.aot and "step" in parse_stages(args.stages)):
+      raise ValueError("--breakdown models the compiled denoise step: give --aot TOPOLOGY with the step stage")
     if args.aot and (args.compare or args.model or args.mesh):
       raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
   except ValueError as e:
