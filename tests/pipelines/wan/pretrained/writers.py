@@ -55,7 +55,7 @@ def scaled_fp8(state: dict[str, np.ndarray], prefix: str = COMFY_PREFIX) -> dict
     name = prefix + wan_key(key)
     inner = key.split(".", 2)[2] if key.startswith("blocks.") else ""
     if inner.endswith(".weight") and inner[:-len(".weight")] in modules:
-      scale = np.float32(np.abs(value).max() / 448.0)
+      scale = np.float32(max(np.abs(value).max() / 448.0, np.finfo(np.float32).tiny))
       out[name] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
       out[name[:-len("weight")] + "scale_weight"] = np.asarray(scale, np.float32)
     else:
