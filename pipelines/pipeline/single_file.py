@@ -11,7 +11,6 @@ and go through the same loaders as a diffusers folder's (`load_transformer_state
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -19,61 +18,10 @@ from typing import Any
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import loading
 from pipelines.storage import weights
-from pipelines.wan import schedulers, vae as wan_vae
-from pipelines.wan.encoders import TokenizerNotFoundError, load_tokenizer, umt5
-from pipelines.wan.pretrained import inference, layouts
-from pipelines.wan.transformer import (WanTransformerConfig, large_leaf_shardings, load_transformer_state,
-                                       quantization)
-
-TOKENIZER_FIX = ("pass tokenizer= a local folder holding the google/umt5-xxl tokenizer (e.g. the tokenizer/ folder of "
-                 "Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or the google/umt5-xxl/ folder of the official release)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sources:
-  """Where a pipeline's parts come from: the component files and what configures them.
-
-  Attributes:
-    transformer, vae, text_encoder: the component files (`layouts.read_component`); the official
-      layout's transformer is its folder.
-    tokenizer: a tokenizer folder, or a pipeline folder holding tokenizer/.
-    config: None (configs inferred from the shapes) or a diffusers folder whose JSON files are read.
-    heads: the transformer's heads when known (the official config.json's `num_heads`).
-  """
-  transformer: str
-  vae: str
-  text_encoder: str
-  tokenizer: str | None
-  config: str | None = None
-  heads: int | None = None
-
-
-def _tokenizer(path: str | None) -> Any:
-  if path is None:
-    raise TokenizerNotFoundError(f"tokenizer=None: no UMT5 tokenizer ships with this package; {TOKENIZER_FIX}")
-  if not os.path.isdir(path):
-    raise TokenizerNotFoundError(f"tokenizer={path!r} is not a folder; {TOKENIZER_FIX}")
-  if os.path.isdir(os.path.join(path, "tokenizer")):
-    return load_tokenizer(path)
-  import transformers
-  return transformers.AutoTokenizer.from_pretrained(path)
-
-
-def _configs(sources: Sources, transformer: layouts.ComponentFile) -> tuple[WanTransformerConfig, Any, Any]:
-  """(transformer config, VAE config or None (inferred when read), scheduler config)."""
-  if sources.config is not None:
-    folder = sources.config
-    return (WanTransformerConfig.from_dict(weights.read_config(os.path.join(folder, "transformer"))),
-            wan_vae.WanVAEConfig.from_diffusers(weights.read_config(os.path.join(folder, "vae"))),
-            schedulers.scheduler_config_from_dict(weights.read_json(os.path.join(folder, "scheduler",
-                                                                                  "scheduler_config.json"))))
-  config = inference.transformer_config(transformer.shapes, transformer.path)
-  if sources.heads is not None:
-    config = dataclasses.replace(config, num_attention_heads=sources.heads,
-                                 attention_head_dim=config.dim // sources.heads)
-  # diffusers' Wan folders: flow shift 3.0 (Wan 2.1), 5.0 for Wan 2.2 TI2V-5B (48 latent channels)
-  return config, None, schedulers.UniPCConfig(flow_shift=5.0 if config.in_channels == 48 else 3.0)
-
+from pipelines.wan import vae as wan_vae
+from pipelines.wan.encoders import umt5
+from pipelines.wan.pretrained import Sources, layouts, read_sources
+from pipelines.wan.transformer import large_leaf_shardings, load_transformer_state, quantization
 
 def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
                  progress: bool | None, quantize: str | None, *, image_to_video: bool = False
@@ -85,30 +33,25 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
     TokenizerNotFoundError: no tokenizer folder.
   """
   model_dtype, vae_dt = loading.dtype_of(dtype), loading.dtype_of(vae_dtype)
-  tokenizer = _tokenizer(sources.tokenizer)
-  transformer = (layouts.OfficialFolder.transformer_of(sources.transformer) if os.path.isdir(sources.transformer)
-                 else layouts.read_component(sources.transformer, "transformer"))
-  config, vae_config, scheduler_config = _configs(sources, transformer)
-  vae = layouts.read_component(sources.vae, "vae", vae_config)
-  text = layouts.read_component(sources.text_encoder, "text_encoder")
+  read = read_sources(sources)
+  config = read.transformer_config
   if config.has_image_branch:
     raise weights.CheckpointError(
-        f"{transformer.path!r} is a Wan 2.1 image-to-video transformer (CLIP image branch); its CLIP vision "
+        f"{read.transformer.path!r} is a Wan 2.1 image-to-video transformer (CLIP image branch); its CLIP vision "
         "encoder does not load from a single file here: use a diffusers folder (WanImageToVideoPipeline.from_pretrained)")
   plan = None if mesh is None and not shard_weights else ParallelPlan.build(
       mesh, heads=config.num_attention_heads, shard_weights=shard_weights)
   mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)
-  expert = load_transformer_state(config, transformer.tensors, transformer.path, model_dtype, mesh=mesh_built,
-                                  shard_weights=sharded, progress=progress, quantize=quantize,
-                                  scales=transformer.scales)
-  text_config = inference.umt5_config(text.shapes, text.path)
+  expert = load_transformer_state(config, read.transformer.tensors, read.transformer.path, model_dtype,
+                                  mesh=mesh_built, shard_weights=sharded, progress=progress, quantize=quantize,
+                                  scales=read.transformer.scales)
+  text = read.text_encoder
   text_encoder = umt5.umt5_from_state(
-      text_config, text.tensors, text.path, dtype=model_dtype, progress=progress, scales=text.scales,
+      read.text_encoder_config, text.tensors, text.path, dtype=model_dtype, progress=progress, scales=text.scales,
       shardings=functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else None)
-  vae_config = vae_config or inference.vae_config(vae.shapes, vae.path)
-  parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, transformers=[expert],
-               vae=wan_vae.vae_from_state(vae_config, vae.tensors, vae.path, dtype=vae_dt, progress=progress),
-               scheduler_config=scheduler_config, expand_timesteps=config.in_channels == 48 and vae_config.z_dim == 48,
+  vae = wan_vae.vae_from_state(read.vae_config, read.vae.tensors, read.vae.path, dtype=vae_dt, progress=progress)
+  parts = dict(tokenizer=read.tokenizer, text_encoder=text_encoder, transformers=[expert], vae=vae,
+               scheduler_config=read.scheduler_config, expand_timesteps=read.expand_timesteps,
                name=os.path.abspath(sources.transformer))
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)
@@ -123,10 +66,7 @@ def pretrained_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_w
   if layouts.folder_layout(folder) == "diffusers":
     return loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
                                 image_to_video=image_to_video)
-  official = layouts.OfficialFolder.read(folder)
-  sources = Sources(transformer=folder, vae=official.vae, text_encoder=official.text_encoder,
-                    tokenizer=official.tokenizer, heads=official.heads())
-  return source_parts(sources, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
+  return source_parts(Sources.official(folder), dtype, vae_dtype, mesh, shard_weights, progress, quantize,
                       image_to_video=image_to_video)
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from pipelines.storage.weights import CheckpointError
-from pipelines.wan.encoders.umt5 import UMT5Config
 from pipelines.wan.transformer.config import WanTransformerConfig
 from pipelines.wan.vae import config as vae_configs
 
@@ -126,8 +126,10 @@ def vae_config(shapes: Shapes, where: str = "the VAE") -> vae_configs.WanVAEConf
     raise CheckpointError(f"{where!r}: its shapes match no Wan VAE config ({e}); {_FIX}") from e
 
 
-def umt5_config(shapes: Shapes, where: str = "the text encoder") -> UMT5Config:
+def umt5_config(shapes: Shapes, where: str = "the text encoder") -> Any:
   """The `UMT5Config` of an encoder's transformers-named shapes (`umt5.checkpoint_shapes`)."""
+  from pipelines.wan.encoders.umt5 import UMT5Config  # here: the module imports JAX, this one does not
+
   vocab, width = _need(shapes, "shared.weight", where, "UMT5")
   buckets, heads = _need(shapes, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", where, "UMT5")
   inner = _need(shapes, "encoder.block.0.layer.0.SelfAttention.q.weight", where, "UMT5")[0]

@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipelines.storage import weights
-from pipelines.wan.encoders import umt5
 from pipelines.wan.pretrained import inference
 from pipelines.wan.transformer import original_names as transformer_names
 from pipelines.wan.vae import original_names as vae_names
@@ -174,6 +173,8 @@ def _renamer(kind: str, layout: str, shapes: dict[str, tuple[int, ...]], path: s
       vae_config = inference.vae_config({d: s for k, s in shapes.items() if (d := vae_names.encoder_key(k))}
                                         | _decoder_out(shapes), path)
     return {o: d for d, o in vae_names.original_keys(vae_config).items()}.get
+  from pipelines.wan.encoders import umt5  # here: the module imports JAX, this one does not
+
   layers = 1 + max(int(m[1]) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k)))
   return {o: d for d, o in umt5.official_keys(layers).items()}.get
 
@@ -231,7 +232,7 @@ class OfficialFolder:
              f"the tokenizer folder {OFFICIAL_TOKENIZER}/": os.path.join(folder, OFFICIAL_TOKENIZER)}
     for what, path in found.items():
       if path is None or not os.path.exists(path):
-        raise weights.CheckpointError(f"{folder!r} (official Wan layout) has no {what}; download it next to "
+        raise weights.CheckpointError(f"{folder!r} (official Wan layout) is missing {what}; download it next to "
                                       "config.json as the official release holds it")
     return cls(folder, config, vae, found[f"the text encoder file {OFFICIAL_T5}"],
                found[f"the tokenizer folder {OFFICIAL_TOKENIZER}/"])

@@ -65,7 +65,7 @@ def test_official_layout_gives_the_folders_video(files):
 
 def test_tokenizer_is_required(files):
   with pytest.raises(TokenizerNotFoundError, match=r"tokenizer=None: no UMT5 tokenizer ships with this package; "
-                                                   r"pass tokenizer= a local folder holding the google/umt5-xxl"):
+                                                   r"pass tokenizer= \(--tokenizer\) a local folder holding the google/umt5-xxl"):
     WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"], config=files["folder"])
 
 
@@ -94,3 +94,16 @@ def test_scaled_fp8_file_loads_into_fp8_weights(tmp_path):
   print(f"fp8 scaled vs fp32: {_psnr(video, reference):.2f} dB; dequantized fp32 vs fp32: "
         f"{_psnr(dequantized(PROMPT, **call), reference):.2f} dB")
   assert 35.0 <= _psnr(video, reference) < 200  # < 200: the fp8 weights did change the video
+
+
+def test_convert_round_trips_the_official_layout(files, tmp_path):
+  """official -> diffusers folder (`convert`) -> the same video; an existing DST is refused."""
+  from pipelines.wan.pretrained import convert
+
+  official = writers.write_official(files["pipe"], str(tmp_path / "official"), os.path.join(files["folder"], "tokenizer"))
+  assert convert.main([official, str(tmp_path / "converted")]) == 0
+  assert sorted(os.listdir(tmp_path)) == ["converted", "official"]  # no temporary folder left
+  video = WanPipeline.from_pretrained(str(tmp_path / "converted"))(PROMPT, **CALL)
+  assert np.array_equal(video, WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
+  with pytest.raises(Exception, match=r"converted' exists; convert writes a new folder"):
+    convert.convert(convert.Sources.official(official), str(tmp_path / "converted"))
