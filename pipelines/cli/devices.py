@@ -13,31 +13,37 @@ from typing import Any
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import flag_error
 from pipelines.commands.flags import UsageError
+from pipelines.commands.model_files import read_facts
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 
 from pipelines.cli.plan import Plan
 
 
-def model_facts(plan: Plan) -> Any:
-  """The `ModelFacts` of --model (`pipelines.pipeline.model_facts`), named as the pipeline names it
-  ("tiny" for both tiny models); a folder's weight files are checked too (safetensors present,
-  headers intact), reading no tensor data.
+def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
+  """(the `ModelFacts` of --model or of the single files (`pipelines.pipeline.model_facts`), named as
+  the pipeline names it ("tiny" for both tiny models); the single files' layouts, or None).
+  A folder's weight files are checked too (safetensors present, headers intact), and the single
+  files' headers give their configs (`model_files.read_facts`); no tensor data is read.
 
   Raises:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    UsageError: a tokenizer folder that cannot be read.
   """
   from pipelines.pipeline.model_facts import ModelFacts
   from pipelines.wan.pretrained import PipelineIndex
 
-  if plan.model == "tiny-random":
+  found = None
+  if plan.files is not None:
+    facts, found = read_facts(plan.files, plan.dtype)
+  elif plan.model == "tiny-random":
     facts = ModelFacts.tiny_random(plan.dtype)
   elif plan.model == "tiny":
     facts = ModelFacts.tiny_default(plan.dtype)
   else:
     PipelineIndex.read(plan.model).check_weights()
     facts = ModelFacts.from_folder(plan.model, plan.dtype)
-  return dataclasses.replace(facts, quantize=plan.quantize)
+  return dataclasses.replace(facts, quantize=plan.quantize), found
 
 
 def join(plan: Plan, facts: Any) -> None:

@@ -15,7 +15,7 @@ class Plan:
   values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
   prompt: str
   negative_prompt: str
-  model: str
+  model: str | None  # --model ("tiny" when nothing names the model); None: `files`
   preset: str | None
   width: int
   height: int
@@ -62,6 +62,7 @@ class Plan:
   scheduler: str | None = None  # --scheduler or the preset's; None: the folder's
   timesteps: tuple[float, ...] | None = None  # --timesteps or the preset's custom schedule
   sigmas: tuple[float, ...] | None = None  # --sigmas
+  files: Any = None  # --transformer / --vae / --text-encoder ...: a `wan.pretrained.Sources` (model None)
 
   @property
   def mesh_devices(self) -> int | None:

@@ -17,10 +17,9 @@ from typing import Any
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline import loading
-from pipelines.storage import weights
 from pipelines.wan import vae as wan_vae
 from pipelines.wan.encoders import umt5
-from pipelines.wan.pretrained import Sources, layouts, read_sources
+from pipelines.wan.pretrained import Sources, check_no_image_branch, layouts, read_sources
 from pipelines.wan.transformer import large_leaf_shardings, load_transformer_state, quantization
 
 def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
@@ -35,10 +34,7 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
   model_dtype, vae_dt = loading.dtype_of(dtype), loading.dtype_of(vae_dtype)
   read = read_sources(sources)
   config = read.transformer_config
-  if config.has_image_branch:
-    raise weights.CheckpointError(
-        f"{read.transformer.path!r} is a Wan 2.1 image-to-video transformer (CLIP image branch); its CLIP vision "
-        "encoder does not load from a single file here: use a diffusers folder (WanImageToVideoPipeline.from_pretrained)")
+  check_no_image_branch(read)
   plan = None if mesh is None and not shard_weights else ParallelPlan.build(
       mesh, heads=config.num_attention_heads, shard_weights=shard_weights)
   mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)

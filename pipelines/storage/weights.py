@@ -28,6 +28,19 @@ class CheckpointError(ValueError):
   """A checkpoint folder is missing, unsafe, corrupt or does not fit the model."""
 
 
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+  """SHA-256 (hex) of a file's bytes, read in `chunk`-byte pieces (1 MiB: constant memory for any
+  size). Reads the whole file: a 28 GB transformer takes minutes on a slow disk, so a caller hashes a
+  file once and keeps the digest (`generate`'s run record keeps it with the file's size and mtime)."""
+  import hashlib
+
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for piece in iter(lambda: f.read(chunk), b""):
+      h.update(piece)
+  return h.hexdigest()
+
+
 def read_json(path: str, why: str = "") -> dict[str, Any]:
   """Reads one JSON file of a model folder.
 

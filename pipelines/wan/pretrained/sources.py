@@ -97,6 +97,16 @@ def _configs(sources: Sources, transformer: layouts.ComponentFile) -> tuple[WanT
   return config, None, schedulers.UniPCConfig(flow_shift=5.0 if config.in_channels == 48 else 3.0)
 
 
+def check_no_image_branch(read: Components) -> None:
+  """Raises CheckpointError for a Wan 2.1 image-to-video transformer: its CLIP vision encoder does
+  not load from a single file here."""
+  if read.transformer_config.has_image_branch:
+    raise weights.CheckpointError(
+        f"{read.transformer.path!r} is a Wan 2.1 image-to-video transformer (CLIP image branch); its CLIP vision "
+        "encoder does not load from a single file here: use a diffusers folder (WanImageToVideoPipeline."
+        "from_pretrained, generate --model)")
+
+
 def read_sources(sources: Sources) -> Components:
   """Opens every component (headers only) and settles every config, before any weight is read.
 

@@ -11,11 +11,10 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipelines.pipeline import WanPipeline
 from pipelines.wan.encoders import TokenizerNotFoundError
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, saving
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 from tests.pipelines.wan.pretrained import writers
 
 CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=8, seed=0, output_type="np")
@@ -27,14 +26,7 @@ def files(tmp_path_factory):
   """The random tiny pipeline as a diffusers folder and as ComfyUI single files."""
   base = str(tmp_path_factory.mktemp("single"))
   pipe = WanPipeline.tiny(random=True)
-  folder = saving.save_pipeline(os.path.join(base, "folder"), transformer=nnx.merge(pipe._graphdef, pipe._experts[0]),
-                                text_encoder=(pipe.text_encoder_config, pipe._text_params), vae=pipe.vae,
-                                tokenizer=pipe.tokenizer, scheduler_config=pipe.scheduler_config)
-  states = writers.pipeline_states(pipe)
-  return dict(pipe=pipe, folder=folder, states=states, base=base,
-              transformer=writers.write(writers.comfy_transformer(states["transformer"]), os.path.join(base, "t.safetensors")),
-              vae=writers.write(writers.comfy_vae(states["vae"], pipe.vae.config), os.path.join(base, "v.safetensors")),
-              text_encoder=writers.write(states["text_encoder"], os.path.join(base, "umt5.safetensors")))
+  return dict(pipe=pipe, base=base, **writers.write_single_files(pipe, base))
 
 
 def test_diffusers_reads_the_written_transformer_file(files):

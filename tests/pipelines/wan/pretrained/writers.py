@@ -68,6 +68,19 @@ def write(state: dict[str, np.ndarray], path: str) -> str:
   return path
 
 
+def write_single_files(pipe, base: str) -> dict:
+  """`pipe` as a diffusers folder and as ComfyUI single files under `base`: {"folder", "transformer",
+  "vae", "text_encoder", "states"} (paths; the float32 state dicts)."""
+  folder = saving.save_pipeline(os.path.join(base, "folder"), transformer=nnx.merge(pipe._graphdef, pipe._experts[0]),
+                                text_encoder=(pipe.text_encoder_config, pipe._text_params), vae=pipe.vae,
+                                tokenizer=pipe.tokenizer, scheduler_config=pipe.scheduler_config)
+  states = pipeline_states(pipe)
+  return dict(folder=folder, states=states,
+              transformer=write(comfy_transformer(states["transformer"]), os.path.join(base, "t.safetensors")),
+              vae=write(comfy_vae(states["vae"], pipe.vae.config), os.path.join(base, "v.safetensors")),
+              text_encoder=write(states["text_encoder"], os.path.join(base, "umt5.safetensors")))
+
+
 def write_official(pipe, folder: str, tokenizer_folder: str) -> str:
   """The official Wan layout of `pipe` (the .pth parts with torch.save)."""
   import shutil
