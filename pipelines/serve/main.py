@@ -21,14 +21,19 @@ from typing import Any
 import numpy as np
 
 from pipelines.commands.flags import UsageError
+from pipelines.commands.model_files import read_facts
 from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
+from pipelines.storage.weights import CheckpointError
 
 
 def model_facts(config: ServeConfig) -> Any:
-  """The `ModelFacts` of --model ("tiny", "tiny-random" or a folder) from its JSON files."""
+  """The `ModelFacts` of --model ("tiny", "tiny-random" or a folder) from its JSON files, or of the
+  single files from their headers (`model_files.read_facts`)."""
   from pipelines.pipeline.model_facts import ModelFacts
 
+  if config.files is not None:
+    return read_facts(config.files, config.dtype)[0]
   if config.model == "tiny-random":
     return ModelFacts.tiny_random(config.dtype)
   if config.model == "tiny":
@@ -37,10 +42,14 @@ def model_facts(config: ServeConfig) -> Any:
 
 
 def loader(config: ServeConfig) -> Any:
-  """A function that loads the pipeline of --model (placed for --mesh)."""
+  """A function that loads the pipeline of --model or of the single files (placed for --mesh)."""
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:
+    if config.files is not None:
+      files = config.files
+      return WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
+                                          dtype=config.dtype, config=files.config, mesh=config.mesh)
     if config.model in ("tiny", "tiny-random"):
       return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random")
     if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
@@ -156,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.processes is not None and config.processes.process_id != 0:
       return follow(config)
     service = build_service(config)
-  except (UsageError, OSError, DistributedError) as e:
+  except (UsageError, CheckpointError, OSError, DistributedError) as e:  # (a bad model file: before loading)
     print(f"serve: error: {e}", file=sys.stderr)
     return 1 if isinstance(e, DistributedError) else 2
   events.configure(config.log_level)
