@@ -24,14 +24,15 @@ def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
   """(the `ModelFacts` of --model or of the single files (`pipelines.pipeline.model_facts`), named as
   the pipeline names it ("tiny" for both tiny models); the single files' layouts, or None).
   A folder's weight files are checked too (safetensors present, headers intact), and the single
-  files' headers give their configs (`model_files.read_facts`); no tensor data is read.
+  files' (and an official Wan folder's) headers give their configs (`model_files.read_facts`); no tensor
+  data is read.
 
   Raises:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
     UsageError: a tokenizer folder that cannot be read.
   """
   from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.wan.pretrained import PipelineIndex
+  from pipelines.wan.pretrained import PipelineIndex, Sources, layouts
 
   found = None
   if plan.files is not None:
@@ -40,6 +41,8 @@ def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
     facts = ModelFacts.tiny_random(plan.dtype)
   elif plan.model == "tiny":
     facts = ModelFacts.tiny_default(plan.dtype)
+  elif layouts.folder_layout(plan.model) == "official":  # Wan's own layout: its files' headers, as single files
+    facts, _ = read_facts(Sources.official(plan.model), plan.dtype)
   else:
     PipelineIndex.read(plan.model).check_weights()
     facts = ModelFacts.from_folder(plan.model, plan.dtype)

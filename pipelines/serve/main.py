@@ -38,6 +38,10 @@ def model_facts(config: ServeConfig) -> Any:
     return ModelFacts.tiny_random(config.dtype)
   if config.model == "tiny":
     return ModelFacts.tiny_default(config.dtype)  # with its one trained size (its jobs' warnings)
+  from pipelines.wan.pretrained import Sources, layouts
+
+  if layouts.folder_layout(config.model) == "official":  # Wan's own layout: its files' headers
+    return read_facts(Sources.official(config.model), config.dtype)[0]
   return ModelFacts.from_folder(config.model, config.dtype)
 
 

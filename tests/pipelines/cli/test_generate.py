@@ -241,17 +241,25 @@ def _files(single, **changed) -> list[str]:
 
 
 def test_single_files_make_the_folders_video(single, tmp_path):
-  """The same model as --model FOLDER and as ComfyUI single files (configs from --config): the same
-  raw frames (.npy), and the sidecar names each file with its layout and SHA-256 (a folder's has none)."""
+  """The same model as --model FOLDER, as ComfyUI single files (configs from --config) and as an
+  official Wan folder (--model): the same raw frames (.npy); the sidecar names each single file with
+  its layout and SHA-256 (a folder's has none)."""
   import hashlib
 
   import numpy as np
 
+  from pipelines.pipeline import WanPipeline
+  from tests.pipelines.wan.pretrained import writers
+
+  official = writers.write_official(WanPipeline.from_pretrained(single["folder"]), str(tmp_path / "official"),
+                                    os.path.join(single["folder"], "tokenizer"))
   argv = FILE_ARGV[:6] + ["--steps", "2", "--seed", "0", "--max-sequence-length", "8", "--dtype", "float32"]
   assert generate.main(argv + ["--model", single["folder"], "--out", str(tmp_path / "folder.npy")]) == 0
   assert generate.main(argv + _files(single) + ["--out", str(tmp_path / "files.npy")]) == 0
+  assert generate.main(argv + ["--model", official, "--out", str(tmp_path / "official.npy")]) == 0
   folder, files = np.load(tmp_path / "folder.npy"), np.load(tmp_path / "files.npy")
   assert files.std() > 0.01 and np.array_equal(files, folder)
+  assert np.array_equal(np.load(tmp_path / "official.npy"), folder)
   sidecar = json.loads((tmp_path / "files.npy.json").read_text())
   assert sidecar["model"] == os.path.abspath(single["transformer"])
   layouts = {name: record["layout"] for name, record in sidecar["model_files"].items()}

@@ -96,9 +96,9 @@ def write_official(pipe, folder: str, tokenizer_folder: str) -> str:
                "eps": c.eps, "model_type": "t2v", "text_len": 512}, f)
   write({wan_key(k): v for k, v in states["transformer"].items()},
         os.path.join(folder, "diffusion_pytorch_model.safetensors"))
-  torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in
+  torch.save({k: torch.from_numpy(np.array(v)) for k, v in
               comfy_vae(states["vae"], pipe.vae.config).items()}, os.path.join(folder, "Wan2.1_VAE.pth"))
-  torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in
+  torch.save({k: torch.from_numpy(np.array(v)) for k, v in
               official_t5(states["text_encoder"], pipe.text_encoder_config).items()},
              os.path.join(folder, "models_t5_umt5-xxl-enc-bf16.pth"))
   shutil.copytree(tokenizer_folder, os.path.join(folder, "google", "umt5-xxl"))
