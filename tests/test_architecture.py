@@ -299,7 +299,9 @@ UPPER_FLOOR = ("conditioning", "step_cache", "lora", "pretrained")  # import onl
 # Modules that load without JAX (the command line checks its flags with them before JAX starts).
 JAX_FREE = ("pipelines.wan.pretrained.folder", "pipelines.wan.pretrained.hub", "pipelines.wan.lora.convert", "pipelines.wan.lora.format",
             "pipelines.wan.step_cache.calibration", "pipelines.wan.step_cache.spec",
-            "pipelines.wan.encoders.tokenizer", "pipelines.wan.transformer.config", "pipelines.wan.vae.config",
+            "pipelines.wan.encoders.tokenizer", "pipelines.wan.transformer.config", "pipelines.wan.transformer.original_names",
+            "pipelines.wan.vae.config", "pipelines.wan.vae.original_names", "pipelines.wan.pretrained.layouts",
+            "pipelines.wan.pretrained.inference",
             "pipelines.wan.vae.effort", "pipelines.wan.vae.topology")
 
 

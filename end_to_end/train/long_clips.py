@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--from", dest="source", default=TINY_DEFAULT_FOLDER, help="the model folder to train further")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget of the training")
-  p.add_argument("--decoder-fraction", type=float, default=0.35, help="share of --minutes for the decoder")
+  p.add_argument("--decoder-fraction", type=float, default=0.35,
+                 help="share of --minutes for the decoder; 1: the decoder only (the folder's transformer kept)")
+  p.add_argument("--decoder-lr", type=float, default=1e-3, help="the decoder's peak learning rate")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
@@ -277,22 +279,24 @@ def main(argv: list[str] | None = None) -> int:
   vae = wan_vae.load_vae(os.path.join(args.source, "vae"))
   report["vae_before"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
   log(f"65-frame reconstruction before: {report['vae_before']['error_by_8_frames']}")
-  vae, decoder_history = train_decoder(vae, args.decoder_fraction * args.minutes * 60, seed=args.seed)
+  vae, decoder_history = train_decoder(vae, min(args.decoder_fraction, 1.0) * args.minutes * 60, seed=args.seed,
+                                       lr=args.decoder_lr)
   report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
   log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   _report(args.out, report)
-  latents, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
   encoder = tiny.text_encoder()
-  grammar, texts = _texts(encoder)
-  seconds = args.minutes * 60 - (time.perf_counter() - t0)
-  log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
-  transformer, history = tiny.train_transformer(
-      latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
-      lr=args.lr, warm=30, model=load_transformer(os.path.join(args.source, "transformer")),
-      image_share=args.image_share)
+  transformer, history = load_transformer(os.path.join(args.source, "transformer")), []
+  if args.decoder_fraction < 1:
+    latents, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
+    grammar, texts = _texts(encoder)
+    seconds = args.minutes * 60 - (time.perf_counter() - t0)
+    log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
+    transformer, history = tiny.train_transformer(
+        latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
+        lr=args.lr, warm=30, model=transformer, image_share=args.image_share)
   folder = tiny.save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
   report["losses"] = {"decoder_last20": float(np.mean([l for _, l in decoder_history[-20:]])),
-                      "transformer_last100": float(np.mean([l for _, l in history[-100:]])),
+                      "transformer_last100": float(np.mean([l for _, l in history[-100:]])) if history else None,
                       "decoder_steps": len(decoder_history), "transformer_steps": len(history)}
   report["train_seconds"] = time.perf_counter() - t0
   _checks(folder, args.seed, report, args.out)

@@ -13,6 +13,7 @@ from typing import Any
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import flag_error
 from pipelines.commands.flags import UsageError
+from pipelines.commands.model_files import read_facts
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.wan.pretrained import download_snapshot, hub_id
@@ -35,25 +36,33 @@ def fetch_model(plan: Plan) -> Plan:
   return dataclasses.replace(plan, model_folder=snapshot.folder, model_commit=snapshot.commit)
 
 
-def model_facts(plan: Plan) -> Any:
-  """The `ModelFacts` of --model (`pipelines.pipeline.model_facts`), named as the pipeline names it
-  ("tiny" for both tiny models, a Hub model's repo id); a folder's weight files are checked too
-  (safetensors present, headers intact), reading no tensor data.
+def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
+  """(the `ModelFacts` of --model or of the single files (`pipelines.pipeline.model_facts`), named as
+  the pipeline names it ("tiny" for both tiny models, a Hub model's repo id); the single files' layouts, or None).
+  A folder's weight files are checked too (safetensors present, headers intact), and the single
+  files' (and an official Wan folder's) headers give their configs (`model_files.read_facts`); no tensor
+  data is read.
 
   Raises:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
+    UsageError: a tokenizer folder that cannot be read.
   """
   from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.wan.pretrained import PipelineIndex
+  from pipelines.wan.pretrained import PipelineIndex, Sources, layouts
 
-  if plan.model in ("tiny", "tiny-i2v", "tiny-random"):
+  found = None
+  if plan.files is not None:
+    facts, found = read_facts(plan.files, plan.dtype)
+  elif plan.model in ("tiny", "tiny-i2v", "tiny-random"):
     facts = ModelFacts.of_model(plan.model, plan.dtype)
+  elif layouts.folder_layout(plan.model_folder or plan.model) == "official":  # Wan's own layout: as single files
+    facts, _ = read_facts(Sources.official(plan.model_folder or plan.model), plan.dtype)
   else:
     folder = plan.model_folder or plan.model
     PipelineIndex.read(folder).check_weights()
     name = None if plan.model_folder is None else hub_id(plan.model)[0]  # a Hub model: its repo id
     facts = ModelFacts.from_folder(folder, plan.dtype, name=name)
-  return dataclasses.replace(facts, quantize=plan.quantize)
+  return dataclasses.replace(facts, quantize=plan.quantize), found
 
 
 def join(plan: Plan, facts: Any) -> None:

@@ -11,6 +11,7 @@ import re
 
 from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
+from pipelines.commands.model_files import add_single_file_flags
 from pipelines.commands.presets import PRESETS
 from pipelines.pipeline import compile_cache
 from pipelines.parallel import distributed, estimate
@@ -51,6 +52,7 @@ def build_parser(description: str | None = None, epilog: str | None = None) -> a
   p = argparse.ArgumentParser(prog="generate", description=description, epilog=epilog,
                               formatter_class=HelpFormatter)
   _add_video_flags(p)
+  add_single_file_flags(p)
   _add_device_flags(p)
   _add_output_flags(p)
   _add_model_flags(p)
@@ -65,10 +67,12 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--negative-prompt", default=None,
                  help="what to avoid (classifier-free guidance); default: the --preset's (Wan's default "
                       "negative prompt for the wan2.* presets, as Wan's scripts), else ''")
-  p.add_argument("--model", default="tiny",
-                 help="a diffusers-format Wan folder, a Hugging Face Hub id org/name[@revision] (downloaded "
-                      "once into the Hub cache), 'tiny' (embedded trained shapes-world model), 'tiny-i2v' (the "
-                      "same, continuing an --image first frame) or 'tiny-random' (embedded random weights)")
+  p.add_argument("--model", default=None,
+                 help="a diffusers-format (or official) Wan folder, a Hugging Face Hub id org/name[@revision] "
+                      "(downloaded once into the Hub cache), 'tiny' (embedded trained shapes-world model), "
+                      "'tiny-i2v' (the same, continuing an --image first frame) or 'tiny-random' (embedded random "
+                      "weights) (default: tiny, unless --transformer, --vae and --text-encoder give the model as "
+                      "single files)")
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")

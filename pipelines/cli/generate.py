@@ -3,11 +3,15 @@
   generate --prompt "a red square moving right" --mesh U=2,R=2 --out square.mp4
   generate --model ./Wan2.1-T2V-1.3B-Diffusers --preset wan2.1-t2v-1.3b --mesh U=2,R=4 --prompt "..."
   generate --model ./Wan2.1-I2V-14B-480P-Diffusers --preset wan2.1-i2v-14b-480p --image cat.png --prompt "..."
+  generate --transformer wan2.1_t2v_1.3B_fp16.safetensors --vae wan_2.1_vae.safetensors \
+      --text-encoder umt5_xxl_fp16.safetensors --tokenizer ./umt5-xxl --preset wan2.1-t2v-1.3b --prompt "..."
 
 `--model tiny` (the default) is the embedded trained tiny model: it needs no download and draws the
 shapes world it was trained on (end_to_end/train/synthetic_world.py: "a red square moving right", "a
 yellow triangle standing still", ...; 64x64 x 17 frames by default); `--model tiny-random` is the
-random-weight tiny model (noise-like videos); a diffusers-format folder gives real videos. On the
+random-weight tiny model (noise-like videos); a diffusers-format folder, an official Wan folder or
+ComfyUI's single files (--transformer, --vae, --text-encoder; the sidecar records each file's SHA-256)
+give real videos. On the
 CPU backend a mesh needing more devices than are visible is simulated with that many CPU devices (XLA's
 --xla_force_host_platform_device_count, set before JAX starts); `--devices N` asks for N explicitly.
 
@@ -114,7 +118,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   if plan.checkpoint_dir is not None:
     supervisor.write_status(checkpoint_dir=plan.checkpoint_dir)
     if plan.writes and not plan.resume:
-      write_run_record(request, RunFacts.of(plan), plan.checkpoint_dir)
+      write_run_record(request, RunFacts.of(plan, checked.model_files), plan.checkpoint_dir)
   start = time.perf_counter()
   pipe = _load(plan, request)
   load_s = time.perf_counter() - start
@@ -140,11 +144,17 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
 
 
 def _load(plan: Plan, request: Any) -> Any:
-  """The pipeline of --model (weights straight onto the request's mesh), with the LoRAs fused."""
+  """The pipeline of --model or of the single files (weights straight onto the request's mesh), with the
+  LoRAs fused."""
   from pipelines.pipeline import WanImageToVideoPipeline, WanPipeline
 
   if plan.model in TINY_MODELS:
     pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random", image=plan.model == "tiny-i2v")
+  elif plan.files is not None:
+    files = plan.files
+    pipe = WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
+                                        dtype=plan.dtype, config=files.config, mesh=request.plan.mesh,
+                                        shard_weights=request.plan.shard_weights)
   else:
     cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
     model = plan.model if plan.model_commit is None else f"{hub_id(plan.model)[0]}@{plan.model_commit}"

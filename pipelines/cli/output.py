@@ -82,13 +82,15 @@ def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[s
 def sidecar(checked: Checked, result: Any, *, out: str, sheet: str | None, lora: Any, times: dict[str, float],
             cache: Any, warnings_seen: list[str]) -> dict[str, Any]:
   """The JSON sidecar of a written video: the request's fields (`records.request_record`), the mesh,
-  the video's shape, the pipeline's settings and timings, the cache, the checkpoint, the warnings."""
+  the video's shape, the pipeline's settings and timings, the cache, the checkpoint, the warnings; for
+  single files each file's path, layout and SHA-256 ("model_files")."""
   import jax
 
   plan, request = checked.plan, checked.request
   asked = records.request_record(request, records.RunFacts.of(plan))
   frames, height, width = result.frames.shape[1:4]
-  return {
+  files = {} if checked.model_files is None else {"model_files": checked.model_files}
+  return files | {
       "output": os.path.abspath(out), "prompt": asked["prompt"], "negative_prompt": asked["negative_prompt"],
       "seed": asked["seed"], "seed_drawn": plan.seed is None, "model": request.model.name,
       "model_commit": asked["model_commit"], "preset": asked["preset"],

@@ -15,7 +15,7 @@ class Plan:
   values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
   prompt: str
   negative_prompt: str
-  model: str
+  model: str | None  # --model ("tiny" when nothing names the model); None: `files`
   preset: str | None
   width: int
   height: int
@@ -64,6 +64,7 @@ class Plan:
   sigmas: tuple[float, ...] | None = None  # --sigmas
   model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
   model_commit: str | None = None  # a Hub --model's resolved commit
+  files: Any = None  # --transformer / --vae / --text-encoder ...: a `wan.pretrained.Sources` (model None)
 
   @property
   def mesh_devices(self) -> int | None:

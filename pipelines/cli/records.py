@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from pipelines.cli.flags import build_parser, parse_guidance, parse_numbers, parse_size
+from pipelines.commands import model_files
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import estimate
@@ -26,6 +27,9 @@ _RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "
              "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
              "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength",
              "mask", "reference_image", "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
+# The single files' flags: recorded (as `_RECORDED`) by a run of single files only, with the files'
+# digests ("model_files": `model_files.describe`), so a resumed run checks it runs on the same bytes.
+_RECORDED_FILES = ("transformer", "vae", "text_encoder", "tokenizer", "config")
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _RECORDED_FREE = ("out", "fps")
 # Facts the record holds that no flag sets: a Hub --model's resolved commit (None for any other model).
@@ -68,8 +72,8 @@ def _normalized(name: str, value: Any) -> Any:
     values = list(parse_guidance(value)) if isinstance(value, str) else list(value)
     return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
   if name == "model":  # a Hub id as given (org/name[@revision]), a folder as its absolute path
-    return value if value in TINY_MODELS or hub_id(value) is not None else os.path.abspath(value)
-  if name in ("image", "last_image", "video", "mask"):
+    return value if value is None or value in TINY_MODELS or hub_id(value) is not None else os.path.abspath(value)
+  if name in ("image", "last_image", "video", "mask") + _RECORDED_FILES:
     return os.path.abspath(value)
   if name == "reference_image":
     return [os.path.abspath(path) for path in value]
@@ -113,20 +117,25 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   if args.no_checkpoint:
     raise UsageError("--resume continues a checkpointed run; drop --no-checkpoint")
   differences = []
-  for name in _RECORDED:
+  for name in _RECORDED + _RECORDED_FILES:
     if name in given and _normalized(name, getattr(args, name)) != record.get(name):
       differences.append(f"--{name.replace('_', '-')}: saved {record.get(name)!r}, given "
                          f"{_normalized(name, getattr(args, name))!r}")
   if differences:
     raise UsageError(f"--resume {args.resume}: these flags differ from the saved run (leave them out to "
                      "use the saved values): " + "; ".join(differences))
-  for name in _RECORDED + _RECORDED_FREE:
+  for name in _RECORDED + _RECORDED_FILES + _RECORDED_FREE:
     if name not in given and name in record:
       value = record[name]
       if name in ("guidance", "timesteps", "sigmas", "conditioning_scale") and value is not None:
         value = ",".join(repr(float(g)) for g in value)
       setattr(args, name, value)
   args.checkpoint_dir = args.resume
+  files_changed = model_files.changed(record.get("model_files") or {})
+  if files_changed:
+    raise UsageError(f"--resume {args.resume}: the saved run's model files are not the ones it ran on: "
+                     + "; ".join(files_changed) + ". A changed file is another model: restore it, or remove "
+                     f"{args.resume} and start a new run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +143,8 @@ class RunFacts:
   """What the run record and the sidecar hold besides the request: the command's own facts.
 
   Attributes:
-    model: --model as given ("tiny", "tiny-random", a folder or a Hub id org/name[@revision]).
+    model: --model as given ("tiny", "tiny-random", a folder or a Hub id org/name[@revision]), None for
+      single files.
     model_commit: a Hub --model's resolved commit, or None.
     preset: the --preset applied, or None.
     out: --out; fps: frames per second of the output.
@@ -144,8 +154,10 @@ class RunFacts:
     video: the --video path (its frames' digest and the strength are in the request).
     mask, reference_images: VACE's --mask and --reference-image paths (digests in the request).
     conditioning_scale: --conditioning-scale, one float or a tuple of floats.
+    files: the single files (a `wan.pretrained.Sources`; model None), or None.
+    model_files: the single files' `model_files.describe` (path, layout, SHA-256), or None.
   """
-  model: str
+  model: str | None
   preset: str | None
   out: str
   fps: float
@@ -158,11 +170,14 @@ class RunFacts:
   reference_images: tuple[str, ...] = ()
   conditioning_scale: Any = 1.0
   model_commit: str | None = None
+  files: Any = None
+  model_files: dict[str, Any] | None = None
 
   @classmethod
-  def of(cls, plan: Plan) -> RunFacts:
-    return cls(model=plan.model, model_commit=plan.model_commit, preset=plan.preset, out=plan.out, fps=plan.fps,
-               loras=plan.loras, negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
+  def of(cls, plan: Plan, model_files: dict[str, Any] | None = None) -> RunFacts:
+    return cls(model=plan.model, model_commit=plan.model_commit, files=plan.files, model_files=model_files,
+               preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
+               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
                video=plan.video, mask=plan.mask, reference_images=plan.reference_images,
                conditioning_scale=plan.conditioning_scale)
 
@@ -178,7 +193,8 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   prompt, negative prompt, seed and preset from it): every value from the `GenerationRequest`,
   in the flags' form, and the command's own facts.
 
-  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE` + `_RECORDED_FACTS`.
+  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE` + `_RECORDED_FACTS` (+ `_RECORDED_FILES`
+    for single files).
   """
   g1, g2 = request.guidance
   record = {"prompt": request.prompts[0],
@@ -208,13 +224,29 @@ def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
   record["scheduler"] = schedulers.solver_name(request.scheduler)
   record["timesteps"] = None if request.timesteps is None else list(request.timesteps)
   record["sigmas"] = None if request.sigmas is None else list(request.sigmas)
+  if facts.files is not None:
+    record.update({name: _normalized(name, getattr(facts.files, name)) for name in _RECORDED_FILES})
   return record
 
 
 def write_run_record(request: Any, facts: RunFacts, directory: str) -> None:
-  """`request_record` in the checkpoint folder, as `apply_resume` reads it (process 0; atomic)."""
+  """`request_record` in the checkpoint folder, as `apply_resume` reads it (process 0; atomic), with
+  the single files' digests ("model_files") when the model is single files."""
   os.makedirs(directory, exist_ok=True)
-  video_io.write_json(request_record(request, facts), os.path.join(directory, RUN_RECORD), overwrite=True)
+  record = request_record(request, facts) | ({} if facts.model_files is None else {"model_files": facts.model_files})
+  video_io.write_json(record, os.path.join(directory, RUN_RECORD), overwrite=True)
+
+
+def saved_files(plan: Plan) -> dict[str, Any] | None:
+  """A resumed run's recorded `model_files` (their digests, reused for files of the same size and
+  mtime: hashed once), or None."""
+  if not plan.resume or plan.checkpoint_dir is None:
+    return None
+  try:
+    with open(os.path.join(plan.checkpoint_dir, RUN_RECORD), encoding="utf-8") as f:
+      return json.load(f).get("model_files")
+  except (OSError, ValueError):
+    return None
 
 
 def run_estimate(request: Any) -> estimate.Estimate:

@@ -18,6 +18,7 @@ from pipelines.cli import records
 from pipelines.cli.flags import flag_error, parse_guidance, parse_numbers, parse_size
 from pipelines.cli.plan import Plan
 from pipelines.commands.flags import UsageError, parse_lora_arg
+from pipelines.commands.model_files import describe, single_files
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
@@ -37,7 +38,9 @@ def plan_run(args: argparse.Namespace) -> Plan:
     UsageError / video_io.OutputError: each bad argument, with what to do instead.
   """
   _check_prompt(args)
-  preset_name, preset = _preset(args)
+  files = single_files(args)
+  model = args.model if args.model is not None or files is not None else "tiny"
+  preset_name, preset = _preset(args, model)
   guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
   mesh = _mesh_flags(args, cfg_active=max(guidance) > 1)  # any expert guiding
   _check_run_flags(args)
@@ -64,14 +67,14 @@ def plan_run(args: argparse.Namespace) -> Plan:
     read_mask(args.mask)  # readable before anything loads
   negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
   steps, timesteps, sigmas = _schedule_flags(args, preset)
-  return Plan(prompt=args.prompt, negative_prompt=negative, model=args.model,
+  return Plan(prompt=args.prompt, negative_prompt=negative, model=model, files=files,
               preset=preset_name, width=width, height=height,
               frames=args.frames if args.frames is not None else (video_frames or preset.frames),
               steps=steps, timesteps=timesteps, sigmas=sigmas,
               scheduler=args.scheduler or preset.scheduler, guidance=guidance,
               shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
               seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
-              dtype=args.dtype or ("float32" if args.model in TINY_MODELS else "bfloat16"),
+              dtype=args.dtype or ("float32" if model in TINY_MODELS else "bfloat16"),
               max_sequence_length=args.max_sequence_length, out=args.out, fps=_fps(args, preset),
               overwrite=args.overwrite, nan_guard=args.nan_guard,
               decode_compile_effort=args.decode_compile_effort, loras=loras, processes=processes,
@@ -205,15 +208,16 @@ def _check_prompt(args: argparse.Namespace) -> None:
                      "'a red fox running through snow'")
 
 
-def _preset(args: argparse.Namespace) -> tuple[str | None, Preset]:
-  """(--preset name or None, its values): 'tiny' for the tiny models, diffusers' defaults for a folder.
+def _preset(args: argparse.Namespace, model: str | None) -> tuple[str | None, Preset]:
+  """(--preset name or None, its values): 'tiny' for the tiny models, diffusers' defaults for a folder
+  or single files (model None).
 
   Raises:
     UsageError: --model neither a tiny model nor a folder, or an unknown --preset.
   """
-  tiny = args.model in TINY_MODELS
-  if not tiny and not os.path.isdir(args.model) and hub_id(args.model) is None:
-    raise UsageError(f"--model {args.model!r} is not a folder; pass a diffusers-format Wan folder "
+  tiny = model in TINY_MODELS
+  if model is not None and not tiny and not os.path.isdir(model) and hub_id(model) is None:
+    raise UsageError(f"--model {model!r} is not a folder; pass a diffusers-format Wan folder "
                      "(model_index.json, transformer/, ...), a Hugging Face Hub id (org/name[@revision]) "
                      "or 'tiny' for the embedded default ('tiny-random': random weights)")
   preset_name = args.preset or ("tiny" if tiny else None)
@@ -349,6 +353,7 @@ class Checked:
   transformer: Any = None  # its WanTransformerConfig
   mesh_auto: bool = False  # the mesh is the planner's pick (--mesh auto)
   request: Any = None  # the `GenerationRequest` (pipelines.pipeline.request)
+  model_files: dict[str, Any] | None = None  # single files: `model_files.describe` (process 0), else None
 
 
 def check_plan(plan: Plan) -> Checked:
@@ -356,7 +361,8 @@ def check_plan(plan: Plan) -> Checked:
   the video's values are checked by building the `GenerationRequest` (`build_request`).
 
   A multi-process run joins JAX's distributed runtime here, after the model checks and before
-  JAX's backend starts.
+  JAX's backend starts. Single files are hashed for the records last, once every check has passed
+  (`model_files.describe`; process 0 only).
 
   Raises:
     UsageError: see `_check_device_flag`, `build_request`, and --lora-2 for a one-expert model.
@@ -368,7 +374,7 @@ def check_plan(plan: Plan) -> Checked:
 
   requested = request_cpu_devices_for(plan)
   plan = devices.fetch_model(plan)
-  facts = devices.model_facts(plan)
+  facts, found = devices.model_facts(plan)
   if plan.processes is not None:
     devices.join(plan, facts)
   devices.check_device_flag(plan)
@@ -379,7 +385,8 @@ def check_plan(plan: Plan) -> Checked:
     plan, request = devices.auto_mesh(plan, request)
   _check_loras(plan, facts)
   plan = records.plan_checkpoint(plan, request)
-  return Checked(plan, devices.device_note(plan, requested), facts.transformer, mesh_auto, request)
+  described = None if found is None or not plan.writes else describe(plan.files, found, records.saved_files(plan))
+  return Checked(plan, devices.device_note(plan, requested), facts.transformer, mesh_auto, request, described)
 
 
 def build_request(plan: Plan, facts: Any, seed: int) -> Any:
@@ -428,7 +435,7 @@ def _check_loras(plan: Plan, facts: Any) -> None:
 
   for path, _, expert in plan.loras:
     if expert >= facts.experts:
-      raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {plan.model!r} has one "
+      raise UsageError(f"--lora-2 {path!r} needs a two-expert Wan 2.2 model but {facts.name!r} has one "
                        "transformer; use --lora")
     lora.parse_lora(*lora.read_lora(path)[:2], facts.transformer, where=path)
 

@@ -10,6 +10,7 @@ width, T video tokens.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from pipelines.parallel.token_facts import TokenFacts
 from pipelines.wan import schedulers
@@ -110,6 +111,21 @@ class ModelFacts:
     if model in ("tiny", "tiny-i2v"):
       return cls.tiny_default(dtype, image=model == "tiny-i2v")
     return cls.from_folder(model, dtype)
+
+  @classmethod
+  def from_components(cls, read: Any, dtype: str, name: str) -> ModelFacts:
+    """The facts of single files read by `wan.pretrained.read_sources` (their headers and configs,
+    no tensor data): what `WanPipeline.from_single_file` of the same sources will be.
+
+    Args:
+      read: the `wan.pretrained.Components`. name: the pipeline's name (the transformer's path).
+    """
+    from pipelines.wan import encoders
+
+    return cls(name=name, transformer=read.transformer_config, spatial_factor=read.vae_config.spatial_factor,
+               temporal_factor=read.vae_config.temporal_factor, boundary_ratio=None,
+               scheduler=read.scheduler_config, dtype=dtype, expand_timesteps=read.expand_timesteps,
+               max_sequence_length=encoders.text_length(getattr(read.tokenizer, "model_max_length", None)))
 
   @classmethod
   def tiny_default(cls, dtype: str, image: bool = False) -> ModelFacts:

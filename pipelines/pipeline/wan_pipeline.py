@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention.mesh import MeshSpec
-from pipelines.pipeline import loading, resume as resume_state, text as text_states
+from pipelines.pipeline import loading, resume as resume_state, single_file, text as text_states
 from pipelines.pipeline.call_options import CallOptions, split_options
 from pipelines.pipeline.decoding import decode_videos
 from pipelines.pipeline.inputs import check_output_type, frames_to_pil
@@ -57,11 +57,11 @@ from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_NAMES, TI
 DTYPES = loading.DTYPES
 
 
-class WanPipeline(LoraLoaderMixin):
+class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
   """Text-to-video Wan (2.1 T2V, 2.2 T2V A14B with two experts, or 2.2 TI2V-5B), sequence-parallel
   transformer.
 
-  Build with `from_pretrained(folder)` or `tiny()`; call with prompts (`__call__`, or `run` for the
+  Build with `from_pretrained(folder)`, `from_single_file(...)` or `tiny()`; call with prompts (`__call__`, or `run` for the
   timings and settings too, or `generate` with a checked `GenerationRequest`). LoRAs:
   `load_lora_weights`, `set_adapters` / `get_active_adapters`, `set_lora_scale`, `fuse_lora` /
   `unfuse_lora`. Step caching: `enable_cache` / `disable_cache`. Progress bars:
@@ -125,8 +125,9 @@ class WanPipeline(LoraLoaderMixin):
 
     Args:
       folder: holds model_index.json, transformer/ (+ transformer_2/ and `boundary_ratio` in
-        model_index.json for Wan 2.2 A14B), text_encoder/, tokenizer/, vae/, scheduler/. Or a Hub
-        id, "org/name" or "org/name@revision" (not an existing path): only the files the pipeline
+        model_index.json for Wan 2.2 A14B), text_encoder/, tokenizer/, vae/, scheduler/; a folder in
+        the official Wan layout (`wan.pretrained.layouts`: config.json with Wan's fields, .pth files); or
+        a Hub id, "org/name" or "org/name@revision" (not an existing path): only the files the pipeline
         loads are downloaded into the Hub cache (`pretrained.hub`), and the pipeline is named by it.
       dtype: "float32" or "bfloat16": transformer(s) and text encoder (diffusers' `torch_dtype`).
       vae_dtype: the VAE's dtype; float32 by default as Wan's reference code and diffusers' Wan
@@ -152,13 +153,9 @@ class WanPipeline(LoraLoaderMixin):
     quantization.check_mode(quantize)  # before any loading
     folder, name, _ = loading.locate(folder, revision=revision, token=token, cache_dir=cache_dir,
                                      local_files_only=local_files_only, image_to_video=cls.image_to_video)
-    parts, plan = loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
-                                       image_to_video=cls.image_to_video, name=name)
-    pipe = cls(**parts)
-    pipe.quantization = quantize  # quantized as they were loaded
-    if plan is not None:  # already where a call on this mesh wants them
-      pipe.weights.placed_at(plan)
-    return pipe
+    parts, plan = single_file.pretrained_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
+                                               image_to_video=cls.image_to_video, name=name)
+    return single_file.built(cls, parts, plan, quantize)
 
   @classmethod
   def tiny(cls, dtype: str = "float32", *, random: bool = False, quantize: str | None = None,

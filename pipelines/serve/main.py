@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from pipelines.commands.flags import UsageError
+from pipelines.commands.model_files import read_facts
 from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
+from pipelines.storage.weights import CheckpointError
 
 
 def fetch_model(config: ServeConfig) -> ServeConfig:
@@ -49,21 +51,30 @@ def fetch_model(config: ServeConfig) -> ServeConfig:
 
 def model_facts(config: ServeConfig) -> Any:
   """The `ModelFacts` of --model ("tiny", "tiny-i2v", "tiny-random", a folder or a pinned Hub id) from its
-  JSON files."""
+  JSON files, or of the single files from their headers (`model_files.read_facts`)."""
   from pipelines.pipeline.loading import locate
   from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.wan.pretrained import Sources, layouts
 
+  if config.files is not None:
+    return read_facts(config.files, config.dtype)[0]
   if config.model in ("tiny", "tiny-i2v", "tiny-random"):
     return ModelFacts.of_model(config.model, config.dtype)  # the trained ones with their one size
   folder, name, _ = locate(config.model)  # a Hub model: in the cache already (`fetch_model`)
+  if layouts.folder_layout(folder) == "official":  # Wan's own layout: its files' headers
+    return read_facts(Sources.official(folder), config.dtype)[0]
   return ModelFacts.from_folder(folder, config.dtype, name=name)
 
 
 def loader(config: ServeConfig) -> Any:
-  """A function that loads the pipeline of --model (placed for --mesh)."""
+  """A function that loads the pipeline of --model or of the single files (placed for --mesh)."""
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:
+    if config.files is not None:
+      files = config.files
+      return WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
+                                          dtype=config.dtype, config=files.config, mesh=config.mesh)
     if config.model in ("tiny", "tiny-i2v", "tiny-random"):
       return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random", image=config.model == "tiny-i2v")
     if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.processes is not None and config.processes.process_id != 0:
       return follow(config)
     service = build_service(config)
-  except (UsageError, OSError, DistributedError) as e:
+  except (UsageError, CheckpointError, OSError, DistributedError) as e:  # (a bad model file: before loading)
     print(f"serve: error: {e}", file=sys.stderr)
     return 1 if isinstance(e, DistributedError) else 2
   events.configure(config.log_level)

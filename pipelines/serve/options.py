@@ -13,6 +13,7 @@ from typing import Any
 
 from pipelines.commands.flags import UsageError, add_decode_effort_flag, parse_lora_arg
 from pipelines.commands.help import HelpFormatter
+from pipelines.commands.model_files import add_single_file_flags, single_files
 from pipelines.pipeline import compile_cache
 
 API_KEY_ENV = "WAN_SERVE_API_KEY"
@@ -51,8 +52,9 @@ class ServeConfig:
   """What the server runs with (checked by `parse`; every field has its flag).
 
   Attributes:
-    model: "tiny", "tiny-i2v", "tiny-random", a diffusers-format Wan folder or a Hub id "org/name[@revision]"
-      (`main.fetch_model` downloads it and pins the commit: "org/name@commit").
+    model: "tiny", "tiny-i2v", "tiny-random", a diffusers-format (or official) Wan folder or a Hub id
+      "org/name[@revision]" (`main.fetch_model` downloads it and pins the commit: "org/name@commit");
+      None with `files`.
     mesh: the mesh spec string ("U=2,R=2"), or None (one device).
     host, port: where HTTP listens (127.0.0.1 by default: reachable from this machine only).
     data_dir: the job table (`jobs.sqlite3`), videos, sidecars and denoising checkpoints.
@@ -72,8 +74,10 @@ class ServeConfig:
     compile_cache: JAX's persistent compilation cache folder, or None (off).
     processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
     decode_compile_effort: `CallOptions.decode_compile_effort` of every job and of the warm-up.
+    files: the model as single files (--transformer, --vae, --text-encoder, ...: a
+      `wan.pretrained.Sources`, `commands.model_files`), or None.
   """
-  model: str = "tiny"
+  model: str | None = "tiny"
   mesh: str | None = None
   host: str = "127.0.0.1"
   port: int = 8000
@@ -93,6 +97,7 @@ class ServeConfig:
   compile_cache: str | None = None
   processes: Any = None
   decode_compile_effort: float | None = None
+  files: Any = None
 
   def __post_init__(self):
     for name in ("max_batch", "max_queue", "checkpoint_every", "max_prompt_chars", "max_body_bytes",
@@ -132,9 +137,11 @@ class ServeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="serve", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
-  p.add_argument("--model", default="tiny", help="tiny (the trained embedded model), tiny-i2v (the same, its "
-                 "jobs may bring a first frame: input_reference), tiny-random, a diffusers-format Wan folder, or a "
-                 "Hugging Face Hub id org/name[@revision]")
+  p.add_argument("--model", default=None, help="tiny (the trained embedded model), tiny-i2v (the same, its "
+                 "jobs may bring a first frame: input_reference), tiny-random, a diffusers-format (or official) Wan "
+                 "folder, or a Hugging Face Hub id org/name[@revision] (default: tiny, unless --transformer, --vae "
+                 "and --text-encoder give the model as single files)")
+  add_single_file_flags(p)
   p.add_argument("--mesh", default=None, help="Ulysses x ring mesh, e.g. U=2,R=2 (default: one device)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the server to "
                  "the network (use --api-key then)")
@@ -210,8 +217,9 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
     processes = distributed.process_spec(args.coordinator, args.num_processes, args.process_id)
   except ValueError as e:
     raise UsageError(str(e)) from e
+  files = single_files(args)
   return ServeConfig(
-      model=args.model, mesh=args.mesh, host=args.host, port=args.port, data_dir=os.path.abspath(args.data_dir),
+      model=args.model if args.model is not None or files is not None else "tiny", files=files, mesh=args.mesh, host=args.host, port=args.port, data_dir=os.path.abspath(args.data_dir),
       max_batch=args.max_batch, max_queue=args.max_queue, warmup=tuple(parse_warmup(w) for w in args.warmup),
       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,

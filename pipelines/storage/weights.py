@@ -28,6 +28,19 @@ class CheckpointError(ValueError):
   """A checkpoint folder is missing, unsafe, corrupt or does not fit the model."""
 
 
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+  """SHA-256 (hex) of a file's bytes, read in `chunk`-byte pieces (1 MiB: constant memory for any
+  size). Reads the whole file: a 28 GB transformer takes minutes on a slow disk, so a caller hashes a
+  file once and keeps the digest (`generate`'s run record keeps it with the file's size and mtime)."""
+  import hashlib
+
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for piece in iter(lambda: f.read(chunk), b""):
+      h.update(piece)
+  return h.hexdigest()
+
+
 def read_json(path: str, why: str = "") -> dict[str, Any]:
   """Reads one JSON file of a model folder.
 
@@ -221,6 +234,35 @@ def map_safetensors_file(path: str) -> MappedSafetensors:
   return MappedSafetensors(tensors=refs, metadata=metadata, buffer=buffer)
 
 
+def open_torch_file(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of a PyTorch `.pth` file (the official Wan release's VAE and T5) as numpy views of
+  the memory-mapped file: `torch.load(weights_only=True, mmap=True)` (weights only: no code runs).
+
+  Raises:
+    CheckpointError: torch is not installed (naming the fixes), or the file cannot be read.
+  """
+  try:
+    import torch
+  except ImportError as e:
+    raise CheckpointError(
+        f"{path!r} is a PyTorch file; reading it needs torch (`pip install torch`), or convert the folder once "
+        "where torch is installed: `python -m pipelines.wan.pretrained.convert SRC DST`") from e
+  import ml_dtypes
+
+  try:
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+  except Exception as e:  # noqa: BLE001 (torch raises many kinds for a bad file)
+    raise CheckpointError(f"cannot read {path!r} (truncated or corrupt PyTorch file?): {e!r}; download it again") from e
+  state = state.get("state_dict", state) if isinstance(state, dict) else state
+  out = {}
+  for key, tensor in state.items():
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes, viewed
+      out[key] = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+      out[key] = tensor.numpy()
+  return out
+
+
 def open_safetensors_folder(folder: str) -> dict[str, TensorRef]:
   """Every tensor of a model folder, memory-mapped (`open_safetensors_file`), none read yet.
 
@@ -266,14 +308,15 @@ class HostLeaf:
   parts: tuple[np.ndarray, ...]
   dtype: np.dtype
   stacked: bool = False
+  scales: tuple[float, ...] | None = None
 
   @classmethod
-  def of(cls, view: np.ndarray, dtype: Any) -> HostLeaf:
-    return cls((view,), np.dtype(dtype))
+  def of(cls, view: np.ndarray, dtype: Any, scale: float | None = None) -> HostLeaf:
+    return cls((view,), np.dtype(dtype), scales=None if scale is None else (scale,))
 
   @classmethod
-  def stack(cls, views: list[np.ndarray], dtype: Any) -> HostLeaf:
-    return cls(tuple(views), np.dtype(dtype), stacked=True)
+  def stack(cls, views: list[np.ndarray], dtype: Any, scales: list[float] | None = None) -> HostLeaf:
+    return cls(tuple(views), np.dtype(dtype), stacked=True, scales=None if scales is None else tuple(scales))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -286,7 +329,14 @@ class HostLeaf:
 
   def read(self, index: tuple[slice, ...] = ()) -> np.ndarray:
     """The C-contiguous `dtype` copy of `self[index]` (index: a tuple of slices, as
-    `jax.make_array_from_callback` passes; a contiguous same-dtype part is returned uncopied)."""
+    `jax.make_array_from_callback` passes; a contiguous same-dtype part is returned uncopied).
+    With `scales` (a ComfyUI scaled-fp8 weight: one scale per part), each part is q * scale in
+    float32, rounded once to `dtype`."""
+    if self.scales is not None:
+      values = dataclasses.replace(self, dtype=np.dtype(np.float32), scales=None).read(index)
+      layers = range(len(self.parts))[index[0] if index and self.stacked else slice(None)]
+      scale = np.asarray([self.scales[i] for i in layers], np.float32)
+      return (values * (scale.reshape(-1, *[1] * (values.ndim - 1)) if self.stacked else scale[0])).astype(self.dtype)
     if not self.stacked:
       part = self.parts[0][index]
       if part.flags.c_contiguous and part.dtype == self.dtype:

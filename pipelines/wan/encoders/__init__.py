@@ -13,7 +13,8 @@ _HOMES = (
     ("pipelines.wan.encoders.tokenizer", ("TokenizerNotFoundError", "WAN_TEXT_LENGTH", "default_tokenizer",
                                           "folder_text_length", "load_tokenizer", "prompt_clean",
                                           "text_length", "tokenize")),
-    ("pipelines.wan.encoders.umt5", ("UMT5Config", "init_umt5_params", "load_umt5")),
+    ("pipelines.wan.encoders.umt5", ("UMT5Config", "init_umt5_params", "load_umt5", "official_keys",
+                                     "umt5_from_state")),
 )
 
 __all__ = sorted(name for _, names in _HOMES for name in names)

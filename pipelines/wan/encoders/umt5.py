@@ -227,10 +227,26 @@ def checkpoint_shapes(config: UMT5Config) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
+# Wan's own T5 encoder (Wan-Video `wan/modules/t5.py`, `models_t5_umt5-xxl-enc-bf16.pth`): block i's
+# module names for each of `block_keys`' (the relative bias per block: umT5's `shared_pos=False`;
+# `ffn.gate.0` is transformers' gelu-gated `wi_0`, `ffn.fc1` its `wi_1`, `ffn.fc2` its `wo`).
+_OFFICIAL_BLOCK = {"attn_norm": "norm1", "q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
+                   "rel_bias": "pos_embedding.embedding", "ffn_norm": "norm2", "wi_0": "ffn.gate.0",
+                   "wi_1": "ffn.fc1", "wo": "ffn.fc2"}
+
+
+def official_keys(num_layers: int) -> dict[str, str]:
+  """transformers key (`checkpoint_shapes`) -> the key in Wan's own T5 checkpoint of `num_layers` blocks."""
+  out = {"shared.weight": "token_embedding.weight", "encoder.final_layer_norm.weight": "norm.weight"}
+  for i in range(num_layers):
+    out.update({key: f"blocks.{i}.{_OFFICIAL_BLOCK[name]}.weight" for name, key in block_keys(i).items()})
+  return out
+
+
 def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, *,
                            dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
                            shardings: Callable[[Any], Any] | None = None,
-                           progress: bool | None = None) -> Params:
+                           progress: bool | None = None, scales: Mapping[str, float] | None = None) -> Params:
   """Converts a checked torch-layout state dict into the params pytree (see module docstring).
 
   Args:
@@ -242,8 +258,10 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
       None: the default device, uncommitted. Each device's part is converted and placed straight from `state`
       (`distributed.put_host_leaves`).
     progress: a progress bar (None: for large encoders only).
+    scales: key -> per-tensor scale of a scaled-fp8 weight (`umt5_from_state`).
   """
   c = config
+  scales = scales or {}
   n, h = c.num_heads, c.d_kv
 
   def conv(name: str, w: np.ndarray) -> np.ndarray:  # views: no copy
@@ -258,10 +276,11 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
   layers = {}
   for name in block_keys(0):
     layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
-    layers[name] = weights.HostLeaf.stack(
-        [conv(name, np.asarray(state[block_keys(i)[name]])) for i in range(c.num_layers)], layer_dtype)
+    keys = [block_keys(i)[name] for i in range(c.num_layers)]
+    layer_scales = [scales.get(k, 1.0) for k in keys] if any(k in scales for k in keys) else None
+    layers[name] = weights.HostLeaf.stack([conv(name, np.asarray(state[k])) for k in keys], layer_dtype, layer_scales)
   leaves = {
-      "embedding": weights.HostLeaf.of(np.asarray(state["shared.weight"]), dtype),
+      "embedding": weights.HostLeaf.of(np.asarray(state["shared.weight"]), dtype, scales.get("shared.weight")),
       "final_norm": weights.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),
       "layers": layers,
   }
@@ -291,7 +310,24 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
     ValueError: an unsupported config (see `UMT5Config`).
   """
   config = UMT5Config.from_dict(weights.read_config(folder))
-  state = dict(weights.read_safetensors_folder(folder))
+  return umt5_from_state(config, weights.read_safetensors_folder(folder), os.fspath(folder), dtype=dtype,
+                         keep_wo_in_fp32=keep_wo_in_fp32, shardings=shardings, progress=progress)
+
+
+def umt5_from_state(config: UMT5Config, state: Mapping[str, Any], where: str, *, dtype: Any = jnp.float32,
+                    keep_wo_in_fp32: bool = True, shardings: Callable[[Any], Any] | None = None,
+                    progress: bool | None = None, scales: Mapping[str, float] | None = None
+                    ) -> tuple[UMT5Config, Params]:
+  """`load_umt5` from tensors named as transformers names them (a folder's, or a single file's
+  renamed by `wan.pretrained.layouts`), still memory-mapped. `scales`: key -> a ComfyUI scaled-fp8
+  weight's per-tensor scale; such a weight (and any fp8 one) is upcast, q * scale in float32 rounded
+  once to `dtype`: the encoder runs once per prompt, so its weights are not kept in fp8.
+
+  Raises:
+    weights.CheckpointError: missing, unexpected or mis-shaped keys (all listed in one message),
+      tied embedding copies that disagree.
+  """
+  state = dict(state)
   alias = "encoder.embed_tokens.weight"
   if alias in state:
     if "shared.weight" not in state:
@@ -300,10 +336,10 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
       tied = state.pop(alias)
       if tied.shape != state["shared.weight"].shape or not np.array_equal(tied, state["shared.weight"]):
         raise weights.CheckpointError(
-            f"{folder!r}: {alias} and shared.weight are both present but differ; UMT5 ties them")
-  weights.check_state_dict(state, checkpoint_shapes(config), where=os.fspath(folder))
+            f"{where}: {alias} and shared.weight are both present but differ; UMT5 ties them")
+  weights.check_state_dict(state, checkpoint_shapes(config), where=where)
   return config, params_from_state_dict(state, config, dtype=dtype, keep_wo_in_fp32=keep_wo_in_fp32,
-                                        shardings=shardings, progress=progress)
+                                        shardings=shardings, progress=progress, scales=scales)
 
 
 def abstract_params(config: UMT5Config, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True) -> Params:

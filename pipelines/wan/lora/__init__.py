@@ -9,7 +9,7 @@ from pipelines.wan import lazy_attributes
 
 _HOMES = (
     ("pipelines.wan.lora.convert", ("TRANSFORMER_PREFIX", "WAN_PREFIX", "musubi_to_wan", "normalize",
-                                    "text_encoder_keys", "wan_module")),
+                                    "text_encoder_keys")),
     ("pipelines.wan.lora.format", ("LORA_ADAPTER_METADATA_KEY", "LORA_WEIGHT_NAME_SAFE", "LoraSource",
                                    "load_lora", "lora_digest", "lora_file", "read_lora")),
     ("pipelines.wan.lora.fuse", ("Adapter", "EXPERT_NAMES", "LoraLayer", "LoraWeights", "check_scale",

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pipelines.wan.transformer.original_names import wan_module
+
 TRANSFORMER_PREFIX = "transformer."
 WAN_PREFIX = "diffusion_model."
 MUSUBI_PREFIX = "lora_unet_"
@@ -45,36 +47,6 @@ MUSUBI_PREFIX = "lora_unet_"
 TEXT_ENCODER_PREFIXES = ("text_encoder.", "text_encoder_2.", "text_encoders.", "lora_te_", "lora_te1_",
                          "lora_te2_")
 
-# original Wan module (inside blocks.N.) -> diffusers module
-_BLOCK_MODULES = {
-    **{f"self_attn.{o}": f"attn1.{c}" for o, c in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"),
-                                                    ("o", "to_out.0"), ("norm_q", "norm_q"), ("norm_k", "norm_k"))},
-    **{f"cross_attn.{o}": f"attn2.{c}" for o, c in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"),
-                                                     ("o", "to_out.0"), ("norm_q", "norm_q"), ("norm_k", "norm_k"),
-                                                     ("k_img", "add_k_proj"), ("v_img", "add_v_proj"),
-                                                     ("norm_k_img", "norm_added_k"))},
-    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
-    # Wan's norm3 is the (affine) cross-attention norm, diffusers' norm2; Wan's norm1 / norm2 have no
-    # parameters (diffusers' norm1 / norm3).
-    "norm1": "norm1", "norm3": "norm2", "norm2": "norm3",
-    "modulation": "scale_shift_table",
-}
-# VACE blocks (Wan's `vace_blocks.N.`, diffusers' `vace_blocks.N.`) hold a block's modules plus these
-# (diffusers' scripts/convert_wan_to_diffusers.py: before_proj -> proj_in, after_proj -> proj_out).
-_VACE_MODULES = {**_BLOCK_MODULES, "before_proj": "proj_in", "after_proj": "proj_out"}
-_TOP_MODULES = {
-    "head.head": "proj_out", "head.modulation": "scale_shift_table", "head.norm": "norm_out",
-    "patch_embedding": "patch_embedding", "vace_patch_embedding": "vace_patch_embedding",
-    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
-    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
-    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
-    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
-    "time_projection.1": "condition_embedder.time_proj",
-    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
-    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
-    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
-    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
-}
 _PARAMETERS = ("scale_shift_table",)  # diffusers parameters that are not a module's .weight
 _WAN_KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_down\.weight|lora_A\.weight|lora_up\.weight|"
                       r"lora_B\.weight|alpha|diff|diff_b)$")
@@ -92,17 +64,6 @@ def layout(state: Mapping[str, np.ndarray]) -> str:
   if any(k.startswith(MUSUBI_PREFIX) for k in state):
     return "musubi"
   return "diffusers"
-
-
-def wan_module(name: str) -> str | None:
-  """An original Wan module name (`blocks.3.self_attn.q`, `head.head`, `vace_blocks.0.before_proj`)
-  as diffusers' (`blocks.3.attn1.to_q`, `proj_out`, `vace_blocks.0.proj_in`); None for a name
-  diffusers' Wan has no module for."""
-  match = re.fullmatch(r"(blocks|vace_blocks)\.(\d+)\.(.+)", name)
-  if match:
-    inner = (_VACE_MODULES if match[1] == "vace_blocks" else _BLOCK_MODULES).get(match[3])
-    return None if inner is None else f"{match[1]}.{match[2]}.{inner}"
-  return _TOP_MODULES.get(name)
 
 
 def musubi_to_wan(name: str) -> str:

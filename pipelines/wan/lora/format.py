@@ -156,7 +156,4 @@ def lora_digest(source: str | os.PathLike | Mapping[str, Any], weight_name: str 
       h.update(f"{key}:{value.shape}".encode())
       h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()
-  with open(lora_file(source, weight_name), "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 24), b""):
-      h.update(chunk)
-  return h.hexdigest()
+  return weights.file_sha256(lora_file(source, weight_name))

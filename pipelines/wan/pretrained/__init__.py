@@ -12,6 +12,8 @@ _HOMES = (
     ("pipelines.wan.pretrained.folder", ("PipelineIndex",)),
     ("pipelines.wan.pretrained.hub", ("HubSnapshot", "download_snapshot", "hub_id")),
     ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
+    ("pipelines.wan.pretrained.sources", ("Components", "Sources", "check_no_image_branch", "read_sources",
+                                          "tokenizer_of")),
     ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
                                        "TINY_TRAINED_NAMES", "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
 )

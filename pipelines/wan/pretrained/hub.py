@@ -37,8 +37,9 @@ LOCKS = os.path.join(".locks", "wan-usp-jax")  # under the Hub cache: one lock f
 
 def hub_id(text: str) -> tuple[str, str | None] | None:
   """(repo id, revision or None) when `text` names a Hub repo: not an existing local path, and
-  `org/name` or `org/name@revision`; None otherwise (a folder, "tiny", a path that is not one)."""
-  match = HUB_ID.fullmatch(text)
+  `org/name` or `org/name@revision`; None otherwise (a folder, "tiny", a path that is not one, None:
+  single files)."""
+  match = None if text is None else HUB_ID.fullmatch(text)
   if match is None or os.path.exists(text):
     return None
   return f"{match[1]}/{match[2]}", match[3]

@@ -30,7 +30,7 @@ from pipelines.wan.transformer import checkpoint_layout, WanTransformer
 DIFFUSERS_VERSION = "0.33.0"
 
 
-def _write_json(data: Mapping[str, Any], path: str) -> None:
+def write_json(data: Mapping[str, Any], path: str) -> None:
   with open(path, "w") as f:
     json.dump(data, f, indent=2, sort_keys=True)
     f.write("\n")
@@ -123,6 +123,30 @@ def scheduler_config_dict(config: schedulers.UniPCConfig) -> dict[str, Any]:
       "time_shift_type": "exponential"}
 
 
+def write_configs(folder: str, *, transformer: Any, vae: Any, text_encoder: umt5.UMT5Config, tokenizer: Any,
+                  scheduler_config: Any, expand_timesteps: bool = False) -> None:
+  """Every JSON file of a diffusers Wan folder (one expert) and its tokenizer/, beside weights
+  written in the component folders (by `save_pipeline` or `convert`)."""
+  for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
+    os.makedirs(os.path.join(folder, name), exist_ok=True)
+  write_json({"_class_name": "WanTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION,
+              "added_kv_proj_dim": None, "image_dim": None, "pos_embed_seq_len": None,
+              **transformer.to_dict()}, os.path.join(folder, "transformer", "config.json"))
+  vae_config = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(vae).items()}
+  write_json({"_class_name": "AutoencoderKLWan", "_diffusers_version": DIFFUSERS_VERSION, **vae_config},
+             os.path.join(folder, "vae", "config.json"))
+  write_json(umt5_config_dict(text_encoder), os.path.join(folder, "text_encoder", "config.json"))
+  tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+  write_json(scheduler_config_dict(scheduler_config), os.path.join(folder, "scheduler", "scheduler_config.json"))
+  write_json({"_class_name": "WanPipeline", "_diffusers_version": DIFFUSERS_VERSION,
+              "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+              "text_encoder": ["transformers", "UMT5EncoderModel"],
+              "tokenizer": ["transformers", type(tokenizer).__name__],
+              "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
+              "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None, "expand_timesteps": expand_timesteps},
+             os.path.join(folder, "model_index.json"))
+
+
 def save_pipeline(folder: str, *, transformer: WanTransformer,
                   text_encoder: tuple[umt5.UMT5Config, umt5.Params], vae: wan_vae.WanVAE,
                   tokenizer: Any, scheduler_config: schedulers.UniPCConfig) -> str:
@@ -137,27 +161,13 @@ def save_pipeline(folder: str, *, transformer: WanTransformer,
   Returns:
     `folder`.
   """
-  for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
+  for name in ("transformer", "vae", "text_encoder"):
     os.makedirs(os.path.join(folder, name), exist_ok=True)
   _save_tensors(transformer_state_dict(transformer),
                 os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors"))
-  _write_json({"_class_name": "WanTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION,
-               "added_kv_proj_dim": None, "image_dim": None, "pos_embed_seq_len": None,
-               **transformer.config.to_dict()}, os.path.join(folder, "transformer", "config.json"))
   _save_tensors(vae_state_dict(vae), os.path.join(folder, "vae", "diffusion_pytorch_model.safetensors"))
-  vae_config = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(vae.config).items()}
-  _write_json({"_class_name": "AutoencoderKLWan", "_diffusers_version": DIFFUSERS_VERSION, **vae_config},
-              os.path.join(folder, "vae", "config.json"))
   te_config, te_params = text_encoder
   _save_tensors(umt5_state_dict(te_config, te_params), os.path.join(folder, "text_encoder", "model.safetensors"))
-  _write_json(umt5_config_dict(te_config), os.path.join(folder, "text_encoder", "config.json"))
-  tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
-  _write_json(scheduler_config_dict(scheduler_config), os.path.join(folder, "scheduler", "scheduler_config.json"))
-  _write_json({"_class_name": "WanPipeline", "_diffusers_version": DIFFUSERS_VERSION,
-               "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-               "text_encoder": ["transformers", "UMT5EncoderModel"],
-               "tokenizer": ["transformers", type(tokenizer).__name__],
-               "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
-               "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None, "expand_timesteps": False},
-              os.path.join(folder, "model_index.json"))
+  write_configs(folder, transformer=transformer.config, vae=vae.config, text_encoder=te_config, tokenizer=tokenizer,
+                scheduler_config=scheduler_config)
   return folder

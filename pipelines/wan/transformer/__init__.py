@@ -11,7 +11,9 @@ from pipelines.wan import lazy_attributes
 _HOMES = (
     ("pipelines.wan.transformer.config", ("PRESETS", "WanTransformerConfig", "param_counts", "param_shapes")),
     ("pipelines.wan.transformer.cross_kv", ("TextKV", "text_kv")),
-    ("pipelines.wan.transformer.loading", ("checkpoint_layout", "load_transformer", "to_ours")),
+    ("pipelines.wan.transformer.loading", ("checkpoint_layout", "load_transformer", "load_transformer_state",
+                                           "to_ours")),
+    ("pipelines.wan.transformer.original_names", ("diffusers_key", "wan_key", "wan_module")),
     ("pipelines.wan.transformer.model", ("WanTransformer", "build_transformer", "count_params", "forward",
                                          "init_transformer")),
     ("pipelines.wan.transformer.quantization", ("QUANTIZED_LINEARS", "quantize_kernel",

@@ -9,7 +9,8 @@ leading 1, and the per-block tensors `blocks.{i}.*` are stacked on a leading Z a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,29 +165,68 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
   """
   config = WanTransformerConfig.from_dict(weights.read_config(folder))
   state = weights.read_safetensors_folder(folder)  # memory-mapped views: nothing read yet
-  layout = list(checkpoint_layout(config))
-  weights.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=folder)
+  return load_transformer_state(config, state, folder, dtype, mesh=mesh, shard_weights=shard_weights,
+                                progress=progress, quantize=quantize)
 
+
+def load_transformer_state(config: WanTransformerConfig, state: Mapping[str, Any], where: str,
+                           dtype: jnp.dtype = jnp.float32, *, mesh: Mesh | None = None, shard_weights: bool = False,
+                           progress: bool | None = None, quantize: str | None = None,
+                           scales: Mapping[str, float] | None = None) -> WanTransformer:
+  """`load_transformer`'s loading from tensors already named as diffusers names them (a folder's,
+  or a single file's renamed by `wan.pretrained.layouts`), still memory-mapped.
+
+  Args:
+    config, where: the model's config; the source, for messages.
+    state: diffusers key -> tensor (`weights.TensorRef` or a numpy view).
+    scales: diffusers key -> a ComfyUI scaled-fp8 weight's per-tensor scale (w = q * scale). With
+      quantize="fp8" a block kernel whose layers all have one is placed as it is, 1 byte a value,
+      its scale broadcast to the per-channel scales [Z, 1, O] (exact: the same value per channel);
+      every other scaled tensor is q * scale in float32, rounded once to its dtype.
+    dtype, mesh, shard_weights, progress, quantize: see `load_transformer`.
+  """
+  scales = scales or {}
+  layout = list(checkpoint_layout(config))
+  weights.check_state_dict(state, {key: shape for key, shape, *_ in layout}, where=where)
   params: dict = {}
   stacked: dict[tuple[str, ...], list] = {}
   for key, _, path, layer, kind in layout:
-    view = to_ours(state[key], kind)
+    view = to_ours(np.asarray(state[key]), kind)
     if layer is None:
-      _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype)))
+      _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype), scales.get(key)))
     else:
-      stacked.setdefault(path, [None] * layer_count(config, path[0]))[layer] = view
+      stacked.setdefault(path, [None] * layer_count(config, path[0]))[layer] = (view, scales.get(key))
   kernels = {(stack, *p, "kernel") for p in quantization.QUANTIZED_LINEARS
              for stack in quantization.block_stacks(config)} if quantize else set()
   for path, layers in stacked.items():
-    _set(params, path, weights.HostLeaf.stack(layers, np.float32 if path in kernels else _leaf_dtype(path, dtype)))
+    views = [v for v, _ in layers]
+    layer_scales = None if all(s is None for _, s in layers) else [1.0 if s is None else s for _, s in layers]
+    fp8 = quantize == "fp8" and path in kernels and layer_scales is not None
+    leaf_dtype = views[0].dtype if fp8 else np.float32 if path in kernels else _leaf_dtype(path, dtype)
+    leaf = weights.HostLeaf.stack(views, leaf_dtype, None if fp8 else layer_scales)
+    _set(params, path, (leaf, layer_scales) if fp8 else leaf)
   kernels = {path: _pop(params, path) for path in kernels}
   is_leaf = lambda x: isinstance(x, weights.HostLeaf)  # noqa: E731
   shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params, is_leaf=is_leaf)
   shardings = None if mesh is None else weight_shardings(shapes, mesh, shard_weights)
-  arrays = distributed.put_host_leaves(params, shardings, progress=progress, desc=f"loading {folder}")
+  arrays = distributed.put_host_leaves(params, shardings, progress=progress, desc=f"loading {where}")
   for path, leaf in kernels.items():
-    _set(arrays, path, _quantized_leaf(leaf, quantize, mesh, shard_weights))
+    placed = _prequantized_leaf(*leaf, mesh, shard_weights) if isinstance(leaf, tuple) else (
+        _quantized_leaf(leaf, quantize, mesh, shard_weights))
+    _set(arrays, path, placed)
   return quantization.quantize_transformer(build_transformer(config, arrays, dtype), quantize)
+
+
+def _prequantized_leaf(leaf: weights.HostLeaf, layer_scales: list[float], mesh: Mesh | None, shard_weights: bool):
+  """A stacked e4m3 kernel [Z, I, O] with one scale per layer, placed as a `quantization` QArray:
+  its values as they are, the scales broadcast to [Z, 1, O]."""
+  z, _, o = leaf.shape
+  scale = np.broadcast_to(np.asarray(layer_scales, np.float32)[:, None, None], (z, 1, o))
+  host = {"qvalue": leaf, "scale": weights.HostLeaf.of(scale, np.float32)}
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in host.items()}
+  where = None if mesh is None else weight_shardings({"blocks": shapes}, mesh, shard_weights)["blocks"]
+  placed = distributed.put_host_leaves(host, where, progress=False)
+  return quantization.fp8_qarray(placed["qvalue"], placed["scale"])
 
 
 def _quantized_leaf(leaf: weights.HostLeaf, mode: str, mesh: Mesh | None, shard_weights: bool):

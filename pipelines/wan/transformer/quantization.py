@@ -92,6 +92,12 @@ def quantize_kernel(kernel: jax.Array, mode: str) -> qwix.QArray:
                        scale_dtype=jnp.float32)
 
 
+def fp8_qarray(qvalue: jax.Array, scale: jax.Array) -> qwix.QArray:
+  """An "fp8" kernel from e4m3 values [..., I, O] and float32 scales [..., 1, O] quantized elsewhere
+  (a ComfyUI scaled-fp8 file's, `load_transformer_state`): what `quantize_kernel` returns for "fp8"."""
+  return qwix.QArray(qvalue=qvalue, scale=scale, zero_point=None, qtype=QTYPES["fp8"])
+
+
 quantize_kernel_jit = jax.jit(quantize_kernel, static_argnums=1)  # compiled once per shape and mode
 
 

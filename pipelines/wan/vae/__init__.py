@@ -15,7 +15,9 @@ _HOMES = (
     ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "decode", "decode_chunk", "decode_parallel",
                                  "decode_parallel_chunks", "decode_step_memory_analysis",
                                  "denormalize_latents", "encode", "encode_chunk", "init_vae", "load_vae",
-                                 "lower_decode_programs", "normalize_latents", "row_mesh", "row_split")),
+                                 "lower_decode_programs", "normalize_latents", "row_mesh", "row_split",
+                                 "vae_from_state")),
+    ("pipelines.wan.vae.original_names", ("encoder_key", "original_keys")),
     ("pipelines.wan.vae.topology", ("to_jax_layout",)),
 )
 

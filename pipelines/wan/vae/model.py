@@ -83,9 +83,19 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | No
     raise
   except (ValueError, TypeError) as e:
     raise CheckpointError(f"{folder!r}: unsupported or invalid AutoencoderKLWan config: {e}") from e
-  state = read_safetensors_folder(folder)  # memory-mapped views
-  check_state_dict(state, config.param_shapes(), where=folder)
-  leaves = {k: HostLeaf.of(to_jax_layout(k, v), dtype) for k, v in state.items()}
+  return vae_from_state(config, read_safetensors_folder(folder), folder, dtype=dtype, progress=progress)
+
+
+def vae_from_state(config: WanVAEConfig, state: Any, where: str, *, dtype: jnp.dtype = jnp.float32,
+                   progress: bool | None = None) -> WanVAE:
+  """`load_vae` from tensors already named as diffusers names them (a folder's, or a single file's
+  renamed by `wan.pretrained.layouts`), still memory-mapped: checked, laid out, cast and placed.
+
+  Raises:
+    CheckpointError: one error listing every missing, unexpected and mis-shaped key.
+  """
+  check_state_dict(state, config.param_shapes(), where=where)
+  leaves = {k: HostLeaf.of(to_jax_layout(k, np.asarray(v)), dtype) for k, v in state.items()}
   params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 

@@ -219,3 +219,99 @@ def test_command_and_python_call_refuse_alike(tmp_path, capsys, flags, flag, kwa
   err = capsys.readouterr().err
   assert f"generate: error: {flag}: {refused.value}" in err, err
   assert os.listdir(tmp_path) == []
+
+
+# --- a model as single files: --transformer --vae --text-encoder ------------------------------------
+
+FILE_ARGV = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1", "--seed", "0"]
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  """The random tiny pipeline as a diffusers folder and as ComfyUI single files."""
+  from pipelines.pipeline import WanPipeline
+  from tests.pipelines.wan.pretrained import writers
+
+  return writers.write_single_files(WanPipeline.tiny(random=True), str(tmp_path_factory.mktemp("single")))
+
+
+def _files(single, **changed) -> list[str]:
+  flags = {"--transformer": single["transformer"], "--vae": single["vae"], "--text-encoder": single["text_encoder"],
+           "--config": single["folder"], **{"--" + k.replace("_", "-"): v for k, v in changed.items()}}
+  return [a for flag, value in flags.items() if value is not None for a in (flag, value)]
+
+
+def test_single_files_make_the_folders_video(single, tmp_path):
+  """The same model as --model FOLDER, as ComfyUI single files (configs from --config) and as an
+  official Wan folder (--model): the same raw frames (.npy); the sidecar names each single file with
+  its layout and SHA-256 (a folder's has none)."""
+  import hashlib
+
+  import numpy as np
+
+  from pipelines.pipeline import WanPipeline
+  from tests.pipelines.wan.pretrained import writers
+
+  official = writers.write_official(WanPipeline.from_pretrained(single["folder"]), str(tmp_path / "official"),
+                                    os.path.join(single["folder"], "tokenizer"))
+  argv = FILE_ARGV[:6] + ["--steps", "2", "--seed", "0", "--max-sequence-length", "8", "--dtype", "float32"]
+  assert generate.main(argv + ["--model", single["folder"], "--out", str(tmp_path / "folder.npy")]) == 0
+  assert generate.main(argv + _files(single) + ["--out", str(tmp_path / "files.npy")]) == 0
+  assert generate.main(argv + ["--model", official, "--out", str(tmp_path / "official.npy")]) == 0
+  folder, files = np.load(tmp_path / "folder.npy"), np.load(tmp_path / "files.npy")
+  assert files.std() > 0.01 and np.array_equal(files, folder)
+  assert np.array_equal(np.load(tmp_path / "official.npy"), folder)
+  sidecar = json.loads((tmp_path / "files.npy.json").read_text())
+  assert sidecar["model"] == os.path.abspath(single["transformer"])
+  layouts = {name: record["layout"] for name, record in sidecar["model_files"].items()}
+  assert layouts == {"transformer": "wan", "vae": "wan", "text_encoder": "transformers"}
+  for name, record in sidecar["model_files"].items():
+    assert record["path"] == os.path.abspath(single[name])
+    assert record["sha256"] == hashlib.sha256(open(single[name], "rb").read()).hexdigest()
+  assert "model_files" not in json.loads((tmp_path / "folder.npy.json").read_text())
+
+
+def _bad_files(tmp_path, single) -> dict[str, str]:
+  """Files in the way: the first half of the transformer, a LoRA, a folder without a tokenizer."""
+  from safetensors.numpy import save_file
+
+  import numpy as np
+
+  data = open(single["transformer"], "rb").read()
+  (tmp_path / "half.safetensors").write_bytes(data[: len(data) // 2])
+  save_file({"blocks.0.self_attn.q.lora_A.weight": np.zeros((4, 8), np.float32)}, str(tmp_path / "lora.safetensors"))
+  (tmp_path / "empty").mkdir()
+  return {"half": str(tmp_path / "half.safetensors"), "lora": str(tmp_path / "lora.safetensors"),
+          "empty": str(tmp_path / "empty")}
+
+
+SINGLE_FILE_REFUSALS = [  # (id, single-file flags changed (None: left out) or extra flags, message)
+    ("with --model", dict(model="tiny"), "--model 'tiny' and --transformer "),
+    ("vae left out", dict(vae=None, text_encoder=None), "needs --vae and --text-encoder too: a model as single files"),
+    ("missing file", dict(vae="/no/such/vae.safetensors"),
+     "--vae '/no/such/vae.safetensors' is not a file; pass a Wan VAE file (wan_2.1_vae.safetensors"),
+    ("no tokenizer", dict(config=None), "--transformer, --vae and --text-encoder need --tokenizer FOLDER: no UMT5"),
+    ("tokenizer not a folder", dict(tokenizer="{lora}"), "is not a folder; pass a folder holding the google/umt5-xxl"),
+    ("folder without a tokenizer", dict(tokenizer="{empty}"), "empty' holds no tokenizer (none of tokenizer.json"),
+    ("files swapped", dict(vae="{transformer}"),
+     "holds the transformer of a Wan pipeline, not the VAE of a Wan model; pass it as transformer= (--transformer)"),
+    ("truncated file", dict(transformer="{half}"), "(truncated or corrupt safetensors file"),
+    ("a LoRA as the transformer", dict(transformer="{lora}"), "holds a LoRA (keys like"),
+]
+
+
+@pytest.mark.parametrize("changed,message", [c[1:] for c in SINGLE_FILE_REFUSALS],
+                         ids=[c[0] for c in SINGLE_FILE_REFUSALS])
+def test_single_files_refused_before_loading(single, tmp_path, capsys, monkeypatch, changed, message):
+  """Each bad single-file flag: exit status 2 and the message, before any weight loads or compiles."""
+  from pipelines.pipeline import WanPipeline
+
+  monkeypatch.setattr(WanPipeline, "from_single_file", lambda *a, **k: pytest.fail("weights loaded"))
+  compiles = step_compiles(monkeypatch)
+  paths = {**_bad_files(tmp_path, single), "transformer": single["transformer"]}
+  model = changed.pop("model", None)
+  argv = FILE_ARGV + _files(single, **{k: v if v is None else v.format(**paths) for k, v in changed.items()})
+  argv += ["--model", model] if model else []
+  assert generate.main(argv + ["--out", str(tmp_path / "x.mp4")]) == 2
+  err = capsys.readouterr().err
+  assert message in err, err
+  assert compiles == [] and not os.path.exists(tmp_path / "x.mp4")

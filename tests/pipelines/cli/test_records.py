@@ -10,6 +10,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from pipelines.cli import generate, records, run_plan
 from pipelines.pipeline import resume
@@ -105,3 +106,32 @@ def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
   open(os.path.join(folder, resume.STATE_FILE), "wb").close()
   assert generate.main(args + ["--out", str(tmp_path / "c.npy"), "--checkpoint-dir", folder]) == 2
   assert f"continue it with --resume {folder}" in capsys.readouterr().err
+
+
+def test_resume_refuses_changed_single_files(tmp_path, capsys):
+  """A run of single files records each file's SHA-256 (`model_files.describe`); --resume reads the
+  files' flags back from the record and refuses a file whose bytes changed since, naming it."""
+  from pipelines.commands import model_files
+  from pipelines.wan.pretrained import Sources
+
+  for name in ("t", "v", "te"):
+    (tmp_path / name).write_bytes(name.encode() * 10)
+  files = Sources(transformer=str(tmp_path / "t"), vae=str(tmp_path / "v"), text_encoder=str(tmp_path / "te"),
+                  tokenizer=str(tmp_path))
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  (folder / resume.STATE_FILE).write_bytes(b"")
+  record = {"model": None, "transformer": str(tmp_path / "t"), "vae": str(tmp_path / "v"),
+            "text_encoder": str(tmp_path / "te"), "tokenizer": str(tmp_path), "config": None,
+            "model_files": model_files.describe(files, dict.fromkeys(("transformer", "vae", "text_encoder"), "wan"))}
+  (folder / records.RUN_RECORD).write_text(json.dumps(record))
+  args = generate.build_parser().parse_args(["--resume", str(folder)])
+  records.apply_resume(args, {"resume"})
+  assert (args.model, args.vae, args.tokenizer) == (None, str(tmp_path / "v"), str(tmp_path))
+  (tmp_path / "v").write_bytes(b"w" * 10)
+  with pytest.raises(records.UsageError) as refused:
+    records.apply_resume(generate.build_parser().parse_args(["--resume", str(folder)]), {"resume"})
+  message = str(refused.value)
+  assert message.startswith(f"--resume {folder}: the saved run's model files are not the ones it ran on: --vae "
+                            f"{str(tmp_path / 'v')!r} changed (SHA-256 "), message
+  assert message.endswith(f"A changed file is another model: restore it, or remove {folder} and start a new run")

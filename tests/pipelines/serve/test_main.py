@@ -88,3 +88,47 @@ def test_a_hub_model_is_fetched_once_and_pinned_to_its_commit(tmp_path, monkeypa
     assert len(hub.requests) == asked and sorted(hub.file_gets()) == sorted(f"test-org/tiny-wan:{p}" for p in files)
     assert main(["--model", "test-org/nope"]) == 2
   assert "serve: error: --model test-org/nope: no Hub repo 'test-org/nope'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  from pipelines.pipeline import WanPipeline
+  from tests.pipelines.wan.pretrained import writers
+
+  return writers.write_single_files(WanPipeline.tiny(random=True), str(tmp_path_factory.mktemp("single")))
+
+
+def test_single_files_serve_the_folders_model(single):
+  """serve --transformer --vae --text-encoder --config: the folder's facts (named by the transformer
+  file) from the headers, and a loader of the same weights (the same model fingerprint)."""
+  import dataclasses
+  import os
+
+  from pipelines.pipeline import WanPipeline
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.serve.main import loader, model_facts
+  from pipelines.serve.options import parse
+
+  config = parse(["--transformer", single["transformer"], "--vae", single["vae"], "--text-encoder",
+                  single["text_encoder"], "--config", single["folder"], "--dtype", "float32"])
+  assert config.model is None and config.files.config == single["folder"]
+  facts = model_facts(config)
+  assert facts == dataclasses.replace(ModelFacts.from_folder(single["folder"], "float32"),
+                                      name=os.path.abspath(single["transformer"]))
+  assert loader(config)().fingerprint() == WanPipeline.from_pretrained(single["folder"]).fingerprint()
+
+
+def test_single_files_refused_before_loading(single, capsys, monkeypatch):
+  import uvicorn
+
+  from pipelines.serve.main import main
+
+  monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("serve started"))
+  files = ["--transformer", single["transformer"], "--vae", single["vae"], "--text-encoder", single["text_encoder"]]
+  for argv, words in ((files + ["--model", "tiny"], "--model 'tiny' and --transformer"),
+                      (files[:2], "needs --vae and --text-encoder too"),
+                      (files, "need --tokenizer FOLDER"),
+                      (files[:3] + [single["transformer"]] + files[4:] + ["--config", single["folder"]],
+                       "holds the transformer of a Wan pipeline, not the VAE")):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err

@@ -160,3 +160,13 @@ def test_from_pretrained_mesh_is_checked_before_reading(tiny_folder):
     WanPipeline.from_pretrained(tiny_folder, mesh="U=3")
   with pytest.raises(ValueError, match="shard_weights"):
     WanPipeline.from_pretrained(tiny_folder, shard_weights=True)
+
+
+def test_file_sha256_streams_the_whole_file(tmp_path):
+  """The digest of every byte, whatever the chunk size (a file of 2.5 chunks here)."""
+  import hashlib
+
+  data = np.random.default_rng(0).integers(0, 256, 5 * 1024 + 3, dtype=np.uint8).tobytes()
+  (tmp_path / "f.bin").write_bytes(data)
+  assert weights.file_sha256(str(tmp_path / "f.bin"), chunk=2048) == hashlib.sha256(data).hexdigest()
+  assert weights.file_sha256(str(tmp_path / "f.bin")) == hashlib.sha256(data).hexdigest()

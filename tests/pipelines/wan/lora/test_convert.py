@@ -294,12 +294,13 @@ def test_key_rules_and_refusals():
   refusals: text-encoder keys, a non-zero delta for a parameter the model lacks (a zero one is
   dropped, as the zero norm deltas of lightx2v files), a mis-shaped delta, LoHa parts."""
   from pipelines.wan.lora import convert as lora_convert
+  from pipelines.wan.transformer import original_names
 
   assert lora_convert.musubi_to_wan("blocks_12_cross_attn_norm_k_img") == "blocks.12.cross_attn.norm_k_img"
   assert lora_convert.musubi_to_wan("blocks_0_ffn_2") == "blocks.0.ffn.2"
   assert lora_convert.musubi_to_wan("time_projection_1") == "time_projection.1"
-  assert lora_convert.wan_module("blocks.3.norm3") == "blocks.3.norm2"
-  assert lora_convert.wan_module("head.head") == "proj_out" and lora_convert.wan_module("blocks.0.foo") is None
+  assert original_names.wan_module("blocks.3.norm3") == "blocks.3.norm2"
+  assert original_names.wan_module("head.head") == "proj_out" and original_names.wan_module("blocks.0.foo") is None
   config = TINY_TRANSFORMER
   rng = np.random.default_rng(0)
   down, up = _pair(rng, (D, FREQ), 4)

@@ -1,0 +1,101 @@
+"""`pipeline.single_file`: `WanPipeline.from_single_file` (ComfyUI's layouts, its scaled fp8) and
+`from_pretrained` of a folder in the official Wan layout give the diffusers folder's video.
+
+The files are the tiny models written in those layouts by inverting the key maps
+(`tests/pipelines/wan/pretrained/writers.py`); diffusers' own `from_single_file` reading the written
+transformer file to the folder's tensors shows the writer matches the real layout.
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from pipelines.pipeline import WanPipeline
+from pipelines.wan.encoders import TokenizerNotFoundError
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+from tests.pipelines.wan.pretrained import writers
+
+CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=8, seed=0, output_type="np")
+PROMPT = "a red square moving right"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """The random tiny pipeline as a diffusers folder and as ComfyUI single files."""
+  base = str(tmp_path_factory.mktemp("single"))
+  pipe = WanPipeline.tiny(random=True)
+  return dict(pipe=pipe, base=base, **writers.write_single_files(pipe, base))
+
+
+def test_diffusers_reads_the_written_transformer_file(files):
+  """The independent reference: diffusers' `WanTransformer3DModel.from_single_file` of our ComfyUI file."""
+  from diffusers import WanTransformer3DModel
+
+  model = WanTransformer3DModel.from_single_file(files["transformer"], config=files["folder"], subfolder="transformer")
+  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  ours = files["states"]["transformer"]
+  assert set(theirs) == set(ours) and all(np.array_equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_single_files_give_the_folders_video(files):
+  single = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
+                                        tokenizer=files["folder"], config=files["folder"])
+  reference = WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL)
+  video = single(PROMPT, **CALL)
+  assert video.std() > 0.01 and np.array_equal(video, reference)
+
+
+def test_official_layout_gives_the_folders_video(files):
+  official = writers.write_official(files["pipe"], os.path.join(files["base"], "official"),
+                                    os.path.join(files["folder"], "tokenizer"))
+  pipe = WanPipeline.from_pretrained(official)
+  assert pipe.transformer_config == files["pipe"].transformer_config  # heads from config.json
+  assert np.array_equal(pipe(PROMPT, **CALL), WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
+
+
+def test_tokenizer_is_required(files):
+  with pytest.raises(TokenizerNotFoundError, match=r"tokenizer=None: no UMT5 tokenizer ships with this package; "
+                                                   r"pass tokenizer= \(--tokenizer\) a local folder holding the google/umt5-xxl"):
+    WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"], config=files["folder"])
+
+
+def _psnr(a, b) -> float:
+  return float(10 * np.log10(1.0 / np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
+
+
+def test_scaled_fp8_file_loads_into_fp8_weights(tmp_path):
+  """The trained default as a ComfyUI scaled-fp8 file: with quantize="fp8" the block kernels are
+  placed as the file's e4m3 bytes (1 byte a value) and the video stays within 35 dB of fp32's."""
+  default = WanPipeline.tiny()
+  states = writers.pipeline_states(default)
+  path = writers.write(writers.scaled_fp8(states["transformer"]), str(tmp_path / "fp8_scaled.safetensors"))
+  vae = writers.write(writers.comfy_vae(states["vae"], default.vae.config), str(tmp_path / "vae.safetensors"))
+  te = writers.write(states["text_encoder"], str(tmp_path / "umt5.safetensors"))
+  fp8 = WanPipeline.from_single_file(path, vae, te, tokenizer=TINY_DEFAULT_FOLDER, config=TINY_DEFAULT_FOLDER,
+                                     quantize="fp8")
+  kernel = fp8.weights.experts[0]["blocks"]["ffn"]["proj_in"]["kernel"].get_value()
+  assert kernel.qvalue.dtype == jax.numpy.float8_e4m3fn and kernel.qvalue.nbytes == kernel.qvalue.size
+  assert kernel.scale.shape == (default.transformer_config.num_layers, 1, default.transformer_config.ffn_dim)
+  call = dict(height=64, width=64, num_frames=17, num_inference_steps=8, guidance_scale=5.0, seed=0, output_type="np")
+  reference = default(PROMPT, **call)
+  video = fp8(PROMPT, **call)
+  dequantized = WanPipeline.from_single_file(path, vae, te, tokenizer=TINY_DEFAULT_FOLDER, config=TINY_DEFAULT_FOLDER)
+  assert not isinstance(dequantized.weights.experts[0]["blocks"]["ffn"]["proj_in"]["kernel"].get_value(), type(kernel))
+  print(f"fp8 scaled vs fp32: {_psnr(video, reference):.2f} dB; dequantized fp32 vs fp32: "
+        f"{_psnr(dequantized(PROMPT, **call), reference):.2f} dB")
+  assert 35.0 <= _psnr(video, reference) < 200  # < 200: the fp8 weights did change the video
+
+
+def test_convert_round_trips_the_official_layout(files, tmp_path):
+  """official -> diffusers folder (`convert`) -> the same video; an existing DST is refused."""
+  from pipelines.wan.pretrained import convert
+
+  official = writers.write_official(files["pipe"], str(tmp_path / "official"), os.path.join(files["folder"], "tokenizer"))
+  assert convert.main([official, str(tmp_path / "converted")]) == 0
+  assert sorted(os.listdir(tmp_path)) == ["converted", "official"]  # no temporary folder left
+  video = WanPipeline.from_pretrained(str(tmp_path / "converted"))(PROMPT, **CALL)
+  assert np.array_equal(video, WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
+  with pytest.raises(Exception, match=r"converted' exists; convert writes a new folder"):
+    convert.convert(convert.Sources.official(official), str(tmp_path / "converted"))
