@@ -341,10 +341,12 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
   ema = params
   history, start, k = [], time.perf_counter(), 0
   while total is None or k < total:
-    if total is None and k == 30:  # compile + 29 steps measured: fix the schedule's length
-      elapsed = time.perf_counter() - start
-      total = max(int((seconds - elapsed) / (elapsed / 30)) + 30, warm + 1)
-      log(f"transformer: {elapsed / 30:.2f} s/step (with the compile) -> {total} steps")
+    if k == 10:
+      after_compile = time.perf_counter()
+    if total is None and k == 40:  # steps 10-39 measured (not the compile): fix the schedule's length
+      elapsed, per_step = time.perf_counter() - start, (time.perf_counter() - after_compile) / 30
+      total = max(int((seconds - elapsed) / per_step) + 40, warm + 1)
+      log(f"transformer: {per_step:.2f} s/step -> {total} steps")
     idx = rng.integers(0, len(latents), batch)
     rows = np.where(rng.random(batch) < CFG_DROPOUT, empty, text_ids[idx])
     sigma = training_sigmas(rng.random(batch).astype(np.float32))
