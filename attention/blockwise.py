@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import fixed_m as fm
+from attention import heads
 from attention import kernels
 from attention.carry import Carry, Start, finish
 from attention.masks import key_mask, validate_qkv
@@ -205,10 +206,12 @@ def attend(
   Args:
     carry: a `Carry` from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad
       rows; or a `Start` (an empty carry the Pallas kernel builds in VMEM, `attention.carry`).
-    q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e).
+    q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e). Or
+      `heads.Heads` of a heads-major buffer: its N = K * G query heads (USP's received buffer).
     k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
       always: callers cannot forget the block padding. v_BKSH None: k_BKSH is the packed K/V
-      [B, 2K, S_pad, H] (keys, then values), read in place.
+      [B, 2K, S_pad, H] (keys, then values), read in place. Either may be `heads.Heads` too.
+      The Pallas kernels read `Heads` in place; the XLA loops slice them out.
     mode: "lse" or "fixed_m" (must match how the carry was initialised), or "auto": fixed-m where the
       bool scalar `fixed` is true, else LSE (the carry initialised accordingly, e.g. m = where(gate,
       b, -inf)). `fixed` must be the same on every device of a mesh (the fixed-m gate's verdict):
@@ -232,7 +235,7 @@ def attend(
     ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it;
       a Start whose offsets do not fit the mode (`Start.check_mode`).
   """
-  B, K, G, T, H = q_BKGTH.shape
+  B, K, G, T, H = heads.update_dims(q_BKGTH, k_BKSH, v_BKSH)
   S = k_BKSH.shape[2]
   if T != layout.T_pad or S != layout.S_pad or q_pos.shape != (T,) or kv_pos.shape != (S,):
     raise ValueError(f"q rows {T}, k slots {S}, q_pos {q_pos.shape}, kv_pos {kv_pos.shape} do not "
@@ -248,6 +251,9 @@ def attend(
     finish_to = None if finish_to is None else jnp.dtype(finish_to)
     return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window,
                           causal, logit_scale, finish_to)
+  # The XLA loops read arrays: operands given as `Heads` of one buffer are sliced out here.
+  q_BKGTH = heads.take(q_BKGTH).reshape(B, K, G, T, H)
+  k_BKSH, v_BKSH = heads.take(k_BKSH), None if v_BKSH is None else heads.take(v_BKSH)
   if isinstance(carry, Start):
     carry = carry.materialise(q_BKGTH, logit_scale, fixed)
   if finish_to is not None:

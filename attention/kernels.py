@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from attention import fixed_m as fm
+from attention import heads
 from attention.carry import Carry, Start
 
 LANES = 128  # TPU vector lanes; the column layout of the per-row statistics
@@ -198,11 +199,11 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
               window, causal, logit_scale, finish_to, interpret):
   from jax.experimental.pallas import tpu as pltpu
 
-  B, K, G, T, H = q.shape
+  B, K, G, T, H = heads.update_dims(q, k, v)
+  (q, q_off), (k, k_off) = heads.split(q), heads.split(k)
+  (v, v_off) = (k, k_off + K) if v is None else heads.split(v)  # packed K/V: values K heads after keys
   S_pad = k.shape[2]
   nq, nk = T // bq, S_pad // bk
-  v_off = 0 if v is not None else K  # packed K/V: values are heads K..2K-1 of k
-  v = k if v is None else v
   start = _start_kind(carry)
   offsets = carry.offsets if start == "offsets" else None
   sq = pl.squeezed
@@ -211,10 +212,14 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
       kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
       windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin)
   q_spec = pl.BlockSpec((sq, sq, G, bq, H), lambda b, h, i, j, *_: (b, h, 0, i, 0))
-  k_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h, j, 0))
+  if q.ndim == 4:  # a heads-major buffer: the G query heads of kv head h are block h (+ offset)
+    q_in_spec = pl.BlockSpec((sq, G, bq, H), lambda b, h, i, j, *_: (b, h + q_off // G, i, 0))
+  else:
+    q_in_spec = q_spec
+  k_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + k_off, j, 0))
   v_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + v_off, j, 0))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
-  in_specs = [q_spec, k_spec, v_spec, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
+  in_specs = [q_in_spec, k_spec, v_spec, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
               pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j))]
   args = [limit, flag, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad)]
   if start == "carry":
@@ -223,11 +228,12 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
   elif start == "offsets":
     in_specs.append(pl.BlockSpec((sq, sq, 8, H), lambda b, h, i, j, *_: (b, h, 0, 0)))
     args.append(offsets.packed())
+  o_shape = (B, K, G, T, H)
   if finish_to is not None:
-    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, finish_to)]
+    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(o_shape, finish_to)]
   else:
     out_specs = [q_spec, row_spec, row_spec]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32), *[jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)] * 2]
+    out_shape = [jax.ShapeDtypeStruct(o_shape, jnp.float32), *[jax.ShapeDtypeStruct(o_shape[:4], jnp.float32)] * 2]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(B, K, nq, nk),
@@ -311,8 +317,10 @@ def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
   from jax.experimental.pallas import triton as plgpu
 
   fresh = isinstance(carry, Start)
+  B, K, G, T, H = heads.update_dims(q, k, v)
   if fresh:
-    carry = Carry(None, None, carry.materialise(q, logit_scale, None if mode != "auto" else flag[0] != 0).m)
+    q_BKGTH = heads.take(q).reshape(B, K, G, T, H)
+    carry = Carry(None, None, carry.materialise(q_BKGTH, logit_scale, None if mode != "auto" else flag[0] != 0).m)
   if mode == "auto":
     kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
               logit_scale=logit_scale, finish_to=finish_to, interpret=interpret)
@@ -320,10 +328,9 @@ def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
     return jax.lax.cond(flag[0] != 0, lambda: tuple(_gpu_call(*args, mode="fixed_m", **kw)),
                         lambda: tuple(_gpu_call(*args, mode="lse", **kw)))
 
-  B, K, G, T, H = q.shape
+  (q, q_off), (k, k_off) = heads.split(q), heads.split(k)
+  (v, v_off) = (k, k_off + K) if v is None else heads.split(v)  # packed K/V: values K heads after keys
   S_pad = k.shape[2]
-  v_off = 0 if v is not None else K  # packed K/V: values are heads K..2K-1 of k
-  v = k if v is None else v
   Hp = pl.next_power_of_2(H)
   Bp = pl.next_power_of_2(B)
   limit = jnp.pad(limit, (0, Bp - B))
@@ -332,21 +339,26 @@ def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
                              causal=causal, logit_scale=logit_scale)
   sq = pl.squeezed
   q_spec = pl.BlockSpec((sq, sq, sq, bq, Hp), lambda b, h, g, i: (b, h, g, i, 0))
-  k_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h, 0, 0))
+  if q.ndim == 4:  # a heads-major buffer: query head h * G + g (+ offset)
+    q_in_spec = pl.BlockSpec((sq, sq, bq, Hp), lambda b, h, g, i: (b, q_off + h * G + g, i, 0))
+  else:
+    q_in_spec = q_spec
+  k_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + k_off, 0, 0))
   v_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + v_off, 0, 0))
   row_spec = pl.BlockSpec((sq, sq, sq, bq), lambda b, h, g, i: (b, h, g, i))
   carry_in = [carry.m] if carry.o is None else [carry.o, carry.l, carry.m]
   carry_specs = [row_spec] if carry.o is None else [q_spec, row_spec, row_spec]
-  rows = jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)
+  o_shape = (B, K, G, T, H)
+  rows = jax.ShapeDtypeStruct(o_shape[:4], jnp.float32)
   if finish_to is not None:
-    out_specs, out_shape, aliases = [q_spec], [jax.ShapeDtypeStruct(q.shape, finish_to)], {}
+    out_specs, out_shape, aliases = [q_spec], [jax.ShapeDtypeStruct(o_shape, finish_to)], {}
   else:
-    out_specs, out_shape = [q_spec, row_spec, row_spec], [jax.ShapeDtypeStruct(q.shape, jnp.float32), rows, rows]
+    out_specs, out_shape = [q_spec, row_spec, row_spec], [jax.ShapeDtypeStruct(o_shape, jnp.float32), rows, rows]
     aliases = {6: 2} if carry.o is None else {6: 0, 7: 1, 8: 2}
   return pl.pallas_call(
       kernel,
       grid=(B, K, G, T // bq),
-      in_specs=[q_spec, k_spec, v_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
+      in_specs=[q_in_spec, k_spec, v_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
                 pl.BlockSpec((S_pad,), lambda b, h, g, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, g, i: (0,)),
                 *carry_specs],
       out_specs=out_specs,
@@ -375,6 +387,8 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
       from XLA.
     q: [B, K, G, T_pad, H]; k, v: [B, K, S_pad, H] (bf16 / fp32, same dtype); or v None and k the
       packed K/V [B, 2K, S_pad, H] (keys then values, as USP's ring buffer: no unpacking copy).
+      Any of them may be `heads.Heads` of a heads-major buffer (q: its N = K * G query heads),
+      read in place by the index maps (USP's received q/k/v buffer: no slicing copy).
       T_pad % bq == 0 and S_pad % bk == 0; slots >= S are block padding (masked here).
     q_pos: int32 [T_pad]; kv_pos: int32 [S_pad]: global positions (masks are built from them).
     limit: None or int32 [B]: keys at positions >= limit[b] are masked.
@@ -396,7 +410,7 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
       `fixed` given without mode "auto" or missing with it; a Start whose offsets do not match the
       mode (fixed-m and "auto" need them, LSE takes none).
   """
-  T, S_pad = q.shape[3], k.shape[2]
+  T, S_pad = heads.update_dims(q, k, v)[3], k.shape[2]
   if (mode == "auto") != (fixed is not None):
     raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if isinstance(carry, Start):

@@ -25,12 +25,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, PartitionSpec as P
 
 from attention import blockwise as bw
 from attention import fixed_m as fm
 from attention import fp8_exchange as fp8x
+from attention import heads
 from attention.carry import Start
+from attention.heads import Heads
 from attention.masks import validate_qkv
 from attention.padding import pad_axis, round_up
 from attention.mesh import RING_AXIS, SEQUENCE_AXES, ULYSSES_AXIS, MeshSpec, batch_axis, heads_fit, sequence_spec
@@ -70,22 +73,31 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> N
         f"repeated U/K times in grouped order); with {ulysses * ring} devices use one of (U, R) = {ok}")
 
 
+_ROW_MAJOR_4D, _ROW_MAJOR_5D = Layout((0, 1, 2, 3)), Layout((0, 1, 2, 3, 4))
+
+
 def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
   """ONE all-to-all over `ulysses` for several [B, L, h_i, H] local arrays, returning them heads-major:
   [B, sum_i h_i / U, U * L_pad, H], rank j holding head group j of every array (the arrays' groups
   in order) and token block j (L_pad rows, the last L_pad - L zero) from source rank j.
 
-  The send buffer [B, U, sum_i h_i / U, L_pad, H] (head group outermost; transpose, padding and
-  packing are one copy) keeps the (tokens, H) tiling: no flattening reshape, which XLA:TPU lowers to
-  relayout code that grows with the token count (measured 36 MiB of code at 8,192 tokens, U=2), and
-  the received buffer is already in the kernels' heads-major layout.
+  The exchanged array is [U, B, sum_i h_i / U, L_pad, H], the destination (received: the source)
+  rank outermost: an all-to-all over its leading axis needs no relayout, and the (tokens, H)
+  tiling stays minor on both sides. Splitting any inner axis made XLA:TPU lay both buffers out
+  with H major (14B 720p, v6e:2x4, U=8: 15.8 Mcycles a block to relayout the received buffer and
+  9.4 to pack, against 1.2 each at HBM bandwidth). What arrives is reordered source-major ->
+  heads-major by one copy of whole (L_pad, H) slabs. No flattening reshape either: XLA:TPU lowers
+  it to relayout code that grows with the token count (36 MiB of code at 8,192 tokens, U=2).
   """
   B, L, _, H = parts[0].shape
-  packed = jnp.concatenate(
-      [pad_axis(p.reshape(B, L, U, p.shape[2] // U, H).transpose(0, 2, 3, 1, 4), 3, L_pad) for p in parts],
+  parts = [with_layout_constraint(p, _ROW_MAJOR_4D) for p in parts]
+  packed = jnp.concatenate(  # [U, B, sum h_i / U, L_pad, H]: transpose, padding and packing in one copy
+      [pad_axis(p.reshape(B, L, U, p.shape[2] // U, H).transpose(2, 0, 3, 1, 4), 3, L_pad) for p in parts],
       axis=2)
-  recv = jax.lax.all_to_all(packed, ULYSSES_AXIS, 1, 3, tiled=True)  # [B, 1, sum h_i / U, U * L_pad, H]
-  return recv.reshape(B, recv.shape[2], U * L_pad, H)
+  packed = with_layout_constraint(packed, _ROW_MAJOR_5D)
+  recv = jax.lax.all_to_all(packed, ULYSSES_AXIS, 0, 0, tiled=True)  # [U (source), B, sum h_i / U, L_pad, H]
+  recv = with_layout_constraint(recv, _ROW_MAJOR_5D)
+  return recv.transpose(1, 2, 0, 3, 4).reshape(B, recv.shape[2], U * L_pad, H)
 
 
 def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: BlockSizes, backend: str) -> tuple[int, int]:
@@ -107,10 +119,11 @@ def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: BlockSizes, ba
 
 def _sequence_to_heads(out_BhTH: jax.Array, U: int, L: int) -> jax.Array:
   """The inverse exchange for the output: heads-major [B, h, U * L_pad, H] -> [B, L, U * h, H] (my
-  tokens, all heads)."""
+  tokens, all heads); exchanged over the leading axis as `_heads_to_sequence`."""
   B, h, T, H = out_BhTH.shape
-  back = jax.lax.all_to_all(out_BhTH, ULYSSES_AXIS, 2, 1, tiled=True)  # [B, U * h, L_pad, H]
-  return back[:, :, :L].transpose(0, 2, 1, 3)
+  send = out_BhTH.reshape(B, h, U, T // U, H).transpose(2, 0, 1, 3, 4)  # [U (destination), B, h, L_pad, H]
+  back = jax.lax.all_to_all(send, ULYSSES_AXIS, 0, 0, tiled=True)  # [U (head group), B, h, L_pad, H]
+  return back[:, :, :, :L].transpose(1, 3, 0, 2, 4).reshape(B, L, U * h, H)
 
 
 def usp_attention(
@@ -260,15 +273,19 @@ def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scal
     qg, kvbuf = fp8x.heads_to_sequence(qs, k, v, U, Lq)
   elif U > 1 and Tl == Sl:
     recv = _heads_to_sequence([qs, k, v], U, Lq)  # [B, hq + 2 hk, U * Lq, H]
-    qg, kvbuf = recv[:, :hq], recv[:, hq:]
+    qg, kvbuf = Heads(recv, 0, hq), Heads(recv, hq, 2 * hk)  # read in place (Pallas), sliced (XLA)
   elif U > 1:  # q and k/v differ in length (not self-attention): one exchange each
     qg = _heads_to_sequence([qs], U, Lq)
     kvbuf = _heads_to_sequence([k, v], U, Lk)
   else:
     qg = pad_axis(qs.transpose(0, 2, 1, 3), 2, Lq)
     kvbuf = pad_axis(jnp.concatenate([k, v], axis=2).transpose(0, 2, 1, 3), 2, Lk)
-  q_BKGTH = layout.pad_q(qg.reshape(B, hk, G, U * Lq, H))  # no-op for Pallas (already block multiples)
-  kvbuf = layout.pad_kv(kvbuf)  # the packed K/V [B, 2 hk, S_pad, H] of the ring
+  if backend == "pallas" and isinstance(qg, Heads):  # already block multiples: no padding
+    q_BKGTH, q_array = qg, heads.take(qg).reshape(B, hk, G, U * Lq, H)
+  else:
+    q_BKGTH = q_array = layout.pad_q(heads.take(qg).reshape(B, hk, G, U * Lq, H))  # no-op for Pallas
+  if backend != "pallas" or R > 1:  # the ring passes the packed K/V on as its own array
+    kvbuf = layout.pad_kv(heads.take(kvbuf))  # [B, 2 hk, S_pad, H]
 
   def positions(src_chunk, L, real, size):  # global positions of the gathered slots, padded to size
     i = jnp.arange(L)
@@ -302,7 +319,7 @@ def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scal
   # With one, the first step reads a materialised carry: in the 14B 720p step (v6e:2x4, U=4,R=2) a
   # `Start` there made XLA keep 0.54 GiB more temporaries per device (3.62 vs 3.08 GiB).
   perm = [(j, (j + 1) % R) for j in range(R)]
-  carry = start if R == 1 else start.materialise(q_BKGTH, logit_scale, fixed)
+  carry = start if R == 1 else start.materialise(q_array, logit_scale, fixed)
   for step in range(R):
     nxt = jax.lax.ppermute(kvbuf, RING_AXIS, perm) if step < R - 1 else None
     carry = block(carry, kvbuf, (r - step) % R, last=step == R - 1)
