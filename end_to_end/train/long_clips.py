@@ -219,7 +219,7 @@ def image_samples(folder: str, rng: np.random.Generator, count: int, steps: int 
     video = pipe(scene.prompt, image=image, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
                  num_inference_steps=steps, guidance_scale=5.0, seed=i, progress=False)[0]
     ok, seen = world.check(video, scene.prompt)
-    out.append({"prompt": scene.prompt, "ok": bool(ok), "seen": seen,
+    out.append({"prompt": scene.prompt, "ok": bool(ok), "seen": seen, "image": first,
                 "first_frame_error": float(np.abs(np.clip(video[0], 0, 1) - first).mean()), "video": video})
   return out
 
@@ -249,7 +249,7 @@ def _checks(folder: str, seed: int, report: dict, out: str) -> None:
   images = image_samples(folder, np.random.default_rng(seed + 9), 10)
   for name, rows in (("short", short), ("long", longs), ("image", images)):
     report[name] = {"passed": sum(r["ok"] for r in rows), "of": len(rows),
-                    "seen": [{k: v for k, v in r.items() if k != "video"} for r in rows]}
+                    "seen": [{k: v for k, v in r.items() if k not in ("video", "image")} for r in rows]}
   write_contact_sheet([r["video"] for r in longs], os.path.join(out, "long.png"),
                       labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in longs], max_columns=9)
   write_contact_sheet([r["video"] for r in images], os.path.join(out, "image.png"),

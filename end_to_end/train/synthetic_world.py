@@ -304,14 +304,14 @@ def object_parts(mask_HW: np.ndarray) -> int:
   return int(np.count_nonzero(sizes >= PART_SHARE * sizes.max())) if sizes.size else 0
 
 
-def check_long(video: np.ndarray, prompt: str) -> tuple[bool, str]:
+def check_long(video: np.ndarray, prompt: str, colour_check: bool = True) -> tuple[bool, str]:
   """Does a long `video` (float [frames >= 2 SEGMENT, H, W, 3] in [0, 1]) keep showing `prompt`?
 
   Every frame: one shape (one connected group of object pixels, `object_parts`). Every SEGMENT-frame
   span: the named colour (`detect`). Motion (centroid per frame): a moving prompt advances >=
   SEGMENT_MOVE_MIN in the named direction over every span and >= LONG_MOVE_MIN over the video, and
   never jumps more than STEP_JUMP_MAX between frames (no reset at a window boundary); standing
-  still moves < STILL_MAX over the video.
+  still moves < STILL_MAX over the video. `colour_check` False: the rest without the colour.
 
   Raises:
     ValueError: a prompt outside the grammar, or fewer than 2 SEGMENT frames.
@@ -327,7 +327,7 @@ def check_long(video: np.ndarray, prompt: str) -> tuple[bool, str]:
   if any(p != 1 for p in parts):
     bad = [f for f, p in enumerate(parts) if p != 1]
     return False, f"{len(bad)} frames without exactly one shape (first: frame {bad[0]}, {parts[bad[0]]} parts)"
-  for s in range(0, frames - SEGMENT, SEGMENT):
+  for s in range(0, frames - SEGMENT, SEGMENT) if colour_check else ():
     seen = detect(video[s:s + SEGMENT + 1], tuple(bg))
     if seen.colour != colour:
       return False, f"frames {s}-{s + SEGMENT}: colour {seen.colour}, not {colour}"

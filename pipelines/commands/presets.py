@@ -113,8 +113,8 @@ def default_text_length(model: str) -> int:
   if model == "tiny-random":
     return tokenization.WAN_TEXT_LENGTH
   if model in ("tiny", "tiny-i2v"):
-    from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
-    model = TINY_DEFAULT_FOLDER
+    from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER
+    model = TINY_I2V_FOLDER if model == "tiny-i2v" else TINY_DEFAULT_FOLDER
   return tokenization.folder_text_length(model)
 
 

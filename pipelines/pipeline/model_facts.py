@@ -133,8 +133,9 @@ class ModelFacts:
     `image`: as "tiny-i2v" (`WanPipeline.tiny(image=True)`: a first frame given, TI2V-style)."""
     from pipelines.wan import pretrained
 
-    facts = cls.from_folder(pretrained.TINY_DEFAULT_FOLDER, dtype, name="tiny-i2v" if image else "tiny")
-    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO, expand_timesteps=image)
+    folder = pretrained.TINY_I2V_FOLDER if image else pretrained.TINY_DEFAULT_FOLDER
+    facts = cls.from_folder(folder, dtype, name="tiny-i2v" if image else "tiny")
+    return dataclasses.replace(facts, trained_video=pretrained.TINY_TRAINED_VIDEO)
 
   @classmethod
   def tiny_random(cls, dtype: str) -> ModelFacts:

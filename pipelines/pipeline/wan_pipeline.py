@@ -52,7 +52,7 @@ from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as 
 from pipelines.wan.step_cache import calibration as mag_calibration
 from pipelines.wan.transformer import quantization, WanTransformer
 from pipelines.wan.encoders import tokenizer as tokenization, umt5
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO
 
 DTYPES = loading.DTYPES
 
@@ -165,13 +165,13 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     Args:
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
-        `end_to_end.train.tiny`, then `.long_clips`): the shapes world, e.g. "a red square moving
-        right" at 64x64 x 17 frames, or "... moving slowly right" longer in context windows of 17).
+        `end_to_end.train.tiny`): the shapes world, e.g. "a red square moving right" at 64x64 x 17
+        frames.
         True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
-      image: the trained model run as TI2V (`expand_timesteps`, "tiny-i2v"): `pipe(prompt,
-        image=first_frame)` continues the given frame (trained for it: `train.long_clips`).
+      image: "tiny-i2v", `TINY_I2V_FOLDER` (a TI2V folder, `train.long_clips`): `pipe(prompt,
+        image=first_frame)` continues the given frame; it also knows slow motions over 65 frames.
 
     Raises: ValueError: `image` with `random`, or an unknown quantize mode.
     """
@@ -180,9 +180,8 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
                        "model (random=True) was not trained for it: pass one of them")
     if not random:
-      pipe = cls.from_pretrained(TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
+      pipe = cls.from_pretrained(TINY_I2V_FOLDER if image else TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
       pipe.name = "tiny-i2v" if image else "tiny"
-      pipe.expand_timesteps = image
       return pipe
     pipe = cls(**loading.tiny_random_parts(dtype))
     if quantize is not None:

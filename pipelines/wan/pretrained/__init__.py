@@ -14,7 +14,7 @@ _HOMES = (
     ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
     ("pipelines.wan.pretrained.sources", ("Components", "Sources", "check_no_image_branch", "read_sources",
                                           "tokenizer_of")),
-    ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
+    ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_I2V_FOLDER", "TINY_SCHEDULER", "TINY_SEED",
                                        "TINY_TRAINED_NAMES", "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
 )
 

@@ -3,8 +3,8 @@
 The random-weight tiny model (`WanPipeline.tiny(random=True)`) runs every code path with random
 weights from `TINY_SEED`: 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim =
 the tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trained folder
-`TINY_DEFAULT_FOLDER` (written by `python -m end_to_end.train.tiny`, then
-`end_to_end.train.long_clips`).
+`TINY_DEFAULT_FOLDER` (written by `python -m end_to_end.train.tiny`); "tiny-i2v" is `TINY_I2V_FOLDER`
+(that folder trained further by `end_to_end.train.long_clips`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ TINY_SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # (height, width, frames): the one video size the trained default saw (end_to_end/train/tiny.py);
 # `model_facts.ModelFacts.trained_video` warns for any other.
 TINY_TRAINED_VIDEO = (64, 64, 17)
-# The names of the trained default: "tiny" (text-to-video) and "tiny-i2v", the same weights run as
-# Wan 2.2 TI2V runs (`expand_timesteps`: a first frame given, `image=`), which they were trained for
-# too (end_to_end/train/long_clips.py).
+# The trained tiny models: "tiny" (text-to-video, `TINY_DEFAULT_FOLDER`) and "tiny-i2v"
+# (`TINY_I2V_FOLDER`: the default trained further by end_to_end/train/long_clips.py on slow motions
+# in 65-frame clips and with the first frame given, a TI2V folder: `expand_timesteps`, `image=`).
 TINY_TRAINED_NAMES = ("tiny", "tiny-i2v")
 TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_default")
+TINY_I2V_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_i2v")

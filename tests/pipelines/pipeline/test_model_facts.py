@@ -68,8 +68,8 @@ def test_token_facts_refuse_a_bad_count():
 
 
 def test_of_model_names_the_embedded_models():
-  """"tiny-i2v" is the trained default's facts with a first frame taken (expand_timesteps), its one
-  trained size kept; "tiny" takes none; a folder reads its own files."""
+  """"tiny-i2v" is the TI2V folder shipped beside the default (expand_timesteps), its one trained
+  size kept; "tiny" takes no image; a folder reads its own files."""
   from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_TRAINED_VIDEO
 
   tiny, i2v = ModelFacts.of_model("tiny", "float32"), ModelFacts.of_model("tiny-i2v", "float32")
