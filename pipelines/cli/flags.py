@@ -71,8 +71,8 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                  help="a diffusers-format (or official) Wan folder, a Hugging Face Hub id org/name[@revision] "
                       "(downloaded once into the Hub cache), 'tiny' (embedded trained shapes-world model), "
                       "'tiny-i2v' (the same, continuing an --image first frame) or 'tiny-random' (embedded random "
-                      "weights) (default: tiny, unless --transformer, --vae and --text-encoder give the model as "
-                      "single files)")
+                      "weights); --transformer, --vae and --text-encoder give the model as single files instead "
+                      "(default: tiny)")
   p.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")

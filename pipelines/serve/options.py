@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="serve", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
   p.add_argument("--model", default=None, help="tiny (the trained embedded model), tiny-i2v (the same, its "
                  "jobs may bring a first frame: input_reference), tiny-random, a diffusers-format (or official) Wan "
-                 "folder, or a Hugging Face Hub id org/name[@revision] (default: tiny, unless --transformer, --vae "
-                 "and --text-encoder give the model as single files)")
+                 "folder, or a Hugging Face Hub id org/name[@revision]; --transformer, --vae and --text-encoder give "
+                 "the model as single files instead (default: tiny)")
   add_single_file_flags(p)
   p.add_argument("--mesh", default=None, help="Ulysses x ring mesh, e.g. U=2,R=2 (default: one device)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 exposes the server to "
