@@ -115,14 +115,7 @@ def train_decoder(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int 
     w = 1 + tiny.OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
     return jnp.mean(w * jnp.square(y - x)) / jnp.mean(w)
 
-  @jax.jit
-  def step(trained, state, x, z, rate):
-    inject = state[1]
-    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
-    loss, grads = jax.value_and_grad(loss_fn)(trained, x, z)
-    updates, state = opt.update(grads, state, trained)
-    return optax.apply_updates(trained, updates), state, loss
-
+  step = tiny.optimizer_step(opt, loss_fn)
   rng = np.random.default_rng(seed)
   history, start, k = [], time.perf_counter(), 0
   shares = np.asarray([share for *_, share in phases])

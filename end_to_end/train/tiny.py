@@ -135,6 +135,21 @@ def vae_crops(rng: np.random.Generator, batch: int, frames: int = VAE_FRAMES, cr
   return out
 
 
+def optimizer_step(opt, loss_fn):
+  """A jitted `step(params, state, *batch, rate) -> (params, state, loss)` of `opt` (a chain whose
+  second element is `optax.inject_hyperparams`) on `loss_fn(params, *batch)`, the learning rate
+  set from the host each step."""
+  @jax.jit
+  def step(params, state, *args):
+    *batch, rate = args
+    inject = state[1]
+    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+  return step
+
+
 def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, latent_noise: float = 0.1,
               latent_l2: float = 1e-3, phases=VAE_PHASES
               ) -> tuple[wan_vae.WanVAE, list[tuple[int, float]]]:
@@ -160,14 +175,7 @@ def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, laten
     w = 1 + OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
     return jnp.mean(w * jnp.square(y - x)) / jnp.mean(w) + latent_l2 * jnp.mean(jnp.square(z))
 
-  @jax.jit
-  def step(params, state, x, noise, rate):
-    inject = state[1]
-    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, noise)
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
+  step = optimizer_step(opt, loss_fn)
   rng = np.random.default_rng(seed)
   params, history, start, k = vae.params, [], time.perf_counter(), 0
   end = 0.0
