@@ -135,4 +135,4 @@ def test_wan_presets_use_wans_default_negative_prompt():
     guided = max(preset.guidance) > 1
     assert preset.negative_prompt == (WAN_NEGATIVE_PROMPT if name.startswith("wan2") and guided else ""), name
   args = flags.build_parser().parse_args(["--prompt", "a fox", "--preset", "wan2.1-t2v-1.3b", "--out", "/tmp/x.npy"])
-  assert run_plan._preset(args)[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None
+  assert run_plan._preset(args, "tiny")[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None
