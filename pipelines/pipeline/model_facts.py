@@ -130,7 +130,7 @@ class ModelFacts:
   @classmethod
   def tiny_default(cls, dtype: str, image: bool = False) -> ModelFacts:
     """The facts of the trained tiny default (`WanPipeline.tiny()`), which knows one video size;
-    `image`: as "tiny-i2v" (`WanPipeline.tiny(image=True)`: a first frame given, TI2V-style)."""
+    `image`: "tiny-i2v" (`WanPipeline.tiny(image=True)`: `TINY_I2V_FOLDER`, a TI2V folder)."""
     from pipelines.wan import pretrained
 
     folder = pretrained.TINY_I2V_FOLDER if image else pretrained.TINY_DEFAULT_FOLDER
