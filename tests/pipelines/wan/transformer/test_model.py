@@ -144,8 +144,9 @@ def test_rows_split_over_windows_match_unsplit(spec, local_rows):
   assert_close_scaled(split, whole, rel=FP32_REL, name=f"{spec} vs U=2,R=1")
   hlo = compiled.as_text()
   assert _collective_counts(hlo) == {"all-gather": 2, "all-to-all": 2, "collective-permute": 0, "all-reduce": 2}
-  exchanged = set(re.findall(r"= \(?f32\[(\d+),[^\n]* all-to-all\(", hlo))  # [rows, ...] of each exchange
-  assert exchanged == {str(local_rows)}, exchanged
+  # [rank, rows, heads, tokens, H] of each exchange (attention/usp.py: the exchanged axis leads)
+  exchanged = set(re.findall(r"= \(?f32\[\d+,(\d+),[^\n]* all-to-all\(", hlo))
+  assert exchanged == {str(local_rows)}, [line.strip()[:160] for line in hlo.splitlines() if " all-to-all(" in line]
 
 
 def _jaxpr_size(num_layers: int) -> int:
