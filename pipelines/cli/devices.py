@@ -14,6 +14,7 @@ from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec
 from pipelines.cli.flags import flag_error
 from pipelines.commands.flags import UsageError
 from pipelines.commands.model_files import read_facts
+from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.wan.pretrained import download_snapshot, hub_id
@@ -53,7 +54,7 @@ def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
   found = None
   if plan.files is not None:
     facts, found = read_facts(plan.files, plan.dtype)
-  elif plan.model in ("tiny", "tiny-i2v", "tiny-random"):
+  elif plan.model in TINY_MODELS:
     facts = ModelFacts.of_model(plan.model, plan.dtype)
   elif layouts.folder_layout(plan.model_folder or plan.model) == "official":  # Wan's own layout: as single files
     facts, _ = read_facts(Sources.official(plan.model_folder or plan.model), plan.dtype)

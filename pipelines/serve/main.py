@@ -23,6 +23,7 @@ import numpy as np
 
 from pipelines.commands.flags import UsageError
 from pipelines.commands.model_files import read_facts
+from pipelines.commands.presets import TINY_MODELS
 from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
 from pipelines.storage.weights import CheckpointError
@@ -58,7 +59,7 @@ def model_facts(config: ServeConfig) -> Any:
 
   if config.files is not None:
     return read_facts(config.files, config.dtype)[0]
-  if config.model in ("tiny", "tiny-i2v", "tiny-random"):
+  if config.model in TINY_MODELS:
     return ModelFacts.of_model(config.model, config.dtype)  # the trained ones with their one size
   folder, name, _ = locate(config.model)  # a Hub model: in the cache already (`fetch_model`)
   if layouts.folder_layout(folder) == "official":  # Wan's own layout: its files' headers
@@ -75,7 +76,7 @@ def loader(config: ServeConfig) -> Any:
       files = config.files
       return WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
                                           dtype=config.dtype, config=files.config, mesh=config.mesh)
-    if config.model in ("tiny", "tiny-i2v", "tiny-random"):
+    if config.model in TINY_MODELS:
       return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random", image=config.model == "tiny-i2v")
     if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
       from pipelines.pipeline.image_pipeline import WanImageToVideoPipeline
