@@ -148,8 +148,7 @@ class GenerationRequest:
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
     windows = check_context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames, model=model,
-                                    windows_degree=plan.windows, vace=vace is not None,
-                                    step_cache=cache_spec is not None)
+                                    windows_degree=plan.windows, vace=vace is not None)
     return _check_schedule(cls(
         model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,
         negative_prompt_embeds=negative_embeds if cfg else None, num_videos_per_prompt=per_prompt,

@@ -197,10 +197,11 @@ class Runner:
     r, pipe = self.request, self.pipe
     if r.step_cache is None:
       return None
-    cache = wan_step_cache.init_state(r.step_cache, rows=r.rows, tokens=r.tokens, config=pipe.transformer_config,
+    rows, tokens = cache_rows_tokens(r)
+    cache = wan_step_cache.init_state(r.step_cache, rows=rows, tokens=tokens, config=pipe.transformer_config,
                                       dtype=pipe.dtype, steps=r.steps, mesh=r.plan.mesh)
     if self.restored is not None:
-      template = wan_step_cache.checkpoint_template(cache, tokens=r.tokens)
+      template = wan_step_cache.checkpoint_template(cache, tokens=tokens)
       cache = wan_step_cache.place(self.restored.restore("step_cache", template), cache)
       self.cache_stats.restore(self.restored.arrays.get(loop_hooks.StepCacheStats.CHECKPOINT_KEY))
     return cache
@@ -269,8 +270,8 @@ class Runner:
     if o.nan_guard:
       hooks.append(loop_hooks.NanGuard())
     if self.writer is not None:
-      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=r.tokens, mesh=r.plan.mesh,
-                                              cache_stats=self.cache_stats))
+      hooks.append(loop_hooks.CheckpointSaver(self.writer, o.resume.every, tokens=cache_rows_tokens(r)[1],
+                                              mesh=r.plan.mesh, cache_stats=self.cache_stats))
     if o.callback is not None:
       hooks.append(StepEndCallback(pipe, o.callback, o.callback_tensor_inputs, videos=r.videos, cfg=r.cfg,
                                    sharding=r.plan.replicated))
@@ -332,6 +333,16 @@ class Runner:
             "steps_run": len(state.step_times), "step_cache": cache,
             "decode_compile_effort": effective_compile_effort(self.options.decode_compile_effort,
                                                                jax.default_backend())}
+
+
+def cache_rows_tokens(r: GenerationRequest) -> tuple[int, int]:
+  """(rows, tokens) of the step cache's residuals: one forward's (`r.rows`, `r.tokens`), or with
+  context windows every round's windows' rows and one window's tokens (`step_cache.cached_windows`)."""
+  if r.windows is None:
+    return r.rows, r.tokens
+  starts, _ = r.windows.rounds(r.plan.windows)
+  window = (*r.latent_shape[:2], r.windows.length, *r.latent_shape[3:])
+  return starts.size * r.rows, r.model.tokens(window)
 
 
 def _result(frames: Any, latents: Any, timings: dict[str, float], settings: dict[str, Any]) -> Any:

@@ -62,7 +62,8 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
   x = latents.astype(model.dtype)  # diffusers: latents.to(transformer_dtype)
   inputs = _transformer_inputs(x, solver.timestep(), text, condition, cfg=cfg)
   noise, cache, stats = (_noise_prediction(model, inputs, text, cache, plan) if windows is None else  # model dtype
-                         _windowed_noise(model, inputs, text, plan, windows, outer=2 if cfg and plan.cfg_parallel else 1))
+                         _windowed_noise(model, inputs, text, cache, plan, windows,
+                                         outer=2 if cfg and plan.cfg_parallel else 1))
   if cfg and plan.cfg_parallel:
     noise = _cfg_parallel_mix(noise, guidance, plan.mesh)
   elif cfg:
@@ -92,31 +93,44 @@ def _noise_prediction(model: Any, inputs: conditioning.StepInputs, text: Any, ca
                                        **control)
 
 
-def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, plan: ParallelPlan,
-                    windows: conditioning.ContextWindows, *, outer: int) -> tuple[jax.Array, None, None]:
-  """(the whole video's noise prediction [R', C, F, Hl, Wl] in the model dtype, no cache, no stats)
-  from its context windows:
+def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, cache: Any, plan: ParallelPlan,
+                    windows: conditioning.ContextWindows, *, outer: int) -> tuple[jax.Array, Any, Any]:
+  """(the whole video's noise prediction [R', C, F, Hl, Wl] in the model dtype, new cache state,
+  cache stats) from its context windows:
   a scan over rounds of G = `plan.windows` windows, each round one forward of [outer x G x inner]
   rows (every (cfg, windows) device group one window's), then `conditioning.blend` (one all-reduce
-  over the windows axis when G > 1).
+  over the windows axis when G > 1). With a step cache, one skip decision covers every window
+  (`step_cache.cached_windows`).
 
   Args:
     inputs: the whole video's `StepInputs` (rows [R'], frames F).
+    cache: None, or the step cache's state over every round's rows.
     outer: 2 when the guidance halves run on separate device groups (CFG=2), else 1.
   """
   groups = plan.windows
   starts, _ = windows.rounds(groups)
   text = conditioning.tile_text(text, groups, outer)
 
-  def body(carry, starts_G):
+  def window_inputs(starts_G):
     x = conditioning.window_inputs(inputs, starts_G, windows.length, outer)
-    noise = forward(model, x.latents, x.timestep, text, plan, x.image)
+    return dict(latents=x.latents, timestep=x.timestep, encoder_hidden_states=text,
+                encoder_hidden_states_image=x.image)
+
+  def finish(noise):
     if groups > 1:  # each group keeps its window's rows (no gather of every window's to every device)
       noise = jax.lax.with_sharding_constraint(noise, NamedSharding(plan.mesh, P(batch_axis(plan.mesh))))
-    return carry, noise
+    return noise
 
-  _, noise = jax.lax.scan(body, None, jnp.asarray(starts))
-  return conditioning.blend(noise, windows, groups, outer, plan.mesh if groups > 1 else None), None, None
+  if cache is not None:
+    noise, cache, stats = wan_step_cache.cached_windows(model, cache, jnp.asarray(starts), window_inputs, plan, finish)
+  else:
+    def body(carry, starts_G):
+      x = window_inputs(starts_G)
+      return carry, finish(forward(model, x["latents"], x["timestep"], text, plan, x["encoder_hidden_states_image"]))
+
+    _, noise = jax.lax.scan(body, None, jnp.asarray(starts))
+    stats = None
+  return conditioning.blend(noise, windows, groups, outer, plan.mesh if groups > 1 else None), cache, stats
 
 
 def _transformer_inputs(x: jax.Array, timestep: jax.Array, text: Any, condition: Any, *, cfg: bool

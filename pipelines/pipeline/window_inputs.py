@@ -22,8 +22,7 @@ def default_overlap(context_frames: int, temporal_factor: int = 4) -> int:
 
 
 def check_context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
-                          model: ModelFacts, windows_degree: int, vace: bool, step_cache: bool
-                          ) -> ContextWindows | None:
+                          model: ModelFacts, windows_degree: int, vace: bool) -> ContextWindows | None:
   """The call's context windows (`context_windows`), or None, checked against the mesh and the
   call's other features; without windows, a video longer than the model's trained clip warns
   (`long_video_warning`).
@@ -32,17 +31,16 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
     context_frames, context_overlap, context_fuse, num_frames: as `context_windows` takes them.
     model: the model's facts: its VAE's temporal factor (4), its trained clip.
     windows_degree: the mesh's W (windows run W at once); W > 1 needs windows.
-    vace, step_cache: whether the call is a VACE one / caches steps (neither composes with windows yet).
+    vace: whether the call is a VACE one (its reference frames are not placed per window yet).
 
   Raises:
     ValueError: each bad value, named with the fix, before anything loads or computes.
   """
   windows = context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames,
                             temporal_factor=model.temporal_factor)
-  for name, on in (("a VACE model", vace), ("step_cache", step_cache)):
-    if on and windows is not None:
-      raise ValueError(f"context windows with {name} are not supported yet; leave context_frames out or "
-                       f"{'use a text-, image- or video-to-video model' if vace else 'leave step_cache out'}")
+  if vace and windows is not None:
+    raise ValueError("context windows with a VACE model are not supported yet; leave context_frames out or "
+                     "use a text-, image- or video-to-video model")
   if windows is None and windows_degree > 1:
     why = (" is not given" if context_frames is None else
            f"={context_frames} is the whole video (one window, nothing to run in parallel)")

@@ -11,6 +11,7 @@ _HOMES = (
     ("pipelines.wan.step_cache.calibration", ("FIELDS", "check_calibration", "record_fields")),
     ("pipelines.wan.step_cache.forward", ("cached_forward", "checkpoint_template", "constrain",
                                           "for_checkpoint", "init_state", "place", "reset")),
+    ("pipelines.wan.step_cache.windows", ("cached_windows",)),
     ("pipelines.wan.step_cache.spec", ("MAG_DEFAULT_MAX_SKIPS", "MAG_DEFAULT_RETENTION", "METHODS",
                                        "SPEC_HELP", "StepCacheError", "StepCacheSpec", "TINY_RATIOS_FILE",
                                        "nearest_interp", "parse_step_cache", "summary")),

@@ -222,12 +222,16 @@ def _valid_sum(x_BTD: jax.Array, tokens: int) -> jax.Array:
   return jnp.sum(jnp.where(valid, x_BTD.astype(jnp.float32), 0.0))
 
 
-def _relative_l1(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
-  """float32 [] mean|r - prev| / mean|prev| over the valid tokens of every row (diffusers'
-  `FBCHeadBlockHook._should_compute_remaining_blocks`); +inf when prev is all zero."""
+def l1_parts(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
+  """float32 [2]: (sum|r - prev|, sum|prev|) over the valid tokens of every row, the two sums of
+  `relative_change` (summed over several forwards for one decision over all of them)."""
   prev = prev_BTD.astype(jnp.float32)
-  num = _valid_sum(jnp.abs(r_BTD.astype(jnp.float32) - prev), tokens)
-  den = _valid_sum(jnp.abs(prev), tokens)
+  return jnp.stack([_valid_sum(jnp.abs(r_BTD.astype(jnp.float32) - prev), tokens), _valid_sum(jnp.abs(prev), tokens)])
+
+
+def relative_change(num: jax.Array, den: jax.Array) -> jax.Array:
+  """float32 [] mean|r - prev| / mean|prev| from `l1_parts`' sums (diffusers'
+  `FBCHeadBlockHook._should_compute_remaining_blocks`); +inf when prev is all zero."""
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.inf)
 
 
@@ -280,12 +284,29 @@ def _first_block_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array,
                       state: FirstBlockState) -> tuple[jax.Array, FirstBlockState, dict[str, jax.Array]]:
   """First-block cache around the blocks: x0 [B, T_padded, D] (from `embed`) -> (x_Z, next state,
   stats); block 0 always runs, blocks 1..Z-1 are skipped when its residual barely changed."""
-  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
-  layers = model.config.num_layers
-  x1_BTD = wan_transformer.run_blocks(model, x0_BTD, context, 0, 1)
-  head_BTD = (x1_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype)
-  change = _relative_l1(head_BTD, state.head_residual, tokens)
+  x1_BTD, head_BTD = first_block_head(model, x0_BTD, context)
+  change = relative_change(*l1_parts(head_BTD, state.head_residual, context.layout.tokens))
   skip = state.valid & (change < state.threshold)
+  xz_BTD, head_BTD, tail_BTD = first_block_rest(model, skip, x1_BTD, head_BTD, state.head_residual,
+                                                state.tail_residual, context)
+  state = dataclasses.replace(state, head_residual=head_BTD, tail_residual=tail_BTD,
+                              valid=jnp.ones_like(state.valid))
+  return xz_BTD, state, {"skipped": skip, "metric": change}
+
+
+def first_block_head(model: wan_transformer.WanTransformer, x0_BTD: jax.Array,
+                     context: wan_transformer.ForwardContext) -> tuple[jax.Array, jax.Array]:
+  """(x_1 [B, T_padded, D], block 0's residual x_1 - x_0 in the model dtype): block 0 run."""
+  x1_BTD = wan_transformer.run_blocks(model, x0_BTD, context, 0, 1)
+  return x1_BTD, (x1_BTD.astype(jnp.float32) - x0_BTD.astype(jnp.float32)).astype(model.dtype)
+
+
+def first_block_rest(model: wan_transformer.WanTransformer, skip: jax.Array, x1_BTD: jax.Array, head_BTD: jax.Array,
+                     prev_head_BTD: jax.Array, tail_BTD: jax.Array, context: wan_transformer.ForwardContext
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(x_Z, head residual kept, tail residual kept): blocks 1..Z-1 run (the residuals refreshed) or,
+  where `skip` (bool [], mesh-uniform), x_1 + the cached tail (the residuals as they were)."""
+  dtype, f32, layers = model.dtype, jnp.float32, model.config.num_layers
 
   def full(x1_BTD, head_BTD, prev_head_BTD, tail_BTD):
     del prev_head_BTD, tail_BTD
@@ -301,41 +322,62 @@ def _first_block_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array,
     xz_BTD = (x1_BTD.astype(f32) + tail_BTD.astype(f32)).astype(dtype)
     return context.layout.constrain(xz_BTD), prev_head_BTD, tail_BTD
 
-  xz_BTD, head_BTD, tail_BTD = jax.lax.cond(skip, cached, full, x1_BTD, head_BTD,
-                                            state.head_residual, state.tail_residual)
-  state = dataclasses.replace(state, head_residual=head_BTD, tail_residual=tail_BTD,
-                              valid=jnp.ones_like(state.valid))
-  return xz_BTD, state, {"skipped": skip, "metric": change}
+  return jax.lax.cond(skip, cached, full, x1_BTD, head_BTD, prev_head_BTD, tail_BTD)
 
 
 def _mag_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array, context: wan_transformer.ForwardContext,
               state: MagState) -> tuple[jax.Array, MagState, dict[str, jax.Array]]:
   """MagCache around the blocks: x0 [B, T_padded, D] (from `embed`) -> (x_Z, next state, stats);
   every block is skipped while the accumulated error stays under the threshold."""
-  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
-  step = state.step
-  ratio = state.ratios[jnp.minimum(step, state.ratios.shape[0] - 1)]
-  active = step >= state.retention_steps  # diffusers: accumulate only past the retention steps
+  decision = mag_decision(state)
+  xz_BTD, residual_BTD, measured = mag_rest(model, decision["skip"], state.valid, x0_BTD, state.residual, context)
+  return (xz_BTD, *mag_next(state, decision, residual_BTD, measured))
+
+
+def mag_decision(state: MagState) -> dict[str, jax.Array]:
+  """This step's skip (bool [], from the carried accumulators and the step's ratio only) and the
+  accumulators it would carry on: {"skip", "active", "acc_ratio", "acc_err", "acc_steps"}."""
+  ratio = state.ratios[jnp.minimum(state.step, state.ratios.shape[0] - 1)]
+  active = state.step >= state.retention_steps  # diffusers: accumulate only past the retention steps
   acc_ratio = state.acc_ratio * ratio
   acc_steps = state.acc_steps + 1
   acc_err = state.acc_err + jnp.abs(1.0 - acc_ratio)
   skip = state.valid & active & (acc_err < state.threshold) & (acc_steps <= state.max_skips)
+  return {"skip": skip, "active": active, "acc_ratio": acc_ratio, "acc_err": acc_err, "acc_steps": acc_steps}
+
+
+def mag_rest(model: wan_transformer.WanTransformer, skip: jax.Array, valid: jax.Array, x0_BTD: jax.Array,
+             residual_BTD: jax.Array, context: wan_transformer.ForwardContext
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(x_Z, the residual kept, float32 [] measured magnitude ratio): every block run (the residual
+  refreshed; the ratio 1 before the first full step) or, where `skip`, x_0 + the cached residual (NaN)."""
+  tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
 
   def full(x0_BTD, residual_BTD):
     xz_BTD = wan_transformer.run_blocks(model, x0_BTD, context)
     new_BTD = context.layout.constrain((xz_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype))
-    measured = jnp.where(state.valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
+    measured = jnp.where(valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
     return xz_BTD, new_BTD, measured
 
   def cached(x0_BTD, residual_BTD):
     xz_BTD = (x0_BTD.astype(f32) + residual_BTD.astype(f32)).astype(dtype)
     return context.layout.constrain(xz_BTD), residual_BTD, jnp.float32(jnp.nan)
 
-  xz_BTD, residual_BTD, measured = jax.lax.cond(skip, cached, full, x0_BTD, state.residual)
-  restart = active & ~skip  # a full step past the retention steps restarts the accumulators
+  return jax.lax.cond(skip, cached, full, x0_BTD, residual_BTD)
+
+
+def mag_next(state: MagState, decision: dict[str, jax.Array], residual_BTD: jax.Array, measured: jax.Array
+             ) -> tuple[MagState, dict[str, jax.Array]]:
+  """(the next state, stats) after a step that `decision` skipped or ran: a full step past the
+  retention steps restarts the accumulators."""
+  skip, f32 = decision["skip"], jnp.float32
+  restart = decision["active"] & ~skip
+
+  def carried(name, start):
+    return jnp.where(skip, decision[name], jnp.where(restart, start, getattr(state, name)))
+
   state = dataclasses.replace(
-      state, residual=residual_BTD, valid=jnp.ones_like(state.valid), step=step + 1,
-      acc_ratio=jnp.where(skip, acc_ratio, jnp.where(restart, 1.0, state.acc_ratio)).astype(f32),
-      acc_err=jnp.where(skip, acc_err, jnp.where(restart, 0.0, state.acc_err)).astype(f32),
-      acc_steps=jnp.where(skip, acc_steps, jnp.where(restart, 0, state.acc_steps)).astype(jnp.int32))
-  return xz_BTD, state, {"skipped": skip, "metric": measured.astype(f32)}
+      state, residual=residual_BTD, valid=jnp.ones_like(state.valid), step=state.step + 1,
+      acc_ratio=carried("acc_ratio", 1.0).astype(f32), acc_err=carried("acc_err", 0.0).astype(f32),
+      acc_steps=carried("acc_steps", 0).astype(jnp.int32))
+  return state, {"skipped": skip, "metric": measured.astype(f32)}

@@ -30,7 +30,7 @@ def test_frames_become_latent_frames(facts):
   default = GenerationRequest.build(facts, "x", context_frames=17, context_fuse="flat", **CALL).windows
   assert (default.overlap, default.fuse) == (1, "flat")  # a quarter of 17 frames: 4 frames, 1 latent frame
   assert check_context_windows(81, None, "pyramid", num_frames=241, model=facts, windows_degree=2,
-                               vace=False, step_cache=False) == ContextWindows(61, 21, 5)
+                               vace=False) == ContextWindows(61, 21, 5)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -44,16 +44,22 @@ def test_frames_become_latent_frames(facts):
     (dict(mesh="W=2,U=2,R=1"), r"W=2 runs context windows in parallel, but context_frames is not given"),
     (dict(context_frames=65, mesh="W=2,U=1,R=1"), r"context_frames=65 is the whole video"),
     (dict(context_frames=17, mesh="W=16,U=1,R=1"), r"needs 16 devices"),
-    (dict(context_frames=17, step_cache="first-block:0.1"), r"context windows with step_cache are not supported"),
 ])
 def test_bad_values_are_refused_before_anything_runs(facts, kwargs, match):
   with pytest.raises(ValueError, match=match):
     GenerationRequest.build(facts, "x", **(CALL | kwargs))
 
 
+def test_step_cache_composes_with_windows(facts):
+  """A step cache with context windows is built (its residuals per window: `step_cache.cached_windows`)."""
+  request = GenerationRequest.build(facts, "x", context_frames=17, context_overlap=8, step_cache="first-block:0.1",
+                                    **CALL)
+  assert request.windows is not None and request.step_cache is not None
+
+
 def test_vace_is_refused(facts):
   with pytest.raises(ValueError, match="context windows with a VACE model are not supported"):
-    check_context_windows(17, 8, "pyramid", num_frames=65, model=facts, windows_degree=1, vace=True, step_cache=False)
+    check_context_windows(17, 8, "pyramid", num_frames=65, model=facts, windows_degree=1, vace=True)
 
 
 def test_long_video_without_windows_warns_with_the_flags():
