@@ -1,26 +1,29 @@
-"""Teaches the trained tiny default long videos: its VAE decoder 65-frame clips, its transformer slow
-motion (what a 65-frame clip of the 64x64 world can show) and the first frame given (TI2V-style).
+"""Teaches the trained tiny default long videos: its VAE a time-stationary latent space, its
+transformer slow motion (what a 65-frame clip of the 64x64 world can show), optionally the first
+frame given (TI2V-style).
 
     python -m end_to_end.train.long_clips --out DIR [--from FOLDER] [--minutes M]
 
-The tiny default (`end_to_end.train.tiny`) was trained on 17-frame clips. Asked for 65 frames it
-fails twice, whatever the sampler does:
-- its VAE decoder's causal time cache was only ever run for 5 latent frames: decoding the encoder's
-  latents of a clean 65-frame clip, the error grows from 0.02 (frames 0-20) to 0.17-0.19 (frames
-  36-64, mean absolute pixel error), while the same latents decoded as 5-frame pieces stay at
-  0.03-0.05, so the encoder is sound and only the decoder needs training;
-- its world cannot hold a long video: every clip moves 40-50 % of the frame in 17 frames, so 65
-  frames of that motion leave the frame. The world's slow motions ("a red square moving slowly
-  right": 50-62 % of the frame over 65 frames, `synthetic_world.SLOW_TRAVEL_RANGE`, from anywhere
-  on the path) are what a long video of it shows; 17-frame windows of such clips are what the
-  context windows (`pipelines/wan/conditioning/windows.py`) ask the transformer for.
+The tiny default (`end_to_end.train.tiny`) was trained on 17-frame clips. Asked for 65 frames in
+context windows it fails, whatever the sampler does, because its VAE is not stationary in time:
+- its causal encoder's latents grow along a clip, in magnitude 0.30, 0.30, 0.45, 0.57, 0.76 over a
+  17-frame clip's five latent frames and on to 1.03 by the ninth (measured on slow 65-frame
+  scenes), so a window that starts at latent frame 6 holds latents no 17-frame clip has (what the
+  transformer learned), and the decoder, whose time cache ran 5 latent frames, smears every frame
+  past ~21 (mean absolute error 0.02 up to frame 20, 0.16-0.17 from frame 40);
+- its world cannot hold a long video: every clip moves 40-50 % of the frame in 17 frames. The slow
+  motions ("a red square moving slowly right": 50-62 % of the frame over 65 frames,
+  `synthetic_world.SLOW_TRAVEL_RANGE`) are what a long video of it shows; 17-frame windows of such
+  clips are what the context windows (`pipelines/wan/conditioning/windows.py`) ask for.
 
 Steps, each from the folder given (default: the shipped tiny default):
-1. the decoder (+ post_quant_conv), encoder frozen (so the latents and the transformer's training
-   data are unchanged), on whole 65-frame clips (slow and still scenes) and 17-frame clips, with
-   the same loss as `tiny.train_vae`;
-2. a dataset: 17-frame clips of the original world, and 5-latent-frame windows of encoded 65-frame
-   slow clips (every window offset), normalised with the folder's latents_mean / latents_std;
+1. the VAE made time-stationary (`train_vae`): the encoder regressed onto `stationary_latents` of
+   its starting self (every latent frame encoded as the 5th of a 17-frame clip, frame 0 held
+   before the start: one distribution at every position, a 17-frame clip's last), the decoder
+   taught to reconstruct 65-frame (32x32 crops) and 17-frame (48x48) clips from those latents;
+2. a dataset: 17-frame clips of the original world and 5-latent-frame windows of encoded 65-frame
+   slow clips (every window offset), normalised by the 17-frame clips' per-channel statistics
+   (the VAE's new latents_mean / latents_std);
 3. the transformer fine-tuned from the folder's on that mix (`tiny.train_transformer`, with
    `image_share` of the rows given their clean first latent frame, timestep 0 on its tokens,
    the loss on the other frames: Wan 2.2 TI2V's conditioning, `pipelines/pipeline/ti2v.py`), at a
@@ -68,12 +71,17 @@ def long_scene(rng: np.random.Generator) -> world.Scene:
 
 def clip_batch(rng: np.random.Generator, batch: int, frames: int, crop: int) -> np.ndarray:
   """float32 [batch, frames, crop, crop, 3] in [-1, 1]: long scenes at 65 frames, the original
-  world's at 17 (random crops when `crop` < the frame)."""
+  world's at 17 (when `crop` < the frame: crops around the shape's mid-clip position (70 %) or
+  anywhere)."""
   out = np.empty((batch, frames, crop, crop, 3), np.float32)
   for b in range(batch):
     scene = long_scene(rng) if frames == LONG_FRAMES else world.random_scene(rng)
     clip = world.render(scene, frames=frames)
     y0, x0 = (int(rng.integers(0, n - crop + 1)) for n in (world.HEIGHT, world.WIDTH))
+    if rng.random() < 0.7:
+      cx, cy = scene.centre(frames // 2, frames=frames)
+      x0, y0 = (int(np.clip(c * n - crop / 2 + rng.uniform(-crop / 4, crop / 4), 0, n - crop))
+                for c, n in ((cx, world.WIDTH), (cy, world.HEIGHT)))
     out[b] = clip[:, y0:y0 + crop, x0:x0 + crop] * 2 - 1
   return out
 
@@ -98,24 +106,55 @@ def encode_mean(vae: wan_vae.WanVAE, x_BFHWC: jax.Array) -> jax.Array:
   return jnp.moveaxis(wan_vae.encode(vae, jnp.moveaxis(x_BFHWC, -1, 1)).mean, 1, -1)
 
 
-def train_decoder(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
-                  latent_noise: float = 0.1, phases=DECODER_PHASES):
-  """Fine-tunes the decoder (`DECODED` parameters) for about `seconds`, each step's batch drawn
-  from `phases` by their shares; the encoder is frozen. Returns (the VAE, [(step, loss)])."""
+# Every latent frame encoded as the 5th of a 17-frame clip (frame 0 held before the video starts):
+# the latents of a long clip then have one distribution at every position, so a window of them
+# anywhere is what a 17-frame clip's latents are.
+LEAD_IN = world.FRAMES - 1
+ENCODED = ("encoder.", "quant_conv.")
+
+
+def stationary_latents(encode, x_BFHWC: np.ndarray) -> np.ndarray:
+  """The latents a time-stationary encoder gives a clip: latent frame k (video frames 4k-3..4k;
+  k = 0: frame 0) is `encode`'s 5th latent frame of the 17-frame clip that ends at frame 4k, frame 0
+  repeated before the clip's start.
+
+  Args:
+    encode: the source encoder's mean, float32 [B, 17, H, W, 3] -> [B, 5, H/8, W/8, z].
+    x_BFHWC: float32 [B, 1 + 4k, H, W, 3] in [-1, 1].
+
+  Returns:
+    float32 [B, 1 + k, H/8, W/8, z].
+  """
+  B, F = x_BFHWC.shape[:2]
+  padded = np.concatenate([np.repeat(x_BFHWC[:, :1], LEAD_IN, axis=1), x_BFHWC], axis=1)
+  pieces = np.stack([padded[:, 4 * k:4 * k + world.FRAMES] for k in range(1 + (F - 1) // 4)], axis=1)
+  z = np.asarray(encode(pieces.reshape(-1, *pieces.shape[2:])))[:, -1]
+  return z.reshape(B, pieces.shape[1], *z.shape[1:])
+
+
+def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
+              latent_noise: float = 0.1, phases=DECODER_PHASES):
+  """Makes the VAE time-stationary for about `seconds`: the encoder regressed onto
+  `stationary_latents` of its starting self (the error in units of the folder's latents_std), the
+  decoder taught to reconstruct each clip from those latents (+ `latent_noise`), with
+  `tiny.train_vae`'s weighted loss; each step's batch drawn from `phases` by their shares.
+  Returns (the VAE, [(step, encoder loss, decoder loss)])."""
   config = vae.config
-  trained = {k: v for k, v in vae.params.items() if k.startswith(DECODED)}
-  frozen = {k: v for k, v in vae.params.items() if not k.startswith(DECODED)}
+  source = jax.jit(lambda x: encode_mean(vae, x))
+  std = jnp.asarray(config.latents_std, jnp.float32)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
-  state = opt.init(trained)
+  params = {k: v for k, v in vae.params.items() if k.startswith(ENCODED + DECODED)}
+  state = opt.init(params)
   background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
-  encode = jax.jit(lambda x: encode_mean(vae, x))
 
-  def loss_fn(trained, x, z):
-    y = decode_all({**frozen, **trained}, config, z)
+  def loss_fn(params, x, z, noise):
+    encoded = encode_mean(wan_vae.WanVAE(config, params), x)
+    y = decode_all(params, config, z + noise)
     w = 1 + tiny.OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
-    return jnp.mean(w * jnp.square(y - x)) / jnp.mean(w)
+    parts = jnp.mean(jnp.square((encoded - z) / std)), jnp.mean(w * jnp.square(y - x)) / jnp.mean(w)
+    return parts[0] + parts[1], parts
 
-  step = tiny.optimizer_step(opt, loss_fn)
+  step = tiny.optimizer_step(opt, loss_fn, has_aux=True)
   rng = np.random.default_rng(seed)
   history, start, k = [], time.perf_counter(), 0
   shares = np.asarray([share for *_, share in phases])
@@ -124,14 +163,15 @@ def train_decoder(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int 
     rate = lr * min(1.0, (k + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     frames, crop, _ = phases[int(rng.choice(len(phases), p=shares / shares.sum()))]
     x = clip_batch(rng, batch, frames, crop)
-    z = encode(x)
-    z = z + latent_noise * rng.standard_normal(z.shape).astype(np.float32)
-    trained, state, loss = step(trained, state, x, z, np.float32(rate))
-    history.append((k, float(loss)))
+    z = stationary_latents(source, x)
+    noise = latent_noise * rng.standard_normal(z.shape).astype(np.float32)
+    params, state, (_, parts) = step(params, state, x, z, noise, np.float32(rate))
+    history.append((k, float(parts[0]), float(parts[1])))
     if k % 20 == 0:
-      log(f"decoder step {k}: loss {history[-1][1]:.5f} ({time.perf_counter() - start:.0f} s)")
+      log(f"vae step {k}: encoder {history[-1][1]:.4f}, decoder {history[-1][2]:.5f} "
+          f"({time.perf_counter() - start:.0f} s)")
     k += 1
-  return wan_vae.WanVAE(config, {**frozen, **trained}), history
+  return wan_vae.WanVAE(config, {**vae.params, **params}), history
 
 
 def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int = 4) -> dict:
@@ -153,19 +193,20 @@ def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: in
 # --- the transformer's data ------------------------------------------------------------------------
 
 def encode_clips(vae: wan_vae.WanVAE, scenes: list[world.Scene], frames: int, batch: int = 4) -> np.ndarray:
-  """The scenes rendered at `frames` and encoded: normalised latents float32 [n, 16, 1 + (frames-1)/4, 8, 8]."""
+  """The scenes rendered at `frames` and encoded: VAE-space latent means float32
+  [n, 16, 1 + (frames-1)/4, 8, 8]."""
   out = []
   for first in range(0, len(scenes), batch):
     clips = np.stack([world.render(s, frames=frames) for s in scenes[first:first + batch]]) * 2 - 1
-    mean = wan_vae.encode(vae, jnp.asarray(clips.transpose(0, 4, 1, 2, 3))).mean
-    out.append(np.asarray(wan_vae.normalize_latents(vae.config, mean)))
+    out.append(np.asarray(wan_vae.encode(vae, jnp.asarray(clips.transpose(0, 4, 1, 2, 3))).mean))
   return np.concatenate(out)
 
 
 def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int
                  ) -> tuple[np.ndarray, list[str]]:
   """`short` 17-frame clips of the original world and 4 windows (5 latent frames, offsets drawn,
-  the first window in one of 4) of each of `long` 65-frame scenes: (latents [n, 16, 5, 8, 8], prompts)."""
+  the first window in one of 4) of each of `long` 65-frame scenes: (VAE-space latents
+  [n, 16, 5, 8, 8], prompts)."""
   scenes = [world.random_scene(rng) for _ in range(short)]
   latents, prompts = [encode_clips(vae, scenes, world.FRAMES)], [s.prompt for s in scenes]
   long_scenes = [long_scene(rng) for _ in range(long)]
@@ -229,7 +270,7 @@ def _report(out: str, report: dict) -> None:
     json.dump(report, f, indent=2)
 
 
-def _checks(folder: str, seed: int, report: dict, out: str) -> None:
+def _checks(folder: str, seed: int, report: dict, out: str, image: bool) -> None:
   """The detector on 17-frame samples (10 held-out prompts x 2 seeds), 65-frame windowed samples
   (slow and still prompts), and first-frame-given samples; long.png shows the long ones."""
   from pipelines.storage.contact_sheet import write_contact_sheet
@@ -239,14 +280,45 @@ def _checks(folder: str, seed: int, report: dict, out: str) -> None:
   longs = long_samples(folder, ["a red square moving slowly right", "a green circle moving slowly left",
                                 "a blue triangle moving slowly down", "a yellow square moving slowly up",
                                 "a white circle moving slowly right", "a red triangle standing still"])
-  images = image_samples(folder, np.random.default_rng(seed + 9), 10)
+  images = image_samples(folder, np.random.default_rng(seed + 9), 10) if image else []
   for name, rows in (("short", short), ("long", longs), ("image", images)):
     report[name] = {"passed": sum(r["ok"] for r in rows), "of": len(rows),
                     "seen": [{k: v for k, v in r.items() if k not in ("video", "image")} for r in rows]}
   write_contact_sheet([r["video"] for r in longs], os.path.join(out, "long.png"),
                       labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in longs], max_columns=9)
-  write_contact_sheet([r["video"] for r in images], os.path.join(out, "image.png"),
-                      labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in images], max_columns=9)
+  if images:
+    write_contact_sheet([r["video"] for r in images], os.path.join(out, "image.png"),
+                        labels=[f"{'ok' if r['ok'] else 'NO'} {r['prompt']}" for r in images], max_columns=9)
+
+
+def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
+  """`train_vae` for its share of the minutes (none: the folder's VAE), its 65-frame round trip
+  before and after in the report."""
+  report["vae_before"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
+  log(f"65-frame reconstruction before: {report['vae_before']['error_by_8_frames']}")
+  history = []
+  if args.vae_fraction > 0:
+    vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr)
+    report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
+    log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
+  report["losses"] = {"vae_steps": len(history),
+                      "encoder_last20": float(np.mean([h[1] for h in history[-20:]])) if history else None,
+                      "decoder_last20": float(np.mean([h[2] for h in history[-20:]])) if history else None}
+  _report(args.out, report)
+  return vae
+
+
+def _dataset(vae: wan_vae.WanVAE, args, report: dict):
+  """`training_set` normalised by its 17-frame clips' per-channel statistics, which become the
+  VAE's latents_mean / latents_std (as `tiny` sets them): (the VAE, latents, prompts)."""
+  t = time.perf_counter()
+  raw, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
+  short = raw[:args.short]
+  config = dataclasses.replace(vae.config, latents_mean=tuple(map(float, short.mean(axis=(0, 2, 3, 4)))),
+                               latents_std=tuple(map(float, short.std(axis=(0, 2, 3, 4)) + 1e-6)))
+  vae = wan_vae.WanVAE(config, vae.params)
+  report["dataset_seconds"] = time.perf_counter() - t
+  return vae, np.asarray(wan_vae.normalize_latents(config, jnp.asarray(raw))), prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--from", dest="source", default=TINY_DEFAULT_FOLDER, help="the model folder to train further")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget of the training")
-  p.add_argument("--decoder-fraction", type=float, default=0.35,
-                 help="share of --minutes for the decoder; 1: the decoder only (the folder's transformer kept)")
-  p.add_argument("--decoder-lr", type=float, default=1e-3, help="the decoder's peak learning rate")
+  p.add_argument("--vae-fraction", type=float, default=0.35,
+                 help="share of --minutes for the VAE; 1: the VAE only (the folder's transformer kept); "
+                      "0: the folder's VAE kept")
+  p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
@@ -269,18 +342,11 @@ def main(argv: list[str] | None = None) -> int:
   t0 = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)
   report = {k: v for k, v in vars(args).items()}
-  vae = wan_vae.load_vae(os.path.join(args.source, "vae"))
-  report["vae_before"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
-  log(f"65-frame reconstruction before: {report['vae_before']['error_by_8_frames']}")
-  vae, decoder_history = train_decoder(vae, min(args.decoder_fraction, 1.0) * args.minutes * 60, seed=args.seed,
-                                       lr=args.decoder_lr)
-  report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
-  log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
-  _report(args.out, report)
+  vae = _vae_stage(wan_vae.load_vae(os.path.join(args.source, "vae")), args, report)
   encoder = tiny.text_encoder()
   transformer, history = load_transformer(os.path.join(args.source, "transformer")), []
-  if args.decoder_fraction < 1:
-    latents, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
+  if args.vae_fraction < 1:
+    vae, latents, prompts = _dataset(vae, args, report)
     grammar, texts = _texts(encoder)
     seconds = args.minutes * 60 - (time.perf_counter() - t0)
     log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
@@ -288,11 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
         lr=args.lr, warm=30, model=transformer, image_share=args.image_share)
   folder = tiny.save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
-  report["losses"] = {"decoder_last20": float(np.mean([l for _, l in decoder_history[-20:]])),
-                      "transformer_last100": float(np.mean([l for _, l in history[-100:]])) if history else None,
-                      "decoder_steps": len(decoder_history), "transformer_steps": len(history)}
+  report["losses"]["transformer_last100"] = float(np.mean([l for _, l in history[-100:]])) if history else None
+  report["losses"]["transformer_steps"] = len(history)
   report["train_seconds"] = time.perf_counter() - t0
-  _checks(folder, args.seed, report, args.out)
+  _checks(folder, args.seed, report, args.out, image=args.image_share > 0)
   report["total_seconds"] = time.perf_counter() - t0
   _report(args.out, report)
   log(f"done in {report['total_seconds'] / 60:.1f} min: short {report['short']['passed']}/{report['short']['of']}, "

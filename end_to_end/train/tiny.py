@@ -135,16 +135,16 @@ def vae_crops(rng: np.random.Generator, batch: int, frames: int = VAE_FRAMES, cr
   return out
 
 
-def optimizer_step(opt, loss_fn):
+def optimizer_step(opt, loss_fn, has_aux: bool = False):
   """A jitted `step(params, state, *batch, rate) -> (params, state, loss)` of `opt` (a chain whose
   second element is `optax.inject_hyperparams`) on `loss_fn(params, *batch)`, the learning rate
-  set from the host each step."""
+  set from the host each step; with `has_aux`, `loss_fn` returns (loss, aux) and so does the step."""
   @jax.jit
   def step(params, state, *args):
     *batch, rate = args
     inject = state[1]
     state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
-    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    loss, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
   return step

@@ -23,6 +23,37 @@ def test_decoder_scan_is_the_pipelines_decode():
   np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
 
 
+def _random_vae_encoder():
+  vae = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(3))
+  return jax.jit(lambda x: long_clips.encode_mean(vae, x))
+
+
+def test_stationary_latents_encode_each_chunk_as_a_17_frame_clips_fifth():
+  """Latent frame k of a 25-frame clip is the source encoder's 5th latent frame of the 17 frames
+  ending at frame 4k (frame 0 repeated before the start): k = 4 is the plain encoding's (no lead-in
+  needed), k = 6 the encoding of frames 8-24. Tolerance: fp32 encoder, |z| ~ 1 -> 1e-5."""
+  encode = _random_vae_encoder()
+  x = np.random.default_rng(4).uniform(-1, 1, (1, 25, 16, 16, 3)).astype(np.float32)
+  z = long_clips.stationary_latents(encode, x)
+  assert z.shape == (1, 7, 2, 2, 16)
+  np.testing.assert_allclose(z[:, 4], np.asarray(encode(x[:, :17]))[:, 4], atol=1e-5)
+  np.testing.assert_allclose(z[:, 6], np.asarray(encode(x[:, 8:25]))[:, 4], atol=1e-5)
+  lead_in = np.concatenate([np.repeat(x[:, :1], 12, axis=1), x[:, :5]], axis=1)
+  np.testing.assert_allclose(z[:, 1], np.asarray(encode(lead_in))[:, 4], atol=1e-5)
+
+
+def test_stationary_latents_of_a_still_clip_are_one_latent():
+  """A still clip (one frame repeated): every latent frame is the same, where the plain causal
+  encoding's change along the clip (the control: what a long clip's windows would disagree on)."""
+  encode = _random_vae_encoder()
+  frame = np.random.default_rng(5).uniform(-1, 1, (1, 1, 16, 16, 3)).astype(np.float32)
+  x = np.repeat(frame, 21, axis=1)
+  z = long_clips.stationary_latents(encode, x)
+  np.testing.assert_allclose(z, np.broadcast_to(z[:, :1], z.shape), atol=1e-5)
+  plain = np.asarray(encode(x))
+  assert np.abs(plain[:, 1:] - plain[:, 4:5]).max() > 1e-3
+
+
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
   """A given row: its first latent frame is the clean one, its first frame's tokens (Hl Wl / 4 with
   patch (1, 2, 2)) have timestep 0, the rest 1000 sigma (diffusers' expand_timesteps mask), and the
