@@ -73,7 +73,9 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses: int, ring: int) -> N
         f"repeated U/K times in grouped order); with {ulysses * ring} devices use one of (U, R) = {ok}")
 
 
-_ROW_MAJOR_4D, _ROW_MAJOR_5D = Layout((0, 1, 2, 3)), Layout((0, 1, 2, 3, 4))
+# [B, L, h, H] laid out as [B, h, L, H]: whole (L, H) slabs, what the exchange sends and what
+# `producers.rmsnorm_rope` writes, so the packing copies slabs (no relayout of its own).
+_HEADS_MAJOR_4D, _ROW_MAJOR_5D = Layout((0, 2, 1, 3)), Layout((0, 1, 2, 3, 4))
 
 
 def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
@@ -90,7 +92,7 @@ def _heads_to_sequence(parts: list[jax.Array], U: int, L_pad: int) -> jax.Array:
   it to relayout code that grows with the token count (36 MiB of code at 8,192 tokens, U=2).
   """
   B, L, _, H = parts[0].shape
-  parts = [with_layout_constraint(p, _ROW_MAJOR_4D) for p in parts]
+  parts = [with_layout_constraint(p, _HEADS_MAJOR_4D) for p in parts]
   packed = jnp.concatenate(  # [U, B, sum h_i / U, L_pad, H]: transpose, padding and packing in one copy
       [pad_axis(p.reshape(B, L, U, p.shape[2] // U, H).transpose(2, 0, 3, 1, 4), 3, L_pad) for p in parts],
       axis=2)

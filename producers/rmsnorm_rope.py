@@ -21,6 +21,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
+
+_HEADS_MAJOR = Layout((0, 2, 1, 3))  # [B, T, N, H] stored as [B, N, T, H]
 
 
 def _check_inputs(x, weight, cos, sin, num_heads: int) -> tuple[int, int, int, int]:
@@ -53,6 +57,50 @@ def _mean_last(v: jax.Array) -> jax.Array:
   return jnp.sum(v, axis=-1, keepdims=True) * (1.0 / v.shape[-1])
 
 
+def _partner_by_flip(y: jax.Array) -> jax.Array:
+  """y[..., i ^ 1] of [..., H] (H even) through a [..., H/2, 2] view: each pair's two channels
+  swapped. XLA:CPU fuses it into the rotation; XLA:TPU relays the pair axis out (`_pair_partner`)."""
+  return y.reshape(*y.shape[:-1], -1, 2)[..., ::-1].reshape(y.shape)
+
+
+def _partner_by_matmul(y: jax.Array, dtype) -> jax.Array:
+  """y[..., i ^ 1] of [..., H] as a matmul with the pair-swap permutation [H, H] (XLA:TPU).
+
+  y: f32 holding values of `dtype` (already rounded to it). Every output is one product y * 1 plus
+  exact zeros accumulated in fp32: y[..., i ^ 1] exactly for finite y (a zero may change sign; an
+  inf or NaN spreads over its head). The operands are `dtype` (exact: y is representable), or
+  fp32 at HIGHEST precision for fp32 y (the bf16 passes add up to y exactly).
+  """
+  head_dim = y.shape[-1]
+  swap = np.eye(head_dim, dtype=np.float32)[np.arange(head_dim) ^ 1]  # [H, H]
+  highest = jnp.dtype(dtype) == jnp.float32
+  return jnp.einsum("...i,ij->...j", y.astype(dtype), jnp.asarray(swap, dtype),
+                    precision=jax.lax.Precision.HIGHEST if highest else None,
+                    preferred_element_type=jnp.float32)
+
+
+def _pair_partner(y: jax.Array, dtype) -> jax.Array:
+  """Each channel's RoPE partner y[..., i ^ 1] of f32 [..., H] holding `dtype` values: the same
+  values on every platform, by the form each compiles best. On TPU the pair axis of the flip is
+  the lane axis: XLA relaid q and k out in fp32 around it ([2, 9450, 5120] copies, 5.3 Mcycles each
+  in the 14B 720p step on v6e:2x4), where the MXU swaps lanes in a fusion with the rotation."""
+  return jax.lax.platform_dependent(y, tpu=functools.partial(_partner_by_matmul, dtype=dtype),
+                                    default=_partner_by_flip)
+
+
+def _rotate(y: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+  """Wan RoPE of f32 [B, T, N, H] (values of `dtype`) by the f32 [T, H/2] tables: f32 [B, T, N, H].
+
+  Each channel with its partner i ^ 1: even x1 cos + x2 (-sin) == x1 cos - x2 sin, odd
+  x2 cos + x1 sin == x1 sin + x2 cos (IEEE: the same products and sums as the pairwise form).
+  """
+  partner = _pair_partner(y, dtype)  # [B, T, N, H]: channel i ^ 1
+  cos_h = jnp.repeat(cos, 2, axis=-1)[None, :, None, :]  # [1, T, 1, H]
+  sin_h = jnp.repeat(sin, 2, axis=-1)[None, :, None, :]
+  even_lane = np.arange(y.shape[-1]) % 2 == 0  # [H]
+  return y * cos_h + partner * jnp.where(even_lane, -sin_h, sin_h)
+
+
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "out_scale"))
 def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: jax.Array | None, *,
                  num_heads: int, eps: float = 1e-6, out_scale: float | None = None) -> jax.Array:
@@ -75,8 +123,8 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
     ValueError: D not divisible by N, H odd, weight not [D], tables not [T, H/2].
 
   Math: diffusers WanAttnProcessor norm_q/norm_k + apply_rotary_emb (module doc). Instead of
-  diffusers' repeat-interleaved [T, H] tables and strided writes, the pairs are rotated as a
-  [..., H/2, 2] view against the [T, H/2] half-tables: the same products and sums. Inside the
+  strided reads and writes, each channel i is rotated in place with its partner i ^ 1
+  (`_pair_partner`): y cos + partner (-/+ sin), the same products and sums. Inside the
   jit XLA may contract x1 * cos - x2 * sin into an FMA (one rounding where the eager reference and
   torch round twice; whether it does depends on the CPU), so fp32 results agree with the exact math
   and with diffusers to within (4 + sqrt(D)) fp32 eps of the rotated pair's norm, not bitwise
@@ -86,11 +134,18 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   Memory: on XLA:CPU (jax 0.10.2) the reduction and the normalisation form one YNNPACK fusion that
   cannot take the pair rotation, so one fp32 [B, T, D] temporary remains (201 MB at T=32,760,
   D=1536, against 503 MB for the jitted reference; tests/producers/test_producers.py measures both).
+  On TPU the output is laid out heads-major and the only relayout is of x in its own dtype (the
+  14B 720p step on v6e:2x4: norm/RoPE 26.1 -> 3.6 Mcycles a block, `end_to_end/README.md`).
   """
   batch, tokens, _, head_dim = _check_inputs(x, weight, cos, sin, num_heads)
-  x_f32 = x.astype(jnp.float32)  # [B, T, D]
-  mean_square = _mean_last(jnp.square(x_f32))  # [B, T, 1]
-  y = x_f32 * jax.lax.rsqrt(mean_square + eps) * weight.astype(jnp.float32)  # [B, T, D] fp32
+  inv_rms = jax.lax.rsqrt(_mean_last(jnp.square(x.astype(jnp.float32))) + eps)  # [B, T, 1]
+  # Split into heads in x's dtype; on TPU laid out heads-major (whole (T, H) slabs: what attention
+  # and the USP exchange read), so the fp32 math below is one fusion with no fp32 relayout.
+  x_heads = jax.lax.platform_dependent(x.reshape(batch, tokens, num_heads, head_dim),
+                                       tpu=lambda v: with_layout_constraint(v, _HEADS_MAJOR),
+                                       default=lambda v: v)
+  y = (x_heads.astype(jnp.float32) * inv_rms[..., None]
+       * weight.astype(jnp.float32).reshape(num_heads, head_dim))  # [B, T, N, H] fp32
   if x.dtype != jnp.float32:
     # diffusers rounds the norm output to x.dtype before the rotation. Inside one jit XLA drops a
     # convert(convert(y, bf16), f32) pair (xla_allow_excess_precision, on by default), which moved
@@ -100,16 +155,10 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   if cos is None:
     if out_scale is not None:
       y = y * out_scale
-    return y.reshape(batch, tokens, num_heads, head_dim).astype(x.dtype)
-  pairs = y.reshape(batch, tokens, num_heads, head_dim // 2, 2)
-  x1, x2 = pairs[..., 0], pairs[..., 1]  # [B, T, N, H/2]
-  cos_b = cos[None, :, None, :]  # [1, T, 1, H/2]
-  sin_b = sin[None, :, None, :]
-  even = x1 * cos_b - x2 * sin_b
-  odd = x1 * sin_b + x2 * cos_b
+    return y.astype(x.dtype)
+  out = _rotate(y, cos, sin, x.dtype)
   if out_scale is not None:
-    even, odd = even * out_scale, odd * out_scale
-  out = jnp.stack([even, odd], axis=-1).reshape(batch, tokens, num_heads, head_dim)
+    out = out * out_scale
   return out.astype(x.dtype)
 
 

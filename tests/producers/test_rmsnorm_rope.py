@@ -2,6 +2,8 @@
 diffusers' rounding points, diffusers' `WanAttention` parity (fp32 and bf16), shard invariance, and
 the no-rotation form (Wan's cross-attention q/k)."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +219,32 @@ def test_rmsnorm_without_rotation_is_plain_rmsnorm(dtype):
                                  width=64, name="rmsnorm")
   with pytest.raises(ValueError, match="both rotary tables"):
     producers.rmsnorm_rope(x, weight, jnp.ones((90, 8)), None, num_heads=4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_pair_partner_by_matmul_equals_the_flip(dtype, monkeypatch):
+  # XLA:TPU finds each channel's RoPE partner by a matmul with the pair swap, the other platforms
+  # by flipping a [..., H/2, 2] view: the same values (values of `dtype` held in fp32, zeros and
+  # the extremes included; not subnormals, which a dot flushes to zero here as every op does on
+  # TPU), and so the same rmsnorm_rope: bit for bit in bf16 (but for the sign of a zero).
+  module = importlib.import_module("producers.rmsnorm_rope")  # the package exports the function
+
+  info = jnp.finfo(dtype)
+  rng = np.random.default_rng(5)
+  y = (rng.standard_normal((3, 7, 4, 128)) * np.exp2(rng.integers(-20, 20, (3, 7, 4, 128))))
+  y.reshape(-1)[:6] = [0.0, -0.0, float(info.max), float(info.min), float(info.smallest_normal), 1.0]
+  y = jnp.asarray(y, dtype).astype(jnp.float32)
+  flipped = np.asarray(module._partner_by_flip(y))
+  assert (flipped == np.asarray(y).reshape(3, 7, 4, 64, 2)[..., ::-1].reshape(y.shape)).all()
+  by_matmul = np.asarray(jax.jit(module._partner_by_matmul, static_argnums=1)(y, dtype))
+  np.testing.assert_array_equal(by_matmul, flipped)
+
+  x, weight = _random_qk(jax.random.key(6), 2, NUM_TOKENS, 2, 128, dtype)
+  cos, sin = wan_rope_table(GRID, 128)
+  want = rmsnorm_rope(x, weight, cos, sin, num_heads=2, out_scale=Q_SCALE)
+  monkeypatch.setattr(module, "_pair_partner", module._partner_by_matmul)
+  got = module.rmsnorm_rope.__wrapped__(x, weight, cos, sin, num_heads=2, out_scale=Q_SCALE)
+  exact = _rmsnorm_rope_exact(x, weight, cos, sin, num_heads=2, out_scale=Q_SCALE)
+  _assert_matches_exact(got, exact, dtype, width=256, name="partner by matmul")
+  if dtype == jnp.bfloat16:  # fp32: XLA:CPU contracts the rotation into FMAs differently (1 ulp)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
