@@ -121,23 +121,63 @@ def hbm_bytes(shape: str) -> float:
              if not re.search(r"S\([1-9]\d*\)", layout))
 
 
+def _window_field(window: str, key: str, count: int, default: int) -> list[int]:
+  """One `window={...}` field per spatial dim: size=3x1, stride=.., lhs_dilate=.., rhs_dilate=.."""
+  m = re.search(rf"\b{key}=([\dx]+)", window)
+  return [int(v) for v in m.group(1).split("x")] if m else [default] * count
+
+
+def _valid_taps(in_size: int, out_size: int, window: str, dim: int, count: int) -> int:
+  """Over every output position of one spatial dim: how many of its window's taps land on a real
+  input element (not padding, not a hole of an lhs dilation)."""
+  size = _window_field(window, "size", count, 1)[dim]
+  stride = _window_field(window, "stride", count, 1)[dim]
+  dilate = _window_field(window, "rhs_dilate", count, 1)[dim]
+  holes = _window_field(window, "lhs_dilate", count, 1)[dim]
+  m = re.search(r"\bpad=([\d_x\-]+)", window)
+  low = int(m.group(1).split("x")[dim].split("_")[0]) if m else 0
+  if holes == 1:  # per tap: the output positions o with 0 <= o * stride + k * dilate - low < in_size
+    return sum(max(0, min(out_size - 1, (in_size + low - k * dilate - 1) // stride)
+                   - max(0, -(-(low - k * dilate) // stride)) + 1) for k in range(size))
+  extent = (in_size - 1) * holes + 1
+  return sum(1 for o in range(out_size) for k in range(size)
+             if 0 <= (p := o * stride + k * dilate - low) < extent and p % holes == 0)
+
+
+def _convolution_flops(op: Instruction, symbols: dict[str, Instruction], out: tuple[int, ...]) -> float:
+  """2 x (output batch x features) x input features x the window taps that meet real input.
+
+  XLA:TPU writes a `dot_general` with two free dims on one side as a convolution whose window
+  spans one of them, padded by its size - 1 on both sides (`window={size=1x40 pad=0_0x39_39}`):
+  each output position meets ONE real input element, so counting whole windows overstated those
+  matmuls' FLOPs by the window size (40x for the heads axis)."""
+  operands = [array_shapes(symbols[o].shape)[0][1] if o in symbols else () for o in op.operands[:2]]
+  labels = re.search(r"dim_labels=([^_]*)_([^-]*)->(\S+?)(?:,|$)", op.attributes)
+  if not all(operands) or not labels:
+    return 0.0
+  (lhs, rhs), (lhs_l, rhs_l, out_l) = operands, labels.groups()
+  if "i" not in rhs_l or "o" not in rhs_l:
+    return 0.0
+  m = re.search(r"window=\{([^}]*)\}", op.attributes)
+  window = m.group(1) if m else ""
+  spatial = sorted(c for c in out_l if c.isdigit())
+  taps = math.prod(_valid_taps(lhs[lhs_l.index(c)], out[out_l.index(c)], window, d, len(spatial))
+                   for d, c in enumerate(spatial))
+  return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
+
+
 def instruction_flops(op: Instruction, symbols: dict[str, Instruction]) -> float:
   """2 x output elements x contracted length of one convolution or dot (0 for anything else)."""
   out = array_shapes(op.shape)
   if not out or op.opcode not in ("convolution", "dot") or len(op.operands) < 2:
     return 0.0
+  if op.opcode == "convolution":
+    return _convolution_flops(op, symbols, out[0][1])
   elements = math.prod(out[0][1])
-  if op.opcode == "dot":
-    lhs = array_shapes(symbols[op.operands[0]].shape)[0][1] if op.operands[0] in symbols else ()
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.attributes)
-    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
-    return 2.0 * elements * contracted
-  rhs = array_shapes(symbols[op.operands[1]].shape)[0][1] if op.operands[1] in symbols else ()
-  labels = re.search(r"dim_labels=[^_]*_([^-]*)->", op.attributes)
-  if not rhs or not labels or "o" not in labels.group(1):
-    return 0.0
-  # The kernel's elements over its output-feature size = what each output element sums over.
-  return 2.0 * elements * math.prod(rhs) / rhs[labels.group(1).index("o")]
+  lhs = array_shapes(symbols[op.operands[0]].shape)[0][1] if op.operands[0] in symbols else ()
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.attributes)
+  contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
+  return 2.0 * elements * contracted
 
 
 def matmul_flops(module: Module, computation: str) -> tuple[float, bool]:

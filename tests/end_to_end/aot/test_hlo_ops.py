@@ -63,3 +63,40 @@ def test_a_sliced_stack_counts_the_slice_and_vmem_operands_count_nothing():
   module = hlo_ops.parse_module(HLO)
   symbols = module.symbols("main")
   assert hlo_ops.operand_bytes(module, symbols["fusion.1"], symbols) == 64 * 32 * 2 + 4
+
+
+def _convolution(lhs: str, rhs: str, out: str, attributes: str) -> tuple[hlo_ops.Instruction, dict]:
+  text = f"""HloModule m
+
+ENTRY %main (a: {lhs}, b: {rhs}) -> {out} {{
+  %a = {lhs} parameter(0)
+  %b = {rhs} parameter(1)
+  ROOT %convolution.1 = {out} convolution(%a, %b), {attributes}
+}}
+"""
+  module = hlo_ops.parse_module(text)
+  symbols = module.symbols("main")
+  return symbols["convolution.1"], symbols
+
+
+def test_a_dot_written_as_a_padded_window_counts_one_tap_per_output():
+  """XLA:TPU's form of `btI,NIH->btNH` (14B 720p q projection): the window spans the 40 heads,
+  padded by 39 on both sides, so each output meets one real input; the FLOPs are the dot's."""
+  op, symbols = _convolution(
+      "bf16[2,9450,5120,1]", "bf16[40,5120,128,1]", "f32[2,9450,40,128]",
+      'window={size=1x40 pad=0_0x39_39 rhs_reversal=0x1}, dim_labels=0bf1_1io0->0b1f, metadata={op_name="x"}')
+  assert hlo_ops.instruction_flops(op, symbols) == 2 * 2 * 9450 * 5120 * 40 * 128
+
+
+def test_a_padded_strided_convolution_counts_the_taps_on_real_input():
+  """A 3-tap conv over 8 positions padded 1 each side: 8 outputs x 3 taps less the 2 on padding;
+  with stride 2 (4 outputs): 12 taps less the 1 on the low padding."""
+  op, symbols = _convolution("f32[1,8,4]", "f32[3,4,6]", "f32[1,8,6]",
+                             "window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f")
+  assert hlo_ops.instruction_flops(op, symbols) == 2 * 6 * 4 * (8 * 3 - 2)
+  op, symbols = _convolution("f32[1,8,4]", "f32[3,4,6]", "f32[1,4,6]",
+                             "window={size=3 stride=2 pad=1_1}, dim_labels=b0f_0io->b0f")
+  assert hlo_ops.instruction_flops(op, symbols) == 2 * 6 * 4 * (4 * 3 - 1)
+  op, symbols = _convolution("f32[1,3,4]", "f32[2,4,6]", "f32[1,6,6]",  # lhs_dilate 2: inputs at 0, 2, 4
+                             "window={size=2 pad=1_1 lhs_dilate=2}, dim_labels=b0f_0io->b0f")
+  assert hlo_ops.instruction_flops(op, symbols) == 2 * 6 * 4 * 6
