@@ -18,6 +18,7 @@ kernels, DESIGN.md section 3) is applied to the fp32 rotation result before the 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,11 @@ _HEADS_MAJOR = Layout((0, 2, 1, 3))  # [B, T, N, H] stored as [B, N, T, H]
 
 def _check_inputs(x, weight, cos, sin, num_heads: int) -> tuple[int, int, int, int]:
   """Validates shapes; returns (B, T, D, H)."""
-  if x.ndim != 3:
-    raise ValueError(f"x must be [B, T, D], got {x.shape=}")
-  batch, tokens, width = x.shape
+  if x.ndim == 4 and x.shape[2] != num_heads:
+    raise ValueError(f"x split into heads must be [B, T, N, H] with N = {num_heads=}, got {x.shape=}")
+  if x.ndim not in (3, 4):
+    raise ValueError(f"x must be [B, T, D] or [B, T, N, H], got {x.shape=}")
+  batch, tokens, width = *x.shape[:2], x.shape[2] * (x.shape[3] if x.ndim == 4 else 1)
   if not isinstance(num_heads, int) or num_heads <= 0 or width % num_heads:
     raise ValueError(f"D must equal N * H: {width=} is not divisible by {num_heads=}")
   head_dim = width // num_heads
@@ -51,10 +54,12 @@ def _check_inputs(x, weight, cos, sin, num_heads: int) -> tuple[int, int, int, i
   return batch, tokens, width, head_dim
 
 
-def _mean_last(v: jax.Array) -> jax.Array:
-  """Mean over the last axis as sum * (1/D): the form XLA rewrites a division by a constant into
-  inside a jit, written out so the eager reference rounds the same way. [..., D] -> [..., 1]."""
-  return jnp.sum(v, axis=-1, keepdims=True) * (1.0 / v.shape[-1])
+def _mean_last(v: jax.Array, axes: int = 1) -> jax.Array:
+  """Mean over the last `axes` axes as sum * (1/D): the form XLA rewrites a division by a constant
+  into inside a jit, written out so the eager reference rounds the same way. [..., D] -> [..., 1]
+  (axes=2: [..., N, H] -> [..., 1, 1])."""
+  last = tuple(range(v.ndim - axes, v.ndim))
+  return jnp.sum(v, axis=last, keepdims=True) * (1.0 / math.prod(v.shape[a] for a in last))
 
 
 def _partner_by_flip(y: jax.Array) -> jax.Array:
@@ -107,7 +112,8 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   """RMSNorm over D (fp32 statistics) -> [B, T, N, H] -> Wan RoPE (-> * out_scale), one jit.
 
   Args:
-    x: [B, T, D] projected q or k, any float dtype (bf16 or fp32 in practice).
+    x: [B, T, D] projected q or k, any float dtype (bf16 or fp32 in practice), or already split
+      into heads, [B, T, N, H] (`Dense.heads`: on TPU laid out heads-major by the projection).
     weight: [D] RMSNorm gain (norm_q / norm_k weight), any float dtype; applied in fp32.
     cos, sin: float32 [T, H/2] from `wan_rope_table` for these tokens' global positions, or both
       None for no rotation (Wan's cross-attention q/k: RMSNorm across heads only).
@@ -120,7 +126,7 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
     [B, T, N, H] in x.dtype.
 
   Raises:
-    ValueError: D not divisible by N, H odd, weight not [D], tables not [T, H/2].
+    ValueError: D not divisible by N, a split x's N not N, H odd, weight not [D], tables not [T, H/2].
 
   Math: diffusers WanAttnProcessor norm_q/norm_k + apply_rotary_emb (module doc). Instead of
   strided reads and writes, each channel i is rotated in place with its partner i ^ 1
@@ -138,13 +144,14 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   14B 720p step on v6e:2x4: norm/RoPE 26.1 -> 3.6 Mcycles a block, `end_to_end/README.md`).
   """
   batch, tokens, _, head_dim = _check_inputs(x, weight, cos, sin, num_heads)
-  inv_rms = jax.lax.rsqrt(_mean_last(jnp.square(x.astype(jnp.float32))) + eps)  # [B, T, 1]
+  split = x.ndim == 4
+  inv_rms = jax.lax.rsqrt(_mean_last(jnp.square(x.astype(jnp.float32)), 1 + split) + eps)  # [B, T, 1(, 1)]
   # Split into heads in x's dtype; on TPU laid out heads-major (whole (T, H) slabs: what attention
   # and the USP exchange read), so the fp32 math below is one fusion with no fp32 relayout.
   x_heads = jax.lax.platform_dependent(x.reshape(batch, tokens, num_heads, head_dim),
                                        tpu=lambda v: with_layout_constraint(v, _HEADS_MAJOR),
                                        default=lambda v: v)
-  y = (x_heads.astype(jnp.float32) * inv_rms[..., None]
+  y = (x_heads.astype(jnp.float32) * (inv_rms if split else inv_rms[..., None])
        * weight.astype(jnp.float32).reshape(num_heads, head_dim))  # [B, T, N, H] fp32
   if x.dtype != jnp.float32:
     # diffusers rounds the norm output to x.dtype before the rotation. Inside one jit XLA drops a

@@ -222,6 +222,20 @@ def test_rmsnorm_without_rotation_is_plain_rmsnorm(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_input_split_into_heads_gives_the_same_output(dtype, rotate):
+  """x already [B, T, N, H] (`Dense.heads`, what the Wan block passes) gives the [B, T, D] input's
+  output bitwise: the statistics sum the same D squares, the rest is elementwise."""
+  x, weight = _random_qk(jax.random.key(7), 2, 90, 4, 32, dtype)
+  cos, sin = wan_rope_table(GRID, 32, length=90) if rotate else (None, None)
+  want = producers.rmsnorm_rope(x, weight, cos, sin, num_heads=4, out_scale=Q_SCALE)
+  got = producers.rmsnorm_rope(x.reshape(2, 90, 4, 32), weight, cos, sin, num_heads=4, out_scale=Q_SCALE)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  with pytest.raises(ValueError, match="N = num_heads=8"):
+    producers.rmsnorm_rope(x.reshape(2, 90, 4, 32), weight, cos, sin, num_heads=8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_tpu_pair_partner_by_matmul_equals_the_flip(dtype, monkeypatch):
   # XLA:TPU finds each channel's RoPE partner by a matmul with the pair swap, the other platforms
   # by flipping a [..., H/2, 2] view: the same values (values of `dtype` held in fp32, zeros and

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 import producers
 from pipelines.wan.transformer import quantization
@@ -61,6 +62,33 @@ class Dense(nnx.Module):
     y = jnp.einsum("...I,IO->...O", x.astype(kernel.dtype), kernel,
                    preferred_element_type=jnp.float32)
     return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+
+  def heads(self, x: jax.Array, num_heads: int) -> jax.Array:
+    """This Linear split into heads: [B, T, I] -> [B, T, N, H] (O = N H), the values of
+    `self(x).reshape(B, T, N, H)`, laid out heads-major on TPU (`_heads_major`).
+
+    The kernel is read as N head kernels [N, I, H] (a quantized one by `quantization.heads_kernel`),
+    so each output is the same dot product, accumulated in fp32, scaled, biased and rounded as in
+    `__call__` (bitwise the same on XLA:CPU, tests/pipelines/wan/transformer/test_layers.py).
+    Why: XLA:TPU relaid a [B, T, D] projection out to [B, N, T, H] in two bf16 copies (1.9
+    Mcycles each in the 14B 720p step on v6e:2x4); a dot with the heads axis major in its kernel
+    writes that layout itself (end_to_end/README.md).
+    """
+    kernel, bias = self.kernel.get_value(), self.bias[...].reshape(num_heads, -1)
+    if isinstance(kernel, qwix.QArray):
+      return _heads_major(quantization.dense(x, quantization.heads_kernel(kernel, num_heads), bias,
+                                             int8_activations=self.int8_activations))
+    inputs, outputs = kernel.shape
+    kernel_NIH = kernel.reshape(inputs, num_heads, outputs // num_heads).transpose(1, 0, 2)
+    y = jnp.einsum("...I,NIH->...NH", x.astype(kernel.dtype), kernel_NIH, preferred_element_type=jnp.float32)
+    return _heads_major((y + bias.astype(jnp.float32)).astype(kernel.dtype))
+
+
+def _heads_major(x_BTNH: jax.Array) -> jax.Array:
+  """[B, T, N, H] pinned to the [B, N, T, H] layout on TPU (whole (T, H) slabs per head: what
+  `producers.rmsnorm_rope` and the USP exchange read); a no-op elsewhere."""
+  return jax.lax.platform_dependent(x_BTNH, tpu=lambda v: with_layout_constraint(v, Layout((0, 2, 1, 3))),
+                                    default=lambda v: v)
 
 
 class MLP(nnx.Module):
@@ -282,10 +310,10 @@ class WanBlock(nnx.Module):
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
     a = self.attn1
-    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], *rope, num_heads=heads, eps=eps,
+    q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], *rope, num_heads=heads, eps=eps,
                                     out_scale=head_dim ** -0.5 * math.log2(math.e))
-    k_BTNH = producers.rmsnorm_rope(a.to_k(h_BTD), a.norm_k[...], *rope, num_heads=heads, eps=eps)
-    v_BTNH = a.to_v(h_BTD).reshape(b, t, heads, head_dim)
+    k_BTNH = producers.rmsnorm_rope(a.to_k.heads(h_BTD, heads), a.norm_k[...], *rope, num_heads=heads, eps=eps)
+    v_BTNH = a.to_v.heads(h_BTD, heads)
     o_BTD = layout.self_attention(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
     x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
     x_BTD = layout.constrain(x_BTD)
@@ -294,7 +322,7 @@ class WanBlock(nnx.Module):
     #    (replicated, computed before the loop), plain residual in the model dtype.
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
-    q_BTNH = producers.rmsnorm_rope(a.to_q(h_BTD), a.norm_q[...], None, None, num_heads=heads, eps=eps)
+    q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], None, None, num_heads=heads, eps=eps)
     o_BTD = layout.cross_attention(q_BTNH, *text_kv).reshape(b, t, d)
     if image_kv is not None:
       # diffusers `WanAttnProcessor` ("I2V task"): the same queries against the image's K/V (no

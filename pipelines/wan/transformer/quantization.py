@@ -111,23 +111,35 @@ def dense(x: jax.Array, kernel: qwix.QArray, bias: jax.Array, *, int8_activation
 
   Args:
     x: [..., I] activations in any float dtype.
-    kernel: `quantize_kernel` of [I, O] (one layer: no leading axes).
-    bias: [O] in the model dtype: the output's dtype.
+    kernel: `quantize_kernel` of [I, O] (one layer: no leading axes), or `heads_kernel` of it:
+      [N, I, H] values, [N, 1, H] scales.
+    bias: [O] in the model dtype, or [N, H] for a heads kernel: the output's dtype.
     int8_activations: w8a8: x quantized per row to int8, int8 x int8 -> int32 matmul.
 
   Returns:
-    [..., O] in bias.dtype, rounded once from fp32.
+    [..., O] (a heads kernel: [..., N, H]) in bias.dtype, rounded once from fp32; a heads kernel's
+    values are the plain kernel's, reshaped (the same products, sums and scalings per output).
   """
-  dtype = bias.dtype
+  dtype, spec = bias.dtype, "...I,NIH->...NH" if kernel.qvalue.ndim == 3 else "...I,IO->...O"
+  rhs_contracting = kernel.qvalue.ndim - 2
   if int8_activations:
     rows = tuple(range(x.ndim - 1))
     x_q = qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=rows, scale_dtype=jnp.float32)
-    y = qwix.dot_general(x_q, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    y = qwix.dot_general(x_q, kernel, (((x.ndim - 1,), (rhs_contracting,)), ((), ())),
+                         preferred_element_type=jnp.float32)
   else:
-    y = jnp.einsum("...I,IO->...O", x.astype(dtype), kernel.qvalue.astype(dtype),
-                   preferred_element_type=jnp.float32)
-    y = y * kernel.scale[0]
+    y = jnp.einsum(spec, x.astype(dtype), kernel.qvalue.astype(dtype), preferred_element_type=jnp.float32)
+    y = y * kernel.scale[:, 0] if kernel.qvalue.ndim == 3 else y * kernel.scale[0]
   return (y + bias.astype(jnp.float32)).astype(dtype)
+
+
+def heads_kernel(kernel: qwix.QArray, num_heads: int) -> qwix.QArray:
+  """A quantized [I, O] kernel as N head kernels: values [N, I, H], scales [N, 1, H] (O = N H;
+  each output channel keeps its own scale), for `dense` to write [..., N, H] directly."""
+  (inputs, outputs), qtype = kernel.qvalue.shape, kernel.qtype
+  qvalue = kernel.qvalue.reshape(inputs, num_heads, outputs // num_heads).transpose(1, 0, 2)
+  scale = kernel.scale.reshape(1, num_heads, outputs // num_heads).transpose(1, 0, 2)
+  return qwix.QArray(qvalue=qvalue, scale=scale, zero_point=None, qtype=qtype)
 
 
 def block_stacks(config: WanTransformerConfig) -> tuple[str, ...]:

@@ -91,6 +91,23 @@ def test_dense_matches_reference(mode):
     assert np.max(np.abs(got - _dense_reference(x, q, bias, False))) > 100 * 68 * EPS32 * magnitude.max()
 
 
+@pytest.mark.parametrize("mode", (None, *quantization.MODES))
+def test_dense_heads_is_the_dense_split_into_heads(mode):
+  """`Dense.heads` (the kernel read as [N, I, H] head kernels, what the block's q/k/v projections
+  run) gives `Dense.__call__`'s values bitwise, reshaped to [B, T, N, H], for every weight kind."""
+  rng = np.random.default_rng(2)
+  kernel = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.bfloat16)
+  layer = Dense(kernel, jnp.asarray(rng.standard_normal(48), jnp.bfloat16))
+  if mode is not None:
+    layer.kernel.set_value(quantization.quantize_kernel(kernel, mode))
+    layer.int8_activations = mode == "int8-w8a8"
+  x = jnp.asarray(rng.standard_normal((2, 7, 64)), jnp.bfloat16)
+  want = np.asarray(jax.jit(lambda v: layer(v))(x).astype(jnp.float32)).reshape(2, 7, 4, 12)
+  got = jax.jit(lambda v: layer.heads(v, 4))(x)
+  assert got.shape == (2, 7, 4, 12) and got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
 def test_w8a8_is_an_int8_dot_with_int32_sums():
   q = quantization.quantize_kernel(jnp.ones((64, 48)), "int8-w8a8")
   hlo = jax.jit(lambda x: quantization.dense(x, q, jnp.zeros(48), int8_activations=True)).lower(
