@@ -69,7 +69,7 @@ class Dense(nnx.Module):
 
     The kernel is read as N head kernels [N, I, H] (a quantized one by `quantization.heads_kernel`),
     so each output is the same dot product, accumulated in fp32, scaled, biased and rounded as in
-    `__call__` (bitwise the same on XLA:CPU, tests/pipelines/wan/transformer/test_layers.py).
+    `__call__` (bitwise the same on XLA:CPU, tests/pipelines/wan/transformer/test_quantization.py).
     Why: XLA:TPU relaid a [B, T, D] projection out to [B, N, T, H] in two bf16 copies (1.9
     Mcycles each in the 14B 720p step on v6e:2x4); a dot with the heads axis major in its kernel
     writes that layout itself (end_to_end/README.md).
