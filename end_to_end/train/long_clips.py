@@ -150,12 +150,11 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
   params = {k: v for k, v in vae.params.items() if k.startswith(trained)}
   frozen = {k: v for k, v in vae.params.items() if not k.startswith(trained)}
   state = opt.init(params)
-  background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
 
   def loss_fn(params, x, z, noise):
     both = {**frozen, **params}
     y = decode_all(both, config, z + noise)
-    w = 1 + tiny.OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
+    w = tiny.object_weights(x)
     # Frame 0 is the decoder's own path (one latent frame -> one video frame): weighted up to as
     # many as the 4 frames of every later latent frame.
     w = w * jnp.where(jnp.arange(x.shape[1]) == 0, FIRST_FRAME_WEIGHT, 1.0)[None, :, None, None, None]

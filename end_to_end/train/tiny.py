@@ -150,6 +150,15 @@ def optimizer_step(opt, loss_fn, has_aux: bool = False):
   return step
 
 
+def object_weights(x_BFHWC: jax.Array) -> jax.Array:
+  """float32 [B, F, H, W, 1] reconstruction loss weights of a clip in [-1, 1]: 1 + OBJECT_WEIGHT
+  where a pixel differs from the world's background by > 0.2 in some channel, else 1. The shapes
+  cover a few % of the pixels: weighting them up keeps their colour from losing to the
+  background's share of a plain MSE."""
+  background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
+  return 1 + OBJECT_WEIGHT * (jnp.max(jnp.abs(x_BFHWC - background), axis=-1, keepdims=True) > 0.2)
+
+
 def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, latent_noise: float = 0.1,
               latent_l2: float = 1e-3, phases=VAE_PHASES
               ) -> tuple[wan_vae.WanVAE, list[tuple[int, float]]]:
@@ -166,13 +175,10 @@ def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, laten
                                 for k, v in vae.params.items()})
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
   state = opt.init(vae.params)
-  background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
 
   def loss_fn(params, x, noise):
     y, z = autoencode(params, config, x, noise)
-    # The shapes cover a few % of the pixels: weighting them up keeps their colour from losing to
-    # the background's share of a plain MSE.
-    w = 1 + OBJECT_WEIGHT * (jnp.max(jnp.abs(x - background), axis=-1, keepdims=True) > 0.2)
+    w = object_weights(x)
     return jnp.mean(w * jnp.square(y - x)) / jnp.mean(w) + latent_l2 * jnp.mean(jnp.square(z))
 
   step = optimizer_step(opt, loss_fn)
