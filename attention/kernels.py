@@ -308,6 +308,17 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, *refs, mode, f
   outs[2][...] = m
 
 
+GPU_SHARED_BYTES = 160 * 1024  # shared memory a Triton program may plan for: A100's 164 KiB less scratch
+
+
+def gpu_pipeline_stages(bk: int, Hp: int, itemsize: int) -> int:
+  """Software-pipeline depth of the GPU kernel's key loop: 2 (the next K and V tiles load while this
+  one computes) where two stages of the [bk, Hp] K and V tiles fit `GPU_SHARED_BYTES`, else 1. fp32
+  at bk = Hp = 128 needs 256 KiB for 2 stages, over even the H200's 227 KiB (measured: Triton's
+  "Shared memory size limit exceeded: requested 262656, available: 232448")."""
+  return 2 if 2 * (2 * bk * Hp * itemsize) <= GPU_SHARED_BYTES else 1
+
+
 def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, finish_to, interpret):
   """One program per (batch, query head, query block); K/V of the head's kv head read through
@@ -364,7 +375,8 @@ def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=4 if H <= 64 else 8, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=4 if H <= 64 else 8,
+                                           num_stages=gpu_pipeline_stages(bk, Hp, k.dtype.itemsize)),
       interpret=interpret,
       name=f"attend_{mode}",
   )(q, k, v, q_pos, kv_pos, limit, *carry_in)

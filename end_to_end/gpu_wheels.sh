@@ -11,5 +11,5 @@ PIP="${PIP:-$ROOT/.venv/bin/pip}"
 mkdir -p "$WHEELS"
 "$PIP" download -q --only-binary=:all: --no-deps --python-version "$PY_VERSION" \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d "$WHEELS" \
-  "diffusers>=0.33" importlib_metadata zipp pillow einops tqdm safetensors
+  "diffusers>=0.33" importlib_metadata zipp pillow einops tqdm safetensors qwix ftfy wcwidth
 ls -la "$WHEELS"

@@ -198,3 +198,14 @@ def test_kernel_path_is_differentiable(impl):
     within(float(jnp.max(jnp.abs(a - b))), 1e-5 * float(jnp.max(jnp.abs(b))), f"d{name} {impl}")
   assert float(jnp.max(jnp.abs(ours(q, k, v)[1][:, 120:]))) == 0.0  # padded keys get no gradient
 
+
+
+@pytest.mark.parametrize("bk,Hp,dtype,stages", [(128, 128, jnp.bfloat16, 2), (128, 64, jnp.float32, 2),
+                                                (128, 128, jnp.float32, 1), (256, 128, jnp.bfloat16, 1)])
+def test_gpu_pipeline_stages_fit_shared_memory(bk, Hp, dtype, stages):
+  """The GPU kernel pipelines its key loop 2 deep only where two stages of K and V tiles fit the shared
+  memory a Triton program may plan for: fp32 at bk = Hp = 128 asked an H200 for 262,656 bytes of its
+  232,448 with 2 stages (measured), and runs with 1. The depth chosen always fits."""
+  itemsize = jnp.dtype(dtype).itemsize
+  assert kernels.gpu_pipeline_stages(bk, Hp, itemsize) == stages
+  assert stages * 2 * bk * Hp * itemsize <= kernels.GPU_SHARED_BYTES

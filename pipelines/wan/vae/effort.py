@@ -37,11 +37,12 @@ def check_compile_effort(compile_effort: Any, platform: str) -> float | None:
 
 def effective_compile_effort(compile_effort: Any, platform: str) -> float:
   """The number the decoder's programs compile at on `platform` (what a video's settings record):
-  `check_compile_effort`'s, or JAX's global `jax_exec_time_optimization_effort` where that is None.
-  Raises as `check_compile_effort`."""
+  `check_compile_effort`'s, or JAX's global `jax_exec_time_optimization_effort` where that is None
+  (XLA's default 0 on a JAX without that setting: JAX 0.11 removed it). Raises as
+  `check_compile_effort`."""
   effort = check_compile_effort(compile_effort, platform)
   if effort is not None:
     return effort
   import jax
 
-  return float(jax.config.jax_exec_time_optimization_effort)
+  return float(getattr(jax.config, "jax_exec_time_optimization_effort", 0.0))

@@ -31,6 +31,19 @@ def test_an_explicit_effort_is_applied_and_none_is_the_platforms():
     CallOptions(on_stage=5)
 
 
+def test_the_recorded_effort_on_a_jax_without_the_global_setting(monkeypatch):
+  """JAX 0.11 has no `jax_exec_time_optimization_effort`: a video's settings then record XLA's
+  default 0 (on an H200 with JAX 0.11.2 every generation failed at its end reading it)."""
+  import types
+
+  import jax
+  assert vae_effort.effective_compile_effort(-0.25, "cpu") == -0.25
+  monkeypatch.setattr(jax, "config", types.SimpleNamespace())
+  assert vae_effort.effective_compile_effort(None, "cpu") == 0.0
+  monkeypatch.setattr(jax, "config", types.SimpleNamespace(jax_exec_time_optimization_effort=0.5))
+  assert vae_effort.effective_compile_effort(None, "cpu") == 0.5
+
+
 def test_the_effort_reaches_the_decoder_and_keeps_the_video():
   pipe = WanPipeline.tiny(random=True)
   request = GenerationRequest.build(pipe.facts, "a red square", height=32, width=32, num_frames=5,
