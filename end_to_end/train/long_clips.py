@@ -134,32 +134,40 @@ def stationary_latents(encode, x_BFHWC: np.ndarray) -> np.ndarray:
 
 
 def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
-              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True):
+              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True,
+              anchor: float | None = None):
   """Makes the VAE time-stationary for about `seconds`: the encoder regressed onto
   `stationary_latents` of its starting self (the error in units of the folder's latents_std), the
   decoder taught to reconstruct each clip from those latents (+ `latent_noise`), with
   `tiny.train_vae`'s weighted loss; each step's batch drawn from `phases` by their shares. With
   `encoder` False the encoder stays as it is and the decoder learns from its latents (a VAE made
-  stationary before, whose latents a transformer has learned).
-  Returns (the VAE, [(step, encoder loss, decoder loss)])."""
+  stationary before, whose latents a transformer has learned). With `anchor` (a weight) encoder and
+  decoder learn together through the reconstruction, the encoder held near the folder's encoder's
+  latents by `anchor` x their squared distance: `stationary_latents` of the original encoder lack
+  the shape's absolute colour (its later latent frames encode colour relative to frame 0: a red
+  clip's latents 1-4 after a blue clip's latent 0 decode green), which only the reconstruction
+  can put back. Returns (the VAE, [(step, encoder loss, decoder loss)])."""
   config = vae.config
   source = jax.jit(lambda x: encode_mean(vae, x))
   std = jnp.asarray(config.latents_std, jnp.float32)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
-  trained = ENCODED + DECODED if encoder else DECODED
+  joint = anchor is not None
+  trained = ENCODED + DECODED if encoder or joint else DECODED
   params = {k: v for k, v in vae.params.items() if k.startswith(trained)}
   frozen = {k: v for k, v in vae.params.items() if not k.startswith(trained)}
   state = opt.init(params)
 
   def loss_fn(params, x, z, noise):
     both = {**frozen, **params}
+    encoded = encode_mean(wan_vae.WanVAE(config, both), x) if encoder or joint else None
+    fit = jnp.float32(0) if encoded is None else jnp.mean(jnp.square((encoded - z) / std))
+    if joint:  # decoded from the trained encoder's latents, held near the folder's by `anchor`
+      fit, z = anchor * fit, encoded
     y = decode_all(both, config, z + noise)
     w = tiny.object_weights(x)
     # Frame 0 is the decoder's own path (one latent frame -> one video frame): weighted up to as
     # many as the 4 frames of every later latent frame.
     w = w * jnp.where(jnp.arange(x.shape[1]) == 0, FIRST_FRAME_WEIGHT, 1.0)[None, :, None, None, None]
-    fit = (jnp.mean(jnp.square((encode_mean(wan_vae.WanVAE(config, both), x) - z) / std)) if encoder
-           else jnp.float32(0))
     parts = fit, jnp.mean(w * jnp.square(y - x)) / jnp.mean(w)
     return parts[0] + parts[1], parts
 
@@ -172,7 +180,7 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
     rate = lr * min(1.0, (k + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     frames, crop, _ = phases[int(rng.choice(len(phases), p=shares / shares.sum()))]
     x = clip_batch(rng, batch, frames, crop)
-    z = stationary_latents(source, x) if encoder else np.asarray(source(x))
+    z = stationary_latents(source, x) if encoder and not joint else np.asarray(source(x))
     noise = latent_noise * rng.standard_normal(z.shape).astype(np.float32)
     params, state, (_, parts) = step(params, state, x, z, noise, np.float32(rate))
     history.append((k, float(parts[0]), float(parts[1])))
@@ -308,7 +316,7 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   history = []
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
-                             encoder=not args.keep_encoder)
+                             encoder=not args.keep_encoder, anchor=args.anchor)
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -346,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
+  p.add_argument("--anchor", type=float, default=None,
+                 help="train encoder and decoder together through the reconstruction, the encoder held near "
+                      "the folder's encoder's latents with this weight (a VAE made stationary before, to "
+                      "put back the absolute colour its latents lack)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")

@@ -54,6 +54,23 @@ def test_stationary_latents_of_a_still_clip_are_one_latent():
   assert np.abs(plain[:, 1:] - plain[:, 4:5]).max() > 1e-3
 
 
+def test_joint_vae_training_moves_the_encoder_through_the_reconstruction():
+  """With `anchor` the encoder learns from the reconstruction: at the first step its latents are the
+  folder's (the anchor term is exactly 0, so is its gradient), yet its weights move; the decoder's
+  too. Control: without `anchor` and with `encoder` False the encoder's weights stay as they are."""
+  vae = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(6))
+  phases = ((5, 16, 1.0),)
+  joint, history = long_clips.train_vae(vae, 1e-3, seed=0, batch=1, phases=phases, anchor=1.0)
+  assert len(history) == 1 and history[0][1] == 0.0
+  assert history[0][2] > 0
+
+  def moved(trained, prefixes):
+    return [k for k in vae.params if k.startswith(prefixes) and not np.array_equal(vae.params[k], trained.params[k])]
+  assert moved(joint, long_clips.ENCODED) and moved(joint, long_clips.DECODED)
+  decoder_only, _ = long_clips.train_vae(vae, 1e-3, seed=0, batch=1, phases=phases, encoder=False)
+  assert not moved(decoder_only, long_clips.ENCODED) and moved(decoder_only, long_clips.DECODED)
+
+
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
   """A given row: its first latent frame is the clean one, its first frame's tokens (Hl Wl / 4 with
   patch (1, 2, 2)) have timestep 0, the rest 1000 sigma (diffusers' expand_timesteps mask), and the
