@@ -18,8 +18,8 @@ context windows it fails, whatever the sampler does, because its VAE is not stat
 
 Steps, each from the folder given (default: the shipped tiny default):
 1. the VAE made time-stationary (`train_vae`): the encoder regressed onto `stationary_latents` of
-   its starting self (every latent frame encoded as the 5th of a 17-frame clip, frame 0 held
-   before the start: one distribution at every position, a 17-frame clip's last), the decoder
+   its starting self (latent frame k the encoding of video frame 4k alone, a picture like a
+   clip's latent frame 0: one distribution at every position, the colour in each), the decoder
    taught to reconstruct 65-frame (32x32 crops) and 17-frame (48x48) clips from those latents;
 2. a dataset: 17-frame clips of the original world and 5-latent-frame windows of encoded 65-frame
    slow clips (every window offset), normalised by the 17-frame clips' per-channel statistics
@@ -106,63 +106,52 @@ def encode_mean(vae: wan_vae.WanVAE, x_BFHWC: jax.Array) -> jax.Array:
   return jnp.moveaxis(wan_vae.encode(vae, jnp.moveaxis(x_BFHWC, -1, 1)).mean, 1, -1)
 
 
-# Every latent frame encoded as the 5th of a 17-frame clip (frame 0 held before the video starts):
-# the latents of a long clip then have one distribution at every position, so a window of them
-# anywhere is what a 17-frame clip's latents are.
-LEAD_IN = world.FRAMES - 1
 ENCODED = ("encoder.", "quant_conv.")
 FIRST_FRAME_WEIGHT = 4.0
 
 
 def stationary_latents(encode, x_BFHWC: np.ndarray) -> np.ndarray:
-  """The latents a time-stationary encoder gives a clip: latent frame k (video frames 4k-3..4k;
-  k = 0: frame 0) is `encode`'s 5th latent frame of the 17-frame clip that ends at frame 4k, frame 0
-  repeated before the clip's start.
+  """The latents a time-stationary encoder gives a clip: latent frame k is `encode`'s latent of video
+  frame 4k alone (a one-frame clip: what a causal Wan encoder makes of a clip's frame 0, the whole
+  picture). Every latent frame is then one picture: the same distribution at every position, the
+  absolute colour, shape and place in each (a Wan encoder's later latent frames hold what changed
+  since frame 0: a red clip's latents 1-4 after a blue clip's latent 0 decode green), and the
+  decoder makes the 3 frames between two pictures. Latent frame 0 is the plain encoding's.
 
   Args:
-    encode: the source encoder's mean, float32 [B, 17, H, W, 3] -> [B, 5, H/8, W/8, z].
+    encode: the source encoder's mean, float32 [N, 1, H, W, 3] -> [N, 1, H/8, W/8, z].
     x_BFHWC: float32 [B, 1 + 4k, H, W, 3] in [-1, 1].
 
   Returns:
     float32 [B, 1 + k, H/8, W/8, z].
   """
-  B, F = x_BFHWC.shape[:2]
-  padded = np.concatenate([np.repeat(x_BFHWC[:, :1], LEAD_IN, axis=1), x_BFHWC], axis=1)
-  pieces = np.stack([padded[:, 4 * k:4 * k + world.FRAMES] for k in range(1 + (F - 1) // 4)], axis=1)
-  z = np.asarray(encode(pieces.reshape(-1, *pieces.shape[2:])))[:, -1]
-  return z.reshape(B, pieces.shape[1], *z.shape[1:])
+  pictures = x_BFHWC[:, ::4]
+  z = np.asarray(encode(pictures.reshape(-1, 1, *pictures.shape[2:])))[:, 0]
+  return z.reshape(*pictures.shape[:2], *z.shape[1:])
 
 
 def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
-              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True,
-              anchor: float | None = None):
+              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True):
   """Makes the VAE time-stationary for about `seconds`: the encoder regressed onto
   `stationary_latents` of its starting self (the error in units of the folder's latents_std), the
   decoder taught to reconstruct each clip from those latents (+ `latent_noise`), with
   `tiny.train_vae`'s weighted loss; each step's batch drawn from `phases` by their shares. With
   `encoder` False the encoder stays as it is and the decoder learns from its latents (a VAE made
-  stationary before, whose latents a transformer has learned). With `anchor` (a weight) encoder and
-  decoder learn together through the reconstruction, the encoder held near the folder's encoder's
-  latents by `anchor` x their squared distance: `stationary_latents` of the original encoder lack
-  the shape's absolute colour (its later latent frames encode colour relative to frame 0: a red
-  clip's latents 1-4 after a blue clip's latent 0 decode green), which only the reconstruction
-  can put back. Returns (the VAE, [(step, encoder loss, decoder loss)])."""
+  stationary before, whose latents a transformer has learned).
+  Returns (the VAE, [(step, encoder loss, decoder loss)])."""
   config = vae.config
   source = jax.jit(lambda x: encode_mean(vae, x))
   std = jnp.asarray(config.latents_std, jnp.float32)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
-  joint = anchor is not None
-  trained = ENCODED + DECODED if encoder or joint else DECODED
+  trained = ENCODED + DECODED if encoder else DECODED
   params = {k: v for k, v in vae.params.items() if k.startswith(trained)}
   frozen = {k: v for k, v in vae.params.items() if not k.startswith(trained)}
   state = opt.init(params)
 
   def loss_fn(params, x, z, noise):
     both = {**frozen, **params}
-    encoded = encode_mean(wan_vae.WanVAE(config, both), x) if encoder or joint else None
-    fit = jnp.float32(0) if encoded is None else jnp.mean(jnp.square((encoded - z) / std))
-    if joint:  # decoded from the trained encoder's latents, held near the folder's by `anchor`
-      fit, z = anchor * fit, encoded
+    fit = (jnp.mean(jnp.square((encode_mean(wan_vae.WanVAE(config, both), x) - z) / std)) if encoder
+           else jnp.float32(0))
     y = decode_all(both, config, z + noise)
     w = tiny.object_weights(x)
     # Frame 0 is the decoder's own path (one latent frame -> one video frame): weighted up to as
@@ -180,7 +169,7 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
     rate = lr * min(1.0, (k + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     frames, crop, _ = phases[int(rng.choice(len(phases), p=shares / shares.sum()))]
     x = clip_batch(rng, batch, frames, crop)
-    z = stationary_latents(source, x) if encoder and not joint else np.asarray(source(x))
+    z = stationary_latents(source, x) if encoder else np.asarray(source(x))
     noise = latent_noise * rng.standard_normal(z.shape).astype(np.float32)
     params, state, (_, parts) = step(params, state, x, z, noise, np.float32(rate))
     history.append((k, float(parts[0]), float(parts[1])))
@@ -316,7 +305,7 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   history = []
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
-                             encoder=not args.keep_encoder, anchor=args.anchor)
+                             encoder=not args.keep_encoder)
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -354,10 +343,6 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
-  p.add_argument("--anchor", type=float, default=None,
-                 help="train encoder and decoder together through the reconstruction, the encoder held near "
-                      "the folder's encoder's latents with this weight (a VAE made stationary before, to "
-                      "put back the absolute colour its latents lack)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
