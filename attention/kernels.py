@@ -319,13 +319,18 @@ def gpu_pipeline_stages(bk: int, Hp: int, itemsize: int) -> int:
   return 2 if 2 * (2 * bk * Hp * itemsize) <= GPU_SHARED_BYTES else 1
 
 
+def _gpu_compiler_params(H: int, bk: int, Hp: int, itemsize: int):
+  from jax.experimental.pallas import triton as plgpu
+
+  return plgpu.CompilerParams(num_warps=4 if H <= 64 else 8, num_stages=gpu_pipeline_stages(bk, Hp, itemsize))
+
+
 def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, finish_to, interpret):
   """One program per (batch, query head, query block); K/V of the head's kv head read through
   L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles).
   "auto": a `lax.cond` on the flag between the two single-mode kernels. A `Start` carry: o = l = 0
   in the kernel, its m (-inf or the fixed-m offsets) formed by XLA."""
-  from jax.experimental.pallas import triton as plgpu
 
   fresh = isinstance(carry, Start)
   B, K, G, T, H = heads.update_dims(q, k, v)
@@ -375,8 +380,7 @@ def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=4 if H <= 64 else 8,
-                                           num_stages=gpu_pipeline_stages(bk, Hp, k.dtype.itemsize)),
+      compiler_params=_gpu_compiler_params(H, bk, Hp, k.dtype.itemsize),
       interpret=interpret,
       name=f"attend_{mode}",
   )(q, k, v, q_pos, kv_pos, limit, *carry_in)
