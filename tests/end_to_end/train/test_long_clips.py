@@ -5,6 +5,7 @@ feeds the transformer, and the training set's windows are slices of the long cli
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from end_to_end.train import long_clips, synthetic_world as world, tiny as train_tiny
 from pipelines.wan import vae as wan_vae
@@ -145,3 +146,56 @@ def test_tiny_i2v_continues_the_given_first_frame():
   assert sum(s["ok"] for s in samples) >= 7, [(s["prompt"], s["seen"]) for s in samples]
   others = [float(np.abs(np.clip(s["video"][0], 0, 1) - samples[i - 1]["image"]).mean()) for i, s in enumerate(samples)]
   assert all(o > e for o, e in zip(others, errors)), (others, errors)
+
+
+# --- the shipped default at 65 frames (pipelines/wan/pretrained/tiny_default/, trained further by long_clips) --
+
+# Held out from long_clips' own checks (its report's long.png prompts).
+HELD_OUT_LONG = ("a white triangle moving slowly up", "a yellow circle moving slowly right",
+                 "a blue square moving slowly left", "a green square moving slowly down",
+                 "a red circle moving slowly left", "a blue circle standing still")
+
+
+def _latent_magnitude_by_frame(vae, clips):
+  z = wan_vae.encode(vae, jnp.asarray(np.stack(clips).transpose(0, 4, 1, 2, 3) * 2 - 1)).mean
+  return np.abs(np.asarray(z)).mean(axis=(0, 1, 3, 4))
+
+
+NOT_YET = pytest.mark.xfail(strict=True, reason="the shipped default is trained on 17-frame clips only; "
+                             "`end_to_end.train.long_clips` runs have not yet made one that passes (end_to_end/README)")
+
+
+@NOT_YET
+def test_default_vae_round_trips_65_frame_clips_in_one_latent_space():
+  """Clean 65-frame clips of every colour encoded and decoded as the pipeline does: every 8-frame
+  span's mean absolute error < 0.06 and the long-video detector (colour, one shape, steady motion)
+  passes on each; the latents' mean magnitude is the same along the clip (max / min over the 17
+  latent frames < 1.3), so a context window anywhere holds what a 17-frame clip's latents are.
+  Control: tiny-i2v's VAE (the original causal encoder) grows along the clip (> 1.5)."""
+  vae = wan_vae.load_vae(f"{TINY_DEFAULT_FOLDER}/vae")
+  rng = np.random.default_rng(12)
+  scenes = [world.random_scene(rng, colour=c, motion=m) for c, m in zip(
+      world.COLOURS, ("moving slowly right", "moving slowly up", "moving slowly left", "standing still",
+                      "moving slowly down"))]
+  clips = [world.render(s, frames=long_clips.LONG_FRAMES) for s in scenes]
+  for scene, clip in zip(scenes, clips):
+    z = wan_vae.encode(vae, jnp.asarray(clip.transpose(3, 0, 1, 2)[None] * 2 - 1)).mean
+    video = np.clip(np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))[0] * 0.5 + 0.5, 0, 1)
+    errors = np.abs(video - clip).mean(axis=(1, 2, 3))
+    assert max(errors[i:i + 8].mean() for i in range(0, len(errors), 8)) < 0.06, (scene.prompt, errors)
+    ok, seen = world.check_long(video, scene.prompt)
+    assert ok, (scene.prompt, seen)
+  ours = _latent_magnitude_by_frame(vae, clips)
+  original = _latent_magnitude_by_frame(wan_vae.load_vae(f"{TINY_I2V_FOLDER}/vae"), clips)
+  assert ours.max() / ours.min() < 1.3, ours
+  assert original.max() / original.min() > 1.5, original
+
+
+@NOT_YET
+def test_default_draws_a_long_video_in_context_windows():
+  """The issue's acceptance: the default at 65 frames (4x its trained 17) in context windows of 17
+  frames overlapping by 8, held-out slow and still prompts: the named colour in every 16 frames,
+  exactly one shape in every frame, steady progress the named way with no jump between frames
+  (`world.check_long`), for at least 5 of 6."""
+  samples = long_clips.long_samples(TINY_DEFAULT_FOLDER, list(HELD_OUT_LONG), seeds=(1,))
+  assert sum(s["ok"] for s in samples) >= 5, [(s["prompt"], s["seen"]) for s in samples]
