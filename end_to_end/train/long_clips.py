@@ -180,6 +180,13 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
   return wan_vae.WanVAE(config, {**vae.params, **params}), history
 
 
+def round_trip(vae: wan_vae.WanVAE, clip_FHWC: np.ndarray) -> np.ndarray:
+  """A clip in [0, 1], float32 [F, H, W, 3], encoded (the mean) and decoded as the pipeline does:
+  the video in [0, 1], float32 [F, H, W, 3]."""
+  z = wan_vae.encode(vae, jnp.asarray(clip_FHWC.transpose(3, 0, 1, 2)[None] * 2 - 1)).mean
+  return np.clip(np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))[0] * 0.5 + 0.5, 0, 1)
+
+
 def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int = 4) -> dict:
   """Mean absolute pixel error by 8-frame span of `count` clean 65-frame clips encoded and decoded
   as the pipeline does, and the long-video detector's verdict on each."""
@@ -187,8 +194,7 @@ def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: in
   for _ in range(count):
     scene = long_scene(rng)
     clip = world.render(scene, frames=LONG_FRAMES)
-    z = wan_vae.encode(vae, jnp.asarray(clip.transpose(3, 0, 1, 2)[None] * 2 - 1)).mean
-    video = np.clip(np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))[0] * 0.5 + 0.5, 0, 1)
+    video = round_trip(vae, clip)
     errors.append(np.abs(video - clip).mean(axis=(1, 2, 3)))
     verdicts.append(f"{scene.prompt}: {world.check_long(video, scene.prompt)}")
   by_span = np.mean(errors, axis=0)
