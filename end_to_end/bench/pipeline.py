@@ -223,10 +223,23 @@ def _aot_step_row(args: argparse.Namespace, devices: list[Any], mesh: MeshSpec |
                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
+def _set_compile_effort(effort: float) -> None:
+  """JAX's global `jax_exec_time_optimization_effort` for every compile that follows. Raises
+  SystemExit naming the fix on a JAX without it (0.11 removed it)."""
+  import jax
+  if not hasattr(jax.config, "jax_exec_time_optimization_effort"):
+    raise SystemExit(f"--compile-effort: JAX {jax.__version__} has no jax_exec_time_optimization_effort "
+                     "(removed in 0.11); run the compile report with the setup's JAX 0.10, or leave "
+                     "--compile-effort out")
+  jax.config.update("jax_exec_time_optimization_effort", effort)
+
+
 def run_aot(args: argparse.Namespace) -> int:
   """`--aot`: compile the `--stages` programs for the topology and print their rows (exit 3: no topology)."""
   from end_to_end.aot import step as aot_step
 
+  if args.compile_effort is not None:
+    _set_compile_effort(args.compile_effort)
   print(f"building TPU topology {args.aot!r} with libtpu (at most {args.aot_init_timeout:.0f} s) ...", flush=True)
   try:
     devices = aot_step.topology_devices(args.aot, timeout_s=args.aot_init_timeout)
@@ -240,9 +253,6 @@ def run_aot(args: argparse.Namespace) -> int:
   stages, models, rows = aot_stages.parse_stages(args.stages), args.aot_models.split(","), []
   if args.compile_cache:
     aot_stages.enable_compile_cache(args.compile_cache)
-  if args.compile_effort is not None:
-    import jax
-    jax.config.update("jax_exec_time_optimization_effort", args.compile_effort)
 
   def emit(row: dict[str, Any]) -> None:  # after every program: a stopped run keeps the rows done so far
     rows.append(row)
