@@ -58,6 +58,26 @@ DECODER_PHASES = ((LONG_FRAMES, 32, 0.7), (world.FRAMES, 48, 0.3))
 DECODED = ("decoder.", "post_quant_conv.")
 
 
+def parse_phases(text: str) -> tuple[tuple[int, int, float], ...]:
+  """"FRAMESxCROP:SHARE,..." (e.g. "65x32:0.7,17x48:0.3") -> ((frames, crop, share), ...), as
+  `DECODER_PHASES`. Raises ValueError naming the part: frames not 4k + 1 in [5, 65], a crop not a
+  multiple of 8 in [16, the frame], a share not above 0."""
+  phases = []
+  for part in text.split(","):
+    try:
+      size, share = part.split(":")
+      frames, crop = (int(v) for v in size.split("x"))
+      share = float(share)
+    except ValueError:
+      raise ValueError(f"--vae-phases part {part!r} must be FRAMESxCROP:SHARE, e.g. 65x32:0.7") from None
+    if (frames - 1) % 4 or not 5 <= frames <= LONG_FRAMES or crop % 8 or not 16 <= crop <= world.WIDTH \
+        or not share > 0:
+      raise ValueError(f"--vae-phases part {part!r}: frames 4k + 1 in [5, {LONG_FRAMES}], a crop a multiple of 8 "
+                       f"in [16, {world.WIDTH}], a share above 0")
+    phases.append((frames, crop, share))
+  return tuple(phases)
+
+
 def log(msg: str) -> None:
   tiny.log(msg)
 
@@ -311,7 +331,7 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   history = []
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
-                             encoder=not args.keep_encoder)
+                             encoder=not args.keep_encoder, phases=args.vae_phases)
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -347,19 +367,26 @@ def main(argv: list[str] | None = None) -> int:
                  help="share of --minutes for the VAE; 1: the VAE only (the folder's transformer kept); "
                       "0: the folder's VAE kept")
   p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
+  p.add_argument("--vae-phases", type=parse_phases, default=DECODER_PHASES, metavar="FxC:S,...",
+                 help="the VAE's batches: clips of F frames cropped to CxC, drawn with share S (default: 65x32:0.7,"
+                      "17x48:0.3; 64 is the whole frame)")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
   p.add_argument("--image-share", type=float, default=0.3, help="rows given their first frame (TI2V)")
+  p.add_argument("--fresh-transformer", action="store_true",
+                 help="train the transformer from a fresh initialisation (as end_to_end.train.tiny does) rather "
+                      "than from the folder's")
   args = p.parse_args(argv)
   t0 = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)
   report = {k: v for k, v in vars(args).items()}
   vae = _vae_stage(wan_vae.load_vae(os.path.join(args.source, "vae")), args, report)
   encoder = tiny.text_encoder()
-  transformer, history = load_transformer(os.path.join(args.source, "transformer")), []
+  transformer = None if args.fresh_transformer else load_transformer(os.path.join(args.source, "transformer"))
+  history = []
   if args.vae_fraction < 1:
     vae, latents, prompts = _dataset(vae, args, report)
     grammar, texts = _texts(encoder)
@@ -367,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
     transformer, history = tiny.train_transformer(
         latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
-        lr=args.lr, warm=30, model=transformer, image_share=args.image_share)
+        lr=args.lr, warm=100 if transformer is None else 30, model=transformer, image_share=args.image_share)
+  if transformer is None:
+    transformer = load_transformer(os.path.join(args.source, "transformer"))
   folder = tiny.save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
   report["losses"]["transformer_last100"] = float(np.mean([l for _, l in history[-100:]])) if history else None
   report["losses"]["transformer_steps"] = len(history)
