@@ -78,6 +78,14 @@ def parse_phases(text: str) -> tuple[tuple[int, int, float], ...]:
   return tuple(phases)
 
 
+def _phases_flag(text: str):
+  """`parse_phases` for argparse, whose own message would replace a ValueError's."""
+  try:
+    return parse_phases(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def log(msg: str) -> None:
   tiny.log(msg)
 
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                  help="share of --minutes for the VAE; 1: the VAE only (the folder's transformer kept); "
                       "0: the folder's VAE kept")
   p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
-  p.add_argument("--vae-phases", type=parse_phases, default=DECODER_PHASES, metavar="FxC:S,...",
+  p.add_argument("--vae-phases", type=_phases_flag, default=DECODER_PHASES, metavar="FxC:S,...",
                  help="the VAE's batches: clips of F frames cropped to CxC, drawn with share S (default: 65x32:0.7,"
                       "17x48:0.3; 64 is the whole frame)")
   p.add_argument("--keep-encoder", action="store_true",
