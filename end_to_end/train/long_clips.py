@@ -376,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                       "0: the folder's VAE kept")
   p.add_argument("--vae-lr", type=float, default=1e-3, help="the VAE's peak learning rate")
   p.add_argument("--vae-phases", type=_phases_flag, default=DECODER_PHASES, metavar="FxC:S,...",
-                 help="the VAE's batches: clips of F frames cropped to CxC, drawn with share S (default: 65x32:0.7,"
-                      "17x48:0.3; 64 is the whole frame)")
+                 help="the VAE's batches: clips of F frames cropped to CxC, drawn with share S (default: "
+                      f"{','.join(f'{f}x{c}:{s}' for f, c, s in DECODER_PHASES)}; 64 is the whole frame)")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")

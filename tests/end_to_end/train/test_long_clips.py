@@ -74,7 +74,7 @@ def test_vae_training_moves_what_it_trains():
   assert not moved(decoder_only, long_clips.ENCODED) and moved(decoder_only, long_clips.DECODED)
 
 
-def test_vae_phases_parse_and_refuse_with_the_part_named(capsys):
+def test_vae_phases_parse_and_refuse_with_the_part_named(capsys, tmp_path):
   """`--vae-phases` gives `train_vae`'s (frames, crop, share) batches; the default text is the
   default phases; a malformed or impossible part is refused naming it."""
   assert long_clips.parse_phases("65x32:0.7,17x48:0.3") == long_clips.DECODER_PHASES
@@ -83,8 +83,9 @@ def test_vae_phases_parse_and_refuse_with_the_part_named(capsys):
     with pytest.raises(ValueError, match=f"--vae-phases part '{bad.split(',')[-1]}'"):
       long_clips.parse_phases(bad)
   with pytest.raises(SystemExit):  # the command line: argparse prints the part and the rule
-    long_clips.main(["--out", "/nonexistent/never-written", "--vae-phases", "65x30:1"])
+    long_clips.main(["--out", str(tmp_path / "never-written"), "--vae-phases", "65x30:1"])
   assert "--vae-phases part '65x30:1': frames 4k + 1" in capsys.readouterr().err
+  assert not (tmp_path / "never-written").exists()  # refused before anything ran
 
 
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
