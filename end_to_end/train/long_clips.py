@@ -86,6 +86,17 @@ def _phases_flag(text: str):
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _non_negative(text: str) -> float:
+  """A float >= 0 for argparse (a noise std)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value >= 0:
+    raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0, e.g. 0.1")
+  return value
+
+
 def log(msg: str) -> None:
   tiny.log(msg)
 
@@ -339,7 +350,8 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   history = []
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
-                             encoder=not args.keep_encoder, phases=args.vae_phases)
+                             encoder=not args.keep_encoder, phases=args.vae_phases,
+                             latent_noise=args.latent_noise)
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -378,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--vae-phases", type=_phases_flag, default=DECODER_PHASES, metavar="FxC:S,...",
                  help="the VAE's batches: clips of F frames cropped to CxC, drawn with share S (default: "
                       f"{','.join(f'{f}x{c}:{s}' for f, c, s in DECODER_PHASES)}; 64 is the whole frame)")
+  p.add_argument("--latent-noise", type=_non_negative, default=0.1,
+                 help="std of the Gaussian noise on the latents the decoder learns from, VAE units (default: 0.1)")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")

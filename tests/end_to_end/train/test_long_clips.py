@@ -88,6 +88,16 @@ def test_vae_phases_parse_and_refuse_with_the_part_named(capsys, tmp_path):
   assert not (tmp_path / "never-written").exists()  # refused before anything ran
 
 
+def test_latent_noise_refuses_a_negative_or_non_number_before_anything_runs(capsys, tmp_path):
+  """`--latent-noise` (the decoder's latent noise std) is refused when below 0 or not a number,
+  naming the value, before the output folder is made."""
+  for bad in ("-0.1", "nan", "lots"):
+    with pytest.raises(SystemExit):
+      long_clips.main(["--out", str(tmp_path / "never-written"), "--latent-noise", bad])
+    assert f"'{bad}' must be a number >= 0" in capsys.readouterr().err
+  assert not (tmp_path / "never-written").exists()
+
+
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
   """A given row: its first latent frame is the clean one, its first frame's tokens (Hl Wl / 4 with
   patch (1, 2, 2)) have timestep 0, the rest 1000 sigma (diffusers' expand_timesteps mask), and the
