@@ -261,7 +261,7 @@ def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long
   scenes = [world.random_scene(rng) for _ in range(short)]
   latents, prompts = [encode_clips(vae, scenes, world.FRAMES)], [s.prompt for s in scenes]
   long_scenes = [long_scene(rng) for _ in range(long)]
-  encoded = encode_clips(vae, long_scenes, LONG_FRAMES)
+  encoded = encode_clips(vae, long_scenes, LONG_FRAMES) if long_scenes else []
   window = latents[0].shape[2]
   for scene, z in zip(long_scenes, encoded):
     offsets = rng.choice(z.shape[1] - window + 1, 4, replace=False)

@@ -138,6 +138,9 @@ def test_training_set_windows_are_slices_of_the_long_latents(monkeypatch):
     assert len(set(starts)) == 4 and all(0 <= s <= 12 for s in starts)
     np.testing.assert_array_equal(rows, starts[:, None] + np.arange(5))
     assert len(set(prompts[3 + 4 * i:7 + 4 * i])) == 1
+  calls.clear()  # --long 0: the short clips alone, no 65-frame scene encoded
+  latents, prompts = long_clips.training_set(None, np.random.default_rng(0), short=3, long=0)
+  assert calls == [world.FRAMES] and latents.shape == (3, 2, 5, 1, 1) and len(prompts) == 3
 
 
 # --- the shipped tiny-i2v (pipelines/wan/pretrained/tiny_i2v/, the default trained further by long_clips) --
