@@ -87,13 +87,13 @@ def _phases_flag(text: str):
 
 
 def _non_negative(text: str) -> float:
-  """A float >= 0 for argparse (a noise std)."""
+  """A finite float >= 0 for argparse (a noise std)."""
   try:
     value = float(text)
   except ValueError:
     value = -1.0
-  if not value >= 0:
-    raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0, e.g. 0.1")
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0, e.g. 0.1")
   return value
 
 

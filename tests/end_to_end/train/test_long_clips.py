@@ -89,12 +89,12 @@ def test_vae_phases_parse_and_refuse_with_the_part_named(capsys, tmp_path):
 
 
 def test_latent_noise_refuses_a_negative_or_non_number_before_anything_runs(capsys, tmp_path):
-  """`--latent-noise` (the decoder's latent noise std) is refused when below 0 or not a number,
+  """`--latent-noise` (the decoder's latent noise std) is refused when below 0 or not a finite number,
   naming the value, before the output folder is made."""
-  for bad in ("-0.1", "nan", "lots"):
+  for bad in ("-0.1", "nan", "inf", "lots"):
     with pytest.raises(SystemExit):
       long_clips.main(["--out", str(tmp_path / "never-written"), "--latent-noise", bad])
-    assert f"'{bad}' must be a number >= 0" in capsys.readouterr().err
+    assert f"'{bad}' must be a finite number >= 0" in capsys.readouterr().err
   assert not (tmp_path / "never-written").exists()
 
 
