@@ -56,6 +56,12 @@ LONG_FRAMES = 65
 # frame's cost), and 17-frame crops so the short clips stay as they were.
 DECODER_PHASES = ((LONG_FRAMES, 32, 0.7), (world.FRAMES, 48, 0.3))
 DECODED = ("decoder.", "post_quant_conv.")
+# Latent frames a later window is given by the one before: the acceptance's 8-frame overlap.
+GIVEN_OVERLAP = 2
+# Guidance of the checks' windows that continue: with these picture latents a colour lies on a ray
+# from the background's latents, and guidance much above 2 pushes it along to the next colour
+# (end_to_end/README, "Training the tiny models further").
+CONTINUE_GUIDANCE = 2.0
 
 
 def parse_phases(text: str) -> tuple[tuple[int, int, float], ...]:
@@ -253,36 +259,48 @@ def encode_clips(vae: wan_vae.WanVAE, scenes: list[world.Scene], frames: int, ba
   return np.concatenate(out)
 
 
-def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int
-                 ) -> tuple[np.ndarray, list[str]]:
-  """`short` 17-frame clips of the original world and 4 windows (5 latent frames, offsets drawn,
-  the first window in one of 4) of each of `long` 65-frame scenes: (VAE-space latents
-  [n, 16, 5, 8, 8], prompts)."""
+def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int, given: int = 0
+                 ) -> tuple[np.ndarray, list[str], np.ndarray]:
+  """`short` 17-frame clips of the original world and 4 windows (5 latent frames, distinct offsets
+  drawn) of each of `long` 65-frame scenes: (VAE-space latents [n, 16, 5, 8, 8], prompts, int [n]
+  each row's given latent frames).
+
+  With `given` > 0 the rows teach windows that continue (`context_fuse="continue"`): one window of
+  each scene starts it (offset 0, nothing given: what a video's first window is), the other 3 have
+  their first `given` latent frames given (what a later window takes from the one before); the
+  short clips are given nothing. With 0, every row is given nothing."""
   scenes = [world.random_scene(rng) for _ in range(short)]
   latents, prompts = [encode_clips(vae, scenes, world.FRAMES)], [s.prompt for s in scenes]
+  counts = [np.zeros(short, np.int32)]
   long_scenes = [long_scene(rng) for _ in range(long)]
   encoded = encode_clips(vae, long_scenes, LONG_FRAMES) if long_scenes else []
   window = latents[0].shape[2]
   for scene, z in zip(long_scenes, encoded):
-    offsets = rng.choice(z.shape[1] - window + 1, 4, replace=False)
+    if given:
+      offsets = np.concatenate([[0], 1 + rng.choice(z.shape[1] - window, 3, replace=False)])
+    else:
+      offsets = rng.choice(z.shape[1] - window + 1, 4, replace=False)
     latents.append(np.stack([z[:, o:o + window] for o in offsets]))
     prompts += [scene.prompt] * 4
-  return np.concatenate(latents), prompts
+    counts.append(np.where(offsets > 0, given, 0).astype(np.int32))
+  return np.concatenate(latents), prompts, np.concatenate(counts)
 
 
 # --- checks ----------------------------------------------------------------------------------------
 
-def long_samples(folder: str, prompts: list[str], seeds=(0,), steps: int = 8) -> list[dict]:
-  """Each prompt at 65 frames in context windows of 17 overlapping by 8 (5 windows), the tiny
-  preset's settings otherwise, judged by `world.check_long`."""
+def long_samples(folder: str, prompts: list[str], seeds=(0,), steps: int = 8, *, guidance_scale: float = 5.0,
+                 context_fuse: str = "pyramid") -> list[dict]:
+  """Each prompt at 65 frames in context windows of 17 overlapping by 8 (5 windows; `context_fuse`:
+  blended at every step, or "continue": one after another), the tiny preset's settings otherwise,
+  judged by `world.check_long`."""
   from pipelines.pipeline import WanPipeline
   pipe = WanPipeline.from_pretrained(folder)
   out = []
   for prompt in prompts:
     for seed in seeds:
       video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=LONG_FRAMES,
-                   num_inference_steps=steps, guidance_scale=5.0, seed=seed, progress=False,
-                   context_frames=world.FRAMES, context_overlap=8)[0]
+                   num_inference_steps=steps, guidance_scale=guidance_scale, seed=seed, progress=False,
+                   context_frames=world.FRAMES, context_overlap=8, context_fuse=context_fuse)[0]
       ok, seen = world.check_long(video, prompt)
       out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": seen, "video": video})
   return out
@@ -321,16 +339,18 @@ def _report(out: str, report: dict) -> None:
     json.dump(report, f, indent=2)
 
 
-def _checks(folder: str, seed: int, report: dict, out: str, image: bool) -> None:
+def _checks(folder: str, seed: int, report: dict, out: str, image: bool, continued: bool) -> None:
   """The detector on 17-frame samples (10 held-out prompts x 2 seeds), 65-frame windowed samples
-  (slow and still prompts), and first-frame-given samples; long.png shows the long ones."""
+  (slow and still prompts; `continued`: windows that continue, at `CONTINUE_GUIDANCE`), and
+  first-frame-given samples; long.png shows the long ones."""
   from pipelines.storage.contact_sheet import write_contact_sheet
   rng = np.random.default_rng(seed + 7)
   held_out = [str(p) for p in rng.choice(world.all_prompts(), 10, replace=False)]
   short = tiny.sample_and_check(folder, held_out)
   longs = long_samples(folder, ["a red square moving slowly right", "a green circle moving slowly left",
                                 "a blue triangle moving slowly down", "a yellow square moving slowly up",
-                                "a white circle moving slowly right", "a red triangle standing still"])
+                                "a white circle moving slowly right", "a red triangle standing still"],
+                       **(dict(context_fuse="continue", guidance_scale=CONTINUE_GUIDANCE) if continued else {}))
   images = image_samples(folder, np.random.default_rng(seed + 9), 10) if image else []
   for name, rows in (("short", short), ("long", longs), ("image", images)):
     report[name] = {"passed": sum(r["ok"] for r in rows), "of": len(rows),
@@ -363,15 +383,16 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
 
 def _dataset(vae: wan_vae.WanVAE, args, report: dict):
   """`training_set` normalised by its 17-frame clips' per-channel statistics, which become the
-  VAE's latents_mean / latents_std (as `tiny` sets them): (the VAE, latents, prompts)."""
+  VAE's latents_mean / latents_std (as `tiny` sets them): (the VAE, latents, prompts, given frames)."""
   t = time.perf_counter()
-  raw, prompts = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long)
+  raw, prompts, given = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long,
+                                     given=args.given_overlap)
   short = raw[:args.short]
   config = dataclasses.replace(vae.config, latents_mean=tuple(map(float, short.mean(axis=(0, 2, 3, 4)))),
                                latents_std=tuple(map(float, short.std(axis=(0, 2, 3, 4)) + 1e-6)))
   vae = wan_vae.WanVAE(config, vae.params)
   report["dataset_seconds"] = time.perf_counter() - t
-  return vae, np.asarray(wan_vae.normalize_latents(config, jnp.asarray(raw))), prompts
+  return vae, np.asarray(wan_vae.normalize_latents(config, jnp.asarray(raw))), prompts, given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
+  p.add_argument("--given-overlap", type=int, default=GIVEN_OVERLAP, choices=range(0, 5), metavar="N",
+                 help="latent frames a long scene's later windows are given (windows that continue, "
+                      f"context_fuse='continue'); 0: none, windows for the parallel blend (default: {GIVEN_OVERLAP})")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
   p.add_argument("--image-share", type=float, default=0.3, help="rows given their first frame (TI2V)")
   p.add_argument("--fresh-transformer", action="store_true",
@@ -410,20 +434,21 @@ def main(argv: list[str] | None = None) -> int:
   transformer = None if args.fresh_transformer else load_transformer(os.path.join(args.source, "transformer"))
   history = []
   if args.vae_fraction < 1:
-    vae, latents, prompts = _dataset(vae, args, report)
+    vae, latents, prompts, given = _dataset(vae, args, report)
     grammar, texts = _texts(encoder)
     seconds = args.minutes * 60 - (time.perf_counter() - t0)
     log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
     transformer, history = tiny.train_transformer(
         latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
-        lr=args.lr, warm=100 if transformer is None else 30, model=transformer, image_share=args.image_share)
+        lr=args.lr, warm=100 if transformer is None else 30, model=transformer, image_share=args.image_share,
+        given_frames=given if args.given_overlap else None)
   if transformer is None:
     transformer = load_transformer(os.path.join(args.source, "transformer"))
   folder = tiny.save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
   report["losses"]["transformer_last100"] = float(np.mean([l for _, l in history[-100:]])) if history else None
   report["losses"]["transformer_steps"] = len(history)
   report["train_seconds"] = time.perf_counter() - t0
-  _checks(folder, args.seed, report, args.out, image=args.image_share > 0)
+  _checks(folder, args.seed, report, args.out, image=args.image_share > 0, continued=args.given_overlap > 0)
   report["total_seconds"] = time.perf_counter() - t0
   _report(args.out, report)
   log(f"done in {report['total_seconds'] / 60:.1f} min: short {report['short']['passed']}/{report['short']['of']}, "

@@ -265,11 +265,12 @@ def flow_pair(x0, noise, sigma):
 
 
 def given_first_frame(x0, xt, sigma, given, patch_size):
-  """TI2V rows: where `given` ([B], 1 or 0), the first latent frame is the clean x0's and its
-  tokens' timestep is 0 (diffusers' `expand_timesteps` mask); -> (x_t [B, C, F, Hl, Wl], timestep
-  float32 [B, F Hl Wl / (ph pw)] in (f, h, w) token order, loss weight [B, 1, F, 1, 1])."""
-  first = jnp.zeros(x0.shape[2], jnp.float32).at[0].set(1.0)
-  keep = given[:, None] * first[None]  # [B, F]
+  """TI2V and continuation rows: row b's first `given[b]` latent frames ([B], 0, 1, 2, ...: a
+  first frame, or a context window's overlap with the window before) are the clean x0's and their
+  tokens' timestep is 0 (diffusers' `expand_timesteps` mask, widened to several frames as
+  `pipelines/wan/conditioning/ti2v.py` gives them); -> (x_t [B, C, F, Hl, Wl], timestep float32
+  [B, F Hl Wl / (ph pw)] in (f, h, w) token order, loss weight [B, 1, F, 1, 1]: 0 on given frames)."""
+  keep = (jnp.arange(x0.shape[2])[None] < given[:, None]).astype(jnp.float32)  # [B, F]
   xt = jnp.where(keep[:, None, :, None, None] > 0, x0, xt)
   tokens = (x0.shape[3] // patch_size[1]) * (x0.shape[4] // patch_size[2])
   timestep = jnp.repeat((1 - keep) * sigma[:, None] * 1000.0, tokens, axis=1)
@@ -295,15 +296,19 @@ def zero_residual_outputs(params):
 def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarray, *, seed: int,
                       seconds: float, batch: int = 32, lr: float = 1e-3, ema_decay: float = 0.995,
                       config: WanTransformerConfig = TINY_TRAINED_TRANSFORMER, model=None,
-                      attention_implementation: str = "lse", warm: int = 100, image_share: float = 0.0):
+                      attention_implementation: str = "lse", warm: int = 100, image_share: float = 0.0,
+                      given_frames: np.ndarray | None = None):
   """Flow-matching training (module docstring) for about `seconds`; with `image_share` > 0 that
   share of the rows get their clean first latent frame and timestep 0 on its tokens, the loss on
-  the other frames (Wan 2.2 TI2V's conditioning, `given_first_frame`).
+  the other frames (Wan 2.2 TI2V's conditioning, `given_first_frame`); rows with `given_frames`
+  get that many clean first latent frames the same way (a context window continuing the one
+  before: `context_fuse="continue"`).
 
   Args:
     latents: float32 [n, C, F, Hl, Wl] normalised diffusion latents.
     text_ids: int [n], the row of `texts` of each latent's prompt.
     texts: float32 [P + 1, L, 32]: every prompt's text states, the last row the empty prompt's.
+    given_frames: int [n] each row's clean first latent frames (0: none), or None (none anywhere).
 
   Returns:
     (the EMA model, [(step, loss)]).
@@ -332,7 +337,7 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 
   def loss_fn(params, x0, noise, sigma, text, given):
     xt, target = flow_pair(x0, noise, sigma)
-    if not image_share:
+    if not image_share and given_frames is None:
       pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
       return jnp.mean(jnp.square(pred - target))
     xt, timestep, weight = given_first_frame(x0, xt, sigma, given, config.patch_size)
@@ -366,6 +371,8 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
     sigma = training_sigmas(rng.random(batch).astype(np.float32))
     noise = rng.standard_normal(latents[idx].shape).astype(np.float32)
     given = (rng.random(batch) < image_share).astype(np.float32)
+    if given_frames is not None:
+      given = np.maximum(given, given_frames[idx]).astype(np.float32)
     params, ema, state, loss = step(params, ema, state, latents[idx], noise, sigma, texts_dev[rows], given,
                                     np.float32(learning_rate(k)))
     history.append((k, float(loss)))

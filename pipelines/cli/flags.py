@@ -86,13 +86,15 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                       "(16 -> 17, 10 -> 9) (default: the --preset's, 17 for tiny, 81 for a folder)")
   p.add_argument("--context-frames", type=int, default=None, metavar="L",
                  help="a video longer than the model's trained clip in overlapping context windows of L frames "
-                      "(4k+1; Wan: 81, tiny: 17), blended at every step; W=2 in --mesh runs two at once "
+                      "(4k+1; Wan: 81, tiny: 17), blended at every step (see --context-fuse); W=2 in --mesh runs two at once "
                       "(default: none, one clip)")
   p.add_argument("--context-overlap", type=int, default=None, metavar="O",
                  help="with --context-frames: frames neighbouring windows share at least, a multiple of 4 "
                       "below L (default: a quarter of L)")
-  p.add_argument("--context-fuse", choices=("pyramid", "flat"), default="pyramid",
-                 help="with --context-frames: the overlaps' blend weights (default: pyramid, as ComfyUI)")
+  p.add_argument("--context-fuse", choices=("pyramid", "flat", "continue"), default="pyramid",
+                 help="with --context-frames: the overlaps' blend weights at every step (pyramid, as ComfyUI; "
+                      "flat), or continue: windows one after another, each given the frames it shares with the one "
+                      "before (a model trained to continue; not with W) (default: pyramid)")
   p.add_argument("--steps", type=int, default=None,
                  help="denoising steps, 1 to 1000 (default: the --preset's, 8 for tiny, 50 for a folder)")
   p.add_argument("--guidance", default=None,

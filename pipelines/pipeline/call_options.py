@@ -105,6 +105,9 @@ CALL_DOCS = """
     `context_overlap` frames (a multiple of 4; default a quarter of the window), their noise
     predictions blended with `context_fuse` "pyramid" (default) or "flat" weights
     (`wan.conditioning.windows`). A mesh with W=2 runs two windows at once on two device groups.
+    `context_fuse` "continue" runs the windows one after another instead, each a whole denoising
+    given the frames it shares with the one before (`pipeline.continued`; text-to-video and TI2V
+    models, one window at a time).
 """
 
 

@@ -59,8 +59,9 @@ class GenerationRequest:
     step_cache: the parsed step-cache spec or None.
     decode: run the VAE (False: latents only).
     image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
-    first_frame_latents: float32 numpy [B', C, 1, Hl, Wl], the normalised VAE latents of a Wan 2.2
-      TI2V run's first frame (set by `pipeline.ti2v.ti2v_condition`), or None.
+    first_frame_latents: float32 numpy [B', C, Fg, Hl, Wl], the normalised VAE latents of the first
+      Fg frames, given: a Wan 2.2 TI2V run's first frame (Fg = 1, set by `pipeline.ti2v.ti2v_condition`)
+      or a context window's overlap with the one before (`pipeline.continued`); or None.
     video: the video-to-video input and strength (`video_inputs.VideoInputs`), or None.
     vace: a VACE model's video, mask, reference images and scales (`vace_inputs.VACEInputs`), or
       None (not a VACE model). Its n reference images add n latent frames in front of the video's
@@ -148,7 +149,7 @@ class GenerationRequest:
                               attention_backend=attention_backend, vae_parallel=vae_parallel,
                               attention_exchange=attention_exchange)
     windows = check_context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames, model=model,
-                                    windows_degree=plan.windows, vace=vace is not None)
+                                    windows_degree=plan.windows, vace=vace is not None, video=source is not None)
     return _check_schedule(cls(
         model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,
         negative_prompt_embeds=negative_embeds if cfg else None, num_videos_per_prompt=per_prompt,

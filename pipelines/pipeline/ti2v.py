@@ -38,8 +38,8 @@ from pipelines.wan.conditioning import ti2v
 
 def conditioning(vae: wan_vae.WanVAE, request: GenerationRequest, patch_size: tuple[int, int, int],
                  stage: Any) -> ti2v.TI2VConditioning:
-  """The step's condition of a TI2V model's request: the first frame's latents float32 [B', C, 1,
-  Hl, Wl] from `request.first_frame_latents`, or `request.image` resized to the video, mapped to
+  """The step's condition of a TI2V model's request (or a context window's that continues the one
+  before): the first Fg frames' latents float32 [B', C, Fg, Hl, Wl] from `request.first_frame_latents`, or `request.image` resized to the video, mapped to
   [-1, 1] and encoded (`wan.ti2v.encode_image`; `stage(line)` announces it), or none (text-to-video:
   per-token timesteps all t)."""
   first = request.first_frame_latents

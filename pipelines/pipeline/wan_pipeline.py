@@ -43,6 +43,7 @@ from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.continued import run_continued
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
@@ -242,12 +243,12 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
     the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps, with the
-    request's first frame when it has one (`pipeline.ti2v.conditioning`); a VACE model its VACE
-    context, from the request's video, mask and reference images or none of them
-    (`vace_inputs.conditioning`)."""
+    request's first frame when it has one (`pipeline.ti2v.conditioning`), as does any model given
+    a window's first frames (`pipeline.continued`); a VACE model its VACE context, from the
+    request's video, mask and reference images or none of them (`vace_inputs.conditioning`)."""
     if self.transformer_config.has_vace:
       return vace_conditioning(self.vae, request, stage)
-    if not self.expand_timesteps:
+    if not self.expand_timesteps and request.first_frame_latents is None:
       return None
     return ti2v_conditioning(self.vae, request, self.transformer_config.patch_size, stage)
 
@@ -457,6 +458,8 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       options = dataclasses.replace(options, resume=resume)
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = request.steps_run
+    if request.windows is not None and request.windows.fuse == "continue":
+      return run_continued(self, request, options)
     return Runner(self, request, options).run()
 
   def _check_calibration(self, request: GenerationRequest) -> None:

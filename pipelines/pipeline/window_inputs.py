@@ -22,7 +22,8 @@ def default_overlap(context_frames: int, temporal_factor: int = 4) -> int:
 
 
 def check_context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
-                          model: ModelFacts, windows_degree: int, vace: bool) -> ContextWindows | None:
+                          model: ModelFacts, windows_degree: int, vace: bool, video: bool = False
+                          ) -> ContextWindows | None:
   """The call's context windows (`context_windows`), or None, checked against the mesh and the
   call's other features; without windows, a video longer than the model's trained clip warns
   (`long_video_warning`).
@@ -32,6 +33,7 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
     model: the model's facts: its VAE's temporal factor (4), its trained clip.
     windows_degree: the mesh's W (windows run W at once); W > 1 needs windows.
     vace: whether the call is a VACE one (its reference frames are not placed per window yet).
+    video: whether the call is a video-to-video one (windows that continue do not take it yet).
 
   Raises:
     ValueError: each bad value, named with the fix, before anything loads or computes.
@@ -41,6 +43,8 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
   if vace and windows is not None:
     raise ValueError("context windows with a VACE model are not supported yet; leave context_frames out or "
                      "use a text-, image- or video-to-video model")
+  if windows is not None and windows.fuse == "continue":
+    _check_continued(model, windows_degree, video)
   if windows is None and windows_degree > 1:
     why = (" is not given" if context_frames is None else
            f"={context_frames} is the whole video (one window, nothing to run in parallel)")
@@ -49,6 +53,22 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
   if context_frames is None and (note := long_video_warning(model, num_frames)) is not None:
     warnings.warn(note, stacklevel=4)
   return windows
+
+
+def _check_continued(model: ModelFacts, windows_degree: int, video: bool) -> None:
+  """Windows that continue run one after another, each given frames by the one before: not over a
+  windows axis, not with a model that conditions through its input channels (Wan 2.1 / 2.2 I2V:
+  its later windows would need the condition's channels made from the given frames), not from a
+  video (video-to-video)."""
+  fix = "or use context_fuse='pyramid' (windows blended at every step)"
+  if windows_degree > 1:
+    raise ValueError(f"context_fuse='continue' runs the windows one after another, so the mesh's W={windows_degree} "
+                     f"has nothing to run in parallel: drop W from the mesh, {fix}")
+  if model.image_to_video:
+    raise ValueError(f"context_fuse='continue' gives a window its frames by per-token timesteps; {model.name!r} "
+                     f"conditions through its input channels (image-to-video): {fix}")
+  if video:
+    raise ValueError(f"context_fuse='continue' does not take a video to start from (video-to-video) yet: {fix}")
 
 
 def context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any, *, num_frames: int,
@@ -60,7 +80,8 @@ def context_windows(context_frames: Any, context_overlap: Any, context_fuse: Any
     context_frames: None, or a window's video frames, k x temporal_factor + 1 and <= num_frames.
     context_overlap: None (`default_overlap`), or the video frames neighbouring windows share at least: a
       multiple of temporal_factor, below context_frames.
-    context_fuse: "pyramid" (default) or "flat".
+    context_fuse: "pyramid" (default) or "flat" (windows blended at every step), or "continue"
+      (windows one after another, each continuing the one before: `ContextWindows.continued`).
     num_frames: the video's frames (4k + 1).
 
   Raises:

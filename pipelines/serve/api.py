@@ -128,7 +128,9 @@ class VideoCreate(BaseModel):
                                "windows of this many frames, 4k + 1 (Wan: 81; default: one clip)")
   context_overlap: Any = _typed("integer", "with context_frames: frames neighbouring windows share at least, a "
                                 "multiple of 4 (default: a quarter of the window)")
-  context_fuse: Any = _typed("string", "with context_frames: \"pyramid\" (default) or \"flat\" blend weights")
+  context_fuse: Any = _typed("string", "with context_frames: \"pyramid\" (default) or \"flat\" blend weights at "
+                             "every step, or \"continue\": windows one after another, each given the frames it "
+                             "shares with the one before")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
   lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
   input_reference: Any = Field(None, description="an image file part (the first frame; a VACE model's reference image) "

@@ -33,21 +33,23 @@ from pipelines.wan import vae as wan_vae
 from pipelines.wan.conditioning.inputs import StepInputs
 
 
-def first_frame_mask(latent_shape: tuple[int, ...], image: bool) -> jax.Array:
-  """float32 [1, 1, F, Hl, Wl]: 0 on the first latent frame when conditioned on an image, else 1."""
+def first_frame_mask(latent_shape: tuple[int, ...], given: int) -> jax.Array:
+  """float32 [1, 1, F, Hl, Wl]: 0 on the first `given` latent frames (1: an image's; more: a context
+  window's overlap with the one before, `context_fuse="continue"`), 1 on the rest."""
   _, _, f, h, w = latent_shape
-  frames = (jnp.arange(f) > 0) if image else jnp.ones((f,), bool)
+  frames = jnp.arange(f) >= given
   return jnp.broadcast_to(frames.astype(jnp.float32)[:, None, None], (1, 1, f, h, w))
 
 
 def per_token_timesteps(t_B: jax.Array, latent_shape: tuple[int, ...], patch_size: tuple[int, int, int],
-                        image: bool) -> jax.Array:
+                        given: int) -> jax.Array:
   """diffusers' `expand_timesteps` timestep: [B] step timesteps -> float32 [B, T].
 
   Token (f, h, w) in row-major order (the transformer's token order) gets `mask[f, h * ph, w *
-  pw] * t`, i.e. t everywhere, or 0 on the first latent frame's (Hl / ph) (Wl / pw) tokens with an
-  image. Built from an iota inside the jitted step: under a mesh the transformer pins it to the
-  tokens' sharding (`transformer.embed`), so no device holds another device's per-token embedding.
+  pw] * t`, i.e. t everywhere (`given` 0: text-to-video), or 0 on the first `given` latent frames'
+  (Hl / ph) (Wl / pw) tokens each (1: the image's). Built from an iota inside the jitted step: under
+  a mesh the transformer pins it to the tokens' sharding (`transformer.embed`), so no device holds
+  another device's per-token embedding.
 
   Raises:
     ValueError: a latent grid the patch size does not divide.
@@ -56,25 +58,28 @@ def per_token_timesteps(t_B: jax.Array, latent_shape: tuple[int, ...], patch_siz
   _, _, f, h, w = latent_shape
   if f % pt or h % ph or w % pw:
     raise ValueError(f"latent grid (F, Hl, Wl)={(f, h, w)} is not divisible by {patch_size=}")
-  mask = first_frame_mask(latent_shape, image)[0, 0, ::pt, ::ph, ::pw].reshape(-1)  # [T]
+  mask = first_frame_mask(latent_shape, given)[0, 0, ::pt, ::ph, ::pw].reshape(-1)  # [T]
   return mask[None, :] * t_B.astype(jnp.float32)[:, None]
 
 
 def model_input(latents: jax.Array, condition: jax.Array | None) -> jax.Array:
-  """The transformer's input: `(1 - mask) * condition + mask * latents` (diffusers' formula, fp32).
+  """The transformer's input: `(1 - mask) * condition + mask * latents` (diffusers' formula, fp32),
+  the mask 0 on the condition's frames.
 
   Args:
     latents: [B, C, F, Hl, Wl] the denoising latents.
-    condition: [B, C, 1, Hl, Wl] (or [B, C, F, Hl, Wl]) normalised image latents, or None (text
-      only: the latents unchanged).
+    condition: [B, C, Fg, Hl, Wl] normalised latents of the first Fg <= F frames (1: an image's), or
+      None (text only: the latents unchanged).
 
   Returns:
-    [B, C, F, Hl, Wl] in latents' dtype: the first frame is the image's latents.
+    [B, C, F, Hl, Wl] in latents' dtype: the first Fg frames are the condition's.
   """
   if condition is None:
     return latents
-  mask = first_frame_mask(latents.shape, image=True)
-  condition = jnp.broadcast_to(condition[:, :, :1], latents.shape).astype(latents.dtype)
+  given = condition.shape[2]
+  mask = first_frame_mask(latents.shape, given)
+  pad = [(0, 0), (0, 0), (0, latents.shape[2] - given), (0, 0), (0, 0)]
+  condition = jnp.pad(condition.astype(latents.dtype), pad)
   return ((1 - mask) * condition + mask * latents).astype(latents.dtype)
 
 
@@ -86,16 +91,17 @@ class TI2VConditioning:
 
   Attributes:
     patch_size: the transformer's (pt, ph, pw) (static).
-    first_frame_BCFHW: float32 [B, C, 1, Hl, Wl] normalised image latents (`encode_image`, one row
-      per video), or None (text-to-video: every token at t).
+    first_frame_BCFHW: float32 [B, C, Fg, Hl, Wl] normalised latents of the first Fg frames, given
+      (one row per video): Fg = 1 an image's (`encode_image`), more a context window's overlap with
+      the window before (`context_fuse="continue"`); or None (text-to-video: every token at t).
   """
   patch_size: tuple[int, int, int] = dataclasses.field(metadata={"static": True})
   first_frame_BCFHW: jax.Array | None = None
 
   def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool) -> StepInputs:
     """The `StepInputs` (latents, per-token timestep float32 [B, T]) the transformer sees for the
-    step's latents x (already doubled to [cond; uncond] under CFG): x with its first frame replaced
-    by the image's latents (`model_input`), 0 on the first frame's tokens with an image, else t.
+    step's latents x (already doubled to [cond; uncond] under CFG): x with its first Fg frames
+    replaced by the given latents (`model_input`), 0 on their tokens, t on the rest.
 
     The replacement after the cast to the model dtype equals diffusers' (mask 0 or 1 picks one
     value, then `.to(transformer_dtype)` rounds it once either way)."""
@@ -103,7 +109,8 @@ class TI2VConditioning:
     if condition is not None and cfg:
       condition = jnp.concatenate([condition, condition], axis=0)
     x = model_input(x_BCFHW, condition)
-    timestep = per_token_timesteps(timestep_B, x.shape, self.patch_size, image=condition is not None)
+    timestep = per_token_timesteps(timestep_B, x.shape, self.patch_size,
+                                   given=0 if condition is None else condition.shape[2])
     return StepInputs(x, timestep)
 
   def image_states(self, *, cfg: bool) -> None:
@@ -111,8 +118,8 @@ class TI2VConditioning:
     del cfg
 
   def final_latents(self, latents: jax.Array) -> jax.Array:
-    """The latents the VAE decodes: [B, C, F, Hl, Wl] with the first frame replaced once more by the
-    image's latents (diffusers, after the loop), unchanged without an image."""
+    """The latents the VAE decodes: [B, C, F, Hl, Wl] with the first Fg frames replaced once more by
+    the given latents (diffusers, after the loop), unchanged without them."""
     return model_input(latents, self.first_frame_BCFHW)
 
 

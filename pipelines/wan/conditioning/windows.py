@@ -6,6 +6,9 @@ positions, its own per-token timesteps for TI2V, its slice of an image condition
 first window holds the first frame); the windows' noise predictions are blended where they overlap
 and the scheduler steps once on the whole latent video.
 
+Or, with `fuse` "continue", the windows run one after another, each given the frames it shares
+with the one before (`ContextWindows.continued`; `pipeline.continued` runs them).
+
 The blend is ComfyUI's `WanContextWindowsManual` with its defaults (comfy/context_windows.py:
 `create_weights_pyramid`, `combine_context_window_results`); the layout takes as many windows as
 its `create_windows_static_standard` (windows every `length - overlap` frames, the last moved back
@@ -36,7 +39,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from attention.mesh import CFG_AXIS, WINDOWS_AXIS
 from pipelines.wan.conditioning.inputs import StepInputs
 
-FUSES = ("pyramid", "flat")
+BLENDS = ("pyramid", "flat")
+FUSES = (*BLENDS, "continue")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +51,9 @@ class ContextWindows:
     frames: F, the video's latent frames.
     length: Lw, a window's latent frames (< F).
     overlap: latent frames two neighbouring windows share at least (< Lw).
-    fuse: "pyramid" | "flat", the blend weights.
+    fuse: "pyramid" | "flat", the blend weights of windows run at every step; or "continue":
+      windows run one after another, each a whole denoising of its frames with the frames it
+      shares with the windows before given (`continued`).
   """
   frames: int
   length: int
@@ -61,6 +67,16 @@ class ContextWindows:
     span = self.frames - self.length
     n = -(-span // (self.length - self.overlap)) + 1
     return tuple((k * span + (n - 1) // 2) // (n - 1) for k in range(n))
+
+  def continued(self) -> tuple[tuple[int, int], ...]:
+    """(start, given) of each window when windows continue (`fuse` "continue"): the windows of
+    `starts`, run in order; window k's first `given` latent frames, those the windows before it
+    produced (start[k-1] + Lw - start[k] >= overlap; 0 for the first), are given clean, as a TI2V
+    model's first frame is (per-token timestep 0, `conditioning.ti2v`), and it denoises the rest.
+    Source: the autoregressive extension of SkyReels-V2's diffusion forcing and FramePack, with the
+    given frames at timestep 0 as Wan 2.2 TI2V conditions its first frame."""
+    starts = self.starts
+    return tuple((s, 0 if k == 0 else starts[k - 1] + self.length - s) for k, s in enumerate(starts))
 
   def weights(self) -> np.ndarray:
     """float32 [Lw]: a window's blend weight of each of its frames."""

@@ -4,8 +4,10 @@ tests/pipelines/wan/conditioning/test_windows.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 
 from pipelines.pipeline.model_facts import ModelFacts
@@ -39,7 +41,11 @@ def test_frames_become_latent_frames(facts):
     (dict(context_frames=17, context_overlap=17), r"context_overlap=17 must be a multiple of 4 below context_frames=17"),
     (dict(context_frames=17, context_overlap=6), r"context_overlap=6 must be a multiple of 4"),
     (dict(context_frames=17, context_overlap=20), r"context_overlap=20 must be a multiple of 4 below"),
-    (dict(context_frames=17, context_fuse="mean"), r"context_fuse='mean' must be one of \('pyramid', 'flat'\)"),
+    (dict(context_frames=17, context_fuse="mean"), r"context_fuse='mean' must be one of \('pyramid', 'flat', 'continue'\)"),
+    (dict(context_frames=17, context_fuse="continue", mesh="W=2,U=1,R=1"),
+     r"context_fuse='continue' runs the windows one after another, so the mesh's W=2 has nothing"),
+    (dict(context_frames=17, context_fuse="continue", video=np.full((65, 32, 32, 3), 0.5, np.float32)),
+     r"context_fuse='continue' does not take a video to start from"),
     (dict(context_overlap=8), r"context_overlap=8 without context_frames"),
     (dict(mesh="W=2,U=2,R=1"), r"W=2 runs context windows in parallel, but context_frames is not given"),
     (dict(context_frames=65, mesh="W=2,U=1,R=1"), r"context_frames=65 is the whole video"),
@@ -55,6 +61,17 @@ def test_step_cache_composes_with_windows(facts):
   request = GenerationRequest.build(facts, "x", context_frames=17, context_overlap=8, step_cache="first-block:0.1",
                                     **CALL)
   assert request.windows is not None and request.step_cache is not None
+
+
+def test_continue_is_refused_with_an_image_to_video_model(facts):
+  """Wan 2.1 / 2.2 I2V conditions through its input channels: windows that continue (given frames by
+  per-token timesteps) are refused for it, naming the blend instead; a TI2V or text model takes them."""
+  i2v = dataclasses.replace(facts, transformer=dataclasses.replace(
+      facts.transformer, in_channels=2 * facts.transformer.out_channels + facts.temporal_factor), image_to_video=True)
+  with pytest.raises(ValueError, match=r"conditions through its input channels .* context_fuse='pyramid'"):
+    check_context_windows(17, 8, "continue", num_frames=65, model=i2v, windows_degree=1, vace=False)
+  windows = check_context_windows(17, 8, "continue", num_frames=65, model=facts, windows_degree=1, vace=False)
+  assert windows.continued() == ((0, 0), (3, 2), (6, 2), (9, 2), (12, 2))
 
 
 def test_vace_is_refused(facts):

@@ -261,3 +261,26 @@ def test_fps_follows_the_preset(tmp_path):
   assert fps("--preset", "wan2.2-ti2v-5b") == 24.0
   assert fps("--preset", "wan2.2-ti2v-5b", "--fps", "12") == 12.0
   assert fps() == 16.0
+
+
+def test_given_frames_widen_the_first_frame():
+  """Fg given frames (a context window's overlap, `context_fuse="continue"`): the transformer's input
+  is the given latents on frames 0..Fg-1 and the latents after, bit for bit; their tokens' timestep is
+  0 and the rest t; the final latents keep them. With Fg = 1 this is diffusers' formula (written out
+  here: the mask's first frame 0, the condition broadcast): the path checked against diffusers above."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((2, 8, 4, 4, 6)).astype(np.float32))
+  for given in (1, 2, 3):
+    condition = ti2v.TI2VConditioning((1, 2, 2), jnp.asarray(rng.standard_normal((1, 8, given, 4, 6)), jnp.float32))
+    inputs = condition.transformer_inputs(x, jnp.asarray([700.0, 700.0]), cfg=True)
+    np.testing.assert_array_equal(inputs.latents[:, :, :given], jnp.concatenate([condition.first_frame_BCFHW] * 2))
+    np.testing.assert_array_equal(inputs.latents[:, :, given:], x[:, :, given:])
+    tokens = 2 * 3  # (4 / 2) (6 / 2) per latent frame
+    np.testing.assert_array_equal(inputs.timestep, np.repeat([[0.0] * given * tokens + [700.0] * (4 - given) * tokens],
+                                                             2, axis=0))
+    np.testing.assert_array_equal(condition.final_latents(x[:1])[:, :, :given], condition.first_frame_BCFHW)
+  image = jnp.asarray(rng.standard_normal((2, 8, 1, 4, 6)), jnp.float32)
+  mask = np.ones((1, 1, 4, 4, 6), np.float32)
+  mask[:, :, 0] = 0
+  diffusers_formula = (1 - mask) * np.broadcast_to(image, x.shape) + mask * np.asarray(x)
+  np.testing.assert_array_equal(ti2v.model_input(x, image), diffusers_formula)
