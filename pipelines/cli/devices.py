@@ -190,8 +190,7 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
                              devices=jax.device_count(), frames=request.num_frames,
                              height=request.height, width=request.width, cfg=request.cfg,
                              dtype=request.model.dtype, experts=request.model.experts, chip=modelled,
-                             windows=None if request.windows is None else (request.clip_frames,
-                                                                           len(request.windows.starts)))
+                             windows=None if request.windows is None else (request.clip_frames, _parallel_windows(request)))
   best = planner.recommend(found)
   if best is None:
     raise UsageError(f"--mesh auto: no mesh of the {jax.device_count()} visible {kind} devices fits this model "
@@ -203,3 +202,9 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
           + (f", {best.bytes_per_device / planner.GiB:.1f} GiB per device on {chip.name})" if chip else
              "; memory not modelled on this device kind)"), file=sys.stderr)
   return best.mesh
+
+
+def _parallel_windows(request: Any) -> int:
+  """The context windows a mesh's W could run at once: all of them when blended at every step, one
+  when they continue one another (each waits for the one before)."""
+  return 1 if request.windows.fuse == "continue" else len(request.windows.starts)

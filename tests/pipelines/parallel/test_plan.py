@@ -172,3 +172,25 @@ def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
   assert ("--mesh: mesh CFG=2,U=2,R=1 splits classifier-free guidance over CFG=2, but guidance is off "
           "(guidance_scale <= 1); use U=2,R=1 (or turn guidance on)") in capsys.readouterr().err
 
+
+
+def test_generate_mesh_auto_keeps_windows_that_continue_off_the_windows_axis(tmp_path, capsys):
+  """Windows that continue run one after another: --mesh auto plans them with W = 1 (W > 1 would be
+  refused), where the same windows blended may take a windows axis (the planner is offered W up
+  to their count)."""
+  from pipelines.cli import devices, generate
+  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.request import GenerationRequest
+  call = dict(height=32, width=32, num_frames=65, context_frames=17, context_overlap=8, seed=0)
+  for fuse, parallel in (("continue", 1), ("pyramid", 5)):
+    request = GenerationRequest.build(ModelFacts.tiny_random("float32"), "x", context_fuse=fuse, **call)
+    assert devices._parallel_windows(request) == parallel
+  args = ["--model", "tiny-random", "--prompt", "a fox", "--size", "32x32", "--frames", "29", "--steps", "1",
+          "--seed", "1", "--context-frames", "17", "--context-overlap", "8", "--mesh", "auto"]
+  assert generate.main(args + ["--context-fuse", "continue", "--out", str(tmp_path / "c.npy")]) == 0
+  spec = MeshSpec.parse(json.loads((tmp_path / "c.npy.json").read_text())["mesh"]["spec"])
+  assert spec.windows == 1 and spec.devices == jax.device_count()
+  capsys.readouterr()
+  assert generate.main(args[:-2] + ["--mesh", "W=2,U=2,R=2", "--context-fuse", "continue",
+                                    "--out", str(tmp_path / "w.npy")]) == 2
+  assert "context_fuse='continue' runs the windows one after another" in capsys.readouterr().err
