@@ -79,7 +79,12 @@ class ContextWindows:
     return tuple((s, 0 if k == 0 else starts[k - 1] + self.length - s) for k, s in enumerate(starts))
 
   def weights(self) -> np.ndarray:
-    """float32 [Lw]: a window's blend weight of each of its frames."""
+    """float32 [Lw]: a window's blend weight of each of its frames.
+
+    Raises:
+      ValueError: windows that continue (`fuse` "continue"), which are not blended."""
+    if self.fuse not in BLENDS:
+      raise ValueError(f"fuse={self.fuse!r}: these windows are not blended (pipeline.continued runs them)")
     if self.fuse == "flat":
       return np.ones(self.length, np.float32)
     peak = (self.length + 1) // 2

@@ -68,6 +68,17 @@ def _blend(parts: list[np.ndarray], windows: ContextWindows) -> np.ndarray:
   return out
 
 
+def test_windows_that_continue_are_given_what_the_ones_before_made():
+  """`continued`: the blend's layout run in order, each window given the frames its predecessors
+  cover (the overlap, more where the even spacing packs windows closer); such windows are never
+  blended (asking for their weights is refused)."""
+  assert ContextWindows(17, 5, 2, "continue").continued() == ((0, 0), (3, 2), (6, 2), (9, 2), (12, 2))
+  assert ContextWindows(9, 5, 2, "continue").continued() == ((0, 0), (2, 3), (4, 3))
+  assert ContextWindows(10, 5, 0, "continue").continued() == ((0, 0), (5, 0))
+  with pytest.raises(ValueError, match="fuse='continue': these windows are not blended"):
+    ContextWindows(17, 5, 2, "continue").rounds(1)
+
+
 @pytest.mark.parametrize("fuse", ["pyramid", "flat"])
 def test_one_step_is_the_blend_of_the_windows_own_steps(tiny, fuse):
   noise = _noise(9)  # 33 frames, windows of 13 (4 latent frames) overlapping by 4 (1): starts 0, 3, 5
