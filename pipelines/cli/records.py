@@ -103,7 +103,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   from pipelines.pipeline import resume as resume_state
 
   path = os.path.join(args.resume, RUN_RECORD)
-  if not os.path.isfile(path) or not os.path.isfile(resume_state.state_path(args.resume)):
+  if not os.path.isfile(path) or not resume_state.holds_checkpoint(args.resume):
     raise UsageError(f"--resume {args.resume!r} is not a saved run: it needs {RUN_RECORD} and "
                      f"{resume_state.STATE_FILE} (written by generate --checkpoint-dir, or for a long run "
                      "beside the output as OUT.resume)")

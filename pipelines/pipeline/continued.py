@@ -19,13 +19,17 @@ width, Lw a window's latent frames.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
 import numpy as np
 
+from pipelines.parallel import distributed
+from pipelines.pipeline import resume as resume_state
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.resume import ResumeConfig
 from pipelines.pipeline.runner import GenerationResult, Runner
 
 
@@ -51,10 +55,22 @@ def window_request(request: GenerationRequest, latents: np.ndarray, start: int, 
       first_frame_latents=first)
 
 
+def window_resume(config: ResumeConfig | None, window: int) -> ResumeConfig | None:
+  """Window `window`'s resumable denoising: its checkpoint in `resume.window_dir` of the run's
+  folder, resumed when the run resumes and the window has one (a window not reached yet starts; one
+  finished and removed runs again, to the same latents: its noise and given frames are the same)."""
+  if config is None:
+    return None
+  folder = resume_state.window_dir(config.checkpoint_dir, window)
+  return dataclasses.replace(config, checkpoint_dir=folder,
+                             resume=config.resume and os.path.isfile(resume_state.state_path(folder)))
+
+
 def run_continued(pipe: Any, request: GenerationRequest, options: CallOptions) -> GenerationResult:
   """Runs a request whose windows continue (`request.windows.fuse == "continue"`): each window a
   `Runner` run (`window_request`) with the call's options (progress, hooks and callbacks run per
-  window), the video's latents assembled, then one decode.
+  window; resumable denoising per window, `window_resume`), the video's latents assembled, then one
+  decode.
 
   Returns:
     A `GenerationResult`: frames float32 [B', frames, H, W, 3] (None without decode), the video's
@@ -64,32 +80,44 @@ def run_continued(pipe: Any, request: GenerationRequest, options: CallOptions) -
     reached are their noise.
 
   Raises:
-    ValueError: with resumable denoising (`options.resume`): a window's checkpoint would not name
-      the video's; before any work.
+    resume.ResumeError: resume without any window's checkpoint in the folder; a window's checkpoint
+      of another run or in the way of a new run (`Runner`), before that window denoises.
   """
-  if options.resume is not None:
-    raise ValueError("resumable denoising of windows that continue is not supported yet: run without resume, "
-                     "or use context_fuse='pyramid'")
+  config = options.resume
+  if config is not None and config.resume and not resume_state.holds_checkpoint(config.checkpoint_dir):
+    raise resume_state.ResumeError(f"resume=True but {config.checkpoint_dir!r} holds no denoising checkpoint of "
+                                   "windows that continue (window-K folders); run without resume to start over")
   start_time = time.perf_counter()
   latents = np.array(request.noise(), np.float32)
   timings: dict[str, float] = {}
   runs = []
-  for start, given in request.windows.continued():
-    result = Runner(pipe, window_request(request, latents, start, given), options).run()
+  for k, (start, given) in enumerate(request.windows.continued()):
+    window = dataclasses.replace(options, resume=window_resume(config, k))
+    result = Runner(pipe, window_request(request, latents, start, given), window).run()
     latents[:, :, start:start + request.windows.length] = np.asarray(result.latents)
     runs.append(result.settings)
     for name, seconds in result.timings.items():
       timings[name] = timings.get(name, 0.0) + seconds
     if pipe.interrupt:
       break
+  if config is not None and not config.keep and not pipe.interrupt and distributed.is_main_process():
+    resume_state.remove(config.checkpoint_dir)  # the windows removed theirs: the folder, if left empty
+  return _result(pipe, request, options, latents, timings, runs, time.perf_counter() - start_time)
+
+
+def _result(pipe: Any, request: GenerationRequest, options: CallOptions, latents: np.ndarray,
+            timings: dict[str, float], runs: list[dict[str, Any]], seconds: float) -> GenerationResult:
+  """The video's latents decoded once (with `request.decode`), the windows' timings and settings."""
   timings["denoise_per_step"] = timings.get("denoise", 0.0) / max(sum(s["steps_run"] for s in runs), 1)
-  decode_start = time.perf_counter()
+  start = time.perf_counter()
   frames = None
   if request.decode:
     frames = pipe.decode(latents, mesh=request.plan.decode_mesh, compile_effort=options.decode_compile_effort)
-  timings["decode"] = time.perf_counter() - decode_start
-  timings["total"] = time.perf_counter() - start_time
-  settings = {**request.settings(), "experts_per_step": runs[0]["experts_per_step"], "resumed_from_step": None,
+  timings["decode"] = time.perf_counter() - start
+  timings["total"] = seconds + timings["decode"]
+  resumed = [s["resumed_from_step"] for s in runs]
+  settings = {**request.settings(), "experts_per_step": runs[0]["experts_per_step"],
+              "resumed_from_step": None if all(r is None for r in resumed) else resumed,
               "steps_run": sum(s["steps_run"] for s in runs), "windows_run": len(runs),
               "step_cache": None if request.step_cache is None else [s["step_cache"] for s in runs],
               "decode_compile_effort": runs[0]["decode_compile_effort"]}

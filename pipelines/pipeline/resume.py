@@ -192,6 +192,21 @@ def state_path(directory: str) -> str:
   return os.path.join(directory, STATE_FILE)
 
 
+def window_dir(directory: str, window: int) -> str:
+  """The checkpoint folder of window `window` of a run whose context windows continue one another
+  (`pipeline.continued`): each window a run of its own, its checkpoint in DIR/window-K."""
+  return os.path.join(directory, f"window-{window}")
+
+
+def holds_checkpoint(directory: str) -> bool:
+  """Whether `directory` holds a denoising checkpoint to resume: its own (`STATE_FILE`), or a
+  window's (`window_dir`)."""
+  if os.path.isfile(state_path(directory)):
+    return True
+  names = os.listdir(directory) if os.path.isdir(directory) else ()
+  return any(name.startswith("window-") and os.path.isfile(state_path(os.path.join(directory, name))) for name in names)
+
+
 def read(directory: str) -> Checkpoint | None:
   """The checkpoint in `directory`; None when there is none (no folder, or no state file).
 

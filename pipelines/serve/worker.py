@@ -30,7 +30,7 @@ from pipelines.commands.versions import versions
 from pipelines.pipeline.call_options import CallOptions
 from pipelines.pipeline.loop import LoopState, StepHook
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.pipeline.resume import STATE_FILE, ResumeConfig
+from pipelines.pipeline.resume import ResumeConfig, holds_checkpoint
 from pipelines.serve import api, events, multihost, previews, references
 from pipelines.storage import video_io
 from pipelines.storage import video_tags
@@ -208,7 +208,7 @@ class Worker:
 
   def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> tuple[GenerationRequest, Any]:
     """The batch's request and its `GenerationResult`, resumed from `folder` when a checkpoint is there."""
-    resume = os.path.exists(os.path.join(folder, STATE_FILE))
+    resume = holds_checkpoint(folder)
     jobs = [r["params"] for r in rows]
     if self.channel is not None:
       self.channel.message({"kind": "batch", "id": os.path.basename(folder), "jobs": jobs, "resume": resume})

@@ -73,6 +73,9 @@ def test_context_window_flags_reach_the_request_and_its_records(tmp_path):
   record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
   assert (record["context_frames"], record["context_overlap"], record["context_fuse"]) == (17, 8, "flat")
   assert _checked(tmp_path).request.windows is None
+  continued = _checked(tmp_path, "--frames", "65", "--size", "32x32", "--context-frames", "17", "--context-overlap",
+                       "8", "--context-fuse", "continue").request.windows
+  assert continued.fuse == "continue" and continued.continued()[1] == (3, 2)
   with pytest.raises(UsageError, match=r"--context-overlap: context_overlap=6 must be a multiple of 4"):
     _checked(tmp_path, "--frames", "65", "--context-frames", "17", "--context-overlap", "6")
   with pytest.raises(UsageError, match=r"--context-frames: context_frames=81 is longer than the video"):

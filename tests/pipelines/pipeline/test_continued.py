@@ -11,10 +11,12 @@ What is checked, on the random tiny model (fp32, 2 steps; 29 frames = 8 latent f
   ordinary runner), so its math is the TI2V conditioning's, checked against diffusers in
   tests/pipelines/wan/conditioning/test_ti2v.py (one given frame) and for several below;
 - a TI2V model's image conditions the first window (its first latent frame is the image's);
-- the step cache composes; resumable denoising is refused before any work.
+- the step cache composes; an interrupted run resumes window by window to the same video.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ import pytest
 from pipelines import WanPipeline
 from pipelines.pipeline.continued import window_request
 from pipelines.pipeline.request import GenerationRequest
-from pipelines.pipeline.resume import ResumeConfig
+from pipelines.pipeline import resume
 
 REQUEST = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0)
 CALL = dict(**REQUEST, progress=False)
@@ -102,8 +104,32 @@ def test_step_cache_runs_per_window(pipe, noise):
   assert len(out.settings["step_cache"]) == 2
 
 
-def test_resume_is_refused_before_any_work(pipe, tmp_path):
-  request = GenerationRequest.build(pipe.facts, "a red square", seed=0, **REQUEST, **LONG)
-  with pytest.raises(ValueError, match="resumable denoising of windows that continue is not supported"):
-    pipe.generate(request, resume=ResumeConfig(str(tmp_path / "ckpt")))
-  assert not (tmp_path / "ckpt").exists()
+class Stop(Exception):
+  """Stands for an interruption (Ctrl-C, a lost process) after a step."""
+
+
+def test_interrupted_windows_resume_to_the_same_video(pipe, noise, video, tmp_path):
+  """Each window checkpoints in DIR/window-K: a run stopped after the second window's first step
+  resumes there (the first window, finished and removed, runs again to the same latents), bit for
+  bit the uninterrupted video; the folder is removed once the video is made. Resume without any
+  window's checkpoint, or a new run with one in the way, is refused before denoising."""
+  folder = str(tmp_path / "ckpt")
+  calls = []
+
+  def stop_in_second_window(step, seconds):
+    calls.append(step)
+    if len(calls) == 3:
+      raise Stop
+
+  with pytest.raises(Stop):
+    pipe.run("a red square", latents=noise, checkpoint_dir=folder, on_step=stop_in_second_window, **CALL, **LONG)
+  assert resume.holds_checkpoint(folder) and not os.path.exists(resume.window_dir(folder, 0))
+  assert resume.read(resume.window_dir(folder, 1)).step == 1
+  with pytest.raises(resume.ResumeError, match="already holds a denoising checkpoint"):
+    pipe.run("a red square", latents=noise, checkpoint_dir=folder, **CALL, **LONG)
+  resumed = pipe.run("a red square", latents=noise, checkpoint_dir=folder, resume=True, **CALL, **LONG)
+  assert resumed.settings["resumed_from_step"] == [None, 1]
+  np.testing.assert_array_equal(resumed.latents, video.latents)
+  assert not os.path.exists(folder)
+  with pytest.raises(resume.ResumeError, match="holds no denoising checkpoint of windows that continue"):
+    pipe.run("a red square", latents=noise, checkpoint_dir=folder, resume=True, **CALL, **LONG)
