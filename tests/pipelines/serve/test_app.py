@@ -160,11 +160,14 @@ def test_context_windows_are_queued_and_bad_ones_named(unloaded):
   first, second = (service.store.get(job["id"])["params"] for job in (queued.json(), form.json()))
   assert first["context_frames"] == 17 and second["context_fuse"] == "flat"
   assert api.batch_key(first) != api.batch_key(second)
+  continued = client.post("/v1/videos", json={**long, "context_fuse": "continue"})  # windows one after another
+  assert continued.status_code == 200, continued.text
+  assert service.store.get(continued.json()["id"])["params"]["context_fuse"] == "continue"
   for field, value in (("context_frames", 16), ("context_overlap", 6), ("context_fuse", '"mean"')):
     body = '{"prompt": "x", "size": "64x64", "num_frames": 65, "context_frames": 17, "%s": %s}' % (field, value)
     answer = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
-  assert service.store.counts()["queued"] == 2
+  assert service.store.counts()["queued"] == 3
 
 
 def test_a_long_job_without_windows_warns_with_the_window_fields():
