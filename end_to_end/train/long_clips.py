@@ -176,16 +176,20 @@ def stationary_latents(encode, x_BFHWC: np.ndarray) -> np.ndarray:
 
 
 def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
-              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True):
+              latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True,
+              target: wan_vae.WanVAE | None = None):
   """Makes the VAE time-stationary for about `seconds`: the encoder regressed onto
   `stationary_latents` of its starting self (the error in units of the folder's latents_std), the
   decoder taught to reconstruct each clip from those latents (+ `latent_noise`), with
   `tiny.train_vae`'s weighted loss; each step's batch drawn from `phases` by their shares. With
   `encoder` False the encoder stays as it is and the decoder learns from its latents (a VAE made
-  stationary before, whose latents a transformer has learned).
+  stationary before, whose latents a transformer has learned). With a `target` VAE, the latents
+  both learn from are `stationary_latents` of its encoder (exact targets: a transformer trained on
+  them, `--target-encoder`, stays valid however far the encoder gets).
   Returns (the VAE, [(step, encoder loss, decoder loss)])."""
   config = vae.config
   source = jax.jit(lambda x: encode_mean(vae, x))
+  pictures = None if target is None else jax.jit(lambda x: encode_mean(target, x))
   std = jnp.asarray(config.latents_std, jnp.float32)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
   trained = ENCODED + DECODED if encoder else DECODED
@@ -214,7 +218,8 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
     rate = lr * min(1.0, (k + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     frames, crop, _ = phases[int(rng.choice(len(phases), p=shares / shares.sum()))]
     x = clip_batch(rng, batch, frames, crop)
-    z = stationary_latents(source, x) if encoder else np.asarray(source(x))
+    z = (stationary_latents(pictures, x) if pictures is not None else stationary_latents(source, x) if encoder
+         else np.asarray(source(x)))
     noise = latent_noise * rng.standard_normal(z.shape).astype(np.float32)
     params, state, (_, parts) = step(params, state, x, z, noise, np.float32(rate))
     history.append((k, float(parts[0]), float(parts[1])))
@@ -249,18 +254,24 @@ def long_reconstruction(vae: wan_vae.WanVAE, rng: np.random.Generator, count: in
 
 # --- the transformer's data ------------------------------------------------------------------------
 
-def encode_clips(vae: wan_vae.WanVAE, scenes: list[world.Scene], frames: int, batch: int = 4) -> np.ndarray:
+def encode_clips(vae: wan_vae.WanVAE, scenes: list[world.Scene], frames: int, batch: int = 4,
+                 pictures=None) -> np.ndarray:
   """The scenes rendered at `frames` and encoded: VAE-space latent means float32
-  [n, 16, 1 + (frames-1)/4, 8, 8]."""
+  [n, 16, 1 + (frames-1)/4, 8, 8]; with `pictures` (an encoder of one-frame clips, as
+  `stationary_latents` takes) the exact `stationary_latents` instead (what a stationary encoder
+  trained from that one regresses onto), not `vae`'s encoding."""
   out = []
   for first in range(0, len(scenes), batch):
     clips = np.stack([world.render(s, frames=frames) for s in scenes[first:first + batch]]) * 2 - 1
-    out.append(np.asarray(wan_vae.encode(vae, jnp.asarray(clips.transpose(0, 4, 1, 2, 3))).mean))
+    if pictures is not None:
+      out.append(np.moveaxis(stationary_latents(pictures, clips), -1, 1))
+    else:
+      out.append(np.asarray(wan_vae.encode(vae, jnp.asarray(clips.transpose(0, 4, 1, 2, 3))).mean))
   return np.concatenate(out)
 
 
-def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int, given: int = 0
-                 ) -> tuple[np.ndarray, list[str], np.ndarray]:
+def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long: int, given: int = 0,
+                 pictures=None) -> tuple[np.ndarray, list[str], np.ndarray]:
   """`short` 17-frame clips of the original world and 4 windows (5 latent frames, distinct offsets
   drawn) of each of `long` 65-frame scenes: (VAE-space latents [n, 16, 5, 8, 8], prompts, int [n]
   each row's given latent frames).
@@ -268,12 +279,12 @@ def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long
   With `given` > 0 the rows teach windows that continue (`context_fuse="continue"`): one window of
   each scene starts it (offset 0, nothing given: what a video's first window is), the other 3 have
   their first `given` latent frames given (what a later window takes from the one before); the
-  short clips are given nothing. With 0, every row is given nothing."""
+  short clips are given nothing. With 0, every row is given nothing. `pictures`: as `encode_clips`."""
   scenes = [world.random_scene(rng) for _ in range(short)]
-  latents, prompts = [encode_clips(vae, scenes, world.FRAMES)], [s.prompt for s in scenes]
+  latents, prompts = [encode_clips(vae, scenes, world.FRAMES, pictures=pictures)], [s.prompt for s in scenes]
   counts = [np.zeros(short, np.int32)]
   long_scenes = [long_scene(rng) for _ in range(long)]
-  encoded = encode_clips(vae, long_scenes, LONG_FRAMES) if long_scenes else []
+  encoded = encode_clips(vae, long_scenes, LONG_FRAMES, pictures=pictures) if long_scenes else []
   window = latents[0].shape[2]
   for scene, z in zip(long_scenes, encoded):
     if given:
@@ -371,7 +382,7 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
                              encoder=not args.keep_encoder, phases=args.vae_phases,
-                             latent_noise=args.latent_noise)
+                             latent_noise=args.latent_noise, target=_target_vae(args))
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -381,12 +392,19 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   return vae
 
 
+def _target_vae(args) -> wan_vae.WanVAE | None:
+  """`--target-encoder`'s VAE (whose pictures' latents are the exact targets), or None."""
+  return None if args.target_encoder is None else wan_vae.load_vae(os.path.join(args.target_encoder, "vae"))
+
+
 def _dataset(vae: wan_vae.WanVAE, args, report: dict):
   """`training_set` normalised by its 17-frame clips' per-channel statistics, which become the
   VAE's latents_mean / latents_std (as `tiny` sets them): (the VAE, latents, prompts, given frames)."""
   t = time.perf_counter()
+  source = _target_vae(args)
+  pictures = None if source is None else jax.jit(lambda x: encode_mean(source, x))
   raw, prompts, given = training_set(vae, np.random.default_rng(args.seed + 2), args.short, args.long,
-                                     given=args.given_overlap)
+                                     given=args.given_overlap, pictures=pictures)
   short = raw[:args.short]
   config = dataclasses.replace(vae.config, latents_mean=tuple(map(float, short.mean(axis=(0, 2, 3, 4)))),
                                latents_std=tuple(map(float, short.std(axis=(0, 2, 3, 4)) + 1e-6)))
@@ -420,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--given-overlap", type=int, default=GIVEN_OVERLAP, choices=range(0, 5), metavar="N",
                  help="latent frames a long scene's later windows are given (windows that continue, "
                       f"context_fuse='continue'); 0: none, windows for the parallel blend (default: {GIVEN_OVERLAP})")
+  p.add_argument("--target-encoder", default=None, metavar="FOLDER",
+                 help="the latents the VAE and the transformer learn: the exact stationary latents of FOLDER's "
+                      "encoder (each latent frame a picture encoded alone, e.g. the shipped default's) rather than "
+                      "those of the folder's own (default: the folder's own; its encoding for the transformer)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
   p.add_argument("--image-share", type=float, default=0.3, help="rows given their first frame (TI2V)")
   p.add_argument("--fresh-transformer", action="store_true",

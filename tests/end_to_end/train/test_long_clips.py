@@ -74,6 +74,31 @@ def test_vae_training_moves_what_it_trains():
   assert not moved(decoder_only, long_clips.ENCODED) and moved(decoder_only, long_clips.DECODED)
 
 
+def test_a_target_encoders_pictures_are_what_the_vae_and_the_dataset_learn(monkeypatch):
+  """`--target-encoder`: the decoder learns from `stationary_latents` of the target's encoder (not
+  the trained VAE's: control), and the transformer's dataset rows are the same exact latents, in
+  the pipeline's [n, z, F, Hl, Wl] layout. Tolerance: fp32 encoders, |z| ~ 1 -> 1e-5."""
+  vae = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(6))
+  target = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(7))
+  real, seen = long_clips.stationary_latents, []
+
+  def recorded(encode, x):
+    seen.append((x, real(encode, x)))
+    return seen[-1][1]
+
+  monkeypatch.setattr(long_clips, "stationary_latents", recorded)
+  long_clips.train_vae(vae, 1e-3, seed=0, batch=1, phases=((5, 16, 1.0),), encoder=False, target=target)
+  x, z = seen[0]
+  pictures = jax.jit(lambda c: long_clips.encode_mean(target, c))
+  np.testing.assert_allclose(z, real(pictures, x), atol=1e-5)
+  assert np.abs(z - real(jax.jit(lambda c: long_clips.encode_mean(vae, c)), x)).max() > 1e-2
+  scenes = [world.random_scene(np.random.default_rng(8))]
+  rows = long_clips.encode_clips(None, scenes, 9, pictures=pictures)
+  clip = world.render(scenes[0], frames=9)[None] * 2 - 1
+  assert rows.shape == (1, 16, 3, 8, 8)
+  np.testing.assert_allclose(rows, np.moveaxis(real(pictures, clip), -1, 1), atol=1e-5)
+
+
 def test_vae_phases_parse_and_refuse_with_the_part_named(capsys, tmp_path):
   """`--vae-phases` gives `train_vae`'s (frames, crop, share) batches; the default text is the
   default phases; a malformed or impossible part is refused naming it."""
@@ -127,7 +152,7 @@ def test_given_first_frame_rows_are_ti2v_sampling_inputs():
 
 
 def _fake_encode(calls):
-  def fake_encode(vae, scenes, frames, batch=4):
+  def fake_encode(vae, scenes, frames, batch=4, pictures=None):
     calls.append(frames)
     frames_l = 1 + (frames - 1) // 4
     return np.stack([np.broadcast_to(np.arange(frames_l, dtype=np.float32)[None, :, None, None] + 100 * i,
