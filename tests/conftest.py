@@ -7,6 +7,7 @@ device count is added to them.
 """
 
 import os
+import sys
 
 import pytest
 
@@ -48,3 +49,14 @@ def pytest_collection_modifyitems(config, items):
   if len(kept) < len(items):
     config.hook.pytest_deselected(items=later)
     items[:] = kept
+
+
+def pytest_collection_finish(session):
+  """The torch references run torch's own convolutions, not oneDNN's: torch 2.13's oneDNN conv3d
+  decodes a batch of videos wrongly on some AMD EPYC CPUs (measured: the diffusers Wan
+  VAE's decode of a batch of 2, video 0 from its third frame on, 0.03-0.19 from the same video
+  decoded alone; 5e-7 with oneDNN off), which a reference must not. Test modules import torch as
+  they are collected, so this runs before any test (in every xdist worker)."""
+  torch = sys.modules.get("torch")
+  if torch is not None:
+    torch.backends.mkldnn.enabled = False
