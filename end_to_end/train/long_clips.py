@@ -17,10 +17,12 @@ context windows it fails, whatever the sampler does, because its VAE is not stat
   clips are what the context windows (`pipelines/wan/conditioning/windows.py`) ask for.
 
 Steps, each from the folder given (default: the shipped tiny default):
-1. the VAE made time-stationary (`train_vae`): the encoder regressed onto `stationary_latents` of
-   its starting self (latent frame k the encoding of video frame 4k alone, a picture like a
-   clip's latent frame 0: one distribution at every position, the colour in each), the decoder
-   taught to reconstruct 65-frame (32x32 crops) and 17-frame (48x48) clips from those latents;
+1. the VAE made time-stationary: with `--stationary-vae` by its weights (`stationary_vae`: the
+   encoder exactly, latent frame k the encoding of video frame 4k alone, a picture like a clip's
+   latent frame 0: one distribution at every position, the colour in each; the decoder holding
+   each picture 4 frames), else by training (`train_vae`: the encoder regressed onto
+   `stationary_latents` of its starting self); the decoder taught to reconstruct 65-frame and
+   17-frame clips from those latents (`--vae-phases`);
 2. a dataset: 17-frame clips of the original world and 5-latent-frame windows of encoded 65-frame
    slow clips (every window offset), normalised by the 17-frame clips' per-channel statistics
    (the VAE's new latents_mean / latents_std);
@@ -48,6 +50,7 @@ import numpy as np
 import optax
 
 from end_to_end.train import synthetic_world as world, tiny
+from end_to_end.train.stationary_vae import stationary_vae
 from pipelines.wan import vae as wan_vae
 
 LONG_FRAMES = 65
@@ -392,6 +395,12 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   return vae
 
 
+def _start_vae(args) -> wan_vae.WanVAE:
+  """The folder's VAE, made time-stationary by its weights with `--stationary-vae`."""
+  vae = wan_vae.load_vae(os.path.join(args.source, "vae"))
+  return stationary_vae(vae) if args.stationary_vae else vae
+
+
 def _target_vae(args) -> wan_vae.WanVAE | None:
   """`--target-encoder`'s VAE (whose pictures' latents are the exact targets), or None."""
   return None if args.target_encoder is None else wan_vae.load_vae(os.path.join(args.target_encoder, "vae"))
@@ -433,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                  help="std of the Gaussian noise on the latents the decoder learns from, VAE units (default: 0.1)")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
+  p.add_argument("--stationary-vae", action="store_true",
+                 help="first make the folder's VAE time-stationary by its weights (end_to_end.train.stationary_vae: "
+                      "latent frame k exactly the encoding of video frame 4k alone; the decoder holds each picture "
+                      "for 4 frames until trained); implies --keep-encoder")
   p.add_argument("--short", type=int, default=2000, help="17-frame clips in the transformer's data")
   p.add_argument("--long", type=int, default=500, help="65-frame slow scenes (4 windows each)")
   p.add_argument("--given-overlap", type=int, default=GIVEN_OVERLAP, choices=range(0, 5), metavar="N",
@@ -448,10 +461,11 @@ def main(argv: list[str] | None = None) -> int:
                  help="train the transformer from a fresh initialisation (as end_to_end.train.tiny does) rather "
                       "than from the folder's")
   args = p.parse_args(argv)
+  args.keep_encoder = args.keep_encoder or args.stationary_vae  # a stationary encoder by weights is exact
   t0 = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)
   report = {k: v for k, v in vars(args).items()}
-  vae = _vae_stage(wan_vae.load_vae(os.path.join(args.source, "vae")), args, report)
+  vae = _vae_stage(_start_vae(args), args, report)
   encoder = tiny.text_encoder()
   transformer = None if args.fresh_transformer else load_transformer(os.path.join(args.source, "transformer"))
   history = []
