@@ -10,7 +10,7 @@ model that is not distilled it shows what that schedule costs), all with the sam
 settings, and prints per setting the PSNR and SSIM of the video against the reference
 (`end_to_end.quality.video_metrics`: per-frame values, averaged over frames, then over the prompts; the
 worst frame of any prompt too). `--model tiny` (default) is the trained embedded default
-`WanPipeline.tiny()` at its own settings (64x64 x 17 frames, guidance 5, 64 text tokens) on three
+`WanPipeline.tiny()` at its own settings (64x64 x 17 frames, the `tiny` preset's guidance, 64 text tokens) on three
 prompts of its shapes world.
 """
 

@@ -15,7 +15,7 @@ count are resampled by nearest index.
 
 Defaults are the model's own settings (`pipelines.cli.generate`): for `tiny` (the trained embedded
 default, `WanPipeline.tiny()`) and `tiny-random` the "tiny" preset, 64x64 x 17 frames, 8 steps, flow
-shift 3, guidance 5; for a folder diffusers' `WanPipeline.__call__` defaults (832x480 x 81, 50
+shift 3, guidance 2; for a folder diffusers' `WanPipeline.__call__` defaults (832x480 x 81, 50
 steps). Text length: `presets.default_text_length` (64 for `tiny`, 512 otherwise). Ratios belong to
 the model and settings they were measured with: the file records the model's name and fingerprint
 (`WanPipeline.fingerprint`), size, frames, steps and text length, which

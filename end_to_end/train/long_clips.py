@@ -61,7 +61,7 @@ DECODER_PHASES = ((LONG_FRAMES, 32, 0.7), (world.FRAMES, 48, 0.3))
 DECODED = ("decoder.", "post_quant_conv.")
 # Latent frames a later window is given by the one before: the acceptance's 8-frame overlap.
 GIVEN_OVERLAP = 2
-# Guidance of the checks' windows that continue: with these picture latents a colour lies on a ray
+# Guidance of the checks (17-frame samples, windows that continue): with these picture latents a colour lies on a ray
 # from the background's latents, and guidance much above 2 pushes it along to the next colour
 # (end_to_end/README, "Training the tiny models further").
 CONTINUE_GUIDANCE = 2.0
@@ -354,13 +354,14 @@ def _report(out: str, report: dict) -> None:
 
 
 def _checks(folder: str, seed: int, report: dict, out: str, image: bool, continued: bool) -> None:
-  """The detector on 17-frame samples (10 held-out prompts x 2 seeds), 65-frame windowed samples
+  """The detector on 17-frame samples (10 held-out prompts x 2 seeds, guidance `CONTINUE_GUIDANCE`:
+  the picture latents' (h) in end_to_end/README), 65-frame windowed samples
   (slow and still prompts; `continued`: windows that continue, at `CONTINUE_GUIDANCE`), and
   first-frame-given samples; long.png shows the long ones."""
   from pipelines.storage.contact_sheet import write_contact_sheet
   rng = np.random.default_rng(seed + 7)
   held_out = [str(p) for p in rng.choice(world.all_prompts(), 10, replace=False)]
-  short = tiny.sample_and_check(folder, held_out)
+  short = tiny.sample_and_check(folder, held_out, guidance_scale=CONTINUE_GUIDANCE)
   longs = long_samples(folder, ["a red square moving slowly right", "a green circle moving slowly left",
                                 "a blue triangle moving slowly down", "a yellow square moving slowly up",
                                 "a white circle moving slowly right", "a red triangle standing still"],

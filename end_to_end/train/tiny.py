@@ -450,17 +450,18 @@ def acceptance_prompts() -> list[str]:
   return out
 
 
-def sample_and_check(folder: str, prompts: list[str], seeds=(0, 1), steps: int = 8) -> list[dict]:
-  """Loads `folder`, generates each prompt with each seed at the tiny preset's settings (8 steps,
-  guidance 5, 17 x 64 x 64, one device, the folder's default text length) and runs the acceptance
-  detector."""
+def sample_and_check(folder: str, prompts: list[str], seeds=(0, 1), steps: int = 8,
+                     guidance_scale: float = 5.0) -> list[dict]:
+  """Loads `folder`, generates each prompt with each seed at the tiny settings (8 steps, 17 x 64 x
+  64, one device, the folder's default text length; guidance 5, what this command's models are
+  accepted at; `long_clips`' picture-latent models at 2) and runs the acceptance detector."""
   from pipelines.pipeline import WanPipeline
   pipe = WanPipeline.from_pretrained(folder)
   out = []
   for prompt in prompts:
     for seed in seeds:
       video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
-                   num_inference_steps=steps, guidance_scale=5.0, seed=seed, progress=False)[0]
+                   num_inference_steps=steps, guidance_scale=guidance_scale, seed=seed, progress=False)[0]
       ok, reason = world.check(video, prompt)
       out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": reason, "video": video})
   return out

@@ -73,7 +73,7 @@ PRESETS: dict[str, Preset] = {
                              WAN_NEGATIVE_PROMPT, fps=24.0),
     # The embedded tiny models: the size and sampler settings the trained default was trained and
     # accepted at (end_to_end/train/tiny.py); seconds on a laptop CPU.
-    "tiny": Preset(64, 64, 17, 8, 3.0, (5.0,), "this project (the trained tiny default)"),
+    "tiny": Preset(64, 64, 17, 8, 3.0, (2.0,), "this project (the trained tiny default)"),
     # Image-to-video. Wan2.1 generate.py: i2v 40 steps, shift 3.0 at 832*480 and 5.0 otherwise,
     # guide scale 5.0; flf2v 50 steps, shift 16. Without --size the video takes the image's aspect
     # ratio within width x height's area (`size_for_image`, as Wan's image2video.py).

@@ -17,6 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from pipelines.commands.presets import PRESETS  # noqa: E402
 from pipelines.serve.app import create_app  # noqa: E402
 from pipelines.serve.main import build_service  # noqa: E402
 from pipelines.serve.options import ServeConfig  # noqa: E402
@@ -138,7 +139,7 @@ def test_sdk_video_input_reference_runs_video_to_video(server, tmp_path):
   frames = video_reading.read_video(str(tmp_path / "in.mp4"))
   pipe = service.worker.pipe
   expected = pipe("a red fox", height=32, width=32, num_frames=5, num_inference_steps=4, seed=3, video=frames,
-                  strength=0.5)[0]
+                  strength=0.5, guidance_scale=PRESETS["tiny"].guidance[0])[0]  # serve's default for the model
   assert_psnr_at_least(served, expected, 80.0, name="served video-to-video vs the Python call")
   other = client.videos.create_and_poll(prompt="a red fox", size="32x32", input_reference=upload,
                                         extra_body={**extra, "strength": 1.0})

@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.harness import REPO_ROOT, free_port, http_thread, serve_process, wait_healthy
+from pipelines.commands.presets import PRESETS
 from pipelines.serve.app import create_app
 from pipelines.serve.main import build_service
 from pipelines.serve.options import ServeConfig
@@ -83,8 +84,10 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def alone(pipe, prompt: str, seed: int, steps: int) -> np.ndarray:
-  """float32 [5, 32, 32, 3]: the request run alone through the pipeline (one device)."""
-  return pipe(prompt, height=32, width=32, num_frames=5, num_inference_steps=steps, seed=seed)[0]
+  """float32 [5, 32, 32, 3]: the request run alone through the pipeline (one device), at serve's
+  default guidance for the tiny models (their preset's)."""
+  return pipe(prompt, height=32, width=32, num_frames=5, num_inference_steps=steps, seed=seed,
+              guidance_scale=PRESETS["tiny"].guidance[0])[0]
 
 
 def test_create_poll_content_list_metrics(served):

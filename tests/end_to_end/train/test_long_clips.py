@@ -237,11 +237,6 @@ def _latent_magnitude_by_frame(vae, clips):
   return np.abs(np.asarray(z)).mean(axis=(0, 1, 3, 4))
 
 
-NOT_YET = pytest.mark.xfail(strict=True, reason="the shipped default is trained on 17-frame clips only; "
-                             "`end_to_end.train.long_clips` runs have not yet made one that passes (end_to_end/README)")
-
-
-@NOT_YET
 def test_default_vae_round_trips_65_frame_clips_in_one_latent_space():
   """Clean 65-frame clips of every colour encoded and decoded as the pipeline does: every 8-frame
   span's mean absolute error < 0.06 and the long-video detector (colour, one shape, steady motion)
@@ -266,7 +261,6 @@ def test_default_vae_round_trips_65_frame_clips_in_one_latent_space():
   assert original.max() / original.min() > 1.5, original
 
 
-@NOT_YET
 def test_default_draws_a_long_video_in_context_windows():
   """The issue's acceptance: the default at 65 frames (4x its trained 17) in context windows of 17
   frames overlapping by 8 that continue one another (windows blended at every step did not agree

@@ -37,7 +37,9 @@ def test_run_record_and_sidecar_come_from_the_request(tmp_path):
   facts = records.RunFacts.of(checked.plan)
   record = records.request_record(checked.request, facts)
   assert (record["steps"], record["seed"], record["size"], record["frames"]) == (2, 0, "32x32", 5)
-  assert record["model"] == "tiny-random" and record["guidance"] == [5.0] and record["shift"] == 3.0
+  from pipelines.commands.presets import PRESETS
+  assert record["model"] == "tiny-random" and record["guidance"] == list(PRESETS["tiny"].guidance) == [2.0]
+  assert record["shift"] == 3.0
   assert set(record) == set(records._RECORDED + records._RECORDED_FREE + records._RECORDED_FACTS)
   assert record["model_commit"] is None  # not a Hub model
   changed = dataclasses.replace(checked, request=dataclasses.replace(checked.request, steps=7, seed=11,

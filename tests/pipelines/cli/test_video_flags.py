@@ -44,7 +44,7 @@ def test_generate_video_equals_the_python_call_and_records_the_input(tmp_path, c
   pipe.set_progress_bar_config(disable=True)
   negative = PRESETS["tiny"].negative_prompt  # generate's default for the tiny model
   expected = pipe(frames, "a red square moving right", negative, height=64, width=64, num_inference_steps=4,
-                  strength=0.6, seed=2, max_sequence_length=16)[0]
+                  strength=0.6, seed=2, max_sequence_length=16, guidance_scale=PRESETS["tiny"].guidance[0])[0]
   assert written.shape == (9, 64, 64, 3)  # the video's 9 frames (no --frames)
   assert_psnr_at_least(written, expected, FP32_VIDEO_PSNR_DB, name="generate --video vs the Python call")
   settings = json.load(open(f"{out}.json"))["settings"]

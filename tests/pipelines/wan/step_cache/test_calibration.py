@@ -82,7 +82,7 @@ def test_calibrate_cache_defaults_are_the_models_own():
   args = calibrate_cache.build_parser().parse_args(["--out", "x.json"])
   assert args.model == "tiny" and args.size is args.frames is args.steps is args.max_sequence_length is None
   assert calibrate_cache.model_settings("tiny") == {"width": 64, "height": 64, "frames": 17, "steps": 8,
-                                                     "guidance": 5.0, "max_sequence_length": 64}
+                                                     "guidance": 2.0, "max_sequence_length": 64}
   assert calibrate_cache.model_settings("tiny-random")["max_sequence_length"] == 512
   model_help = next(a.help for a in calibrate_cache.build_parser()._actions if a.dest == "model")
   assert "'tiny' (the trained embedded default" in model_help and "'tiny-random' (embedded random" in model_help
