@@ -20,8 +20,14 @@ def _to_unit_range(video: jax.Array) -> jax.Array:
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
+def _unit_range_host(video: np.ndarray) -> np.ndarray:
+  """`_to_unit_range` of a host video, the same operations in its dtype (float32 on return)."""
+  half = np.asarray(0.5, video.dtype)
+  return np.clip(video * half + half, 0, 1).astype(np.float32)
+
+
 def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None = None, *,
-                  compile_effort: float | None = None) -> np.ndarray:
+                  compile_effort: float | None = None, band_rows: int | None = None) -> np.ndarray:
   """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
 
   One video at a time (the VAE treats videos independently): the decoder compiles once per spatial
@@ -29,6 +35,8 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   split along height over the mesh's devices (`vae.decode_parallel`; in a multi-process run, this
   process's devices), each time chunk copied to the host as it is done. `compile_effort`: XLA's
   optimization effort for the decoder's programs (None: the platform's, `vae_effort.decode_compile_effort`).
+  `band_rows`: on one device, decode in bands of that many latent rows (`vae.decode_banded`: the
+  same video to fp32 rounding, in bounded memory; a memory plan's `decode_band_rows`).
   """
   vae = weights.vae
   videos = []
@@ -36,6 +44,10 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   mesh = _split_mesh(mesh)
   for one in np.asarray(latents)[:, None]:
     z = wan_vae.denormalize_latents(vae.config, jnp.asarray(one).astype(vae.dtype))
+    if mesh is None and band_rows is not None:
+      videos.append(_unit_range_host(wan_vae.decode_banded(vae, z, band_rows=band_rows, video_layout="BFHWC",
+                                                           compile_effort=compile_effort)))
+      continue
     if mesh is None:
       videos.append(np.asarray(_to_unit_range(wan_vae.decode(vae, z, video_layout="BFHWC",
                                                              compile_effort=compile_effort))))
@@ -62,3 +74,27 @@ def lower_decoder(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: 
   devices = None if mesh is None else list(wan_vae.row_mesh(mesh).devices.flat)
   return wan_vae.lower_decode_programs(weights.vae, batch=1, latent_height=latent_height, latent_width=latent_width,
                                        devices=devices, split=mesh is not None, compile_effort=compile_effort)
+
+
+def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: Mesh | None) -> int | None:
+  """Device bytes of one video's whole-frame decode beyond the VAE's weights (its feature cache, one
+  chunk's temporaries and output; `vae.decode_memory`, from the compiled programs' memory analysis),
+  for latents of `latents_shape` [B, C, F, Hl, Wl]; None for a decode split over a mesh (not planned)."""
+  if _split_mesh(mesh) is not None:
+    return None
+  _, _, _, latent_height, latent_width = latents_shape
+  return wan_vae.decode_memory(weights.vae, 1, latent_height, latent_width) - _vae_bytes(weights)
+
+
+def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):
+  """A function (bytes available to the decode beyond the VAE's weights) -> None when whole frames
+  fit, else the latent rows of the bands that do (`vae.choose_band_rows`); it raises ValueError when
+  no band fits."""
+  _, _, _, latent_height, latent_width = latents_shape
+  vae_bytes = _vae_bytes(weights)
+  return lambda available: wan_vae.choose_band_rows(weights.vae, 1, latent_height, latent_width,
+                                                    available + vae_bytes)
+
+
+def _vae_bytes(weights: PlacedWeights) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(weights.vae)))

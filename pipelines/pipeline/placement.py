@@ -3,6 +3,11 @@
 DESIGN.md section 2: replicated over the mesh, or with sharded weights the transformer's block
 weights split over all its devices (`transformer.weight_shardings`) and the text encoder's large
 weights too (`transformer.large_leaf_shardings`; otherwise it stays on one device, where it runs).
+
+Under a memory plan that moves weights (`parallel.memory.MemoryPlan`), the text encoder and the
+experts may leave the device between the stages that use them: the host keeps a numpy copy of each
+(taken once; a changed expert, a fused LoRA, drops it), so leaving frees the device at once and
+coming back is one upload. Weights only move in a one-process run with replicated weights.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -41,6 +47,9 @@ class PlacedWeights:
     self.placement: Any = "unplaced"
     self._plan: ParallelPlan | None = None  # the plan the weights were placed for
     self._vae_placed: tuple[Any, wan_vae.WanVAE] | None = None
+    self._text_host: umt5.Params | None = None  # numpy copies, taken when the weights first leave
+    self._experts_host: list[nnx.State | None] = [None] * len(self._experts)
+    self._experts_away: set[int] = set()  # experts whose device copy was dropped
 
   @property
   def experts(self) -> list[nnx.State]:
@@ -49,6 +58,8 @@ class PlacedWeights:
   @experts.setter
   def experts(self, states: Sequence[nnx.State]) -> None:
     self._experts = list(states)
+    self._experts_host = [None] * len(self._experts)  # the host copies are of the old weights
+    self._experts_away = set()
     self.version += 1
 
   def placed_at(self, plan: ParallelPlan) -> None:
@@ -89,3 +100,73 @@ class PlacedWeights:
     if self._vae_placed is None or self._vae_placed[0] != key:
       self._vae_placed = (key, jax.device_put(self.vae, NamedSharding(rows, P())))
     return self._vae_placed[1]
+
+  # --- weights that leave the device between stages (a memory plan's moves) ---
+
+  def text_params_on(self, where: str) -> umt5.Params:
+    """The text encoder's weights placed for an encode: "device" (the default device; uploaded from
+    the host copy when dropped) or "host" (the CPU backend's first device, where the encode then runs).
+
+    Raises: ValueError: an unknown `where`.
+    """
+    if where not in ("device", "host"):
+      raise ValueError(f"where={where!r}; use 'device' or 'host'")
+    target = jax.devices()[0] if where == "device" else jax.devices("cpu")[0]
+    leaves = jax.tree.leaves(self.text_params)
+    if all(isinstance(x, jax.Array) and x.devices() == {target} for x in leaves):
+      return self.text_params
+    self.text_params = jax.device_put(self._host_text(), target)
+    return self.text_params
+
+  def drop_text(self) -> None:
+    """Frees the text encoder's device memory (the host copy stays; `text_params_on` uploads it again)."""
+    host = self._host_text()
+    _delete_device_copies(self.text_params)
+    self.text_params = host
+
+  def _host_text(self) -> umt5.Params:
+    if self._text_host is None:
+      self._text_host = _to_numpy(self.text_params)
+    return self._text_host
+
+  def drop_experts(self, indices: Sequence[int]) -> None:
+    """Frees the device memory of the experts `indices` (their host copies stay)."""
+    for i in indices:
+      if i in self._experts_away:
+        continue
+      if self._experts_host[i] is None:
+        self._experts_host[i] = _to_numpy(self._experts[i])
+      _delete_device_copies(self._experts[i])
+      self._experts[i] = self._experts_host[i]
+      self._experts_away.add(i)
+
+  def restore_experts(self, indices: Sequence[int]) -> None:
+    """Uploads the experts `indices` dropped before, where the last plan placed them."""
+    for i in indices:
+      if i not in self._experts_away:
+        continue
+      state = self._experts_host[i]
+      self._experts[i] = (distributed.put_sharded(state, weight_shardings(state, self._plan.mesh, self._plan.shard_weights))
+                          if self._plan is not None else jax.device_put(state, jax.devices()[0]))
+      self._experts_away.discard(i)
+
+  def bytes_of(self) -> dict[str, Any]:
+    """Bytes of the weights by component: "text_encoder", "experts" (a tuple), "vae"."""
+    return {"text_encoder": _nbytes(self.text_params), "experts": tuple(_nbytes(s) for s in self._experts),
+            "vae": _nbytes(self.vae)}
+
+
+def _nbytes(tree: Any) -> int:
+  return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def _to_numpy(tree: Any) -> Any:
+  """A pytree's arrays as numpy on the host (one device-to-host copy each)."""
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def _delete_device_copies(tree: Any) -> None:
+  """Deletes the device buffers of a pytree's jax arrays now (not when the last reference goes)."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not x.is_deleted() and next(iter(x.devices())).platform != "cpu":
+      x.delete()

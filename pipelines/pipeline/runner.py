@@ -20,6 +20,7 @@ from pipelines.pipeline.callback import StepEndCallback
 from pipelines.pipeline.ahead import CompileAhead
 from pipelines.pipeline.decoding import lower_decoder
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
+from pipelines.pipeline.memory_plan import plan_memory
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.vae import effective_compile_effort
@@ -60,6 +61,7 @@ class Runner:
     self.programs: dict[int, Any] = {}  # expert -> its compiled step (`_compile`)
     self._text_kv_of: tuple[Any, ...] | None = None  # (expert, weights, text, condition, their TextKV)
     self._decoder_ahead: CompileAhead | None = None
+    self.memory: Any = None  # the call's `MemoryPlan` (`_initial_state`)
 
   def stage(self, text: str) -> None:
     """One line on stderr as a stage starts (when progress is on)."""
@@ -102,13 +104,16 @@ class Runner:
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
     self.pipe.weights.place(plan)  # before text encoding: its weights may be sharded too
+    self.memory = plan_memory(self.pipe, r, self.pipe.memory_placement)
+    if self.memory.budget is not None or self.memory.forced:
+      self.stage(self.memory.line())
     self._decoder_ahead = self._compile_decoder_ahead(noise.shape)
     self._enter("text_encode")
     start = time.perf_counter()
     texts = (r.prompts or []) + (r.negative_prompts or [])
     self.stage(f"text encode: {len(texts)} prompt(s) x {r.max_sequence_length} tokens" if texts
                else "text encode: none (text states given)")
-    text = jax.block_until_ready(text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype))
+    text = jax.block_until_ready(self._encode_text())
     self.timings["text_encode"] = time.perf_counter() - start
     condition = self._condition()
     if self.restored is None:  # video-to-video: the encoded video, noised (a resumed run has its latents)
@@ -117,6 +122,31 @@ class Runner:
         (state.latents, state.solver, text, condition), plan.replicated)
     state.cache = self._cache()
     return state
+
+  def _encode_text(self) -> Any:
+    """The text states (`text_states.text_states`) with the text encoder where the memory plan puts
+    it: on the device (uploaded first where it was dropped, dropped after unless resident, the
+    transformer off the device meanwhile where the plan says) or on the host CPU."""
+    weights, memory = self.pipe.weights, self.memory
+    if not memory.transformer_at_encode:
+      weights.drop_experts(range(len(weights.experts)))
+    weights.text_params_on("host" if memory.placement == "encoder-on-host" else "device")
+    text = text_states.text_states(self.request, self.pipe.encode_prompts, self.pipe.dtype)
+    if memory.placement != "resident":
+      text = jax.block_until_ready(jax.device_put(text, self.request.plan.replicated))
+      weights.drop_text()
+    return text
+
+  def _experts_for(self, expert: int) -> None:
+    """`expert`'s weights on the device before its steps (the plan's swapped experts: the other
+    one leaves first)."""
+    weights = self.pipe.weights
+    if self.memory.experts_swapped:
+      self._text_kv_of = None
+      weights.drop_experts([e for e in range(len(weights.experts)) if e != expert])
+      weights.restore_experts([expert])
+    else:
+      weights.restore_experts(range(len(weights.experts)))
 
   def _condition(self) -> Any:
     """The step's conditioning beyond the text (`pipe.conditioning(request)`: None for text-to-video;
@@ -215,6 +245,8 @@ class Runner:
     compiling = (f"compile: the denoise step ({r.tokens} tokens, {pipe.transformer_config.num_layers} "
                  f"layers, mesh {plan.spec}{', weights sharded' if plan.shard_weights else ''})")
     experts = list(dict.fromkeys(state.experts))
+    if experts:
+      self._experts_for(experts[0])
     # Each expert's guidance scale float32 [], placed once for the whole loop.
     self.guidance = {e: distributed.put_replicated(np.float32(r.guidance[e]), plan.replicated) for e in experts}
     kinds: dict[bool, int] = {}  # experts of one kind share the program (same shapes): its first expert
@@ -234,8 +266,10 @@ class Runner:
     """Step k: the step cache restarts at an expert switch; the expert's program runs on its
     weights (read at each step: a LoRA scale hook may have re-fused them)."""
     k, expert = state.step, state.experts[state.step]
-    if state.cache is not None and k and expert != state.experts[k - 1]:
-      state.cache = wan_step_cache.reset(state.cache)
+    if k and expert != state.experts[k - 1]:
+      if state.cache is not None:
+        state.cache = wan_step_cache.reset(state.cache)
+      self._experts_for(expert)
     return self.programs[expert](self.pipe.weights.experts[expert], state.latents, state.solver,
                                  self._text(expert, state), self.guidance[expert], state.cache, state.condition)
 
@@ -287,7 +321,7 @@ class Runner:
     encoded, the step compiled and the loop run (`CallOptions.decode_compile_ahead`). None when not
     decoding, with the option off, or when the lowering fails (warned; the decode compiles them)."""
     r, o = self.request, self.options
-    if not (r.decode and o.decode_compile_ahead):
+    if not (r.decode and o.decode_compile_ahead) or self.memory.decode_band_rows is not None:
       return None
     try:
       lowered = lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh,
@@ -316,8 +350,14 @@ class Runner:
     latents = distributed.to_host(latents)
     frames = None
     if r.decode:
-      self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE)")
-      frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh, compile_effort=self.options.decode_compile_effort)
+      if not self.memory.transformer_at_decode:
+        self._text_kv_of = None
+        self.pipe.weights.drop_experts(range(len(self.pipe.weights.experts)))
+      bands = self.memory.decode_band_rows
+      self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE"
+                 + (f", in bands of {bands} latent rows)" if bands else ")"))
+      frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh, compile_effort=self.options.decode_compile_effort,
+                                band_rows=bands)
     self.timings["decode"] = time.perf_counter() - start
     return frames, latents
 
@@ -330,7 +370,7 @@ class Runner:
     resume = self.options.resume
     return {**r.settings(), "experts_per_step": state.experts,
             "resumed_from_step": state.first_step if resume is not None and resume.resume else None,
-            "steps_run": len(state.step_times), "step_cache": cache,
+            "steps_run": len(state.step_times), "step_cache": cache, "memory_plan": self.memory.line(),
             "decode_compile_effort": effective_compile_effort(self.options.decode_compile_effort,
                                                                jax.default_backend())}
 

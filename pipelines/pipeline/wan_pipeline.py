@@ -109,6 +109,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self._interrupt = False  # diffusers' `interrupt`: a callback may set it
     self._num_timesteps: int | None = None
     self._current_timestep: Any = None
+    self.memory_placement = "auto"  # `set_memory_placement`
 
   # --- construction ---
 
@@ -330,6 +331,23 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     """
     self.step_cache = wan_step_cache.parse_step_cache(step_cache, model=self.name)
 
+  def set_memory_placement(self, placement: str = "auto") -> None:
+    """Where the weights live during every following call (`parallel.memory`): "auto" (default: all
+    resident when they fit the device, else the cheapest placement that fits), "resident",
+    "encoder-offloaded" (the text encoder on the device only for the encode) or "encoder-on-host" (the
+    text encoder runs on the host CPU). The transformer leaves the device for the decode, and the
+    decode runs in bands of latent rows, where the device's memory needs it. diffusers' nearest is
+    `enable_model_cpu_offload`. Each call says its plan in a stage line and in `settings["memory_plan"]`.
+
+    Raises:
+      ValueError: an unknown placement.
+    """
+    from pipelines.parallel.memory import PLACEMENTS
+
+    if placement != "auto" and placement not in PLACEMENTS:
+      raise ValueError(f"placement={placement!r} is not one; use 'auto' or one of {', '.join(PLACEMENTS)}")
+    self.memory_placement = placement
+
   def disable_cache(self) -> None:
     """Every following call runs every block of every step."""
     self.step_cache = None
@@ -491,9 +509,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
                                       prompts, max_sequence_length, self.dtype, mesh=self.weights.text_mesh)
 
   def decode(self, latents: np.ndarray, mesh: Mesh | None = None, *,
-             compile_effort: float | None = None) -> np.ndarray:
+             compile_effort: float | None = None, band_rows: int | None = None) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1]
-    (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height; the
-    programs compiled at `compile_effort`, None: the platform's)."""
-    return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort)
+    (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height; on one
+    device in bands of `band_rows` latent rows when given; the programs compiled at
+    `compile_effort`, None: the platform's)."""
+    return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort, band_rows=band_rows)
 

@@ -1,0 +1,76 @@
+"""The memory plan's choice (`parallel.memory.MemoryPlan.choose`) on made-up component bytes."""
+
+import pytest
+
+from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan
+
+# Wan 2.1 1.3B at 480p x 81 on one 16 GB chip, roughly: UMT5-XXL 12.5 GiB, transformer 2.6 GiB.
+BYTES = ComponentBytes(text_encoder=int(12.5 * GiB), experts=(int(2.6 * GiB),), vae=int(0.5 * GiB),
+                       text_work=int(0.3 * GiB), step_work=int(3 * GiB), decode_work=int(9 * GiB))
+
+
+def test_all_resident_where_everything_fits():
+  plan = MemoryPlan.choose(BYTES, 100 * GiB)
+  assert (plan.placement, plan.transformer_at_encode, plan.transformer_at_decode) == ("resident", True, True)
+  assert not plan.moves_weights and plan.peak == int(12.5 * GiB) + int(2.6 * GiB) + int(0.5 * GiB) + int(9 * GiB)
+
+
+def test_no_budget_is_resident():
+  assert MemoryPlan.choose(BYTES, None) == MemoryPlan()
+  assert MemoryPlan.choose(BYTES, None, placement="encoder-on-host").placement == "encoder-on-host"
+
+
+def test_one_chip_offloads_the_encoder_and_moves_the_transformer_for_the_encode():
+  plan = MemoryPlan.choose(BYTES, int(14.5 * GiB))
+  assert plan.placement == "encoder-offloaded"
+  assert not plan.transformer_at_encode  # 12.5 + 2.6 + 0.5 + 0.3 > 14.5
+  assert plan.transformer_at_decode  # 2.6 + 0.5 + 9 fits
+  assert plan.peak == int(12.5 * GiB) + int(0.5 * GiB) + int(0.3 * GiB)
+
+
+def test_transformer_stays_for_the_decode_when_both_fit():
+  plan = MemoryPlan.choose(BYTES, int(16 * GiB))
+  assert plan.placement == "encoder-offloaded" and plan.transformer_at_encode and plan.transformer_at_decode
+
+
+def test_encoder_on_host_when_it_does_not_fit_alone():
+  plan = MemoryPlan.choose(BYTES, int(12 * GiB))
+  assert plan.placement == "encoder-on-host" and plan.decode_band_rows is None
+  assert plan.peak == int(0.5 * GiB) + int(9 * GiB)  # the decode, the transformer gone
+
+
+def test_bands_where_even_the_decoder_alone_does_not_fit():
+  asked = []
+
+  def band_rows_for(available):
+    asked.append(available)
+    return 7
+
+  plan = MemoryPlan.choose(BYTES, int(8 * GiB), band_rows_for=band_rows_for)
+  assert plan.placement == "encoder-on-host" and plan.decode_band_rows == 7 and not plan.transformer_at_decode
+  assert asked[-1] == int(8 * GiB) - int(0.5 * GiB) and plan.peak <= int(8 * GiB)
+  assert "bands of 7 latent rows" in plan.line()
+
+
+def test_two_experts_swap_when_both_do_not_fit():
+  two = ComponentBytes(text_encoder=GiB, experts=(6 * GiB, 6 * GiB), vae=GiB, text_work=0, step_work=2 * GiB,
+                       decode_work=2 * GiB)
+  plan = MemoryPlan.choose(two, 12 * GiB)
+  assert plan.experts_swapped and plan.peak <= 12 * GiB
+  assert not MemoryPlan.choose(two, 20 * GiB).experts_swapped
+
+
+def test_forced_placement_is_kept_even_where_it_does_not_fit():
+  plan = MemoryPlan.choose(BYTES, int(12 * GiB), placement="resident")
+  assert plan.placement == "resident" and plan.forced and plan.peak > int(12 * GiB)
+  assert "(asked for)" in plan.line()
+
+
+def test_nothing_fits_names_the_stage_and_the_fix():
+  with pytest.raises(ValueError, match=r"9.5 GiB needed by its largest stage \(decode\), 4.0 GiB.*--quantize int8"):
+    MemoryPlan.choose(BYTES, 4 * GiB)
+
+
+def test_unknown_placement_is_refused():
+  with pytest.raises(ValueError, match="placement='cpu-offload'.*encoder-on-host"):
+    MemoryPlan.choose(BYTES, GiB, placement="cpu-offload")

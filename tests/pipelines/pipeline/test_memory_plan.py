@@ -1,0 +1,86 @@
+"""A call under each memory plan gives the same video: weights that leave the device between the
+stages (the text encoder, the transformer, one expert of two) come back unchanged, the encoder on the
+host CPU encodes the same text, and a decode in bands equals the whole-frame decode to fp32 rounding."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pipelines import WanPipeline
+from pipelines.parallel.memory import MemoryPlan
+from pipelines.pipeline import memory_plan, runner
+from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
+
+CALL = dict(prompt="a red fox", negative_prompt="blurry", height=64, width=64, num_frames=9,
+            num_inference_steps=2, seed=3, max_sequence_length=16, progress=False)
+PLANS = {
+    "encoder-offloaded": MemoryPlan(placement="encoder-offloaded", transformer_at_encode=False,
+                                    transformer_at_decode=False),
+    "encoder-on-host": MemoryPlan(placement="encoder-on-host", transformer_at_decode=False),
+    "banded": MemoryPlan(placement="encoder-offloaded", decode_band_rows=3),
+}
+
+
+@pytest.fixture(scope="module")
+def pipe():
+  return WanPipeline.tiny(random=True)
+
+
+@pytest.fixture(scope="module")
+def resident(pipe):
+  return pipe.run(**CALL)
+
+
+def _with_plan(monkeypatch, plan: MemoryPlan) -> None:
+  monkeypatch.setattr(runner, "plan_memory", lambda pipe, request, placement: plan)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_plan_gives_the_resident_video(pipe, resident, monkeypatch, name):
+  _with_plan(monkeypatch, PLANS[name])
+  first = pipe.run(**CALL)
+  if name != "encoder-on-host":
+    assert all(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.text_params)), "the encoder was not dropped"
+  second = pipe.run(**CALL)  # the dropped weights come back for the next call
+  assert first.settings["memory_plan"] == PLANS[name].line()
+  for result in (first, second):
+    np.testing.assert_array_equal(result.latents, resident.latents)
+    if PLANS[name].decode_band_rows is None:
+      np.testing.assert_array_equal(result.frames, resident.frames)
+    else:
+      assert_psnr_at_least(result.frames, resident.frames, FP32_VIDEO_PSNR_DB, name=f"{name} decode")
+  other = pipe.run(**dict(CALL, seed=4))  # positive control: the comparison sees the video
+  assert np.abs(other.frames - resident.frames).max() > 0.05
+
+
+def test_forced_placement_is_said(pipe, resident):
+  pipe.set_memory_placement("encoder-on-host")
+  try:
+    result = pipe.run(**CALL)
+  finally:
+    pipe.set_memory_placement("auto")
+  assert result.settings["memory_plan"] == "memory plan: encoder-on-host (asked for)"
+  np.testing.assert_array_equal(result.frames, resident.frames)
+  with pytest.raises(ValueError, match="placement='offload'.*encoder-offloaded"):
+    pipe.set_memory_placement("offload")
+
+
+def test_auto_on_a_small_device_moves_the_encoder(pipe, resident, monkeypatch):
+  """A device budget below the weights' sum: the auto plan moves the text encoder, same video."""
+  weights = pipe.weights.bytes_of()
+  text, transformer = weights["text_encoder"], weights["experts"][0]
+  budget = max(text, transformer) + weights["vae"] + min(text, transformer) // 2  # each fits alone, not both
+  monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: budget)
+  monkeypatch.setattr(memory_plan, "decode_work_bytes", lambda weights, shape, mesh: 0)
+  monkeypatch.setattr(memory_plan, "step_work_bytes", lambda request: 0)
+  monkeypatch.setattr(memory_plan, "text_work_bytes", lambda config, prompts, length: 0)
+  result = pipe.run(**CALL)
+  assert result.settings["memory_plan"].startswith("memory plan: encoder-offloaded, transformer off the device for "
+                                                   "the encode"), result.settings["memory_plan"]
+  np.testing.assert_array_equal(result.frames, resident.frames)
+
+
+def _leaves(tree):
+  import jax
+  return jax.tree.leaves(tree)
