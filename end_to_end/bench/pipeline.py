@@ -52,7 +52,8 @@ from typing import Any
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.commands.help import HelpFormatter  # no JAX import either
 
-PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "mlperf-wan22-t2v")
+PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "wan2.2-ti2v-5b",
+                "mlperf-wan22-t2v")
 ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_median", "denoise", "decode", "total")
 # libtpu offline (no metadata server, no TPU). ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's one-process lock
 # (/tmp/libtpu_lockfile) guards real TPU chips; an AOT compile touches none, so two may run at once.
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--negative-prompt", help="the negative prompt (default: the preset's, else 'blurry, low quality')")
   ap.add_argument("--seed", type=int, help="weights and initial latents (default: the preset's, else 0)")
   ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
+  ap.add_argument("--placement", default="auto", choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
+                  help="our memory plan's placement (WanPipeline.set_memory_placement); each run prints its plan "
+                       "and the device's peak memory")
   ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
   ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
   ap.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
@@ -163,6 +167,13 @@ def _versions() -> dict[str, str]:
     except md.PackageNotFoundError:
       out[name] = "not installed"
   return out
+
+
+def _peak_device_gib() -> float | None:
+  """The first device's peak bytes in use since the process started, GiB (None: not reported)."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return None if "peak_bytes_in_use" not in stats else round(stats["peak_bytes_in_use"] / 2 ** 30, 2)
 
 
 def _fmt(v: float | None) -> str:
@@ -382,14 +393,17 @@ def main(argv: list[str] | None = None) -> int:
                  else bench_presets.init_ours(preset, seed=seed))
     if args.quantize:
       ours_pipe.quantize(args.quantize)
+    ours_pipe.set_memory_placement(args.placement)
     ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
                 runs=[])
     for i in range(args.runs):
       stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh,
                                                               attention_backend=args.attention_backend,
                                                               guidance_2=preset.guidance_2, **call)
+      stages["peak_device_gib"] = _peak_device_gib()
       ours["runs"].append(stages)
-      print(f"  ours run {i + 1}: total {stages['total']:.2f} s", flush=True)
+      print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
+            f"process started {stages['peak_device_gib']} GiB", flush=True)
     report["ours"] = ours
     del ours_pipe
     if args.compare:

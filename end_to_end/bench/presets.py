@@ -92,6 +92,7 @@ class BenchPreset:
   negative_prompt: str | None = None
   seed: int | None = None
   reference: str | None = None
+  expand_timesteps: bool = False
 
   def __post_init__(self):
     if self.height % 16 or self.width % 16 or self.height < 16 or self.width < 16:
@@ -113,7 +114,8 @@ class BenchPreset:
   @property
   def latent_shape(self) -> tuple[int, int, int, int, int]:
     """[1, C, F, Hl, Wl] of one video."""
-    return (1, self.transformer.in_channels, (self.frames - 1) // 4 + 1, self.height // 8, self.width // 8)
+    s = self.vae.spatial_factor
+    return (1, self.transformer.out_channels, (self.frames - 1) // 4 + 1, self.height // s, self.width // s)
 
   @property
   def tokens(self) -> int:
@@ -134,10 +136,17 @@ PRESETS: dict[str, BenchPreset] = {
         steps=3, max_sequence_length=512, guidance=5.0, flow_shift=3.0, dtype="float32",
         description="Wan 1.3B layer width (2 of 30 blocks), UMT5-XXL width (1 of 24 layers), real VAE; CPU-sized"),
     "wan2.1-1.3b": BenchPreset(
-        transformer=TRANSFORMER_PRESETS["wan2.1-t2v-1.3b"], text_encoder=dataclasses.replace(
-            UMT5_PRESETS["umt5-xxl"], vocab_size=384), vae=VAE_PRESETS["wan2.1"], height=480, width=832,
+        transformer=TRANSFORMER_PRESETS["wan2.1-t2v-1.3b"], text_encoder=UMT5_PRESETS["umt5-xxl"],
+        vae=VAE_PRESETS["wan2.1"], height=480, width=832,
         frames=81, steps=10, max_sequence_length=512, guidance=5.0, flow_shift=3.0, dtype="bfloat16",
-        description="Wan 2.1 T2V 1.3B architecture, random weights, 480p x 81 frames (accelerators)"),
+        description="Wan 2.1 T2V 1.3B architecture, full-size UMT5-XXL, random weights, 480p x 81 frames "
+                    "(accelerators)"),
+    "wan2.2-ti2v-5b": BenchPreset(
+        transformer=TRANSFORMER_PRESETS["wan2.2-ti2v-5b"], text_encoder=UMT5_PRESETS["umt5-xxl"],
+        vae=VAE_PRESETS["wan2.2"], height=704, width=1280, frames=121, steps=50, max_sequence_length=512,
+        guidance=5.0, flow_shift=5.0, dtype="bfloat16", expand_timesteps=True,
+        description="Wan 2.2 TI2V-5B architecture (its own VAE), full-size UMT5-XXL, random weights, "
+                    "704x1280 x 121 frames, text-to-video (accelerators)"),
     "wan2.1-1.3b-step": BenchPreset(
         transformer=TRANSFORMER_PRESETS["wan2.1-t2v-1.3b"], text_encoder=_UMT5_XXL_WIDTH, vae=VAE_PRESETS["wan2.1"],
         height=480, width=832, frames=81, steps=3, max_sequence_length=512, guidance=5.0, flow_shift=3.0,
@@ -174,12 +183,43 @@ def init_ours(preset: BenchPreset, seed: int = 0):
 
   dtype = jnp.dtype(preset.dtype)
   experts = 1 if preset.boundary_ratio is None else 2
+  text_params = (host_random_umt5(preset.text_encoder, seed, dtype) if preset.text_encoder.num_layers > 2
+                 else umt5.init_umt5_params(preset.text_encoder, seed, dtype=dtype))
   return WanPipeline(
-      tokenizer=tokenizer.default_tokenizer(),
-      text_encoder=(preset.text_encoder, umt5.init_umt5_params(preset.text_encoder, seed, dtype=dtype)),
+      tokenizer=tokenizer.default_tokenizer(), expand_timesteps=preset.expand_timesteps,
+      text_encoder=(preset.text_encoder, text_params),
       transformers=[init_transformer(preset.transformer, seed + i, dtype) for i in range(experts)],
       vae=vae.init_vae(preset.vae, jax.random.key(seed)), boundary_ratio=preset.boundary_ratio,
       scheduler_config=schedulers.UniPCConfig(flow_shift=preset.flow_shift), name="random init")
+
+
+def host_random_umt5(config, seed: int, dtype) -> dict:
+  """Random UMT5 weights in host memory (numpy), with `init_umt5_params`' tree and stds: each leaf
+  drawn by jax.random on the default device (seconds on an accelerator, where numpy would take
+  minutes for UMT5-XXL's 5.7 B values) and copied to the host, so the device never holds more than
+  one leaf; a memory plan then uploads them for the encode. Timing depends on shapes only."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pipelines.wan.encoders import umt5
+
+  c = config
+  small = jax.eval_shape(lambda: umt5.init_umt5_params(dataclasses.replace(c, vocab_size=8, num_layers=1), seed,
+                                                       dtype=dtype))
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+  stds = {"q": (c.d_model * c.d_kv) ** -0.5, "o": (c.num_heads * c.d_kv) ** -0.5, "rel_bias": c.d_model ** -0.5, "embedding": 1.0}
+
+  def leaf(path, struct):
+    name = path[-1].key
+    shape = ((c.vocab_size, c.d_model) if name == "embedding" else
+             (c.num_layers, *struct.shape[1:]) if path[0].key == "layers" else struct.shape)
+    if "norm" in name:
+      return np.ones(shape, struct.dtype)
+    x = stds.get(name, shape[1] ** -0.5) * jax.random.normal(next(keys), shape, jnp.float32)
+    return np.asarray(jax.device_get(x.astype(struct.dtype)))
+
+  return jax.tree_util.tree_map_with_path(leaf, small)
 
 
 # What `reduced_for_cpu` keeps of a preset meant for accelerators: one block per expert, one text

@@ -39,8 +39,8 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   `guidance_2` its `guidance_scale_2` (the low-noise expert's scale of a two-expert pipeline).
 
   Returns:
-    (stage seconds as in STAGES plus step_times, frames float32 [1, frames, H, W, 3],
-    final latents float32 [1, C, F, Hl, Wl]).
+    (stage seconds as in STAGES plus step_times and the call's memory plan line, frames float32
+    [1, frames, H, W, 3], final latents float32 [1, C, F, Hl, Wl]).
   """
   step_times: list[float] = []
   result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
@@ -49,8 +49,9 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
                     on_step=lambda k, seconds: step_times.append(seconds), attention_backend=attention_backend,
                     **({} if guidance_2 is None else {"guidance_scale_2": guidance_2}))
   t = result.timings
-  return (_summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"]),
-          result.frames, result.latents)
+  stages = _summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"])
+  stages["memory_plan"] = result.settings.get("memory_plan")
+  return stages, result.frames, result.latents
 
 
 def load_diffusers(folder: str, *, dtype: str, device: str):

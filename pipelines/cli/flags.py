@@ -173,6 +173,13 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                       "output channel, dequantized in the matmul; int8-w8a8 also quantizes each matmul's "
                       "input per token (int8 x int8, int32 sums). Applied after the LoRAs are fused (default: "
                       "none, weights in --dtype)")
+  p.add_argument("--placement", default="auto",
+                 choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
+                 help="where the weights live during the run (pipelines/parallel/memory.py): auto picks the "
+                      "fastest that fits the device's memory and prints it; resident keeps all on the device; "
+                      "encoder-offloaded puts the text encoder there only for the encode; encoder-on-host runs "
+                      "it on the host CPU. The transformer leaves for the decode, and the decode runs in bands "
+                      "of latent rows, where the memory needs it; the same video every way")
   add_decode_effort_flag(p)
   p.add_argument("--max-sequence-length", type=int, default=None,
                  help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "

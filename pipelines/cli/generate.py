@@ -168,6 +168,7 @@ def _load(plan: Plan, request: Any) -> Any:
     pipe.set_adapters(list(weights), list(weights.values()))
   if plan.quantize is not None:  # after the LoRAs: they are fused into the full-precision weights
     pipe.quantize(plan.quantize)
+  pipe.set_memory_placement(plan.placement)
   return pipe
 
 

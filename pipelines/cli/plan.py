@@ -47,6 +47,7 @@ class Plan:
   vae_parallel: bool = True  # decode split by rows over the mesh's devices
   contact_sheet: bool = False  # also write contact_sheet.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
+  placement: str = "auto"  # --placement: the memory plan's placement (`parallel.memory`)
   image: str | None = None  # --image PATH (image-to-video)
   video: str | None = None  # --video PATH (video-to-video; a VACE model's video)
   mask: str | None = None  # --mask PATH (VACE)

@@ -84,6 +84,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               resume=args.resume is not None, step_cache=args.step_cache,
               attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
               vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize,
+              placement=args.placement,
               image=args.image, last_image=args.last_image, size_given=bool(args.size),
               video=args.video, strength=args.strength, mask=args.mask,
               reference_images=tuple(args.reference_image), conditioning_scale=_conditioning_scale(args),

@@ -72,6 +72,11 @@ def loader(config: ServeConfig) -> Any:
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:
+    pipe = _load()
+    pipe.set_memory_placement(config.placement)
+    return pipe
+
+  def _load() -> Any:
     if config.files is not None:
       files = config.files
       return WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,

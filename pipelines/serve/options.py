@@ -71,6 +71,7 @@ class ServeConfig:
     max_upload_bytes: the most a multipart body (an input_reference file) may add to max_body_bytes.
     docs: publish /openapi.json and its pages (/docs, /redoc).
     log_level: serve's own lines and uvicorn's (its access log shows at "info" and "debug").
+    placement: the memory plan's placement (`WanPipeline.set_memory_placement`).
     compile_cache: JAX's persistent compilation cache folder, or None (off).
     processes: a multi-process server's `distributed.ProcessSpec` (process 0 serves HTTP), or None.
     decode_compile_effort: `CallOptions.decode_compile_effort` of every job and of the warm-up.
@@ -97,6 +98,7 @@ class ServeConfig:
   compile_cache: str | None = None
   processes: Any = None
   decode_compile_effort: float | None = None
+  placement: str = "auto"
   files: Any = None
 
   def __post_init__(self):
@@ -157,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                  help="a LoRA requests may name as NAME; repeatable (default: none)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the transformer's dtype")
+  p.add_argument("--placement", default="auto", choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
+                 help="where the weights live between and during jobs (generate --help: --placement); each job's "
+                      "plan is in the log and its sidecar")
   p.add_argument("--checkpoint-every", type=int, default=1, help="steps between denoising checkpoints")
   p.add_argument("--max-upload-mb", type=float, default=32.0, metavar="MB",
                  help="largest input_reference file a request may send, in MiB")
@@ -225,7 +230,7 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
       compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes,
       decode_compile_effort=args.decode_compile_effort, max_upload_bytes=_megabytes(args.max_upload_mb),
-      docs=not args.no_docs, log_level=args.log_level)
+      docs=not args.no_docs, log_level=args.log_level, placement=args.placement)
 
 
 def _megabytes(value: float) -> int:
