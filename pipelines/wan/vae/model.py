@@ -183,12 +183,12 @@ def _chunk_programs(effort: float | None) -> _ChunkPrograms:
                         rows_jit(_first_chunk_rows), rows_jit(_later_chunk_rows, donate_argnums=1))
 
 
-def _platform(tree: Any) -> str:  # of the first array of `tree` (the default backend's for host arrays)
+def platform_of(tree: Any) -> str:  # of the first array of `tree` (the default backend's for host arrays)
   leaf = jax.tree.leaves(tree)[0]
   return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
 
 
-def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
+def check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
   if latents.ndim != 5:
     raise ValueError(f"latents must be [B, C, F, Hl, Wl], got {latents.shape=}")
   B, C, F, Hl, Wl = latents.shape
@@ -234,10 +234,10 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
   (`decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`), fp32 / bf16: arguments
   4.10 / 2.05 GB, temporaries 5.56 / 4.78 GB. `decode_parallel` splits both over D devices.
   """
-  _check_latents(vae.config, latents)
+  check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
     raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
-  programs = _chunk_programs(check_compile_effort(compile_effort, _platform(vae.params)))
+  programs = _chunk_programs(check_compile_effort(compile_effort, platform_of(vae.params)))
   z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
   chunk, cache = programs.first(vae, z_BFHWC[:, :1])
   chunks = [chunk]
@@ -303,7 +303,7 @@ def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh, *,
   ceil(Hl / D) >= Hl, and the rows from 8 * Hl on are padding for the caller to drop.
   `compile_effort` as in `decode`. Raises as `decode_parallel` does, before any compute.
   """
-  _check_latents(vae.config, latents)
+  check_latents(vae.config, latents)
   rmesh = row_mesh(mesh)
   programs = _chunk_programs(check_compile_effort(compile_effort, rmesh.devices.flat[0].platform))
   B, C, F, Hl, Wl = latents.shape
@@ -390,7 +390,7 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
   """
   if split and not devices:
     raise ValueError("a split decode needs its devices")
-  platform = _platform(vae.params) if devices is None else devices[0].platform
+  platform = platform_of(vae.params) if devices is None else devices[0].platform
   programs = _chunk_programs(check_compile_effort(compile_effort, platform))
 
   def placed(tree, sharding):
@@ -422,6 +422,12 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
           "later": programs.later_rows.lower(vae, placed(cache, sharding), z, mesh=mesh, rows=rows)}
 
 
+def abstract_vae(config: WanVAEConfig, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+  """The model with `jax.ShapeDtypeStruct` parameters (JAX layout, `dtype`): for lowering only."""
+  return WanVAE(config, {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
+                         for k, s in config.param_shapes().items()})
+
+
 def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
                                 dtype: jnp.dtype = jnp.float32):
   """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
@@ -429,9 +435,7 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
   Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
   default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `decode` cites it.
   """
-  params = {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
-            for k, s in config.param_shapes().items()}
-  programs = lower_decode_programs(WanVAE(config, params), batch=batch, latent_height=latent_height,
+  programs = lower_decode_programs(abstract_vae(config, dtype), batch=batch, latent_height=latent_height,
                                    latent_width=latent_width, devices=jax.devices()[:1], split=False)
   return programs["later"].compile().memory_analysis()
 
