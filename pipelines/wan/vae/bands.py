@@ -316,3 +316,50 @@ def lower_decode_band_programs(vae: vae_model.WanVAE, *, batch: int, latent_heig
   window = jax.ShapeDtypeStruct((batch, 1, band.stop - band.start, latent_width, h.shape[-1]), vae.dtype)
   _, tail_first, tail_later = lower(_decoder_tail, window)
   return {"head_first": head_first, "head_later": head_later, "tail_first": tail_first, "tail_later": tail_later}
+
+
+# ----------------------------------------------------------------------------------------------
+# Encode
+
+
+def encode_banded(vae: vae_model.WanVAE, video: Any, *, band_rows: int,
+                  margin: int | None = None) -> vae_model.LatentDistribution:
+  """`encode` with the encoder's head (every layer before its mid attention) run per band of
+  `band_rows` latent rows (s = `config.spatial_factor` video rows each): bounded device memory.
+
+  Args:
+    vae: the model; the video is cast to its dtype.
+    video: [B, 3, frames, height, width] in [-1, 1] (numpy or JAX), as `encode` takes it.
+    band_rows: latent rows each band keeps (>= 1); its window is band_rows + 2 margin latent rows
+      (capped at height / s), as in `band_plan`.
+    margin: latent rows past each side of a band; None: `encoder_radius(config)` (equal to
+      `encode` up to fp32 rounding); smaller ones are approximate (tests).
+
+  Returns:
+    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / s, width / s].
+
+  Raises:
+    ValueError: as `encode` (the video's shape), band_rows < 1 or margin < 0.
+
+  Band-major: each band runs the head over every time chunk (frame 0, then 4 frames at a time)
+  with its own cache, its kept rows going to the host ([B, F, Hl, Wl, C], latent resolution);
+  then the rest of the encoder runs on whole frames, chunk by chunk.
+  """
+  vae_model.check_video(vae.config, video)
+  cfg, s = vae.config, vae.config.spatial_factor
+  x = np.asarray(jax.device_get(video)).astype(vae.dtype).transpose(0, 2, 3, 4, 1)  # [B, frames, H, W, 3]
+  step = vae_model.ENCODER_CHUNK
+  times = [(0, 1)] + [(t, t + step) for t in range(1, x.shape[1], step)]
+  bands = band_plan(x.shape[2] // s, band_rows, encoder_radius(cfg) if margin is None else margin)
+  head = chunk_programs(_encoder_head, None)  # `encode`'s programs compile at JAX's effort too
+  feats = None  # [B, F, Hl, Wl, C], on the host
+  for band in bands:
+    windows = (x[:, a:b, s * band.start:s * band.stop] for a, b in times)
+    for i, out in enumerate(_run_chunks(head, vae, windows)):
+      if feats is None:
+        feats = np.empty((out.shape[0], len(times), x.shape[2] // s, *out.shape[3:]), out.dtype)
+      feats[:, i:i + 1, band.keep_start:band.keep_stop] = out[:, :, band.keep_start - band.start:
+                                                                 band.keep_stop - band.start]
+  tail = chunk_programs(_encoder_tail, None)
+  h = list(_run_chunks(tail, vae, (feats[:, i:i + 1] for i in range(len(times)))))
+  return vae_model.latent_distribution(np.concatenate(h, axis=1))

@@ -463,6 +463,26 @@ def _encode_first_chunk(vae: WanVAE, x_BTHWC: jax.Array) -> tuple[jax.Array, L.C
 _encode_next_chunk = jax.jit(encode_chunk, donate_argnums=1)
 
 
+def check_video(config: WanVAEConfig, video: Any) -> None:
+  """Raises `encode`'s ValueErrors for a video [B, 3, frames, height, width] the VAE cannot encode."""
+  if video.ndim != 5:
+    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
+  B, C, frames, height, width = video.shape
+  if C != config.video_channels:
+    raise ValueError(f"video has {C=} channels but the VAE expects {config.video_channels}")
+  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
+    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
+  f = config.spatial_factor
+  if height < f or width < f or height % f or width % f:
+    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
+
+
+def latent_distribution(h_BFHWC: Any) -> LatentDistribution:
+  """The encoder's output [B, F, Hl, Wl, 2C] (after quant_conv) -> mean and clamped logvar [B, C, F, Hl, Wl]."""
+  mean, logvar = jnp.split(jnp.transpose(jnp.asarray(h_BFHWC), (0, 4, 1, 2, 3)), 2, axis=1)
+  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))
+
+
 def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   """Encodes a video into the latent Gaussian (diffusers `AutoencoderKLWan.encode(x).latent_dist`).
 
@@ -482,23 +502,12 @@ def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   Time chunking as diffusers `_encode`: frame 0 alone, then chunks of 4 frames, each one latent frame
   (temporal factor 4); the cache is carried as in `decode`.
   """
-  cfg = vae.config
-  if video.ndim != 5:
-    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
-  B, C, frames, height, width = video.shape
-  if C != cfg.video_channels:
-    raise ValueError(f"video has {C=} channels but the VAE expects {cfg.video_channels}")
-  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
-    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
-  f = cfg.spatial_factor
-  if height < f or width < f or height % f or width % f:
-    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
+  check_video(vae.config, video)
+  frames = video.shape[2]
   x_BFHWC = jnp.transpose(video.astype(vae.dtype), (0, 2, 3, 4, 1))
   h, cache = _encode_first_chunk(vae, x_BFHWC[:, :1])
   chunks = [h]
   for start in range(1, frames, ENCODER_CHUNK):
     h, cache = _encode_next_chunk(vae, cache, x_BFHWC[:, start:start + ENCODER_CHUNK])
     chunks.append(h)
-  h_BCFHW = jnp.transpose(jnp.concatenate(chunks, axis=1), (0, 4, 1, 2, 3))
-  mean, logvar = jnp.split(h_BCFHW, 2, axis=1)
-  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))
+  return latent_distribution(jnp.concatenate(chunks, axis=1))
