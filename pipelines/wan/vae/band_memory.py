@@ -3,13 +3,15 @@ XLA's memory analysis of its programs lowered on abstract inputs; and the band h
 
 A program's peak is its arguments + outputs + temporaries - the bytes outputs alias (the donated
 cache), as `jax.stages.Compiled.memory_analysis()` reports them for the default backend. Nothing is
-allocated, but every program is compiled: seconds on CPU for the tiny presets, minutes for the real
-Wan VAE at 720p (a TPU compile of the 720p later-chunk program takes minutes too: `vae_effort`).
+allocated, but every program is compiled, once per process (the peaks are cached): a second or two
+each on CPU for the tiny presets, seconds for the Wan 2.1 VAE at 720p, minutes on TPU (`vae_effort`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +28,23 @@ def program_peak(lowered) -> int:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def _abstract(vae_or_config: vae_model.WanVAE | WanVAEConfig, dtype) -> vae_model.WanVAE:
-  if isinstance(vae_or_config, WanVAEConfig):
-    return vae_model.abstract_vae(vae_or_config, jnp.float32 if dtype is None else dtype)
-  vae = vae_or_config
-  return vae_model.abstract_vae(vae.config, vae.dtype if dtype is None else dtype)
+@functools.cache
+def _lowered(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int, band_rows: int | None,
+             dtype: np.dtype) -> dict[str, Any]:
+  """The decode's programs lowered on the default backend: `decode`'s (band_rows None) or `decode_banded`'s."""
+  vae = vae_model.abstract_vae(config, dtype)
+  if band_rows is None:
+    return vae_model.lower_decode_programs(vae, batch=batch, latent_height=latent_height,
+                                           latent_width=latent_width, devices=jax.devices()[:1], split=False)
+  return bands.lower_decode_band_programs(vae, batch=batch, latent_height=latent_height,
+                                          latent_width=latent_width, band_rows=band_rows)
+
+
+@functools.cache
+def _peak(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int, band_rows: int | None,
+          dtype: np.dtype, program: str) -> int:
+  """`program_peak` of one of `_lowered`'s programs; cached, as a compile can take minutes."""
+  return program_peak(_lowered(config, batch, latent_height, latent_width, band_rows, dtype)[program])
 
 
 def decode_memory(vae_or_config: vae_model.WanVAE | WanVAEConfig, batch: int, latent_height: int,
@@ -45,19 +59,18 @@ def decode_memory(vae_or_config: vae_model.WanVAE | WanVAEConfig, batch: int, la
     dtype: the parameters' dtype; None: the model's, or fp32 for a config.
 
   Returns:
-    max over the programs of `program_peak` (weights, cache, one chunk's input and temporaries).
-    Not counted: what the caller holds between programs: for `decode` the decoded video (on the
-    device), for `decode_banded` nothing on the device (the head's outputs and the video are on the
-    host). Raises as the lowering does (band_rows < 1).
+    max over the programs of `program_peak` (weights, cache, one chunk's input and temporaries),
+    compiled for the default backend (once per process for each set of arguments). Not counted:
+    what the caller holds between programs: for `decode` the decoded video (on the device), for
+    `decode_banded` nothing on the device (the head's outputs and the video are on the host).
+    Raises as the lowering does (band_rows < 1).
   """
-  vae = _abstract(vae_or_config, dtype)
-  if band_rows is None:
-    lowered = vae_model.lower_decode_programs(vae, batch=batch, latent_height=latent_height,
-                                              latent_width=latent_width, devices=jax.devices()[:1], split=False)
+  if isinstance(vae_or_config, WanVAEConfig):
+    config, dtype = vae_or_config, jnp.float32 if dtype is None else dtype
   else:
-    lowered = bands.lower_decode_band_programs(vae, batch=batch, latent_height=latent_height,
-                                               latent_width=latent_width, band_rows=band_rows)
-  return max(program_peak(x) for x in lowered.values())
+    config, dtype = vae_or_config.config, vae_or_config.dtype if dtype is None else dtype
+  key = (config, batch, latent_height, latent_width, band_rows, np.dtype(dtype))
+  return max(_peak(*key, program) for program in _lowered(*key))
 
 
 def choose_band_rows(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
@@ -77,11 +90,9 @@ def choose_band_rows(config: WanVAEConfig, batch: int, latent_height: int, laten
   whole = decode_memory(config, batch, latent_height, latent_width, None, dtype)
   if whole <= budget_bytes:
     return None
-  vae = vae_model.abstract_vae(config, dtype)
-  weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in vae.params.values())
-  lowered = bands.lower_decode_band_programs(vae, batch=batch, latent_height=latent_height,
-                                             latent_width=latent_width, band_rows=1)
-  head = max(program_peak(lowered[name]) for name in ("head_first", "head_later"))
+  weights = sum(math.prod(s) for s in config.param_shapes().values()) * np.dtype(dtype).itemsize
+  key = (config, batch, latent_height, latent_width, 1, np.dtype(dtype))  # the head is the same for any band
+  head = max(_peak(*key, program) for program in ("head_first", "head_later"))
   r = bands.tail_radius(config)
   fits = math.floor((budget_bytes - weights) / (whole - weights) * latent_height) - 2 * r
   best = min(fits, latent_height - 2 * r - 1)
