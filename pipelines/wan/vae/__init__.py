@@ -1,5 +1,6 @@
 """The Wan causal video VAE (diffusers' `AutoencoderKLWan`): config and presets, the architecture as
-data, layers, chunked encode and decode (also split over a mesh), and the decoder's compile effort.
+data, layers, chunked encode and decode (also split over a mesh, or in bands of rows in bounded
+memory), and the decoder's compile effort.
 
 The names below are imported on first use (as `attention`'s are), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
@@ -8,13 +9,18 @@ imports none of its modules, and a JAX-free module among them loads without JAX.
 from pipelines.wan import lazy_attributes
 
 _HOMES = (
+    ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory")),
+    ("pipelines.wan.vae.bands", ("band_plan", "decode_banded", "decoder_split", "encode_banded",
+                                 "encoder_radius", "encoder_split", "lower_decode_band_programs",
+                                 "tail_radius")),
     ("pipelines.wan.vae.config", ("VAE_PRESETS", "WAN21_LATENTS_MEAN", "WAN21_LATENTS_STD",
                                   "WAN22_LATENTS_MEAN", "WAN22_LATENTS_STD", "WanVAEConfig")),
     ("pipelines.wan.vae.effort", ("TPU_DECODE_COMPILE_EFFORT", "check_compile_effort",
                                   "decode_compile_effort", "effective_compile_effort")),
-    ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "decode", "decode_chunk", "decode_parallel",
-                                 "decode_parallel_chunks", "decode_step_memory_analysis",
-                                 "denormalize_latents", "encode", "encode_chunk", "init_vae", "load_vae",
+    ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "abstract_vae", "check_latents", "check_video",
+                                 "decode", "decode_chunk", "decode_parallel", "decode_parallel_chunks",
+                                 "decode_step_memory_analysis", "denormalize_latents", "encode",
+                                 "encode_chunk", "init_vae", "latent_distribution", "load_vae",
                                  "lower_decode_programs", "normalize_latents", "row_mesh", "row_split",
                                  "vae_from_state")),
     ("pipelines.wan.vae.original_names", ("encoder_key", "original_keys")),

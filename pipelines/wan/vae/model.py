@@ -183,12 +183,12 @@ def _chunk_programs(effort: float | None) -> _ChunkPrograms:
                         rows_jit(_first_chunk_rows), rows_jit(_later_chunk_rows, donate_argnums=1))
 
 
-def _platform(tree: Any) -> str:  # of the first array of `tree` (the default backend's for host arrays)
+def platform_of(tree: Any) -> str:  # of the first array of `tree` (the default backend's for host arrays)
   leaf = jax.tree.leaves(tree)[0]
   return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
 
 
-def _check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
+def check_latents(config: WanVAEConfig, latents: jax.Array) -> None:
   if latents.ndim != 5:
     raise ValueError(f"latents must be [B, C, F, Hl, Wl], got {latents.shape=}")
   B, C, F, Hl, Wl = latents.shape
@@ -234,10 +234,10 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
   (`decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`), fp32 / bf16: arguments
   4.10 / 2.05 GB, temporaries 5.56 / 4.78 GB. `decode_parallel` splits both over D devices.
   """
-  _check_latents(vae.config, latents)
+  check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
     raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
-  programs = _chunk_programs(check_compile_effort(compile_effort, _platform(vae.params)))
+  programs = _chunk_programs(check_compile_effort(compile_effort, platform_of(vae.params)))
   z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
   chunk, cache = programs.first(vae, z_BFHWC[:, :1])
   chunks = [chunk]
@@ -303,7 +303,7 @@ def decode_parallel_chunks(vae: WanVAE, latents: Any, mesh: Mesh, *,
   ceil(Hl / D) >= Hl, and the rows from 8 * Hl on are padding for the caller to drop.
   `compile_effort` as in `decode`. Raises as `decode_parallel` does, before any compute.
   """
-  _check_latents(vae.config, latents)
+  check_latents(vae.config, latents)
   rmesh = row_mesh(mesh)
   programs = _chunk_programs(check_compile_effort(compile_effort, rmesh.devices.flat[0].platform))
   B, C, F, Hl, Wl = latents.shape
@@ -390,7 +390,7 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
   """
   if split and not devices:
     raise ValueError("a split decode needs its devices")
-  platform = _platform(vae.params) if devices is None else devices[0].platform
+  platform = platform_of(vae.params) if devices is None else devices[0].platform
   programs = _chunk_programs(check_compile_effort(compile_effort, platform))
 
   def placed(tree, sharding):
@@ -422,6 +422,12 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
           "later": programs.later_rows.lower(vae, placed(cache, sharding), z, mesh=mesh, rows=rows)}
 
 
+def abstract_vae(config: WanVAEConfig, dtype: jnp.dtype = jnp.float32) -> WanVAE:
+  """The model with `jax.ShapeDtypeStruct` parameters (JAX layout, `dtype`): for lowering only."""
+  return WanVAE(config, {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
+                         for k, s in config.param_shapes().items()})
+
+
 def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
                                 dtype: jnp.dtype = jnp.float32):
   """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
@@ -429,9 +435,7 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
   Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
   default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `decode` cites it.
   """
-  params = {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
-            for k, s in config.param_shapes().items()}
-  programs = lower_decode_programs(WanVAE(config, params), batch=batch, latent_height=latent_height,
+  programs = lower_decode_programs(abstract_vae(config, dtype), batch=batch, latent_height=latent_height,
                                    latent_width=latent_width, devices=jax.devices()[:1], split=False)
   return programs["later"].compile().memory_analysis()
 
@@ -459,6 +463,26 @@ def _encode_first_chunk(vae: WanVAE, x_BTHWC: jax.Array) -> tuple[jax.Array, L.C
 _encode_next_chunk = jax.jit(encode_chunk, donate_argnums=1)
 
 
+def check_video(config: WanVAEConfig, video: Any) -> None:
+  """Raises `encode`'s ValueErrors for a video [B, 3, frames, height, width] the VAE cannot encode."""
+  if video.ndim != 5:
+    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
+  B, C, frames, height, width = video.shape
+  if C != config.video_channels:
+    raise ValueError(f"video has {C=} channels but the VAE expects {config.video_channels}")
+  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
+    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
+  f = config.spatial_factor
+  if height < f or width < f or height % f or width % f:
+    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
+
+
+def latent_distribution(h_BFHWC: Any) -> LatentDistribution:
+  """The encoder's output [B, F, Hl, Wl, 2C] (after quant_conv) -> mean and clamped logvar [B, C, F, Hl, Wl]."""
+  mean, logvar = jnp.split(jnp.transpose(jnp.asarray(h_BFHWC), (0, 4, 1, 2, 3)), 2, axis=1)
+  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))
+
+
 def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   """Encodes a video into the latent Gaussian (diffusers `AutoencoderKLWan.encode(x).latent_dist`).
 
@@ -478,23 +502,12 @@ def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
   Time chunking as diffusers `_encode`: frame 0 alone, then chunks of 4 frames, each one latent frame
   (temporal factor 4); the cache is carried as in `decode`.
   """
-  cfg = vae.config
-  if video.ndim != 5:
-    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
-  B, C, frames, height, width = video.shape
-  if C != cfg.video_channels:
-    raise ValueError(f"video has {C=} channels but the VAE expects {cfg.video_channels}")
-  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
-    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
-  f = cfg.spatial_factor
-  if height < f or width < f or height % f or width % f:
-    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
+  check_video(vae.config, video)
+  frames = video.shape[2]
   x_BFHWC = jnp.transpose(video.astype(vae.dtype), (0, 2, 3, 4, 1))
   h, cache = _encode_first_chunk(vae, x_BFHWC[:, :1])
   chunks = [h]
   for start in range(1, frames, ENCODER_CHUNK):
     h, cache = _encode_next_chunk(vae, cache, x_BFHWC[:, start:start + ENCODER_CHUNK])
     chunks.append(h)
-  h_BCFHW = jnp.transpose(jnp.concatenate(chunks, axis=1), (0, 4, 1, 2, 3))
-  mean, logvar = jnp.split(h_BCFHW, 2, axis=1)
-  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))
+  return latent_distribution(jnp.concatenate(chunks, axis=1))
