@@ -1,9 +1,14 @@
-"""Test harness: every test sees 8 fake CPU devices.
+"""Test harness: every test sees 8 fake CPU devices; or, with `WAN_TEST_PLATFORM=tpu`, the TPU pass.
 
 XLA reads the device count when the backend initialises, so the flag must be set before anything
 imports jax; pytest imports conftest.py first, which makes this the place. Flags already in
 XLA_FLAGS are kept (e.g. `--xla_cpu_max_isa=AVX2` to round as another CPU does; docs/numerics.md); the
 device count is added to them.
+
+`WAN_TEST_PLATFORM=tpu` (end_to_end/tpu_recipe.sh sets it, on a machine with a TPU): JAX keeps its
+own platforms (the TPU, and the CPU backend the tests compute their references on), no fake
+devices, and only the tests marked `tpu` run (tests/tpu/). Without it those are collected and
+skipped (`TPU_SKIP_REASON`), so the CPU suite and CI list them.
 """
 
 import os
@@ -13,36 +18,82 @@ import pytest
 
 from tests.harness import DEVICE_FLAG
 
-os.environ["JAX_PLATFORMS"] = "cpu"
+PLATFORM_VARIABLE = "WAN_TEST_PLATFORM"
+TPU_PASS = os.environ.get(PLATFORM_VARIABLE, "") == "tpu"
+TPU_SKIP_REASON = "needs a TPU: bash end_to_end/tpu_recipe.sh runs them"
+
 # generate's persistent compilation cache stays off (never the user's ~/.cache) unless a test
 # points it at a temporary directory.
 os.environ["WAN_USP_JAX_COMPILE_CACHE"] = "off"
-_flags = os.environ.get("XLA_FLAGS", "")
-if DEVICE_FLAG not in _flags:
-  os.environ["XLA_FLAGS"] = f"{_flags} --{DEVICE_FLAG}=8".strip()
+if not TPU_PASS:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  _flags = os.environ.get("XLA_FLAGS", "")
+  if DEVICE_FLAG not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --{DEVICE_FLAG}=8".strip()
 
 import jax  # noqa: E402
 
-assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"
+if not TPU_PASS:
+  assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"
+
+
+def _check_tpu_pass() -> None:
+  """The TPU pass needs a TPU as JAX's default backend and the CPU backend beside it.
+
+  Raises:
+    pytest.UsageError: naming what JAX sees and the fix.
+  """
+  if os.environ.get(PLATFORM_VARIABLE) not in (None, "", "tpu"):
+    raise pytest.UsageError(f"{PLATFORM_VARIABLE}={os.environ[PLATFORM_VARIABLE]!r}: the only value is 'tpu' "
+                            "(unset for the CPU suite)")
+  if not TPU_PASS:
+    return
+  if jax.default_backend() != "tpu":
+    raise pytest.UsageError(f"{PLATFORM_VARIABLE}=tpu but JAX's default backend is {jax.default_backend()!r} "
+                            f"({jax.devices()}); run on a TPU machine with libtpu installed")
+  try:
+    jax.devices("cpu")
+  except RuntimeError as e:
+    raise pytest.UsageError(f"{PLATFORM_VARIABLE}=tpu needs the CPU backend too (the tests' references; "
+                            f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}): unset JAX_PLATFORMS "
+                            f"or set it to 'tpu,cpu' ({e})") from e
 
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "exhaustive: runs after the default set (tests/selection.py); "
                           "`-m exhaustive` selects it")
+  config.addinivalue_line("markers", f"tpu: runs on a TPU against the CPU backend ({PLATFORM_VARIABLE}=tpu, "
+                          "end_to_end/tpu_recipe.sh); skipped elsewhere")
+  _check_tpu_pass()
+
+
+def _select_platform(config, items) -> None:
+  """The TPU pass keeps only the `tpu` tests (deselecting the rest); the CPU suite skips them."""
+  on_tpu = [item for item in items if item.get_closest_marker("tpu") is not None]
+  if TPU_PASS:
+    rest = [item for item in items if item.get_closest_marker("tpu") is None]
+    if rest:
+      config.hook.pytest_deselected(items=rest)
+      items[:] = on_tpu
+    return
+  for item in on_tpu:
+    item.add_marker(pytest.mark.skip(reason=TPU_SKIP_REASON))
 
 
 def pytest_collection_modifyitems(config, items):
-  """Marks the tests of `selection.EXHAUSTIVE` (and `large` ones) `exhaustive`; without a `-m` that
-  names `exhaustive`, leaves them out (the README's test command), as `-m` would."""
+  """The platform's tests (`_select_platform`); then marks the tests of `selection.EXHAUSTIVE` (and
+  `large` ones) `exhaustive` and, without a `-m` that names `exhaustive`, leaves them out (the
+  README's test command), as `-m` would."""
   from tests.selection import EXHAUSTIVE, is_exhaustive
 
-  later = [item for item in items if is_exhaustive(item)]
-  for item in later:
-    item.add_marker("exhaustive")
   names = {n for item in items for n in (item.name, getattr(item, "originalname", item.name))}
   whole_suite = all(os.path.abspath(a) == os.path.dirname(os.path.abspath(__file__)) for a in config.args)
   if whole_suite and (unknown := sorted(EXHAUSTIVE - names)):
     raise pytest.UsageError(f"tests/selection.py names tests that do not exist: {unknown}")
+  _select_platform(config, items)
+  later = [item for item in items if is_exhaustive(item)]
+  for item in later:
+    item.add_marker("exhaustive")
   if "exhaustive" in (config.getoption("markexpr") or ""):
     return
   kept = [item for item in items if not is_exhaustive(item)]

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pipelines.pipeline.placement import PlacedWeights
+from pipelines.pipeline.precision import matmul_precision
 from pipelines.wan import vae as wan_vae
 
 
@@ -37,11 +38,18 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   optimization effort for the decoder's programs (None: the platform's, `vae_effort.decode_compile_effort`).
   `band_rows`: on one device, decode in bands of that many latent rows (`vae.decode_banded`: the
   same video to fp32 rounding, in bounded memory; a memory plan's `decode_band_rows`).
+  Runs under the VAE dtype's matmul precision (`precision.matmul_precision`: "highest" for fp32).
   """
+  with matmul_precision(weights.vae.dtype):  # as `lower_decoder`, so its compiled programs serve this
+    return _decode_videos(weights, latents, _split_mesh(mesh), compile_effort, band_rows)
+
+
+def _decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None,
+                   compile_effort: float | None, band_rows: int | None) -> np.ndarray:
+  """`decode_videos` on its split mesh (None: one device), in the caller's matmul precision."""
   vae = weights.vae
   videos = []
   height = latents.shape[3] * vae.config.spatial_factor
-  mesh = _split_mesh(mesh)
   for one in np.asarray(latents)[:, None]:
     z = wan_vae.denormalize_latents(vae.config, jnp.asarray(one).astype(vae.dtype))
     if mesh is None and band_rows is not None:
@@ -68,12 +76,16 @@ def lower_decoder(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: 
   """The VAE programs `decode_videos(weights, latents, mesh, compile_effort=...)` runs for latents of
   `latents_shape` [B, C, F, Hl, Wl], lowered for the arguments as it places them (`vae.
   lower_decode_programs`), so that compiling them compiles what that decode calls: JAX's in-memory
-  executable cache serves the decode. Nothing is placed or run. Raises ValueError for a bad effort."""
+  executable cache serves the decode (both lowered under the VAE dtype's matmul precision). Nothing
+  is placed or run. Raises ValueError for a bad effort."""
   _, _, _, latent_height, latent_width = latents_shape
   mesh = _split_mesh(mesh)
   devices = None if mesh is None else list(wan_vae.row_mesh(mesh).devices.flat)
-  return wan_vae.lower_decode_programs(weights.vae, batch=1, latent_height=latent_height, latent_width=latent_width,
-                                       devices=devices, split=mesh is not None, compile_effort=compile_effort)
+  with matmul_precision(weights.vae.dtype):
+    return wan_vae.lower_decode_programs(weights.vae, batch=1, latent_height=latent_height,
+                                         latent_width=latent_width, devices=devices, split=mesh is not None,
+                                         compile_effort=compile_effort)
+
 
 
 def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: Mesh | None) -> int | None:

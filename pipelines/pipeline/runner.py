@@ -21,6 +21,7 @@ from pipelines.pipeline.ahead import CompileAhead
 from pipelines.pipeline.decoding import lower_decoder
 from pipelines.pipeline.loop import LoopState, StepHook, denoise
 from pipelines.pipeline.memory_plan import plan_memory
+from pipelines.pipeline.precision import matmul_precision
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.wan import step_cache as wan_step_cache
 from pipelines.wan.vae import effective_compile_effort
@@ -150,17 +151,21 @@ class Runner:
 
   def _condition(self) -> Any:
     """The step's conditioning beyond the text (`pipe.conditioning(request)`: None for text-to-video;
-    for image-to-video the encoded images), timed as "condition"."""
+    for image-to-video the encoded images), timed as "condition"; a VAE stage, so under the VAE
+    dtype's matmul precision (`precision.matmul_precision`)."""
     self._enter("condition")
     start = time.perf_counter()
-    condition = self.pipe.conditioning(self.request, self.stage)
+    with matmul_precision(self.pipe.vae.dtype):
+      condition = self.pipe.conditioning(self.request, self.stage)
     self.timings["condition"] = time.perf_counter() - start
     return condition
 
   def _start_latents(self, noise: np.ndarray, sigma: np.float32) -> np.ndarray:
-    """`pipe.initial_latents` (the noise, or video-to-video's noised video), timed as "video_encode"."""
+    """`pipe.initial_latents` (the noise, or video-to-video's noised video), timed as "video_encode";
+    under the VAE dtype's matmul precision, as `_condition`."""
     start = time.perf_counter()
-    latents = self.pipe.initial_latents(self.request, noise, sigma, self.stage)
+    with matmul_precision(self.pipe.vae.dtype):
+      latents = self.pipe.initial_latents(self.request, noise, sigma, self.stage)
     if latents is not noise:
       self.timings["video_encode"] = time.perf_counter() - start
     return latents

@@ -329,7 +329,9 @@ def test_dpm_solver_matches_diffusers(folders, loaded, tmp_path):
 def test_a_step_program_per_matmul_precision(tiny):
   """The compiled step is reused for the same call, and not under another
   `jax.default_matmul_precision` (part of what the program computes: on TPU "highest" runs fp32
-  matmuls in full, the default in bf16 passes), as JAX's own jit cache would not reuse it."""
+  matmuls in full, the default in bf16 passes), as JAX's own jit cache would not reuse it. This fp32
+  pipeline runs at "highest" itself (`precision.matmul_precision`): the caller's "bfloat16" is
+  another program."""
   import jax
 
   call = dict(height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=8, seed=0,
@@ -338,7 +340,10 @@ def test_a_step_program_per_matmul_precision(tiny):
   traced = tiny.compiled_steps.traces
   tiny("a red square", **call)
   assert tiny.compiled_steps.traces == traced  # control: the same call compiles nothing
-  with jax.default_matmul_precision("highest"):
+  with jax.default_matmul_precision("highest"):  # what the fp32 pipeline asks for itself
+    tiny("a red square", **call)
+  assert tiny.compiled_steps.traces == traced
+  with jax.default_matmul_precision("bfloat16"):
     tiny("a red square", **call)
   assert tiny.compiled_steps.traces == traced + 1
 
