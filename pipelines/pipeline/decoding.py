@@ -104,8 +104,9 @@ def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):
   no band fits."""
   _, _, _, latent_height, latent_width = latents_shape
   vae_bytes = _vae_bytes(weights)
-  return lambda available: wan_vae.choose_band_rows(weights.vae, 1, latent_height, latent_width,
-                                                    available + vae_bytes)
+  vae = weights.vae
+  return lambda available: wan_vae.choose_band_rows(vae.config, 1, latent_height, latent_width,
+                                                    available + vae_bytes, dtype=vae.dtype)
 
 
 def _vae_bytes(weights: PlacedWeights) -> int:
