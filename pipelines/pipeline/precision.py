@@ -9,8 +9,9 @@ reported from other runs).
 fp32 already does, so the CPU's videos are bit for bit as before).
 
 One rule, applied where a `WanPipeline` call runs its stages (docs/numerics.md, "Matmul precision"):
-- `WanPipeline.generate` (the text encoder, the compiled denoise steps, the text K/V) runs under
-  the pipeline's dtype (`pipe.dtype`, the transformer's and text encoder's);
+- a call's run (`runner.Runner.run`, which `WanPipeline.generate` runs, once per window for
+  continued windows: the text encoder, the compiled denoise steps, the text K/V) runs under the
+  pipeline's dtype (`pipe.dtype`, the transformer's and text encoder's);
 - the VAE stages (the decode and its compile-ahead lowering, `decoding.py`; the conditioning and
   video-to-video encodes, `runner.Runner`) run under the VAE's dtype (`pipe.vae.dtype`): a float32
   VAE (every preset's default, and the tiny models') decodes at full fp32 under a bf16 pipeline too.
