@@ -175,6 +175,20 @@ class MeshSpec:
 
   # --- validation ---
 
+  def too_few_devices(self, available: int, platform: str) -> str:
+    """The message for a mesh of more devices than the `available` ones of `platform`, naming what
+    runs here: on CPU, the same mesh on simulated devices (XLA's device-count flag, as `generate`
+    sets it itself); on an accelerator, whose devices cannot be simulated, the planner's pick for
+    the visible devices or no mesh (one device), or a mesh of at most `available` devices."""
+    head = f"mesh {self} needs {self.devices} devices but {available} are visible"
+    if platform == "cpu":
+      return (f"{head}; use a smaller mesh (on CPU, set XLA_FLAGS=--{DEVICE_FLAG}={self.devices} before JAX "
+              "starts)")
+    devices = f"{available} visible {platform} device{'s' if available != 1 else ''}"
+    smaller = f", or a mesh of at most {available} devices (e.g. U=1,R={available})" if available > 1 else ""
+    return (f"{head}; what runs here: --mesh auto (the planner's pick for the {devices}; python -m "
+            f"end_to_end.plan) or drop --mesh (mesh=None in Python: one device){smaller}")
+
   def workable(self, num_heads: int, num_kv_heads: int | None = None) -> list[MeshSpec]:
     """The specs with this one's device count, cfg, windows and weight sharding whose U splits the
     heads."""
@@ -183,13 +197,16 @@ class MeshSpec:
             for u in _divisors(self.sequence_devices) if heads_fit(u, num_heads, num_kv_heads)]
 
   def check(self, *, num_heads: int | None = None, num_kv_heads: int | None = None,
-            device_count: int | None = None, cfg_active: bool | None = None) -> None:
+            device_count: int | None = None, cfg_active: bool | None = None, platform: str | None = None) -> None:
     """Checks the spec against the heads, the devices and the guidance, naming what would work.
 
     Args:
       num_heads, num_kv_heads: N and K of the model (K defaults to N); None skips the head check.
       device_count: devices available (None: `jax.device_count()`).
       cfg_active: whether the run uses classifier-free guidance (None: not known yet).
+      platform: the devices' platform ("cpu", "tpu", "gpu"; None: `jax.default_backend()`, asked only
+        when too few devices are visible), which decides what the device message proposes
+        (`too_few_devices`).
 
     Raises:
       ValueError: more devices than available, heads that U does not split, or CFG=2 without
@@ -200,9 +217,10 @@ class MeshSpec:
       device_count = jax.device_count()
     available = device_count
     if self.devices > available:
-      raise ValueError(f"mesh {self} needs {self.devices} devices but {available} are visible; use a "
-                       f"smaller mesh (on CPU, set XLA_FLAGS=--{DEVICE_FLAG}={self.devices} before JAX "
-                       "starts)")
+      if platform is None:
+        import jax  # noqa: PLC0415
+        platform = jax.default_backend()
+      raise ValueError(self.too_few_devices(available, platform))
     if num_heads is not None:
       kv = num_heads if num_kv_heads is None else num_kv_heads
       if not heads_fit(self.ulysses, num_heads, kv):
@@ -236,7 +254,7 @@ class MeshSpec:
     from jax.sharding import Mesh  # noqa: PLC0415
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < self.devices:
-      self.check(device_count=len(devices))
+      self.check(device_count=len(devices), platform=devices[0].platform if devices else None)
     grid = np.array(devices[: self.devices], dtype=object).reshape(self.shape)
     return Mesh(grid, self.axes, axis_types=(jax.sharding.AxisType.Auto,) * len(self.axes))
 

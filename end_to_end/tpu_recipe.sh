@@ -27,10 +27,11 @@ LOG="${OUT:-.}/tpu_tests.log"
 mkdir -p "$SITE" "$SITE_INDEX" "$(dirname "$LOG")"
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
-# The machine's JAX (and the site folder it lives in) first, then the repository, then what we install.
+# The repository, then the machine's JAX (the site folder it lives in: the local index's flax pulls a
+# jax into $SITE_INDEX, which must not shadow it; measured), then what we install.
 JAX_SITE="$("$PYTHON" -c 'import jax, os; print(os.path.dirname(os.path.dirname(jax.__file__)))')" \
   || { echo "error: $PYTHON cannot import jax: this recipe needs a machine with JAX + libtpu" >&2; exit 2; }
-export PYTHONPATH="$JAX_SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}:$SITE:$SITE_INDEX"
+export PYTHONPATH="$ROOT:$JAX_SITE${PYTHONPATH:+:$PYTHONPATH}:$SITE:$SITE_INDEX"
 
 # module:package, what the project imports at run time (pyproject.toml) and what tests/tpu and pytest need.
 PAIRS="flax:flax einops:einops numpy:numpy PIL:pillow safetensors:safetensors imageio:imageio

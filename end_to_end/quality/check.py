@@ -23,7 +23,8 @@ A candidate passes when, for its dtype, PSNR >= --min-psnr and SSIM >= --min-ssi
 over frames as --gate says (mean, the default, or min), and max |latent diff| <= --max-latent-diff
 when that is given. Exit status: 0 when every candidate passes, 1 when any fails, 2 on a usage
 error. A mesh larger than the visible device count is simulated on CPU (fake devices, set before
-JAX starts).
+JAX starts); on an accelerator the default mesh (U=2,R=2) falls back to a ring over the visible
+devices (U=1,R=1 on one chip), with a note, and a larger --mesh is refused naming one that fits.
 
 Models (`--model`): 'tiny', the embedded trained tiny default (`WanPipeline.tiny()`, the shapes
 world of end_to_end/train/synthetic_world.py; run at its own settings unless given: "a red square moving
@@ -187,7 +188,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
   if args.matrix and (args.dtype or args.mesh or args.attention):
     raise UsageError("--matrix sets --dtype, --mesh and --attention itself; drop them or drop --matrix")
   dtypes = list(DTYPES) if args.matrix else (args.dtype or ["bfloat16"])
-  meshes = list(MATRIX_MESHES) if args.matrix else (args.mesh or ["U=2,R=2"])
+  meshes = list(MATRIX_MESHES) if args.matrix else (args.mesh or [DEFAULT_MESH])
   attentions = list(MATRIX_ATTENTION) if args.matrix else (args.attention or ["auto"])
   try:
     specs = {text: MeshSpec.parse(text) for text in meshes}
@@ -219,6 +220,37 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
   return dict(candidates=candidates, devices=max(c["spec"].devices for c in candidates), plots=plots,
               content=content, min_psnr=min_psnr, min_ssim=min_ssim,
               max_latent_diff=parse_thresholds(args.max_latent_diff, "--max-latent-diff"))
+
+
+DEFAULT_MESH = "U=2,R=2"
+
+
+def fit_devices(p: dict[str, Any], args: argparse.Namespace, device_count: int, platform: str
+                ) -> tuple[dict[str, Any], str | None]:
+  """The plan `p` for the `device_count` visible devices of `platform` (JAX up), and a note when it
+  changed. Meshes that fit are kept. On an accelerator, whose devices cannot be simulated, the
+  default mesh (no --mesh, no --matrix) falls back to a ring over the visible devices (U=1,R=n, which
+  fits any model; one device: U=1,R=1), said in the note.
+
+  Raises:
+    UsageError: a candidate mesh larger than the visible devices, naming what to run: on CPU the
+      device-count flag (as `main` sets it when JAX has not started), elsewhere smaller meshes.
+  """
+  if device_count >= p["devices"]:
+    return p, None
+  if platform == "cpu":
+    raise UsageError(f"the largest candidate mesh needs {p['devices']} devices but JAX sees {device_count}; "
+                     f"start with XLA_FLAGS=--{DEVICE_FLAG}={p['devices']} on CPU")
+  devices = f"{device_count} visible {platform} device{'s' if device_count != 1 else ''}"
+  fits = MeshSpec(ring=device_count)
+  if args.mesh or args.matrix:
+    given = "--matrix's meshes need" if args.matrix else "the largest --mesh needs"
+    raise UsageError(f"{given} {p['devices']} devices but there are {device_count} ({devices}); give meshes of "
+                     f"at most {device_count} devices, e.g. --mesh {fits}")
+  candidates = [dict(c, mesh=str(fits), spec=fits) for c in p["candidates"]]
+  note = (f"the default mesh {DEFAULT_MESH} needs {p['devices']} devices but there are {device_count} "
+          f"({devices}): checking on mesh {fits} instead (--mesh chooses another)")
+  return dict(p, candidates=candidates, devices=fits.devices), note
 
 
 PER_FRAME_PLOT = "per_frame.png"
@@ -330,11 +362,13 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   from pipelines.pipeline.inputs import round_num_frames
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
-  if jax.device_count() < p["devices"]:
-    print(f"error: the largest candidate mesh needs {p['devices']} devices but JAX sees "
-          f"{jax.device_count()}; start with XLA_FLAGS=--{DEVICE_FLAG}={p['devices']} on CPU",
-          file=sys.stderr)
+  try:
+    p, note = fit_devices(p, args, jax.device_count(), jax.default_backend())
+  except UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
     return 2
+  if note is not None:
+    print(f"note: {note}", file=sys.stderr)
 
   args.frames = round_num_frames(args.frames)  # once, with its warning, before the latents' shape
   pipes: dict[tuple[str, str | None], WanPipeline] = {}

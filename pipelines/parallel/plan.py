@@ -115,7 +115,8 @@ class ParallelPlan:
       distributed.check_mesh_spans_processes(None)
     else:
       distributed.check_equal_device_counts()  # per-process counts named before the total
-      spec.check(device_count=spec.devices if built is not None else jax.device_count())
+      spec.check(device_count=spec.devices if built is not None else jax.device_count(),
+                 platform=jax.default_backend())
       check_spec(spec, cfg_active=cfg_active, heads=heads, kv_heads=kv_heads)
       distributed.check_mesh_spans_processes(spec.devices)
       built = spec.build(jax.devices()) if built is None else built

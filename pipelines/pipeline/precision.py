@@ -2,13 +2,16 @@
 
 XLA:TPU runs float32 matmuls and convolutions in one bfloat16 pass by default (`Precision.DEFAULT`:
 the operands rounded to bf16, products summed in fp32), so a float32 pipeline on a TPU computed
-bf16-like videos: the tiny default's fp32 video on a TPU v5e was 47-60 dB PSNR from the CPU's.
+bf16-like videos: the tiny default's fp32 video (the README's prompt, seed 0) on a TPU v5e was
+65.6 dB PSNR from the CPU's, 116.7 dB with "highest" (tests/tpu/test_pipeline.py; 47-60 dB was
+reported from other runs).
 "highest" asks for full fp32 products (on TPU several bf16 passes per product; on CPU it is what
 fp32 already does, so the CPU's videos are bit for bit as before).
 
 One rule, applied where a `WanPipeline` call runs its stages (docs/numerics.md, "Matmul precision"):
-- `WanPipeline.generate` (the text encoder, the compiled denoise steps, the text K/V) runs under
-  the pipeline's dtype (`pipe.dtype`, the transformer's and text encoder's);
+- a call's run (`runner.Runner.run`, which `WanPipeline.generate` runs, once per window for
+  continued windows: the text encoder, the compiled denoise steps, the text K/V) runs under the
+  pipeline's dtype (`pipe.dtype`, the transformer's and text encoder's);
 - the VAE stages (the decode and its compile-ahead lowering, `decoding.py`; the conditioning and
   video-to-video encodes, `runner.Runner`) run under the VAE's dtype (`pipe.vae.dtype`): a float32
   VAE (every preset's default, and the tiny models') decodes at full fp32 under a bf16 pipeline too.

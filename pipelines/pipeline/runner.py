@@ -75,7 +75,13 @@ class Runner:
       self.options.on_stage(name)
 
   def run(self) -> Any:
-    """The whole generation; returns a `GenerationResult`."""
+    """The whole generation, under the pipeline dtype's matmul precision (`precision.matmul_precision`:
+    float32 weights, full fp32 products on TPU too; the VAE stages under the VAE's); returns a
+    `GenerationResult`."""
+    with matmul_precision(self.pipe.dtype):
+      return self._run()
+
+  def _run(self) -> Any:
     start = time.perf_counter()
     try:
       state = self._initial_state()

@@ -41,7 +41,6 @@ from pipelines.pipeline.decoding import decode_videos
 from pipelines.pipeline.inputs import check_output_type, frames_to_pil
 from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.pipeline.placement import PlacedWeights
-from pipelines.pipeline.precision import matmul_precision
 from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.pipeline.request import GenerationRequest
 from pipelines.pipeline.continued import run_continued
@@ -452,9 +451,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
 
   def generate(self, request: GenerationRequest, options: CallOptions | None = None, *,
                resume: resume_state.ResumeConfig | None = None) -> GenerationResult:
-    """Runs a checked request (`GenerationRequest.build(pipe.facts, ...)`). A float32 pipeline runs
-    under `jax.default_matmul_precision("highest")` (full fp32 products on TPU; the VAE stages under
-    the VAE's dtype; a caller's own setting wins: `precision.matmul_precision`).
+    """Runs a checked request (`GenerationRequest.build(pipe.facts, ...)`).
 
     Args:
       request: the generation.
@@ -479,10 +476,9 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       options = dataclasses.replace(options, resume=resume)
     self._interrupt = False  # diffusers: reset as each call starts; a callback may set it
     self._num_timesteps = request.steps_run
-    with matmul_precision(self.dtype):  # fp32 weights, fp32 products on TPU too (precision.py)
-      if request.windows is not None and request.windows.fuse == "continue":
-        return run_continued(self, request, options)
-      return Runner(self, request, options).run()
+    if request.windows is not None and request.windows.fuse == "continue":
+      return run_continued(self, request, options)
+    return Runner(self, request, options).run()
 
   def _check_calibration(self, request: GenerationRequest) -> None:
     """Warns when a MagCache calibration was made for another model or setting
@@ -507,12 +503,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     """Cleaned, tokenised and UMT5-encoded prompts, zero past each true length.
 
     Returns:
-      [len(prompts), L, text_dim] in the model dtype (diffusers casts to the transformer dtype),
-      computed under the model dtype's matmul precision (as in `generate`).
+      [len(prompts), L, text_dim] in the model dtype (diffusers casts to the transformer dtype).
     """
-    with matmul_precision(self.dtype):
-      return text_states.encode_prompts(self.tokenizer, self.text_encoder_config, self.weights.text_params,
-                                        prompts, max_sequence_length, self.dtype, mesh=self.weights.text_mesh)
+    return text_states.encode_prompts(self.tokenizer, self.text_encoder_config, self.weights.text_params,
+                                      prompts, max_sequence_length, self.dtype, mesh=self.weights.text_mesh)
 
   def decode(self, latents: np.ndarray, mesh: Mesh | None = None, *,
              compile_effort: float | None = None, band_rows: int | None = None) -> np.ndarray:

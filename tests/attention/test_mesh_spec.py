@@ -82,6 +82,25 @@ def test_check_names_what_works():
   assert batch_axis(mesh) == "cfg" and WINDOWS_AXIS not in mesh.axis_names  # W = 1: the three-axis mesh
 
 
+def test_too_few_accelerator_devices_names_what_runs_here():
+  """On one TPU chip the README's mesh names what would run there (the planner's pick, or one
+  device); with a few chips, a mesh that fits too; on CPU it stays the simulated-devices advice."""
+  spec = MeshSpec.parse("U=2,R=2")
+  with pytest.raises(ValueError) as one:
+    spec.check(device_count=1, platform="tpu")
+  assert str(one.value) == ("mesh U=2,R=2 needs 4 devices but 1 are visible; what runs here: --mesh auto (the "
+                            "planner's pick for the 1 visible tpu device; python -m end_to_end.plan) or drop --mesh "
+                            "(mesh=None in Python: one device)")
+  with pytest.raises(ValueError, match=r"2 visible gpu devices; .*or a mesh of at most 2 devices \(e.g. U=1,R=2\)"):
+    spec.check(device_count=2, platform="gpu")
+  with pytest.raises(ValueError, match=r"needs 4 devices but 1 are visible; use a smaller mesh \(on CPU, set "
+                                       r"XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+    spec.check(device_count=1, platform="cpu")
+  with pytest.raises(ValueError, match="on CPU, set XLA_FLAGS"):  # platform None: this process's backend (cpu)
+    spec.check(device_count=1)
+  spec.check(device_count=4, platform="tpu")  # fits: no error
+
+
 @pytest.mark.parametrize("text,shape", [("W=2,U=2,R=1", (1, 2, 1, 2)), ("CFG=2,W=2,U=2,R=1", (2, 2, 1, 2)),
                                         ("W=4,R=2", (1, 4, 2, 1))])
 def test_windows_mesh_layout(text, shape):

@@ -58,6 +58,29 @@ def test_metrics_reject_mismatched_shapes():
 
 # --- quality -------------------------------------------------------------------------------------
 
+def test_quality_default_mesh_on_one_chip():
+  """`python -m end_to_end.quality.check` with its defaults on a host with one TPU device: the
+  default mesh (U=2,R=2) falls back to one that fits, with a note; a given mesh too large is
+  refused naming one that fits; on CPU the simulated-devices advice stays; a mesh that fits is kept."""
+  def planned(*argv):
+    args = quality_check.build_parser().parse_args(list(argv))
+    return args, quality_check.plan(args)
+
+  args, p = planned()
+  assert p["devices"] == 4 and quality_check.fit_devices(p, args, 4, "tpu") == (p, None)
+  fitted, note = quality_check.fit_devices(p, args, 1, "tpu")
+  assert [str(c["spec"]) for c in fitted["candidates"]] == ["U=1,R=1"] and fitted["devices"] == 1
+  assert note == ("the default mesh U=2,R=2 needs 4 devices but there are 1 (1 visible tpu device): checking on "
+                  "mesh U=1,R=1 instead (--mesh chooses another)")
+  assert quality_check.fit_devices(p, args, 2, "tpu")[0]["candidates"][0]["mesh"] == "U=1,R=2"
+  with pytest.raises(quality_check.UsageError, match="XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+    quality_check.fit_devices(p, args, 1, "cpu")
+  args, p = planned("--mesh", "U=4,R=1")
+  with pytest.raises(quality_check.UsageError, match=r"the largest --mesh needs 4 devices but there are 1 \(1 "
+                                                     r"visible tpu device\); .* e.g. --mesh U=1,R=1"):
+    quality_check.fit_devices(p, args, 1, "tpu")
+
+
 def test_quality_thresholds_parse():
   assert quality_check.parse_thresholds("35", "--min-psnr") == {"float32": 35.0, "bfloat16": 35.0}
   assert quality_check.parse_thresholds("float32=60,bfloat16=35", "--min-psnr") == {"float32": 60.0, "bfloat16": 35.0}

@@ -1,10 +1,13 @@
 """The embedded tiny default (`WanPipeline.tiny()`, the README's "a red square moving right" at its
 preset: 64x64 x 17 frames, 8 steps, shift 3, guidance 2, seed 0) on the TPU against the CPU's fp32.
 
-The acceptance bars: the fp32 video on the TPU >= 60 dB PSNR from the CPU's (the quality check's
-fp32 bar for trained content; before `precision.matmul_precision` it was 47-60 dB: the TPU's
-default one-bf16-pass matmuls), the bf16 video on the TPU >= 35 dB from the CPU's fp32 (its bf16
-bar; bf16 on the CPU is 49 dB from fp32, docs/numerics.md).
+The acceptance bars are 60 dB PSNR for the fp32 video on the TPU against the CPU's (the quality
+check's fp32 bar for trained content) and 35 dB for the bf16 video on the TPU against the CPU's fp32
+(its bf16 bar). fp32 is held here to the suite's bar for two fp32 runs of the pipeline,
+`FP32_VIDEO_PSNR_DB` (80 dB), which the TPU's default precision (one bf16 pass per fp32 matmul)
+misses: measured on a v5e (JAX 0.10.2), fp32 at the default precision 65.6 dB, at "highest"
+(`precision.matmul_precision`) 116.7 dB; bf16 62.9 dB with its fp32 VAE at the default precision,
+64.9 dB at "highest".
 
 The CPU reference runs in a child process with JAX_PLATFORMS=cpu: a pipeline places its weights and
 states on `jax.devices()[0]` (the TPU in this process, whatever `jax.default_device` says), so
@@ -24,7 +27,7 @@ import pytest
 from pipelines import WanPipeline
 from pipelines.commands.presets import PRESETS
 from tests.harness import REPO_ROOT, child_env
-from tests.numerics import assert_psnr_at_least
+from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 from tests.tpu.backends import assert_on
 
 pytestmark = pytest.mark.tpu
@@ -33,7 +36,7 @@ PROMPT = "a red square moving right"
 _PRESET = PRESETS["tiny"]
 CALL = dict(height=_PRESET.height, width=_PRESET.width, num_frames=_PRESET.frames,
             num_inference_steps=_PRESET.steps, flow_shift=_PRESET.shift, guidance_scale=_PRESET.guidance[0], seed=0)
-FP32_MIN_DB = 60.0
+FP32_MIN_DB = FP32_VIDEO_PSNR_DB  # >= the acceptance bar of 60 dB
 BF16_MIN_DB = 35.0
 
 _CHILD = """

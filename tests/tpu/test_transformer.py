@@ -42,6 +42,7 @@ FP32_REL = 4 * CONFIG.num_layers * 4 * math.sqrt(CONFIG.ffn_dim) * EPS_F32
 # roundoff 2^-9) that change the output (8 Linear / attention outputs, and the bf16 weights of 8
 # Linears), adding at most linearly over 2 blocks: 2 * 16 * 2^-9 = 0.0625.
 BF16_RMS_REL = CONFIG.num_layers * 16 * 2.0**-9
+# Measured on a v5e (JAX 0.10.2): fp32 at "highest" 2.5e-5 (FP32_REL 3.6e-4), bf16 5.5e-3 (0.0625).
 
 _forward = jax.jit(forward, static_argnames=("plan",))
 

@@ -150,6 +150,20 @@ def test_plan_windows_degree():
   check_spec(MeshSpec(windows=2, shard_weights=True), cfg_active=False, heads=4)  # W alone: a 2-device mesh
 
 
+def test_a_mesh_too_large_for_one_chip_names_what_runs_here(monkeypatch):
+  """The Python call and `generate` (as "--mesh: ...", `flag_error`) on a host with one TPU device:
+  the plan asks the backend for its platform, so the message proposes the planner's pick or one
+  device, not simulated CPU devices."""
+  from pipelines.cli.flags import flag_error
+
+  monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(ValueError, match=r"needs 4 devices but 1 are visible; what runs here: --mesh auto") as e:
+    ParallelPlan.build("U=2,R=2", heads=12)
+  assert str(flag_error(e.value)).startswith("--mesh: mesh U=2,R=2 needs 4 devices")
+  assert "drop --mesh" in str(e.value) and "XLA_FLAGS" not in str(e.value)
+
+
 # --- generate --mesh auto ------------------------------------------------------------------------
 
 def test_generate_mesh_auto_and_cfg(tmp_path, capsys):
