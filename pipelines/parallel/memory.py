@@ -177,7 +177,10 @@ def _plan(b: ComponentBytes, budget: int, placement: str, band_rows_for: object)
     p = dataclasses.replace(p, transformer_at_decode=False)
   resident_text = b.text_encoder if placement == "resident" else 0
   if b.decode_work is not None and band_rows_for is not None and _stages(b, p)["decode"] > budget:
-    rows = band_rows_for(budget - resident_text - b.vae)
+    try:
+      rows = band_rows_for(budget - resident_text - b.vae)
+    except ValueError:  # no band fits beside what this placement keeps: the plan does not fit
+      rows = None
     if rows is not None:
       p = dataclasses.replace(p, decode_band_rows=rows)
   stages = _stages(b, p)
