@@ -125,8 +125,7 @@ class MemoryPlan:
       ValueError: an unknown placement; nothing fits (naming the stage and the bytes); a decode no
         band fits (from `band_rows_for`).
     """
-    if placement != "auto" and placement not in PLACEMENTS:
-      raise ValueError(f"placement={placement!r} is not one; use 'auto' or one of {', '.join(PLACEMENTS)}")
+    check_placement(placement)
     if budget is None:
       return cls(placement="resident" if placement == "auto" else placement, forced=placement != "auto")
     names = PLACEMENTS if placement == "auto" else (placement,)
@@ -141,6 +140,13 @@ class MemoryPlan:
                      f"component at a time: {_size(best.peak)} needed by its largest stage "
                      f"({_largest_stage(b, best)}), {_size(budget)} available; use a smaller video "
                      "(--size, --frames), --quantize int8, or a mesh of several devices (--mesh auto)")
+
+
+def check_placement(placement: str) -> str:
+  """`placement` when it is "auto" or one of `PLACEMENTS`; else ValueError naming them."""
+  if placement != "auto" and placement not in PLACEMENTS:
+    raise ValueError(f"placement={placement!r} is not one; use 'auto' or one of {', '.join(PLACEMENTS)}")
+  return placement
 
 
 def _size(n: int) -> str:

@@ -24,7 +24,6 @@ What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from jax.sharding import Mesh
 
 from attention.mesh import MeshSpec
 from pipelines.pipeline import loading, resume as resume_state, single_file, text as text_states
+from pipelines.parallel.memory import check_placement
 from pipelines.pipeline.call_options import CallOptions, split_options
 from pipelines.pipeline.decoding import decode_videos
 from pipelines.pipeline.inputs import check_output_type, frames_to_pil
@@ -48,7 +48,6 @@ from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
 from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
 from pipelines.pipeline.vace_inputs import conditioning as vace_conditioning
-from pipelines.storage import weights
 from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as wan_step_cache, vae as wan_vae
 from pipelines.wan.step_cache import calibration as mag_calibration
 from pipelines.wan.transformer import quantization, WanTransformer
@@ -332,21 +331,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self.step_cache = wan_step_cache.parse_step_cache(step_cache, model=self.name)
 
   def set_memory_placement(self, placement: str = "auto") -> None:
-    """Where the weights live during every following call (`parallel.memory`): "auto" (default: all
-    resident when they fit the device, else the cheapest placement that fits), "resident",
-    "encoder-offloaded" (the text encoder on the device only for the encode) or "encoder-on-host" (the
-    text encoder runs on the host CPU). The transformer leaves the device for the decode, and the
-    decode runs in bands of latent rows, where the device's memory needs it. diffusers' nearest is
-    `enable_model_cpu_offload`. Each call says its plan in a stage line and in `settings["memory_plan"]`.
-
-    Raises:
-      ValueError: an unknown placement.
-    """
-    from pipelines.parallel.memory import PLACEMENTS
-
-    if placement != "auto" and placement not in PLACEMENTS:
-      raise ValueError(f"placement={placement!r} is not one; use 'auto' or one of {', '.join(PLACEMENTS)}")
-    self.memory_placement = placement
+    """Where the weights live in every following call (`parallel.memory`, diffusers' nearest:
+    `enable_model_cpu_offload`): "auto" (the fastest placement that fits the device), "resident",
+    "encoder-offloaded" or "encoder-on-host". Raises ValueError for another name."""
+    self.memory_placement = check_placement(placement)
 
   def disable_cache(self) -> None:
     """Every following call runs every block of every step."""
@@ -470,7 +458,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     if request.model != self.facts:
       raise ValueError(f"the request was checked against another model ({request.model}); this pipeline is "
                        f"{self.facts}: build it with GenerationRequest.build(pipe.facts, ...)")
-    self._check_calibration(request)
+    mag_calibration.warn_other_calibration(  # MagCache ratios made for another model or setting
+        request.step_cache, model=self.name, fingerprint=self.fingerprint, height=request.height,
+        width=request.width, num_frames=request.num_frames, steps=request.steps,
+        max_sequence_length=request.max_sequence_length)
     options = CallOptions(progress=self._progress) if options is None else options
     if resume is not None:
       options = dataclasses.replace(options, resume=resume)
@@ -479,23 +470,6 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     if request.windows is not None and request.windows.fuse == "continue":
       return run_continued(self, request, options)
     return Runner(self, request, options).run()
-
-  def _check_calibration(self, request: GenerationRequest) -> None:
-    """Warns when a MagCache calibration was made for another model or setting
-    (`mag_calibration.check_calibration`): its skips would not fit this run."""
-    spec = request.step_cache
-    if spec is None or spec.method != "mag" or spec.ratios_source is None:
-      return
-    try:
-      metadata = weights.read_json(spec.ratios_source)
-    except weights.CheckpointError:
-      return  # ratios given as numbers, not a file: nothing recorded to compare
-    line = mag_calibration.check_calibration(
-        metadata, model=self.name, height=request.height, width=request.width, num_frames=request.num_frames,
-        steps=request.steps, fingerprint=self.fingerprint(), max_sequence_length=request.max_sequence_length,
-        source=spec.ratios_source)
-    if line is not None:
-      warnings.warn(line, stacklevel=4)
 
   # --- stages ---
 

@@ -103,3 +103,26 @@ def check_calibration(metadata: Mapping[str, Any], *, model: str, height: int, w
           "calibration belongs to one model and setting). Measure ratios for this run with `python -m "
           f"end_to_end.train.calibrate_cache --model MODEL --size {width}x{height} --frames {num_frames} "
           f"--steps {steps}{text} --out ratios.json` and pass mag:THRESH@ratios.json")
+
+
+def warn_other_calibration(spec: Any, *, model: str, fingerprint: Any, height: int, width: int, num_frames: int,
+                           steps: int, max_sequence_length: int) -> None:
+  """Warns (`check_calibration`'s line) when a MagCache spec's ratios file was made for another model
+  or setting: its skips would not fit this run. `spec`: the run's `StepCacheSpec` or None (nothing
+  to check, as for another method or ratios given as numbers); `fingerprint`: a callable giving the
+  run's `WanPipeline.fingerprint()` (only called when there is a file to compare)."""
+  import warnings
+
+  from pipelines.storage import weights
+
+  if spec is None or spec.method != "mag" or spec.ratios_source is None:
+    return
+  try:
+    metadata = weights.read_json(spec.ratios_source)
+  except weights.CheckpointError:
+    return  # ratios given as numbers, not a file: nothing recorded to compare
+  line = check_calibration(metadata, model=model, height=height, width=width, num_frames=num_frames, steps=steps,
+                           fingerprint=fingerprint(), max_sequence_length=max_sequence_length,
+                           source=spec.ratios_source)
+  if line is not None:
+    warnings.warn(line, stacklevel=4)

@@ -9,7 +9,7 @@ imports none of its modules, and a JAX-free module among them loads without JAX.
 from pipelines.wan import lazy_attributes
 
 _HOMES = (
-    ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory")),
+    ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory", "decode_step_memory_analysis")),
     ("pipelines.wan.vae.bands", ("band_plan", "decode_banded", "decoder_split", "encode_banded",
                                  "encoder_radius", "encoder_split", "lower_decode_band_programs",
                                  "tail_radius")),
@@ -19,7 +19,7 @@ _HOMES = (
                                   "decode_compile_effort", "effective_compile_effort")),
     ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "abstract_vae", "check_latents", "check_video",
                                  "decode", "decode_chunk", "decode_parallel", "decode_parallel_chunks",
-                                 "decode_step_memory_analysis", "denormalize_latents", "encode",
+                                 "denormalize_latents", "encode",
                                  "encode_chunk", "init_vae", "latent_distribution", "load_vae",
                                  "lower_decode_programs", "normalize_latents", "row_mesh", "row_split",
                                  "vae_from_state")),

@@ -109,3 +109,13 @@ def choose_band_rows(config: WanVAEConfig, batch: int, latent_height: int, laten
                      f"the banded head {head}, 1-row bands ~{one:.0f} (windows of 1 + 2 * {r} of "
                      f"{latent_height} rows; weights {weights}); raise the budget or lower the batch")
   return best
+
+
+def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
+                                dtype: jnp.dtype = jnp.float32):
+  """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
+
+  Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
+  default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `model.decode` cites it.
+  """
+  return _lowered(config, batch, latent_height, latent_width, None, np.dtype(dtype))["later"].compile().memory_analysis()

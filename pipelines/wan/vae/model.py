@@ -226,13 +226,10 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
   Only one chunk's activations plus the cache are live at a time; the decoded frames accumulate. Call it
   outside `jit`: under an outer trace the Python loop over frames would be unrolled.
 
-  Memory per device (XLA's memory analysis of the compiled later-chunk program): the feature cache
-  (last 2 input frames of the 32 cached convs) and weights, plus one chunk's temporaries; the new
-  cache aliases the donated one, so the peak does not grow with the frames (the decoded video
-  accumulates beside it). 720p bf16 on TPU v6e (`bench.pipeline --aot v6e:2x4 --stages decode`):
-  arguments 4.23 GiB, temporaries 15.69 GiB at effort -0.5 (13.89 at 0). 480p on CPU
-  (`decode_step_memory_analysis(WanVAEConfig(), 1, 60, 104, dtype)`), fp32 / bf16: arguments
-  4.10 / 2.05 GB, temporaries 5.56 / 4.78 GB. `decode_parallel` splits both over D devices.
+  Memory (`band_memory.decode_step_memory_analysis`): weights and cache plus one chunk's temporaries
+  (the new cache aliases the donated one). TPU v5e, JAX 0.10.2, libtpu 0.0.42.1 (2026-12-05), arguments /
+  temporaries GiB: Wan 2.1 480p fp32 4.01 / 9.15, bf16 2.00 / 5.78, 720p bf16 4.23 / 9.50; the Wan 2.2
+  VAE at 704x1280 needs 64.5 (fp32) / 32.2 (bf16) GiB of temporaries. `bands.decode_banded` bounds it.
   """
   check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
@@ -427,17 +424,6 @@ def abstract_vae(config: WanVAEConfig, dtype: jnp.dtype = jnp.float32) -> WanVAE
   return WanVAE(config, {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
                          for k, s in config.param_shapes().items()})
 
-
-def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
-                                dtype: jnp.dtype = jnp.float32):
-  """XLA's `memory_analysis()` of the compiled later-chunk decode program, from abstract shapes.
-
-  Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
-  default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `decode` cites it.
-  """
-  programs = lower_decode_programs(abstract_vae(config, dtype), batch=batch, latent_height=latent_height,
-                                   latent_width=latent_width, devices=jax.devices()[:1], split=False)
-  return programs["later"].compile().memory_analysis()
 
 
 # ----------------------------------------------------------------------------------------------
