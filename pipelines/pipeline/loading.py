@@ -107,9 +107,10 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   mesh_built, sharded = (None, False) if plan is None else (plan.mesh, plan.shard_weights)
   experts = [load_transformer(os.path.join(folder, n), model_dtype, mesh=mesh_built, shard_weights=sharded,
                               progress=progress, quantize=quantize) for n in names]
-  text_shardings = functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else None
-  text_encoder = umt5.load_umt5(os.path.join(folder, "text_encoder"), dtype=model_dtype,
-                                shardings=text_shardings, progress=progress)
+  text_folder = os.path.join(folder, "text_encoder")
+  text_shardings = (functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else
+                    text_encoder_shardings(umt5.UMT5Config.from_dict(weights.read_config(text_folder)), model_dtype))
+  text_encoder = umt5.load_umt5(text_folder, dtype=model_dtype, shardings=text_shardings, progress=progress)
   parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
@@ -121,6 +122,24 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
       parts.update(image_encoder=clip_vision.load_clip_vision(os.path.join(folder, "image_encoder")),
                    image_processor=load_image_processor(os.path.join(folder, "image_processor")))
   return parts, plan
+
+
+def text_encoder_shardings(config: umt5.UMT5Config, dtype: Any) -> Any:
+  """Where a text encoder is loaded when its weights are not sharded: None (the default device) when
+  they fit beside what the device already holds (`memory_stats()["bytes_in_use"]`, the transformer
+  loaded first) within `memory.device_budget`, else a function giving every leaf the host CPU's
+  device: the memory plan uploads them for each encode, or runs the encoder there. A CPU backend, or
+  a run of several processes, always gets None."""
+  from pipelines.parallel.memory import device_budget
+
+  budget = device_budget()
+  if budget is None or jax.process_count() > 1:
+    return None
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_params(config, dtype=dtype)))
+  if (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) + need <= budget:
+    return None
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  return lambda params: jax.tree.map(lambda _: host, params)
 
 
 def load_image_processor(folder: str) -> Any:

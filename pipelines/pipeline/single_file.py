@@ -44,7 +44,8 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
   text = read.text_encoder
   text_encoder = umt5.umt5_from_state(
       read.text_encoder_config, text.tensors, text.path, dtype=model_dtype, progress=progress, scales=text.scales,
-      shardings=functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else None)
+      shardings=functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else
+      loading.text_encoder_shardings(read.text_encoder_config, model_dtype))
   vae = wan_vae.vae_from_state(read.vae_config, read.vae.tensors, read.vae.path, dtype=vae_dt, progress=progress)
   parts = dict(tokenizer=read.tokenizer, text_encoder=text_encoder, transformers=[expert], vae=vae,
                scheduler_config=read.scheduler_config, expand_timesteps=read.expand_timesteps,

@@ -84,3 +84,24 @@ def test_auto_on_a_small_device_moves_the_encoder(pipe, resident, monkeypatch):
 def _leaves(tree):
   import jax
   return jax.tree.leaves(tree)
+
+
+def test_a_text_encoder_too_large_for_the_device_is_loaded_to_the_host(monkeypatch):
+  """`loading.text_encoder_shardings`: the default device while the encoder fits beside what is
+  placed, the host CPU beyond; a CPU backend (no memory limit) always the default device."""
+  import jax
+  import jax.numpy as jnp
+
+  from pipelines.parallel import memory
+  from pipelines.pipeline import loading
+  from pipelines.wan.encoders import umt5
+
+  config = umt5.PRESETS["tiny"]
+  assert loading.text_encoder_shardings(config, jnp.float32) is None  # CPU: no limit
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_params(config)))
+  monkeypatch.setattr(memory, "device_budget", lambda device=None: need)
+  assert loading.text_encoder_shardings(config, jnp.float32) is None  # fits exactly (nothing else in use)
+  monkeypatch.setattr(memory, "device_budget", lambda device=None: need - 1)
+  shardings = loading.text_encoder_shardings(config, jnp.float32)
+  placed = jax.tree.leaves(shardings(umt5.abstract_params(config)))
+  assert placed and all(s.device_set == {jax.devices("cpu")[0]} for s in placed)
