@@ -23,10 +23,18 @@ differently: fp32 results agree to rounding, see the tests).
 
 Memory (`streamed_decode_memory`, XLA's analysis of every program on abstract inputs, cached per
 process): weights + the whole cache + the largest program's own bytes (its activations in and out,
-its temporaries, and a held group input). Measured with XLA:CPU (a TPU's temporaries differ), B = 1,
-peak bytes, `decode`'s whole-chunk programs (`band_memory.decode_memory`) vs streamed:
-  Wan 2.1, 30 x 52 latents (240 x 416), fp32: whole 2.66 GB; streamed 2.40 GB (weights 0.51, cache
-    0.96, the last up block's resnets 0.93).
+its temporaries, and a held group input). Measured with XLA:CPU (a TPU's temporaries differ, and
+are what this is for: not measured here), B = 1, peak GB, `decode`'s whole-chunk programs
+(`band_memory.decode_memory`) vs streamed (weights + cache + largest program, which one):
+  Wan 2.1, 30 x 52 latents, fp32:   2.66 vs 2.40 (0.51 + 0.96 + 0.93, up_blocks.3.resnets.2).
+  Wan 2.1, 60 x 104 (480p), fp32:   9.68 vs 8.02 (0.51 + 3.81 + 3.71, up_blocks.3.resnets.2).
+  Wan 2.1, 90 x 160 (720p), fp32:  21.90 vs 17.81 (0.51 + 8.76 + 8.54, up_blocks.3.resnets.2).
+  Wan 2.2, 44 x 80 (704 x 1280), bf16: 15.02 vs 14.42 (1.41 + 3.25 + 9.76, up_blocks.3.resnets.0).
+  Wan 2.2, 44 x 80, fp32:          19.57 vs 20.92 (2.82 + 6.50 + 11.60, up_blocks.3.resnets.0): WORSE.
+On CPU the largest program is a full-resolution ResBlock (Wan 2.2: 512 -> 256 channels, 4 frames
+of 352 x 640), whose CPU convs cut every time tap's frames into copies (`layers.causal_conv`);
+finer programs (the ResBlock's norm + conv halves, or a conv split over output channels) are the
+next step where that bounds the peak. The cache itself is 40-50 % of the streamed peak.
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ from pipelines.wan.vae import layers as L, model as vae_model, residual as vae_r
 from pipelines.wan.vae.band_memory import program_peak
 from pipelines.wan.vae.config import WanVAEConfig
 from pipelines.wan.vae.effort import check_compile_effort
-from pipelines.wan.vae.topology import (AttnBlock, CausalConv, Layer, NormSiLU, ResBlock, ResidualGroup, Shortcut,
-                                        param_shapes)
+from pipelines.wan.vae.topology import (AttnBlock, CausalConv, Layer, NormSiLU, Resample, ResBlock, ResidualGroup,
+                                        Shortcut, param_shapes)
 
 LOCAL = "layer"  # a layer's name inside its program: equal layers under different names share a compile
 
@@ -76,6 +84,12 @@ class LayerStep:
       case _:
         same = False
     return same and not self.holds
+
+  @property
+  def chunk_blind(self) -> bool:
+    """Whether the layer computes the first chunk as a later one with a zero cache (all but the
+    time resamplers, `layers.resample`): then one program serves every chunk."""
+    return not (isinstance(self.layer, Resample) and self.layer.mode.endswith("3d"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +183,19 @@ class _Call(NamedTuple):
   label: str  # what runs, for reports
 
 
-def _chunk_calls(vae: vae_model.WanVAE, cache_in: L.Cache | None,
-                 z_BTHWC: Any) -> Generator[_Call, tuple[Any, L.Cache], tuple[Any, L.Cache]]:
+def _zeros(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _chunk_calls(vae: vae_model.WanVAE, cache_in: L.Cache | None, z_BTHWC: Any,
+                 zeros: Callable[[Any], Any]) -> Generator[_Call, tuple[Any, L.Cache], tuple[Any, L.Cache]]:
   """One decoder chunk as its program calls: yields each `_Call`, is sent its (activations, cache
   entries), returns (video [B, T, s Hl, s Wl, 3], the new cache) as `model.decode_chunk` does.
 
-  Works on arrays (`decode_streamed`) and on `jax.ShapeDtypeStruct`s (`streamed_memory`).
+  Works on arrays (`decode_streamed`, `zeros` = `_zeros`) and on `jax.ShapeDtypeStruct`s
+  (`streamed_memory`, `zeros` the identity). On the first chunk a `chunk_blind` layer gets a zero
+  cache (`zeros` of its first-chunk cache's shapes) and runs the later chunks' program: the
+  same values as diffusers' zero padding (`layers.causal_conv`), half the compiles.
   """
   first = cache_in is None
   pending = None if first else dict(cache_in)  # entries leave it as they are passed (and donated)
@@ -185,12 +206,17 @@ def _chunk_calls(vae: vae_model.WanVAE, cache_in: L.Cache | None,
     match step:
       case LayerStep(name, layer, holds):
         params = {k: vae.params[name + k[len(LOCAL):]] for k in param_shapes((layer,))}
-        cache = None if first else _localized(pending, name)
-        for k in () if first else _globalized(cache, name):
-          del pending[k]
+        if not first:
+          cache = _localized(pending, name)
+          for k in _globalized(cache, name):
+            del pending[k]
+        elif step.chunk_blind:
+          cache = zeros(_programs(None).layer.eval_shape(layer, True, params, x, None)[1])
+        else:
+          cache = None
         held += [x] * holds
         program = "layer_in_place" if step.in_place else "layer"
-        x, new = yield _Call(program, (layer, first), (params, x, cache), params, tuple(held), name)
+        x, new = yield _Call(program, (layer, first and not step.chunk_blind), (params, x, cache), params, tuple(held), name)
         cache_out.update(_globalized(new, name))
       case ShortcutStep(shortcut):
         x_in = held.pop()
@@ -252,7 +278,7 @@ def decode_streamed(vae: vae_model.WanVAE, latents: Any, *, video_layout: str = 
 
   cache, frame = None, 0
   for i in range(F):
-    chunk, cache = _drive(_chunk_calls(vae, cache, jax.device_put(z[:, i:i + 1], where)), run)
+    chunk, cache = _drive(_chunk_calls(vae, cache, jax.device_put(z[:, i:i + 1], where), _zeros), run)
     chunk = np.asarray(chunk)
     video[:, frame:frame + chunk.shape[1]] = chunk
     frame += chunk.shape[1]
@@ -309,9 +335,9 @@ def _streamed_memory(config: WanVAEConfig, batch: int, latent_height: int, laten
   effort = check_compile_effort(None, jax.default_backend())
   z = jax.ShapeDtypeStruct((batch, 1, latent_height, latent_width, config.z_dim), dtype)
   found: list[tuple[int, str]] = []
-  _, cache = _drive(_chunk_calls(vae, None, z), _measure(effort, found))
+  _, cache = _drive(_chunk_calls(vae, None, z, lambda shapes: shapes), _measure(effort, found))
   n_first = len(found)
-  _drive(_chunk_calls(vae, cache, z), _measure(effort, found))
+  _drive(_chunk_calls(vae, cache, z, lambda shapes: shapes), _measure(effort, found))
   largest, i = max((b, i) for i, (b, _) in enumerate(found))
   label = f"{found[i][1]} ({'first' if i < n_first else 'later'} chunk)"
   return StreamedMemory(tree_bytes(vae.params), tree_bytes(cache), largest, label)
