@@ -1,6 +1,6 @@
 """The Wan causal video VAE (diffusers' `AutoencoderKLWan`): config and presets, the architecture as
-data, layers, chunked encode and decode (also split over a mesh, or in bands of rows in bounded
-memory), and the decoder's compile effort.
+data, layers, chunked encode and decode (also split over a mesh, in bands of rows, or streamed
+layer by layer in bounded memory), and the decoder's compile effort.
 
 The names below are imported on first use (as `attention`'s are), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
@@ -23,6 +23,7 @@ _HOMES = (
                                  "encode_chunk", "init_vae", "latent_distribution", "load_vae",
                                  "lower_decode_programs", "normalize_latents", "row_mesh", "row_split",
                                  "vae_from_state")),
+    ("pipelines.wan.vae.streamed", ("decode_plan", "decode_streamed", "streamed_decode_memory", "streamed_memory")),
     ("pipelines.wan.vae.original_names", ("encoder_key", "original_keys")),
     ("pipelines.wan.vae.topology", ("to_jax_layout",)),
 )

@@ -396,7 +396,8 @@ def run_layers(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache
   return x, cache_out
 
 
-def _shortcut(s: Shortcut, x: jax.Array, first_chunk: bool) -> jax.Array:
+def shortcut(s: Shortcut, x: jax.Array, first_chunk: bool) -> jax.Array:
+  """A `ResidualGroup`'s parameter-free shortcut of its input x [B, T, H, W, C] (`vae_residual`)."""
   if s.kind == "avg_down":
     return vae_residual.avg_down(s, x)
   return vae_residual.dup_up(s, x, first_chunk)
@@ -420,7 +421,7 @@ def _run(p: Params, layers: Sequence[Layer], x: jax.Array, cache_in: Cache | Non
         x = jax.nn.silu(rms_norm(x, p[f"{layer.name}.gamma"]))
       case ResidualGroup():
         body = _run(p, layer.body, x, cache_in, cache_out, first_chunk, rows)
-        x = body if layer.shortcut is None else body + _shortcut(layer.shortcut, x, first_chunk)
+        x = body if layer.shortcut is None else body + shortcut(layer.shortcut, x, first_chunk)
       case _:
         raise ValueError(f"unknown layer {layer=}")
   return x
