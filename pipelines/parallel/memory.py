@@ -45,6 +45,8 @@ class ComponentBytes:
       solver state.
     decode_work: the untiled decode's memory beyond the VAE's weights (cache, one chunk's
       temporaries, its output chunk); None when unknown (then the decode is not planned).
+    streamed_work: the same for the layer-streamed decode (`wan.vae.streamed`: one program per
+      layer, the same video), or None when not analysed (the whole decode fits on its own).
   """
   text_encoder: int
   experts: tuple[int, ...]
@@ -52,6 +54,7 @@ class ComponentBytes:
   text_work: int
   step_work: int
   decode_work: int | None
+  streamed_work: int | None = None
 
   @property
   def transformer(self) -> int:
@@ -68,6 +71,7 @@ class MemoryPlan:
     transformer_at_encode: False when the transformer leaves the device for the encode.
     transformer_at_decode: False when the transformer leaves the device before the decode.
     experts_swapped: True when a two-expert model holds one expert on the device at a time.
+    decode_streamed: True when the decode runs one program per layer (`wan.vae.streamed`).
     decode_band_rows: None (whole frames), or the latent rows of each band the decode runs in.
     budget: the bytes the plan fits in (None: not limited, a CPU).
     peak: the modelled peak bytes of the plan (the largest stage).
@@ -77,6 +81,7 @@ class MemoryPlan:
   transformer_at_encode: bool = True
   transformer_at_decode: bool = True
   experts_swapped: bool = False
+  decode_streamed: bool = False
   decode_band_rows: int | None = None
   budget: int | None = None
   peak: int | None = None
@@ -102,6 +107,8 @@ class MemoryPlan:
       parts.append("one expert on the device at a time")
     if not self.transformer_at_decode:
       parts.append("transformer off the device for the decode")
+    if self.decode_streamed:
+      parts.append("decode streamed layer by layer")
     if self.decode_band_rows is not None:
       parts.append(f"decode in bands of {self.decode_band_rows} latent rows")
     if self.budget is not None and self.peak is not None:
@@ -158,7 +165,7 @@ def _stages(b: ComponentBytes, p: MemoryPlan) -> dict[str, int]:
   text_weights = b.text_encoder if p.placement != "encoder-on-host" else 0
   resident_text = b.text_encoder if p.placement == "resident" else 0
   experts = max(b.experts) if p.experts_swapped else b.transformer
-  decode = 0 if b.decode_work is None else b.decode_work
+  decode = b.streamed_work if p.decode_streamed else (0 if b.decode_work is None else b.decode_work)
   return {
       "text encode": text_weights + (b.transformer if p.transformer_at_encode else 0) + b.vae + (
           b.text_work if p.placement != "encoder-on-host" else 0),
@@ -181,6 +188,10 @@ def _plan(b: ComponentBytes, budget: int, placement: str, band_rows_for: object)
     p = dataclasses.replace(p, experts_swapped=True)
   if _stages(b, p)["decode"] > budget:
     p = dataclasses.replace(p, transformer_at_decode=False)
+  if b.streamed_work is not None and _stages(b, p)["decode"] > budget:
+    streamed = dataclasses.replace(p, decode_streamed=True)
+    if _stages(b, streamed)["decode"] <= budget:
+      p = streamed
   resident_text = b.text_encoder if placement == "resident" else 0
   if b.decode_work is not None and band_rows_for is not None and _stages(b, p)["decode"] > budget:
     try:

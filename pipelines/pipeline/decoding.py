@@ -28,7 +28,8 @@ def _unit_range_host(video: np.ndarray) -> np.ndarray:
 
 
 def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None = None, *,
-                  compile_effort: float | None = None, band_rows: int | None = None) -> np.ndarray:
+                  compile_effort: float | None = None, band_rows: int | None = None,
+                  streamed: bool = False) -> np.ndarray:
   """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1].
 
   One video at a time (the VAE treats videos independently): the decoder compiles once per spatial
@@ -37,15 +38,16 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   process's devices), each time chunk copied to the host as it is done. `compile_effort`: XLA's
   optimization effort for the decoder's programs (None: the platform's, `vae_effort.decode_compile_effort`).
   `band_rows`: on one device, decode in bands of that many latent rows (`vae.decode_banded`: the
-  same video to fp32 rounding, in bounded memory; a memory plan's `decode_band_rows`).
+  same video to fp32 rounding, in bounded memory; a memory plan's `decode_band_rows`); `streamed`:
+  on one device, one program per decoder layer (`vae.decode_streamed`: the same video, less memory).
   Runs under the VAE dtype's matmul precision (`precision.matmul_precision`: "highest" for fp32).
   """
   with matmul_precision(weights.vae.dtype):  # as `lower_decoder`, so its compiled programs serve this
-    return _decode_videos(weights, latents, _split_mesh(mesh), compile_effort, band_rows)
+    return _decode_videos(weights, latents, _split_mesh(mesh), compile_effort, band_rows, streamed)
 
 
 def _decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None,
-                   compile_effort: float | None, band_rows: int | None) -> np.ndarray:
+                   compile_effort: float | None, band_rows: int | None, streamed: bool) -> np.ndarray:
   """`decode_videos` on its split mesh (None: one device), in the caller's matmul precision."""
   vae = weights.vae
   videos = []
@@ -55,6 +57,10 @@ def _decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | Non
     if mesh is None and band_rows is not None:
       videos.append(_unit_range_host(wan_vae.decode_banded(vae, z, band_rows=band_rows, video_layout="BFHWC",
                                                            compile_effort=compile_effort)))
+      continue
+    if mesh is None and streamed:
+      videos.append(_unit_range_host(wan_vae.decode_streamed(vae, z, video_layout="BFHWC",
+                                                             compile_effort=compile_effort)))
       continue
     if mesh is None:
       videos.append(np.asarray(_to_unit_range(wan_vae.decode(vae, z, video_layout="BFHWC",
@@ -96,6 +102,12 @@ def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], me
     return None
   _, _, _, latent_height, latent_width = latents_shape
   return wan_vae.decode_memory(weights.vae, 1, latent_height, latent_width) - _vae_bytes(weights)
+
+
+def streamed_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...]) -> int:
+  """`decode_work_bytes` of the layer-streamed decode (`vae.streamed_decode_memory`) on one device."""
+  _, _, _, latent_height, latent_width = latents_shape
+  return wan_vae.streamed_decode_memory(weights.vae, 1, latent_height, latent_width) - _vae_bytes(weights)
 
 
 def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):

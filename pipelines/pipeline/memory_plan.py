@@ -15,7 +15,7 @@ import numpy as np
 
 from pipelines.parallel import planner
 from pipelines.parallel.memory import ComponentBytes, MemoryPlan, device_budget
-from pipelines.pipeline.decoding import decode_work_bytes, band_rows_for
+from pipelines.pipeline.decoding import band_rows_for, decode_work_bytes, streamed_work_bytes
 from pipelines.pipeline.request import GenerationRequest
 
 
@@ -65,9 +65,12 @@ def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") 
   latents_shape = request.latent_shape
   decode_mesh = plan.decode_mesh
   work = decode_work_bytes(pipe.weights, latents_shape, decode_mesh) if request.decode and budget else None
+  vae_bytes = weights["vae"]
+  streamed = (streamed_work_bytes(pipe.weights, latents_shape) if work is not None and budget is not None
+              and vae_bytes + work > budget else None)  # analysed only where the whole decode cannot fit
   b = ComponentBytes(text_encoder=weights["text_encoder"], experts=weights["experts"], vae=weights["vae"],
                      text_work=text_work_bytes(pipe.text_encoder_config, 2 * request.videos,
                                                request.max_sequence_length),
-                     step_work=step_work_bytes(request), decode_work=work)
+                     step_work=step_work_bytes(request), decode_work=work, streamed_work=streamed)
   rows = None if work is None or decode_mesh is not None else band_rows_for(pipe.weights, latents_shape)
   return MemoryPlan.choose(b, budget, placement=placement, band_rows_for=rows)

@@ -332,7 +332,7 @@ class Runner:
     encoded, the step compiled and the loop run (`CallOptions.decode_compile_ahead`). None when not
     decoding, with the option off, or when the lowering fails (warned; the decode compiles them)."""
     r, o = self.request, self.options
-    if not (r.decode and o.decode_compile_ahead) or self.memory.decode_band_rows is not None:
+    if not (r.decode and o.decode_compile_ahead) or self.memory.decode_band_rows or self.memory.decode_streamed:
       return None
     try:
       lowered = lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh,
@@ -368,7 +368,7 @@ class Runner:
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE"
                  + (f", in bands of {bands} latent rows)" if bands else ")"))
       frames = self.pipe.decode(latents, mesh=r.plan.decode_mesh, compile_effort=self.options.decode_compile_effort,
-                                band_rows=bands)
+                                band_rows=bands, streamed=self.memory.decode_streamed)
     self.timings["decode"] = time.perf_counter() - start
     return frames, latents
 

@@ -483,10 +483,11 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
                                       prompts, max_sequence_length, self.dtype, mesh=self.weights.text_mesh)
 
   def decode(self, latents: np.ndarray, mesh: Mesh | None = None, *,
-             compile_effort: float | None = None, band_rows: int | None = None) -> np.ndarray:
+             compile_effort: float | None = None, band_rows: int | None = None, streamed: bool = False) -> np.ndarray:
     """Diffusion latents float32 [B, C, F, Hl, Wl] -> float32 numpy [B, frames, H, W, 3] in [0, 1]
     (`decoding.decode_videos`: one video at a time; with a `mesh`, split along height; on one
-    device in bands of `band_rows` latent rows when given; the programs compiled at
-    `compile_effort`, None: the platform's)."""
-    return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort, band_rows=band_rows)
+    device in bands of `band_rows` latent rows when given, or `streamed` layer by layer; the programs
+    compiled at `compile_effort`, None: the platform's)."""
+    return decode_videos(self.weights, latents, mesh, compile_effort=compile_effort, band_rows=band_rows,
+                         streamed=streamed)
 

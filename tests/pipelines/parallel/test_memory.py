@@ -1,5 +1,7 @@
 """The memory plan's choice (`parallel.memory.MemoryPlan.choose`) on made-up component bytes."""
 
+import dataclasses
+
 import pytest
 
 from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan
@@ -74,3 +76,13 @@ def test_nothing_fits_names_the_stage_and_the_fix():
 def test_unknown_placement_is_refused():
   with pytest.raises(ValueError, match="placement='cpu-offload'.*encoder-on-host"):
     MemoryPlan.choose(BYTES, GiB, placement="cpu-offload")
+
+
+def test_streamed_decode_before_bands():
+  """A whole decode too large for the device alone, the layer-streamed one small enough: streamed,
+  no bands; where neither fits, bands."""
+  streamed = dataclasses.replace(BYTES, streamed_work=int(6 * GiB))
+  plan = MemoryPlan.choose(streamed, int(8 * GiB), band_rows_for=lambda available: 5)
+  assert plan.decode_streamed and plan.decode_band_rows is None and "streamed layer by layer" in plan.line()
+  plan = MemoryPlan.choose(streamed, int(6.3 * GiB), band_rows_for=lambda available: 5)  # 0.5 + 6 > 6.3
+  assert not plan.decode_streamed and plan.decode_band_rows == 5
