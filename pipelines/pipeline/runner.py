@@ -132,17 +132,22 @@ class Runner:
 
   def _encode_text(self) -> Any:
     """The text states (`text_states.text_states`) with the text encoder where the memory plan puts
-    it: on the device (uploaded first where it was dropped, dropped after unless resident, the
-    transformer off the device meanwhile where the plan says) or on the host CPU."""
-    weights, memory = self.pipe.weights, self.memory
-    if not memory.transformer_at_encode:
-      weights.drop_experts(range(len(weights.experts)))
-    weights.text_params_on("host" if memory.placement == "encoder-on-host" else "device")
-    text = text_states.text_states(self.request, self.pipe.encode_prompts, self.pipe.dtype)
-    if memory.placement != "resident":
-      text = jax.block_until_ready(jax.device_put(text, self.request.plan.replicated))
+    it: resident on the device; else only for prompts not encoded before (`pipe.text_cache`), on the
+    device (uploaded, dropped after, the transformer off the device meanwhile where the plan says) or
+    on the host CPU."""
+    r, weights, memory = self.request, self.pipe.weights, self.memory
+    if memory.placement == "resident":
+      return text_states.text_states(r, self.pipe.encode_prompts, self.pipe.dtype)
+    cache = self.pipe.text_cache
+    texts = (r.prompts or []) + (r.negative_prompts or [])
+    if cache.missing(texts, r.max_sequence_length):
+      if not memory.transformer_at_encode:
+        weights.drop_experts(range(len(weights.experts)))
+      weights.text_params_on("host" if memory.placement == "encoder-on-host" else "device")
+      cache.fill(texts, r.max_sequence_length, self.pipe.encode_prompts)
       weights.drop_text()
-    return text
+    text = text_states.text_states(r, cache.get, self.pipe.dtype)
+    return jax.device_put(text, r.plan.replicated)
 
   def _experts_for(self, expert: int) -> None:
     """`expert`'s weights on the device before its steps (the plan's swapped experts: the other

@@ -43,6 +43,7 @@ from pipelines.pipeline.lora_loading import LoraLoaderMixin
 from pipelines.pipeline.placement import PlacedWeights
 from pipelines.pipeline.model_facts import ModelFacts
 from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.text_cache import TextStatesCache
 from pipelines.pipeline.continued import run_continued
 from pipelines.pipeline.runner import GenerationResult, Runner
 from pipelines.pipeline.step import CompiledSteps
@@ -109,6 +110,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self._num_timesteps: int | None = None
     self._current_timestep: Any = None
     self.memory_placement = "auto"  # `set_memory_placement`
+    self.text_cache = TextStatesCache()  # prompts encoded while the text encoder is off the device
 
   # --- construction ---
 

@@ -106,3 +106,36 @@ def test_a_text_encoder_too_large_for_the_device_is_loaded_to_the_host(monkeypat
   shardings = loading.text_encoder_shardings(config, jnp.float32)
   placed = jax.tree.leaves(shardings(umt5.abstract_params(config)))
   assert placed and all(s.device_set == {jax.devices("cpu")[0]} for s in placed)
+
+
+def test_prompts_seen_before_need_no_encoder(pipe, resident, monkeypatch):
+  """With the encoder off the device, a call encodes only prompts not seen before (the negative
+  prompt once for all calls); a prompt seen before costs no encode at all; the video is the one
+  the resident encoder gives (a row encoded in another batch: within fp32 rounding)."""
+  _with_plan(monkeypatch, PLANS["encoder-offloaded"])
+  pipe.text_cache.clear()
+  encoded = []
+  real = pipe.encode_prompts
+  monkeypatch.setattr(pipe, "encode_prompts", lambda prompts, length: encoded.append(list(prompts)) or real(prompts, length))
+  first = pipe.run(**CALL)
+  other = pipe.run(**dict(CALL, prompt="a blue fox"))
+  again = pipe.run(**CALL)
+  assert encoded == [["a red fox", "blurry"], ["a blue fox"]]
+  np.testing.assert_array_equal(first.frames, resident.frames)
+  np.testing.assert_array_equal(again.frames, resident.frames)
+  monkeypatch.undo()
+  alone = pipe.run(**dict(CALL, prompt="a blue fox"))
+  assert_psnr_at_least(other.frames, alone.frames, FP32_VIDEO_PSNR_DB, name="a cached negative prompt")
+  assert np.abs(other.frames - first.frames).max() > 0.05  # the new prompt did change the video
+
+
+def test_text_cache_keeps_the_most_recent_prompts():
+  from pipelines.pipeline.text_cache import TextStatesCache
+
+  cache = TextStatesCache(capacity=2)
+  encode = lambda prompts, length: np.stack([np.full((length, 3), len(p), np.float32) for p in prompts])
+  cache.fill(["a", "bb", "ccc"], 4, encode)  # one call's prompts all stay, over the capacity
+  assert len(cache) == 3 and cache.missing(["a", "dd"], 4) == ["dd"] and cache.missing(["a"], 5) == ["a"]
+  cache.fill(["dd"], 4, encode)
+  assert cache.missing(["a", "bb", "ccc", "dd"], 4) == ["a", "bb"]  # the least recently used left first
+  np.testing.assert_array_equal(np.asarray(cache.get(["dd", "ccc"], 4))[:, 0, 0], [2, 3])
