@@ -139,3 +139,26 @@ def test_text_cache_keeps_the_most_recent_prompts():
   cache.fill(["dd"], 4, encode)
   assert cache.missing(["a", "bb", "ccc", "dd"], 4) == ["a", "bb"]  # the least recently used left first
   np.testing.assert_array_equal(np.asarray(cache.get(["dd", "ccc"], 4))[:, 0, 0], [2, 3])
+
+
+def test_two_experts_one_at_a_time_give_the_resident_video(monkeypatch):
+  """Wan 2.2 A14B's rule: one expert on the device at a time (the other dropped at the switch)."""
+  import jax
+
+  from pipelines.pipeline import loading
+  from pipelines.wan.pretrained import tiny
+  from pipelines.wan.transformer import init_transformer
+
+  parts = loading.tiny_random_parts("float32")
+  parts.update(transformers=[parts["transformers"][0], init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED + 1)],
+               boundary_ratio=0.95)
+  two = WanPipeline(**parts)
+  call = dict(CALL, num_inference_steps=4)
+  resident = two.run(**call)
+  assert set(resident.settings["experts_per_step"]) == {0, 1}  # both experts run (the swap is exercised)
+  _with_plan(monkeypatch, MemoryPlan(placement="encoder-offloaded", experts_swapped=True, transformer_at_decode=False))
+  swapped = two.run(**call)
+  np.testing.assert_array_equal(swapped.frames, resident.frames)
+  assert all(isinstance(x, np.ndarray) for state in two.weights.experts for x in jax.tree.leaves(state))
+  again = two.run(**call)  # both come back in turn
+  np.testing.assert_array_equal(again.frames, resident.frames)
