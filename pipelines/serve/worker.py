@@ -217,6 +217,7 @@ class Worker:
     options = CallOptions(progress=False, hooks=(hook,), decode_compile_effort=self.config.decode_compile_effort)
     result = self.pipe.generate(request, options, resume=config)
     self.metrics.compile_seconds.observe(result.timings.get("compile", 0.0))
+    events.log().info(f"batch {os.path.basename(folder)}: {result.settings.get('memory_plan')}")
     return request, result
 
   def _prepare(self, jobs: list[dict[str, Any]], folder: str, resume: bool) -> tuple[GenerationRequest, ResumeConfig]:
