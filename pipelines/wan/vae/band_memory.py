@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -30,9 +31,33 @@ from pipelines.wan.vae.config import WanVAEConfig
 
 def program_peak(lowered) -> int:
   """Bytes a lowered program holds at its peak once compiled: arguments + outputs + temporaries -
-  aliased (XLA's `memory_analysis()`)."""
-  m = lowered.compile().memory_analysis()
+  aliased (XLA's `memory_analysis()`). A program too large for the device does not compile on a
+  TPU (XLA:TPU checks its memory at compile time): then its arguments' bytes plus the temporaries the
+  error reports ("the total memory required for HLO temporaries (18.19G) exceeds available HBM"), or
+  where the error names none, more than any device holds (`TOO_LARGE`)."""
+  try:
+    m = lowered.compile().memory_analysis()
+  except Exception as e:  # noqa: BLE001 - XlaRuntimeError: RESOURCE_EXHAUSTED at compile
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+      raise
+    return _arguments_bytes(lowered) + _reported_temporaries(str(e))
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+TOO_LARGE = 1 << 50  # bytes: a program no device holds (its compile ran out of memory, no size given)
+
+
+def _reported_temporaries(message: str) -> int:
+  """The temporaries' bytes an out-of-memory compile error names ("... temporaries (18.19G) ..."), or
+  `TOO_LARGE`."""
+  found = re.search(r"temporaries \(([0-9.]+)([KMGT])\)", message)
+  if found is None:
+    return TOO_LARGE
+  return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
+def _arguments_bytes(lowered) -> int:
+  return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(lowered.in_avals)))
 
 
 @functools.cache

@@ -21,3 +21,32 @@ def test_choose_band_rows_and_the_memory_it_promises():
   assert V.decode_memory(CFG, B, HL, WL, band_rows=rows) <= budget
   with pytest.raises(ValueError, match="no band height fits budget_bytes=1000"):
     V.choose_band_rows(CFG, B, HL, WL, budget_bytes=1000)
+
+
+def test_a_program_too_large_to_compile_counts_what_the_error_reports():
+  """XLA:TPU refuses at compile time a program larger than the chip; its peak is then the arguments
+  plus the temporaries the error names (or more than any device holds), and other errors propagate."""
+  import jax
+  import jax.numpy as jnp
+  import pytest
+
+  from pipelines.wan.vae import band_memory
+
+  lowered = jax.jit(lambda x, y: x @ y).lower(jnp.ones((4, 8)), jnp.ones((8, 2), jnp.bfloat16))
+
+  class TooLarge:
+    in_avals = lowered.in_avals
+
+    def __init__(self, message):
+      self.message = message
+
+    def compile(self):
+      raise RuntimeError(self.message)
+
+  oom = ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. ... the total memory required for HLO "
+         "temporaries (18.19G) exceeds available HBM (15.75G).")
+  assert band_memory.program_peak(TooLarge(oom)) == 4 * 8 * 4 + 8 * 2 * 2 + int(18.19 * 2 ** 30)
+  assert band_memory.program_peak(TooLarge("RESOURCE_EXHAUSTED: no size")) >= band_memory.TOO_LARGE
+  with pytest.raises(RuntimeError, match="another failure"):
+    band_memory.program_peak(TooLarge("another failure"))
+  assert band_memory.program_peak(lowered) > 0  # a program that compiles: its analysis
