@@ -1,4 +1,4 @@
-"""Wan VAE decode streamed layer by layer: `decode`'s math, one small jitted program per layer.
+"""Wan VAE decode streamed layer by layer, frame by frame: `decode`'s math in small jitted programs.
 
 `decode` runs each time chunk as ONE jitted program, and XLA keeps many frame-sized buffers of that
 program alive at once: on a TPU v5e the later-chunk program of the Wan 2.1 VAE at 720 x 1280 fp32
@@ -21,20 +21,26 @@ Same math as `decode` (diffusers `AutoencoderKLWan.decode`): the same layer func
 and causal cache; only the program boundaries differ (XLA may fuse or round across a boundary
 differently: fp32 results agree to rounding, see the tests).
 
+Frame by frame (the default; `frames_at_once=True` keeps whole-input programs to compare): each
+layer program runs on ONE frame [B, 1, H, W, C] of its input at a time, the layer's cache entries
+carried from frame to frame (`_layer_calls` says why that is the same math); a time upsampler
+makes 2 frames of each, a `dup_up` shortcut adds its ft frames to the body's frames one by one.
+The largest program then holds one frame's activations instead of a later chunk's 4.
+
 Memory (`streamed_decode_memory`, XLA's analysis of every program on abstract inputs, cached per
 process): weights + the whole cache + the largest program's own bytes (its activations in and out,
-its temporaries, and a held group input). Measured with XLA:CPU (a TPU's temporaries differ, and
-are what this is for: not measured here), B = 1, peak GB, `decode`'s whole-chunk programs
-(`band_memory.decode_memory`) vs streamed (weights + cache + largest program, which one):
-  Wan 2.1, 30 x 52 latents, fp32:   2.66 vs 2.40 (0.51 + 0.96 + 0.93, up_blocks.3.resnets.2).
-  Wan 2.1, 60 x 104 (480p), fp32:   9.68 vs 8.02 (0.51 + 3.81 + 3.71, up_blocks.3.resnets.2).
-  Wan 2.1, 90 x 160 (720p), fp32:  21.90 vs 17.81 (0.51 + 8.76 + 8.54, up_blocks.3.resnets.2).
-  Wan 2.2, 44 x 80 (704 x 1280), bf16: 15.02 vs 14.42 (1.41 + 3.25 + 9.76, up_blocks.3.resnets.0).
-  Wan 2.2, 44 x 80, fp32:          19.57 vs 20.92 (2.82 + 6.50 + 11.60, up_blocks.3.resnets.0): WORSE.
-On CPU the largest program is a full-resolution ResBlock (Wan 2.2: 512 -> 256 channels, 4 frames
-of 352 x 640), whose CPU convs cut every time tap's frames into copies (`layers.causal_conv`);
-finer programs (the ResBlock's norm + conv halves, or a conv split over output channels) are the
-next step where that bounds the peak. The cache itself is 40-50 % of the streamed peak.
+its temporaries, and the activations held beside it: a group input, the frames its layer has yet
+to run or has made). Measured with XLA:CPU (a TPU's temporaries differ: not measured here), B = 1,
+peak GB, `decode`'s whole-chunk programs (`band_memory.decode_memory`) vs streamed whole inputs
+vs streamed frame by frame (weights + cache + largest program, which one):
+  Wan 2.1, 30 x 52 latents, fp32:   2.66 vs 2.40 vs 1.97 (0.51 + 0.96 + 0.50, up_blocks.3.resnets.2).
+  Wan 2.1, 60 x 104 (480p), fp32:   9.68 vs 8.02 (whole inputs: 0.51 + 3.81 + 3.71).
+  Wan 2.1, 90 x 160 (720p), fp32:  21.90 vs 17.81 vs 13.89 (0.51 + 8.76 + 4.62, up_blocks.3.resnets.2).
+  Wan 2.2, 44 x 80 (704 x 1280), bf16: 15.02 vs 14.42 vs 8.49 (1.41 + 3.25 + 3.84, up_blocks.3.resnets.0).
+  Wan 2.2, 44 x 80, fp32:          19.57 vs 20.92 vs 14.66 (2.82 + 6.50 + 5.34, up_blocks.3.resnets.0).
+The largest program is still a full-resolution ResBlock (Wan 2.2: 512 -> 256 channels at 352 x
+640), now on one frame beside its layer's other 3 input and output frames; its CPU convs cut every
+time tap's frames into copies (`layers.causal_conv`). The cache is now 40-60 % of the peak.
 """
 
 from __future__ import annotations
