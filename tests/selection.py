@@ -27,6 +27,9 @@ EXHAUSTIVE = frozenset({
     "test_vae_training_graph_is_the_pipelines_encode_and_decode",
     "test_default_model_is_the_same_video_in_diffusers",
     "test_errors_are_the_quantizations_and_add_in_power",
+    # the Wan 2.2 topology of a VAE decode or encode path whose Wan 2.1 case stays in the default run
+    "test_streamed_decode_equals_decode[tiny-ti2v]",
+    "test_encode_banded_equals_encode[tiny-ti2v]",
     # further meshes of a behaviour with a default case
     "test_cfg_parallel_parity",
     "test_cli_default_size_mesh_matches_one_device",

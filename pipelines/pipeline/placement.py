@@ -74,6 +74,7 @@ class PlacedWeights:
       return
     self._experts = [distributed.put_sharded(s, weight_shardings(s, plan.mesh, plan.shard_weights))
                      for s in self._experts]
+    self._experts_away = set()  # every expert is on the devices again
     if plan.shard_weights:
       self.text_params = distributed.put_sharded(self.text_params,
                                                  large_leaf_shardings(self.text_params, plan.mesh))

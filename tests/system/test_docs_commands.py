@@ -32,6 +32,7 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os
 # Commands the docs show that this test does not check, each with the reason (as `canonical` writes
 # them: shlex-split, comments dropped, each word shlex-quoted).
 NOT_RUN = {
+    "bash end_to_end/tpu_recipe.sh": "needs a TPU machine (tests/tpu: collected and skipped here)",
     'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e \'.[test]\'':
         "the set-up: installs packages (test_readme_commands_are_what_ci_runs checks it is .ci/run's)",
     "sudo apt-get update && sudo apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium":
