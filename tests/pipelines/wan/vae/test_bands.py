@@ -16,6 +16,8 @@ from pipelines.wan.vae import bands
 from pipelines.wan.vae.topology import AttnBlock, ResBlock
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_close_scaled, assert_psnr_at_least
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 HL, WL, FRAMES = 40, 3, 3
 # fp32, in units of the output's scale (video in [-1, 1]: 1; encoder mean / logvar: their max). The
 # banded and whole-frame programs compute the same products from the same values; only XLA's

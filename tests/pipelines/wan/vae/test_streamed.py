@@ -16,6 +16,8 @@ from pipelines.wan.vae import streamed
 from pipelines.wan.vae.topology import param_shapes
 from tests.numerics import EPS_BF16, assert_close_scaled, within
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 FRAMES, HL, WL = 3, 6, 5
 # fp32, in units of the video's scale (max |video| ~ 1). Both decodes run the same layer functions on
 # the same values; fp32 intermediates keep their values whether a program boundary stores them or a
