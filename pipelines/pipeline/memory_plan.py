@@ -36,12 +36,14 @@ def step_work_bytes(request: GenerationRequest) -> int:
   spec = r.plan.spec
   found = planner.candidates(config, r.token_facts, param_counts=param_counts(config), devices=spec.devices,
                              frames=r.num_frames, height=r.height, width=r.width, cfg=r.cfg,
-                             dtype=r.model.dtype, experts=r.model.experts, chip=planner.CHIPS["v5e"],
+                             dtype=r.model.dtype, experts=r.model.experts,
+                             chip=planner.CHIPS["v5e"],  # the activations do not depend on the chip
                              windows=None if r.windows is None else (r.clip_frames, 1))
   same = [c for c in found if (c.mesh.ulysses, c.mesh.ring, c.mesh.cfg) == (spec.ulysses, spec.ring, spec.cfg)]
   candidate = (same or found)[0]
-  latents = 4 * int(np.prod(r.latent_shape))
-  return int(candidate.activation_bytes + candidate.kv_bytes) + 4 * latents  # latents, solver history
+  latent_bytes = 4 * int(np.prod(r.latent_shape))  # float32
+  # the latents, the solver's history (UniPC keeps up to 3 predictions) and the step's prediction
+  return int(candidate.activation_bytes + candidate.kv_bytes) + 4 * latent_bytes
 
 
 def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") -> MemoryPlan:
@@ -65,9 +67,8 @@ def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") 
   latents_shape = request.latent_shape
   decode_mesh = plan.decode_mesh
   work = decode_work_bytes(pipe.weights, latents_shape, decode_mesh) if request.decode and budget else None
-  vae_bytes = weights["vae"]
-  streamed = (streamed_work_bytes(pipe.weights, latents_shape) if work is not None and budget is not None
-              and vae_bytes + work > budget else None)  # analysed only where the whole decode cannot fit
+  streamed = (streamed_work_bytes(pipe.weights, latents_shape) if work is not None
+              and weights["vae"] + work > budget else None)  # analysed only where the whole decode cannot fit
   b = ComponentBytes(text_encoder=weights["text_encoder"], experts=weights["experts"], vae=weights["vae"],
                      text_work=text_work_bytes(pipe.text_encoder_config, 2 * request.videos,
                                                request.max_sequence_length),

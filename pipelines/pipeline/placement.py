@@ -72,8 +72,7 @@ class PlacedWeights:
     """Puts the weights where `plan` runs them (a no-op when they are there already)."""
     if self.placement == plan.placement:
       return
-    self._experts = [distributed.put_sharded(s, weight_shardings(s, plan.mesh, plan.shard_weights))
-                     for s in self._experts]
+    self._experts = [_put(s, plan) for s in self._experts]
     self._experts_away = set()  # every expert is on the devices again
     if plan.shard_weights:
       self.text_params = distributed.put_sharded(self.text_params,
@@ -89,8 +88,7 @@ class PlacedWeights:
     """New expert states (other arrays: quantized weights) put where the current ones are placed
     (`weight_shardings` of the new leaves under the last plan; as given when never placed)."""
     if self._plan is not None:
-      states = [distributed.put_sharded(s, weight_shardings(s, self._plan.mesh, self._plan.shard_weights))
-                for s in states]
+      states = [_put(s, self._plan) for s in states]
     self.experts = states
 
   def vae_on(self, mesh: Mesh) -> wan_vae.WanVAE:
@@ -147,8 +145,7 @@ class PlacedWeights:
       if i not in self._experts_away:
         continue
       state = self._experts_host[i]
-      self._experts[i] = (distributed.put_sharded(state, weight_shardings(state, self._plan.mesh, self._plan.shard_weights))
-                          if self._plan is not None else jax.device_put(state, jax.devices()[0]))
+      self._experts[i] = _put(state, self._plan) if self._plan is not None else jax.device_put(state, jax.devices()[0])
       self._experts_away.discard(i)
 
   def bytes_of(self) -> dict[str, Any]:
@@ -157,8 +154,13 @@ class PlacedWeights:
             "vae": _nbytes(self.vae)}
 
 
+def _put(state: nnx.State, plan: ParallelPlan) -> nnx.State:
+  """An expert's weights where `plan` runs them (replicated, or its block weights sharded)."""
+  return distributed.put_sharded(state, weight_shardings(state, plan.mesh, plan.shard_weights))
+
+
 def _nbytes(tree: Any) -> int:
-  return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes for x in jax.tree.leaves(tree)))
+  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
 
 def _to_numpy(tree: Any) -> Any:
@@ -167,7 +169,9 @@ def _to_numpy(tree: Any) -> Any:
 
 
 def _delete_device_copies(tree: Any) -> None:
-  """Deletes the device buffers of a pytree's jax arrays now (not when the last reference goes)."""
+  """Deletes the device buffers of a pytree's jax arrays now (not when the last reference goes).
+  Arrays on the CPU backend are left to the garbage collector: the host copy (`np.asarray` of such
+  an array) may share their buffer."""
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and not x.is_deleted() and next(iter(x.devices())).platform != "cpu":
       x.delete()

@@ -46,8 +46,8 @@ def encode_prompts(tokenizer: Any, config: umt5.UMT5Config, params: umt5.Params,
   if mesh is not None:
     ids, mask = distributed.put_replicated((np.asarray(ids), np.asarray(mask)), NamedSharding(mesh, P()))
   else:  # where the weights are: the default device, or the host CPU (a memory plan's encoder-on-host)
-    device = next(iter(jax.tree.leaves(params)[0].devices()), None) if isinstance(
-        jax.tree.leaves(params)[0], jax.Array) else None
+    leaf = jax.tree.leaves(params)[0]
+    device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else None
     ids, mask = jax.device_put((np.asarray(ids), np.asarray(mask)), device)
   embeds = _encode_jit(params, ids, mask, config=config)
   return _masked_text(embeds, mask).astype(dtype)

@@ -143,4 +143,5 @@ def decode_step_memory_analysis(config: WanVAEConfig, batch: int, latent_height:
   Nothing is allocated (weights, cache and latent frame are `jax.ShapeDtypeStruct`s); returns the
   default backend's `CompiledMemoryStats` (argument, output, alias and temp bytes). `model.decode` cites it.
   """
-  return _lowered(config, batch, latent_height, latent_width, None, np.dtype(dtype))["later"].compile().memory_analysis()
+  later = _lowered(config, batch, latent_height, latent_width, None, np.dtype(dtype))["later"]
+  return later.compile().memory_analysis()
