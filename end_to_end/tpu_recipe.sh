@@ -12,7 +12,8 @@
 # 2. Runs `WAN_TEST_PLATFORM=tpu python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/tpu`: one
 #    process (only one may hold the chip), the TPU tests only, logged to ${OUT:-.}/tpu_tests.log.
 # Knobs: PYTHON (default python3), WHEELS (default .whl-tpu), LIMIT (seconds for pytest, default 580),
-# PYTEST_ARGS (extra pytest arguments, e.g. "-k attention").
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k attention"), COMMAND (run it instead of the tests, with
+# the same set-up, e.g. COMMAND="python3 -m end_to_end.bench.pipeline --preset wan2.1-1.3b --steps 50").
 # Exit status: pytest's (124 when LIMIT ran out).
 set -uo pipefail
 
@@ -76,10 +77,14 @@ import jax
 print(f"python {sys.version.split()[0]}; jax {jax.__version__} from {jax.__file__}; backend {jax.default_backend()}; "
       f"devices {[d.device_kind for d in jax.devices()]}")
 PY
-  WAN_TEST_PLATFORM=tpu timeout "${LIMIT:-580}" "$PYTHON" -m pytest -q -p no:xdist -p no:cacheprovider \
-    ${PYTEST_ARGS:-} tests/tpu
+  if [ -n "${COMMAND:-}" ]; then  # another command with the same set-up, e.g. a benchmark
+    PYTHONUNBUFFERED=1 timeout "${LIMIT:-580}" bash -c "$COMMAND"
+  else
+    WAN_TEST_PLATFORM=tpu timeout "${LIMIT:-580}" "$PYTHON" -m pytest -q -p no:xdist -p no:cacheprovider \
+      ${PYTEST_ARGS:-} tests/tpu
+  fi
   status=$?
-  echo "tests/tpu: exit $status"
+  echo "${COMMAND:-tests/tpu}: exit $status"
   exit $status
 } 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
