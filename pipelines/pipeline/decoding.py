@@ -101,13 +101,13 @@ def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], me
   if _split_mesh(mesh) is not None:
     return None
   _, _, _, latent_height, latent_width = latents_shape
-  return wan_vae.decode_memory(weights.vae, 1, latent_height, latent_width) - _vae_bytes(weights)
+  return wan_vae.decode_memory(weights.vae, 1, latent_height, latent_width) - weights.bytes_of()["vae"]
 
 
 def streamed_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...]) -> int:
   """`decode_work_bytes` of the layer-streamed decode (`vae.streamed_decode_memory`) on one device."""
   _, _, _, latent_height, latent_width = latents_shape
-  return wan_vae.streamed_decode_memory(weights.vae, 1, latent_height, latent_width) - _vae_bytes(weights)
+  return wan_vae.streamed_decode_memory(weights.vae, 1, latent_height, latent_width) - weights.bytes_of()["vae"]
 
 
 def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):
@@ -115,11 +115,8 @@ def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):
   fit, else the latent rows of the bands that do (`vae.choose_band_rows`); it raises ValueError when
   no band fits."""
   _, _, _, latent_height, latent_width = latents_shape
-  vae_bytes = _vae_bytes(weights)
+  vae_bytes = weights.bytes_of()["vae"]
   vae = weights.vae
   return lambda available: wan_vae.choose_band_rows(vae.config, 1, latent_height, latent_width,
                                                     available + vae_bytes, dtype=vae.dtype)
 
-
-def _vae_bytes(weights: PlacedWeights) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(weights.vae)))

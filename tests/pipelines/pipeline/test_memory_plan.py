@@ -2,7 +2,6 @@
 stages (the text encoder, the transformer, one expert of two) come back unchanged, the encoder on the
 host CPU encodes the same text, and a decode in bands equals the whole-frame decode to fp32 rounding."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -127,18 +126,6 @@ def test_prompts_seen_before_need_no_encoder(pipe, resident, monkeypatch):
   alone = pipe.run(**dict(CALL, prompt="a blue fox"))
   assert_psnr_at_least(other.frames, alone.frames, FP32_VIDEO_PSNR_DB, name="a cached negative prompt")
   assert np.abs(other.frames - first.frames).max() > 0.05  # the new prompt did change the video
-
-
-def test_text_cache_keeps_the_most_recent_prompts():
-  from pipelines.pipeline.text_cache import TextStatesCache
-
-  cache = TextStatesCache(capacity=2)
-  encode = lambda prompts, length: np.stack([np.full((length, 3), len(p), np.float32) for p in prompts])
-  cache.fill(["a", "bb", "ccc"], 4, encode)  # one call's prompts all stay, over the capacity
-  assert len(cache) == 3 and cache.missing(["a", "dd"], 4) == ["dd"] and cache.missing(["a"], 5) == ["a"]
-  cache.fill(["dd"], 4, encode)
-  assert cache.missing(["a", "bb", "ccc", "dd"], 4) == ["a", "bb"]  # the least recently used left first
-  np.testing.assert_array_equal(np.asarray(cache.get(["dd", "ccc"], 4))[:, 0, 0], [2, 3])
 
 
 def test_two_experts_one_at_a_time_give_the_resident_video(monkeypatch):
