@@ -2,7 +2,6 @@
 stages (the text encoder, the transformer, one expert of two) come back unchanged, the encoder on the
 host CPU encodes the same text, and a decode in bands equals the whole-frame decode to fp32 rounding."""
 
-
 import numpy as np
 import pytest
 
