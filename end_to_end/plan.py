@@ -48,7 +48,7 @@ def _windows(args: argparse.Namespace, frames: int):
     ValueError: the request's own refusals (a window not 4k + 1, longer than the video, an overlap
       not a multiple of 4 below it, an overlap without a window).
   """
-  from pipelines.pipeline.window_inputs import context_windows
+  from pipelines.pipeline.checked.window_inputs import context_windows
   return context_windows(args.context_frames, args.context_overlap, "pyramid", num_frames=frames)
 
 
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from pipelines.parallel import planner
   from pipelines.commands.presets import PRESETS
-  from pipelines.pipeline.inputs import check_size, round_num_frames
-  from pipelines.pipeline.model_facts import token_facts
+  from pipelines.pipeline.checked.inputs import check_size, round_num_frames
+  from pipelines.pipeline.checked.model_facts import token_facts
   from pipelines.wan.pretrained import TINY_TRANSFORMER
   from pipelines.wan.transformer import param_counts, PRESETS as MODELS, quantized_counts
   from pipelines.wan.vae import VAE_PRESETS

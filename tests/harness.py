@@ -37,7 +37,7 @@ def user_docs() -> str:
 def step_compiles(monkeypatch) -> list:
   """Records every denoise-step program compiled while the test runs, by any pipeline (the
   `CompiledSteps` of pipelines built inside `generate` too); returns the list it appends to."""
-  from pipelines.pipeline.step import CompiledSteps
+  from pipelines.pipeline.run.step import CompiledSteps
 
   compiled = []
   original = CompiledSteps.get

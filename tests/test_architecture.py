@@ -110,7 +110,7 @@ def test_positive_control_serve_imports_from_the_command(tmp_path):
   api, main, worker = (tmp_path / f"{name}.py" for name in ("api", "main", "worker"))
   api.write_text("from pipelines.cli.presets import PRESETS\nfrom pipelines.commands.presets import TINY_MODELS\n")
   main.write_text("import pipelines.cli.flags\n\n\ndef f():\n  from pipelines.cli import output\n")
-  worker.write_text("from pipelines.pipeline.seed import random_seed\nfrom pipelines.commands import versions\n")
+  worker.write_text("from pipelines.pipeline.checked.seed import random_seed\nfrom pipelines.commands import versions\n")
   known = {"pipelines.serve.api": api, "pipelines.serve.main": main, "pipelines.serve.worker": worker,
            "pipelines.cli.output": tmp_path / "output.py"}
   assert _imports_between(known, "pipelines.serve", "pipelines.cli") == [
@@ -202,9 +202,9 @@ def test_no_module_level_mutable_state():
   assert not bad, "\n".join(bad)
 
 
-# Calls that draw a random seed; only `pipelines.pipeline.seed` makes them (`random_seed`).
+# Calls that draw a random seed; only `pipelines.pipeline.checked.seed` makes them (`random_seed`).
 SEED_DRAWS = {"randbelow", "getrandbits", "SeedSequence", "randint", "randrange", "urandom"}
-SEED_OWNER = "pipelines.pipeline.seed"
+SEED_OWNER = "pipelines.pipeline.checked.seed"
 
 
 def _seed_draws(path: pathlib.Path) -> list[str]:
@@ -223,7 +223,7 @@ def test_one_module_draws_random_seeds():
   """The command, the Python call and the server draw a seed with `seed.random_seed` only."""
   bad = [line for module, path in _modules("pipelines").items() if module != SEED_OWNER
          for line in _seed_draws(path)]
-  assert not bad, "draw seeds with pipelines.pipeline.seed.random_seed:\n" + "\n".join(bad)
+  assert not bad, "draw seeds with pipelines.pipeline.checked.seed.random_seed:\n" + "\n".join(bad)
 
 
 def test_positive_control_seed_draws(tmp_path):
@@ -393,15 +393,68 @@ def test_positive_control_wan_floors(tmp_path):
     (tmp_path / name).write_text("")
   known = {"pipelines.wan.transformer.model": sideways, "pipelines.wan.lora.fuse": upper,
            "pipelines.wan.vae": tmp_path / "vae.py", "pipelines.wan.step_cache": tmp_path / "sc.py",
-           "pipelines.wan.transformer": tmp_path / "t.py", "pipelines.pipeline.runner": deep}
+           "pipelines.wan.transformer": tmp_path / "t.py", "pipelines.pipeline.run.runner": deep}
   assert _floor_violations(known) == [
       f"{sideways}:1 (transformer) imports pipelines.wan.vae (vae)",
       f"{upper}:1 (lora) imports pipelines.wan.step_cache (step_cache)"]
-  assert _deep_wan_imports({"pipelines.pipeline.runner": deep}) == [f"{deep}:1 imports pipelines.wan.vae.model"]
+  assert _deep_wan_imports({"pipelines.pipeline.run.runner": deep}) == [f"{deep}:1 imports pipelines.wan.vae.model"]
   # The JAX-free check's blocker bites: a module that imports JAX fails under it.
   done = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['jax'] = None\nimport pipelines.wan.vae.model"],
                         cwd=ROOT, capture_output=True, text=True)
   assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+# --- one generation's rooms (pipelines/pipeline/__init__.py) ------------------------------------------
+# Each room imports only the rooms named here; the pipeline classes at the top import any room.
+PIPELINE_ROOMS = {"checked": (), "load": (), "run": ("checked", "load")}
+PIPELINE_TOP = ("image_pipeline.py", "vace_pipeline.py", "video_pipeline.py", "wan_pipeline.py")
+MAX_PIPELINE_TOP_MODULES = 8
+
+
+def _pipeline_room(module: str) -> str | None:
+  """The room of a `pipelines.pipeline` module ("top" for the classes and the facade), else None."""
+  parts = module.split(".")
+  if parts[:2] != ["pipelines", "pipeline"]:
+    return None
+  return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in PIPELINE_ROOMS) else "top"
+
+
+def _room_violations(known: dict[str, pathlib.Path]) -> list[str]:
+  """Imports between `pipelines.pipeline`'s rooms that the ranks of `PIPELINE_ROOMS` forbid (a room
+  importing the top, or a room it does not build on)."""
+  bad = []
+  for module, path in known.items():
+    own = _pipeline_room(module)
+    if own is None or own == "top":
+      continue
+    for line, target, _ in _imports(path, known):
+      theirs = _pipeline_room(target)
+      if theirs is not None and theirs != own and theirs not in PIPELINE_ROOMS[own]:
+        bad.append(f"{_where(path)}:{line} ({own}) imports {target} ({theirs})")
+  return bad
+
+
+def test_pipeline_in_rooms():
+  top = sorted(p.name for p in (ROOT / "pipelines/pipeline").iterdir() if p.name != "__pycache__")
+  assert top == sorted(["__init__.py", *PIPELINE_TOP, *PIPELINE_ROOMS]), top
+  assert len(top) <= MAX_PIPELINE_TOP_MODULES, top
+  bad = _room_violations(_modules("pipelines"))
+  assert not bad, "imports across pipelines/pipeline's rooms:\n" + "\n".join(bad)
+
+
+def test_positive_control_pipeline_rooms(tmp_path):
+  """A ground room importing another room or the top, and a room importing the top, are reported;
+  `run` importing `checked`, and the top importing `run`, are not."""
+  files = {name: tmp_path / f"{name.replace('.', '_')}.py" for name in (
+      "pipelines.pipeline.checked.request", "pipelines.pipeline.load.loading", "pipelines.pipeline.run.runner",
+      "pipelines.pipeline.wan_pipeline")}
+  files["pipelines.pipeline.checked.request"].write_text("from pipelines.pipeline.run import runner\n")
+  files["pipelines.pipeline.load.loading"].write_text("from pipelines.pipeline.wan_pipeline import WanPipeline\n")
+  files["pipelines.pipeline.run.runner"].write_text("from pipelines.pipeline.checked import request\n")
+  files["pipelines.pipeline.wan_pipeline"].write_text("from pipelines.pipeline.run import runner\n")
+  assert _room_violations(files) == [
+      f"{files['pipelines.pipeline.checked.request']}:1 (checked) imports pipelines.pipeline.run.runner (run)",
+      f"{files['pipelines.pipeline.load.loading']}:1 (load) imports pipelines.pipeline.wan_pipeline (top)"]
 
 
 # --- tests mirror the product -------------------------------------------------------------------------

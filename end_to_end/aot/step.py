@@ -1,7 +1,7 @@
 """Ahead-of-time compile of one denoising step for a TPU topology, on a machine without a TPU.
 
 What is compiled: the pipeline's denoise step (transformer forward on [cond; uncond] = 2 rows,
-guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.step.denoise_step`
+guidance mix, flow-UniPC update, finite-latents flag: `pipelines.pipeline.run.step.denoise_step`
 with CFG on) for abstract inputs: weights replicated over the mesh (DESIGN.md section 2) or sharded,
 latents / solver state replicated, the text as the pipeline passes it (every block's text K/V, and
 the image tokens' for Wan 2.1 I2V, rows split over cfg; or the text states with `text_kv_once=False`),
@@ -121,7 +121,7 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, 
 
   from attention.mesh import batch_axis
 
-  from pipelines.pipeline.model_facts import image_tokens
+  from pipelines.pipeline.checked.model_facts import image_tokens
   from pipelines.wan.transformer import TextKV
 
   if not once:
@@ -150,7 +150,7 @@ def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec
   import jax
   import jax.numpy as jnp
 
-  from pipelines.pipeline.model_facts import image_tokens
+  from pipelines.pipeline.checked.model_facts import image_tokens
   from pipelines.wan.conditioning import ImageConditioning, TI2VConditioning, VACEConditioning
 
   b, _, f, hl, wl = latent_shape
@@ -284,14 +284,14 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
           spec(jax.ShapeDtypeStruct((), jnp.float32)), None,
           _condition_spec(config, latent_shape, model_dtype, spec, ti2v=ti2v))
   from pipelines.parallel.plan import ParallelPlan
-  from pipelines.pipeline.step import denoise_step
+  from pipelines.pipeline.run.step import denoise_step
 
   backend = attention.resolve_backend(attention_backend, devices[0].platform)
   # Built directly (not `ParallelPlan.build`): the topology's devices are not this host's.
   plan = ParallelPlan(spec=mesh_spec, mesh=mesh, attention_backend=backend)
   windows = None
   if context is not None:
-    from pipelines.pipeline.window_inputs import context_windows
+    from pipelines.pipeline.checked.window_inputs import context_windows
     windows = context_windows(context[0], context[1], "pyramid", num_frames=frames)
   step = jax.jit(functools.partial(denoise_step, cfg=True, windows=windows), static_argnums=0,
                  static_argnames="plan", donate_argnums=(2, 3))

@@ -3,10 +3,10 @@
   python -m end_to_end.aot.text --topology v6e:2x4 --json text.json                 # one device
   python -m end_to_end.aot.text --topology v6e:2x4 --mesh U=8 --shard-weights       # weights split
 
-What is compiled: `umt5.encode` jitted as the pipeline jits it (`pipelines.pipeline.text`:
+What is compiled: `umt5.encode` jitted as the pipeline jits it (`pipelines.pipeline.run.text`:
 `jax.jit(umt5.encode, static_argnames="config")`) for int32 ids and mask [B, L] (B = 2: the prompt
 and the negative prompt under CFG; L = 512, Wan's text length). Placement is the pipeline's
-(`pipelines.pipeline.placement.PlacedWeights`, DESIGN.md section 2): without sharded weights the
+(`pipelines.pipeline.load.placement.PlacedWeights`, DESIGN.md section 2): without sharded weights the
 encoder's weights and inputs sit on ONE device (the topology's first), where it runs; with a mesh
 whose `shard_weights` is set, every weight of >= 2^20 values is split over all the mesh's devices
 along its largest axis the device count divides (`weight_placement.large_leaf_shardings`), ids and

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
   import numpy as np
 
   from end_to_end.bench import presets as bench_presets
-  from pipelines.pipeline import resume
+  from pipelines.pipeline.run import resume
 
   preset = bench_presets.PRESETS[args.preset]
   pipe = bench_presets.init_ours(preset, seed=0)

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
   import jax
 
   from end_to_end.bench import presets as bench_presets
-  from pipelines.pipeline.call_options import CallOptions
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.run.call_options import CallOptions
+  from pipelines.pipeline.checked.request import GenerationRequest
 
   preset = bench_presets.PRESETS[args.preset]
   pipe = bench_presets.init_ours(preset, seed=0)
@@ -154,7 +154,7 @@ def _image_setup(preset, args):
   from flax import nnx
 
   from pipelines.parallel.plan import ParallelPlan
-  from pipelines.pipeline.step import CompiledSteps
+  from pipelines.pipeline.run.step import CompiledSteps
   from pipelines.wan import schedulers
   from pipelines.wan.conditioning import ImageConditioning
   from pipelines.wan.transformer import init_transformer

@@ -359,7 +359,7 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   import numpy as np
 
   from end_to_end.quality.video_metrics import compare_videos, max_abs_diff
-  from pipelines.pipeline.inputs import round_num_frames
+  from pipelines.pipeline.checked.inputs import round_num_frames
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   try:

@@ -28,7 +28,7 @@ Steps, each from the folder given (default: the shipped tiny default):
    (the VAE's new latents_mean / latents_std);
 3. the transformer fine-tuned from the folder's on that mix (`tiny.train_transformer`, with
    `image_share` of the rows given their clean first latent frame, timestep 0 on its tokens,
-   the loss on the other frames: Wan 2.2 TI2V's conditioning, `pipelines/pipeline/ti2v.py`), at a
+   the loss on the other frames: Wan 2.2 TI2V's conditioning, `pipelines/pipeline/run/ti2v.py`), at a
    lower learning rate and without the warm start's zero-init.
 Writes DIR/model/ (the default's layout), DIR/report.json (times, losses, the VAE's 65-frame
 reconstruction error by frame, the detector's verdicts), DIR/long.png (contact sheet).

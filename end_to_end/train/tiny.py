@@ -241,7 +241,7 @@ def text_encoder() -> tuple[umt5.UMT5Config, umt5.Params]:
 
 def encode_texts(encoder, prompts: list[str]) -> np.ndarray:
   """float32 [len(prompts), MAX_SEQUENCE_LENGTH, 32]: what `WanPipeline.encode_prompts` gives."""
-  from pipelines.pipeline.text import encode_prompts
+  from pipelines.pipeline.run.text import encode_prompts
   config, params = encoder
   return np.asarray(encode_prompts(tokenization.default_tokenizer(), config, params, prompts,
                                    MAX_SEQUENCE_LENGTH, jnp.float32), np.float32)

@@ -38,7 +38,7 @@ def fetch_model(plan: Plan) -> Plan:
 
 
 def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
-  """(the `ModelFacts` of --model or of the single files (`pipelines.pipeline.model_facts`), named as
+  """(the `ModelFacts` of --model or of the single files (`pipelines.pipeline.checked.model_facts`), named as
   the pipeline names it ("tiny" for both tiny models, a Hub model's repo id); the single files' layouts, or None).
   A folder's weight files are checked too (safetensors present, headers intact), and the single
   files' (and an official Wan folder's) headers give their configs (`model_files.read_facts`); no tensor
@@ -48,7 +48,7 @@ def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
     weights.CheckpointError: a folder that is not a Wan pipeline, or a bad weight file.
     UsageError: a tokenizer folder that cannot be read.
   """
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.wan.pretrained import PipelineIndex, Sources, layouts
 
   found = None
@@ -115,7 +115,7 @@ def draw_seed(plan: Plan) -> int:
   import jax
   import numpy as np
 
-  from pipelines.pipeline.seed import random_seed
+  from pipelines.pipeline.checked.seed import random_seed
 
   if plan.seed is not None:
     return plan.seed

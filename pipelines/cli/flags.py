@@ -1,7 +1,7 @@
 """The command line of `generate`: its flags (`build_parser`, in argument groups), the parsers of
 flag values (`parse_size`, `parse_guidance`, `parse_numbers`; `parse_lora_arg` and `UsageError` are
 both commands', `pipelines.commands.flags`) and `flag_error`. Imports no JAX; the values themselves
-are checked by `pipelines.pipeline.request.GenerationRequest` (run_plan.py).
+are checked by `pipelines.pipeline.checked.request.GenerationRequest` (run_plan.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags
 from pipelines.commands.presets import PRESETS
-from pipelines.pipeline import compile_cache
+from pipelines.commands import compile_cache
 from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
 

@@ -82,7 +82,7 @@ from pipelines.commands.help import warnings_as_lines
 from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import distributed
 from pipelines.parallel import supervisor
-from pipelines.pipeline import compile_cache
+from pipelines.commands import compile_cache
 from pipelines.storage import video_io
 from pipelines.storage import weights
 from pipelines.wan.pretrained import hub_id
@@ -181,8 +181,8 @@ def _generate(pipe: Any, request: Any, plan: Plan, cache: compile_cache.CacheUse
 
   Returns: the pipeline's `GenerationResult` (frames None on processes that do not write).
   """
-  from pipelines.pipeline.call_options import CallOptions
-  from pipelines.pipeline.resume import ResumeConfig
+  from pipelines.pipeline.run.call_options import CallOptions
+  from pipelines.pipeline.run.resume import ResumeConfig
 
   resume = None if plan.checkpoint_dir is None else ResumeConfig(
       plan.checkpoint_dir, every=plan.checkpoint_every, resume=plan.resume, keep=True)
@@ -236,7 +236,7 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
       return 1
     from pipelines.pipeline import NonFiniteLatentsError  # JAX has started by now
 
-    from pipelines.pipeline.resume import ResumeError
+    from pipelines.pipeline.run.resume import ResumeError
 
     hint = lambda: resume_hint(checked.plan)  # noqa: E731 (read when the error happens)
     try:

@@ -100,7 +100,7 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   """
   if args.resume is None:
     return
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
 
   path = os.path.join(args.resume, RUN_RECORD)
   if not os.path.isfile(path) or not resume_state.holds_checkpoint(args.resume):
@@ -271,7 +271,7 @@ def plan_checkpoint(plan: Plan, request: Any) -> Plan:
   Raises:
     UsageError: the folder holds a saved run and this is not --resume.
   """
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
 
   directory = plan.checkpoint_dir
   if directory is None and plan.checkpoint_default and run_estimate(request).seconds >= estimate.LONG_S:
@@ -284,7 +284,7 @@ def plan_checkpoint(plan: Plan, request: Any) -> Plan:
 
 def remove_checkpoint(directory: str) -> None:
   """The saved run in `directory` (state and record), and the folder if that empties it."""
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
 
   record = os.path.join(directory, RUN_RECORD)
   if os.path.exists(record):
@@ -295,7 +295,7 @@ def remove_checkpoint(directory: str) -> None:
 def tidy_checkpoint(plan: Plan | None) -> None:
   """A run stopped before its first checkpoint: its folder holds only the run record; removed, so
   no folder that cannot be resumed is left behind (process 0 only)."""
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
 
   if (plan is None or plan.checkpoint_dir is None or plan.resume or not plan.writes
       or os.path.exists(resume_state.state_path(plan.checkpoint_dir))):
@@ -305,7 +305,7 @@ def tidy_checkpoint(plan: Plan | None) -> None:
 
 def resume_hint(plan: Plan | None) -> str:
   """"; the denoising state is saved: continue with ..." when a checkpoint is on disk."""
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
 
   if plan is None or plan.checkpoint_dir is None or not os.path.exists(resume_state.state_path(plan.checkpoint_dir)):
     return ""

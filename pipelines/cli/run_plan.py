@@ -22,7 +22,7 @@ from pipelines.commands.model_files import describe, single_files
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
-from pipelines.pipeline import compile_cache
+from pipelines.commands import compile_cache
 from pipelines.storage import video_io
 from pipelines.storage import video_reading
 from pipelines.storage import contact_sheet
@@ -352,7 +352,7 @@ class Checked:
   device_note: str
   transformer: Any = None  # its WanTransformerConfig
   mesh_auto: bool = False  # the mesh is the planner's pick (--mesh auto)
-  request: Any = None  # the `GenerationRequest` (pipelines.pipeline.request)
+  request: Any = None  # the `GenerationRequest` (pipelines.pipeline.checked.request)
   model_files: dict[str, Any] | None = None  # single files: `model_files.describe` (process 0), else None
 
 
@@ -399,7 +399,7 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
   """
   import jax
 
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.request import GenerationRequest
 
   # --mesh auto: until the planner picks (`devices.auto_mesh`), a ring over every visible device,
   # which fits any model and spans every process.

@@ -98,7 +98,7 @@ def read_facts(files: Sources, dtype: str) -> tuple[Any, dict[str, str]]:
       image-to-video transformer (its CLIP encoder is no single file here).
     UsageError: a tokenizer folder transformers cannot read.
   """
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.wan.pretrained import check_no_image_branch, read_sources
 
   try:

@@ -1,17 +1,22 @@
-"""One generation: the checked request, the compiled step, the denoising loop, resume state and
-`WanPipeline`. Imports `pipelines.wan` and the layers below it.
+"""One generation, in three rooms under the four pipeline classes (`WanPipeline` in wan_pipeline.py,
+`WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, `WanVACEPipeline`):
 
-`WanPipeline` and friends are imported on first use, so that `inputs`, `resume` and
-`compile_cache` load without importing JAX's model code.
+  run/      one run of a checked request: runner, text, conditioning, memory plan, step, loop, hooks,
+            resume state, decode, the call's options          (imports checked/ and load/)
+  checked/  the checked request: `GenerationRequest`, the model's facts, each kind of input, the seed
+  load/     components from folders, single files and the Hub; weight placement; LoRA adapters
+
+Imports `pipelines.wan` and the layers below it (tests/test_architecture.py ranks the rooms). The
+names below are imported on first use, so that the JAX-free modules load without JAX's model code.
 """
 
 from pipelines.wan import lazy_attributes
 
 _HOMES = (
-    ("pipelines.pipeline.hooks", ("NonFiniteLatentsError",)),
+    ("pipelines.pipeline.run.hooks", ("NonFiniteLatentsError",)),
     ("pipelines.pipeline.image_pipeline", ("WanImageToVideoPipeline",)),
-    ("pipelines.pipeline.loading", ("DTYPES",)),
-    ("pipelines.pipeline.runner", ("GenerationResult",)),
+    ("pipelines.pipeline.load.loading", ("DTYPES",)),
+    ("pipelines.pipeline.run.runner", ("GenerationResult",)),
     ("pipelines.pipeline.wan_pipeline", ("WanPipeline",)),
     ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED", "TINY_TRANSFORMER")),
 )

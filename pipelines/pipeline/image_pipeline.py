@@ -21,8 +21,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.pipeline.image_inputs import clip_pixels, to_video_frame
-from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.checked.image_inputs import clip_pixels, to_video_frame
+from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.pipeline.wan_pipeline import WanPipeline
 from pipelines.wan.encoders import clip_vision
 from pipelines.wan.conditioning import image as image_condition

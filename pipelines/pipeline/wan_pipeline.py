@@ -34,21 +34,22 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention.mesh import MeshSpec
-from pipelines.pipeline import loading, resume as resume_state, single_file, text as text_states
+from pipelines.pipeline.load import loading, single_file
+from pipelines.pipeline.run import resume as resume_state, text as text_states
 from pipelines.parallel.memory import check_placement
-from pipelines.pipeline.call_options import CallOptions, split_options
-from pipelines.pipeline.decoding import decode_videos
-from pipelines.pipeline.inputs import check_output_type, frames_to_pil
-from pipelines.pipeline.lora_loading import LoraLoaderMixin
-from pipelines.pipeline.placement import PlacedWeights
-from pipelines.pipeline.model_facts import ModelFacts
-from pipelines.pipeline.request import GenerationRequest
-from pipelines.pipeline.text_cache import TextStatesCache
-from pipelines.pipeline.continued import run_continued
-from pipelines.pipeline.runner import GenerationResult, Runner
-from pipelines.pipeline.step import CompiledSteps
-from pipelines.pipeline.ti2v import conditioning as ti2v_conditioning
-from pipelines.pipeline.vace_inputs import conditioning as vace_conditioning
+from pipelines.pipeline.run.call_options import CallOptions, split_options
+from pipelines.pipeline.run.decoding import decode_videos
+from pipelines.pipeline.checked.inputs import check_output_type, frames_to_pil
+from pipelines.pipeline.load.lora_loading import LoraLoaderMixin
+from pipelines.pipeline.load.placement import PlacedWeights
+from pipelines.pipeline.checked.model_facts import ModelFacts
+from pipelines.pipeline.checked.request import GenerationRequest
+from pipelines.pipeline.run.text_cache import TextStatesCache
+from pipelines.pipeline.run.continued import run_continued
+from pipelines.pipeline.run.runner import GenerationResult, Runner
+from pipelines.pipeline.run.step import CompiledSteps
+from pipelines.pipeline.run.ti2v import conditioning as ti2v_conditioning
+from pipelines.pipeline.checked.vace_inputs import conditioning as vace_conditioning
 from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as wan_step_cache, vae as wan_vae
 from pipelines.wan.step_cache import calibration as mag_calibration
 from pipelines.wan.transformer import quantization, WanTransformer

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
-from pipelines.pipeline.seed import random_seed
+from pipelines.pipeline.checked.seed import random_seed
 
 JOB_ID = re.compile(r"video_[0-9a-f]{24}")
 FORMATS = ("mp4", "gif", "npy")
@@ -318,8 +318,8 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
   Raises:
     ApiError: the request's ValueError, with the API field it names.
   """
-  from pipelines.pipeline.request import GenerationRequest
-  from pipelines.pipeline.window_inputs import long_video_warning
+  from pipelines.pipeline.checked.request import GenerationRequest
+  from pipelines.pipeline.checked.window_inputs import long_video_warning
 
   asked = params["num_frames"]
   try:

@@ -53,8 +53,8 @@ def fetch_model(config: ServeConfig) -> ServeConfig:
 def model_facts(config: ServeConfig) -> Any:
   """The `ModelFacts` of --model ("tiny", "tiny-i2v", "tiny-random", a folder or a pinned Hub id) from its
   JSON files, or of the single files from their headers (`model_files.read_facts`)."""
-  from pipelines.pipeline.loading import locate
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.load.loading import locate
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.wan.pretrained import Sources, layouts
 
   if config.files is not None:
@@ -98,7 +98,7 @@ def check(config: ServeConfig, facts: Any) -> None:
   Raises:
     UsageError: naming the flag and the problem (an image-to-video model: serve takes no image).
   """
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.request import GenerationRequest
   from pipelines.wan import lora
 
   from pipelines.serve.api import defaults
@@ -138,7 +138,7 @@ def prepare(config: ServeConfig) -> Any:
   """
   from attention.mesh import MeshSpec, request_cpu_devices
   from pipelines.parallel import distributed
-  from pipelines.pipeline import compile_cache
+  from pipelines.commands import compile_cache
 
   processes = config.processes.num_processes if config.processes is not None else 1
   if config.mesh is not None:

@@ -14,7 +14,7 @@ from typing import Any
 from pipelines.commands.flags import UsageError, add_decode_effort_flag, parse_lora_arg
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags, single_files
-from pipelines.pipeline import compile_cache
+from pipelines.commands import compile_cache
 
 API_KEY_ENV = "WAN_SERVE_API_KEY"
 LORA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

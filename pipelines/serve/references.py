@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.pipeline.image_inputs import digest
+from pipelines.pipeline.checked.image_inputs import digest
 from pipelines.serve import api
 from pipelines.serve.forms import Upload
 from pipelines.storage import images, video_io

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from pipelines.commands.versions import versions
-from pipelines.pipeline.call_options import CallOptions
-from pipelines.pipeline.loop import LoopState, StepHook
-from pipelines.pipeline.request import GenerationRequest
-from pipelines.pipeline.resume import ResumeConfig, holds_checkpoint
+from pipelines.pipeline.run.call_options import CallOptions
+from pipelines.pipeline.run.loop import LoopState, StepHook
+from pipelines.pipeline.checked.request import GenerationRequest
+from pipelines.pipeline.run.resume import ResumeConfig, holds_checkpoint
 from pipelines.serve import api, events, multihost, previews, references
 from pipelines.storage import video_io
 from pipelines.storage import video_tags

@@ -60,8 +60,8 @@ def test_bad_exchange_is_refused():
 
 
 def test_request_carries_the_exchange():
-  from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.model_facts import ModelFacts
+  from pipelines.pipeline.checked.request import GenerationRequest
 
   facts = ModelFacts.tiny_random("bfloat16")
   call = dict(height=32, width=32, num_frames=5, num_inference_steps=1, seed=0, mesh="U=2,R=1")

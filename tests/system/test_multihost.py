@@ -31,7 +31,7 @@ import pytest
 from tests.harness import REPO_ROOT, child_env
 from pipelines.parallel import distributed
 from pipelines.cli import generate
-from pipelines.pipeline import resume
+from pipelines.pipeline.run import resume
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
 
 RESUME_PSNR_DB = 60.0  # issue acceptance; sharded and single-device runs agree to ~1e-7

@@ -160,7 +160,7 @@ def test_sdk_input_reference_starts_a_ti2v_video(tmp_path):
   frame is the image's VAE reconstruction, and the sidecar records the image's digest. Positive
   controls: the same request without the image gives another video; a video file is refused."""
   pytest.importorskip("diffusers")
-  from pipelines.pipeline.image_inputs import digest, to_video_frame
+  from pipelines.pipeline.checked.image_inputs import digest, to_video_frame
   from pipelines.wan.conditioning import ti2v
   from tests.pipelines.wan.conditioning.test_ti2v import CALL, NEGATIVE, PROMPT, TI2V_PSNR_DB, _image, _save_folder
 
@@ -206,7 +206,7 @@ def test_sdk_input_reference_on_a_vace_model(tmp_path):
   refused (VACE does not use it). Controls: without the reference, and with another video, the
   videos differ."""
   pytest.importorskip("diffusers")
-  from pipelines.pipeline.image_inputs import digest
+  from pipelines.pipeline.checked.image_inputs import digest
   from pipelines.storage import video_io, video_reading
   from tests.pipelines.pipeline.vace_folder import build_vace_folder
 

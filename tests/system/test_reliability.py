@@ -268,7 +268,7 @@ def test_every_argument_is_listed():
   """The table covers every argument a call takes (the request's, the options', the legacy ones)."""
   import inspect
 
-  from pipelines.pipeline import call_options
+  from pipelines.pipeline.run import call_options
   accepted = ({"prompt", "negative_prompt", "callback_on_step_end", "callback_on_step_end_tensor_inputs"}
               | set(call_options.REQUEST_ARGUMENTS) | set(call_options.LEGACY_OPTIONS))
   assert accepted == set(WRONG_TYPES)

@@ -39,7 +39,7 @@ def served(tmp_path_factory):
   LoRA named "fox" (random, on one layer)."""
   from safetensors.numpy import save_file
 
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.wan import lora
   from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 

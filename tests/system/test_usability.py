@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.harness import REPO_ROOT, child_env, end_to_end_commands, user_docs
-from pipelines.pipeline import compile_cache
+from pipelines.commands import compile_cache
 from pipelines.storage import video_io
 from attention.mesh import MeshSpec
 

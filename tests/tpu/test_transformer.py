@@ -21,7 +21,7 @@ from flax import nnx
 
 from attention import make_mesh
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.pipeline.precision import matmul_precision
+from pipelines.pipeline.run.precision import matmul_precision
 from pipelines.wan.transformer import forward, init_transformer, PRESETS
 from tests.numerics import EPS_F32, within
 from tests.tpu.backends import assert_on, cpu, on, tpu

@@ -155,7 +155,7 @@ def init_state(spec: StepCacheSpec, *, rows: int, tokens: int, config: Any, dtyp
 
 
 def for_checkpoint(state: State, *, tokens: int, mesh: Mesh | None) -> State:
-  """The state as a denoising checkpoint (`pipelines.pipeline.resume.Writer`) takes it: residuals cut to the
+  """The state as a denoising checkpoint (`pipelines.pipeline.run.resume.Writer`) takes it: residuals cut to the
   `tokens` valid token rows (the mesh padding differs between meshes; a run may resume on another
   one) and every array replicated over the mesh. A new copy; `state` is unchanged."""
   sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None

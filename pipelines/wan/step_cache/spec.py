@@ -73,7 +73,7 @@ class StepCacheSpec:
     return f"mag:{self.threshold:g}:{self.max_skips}" + ("" if shipped else f"@{self.ratios_source}")
 
   def identity(self) -> dict[str, Any]:
-    """What a resumed run must match (`pipelines.pipeline.resume`): the setting and its ratios, not the
+    """What a resumed run must match (`pipelines.pipeline.run.resume`): the setting and its ratios, not the
     file they were read from."""
     out = self.to_dict()
     out.pop("ratios_source", None)

@@ -209,8 +209,8 @@ TINY_ARGV = ["--prompt", PROMPT, "--model", "tiny-random", "--size", "32x32", "-
 def test_command_and_python_call_refuse_alike(tmp_path, capsys, flags, flag, kwargs):
   """The same bad value: `GenerationRequest.build` (the Python call's constructor) raises a
   ValueError, and the command prints that very message after the flag, exit status 2."""
-  from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.model_facts import ModelFacts
+  from pipelines.pipeline.checked.request import GenerationRequest
 
   call = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1, "seed": 0, **kwargs}
   with pytest.raises(ValueError) as refused:

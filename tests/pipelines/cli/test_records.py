@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from pipelines.cli import generate, records, run_plan
-from pipelines.pipeline import resume
+from pipelines.pipeline.run import resume
 from pipelines.pipeline import wan_pipeline
 from tests.numerics import assert_psnr_at_least
 from tests.pipelines.cli.test_generate import TINY_ARGV
-from tests.pipelines.pipeline.test_resume import PROMPT, RESUME_PSNR_DB
+from tests.pipelines.pipeline.run.test_resume import PROMPT, RESUME_PSNR_DB
 
 
 def _checked(tmp_path, *flags):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("diffusers")
 
 from pipelines.cli import generate  # noqa: E402
-from pipelines.pipeline.image_inputs import digest  # noqa: E402
+from pipelines.pipeline.checked.image_inputs import digest  # noqa: E402
 from pipelines.storage import images, video_io, video_reading  # noqa: E402
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least  # noqa: E402
 from tests.pipelines.pipeline.vace_folder import build_vace_folder  # noqa: E402

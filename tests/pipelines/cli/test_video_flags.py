@@ -13,7 +13,7 @@ import pytest
 
 from pipelines.cli import generate
 from pipelines.commands.presets import PRESETS
-from pipelines.pipeline.image_inputs import digest
+from pipelines.pipeline.checked.image_inputs import digest
 from pipelines.storage import video_io
 from pipelines.storage import video_reading
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least

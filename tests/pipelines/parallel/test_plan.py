@@ -193,8 +193,8 @@ def test_generate_mesh_auto_keeps_windows_that_continue_off_the_windows_axis(tmp
   refused), where the same windows blended may take a windows axis (the planner is offered W up
   to their count)."""
   from pipelines.cli import devices, generate
-  from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.model_facts import ModelFacts
+  from pipelines.pipeline.checked.request import GenerationRequest
   call = dict(height=32, width=32, num_frames=65, context_frames=17, context_overlap=8, seed=0)
   for fuse, parallel in (("continue", 1), ("pyramid", 5)):
     request = GenerationRequest.build(ModelFacts.tiny_random("float32"), "x", context_fuse=fuse, **call)

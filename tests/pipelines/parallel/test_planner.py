@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines.parallel import planner
-from pipelines.pipeline.model_facts import token_facts
+from pipelines.pipeline.checked.model_facts import token_facts
 from pipelines.wan.transformer import PRESETS, param_counts
 
 

@@ -157,9 +157,9 @@ def test_image_kv_once_equals_recomputing_every_step(kinds, kind, mesh, monkeypa
   inside every step (`text_kv_once=False`), on one device and on a CFG-split mesh. Positive
   controls: the held step program has no matmul over the CLIP width (the image embedder and the
   image K/V are gone from it) while the in-step one has, and the latents moved."""
-  from pipelines.pipeline.call_options import CallOptions
-  from pipelines.pipeline.request import GenerationRequest
-  from pipelines.pipeline.step import CompiledSteps
+  from pipelines.pipeline.run.call_options import CallOptions
+  from pipelines.pipeline.checked.request import GenerationRequest
+  from pipelines.pipeline.run.step import CompiledSteps
 
   _, _, pipe = kinds(kind)
   images = []
@@ -310,7 +310,7 @@ def test_generate_image_first_frame_is_the_image(pass_through_folder, tmp_path, 
   import json
 
   from pipelines.cli import generate
-  from pipelines.pipeline.image_inputs import digest, to_video_frame
+  from pipelines.pipeline.checked.image_inputs import digest, to_video_frame
   from pipelines.wan import vae as wan_vae
 
   image = _shape_image((220, 40, 40), (8, 10))
@@ -346,7 +346,7 @@ def test_generate_refuses_before_loading(pass_through_folder, tmp_path, capsys, 
   message naming the fix."""
   from tests.harness import step_compiles
   from pipelines.cli import generate
-  from pipelines.pipeline import loading
+  from pipelines.pipeline.load import loading
 
   loads = []
   monkeypatch.setattr(loading, "folder_parts", lambda *a, **k: loads.append(a))
@@ -388,8 +388,8 @@ def test_size_follows_the_image(pass_through_folder, tmp_path):
 def test_image_inputs_checked_and_in_the_identity(pass_through_folder):
   """The request's image checks (no compute) and the digests in its settings and resume identity:
   another image is another run."""
-  from pipelines.pipeline.model_facts import ModelFacts
-  from pipelines.pipeline.request import GenerationRequest
+  from pipelines.pipeline.checked.model_facts import ModelFacts
+  from pipelines.pipeline.checked.request import GenerationRequest
 
   facts = ModelFacts.from_folder(pass_through_folder, "float32")
   assert facts.image_to_video

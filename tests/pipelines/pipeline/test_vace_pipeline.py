@@ -18,7 +18,7 @@ import pytest
 diffusers = pytest.importorskip("diffusers")
 import torch  # noqa: E402
 
-from pipelines.pipeline.request import GenerationRequest  # noqa: E402
+from pipelines.pipeline.checked.request import GenerationRequest  # noqa: E402
 from pipelines.pipeline.vace_pipeline import WanVACEPipeline  # noqa: E402
 from pipelines.pipeline.wan_pipeline import WanPipeline  # noqa: E402
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 diffusers = pytest.importorskip("diffusers")
 import torch  # noqa: E402
 
-from pipelines.pipeline.request import GenerationRequest  # noqa: E402
+from pipelines.pipeline.checked.request import GenerationRequest  # noqa: E402
 from pipelines.pipeline.video_pipeline import WanVideoToVideoPipeline  # noqa: E402
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER  # noqa: E402
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least  # noqa: E402

@@ -302,7 +302,7 @@ def test_dpm_solver_matches_diffusers(folders, loaded, tmp_path):
   """Wan's dpm++ sampler: diffusers' flow DPMSolverMultistepScheduler in the same pipeline gives the
   same video (the fp32 bar of the UniPC cases), and a folder whose scheduler_config.json names it
   is read as DPM-Solver++."""
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.wan import schedulers
 
   ref_pipe = diffusers.WanPipeline.from_pretrained(folders["wan21"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipelines import WanPipeline
-from pipelines.pipeline.inputs import CALLBACK_TENSOR_INPUTS
+from pipelines.pipeline.checked.inputs import CALLBACK_TENSOR_INPUTS
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least, within
 from tests.pipelines.pipeline.test_wan_pipeline import MAX_LEN, NEGATIVES, PROMPTS, SIZE, _save_diffusers_pipeline, psnr
 

@@ -175,7 +175,7 @@ def test_a_long_job_without_windows_warns_with_the_window_fields():
   naming context_frames / context_overlap; with windows (control) it has none."""
   import dataclasses
 
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.serve import api
   facts = dataclasses.replace(ModelFacts.tiny_random("float32"), name="/models/wan-folder")  # trained on 81 frames
   params = {"prompt": "x", "negative_prompt": "", "seed": 0, "width": 32, "height": 32, "num_frames": 85,

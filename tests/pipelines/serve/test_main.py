@@ -38,7 +38,7 @@ def test_an_image_to_video_model_is_checked_with_a_first_frame():
   import dataclasses
 
   from pipelines.commands.flags import UsageError
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.serve.main import check
   from pipelines.serve.options import ServeConfig
 
@@ -105,7 +105,7 @@ def test_single_files_serve_the_folders_model(single):
   import os
 
   from pipelines.pipeline import WanPipeline
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
   from pipelines.serve.main import loader, model_facts
   from pipelines.serve.options import parse
 

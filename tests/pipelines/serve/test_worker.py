@@ -17,8 +17,8 @@ import types
 
 import numpy as np
 
-from pipelines.pipeline.loop import LoopState
-from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.run.loop import LoopState
+from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.serve import api
 from pipelines.serve.main import model_facts
 from pipelines.serve.multihost import Channel

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pipelines.cli.run_plan import read_image as cli_read_image
-from pipelines.pipeline.image_inputs import image_array
+from pipelines.pipeline.checked.image_inputs import image_array
 from pipelines.storage import images
 
 H, W = 24, 40

@@ -21,8 +21,8 @@ import torch
 from tests.numerics import assert_psnr_at_least
 from pipelines import WanImageToVideoPipeline, WanPipeline
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.pipeline.request import GenerationRequest
-from pipelines.pipeline.ti2v import ti2v_condition
+from pipelines.pipeline.checked.request import GenerationRequest
+from pipelines.pipeline.run.ti2v import ti2v_condition
 from pipelines.wan import transformer as wan_transformer, vae as wan_vae
 from pipelines.wan.transformer import model as transformer_model
 from pipelines.wan.conditioning import ti2v
@@ -144,7 +144,7 @@ def test_generate_image(refs, pipe, tmp_path, capsys):
   import PIL.Image
 
   from pipelines.cli import generate
-  from pipelines.pipeline.image_inputs import digest
+  from pipelines.pipeline.checked.image_inputs import digest
 
   pixels = (_image()[0].transpose(1, 2, 0) * 255).round().astype(np.uint8)
   PIL.Image.fromarray(pixels).save(tmp_path / "first.png")
@@ -222,7 +222,7 @@ def test_preset_and_planner_size_the_5b():
   diffusers' parameters exactly (5.0B); the planner counts the 16x VAE's tokens (27,280)."""
   from pipelines.commands.presets import PRESETS
   from pipelines.parallel import planner
-  from pipelines.pipeline.model_facts import token_facts
+  from pipelines.pipeline.checked.model_facts import token_facts
   from pipelines.wan.transformer import PRESETS as MODELS, param_counts
 
   p = PRESETS["wan2.2-ti2v-5b"]

@@ -1,4 +1,4 @@
-"""Tests for pipelines/wan/conditioning/vace.py and the preprocessing in pipelines/pipeline/vace_inputs.py
+"""Tests for pipelines/wan/conditioning/vace.py and the preprocessing in pipelines/pipeline/checked/vace_inputs.py
 against diffusers' own functions: the mask channels (`WanVACEPipeline.prepare_masks`), the bilinear
 resize (torch's `interpolate`) and the reference canvas (`preprocess_conditions`), at sizes and
 frame counts the pipeline test does not reach.
@@ -12,7 +12,7 @@ import pytest
 diffusers = pytest.importorskip("diffusers")
 import torch  # noqa: E402
 
-from pipelines.pipeline.vace_inputs import bilinear, reference_canvas  # noqa: E402
+from pipelines.pipeline.checked.vace_inputs import bilinear, reference_canvas  # noqa: E402
 from pipelines.wan.conditioning.vace import mask_channels  # noqa: E402
 from tests.numerics import EPS_F32  # noqa: E402
 

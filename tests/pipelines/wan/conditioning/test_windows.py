@@ -1,5 +1,5 @@
 """Tests for pipelines/wan/conditioning/windows.py (context windows) through the whole pipeline
-(pipelines/pipeline/step.py's `_windowed_noise`), on the random-weight tiny model in fp32.
+(pipelines/pipeline/run/step.py's `_windowed_noise`), on the random-weight tiny model in fp32.
 
 - Layout and weights: ComfyUI's pyramid (1, 2, ..., 2, 1) and flat weights, each frame's shares
   summing to 1, windows evenly spread with the last flush with the end, padding copies of weight 0.

@@ -1,5 +1,5 @@
 """Tests for the LoRA key layouts (pipelines/wan/lora/convert.py) and several adapters at once
-(pipelines/pipeline/lora_loading.py) against diffusers.
+(pipelines/pipeline/load/lora_loading.py) against diffusers.
 
 Reference: the tiny diffusers Wan 2.1 pipeline of tests/pipelines/pipeline/test_wan_pipeline.py, saved once for the
 module; each LoRA file is written here in its format's key layout, with several ranks and alphas,

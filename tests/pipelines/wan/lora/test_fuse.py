@@ -379,7 +379,7 @@ def test_generate_lora_flag(tmp_path, capsys, monkeypatch):
        "source": p, "sha256": lora.lora_digest(p)} for i, (p, w) in enumerate(((path, 0.8), (other, 0.5)))]
   record = json.loads((tmp_path / "ckpt" / "generate.json").read_text())
   assert record["lora"] == [f"{path}:0.8", f"{other}:0.5"] and record["lora_2"] == []
-  from pipelines.pipeline import resume as resume_state
+  from pipelines.pipeline.run import resume as resume_state
   identity = resume_state.read(str(tmp_path / "ckpt")).identity["lora"]
   assert [(a["weight"], a["sha256"]) for a in identity["adapters"]] == [
       (0.8, lora.lora_digest(path)), (0.5, lora.lora_digest(other))]

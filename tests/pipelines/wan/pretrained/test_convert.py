@@ -1,5 +1,5 @@
 """`wan.pretrained.convert`: the command's argument rules (the round trip of a folder is in
-tests/pipelines/pipeline/test_single_file.py, where the videos are compared)."""
+tests/pipelines/pipeline/load/test_single_file.py, where the videos are compared)."""
 
 import pytest
 

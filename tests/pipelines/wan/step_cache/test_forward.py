@@ -144,7 +144,7 @@ def test_reset_keeps_the_layout():
 
 
 class Stop(Exception):
-  """Stands for an interruption after a step (as tests/pipelines/pipeline/test_resume.py)."""
+  """Stands for an interruption after a step (as tests/pipelines/pipeline/run/test_resume.py)."""
 
 
 def test_interrupted_cached_run_resumes_to_the_same_video(tiny, one_device, tmp_path):

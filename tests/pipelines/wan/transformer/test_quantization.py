@@ -20,7 +20,7 @@ from flax import nnx
 from pipelines import WanPipeline
 from pipelines.parallel import planner
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.pipeline.model_facts import token_facts
+from pipelines.pipeline.checked.model_facts import token_facts
 from pipelines.wan.transformer import forward, param_counts, PRESETS, quantization
 from pipelines.wan.transformer.layers import Dense
 

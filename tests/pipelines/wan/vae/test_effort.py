@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pipelines import WanPipeline
-from pipelines.pipeline.call_options import CallOptions
-from pipelines.pipeline.request import GenerationRequest
+from pipelines.pipeline.run.call_options import CallOptions
+from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.wan.vae import effort as vae_effort, model as V
 
 

@@ -1,0 +1,115 @@
+"""The video of a video-to-video call (`video`, `strength`; diffusers' `WanVideoToVideoPipeline`),
+checked into `VideoInputs` (a `GenerationRequest` field), and what the run makes of them: the frames
+at the video's size in [-1, 1] (diffusers' `VideoProcessor.preprocess_video`) and the step the
+denoising starts from.
+
+Frames are HWC with 3 channels, each in one of `image_inputs.IMAGE_FORMS` (a list of PIL images as
+diffusers takes, or numpy uint8 [F, H, W, 3], or float [F, H, W, 3] in [0, 1]). The VAE encodes a
+first frame and then groups of `temporal_factor` (4) frames, so only 4k + 1 frames are used:
+diffusers' VAE drops the rest silently; here they are dropped with a warning.
+
+Source: diffusers `pipelines/wan/pipeline_wan_video2video.py` (`get_timesteps`, `prepare_latents`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import reprlib
+import warnings
+from typing import Any
+
+import numpy as np
+
+from pipelines.pipeline.checked.image_inputs import digest, image_array, to_video_frame
+from pipelines.pipeline.checked.inputs import not_a
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoInputs:
+  """The checked video of a video-to-video request.
+
+  Attributes:
+    frames: numpy [F, H0, W0, 3], F = 4k + 1: uint8 as given (PIL images become uint8 RGB), or
+      float32 in [0, 1].
+    strength: in (0, 1]: the share of the schedule that runs; the encoded video is noised to the
+      first running step's sigma (1: the whole schedule, from sigma_max ~ 1, nearly pure noise).
+  """
+  frames: np.ndarray
+  strength: float
+
+  def start(self, steps: int) -> int:
+    """The first of `steps` schedule steps that runs (diffusers' `get_timesteps`: the last
+    int(steps * strength) steps run)."""
+    return steps - min(int(steps * self.strength), steps)
+
+  def digests(self) -> dict[str, Any]:
+    """What the sidecar and a resumed run record: the frames' SHA-256 and the strength."""
+    return {"video_sha256": digest(self.frames), "strength": self.strength}
+
+  def pixels(self, height: int, width: int) -> np.ndarray:
+    """float32 [1, 3, F, height, width] in [-1, 1]: each frame resized as diffusers' video processor
+    does (`image_inputs.to_video_frame`)."""
+    return np.stack([to_video_frame(frame, height, width) for frame in self.frames], axis=1)[None]
+
+
+def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int, temporal_factor: int,
+                       video_model: bool) -> VideoInputs | None:
+  """`video` and `strength` checked against the call.
+
+  Args:
+    num_frames: the call's frame count (None: the video's).
+    steps: the schedule's steps (at least one must run at this strength).
+    temporal_factor: frames per latent frame after the first (4).
+    video_model: the model can start from a video (a text-to-video Wan: not image-to-video, not TI2V).
+
+  Raises:
+    ValueError: naming the argument and the fix: a video for another kind of model, frames not in
+      one of the image forms or of different sizes, fewer than 1 frame, num_frames that differs
+      from the video's, strength not a number in (0, 1], or one that runs no step.
+  """
+  if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
+    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")  # used or not
+  if video is None:
+    return None
+  if not video_model:
+    raise ValueError("video given, but this model cannot start from a video (video-to-video runs on a "
+                     "text-to-video Wan folder: WanVideoToVideoPipeline); leave video out")
+  frames = video_frames("video", video)
+  used = (len(frames) - 1) // temporal_factor * temporal_factor + 1
+  if used != len(frames):
+    warnings.warn(f"video has {len(frames)} frames; the VAE encodes 4k + 1 of them, so the last "
+                  f"{len(frames) - used} are not used (as diffusers' VAE drops them)", stacklevel=3)
+    frames = frames[:used]
+  if num_frames is not None and num_frames != used:
+    raise ValueError(f"num_frames={num_frames!r} differs from the video's {used} frames; leave num_frames "
+                     "out (a video-to-video call takes its length from the video)")
+  result = VideoInputs(frames=frames, strength=float(strength))
+  if result.start(steps) >= steps:
+    raise ValueError(f"strength={strength!r} with num_inference_steps={steps} runs no step (int(steps x "
+                     f"strength) = 0); raise strength to >= {1 / steps:.3g} or the steps")
+  return result
+
+
+def video_frames(name: str, video: Any) -> np.ndarray:
+  """The frames of argument `name` as one numpy array [F, H, W, 3] (uint8 or float32 in [0, 1]).
+
+  Raises:
+    ValueError: naming `name`: not a list of frames or an array [F, H, W, 3], no frames, a frame in
+      none of the image forms, or frames of different sizes or kinds.
+  """
+  if isinstance(video, np.ndarray) and video.ndim == 4:
+    items = list(video)
+  elif isinstance(video, (list, tuple)):
+    items = list(video)
+  else:
+    raise ValueError(f"{name}={reprlib.repr(video)} must be a list of frames (PIL images or [H, W, 3] arrays) or "
+                     f"an array [F, H, W, 3]{not_a(video)}")
+  if not items:
+    raise ValueError(f"{name} has no frames; give at least one")
+  frames = [image_array(f"{name}[{i}]", frame) for i, frame in enumerate(items)]
+  shapes = {f.shape for f in frames}
+  kinds = {f.dtype for f in frames}
+  if len(shapes) > 1 or len(kinds) > 1:
+    raise ValueError(f"{name} frames must share one size and kind, got sizes {sorted(shapes)} and kinds "
+                     f"{sorted(str(k) for k in kinds)}")
+  return np.stack(frames)
