@@ -117,8 +117,8 @@ def draw_seed(plan: Plan) -> int:
 
   from pipelines.pipeline.checked.seed import random_seed
 
-  if plan.seed is not None:
-    return plan.seed
+  if plan.asked("seed") is not None:
+    return plan.asked("seed")
   seed = random_seed()
   if jax.process_count() > 1:  # one random seed for all: process 0's
     from jax.experimental import multihost_utils
@@ -157,8 +157,9 @@ def auto_mesh(plan: Plan, request: Any) -> tuple[Plan, Any]:
   try:
     parallel = ParallelPlan.build(best if several else None, heads=request.model.transformer.num_attention_heads,
                                   cfg_active=request.cfg, shard_weights=several and best.shard_weights,
-                                  attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel,
-                                  attention_exchange=plan.attention_exchange)
+                                  attention_backend=plan.asked("attention_backend"),
+                                  vae_parallel=plan.asked("vae_parallel"),
+                                  attention_exchange=plan.asked("attention_exchange"))
   except ValueError as e:
     raise flag_error(e) from e
   return dataclasses.replace(plan, mesh=best), dataclasses.replace(request, plan=parallel)

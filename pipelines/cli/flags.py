@@ -12,25 +12,26 @@ import re
 from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags
-from pipelines.commands.presets import PRESETS
+from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS
 from pipelines.commands import compile_cache
 from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
 
 
-# The request's argument names (`GenerationRequest.build`) and the flags that give them.
-_REQUEST_FLAGS = {"height": "--size", "width": "--size", "num_frames": "--frames",
-                  "num_inference_steps": "--steps", "guidance_scale": "--guidance",
-                  "guidance_scale_2": "--guidance", "flow_shift": "--shift", "seed": "--seed",
-                  "max_sequence_length": "--max-sequence-length", "step_cache": "--step-cache",
-                  "shard_weights": "--shard-weights", "attention_backend": "--attention-backend",
-                  "vae_parallel": "--vae-parallel", "attention_exchange": "--attention-exchange",
-                  "prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
-                  "last_image": "--last-image", "scheduler": "--scheduler", "timesteps": "--timesteps",
-                  "sigmas": "--sigmas", "video": "--video", "strength": "--strength", "mask": "--mask",
-                  "reference_images": "--reference-image", "conditioning_scale": "--conditioning-scale",
-                  "context_frames": "--context-frames", "context_overlap": "--context-overlap",
-                  "context_fuse": "--context-fuse"}
+# The --help groups whose flags decide the video: `--resume` reads each of their flags from the run
+# record, and one given must match it (`records.apply_resume`).
+RECORDED_GROUPS = ("prompt and media", "model", "a model as single files (instead of --model)", "sampling",
+                   "conditioning", "long video")
+# `GenerationRequest.build` arguments that one flag gives together, by the flag's dest; every other
+# request flag's dest is the argument's name.
+SHARED_FLAGS = {"height": "size", "width": "size", "guidance_scale_2": "guidance_scale"}
+
+
+def flag_of(parser: argparse.ArgumentParser, name: str) -> str | None:
+  """The flag that gives the dest or request argument `name` ("num_inference_steps" -> "--steps",
+  "height" -> "--size"), read from `parser`; None when no flag does."""
+  dest = SHARED_FLAGS.get(name, name)
+  return next((a.option_strings[0] for a in parser._actions if a.dest == dest and a.option_strings), None)
 
 
 def flag_error(error: ValueError) -> UsageError:
@@ -39,194 +40,208 @@ def flag_error(error: ValueError) -> UsageError:
   ("mesh ...", "the model has 8 heads ...") -> "--mesh: ..."; any other message unchanged."""
   text = str(error)
   name = re.match(r"(\w+)=", text)
-  if name is not None and name.group(1) in _REQUEST_FLAGS:
-    return UsageError(f"{_REQUEST_FLAGS[name.group(1)]}: {text}")
+  flag = None if name is None else flag_of(build_parser(), name.group(1))
+  if flag is not None:
+    return UsageError(f"{flag}: {text}")
   if text.startswith(("mesh ", "the model")):
     return UsageError(f"--mesh: {text}")
   return UsageError(text)
 
 
 def build_parser(description: str | None = None, epilog: str | None = None) -> argparse.ArgumentParser:
-  """Every flag of `generate`, in the order --help lists them; `description` heads --help, `epilog`
-  follows the flags."""
+  """Every flag of `generate`, in --help groups by stage (at most 12 flags each); `description`
+  heads --help, `epilog` follows the flags. A flag that gives a `GenerationRequest.build` argument
+  has that argument's name as its dest (`SHARED_FLAGS`: the two that give two)."""
   p = argparse.ArgumentParser(prog="generate", description=description, epilog=epilog,
                               formatter_class=HelpFormatter)
-  _add_video_flags(p)
+  _add_prompt_flags(p.add_argument_group("prompt and media"))
+  _add_model_flags(p.add_argument_group("model"))
   add_single_file_flags(p)
-  _add_device_flags(p)
-  _add_output_flags(p)
-  _add_model_flags(p)
-  _add_checkpoint_flags(p)
-  _add_process_flags(p)
+  _add_sampling_flags(p.add_argument_group("sampling"))
+  _add_conditioning_flags(p.add_argument_group("conditioning"))
+  _add_window_flags(p.add_argument_group("long video"))
+  _add_device_flags(p.add_argument_group("where it runs"))
+  _add_output_flags(p.add_argument_group("outputs"))
+  _add_checkpoint_flags(p.add_argument_group("resumable denoising"))
+  _add_process_flags(p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime"))
   return p
 
 
-def _add_video_flags(p: argparse.ArgumentParser) -> None:
-  """What the video shows and how it is sampled: prompt, model, preset, size, frames, steps, ..."""
-  p.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
-  p.add_argument("--negative-prompt", default=None,
+def _add_prompt_flags(g: argparse._ArgumentGroup) -> None:
+  """What the video shows: the prompts and the user's own media."""
+  g.add_argument("--prompt", default=None, help="what the video shows (required, except with --resume)")
+  g.add_argument("--negative-prompt", default=None,
                  help="what to avoid (classifier-free guidance); default: the --preset's (Wan's default "
                       "negative prompt for the wan2.* presets, as Wan's scripts), else ''")
-  p.add_argument("--model", default=None,
+  g.add_argument("--image", default=None, metavar="PATH",
+                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
+                      "Wan 2.2 TI2V-5B, --model tiny-i2v); without --size the video takes its aspect ratio within "
+                      "the preset's area (default: none, text-to-video)")
+  g.add_argument("--last-image", default=None, metavar="PATH",
+                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
+  g.add_argument("--video", default=None, metavar="PATH",
+                 help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
+                      ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
+                      "frames give the length; on a VACE model, the video VACE conditions on (default: none)")
+  g.add_argument("--mask", default=None, metavar="PATH",
+                 help="VACE models, with --video: which pixels to generate (white) and which to keep (black); an "
+                      "image for every frame, or a video of --video's length and size (default: generate all)")
+  g.add_argument("--reference-image", dest="reference_images", action="append", default=[], metavar="PATH",
+                 help="VACE models: an image (a subject, a style) the video should show; repeat for several "
+                      "(default: none)")
+
+
+def _add_model_flags(g: argparse._ArgumentGroup) -> None:
+  """Which model, its published defaults, its weights' dtype and quantization, its LoRAs."""
+  g.add_argument("--model", default=None,
                  help="a diffusers-format (or official) Wan folder, a Hugging Face Hub id org/name[@revision] "
                       "(downloaded once into the Hub cache), 'tiny' (embedded trained shapes-world model), "
                       "'tiny-i2v' (the same, continuing an --image first frame) or 'tiny-random' (embedded random "
                       "weights); --transformer, --vae and --text-encoder give the model as single files instead "
                       "(default: tiny)")
-  p.add_argument("--preset", default=None,
+  g.add_argument("--preset", default=None,
                  help=f"published defaults: {', '.join(PRESETS)} (default: 'tiny' for the tiny model, "
                       "diffusers' defaults for a folder)")
-  _add_media_flags(p)
-  p.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 "
-                                               "(Wan's 832*480 also accepted; default: the --preset's, 64x64 for "
-                                               "tiny, 832x480 for a folder; with --image, the image's aspect ratio "
-                                               "within that area)")
-  p.add_argument("--frames", type=int, default=None,
-                 help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
-                      "(16 -> 17, 10 -> 9) (default: the --preset's, 17 for tiny, 81 for a folder)")
-  p.add_argument("--context-frames", type=int, default=None, metavar="L",
-                 help="a video longer than the model's trained clip in overlapping context windows of L frames "
-                      "(4k+1; Wan: 81, tiny: 17), blended at every step (see --context-fuse); W=2 in --mesh runs two at once "
-                      "(default: none, one clip)")
-  p.add_argument("--context-overlap", type=int, default=None, metavar="O",
-                 help="with --context-frames: frames neighbouring windows share at least, a multiple of 4 "
-                      "below L (default: a quarter of L)")
-  p.add_argument("--context-fuse", choices=("pyramid", "flat", "continue"), default="pyramid",
-                 help="with --context-frames: the overlaps' blend weights at every step (pyramid, as ComfyUI; "
-                      "flat), or continue: windows one after another, each given the frames it shares with the one "
-                      "before (a model trained to continue; not with W) (default: pyramid)")
-  p.add_argument("--steps", type=int, default=None,
-                 help="denoising steps, 1 to 1000 (default: the --preset's, 8 for tiny, 50 for a folder)")
-  p.add_argument("--guidance", default=None,
-                 help="CFG scale in [0, 100], or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off "
-                      "(default: the --preset's, 5 for tiny and a folder)")
-  p.add_argument("--shift", type=float, default=None,
-                 help="scheduler flow shift, in [0.01, 1000] (Wan: 3 at 480p, 5 at 720p; default: the --preset's, "
-                      "3 for tiny, the scheduler config's for a folder)")
-  p.add_argument("--scheduler", default=None, choices=("unipc", "euler", "dpm++"),
-                 help="the sampler: unipc (Wan's default), dpm++ (DPM-Solver++ multistep, Wan's "
-                      "--sample_solver dpm++) or euler (flow-match Euler, as lightx2v runs distilled "
-                      "models); default: the --preset's, else the model folder's")
-  p.add_argument("--timesteps", default=None, metavar="T,T,...",
-                 help="a custom schedule: decreasing timesteps in (0, 1000], e.g. 1000,750,500,250 "
-                      "(lightx2v's denoising_step_list: sigmas t/1000, shifted by --shift); sets the steps "
-                      "(default: the --preset's, else the sampler's own spacing)")
-  p.add_argument("--sigmas", default=None, metavar="S,S,...",
-                 help="a custom schedule as decreasing unshifted sigmas in (0, 1], e.g. 1,0.75,0.5,0.25 "
-                      "(diffusers' set_timesteps(sigmas=)); sets the steps (default: none)")
-  p.add_argument("--seed", type=int, default=None,
-                 help="noise seed; -1 also draws one (default: random, printed and recorded in the sidecar)")
-
-
-def _add_media_flags(p: argparse.ArgumentParser) -> None:
-  """The user's own media: images, a video, VACE's mask and reference images, and their weights."""
-  p.add_argument("--image", default=None, metavar="PATH",
-                 help="the first frame (image-to-video models: Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, "
-                      "Wan 2.2 TI2V-5B); "
-                      "without --size the video takes its aspect ratio within the preset's area (default: none, "
-                      "text-to-video)")
-  p.add_argument("--last-image", default=None, metavar="PATH",
-                 help="the last frame (first-last-frame: FLF2V folders, Wan 2.2 I2V A14B; default: none)")
-  p.add_argument("--video", default=None, metavar="PATH",
-                 help="video-to-video (a text-to-video model): start from this video's frames (.mp4, .mov, "
-                      ".mkv, .webm, .avi, .gif, .npy or a folder of frames), resized to --size; its 4k + 1 first "
-                      "frames give the length; on a VACE model, the video VACE conditions on (default: none)")
-  p.add_argument("--mask", default=None, metavar="PATH",
-                 help="VACE models, with --video: which pixels to generate (white) and which to keep (black); an "
-                      "image for every frame, or a video of --video's length and size (default: generate all)")
-  p.add_argument("--reference-image", action="append", default=[], metavar="PATH",
-                 help="VACE models: an image (a subject, a style) the video should show; repeat for several "
-                      "(default: none)")
-  p.add_argument("--conditioning-scale", default=None, metavar="S or S,S,...",
-                 help="VACE models: the VACE hints' weight, one number or one per VACE layer (default: 1)")
-  p.add_argument("--strength", type=float, default=0.8,
-                 help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
-                      "too); lower keeps more of the video")
-
-
-def _add_device_flags(p: argparse.ArgumentParser) -> None:
-  """Where it runs: the mesh, weight sharding, the decode split, the kernels, devices, dtype."""
-  p.add_argument("--mesh", default="U=1,R=1",
-                 help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
-                      "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
-                      "devices; W=2,U=2,R=1 runs --context-frames windows two at once; 'auto' takes the "
-                      "planner's pick for the visible devices (end_to_end.plan)")
-  p.add_argument("--shard-weights", action="store_true",
-                 help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
-                      "too big to replicate on each device)")
-  p.add_argument("--vae-parallel", action=argparse.BooleanOptionalAction, default=True,
-                 help="decode the latents split by rows over the mesh's devices (default); "
-                      "--no-vae-parallel decodes on one device")
-  p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
-                 help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
-                      "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
-  p.add_argument("--attention-exchange", default="bf16", choices=("bf16", "fp8"),
-                 help="fp8: Q, V and the attention output cross the Ulysses all-to-alls in e4m3 with per-head "
-                      "scales, K in bf16 (5/8 of the bytes in, 1/2 out; a small change to the video)")
-  p.add_argument("--devices", type=int, default=None,
-                 help="simulate N CPU devices (must equal the devices of --mesh) (default: as many as the "
-                      "mesh needs)")
-  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+  g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default: float32 for tiny, bfloat16 for a folder)")
-  p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int8-w8a8"),
+  g.add_argument("--quantize", default=None, choices=("int8", "fp8", "int8-w8a8"),
                  help="the transformer's block Linear weights stored as int8 or fp8 (e4m3) with a scale per "
                       "output channel, dequantized in the matmul; int8-w8a8 also quantizes each matmul's "
                       "input per token (int8 x int8, int32 sums). Applied after the LoRAs are fused (default: "
                       "none, weights in --dtype)")
-  p.add_argument("--placement", default="auto",
+  g.add_argument("--attention-exchange", default="bf16", choices=("bf16", "fp8"),
+                 help="fp8: Q, V and the attention output cross the Ulysses all-to-alls in e4m3 with per-head "
+                      "scales, K in bf16 (5/8 of the bytes in, 1/2 out; a small change to the video)")
+  g.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers/peft, original "
+                      "Wan/ComfyUI/lightx2v or kohya/musubi keys) fused into the transformer with weight "
+                      "SCALE (default 1); repeatable: all are active at once, W = base + sum of "
+                      "SCALE_i x delta_i (default: none)")
+  g.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
+                 help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
+                      "(diffusers' load_into_transformer_2=True); repeatable (default: none)")
+
+
+def _add_sampling_flags(g: argparse._ArgumentGroup) -> None:
+  """The video's size and how it is sampled: size, frames, steps, guidance, schedule, seed, text length."""
+  tiny, folder = PRESETS["tiny"], FOLDER_DEFAULTS
+  g.add_argument("--size", default=None,
+                 help=f"WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 (Wan's 832*480 also accepted; "
+                      f"default: the --preset's, {tiny.width}x{tiny.height} for tiny, {folder.width}x{folder.height} "
+                      "for a folder; with --image, the image's aspect ratio within that area)")
+  g.add_argument("--frames", dest="num_frames", type=int, default=None, metavar="FRAMES",
+                 help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
+                      f"(16 -> 17, 10 -> 9) (default: the --preset's, {tiny.frames} for tiny, {folder.frames} for a "
+                      "folder; with --video, its length)")
+  g.add_argument("--steps", dest="num_inference_steps", type=int, default=None, metavar="STEPS",
+                 help=f"denoising steps, 1 to 1000 (default: the --preset's, {tiny.steps} for tiny, {folder.steps} "
+                      "for a folder)")
+  g.add_argument("--guidance", dest="guidance_scale", default=None, metavar="GUIDANCE",
+                 help="CFG scale in [0, 100], or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off "
+                      f"(default: the --preset's, {tiny.guidance[0]:g} for tiny, {folder.guidance[0]:g} for a folder)")
+  g.add_argument("--shift", dest="flow_shift", type=float, default=None, metavar="SHIFT",
+                 help="scheduler flow shift, in [0.01, 1000] (Wan: 3 at 480p, 5 at 720p; default: the --preset's, "
+                      f"{tiny.shift:g} for tiny, the scheduler config's for a folder)")
+  g.add_argument("--scheduler", default=None, choices=("unipc", "euler", "dpm++"),
+                 help="the sampler: unipc (Wan's default), dpm++ (DPM-Solver++ multistep, Wan's "
+                      "--sample_solver dpm++) or euler (flow-match Euler, as lightx2v runs distilled "
+                      "models); default: the --preset's, else the model folder's")
+  g.add_argument("--timesteps", default=None, metavar="T,T,...",
+                 help="a custom schedule: decreasing timesteps in (0, 1000], e.g. 1000,750,500,250 "
+                      "(lightx2v's denoising_step_list: sigmas t/1000, shifted by --shift); sets the steps "
+                      "(default: the --preset's, else the sampler's own spacing)")
+  g.add_argument("--sigmas", default=None, metavar="S,S,...",
+                 help="a custom schedule as decreasing unshifted sigmas in (0, 1], e.g. 1,0.75,0.5,0.25 "
+                      "(diffusers' set_timesteps(sigmas=)); sets the steps (default: none)")
+  g.add_argument("--seed", type=int, default=None,
+                 help="noise seed; -1 also draws one (default: random, printed and recorded in the sidecar)")
+  g.add_argument("--max-sequence-length", type=int, default=None,
+                 help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
+                      "tokenizer says it was trained with, model_max_length: 64 for tiny)")
+  g.add_argument("--step-cache", default=None, metavar="SPEC",
+                 help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
+                      "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
+                      "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
+                      "end_to_end.train.calibrate_cache`, built in for the tiny model); the skipped steps go into "
+                      "the sidecar (default: off)")
+
+
+def _add_conditioning_flags(g: argparse._ArgumentGroup) -> None:
+  """How strongly the user's media steer the video."""
+  g.add_argument("--strength", type=float, default=0.8,
+                 help="with --video: the share of the steps that run, in (0, 1] (checked without --video "
+                      "too); lower keeps more of the video")
+  g.add_argument("--conditioning-scale", default=None, metavar="S or S,S,...",
+                 help="VACE models: the VACE hints' weight, one number or one per VACE layer (default: 1)")
+
+
+def _add_window_flags(g: argparse._ArgumentGroup) -> None:
+  """A video longer than the model's trained clip, in context windows."""
+  g.add_argument("--context-frames", type=int, default=None, metavar="L",
+                 help="a video longer than the model's trained clip in overlapping context windows of L frames "
+                      "(4k+1; Wan: 81, tiny: 17), blended at every step (see --context-fuse); W=2 in --mesh runs two "
+                      "at once (default: none, one clip)")
+  g.add_argument("--context-overlap", type=int, default=None, metavar="O",
+                 help="with --context-frames: frames neighbouring windows share at least, a multiple of 4 "
+                      "below L (default: a quarter of L)")
+  g.add_argument("--context-fuse", choices=("pyramid", "flat", "continue"), default="pyramid",
+                 help="with --context-frames: the overlaps' blend weights at every step (pyramid, as ComfyUI; "
+                      "flat), or continue: windows one after another, each given the frames it shares with the one "
+                      "before (a model trained to continue; not with W) (default: pyramid)")
+
+
+def _add_device_flags(g: argparse._ArgumentGroup) -> None:
+  """Where and how it runs (the same video every way): the mesh, devices, kernels, memory, guards."""
+  g.add_argument("--mesh", default="U=1,R=1",
+                 help="device mesh, e.g. U=2,R=2 (also R=2,U=2, U=4): U Ulysses degree, R ring degree; "
+                      "CFG=2,U=2,R=2 runs the guidance's cond and uncond halves on separate halves of the "
+                      "devices; W=2,U=2,R=1 runs --context-frames windows two at once; 'auto' takes the "
+                      "planner's pick for the visible devices (end_to_end.plan)")
+  g.add_argument("--devices", type=int, default=None,
+                 help="simulate N CPU devices (must equal the devices of --mesh) (default: as many as the "
+                      "mesh needs)")
+  g.add_argument("--shard-weights", action="store_true",
+                 help="shard the transformer's block weights over the mesh's devices (FSDP; for models "
+                      "too big to replicate on each device)")
+  g.add_argument("--vae-parallel", action=argparse.BooleanOptionalAction, default=True,
+                 help="decode the latents split by rows over the mesh's devices (default); "
+                      "--no-vae-parallel decodes on one device")
+  g.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
+                 help="attention kernels: auto (Pallas kernels on TPU and GPU, XLA loops on CPU), xla, or "
+                      "pallas (on CPU: interpret mode, slow; for checks); the same video either way")
+  g.add_argument("--placement", default="auto",
                  choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
                  help="where the weights live during the run (pipelines/parallel/memory.py): auto picks the "
                       "fastest that fits the device's memory and prints it; resident keeps all on the device; "
                       "encoder-offloaded puts the text encoder there only for the encode; encoder-on-host runs "
                       "it on the host CPU. The transformer leaves for the decode, and the decode runs in bands "
                       "of latent rows, where the memory needs it; the same video every way")
-  add_decode_effort_flag(p)
-  p.add_argument("--max-sequence-length", type=int, default=None,
-                 help="text tokens per prompt (default: 512 as Wan, or the shorter length the model folder's "
-                      "tokenizer says it was trained with, model_max_length)")
-
-
-def _add_output_flags(p: argparse.ArgumentParser) -> None:
-  """What is written: the output, its frame rate, the contact sheet, the compilation cache."""
-  p.add_argument("--out", default="output.mp4",
-                 help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
-  p.add_argument("--fps", type=float, default=None,
-                 help="frames per second of the output, %g to %g (default: the preset's, 16 as Wan; a GIF "
-                      "without --fps gets the nearest rate it stores exactly, 16 -> 100/6 = 16.67; a given "
-                      "--fps that is not 100 / an integer warns)" % video_io.FPS_RANGE)
-  p.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
-  p.add_argument("--contact-sheet", action="store_true",
-                 help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
-                      "evenly spaced frames, small videos enlarged)")
-  p.add_argument("--compile-cache", metavar="DIR", default=None,
-                 help=f"JAX's persistent compilation cache (default: ${compile_cache.ENV}, else "
-                      f"{compile_cache.default_dir()})")
-  p.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-  """What changes the model or the loop: LoRAs, the step cache, the NaN guard."""
-  p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                 help="a Wan LoRA (.safetensors file, or a folder holding one; diffusers/peft, original "
-                      "Wan/ComfyUI/lightx2v or kohya/musubi keys) fused into the transformer with weight "
-                      "SCALE (default 1); repeatable: all are active at once, W = base + sum of "
-                      "SCALE_i x delta_i (default: none)")
-  p.add_argument("--lora-2", action="append", default=[], metavar="PATH[:SCALE]",
-                 help="as --lora, into transformer_2, the low-noise expert of a two-expert Wan 2.2 model "
-                      "(diffusers' load_into_transformer_2=True); repeatable (default: none)")
-  p.add_argument("--step-cache", default=None, metavar="SPEC",
-                 help="skip transformer blocks on steps whose change is small, reusing a cached residual: "
-                      "first-block:THRESH (first-block cache, e.g. first-block:0.05) or "
-                      "mag:THRESH[:K][@RATIOS.json] (MagCache; ratios from `python -m "
-                      "end_to_end.train.calibrate_cache`, built in for the tiny model); the skipped steps go into "
-                      "the sidecar (default: off)")
-  p.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
+  add_decode_effort_flag(g)
+  g.add_argument("--no-nan-guard", dest="nan_guard", action="store_false",
                  help="do not stop when the latents become NaN/inf (checked after every step)")
 
 
-def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+def _add_output_flags(g: argparse._ArgumentGroup) -> None:
+  """What is written: the output, its frame rate, the contact sheet, the compilation cache."""
+  g.add_argument("--out", default="output.mp4",
+                 help="*.mp4, *.gif, *.npy (float32 frames, unquantised), or a folder for PNG frames")
+  g.add_argument("--fps", type=float, default=None,
+                 help="frames per second of the output, %g to %g (default: the --preset's, else the model's: 24 "
+                      "for Wan 2.2 TI2V-5B, 16 for the others; a GIF without --fps gets the nearest rate it stores "
+                      "exactly, 16 -> 100/6 = 16.67; a given --fps that is not 100 / an integer warns)"
+                      % video_io.FPS_RANGE)
+  g.add_argument("--overwrite", action="store_true", help="replace an existing output and sidecar")
+  g.add_argument("--contact-sheet", action="store_true",
+                 help="also write a PNG grid of the video's frames next to it (--out + .contact.png: at most 9 "
+                      "evenly spaced frames, small videos enlarged)")
+  g.add_argument("--compile-cache", metavar="DIR", default=None,
+                 help=f"JAX's persistent compilation cache (default: ${compile_cache.ENV}, else "
+                      f"{compile_cache.default_dir()})")
+  g.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
+
+
+def _add_checkpoint_flags(c: argparse._ArgumentGroup) -> None:
   """Resumable denoising: --checkpoint-dir, --checkpoint-every, --resume, ..."""
-  c = p.add_argument_group("resumable denoising")
   c.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                  help="save the denoising state to DIR as the run goes (default for runs estimated "
                       f"at {estimate.LONG_S:g} s or more: OUT.resume beside the output)")
@@ -237,13 +252,12 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                  help="keep the checkpoint after the video is written (default: removed)")
   c.add_argument("--resume", metavar="DIR", default=None,
                  help="continue the run saved in DIR; other flags may be left out (they are read from "
-                      "DIR) and those given must match it, except the mesh, devices and output (default: none, "
+                      "DIR) and those given must match it, except where it runs and the output (default: none, "
                       "a new run)")
 
 
-def _add_process_flags(p: argparse.ArgumentParser) -> None:
+def _add_process_flags(g: argparse._ArgumentGroup) -> None:
   """Multi-process runs on JAX's distributed runtime: --coordinator, --num-processes, ..."""
-  g = p.add_argument_group("multi-process (multi-host) runs on JAX's distributed runtime")
   g.add_argument("--coordinator", default=None,
                  help=f"HOST:PORT of process 0 (default: ${distributed.ENV_COORDINATOR}, else one process)")
   g.add_argument("--num-processes", type=int, default=None,

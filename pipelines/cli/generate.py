@@ -74,7 +74,7 @@ from typing import Any
 
 from pipelines.cli.flags import build_parser as _build_parser
 from pipelines.cli.output import announce, mesh_text, sidecar, summary_line, timings, write_outputs
-from pipelines.cli.records import (RunFacts, apply_resume, given_flags, remove_checkpoint, resume_hint, tidy_checkpoint,
+from pipelines.cli.records import (apply_resume, given_flags, remove_checkpoint, resume_hint, tidy_checkpoint,
                                    write_run_record)
 from pipelines.cli.plan import Plan
 from pipelines.cli.run_plan import Checked, check_plan, plan_run
@@ -118,7 +118,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   if plan.checkpoint_dir is not None:
     supervisor.write_status(checkpoint_dir=plan.checkpoint_dir)
     if plan.writes and not plan.resume:
-      write_run_record(request, RunFacts.of(plan, checked.model_files), plan.checkpoint_dir)
+      write_run_record(plan, request, checked.model_files, plan.checkpoint_dir)
   start = time.perf_counter()
   pipe = _load(plan, request)
   load_s = time.perf_counter() - start

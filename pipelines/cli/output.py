@@ -1,5 +1,5 @@
 """What `generate` writes and says: the lines before compute (`announce`), the video and its contact
-sheet (`write_outputs`), the JSON sidecar (`sidecar`, its request fields from `records.request_record`)
+sheet (`write_outputs`), the JSON sidecar (`sidecar`, its request fields from `records.run_parameters`)
 and the summary line (`summary_line`).
 """
 
@@ -28,7 +28,7 @@ def announce(checked: Checked) -> None:
   plan, request = checked.plan, checked.request
   if not plan.writes:
     return
-  if plan.seed is None:
+  if plan.asked("seed") is None:
     print(f"generate: random seed {request.seed} (pass --seed {request.seed} to make this video again)",
           file=sys.stderr)
   line = estimate.long_run_line(records.run_estimate(request))
@@ -62,12 +62,11 @@ def write_outputs(plan: Plan, frames: Any, checked: Checked | None = None) -> tu
 
 
 def run_tags(checked: Checked) -> dict[str, str]:
-  """The written video's text tags (`video_tags.metadata_tags`): the prompt, and as JSON the request as
-  the run record holds it (`records.request_record`: prompt, negative prompt, model, size, frames,
-  steps, guidance, shift, seed, LoRAs, ...; not the output path) and the mesh (`mesh_text`)."""
-  asked = records.request_record(checked.request, records.RunFacts.of(checked.plan))
-  parameters = {**{k: v for k, v in asked.items() if k != "out"}, "mesh": mesh_text(checked.request)}
-  return video_tags.metadata_tags(asked["prompt"], parameters)
+  """The written video's text tags (`video_tags.metadata_tags`): the prompt, and as JSON the run's
+  parameters (`records.run_parameters`: prompt, negative prompt, model, size, frames, steps, guidance,
+  flow shift, seed, LoRAs, ...; not the output path) and the mesh (`mesh_text`)."""
+  parameters = records.run_parameters(checked.plan, checked.request) | {"mesh": mesh_text(checked.request)}
+  return video_tags.metadata_tags(parameters["prompt"], parameters)
 
 
 def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[str, float]:
@@ -81,24 +80,25 @@ def timings(load_s: float, pipeline: dict[str, float], write_s: float) -> dict[s
 
 def sidecar(checked: Checked, result: Any, *, out: str, sheet: str | None, lora: Any, times: dict[str, float],
             cache: Any, warnings_seen: list[str]) -> dict[str, Any]:
-  """The JSON sidecar of a written video: the request's fields (`records.request_record`), the mesh,
+  """The JSON sidecar of a written video: the run's parameters (`records.run_parameters`), the mesh,
   the video's shape, the pipeline's settings and timings, the cache, the checkpoint, the warnings; for
   single files each file's path, layout and SHA-256 ("model_files")."""
   import jax
 
   plan, request = checked.plan, checked.request
-  asked = records.request_record(request, records.RunFacts.of(plan))
+  asked = records.run_parameters(plan, request)
   frames, height, width = result.frames.shape[1:4]
   files = {} if checked.model_files is None else {"model_files": checked.model_files}
   return files | {
       "output": os.path.abspath(out), "prompt": asked["prompt"], "negative_prompt": asked["negative_prompt"],
-      "seed": asked["seed"], "seed_drawn": plan.seed is None, "model": request.model.name,
+      "seed": asked["seed"], "seed_drawn": plan.asked("seed") is None, "model": request.model.name,
       "model_commit": asked["model_commit"], "preset": asked["preset"],
       "mesh": {**request.plan.spec.describe(), "auto": checked.mesh_auto, "devices": checked.device_note,
                "processes": jax.process_count()},
       "video": {"frames": int(frames), "height": int(height), "width": int(width), "fps": plan.fps},
       "contact_sheet": None if sheet is None else os.path.abspath(sheet),
-      "images": {name: images.describe(path) for name, path in (("image", plan.image), ("last_image", plan.last_image))
+      "images": {name: images.describe(path) for name, path in (("image", plan.asked("image")),
+                                                                      ("last_image", plan.asked("last_image")))
                  if path is not None},
       "settings": result.settings, "lora": lora, "timings_s": times,
       "compile_cache": cache.report(),

@@ -11,26 +11,19 @@ from pipelines.parallel import distributed
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The flags as asked (presets applied), with every check that needs no JAX done; the video's
-  values (size, frames, steps, ...) are checked by `check_plan`'s `GenerationRequest`."""
-  prompt: str
-  negative_prompt: str
+  """The flags as asked (presets applied), with every check that needs no JAX done: the request's
+  arguments as one mapping (checked by `check_plan`'s `GenerationRequest`) beside the command's own
+  facts."""
+  request: dict[str, Any]  # `GenerationRequest.build`'s keyword arguments by name; media as paths
   model: str | None  # --model ("tiny" when nothing names the model); None: `files`
   preset: str | None
-  width: int
-  height: int
-  frames: int  # as asked; the request rounds it to 4k + 1
-  steps: int | None  # None: the custom schedule's length
-  guidance: tuple[float, ...]
-  shift: float | None  # None: the folder's
-  seed: int | None  # None: drawn by `check_plan` (--seed -1 or none)
   mesh: MeshSpec | None  # None: --mesh auto, resolved by `check_plan`
   devices: int | None
   dtype: str
-  max_sequence_length: int | None  # None: the model's (`presets.default_text_length`)
   out: str
   fps: float
   overwrite: bool
+  recorded: dict[str, Any] = dataclasses.field(default_factory=dict)  # the recorded flags, by dest (`records`)
   nan_guard: bool = True
   decode_compile_effort: float | None = None  # None: the platform's (`vae_effort.decode_compile_effort`)
   loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
@@ -41,31 +34,18 @@ class Plan:
   checkpoint_default: bool = True  # False with --no-checkpoint
   keep_checkpoint: bool = False
   resume: bool = False
-  step_cache: str | None = None  # --step-cache SPEC, parsed by the request; None: off
-  attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
-  attention_exchange: str = "bf16"  # "bf16" | "fp8": Q, V, output in e4m3 across the Ulysses all-to-alls
-  vae_parallel: bool = True  # decode split by rows over the mesh's devices
   contact_sheet: bool = False  # also write contact_sheet.contact_sheet_path(out)
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
   placement: str = "auto"  # --placement: the memory plan's placement (`parallel.memory`)
-  image: str | None = None  # --image PATH (image-to-video)
-  video: str | None = None  # --video PATH (video-to-video; a VACE model's video)
-  mask: str | None = None  # --mask PATH (VACE)
-  reference_images: tuple[str, ...] = ()  # --reference-image PATH, repeated (VACE)
-  conditioning_scale: Any = 1.0  # --conditioning-scale (VACE): a float or a tuple of floats
-  strength: float = 0.8  # --strength (with --video)
-  context_frames: int | None = None  # --context-frames (long videos in context windows)
-  context_overlap: int | None = None  # --context-overlap; None: the request's default
-  context_fuse: str = "pyramid"  # --context-fuse
-  last_image: str | None = None  # --last-image PATH
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
   fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)
-  scheduler: str | None = None  # --scheduler or the preset's; None: the folder's
-  timesteps: tuple[float, ...] | None = None  # --timesteps or the preset's custom schedule
-  sigmas: tuple[float, ...] | None = None  # --sigmas
   model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
   model_commit: str | None = None  # a Hub --model's resolved commit
   files: Any = None  # --transformer / --vae / --text-encoder ...: a `wan.pretrained.Sources` (model None)
+
+  def asked(self, name: str, default: Any = None) -> Any:
+    """The request argument `name` as asked (`default` when the command does not give it)."""
+    return self.request.get(name, default)
 
   @property
   def mesh_devices(self) -> int | None:

@@ -1,6 +1,7 @@
-"""What `generate` keeps beside a checkpoint: the run record (`RUN_RECORD`, the request for
-`--resume`, built from the `GenerationRequest` by `request_record`), `apply_resume` (flags read back
-from it), and the checkpoint folder's decisions (where it goes, when it is removed).
+"""What `generate` keeps beside a checkpoint: the run record (`RUN_RECORD`: every flag that decides
+the video, by dest, `recorded_flags`; `request_record`), `apply_resume` (flags read back from it), what
+the video's tags and sidecar say of the run (`run_parameters`), and the checkpoint folder's decisions
+(where it goes, when it is removed).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from pipelines.cli.flags import build_parser, parse_guidance, parse_numbers, parse_size
+from pipelines.cli.flags import RECORDED_GROUPS, build_parser, parse_guidance, parse_numbers, parse_size
 from pipelines.commands import model_files
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.presets import TINY_MODELS
@@ -21,19 +22,11 @@ from pipelines.wan.pretrained import hub_id
 
 from pipelines.cli.plan import Plan
 
-RUN_RECORD = "generate.json"  # in a checkpoint folder: the request, for --resume
-# Flags that decide the video: with --resume each is read from the record, and one given must match.
-_RECORDED = ("prompt", "negative_prompt", "model", "preset", "size", "frames", "steps", "guidance", "shift",
-             "seed", "dtype", "max_sequence_length", "lora", "lora_2", "step_cache", "quantize",
-             "attention_exchange", "image", "last_image", "scheduler", "timesteps", "sigmas", "video", "strength",
-             "mask", "reference_image", "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
-# The single files' flags: recorded (as `_RECORDED`) by a run of single files only, with the files'
-# digests ("model_files": `model_files.describe`), so a resumed run checks it runs on the same bytes.
-_RECORDED_FILES = ("transformer", "vae", "text_encoder", "tokenizer", "config")
+RUN_RECORD = "generate.json"  # in a checkpoint folder: the recorded flags, for --resume
 # Flags read from the record when not given, free to differ (where and how the video is written).
-_RECORDED_FREE = ("out", "fps")
-# Facts the record holds that no flag sets: a Hub --model's resolved commit (None for any other model).
-_RECORDED_FACTS = ("model_commit",)
+_FREE = ("out", "fps")
+# Flags whose text has one canonical form (so "832*480" equals "832x480" and "5" equals "5.0").
+_PATH_METAVARS = ("PATH", "FILE", "FOLDER", "DIR")
 
 
 def check_checkpoint_dir(directory: str) -> None:
@@ -62,34 +55,45 @@ def given_flags(argv: list[str]) -> set[str]:
   return set(vars(parser.parse_args(argv)))
 
 
-def _normalized(name: str, value: Any) -> Any:
-  """A flag's value in the record's form (so "832*480" equals "832x480", "5" equals 5.0)."""
-  if value is None:
-    return None
-  if name == "size":
-    return "x".join(map(str, parse_size(value))) if isinstance(value, str) else value
-  if name == "guidance":
-    values = list(parse_guidance(value)) if isinstance(value, str) else list(value)
-    return values[:1] if len(values) == 2 and values[0] == values[1] else values  # one scale for both
-  if name == "model":  # a Hub id as given (org/name[@revision]), a folder as its absolute path
-    return value if value is None or value in TINY_MODELS or hub_id(value) is not None else os.path.abspath(value)
-  if name in ("image", "last_image", "video", "mask") + _RECORDED_FILES:
-    return os.path.abspath(value)
-  if name == "reference_image":
-    return [os.path.abspath(path) for path in value]
-  if name == "conditioning_scale":
-    return list(parse_numbers(value, "--conditioning-scale")) if isinstance(value, str) else [float(v) for v in value]
-  if name in ("shift", "fps", "strength"):
-    return float(value)
-  if name in ("timesteps", "sigmas"):
-    return list(parse_numbers(value, "--" + name)) if isinstance(value, str) else [float(v) for v in value]
-  if name == "step_cache":
+def _recorded_actions() -> list[argparse.Action]:
+  """The flags that decide the video: those of `flags.RECORDED_GROUPS`, read from the parser."""
+  groups = build_parser()._action_groups
+  return [a for g in groups if g.title in RECORDED_GROUPS for a in g._group_actions]
+
+
+def _numbers(text: str, flag: str) -> str:
+  return ",".join(repr(v) for v in parse_numbers(text, flag))
+
+
+def _canonical(action: argparse.Action, value: Any) -> Any:
+  """A flag's value in the record's form: paths absolute (a Hub id or a tiny model's name as
+  given), comma-separated numbers as `repr` floats, a step-cache spec and a size in one spelling."""
+  flag = action.option_strings[0]
+  if value is None or value == []:
+    return value
+  if action.metavar in _PATH_METAVARS:
+    return [os.path.abspath(v) for v in value] if isinstance(value, list) else os.path.abspath(value)
+  if action.metavar == "PATH[:SCALE]":
+    return [f"{os.path.abspath(path)}:{scale!r}" for path, scale in (parse_lora_arg(v, flag) for v in value)]
+  if action.dest == "model":
+    return value if value in TINY_MODELS or hub_id(value) is not None else os.path.abspath(value)
+  if action.dest == "size":
+    return "x".join(map(str, parse_size(value)))
+  if action.dest == "guidance_scale":
+    values = parse_guidance(value)
+    return _numbers(value, flag) if len(set(values)) > 1 else repr(values[0])  # one scale for both
+  if action.dest in ("timesteps", "sigmas", "conditioning_scale"):
+    return _numbers(value, flag)
+  if action.dest == "step_cache":
     from pipelines.wan.step_cache import parse_step_cache
-    return parse_step_cache(value, model="tiny").describe() if isinstance(value, str) else value
-  if name in ("lora", "lora_2"):
-    return [f"{os.path.abspath(path)}:{scale!r}" for path, scale in
-            (parse_lora_arg(text, "--" + name.replace("_", "-")) for text in value)]
+    return parse_step_cache(value, model="tiny").describe()
   return value
+
+
+def recorded_flags(args: argparse.Namespace) -> dict[str, Any]:
+  """Every flag that decides the video (`flags.RECORDED_GROUPS`), by its dest, in the record's
+  form (`_canonical`): what `apply_resume` reads back."""
+  return {a.dest: _canonical(a, getattr(args, a.dest)) for a in _recorded_actions()}
 
 
 def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
@@ -116,20 +120,15 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
     raise UsageError("--resume DIR continues the checkpoint in DIR; drop --checkpoint-dir (or give the same folder)")
   if args.no_checkpoint:
     raise UsageError("--resume continues a checkpointed run; drop --no-checkpoint")
-  differences = []
-  for name in _RECORDED + _RECORDED_FILES:
-    if name in given and _normalized(name, getattr(args, name)) != record.get(name):
-      differences.append(f"--{name.replace('_', '-')}: saved {record.get(name)!r}, given "
-                         f"{_normalized(name, getattr(args, name))!r}")
+  actions = _recorded_actions()
+  differences = [f"{a.option_strings[0]}: saved {record.get(a.dest)!r}, given {_canonical(a, getattr(args, a.dest))!r}"
+                 for a in actions if a.dest in given and _canonical(a, getattr(args, a.dest)) != record.get(a.dest)]
   if differences:
     raise UsageError(f"--resume {args.resume}: these flags differ from the saved run (leave them out to "
                      "use the saved values): " + "; ".join(differences))
-  for name in _RECORDED + _RECORDED_FILES + _RECORDED_FREE:
-    if name not in given and name in record:
-      value = record[name]
-      if name in ("guidance", "timesteps", "sigmas", "conditioning_scale") and value is not None:
-        value = ",".join(repr(float(g)) for g in value)
-      setattr(args, name, value)
+  for dest in [a.dest for a in actions] + list(_FREE):
+    if dest not in given and dest in record:
+      setattr(args, dest, record[dest])
   args.checkpoint_dir = args.resume
   files_changed = model_files.changed(record.get("model_files") or {})
   if files_changed:
@@ -138,102 +137,41 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
                      f"{args.resume} and start a new run")
 
 
-@dataclasses.dataclass(frozen=True)
-class RunFacts:
-  """What the run record and the sidecar hold besides the request: the command's own facts.
-
-  Attributes:
-    model: --model as given ("tiny", "tiny-random", a folder or a Hub id org/name[@revision]), None for
-      single files.
-    model_commit: a Hub --model's resolved commit, or None.
-    preset: the --preset applied, or None.
-    out: --out; fps: frames per second of the output.
-    loras: (path, scale, expert 0 or 1), in loading order.
-    negative_prompt: --negative-prompt (the request drops it when guidance is off).
-    image, last_image: --image / --last-image paths (their contents' digests are in the request).
-    video: the --video path (its frames' digest and the strength are in the request).
-    mask, reference_images: VACE's --mask and --reference-image paths (digests in the request).
-    conditioning_scale: --conditioning-scale, one float or a tuple of floats.
-    files: the single files (a `wan.pretrained.Sources`; model None), or None.
-    model_files: the single files' `model_files.describe` (path, layout, SHA-256), or None.
-  """
-  model: str | None
-  preset: str | None
-  out: str
-  fps: float
-  loras: tuple[tuple[str, float, int], ...]
-  negative_prompt: str
-  image: str | None = None
-  last_image: str | None = None
-  video: str | None = None
-  mask: str | None = None
-  reference_images: tuple[str, ...] = ()
-  conditioning_scale: Any = 1.0
-  model_commit: str | None = None
-  files: Any = None
-  model_files: dict[str, Any] | None = None
-
-  @classmethod
-  def of(cls, plan: Plan, model_files: dict[str, Any] | None = None) -> RunFacts:
-    return cls(model=plan.model, model_commit=plan.model_commit, files=plan.files, model_files=model_files,
-               preset=plan.preset, out=plan.out, fps=plan.fps, loras=plan.loras,
-               negative_prompt=plan.negative_prompt, image=plan.image, last_image=plan.last_image,
-               video=plan.video, mask=plan.mask, reference_images=plan.reference_images,
-               conditioning_scale=plan.conditioning_scale)
-
-
 def flow_shift(request: Any) -> float:
   """The flow shift of the request's scheduler (UniPC's and DPM++'s `flow_shift`, Euler's `shift`)."""
   from pipelines.wan import schedulers
   return schedulers.flow_shift(request.scheduler)
 
 
-def request_record(request: Any, facts: RunFacts) -> dict[str, Any]:
-  """The request as the run record holds it (`apply_resume` reads it back; the sidecar takes its
-  prompt, negative prompt, seed and preset from it): every value from the `GenerationRequest`,
-  in the flags' form, and the command's own facts.
+def request_record(plan: Plan, request: Any) -> dict[str, Any]:
+  """The run record (`apply_resume` reads it back): every flag that decides the video, by dest, as
+  the plan recorded it (`recorded_flags`), with the seed the run drew, the output's path and frame
+  rate, and a Hub model's resolved commit."""
+  return plan.recorded | {"seed": request.seed, "out": os.path.abspath(plan.out), "fps": plan.fps,
+                          "model_commit": plan.model_commit}
 
-  Returns: a JSON-able dict, keys `_RECORDED` + `_RECORDED_FREE` + `_RECORDED_FACTS` (+ `_RECORDED_FILES`
-    for single files).
-  """
-  g1, g2 = request.guidance
-  record = {"prompt": request.prompts[0],
-            "negative_prompt": request.negative_prompts[0] if request.negative_prompts else facts.negative_prompt,
-            "model": _normalized("model", facts.model), "model_commit": facts.model_commit,
-            "preset": facts.preset,
-            "size": f"{request.width}x{request.height}", "frames": request.num_frames, "steps": request.steps,
-            "guidance": [g1] if g1 == g2 else [g1, g2], "shift": flow_shift(request), "seed": request.seed,
-            "dtype": request.model.dtype, "max_sequence_length": request.max_sequence_length,
-            "out": os.path.abspath(facts.out), "fps": facts.fps}
-  for name, expert in (("lora", 0), ("lora_2", 1)):
-    record[name] = [f"{os.path.abspath(path)}:{scale!r}" for path, scale, e in facts.loras if e == expert]
-  record["step_cache"] = None if request.step_cache is None else request.step_cache.describe()
-  record["quantize"] = request.model.quantize
-  record["attention_exchange"] = request.plan.attention_exchange
-  for name in ("image", "last_image", "video", "mask"):
-    record[name] = _normalized(name, getattr(facts, name))
-  record["reference_image"] = _normalized("reference_image", facts.reference_images)
-  scale = facts.conditioning_scale
-  record["conditioning_scale"] = _normalized("conditioning_scale", scale if isinstance(scale, tuple) else (scale,))
-  record["strength"] = None if request.video is None else request.video.strength
-  windows = request.windows
-  frames, overlap = (None, None) if windows is None else windows.video_frames(request.model.temporal_factor)
-  record["context_frames"], record["context_overlap"] = frames, overlap
-  record["context_fuse"] = "pyramid" if windows is None else windows.fuse
+
+def run_parameters(plan: Plan, request: Any) -> dict[str, Any]:
+  """What the video's tags and the sidecar say of the run: the run record with the values the
+  request resolved from presets and the model (prompt, negative prompt, size, frames, steps,
+  guidance, flow shift, sampler), and the model as run (not the output path)."""
   from pipelines.wan import schedulers
-  record["scheduler"] = schedulers.solver_name(request.scheduler)
-  record["timesteps"] = None if request.timesteps is None else list(request.timesteps)
-  record["sigmas"] = None if request.sigmas is None else list(request.sigmas)
-  if facts.files is not None:
-    record.update({name: _normalized(name, getattr(facts.files, name)) for name in _RECORDED_FILES})
-  return record
+
+  g1, g2 = request.guidance
+  negatives = request.negative_prompts
+  return {k: v for k, v in request_record(plan, request).items() if k != "out"} | {
+      "prompt": request.prompts[0], "negative_prompt": negatives[0] if negatives else plan.asked("negative_prompt"),
+      "model": plan.model if plan.files is None else None, "preset": plan.preset,
+      "size": f"{request.width}x{request.height}", "num_frames": request.num_frames,
+      "num_inference_steps": request.steps, "guidance_scale": [g1] if g1 == g2 else [g1, g2],
+      "flow_shift": flow_shift(request), "scheduler": schedulers.solver_name(request.scheduler)}
 
 
-def write_run_record(request: Any, facts: RunFacts, directory: str) -> None:
+def write_run_record(plan: Plan, request: Any, model_files: dict[str, Any] | None, directory: str) -> None:
   """`request_record` in the checkpoint folder, as `apply_resume` reads it (process 0; atomic), with
   the single files' digests ("model_files") when the model is single files."""
   os.makedirs(directory, exist_ok=True)
-  record = request_record(request, facts) | ({} if facts.model_files is None else {"model_files": facts.model_files})
+  record = request_record(plan, request) | ({} if model_files is None else {"model_files": model_files})
   video_io.write_json(record, os.path.join(directory, RUN_RECORD), overwrite=True)
 
 

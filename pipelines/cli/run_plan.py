@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import re
 import warnings
@@ -31,8 +32,8 @@ from pipelines.wan.pretrained import hub_id
 
 def plan_run(args: argparse.Namespace) -> Plan:
   """Checks every argument that must be checked before JAX starts (the prompt, the model folder, the
-  mesh flags, the process spec, the checkpoint folder, the output); the video's values are checked
-  by `check_plan`.
+  mesh flags, the process spec, the checkpoint folder, the output, the media files); the video's
+  values are checked by `check_plan`.
 
   Raises:
     UsageError / video_io.OutputError: each bad argument, with what to do instead.
@@ -41,7 +42,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
   files = single_files(args)
   model = args.model if args.model is not None or files is not None else "tiny"
   preset_name, preset = _preset(args, model)
-  guidance = parse_guidance(args.guidance) if args.guidance is not None else preset.guidance
+  guidance = parse_guidance(args.guidance_scale) if args.guidance_scale is not None else preset.guidance
   mesh = _mesh_flags(args, cfg_active=max(guidance) > 1)  # any expert guiding
   _check_run_flags(args)
   processes = _process_spec(args, mesh)
@@ -50,14 +51,54 @@ def plan_run(args: argparse.Namespace) -> Plan:
                 for text in texts)
   if processes is None or processes.process_id == 0:  # only process 0 writes
     _check_outputs(args)
+  video_frames = _check_media(args)
+  return Plan(request=_asked_request(args, preset_name, preset, guidance, video_frames),
+              recorded=records.recorded_flags(args), model=model, files=files, preset=preset_name, mesh=mesh,
+              devices=args.devices, dtype=args.dtype or ("float32" if model in TINY_MODELS else "bfloat16"),
+              out=args.out, fps=_fps(args, preset), overwrite=args.overwrite, nan_guard=args.nan_guard,
+              decode_compile_effort=args.decode_compile_effort, loras=loras, processes=processes,
+              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
+              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+              checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
+              resume=args.resume is not None, contact_sheet=args.contact_sheet, quantize=args.quantize,
+              placement=args.placement, size_given=bool(args.size),
+              fps_given=args.fps is not None or preset_name is not None)
+
+
+def _asked_request(args: argparse.Namespace, preset_name: str | None, preset: Preset, guidance: tuple[float, ...],
+                   video_frames: int | None) -> dict[str, Any]:
+  """`GenerationRequest.build`'s arguments as the flags ask them: each flag whose dest is an
+  argument's name as given, and the flags that need parsing or fall back to the preset below.
+  The mesh is the command's (`Plan.mesh`), resolved by `check_plan`."""
+  from pipelines.pipeline.checked.request import GenerationRequest
+
+  names = set(inspect.signature(GenerationRequest.build).parameters) - {"cls", "model", "mesh", "shard_weights"}
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  steps, timesteps, sigmas = _schedule_flags(args, preset)
+  return {name: value for name, value in vars(args).items() if name in names} | {
+      "negative_prompt": args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt,
+      "height": height, "width": width,
+      "num_frames": args.num_frames if args.num_frames is not None else (video_frames or preset.frames),
+      "num_inference_steps": steps, "timesteps": timesteps, "sigmas": sigmas,
+      "guidance_scale": guidance[0], "guidance_scale_2": guidance[1] if len(guidance) == 2 else None,
+      "flow_shift": args.flow_shift if args.flow_shift is not None else (preset.shift if preset_name else None),
+      "seed": None if args.seed == -1 else args.seed, "scheduler": args.scheduler or preset.scheduler,
+      "reference_images": tuple(args.reference_images), "conditioning_scale": _conditioning_scale(args)}
+
+
+def _check_media(args: argparse.Namespace) -> int | None:
+  """The image, video and mask files readable before anything loads, and given together as they
+  work; returns the frames a --video gives (None without one).
+
+  Raises:
+    UsageError: a file that is not an image / video this reads, or media that do not go together.
+  """
   for flag, path in (("--image", args.image), ("--last-image", args.last_image),
-                     *(("--reference-image", r) for r in args.reference_image)):
+                     *(("--reference-image", r) for r in args.reference_images)):
     if path is not None:
       _check_image_file(flag, path)
   if args.last_image is not None and args.image is None:
     raise UsageError("--last-image needs --image too (the first frame)")
-  video_frames = None if args.video is None else _video_length(args.video)
   if args.video is not None and args.image is not None:
     raise UsageError(f"--video {args.video} and --image {args.image}: give one (video-to-video starts from a video, "
                      "image-to-video from an image)")
@@ -65,30 +106,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
     raise UsageError(f"--mask {args.mask} needs --video (the mask marks which of the video's pixels to generate)")
   if args.mask is not None:
     read_mask(args.mask)  # readable before anything loads
-  negative = args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt
-  steps, timesteps, sigmas = _schedule_flags(args, preset)
-  return Plan(prompt=args.prompt, negative_prompt=negative, model=model, files=files,
-              preset=preset_name, width=width, height=height,
-              frames=args.frames if args.frames is not None else (video_frames or preset.frames),
-              steps=steps, timesteps=timesteps, sigmas=sigmas,
-              scheduler=args.scheduler or preset.scheduler, guidance=guidance,
-              shift=args.shift if args.shift is not None else (preset.shift if preset_name else None),
-              seed=None if args.seed == -1 else args.seed, mesh=mesh, devices=args.devices,
-              dtype=args.dtype or ("float32" if model in TINY_MODELS else "bfloat16"),
-              max_sequence_length=args.max_sequence_length, out=args.out, fps=_fps(args, preset),
-              overwrite=args.overwrite, nan_guard=args.nan_guard,
-              decode_compile_effort=args.decode_compile_effort, loras=loras, processes=processes,
-              compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache),
-              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-              checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
-              resume=args.resume is not None, step_cache=args.step_cache,
-              attention_backend=args.attention_backend, attention_exchange=args.attention_exchange,
-              vae_parallel=args.vae_parallel, contact_sheet=args.contact_sheet, quantize=args.quantize, placement=args.placement,
-              image=args.image, last_image=args.last_image, size_given=bool(args.size),
-              video=args.video, strength=args.strength, mask=args.mask,
-              reference_images=tuple(args.reference_image), conditioning_scale=_conditioning_scale(args),
-              context_frames=args.context_frames, context_overlap=args.context_overlap,
-              context_fuse=args.context_fuse, fps_given=args.fps is not None or preset_name is not None)
+  return None if args.video is None else _video_length(args.video)
 
 
 def _video_length(path: str) -> int:
@@ -136,6 +154,11 @@ def read_video(path: str | None) -> Any:
   return None if path is None else video_reading.read_video(path)
 
 
+def read_images(paths: Any) -> Any:
+  """The --reference-image files' pixels (`read_image` each), or None for none."""
+  return [read_image(path) for path in paths] or None
+
+
 def _check_image_file(flag: str, path: str) -> None:
   """Raises UsageError unless `path` is an image file pillow reads (its header only)."""
   import PIL.Image
@@ -156,18 +179,23 @@ def read_image(path: str | None) -> Any:
   return None if path is None else images.read_image(path).pixels
 
 
+# The request arguments a command gives as file paths, and how each is read.
+MEDIA_READERS = {"image": read_image, "last_image": read_image, "video": read_video, "mask": read_mask,
+                 "reference_images": read_images}
+
+
 def image_sized(plan: Plan, facts: Any) -> Plan:
   """Without --size, an --image's aspect ratio within the preset's area (`presets.size_for_image`,
   rounded to the model's multiple)."""
-  if plan.image is None or plan.size_given:
+  if plan.asked("image") is None or plan.size_given:
     return plan
   from pipelines.commands.presets import size_for_image
   from pipelines.storage import images
 
-  w, h = images.displayed_size(plan.image)  # a phone's portrait JPEG stores its landscape pixels
-  width, height = size_for_image(h, w, plan.width * plan.height,
+  w, h = images.displayed_size(plan.asked("image"))  # a phone's portrait JPEG stores its landscape pixels
+  width, height = size_for_image(h, w, plan.asked("width") * plan.asked("height"),
                                  facts.spatial_factor * facts.transformer.patch_size[1])
-  return dataclasses.replace(plan, width=width, height=height)
+  return dataclasses.replace(plan, request=plan.request | {"width": width, "height": height})
 
 
 def model_fps(plan: Plan, facts: Any) -> Plan:
@@ -192,9 +220,9 @@ def _schedule_flags(args: argparse.Namespace, preset: Preset) -> tuple[Any, Any,
   timesteps = parse_numbers(args.timesteps, "--timesteps") if args.timesteps is not None else None
   sigmas = parse_numbers(args.sigmas, "--sigmas") if args.sigmas is not None else None
   if timesteps is not None or sigmas is not None:
-    return args.steps, timesteps, sigmas
-  if args.steps is not None:
-    return args.steps, None, None
+    return args.num_inference_steps, timesteps, sigmas
+  if args.num_inference_steps is not None:
+    return args.num_inference_steps, None, None
   return (None, preset.timesteps, None) if preset.timesteps is not None else (preset.steps, None, None)
 
 
@@ -391,8 +419,8 @@ def check_plan(plan: Plan) -> Checked:
 
 def build_request(plan: Plan, facts: Any, seed: int) -> Any:
   """The `GenerationRequest` of the plan against the model's facts (`ModelFacts`): the one constructor
-  the Python call uses checks every value. A one-device mesh runs without one (mesh=None), as the
-  pipeline's default.
+  the Python call uses checks every value, given by name from `plan.request` (media files read into
+  arrays, `MEDIA_READERS`). A one-device mesh runs without one (mesh=None), as the pipeline's default.
 
   Raises:
     UsageError: each value the request refuses, naming its flag (`flags.flag_error`).
@@ -405,21 +433,11 @@ def build_request(plan: Plan, facts: Any, seed: int) -> Any:
   # which fits any model and spans every process.
   mesh = plan.mesh if plan.mesh is not None else MeshSpec(ring=jax.device_count())
   several = mesh.devices > 1
+  arguments = plan.request | {name: read(plan.request[name]) for name, read in MEDIA_READERS.items()} | {
+      "seed": seed, "mesh": mesh if several else None, "shard_weights": several and mesh.shard_weights,
+      "decode": plan.writes}
   try:
-    return GenerationRequest.build(
-        facts, plan.prompt, plan.negative_prompt, height=plan.height, width=plan.width,
-        num_frames=plan.frames, num_inference_steps=plan.steps, guidance_scale=plan.guidance[0],
-        guidance_scale_2=plan.guidance[1] if len(plan.guidance) == 2 else None, flow_shift=plan.shift,
-        seed=seed, max_sequence_length=plan.max_sequence_length, mesh=mesh if several else None,
-        step_cache=plan.step_cache, shard_weights=several and mesh.shard_weights,
-        attention_backend=plan.attention_backend, vae_parallel=plan.vae_parallel, decode=plan.writes,
-        attention_exchange=plan.attention_exchange, image=read_image(plan.image),
-        last_image=read_image(plan.last_image), scheduler=plan.scheduler, timesteps=plan.timesteps,
-        sigmas=plan.sigmas, **({} if plan.video is None else {"video": read_video(plan.video)}),
-        mask=read_mask(plan.mask), reference_images=[read_image(p) for p in plan.reference_images] or None,
-        conditioning_scale=plan.conditioning_scale, context_frames=plan.context_frames,
-        context_overlap=plan.context_overlap, context_fuse=plan.context_fuse,
-        **({} if plan.strength is None else {"strength": plan.strength}))  # checked, used or not
+    return GenerationRequest.build(facts, **arguments)
   except ValueError as e:
     raise flag_error(e) from e
 

@@ -54,7 +54,7 @@ def test_command_writes_a_decodable_video(tmp_path):
   assert sidecar["video"] == {"frames": 17, "height": 64, "width": 64, "fps": 16.0}
   tags = video_tags.read_metadata(str(out))  # the mp4 carries the prompt and parameters (ffmpeg shows them)
   parameters = json.loads(tags["comment"])
-  assert tags["title"] == PROMPT and parameters["seed"] == 5 and parameters["steps"] == 2, tags
+  assert tags["title"] == PROMPT and parameters["seed"] == 5 and parameters["num_inference_steps"] == 2, tags
   assert parameters["mesh"].startswith("U=2,R=2") and parameters["prompt"] == PROMPT and "out" not in parameters
   assert {"text_encode", "compile", "denoise_per_step", "decode"} <= set(sidecar["timings_s"])
   assert {"jax", "flax", "python"} <= set(sidecar["versions"])

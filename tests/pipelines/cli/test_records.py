@@ -25,41 +25,127 @@ def _checked(tmp_path, *flags):
   return run_plan.check_plan(run_plan.plan_run(args))
 
 
-def test_run_record_and_sidecar_come_from_the_request(tmp_path):
-  """The run record (--resume) and the sidecar's request fields are the request's values: a changed
-  request field shows in both."""
-  import dataclasses
+def test_run_record_holds_the_flags_and_the_sidecar_the_request(tmp_path):
+  """The run record (--resume) holds every flag that decides the video by its dest, with the drawn
+  seed; the tags' and sidecar's parameters are the request's values: a changed request field shows
+  there."""
   import types
 
-  from pipelines.cli import output, records
+  from pipelines.cli import output
+  from pipelines.commands.presets import PRESETS
 
   checked = _checked(tmp_path, "--steps", "2")
-  facts = records.RunFacts.of(checked.plan)
-  record = records.request_record(checked.request, facts)
-  assert (record["steps"], record["seed"], record["size"], record["frames"]) == (2, 0, "32x32", 5)
-  from pipelines.commands.presets import PRESETS
-  assert record["model"] == "tiny-random" and record["guidance"] == list(PRESETS["tiny"].guidance) == [2.0]
-  assert record["shift"] == 3.0
-  assert set(record) == set(records._RECORDED + records._RECORDED_FREE + records._RECORDED_FACTS)
+  record = records.request_record(checked.plan, checked.request)
+  assert (record["num_inference_steps"], record["seed"], record["size"], record["num_frames"]) == (2, 0, "32x32", 5)
+  assert record["model"] == "tiny-random" and record["guidance_scale"] is None and record["flow_shift"] is None
+  assert set(record) == {a.dest for a in records._recorded_actions()} | {"out", "fps", "model_commit"}
   assert record["model_commit"] is None  # not a Hub model
+  parameters = records.run_parameters(checked.plan, checked.request)
+  assert parameters["guidance_scale"] == list(PRESETS["tiny"].guidance) == [2.0] and parameters["flow_shift"] == 3.0
   changed = dataclasses.replace(checked, request=dataclasses.replace(checked.request, steps=7, seed=11,
                                                                      prompts=["a blue circle"]))
-  record = records.request_record(changed.request, facts)
-  assert (record["steps"], record["seed"], record["prompt"]) == (7, 11, "a blue circle")
+  parameters = records.run_parameters(changed.plan, changed.request)
+  assert (parameters["num_inference_steps"], parameters["seed"], parameters["prompt"]) == (7, 11, "a blue circle")
   result = types.SimpleNamespace(frames=np.zeros((1, 5, 32, 32, 3), np.float32), settings={"seed": 11})
   cache = types.SimpleNamespace(report=lambda: {})
   sidecar = output.sidecar(changed, result, out=str(tmp_path / "a.mp4"), sheet=None, lora=[], times={},
                            cache=cache, warnings_seen=[])
   assert (sidecar["seed"], sidecar["prompt"], sidecar["model"]) == (11, "a blue circle", "tiny-random")  # records name the model used
-  records.write_run_record(changed.request, facts, str(tmp_path / "ckpt"))
+  records.write_run_record(changed.plan, changed.request, None, str(tmp_path / "ckpt"))
   saved = json.loads((tmp_path / "ckpt" / records.RUN_RECORD).read_text())
-  assert saved["steps"] == 7 and saved == record
-  # The sidecar's settings (what the pipeline records) and the resume identity come from it too.
+  assert saved == records.request_record(changed.plan, changed.request) and saved["seed"] == 11
+  # The sidecar's settings (what the pipeline records) and the resume identity come from the request.
   assert changed.request.settings()["steps"] == 7 and changed.request.settings()["prompts"] == ["a blue circle"]
   identity = changed.request.identity("f" * 64, changed.request.noise())
   before = checked.request.identity("f" * 64, checked.request.noise())
   assert identity["num_inference_steps"] == 7 and identity["prompts"] == ["a blue circle"]
   assert identity["noise_sha256"] != before["noise_sha256"]  # seed 11's noise, not seed 0's
+
+
+def _media(tmp_path):
+  """An image, a 9-frame video and a mask as files (small, so that every model here takes them)."""
+  import PIL.Image
+
+  from pipelines.storage import video_io
+
+  pixels = np.zeros((32, 32, 3), np.uint8)
+  pixels[8:24, 4:20] = (200, 40, 30)
+  PIL.Image.fromarray(pixels).save(tmp_path / "image.png")
+  PIL.Image.fromarray(255 - pixels).save(tmp_path / "last.png")
+  PIL.Image.fromarray(np.where(pixels > 0, 255, 0).astype(np.uint8)).save(tmp_path / "mask.png")
+  y, x = np.mgrid[0:32, 0:32] / 32.0
+  frames = np.stack([np.stack([x, y, np.full_like(x, t / 9)], -1) for t in range(9)]).astype(np.float32)
+  video_io.write_video(frames, str(tmp_path / "clip.npy"), fps=16)
+
+
+# One run per model kind, each giving some request flags a value other than its default; together
+# they give every request flag (`test_every_request_flag_is_recorded_and_read_back` checks that).
+def _resume_cases(tmp_path, vace_folder, flf2v_folder):
+  d = str(tmp_path)
+  return {
+      "t2v": ["--model", "tiny-random", "--prompt", "a red fox", "--negative-prompt", "blurry", "--size", "48x32",
+              "--frames", "9", "--steps", "3", "--guidance", "3.5", "--shift", "4", "--scheduler", "euler",
+              "--seed", "5", "--max-sequence-length", "16", "--step-cache", "first-block:0.05",
+              "--attention-exchange", "fp8", "--dtype", "float32"],
+      "timesteps": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--timesteps", "1000,500"],
+      "sigmas": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--sigmas", "1,0.5",
+                 "--scheduler", "dpm++"],
+      "v2v": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--video", f"{d}/clip.npy",
+              "--strength", "0.6"],
+      "windows": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--frames", "17",
+                  "--context-frames", "9", "--context-overlap", "4", "--context-fuse", "flat"],
+      "ti2v": ["--model", "tiny-i2v", "--prompt", "x", "--size", "32x32", "--image", f"{d}/image.png"],
+      "flf2v": ["--model", flf2v_folder, "--prompt", "x", "--size", "80x48", "--frames", "9", "--image",
+                f"{d}/image.png", "--last-image", f"{d}/last.png", "--dtype", "float32"],
+      "vace": ["--model", vace_folder, "--prompt", "x", "--size", "32x32", "--video", f"{d}/clip.npy", "--mask",
+               f"{d}/mask.png", "--reference-image", f"{d}/image.png", "--conditioning-scale", "0.5",
+               "--dtype", "float32"],
+  }
+
+
+def _identity(checked) -> dict:
+  return checked.request.identity("f" * 64, checked.request.noise())
+
+
+def test_every_request_flag_is_recorded_and_read_back(tmp_path):
+  """For every request flag (each flag of a --help group that decides the video): a run with
+  --checkpoint-dir D writes the record, and `--resume D` alone rebuilds a request with the same
+  identity (no compute). Positive control: a record whose values are changed rebuilds another request,
+  so the identities are read from the record, not from defaults that happen to agree."""
+  import warnings
+
+  from tests.pipelines.pipeline.test_image_pipeline import _save as save_image_folder
+  from tests.pipelines.pipeline.vace_folder import build_vace_folder
+
+  _media(tmp_path)
+  save_image_folder("flf2v", str(tmp_path / "flf2v"))
+  cases = _resume_cases(tmp_path, build_vace_folder(str(tmp_path / "vace")), str(tmp_path / "flf2v"))
+  given = {a.dest for flags in cases.values() for a in generate.build_parser()._actions
+           if any(f in flags for f in a.option_strings)}
+  recorded = {a.dest for a in records._recorded_actions()}
+  not_given = {"preset", "quantize", "lora", "lora_2", "transformer", "vae", "text_encoder", "tokenizer", "config"}
+  assert recorded - not_given <= given, recorded - not_given - given  # a request flag no case gives
+  for name, flags in cases.items():
+    folder = tmp_path / f"ckpt-{name}"
+    argv = flags + ["--checkpoint-dir", str(folder), "--out", str(tmp_path / f"{name}.mp4")]
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      first = run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv)))
+      records.write_run_record(first.plan, first.request, None, str(folder))
+      (folder / resume.STATE_FILE).write_bytes(b"")  # a saved state (its contents are the loop's)
+      again = generate.build_parser().parse_args(["--resume", str(folder)])
+      records.apply_resume(again, records.given_flags(["--resume", str(folder)]))
+      resumed = run_plan.check_plan(run_plan.plan_run(again))
+    assert _identity(resumed) == _identity(first), name
+    assert resumed.request.plan.attention_exchange == first.request.plan.attention_exchange, name
+  path = tmp_path / "ckpt-t2v" / records.RUN_RECORD
+  path.write_text(json.dumps(json.loads(path.read_text()) | {"prompt": "a blue bird", "num_inference_steps": 4}))
+  changed = generate.build_parser().parse_args(["--resume", str(path.parent)])
+  records.apply_resume(changed, {"resume"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    identity = _identity(run_plan.check_plan(run_plan.plan_run(changed)))
+  assert identity["prompts"] == ["a blue bird"] and identity["num_inference_steps"] == 4, identity
 
 
 def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):

@@ -38,18 +38,19 @@ def _checked(tmp_path, *flags):
 
 
 def test_schedule_flags_reach_the_request_and_its_records(tmp_path):
-  from pipelines.cli import records
+  from pipelines.cli import generate, records
   from pipelines.commands.flags import UsageError
   from pipelines.wan import schedulers
   checked = _checked(tmp_path, "--scheduler", "dpm++", "--timesteps", "1000,750,500,250")
   request = checked.request
   assert request.scheduler == schedulers.DPMSolverConfig(flow_shift=3.0) and request.steps == 4
-  record = records.request_record(request, records.RunFacts.of(checked.plan))
-  assert record["scheduler"] == "dpm++" and record["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
-  assert record["timesteps"] == records._normalized("timesteps", "1000,750,500,250")  # --resume compares so
-  assert request.settings()["timesteps"] == record["timesteps"] and request.settings()["sigmas"] is None
+  record = records.request_record(checked.plan, request)
+  assert record["scheduler"] == "dpm++" and record["timesteps"] == "1000.0,750.0,500.0,250.0"
+  respelled = generate.build_parser().parse_args(["--timesteps", "1e3,750.0,500,250"])
+  assert records.recorded_flags(respelled)["timesteps"] == record["timesteps"]  # --resume compares so
+  assert request.settings()["timesteps"] == [1000.0, 750.0, 500.0, 250.0] and request.settings()["sigmas"] is None
   identity = request.identity("f" * 64, request.noise())
-  assert identity["timesteps"] == record["timesteps"] and identity["scheduler"]["class"] == "DPMSolverConfig"
+  assert identity["timesteps"] == [1000.0, 750.0, 500.0, 250.0] and identity["scheduler"]["class"] == "DPMSolverConfig"
   assert "timesteps" not in _checked(tmp_path).request.identity("f" * 64, request.noise())  # old checkpoints resume
   assert _checked(tmp_path, "--sigmas", "1,0.5").request.sigmas == (1.0, 0.5)
   with pytest.raises(UsageError, match="--steps: num_inference_steps=8 but timesteps=.* holds 4"):
@@ -70,7 +71,7 @@ def test_context_window_flags_reach_the_request_and_its_records(tmp_path):
   checked = _checked(tmp_path, "--frames", "65", "--size", "32x32", "--context-frames", "17", "--context-overlap", "8",
                      "--context-fuse", "flat")
   assert checked.request.windows == ContextWindows(frames=17, length=5, overlap=2, fuse="flat")
-  record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
+  record = records.request_record(checked.plan, checked.request)
   assert (record["context_frames"], record["context_overlap"], record["context_fuse"]) == (17, 8, "flat")
   assert _checked(tmp_path).request.windows is None
   continued = _checked(tmp_path, "--frames", "65", "--size", "32x32", "--context-frames", "17", "--context-overlap",

@@ -230,7 +230,7 @@ def test_generate_quantize_flag(tmp_path):
           "--quantize", "fp8", "--attention-exchange", "fp8", "--out", str(tmp_path / "a.npy")]
   checked = run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv)))
   assert checked.plan.quantize == "fp8" and checked.request.model.quantize == "fp8"
-  record = records.request_record(checked.request, records.RunFacts.of(checked.plan))
+  record = records.request_record(checked.plan, checked.request)
   assert record["quantize"] == "fp8" and record["attention_exchange"] == "fp8"
   assert checked.request.settings()["quantize"] == "fp8"
   pipe = generate._load(checked.plan, checked.request)
