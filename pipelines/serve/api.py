@@ -191,10 +191,12 @@ class VideoList(BaseModel):
 
 
 class VideoDeleted(BaseModel):
+  """DELETE /v1/videos/{id}: OpenAI's answer (`deleted` is always true) and the status the job had."""
   id: str
   object: Literal["video.deleted"] = "video.deleted"
-  deleted: bool
-  status: str
+  deleted: Literal[True] = True
+  status: Literal["queued", "in_progress", "completed", "failed", "cancelled"] = Field(
+      description="the job's status when it was deleted (queued or in_progress: it never finishes)")
 
 
 class ModelObject(BaseModel):

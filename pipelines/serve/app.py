@@ -8,7 +8,8 @@ metrics, the web page, and the published schema.
   GET    /v1/videos/{id}/content    ?variant=video|thumbnail|spritesheet (once completed)
   POST   /v1/videos/{id}/remix      a new video from a finished one's video and a new prompt (video-to-video)
   POST   /v1/videos/{id}/cancel     cancel a queued or running job -> the video object; 409 once it finished
-  DELETE /v1/videos/{id}            cancel a queued or running job; forget (and delete) a finished one
+  DELETE /v1/videos/{id}            forget a job and delete its files, whatever its status (a queued or running
+                                    one never finishes) -> {id, object: "video.deleted", deleted: true, status}
   GET    /v1/models[/{id}]          the served model
   GET    /health                    200 once the model is loaded and warmed up, else 503 (no auth)
   GET    /metrics                   Prometheus text
@@ -19,7 +20,7 @@ With an API key every route but /health, / and the schema needs `Authorization: 
 error, unknown routes and methods and server faults included, has OpenAI's body {"error":
 {"message", "type", "param", "code"}}; `param` names the field at fault. A client that means "stop
 it" (the page's Cancel) uses POST .../cancel: a job that finished before the request arrived stays
-as it is (409 "not_cancellable" naming its status), where DELETE would forget it.
+as it is (409 "not_cancellable" naming its status), where DELETE would forget it and its video.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ JOB_ID = api.JOB_ID
 POLL_AFTER_MS = 500  # the SDK's poll() waits this long between status requests (header openai-poll-after-ms)
 
 
+def _not_found(job_id: str) -> api.ApiError:
+  return api.ApiError(404, f"no video {api.sendable(job_id)!r}", "video_id", code="not_found")
+
+
 def _job(service: Any, job_id: str) -> dict[str, Any]:
   row = service.store.get(job_id) if JOB_ID.fullmatch(job_id) else None
   if row is None:
-    raise api.ApiError(404, f"no video {api.sendable(job_id)!r}", "video_id", code="not_found")
+    raise _not_found(job_id)
   return row
 
 
@@ -171,16 +176,13 @@ def _add_job_actions(app: FastAPI, service: Any, auth: Any, shown: Any) -> None:
                          "cancelled", "video_id", code="not_cancellable")
     return shown(service.store.get(video_id))
 
-  @app.delete("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoDeleted | api.VideoObject,
-              responses=errors(401, 404), summary="Cancel a running video, or delete a finished one")
+  @app.delete("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoDeleted,
+              responses=errors(401, 404), summary="Delete a video: cancel it if it is queued or running, and forget it")
   def delete(video_id: str) -> dict:
-    row = _job(service, video_id)
-    if service.store.cancel(video_id):
-      return shown(service.store.get(video_id))
-    removed = service.store.delete(video_id)
-    if removed is not None:
-      service.remove_files(removed)
-    return {"id": video_id, "object": "video.deleted", "deleted": removed is not None, "status": row["status"]}
+    removed = service.delete(video_id) if JOB_ID.fullmatch(video_id) else None
+    if removed is None:
+      raise _not_found(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True, "status": removed["status"]}
 
 
 def _add_other_routes(app: FastAPI, service: Any, auth: Any) -> None:

@@ -48,6 +48,29 @@ def test_cancel_route_never_deletes_a_finished_job(unloaded):
                                                          "status": "completed"}  # DELETE forgets it
 
 
+def test_delete_answers_deleted_in_every_state(unloaded):
+  """DELETE forgets a job whatever its status and says so as OpenAI's SDK reads it (`deleted` true; the
+  SDK's `videos.delete()` returned deleted=None for a queued job, which used to get the video
+  object): queued, in_progress (hidden at once, its row kept for its batch until the batch ends) and
+  finished; every route then answers 404 and the list and counts leave it out. Control: the job
+  beside them stays listed and counted."""
+  service, client = unloaded
+  running, done, queued, kept = (client.post("/v1/videos", json={**SMALL, "prompt": p}).json()["id"]
+                                 for p in ("running", "done", "queued", "kept"))
+  service.store._db.execute("UPDATE jobs SET batch_key='other' WHERE id IN (?, ?)", (queued, kept))
+  assert [r["id"] for r in service.store.next_batch(2)[1]] == [running, done]  # as the worker takes them
+  service.store.complete(done, "", {})
+  for job, status in ((queued, "queued"), (running, "in_progress"), (done, "completed")):
+    answer = client.delete(f"/v1/videos/{job}")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"id": job, "object": "video.deleted", "deleted": True, "status": status}
+    assert client.get(f"/v1/videos/{job}").status_code == 404
+    assert client.delete(f"/v1/videos/{job}").status_code == 404
+    assert client.post(f"/v1/videos/{job}/cancel").status_code == 404
+  assert [v["id"] for v in client.get("/v1/videos").json()["data"]] == [kept]
+  assert service.store.counts() == {"queued": 1, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0}
+
+
 def test_job_warnings_are_kept_and_returned(unloaded):
   _, client = unloaded
   trained = client.post("/v1/videos", json={"prompt": "x", "size": "64x64", "num_frames": 17}).json()
@@ -184,3 +207,4 @@ def test_a_long_job_without_windows_warns_with_the_window_fields():
   assert len(notes) == 1 and "context_frames=81, context_overlap=20" in notes[0], notes
   _, notes = api.check_request(dict(params, context_frames=81, context_overlap=20), facts, None)
   assert notes == []
+
