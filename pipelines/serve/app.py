@@ -14,7 +14,8 @@ metrics, the web page, and the published schema.
   GET    /health                    200 once the model is loaded and warmed up, else 503 (no auth)
   GET    /metrics                   Prometheus text
   GET    /                          the web page (no auth; it asks for the key when the API does)
-  GET    /openapi.json, /docs, /redoc   the schema and its pages (no auth; `serve --no-docs`: none)
+  GET    /openapi.json, /docs, /redoc   the schema and its pages, their scripts served from /docs-assets, so
+                                    they work offline (no auth; `serve --no-docs`: none)
 
 With an API key every route but /health, / and the schema needs `Authorization: Bearer KEY`. Every
 error, unknown routes and methods and server faults included, has OpenAI's body {"error":
@@ -34,6 +35,7 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +43,7 @@ from pipelines.serve import api, forms, previews
 from pipelines.serve.openapi import CONTENT_TYPES, create_body, errors, publish
 
 JOB_ID = api.JOB_ID
+DOCS_ASSETS = "/docs-assets"  # where /docs and /redoc load their scripts, stylesheet and icon from
 POLL_AFTER_MS = 500  # the SDK's poll() waits this long between status requests (header openai-poll-after-ms)
 
 
@@ -57,10 +60,13 @@ def _job(service: Any, job_id: str) -> dict[str, Any]:
 
 def create_app(service: Any) -> FastAPI:
   """The FastAPI app over a `service.Service` (routes in this module's docstring)."""
-  docs = service.config.docs
-  app = FastAPI(title="wan-usp-jax serve", version="1", summary="Wan video generation, OpenAI's Videos API",
-                docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                openapi_url="/openapi.json" if docs else None)
+  about = {"title": "wan-usp-jax serve", "version": "1", "summary": "Wan video generation, OpenAI's Videos API"}
+  if service.config.docs:
+    # The pages' scripts, stylesheet and icon come with the fastapi-offline package (FastAPI's own pages
+    # load them from a CDN: blank offline); Swagger UI's validator badge would call validator.swagger.io.
+    app = FastAPIOffline(**about, static_url=DOCS_ASSETS, swagger_ui_parameters={"validatorUrl": None})
+  else:
+    app = FastAPI(**about, docs_url=None, redoc_url=None, openapi_url=None)
   key = service.config.api_key
 
   def authorized(request: Request) -> None:

@@ -208,3 +208,28 @@ def test_a_long_job_without_windows_warns_with_the_window_fields():
   _, notes = api.check_request(dict(params, context_frames=81, context_overlap=20), facts, None)
   assert notes == []
 
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_the_schema_pages_work_offline(unloaded, page):
+  """/docs (Swagger UI) and /redoc load every script, stylesheet and icon from the server itself (they
+  came from a CDN: offline, a blank page): each one the page names answers 200 with a body, and the page
+  names no other host. Control: the page names a script (the check is not vacuous); the schema it
+  reads answers too."""
+  import re
+
+  _, client = unloaded
+  html = client.get(page)
+  assert html.status_code == 200 and html.headers["content-type"].startswith("text/html"), html.text
+  assets = re.findall(r"""<(?:script|link)\b[^>]*?\b(?:src|href)=["']([^"']+)["']""", html.text)
+  scripts = re.findall(r"""<script\b[^>]*?\bsrc=["']([^"']+)["']""", html.text)
+  assert scripts and assets, html.text
+  if page == "/docs":
+    assert any(a.endswith(".css") for a in assets), assets  # Swagger UI's stylesheet
+  off_host = re.findall(r"(?:https?:)?//[\w.-]+", html.text)
+  assert not off_host, f"{page} names another host: {off_host}"
+  for url in assets:
+    assert url.startswith("/") and not url.startswith("//"), url
+    got = client.get(url)
+    assert got.status_code == 200 and len(got.content) > 1000, (url, got.status_code)
+  assert client.get("/openapi.json").json()["openapi"].startswith("3.")
