@@ -71,6 +71,23 @@ def test_delete_answers_deleted_in_every_state(unloaded):
   assert service.store.counts() == {"queued": 1, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0}
 
 
+@pytest.mark.parametrize("size", ["100000x100000", "4096x64", "64x" + "9" * 5000])
+def test_a_size_over_the_servers_limit_is_too_large_not_malformed(unloaded, size):
+  """A well-formed size past the server's side limit is a 400 naming size that says it is too large,
+  the limit and why (it said "malformed" past 5 digits; thousands of digits must not reach int()).
+  Controls: a size that is not WIDTHxHEIGHT is still malformed; the limit itself is queued."""
+  service, client = unloaded
+  answer = client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": size})
+  error = answer.json()["error"]
+  assert answer.status_code == 400 and error["param"] == "size", answer.text
+  assert "is too large" in error["message"] and "at most 2048 pixels a side" in error["message"], error
+  assert "malformed" not in error["message"] and "memory" in error["message"], error
+  malformed = client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": "64"}).json()["error"]
+  assert "malformed" in malformed["message"], malformed
+  assert client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": "2048x64"}).status_code == 200
+  assert service.store.counts()["queued"] == 1
+
+
 def test_job_warnings_are_kept_and_returned(unloaded):
   _, client = unloaded
   trained = client.post("/v1/videos", json={"prompt": "x", "size": "64x64", "num_frames": 17}).json()
