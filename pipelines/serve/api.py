@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 import unicodedata
 import warnings
 from typing import Any, Literal
@@ -191,10 +192,12 @@ class VideoList(BaseModel):
 
 
 class VideoDeleted(BaseModel):
+  """DELETE /v1/videos/{id}: OpenAI's answer (`deleted` is always true) and the status the job had."""
   id: str
   object: Literal["video.deleted"] = "video.deleted"
-  deleted: bool
-  status: str
+  deleted: Literal[True] = True
+  status: Literal["queued", "in_progress", "completed", "failed", "cancelled"] = Field(
+      description="the job's status when it was deleted (queued or in_progress: it never finishes)")
 
 
 class ModelObject(BaseModel):
@@ -217,13 +220,15 @@ def defaults(model: str) -> Any:
 def _size(text: str | None, preset: Any) -> tuple[int, int]:
   if text is None:
     return preset.width, preset.height
-  match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", text)
+  match = re.fullmatch(r"(\d+)x(\d+)", text)
   if match is None:
-    raise ApiError(400, f"size={text!r} is malformed; write WIDTHxHEIGHT, e.g. 64x64 or 832x480", "size")
-  width, height = int(match.group(1)), int(match.group(2))
-  if max(width, height) > MAX_SIDE:
-    raise ApiError(400, f"size={text!r}: this server makes videos of at most {MAX_SIDE} pixels a side", "size")
-  return width, height
+    raise ApiError(400, f"size={reprlib.repr(text)} is malformed; write WIDTHxHEIGHT, e.g. 64x64 or 832x480", "size")
+  # A side of more digits than the limit is too large without parsing it (int() refuses 4300 digits).
+  if any(len(side.lstrip("0")) > len(str(MAX_SIDE)) or int(side) > MAX_SIDE for side in match.groups()):
+    raise ApiError(400, f"size={reprlib.repr(text)} is too large: this server makes videos of at most {MAX_SIDE} "
+                   "pixels a side (a job's latents, activations and decoded frames grow with its area, and the "
+                   "server keeps them within its memory); send a smaller size, e.g. 832x480 or 1280x720", "size")
+  return int(match.group(1)), int(match.group(2))
 
 
 def _frames(body: VideoCreate, preset: Any) -> Any:

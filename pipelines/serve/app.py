@@ -8,18 +8,20 @@ metrics, the web page, and the published schema.
   GET    /v1/videos/{id}/content    ?variant=video|thumbnail|spritesheet (once completed)
   POST   /v1/videos/{id}/remix      a new video from a finished one's video and a new prompt (video-to-video)
   POST   /v1/videos/{id}/cancel     cancel a queued or running job -> the video object; 409 once it finished
-  DELETE /v1/videos/{id}            cancel a queued or running job; forget (and delete) a finished one
+  DELETE /v1/videos/{id}            forget a job and delete its files, whatever its status (a queued or running
+                                    one never finishes) -> {id, object: "video.deleted", deleted: true, status}
   GET    /v1/models[/{id}]          the served model
   GET    /health                    200 once the model is loaded and warmed up, else 503 (no auth)
   GET    /metrics                   Prometheus text
   GET    /                          the web page (no auth; it asks for the key when the API does)
-  GET    /openapi.json, /docs, /redoc   the schema and its pages (no auth; `serve --no-docs`: none)
+  GET    /openapi.json, /docs, /redoc   the schema and its pages, their scripts served from /docs-assets, so
+                                    they work offline (no auth; `serve --no-docs`: none)
 
 With an API key every route but /health, / and the schema needs `Authorization: Bearer KEY`. Every
 error, unknown routes and methods and server faults included, has OpenAI's body {"error":
 {"message", "type", "param", "code"}}; `param` names the field at fault. A client that means "stop
 it" (the page's Cancel) uses POST .../cancel: a job that finished before the request arrived stays
-as it is (409 "not_cancellable" naming its status), where DELETE would forget it.
+as it is (409 "not_cancellable" naming its status), where DELETE would forget it and its video.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,22 +43,30 @@ from pipelines.serve import api, forms, previews
 from pipelines.serve.openapi import CONTENT_TYPES, create_body, errors, publish
 
 JOB_ID = api.JOB_ID
+DOCS_ASSETS = "/docs-assets"  # where /docs and /redoc load their scripts, stylesheet and icon from
 POLL_AFTER_MS = 500  # the SDK's poll() waits this long between status requests (header openai-poll-after-ms)
+
+
+def _not_found(job_id: str) -> api.ApiError:
+  return api.ApiError(404, f"no video {api.sendable(job_id)!r}", "video_id", code="not_found")
 
 
 def _job(service: Any, job_id: str) -> dict[str, Any]:
   row = service.store.get(job_id) if JOB_ID.fullmatch(job_id) else None
   if row is None:
-    raise api.ApiError(404, f"no video {api.sendable(job_id)!r}", "video_id", code="not_found")
+    raise _not_found(job_id)
   return row
 
 
 def create_app(service: Any) -> FastAPI:
   """The FastAPI app over a `service.Service` (routes in this module's docstring)."""
-  docs = service.config.docs
-  app = FastAPI(title="wan-usp-jax serve", version="1", summary="Wan video generation, OpenAI's Videos API",
-                docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                openapi_url="/openapi.json" if docs else None)
+  about = {"title": "wan-usp-jax serve", "version": "1", "summary": "Wan video generation, OpenAI's Videos API"}
+  if service.config.docs:
+    # The pages' scripts, stylesheet and icon come with the fastapi-offline package (FastAPI's own pages
+    # load them from a CDN: blank offline); Swagger UI's validator badge would call validator.swagger.io.
+    app = FastAPIOffline(**about, static_url=DOCS_ASSETS, swagger_ui_parameters={"validatorUrl": None})
+  else:
+    app = FastAPI(**about, docs_url=None, redoc_url=None, openapi_url=None)
   key = service.config.api_key
 
   def authorized(request: Request) -> None:
@@ -171,16 +182,13 @@ def _add_job_actions(app: FastAPI, service: Any, auth: Any, shown: Any) -> None:
                          "cancelled", "video_id", code="not_cancellable")
     return shown(service.store.get(video_id))
 
-  @app.delete("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoDeleted | api.VideoObject,
-              responses=errors(401, 404), summary="Cancel a running video, or delete a finished one")
+  @app.delete("/v1/videos/{video_id}", dependencies=[auth], response_model=api.VideoDeleted,
+              responses=errors(401, 404), summary="Delete a video: cancel it if it is queued or running, and forget it")
   def delete(video_id: str) -> dict:
-    row = _job(service, video_id)
-    if service.store.cancel(video_id):
-      return shown(service.store.get(video_id))
-    removed = service.store.delete(video_id)
-    if removed is not None:
-      service.remove_files(removed)
-    return {"id": video_id, "object": "video.deleted", "deleted": removed is not None, "status": row["status"]}
+    removed = service.delete(video_id) if JOB_ID.fullmatch(video_id) else None
+    if removed is None:
+      raise _not_found(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True, "status": removed["status"]}
 
 
 def _add_other_routes(app: FastAPI, service: Any, auth: Any) -> None:

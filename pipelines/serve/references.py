@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import io
 import os
@@ -163,6 +164,16 @@ def store(data_dir: str, given: Decoded) -> dict[str, str]:
         with open(temp, "wb") as f:
           np.save(f, given.pixels, allow_pickle=False)
   return {"kind": given.kind, "sha256": sha, "path": path}
+
+
+def discard(data_dir: str, record: dict[str, str]) -> None:
+  """Removes a stored reference (`store`'s record) from the data folder's inputs/ (a path elsewhere,
+  as a row written by another program could hold, is left alone); the caller knows no job uses it."""
+  folder = os.path.realpath(os.path.join(data_dir, INPUTS))
+  path = os.path.realpath(str(record.get("path")))
+  if os.path.dirname(path) == folder:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
 
 
 def load(record: dict[str, str]) -> np.ndarray:

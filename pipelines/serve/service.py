@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pipelines.commands.presets import model_fps
 from pipelines.serve import api, events, previews, references
 from pipelines.serve.store import JobStore
-from pipelines.serve.worker import Worker, remove_outputs, warm
+from pipelines.serve.worker import Worker, remove_job_files, warm
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -60,6 +60,8 @@ class Service:
   def __init__(self, config: Any, facts: Any, load: Any, channel: Any = None):
     self.config, self.facts, self.load, self.channel = config, facts, load, channel
     self.store = JobStore(config.data_dir)
+    for row in self.store.purge():  # jobs deleted while their batch ran, in a server that then stopped
+      remove_job_files(config.data_dir, self.store, row)
     self.metrics = Metrics(self.store)
     self.worker: Worker | None = None
     self.ready = threading.Event()
@@ -196,16 +198,18 @@ class Service:
     real = os.path.realpath(path)
     return real if os.path.dirname(real) == folder and os.path.isfile(real) else None
 
-  def remove_files(self, row: dict[str, Any]) -> None:
-    """A forgotten job's video, sidecar and previews, where they were written even if never completed
-    (a cancel that raced the write), and its input_reference once no other job uses it."""
-    remove_outputs(self.config.data_dir, row)
-    reference = (row.get("params") or {}).get("input_reference") or {}
-    if reference.get("sha256") and not self.store.uses_reference(reference["sha256"]):
-      folder = os.path.realpath(os.path.join(self.config.data_dir, references.INPUTS))
-      path = os.path.realpath(str(reference.get("path")))
-      if os.path.dirname(path) == folder and os.path.exists(path):
-        os.remove(path)
+  def delete(self, job_id: str) -> dict[str, Any] | None:
+    """Forgets a job in any status (`JobStore.delete`); returns its row as it was, None when there is
+    none. A job forgotten at once goes with its files (`remove_job_files`: where the worker writes them
+    even if never completed, a cancel having raced the write); one whose batch runs is hidden, stops
+    or is dropped as a cancelled one, and its files go when the batch ends (`Worker.run_batch`)."""
+    found = self.store.delete(job_id)
+    if found is None:
+      return None
+    row, gone = found
+    if gone:
+      remove_job_files(self.config.data_dir, self.store, row)
+    return row
 
   def health(self) -> dict[str, Any]:
     return {"status": self.state, "ready": self.ready.is_set(), "model": self.facts.name, "mesh": self.config.mesh,

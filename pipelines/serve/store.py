@@ -5,11 +5,13 @@ server killed at any moment (kill -9 included) restarts with its queue as it was
 queued, a batch that was running is run again with the same members in the same order (so its
 denoising checkpoint matches and it resumes), and finished jobs stay served.
 
-Statuses: queued -> in_progress -> completed | failed; queued or in_progress -> cancelled.
+Statuses: queued -> in_progress -> completed | failed; queued or in_progress -> cancelled. A job
+deleted while its batch runs is `HIDDEN` until the batch ends (`JobStore.delete`, `purge`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -17,7 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -44,6 +46,9 @@ CREATE INDEX IF NOT EXISTS jobs_batch ON jobs (batch_id, batch_index);
 """
 DB_FILE = "jobs.sqlite3"
 LOCK_FILE = "serve.lock"
+# The status of a job deleted while its batch runs: no read of the API finds it, the worker drops it as
+# a cancelled one, and its batch keeps its members (a restarted server resumes the batch's checkpoint).
+HIDDEN = "deleted"
 
 
 def new_id() -> str:
@@ -93,6 +98,18 @@ class JobStore:
     with self._lock:
       return self._db.execute(sql, args).rowcount
 
+  @contextlib.contextmanager
+  def _transaction(self) -> Iterator[sqlite3.Connection]:
+    """The connection, under the lock, in one transaction (rolled back on any error)."""
+    with self._lock:
+      self._db.execute("BEGIN IMMEDIATE")
+      try:
+        yield self._db
+        self._db.execute("COMMIT")
+      except BaseException:
+        self._db.execute("ROLLBACK")
+        raise
+
   def _rows(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
     with self._lock:
       rows = self._db.execute(sql, args).fetchall()
@@ -105,25 +122,16 @@ class JobStore:
     """Queues a job with the warnings its checks gave; None when `max_queue` jobs are queued already
     (checked in the same transaction)."""
     job_id = new_id()
-    with self._lock:
-      self._db.execute("BEGIN IMMEDIATE")
-      try:
-        queued = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0]
-        if queued >= max_queue:
-          self._db.execute("ROLLBACK")
-          return None
-        self._db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key, warnings) VALUES "
-                         "(?, ?, 'queued', ?, ?, ?)", (job_id, time.time(), json.dumps(params), batch_key,
-                                                       json.dumps(list(warnings))))
-        self._db.execute("COMMIT")
-      except BaseException:
-        self._db.execute("ROLLBACK")
-        raise
+    with self._transaction() as db:
+      if db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()[0] >= max_queue:
+        return None
+      db.execute("INSERT INTO jobs (id, created_at, status, params, batch_key, warnings) VALUES (?, ?, 'queued', ?, "
+                 "?, ?)", (job_id, time.time(), json.dumps(params), batch_key, json.dumps(list(warnings))))
     return self.get(job_id)
 
   def get(self, job_id: str) -> dict[str, Any] | None:
     """The job's row (params and timings decoded), or None."""
-    rows = self._rows("SELECT * FROM jobs WHERE id=?", (job_id,))
+    rows = self._rows("SELECT * FROM jobs WHERE id=? AND status!=?", (job_id, HIDDEN))
     return rows[0] if rows else None
 
   def page(self, limit: int, after: str | None = None, order: str = "desc"
@@ -134,12 +142,13 @@ class JobStore:
       raise ValueError(f"order={order!r} must be 'asc' or 'desc'")
     start = None
     if after is not None:
-      found = self._rows("SELECT seq FROM jobs WHERE id=?", (after,))
+      found = self._rows("SELECT seq FROM jobs WHERE id=? AND status!=?", (after, HIDDEN))
       if not found:
         return None
       start = found[0]["seq"]
-    where, args = (f"WHERE seq {'<' if order == 'desc' else '>'} ?", (start,)) if start is not None else ("", ())
-    rows = self._rows(f"SELECT * FROM jobs {where} ORDER BY seq {order.upper()} LIMIT ?", (*args, limit + 1))
+    where, args = (f"AND seq {'<' if order == 'desc' else '>'} ?", (start,)) if start is not None else ("", ())
+    rows = self._rows(f"SELECT * FROM jobs WHERE status!=? {where} ORDER BY seq {order.upper()} LIMIT ?",
+                      (HIDDEN, *args, limit + 1))
     return rows[:limit], len(rows) > limit
 
   def uses_reference(self, sha256: str) -> bool:
@@ -154,13 +163,31 @@ class JobStore:
     return bool(self._write("UPDATE jobs SET status='cancelled', completed_at=? WHERE id=? AND status IN "
                             "('queued', 'in_progress')", (time.time(), job_id)))
 
-  def delete(self, job_id: str) -> dict[str, Any] | None:
-    """Forgets a finished job (completed, failed or cancelled); returns its row, None otherwise."""
-    row = self.get(job_id)
-    if row is None or row["status"] in ("queued", "in_progress"):
-      return None
-    self._write("DELETE FROM jobs WHERE id=?", (job_id,))
-    return row
+  def delete(self, job_id: str) -> tuple[dict[str, Any], bool] | None:
+    """Forgets a job in any status, in one transaction; returns (its row as it was, whether the row is
+    gone), None when there is no such job. A job whose batch is running (a member in_progress, itself
+    included) is `HIDDEN` instead, and removed when the batch ends (`purge`)."""
+    with self._transaction() as db:
+      found = db.execute("SELECT * FROM jobs WHERE id=? AND status!=?", (job_id, HIDDEN)).fetchone()
+      if found is None:
+        return None
+      running = found["batch_id"] is not None and db.execute(
+          "SELECT 1 FROM jobs WHERE batch_id=? AND status='in_progress' LIMIT 1", (found["batch_id"],)).fetchone()
+      if running:
+        db.execute("UPDATE jobs SET status=? WHERE id=?", (HIDDEN, job_id))
+      else:
+        db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+    return _row(found), not running
+
+  def purge(self) -> list[dict[str, Any]]:
+    """Removes the `HIDDEN` rows of every batch that no longer runs (no member in_progress: the worker
+    calls it when a batch ends, a server when it starts); returns them (their files are the caller's)."""
+    ended = ("status=? AND (batch_id IS NULL OR batch_id NOT IN (SELECT batch_id FROM jobs WHERE "
+             "status='in_progress' AND batch_id IS NOT NULL))")
+    with self._transaction() as db:
+      rows = db.execute(f"SELECT * FROM jobs WHERE {ended}", (HIDDEN,)).fetchall()
+      db.execute(f"DELETE FROM jobs WHERE {ended}", (HIDDEN,))
+    return [_row(r) for r in rows]
 
   def counts(self) -> dict[str, int]:
     """Jobs per status (every status, 0 included)."""
@@ -175,15 +202,8 @@ class JobStore:
 
     A batch left running by a killed server comes first, with its members as they were; else up
     to `max_batch` queued jobs of the oldest job's batch key, oldest first, marked in_progress."""
-    with self._lock:
-      self._db.execute("BEGIN IMMEDIATE")
-      try:
-        picked = self._pick(max_batch)
-        self._db.execute("COMMIT")
-      except BaseException:
-        self._db.execute("ROLLBACK")
-        raise
-    return picked
+    with self._transaction():
+      return self._pick(max_batch)
 
   def _pick(self, max_batch: int) -> tuple[str, list[dict[str, Any]]] | None:
     running = self._db.execute("SELECT batch_id FROM jobs WHERE status='in_progress' ORDER BY seq LIMIT 1").fetchone()
@@ -219,11 +239,12 @@ class JobStore:
     return bool(self._write("UPDATE jobs SET status='completed', progress=100, output=?, timings=?, completed_at=? "
                             "WHERE id=? AND status='in_progress'", (output, json.dumps(timings), time.time(), job_id)))
 
-  def fail(self, job_ids: list[str], error: str) -> None:
-    """Marks the given jobs that are still running failed, with the error message."""
+  def fail(self, job_ids: list[str], error: str) -> int:
+    """Marks the given jobs that are still running failed, with the error message; returns how many
+    it marked (a job cancelled or deleted meanwhile is left as it is)."""
     marks = ",".join("?" * len(job_ids))
-    self._write(f"UPDATE jobs SET status='failed', error=?, completed_at=? WHERE status='in_progress' AND id IN "
-                f"({marks})", (error, time.time(), *job_ids))
+    return self._write(f"UPDATE jobs SET status='failed', error=?, completed_at=? WHERE status='in_progress' AND "
+                       f"id IN ({marks})", (error, time.time(), *job_ids))
 
   def close(self) -> None:
     with self._lock:

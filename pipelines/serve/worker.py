@@ -9,6 +9,9 @@ rounding, and its sidecar records its own prompt and seed (`GenerationRequest.vi
 
 Cancelling: a cancelled job is marked at once (`store.cancel`); a running batch stops at the next
 step once none of its jobs is still wanted (a member cancelled alone is dropped when the batch ends).
+A job deleted while its batch runs is dropped the same way, and forgotten with its files when the
+batch ends (`JobStore.purge`); one cancelled or deleted while its files are written has them removed
+again and never counts as failed.
 A job that raises fails with its message; the worker goes on with the next batch. In a
 multi-process server every process prepares the batch (LoRAs, request) and all agree before any
 runs it (`Worker._prepare`), so one process's failure there fails the jobs without stranding the others.
@@ -16,6 +19,7 @@ runs it (`Worker._prepare`), so one process's failure there fails the jobs witho
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -32,6 +36,7 @@ from pipelines.pipeline.run.loop import LoopState, StepHook
 from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.pipeline.run.resume import ResumeConfig, holds_checkpoint
 from pipelines.serve import api, events, multihost, previews, references
+from pipelines.serve.store import HIDDEN
 from pipelines.storage import video_io
 from pipelines.storage import video_tags
 
@@ -177,11 +182,12 @@ class Worker:
         traceback.print_exc()
 
   def run_batch(self, batch_id: str, rows: list[dict[str, Any]]) -> None:
-    """Runs one batch to its end: completed, failed or cancelled (never raises)."""
+    """Runs one batch to its end: completed, failed or cancelled (never raises); then forgets the jobs
+    deleted while it ran (`JobStore.purge`) with their files."""
     live = [r["id"] for r in rows if r["status"] == "in_progress"]
     folder = os.path.join(self.config.data_dir, "checkpoints", batch_id)
     if not live:
-      shutil.rmtree(folder, ignore_errors=True)
+      self._end(folder)
       return
     started = time.perf_counter()
     running = [r for r in rows if r["id"] in live]
@@ -198,13 +204,22 @@ class Worker:
     except Exception as e:  # noqa: BLE001 -- a failing job must not stop the server; its message is kept
       traceback.print_exc()
       self.store.fail(live, f"{type(e).__name__}: {e}")
-      self.metrics.finished("failed", len(live))
-      for row in running:
+      now = self.store.statuses(live)
+      failed = [row for row in running if now.get(row["id"]) == "failed"]  # not those cancelled or deleted
+      self.metrics.finished("failed", len(failed))
+      for row in failed:
         events.log().error(events.job_line(row, "failed", seconds=time.perf_counter() - started,
                                            batch=len(running), error=f"{type(e).__name__}: {e}"))
     else:
       self._write_outputs(rows, request, result, time.perf_counter() - started)
+    self._end(folder)
+
+  def _end(self, folder: str) -> None:
+    """An ended batch: its checkpoint folder removed, the jobs deleted while it ran forgotten with
+    their files (`JobStore.purge`)."""
     shutil.rmtree(folder, ignore_errors=True)
+    for row in self.store.purge():
+      remove_job_files(self.config.data_dir, self.store, row)
 
   def _generate(self, rows: list[dict[str, Any]], live: list[str], folder: str) -> tuple[GenerationRequest, Any]:
     """The batch's request and its `GenerationResult`, resumed from `folder` when a checkpoint is there."""
@@ -254,9 +269,9 @@ class Worker:
 
   def _write_outputs(self, rows: list[dict[str, Any]], request: GenerationRequest, result: Any,
                      seconds: float) -> None:
-    """Each wanted job's video and sidecar (atomic), then its row marked completed; a job cancelled
-    while its files were written (a cancel racing the write) has them removed again, so no file is
-    left that no route serves."""
+    """Each wanted job's video and sidecar (atomic), then its row marked completed; a job cancelled or
+    deleted while its files were written (a request racing the write) has them removed again, whether
+    the write finished or failed, so no file is left that no route serves."""
     statuses = self.store.statuses([r["id"] for r in rows])
     for index, row in enumerate(rows):
       if statuses.get(row["id"]) != "in_progress":
@@ -264,16 +279,19 @@ class Worker:
       try:
         path, timings = write_job(self.config.data_dir, row, request, result, index, self.pipe, self.config)
       except Exception as e:  # noqa: BLE001 -- the encoder failing fails this job only
-        self.store.fail([row["id"]], f"{type(e).__name__}: {e}")
-        self.metrics.finished("failed", 1)
-        events.log().error(events.job_line(row, "failed", seconds=seconds, error=f"{type(e).__name__}: {e}"))
-        continue
-      if self.store.complete(row["id"], path, timings):
-        self.metrics.finished("completed", 1, seconds=seconds)
-        events.log().info(events.job_line(row, "completed", seconds=seconds, batch=len(rows)))
+        if self.store.fail([row["id"]], f"{type(e).__name__}: {e}"):
+          self.metrics.finished("failed", 1)
+          events.log().error(events.job_line(row, "failed", seconds=seconds, error=f"{type(e).__name__}: {e}"))
+          continue
       else:
-        remove_outputs(self.config.data_dir, row)
-        events.log().info(events.job_line(row, "cancelled", seconds=seconds))
+        if self.store.complete(row["id"], path, timings):
+          self.metrics.finished("completed", 1, seconds=seconds)
+          events.log().info(events.job_line(row, "completed", seconds=seconds, batch=len(rows)))
+          continue
+      # Cancelled or deleted while its files were written: they go, whether the write finished or not.
+      remove_outputs(self.config.data_dir, row)
+      now = self.store.statuses([row["id"]]).get(row["id"], HIDDEN)  # cancelled, or deleted
+      events.log().info(events.job_line(row, now, seconds=seconds))
 
 
 def batch_request(facts: Any, jobs: list[dict[str, Any]], mesh: Any) -> GenerationRequest:
@@ -299,11 +317,21 @@ def output_paths(data_dir: str, row: dict[str, Any]) -> tuple[str, str]:
 
 
 def remove_outputs(data_dir: str, row: dict[str, Any]) -> None:
-  """Removes a job's video, sidecar and previews where they exist (`output_paths`, `previews`)."""
+  """Removes a job's video, sidecar and previews where they exist (`output_paths`, `previews`); one
+  another thread removes meanwhile (a DELETE racing the worker) is gone all the same."""
   shown = [previews.preview_path(data_dir, row["id"], variant) for variant in previews.VARIANTS]
   for name in (*(output_paths(data_dir, row) if row.get("params") else ()), *shown):
-    if os.path.exists(name):
+    with contextlib.suppress(FileNotFoundError):
       os.remove(name)
+
+
+def remove_job_files(data_dir: str, store: Any, row: dict[str, Any]) -> None:
+  """A forgotten job's files: its outputs (`remove_outputs`) and its input_reference once no job in
+  `store` (a `JobStore`) uses it."""
+  remove_outputs(data_dir, row)
+  reference = (row.get("params") or {}).get("input_reference") or {}
+  if reference.get("sha256") and not store.uses_reference(reference["sha256"]):
+    references.discard(data_dir, reference)
 
 
 def job_tags(row: dict[str, Any], model: str, mesh: str | None) -> dict[str, str]:

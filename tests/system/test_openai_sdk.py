@@ -96,7 +96,14 @@ def test_sdk_create_poll_list_download_remix_delete(server):
 
   assert [m.id for m in client.models.list().data] == ["tiny"]
   deleted = client.videos.delete(first.id)
-  assert deleted.deleted and deleted.id == first.id
+  assert deleted.deleted is True and deleted.id == first.id and deleted.object == "video.deleted", deleted
+  service.worker.paused.set()  # a queued job: DELETE forgets it too, and says deleted (it used to say None)
+  queued = client.videos.create(prompt="never made", size="32x32", extra_body=SMALL)
+  dropped = client.videos.delete(queued.id)
+  service.worker.paused.clear()
+  assert queued.status == "queued" and dropped.deleted is True and dropped.id == queued.id, dropped
+  with pytest.raises(openai.NotFoundError):
+    client.videos.retrieve(queued.id)
   with pytest.raises(openai.NotFoundError) as gone:
     client.videos.retrieve(first.id)
   assert gone.value.body["code"] == "not_found"

@@ -224,12 +224,12 @@ def test_cancel_queued_and_running(served, monkeypatch):
   running = client.post("/v1/videos", json={**SMALL, "prompt": "a red square moving right", "seed": 5}).json()
   queued = client.post("/v1/videos", json={**SMALL, "prompt": "a blue square moving left", "seed": 6,
                                            "guidance_scale": 4.0}).json()
-  cancelled = client.delete(f"/v1/videos/{queued['id']}").json()
+  cancelled = client.post(f"/v1/videos/{queued['id']}/cancel").json()
   assert cancelled["status"] == "cancelled"
   service.worker.paused.clear()
   service.worker.wake.set()
   seen = wait(client, running["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
-  assert client.delete(f"/v1/videos/{running['id']}").json()["status"] == "cancelled"
+  assert client.post(f"/v1/videos/{running['id']}/cancel").json()["status"] == "cancelled"
   idle(service)
   after = client.get(f"/v1/videos/{running['id']}").json()
   assert after["status"] == "cancelled" and seen["step"] <= after["step"] < 3, after
@@ -238,6 +238,31 @@ def test_cancel_queued_and_running(served, monkeypatch):
   assert client.get(f"/v1/videos/{running['id']}/content").status_code == 409
   assert not os.listdir(os.path.join(service.config.data_dir, "checkpoints"))
   assert not os.path.exists(os.path.join(service.config.data_dir, "videos", f"{running['id']}.npy"))
+  monkeypatch.undo()
+  assert wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 7}).json()["id"])["status"] == \
+      "completed"
+
+
+def test_delete_of_a_running_job_stops_and_forgets_it(served, monkeypatch):
+  """DELETE of a job mid-run: the answer says deleted (the status it had: in_progress), no route finds
+  it, its batch stops at the next step, and once the batch ends no row, checkpoint or file is left.
+  Control: the next job runs to completion."""
+  service, client = served
+  service.worker.paused.set()
+  idle(service)
+  monkeypatch.setattr(service.metrics.step_seconds, "observe", lambda seconds: time.sleep(0.3))
+  running = client.post("/v1/videos", json={**SMALL, "prompt": "a red square moving right", "seed": 5}).json()
+  service.worker.paused.clear()
+  service.worker.wake.set()
+  wait(client, running["id"], until=("in_progress",), check=lambda j: j["step"] >= 1)
+  gone = client.delete(f"/v1/videos/{running['id']}")
+  assert gone.json() == {"id": running["id"], "object": "video.deleted", "deleted": True, "status": "in_progress"}
+  assert client.get(f"/v1/videos/{running['id']}").status_code == 404
+  idle(service)
+  assert service.store.statuses([running["id"]]) == {}  # forgotten once its batch ended
+  assert not os.listdir(os.path.join(service.config.data_dir, "checkpoints"))
+  videos = os.path.join(service.config.data_dir, "videos")
+  assert not any(name.startswith(running["id"]) for name in (os.listdir(videos) if os.path.isdir(videos) else []))
   monkeypatch.undo()
   assert wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 7}).json()["id"])["status"] == \
       "completed"
@@ -435,7 +460,7 @@ def test_two_process_server_runs_cancels_and_stops_together(served, tmp_path):
       long = client.post("/v1/videos", json={**SMALL, "prompt": "a red circle", "seed": 32,
                                              "num_inference_steps": 20}).json()
       wait(client, long["id"], until=("in_progress",), check=lambda j: j["step"] >= 2, every=0.002)
-      assert client.delete(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"
+      assert client.post(f"/v1/videos/{long['id']}/cancel").json()["status"] == "cancelled"
       after = wait(client, client.post("/v1/videos", json={**SMALL, "prompt": "x", "seed": 33}).json()["id"])
       assert after["status"] == "completed", after  # process 1 stopped the cancelled batch with process 0
       assert client.get(f"/v1/videos/{long['id']}").json()["step"] < 20

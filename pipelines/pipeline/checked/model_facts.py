@@ -10,6 +10,8 @@ width, T video tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 from pipelines.parallel.token_facts import TokenFacts
@@ -79,6 +81,49 @@ class ModelFacts:
             f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} (generate's "
             "defaults; longer videos in context windows of that length, context_frames), or a diffusers-format "
             "Wan folder for other sizes")
+
+  @property
+  def max_side(self) -> int:
+    """The longest height or width in pixels the transformer can place: its RoPE table covers
+    `rope_max_seq_len` token positions along each axis (diffusers' `WanRotaryPosEmbed`), a token being
+    patch x VAE factor pixels a side (Wan 2.1: 1024 x 2 x 8 = 16384)."""
+    return self.transformer.rope_max_seq_len * self.transformer.patch_size[1] * self.spatial_factor
+
+  @property
+  def max_clip_frames(self) -> int:
+    """The longest clip (4k + 1 frames) the RoPE table covers along time (Wan 2.1: 1024 latent frames,
+    4093 frames)."""
+    return (self.transformer.rope_max_seq_len * self.transformer.patch_size[0] - 1) * self.temporal_factor + 1
+
+  def check_reach(self, height: Any, width: Any, clip_frames: Any, clip_name: str = "num_frames") -> None:
+    """Refuses a side or a clip longer than the transformer's RoPE table covers (`max_side`,
+    `max_clip_frames`) before anything is allocated: the noise of a 100000x100000 video alone is tens
+    of GiB. Only positive finite numbers are judged (the type and grid checks report the others).
+
+    Raises:
+      ValueError: naming the side (height / width) or the clip (`clip_name`), the limit, why, and the
+        tokens and latents the video would take.
+    """
+    h, w, f = (_count(v) for v in (height, width, clip_frames))
+    t = self.transformer
+    cost = "" if None in (h, w, f) else self._cost(h, w, f)
+    why = f"its transformer's RoPE table places at most {t.rope_max_seq_len} tokens along each axis"
+    for name, value in (("height", h), ("width", w)):
+      if value is not None and value > self.max_side:
+        raise ValueError(f"{name}={value} is too large: {why}, a token being {t.patch_size[1]} x {self.spatial_factor} "
+                         f"(patch x VAE factor) pixels, so height and width are at most {self.max_side} pixels{cost}; "
+                         f"use a size within {self.max_side}x{self.max_side}")
+    if f is not None and f > self.max_clip_frames:
+      raise ValueError(f"{clip_name}={f} is too large: {why}, a latent frame being {self.temporal_factor} frames, so "
+                       f"a clip is at most {self.max_clip_frames} frames{cost}; use at most {self.max_clip_frames} "
+                       "(a longer video in context windows: context_frames)")
+
+  def _cost(self, height: int, width: int, frames: int) -> str:
+    """"; WxH x F frames would be T tokens and G GiB of latents per video" (float32 latents)."""
+    grid = self.token_facts.latent_grid(frames, height, width)
+    gib = 4 * self.transformer.out_channels * math.prod(grid) / 2 ** 30
+    return (f"; {width}x{height} x {frames} frames would be {self.token_facts.latent_tokens(grid):,} tokens and "
+            f"{gib:,.1f} GiB of latents per video")
 
   @classmethod
   def from_folder(cls, folder: str, dtype: str, name: str | None = None) -> ModelFacts:
@@ -190,3 +235,9 @@ def token_facts(transformer: WanTransformerConfig, *, spatial_factor: int, tempo
   return TokenFacts(temporal_factor=temporal_factor, spatial_factor=spatial_factor,
                     patch_size=transformer.patch_size, latent_channels=transformer.out_channels,
                     image_tokens=image_tokens(transformer), text_tokens=text_tokens)
+
+
+def _count(value: Any) -> int | None:
+  """A positive finite real number as an int, else None (left to the type and range checks)."""
+  real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 1
+  return int(value) if real else None

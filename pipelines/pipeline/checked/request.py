@@ -434,11 +434,14 @@ def _check_schedule(request: GenerationRequest) -> GenerationRequest:
 
 
 def _size_and_frames(model: ModelFacts, height: Any, width: Any, num_frames: Any, context_frames: Any) -> int:
-  """The size checked and num_frames rounded to 4k + 1 (`inputs.round_num_frames`), warning when a
-  one-size model is asked for another clip (its windows' length with context windows)."""
+  """The size checked (first against the model's reach, `ModelFacts.check_reach`: a huge size is too large,
+  not offered the nearest multiple of 16) and num_frames rounded to 4k + 1 (`inputs.round_num_frames`),
+  warning when a one-size model is asked for another clip (its windows' length with context windows)."""
+  windowed = context_frames is not None and is_real(context_frames)
+  model.check_reach(height, width, *((context_frames, "context_frames") if windowed else (num_frames, "num_frames")))
   check_size(height, width, model.spatial_factor, model.transformer.patch_size[1])
   num_frames = round_num_frames(num_frames, model.temporal_factor)
-  clip = num_frames if context_frames is None or not is_real(context_frames) else int(context_frames)
+  clip = int(context_frames) if windowed else num_frames
   if (note := model.outside_training(int(height), int(width), clip)) is not None:
     warnings.warn(note, stacklevel=3)
   return num_frames

@@ -48,6 +48,46 @@ def test_cancel_route_never_deletes_a_finished_job(unloaded):
                                                          "status": "completed"}  # DELETE forgets it
 
 
+def test_delete_answers_deleted_in_every_state(unloaded):
+  """DELETE forgets a job whatever its status and says so as OpenAI's SDK reads it (`deleted` true; the
+  SDK's `videos.delete()` returned deleted=None for a queued job, which used to get the video
+  object): queued, in_progress (hidden at once, its row kept for its batch until the batch ends) and
+  finished; every route then answers 404 and the list and counts leave it out. Control: the job
+  beside them stays listed and counted."""
+  service, client = unloaded
+  running, done, queued, kept = (client.post("/v1/videos", json={**SMALL, "prompt": p}).json()["id"]
+                                 for p in ("running", "done", "queued", "kept"))
+  service.store._db.execute("UPDATE jobs SET batch_key='other' WHERE id IN (?, ?)", (queued, kept))
+  assert [r["id"] for r in service.store.next_batch(2)[1]] == [running, done]  # as the worker takes them
+  service.store.complete(done, "", {})
+  for job, status in ((queued, "queued"), (running, "in_progress"), (done, "completed")):
+    answer = client.delete(f"/v1/videos/{job}")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"id": job, "object": "video.deleted", "deleted": True, "status": status}
+    assert client.get(f"/v1/videos/{job}").status_code == 404
+    assert client.delete(f"/v1/videos/{job}").status_code == 404
+    assert client.post(f"/v1/videos/{job}/cancel").status_code == 404
+  assert [v["id"] for v in client.get("/v1/videos").json()["data"]] == [kept]
+  assert service.store.counts() == {"queued": 1, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0}
+
+
+@pytest.mark.parametrize("size", ["100000x100000", "4096x64", "64x" + "9" * 5000])
+def test_a_size_over_the_servers_limit_is_too_large_not_malformed(unloaded, size):
+  """A well-formed size past the server's side limit is a 400 naming size that says it is too large,
+  the limit and why (it said "malformed" past 5 digits; thousands of digits must not reach int()).
+  Controls: a size that is not WIDTHxHEIGHT is still malformed; the limit itself is queued."""
+  service, client = unloaded
+  answer = client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": size})
+  error = answer.json()["error"]
+  assert answer.status_code == 400 and error["param"] == "size", answer.text
+  assert "is too large" in error["message"] and "at most 2048 pixels a side" in error["message"], error
+  assert "malformed" not in error["message"] and "memory" in error["message"], error
+  malformed = client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": "64"}).json()["error"]
+  assert "malformed" in malformed["message"], malformed
+  assert client.post("/v1/videos", json={**SMALL, "prompt": "x", "size": "2048x64"}).status_code == 200
+  assert service.store.counts()["queued"] == 1
+
+
 def test_job_warnings_are_kept_and_returned(unloaded):
   _, client = unloaded
   trained = client.post("/v1/videos", json={"prompt": "x", "size": "64x64", "num_frames": 17}).json()
@@ -184,3 +224,29 @@ def test_a_long_job_without_windows_warns_with_the_window_fields():
   assert len(notes) == 1 and "context_frames=81, context_overlap=20" in notes[0], notes
   _, notes = api.check_request(dict(params, context_frames=81, context_overlap=20), facts, None)
   assert notes == []
+
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_the_schema_pages_work_offline(unloaded, page):
+  """/docs (Swagger UI) and /redoc load every script, stylesheet and icon from the server itself (they
+  came from a CDN: offline, a blank page): each one the page names answers 200 with a body, and the page
+  names no other host. Control: the page names a script (the check is not vacuous); the schema it
+  reads answers too."""
+  import re
+
+  _, client = unloaded
+  html = client.get(page)
+  assert html.status_code == 200 and html.headers["content-type"].startswith("text/html"), html.text
+  assets = re.findall(r"""<(?:script|link)\b[^>]*?\b(?:src|href)=["']([^"']+)["']""", html.text)
+  scripts = re.findall(r"""<script\b[^>]*?\bsrc=["']([^"']+)["']""", html.text)
+  assert scripts and assets, html.text
+  if page == "/docs":
+    assert any(a.endswith(".css") for a in assets), assets  # Swagger UI's stylesheet
+  off_host = re.findall(r"(?:https?:)?//[\w.-]+", html.text)
+  assert not off_host, f"{page} names another host: {off_host}"
+  for url in assets:
+    assert url.startswith("/") and not url.startswith("//"), url
+    got = client.get(url)
+    assert got.status_code == 200 and len(got.content) > 1000, (url, got.status_code)
+  assert client.get("/openapi.json").json()["openapi"].startswith("3.")

@@ -62,9 +62,9 @@ def test_schema_publishes_both_body_forms_and_the_error_body(tmp_path):
   assert listing["order"]["schema"]["enum"] == ["asc", "desc"]
   assert client.get("/docs").status_code == 200 and client.get("/redoc").status_code == 200
   service.store.close()
-  quiet, app = _app(tmp_path / "quiet", docs=False)  # serve --no-docs: no schema, no pages
+  quiet, app = _app(tmp_path / "quiet", docs=False)  # serve --no-docs: no schema, no pages, no assets
   client = TestClient(app)
-  for path in ("/openapi.json", "/docs", "/redoc"):
+  for path in ("/openapi.json", "/docs", "/redoc", "/docs-assets/swagger-ui-bundle.js"):
     answer = client.get(path)
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", (path, answer.text)
   quiet.store.close()

@@ -16,6 +16,7 @@ import threading
 import types
 
 import numpy as np
+import pytest
 
 from pipelines.pipeline.run.loop import LoopState
 from pipelines.pipeline.checked.request import GenerationRequest
@@ -184,9 +185,66 @@ def test_a_cancel_racing_the_write_leaves_no_file_behind(tmp_path, monkeypatch):
     assert sorted(p.name for p in videos.iterdir()) == [f"{kept}.npy", f"{kept}.npy.json",
                                                         f"{kept}.spritesheet.jpg", f"{kept}.thumbnail.webp"]
     for job in (raced, kept):
-      service.remove_files(service.store.delete(job))
+      service.delete(job)
     assert list(videos.iterdir()) == []
   finally:
+    service.stop()
+
+
+@pytest.mark.parametrize("write_fails", [False, True], ids=["write-finishes", "write-fails-after"])
+def test_a_delete_during_the_write_ends_the_job_deleted_never_failed(tmp_path, monkeypatch, caplog, write_fails):
+  """DELETE landing while a job's files are written (forced: its video written, its previews wait on an
+  event until the DELETE has answered): the answer says deleted, no route finds the job, and once its
+  batch ends it left no row and no file, and nothing counted or logged it failed, whether the write
+  then finishes or raises (e.g. the disk filled meanwhile). Control: the other job of its batch
+  completes with its files."""
+  from fastapi.testclient import TestClient
+
+  from pipelines.serve import previews
+  from pipelines.serve.app import create_app
+
+  config = ServeConfig(model="tiny", data_dir=str(tmp_path), max_batch=2)
+  facts = model_facts(config)
+  service = Service(config, facts, load=lambda: StandInPipe(facts))
+  client = TestClient(create_app(service))
+  small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "output_format": "npy"}
+  deleted, kept = (service.submit(api.VideoCreate(prompt=p, **small))["id"] for p in ("deleted", "kept"))
+  writing, answered = threading.Event(), threading.Event()
+  write_previews = previews.write_previews
+
+  def paused(data_dir, job_id, frames):
+    if job_id == deleted:
+      writing.set()
+      assert answered.wait(30), "the DELETE did not answer"
+      if write_fails:
+        raise OSError(28, "No space left on device")
+    return write_previews(data_dir, job_id, frames)
+
+  monkeypatch.setattr(previews, "write_previews", paused)
+  caplog.set_level("INFO", logger="wan.serve")
+  service.start(block=True)
+  try:
+    assert writing.wait(30), "the write never started"
+    answer = client.delete(f"/v1/videos/{deleted}")
+    answered.set()
+    assert answer.status_code == 200 and answer.json() == {"id": deleted, "object": "video.deleted", "deleted": True,
+                                                           "status": "in_progress"}, answer.text
+    assert wait_finished(service, kept)["status"] == "completed"
+    for _ in range(600):
+      if service.worker.running is None:
+        break
+      threading.Event().wait(0.05)
+    assert client.get(f"/v1/videos/{deleted}").status_code == 404
+    assert service.store.statuses([deleted, kept]) == {kept: "completed"}  # the deleted row is gone too
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == [
+        f"{kept}.npy", f"{kept}.npy.json", f"{kept}.spritesheet.jpg", f"{kept}.thumbnail.webp"]
+    failed = service.metrics.registry.get_sample_value("wan_serve_jobs_finished_total", {"status": "failed"})
+    assert not failed, failed
+    lines = [r.getMessage() for r in caplog.records if r.name == "wan.serve"]
+    assert not [line for line in lines if " failed" in line], lines
+    assert any(line.startswith(f"job {kept} completed") for line in lines), lines
+  finally:
+    answered.set()
     service.stop()
 
 

@@ -78,3 +78,21 @@ def test_of_model_names_the_embedded_models():
   assert ModelFacts.of_model("tiny-random", "float32").trained_video is None
   folder = ModelFacts.of_model(TINY_DEFAULT_FOLDER, "float32")
   assert folder.transformer == tiny.transformer and not folder.expand_timesteps
+
+
+def test_the_reach_follows_the_rope_table_patch_and_vae():
+  """`max_side` / `max_clip_frames`: the RoPE table's positions x patch x VAE factor (Wan 2.1: 16384
+  pixels, 4093 frames; a 16x VAE as TI2V-5B's: 32768; half the table: half the side), and
+  `check_reach` refuses one past them. Control: the limit itself passes, as do values that are not
+  positive numbers (left to the type checks)."""
+  facts = ModelFacts.tiny_random("float32")
+  assert (facts.max_side, facts.max_clip_frames) == (16384, 4093)
+  assert dataclasses.replace(facts, spatial_factor=16).max_side == 32768
+  half = dataclasses.replace(facts, transformer=dataclasses.replace(facts.transformer, rope_max_seq_len=512))
+  assert (half.max_side, half.max_clip_frames) == (8192, 2045)
+  half.check_reach(8192, 8192, 2045)
+  half.check_reach("8193", float("inf"), None)
+  with pytest.raises(ValueError, match=r"^width=8208 is too large: .* at most 512 tokens .* at most 8192 pixels"):
+    half.check_reach(64, 8208, 5)
+  with pytest.raises(ValueError, match=r"^context_frames=2049 is too large: .* at most 2045 frames"):
+    half.check_reach(64, 64, 2049, "context_frames")

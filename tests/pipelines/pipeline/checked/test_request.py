@@ -160,3 +160,41 @@ def test_generate_refuses_a_number_out_of_range_before_loading(tmp_path, capsys,
   monkeypatch.setattr(wan_pipeline.WanPipeline, "tiny", lambda *a, **k: pytest.fail("loaded weights"))
   assert generate.main(["--prompt", PROMPT, *flags, "--out", str(tmp_path / "a.mp4")]) == 2
   assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call,words", [
+    ({"height": 100_000, "width": 100_000}, "height=100000 is too large"),
+    ({"height": 64, "width": 99_999}, "width=99999 is too large"),  # not "a multiple of 16: use 99984 or 100000"
+    ({"height": 16_400, "width": 64}, "height=16400 is too large"),  # 1025 tokens a side
+    ({"num_frames": 4097}, "num_frames=4097 is too large"),  # 1025 latent frames
+])
+def test_a_size_beyond_the_models_reach_is_refused_at_build(call, words):
+  """A side (or a clip) longer than the transformer's RoPE table places tokens along is refused by
+  `build` with what the limit is, why, and what the size would cost (tokens, GiB of latents), before
+  anything is allocated (it used to fail allocating the noise: 46.6 GiB for 100000x100000). Control:
+  the longest side and clip the table covers build."""
+  from pipelines.pipeline.model_facts import ModelFacts
+
+  facts = ModelFacts.tiny_random("float32")
+  base = {"height": 64, "width": 64, "num_frames": 5, "seed": 0, "num_inference_steps": 2}
+  with pytest.raises(ValueError) as refused:
+    GenerationRequest.build(facts, "x", **(base | call))
+  message = str(refused.value)
+  assert message.startswith(words), message
+  assert "RoPE" in message and "GiB of latents" in message and "tokens" in message, message
+  assert ("at most 16384 pixels" if "num_frames" not in call else "at most 4093 frames") in message, message
+  for edge in ({"height": 16_384, "width": 16}, {"height": 16, "width": 16_384}, {"num_frames": 4093}):
+    assert GenerationRequest.build(facts, "x", **(base | edge)).latent_shape[2:] in (
+        (2, 2048, 2), (2, 2, 2048), (1024, 8, 8))
+
+
+def test_generate_refuses_an_impossible_size_before_anything(tmp_path, capsys, monkeypatch):
+  """`generate --size 100000x100000`: exit 2 naming --size and the limit, with no estimate line and
+  no weights loaded (it estimated 13,354,766 h, then died allocating 46.6 GiB of noise)."""
+  from pipelines.pipeline import wan_pipeline
+
+  monkeypatch.setattr(wan_pipeline.WanPipeline, "tiny", lambda *a, **k: pytest.fail("loaded weights"))
+  assert generate.main(["--prompt", PROMPT, "--size", "100000x100000", "--out", str(tmp_path / "a.mp4")]) == 2
+  err = capsys.readouterr().err
+  assert "--size: height=100000 is too large" in err and "at most 16384 pixels" in err, err
+  assert err.count("\n") == 1 and "Traceback" not in err, err  # one line, no estimate before it
