@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -87,15 +87,19 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | No
 
 
 def vae_from_state(config: WanVAEConfig, state: Any, where: str, *, dtype: jnp.dtype = jnp.float32,
-                   progress: bool | None = None) -> WanVAE:
+                   progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None) -> WanVAE:
   """`load_vae` from tensors already named as diffusers names them (a folder's, or a single file's
   renamed by `wan.pretrained.layouts`), still memory-mapped: checked, laid out, cast and placed.
+  `scales`: key -> a scaled-fp8 weight's float32 scale broadcast to it (`layouts.row_scales`), laid
+  out as the weight is; the weight is q * scale in float32, rounded once to `dtype`.
 
   Raises:
     CheckpointError: one error listing every missing, unexpected and mis-shaped key.
   """
   check_state_dict(state, config.param_shapes(), where=where)
-  leaves = {k: HostLeaf.of(to_jax_layout(k, np.asarray(v)), dtype) for k, v in state.items()}
+  scales = scales or {}
+  leaves = {k: HostLeaf.of(to_jax_layout(k, np.asarray(v)), dtype,
+                           to_jax_layout(k, scales[k]) if k in scales else None) for k, v in state.items()}
   params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 
