@@ -48,6 +48,16 @@ def test_single_files_give_the_folders_video(files):
   assert video.std() > 0.01 and np.array_equal(video, reference)
 
 
+def test_single_files_without_config_give_the_folders_video(files):
+  """The random tiny's files without `config=`: their shapes are its configs' (8 heads of 16), so the
+  video is the folder's; the trained tiny's files are refused (tests/pipelines/wan/pretrained/test_sources.py)."""
+  single = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
+                                        tokenizer=files["folder"])
+  assert single.transformer_config == files["pipe"].transformer_config
+  video = single(PROMPT, **CALL)
+  assert video.std() > 0.01 and np.array_equal(video, WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
+
+
 def test_official_layout_gives_the_folders_video(files):
   official = writers.write_official(files["pipe"], os.path.join(files["base"], "official"),
                                     os.path.join(files["folder"], "tokenizer"))

@@ -45,3 +45,17 @@ def test_per_channel_scales_are_written_row_by_row(tmp_path, capsys):
   key = "blocks.0.ffn.net.0.proj.weight"
   scale = scaled[writers.COMFY_PREFIX + wan_key(key)[:-len("weight")] + "weight_scale"]
   assert np.unique(scale).size > 1 and not np.array_equal(written[key], state[key])  # the controls
+
+
+def test_shapes_of_no_known_config_are_refused(tmp_path, capsys):
+  """The trained tiny's own files without --config: refused (its VAE's shapes are two shipped folders'
+  with different latent statistics), nothing written; with --config they convert."""
+  folder = {c: os.path.join(TINY_DEFAULT_FOLDER, c) for c in ("transformer", "vae", "text_encoder")}
+  files = ["--transformer", os.path.join(folder["transformer"], "diffusion_pytorch_model.safetensors"),
+           "--vae", os.path.join(folder["vae"], "diffusion_pytorch_model.safetensors"),
+           "--text-encoder", os.path.join(folder["text_encoder"], "model.safetensors"),
+           "--tokenizer", TINY_DEFAULT_FOLDER]
+  assert convert.main([str(tmp_path / "dst"), *files]) == 1
+  assert "pass the model's config: --config FOLDER (CLI)" in capsys.readouterr().err
+  assert not os.listdir(tmp_path)
+  assert convert.main([str(tmp_path / "dst"), *files, "--config", TINY_DEFAULT_FOLDER]) == 0
