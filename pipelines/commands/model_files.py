@@ -47,7 +47,8 @@ def add_single_file_flags(p: argparse.ArgumentParser) -> None:
                       "(none ships with this package) (default: --config's)")
   g.add_argument("--config", metavar="FOLDER", default=None,
                  help="a diffusers-format folder whose config.json files describe the model (default: none, the "
-                      "configs are inferred from the shapes: head dim 128, diffusers' UniPC scheduler)")
+                      "shapes are matched to a released Wan model's or a shipped tiny one's, diffusers' UniPC "
+                      "scheduler; other shapes are refused)")
 
 
 def single_files(args: argparse.Namespace) -> Sources | None:

@@ -304,19 +304,26 @@ class HostLeaf:
     parts: one view, or the layers of a stacked parameter (equal shapes).
     dtype: the parameter's dtype.
     stacked: whether `parts` are stacked on a new leading axis.
+    scales: None, or one scale per part (None: that part is not scaled) of a scaled-fp8 weight:
+      float32 of the part's shape, in the part's layout (a broadcast view: one value, or one per
+      output row, transposed and reshaped as the part is); the parameter is part * scale.
   """
   parts: tuple[np.ndarray, ...]
   dtype: np.dtype
   stacked: bool = False
-  scales: tuple[float, ...] | None = None
+  scales: tuple[np.ndarray | None, ...] | None = None
 
   @classmethod
-  def of(cls, view: np.ndarray, dtype: Any, scale: float | None = None) -> HostLeaf:
-    return cls((view,), np.dtype(dtype), scales=None if scale is None else (scale,))
+  def of(cls, view: np.ndarray, dtype: Any, scale: np.ndarray | None = None) -> HostLeaf:
+    """Raises ValueError: a scale that does not broadcast to the view."""
+    return cls((view,), np.dtype(dtype), scales=None if scale is None else (_scale_of(view, scale),))
 
   @classmethod
-  def stack(cls, views: list[np.ndarray], dtype: Any, scales: list[float] | None = None) -> HostLeaf:
-    return cls(tuple(views), np.dtype(dtype), stacked=True, scales=None if scales is None else tuple(scales))
+  def stack(cls, views: list[np.ndarray], dtype: Any, scales: list[np.ndarray | None] | None = None) -> HostLeaf:
+    """Raises ValueError: a scale that does not broadcast to its view."""
+    return cls(tuple(views), np.dtype(dtype), stacked=True,
+               scales=None if scales is None else tuple(None if s is None else _scale_of(v, s)
+                                                        for v, s in zip(views, scales, strict=True)))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -330,13 +337,17 @@ class HostLeaf:
   def read(self, index: tuple[slice, ...] = ()) -> np.ndarray:
     """The C-contiguous `dtype` copy of `self[index]` (index: a tuple of slices, as
     `jax.make_array_from_callback` passes; a contiguous same-dtype part is returned uncopied).
-    With `scales` (a ComfyUI scaled-fp8 weight: one scale per part), each part is q * scale in
-    float32, rounded once to `dtype`."""
+    With `scales` (a scaled-fp8 weight), each part is q * scale in float32, element by element,
+    rounded once to `dtype`."""
     if self.scales is not None:
       values = dataclasses.replace(self, dtype=np.dtype(np.float32), scales=None).read(index)
-      layers = range(len(self.parts))[index[0] if index and self.stacked else slice(None)]
-      scale = np.asarray([self.scales[i] for i in layers], np.float32)
-      return (values * (scale.reshape(-1, *[1] * (values.ndim - 1)) if self.stacked else scale[0])).astype(self.dtype)
+      if not self.stacked:
+        return (values * self.scales[0][index]).astype(self.dtype, copy=False)
+      layers = range(len(self.parts))[index[0] if index else slice(None)]
+      for j, layer in enumerate(layers):  # `values` is a new array: scaled in place
+        if self.scales[layer] is not None:
+          values[j] *= self.scales[layer][tuple(index[1:])]
+      return values.astype(self.dtype, copy=False)
     if not self.stacked:
       part = self.parts[0][index]
       if part.flags.c_contiguous and part.dtype == self.dtype:
@@ -351,6 +362,11 @@ class HostLeaf:
     for j, layer in enumerate(layers):
       _tiled_copy(out[j], self.parts[layer][rest])
     return out
+
+
+def _scale_of(view: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  """`scale` as float32 broadcast to the view's shape (a view: no copy)."""
+  return np.broadcast_to(np.asarray(scale, np.float32), view.shape)
 
 
 _TILE_ELEMENTS = 1 << 16

@@ -46,7 +46,8 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
       read.text_encoder_config, text.tensors, text.path, dtype=model_dtype, progress=progress, scales=text.scales,
       shardings=functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else
       loading.text_encoder_shardings(read.text_encoder_config, model_dtype))
-  vae = wan_vae.vae_from_state(read.vae_config, read.vae.tensors, read.vae.path, dtype=vae_dt, progress=progress)
+  vae = wan_vae.vae_from_state(read.vae_config, read.vae.tensors, read.vae.path, dtype=vae_dt, progress=progress,
+                               scales=read.vae.scales)
   parts = dict(tokenizer=read.tokenizer, text_encoder=text_encoder, transformers=[expert], vae=vae,
                scheduler_config=read.scheduler_config, expand_timesteps=read.expand_timesteps,
                name=os.path.abspath(sources.transformer))
@@ -96,14 +97,18 @@ class SingleFileMixin:
       tokenizer: a local folder with the google/umt5-xxl tokenizer (or a pipeline folder holding
         tokenizer/); required: no UMT5 tokenizer ships with this package.
       dtype, vae_dtype, mesh, shard_weights, progress: as `from_pretrained`.
-      config: None (configs from the shapes, `wan.pretrained.inference`; the scheduler is diffusers'
-        Wan folders' UniPC) or a local diffusers folder whose config.json files are used instead.
+      config: None (configs matched by the shapes to a released Wan model's or a shipped tiny one's,
+        `wan.pretrained.inference`; the scheduler is diffusers' Wan folders' UniPC) or a local
+        diffusers folder whose config.json files are used instead: needed for shapes of no known
+        model (refused without it: the heads and the VAE's latent statistics are no weights).
       quantize: as `from_pretrained`; with "fp8" a scaled-fp8 file's block weights are placed as they
-        are (1 byte a value, their per-tensor scales as per-channel ones). Without it they are
-        dequantized (q * scale) to `dtype`; an fp8 text encoder is always upcast to `dtype`.
+        are (1 byte a value, their scales, per tensor or per output row, as per-channel ones).
+        Without it they are dequantized (q * scale, row by row) to `dtype`; an fp8 text encoder or
+        VAE is always upcast to its dtype.
 
     Raises:
-      weights.CheckpointError: a missing, truncated or foreign file, shapes that match no Wan config.
+      weights.CheckpointError: a missing, truncated or foreign file, shapes that match no known Wan
+        config without `config`, a scale of an unsupported shape.
       TokenizerNotFoundError: no tokenizer folder.
       ValueError: an unknown dtype or quantize mode, a mesh that does not fit.
     """

@@ -246,7 +246,7 @@ def official_keys(num_layers: int) -> dict[str, str]:
 def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, *,
                            dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
                            shardings: Callable[[Any], Any] | None = None,
-                           progress: bool | None = None, scales: Mapping[str, float] | None = None) -> Params:
+                           progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None) -> Params:
   """Converts a checked torch-layout state dict into the params pytree (see module docstring).
 
   Args:
@@ -258,7 +258,8 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
       None: the default device, uncommitted. Each device's part is converted and placed straight from `state`
       (`distributed.put_host_leaves`).
     progress: a progress bar (None: for large encoders only).
-    scales: key -> per-tensor scale of a scaled-fp8 weight (`umt5_from_state`).
+    scales: key -> the scale of a scaled-fp8 weight, float32 broadcast to the weight's shape
+      (`wan.pretrained.layouts.row_scales`), laid out here as the weight is.
   """
   c = config
   scales = scales or {}
@@ -277,8 +278,9 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
   for name in block_keys(0):
     layer_dtype = jnp.float32 if (name == "wo" and keep_wo_in_fp32) else dtype
     keys = [block_keys(i)[name] for i in range(c.num_layers)]
-    layer_scales = [scales.get(k, 1.0) for k in keys] if any(k in scales for k in keys) else None
-    layers[name] = weights.HostLeaf.stack([conv(name, np.asarray(state[k])) for k in keys], layer_dtype, layer_scales)
+    scaled = [conv(name, scales[k]) if k in scales else None for k in keys]  # laid out as the weights
+    layers[name] = weights.HostLeaf.stack([conv(name, np.asarray(state[k])) for k in keys], layer_dtype,
+                                          None if all(s is None for s in scaled) else scaled)
   leaves = {
       "embedding": weights.HostLeaf.of(np.asarray(state["shared.weight"]), dtype, scales.get("shared.weight")),
       "final_norm": weights.HostLeaf.of(np.asarray(state["encoder.final_layer_norm.weight"]), dtype),
@@ -316,12 +318,13 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
 
 def umt5_from_state(config: UMT5Config, state: Mapping[str, Any], where: str, *, dtype: Any = jnp.float32,
                     keep_wo_in_fp32: bool = True, shardings: Callable[[Any], Any] | None = None,
-                    progress: bool | None = None, scales: Mapping[str, float] | None = None
+                    progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None
                     ) -> tuple[UMT5Config, Params]:
   """`load_umt5` from tensors named as transformers names them (a folder's, or a single file's
-  renamed by `wan.pretrained.layouts`), still memory-mapped. `scales`: key -> a ComfyUI scaled-fp8
-  weight's per-tensor scale; such a weight (and any fp8 one) is upcast, q * scale in float32 rounded
-  once to `dtype`: the encoder runs once per prompt, so its weights are not kept in fp8.
+  renamed by `wan.pretrained.layouts`), still memory-mapped. `scales`: key -> a scaled-fp8 weight's
+  scale broadcast to it (`params_from_state_dict`); such a weight (and any fp8 one) is upcast,
+  q * scale in float32 rounded once to `dtype`: the encoder runs once per prompt, so its weights are
+  not kept in fp8.
 
   Raises:
     weights.CheckpointError: missing, unexpected or mis-shaped keys (all listed in one message),
@@ -332,6 +335,8 @@ def umt5_from_state(config: UMT5Config, state: Mapping[str, Any], where: str, *,
   if alias in state:
     if "shared.weight" not in state:
       state["shared.weight"] = state.pop(alias)
+      if alias in (scales or {}):
+        scales = {**scales, "shared.weight": scales[alias]}
     else:
       tied = state.pop(alias)
       if tied.shape != state["shared.weight"].shape or not np.array_equal(tied, state["shared.weight"]):

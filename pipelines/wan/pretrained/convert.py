@@ -3,8 +3,9 @@ in the official Wan layout, or from single files (`--transformer F --vae F --tex
 --tokenizer DIR [--config DIR]`), so that machines without torch load it (`.pth` files need torch).
 
 The tensors keep their dtype and get diffusers' / transformers' names (a scaled-fp8 weight is
-written dequantized, q * scale in float32). DST must not exist: the folder is written next to it
-under a temporary name and renamed when complete, so an interrupted run leaves no half folder.
+written dequantized, q * scale in float32, row by row). DST must not exist: the folder is written
+next to it under a temporary name and renamed when complete, so an interrupted run leaves no half
+folder.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _tensors(component: layouts.ComponentFile) -> dict[str, np.ndarray]:
   out = {}
   for key, value in component.tensors.items():
     array = np.asarray(value)
-    if key in component.scales:
-      array = array.astype(np.float32) * np.float32(component.scales[key])
+    if key in component.scales:  # broadcast to the weight: one value, or one per output row
+      array = array.astype(np.float32) * component.scales[key]
     out[key] = np.ascontiguousarray(array)
   return out
 

@@ -12,9 +12,10 @@ and ComfyUI's `model_detection` tell them apart:
 Files of other models (Flux, Stable Diffusion, a LoRA, ...) are named as such.
 
 ComfyUI's "scaled" fp8 files (`comfy/ops.py`, `scaled_fp8` marker key): float8_e4m3fn weights, each
-with a per-tensor float32 `scale_weight` (newer files: `weight_scale`); the weight is q * scale. The
-scales are returned beside the tensors (`ComponentFile.scales`), the fp8 tensors themselves stay
-memory-mapped; `scale_input` (activation scales) is not used.
+with a float32 `scale_weight` (newer files: `weight_scale`) of one value ([] or [1]: ComfyUI's) or one
+per output row ([out] or [out, 1]: per-channel files); the weight is q * scale, row by row. The
+scales are returned beside the tensors (`ComponentFile.scales`, broadcast to the weight's shape), the
+fp8 tensors themselves stay memory-mapped; `scale_input` (activation scales) is not used.
 
 Folders (`folder_layout`): a diffusers pipeline folder (model_index.json) or the official Wan
 layout (`config.json` with Wan's own fields `dim`, `num_layers`, `model_type`, original-named
@@ -29,6 +30,8 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from pipelines.storage import weights
 from pipelines.wan.pretrained import inference
@@ -58,13 +61,15 @@ class ComponentFile:
     kind: "transformer", "vae" or "text_encoder".
     layout: "wan" (original names), "diffusers", "transformers" (UMT5) or "wan-t5".
     tensors: loader key (diffusers' / transformers') -> tensor (`weights.TensorRef` or a numpy view).
-    scales: loader key -> the per-tensor scale of a ComfyUI scaled-fp8 weight (empty otherwise).
+    scales: loader key -> the scale of a scaled-fp8 weight (`row_scales`: float32, broadcast to the
+      weight's checkpoint shape, a read-only view without copies; empty for other files). A reader
+      lays it out as it lays out the weight (the same transposes and reshapes) and multiplies.
   """
   path: str
   kind: str
   layout: str
   tensors: dict[str, Any]
-  scales: dict[str, float]
+  scales: dict[str, np.ndarray]
 
   @property
   def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -128,14 +133,45 @@ def _check_kind(path: str, kind: str, found: tuple[str, str] | None, keys: list[
   raise weights.CheckpointError(f"{kind}={path!r} holds {what}, not {KINDS[kind]} of a Wan model; {fix}")
 
 
-def _split_scales(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
-  """(the tensors without markers and scales, weight key -> its per-tensor scale)."""
-  import numpy as np
+def row_scales(key: str, scale: Any, weight_shape: tuple[int, ...] | None, where: str = "") -> np.ndarray:
+  """A scaled-fp8 weight's scale as float32 broadcast to `weight_shape`: one value ([] or [1]) for every
+  element, or one per output row ([out] or [out, 1]: weight[i, ...] = q[i, ...] * scale[i]).
 
+  Args:
+    key: the scale's key (without ComfyUI's prefix), for the message.
+    scale: the scale tensor (any float dtype).
+    weight_shape: the shape of the weight it scales (None: the file has no such weight).
+    where: the file, for the message.
+
+  Raises:
+    CheckpointError (a ValueError): no weight, or a scale of any other shape; named with both shapes.
+  """
+  scale = np.asarray(scale, np.float32)
+  if weight_shape is None:
+    weight = key.rsplit(".", 1)[0] + ".weight"
+    raise weights.CheckpointError(f"{where!r}: scale {key!r} has no weight {weight!r} beside it; the file is "
+                                  "incomplete: download or convert it again")
+  rows = weight_shape[0] if weight_shape else 1
+  if scale.shape in ((), (1,)):
+    per_row = scale.reshape(())
+  elif weight_shape and scale.shape in ((rows,), (rows, 1)):
+    per_row = scale.reshape(rows, *[1] * (len(weight_shape) - 1))
+  else:
+    raise weights.CheckpointError(
+        f"{where!r}: scale {key!r} has the shape {scale.shape} and its weight's shape is {tuple(weight_shape)}: "
+        f"a scale is one value ([] or [1]) or one per output row ([{rows}] or [{rows}, 1]); other scales (per "
+        "block, per input channel) are not read here: pass a file with per-tensor or per-channel scales, or its "
+        "bf16 / fp16 weights")
+  return np.broadcast_to(per_row, tuple(weight_shape))
+
+
+def _split_scales(raw: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(the tensors without markers and scales, weight key -> its scale broadcast to it: `row_scales`)."""
   tensors, scales = {}, {}
   for key, value in raw.items():
     if key.endswith(SCALE_SUFFIXES):
-      scales[key.rsplit(".", 1)[0] + ".weight"] = float(np.asarray(value, np.float32).reshape(-1)[0])
+      weight = key.rsplit(".", 1)[0] + ".weight"
+      scales[weight] = row_scales(key, value, tuple(raw[weight].shape) if weight in raw else None, where)
     elif not (key in DROPPED or key.endswith(DROPPED)):
       tensors[key] = value
   return tensors, scales
@@ -152,7 +188,7 @@ def read_component(path: str, kind: str, vae_config: Any = None) -> ComponentFil
   Raises:
     CheckpointError: missing, truncated or foreign files, named with the fix.
   """
-  tensors, scales = _split_scales(_strip(open_file(path, kind)))
+  tensors, scales = _split_scales(_strip(open_file(path, kind)), path)
   keys = sorted(tensors)
   found = _what(keys)
   _check_kind(path, kind, found, keys)
@@ -240,7 +276,7 @@ class OfficialFolder:
   @staticmethod
   def transformer_of(folder: str) -> ComponentFile:
     """The transformer's tensors of an official folder (every `*.safetensors`, an index's shards too)."""
-    tensors, scales = _split_scales(_strip(weights.open_safetensors_folder(folder)))
+    tensors, scales = _split_scales(_strip(weights.open_safetensors_folder(folder)), folder)
     _check_kind(folder, "transformer", _what(sorted(tensors)), sorted(tensors))
     return ComponentFile(folder, "transformer", "wan",
                          {transformer_names.diffusers_key(k) or k: v for k, v in tensors.items()},

@@ -29,7 +29,8 @@ class Sources:
     transformer, vae, text_encoder: the component files (`layouts.read_component`); an official
       folder's transformer is the folder itself.
     tokenizer: a tokenizer folder, or a pipeline folder holding tokenizer/.
-    config: None (configs inferred from the shapes) or a diffusers folder whose JSON files are read.
+    config: None (configs matched by the shapes: `inference`) or a diffusers folder whose JSON files
+      are read.
     heads: the transformer's heads when known (an official config.json's `num_heads`).
   """
   transformer: str
@@ -89,10 +90,7 @@ def _configs(sources: Sources, transformer: layouts.ComponentFile) -> tuple[WanT
             WanVAEConfig.from_diffusers(weights.read_config(os.path.join(folder, "vae"))),
             schedulers.scheduler_config_from_dict(weights.read_json(os.path.join(folder, "scheduler",
                                                                                   "scheduler_config.json"))))
-  config = inference.transformer_config(transformer.shapes, transformer.path)
-  if sources.heads is not None:
-    config = dataclasses.replace(config, num_attention_heads=sources.heads,
-                                 attention_head_dim=config.dim // sources.heads)
+  config = inference.transformer_config(transformer.shapes, transformer.path, heads=sources.heads)
   # diffusers' Wan folders: flow shift 3.0 (Wan 2.1), 5.0 for Wan 2.2 TI2V-5B (48 latent channels)
   return config, None, schedulers.UniPCConfig(flow_shift=5.0 if config.in_channels == 48 else 3.0)
 

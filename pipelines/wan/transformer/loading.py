@@ -172,17 +172,19 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
 def load_transformer_state(config: WanTransformerConfig, state: Mapping[str, Any], where: str,
                            dtype: jnp.dtype = jnp.float32, *, mesh: Mesh | None = None, shard_weights: bool = False,
                            progress: bool | None = None, quantize: str | None = None,
-                           scales: Mapping[str, float] | None = None) -> WanTransformer:
+                           scales: Mapping[str, np.ndarray] | None = None) -> WanTransformer:
   """`load_transformer`'s loading from tensors already named as diffusers names them (a folder's,
   or a single file's renamed by `wan.pretrained.layouts`), still memory-mapped.
 
   Args:
     config, where: the model's config; the source, for messages.
     state: diffusers key -> tensor (`weights.TensorRef` or a numpy view).
-    scales: diffusers key -> a ComfyUI scaled-fp8 weight's per-tensor scale (w = q * scale). With
-      quantize="fp8" a block kernel whose layers all have one is placed as it is, 1 byte a value,
-      its scale broadcast to the per-channel scales [Z, 1, O] (exact: the same value per channel);
-      every other scaled tensor is q * scale in float32, rounded once to its dtype.
+    scales: diffusers key -> a scaled-fp8 weight's scale (w = q * scale), float32 broadcast to the
+      weight's checkpoint shape (`wan.pretrained.layouts.row_scales`: one value, or one per output
+      row), laid out as the weight is. With quantize="fp8" a scaled block kernel is placed as it is,
+      1 byte a value, its scales as the per-channel scales [Z, 1, O] (exact: one value per output
+      channel; an unscaled layer's are 1); every other scaled tensor is q * scale in float32,
+      rounded once to its dtype.
     dtype, mesh, shard_weights, progress, quantize: see `load_transformer`.
   """
   scales = scales or {}
@@ -192,15 +194,16 @@ def load_transformer_state(config: WanTransformerConfig, state: Mapping[str, Any
   stacked: dict[tuple[str, ...], list] = {}
   for key, _, path, layer, kind in layout:
     view = to_ours(np.asarray(state[key]), kind)
+    scale = to_ours(scales[key], kind) if key in scales else None  # laid out as its weight
     if layer is None:
-      _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype), scales.get(key)))
+      _set(params, path, weights.HostLeaf.of(view, _leaf_dtype(path, dtype), scale))
     else:
-      stacked.setdefault(path, [None] * layer_count(config, path[0]))[layer] = (view, scales.get(key))
+      stacked.setdefault(path, [None] * layer_count(config, path[0]))[layer] = (view, scale)
   kernels = {(stack, *p, "kernel") for p in quantization.QUANTIZED_LINEARS
              for stack in quantization.block_stacks(config)} if quantize else set()
   for path, layers in stacked.items():
     views = [v for v, _ in layers]
-    layer_scales = None if all(s is None for _, s in layers) else [1.0 if s is None else s for _, s in layers]
+    layer_scales = None if all(s is None for _, s in layers) else [s for _, s in layers]
     fp8 = quantize == "fp8" and path in kernels and layer_scales is not None
     leaf_dtype = views[0].dtype if fp8 else np.float32 if path in kernels else _leaf_dtype(path, dtype)
     leaf = weights.HostLeaf.stack(views, leaf_dtype, None if fp8 else layer_scales)
@@ -217,11 +220,12 @@ def load_transformer_state(config: WanTransformerConfig, state: Mapping[str, Any
   return quantization.quantize_transformer(build_transformer(config, arrays, dtype), quantize)
 
 
-def _prequantized_leaf(leaf: weights.HostLeaf, layer_scales: list[float], mesh: Mesh | None, shard_weights: bool):
-  """A stacked e4m3 kernel [Z, I, O] with one scale per layer, placed as a `quantization` QArray:
-  its values as they are, the scales broadcast to [Z, 1, O]."""
+def _prequantized_leaf(leaf: weights.HostLeaf, layer_scales: list[np.ndarray | None], mesh: Mesh | None,
+                       shard_weights: bool):
+  """A stacked e4m3 kernel [Z, I, O] placed as a `quantization` QArray: its values as they are, each
+  layer's scale ([I, O] broadcast, one value per output channel O; None: 1) as the scales [Z, 1, O]."""
   z, _, o = leaf.shape
-  scale = np.broadcast_to(np.asarray(layer_scales, np.float32)[:, None, None], (z, 1, o))
+  scale = np.stack([np.ones((1, o), np.float32) if s is None else np.asarray(s[:1], np.float32) for s in layer_scales])
   host = {"qvalue": leaf, "scale": weights.HostLeaf.of(scale, np.float32)}
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in host.items()}
   where = None if mesh is None else weight_shardings({"blocks": shapes}, mesh, shard_weights)["blocks"]

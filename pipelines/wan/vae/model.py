@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -87,15 +87,16 @@ def load_vae(folder: str, *, dtype: jnp.dtype = jnp.float32, progress: bool | No
 
 
 def vae_from_state(config: WanVAEConfig, state: Any, where: str, *, dtype: jnp.dtype = jnp.float32,
-                   progress: bool | None = None) -> WanVAE:
-  """`load_vae` from tensors already named as diffusers names them (a folder's, or a single file's
-  renamed by `wan.pretrained.layouts`), still memory-mapped: checked, laid out, cast and placed.
+                   progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None) -> WanVAE:
+  """`load_vae` from tensors named as diffusers names them (a folder's, or a single file's renamed by
+  `wan.pretrained.layouts`; a scaled-fp8 weight is q * its `scales`), memory-mapped: checked, laid out, cast, placed.
 
   Raises:
     CheckpointError: one error listing every missing, unexpected and mis-shaped key.
   """
   check_state_dict(state, config.param_shapes(), where=where)
-  leaves = {k: HostLeaf.of(to_jax_layout(k, np.asarray(v)), dtype) for k, v in state.items()}
+  scaled = {k: to_jax_layout(k, s) for k, s in (scales or {}).items()}  # laid out as their weights
+  leaves = {k: HostLeaf.of(to_jax_layout(k, np.asarray(v)), dtype, scaled.get(k)) for k, v in state.items()}
   params = put_host_leaves(leaves, None, progress=progress, desc="loading the VAE")
   return WanVAE(config, params)
 

@@ -296,6 +296,9 @@ SINGLE_FILE_REFUSALS = [  # (id, single-file flags changed (None: left out) or e
      "holds the transformer of a Wan pipeline, not the VAE of a Wan model; pass it as transformer= (--transformer)"),
     ("truncated file", dict(transformer="{half}"), "(truncated or corrupt safetensors file"),
     ("a LoRA as the transformer", dict(transformer="{lora}"), "holds a LoRA (keys like"),
+    ("shapes of no known config", dict(vae="{tiny_vae}", config=None, tokenizer="{tokenizer}"),
+     "are the VAE of tiny_default and of tiny_i2v, whose latent statistics differ (they are no weights); pass the "
+     "model's config: --config FOLDER (CLI)"),
 ]
 
 
@@ -304,10 +307,12 @@ SINGLE_FILE_REFUSALS = [  # (id, single-file flags changed (None: left out) or e
 def test_single_files_refused_before_loading(single, tmp_path, capsys, monkeypatch, changed, message):
   """Each bad single-file flag: exit status 2 and the message, before any weight loads or compiles."""
   from pipelines.pipeline import WanPipeline
+  from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
 
   monkeypatch.setattr(WanPipeline, "from_single_file", lambda *a, **k: pytest.fail("weights loaded"))
   compiles = step_compiles(monkeypatch)
-  paths = {**_bad_files(tmp_path, single), "transformer": single["transformer"]}
+  paths = {**_bad_files(tmp_path, single), "transformer": single["transformer"], "tokenizer": single["folder"],
+           "tiny_vae": os.path.join(TINY_DEFAULT_FOLDER, "vae", "diffusion_pytorch_model.safetensors")}
   model = changed.pop("model", None)
   argv = FILE_ARGV + _files(single, **{k: v if v is None else v.format(**paths) for k, v in changed.items()})
   argv += ["--model", model] if model else []

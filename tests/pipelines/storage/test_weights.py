@@ -93,6 +93,23 @@ def test_host_leaf_reads_converted_parts():
   assert np.shares_memory(contiguous.read(), layers[0])  # same dtype, contiguous: no copy
 
 
+def test_host_leaf_scales_each_output_row():
+  """A scaled-fp8 weight [O, I] read through its transposed view [I, O]: each part is q * its scale (one
+  per output row, broadcast to the weight and transposed as the weight is), a part without one as it is."""
+  rng = np.random.default_rng(2)
+  q = [rng.standard_normal((6, 5)).astype(ml_dtypes.float8_e4m3fn) for _ in range(3)]
+  rows = [rng.uniform(0.5, 2.0, 6).astype(np.float32) for _ in range(3)]
+  scales = [np.broadcast_to(s[:, None], (6, 5)).T for s in rows]
+  leaf = weights.HostLeaf.stack([w.T for w in q], np.float32, [scales[0], None, scales[2]])
+  want = np.stack([(w.astype(np.float32) * (s[:, None] if i != 1 else 1)).T for i, (w, s) in enumerate(zip(q, rows))])
+  np.testing.assert_array_equal(leaf.read(), want)
+  index = (slice(1, 3), slice(1, 4), slice(2, 6))
+  np.testing.assert_array_equal(leaf.read(index), want[index])
+  one = weights.HostLeaf.of(q[2].T, np.float32, scales[2])
+  np.testing.assert_array_equal(one.read((slice(None), slice(3, 6))), want[2][:, 3:6])
+  assert np.unique(rows[0]).size == 6  # the control: each row has its own scale
+
+
 class _CountingLeaf(weights.HostLeaf):
   """A HostLeaf that records the indices it is read at and the bytes being read concurrently."""
 

@@ -15,6 +15,7 @@ import pytest
 from pipelines.pipeline import WanPipeline
 from pipelines.wan.encoders import TokenizerNotFoundError
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+from tests import numerics
 from tests.pipelines.wan.pretrained import writers
 
 CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=8, seed=0, output_type="np")
@@ -45,6 +46,16 @@ def test_single_files_give_the_folders_video(files):
   reference = WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL)
   video = single(PROMPT, **CALL)
   assert video.std() > 0.01 and np.array_equal(video, reference)
+
+
+def test_single_files_without_config_give_the_folders_video(files):
+  """The random tiny's files without `config=`: their shapes are its configs' (8 heads of 16), so the
+  video is the folder's; the trained tiny's files are refused (tests/pipelines/wan/pretrained/test_sources.py)."""
+  single = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
+                                        tokenizer=files["folder"])
+  assert single.transformer_config == files["pipe"].transformer_config
+  video = single(PROMPT, **CALL)
+  assert video.std() > 0.01 and np.array_equal(video, WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
 
 
 def test_official_layout_gives_the_folders_video(files):
@@ -86,6 +97,76 @@ def test_scaled_fp8_file_loads_into_fp8_weights(tmp_path):
   print(f"fp8 scaled vs fp32: {_psnr(video, reference):.2f} dB; dequantized fp32 vs fp32: "
         f"{_psnr(dequantized(PROMPT, **call), reference):.2f} dB")
   assert 35.0 <= _psnr(video, reference) < 200  # < 200: the fp8 weights did change the video
+
+
+# The trained size; guidance 1: (x q) s and x (q s) differ by fp32 roundings, which guidance 5 would
+# amplify toward the 120 dB bound (measured 117-122 dB at 2 steps, 132-134 dB at 8) with no weight wrong.
+TRAINED_CALL = dict(height=64, width=64, num_frames=17, num_inference_steps=2, guidance_scale=1.0, seed=0,
+                    output_type="np")
+
+
+@pytest.fixture(scope="module")
+def trained():
+  """The trained default and its float32 state dicts."""
+  default = WanPipeline.tiny()
+  return dict(pipe=default, states=writers.pipeline_states(default))
+
+
+def _fp8_files(trained, base, forms: dict[str, tuple[str, str]]) -> tuple[list[str], list[str]]:
+  """(the trained default's scaled-fp8 files, the dequantized float32 files they stand for): each
+  component's weights in fp8 with scales of `forms[component]` = (form, key suffix)."""
+  states = trained["states"]
+  scaled = {"transformer": writers.scaled_fp8(states["transformer"], form=forms["transformer"][0],
+                                              suffix=forms["transformer"][1]),
+            "vae": writers.scaled_fp8_vae(states["vae"], trained["pipe"].vae.config, *forms["vae"]),
+            "text_encoder": writers.scaled_fp8_umt5(states["text_encoder"], *forms["text_encoder"])}
+  fp8 = [writers.write(scaled[c], os.path.join(base, f"{c}_fp8.safetensors")) for c in scaled]
+  plain = [writers.write(writers.without_fp8_scales(scaled[c]), os.path.join(base, f"{c}.safetensors"))
+           for c in scaled]
+  return fp8, plain
+
+
+def _load(files, **kw):
+  return WanPipeline.from_single_file(*files, tokenizer=TINY_DEFAULT_FOLDER, config=TINY_DEFAULT_FOLDER, **kw)
+
+
+def _same_weights(a, b) -> None:
+  ours, theirs = writers.pipeline_states(a), writers.pipeline_states(b)
+  for component in ours:
+    assert ours[component].keys() == theirs[component].keys()
+    for key, value in ours[component].items():
+      np.testing.assert_array_equal(value, theirs[component][key], err_msg=f"{component} {key}")
+
+
+def test_per_channel_fp8_files_give_the_dequantized_weights_video(trained, tmp_path):
+  """Scales of one value per output row ([out, 1], [out]; both key names) in all three files: the
+  loaded weights are q * scale row by row, bit for bit those of the dequantized float32 files, and
+  quantize="fp8" (the transformer's e4m3 bytes with their scales per channel) gives their video
+  within 120 dB (fp32: (x q) s against x (q s), a few roundings apart; measured 147 dB)."""
+  fp8, plain = _fp8_files(trained, str(tmp_path), {"transformer": ("[out, 1]", "scale_weight"),
+                                                  "vae": ("[out, 1]", "weight_scale"),
+                                                  "text_encoder": ("[out]", "weight_scale")})
+  reference = _load(plain)
+  loaded = _load(fp8)
+  _same_weights(loaded, reference)
+  quantized = _load(fp8, quantize="fp8")
+  kernel = quantized.weights.experts[0]["blocks"]["ffn"]["proj_in"]["kernel"].get_value()
+  assert np.unique(np.asarray(kernel.scale[0])).size > 1  # the control: the rows' scales differ
+  video = reference(PROMPT, **TRAINED_CALL)
+  plain_db = numerics.assert_psnr_at_least(loaded(PROMPT, **TRAINED_CALL), video, 120.0,
+                                           name="per-channel fp8 file")
+  fp8_db = numerics.assert_psnr_at_least(quantized(PROMPT, **TRAINED_CALL), video, 120.0,
+                                         name="per-channel fp8 file, quantize=fp8")
+  print(f"per-channel fp8 files vs the dequantized files: {plain_db:.1f} dB loaded, {fp8_db:.1f} dB quantize=fp8")
+  assert video.std() > 0.01
+
+
+def test_per_tensor_fp8_files_load_exactly(trained, tmp_path):
+  """One scale per tensor ([] ComfyUI's, [1]) still gives the dequantized files' weights bit for bit."""
+  fp8, plain = _fp8_files(trained, str(tmp_path), {"transformer": ("[]", "scale_weight"),
+                                                  "vae": ("[1]", "scale_weight"),
+                                                  "text_encoder": ("[1]", "weight_scale")})
+  _same_weights(_load(fp8), _load(plain))
 
 
 def test_convert_round_trips_the_official_layout(files, tmp_path):

@@ -2,6 +2,7 @@
 (each names the file and the fix), raised before anything compiles."""
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -41,8 +42,48 @@ def test_scaled_fp8_scales_beside_the_tensors(tmp_path):
   got = layouts.read_component(path, "transformer")
   assert got.fp8_scaled and set(got.tensors) == set(state)  # no marker, no scale keys among the tensors
   assert got.tensors["blocks.0.attn1.to_q.weight"].dtype == ml_dtypes.float8_e4m3fn
-  assert got.scales["blocks.0.attn1.to_q.weight"] == pytest.approx(0.5 / 448)
+  scale = got.scales["blocks.0.attn1.to_q.weight"]
+  assert scale.shape == state["blocks.0.attn1.to_q.weight"].shape and np.all(scale == np.float32(0.5 / 448))
   assert "proj_out.weight" not in got.scales  # the head is not quantized
+
+
+FFN_IN = "blocks.0.ffn.net.0.proj.weight"  # [ffn_dim, D] = [256, 128]: rows and columns differ
+
+
+def _rows_of_different_sizes(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  out, _ = state[FFN_IN].shape
+  rng = np.random.default_rng(0)
+  state[FFN_IN] = (rng.standard_normal(state[FFN_IN].shape) * np.arange(1, out + 1)[:, None]).astype(np.float32)
+  return state
+
+
+@pytest.mark.parametrize("suffix", ["scale_weight", "weight_scale"])
+@pytest.mark.parametrize("form", writers.SCALE_FORMS)
+def test_fp8_scales_apply_per_output_row(tmp_path, form, suffix):
+  """Every supported scale shape reads as the scale of each weight row: q * scale is the file's
+  weight, the per-row scales are not row 0's for every row."""
+  state = _rows_of_different_sizes(_transformer_state())
+  file_state = writers.scaled_fp8(state, form=form, suffix=suffix)
+  got = layouts.read_component(writers.write(file_state, str(tmp_path / "fp8.safetensors")), "transformer")
+  q = np.asarray(got.tensors[FFN_IN])
+  want = writers.without_fp8_scales(file_state)[writers.COMFY_PREFIX + wan_key(FFN_IN)]
+  np.testing.assert_array_equal(q.astype(np.float32) * got.scales[FFN_IN], want)
+  rows = np.unique(got.scales[FFN_IN][:, 0]).size
+  assert rows == (1 if form in ("[]", "[1]") else len(q))  # the control: per-row forms do differ by row
+
+
+@pytest.mark.parametrize("shape", [(2,), (128,), (256, 2), (1, 128), (256, 1, 1)])
+def test_fp8_scales_of_other_shapes_are_refused(tmp_path, shape):
+  file_state = writers.scaled_fp8(_transformer_state())
+  key = writers.COMFY_PREFIX + "blocks.0.ffn.0.scale_weight"
+  assert key in file_state and file_state[key[:-len("scale_weight")] + "weight"].shape == (256, 128)
+  file_state[key] = np.full(shape, 0.01, np.float32)
+  path = writers.write(file_state, str(tmp_path / "fp8.safetensors"))
+  stripped = key[len(writers.COMFY_PREFIX):]  # named as the loader names it, with the file
+  with pytest.raises(ValueError, match=rf"fp8.safetensors': scale '{stripped}' has the shape {re.escape(str(shape))} "
+                                       r".*its weight's shape is \(256, 128\).*one value \(\[\] or \[1\]\) or one "
+                                       r"per output row \(\[256\] or \[256, 1\]\)"):
+    layouts.read_component(path, "transformer")
 
 
 def test_missing_file(tmp_path):

@@ -13,7 +13,7 @@ from pipelines.pipeline import WanPipeline
 from pipelines.storage import weights
 from pipelines.wan import schedulers
 from pipelines.wan.encoders import TokenizerNotFoundError
-from pipelines.wan.pretrained import PipelineIndex
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, PipelineIndex, inference, layouts
 from pipelines.wan.pretrained.sources import Sources, check_no_image_branch, read_sources, tokenizer_of
 from pipelines.wan.transformer import WanTransformerConfig
 from pipelines.wan.vae import WanVAEConfig
@@ -41,15 +41,37 @@ def test_config_folder_gives_the_folders_configs(single):
 
 
 def test_shapes_give_the_config_with_heads_from_the_official_config(single):
-  """Without `config=` the shapes give the layout with head dim 128 (ComfyUI's rule: the tiny model's
-  128 channels read as 1 head), `heads=` (an official config.json's num_heads) sets them, and the
+  """Without `config=` the random tiny's shapes are matched to its config (8 heads of 16 channels, not
+  ComfyUI's one head of 128), `heads=` (an official config.json's num_heads) gives the same, and the
   scheduler is UniPC at flow shift 3 (Wan 2.1's)."""
   folder_config = PipelineIndex.read(single["folder"]).transformer
-  guessed = read_sources(_sources(single)).transformer_config
-  assert (guessed.num_attention_heads, guessed.attention_head_dim) == (1, folder_config.dim)
+  matched = read_sources(_sources(single))
+  assert matched.transformer_config == folder_config and folder_config.num_attention_heads == 8
+  assert matched.vae_config == WanVAEConfig.from_diffusers(weights.read_config(os.path.join(single["folder"], "vae")))
   read = read_sources(_sources(single, heads=folder_config.num_attention_heads))
   assert read.transformer_config == folder_config
   assert read.scheduler_config == schedulers.UniPCConfig(flow_shift=3.0)
+
+
+def test_the_trained_tiny_files_are_refused_without_config():
+  """The trained tiny's own files as single files: its transformer's shapes are its config's (8 heads of
+  16), its VAE's are both shipped tiny folders', whose latent statistics differ, so the files are
+  refused rather than read with either's; with `config=` they read."""
+  files = _tiny_default_files()
+  transformer = layouts.read_component(files.transformer, "transformer")
+  assert inference.transformer_config(transformer.shapes) == PipelineIndex.read(TINY_DEFAULT_FOLDER).transformer
+  with pytest.raises(ValueError, match=r"diffusion_pytorch_model.safetensors': its shapes \(base_dim=4, .*\) are "
+                                       r"the VAE of tiny_default and of tiny_i2v.*pass the model's config: --config "
+                                       r"FOLDER \(CLI\) or config=FOLDER \(Python\)"):
+    read_sources(files)
+  assert read_sources(dataclasses.replace(files, config=TINY_DEFAULT_FOLDER)).transformer_config.dim == 128
+
+
+def _tiny_default_files() -> Sources:
+  return Sources(transformer=os.path.join(TINY_DEFAULT_FOLDER, "transformer", "diffusion_pytorch_model.safetensors"),
+                 vae=os.path.join(TINY_DEFAULT_FOLDER, "vae", "diffusion_pytorch_model.safetensors"),
+                 text_encoder=os.path.join(TINY_DEFAULT_FOLDER, "text_encoder", "model.safetensors"),
+                 tokenizer=TINY_DEFAULT_FOLDER)
 
 
 def test_tokenizer_errors_name_the_fix(tmp_path):
