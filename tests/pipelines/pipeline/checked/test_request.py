@@ -173,7 +173,7 @@ def test_a_size_beyond_the_models_reach_is_refused_at_build(call, words):
   `build` with what the limit is, why, and what the size would cost (tokens, GiB of latents), before
   anything is allocated (it used to fail allocating the noise: 46.6 GiB for 100000x100000). Control:
   the longest side and clip the table covers build."""
-  from pipelines.pipeline.model_facts import ModelFacts
+  from pipelines.pipeline.checked.model_facts import ModelFacts
 
   facts = ModelFacts.tiny_random("float32")
   base = {"height": 64, "width": 64, "num_frames": 5, "seed": 0, "num_inference_steps": 2}
