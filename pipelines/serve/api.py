@@ -7,6 +7,8 @@ naming the field, before anything is stored or queued).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 import reprlib
@@ -27,12 +29,12 @@ STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 MAX_SIDE = 2048
 MAX_FRAMES = 257
 MAX_STEPS = 500
-# GenerationRequest.build's argument -> the API field a client set.
-FIELDS = {"height": "size", "width": "size", "num_frames": "num_frames", "num_inference_steps": "num_inference_steps",
-          "guidance_scale": "guidance_scale", "seed": "seed", "prompt": "prompt", "negative_prompt": "negative_prompt",
-          "mesh": "mesh", "flow_shift": "flow_shift", "image": "input_reference", "video": "input_reference",
-          "strength": "strength", "context_frames": "context_frames", "context_overlap": "context_overlap",
-          "context_fuse": "context_fuse"}
+# `GenerationRequest.build` arguments an API field of another name gives; every other argument is
+# given by the field of its own name (`request_fields`).
+SHARED_FIELDS = {"height": "size", "width": "size", "image": "input_reference", "video": "input_reference",
+                 "reference_images": "input_reference"}
+# A job's own values within a batch (the rest is the batch key, `batch_key`): prompts, seed, output.
+PER_JOB = ("prompt", "negative_prompt", "seed", "fps", "output_format", "input_reference", "remixed_from_video_id")
 # Characters no field may hold: C0 / C1 controls and DEL (tab, newline and carriage return allowed),
 # lone surrogates (not UTF-8: nothing could send such a text back), the noncharacters U+FFFE / U+FFFF.
 _ALLOWED_CONTROLS = "\t\n\r"
@@ -294,23 +296,38 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
                    f"{list(loras) or 'none'} (started with serve --lora NAME=PATH)", "lora")
   preset = defaults(model)
   width, height = _size(body.size, preset)
-  seed = random_seed() if body.seed is None else body.seed
-  return {"prompt": body.prompt, "negative_prompt": preset.negative_prompt if body.negative_prompt is None
-          else body.negative_prompt, "width": width, "height": height, "num_frames": _frames(body, preset),
-          "num_inference_steps": preset.steps if body.num_inference_steps is None else body.num_inference_steps,
-          "guidance_scale": preset.guidance[0] if body.guidance_scale is None else body.guidance_scale,
-          "flow_shift": body.flow_shift, "seed": seed, "fps": body.fps, "output_format": body.output_format,
-          "lora": sorted(body.lora), "strength": 0.8 if body.strength is None else body.strength,
-          "context_frames": body.context_frames, "context_overlap": body.context_overlap,
-          "context_fuse": "pyramid" if body.context_fuse is None else body.context_fuse}
+  built = build_defaults()
+  given = {name: getattr(body, name) for name in request_fields()}
+  return {name: built[name] if value is None else value for name, value in given.items()} | {
+      "negative_prompt": preset.negative_prompt if body.negative_prompt is None else body.negative_prompt,
+      "width": width, "height": height, "num_frames": _frames(body, preset),
+      "num_inference_steps": preset.steps if body.num_inference_steps is None else body.num_inference_steps,
+      "guidance_scale": preset.guidance[0] if body.guidance_scale is None else body.guidance_scale,
+      "seed": random_seed() if body.seed is None else body.seed, "fps": body.fps,
+      "output_format": body.output_format, "lora": sorted(body.lora)}
+
+
+@functools.cache
+def build_defaults() -> dict[str, Any]:
+  """`GenerationRequest.build`'s keyword arguments and their defaults (read from its signature)."""
+  from pipelines.pipeline.checked.request import GenerationRequest
+
+  parameters = inspect.signature(GenerationRequest.build).parameters.values()
+  return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def request_fields() -> tuple[str, ...]:
+  """The `VideoCreate` fields named as a `GenerationRequest.build` argument: each is given to it by
+  that name (its default when absent)."""
+  return tuple(name for name in VideoCreate.model_fields if name in build_defaults())
 
 
 def build_kwargs(params: dict[str, Any], mesh: Any) -> dict[str, Any]:
-  """`GenerationRequest.build`'s keyword arguments of one job (without the prompt)."""
-  return {"height": params["height"], "width": params["width"], "num_frames": params["num_frames"],
-          "num_inference_steps": params["num_inference_steps"], "guidance_scale": params["guidance_scale"],
-          "flow_shift": params["flow_shift"], "mesh": mesh, "context_frames": params.get("context_frames"),
-          "context_overlap": params.get("context_overlap"), "context_fuse": params.get("context_fuse", "pyramid")}
+  """`GenerationRequest.build`'s keyword arguments of one job, by name (without the prompts and the
+  seed, which a batch gives per job)."""
+  own = {"prompt", "negative_prompt", "seed"}
+  return {name: value for name, value in params.items() if name in build_defaults() and name not in own} | {
+      "mesh": mesh}
 
 
 def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any = None) -> tuple[Any, list[str]]:
@@ -344,31 +361,30 @@ def check_request(params: dict[str, Any], facts: Any, mesh: Any, reference: Any 
 
 
 def reference_kwargs(params: dict[str, Any], reference: Any) -> dict[str, Any]:
-  """`GenerationRequest.build`'s image or video arguments of a job's decoded input_reference, and the
-  job's strength (passed, so checked, with or without a video, as every number)."""
-  strength = {"strength": params.get("strength", 0.8)}
+  """`GenerationRequest.build`'s image or video arguments of a job's decoded input_reference."""
   if reference is None:
-    return strength
+    return {}
   if reference.kind == "image":
-    return {"image": reference.pixels} | strength
+    return {"image": reference.pixels}
   if reference.kind == "reference":  # a VACE model's reference image
-    return {"reference_images": [reference.pixels]} | strength
-  return {"video": reference.pixels} | strength
+    return {"reference_images": [reference.pixels]}
+  return {"video": reference.pixels}
 
 
 def _field(message: str) -> str | None:
   """The API field a `GenerationRequest` message names first (its messages start "name=...")."""
-  found = [(message.find(name), field) for name, field in FIELDS.items() if re.search(rf"\b{name}\b", message)]
+  fields = {name: SHARED_FIELDS.get(name, name) for name in build_defaults()}
+  found = [(message.find(name), field) for name, field in fields.items()
+           if re.search(rf"\b{name}\b", message) and field in VideoCreate.model_fields]
   return min(found)[1] if found else None
 
 
 def batch_key(params: dict[str, Any]) -> str:
-  """Jobs with equal keys run as one batch: everything but the prompts, seed and output."""
-  keep = ("width", "height", "num_frames", "num_inference_steps", "guidance_scale", "flow_shift", "lora", "strength")
-  keep += tuple(name for name in ("context_frames", "context_overlap", "context_fuse") if name in params)
+  """Jobs with equal keys run as one batch: everything but their own values (`PER_JOB`: the prompts,
+  seed and output)."""
+  shared = tuple((k, params[k]) for k in sorted(params) if k not in PER_JOB)
   reference = (params.get("input_reference") or {}).get("sha256")  # a batch shares one first frame or video
-  return repr(tuple((k, params[k]) for k in keep) + (("cfg", params["guidance_scale"] > 1),
-                                                     ("input_reference", reference)))
+  return repr(shared + (("cfg", params["guidance_scale"] > 1), ("input_reference", reference)))
 
 
 def video_object(row: dict[str, Any], model: str, retention_s: float | None = None) -> dict[str, Any]:

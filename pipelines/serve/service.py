@@ -17,6 +17,9 @@ from pipelines.serve import api, events, previews, references
 from pipelines.serve.store import JobStore
 from pipelines.serve.worker import Worker, remove_job_files, warm
 
+# A remix's own values (the rest of its body comes from the finished job): the new prompt and
+# strength, the size as one field, and the length, which the finished video gives.
+REMIXED = ("prompt", "strength", "size", "num_frames", "seconds", "input_reference")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -149,8 +152,8 @@ class Service:
 
   def remix(self, row: dict[str, Any], remix: api.VideoRemix) -> dict[str, Any]:
     """A new job from finished job `row`'s video (video-to-video; on a VACE model, the video VACE
-    conditions on) with `remix.prompt` and the row's other settings (size, steps, guidance, shift,
-    seed, LoRAs, format); returns its row.
+    conditions on) with `remix.prompt` and `remix.strength`, and the row's other settings (size,
+    steps, guidance, shift, seed, LoRAs, context windows, format); returns its row.
 
     Raises:
       api.ApiError: 409 unless `row` is completed; 410 when its video is gone; 400 on a model that
@@ -169,11 +172,8 @@ class Service:
     if path is None:
       raise api.ApiError(410, f"the file of video {video_id!r} is gone from the data folder", "video_id", code="gone")
     p = row["params"]
-    body = api.VideoCreate(
-        prompt=remix.prompt, negative_prompt=p["negative_prompt"], size=f"{p['width']}x{p['height']}",
-        fps=p["fps"], num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-        flow_shift=p["flow_shift"], seed=p["seed"], output_format=p["output_format"], lora=p["lora"],
-        strength=remix.strength)
+    kept = {name: p[name] for name in api.VideoCreate.model_fields if name in p and name not in REMIXED}
+    body = api.VideoCreate(**kept, prompt=remix.prompt, size=f"{p['width']}x{p['height']}", strength=remix.strength)
     frames = video_reading.read_video(path, max_frames=api.MAX_FRAMES)
     return self.submit(body, given=references.Decoded("video", frames), remixed_from=video_id)
 
