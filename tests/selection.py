@@ -75,6 +75,7 @@ EXHAUSTIVE = frozenset({
     "test_windows_without_overlap_are_separate_clips",
     "test_one_step_is_the_blend_of_the_windows_own_steps[flat]",
     "test_rows_split_over_windows_match_unsplit[W=2,U=2,R=1-2]",
+    "test_padding_copies_count_in_no_first_block_statistic[3-windows-cfg2]",  # W=2's 3 and 4 windows stay
     "test_generate_guidance_pair_reaches_the_low_noise_expert",  # test_low_noise_expert_guides_alone stays
     "test_decode_parity[base8-2]",  # 1 and 3 frames stay
     # whole-process runs whose subject a default test reaches

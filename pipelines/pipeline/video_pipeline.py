@@ -6,7 +6,8 @@ decoding): the request carries the video and `strength` (`video_inputs.VideoInpu
 is the tail of the `num_inference_steps` schedule from step N - int(N x strength) on, run by a fresh
 solver (`Schedule.tail`); the loop starts from the video encoded by the VAE and noised to that
 step's sigma (`WanPipeline.initial_latents`). `seed` keeps its meaning: the noise mixed in is the
-array that `seed` gives a text-to-video call of the same latent shape.
+array that `seed` gives a text-to-video call of the same latent shape. Given `latents` (diffusers'
+meaning: the already noised start), the loop starts from them as they are, at the same step.
 
 Source: diffusers `pipelines/wan/pipeline_wan_video2video.py`.
 """
@@ -23,6 +24,8 @@ class WanVideoToVideoPipeline(WanPipeline):
   """Video-to-video Wan; build with `from_pretrained(folder)` of a diffusers text-to-video folder
   (`WanPipeline` or `WanVideoToVideoPipeline`), call with a video and prompts (`__call__`)."""
 
+  video_to_video = True
+
   def __call__(self, video: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int = 480,
                width: int = 832, num_inference_steps: int = 50, guidance_scale: float = 5.0,
                strength: float = 0.8, seed: int | Sequence[int] | None = None, latents: Any = None,
@@ -35,7 +38,9 @@ class WanVideoToVideoPipeline(WanPipeline):
         (the VAE's groups of 4) and give the video's length.
       strength: in (0, 1]: the last int(num_inference_steps x strength) steps run, from the video
         noised to the first one's sigma (1: from nearly pure noise; diffusers' default 0.8).
-      latents: diffusers' meaning: the already noised starting latents (the video is then not encoded).
+      latents: diffusers' meaning: the already noised starting latents, float32 [B', C, F, Hl, Wl]
+        (the video is then not encoded, nor are they noised); the run still starts at strength's
+        step, as diffusers' (`get_timesteps` whether or not latents are given).
       the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
 
     Returns and Raises:

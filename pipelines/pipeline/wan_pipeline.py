@@ -223,6 +223,9 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
   # --- what the model is ---
 
   image_to_video = False  # WanImageToVideoPipeline: True
+  # WanVideoToVideoPipeline: True: `latents` without a video are the already noised start and
+  # `strength` sets the step it starts from (diffusers' meanings; `GenerationRequest.build`).
+  video_to_video = False
 
   def _conditioning_weights(self) -> dict[str, Any]:
     """Weights beyond the transformer, text encoder and VAE that decide the video (the fingerprint
@@ -438,7 +441,8 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     request_args, options = split_options(kwargs, default_progress=self._progress)
     if "step_cache" not in request_args:
       request_args["step_cache"] = self.step_cache
-    return GenerationRequest.build(self.facts, prompt, negative_prompt, **request_args), options
+    return GenerationRequest.build(self.facts, prompt, negative_prompt, video_to_video=self.video_to_video,
+                                   **request_args), options
 
   def generate(self, request: GenerationRequest, options: CallOptions | None = None, *,
                resume: resume_state.ResumeConfig | None = None) -> GenerationResult:

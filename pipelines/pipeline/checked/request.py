@@ -102,15 +102,14 @@ class GenerationRequest:
             width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = None, guidance_scale: Any = 5.0,
             guidance_scale_2: Any = None, flow_shift: Any = None, seed: Any = None, latents: Any = None,
             max_sequence_length: Any = None, mesh: Any = None, prompt_embeds: Any = None,
-            negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1,
-            attention_kwargs: Any = None, generator: Any = None, step_cache: Any = None,
-            shard_weights: Any = False, attention_implementation: Any = "auto",
-            attention_backend: Any = "auto", vae_parallel: Any = True, decode: Any = True,
-            attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
-            image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None,
-            scheduler: Any = None, video: Any = None, strength: Any = 0.8, mask: Any = None,
-            reference_images: Any = None, conditioning_scale: Any = 1.0, context_frames: Any = None,
-            context_overlap: Any = None, context_fuse: Any = "pyramid") -> GenerationRequest:
+            negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1, attention_kwargs: Any = None,
+            generator: Any = None, step_cache: Any = None, shard_weights: Any = False,
+            attention_implementation: Any = "auto", attention_backend: Any = "auto", vae_parallel: Any = True,
+            decode: Any = True, attention_exchange: Any = "bf16", image: Any = None, last_image: Any = None,
+            image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None, scheduler: Any = None,
+            video: Any = None, strength: Any = 0.8, mask: Any = None, reference_images: Any = None,
+            conditioning_scale: Any = 1.0, context_frames: Any = None, context_overlap: Any = None,
+            context_fuse: Any = "pyramid", video_to_video: Any = False) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
@@ -119,6 +118,7 @@ class GenerationRequest:
     argument is checked for type as well as value (a bool is not an int, a str not a number,
     NaN/inf not a number either), whether or not the call would use it. `num_inference_steps`
     None is 50, or the length of `timesteps` / `sigmas` (`flow_schedule.custom_sigmas`).
+    `video_to_video` is the pipeline's kind (`WanPipeline.video_to_video`), not a call argument.
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
@@ -130,8 +130,9 @@ class GenerationRequest:
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     num_frames = _size_and_frames(model, height, width, num_frames, context_frames)
     scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
+    from_latents = check_flag("video_to_video", video_to_video) and latents is not None
     vace, source = _video_inputs(model, video, strength, mask, reference_images, conditioning_scale,
-                                 num_frames=num_frames, steps=steps)
+                                 num_frames=num_frames, steps=steps, from_latents=from_latents)
     length = check_int("max_sequence_length", model.max_sequence_length if max_sequence_length is None
                        else max_sequence_length, hint=" (Wan uses 512)")
     guidance = _guidance(model, guidance_scale, guidance_scale_2)
@@ -310,13 +311,15 @@ def _image_inputs(model: ModelFacts, image: Any, last_image: Any, image_embeds: 
 
 
 def _video_inputs(model: ModelFacts, video: Any, strength: Any, mask: Any, reference_images: Any,
-                  conditioning_scale: Any, *, num_frames: int, steps: int) -> tuple[VACEInputs | None, VideoInputs | None]:
-  """(VACE's inputs, video-to-video's): the video is VACE's on a VACE model, else video-to-video's."""
+                  conditioning_scale: Any, *, num_frames: int, steps: int, from_latents: bool
+                  ) -> tuple[VACEInputs | None, VideoInputs | None]:
+  """(VACE's inputs, video-to-video's, also from latents): the video is VACE's on a VACE model."""
   vace = check_vace_inputs(video, mask, reference_images, conditioning_scale, num_frames=num_frames,
                            vace_layers=model.transformer.vace_layers, temporal_factor=model.temporal_factor)
   source = check_video_inputs(None if vace else video, strength, num_frames=num_frames, steps=steps,
                               temporal_factor=model.temporal_factor,
-                              video_model=not (model.image_to_video or model.expand_timesteps))
+                              video_model=not (model.image_to_video or model.expand_timesteps),
+                              from_latents=from_latents and vace is None)
   return vace, source
 
 

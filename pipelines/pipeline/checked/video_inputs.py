@@ -1,7 +1,10 @@
 """The video of a video-to-video call (`video`, `strength`; diffusers' `WanVideoToVideoPipeline`),
 checked into `VideoInputs` (a `GenerationRequest` field), and what the run makes of them: the frames
 at the video's size in [-1, 1] (diffusers' `VideoProcessor.preprocess_video`) and the step the
-denoising starts from.
+denoising starts from. A video-to-video call may give its start as `latents` instead of a video
+(diffusers' meaning: the already noised start): then no frames, and `strength` still says the step
+the denoising starts from (diffusers' `get_timesteps` runs whether or not latents are given; only
+`prepare_latents`' encode and noising is skipped).
 
 Frames are HWC with 3 channels, each in one of `image_inputs.IMAGE_FORMS` (a list of PIL images as
 diffusers takes, or numpy uint8 [F, H, W, 3], or float [F, H, W, 3] in [0, 1]). The VAE encodes a
@@ -30,11 +33,12 @@ class VideoInputs:
 
   Attributes:
     frames: numpy [F, H0, W0, 3], F = 4k + 1: uint8 as given (PIL images become uint8 RGB), or
-      float32 in [0, 1].
+      float32 in [0, 1]; None when the call's `latents` are the start (already noised, not
+      encoded: diffusers' `WanVideoToVideoPipeline(latents=...)`).
     strength: in (0, 1]: the share of the schedule that runs; the encoded video is noised to the
       first running step's sigma (1: the whole schedule, from sigma_max ~ 1, nearly pure noise).
   """
-  frames: np.ndarray
+  frames: np.ndarray | None
   strength: float
 
   def start(self, steps: int) -> int:
@@ -53,7 +57,7 @@ class VideoInputs:
 
 
 def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int, temporal_factor: int,
-                       video_model: bool) -> VideoInputs | None:
+                       video_model: bool, from_latents: bool = False) -> VideoInputs | None:
   """`video` and `strength` checked against the call.
 
   Args:
@@ -61,19 +65,25 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
     steps: the schedule's steps (at least one must run at this strength).
     temporal_factor: frames per latent frame after the first (4).
     video_model: the model can start from a video (a text-to-video Wan: not image-to-video, not TI2V).
+    from_latents: a video-to-video call whose `latents` are its start: without a video, the
+      result has no frames and `strength` still sets the first step (else None: text-to-video).
 
   Raises:
-    ValueError: naming the argument and the fix: a video for another kind of model, frames not in
-      one of the image forms or of different sizes, fewer than 1 frame, num_frames that differs
-      from the video's, strength not a number in (0, 1], or one that runs no step.
+    ValueError: naming the argument and the fix: a video (or a video-to-video start) for another
+      kind of model, frames not in one of the image forms or of different sizes, fewer than 1
+      frame, num_frames that differs from the video's, strength not a number in (0, 1], or one
+      that runs no step.
   """
   if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
     raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")  # used or not
-  if video is None:
+  if video is None and not from_latents:
     return None
   if not video_model:
-    raise ValueError("video given, but this model cannot start from a video (video-to-video runs on a "
-                     "text-to-video Wan folder: WanVideoToVideoPipeline); leave video out")
+    given, fix = ("video", "leave video out") if video is not None else ("video-to-video latents", "use WanPipeline")
+    raise ValueError(f"{given} given, but this model cannot start from a video (video-to-video runs on a "
+                     f"text-to-video Wan folder: WanVideoToVideoPipeline); {fix}")
+  if video is None:
+    return _runs_a_step(VideoInputs(frames=None, strength=float(strength)), steps)
   frames = video_frames("video", video)
   used = (len(frames) - 1) // temporal_factor * temporal_factor + 1
   if used != len(frames):
@@ -83,11 +93,18 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
   if num_frames is not None and num_frames != used:
     raise ValueError(f"num_frames={num_frames!r} differs from the video's {used} frames; leave num_frames "
                      "out (a video-to-video call takes its length from the video)")
-  result = VideoInputs(frames=frames, strength=float(strength))
-  if result.start(steps) >= steps:
-    raise ValueError(f"strength={strength!r} with num_inference_steps={steps} runs no step (int(steps x "
+  return _runs_a_step(VideoInputs(frames=frames, strength=float(strength)), steps)
+
+
+def _runs_a_step(inputs: VideoInputs, steps: int) -> VideoInputs:
+  """`inputs` if its strength runs at least one of `steps` steps.
+
+  Raises:
+    ValueError: naming strength, the steps and the fix."""
+  if inputs.start(steps) >= steps:
+    raise ValueError(f"strength={inputs.strength!r} with num_inference_steps={steps} runs no step (int(steps x "
                      f"strength) = 0); raise strength to >= {1 / steps:.3g} or the steps")
-  return result
+  return inputs
 
 
 def video_frames(name: str, video: Any) -> np.ndarray:

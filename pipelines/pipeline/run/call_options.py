@@ -55,7 +55,8 @@ CALL_DOCS = """
   seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
     numpy.random.default_rng(seed + i); a list of B' ints gives each video its own (video i uses
     seed[i]); None draws one (reported in `run(...).settings`).
-  latents: explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed.
+  latents: explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed; for
+    `WanVideoToVideoPipeline` without a video, the already noised start (run from strength's step).
   max_sequence_length: L, text tokens (prompts truncated / zero-padded to it); None: the
     pipeline's `max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.
   mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond

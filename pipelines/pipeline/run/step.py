@@ -100,7 +100,7 @@ def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, cach
   a scan over rounds of G = `plan.windows` windows, each round one forward of [outer x G x inner]
   rows (every (cfg, windows) device group one window's), then `conditioning.blend` (one all-reduce
   over the windows axis when G > 1). With a step cache, one skip decision covers every window
-  (`step_cache.cached_windows`).
+  (`step_cache.cached_windows`), its statistics over the windows, not the last round's padding copies.
 
   Args:
     inputs: the whole video's `StepInputs` (rows [R'], frames F).
@@ -122,7 +122,9 @@ def _windowed_noise(model: Any, inputs: conditioning.StepInputs, text: Any, cach
     return noise
 
   if cache is not None:
-    noise, cache, stats = wan_step_cache.cached_windows(model, cache, jnp.asarray(starts), window_inputs, plan, finish)
+    real = conditioning.real_rows(windows, groups, outer, inputs.latents.shape[0])  # padding copies count in no stat
+    noise, cache, stats = wan_step_cache.cached_windows(model, cache, jnp.asarray(starts), real, window_inputs, plan,
+                                                        finish)
   else:
     def body(carry, starts_G):
       x = window_inputs(starts_G)

@@ -15,7 +15,8 @@ _HOMES = (
     ("pipelines.wan.conditioning.ti2v", ("TI2VConditioning", "encode_image")),
     ("pipelines.wan.conditioning.vace", ("VACEConditioning", "mask_channels", "vace_context")),
     ("pipelines.wan.conditioning.video", ("encode_video", "noised")),
-    ("pipelines.wan.conditioning.windows", ("BLENDS", "FUSES", "ContextWindows", "blend", "tile_text", "window_inputs")),
+    ("pipelines.wan.conditioning.windows", ("BLENDS", "FUSES", "ContextWindows", "blend", "real_rows", "tile_text",
+                                         "window_inputs")),
 )
 
 __all__ = sorted(name for _, names in _HOMES for name in names)

@@ -17,7 +17,8 @@ flush with the end) but spreads them evenly, so no two windows overlap by more t
 prediction is the weighted sum over the windows holding it divided by the sum of their weights.
 
 Windows run in rounds of G at once (G = the mesh's windows degree W, 1 without one): round r holds
-windows r*G .. r*G + G-1, the last round padded with copies of the last window of weight 0. The rows
+windows r*G .. r*G + G-1, the last round padded with copies of the last window of weight 0 (and
+counted in no statistic over the rounds: `real_rows` marks their rows). The rows
 of a round's forward are [outer, G, inner x B]: outer = 2 when the guidance halves sit on separate
 devices (CFG=2), so that every (cfg, windows) device group holds one window's rows.
 
@@ -127,6 +128,26 @@ def tile_rows(x: jax.Array, groups: int, outer: int, axis: int = 0) -> jax.Array
   x = x.reshape(*shape[:axis], outer, -1, *shape[axis + 1:])
   x = jnp.broadcast_to(jnp.expand_dims(x, axis + 1), (*x.shape[:axis + 1], groups, *x.shape[axis + 1:]))
   return x.reshape(*shape[:axis], -1, *shape[axis + 1:])
+
+
+def real_rows(windows: ContextWindows, groups: int, outer: int, rows: int) -> np.ndarray:
+  """bool [rounds, outer x G x inner]: which rows of each round's forward are a window's (True) and
+  which a padding copy's (False: the last round's copies of the last window, `ContextWindows.rounds`),
+  so that statistics over the rounds (the step cache's) count every window once, on every mesh.
+
+  Args:
+    groups: G, windows a round; outer: 2 when the guidance halves sit on separate devices, else 1;
+    rows: R', one window's rows (inner = R' / outer).
+
+  Raises:
+    ValueError: rows not a multiple of outer.
+  """
+  if rows % outer:
+    raise ValueError(f"{rows=} must be a multiple of {outer=}")
+  n = len(windows.starts)
+  real_RG = (np.arange(math.ceil(n / groups) * groups) < n).reshape(-1, groups)
+  return np.broadcast_to(real_RG[:, None, :, None], (real_RG.shape[0], outer, groups, rows // outer)).reshape(
+      real_RG.shape[0], -1)
 
 
 def window_rows(x: jax.Array, starts_G: jax.Array, length: int, outer: int, axis: int) -> jax.Array:

@@ -215,18 +215,22 @@ def reset(state: State) -> State:
 
 # --- the cached forward --------------------------------------------------------------------------------
 
-def _valid_sum(x_BTD: jax.Array, tokens: int) -> jax.Array:
-  """float32 [] sum of x over every row and the first `tokens` (valid) token rows; under a mesh a
-  global reduction (every device gets the same value)."""
+def _valid_sum(x_BTD: jax.Array, tokens: int, rows_B: Any = None) -> jax.Array:
+  """float32 [] sum of x over the counted rows (`rows_B`: bool [B]; None: every row) and the first
+  `tokens` (valid) token rows; under a mesh a global reduction (every device gets the same value)."""
   valid = (jnp.arange(x_BTD.shape[1]) < tokens)[None, :, None]
+  if rows_B is not None:
+    valid = valid & jnp.asarray(rows_B, bool)[:, None, None]
   return jnp.sum(jnp.where(valid, x_BTD.astype(jnp.float32), 0.0))
 
 
-def l1_parts(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
-  """float32 [2]: (sum|r - prev|, sum|prev|) over the valid tokens of every row, the two sums of
+def l1_parts(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int, rows_B: Any = None) -> jax.Array:
+  """float32 [2]: (sum|r - prev|, sum|prev|) over the valid tokens of the counted rows (`rows_B`:
+  bool [B], e.g. not a context window's padding copy; None: every row), the two sums of
   `relative_change` (summed over several forwards for one decision over all of them)."""
   prev = prev_BTD.astype(jnp.float32)
-  return jnp.stack([_valid_sum(jnp.abs(r_BTD.astype(jnp.float32) - prev), tokens), _valid_sum(jnp.abs(prev), tokens)])
+  return jnp.stack([_valid_sum(jnp.abs(r_BTD.astype(jnp.float32) - prev), tokens, rows_B),
+                    _valid_sum(jnp.abs(prev), tokens, rows_B)])
 
 
 def relative_change(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -235,12 +239,14 @@ def relative_change(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.inf)
 
 
-def _magnitude_ratio(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int) -> jax.Array:
-  """float32 [] mean over valid tokens (and rows) of ||r_t|| / (||prev_t|| + 1e-8), norms over D
-  (diffusers' `MagCacheBlockHook._perform_calibration_step`)."""
+def _magnitude_parts(r_BTD: jax.Array, prev_BTD: jax.Array, tokens: int, rows_B: Any = None) -> jax.Array:
+  """float32 [2]: (sum, count) over the valid tokens of the counted rows (`rows_B` as `l1_parts`') of
+  ||r_t|| / (||prev_t|| + 1e-8), norms over D; sum / count is their mean (diffusers'
+  `MagCacheBlockHook._perform_calibration_step`), and sums over several forwards give one mean."""
   norm = jnp.linalg.norm(r_BTD.astype(jnp.float32), axis=-1, keepdims=True)
   prev = jnp.linalg.norm(prev_BTD.astype(jnp.float32), axis=-1, keepdims=True)
-  return _valid_sum(norm / (prev + 1e-8), tokens) / (r_BTD.shape[0] * tokens)
+  rows = r_BTD.shape[0] if rows_B is None else jnp.sum(jnp.asarray(rows_B, jnp.float32))
+  return jnp.stack([_valid_sum(norm / (prev + 1e-8), tokens, rows_B), jnp.asarray(rows * tokens, jnp.float32)])
 
 
 def cached_forward(model: wan_transformer.WanTransformer, latents: jax.Array, timestep: jax.Array,
@@ -330,8 +336,8 @@ def _mag_step(model: wan_transformer.WanTransformer, x0_BTD: jax.Array, context:
   """MagCache around the blocks: x0 [B, T_padded, D] (from `embed`) -> (x_Z, next state, stats);
   every block is skipped while the accumulated error stays under the threshold."""
   decision = mag_decision(state)
-  xz_BTD, residual_BTD, measured = mag_rest(model, decision["skip"], state.valid, x0_BTD, state.residual, context)
-  return (xz_BTD, *mag_next(state, decision, residual_BTD, measured))
+  xz_BTD, residual_BTD, parts = mag_rest(model, decision["skip"], state.valid, x0_BTD, state.residual, context)
+  return (xz_BTD, *mag_next(state, decision, residual_BTD, parts[0] / parts[1]))
 
 
 def mag_decision(state: MagState) -> dict[str, jax.Array]:
@@ -347,21 +353,22 @@ def mag_decision(state: MagState) -> dict[str, jax.Array]:
 
 
 def mag_rest(model: wan_transformer.WanTransformer, skip: jax.Array, valid: jax.Array, x0_BTD: jax.Array,
-             residual_BTD: jax.Array, context: wan_transformer.ForwardContext
+             residual_BTD: jax.Array, context: wan_transformer.ForwardContext, rows_B: Any = None
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(x_Z, the residual kept, float32 [] measured magnitude ratio): every block run (the residual
-  refreshed; the ratio 1 before the first full step) or, where `skip`, x_0 + the cached residual (NaN)."""
+  """(x_Z, the residual kept, float32 [2] the measured magnitude ratio's (sum, count) over the
+  counted rows (`rows_B` as `l1_parts`')): every block run (the residual refreshed; (1, 1) before
+  the first full step) or, where `skip`, x_0 + the cached residual ((NaN, 1)). The ratio is sum / count."""
   tokens, dtype, f32 = context.layout.tokens, model.dtype, jnp.float32
 
   def full(x0_BTD, residual_BTD):
     xz_BTD = wan_transformer.run_blocks(model, x0_BTD, context)
     new_BTD = context.layout.constrain((xz_BTD.astype(f32) - x0_BTD.astype(f32)).astype(dtype))
-    measured = jnp.where(valid, _magnitude_ratio(new_BTD, residual_BTD, tokens), 1.0)
-    return xz_BTD, new_BTD, measured
+    parts = jnp.where(valid, _magnitude_parts(new_BTD, residual_BTD, tokens, rows_B), jnp.ones(2, f32))
+    return xz_BTD, new_BTD, parts
 
   def cached(x0_BTD, residual_BTD):
     xz_BTD = (x0_BTD.astype(f32) + residual_BTD.astype(f32)).astype(dtype)
-    return context.layout.constrain(xz_BTD), residual_BTD, jnp.float32(jnp.nan)
+    return context.layout.constrain(xz_BTD), residual_BTD, jnp.array([jnp.nan, 1.0], f32)
 
   return jax.lax.cond(skip, cached, full, x0_BTD, residual_BTD)
 

@@ -5,17 +5,22 @@ Glossary (DESIGN.md section 1): R rounds of the windowed step (`ContextWindows.r
 a round (the mesh's W), B rows of one round's forward (G x the rows of one window's: [cond; uncond]
 rows under CFG), T one window's video tokens (padded as `embed` pads them), D model width.
 
+A round's rows of a padding copy (the last round's copies of the last window when G does not divide
+the windows, `conditioning.real_rows`) run and keep their residuals like any other, but no statistic
+counts them: the blend weighs them 0, and the skip statistics sum over the real windows' rows only,
+so every mesh (any G) makes the one device's decisions from the same windows.
+
 The state is the one-clip state (`forward.FirstBlockState` / `MagState`, from `init_state` with
 rows R x B and tokens T): round r's residuals are rows [r B, (r + 1) B). Its checkpoint, resume and
 reset are the one-clip state's.
 
 - MagCache decides from its carried accumulators and the step's calibrated ratio only, so the one
   decision (`forward.mag_decision`) is made before the windows run; the measured ratio (a stat,
-  not an input of later decisions) is the mean of the rounds' (each round the same rows x tokens,
-  so the mean over every token of every window).
+  not an input of later decisions) is the mean over every token of every real window (the rounds'
+  sums over their counts, `forward.mag_rest`).
 - First-block cache compares block 0's residual of every window with the one of the last full
   step: a first scan over the rounds runs block 0 and sums `forward.l1_parts`, then one decision
-  on the relative change over all windows (the one-clip statistic, over more tokens); the second
+  on the relative change over all real windows (the one-clip statistic, over more tokens); the second
   scan runs block 0 again (Z-1 more blocks, or the cached tail) rather than holding every
   window's x_1 (one more [R B, T, D] array) between the scans.
 
@@ -38,7 +43,7 @@ from pipelines.wan.step_cache.forward import (FirstBlockState, MagState, first_b
 
 
 def cached_windows(model: wan_transformer.WanTransformer, state: FirstBlockState | MagState, starts_RG: jax.Array,
-                   window_inputs: Callable[[jax.Array], dict[str, Any]], plan: ParallelPlan | None,
+                   real_RB: Any, window_inputs: Callable[[jax.Array], dict[str, Any]], plan: ParallelPlan | None,
                    finish: Callable[[jax.Array], jax.Array] = lambda noise: noise
                    ) -> tuple[jax.Array, FirstBlockState | MagState, dict[str, jax.Array]]:
   """Every round's noise prediction with the step cache: `cached_forward` over context windows.
@@ -47,6 +52,8 @@ def cached_windows(model: wan_transformer.WanTransformer, state: FirstBlockState
     model: the transformer.
     state: this step's state, residuals [R x B, T, D] (module docstring).
     starts_RG: int32 [R, G], each round's windows' first latent frames.
+    real_RB: bool [R, B], the rows of each round's forward that belong to a window, False for a
+      padding copy's (`conditioning.real_rows`): those count in no statistic.
     window_inputs: starts_G -> `embed`'s keyword arguments for that round's windows (latents
       [B, C, Lw, Hl, Wl], timestep, encoder_hidden_states, encoder_hidden_states_image, the VACE
       control ones).
@@ -54,17 +61,23 @@ def cached_windows(model: wan_transformer.WanTransformer, state: FirstBlockState
     finish: applied to each round's noise prediction (e.g. a sharding constraint).
 
   Returns:
-    (noise [R, B, C_out, Lw, Hl, Wl] in the model dtype, the next state, stats as `cached_forward`'s).
+    (noise [R, B, C_out, Lw, Hl, Wl] in the model dtype, the next state, stats as `cached_forward`'s,
+    over the real windows' rows).
 
   Raises:
     TypeError: a state of another kind.
+    ValueError: real_RB not [R, B] for the state's R x B rows.
   """
-  rounds = Rounds(model, starts_RG, window_inputs, plan, finish)
+  if not isinstance(state, (FirstBlockState, MagState)):
+    raise TypeError(f"state must be a FirstBlockState or MagState, got {type(state).__name__}")
+  real_RB = jnp.asarray(real_RB, bool)
+  rows = (state.residual if isinstance(state, MagState) else state.head_residual).shape[0] // starts_RG.shape[0]
+  if real_RB.shape != (starts_RG.shape[0], rows):
+    raise ValueError(f"real_RB {real_RB.shape} must be [R, B] = [{starts_RG.shape[0]}, {rows}]")
+  rounds = Rounds(model, starts_RG, real_RB, window_inputs, plan, finish)
   if isinstance(state, MagState):
     return _mag_windows(rounds, state)
-  if isinstance(state, FirstBlockState):
-    return _first_block_windows(rounds, state)
-  raise TypeError(f"state must be a FirstBlockState or MagState, got {type(state).__name__}")
+  return _first_block_windows(rounds, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,7 @@ class Rounds:
   """One step's rounds of windows (`cached_windows`' arguments) and their residuals' row split."""
   model: wan_transformer.WanTransformer
   starts_RG: jax.Array
+  real_RB: jax.Array
   window_inputs: Callable[[jax.Array], dict[str, Any]]
   plan: ParallelPlan | None
   finish: Callable[[jax.Array], jax.Array]
@@ -98,14 +112,16 @@ def _mag_windows(rounds: Rounds, state: MagState):
   decision = mag_decision(state)
 
   def body(_, xs):
-    starts_G, residual_BTD = xs
+    starts_G, real_B, residual_BTD = xs
     x0_BTD, context = rounds.embedded(starts_G)
-    xz_BTD, residual_BTD, measured = mag_rest(rounds.model, decision["skip"], state.valid, x0_BTD, residual_BTD,
-                                              context)
-    return None, (rounds.noise(xz_BTD, context), residual_BTD, measured)
+    xz_BTD, residual_BTD, parts = mag_rest(rounds.model, decision["skip"], state.valid, x0_BTD, residual_BTD,
+                                           context, real_B)
+    return None, (rounds.noise(xz_BTD, context), residual_BTD, parts)
 
-  _, (noise, residual, measured) = jax.lax.scan(body, None, (rounds.starts_RG, rounds.split(state.residual)))
-  return (noise, *mag_next(state, decision, _merged(residual), jnp.mean(measured)))
+  _, (noise, residual, parts) = jax.lax.scan(body, None, (rounds.starts_RG, rounds.real_RB,
+                                                          rounds.split(state.residual)))
+  parts = jnp.sum(parts, axis=0)
+  return (noise, *mag_next(state, decision, _merged(residual), parts[0] / parts[1]))
 
 
 def _first_block_windows(rounds: Rounds, state: FirstBlockState):
@@ -114,12 +130,13 @@ def _first_block_windows(rounds: Rounds, state: FirstBlockState):
   model = rounds.model
 
   def head(parts, xs):
-    starts_G, prev_head_BTD = xs
+    starts_G, real_B, prev_head_BTD = xs
     x0_BTD, context = rounds.embedded(starts_G)
     _, head_BTD = first_block_head(model, x0_BTD, context)
-    return parts + l1_parts(head_BTD, prev_head_BTD, context.layout.tokens), None
+    return parts + l1_parts(head_BTD, prev_head_BTD, context.layout.tokens, real_B), None
 
-  parts, _ = jax.lax.scan(head, jnp.zeros(2, jnp.float32), (rounds.starts_RG, rounds.split(state.head_residual)))
+  parts, _ = jax.lax.scan(head, jnp.zeros(2, jnp.float32),
+                          (rounds.starts_RG, rounds.real_RB, rounds.split(state.head_residual)))
   change = relative_change(parts[0], parts[1])
   skip = state.valid & (change < state.threshold)
 

@@ -3,6 +3,7 @@
 
 - Layout and weights: ComfyUI's pyramid (1, 2, ..., 2, 1) and flat weights, each frame's shares
   summing to 1, windows evenly spread with the last flush with the end, padding copies of weight 0.
+  `real_rows` marks a padding copy's rows of a round's forward (on every row layout).
 - Window arithmetic: a one-step run is the share-weighted blend of the windows' own one-step runs on
   the same noise (each window run as a clip of its length with its slice of the noise). The step is
   linear in the noise prediction (the first solver step and the guidance mix), so the blend commutes
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from pipelines import WanPipeline
-from pipelines.wan.conditioning import ContextWindows
+from pipelines.wan.conditioning import ContextWindows, real_rows
 from tests.pipelines.pipeline.test_video_pipeline import psnr
 
 KW = dict(height=32, width=32, num_inference_steps=1, max_sequence_length=32, decode=False,
@@ -57,6 +58,21 @@ def test_layout_weights_and_shares():
       assert not shares[-1, -1].any()  # the padding copy weighs nothing
     gaps = np.diff(w.starts)
     assert w.starts[-1] == 23 - 6 and gaps.max() - gaps.min() <= 1 and gaps.max() <= 6 - 3
+
+
+def test_real_rows_mark_the_padding_copies_rows():
+  """Rows [outer, G, inner] of each round: 3 windows on G=2 pad the second round's second window;
+  guidance halves on separate devices (outer 2) split each window's rows [cond; uncond]."""
+  w = ContextWindows(frames=7, length=3, overlap=1)
+  assert w.starts == (0, 2, 4)
+  np.testing.assert_array_equal(real_rows(w, 2, 1, 2), [[1, 1, 1, 1], [1, 1, 0, 0]])
+  np.testing.assert_array_equal(real_rows(w, 2, 2, 2), [[1, 1, 1, 1], [1, 0, 1, 0]])
+  np.testing.assert_array_equal(real_rows(w, 1, 1, 2), np.ones((3, 2)))
+  assert real_rows(ContextWindows(frames=9, length=3, overlap=1), 2, 1, 2).all()  # 4 windows: no copy
+  _, shares = w.rounds(2)
+  np.testing.assert_array_equal(real_rows(w, 2, 1, 1), shares.any(axis=-1))  # the copies the blend weighs 0
+  with pytest.raises(ValueError, match="rows=3 must be a multiple of outer=2"):
+    real_rows(w, 2, 2, 3)
 
 
 def _blend(parts: list[np.ndarray], windows: ContextWindows) -> np.ndarray:

@@ -5,7 +5,11 @@
 - through `WanPipeline.run(context_frames=..., step_cache=...)`: threshold 0 never skips and equals
   the windowed run without a cache bit for bit; a skipping threshold skips some steps and runs
   others (positive control: it differs from the uncached run), and W=2 (two windows at once on two
-  device groups) skips the same steps as the windows one after another, to fp32 tolerance.
+  device groups) skips the same steps as the windows one after another, to fp32 tolerance;
+- with an odd number of windows (W=2 pads its last round with a copy of the last window), the copy
+  counts in no statistic: W=2 measures one device's first-block change and MagCache ratio, so at a
+  threshold between the two changes measured with the copy counted, it skips one device's steps
+  and gives its video (>= 80 dB); with 4 windows (no copy) too.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pytest
 
 from pipelines.wan import step_cache
 from pipelines.wan.transformer import PRESETS, init_transformer
+from tests.pipelines.pipeline.test_video_pipeline import psnr
 from tests.pipelines.wan.step_cache.test_forward import FP32_LATENT_TOL, PROMPT, RANDOM_RATIOS
 
 pytestmark = pytest.mark.numerics
@@ -41,8 +46,8 @@ def test_one_window_is_the_cached_forward_bit_for_bit(spec):
                                          mesh=None) for _ in range(2))
   forward = jax.jit(lambda x, t, state: step_cache.cached_forward(model, x, t, text, state))
   by_windows = jax.jit(lambda x, t, state: step_cache.cached_windows(
-      model, state, jnp.zeros((1, 1), jnp.int32), lambda starts_G: dict(latents=x, timestep=t, encoder_hidden_states=text),
-      None))
+      model, state, jnp.zeros((1, 1), jnp.int32), np.ones((1, 2), bool),
+      lambda starts_G: dict(latents=x, timestep=t, encoder_hidden_states=text), None))
   skipped = []
   for k in range(4):
     x = jnp.asarray(latents * (1 - 0.01 * k))
@@ -79,6 +84,48 @@ def test_windows_in_parallel_skip_the_same_steps(tiny, uncached, method):
   assert parallel.settings["step_cache"]["skipped_steps"] == skipped
   err = float(np.max(np.abs(parallel.latents - sequential.latents)))
   assert err <= FP32_LATENT_TOL, err
+
+
+# 25 frames = 7 latent frames: windows at 0, 2, 4, so W=2 runs [0, 2] then [4, 4 (a padding copy)];
+# 33 frames = 9 latent frames: windows at 0, 2, 4, 6 (no copy).
+ODD, EVEN = dict(WINDOWED, num_frames=25), dict(WINDOWED, num_frames=33)
+# With the copy counted, step 1's first-block change of the 3 windows measured 0.11578 on one device
+# and 0.11610 on W=2: at this threshold between them one device skipped steps [1, 3, 4, 7] and W=2
+# [2, 3, 7], videos 52.8 dB apart.
+BETWEEN = "first-block:0.1159"
+
+
+def _same_metrics(got, want):
+  """Two runs' per-step cache metrics (None where not measured) agree to fp32 rounding."""
+  assert [m is None for m in got] == [m is None for m in want], (got, want)
+  np.testing.assert_allclose([m for m in got if m is not None], [m for m in want if m is not None], rtol=1e-5)
+
+
+@pytest.mark.parametrize("call,mesh", [(ODD, "W=2,U=1,R=1"), (EVEN, "W=2,U=1,R=1"), (ODD, "CFG=2,W=2,U=1,R=1")],
+                         ids=["3-windows", "4-windows", "3-windows-cfg2"])
+def test_padding_copies_count_in_no_first_block_statistic(tiny, call, mesh):
+  call = dict(call, decode=True)
+  one = tiny.run(PROMPT, step_cache=BETWEEN, **call)
+  skipped = one.settings["step_cache"]["skipped_steps"]
+  assert 1 in skipped and len(skipped) < call["num_inference_steps"] - 1, skipped  # control: skips and runs
+  parallel = tiny.run(PROMPT, step_cache=BETWEEN, mesh=mesh, **call)
+  assert parallel.settings["step_cache"]["skipped_steps"] == skipped
+  _same_metrics(parallel.settings["step_cache"]["metrics"], one.settings["step_cache"]["metrics"])
+  value = psnr(parallel.frames, one.frames)
+  assert value >= 80, f"{mesh} vs one device: {value:.1f} dB"
+  uncached = tiny.run(PROMPT, **call)
+  assert psnr(uncached.frames, one.frames) < 80  # control: other skipped steps are another video
+
+
+def test_padding_copies_count_in_no_mag_statistic(tiny):
+  """MagCache's decision reads no activations, so the copy only moved its measured ratio (0.99238 on
+  W=2 against 0.99206 on one device at step 1, with the copy counted)."""
+  spec = SKIPPING["mag"]
+  one = tiny.run(PROMPT, step_cache=spec, **ODD)
+  parallel = tiny.run(PROMPT, step_cache=spec, mesh="W=2,U=1,R=1", **ODD)
+  metrics = one.settings["step_cache"]["metrics"]
+  assert sum(m is not None and m != 1.0 for m in metrics) >= 2, metrics  # control: ratios measured
+  _same_metrics(parallel.settings["step_cache"]["metrics"], metrics)
 
 
 class Stop(Exception):
