@@ -6,8 +6,8 @@
 - `layer_norm`: fp32 LayerNorm with affine weight/bias (Wan's cross-attention norm2).
 """
 
-from producers.layernorm_adaln import layer_norm, layernorm_adaln, layernorm_adaln_reference
-from producers.rmsnorm_rope import rmsnorm_rope, rmsnorm_rope_reference
+from producers.block_input import layer_norm, layernorm_adaln, layernorm_adaln_reference
+from producers.query_key import rmsnorm_rope, rmsnorm_rope_reference
 from producers.rope import rope_axis_dims, wan_rope_table, wan_rope_table_reference
 
 __all__ = [
