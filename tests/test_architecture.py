@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT = ("attention", "producers", "pipelines")
+PRODUCT = ("lazy_facade", "attention", "producers", "pipelines")
 # Layer ranks: a module may import its own package and packages of a lower rank only.
 LAYERS = {"end_to_end": 9, "pipelines": 8, "pipelines.serve": 7, "pipelines.cli": 6, "pipelines.commands": 5,
           "pipelines.pipeline": 4, "pipelines.wan": 3, "pipelines.parallel": 2, "pipelines.storage": 1, "attention": 1,
-          "producers": 1}
+          "producers": 1, "lazy_facade": 0}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # Linear schedules that read best whole (their docstrings say why).
@@ -26,10 +26,12 @@ MUTATORS = {"append", "extend", "update", "clear", "pop", "popitem", "setdefault
 
 
 def _modules(*tops: str) -> dict[str, pathlib.Path]:
-  """Dotted module name -> path, for every .py file under the given top folders."""
+  """Dotted module name -> path, for every .py file under the given top folders (or the top-level
+  module `top`.py)."""
   out = {}
   for top in tops:
-    for path in sorted((ROOT / top).rglob("*.py")):
+    single = ROOT / f"{top}.py"
+    for path in [single] if single.is_file() else sorted((ROOT / top).rglob("*.py")):
       parts = list(path.relative_to(ROOT).with_suffix("").parts)
       if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -43,11 +45,24 @@ def _layer(module: str) -> str | None:
   return max(matches, key=len) if matches else None
 
 
-def _imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[int, str, list[str]]]:
-  """(line, imported module, names) of every import in the file, at any depth; `from a import b`
-  where a.b is a module counts as importing a.b."""
+def _facade_homes(tree: ast.Module) -> list[tuple[int, str, list[str]]]:
+  """(line, home module, names) of each entry of a facade's `_HOMES` table (lazy_facade.py): the
+  facade imports a home when one of its names is first asked for."""
   found = []
-  for node in ast.walk(ast.parse(path.read_text())):
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_HOMES"]:
+      for entry in node.value.elts:
+        module, names = entry.elts
+        found.append((entry.lineno, module.value, [name.value for name in names.elts]))
+  return found
+
+
+def _imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[int, str, list[str]]]:
+  """(line, imported module, names) of every import in the file, at any depth, and of every home of
+  a facade's `_HOMES`; `from a import b` where a.b is a module counts as importing a.b."""
+  tree = ast.parse(path.read_text())
+  found = _facade_homes(tree)
+  for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       found += [(node.lineno, alias.name, []) for alias in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -90,6 +105,15 @@ def test_measuring_tools_import_nothing_private():
   assert not bad, "\n".join(bad)
 
 
+def test_positive_control_facade_homes_are_imports(tmp_path):
+  """A facade's `_HOMES` entries count as its imports: a home in a higher layer is reported."""
+  facade = tmp_path / "__init__.py"
+  facade.write_text('from lazy_facade import lazy_facade\n\n_HOMES = (\n    ("pipelines.storage.weights", ("load",)),\n'
+                    '    ("pipelines.cli.generate", ("cli",)),\n)\n')
+  assert _upward_imports({"pipelines.storage": facade}) == [
+      f"{facade}:5 (pipelines.storage) imports pipelines.cli.generate (pipelines.cli)"]
+
+
 def _imports_between(known: dict[str, pathlib.Path], importer: str, imported: str) -> list[str]:
   """Every import, in a module of package `importer`, of package `imported` (at any depth, lazy ones
   too), named with its file and line."""
@@ -121,8 +145,8 @@ def test_positive_control_serve_imports_from_the_command(tmp_path):
 def _circles(known: dict[str, pathlib.Path]) -> list[str]:
   """The import circles among `known` (each as "a -> b -> a")."""
   graph = {m: {t for _, t, _ in _imports(p, known) if t in known and t != m} for m, p in known.items()}
-  # A package's __init__ that lazily re-exports its own modules is not a circle of concerns.
-  graph = {m: {t for t in ts if not (m in ("pipelines", "pipelines.pipeline") and t.startswith(m + "."))}
+  # A facade (a package's __init__) that lazily re-exports its own modules is not a circle of concerns.
+  graph = {m: {t for t in ts if not (known[m].name == "__init__.py" and t.startswith(m + "."))}
            for m, ts in graph.items()}
   state: dict[str, int] = {}
   circles = []
@@ -371,6 +395,15 @@ def _import_without_jax(modules: tuple[str, ...]) -> subprocess.CompletedProcess
 
 def test_jax_free_wan_modules_import_without_jax():
   done = _import_without_jax(JAX_FREE)
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_facades_import_without_jax():
+  """Importing a facade imports none of its homes (lazy_facade.py), so every facade loads without JAX."""
+  facades = tuple(module for module, path in _modules(*PRODUCT).items()
+                  if path.name == "__init__.py" and _facade_homes(ast.parse(path.read_text())))
+  assert {"attention", "producers", "pipelines", "pipelines.pipeline", "pipelines.wan.vae"} <= set(facades), facades
+  done = _import_without_jax(facades)
   assert done.returncode == 0, done.stderr[-2000:]
 
 
