@@ -28,7 +28,7 @@ from typing import Any
 from pipelines.wan.pretrained import TINY_TRANSFORMER
 from pipelines.wan.transformer import PRESETS as TRANSFORMER_PRESETS, WanTransformerConfig
 from pipelines.wan.encoders import UMT5Config
-from pipelines.wan.encoders.umt5 import PRESETS as UMT5_PRESETS
+from pipelines.wan.encoders.umt5 import UMT5_PRESETS
 from pipelines.wan.vae import VAE_PRESETS, WanVAEConfig
 
 _UMT5_XXL_WIDTH = dataclasses.replace(UMT5_PRESETS["umt5-xxl"], vocab_size=384, num_layers=1)

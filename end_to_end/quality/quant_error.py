@@ -16,8 +16,8 @@ right", 64x64, 17 frames, 8 steps, guidance 5, negative prompt "") run in float3
 latents; every step's input latents and timestep, with the prompt's and the negative prompt's
 text states (float32, shared by every candidate: only the transformer differs).
 
-Error of a candidate transformer (a dtype, a mode of `pipelines.wan.transformer.quantization.MODES`, the block
-Linear layers it quantizes), relative RMS over every input, both CFG branches:
+Error of a candidate transformer (a dtype, a mode of `pipelines.wan.transformer.QUANTIZATION_MODES`, the
+block Linear layers it quantizes), relative RMS over every input, both CFG branches:
   e = sqrt(sum |eps - eps_ref|^2 / sum |eps_ref|^2),  eps_ref: the float32 checkpoint, unquantized.
 The kernels are quantized from the fp32 checkpoint as `WanPipeline.from_pretrained(...,
 quantize=...)` does. Rows: bfloat16 unquantized (the error every bf16 setting starts from); each
@@ -95,7 +95,7 @@ def default_plan(keep: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str 
 
   every = quantization.QUANTIZED_LINEARS
   plan = [("bfloat16", None, "all", every)]
-  plan += [(dtype, mode, "all", every) for mode in quantization.MODES for dtype in ("float32", "bfloat16")]
+  plan += [(dtype, mode, "all", every) for mode in quantization.QUANTIZATION_MODES for dtype in ("float32", "bfloat16")]
   rest = tuple(path for path in every if path not in keep)
   plan += [("bfloat16", mode, "all but --keep", rest) for mode in ALONE_MODES if keep]
   return plan + [("float32", mode, ".".join(path), (path,)) for mode in ALONE_MODES for path in every]

@@ -64,7 +64,7 @@ TINY_TRAINED_TRANSFORMER = WanTransformerConfig(
 # at every level, at half the step time); latents_mean / latents_std are replaced by the measured statistics.
 TINY_TRAINED_VAE = wan_vae.WanVAEConfig(base_dim=4, dim_mult=(1, 4, 8, 8), num_res_blocks=1,
                                         latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)
-TEXT_SEED = 0  # the frozen text encoder: umt5.PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
+TEXT_SEED = 0  # the frozen text encoder: umt5.UMT5_PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
 SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
@@ -234,8 +234,8 @@ def check_reconstructions(vae: wan_vae.WanVAE, rng: np.random.Generator, count: 
 
 # --- text ------------------------------------------------------------------------------------------
 
-def text_encoder() -> tuple[umt5.UMT5Config, umt5.Params]:
-  config = umt5.PRESETS["tiny"]
+def text_encoder() -> tuple[umt5.UMT5Config, umt5.UMT5Params]:
+  config = umt5.UMT5_PRESETS["tiny"]
   return config, umt5.init_umt5_params(config, TEXT_SEED)
 
 

@@ -81,10 +81,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     weights: the arrays and where they are (`PlacedWeights`).
     compiled_steps: the compiled denoise steps of this pipeline (`CompiledSteps`).
     step_cache: the step-cache spec every call uses (`enable_cache`), or None.
-    quantization: the block weights' quantization (`quantize`; `wan.quantization.MODES`), or None.
+    quantization: the block weights' quantization (`quantize`; `wan.quantization.QUANTIZATION_MODES`), or None.
   """
 
-  def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
+  def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.UMT5Params],
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
                scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
                name: str = ""):
@@ -154,7 +154,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
         missing, of another pipeline, not cached while offline (`pretrained.download_snapshot`).
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
-    quantization.check_mode(quantize)  # before any loading
+    quantization.check_quantization(quantize)  # before any loading
     folder, name, _ = loading.locate(folder, revision=revision, token=token, cache_dir=cache_dir,
                                      local_files_only=local_files_only, image_to_video=cls.image_to_video)
     parts, plan = single_file.pretrained_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
@@ -179,7 +179,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
 
     Raises: ValueError: `image` with `random`, or an unknown quantize mode.
     """
-    quantization.check_mode(quantize)
+    quantization.check_quantization(quantize)
     if image and random:
       raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
                        "model (random=True) was not trained for it: pass one of them")
@@ -204,7 +204,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     Raises:
       ValueError: an unknown mode, or weights quantized already.
     """
-    mode = quantization.check_mode(mode)
+    mode = quantization.check_quantization(mode)
     if self.quantization is not None:
       raise ValueError(f"the weights are quantized already ({self.quantization}); load the pipeline again to "
                        f"quantize them as {mode!r}")
@@ -282,7 +282,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self.weights.experts = states
 
   @property
-  def _text_params(self) -> umt5.Params:
+  def _text_params(self) -> umt5.UMT5Params:
     return self.weights.text_params
 
   @property

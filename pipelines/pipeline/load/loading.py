@@ -135,7 +135,7 @@ def text_encoder_shardings(config: umt5.UMT5Config, dtype: Any) -> Any:
   budget = device_budget()
   if budget is None or jax.process_count() > 1:
     return None
-  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_params(config, dtype=dtype)))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_umt5_params(config, dtype=dtype)))
   if (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) + need <= budget:
     return None
   host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -165,7 +165,7 @@ def load_image_processor(folder: str) -> Any:
 def tiny_random_parts(dtype: str) -> dict[str, Any]:
   """The constructor's keyword arguments of the random-weight tiny model (`wan.tiny`)."""
   model_dtype = dtype_of(dtype)
-  te_config = umt5.PRESETS["tiny"]
+  te_config = umt5.UMT5_PRESETS["tiny"]
   return dict(tokenizer=tokenization.default_tokenizer(),
               text_encoder=(te_config, umt5.init_umt5_params(te_config, tiny.TINY_SEED, dtype=model_dtype)),
               transformers=[init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED, model_dtype)],

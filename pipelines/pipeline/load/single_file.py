@@ -107,7 +107,7 @@ class SingleFileMixin:
       TokenizerNotFoundError: no tokenizer folder.
       ValueError: an unknown dtype or quantize mode, a mesh that does not fit.
     """
-    quantization.check_mode(quantize)
+    quantization.check_quantization(quantize)
     sources = Sources(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, config=config)
     parts, plan = source_parts(sources, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
                                image_to_video=cls.image_to_video)
