@@ -9,12 +9,12 @@ imports none of its modules, and a JAX-free module among them loads without JAX.
 from lazy_facade import lazy_facade
 
 _HOMES = (
-    ("pipelines.wan.encoders.clip_vision", ("CLIPVision", "load_clip_vision", "penultimate_states")),
+    ("pipelines.wan.encoders.clip_vision", ("CLIPVision", "CLIPVisionConfig", "load_clip_vision", "penultimate_states")),
     ("pipelines.wan.encoders.tokenizer", ("TokenizerNotFoundError", "WAN_TEXT_LENGTH", "default_tokenizer",
                                           "folder_text_length", "load_tokenizer", "prompt_clean",
                                           "text_length", "tokenize")),
-    ("pipelines.wan.encoders.umt5", ("UMT5Config", "init_umt5_params", "load_umt5", "official_keys",
-                                     "umt5_from_state")),
+    ("pipelines.wan.encoders.umt5", ("UMT5_PRESETS", "UMT5Config", "UMT5Params", "abstract_umt5_params", "encode_text",
+                                     "init_umt5_params", "load_umt5", "official_keys", "umt5_from_state")),
 )
 
 __all__, __getattr__ = lazy_facade(__name__, _HOMES)

@@ -8,7 +8,7 @@ imports none of its modules, and a JAX-free module among them loads without JAX.
 from lazy_facade import lazy_facade
 
 _HOMES = (
-    ("pipelines.wan.step_cache.calibration", ("FIELDS", "check_calibration", "record_fields")),
+    ("pipelines.wan.step_cache.calibration", ("FIELDS", "check_calibration", "record_fields", "warn_other_calibration")),
     ("pipelines.wan.step_cache.forward", ("cached_forward", "checkpoint_template", "constrain",
                                           "for_checkpoint", "init_state", "place", "reset")),
     ("pipelines.wan.step_cache.windows", ("cached_windows",)),

@@ -16,8 +16,8 @@ _HOMES = (
     ("pipelines.wan.transformer.original_names", ("diffusers_key", "wan_key", "wan_module")),
     ("pipelines.wan.transformer.model", ("WanTransformer", "build_transformer", "count_params", "forward",
                                          "init_transformer")),
-    ("pipelines.wan.transformer.quantization", ("QUANTIZED_LINEARS", "quantize_kernel",
-                                                "quantize_transformer", "quantized_counts")),
+    ("pipelines.wan.transformer.quantization", ("QUANTIZATION_MODES", "QUANTIZED_LINEARS", "check_quantization",
+                                                "quantize_kernel", "quantize_transformer", "quantized_counts")),
     ("pipelines.wan.transformer.sequence_layout", ("SequenceLayout", "padded_tokens")),
     ("pipelines.wan.transformer.weight_placement", ("large_leaf_shardings", "weight_shardings")),
 )
