@@ -2,11 +2,11 @@
 LSE and fixed-m paths, and 2D Unified Sequence Parallel attention over a (cfg, ring, ulysses) mesh,
 or (cfg, windows, ring, ulysses) with a windows split (`MeshSpec`: the one owner of the mesh).
 
-The names below are imported on first use, so that `attention.mesh_spec` (the mesh spec, parsed and
-checked by the command line before JAX starts) loads without importing JAX.
+The names below are imported on first use (`lazy_facade`), so that `attention.mesh_spec` (the mesh
+spec, parsed and checked by the command line before JAX starts) loads without importing JAX.
 """
 
-import importlib
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("attention.blockwise", ("local_attention",)),
@@ -19,11 +19,4 @@ _HOMES = (
     ("attention.usp", ("check_heads", "cross_attention", "usp_attention", "workable_degrees")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-
-def __getattr__(name: str):
-  for module, names in _HOMES:
-    if name in names:
-      return getattr(importlib.import_module(module), name)
-  raise AttributeError(f"module 'attention' has no attribute {name!r}")
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

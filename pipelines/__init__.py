@@ -10,24 +10,18 @@
   (attention/ and producers/ sit beside storage/, at the bottom.)
 
 `WanPipeline`, `WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, `WanVACEPipeline` and `GenerationResult` are
-imported on first use, so that the JAX-free modules
+imported on first use (`lazy_facade`), so that the JAX-free modules
 (`pipelines.commands`, `storage`, `parallel.distributed`) load without starting to import JAX.
 """
 
-__all__ = ["GenerationResult", "WanImageToVideoPipeline", "WanPipeline", "WanVACEPipeline", "WanVideoToVideoPipeline"]
+from lazy_facade import lazy_facade
 
+_HOMES = (
+    ("pipelines.pipeline.image_pipeline", ("WanImageToVideoPipeline",)),
+    ("pipelines.pipeline.run.runner", ("GenerationResult",)),
+    ("pipelines.pipeline.vace_pipeline", ("WanVACEPipeline",)),
+    ("pipelines.pipeline.video_pipeline", ("WanVideoToVideoPipeline",)),
+    ("pipelines.pipeline.wan_pipeline", ("WanPipeline",)),
+)
 
-def __getattr__(name: str):
-  if name == "WanImageToVideoPipeline":
-    from pipelines.pipeline import image_pipeline
-    return image_pipeline.WanImageToVideoPipeline
-  if name == "WanVideoToVideoPipeline":
-    from pipelines.pipeline import video_pipeline
-    return video_pipeline.WanVideoToVideoPipeline
-  if name == "WanVACEPipeline":
-    from pipelines.pipeline import vace_pipeline
-    return vace_pipeline.WanVACEPipeline
-  if name in __all__:
-    from pipelines.pipeline import wan_pipeline
-    return getattr(wan_pipeline, name)
-  raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

@@ -4,19 +4,16 @@
 - `rmsnorm_rope`: q/k RMSNorm across heads + Wan RoPE (+ optional pre-scale), [B, T, D] -> [B, T, N, H].
 - `layernorm_adaln`: LayerNorm (no affine) + AdaLN `x * (1 + scale) + shift`.
 - `layer_norm`: fp32 LayerNorm with affine weight/bias (Wan's cross-attention norm2).
+
+The names below are imported on first use (`lazy_facade`).
 """
 
-from producers.layernorm_adaln import layer_norm, layernorm_adaln, layernorm_adaln_reference
-from producers.rmsnorm_rope import rmsnorm_rope, rmsnorm_rope_reference
-from producers.rope import rope_axis_dims, wan_rope_table, wan_rope_table_reference
+from lazy_facade import lazy_facade
 
-__all__ = [
-    "layer_norm",
-    "layernorm_adaln",
-    "layernorm_adaln_reference",
-    "rmsnorm_rope",
-    "rmsnorm_rope_reference",
-    "rope_axis_dims",
-    "wan_rope_table",
-    "wan_rope_table_reference",
-]
+_HOMES = (
+    ("producers.block_input", ("layer_norm", "layernorm_adaln", "layernorm_adaln_reference")),
+    ("producers.query_key", ("rmsnorm_rope", "rmsnorm_rope_reference")),
+    ("producers.rope", ("rope_axis_dims", "wan_rope_table", "wan_rope_table_reference")),
+)
+
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

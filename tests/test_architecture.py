@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT = ("attention", "producers", "pipelines")
+PRODUCT = ("lazy_facade", "attention", "producers", "pipelines")
 # Layer ranks: a module may import its own package and packages of a lower rank only.
 LAYERS = {"end_to_end": 9, "pipelines": 8, "pipelines.serve": 7, "pipelines.cli": 6, "pipelines.commands": 5,
           "pipelines.pipeline": 4, "pipelines.wan": 3, "pipelines.parallel": 2, "pipelines.storage": 1, "attention": 1,
-          "producers": 1}
+          "producers": 1, "lazy_facade": 0}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # Linear schedules that read best whole (their docstrings say why).
@@ -26,10 +26,12 @@ MUTATORS = {"append", "extend", "update", "clear", "pop", "popitem", "setdefault
 
 
 def _modules(*tops: str) -> dict[str, pathlib.Path]:
-  """Dotted module name -> path, for every .py file under the given top folders."""
+  """Dotted module name -> path, for every .py file under the given top folders (or the top-level
+  module `top`.py)."""
   out = {}
   for top in tops:
-    for path in sorted((ROOT / top).rglob("*.py")):
+    single = ROOT / f"{top}.py"
+    for path in [single] if single.is_file() else sorted((ROOT / top).rglob("*.py")):
       parts = list(path.relative_to(ROOT).with_suffix("").parts)
       if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -43,11 +45,24 @@ def _layer(module: str) -> str | None:
   return max(matches, key=len) if matches else None
 
 
-def _imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[int, str, list[str]]]:
-  """(line, imported module, names) of every import in the file, at any depth; `from a import b`
-  where a.b is a module counts as importing a.b."""
+def _facade_homes(tree: ast.Module) -> list[tuple[int, str, list[str]]]:
+  """(line, home module, names) of each entry of a facade's `_HOMES` table (lazy_facade.py): the
+  facade imports a home when one of its names is first asked for."""
   found = []
-  for node in ast.walk(ast.parse(path.read_text())):
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_HOMES"]:
+      for entry in node.value.elts:
+        module, names = entry.elts
+        found.append((entry.lineno, module.value, [name.value for name in names.elts]))
+  return found
+
+
+def _imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[int, str, list[str]]]:
+  """(line, imported module, names) of every import in the file, at any depth, and of every home of
+  a facade's `_HOMES`; `from a import b` where a.b is a module counts as importing a.b."""
+  tree = ast.parse(path.read_text())
+  found = _facade_homes(tree)
+  for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       found += [(node.lineno, alias.name, []) for alias in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -90,6 +105,15 @@ def test_measuring_tools_import_nothing_private():
   assert not bad, "\n".join(bad)
 
 
+def test_positive_control_facade_homes_are_imports(tmp_path):
+  """A facade's `_HOMES` entries count as its imports: a home in a higher layer is reported."""
+  facade = tmp_path / "__init__.py"
+  facade.write_text('from lazy_facade import lazy_facade\n\n_HOMES = (\n    ("pipelines.storage.weights", ("load",)),\n'
+                    '    ("pipelines.cli.generate", ("cli",)),\n)\n')
+  assert _upward_imports({"pipelines.storage": facade}) == [
+      f"{facade}:5 (pipelines.storage) imports pipelines.cli.generate (pipelines.cli)"]
+
+
 def _imports_between(known: dict[str, pathlib.Path], importer: str, imported: str) -> list[str]:
   """Every import, in a module of package `importer`, of package `imported` (at any depth, lazy ones
   too), named with its file and line."""
@@ -121,8 +145,8 @@ def test_positive_control_serve_imports_from_the_command(tmp_path):
 def _circles(known: dict[str, pathlib.Path]) -> list[str]:
   """The import circles among `known` (each as "a -> b -> a")."""
   graph = {m: {t for _, t, _ in _imports(p, known) if t in known and t != m} for m, p in known.items()}
-  # A package's __init__ that lazily re-exports its own modules is not a circle of concerns.
-  graph = {m: {t for t in ts if not (m in ("pipelines", "pipelines.pipeline") and t.startswith(m + "."))}
+  # A facade (a package's __init__) that lazily re-exports its own modules is not a circle of concerns.
+  graph = {m: {t for t in ts if not (known[m].name == "__init__.py" and t.startswith(m + "."))}
            for m, ts in graph.items()}
   state: dict[str, int] = {}
   circles = []
@@ -335,23 +359,26 @@ def test_wan_components_import_in_two_floors():
 
 
 def _deep_wan_imports(paths: dict[str, pathlib.Path]) -> list[str]:
-  """Imports, outside pipelines/wan, of a component's module by its dotted path
-  (`pipelines.wan.vae.model`) rather than through the component (`pipelines.wan.vae`)."""
+  """Imports, outside pipelines/wan, of a component's module rather than of the component's names:
+  by its dotted path (`from pipelines.wan.vae.model import decode`), by name through the component
+  (`from pipelines.wan.encoders import umt5`) or as a facade's home. A component's modules are the
+  .py files in its folder."""
+  inner = {m: p for m, p in _modules("pipelines/wan").items() if len(m.split(".")) > 3}
   bad = []
   for module, path in paths.items():
     if _component(module) is not None:
       continue
-    for node in ast.walk(ast.parse(path.read_text())):
-      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-               [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
-      bad += [f"{_where(path)}:{node.lineno} imports {n}" for n in names
-              if n.startswith("pipelines.wan.") and len(n.split(".")) > 3]
+    bad += [f"{_where(path)}:{line} imports {target}" for line, target, _ in _imports(path, inner)
+            if _component(target) is not None and len(target.split(".")) > 3]
   return bad
 
 
 def test_product_reaches_wan_through_its_components():
-  bad = _deep_wan_imports(_modules(*PRODUCT))
-  assert not bad, "import the component (pipelines.wan.<component>), not its module:\n" + "\n".join(bad)
+  """Product code and the measuring tools import a component's names from the component
+  (`from pipelines.wan.encoders import UMT5Config`), so that its modules can move inside it."""
+  bad = _deep_wan_imports(_modules(*PRODUCT, "end_to_end"))
+  assert not bad, ("import the names from the component (pipelines.wan.<component>; list them in its _HOMES), "
+                   "not its module:\n" + "\n".join(bad))
 
 
 def test_product_imports_no_private_name():
@@ -374,6 +401,15 @@ def test_jax_free_wan_modules_import_without_jax():
   assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_facades_import_without_jax():
+  """Importing a facade imports none of its homes (lazy_facade.py), so every facade loads without JAX."""
+  facades = tuple(module for module, path in _modules(*PRODUCT).items()
+                  if path.name == "__init__.py" and _facade_homes(ast.parse(path.read_text())))
+  assert {"attention", "producers", "pipelines", "pipelines.pipeline", "pipelines.wan.vae"} <= set(facades), facades
+  done = _import_without_jax(facades)
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_shared_command_pieces_import_without_jax():
   """Both commands check their flags with `pipelines.commands` before JAX starts."""
   done = _import_without_jax(tuple(m for m in _modules("pipelines") if m.startswith("pipelines.commands")))
@@ -382,13 +418,20 @@ def test_shared_command_pieces_import_without_jax():
 
 def test_positive_control_wan_floors(tmp_path):
   """A ground component importing another, an upper one importing an upper one, and a product module
-  importing a component's inner module are each reported."""
+  or facade importing a component's inner module (by its path, or by name through the component) are
+  each reported; the component's names and the component itself are not."""
   sideways = tmp_path / "model.py"
   sideways.write_text("from pipelines.wan.vae import decode\n")
   upper = tmp_path / "fuse.py"
   upper.write_text("from pipelines.wan import step_cache\nfrom pipelines.wan.transformer import forward\n")
   deep = tmp_path / "runner.py"
-  deep.write_text("from pipelines.wan.vae.model import decode\n")
+  deep.write_text("from pipelines.wan.vae.model import decode\nfrom pipelines.wan import vae\n"
+                  "from pipelines.wan.encoders import UMT5Config, umt5\n\n\ndef f():\n"
+                  "  from pipelines.wan.step_cache import calibration as mag_calibration\n"
+                  "  import pipelines.wan.transformer.quantization\n")
+  facade = tmp_path / "__init__.py"
+  facade.write_text('_HOMES = (\n    ("pipelines.pipeline.run.hooks", ("Error",)),\n'
+                    '    ("pipelines.wan.pretrained", ("TINY_SEED",)),\n    ("pipelines.wan.pretrained.tiny", ("TINY",)),\n)\n')
   for name in ("vae.py", "sc.py", "t.py"):
     (tmp_path / name).write_text("")
   known = {"pipelines.wan.transformer.model": sideways, "pipelines.wan.lora.fuse": upper,
@@ -397,7 +440,10 @@ def test_positive_control_wan_floors(tmp_path):
   assert _floor_violations(known) == [
       f"{sideways}:1 (transformer) imports pipelines.wan.vae (vae)",
       f"{upper}:1 (lora) imports pipelines.wan.step_cache (step_cache)"]
-  assert _deep_wan_imports({"pipelines.pipeline.run.runner": deep}) == [f"{deep}:1 imports pipelines.wan.vae.model"]
+  assert _deep_wan_imports({"pipelines.pipeline.run.runner": deep, "pipelines.pipeline": facade}) == [
+      f"{deep}:1 imports pipelines.wan.vae.model", f"{deep}:3 imports pipelines.wan.encoders.umt5",
+      f"{deep}:7 imports pipelines.wan.step_cache.calibration", f"{deep}:8 imports pipelines.wan.transformer.quantization",
+      f"{facade}:4 imports pipelines.wan.pretrained.tiny"]
   # The JAX-free check's blocker bites: a module that imports JAX fails under it.
   done = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['jax'] = None\nimport pipelines.wan.vae.model"],
                         cwd=ROOT, capture_output=True, text=True)

@@ -216,8 +216,8 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
       (U as large as the heads allow, no CFG split, weights replicated).
     attention_backend: "auto" (resolved for the devices' platform: the Pallas kernels on TPU),
       "xla" or "pallas".
-    quantize: None or a `pipelines.wan.transformer.quantization.MODES` mode: the block Linear weights are
-      int8 / fp8 arguments (with their fp32 scales) of the compiled step.
+    quantize: None or a `pipelines.wan.transformer.QUANTIZATION_MODES` mode: the block Linear weights
+      are int8 / fp8 arguments (with their fp32 scales) of the compiled step.
     ti2v: Wan 2.2 TI2V (`AotTarget.ti2v`).
     text_kv_once: the step receives the text (and image) K/V computed before the loop (the
       pipeline's default); False: the step computes them from the text and image states.

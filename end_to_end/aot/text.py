@@ -3,15 +3,15 @@
   python -m end_to_end.aot.text --topology v6e:2x4 --json text.json                 # one device
   python -m end_to_end.aot.text --topology v6e:2x4 --mesh U=8 --shard-weights       # weights split
 
-What is compiled: `umt5.encode` jitted as the pipeline jits it (`pipelines.pipeline.run.text`:
-`jax.jit(umt5.encode, static_argnames="config")`) for int32 ids and mask [B, L] (B = 2: the prompt
+What is compiled: `encode_text` jitted as the pipeline jits it (`pipelines.pipeline.run.text`:
+`jax.jit(encode_text, static_argnames="config")`) for int32 ids and mask [B, L] (B = 2: the prompt
 and the negative prompt under CFG; L = 512, Wan's text length). Placement is the pipeline's
 (`pipelines.pipeline.load.placement.PlacedWeights`, DESIGN.md section 2): without sharded weights the
 encoder's weights and inputs sit on ONE device (the topology's first), where it runs; with a mesh
 whose `shard_weights` is set, every weight of >= 2^20 values is split over all the mesh's devices
 along its largest axis the device count divides (`weight_placement.large_leaf_shardings`), ids and
 mask are replicated, and GSPMD partitions the matmuls. Weights are `jax.ShapeDtypeStruct`s
-(`umt5.abstract_params`, `wo` in fp32 as `load_umt5` keeps it): nothing is allocated.
+(`abstract_umt5_params`, `wo` in fp32 as `load_umt5` keeps it): nothing is allocated.
 
 Reported (XLA's numbers for the compiled program, per device): compile wall time,
 `memory_analysis()`, `cost_analysis()`, the collectives in the compiled HLO
@@ -41,10 +41,10 @@ def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, d
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-  from pipelines.wan.encoders import umt5
+  from pipelines.wan.encoders import abstract_umt5_params
   from pipelines.wan.transformer import large_leaf_shardings
 
-  params = umt5.abstract_params(config, dtype=jnp.dtype(dtype), keep_wo_in_fp32=keep_wo_in_fp32)
+  params = abstract_umt5_params(config, dtype=jnp.dtype(dtype), keep_wo_in_fp32=keep_wo_in_fp32)
   if mesh_spec is not None and mesh_spec.shard_weights:
     mesh = mesh_spec.build(devices)
     weight_shardings, inputs, placement = large_leaf_shardings(params, mesh), NamedSharding(mesh, P()), "sharded"
@@ -63,7 +63,7 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
 
   Args:
     devices: the topology's devices (`step.topology_devices`) or local ones.
-    preset: a `umt5.PRESETS` name or a `umt5.UMT5Config`.
+    preset: a `UMT5_PRESETS` name or a `UMT5Config`.
     batch, text_len: B and L of the int32 ids [B, L].
     dtype: "bfloat16" or "float32": the weights' dtype (`wo`: see keep_wo_in_fp32).
     mesh_spec: None or a spec without `shard_weights`: one device, as the pipeline runs it; with
@@ -83,10 +83,10 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   """
   import jax
 
-  from pipelines.wan.encoders import umt5
+  from pipelines.wan.encoders import UMT5_PRESETS, UMT5Config, encode_text
 
-  if not isinstance(preset, umt5.UMT5Config) and preset not in umt5.PRESETS:
-    raise ValueError(f"preset {preset!r} is not a UMT5 preset; use one of {sorted(umt5.PRESETS)}")
+  if not isinstance(preset, UMT5Config) and preset not in UMT5_PRESETS:
+    raise ValueError(f"preset {preset!r} is not a UMT5 preset; use one of {sorted(UMT5_PRESETS)}")
   if dtype not in ("bfloat16", "float32"):
     raise ValueError(f"dtype {dtype!r} must be 'bfloat16' or 'float32'")
   if batch < 1 or text_len < 1:
@@ -94,9 +94,9 @@ def compile_text_encoder(devices: list[Any], *, preset: Any = "umt5-xxl", batch:
   sharded = mesh_spec is not None and mesh_spec.shard_weights
   if sharded and mesh_spec.devices != len(devices):
     raise ValueError(f"mesh {mesh_spec} needs {mesh_spec.devices} devices; the topology has {len(devices)}")
-  config = preset if isinstance(preset, umt5.UMT5Config) else umt5.PRESETS[preset]
+  config = preset if isinstance(preset, UMT5Config) else UMT5_PRESETS[preset]
   placed, ids, placement = _placed_inputs(devices, config, batch, text_len, dtype, mesh_spec, keep_wo_in_fp32)
-  encode = jax.jit(umt5.encode, static_argnames="config")
+  encode = jax.jit(encode_text, static_argnames="config")
   start, cpu_start = time.perf_counter(), time.process_time()
   compiled = encode.lower(placed, ids, ids, config=config).compile()
   compile_s, compile_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.aot.text", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--topology", required=True, help="TPU topology, e.g. v6e:2x4 (needs libtpu)")
-  ap.add_argument("--preset", default="umt5-xxl", help="UMT5 preset (pipelines/wan/encoders/umt5.py PRESETS)")
+  ap.add_argument("--preset", default="umt5-xxl", help="UMT5 preset (pipelines.wan.encoders.UMT5_PRESETS)")
   ap.add_argument("--batch", type=int, default=2, help="prompts encoded at once (2: prompt + negative)")
   ap.add_argument("--text-len", type=int, default=512, help="L, text tokens")
   ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

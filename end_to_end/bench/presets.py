@@ -27,8 +27,7 @@ from typing import Any
 
 from pipelines.wan.pretrained import TINY_TRANSFORMER
 from pipelines.wan.transformer import PRESETS as TRANSFORMER_PRESETS, WanTransformerConfig
-from pipelines.wan.encoders import UMT5Config
-from pipelines.wan.encoders.umt5 import PRESETS as UMT5_PRESETS
+from pipelines.wan.encoders import UMT5_PRESETS, UMT5Config
 from pipelines.wan.vae import VAE_PRESETS, WanVAEConfig
 
 _UMT5_XXL_WIDTH = dataclasses.replace(UMT5_PRESETS["umt5-xxl"], vocab_size=384, num_layers=1)
@@ -178,15 +177,15 @@ def init_ours(preset: BenchPreset, seed: int = 0):
 
   from pipelines.pipeline import WanPipeline
   from pipelines.wan import schedulers, vae
-  from pipelines.wan.encoders import tokenizer, umt5
+  from pipelines.wan.encoders import default_tokenizer, init_umt5_params
   from pipelines.wan.transformer import init_transformer
 
   dtype = jnp.dtype(preset.dtype)
   experts = 1 if preset.boundary_ratio is None else 2
   text_params = (host_random_umt5(preset.text_encoder, seed, dtype) if preset.text_encoder.num_layers > 2
-                 else umt5.init_umt5_params(preset.text_encoder, seed, dtype=dtype))
+                 else init_umt5_params(preset.text_encoder, seed, dtype=dtype))
   return WanPipeline(
-      tokenizer=tokenizer.default_tokenizer(), expand_timesteps=preset.expand_timesteps,
+      tokenizer=default_tokenizer(), expand_timesteps=preset.expand_timesteps,
       text_encoder=(preset.text_encoder, text_params),
       transformers=[init_transformer(preset.transformer, seed + i, dtype) for i in range(experts)],
       vae=vae.init_vae(preset.vae, jax.random.key(seed)), boundary_ratio=preset.boundary_ratio,
@@ -202,11 +201,11 @@ def host_random_umt5(config, seed: int, dtype) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from pipelines.wan.encoders import umt5
+  from pipelines.wan.encoders import init_umt5_params
 
   c = config
-  small = jax.eval_shape(lambda: umt5.init_umt5_params(dataclasses.replace(c, vocab_size=8, num_layers=1), seed,
-                                                       dtype=dtype))
+  small = jax.eval_shape(lambda: init_umt5_params(dataclasses.replace(c, vocab_size=8, num_layers=1), seed,
+                                                  dtype=dtype))
   keys = iter(jax.random.split(jax.random.key(seed), 64))
   stds = {"q": (c.d_model * c.d_kv) ** -0.5, "o": (c.num_heads * c.d_kv) ** -0.5, "rel_bias": c.d_model ** -0.5, "embedding": 1.0}
 

@@ -16,8 +16,8 @@ right", 64x64, 17 frames, 8 steps, guidance 5, negative prompt "") run in float3
 latents; every step's input latents and timestep, with the prompt's and the negative prompt's
 text states (float32, shared by every candidate: only the transformer differs).
 
-Error of a candidate transformer (a dtype, a mode of `pipelines.wan.transformer.quantization.MODES`, the block
-Linear layers it quantizes), relative RMS over every input, both CFG branches:
+Error of a candidate transformer (a dtype, a mode of `pipelines.wan.transformer.QUANTIZATION_MODES`, the
+block Linear layers it quantizes), relative RMS over every input, both CFG branches:
   e = sqrt(sum |eps - eps_ref|^2 / sum |eps_ref|^2),  eps_ref: the float32 checkpoint, unquantized.
 The kernels are quantized from the fp32 checkpoint as `WanPipeline.from_pretrained(...,
 quantize=...)` does. Rows: bfloat16 unquantized (the error every bf16 setting starts from); each
@@ -67,18 +67,18 @@ def step_inputs(pipe: Any, seeds: list[int], steps: int) -> list[tuple[np.ndarra
 def candidate(config: Any, params: dict[str, Any], dtype: str, mode: str | None,
               layers: tuple[tuple[str, str], ...]) -> Any:
   """A `WanTransformer` of `dtype` from the fp32 `params` with `layers` (paths under `blocks`)
-  quantized to `mode` (`quantization.quantize_kernel`; w8a8 also quantizes their inputs)."""
+  quantized to `mode` (`quantize_kernel`; w8a8 also quantizes their inputs)."""
   import jax
   import jax.numpy as jnp
 
-  from pipelines.wan.transformer import build_transformer, quantization
+  from pipelines.wan.transformer import build_transformer, quantize_kernel
 
   params = jax.tree.map(lambda a: a, params)  # a new tree: the fp32 one is kept whole
   for path in layers if mode else ():
     layer = params["blocks"]
     for name in path:
       layer = layer[name]
-    layer["kernel"] = quantization.quantize_kernel(layer["kernel"], mode)
+    layer["kernel"] = quantize_kernel(layer["kernel"], mode)
   model = build_transformer(config, params, jnp.dtype(dtype))
   for path in layers if mode == "int8-w8a8" else ():
     layer = model.blocks
@@ -91,11 +91,11 @@ def candidate(config: Any, params: dict[str, Any], dtype: str, mode: str | None,
 def default_plan(keep: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str | None, str, tuple]]:
   """The module docstring's rows as (dtype, mode, label, layers); the first is bfloat16 unquantized.
   With `keep` (paths under `blocks`), also int8 and fp8 in bfloat16 with those layers unquantized."""
-  from pipelines.wan.transformer import quantization
+  from pipelines.wan.transformer import QUANTIZATION_MODES, QUANTIZED_LINEARS
 
-  every = quantization.QUANTIZED_LINEARS
+  every = QUANTIZED_LINEARS
   plan = [("bfloat16", None, "all", every)]
-  plan += [(dtype, mode, "all", every) for mode in quantization.MODES for dtype in ("float32", "bfloat16")]
+  plan += [(dtype, mode, "all", every) for mode in QUANTIZATION_MODES for dtype in ("float32", "bfloat16")]
   rest = tuple(path for path in every if path not in keep)
   plan += [("bfloat16", mode, "all but --keep", rest) for mode in ALONE_MODES if keep]
   return plan + [("float32", mode, ".".join(path), (path,)) for mode in ALONE_MODES for path in every]
@@ -105,11 +105,11 @@ def parse_keep(text: str | None) -> tuple[tuple[str, str], ...]:
   """'ffn.proj_in,attn1.to_v' -> (("ffn", "proj_in"), ("attn1", "to_v")); None -> ().
 
   Raises:
-    ValueError: a name that is not one of `quantization.QUANTIZED_LINEARS`, naming the choices.
+    ValueError: a name that is not one of `QUANTIZED_LINEARS`, naming the choices.
   """
-  from pipelines.wan.transformer import quantization
+  from pipelines.wan.transformer import QUANTIZED_LINEARS
 
-  names = {".".join(path): path for path in quantization.QUANTIZED_LINEARS}
+  names = {".".join(path): path for path in QUANTIZED_LINEARS}
   keep = tuple(name.strip() for name in (text or "").split(",") if name.strip())
   bad = [name for name in keep if name not in names]
   if bad:

@@ -19,7 +19,7 @@ shift 3, guidance 2; for a folder diffusers' `WanPipeline.__call__` defaults (83
 steps). Text length: `presets.default_text_length` (64 for `tiny`, 512 otherwise). Ratios belong to
 the model and settings they were measured with: the file records the model's name and fingerprint
 (`WanPipeline.fingerprint`), size, frames, steps and text length, which
-`pipelines.wan.step_cache.calibration.check_calibration` compares with a run's.
+`pipelines.wan.step_cache.check_calibration` compares with a run's.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
   from pipelines.cli.flags import parse_size
   from pipelines.commands.presets import TINY_MODELS
   from pipelines.pipeline import WanPipeline
-  from pipelines.wan.step_cache import calibration as mag_calibration
+  from pipelines.wan.step_cache import record_fields
 
   own = model_settings(args.model)
   width, height = parse_size(args.size) if args.size else (own["width"], own["height"])
@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
   ratios = calibrate(pipe, prompts, width=width, height=height, frames=frames, steps=steps,
                      guidance=guidance, shift=args.shift, seed=args.seed,
                      max_sequence_length=text_length, mesh=mesh)
-  # What mag_calibration.check_calibration compares with a run's settings.
+  # What check_calibration compares with a run's settings.
   record = {
       "method": "mag",
-      **mag_calibration.record_fields(
+      **record_fields(
           model=args.model if tiny else os.path.basename(os.path.abspath(args.model)),
           fingerprint=pipe.fingerprint(), width=width, height=height, frames=frames, steps=steps,
           max_sequence_length=text_length),

@@ -48,7 +48,7 @@ from flax import nnx
 
 from end_to_end.train import synthetic_world as world
 from pipelines.wan import schedulers, vae as wan_vae
-from pipelines.wan.encoders import tokenizer as tokenization, umt5
+from pipelines.wan.encoders import UMT5_PRESETS, UMT5Config, UMT5Params, default_tokenizer, init_umt5_params
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer import forward, init_transformer, WanTransformerConfig
 
@@ -64,7 +64,7 @@ TINY_TRAINED_TRANSFORMER = WanTransformerConfig(
 # at every level, at half the step time); latents_mean / latents_std are replaced by the measured statistics.
 TINY_TRAINED_VAE = wan_vae.WanVAEConfig(base_dim=4, dim_mult=(1, 4, 8, 8), num_res_blocks=1,
                                         latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)
-TEXT_SEED = 0  # the frozen text encoder: umt5.PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
+TEXT_SEED = 0  # the frozen text encoder: UMT5_PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
 SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
@@ -234,16 +234,16 @@ def check_reconstructions(vae: wan_vae.WanVAE, rng: np.random.Generator, count: 
 
 # --- text ------------------------------------------------------------------------------------------
 
-def text_encoder() -> tuple[umt5.UMT5Config, umt5.Params]:
-  config = umt5.PRESETS["tiny"]
-  return config, umt5.init_umt5_params(config, TEXT_SEED)
+def text_encoder() -> tuple[UMT5Config, UMT5Params]:
+  config = UMT5_PRESETS["tiny"]
+  return config, init_umt5_params(config, TEXT_SEED)
 
 
 def encode_texts(encoder, prompts: list[str]) -> np.ndarray:
   """float32 [len(prompts), MAX_SEQUENCE_LENGTH, 32]: what `WanPipeline.encode_prompts` gives."""
   from pipelines.pipeline.run.text import encode_prompts
   config, params = encoder
-  return np.asarray(encode_prompts(tokenization.default_tokenizer(), config, params, prompts,
+  return np.asarray(encode_prompts(default_tokenizer(), config, params, prompts,
                                    MAX_SEQUENCE_LENGTH, jnp.float32), np.float32)
 
 
@@ -389,7 +389,7 @@ def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
   `model_max_length` is `MAX_SEQUENCE_LENGTH`, which `WanPipeline` and generate then use as the
   default text length (`tokenizer.text_length`). Returns the folder."""
   from pipelines.wan.pretrained import save_pipeline
-  tokenizer = tokenization.default_tokenizer()
+  tokenizer = default_tokenizer()
   tokenizer.model_max_length = MAX_SEQUENCE_LENGTH
   return save_pipeline(folder, transformer=transformer, text_encoder=encoder, vae=vae, tokenizer=tokenizer,
                        scheduler_config=SCHEDULER)

@@ -49,14 +49,14 @@ def model_facts(plan: Plan) -> tuple[Any, dict[str, str] | None]:
     UsageError: a tokenizer folder that cannot be read.
   """
   from pipelines.pipeline.checked.model_facts import ModelFacts
-  from pipelines.wan.pretrained import PipelineIndex, Sources, layouts
+  from pipelines.wan.pretrained import PipelineIndex, Sources, folder_layout
 
   found = None
   if plan.files is not None:
     facts, found = read_facts(plan.files, plan.dtype)
   elif plan.model in TINY_MODELS:
     facts = ModelFacts.of_model(plan.model, plan.dtype)
-  elif layouts.folder_layout(plan.model_folder or plan.model) == "official":  # Wan's own layout: as single files
+  elif folder_layout(plan.model_folder or plan.model) == "official":  # Wan's own layout: as single files
     facts, _ = read_facts(Sources.official(plan.model_folder or plan.model), plan.dtype)
   else:
     folder = plan.model_folder or plan.model

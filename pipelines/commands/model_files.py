@@ -23,7 +23,7 @@ from typing import Any
 
 from pipelines.commands.flags import UsageError
 from pipelines.storage import weights
-from pipelines.wan.pretrained import Sources, layouts
+from pipelines.wan.pretrained import EXPECTED_FILES, Sources
 
 # (Sources field, flag): the three files and the two folders.
 FILES = (("transformer", "--transformer"), ("vae", "--vae"), ("text_encoder", "--text-encoder"))
@@ -72,7 +72,7 @@ def single_files(args: argparse.Namespace) -> Sources | None:
                      "single files is --transformer FILE --vae FILE --text-encoder FILE (or pass --model FOLDER)")
   for field, flag in FILES:
     if not os.path.isfile(getattr(args, field)):
-      raise UsageError(f"{flag} {getattr(args, field)!r} is not a file; pass {layouts.FIXES[field]}")
+      raise UsageError(f"{flag} {getattr(args, field)!r} is not a file; pass {EXPECTED_FILES[field]}")
   for field, flag in FOLDERS:
     if getattr(args, field) is not None and not os.path.isdir(getattr(args, field)):
       raise UsageError(f"{flag} {getattr(args, field)!r} is not a folder; pass "

@@ -109,13 +109,13 @@ def default_text_length(model: str) -> int:
   folder) was trained with, from its tokenizer's `model_max_length` (`tokenizer.folder_text_length`:
   64 for the trained tiny default, 512 for Wan folders); Wan's 512 for the random-weight tiny model.
   Reads one JSON file at most; loads no model."""
-  from pipelines.wan.encoders import tokenizer as tokenization
+  from pipelines.wan.encoders import WAN_TEXT_LENGTH, folder_text_length
   if model == "tiny-random":
-    return tokenization.WAN_TEXT_LENGTH
+    return WAN_TEXT_LENGTH
   if model in ("tiny", "tiny-i2v"):
     from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER
     model = TINY_I2V_FOLDER if model == "tiny-i2v" else TINY_DEFAULT_FOLDER
-  return tokenization.folder_text_length(model)
+  return folder_text_length(model)
 
 
 def size_for_image(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:

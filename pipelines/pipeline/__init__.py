@@ -7,10 +7,11 @@
   load/     components from folders, single files and the Hub; weight placement; LoRA adapters
 
 Imports `pipelines.wan` and the layers below it (tests/test_architecture.py ranks the rooms). The
-names below are imported on first use, so that the JAX-free modules load without JAX's model code.
+names below are imported on first use (`lazy_facade`), so that the JAX-free modules load without JAX's
+model code.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.pipeline.run.hooks", ("NonFiniteLatentsError",)),
@@ -18,9 +19,7 @@ _HOMES = (
     ("pipelines.pipeline.load.loading", ("DTYPES",)),
     ("pipelines.pipeline.run.runner", ("GenerationResult",)),
     ("pipelines.pipeline.wan_pipeline", ("WanPipeline",)),
-    ("pipelines.wan.pretrained.tiny", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED", "TINY_TRANSFORMER")),
+    ("pipelines.wan.pretrained", ("TINY_DEFAULT_FOLDER", "TINY_SCHEDULER", "TINY_SEED", "TINY_TRANSFORMER")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

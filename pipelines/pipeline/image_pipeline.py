@@ -6,11 +6,11 @@ Everything but the conditioning is `WanPipeline`'s: the request (with its `image
 adds is the conditioning stage (`conditioning`), run once before the denoising loop:
 1. the images resized to the video's size and mapped to [-1, 1]; the condition video (first image,
    zeros, last image) encoded by the VAE (its mean, normalised) with the mask channels in front
-   (`image_condition.encode_condition`; diffusers `prepare_latents`);
+   (`encode_condition`; diffusers `prepare_latents`);
 2. with an image branch (Wan 2.1), the images through transformers' `CLIPImageProcessor` and our
    CLIP vision encoder (penultimate states; diffusers `encode_image`), or `image_embeds` as given;
 and each step the transformer sees [noise; mask; condition latents] and attends to the image
-states (`image_condition.ImageConditioning`, an argument of the compiled step).
+states (`ImageConditioning`, an argument of the compiled step).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 from pipelines.pipeline.checked.image_inputs import clip_pixels, to_video_frame
 from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.pipeline.wan_pipeline import WanPipeline
-from pipelines.wan.encoders import clip_vision
-from pipelines.wan.conditioning import image as image_condition
+from pipelines.wan.encoders import CLIPVision, penultimate_states
+from pipelines.wan.conditioning import ImageConditioning, encode_condition
 
 
 class WanImageToVideoPipeline(WanPipeline):
@@ -33,13 +33,13 @@ class WanImageToVideoPipeline(WanPipeline):
   `WanImageToVideoPipeline` folder, call with an image and prompts (`__call__`).
 
   Attributes (besides `WanPipeline`'s):
-    image_encoder: the CLIP vision encoder (`clip_vision.CLIPVision`), None without an image branch.
+    image_encoder: the CLIP vision encoder (`CLIPVision`), None without an image branch.
     image_processor: transformers' `CLIPImageProcessor`, None without an image branch.
   """
 
   image_to_video = True
 
-  def __init__(self, *, image_encoder: clip_vision.CLIPVision | None = None, image_processor: Any = None,
+  def __init__(self, *, image_encoder: CLIPVision | None = None, image_processor: Any = None,
                **parts: Any):
     super().__init__(**parts)
     branch = self.transformer_config.has_image_branch
@@ -76,7 +76,7 @@ class WanImageToVideoPipeline(WanPipeline):
     """The CLIP image encoder's weights (Wan 2.1), in the fingerprint."""
     return {} if self.image_encoder is None else {"image_encoder": self.image_encoder.params}
 
-  def conditioning(self, request: GenerationRequest, stage: Any) -> image_condition.ImageConditioning:
+  def conditioning(self, request: GenerationRequest, stage: Any) -> ImageConditioning:
     """The request's images encoded: the condition latents with their mask channels, one row per
     video, and (Wan 2.1) the CLIP image states in the model dtype.
 
@@ -95,13 +95,13 @@ class WanImageToVideoPipeline(WanPipeline):
     stage(f"image encode: {len(frames)} image(s) at {request.width}x{request.height} (VAE"
           f"{', CLIP' if self.image_encoder is not None and inputs.image_embeds is None else ''})")
     first, *last = (to_video_frame(f, request.height, request.width) for f in frames)
-    video = image_condition.encode_condition(self.vae, first, last[0] if last else None, request.num_frames)
+    video = encode_condition(self.vae, first, last[0] if last else None, request.num_frames)
     video = np.repeat(video, request.videos, axis=0)
     states = None
     if self.image_encoder is not None:
       states = inputs.image_embeds
       if states is None:
-        states = clip_vision.penultimate_states(self.image_encoder, jnp.asarray(clip_pixels(self.image_processor,
+        states = penultimate_states(self.image_encoder, jnp.asarray(clip_pixels(self.image_processor,
                                                                                             frames)))
       states = jnp.tile(jnp.asarray(states), (request.videos, 1, 1)).astype(self.dtype)  # [B' x frames, J, I]
-    return image_condition.ImageConditioning(video_BCFHW=jnp.asarray(video), image_BJI=states)
+    return ImageConditioning(video_BCFHW=jnp.asarray(video), image_BJI=states)

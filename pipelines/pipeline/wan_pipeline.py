@@ -51,9 +51,9 @@ from pipelines.pipeline.run.step import CompiledSteps
 from pipelines.pipeline.run.ti2v import conditioning as ti2v_conditioning
 from pipelines.pipeline.checked.vace_inputs import conditioning as vace_conditioning
 from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as wan_step_cache, vae as wan_vae
-from pipelines.wan.step_cache import calibration as mag_calibration
-from pipelines.wan.transformer import quantization, WanTransformer
-from pipelines.wan.encoders import tokenizer as tokenization, umt5
+from pipelines.wan.step_cache import warn_other_calibration
+from pipelines.wan.transformer import WanTransformer, check_quantization, quantize_transformer
+from pipelines.wan.encoders import UMT5Config, UMT5Params, text_length
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO
 
 DTYPES = loading.DTYPES
@@ -81,10 +81,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     weights: the arrays and where they are (`PlacedWeights`).
     compiled_steps: the compiled denoise steps of this pipeline (`CompiledSteps`).
     step_cache: the step-cache spec every call uses (`enable_cache`), or None.
-    quantization: the block weights' quantization (`quantize`; `wan.quantization.MODES`), or None.
+    quantization: the block weights' quantization (`quantize`; `wan.transformer.QUANTIZATION_MODES`), or None.
   """
 
-  def __init__(self, *, tokenizer: Any, text_encoder: tuple[umt5.UMT5Config, umt5.Params],
+  def __init__(self, *, tokenizer: Any, text_encoder: tuple[UMT5Config, UMT5Params],
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
                scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
                name: str = ""):
@@ -92,7 +92,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self.transformer_config = transformers[0].config
     self.text_encoder_config = text_encoder[0]
     self.tokenizer = tokenizer
-    self.max_sequence_length = tokenization.text_length(getattr(tokenizer, "model_max_length", None))
+    self.max_sequence_length = text_length(getattr(tokenizer, "model_max_length", None))
     self.scheduler_config = scheduler_config
     self.boundary_ratio = boundary_ratio
     self.expand_timesteps = bool(expand_timesteps)
@@ -154,7 +154,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
         missing, of another pipeline, not cached while offline (`pretrained.download_snapshot`).
       tokenizer.TokenizerNotFoundError: no tokenizer/ folder.
     """
-    quantization.check_mode(quantize)  # before any loading
+    check_quantization(quantize)  # before any loading
     folder, name, _ = loading.locate(folder, revision=revision, token=token, cache_dir=cache_dir,
                                      local_files_only=local_files_only, image_to_video=cls.image_to_video)
     parts, plan = single_file.pretrained_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
@@ -179,7 +179,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
 
     Raises: ValueError: `image` with `random`, or an unknown quantize mode.
     """
-    quantization.check_mode(quantize)
+    check_quantization(quantize)
     if image and random:
       raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
                        "model (random=True) was not trained for it: pass one of them")
@@ -204,7 +204,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     Raises:
       ValueError: an unknown mode, or weights quantized already.
     """
-    mode = quantization.check_mode(mode)
+    mode = check_quantization(mode)
     if self.quantization is not None:
       raise ValueError(f"the weights are quantized already ({self.quantization}); load the pipeline again to "
                        f"quantize them as {mode!r}")
@@ -213,7 +213,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     states = []
     for state in self.weights.experts:  # a new tree (merge shares the Variables): the old state is left whole
       model = nnx.merge(self._graphdef, jax.tree.map(lambda a: a, state))
-      graphdef, state = nnx.split(quantization.quantize_transformer(model, mode))
+      graphdef, state = nnx.split(quantize_transformer(model, mode))
       states.append(state)
     self._graphdef = graphdef
     self.compiled_steps = CompiledSteps(graphdef)
@@ -285,7 +285,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     self.weights.experts = states
 
   @property
-  def _text_params(self) -> umt5.Params:
+  def _text_params(self) -> UMT5Params:
     return self.weights.text_params
 
   @property
@@ -465,7 +465,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     if request.model != self.facts:
       raise ValueError(f"the request was checked against another model ({request.model}); this pipeline is "
                        f"{self.facts}: build it with GenerationRequest.build(pipe.facts, ...)")
-    mag_calibration.warn_other_calibration(  # MagCache ratios made for another model or setting
+    warn_other_calibration(  # MagCache ratios made for another model or setting
         request.step_cache, model=self.name, fingerprint=self.fingerprint, height=request.height,
         width=request.width, num_frames=request.num_frames, steps=request.steps,
         max_sequence_length=request.max_sequence_length)

@@ -55,14 +55,14 @@ def model_facts(config: ServeConfig) -> Any:
   JSON files, or of the single files from their headers (`model_files.read_facts`)."""
   from pipelines.pipeline.load.loading import locate
   from pipelines.pipeline.checked.model_facts import ModelFacts
-  from pipelines.wan.pretrained import Sources, layouts
+  from pipelines.wan.pretrained import Sources, folder_layout
 
   if config.files is not None:
     return read_facts(config.files, config.dtype)[0]
   if config.model in TINY_MODELS:
     return ModelFacts.of_model(config.model, config.dtype)  # the trained ones with their one size
   folder, name, _ = locate(config.model)  # a Hub model: in the cache already (`fetch_model`)
-  if layouts.folder_layout(folder) == "official":  # Wan's own layout: its files' headers
+  if folder_layout(folder) == "official":  # Wan's own layout: its files' headers
     return read_facts(Sources.official(folder), config.dtype)[0]
   return ModelFacts.from_folder(folder, config.dtype, name=name)
 

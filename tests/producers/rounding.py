@@ -1,5 +1,5 @@
 """What the producers' tests share: the token grid, the q pre-scale, and the fp32 and bf16 error
-bounds of a normalised output against its float64 oracle (test_rmsnorm_rope.py, test_layernorm_adaln.py)."""
+bounds of a normalised output against its float64 oracle (test_query_key.py, test_block_input.py)."""
 
 import math
 

@@ -1,6 +1,6 @@
 """Tests across producers/ (issue 4): the fused producers' temporary memory against their unfused
 references at Wan 480p, and the input checks of all three. Each producer's own tests are in
-test_rope.py, test_rmsnorm_rope.py and test_layernorm_adaln.py."""
+test_rope.py, test_query_key.py and test_block_input.py."""
 
 import functools
 

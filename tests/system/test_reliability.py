@@ -47,7 +47,7 @@ HEADS12 = dataclasses.replace(TINY_TRANSFORMER, num_attention_heads=12)
 
 def _pipeline(transformer) -> WanPipeline:
   """The tiny pipeline's components around another transformer."""
-  te = umt5.PRESETS["tiny"]
+  te = umt5.UMT5_PRESETS["tiny"]
   return WanPipeline(tokenizer=tokenization.default_tokenizer(),
                      text_encoder=(te, umt5.init_umt5_params(te, 0)), transformers=[transformer],
                      vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(0)),

@@ -33,7 +33,7 @@ class ModelFacts:
     dtype: the transformer's dtype name ("float32" or "bfloat16").
     trained_video: (height, width, frames) when the weights know one video size only (the trained
       tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
-    quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    quantize: the block weights' quantization (`wan.transformer.QUANTIZATION_MODES`), None: as loaded.
     image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
     expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
@@ -214,14 +214,14 @@ class ModelFacts:
 def image_tokens(transformer: WanTransformerConfig) -> int:
   """P, the image tokens every cross-attention attends to beside the text: 0 without an image branch;
   FLF2V's `pos_embed_seq_len` (two CLIP frames, 514); else one CLIP frame's (Wan 2.1 I2V: Wan's
-  ViT-H/14 at 224, `clip_vision.CLIPVisionConfig().tokens` = 16 x 16 + 1 = 257)."""
+  ViT-H/14 at 224, `CLIPVisionConfig().tokens` = 16 x 16 + 1 = 257)."""
   if not transformer.has_image_branch:
     return 0
   if transformer.pos_embed_seq_len is not None:
     return transformer.pos_embed_seq_len
-  from pipelines.wan.encoders import clip_vision
+  from pipelines.wan.encoders import CLIPVisionConfig
 
-  return clip_vision.CLIPVisionConfig().tokens
+  return CLIPVisionConfig().tokens
 
 
 def token_facts(transformer: WanTransformerConfig, *, spatial_factor: int, temporal_factor: int,

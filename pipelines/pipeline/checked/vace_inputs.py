@@ -201,16 +201,16 @@ def conditioning(vae: Any, request: Any, stage: Any) -> Any:
   one row per video, and the scales."""
   import jax.numpy as jnp
 
-  from pipelines.wan.conditioning import vace
+  from pipelines.wan.conditioning import VACEConditioning, vace_context
 
   inputs = request.vace
   frames = request.num_frames
   stage(f"VACE encode: {'a video' if inputs.video is not None else 'no video'}, "
         f"{'a mask' if inputs.mask is not None else 'no mask'}, {len(inputs.references)} reference image(s) at "
         f"{request.width}x{request.height} (VAE)")
-  context = vace.vace_context(vae, inputs.video_pixels(request.height, request.width),
+  context = vace_context(vae, inputs.video_pixels(request.height, request.width),
                               inputs.mask_pixels(frames, request.height, request.width),
                               inputs.reference_pixels(request.height, request.width, vae.config.spatial_factor),
                               num_frames=frames, height=request.height, width=request.width)
-  return vace.VACEConditioning(context_BCFHW=jnp.asarray(np.repeat(context, request.videos, axis=0)),
+  return VACEConditioning(context_BCFHW=jnp.asarray(np.repeat(context, request.videos, axis=0)),
                                scale_V=jnp.asarray(inputs.scale, jnp.float32), references=len(inputs.references))

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.storage import weights
 from pipelines.wan import schedulers, vae as wan_vae
-from pipelines.wan.encoders import clip_vision, tokenizer as tokenization, umt5
-from pipelines.wan.pretrained import HubSnapshot, PipelineIndex, download_snapshot, hub_id, tiny
+from pipelines.wan.encoders import (UMT5_PRESETS, UMT5Config, abstract_umt5_params, default_tokenizer, init_umt5_params,
+                                    load_clip_vision, load_tokenizer, load_umt5)
+from pipelines.wan.pretrained import (TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER, HubSnapshot, PipelineIndex,
+                                      download_snapshot, hub_id)
 from pipelines.wan.transformer import init_transformer, large_leaf_shardings, load_transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -109,9 +111,9 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
                               progress=progress, quantize=quantize) for n in names]
   text_folder = os.path.join(folder, "text_encoder")
   text_shardings = (functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else
-                    text_encoder_shardings(umt5.UMT5Config.from_dict(weights.read_config(text_folder)), model_dtype))
-  text_encoder = umt5.load_umt5(text_folder, dtype=model_dtype, shardings=text_shardings, progress=progress)
-  parts = dict(tokenizer=tokenization.load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
+                    text_encoder_shardings(UMT5Config.from_dict(weights.read_config(text_folder)), model_dtype))
+  text_encoder = load_umt5(text_folder, dtype=model_dtype, shardings=text_shardings, progress=progress)
+  parts = dict(tokenizer=load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
                expand_timesteps=index.expand_timesteps,
@@ -119,12 +121,12 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)
     if index.image_encoder:
-      parts.update(image_encoder=clip_vision.load_clip_vision(os.path.join(folder, "image_encoder")),
+      parts.update(image_encoder=load_clip_vision(os.path.join(folder, "image_encoder")),
                    image_processor=load_image_processor(os.path.join(folder, "image_processor")))
   return parts, plan
 
 
-def text_encoder_shardings(config: umt5.UMT5Config, dtype: Any) -> Any:
+def text_encoder_shardings(config: UMT5Config, dtype: Any) -> Any:
   """Where a text encoder is loaded when its weights are not sharded: None (the default device) when
   they fit beside what the device already holds (`memory_stats()["bytes_in_use"]`, the transformer
   loaded first) within `memory.device_budget`, else a function giving every leaf the host CPU's
@@ -135,7 +137,7 @@ def text_encoder_shardings(config: umt5.UMT5Config, dtype: Any) -> Any:
   budget = device_budget()
   if budget is None or jax.process_count() > 1:
     return None
-  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_params(config, dtype=dtype)))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_umt5_params(config, dtype=dtype)))
   if (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0) + need <= budget:
     return None
   host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -165,15 +167,15 @@ def load_image_processor(folder: str) -> Any:
 def tiny_random_parts(dtype: str) -> dict[str, Any]:
   """The constructor's keyword arguments of the random-weight tiny model (`wan.tiny`)."""
   model_dtype = dtype_of(dtype)
-  te_config = umt5.PRESETS["tiny"]
-  return dict(tokenizer=tokenization.default_tokenizer(),
-              text_encoder=(te_config, umt5.init_umt5_params(te_config, tiny.TINY_SEED, dtype=model_dtype)),
-              transformers=[init_transformer(tiny.TINY_TRANSFORMER, tiny.TINY_SEED, model_dtype)],
-              vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(tiny.TINY_SEED)),
-              scheduler_config=tiny.TINY_SCHEDULER, name="tiny-random")
+  te_config = UMT5_PRESETS["tiny"]
+  return dict(tokenizer=default_tokenizer(),
+              text_encoder=(te_config, init_umt5_params(te_config, TINY_SEED, dtype=model_dtype)),
+              transformers=[init_transformer(TINY_TRANSFORMER, TINY_SEED, model_dtype)],
+              vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(TINY_SEED)),
+              scheduler_config=TINY_SCHEDULER, name="tiny-random")
 
 
-def check_parts(text_config: umt5.UMT5Config, transformers: Sequence[Any], vae: wan_vae.WanVAE,
+def check_parts(text_config: UMT5Config, transformers: Sequence[Any], vae: wan_vae.WanVAE,
                  boundary_ratio: float | None) -> None:
   """Raises ValueError unless the parts fit together (one or two experts of one config)."""
   if len(transformers) not in (1, 2) or (len(transformers) == 2) != (boundary_ratio is not None):

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pipelines.parallel import distributed
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan import vae as wan_vae
-from pipelines.wan.encoders import umt5
+from pipelines.wan.encoders import UMT5Params
 from pipelines.wan.transformer import large_leaf_shardings, weight_shardings
 
 
@@ -38,7 +38,7 @@ class PlacedWeights:
     vae: the VAE (on the default device; `vae_on(mesh)` replicates it over a decode's devices).
   """
 
-  def __init__(self, experts: Sequence[nnx.State], text_params: umt5.Params, vae: wan_vae.WanVAE):
+  def __init__(self, experts: Sequence[nnx.State], text_params: UMT5Params, vae: wan_vae.WanVAE):
     self._experts = list(experts)
     self.version = 0
     self.text_params = text_params
@@ -47,7 +47,7 @@ class PlacedWeights:
     self.placement: Any = "unplaced"
     self._plan: ParallelPlan | None = None  # the plan the weights were placed for
     self._vae_placed: tuple[Any, wan_vae.WanVAE] | None = None
-    self._text_host: umt5.Params | None = None  # numpy copies, taken when the weights first leave
+    self._text_host: UMT5Params | None = None  # numpy copies, taken when the weights first leave
     self._experts_host: list[nnx.State | None] = [None] * len(self._experts)
     self._experts_away: set[int] = set()  # experts whose device copy was dropped
 
@@ -102,7 +102,7 @@ class PlacedWeights:
 
   # --- weights that leave the device between stages (a memory plan's moves) ---
 
-  def text_params_on(self, where: str) -> umt5.Params:
+  def text_params_on(self, where: str) -> UMT5Params:
     """The text encoder's weights placed for an encode: "device" (the default device; uploaded from
     the host copy when dropped) or "host" (the CPU backend's first device, where the encode then runs).
 
@@ -123,7 +123,7 @@ class PlacedWeights:
     _delete_device_copies(self.text_params)
     self.text_params = host
 
-  def _host_text(self) -> umt5.Params:
+  def _host_text(self) -> UMT5Params:
     if self._text_host is None:
       self._text_host = _to_numpy(self.text_params)
     return self._text_host

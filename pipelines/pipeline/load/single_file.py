@@ -18,9 +18,9 @@ from typing import Any
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline.load import loading
 from pipelines.wan import vae as wan_vae
-from pipelines.wan.encoders import umt5
-from pipelines.wan.pretrained import Sources, check_no_image_branch, layouts, read_sources
-from pipelines.wan.transformer import large_leaf_shardings, load_transformer_state, quantization
+from pipelines.wan.encoders import umt5_from_state
+from pipelines.wan.pretrained import Sources, check_no_image_branch, folder_layout, read_sources
+from pipelines.wan.transformer import check_quantization, large_leaf_shardings, load_transformer_state
 
 def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
                  progress: bool | None, quantize: str | None, *, image_to_video: bool = False
@@ -42,7 +42,7 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
                                   mesh=mesh_built, shard_weights=sharded, progress=progress, quantize=quantize,
                                   scales=read.transformer.scales)
   text = read.text_encoder
-  text_encoder = umt5.umt5_from_state(
+  text_encoder = umt5_from_state(
       read.text_encoder_config, text.tensors, text.path, dtype=model_dtype, progress=progress, scales=text.scales,
       shardings=functools.partial(large_leaf_shardings, mesh=mesh_built) if sharded else
       loading.text_encoder_shardings(read.text_encoder_config, model_dtype))
@@ -60,8 +60,8 @@ def pretrained_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_w
                      progress: bool | None, quantize: str | None, *, image_to_video: bool = False,
                      name: str | None = None) -> tuple[dict[str, Any], ParallelPlan | None]:
   """`from_pretrained`'s parts of a diffusers folder (`loading.folder_parts`, the pipeline named
-  `name`) or of a folder in the official Wan layout (`layouts.folder_layout` tells which)."""
-  if layouts.folder_layout(folder) == "diffusers":
+  `name`) or of a folder in the official Wan layout (`folder_layout` tells which)."""
+  if folder_layout(folder) == "diffusers":
     return loading.folder_parts(folder, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
                                 image_to_video=image_to_video, name=name)
   return source_parts(Sources.official(folder), dtype, vae_dtype, mesh, shard_weights, progress, quantize,
@@ -112,7 +112,7 @@ class SingleFileMixin:
       TokenizerNotFoundError: no tokenizer folder.
       ValueError: an unknown dtype or quantize mode, a mesh that does not fit.
     """
-    quantization.check_mode(quantize)
+    check_quantization(quantize)
     sources = Sources(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, config=config)
     parts, plan = source_parts(sources, dtype, vae_dtype, mesh, shard_weights, progress, quantize,
                                image_to_video=cls.image_to_video)

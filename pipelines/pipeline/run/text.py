@@ -15,9 +15,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.parallel import distributed
 from pipelines.pipeline.checked.request import GenerationRequest
-from pipelines.wan.encoders import tokenizer as tokenization, umt5
+from pipelines.wan.encoders import UMT5Config, UMT5Params, encode_text, prompt_clean, tokenize
 
-_encode_jit = jax.jit(umt5.encode, static_argnames="config")
+_encode_jit = jax.jit(encode_text, static_argnames="config")
 
 
 @jax.jit
@@ -26,7 +26,7 @@ def _masked_text(embeds: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.where(mask[..., None] > 0, embeds, jnp.zeros((), embeds.dtype))
 
 
-def encode_prompts(tokenizer: Any, config: umt5.UMT5Config, params: umt5.Params, prompts: Sequence[str],
+def encode_prompts(tokenizer: Any, config: UMT5Config, params: UMT5Params, prompts: Sequence[str],
                    max_sequence_length: int, dtype: Any, mesh: Mesh | None = None) -> jax.Array:
   """Cleaned (`tokenizer.prompt_clean`), tokenised and UMT5-encoded prompts, zero past each true
   length (diffusers' `_get_t5_prompt_embeds`: trim to the true length, pad with zeros).
@@ -41,7 +41,7 @@ def encode_prompts(tokenizer: Any, config: umt5.UMT5Config, params: umt5.Params,
   Returns:
     [B, L, d_model] in `dtype`.
   """
-  ids, mask = tokenization.tokenize(tokenizer, [tokenization.prompt_clean(p) for p in prompts],
+  ids, mask = tokenize(tokenizer, [prompt_clean(p) for p in prompts],
                                     max_sequence_length)
   if mesh is not None:
     ids, mask = distributed.put_replicated((np.asarray(ids), np.asarray(mask)), NamedSharding(mesh, P()))

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from pipelines.pipeline.checked.image_inputs import to_video_frame
 from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.wan import vae as wan_vae
-from pipelines.wan.conditioning import ti2v
+from pipelines.wan.conditioning import TI2VConditioning, encode_image
 
 
 def conditioning(vae: wan_vae.WanVAE, request: GenerationRequest, patch_size: tuple[int, int, int],
-                 stage: Any) -> ti2v.TI2VConditioning:
+                 stage: Any) -> TI2VConditioning:
   """The step's condition of a TI2V model's request (or a context window's that continues the one
   before): the first Fg frames' latents float32 [B', C, Fg, Hl, Wl] from `request.first_frame_latents`, or `request.image` resized to the video, mapped to
   [-1, 1] and encoded (`wan.ti2v.encode_image`; `stage(line)` announces it), or none (text-to-video:
@@ -46,8 +46,8 @@ def conditioning(vae: wan_vae.WanVAE, request: GenerationRequest, patch_size: tu
   if first is None and request.image is not None:
     stage(f"image encode: 1 image at {request.width}x{request.height} (VAE)")
     frame = to_video_frame(request.image.image, request.height, request.width)
-    first = np.repeat(ti2v.encode_image(vae, frame[None]), request.videos, axis=0)
-  return ti2v.TI2VConditioning(patch_size=tuple(patch_size),
+    first = np.repeat(encode_image(vae, frame[None]), request.videos, axis=0)
+  return TI2VConditioning(patch_size=tuple(patch_size),
                                first_frame_BCFHW=None if first is None else jnp.asarray(first, jnp.float32))
 
 
@@ -81,7 +81,7 @@ def ti2v_condition(vae: wan_vae.WanVAE, request: GenerationRequest, image: Any) 
   if len(shape) != 4 or tuple(shape[2:]) != want or shape[0] not in (1, request.videos):
     raise ValueError(f"image shape {shape} must be [1 or {request.videos}, 3, {want[0]}, {want[1]}] "
                      "(the call's height and width; resize the image first)")
-  latents = ti2v.encode_image(vae, image)
+  latents = encode_image(vae, image)
   latents = np.ascontiguousarray(np.broadcast_to(latents, (request.videos, *latents.shape[1:])))
   expected = (request.videos, request.latent_shape[1], 1, *request.latent_shape[3:])
   if latents.shape != expected:

@@ -3,11 +3,11 @@ FLF2V, Wan 2.2 I2V A14B), TI2V-5B's first frame with per-token timesteps, VACE's
 mask, reference images), and video-to-video's start (the input video encoded and noised). Each
 conditioning gives the step its `StepInputs` the same way (`transformer_inputs`).
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.conditioning.image", ("ImageConditioning", "encode_condition")),
@@ -19,6 +19,4 @@ _HOMES = (
                                          "window_inputs")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

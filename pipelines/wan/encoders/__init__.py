@@ -2,21 +2,19 @@
 Wan 2.1 I2V / FLF2V. Each is a module of its own (`encoders.umt5`, `encoders.tokenizer`,
 `encoders.clip_vision`); the names below are their entry points.
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
-    ("pipelines.wan.encoders.clip_vision", ("CLIPVision", "load_clip_vision", "penultimate_states")),
+    ("pipelines.wan.encoders.clip_vision", ("CLIPVision", "CLIPVisionConfig", "load_clip_vision", "penultimate_states")),
     ("pipelines.wan.encoders.tokenizer", ("TokenizerNotFoundError", "WAN_TEXT_LENGTH", "default_tokenizer",
                                           "folder_text_length", "load_tokenizer", "prompt_clean",
                                           "text_length", "tokenize")),
-    ("pipelines.wan.encoders.umt5", ("UMT5Config", "init_umt5_params", "load_umt5", "official_keys",
-                                     "umt5_from_state")),
+    ("pipelines.wan.encoders.umt5", ("UMT5_PRESETS", "UMT5Config", "UMT5Params", "abstract_umt5_params", "encode_text",
+                                     "init_umt5_params", "load_umt5", "official_keys", "umt5_from_state")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

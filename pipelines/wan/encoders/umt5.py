@@ -13,7 +13,7 @@ Shape letters (see DESIGN.md section 1): B batch, L text tokens (queries), S tex
 D model width (`d_model`), N heads, H head dim (`d_kv`; N * H need not equal D). Extra letters here:
 V vocabulary, G FFN width (`d_ff`), Q relative-position buckets, Y layers.
 
-Params pytree (layers stacked on a leading Y axis so `encode` is one `lax.scan`):
+UMT5Params pytree (layers stacked on a leading Y axis so `encode_text` is one `lax.scan`):
   embedding [V, D]; final_norm [D];
   layers: attn_norm [Y, D], q/k/v [Y, D, N, H], o [Y, N, H, D], rel_bias [Y, Q, N],
           ffn_norm [Y, D], wi_0/wi_1 [Y, D, G], wo [Y, G, D].
@@ -34,7 +34,7 @@ import numpy as np
 from pipelines.storage import weights
 from pipelines.parallel import distributed
 
-Params = dict[str, Any]
+UMT5Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class UMT5Config:
 
 # Wan 2.1 / 2.2 text encoder (google/umt5-xxl encoder). The tiny preset goes with `default_tokenizer()`
 # (ByT5: 256 bytes + 3 specials + 125 sentinels = 384 ids).
-PRESETS: dict[str, UMT5Config] = {
+UMT5_PRESETS: dict[str, UMT5Config] = {
     "tiny": UMT5Config(),
     "umt5-xxl": UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
                            num_heads=64),
@@ -131,7 +131,7 @@ def rms_norm(x_BLD: jax.Array, weight_D: jax.Array, eps: float) -> jax.Array:
   return weight_D * y
 
 
-def _layer(x_BLD: jax.Array, lp: Params, bias_BNLS: jax.Array, cfg: UMT5Config) -> jax.Array:
+def _layer(x_BLD: jax.Array, lp: UMT5Params, bias_BNLS: jax.Array, cfg: UMT5Config) -> jax.Array:
   """One encoder block: pre-norm self-attention with this layer's position bias, then gated FFN."""
   dtype = lp["q"].dtype
   h = rms_norm(x_BLD, lp["attn_norm"], cfg.layer_norm_epsilon).astype(dtype)
@@ -152,11 +152,11 @@ def _layer(x_BLD: jax.Array, lp: Params, bias_BNLS: jax.Array, cfg: UMT5Config) 
   return x_BLD + out.astype(jnp.float32)
 
 
-def encode(params: Params, input_ids: jax.Array, attention_mask: jax.Array, *,
+def encode_text(params: UMT5Params, input_ids: jax.Array, attention_mask: jax.Array, *,
            config: UMT5Config) -> jax.Array:
   """Encodes token ids into text embeddings (transformers `UMT5EncoderModel(...).last_hidden_state`).
 
-  Jit with `config` static: `jax.jit(encode, static_argnames="config")`.
+  Jit with `config` static: `jax.jit(encode_text, static_argnames="config")`.
 
   Args:
     params: pytree from `load_umt5` / `init_umt5_params`.
@@ -246,7 +246,8 @@ def official_keys(num_layers: int) -> dict[str, str]:
 def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, *,
                            dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
                            shardings: Callable[[Any], Any] | None = None,
-                           progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None) -> Params:
+                           progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None
+                           ) -> UMT5Params:
   """Converts a checked torch-layout state dict into the params pytree (see module docstring).
 
   Args:
@@ -294,7 +295,7 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: UMT5Config, 
 
 def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True,
               shardings: Callable[[Any], Any] | None = None,
-              progress: bool | None = None) -> tuple[UMT5Config, Params]:
+              progress: bool | None = None) -> tuple[UMT5Config, UMT5Params]:
   """Loads a transformers `UMT5EncoderModel` folder (a pipeline's `text_encoder/`).
 
   Args:
@@ -319,7 +320,7 @@ def load_umt5(folder: str, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = 
 def umt5_from_state(config: UMT5Config, state: Mapping[str, Any], where: str, *, dtype: Any = jnp.float32,
                     keep_wo_in_fp32: bool = True, shardings: Callable[[Any], Any] | None = None,
                     progress: bool | None = None, scales: Mapping[str, np.ndarray] | None = None
-                    ) -> tuple[UMT5Config, Params]:
+                    ) -> tuple[UMT5Config, UMT5Params]:
   """`load_umt5` from tensors named as transformers names them (a folder's, or a single file's
   renamed by `wan.pretrained.layouts`), still memory-mapped. `scales`: key -> a scaled-fp8 weight's
   scale broadcast to it (`params_from_state_dict`); such a weight (and any fp8 one) is upcast,
@@ -347,7 +348,8 @@ def umt5_from_state(config: UMT5Config, state: Mapping[str, Any], where: str, *,
                                         shardings=shardings, progress=progress, scales=scales)
 
 
-def abstract_params(config: UMT5Config, *, dtype: Any = jnp.float32, keep_wo_in_fp32: bool = True) -> Params:
+def abstract_umt5_params(config: UMT5Config, *, dtype: Any = jnp.float32,
+                         keep_wo_in_fp32: bool = True) -> UMT5Params:
   """The params pytree as `jax.ShapeDtypeStruct`s (nothing allocated), as `load_umt5` would build it
   with the same `dtype` and `keep_wo_in_fp32`: for ahead-of-time compiles and memory estimates."""
   c = config
@@ -365,7 +367,7 @@ def abstract_params(config: UMT5Config, *, dtype: Any = jnp.float32, keep_wo_in_
 
 
 def init_umt5_params(config: UMT5Config, seed: int = 0, *, dtype: Any = jnp.float32,
-                     keep_wo_in_fp32: bool = True) -> Params:
+                     keep_wo_in_fp32: bool = True) -> UMT5Params:
   """Random params with transformers' UMT5 init (Mesh TensorFlow stds), e.g. for the tiny preset.
 
   Stds: embedding 1; q (D*H)^-1/2; k, v, rel_bias D^-1/2; o (N*H)^-1/2; wi D^-1/2; wo G^-1/2;

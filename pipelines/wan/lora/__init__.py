@@ -1,11 +1,11 @@
 """LoRA adapters for the Wan transformer: files and their key layouts (`format`, `convert`) and fusing
 them into the weights (`fuse`).
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.lora.convert", ("TRANSFORMER_PREFIX", "WAN_PREFIX", "musubi_to_wan", "normalize",
@@ -16,6 +16,4 @@ _HOMES = (
                                  "linear_layers", "parse_lora")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

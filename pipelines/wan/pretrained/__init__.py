@@ -1,16 +1,17 @@
 """Pipeline folders: reading a diffusers-format folder's index, writing one, fetching one from the
-Hugging Face Hub (`hub`), and the embedded tiny models (the trained default's folder, the
-random-weight model's configs).
+Hugging Face Hub (`hub`), single weight files' layouts (`layouts`), and the embedded tiny models (the
+trained default's folder, the random-weight model's configs).
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.pretrained.folder", ("PipelineIndex",)),
     ("pipelines.wan.pretrained.hub", ("HubSnapshot", "download_snapshot", "hub_id")),
+    ("pipelines.wan.pretrained.layouts", ("EXPECTED_FILES", "folder_layout")),
     ("pipelines.wan.pretrained.saving", ("save_pipeline",)),
     ("pipelines.wan.pretrained.sources", ("Components", "Sources", "check_no_image_branch", "read_sources",
                                           "tokenizer_of")),
@@ -18,6 +19,4 @@ _HOMES = (
                                        "TINY_TRAINED_NAMES", "TINY_TRAINED_VIDEO", "TINY_TRANSFORMER")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

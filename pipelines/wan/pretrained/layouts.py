@@ -47,9 +47,10 @@ FOREIGN = (("double_blocks.", "a Flux / HunyuanVideo transformer"), ("input_bloc
            ("transformer_blocks.", "a diffusers transformer of another model"),
            ("vision_model.", "a CLIP vision model"), ("visual.", "an open-clip model"))
 KINDS = {"transformer": "the transformer", "vae": "the VAE", "text_encoder": "the text encoder"}
-FIXES = {"transformer": "a Wan 2.1 / 2.2 diffusion model file (ComfyUI's models/diffusion_models/)",
-         "vae": "a Wan VAE file (wan_2.1_vae.safetensors or wan2.2_vae.safetensors)",
-         "text_encoder": "a UMT5-XXL encoder file (umt5_xxl_*.safetensors)"}
+# What to pass for each kind, in the messages that refuse a file.
+EXPECTED_FILES = {"transformer": "a Wan 2.1 / 2.2 diffusion model file (ComfyUI's models/diffusion_models/)",
+                  "vae": "a Wan VAE file (wan_2.1_vae.safetensors or wan2.2_vae.safetensors)",
+                  "text_encoder": "a UMT5-XXL encoder file (umt5_xxl_*.safetensors)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def open_file(path: str, kind: str) -> dict[str, Any]:
     CheckpointError: a missing, truncated or unreadable file, named with the fix.
   """
   if not os.path.isfile(path):
-    raise weights.CheckpointError(f"{kind}={path!r} does not exist; pass {FIXES[kind]}")
+    raise weights.CheckpointError(f"{kind}={path!r} does not exist; pass {EXPECTED_FILES[kind]}")
   if path.endswith(weights.PICKLE_SUFFIXES):
     return weights.open_torch_file(path)
   try:
@@ -124,12 +125,12 @@ def _check_kind(path: str, kind: str, found: tuple[str, str] | None, keys: list[
     return
   if found is not None:
     what = f"{KINDS[found[0]]} of a Wan pipeline"
-    fix = f"pass it as {found[0]}= (--{found[0].replace('_', '-')}) and here {FIXES[kind]}"
+    fix = f"pass it as {found[0]}= (--{found[0].replace('_', '-')}) and here {EXPECTED_FILES[kind]}"
   else:
     hits = [(key, name) for marker, name in FOREIGN for key in keys if marker in key]
     what = (f"{hits[0][1]} (keys like {hits[0][0]!r})" if hits
             else f"no Wan component (keys like {sorted(keys)[:3]})")
-    fix = f"pass {FIXES[kind]}"
+    fix = f"pass {EXPECTED_FILES[kind]}"
   raise weights.CheckpointError(f"{kind}={path!r} holds {what}, not {KINDS[kind]} of a Wan model; {fix}")
 
 

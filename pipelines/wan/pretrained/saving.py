@@ -80,7 +80,7 @@ def vae_state_dict(vae: wan_vae.WanVAE) -> dict[str, np.ndarray]:
   return out
 
 
-def umt5_state_dict(config: umt5.UMT5Config, params: umt5.Params) -> dict[str, np.ndarray]:
+def umt5_state_dict(config: umt5.UMT5Config, params: umt5.UMT5Params) -> dict[str, np.ndarray]:
   """transformers `UMT5EncoderModel` state dict (float32 numpy, torch layouts)."""
   c = config
   out = {"shared.weight": np.asarray(params["embedding"], np.float32),
@@ -148,7 +148,7 @@ def write_configs(folder: str, *, transformer: Any, vae: Any, text_encoder: umt5
 
 
 def save_pipeline(folder: str, *, transformer: WanTransformer,
-                  text_encoder: tuple[umt5.UMT5Config, umt5.Params], vae: wan_vae.WanVAE,
+                  text_encoder: tuple[umt5.UMT5Config, umt5.UMT5Params], vae: wan_vae.WanVAE,
                   tokenizer: Any, scheduler_config: schedulers.UniPCConfig) -> str:
   """Writes a diffusers-format Wan 2.1 text-to-video folder (one expert), float32 safetensors.
 

@@ -1,11 +1,11 @@
 """Flow-matching samplers for Wan, one module per solver (`unipc`: Wan's default, `euler`, `dpm_solver`),
 what they share (`flow_schedule`: custom schedules, the flow shift) and the solvers by name (`registry`).
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.schedulers.dpm_solver", ("DPMSolverConfig", "DPMSolverSchedule", "DPMSolverState")),
@@ -17,6 +17,4 @@ _HOMES = (
     ("pipelines.wan.schedulers.unipc", ("UniPCConfig", "UniPCSchedule", "UniPCState")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

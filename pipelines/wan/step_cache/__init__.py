@@ -1,14 +1,14 @@
 """Step caching for the denoise loop (first-block residual cache, MagCache): the spec strings, the
 cached forward, and what a MagCache calibration was made for.
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
-    ("pipelines.wan.step_cache.calibration", ("FIELDS", "check_calibration", "record_fields")),
+    ("pipelines.wan.step_cache.calibration", ("FIELDS", "check_calibration", "record_fields", "warn_other_calibration")),
     ("pipelines.wan.step_cache.forward", ("cached_forward", "checkpoint_template", "constrain",
                                           "for_checkpoint", "init_state", "place", "reset")),
     ("pipelines.wan.step_cache.windows", ("cached_windows",)),
@@ -17,6 +17,4 @@ _HOMES = (
                                        "nearest_interp", "parse_step_cache", "summary")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

@@ -2,11 +2,11 @@
 its config, layers, the text/image cross-attention K/V, where its tokens and weights live on a mesh,
 weight quantization, and loading diffusers folders.
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.transformer.config", ("PRESETS", "WanTransformerConfig", "param_counts", "param_shapes")),
@@ -16,12 +16,10 @@ _HOMES = (
     ("pipelines.wan.transformer.original_names", ("diffusers_key", "wan_key", "wan_module")),
     ("pipelines.wan.transformer.model", ("WanTransformer", "build_transformer", "count_params", "forward",
                                          "init_transformer")),
-    ("pipelines.wan.transformer.quantization", ("QUANTIZED_LINEARS", "quantize_kernel",
-                                                "quantize_transformer", "quantized_counts")),
+    ("pipelines.wan.transformer.quantization", ("QUANTIZATION_MODES", "QUANTIZED_LINEARS", "check_quantization",
+                                                "quantize_kernel", "quantize_transformer", "quantized_counts")),
     ("pipelines.wan.transformer.sequence_layout", ("SequenceLayout", "padded_tokens")),
     ("pipelines.wan.transformer.weight_placement", ("large_leaf_shardings", "weight_shardings")),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

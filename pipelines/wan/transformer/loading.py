@@ -149,7 +149,7 @@ def load_transformer(folder: str, dtype: jnp.dtype = jnp.float32, *, mesh: Mesh 
       (uncommitted: a call on a mesh moves them).
     shard_weights: with `mesh`, split the stacked block weights over all of its devices.
     progress: a progress bar (None: for large folders only).
-    quantize: None or a `quantization.MODES` mode: the block Linear kernels are quantized from
+    quantize: None or a `quantization.QUANTIZATION_MODES` mode: the block Linear kernels are quantized from
       the checkpoint's values (read as fp32, not rounded to `dtype` first), each placed in fp32
       and quantized before the next, after the other weights: the devices hold the quantized
       model plus one stacked fp32 kernel at most.

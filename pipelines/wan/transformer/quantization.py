@@ -15,8 +15,8 @@ transformer's weights. What keeps its dtype, and why:
   the noise prediction;
 - every bias (O values per Linear; added in fp32).
 
-Modes (`MODES`), all with one scale per (layer, output channel), symmetric, from the absolute max
-over the input axis I (qwix's `absmax` calibration):
+Modes (`QUANTIZATION_MODES`), all with one scale per (layer, output channel), symmetric, from the
+absolute max over the input axis I (qwix's `absmax` calibration):
 - "int8": weight-only. s = absmax / 127.5, q = round(w / s) in [-128, 127] int8, so
   |w - q s| <= s / 2 (round to nearest; +absmax saturates to 127, exactly s / 2 off).
 - "fp8": weight-only. s = absmax / 448, q = e4m3fn(w / s) (round to nearest even), so
@@ -61,7 +61,7 @@ import qwix
 
 from pipelines.wan.transformer.config import WanTransformerConfig
 
-MODES = ("int8", "fp8", "int8-w8a8")
+QUANTIZATION_MODES = ("int8", "fp8", "int8-w8a8")
 QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int8-w8a8": jnp.int8}
 # The block Linear layers that are quantized (paths under `blocks`, each a `Dense`).
 QUANTIZED_LINEARS = (("attn1", "to_q"), ("attn1", "to_k"), ("attn1", "to_v"), ("attn1", "to_out"),
@@ -69,15 +69,16 @@ QUANTIZED_LINEARS = (("attn1", "to_q"), ("attn1", "to_k"), ("attn1", "to_v"), ("
                      ("ffn", "proj_in"), ("ffn", "proj_out"))
 
 
-def check_mode(mode: Any) -> str | None:
-  """None or one of `MODES`, as given.
+def check_quantization(mode: Any) -> str | None:
+  """None or one of `QUANTIZATION_MODES`, as given.
 
   Raises:
     ValueError: anything else, naming the value and the choices.
   """
-  if mode is None or (isinstance(mode, str) and mode in MODES):
+  if mode is None or (isinstance(mode, str) and mode in QUANTIZATION_MODES):
     return mode
-  raise ValueError(f"quantize={mode!r} is not supported; use None (the weights as loaded) or one of {MODES}")
+  raise ValueError(f"quantize={mode!r} is not supported; use None (the weights as loaded) or one of "
+                   f"{QUANTIZATION_MODES}")
 
 
 def quantize_kernel(kernel: jax.Array, mode: str) -> qwix.QArray:
@@ -157,7 +158,7 @@ def quantize_transformer(model: Any, mode: str | None) -> Any:
   Raises:
     ValueError: an unknown mode, or a kernel quantized to another type.
   """
-  mode = check_mode(mode)
+  mode = check_quantization(mode)
   if mode is None:
     return model
   for stack, path in ((stack, path) for stack in block_stacks(model.config) for path in QUANTIZED_LINEARS):

@@ -2,11 +2,11 @@
 data, layers, chunked encode and decode (also split over a mesh, in bands of rows, or streamed
 layer by layer in bounded memory), and the decoder's compile effort.
 
-The names below are imported on first use (as `attention`'s are), so that importing the package
+The names below are imported on first use (`lazy_facade`), so that importing the package
 imports none of its modules, and a JAX-free module among them loads without JAX.
 """
 
-from pipelines.wan import lazy_attributes
+from lazy_facade import lazy_facade
 
 _HOMES = (
     ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory", "decode_step_memory_analysis")),
@@ -28,6 +28,4 @@ _HOMES = (
     ("pipelines.wan.vae.topology", ("to_jax_layout",)),
 )
 
-__all__ = sorted(name for _, names in _HOMES for name in names)
-
-__getattr__ = lazy_attributes(__name__, _HOMES)
+__all__, __getattr__ = lazy_facade(__name__, _HOMES)

@@ -27,8 +27,8 @@ def expected_weight_bytes(c: umt5.UMT5Config, itemsize: int) -> int:
 
 def test_abstract_params_are_the_loaded_tree():
   for keep in (True, False):
-    real = umt5.init_umt5_params(umt5.PRESETS["tiny"], dtype=jnp.bfloat16, keep_wo_in_fp32=keep)
-    abstract = umt5.abstract_params(umt5.PRESETS["tiny"], dtype=jnp.bfloat16, keep_wo_in_fp32=keep)
+    real = umt5.init_umt5_params(umt5.UMT5_PRESETS["tiny"], dtype=jnp.bfloat16, keep_wo_in_fp32=keep)
+    abstract = umt5.abstract_umt5_params(umt5.UMT5_PRESETS["tiny"], dtype=jnp.bfloat16, keep_wo_in_fp32=keep)
     assert jax.tree.structure(real) == jax.tree.structure(abstract)
     assert jax.tree.leaves(jax.tree.map(lambda a, b: a.shape == b.shape and a.dtype == b.dtype, real, abstract)) \
         == [True] * len(jax.tree.leaves(real))

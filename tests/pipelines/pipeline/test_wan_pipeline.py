@@ -19,7 +19,7 @@ import torch
 
 import attention
 from pipelines import WanPipeline
-from pipelines.wan.encoders import tokenizer
+from pipelines.pipeline.run import text as text_states
 from pipelines.storage.weights import CheckpointError
 from pipelines.wan import pretrained
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least
@@ -243,7 +243,7 @@ def test_wan_negative_prompt_matches_diffusers(folders, loaded, monkeypatch):
                output_type="np", **kwargs).frames
     ours = loaded["wan21"].run(prompts, negatives, latents=LATENTS, **kwargs).frames
   assert_psnr_at_least(ours, ref, FP32_VIDEO_PSNR_DB, name="Wan negative prompt vs diffusers")
-  monkeypatch.setattr(tokenizer, "prompt_clean", _clean_without_ftfy)
+  monkeypatch.setattr(text_states, "prompt_clean", _clean_without_ftfy)  # where the pipeline cleans prompts
   with pytest.warns(UserWarning, match="truncated"):
     unfixed = loaded["wan21"].run(prompts, negatives, latents=LATENTS, **kwargs).frames
   assert psnr(unfixed, ref) < 50, "the prompts should tokenise differently without ftfy"

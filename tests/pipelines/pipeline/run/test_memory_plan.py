@@ -95,14 +95,14 @@ def test_a_text_encoder_too_large_for_the_device_is_loaded_to_the_host(monkeypat
   from pipelines.pipeline.load import loading
   from pipelines.wan.encoders import umt5
 
-  config = umt5.PRESETS["tiny"]
+  config = umt5.UMT5_PRESETS["tiny"]
   assert loading.text_encoder_shardings(config, jnp.float32) is None  # CPU: no limit
-  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_params(config)))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(umt5.abstract_umt5_params(config)))
   monkeypatch.setattr(memory, "device_budget", lambda device=None: need)
   assert loading.text_encoder_shardings(config, jnp.float32) is None  # fits exactly (nothing else in use)
   monkeypatch.setattr(memory, "device_budget", lambda device=None: need - 1)
   shardings = loading.text_encoder_shardings(config, jnp.float32)
-  placed = jax.tree.leaves(shardings(umt5.abstract_params(config)))
+  placed = jax.tree.leaves(shardings(umt5.abstract_umt5_params(config)))
   assert placed and all(s.device_set == {jax.devices("cpu")[0]} for s in placed)
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cp
 TINY_HF = dict(vocab_size=100, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
                relative_attention_num_buckets=32, relative_attention_max_distance=128,
                dropout_rate=0.0)
-ENCODE = jax.jit(umt5.encode, static_argnames="config")
+ENCODE = jax.jit(umt5.encode_text, static_argnames="config")
 
 
 def fp32_rel(length: int) -> float:
@@ -104,7 +104,7 @@ def test_relative_position_buckets_match_transformers(num_buckets, max_distance)
 
 def test_padding_is_respected(byte_tokenizer):
   # Valid rows do not depend on how many padded tokens follow (keys masked, positions relative).
-  config = umt5.PRESETS["tiny"]
+  config = umt5.UMT5_PRESETS["tiny"]
   params = umt5.init_umt5_params(config, 0)
   tok = byte_tokenizer
   ids16, mask16 = tokenizer.tokenize(tok, ["a cat", "a dog runs"], 16)
@@ -192,13 +192,13 @@ def test_config_from_dict_and_validation(reference):
   with pytest.raises(ValueError, match="is_decoder"):
     umt5.UMT5Config.from_dict({"is_decoder": True})
   with pytest.raises(ValueError, match="attention_mask"):
-    umt5.encode(umt5.init_umt5_params(cfg, 0), jnp.zeros((2, 5), jnp.int32),
+    umt5.encode_text(umt5.init_umt5_params(cfg, 0), jnp.zeros((2, 5), jnp.int32),
                 jnp.ones((2, 6), jnp.int32), config=cfg)
 
 
 def test_init_is_seeded_and_has_reference_shapes():
   # Bit-exact: the same seed must give the same parameters (a deterministic RNG).
-  cfg = umt5.PRESETS["tiny"]
+  cfg = umt5.UMT5_PRESETS["tiny"]
   a = umt5.init_umt5_params(cfg, 1)
   b = umt5.init_umt5_params(cfg, 1)
   c = umt5.init_umt5_params(cfg, 2)
@@ -213,7 +213,7 @@ def test_tokenizer_helpers(tmp_path, byte_tokenizer):
   with pytest.raises(tokenizer.TokenizerNotFoundError, match="tokenizer/"):
     tokenizer.load_tokenizer(str(tmp_path))
   default = byte_tokenizer
-  assert isinstance(default, transformers.ByT5Tokenizer) and len(default) == umt5.PRESETS["tiny"].vocab_size
+  assert isinstance(default, transformers.ByT5Tokenizer) and len(default) == umt5.UMT5_PRESETS["tiny"].vocab_size
   default.save_pretrained(tmp_path / "tokenizer")
   loaded = tokenizer.load_tokenizer(str(tmp_path))
   ids, mask = tokenizer.tokenize(loaded, ["hello", "a much longer prompt than that"], 12)

@@ -50,8 +50,8 @@ def test_vae_config_from_shapes(name):
 
 
 def test_umt5_config_from_shapes():
-  assert inference.umt5_config(umt5.checkpoint_shapes(umt5.PRESETS["umt5-xxl"])) == umt5.PRESETS["umt5-xxl"]
-  assert inference.umt5_config(umt5.checkpoint_shapes(umt5.PRESETS["tiny"])) == umt5.PRESETS["tiny"]
+  assert inference.umt5_config(umt5.checkpoint_shapes(umt5.UMT5_PRESETS["umt5-xxl"])) == umt5.UMT5_PRESETS["umt5-xxl"]
+  assert inference.umt5_config(umt5.checkpoint_shapes(umt5.UMT5_PRESETS["tiny"])) == umt5.UMT5_PRESETS["tiny"]
 
 
 FIX = r"pass the model's config: --config FOLDER \(CLI\) or config=FOLDER \(Python\)"

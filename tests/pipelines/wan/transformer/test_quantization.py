@@ -74,7 +74,7 @@ def _dense_reference(x: np.ndarray, q: qwix.QArray, bias: np.ndarray, int8_activ
   return (qx @ qv) * sx * s + bias
 
 
-@pytest.mark.parametrize("mode", quantization.MODES)
+@pytest.mark.parametrize("mode", quantization.QUANTIZATION_MODES)
 def test_dense_matches_reference(mode):
   rng = np.random.default_rng(1)
   w = rng.standard_normal((64, 48)).astype(np.float32) / 8
@@ -91,7 +91,7 @@ def test_dense_matches_reference(mode):
     assert np.max(np.abs(got - _dense_reference(x, q, bias, False))) > 100 * 68 * EPS32 * magnitude.max()
 
 
-@pytest.mark.parametrize("mode", (None, *quantization.MODES))
+@pytest.mark.parametrize("mode", (None, *quantization.QUANTIZATION_MODES))
 def test_dense_heads_is_the_dense_split_into_heads(mode):
   """`Dense.heads` (the kernel read as [N, I, H] head kernels, what the block's q/k/v projections
   run) gives `Dense.__call__`'s values bitwise, reshaped to [B, T, N, H], for every weight kind."""

@@ -134,7 +134,7 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   jit XLA may contract x1 * cos - x2 * sin into an FMA (one rounding where the eager reference and
   torch round twice; whether it does depends on the CPU), so fp32 results agree with the exact math
   and with diffusers to within (4 + sqrt(D)) fp32 eps of the rotated pair's norm, not bitwise
-  (tests/producers/test_rmsnorm_rope.py); bf16 results carry diffusers' two roundings, so they equal the exact
+  (tests/producers/test_query_key.py); bf16 results carry diffusers' two roundings, so they equal the exact
   math rounded at those two points except where fp32 rounding lands on a bf16 rounding boundary.
 
   Memory: on XLA:CPU (jax 0.10.2) the reduction and the normalisation form one YNNPACK fusion that

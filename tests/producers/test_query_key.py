@@ -1,4 +1,4 @@
-"""Tests for producers/rmsnorm_rope.py (issue 4): q/k RMSNorm + RoPE against a float64 oracle with
+"""Tests for producers/query_key.py (issue 4): q/k RMSNorm + RoPE against a float64 oracle with
 diffusers' rounding points, diffusers' `WanAttention` parity (fp32 and bf16), shard invariance, and
 the no-rotation form (Wan's cross-attention q/k)."""
 
@@ -241,7 +241,7 @@ def test_tpu_pair_partner_by_matmul_equals_the_flip(dtype, monkeypatch):
   # by flipping a [..., H/2, 2] view: the same values (values of `dtype` held in fp32, zeros and
   # the extremes included; not subnormals, which a dot flushes to zero here as every op does on
   # TPU), and so the same rmsnorm_rope: bit for bit in bf16 (but for the sign of a zero).
-  module = importlib.import_module("producers.rmsnorm_rope")  # the package exports the function
+  module = importlib.import_module("producers.query_key")
 
   info = jnp.finfo(dtype)
   rng = np.random.default_rng(5)

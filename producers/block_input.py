@@ -56,7 +56,7 @@ def layernorm_adaln(x: jax.Array, scale: jax.Array, shift: jax.Array, *,
   two-pass biased-variance form of torch's `F.layer_norm`. The fp32 statistics put fp32 results
   within (4 + sqrt(D)) fp32 eps of the output's scale of the exact math, whatever order and FMA
   contraction XLA picks for the CPU; bf16 results are the exact math rounded once, except where
-  fp32 rounding lands on a bf16 rounding boundary (tests/producers/test_layernorm_adaln.py).
+  fp32 rounding lands on a bf16 rounding boundary (tests/producers/test_block_input.py).
   """
   _check_inputs(x, scale, shift)
   normed = _normalize_f32(x, eps)

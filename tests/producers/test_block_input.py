@@ -1,4 +1,4 @@
-"""Tests for producers/layernorm_adaln.py (issue 4): LayerNorm + AdaLN modulation against float64 math
+"""Tests for producers/block_input.py (issue 4): LayerNorm + AdaLN modulation against float64 math
 (one rounding to x.dtype, as diffusers' block), diffusers' block formula in bf16, and the affine
 `layer_norm` (Wan's cross-attention norm2) against torch."""
 
