@@ -6,22 +6,21 @@ of `WanPipeline.__call__` (`CALL_DOCS`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.pipeline.run.callback import check_callback
 from pipelines.pipeline.checked.inputs import check_flag, not_a
 from pipelines.pipeline.run.loop import StepHook
 from pipelines.pipeline.run.resume import ResumeConfig
 
-# `GenerationRequest.build`'s keyword arguments: what decides the video and where it runs.
-REQUEST_ARGUMENTS = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
-                     "flow_shift", "seed", "latents", "max_sequence_length", "mesh", "prompt_embeds",
-                     "negative_prompt_embeds", "num_videos_per_prompt", "attention_kwargs", "generator",
-                     "step_cache", "shard_weights", "attention_implementation", "attention_backend",
-                     "vae_parallel", "decode", "attention_exchange", "image", "last_image", "image_embeds",
-                     "timesteps", "sigmas", "scheduler", "video", "strength", "mask", "reference_images",
-                     "conditioning_scale", "context_frames", "context_overlap", "context_fuse")
+# `GenerationRequest.build`'s keyword arguments: what decides the video and where it runs (read from
+# its signature: adding an argument there adds it to every call).
+# `video_to_video` is the pipeline class's kind (`WanPipeline.video_to_video`), not a call's.
+REQUEST_ARGUMENTS = tuple(name for name in inspect.signature(GenerationRequest.build).parameters
+                          if name not in ("cls", "model", "prompt", "negative_prompt", "video_to_video"))
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
@@ -33,83 +32,103 @@ LEGACY_OPTIONS = {
     "keep_checkpoint": "ResumeConfig(keep=True)",
     "step_cache": "pipe.enable_cache(spec)",
 }
-CALL_DOCS = """
-  prompt: one prompt or a list (B prompts); None when `prompt_embeds` is given.
-  negative_prompt: str or list of B str; default "" (used only with guidance_scale > 1).
-  height, width: multiples of 16.
-  num_frames: 4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a
-    warning, as diffusers does.
-  num_inference_steps: scheduler steps, at most the scheduler's num_train_timesteps (1000); None:
-    50, or the length of `timesteps` / `sigmas`.
-  timesteps: a custom schedule as N decreasing timesteps in (0, 1000] (lightx2v's
-    `denoising_step_list`, e.g. [1000, 750, 500, 250] for the 4-step distilled Wan): sigmas
-    t / 1000, shifted by the scheduler, the model fed each shifted sigma x 1000
-    (`wan.flow_schedule`).
-  sigmas: a custom schedule as N decreasing unshifted sigmas in (0, 1] (diffusers' flow schedulers'
-    `set_timesteps(sigmas=)`); at most one of `timesteps` and `sigmas`.
-  scheduler: None (the model folder's scheduler), "unipc", "euler" (flow-match Euler) or "dpm++"
-    (DPM-Solver++ multistep, Wan's `--sample_solver dpm++`), keeping the flow shift; or a config
-    (`wan.schedulers.UniPCConfig`, `FlowEulerConfig`, `DPMSolverConfig`).
-  guidance_scale: CFG scale in [0, 100] (of `transformer`, the high-noise expert, for Wan 2.2);
-    <= 1 turns the unconditional pass off.
-  seed: video i of the B x num_videos_per_prompt batch (prompt-major) uses
-    numpy.random.default_rng(seed + i); a list of B' ints gives each video its own (video i uses
-    seed[i]); None draws one (reported in `run(...).settings`).
-  latents: explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed; for
-    `WanVideoToVideoPipeline` without a video, the already noised start (run from strength's step).
-  max_sequence_length: L, text tokens (prompts truncated / zero-padded to it); None: the
-    pipeline's `max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.
-  mesh: None (one device), a spec string ("U=2,R=2"; "CFG=2,U=2,R=2" runs the cond and uncond
-    halves on the two halves of the devices), an `attention.MeshSpec`, or a built mesh.
-  guidance_scale_2: the low-noise expert's scale in [0, 100] (two-expert pipelines); default
-    guidance_scale.
-  flow_shift: overrides the scheduler config's shift; in [0.01, 1000] (Wan: 3.0 at 480p, 5.0 at
-    720p, 12 for Wan 2.2 A14B). The schedule and solver tables are computed when the call is
-    checked: one that comes out singular or non-finite is a ValueError naming flow_shift.
-  num_videos_per_prompt: videos per prompt (text states repeated prompt-major, as diffusers).
-  prompt_embeds, negative_prompt_embeds: precomputed text states [B, L, text_dim] (numpy, JAX or
-    CPU torch) used as given; under CFG both must have the same L.
-  output_type: "np" (float32 [B', frames, H, W, 3] in [0, 1]), "latent" (the final latents, not
-    decoded, before de-normalisation) or "pil" (B' lists of PIL images, diffusers' rounding).
-  callback_on_step_end: diffusers' `callback(pipe, step_index, timestep, callback_kwargs) -> dict`
-    after each step, with the tensors named in `callback_on_step_end_tensor_inputs` ("latents" a
-    copy, safe to keep; "prompt_embeds", "negative_prompt_embeds"). Returned "latents" /
-    "prompt_embeds" / "negative_prompt_embeds" replace the pipeline's (same shape, finite, else
-    ValueError). `pipe._interrupt = True` skips the remaining steps; the latents so far decode.
-  callback_on_step_end_tensor_inputs: names from `CALLBACK_TENSOR_INPUTS`; default ["latents"].
-  attention_kwargs: None or {"scale": s}, s in [-100, 100]: the LoRA scale for this call only
-    (diffusers scales its PEFT LoRA layers by s during the call); the pipeline's scale is restored
-    afterwards.
-  generator: not supported (ValueError): pass diffusers' noise as `latents`.
-  shard_weights: split the transformer's block weights over the mesh (FSDP: gathered a layer at a
-    time in the layer scan); same video. Needs a mesh of several devices.
-  vae_parallel: decode split along height over the mesh's devices (default True).
-  attention_backend: "auto" (Pallas on TPU and GPU, XLA loops elsewhere), "xla" or "pallas".
-  attention_implementation: "auto" | "lse" | "fixed_m".
-  attention_exchange: "bf16" (default) or "fp8": Q, V and the attention output cross USP's Ulysses
-    all-to-alls in e4m3 with per-head scales, K in bf16 (`attention.fp8_exchange`; with U > 1).
-  decode: False skips the VAE (run: `frames` is None).
-  image, last_image, image_embeds: image-to-video models only (`WanImageToVideoPipeline`): the
-    first frame, the last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states
-    (`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional `image` only
-    (either class; `pipeline.ti2v`).
-  video, strength: video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames
-    to start from and the share of the schedule that runs, in (0, 1] (`video_inputs`; checked
-    without a video too). On a VACE model `video` is VACE's (`WanVACEPipeline`).
-  mask, reference_images, conditioning_scale: VACE models only (`WanVACEPipeline`, `vace_inputs`):
-    which pixels of `video` to generate (white) and keep (black), images the video should show
-    (each adds a latent frame in front, dropped before decoding), the VACE hints' weight (one
-    number or one per VACE layer).
-  context_frames, context_overlap, context_fuse: a video longer than the model's trained clip in
-    overlapping context windows (ComfyUI's `WanContextWindowsManual`): each step runs one forward
-    per window of `context_frames` frames (4k + 1; Wan: 81), neighbouring windows sharing at least
-    `context_overlap` frames (a multiple of 4; default a quarter of the window), their noise
-    predictions blended with `context_fuse` "pyramid" (default) or "flat" weights
-    (`wan.conditioning.windows`). A mesh with W=2 runs two windows at once on two device groups.
-    `context_fuse` "continue" runs the windows one after another instead, each a whole denoising
-    given the frames it shares with the one before (`pipeline.continued`; text-to-video and TI2V
-    models, one window at a time).
-"""
+# Every argument of `WanPipeline.__call__` (diffusers' meanings where diffusers has them), by name; a
+# key naming several arguments documents them together (`call_doc`).
+CALL_DOCS = {
+    "prompt": "one prompt or a list (B prompts); None when `prompt_embeds` is given.",
+    "negative_prompt": "str or list of B str; default \"\" (used only with guidance_scale > 1).",
+    "height, width": "multiples of 16.",
+    "num_frames": "4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a warning, as "
+                  "diffusers does.",
+    "num_inference_steps": "scheduler steps, at most the scheduler's num_train_timesteps (1000); None: 50, or the "
+                           "length of `timesteps` / `sigmas`.",
+    "timesteps": "a custom schedule as N decreasing timesteps in (0, 1000] (lightx2v's `denoising_step_list`, e.g. "
+                 "[1000, 750, 500, 250] for the 4-step distilled Wan): sigmas t / 1000, shifted by the scheduler, the "
+                 "model fed each shifted sigma x 1000 (`wan.flow_schedule`).",
+    "sigmas": "a custom schedule as N decreasing unshifted sigmas in (0, 1] (diffusers' flow schedulers' "
+              "`set_timesteps(sigmas=)`); at most one of `timesteps` and `sigmas`.",
+    "scheduler": "None (the model folder's scheduler), \"unipc\", \"euler\" (flow-match Euler) or \"dpm++\" (DPM-Solver++ "
+                 "multistep, Wan's `--sample_solver dpm++`), keeping the flow shift; or a config "
+                 "(`wan.schedulers.UniPCConfig`, `FlowEulerConfig`, `DPMSolverConfig`).",
+    "guidance_scale": "CFG scale in [0, 100] (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the "
+                      "unconditional pass off.",
+    "seed": "video i of the B x num_videos_per_prompt batch (prompt-major) uses numpy.random.default_rng(seed + i); a "
+            "list of B' ints gives each video its own (video i uses seed[i]); None draws one (reported in "
+            "`run(...).settings`).",
+    "latents": "explicit float32 noise [B', C, F, Hl, Wl] (diffusers' `latents`) instead of a seed; for "
+               "`WanVideoToVideoPipeline` without a video, the already noised start (run from strength's step).",
+    "max_sequence_length": "L, text tokens (prompts truncated / zero-padded to it); None: the pipeline's "
+                           "`max_sequence_length`. Embeds given as `prompt_embeds` keep their own L.",
+    "mesh": "None (one device), a spec string (\"U=2,R=2\"; \"CFG=2,U=2,R=2\" runs the cond and uncond halves on the two "
+            "halves of the devices), an `attention.MeshSpec`, or a built mesh.",
+    "guidance_scale_2": "the low-noise expert's scale in [0, 100] (two-expert pipelines); default guidance_scale.",
+    "flow_shift": "overrides the scheduler config's shift; in [0.01, 1000] (Wan: 3.0 at 480p, 5.0 at 720p, 12 for Wan "
+                  "2.2 A14B). The schedule and solver tables are computed when the call is checked: one that comes "
+                  "out singular or non-finite is a ValueError naming flow_shift.",
+    "num_videos_per_prompt": "videos per prompt (text states repeated prompt-major, as diffusers).",
+    "prompt_embeds, negative_prompt_embeds": "precomputed text states [B, L, text_dim] (numpy, JAX or CPU torch) used "
+                                             "as given; under CFG both must have the same L.",
+    "output_type": "\"np\" (float32 [B', frames, H, W, 3] in [0, 1]), \"latent\" (the final latents, not decoded, before "
+                   "de-normalisation) or \"pil\" (B' lists of PIL images, diffusers' rounding).",
+    "callback_on_step_end": "diffusers' `callback(pipe, step_index, timestep, callback_kwargs) -> dict` after each "
+                            "step, with the tensors named in `callback_on_step_end_tensor_inputs` (\"latents\" a copy, "
+                            "safe to keep; \"prompt_embeds\", \"negative_prompt_embeds\"). Returned \"latents\" / "
+                            "\"prompt_embeds\" / \"negative_prompt_embeds\" replace the pipeline's (same shape, finite, "
+                            "else ValueError). `pipe._interrupt = True` skips the remaining steps; the latents so far "
+                            "decode.",
+    "callback_on_step_end_tensor_inputs": "names from `CALLBACK_TENSOR_INPUTS`; default [\"latents\"].",
+    "attention_kwargs": "None or {\"scale\": s}, s in [-100, 100]: the LoRA scale for this call only (diffusers scales "
+                        "its PEFT LoRA layers by s during the call); the pipeline's scale is restored afterwards.",
+    "generator": "not supported (ValueError): pass diffusers' noise as `latents`.",
+    "shard_weights": "split the transformer's block weights over the mesh (FSDP: gathered a layer at a time in the "
+                     "layer scan); same video. Needs a mesh of several devices.",
+    "vae_parallel": "decode split along height over the mesh's devices (default True).",
+    "attention_backend": "\"auto\" (Pallas on TPU and GPU, XLA loops elsewhere), \"xla\" or \"pallas\".",
+    "attention_implementation": "\"auto\" | \"lse\" | \"fixed_m\".",
+    "attention_exchange": "\"bf16\" (default) or \"fp8\": Q, V and the attention output cross USP's Ulysses all-to-alls "
+                          "in e4m3 with per-head scales, K in bf16 (`attention.fp8_exchange`; with U > 1).",
+    "step_cache": "skip transformer blocks on steps whose change is small, reusing a cached residual "
+                  "(`wan.step_cache`): \"first-block:THRESH\" or \"mag:THRESH[:K][@RATIOS.json]\", or None (off, "
+                  "unless `pipe.enable_cache(spec)` set one for every call).",
+    "decode": "False skips the VAE (run: `frames` is None).",
+    "image, last_image, image_embeds": "image-to-video models only (`WanImageToVideoPipeline`): the first frame, the "
+                                       "last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states "
+                                       "(`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional "
+                                       "`image` only (either class; `pipeline.ti2v`).",
+    "video, strength": "video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames to start from "
+                       "and the share of the schedule that runs, in (0, 1] (`video_inputs`; checked without a video "
+                       "too). On a VACE model `video` is VACE's (`WanVACEPipeline`).",
+    "mask, reference_images, conditioning_scale": "VACE models only (`WanVACEPipeline`, `vace_inputs`): which pixels "
+                                                  "of `video` to generate (white) and keep (black), images the video "
+                                                  "should show (each adds a latent frame in front, dropped before "
+                                                  "decoding), the VACE hints' weight (one number or one per VACE "
+                                                  "layer).",
+    "context_frames, context_overlap, context_fuse": "a video longer than the model's trained clip in overlapping "
+                                                     "context windows (ComfyUI's `WanContextWindowsManual`): each "
+                                                     "step runs one forward per window of `context_frames` frames (4k "
+                                                     "+ 1; Wan: 81), neighbouring windows sharing at least "
+                                                     "`context_overlap` frames (a multiple of 4; default a quarter of "
+                                                     "the window), their noise predictions blended with "
+                                                     "`context_fuse` \"pyramid\" (default) or \"flat\" weights "
+                                                     "(`wan.conditioning.windows`). A mesh with W=2 runs two windows "
+                                                     "at once on two device groups. `context_fuse` \"continue\" runs "
+                                                     "the windows one after another instead, each a whole denoising "
+                                                     "given the frames it shares with the one before "
+                                                     "(`pipeline.continued`; text-to-video and TI2V models, one "
+                                                     "window at a time).",
+}
+
+
+def call_doc(name: str) -> str:
+  """The documentation of `WanPipeline.__call__`'s argument `name` (its `CALL_DOCS` entry).
+
+  Raises:
+    KeyError: an argument the table does not document.
+  """
+  for key, line in CALL_DOCS.items():
+    if name in key.split(", "):
+      return line
+  raise KeyError(f"{name!r} is not an argument CALL_DOCS documents")
 
 
 @dataclasses.dataclass(frozen=True)

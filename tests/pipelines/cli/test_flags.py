@@ -36,6 +36,7 @@ NOT_TAKEN = {
     "generator",  # refused by the request: pass a seed
     "attention_implementation",  # a measurement knob (end_to_end), not a user choice
     "decode",  # every process that writes decodes
+    "video_to_video",  # the pipeline class's kind: --video on a text-to-video model is video-to-video
 }
 
 
