@@ -2,8 +2,7 @@
 
 `GenerationRequest.build` is the only place a call's arguments are checked (the Python call and the
 `generate` command both build one; each bad argument raises a ValueError naming it, its value and
-the fix, before any compute). The sidecar's settings, the resume identity and the command's run
-record are derived from the request (`settings`, `identity`), never written out by hand.
+the fix, before any compute). The sidecar's settings and the resume identity are derived from it.
 
 Glossary (DESIGN.md section 1): B prompts, B' = B x num_videos_per_prompt videos, C latent
 channels, F / Hl / Wl latent frames / height / width, L text tokens.
@@ -29,7 +28,6 @@ from pipelines.pipeline.checked.inputs import (check_flag, check_int, check_numb
                                                is_real, not_a, round_num_frames, seed_or_latents, texts)
 from pipelines.pipeline.checked.model_facts import ModelFacts
 from pipelines.wan import schedulers, step_cache as wan_step_cache
-from pipelines.wan.schedulers import custom_sigmas
 
 GUIDANCE_HINT = " (Wan: 5.0; <= 1 turns CFG off)"
 
@@ -117,7 +115,7 @@ class GenerationRequest:
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size. Every
     argument is checked for type as well as value (a bool is not an int, a str not a number,
     NaN/inf not a number either), whether or not the call would use it. `num_inference_steps`
-    None is 50, or the length of `timesteps` / `sigmas` (`custom_sigmas`).
+    None is 50, or the length of `timesteps` / `sigmas` (`schedulers.custom_sigmas`).
     `video_to_video` is the pipeline's kind (`WanPipeline.video_to_video`), not a call argument.
 
     Raises:
@@ -202,7 +200,7 @@ class GenerationRequest:
   def schedule(self) -> Any:
     """The host-side schedule of the run (`scheduler.set_timesteps`, the custom one if given); for
     video-to-video its tail from the strength's first step (`video_inputs.VideoInputs.start`)."""
-    _, sigmas = custom_sigmas(self.steps, self.sigmas, self.timesteps,
+    _, sigmas = schedulers.custom_sigmas(self.steps, self.sigmas, self.timesteps,
                                             self.scheduler.num_train_timesteps)
     schedule = self.scheduler.set_timesteps(self.steps, sigmas=sigmas)
     return schedule if self.video is None else schedule.tail(self.video.start(self.steps))
@@ -386,7 +384,7 @@ def _schedule(model: ModelFacts, scheduler: Any, flow_shift: Any, num_inference_
   if num_inference_steps is not None:
     num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
   config = _scheduler(model, scheduler, flow_shift)
-  steps, _ = custom_sigmas(num_inference_steps, sigmas, timesteps, config.num_train_timesteps)
+  steps, _ = schedulers.custom_sigmas(num_inference_steps, sigmas, timesteps, config.num_train_timesteps)
   if steps > config.num_train_timesteps:  # the tables are computed at build: O(steps) time and memory
     raise ValueError(f"num_inference_steps={steps} must be at most {config.num_train_timesteps}, the scheduler's "
                      "num_train_timesteps (more steps than trained noise levels sample no finer); Wan uses 40 to 50")
