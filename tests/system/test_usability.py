@@ -41,7 +41,7 @@ def _words(text: str) -> str:
 
 @pytest.mark.parametrize("module,expected", [
     ("pipelines.cli.generate", ["--mesh MESH device mesh", "(default: U=1,R=1)",
-                            "(default: output.mp4)", "(default: the preset's, 16 as Wan; a GIF without --fps", "text tokens per prompt (default: 512 as Wan",
+                            "(default: output.mp4)", "(default: the --preset's, else the model's: 24 for Wan 2.2 TI2V-5B, 16 for the others; a GIF without --fps", "text tokens per prompt (default: 512 as Wan",
                             "other counts become frames // 4 * 4 + 1, as in diffusers (16 -> 17, 10 -> 9)"]),
     ("end_to_end.quality.check", ["(default: tiny)", "(default: 64 for tiny, 48 otherwise)", "(default: 64)",
                             "(default: 17 for tiny, 9 otherwise)", "(default: 8 for tiny, 4 otherwise)",
