@@ -4,7 +4,7 @@
 platform being a TPU generation where one has its own entry (`platform_key`),
 `resolve_backend` ("auto" -> "pallas" on TPU / GPU, "xla" elsewhere) and the implementation names
 ("auto" | "fixed_m" | "lse", DESIGN.md section 4). No compute, and no JAX until a default is asked
-for without naming the platform; re-exported by `attention.blockwise` and `attention`.
+for without naming the platform; the `attention` package names its public names.
 """
 
 from __future__ import annotations

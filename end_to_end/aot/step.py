@@ -142,7 +142,7 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, 
 
 
 def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec: Any, *, ti2v: bool) -> Any:
-  """The step's condition argument for one video (`pipeline.step.denoise_step`): None for
+  """The step's condition argument for one video (`pipeline.run.step.denoise_step`): None for
   text-to-video; VACE's context [1, Cv, F, Hl, Wl] and scales [V]; TI2V's first-frame latents
   [1, C, 1, Hl, Wl] (per-token timesteps); image-to-video's mask + condition latents
   [1, in - out channels, F, Hl, Wl] and (Wan 2.1 I2V) the CLIP states [1 or 2, J, I] (unused by

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
                        "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
                        "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
-                       "vae_effort.decode_compile_effort)")
+                       "vae.decode_compile_effort)")
   ap.add_argument("--aot-frames", type=int, help="with --aot: the video's frames instead of each target's (4k + 1)")
   ap.add_argument("--aot-context", metavar="FRAMES,OVERLAP",
                   help="with --aot: the step on context windows of FRAMES video frames overlapping by OVERLAP "

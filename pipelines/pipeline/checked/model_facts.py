@@ -31,11 +31,11 @@ class ModelFacts:
     dtype: the transformer's dtype name ("float32" or "bfloat16").
     trained_video: (height, width, frames) when the weights know one video size only (the trained
       tiny default: 64 x 64 x 17); a request for another size warns. None: any size.
-    quantize: the block weights' quantization (`wan.quantization.MODES`), None: as loaded.
+    quantize: the block weights' quantization (`wan.transformer.quantization.MODES`), None: as loaded.
     image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
     expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
-      `expand_timesteps`; `wan.ti2v`).
+      `expand_timesteps`; `wan.conditioning.ti2v`).
   """
   name: str
   transformer: WanTransformerConfig

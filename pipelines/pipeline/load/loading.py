@@ -163,7 +163,7 @@ def load_image_processor(folder: str) -> Any:
 
 
 def tiny_random_parts(dtype: str) -> dict[str, Any]:
-  """The constructor's keyword arguments of the random-weight tiny model (`wan.tiny`)."""
+  """The constructor's keyword arguments of the random-weight tiny model (`wan.pretrained.tiny`)."""
   model_dtype = dtype_of(dtype)
   te_config = umt5.PRESETS["tiny"]
   return dict(tokenizer=tokenization.default_tokenizer(),
