@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.pipeline", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
-                  help="architecture and video size (table in end_to_end/README.md)")
+                  help="architecture and video size (table in docs/measurements/pipeline.md)")
   ap.add_argument("--model", help="a diffusers Wan folder to load instead of the preset's random weights "
                   "(the preset still gives the run settings)")
   ap.add_argument("--height", type=int)

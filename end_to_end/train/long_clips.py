@@ -63,7 +63,7 @@ DECODED = ("decoder.", "post_quant_conv.")
 GIVEN_OVERLAP = 2
 # Guidance of the checks (17-frame samples, windows that continue): with these picture latents a colour lies on a ray
 # from the background's latents, and guidance much above 2 pushes it along to the next colour
-# (end_to_end/README, "Training the tiny models further").
+# (docs/measurements/training.md, "Training the tiny models further").
 CONTINUE_GUIDANCE = 2.0
 
 
@@ -355,7 +355,7 @@ def _report(out: str, report: dict) -> None:
 
 def _checks(folder: str, seed: int, report: dict, out: str, image: bool, continued: bool) -> None:
   """The detector on 17-frame samples (10 held-out prompts x 2 seeds, guidance `CONTINUE_GUIDANCE`:
-  the picture latents' (h) in end_to_end/README), 65-frame windowed samples
+  the picture latents' (h) in docs/measurements/training.md), 65-frame windowed samples
   (slow and still prompts; `continued`: windows that continue, at `CONTINUE_GUIDANCE`), and
   first-frame-given samples; long.png shows the long ones."""
   from pipelines.storage.contact_sheet import write_contact_sheet

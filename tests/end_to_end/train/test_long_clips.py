@@ -264,7 +264,7 @@ def test_default_vae_round_trips_65_frame_clips_in_one_latent_space():
 def test_default_draws_a_long_video_in_context_windows():
   """The issue's acceptance: the default at 65 frames (4x its trained 17) in context windows of 17
   frames overlapping by 8 that continue one another (windows blended at every step did not agree
-  in this world: end_to_end/README), held-out slow and still prompts: the named colour in every 16
+  in this world: docs/measurements/training.md), held-out slow and still prompts: the named colour in every 16
   frames, exactly one shape in every frame, steady progress the named way with no jump between
   frames (`world.check_long`), for at least 5 of 6."""
   samples = long_clips.long_samples(TINY_DEFAULT_FOLDER, list(HELD_OUT_LONG), seeds=(1,), context_fuse="continue",
