@@ -248,17 +248,19 @@ def resolves(name: str, path: pathlib.Path, parameters: dict[str, str] | None = 
 def path_exists(text: str, path: pathlib.Path) -> bool:
   """Whether the backticked path `text`, written in `path`, names a file or folder of the repository.
 
-  A path is the repository's when its first folder is one at the root or in a folder above `path`
-  (`pipelines/...`, `bench/presets.py` in end_to_end/); then it must exist there. A bare `name.py`
-  must be a module of the product. Other paths (a Wan folder's `text_encoder/`, Wan-Video's
-  `wan/modules/t5.py`, `multipart/form-data`) are not the repository's to check.
+  A path is the repository's when its first folder is one at the root, in a folder above `path`
+  (`bench/presets.py` in end_to_end/) or in pipelines/ (`pipeline/run/continued.py`); then it must
+  exist there. A bare `name.py` must be a module of the product. Other paths (a Wan folder's
+  `text_encoder/`, Wan-Video's `wan/modules/t5.py`, `multipart/form-data`) are not the
+  repository's to check.
   """
   if "/" not in text:
     return any(p.name == text for p in MODULES.values())
-  first, text = text.split("/")[0], text.rstrip("/")
-  if first == "wan":  # Wan-Video's repository (this one's is `pipelines/wan/`)
+  parts, text = text.split("/"), text.rstrip("/")
+  if parts[0] == "wan" and not (ROOT / "pipelines/wan" / parts[1]).exists():  # Wan-Video's repository
     return True
-  folders = [f for f in (ROOT, *path.parents) if f.is_relative_to(ROOT) and (f / first).is_dir()]
+  bases = [f for f in (ROOT, *path.parents) if f.is_relative_to(ROOT)] + [ROOT / "pipelines"]
+  folders = [f for f in bases if (f / parts[0]).is_dir()]
   return not folders or any((folder / text).exists() for folder in folders)
 
 
