@@ -15,12 +15,13 @@ producers/, pipelines/ and end_to_end/, and the Markdown pages (`DOCS`) outside 
   of the function whose docstring it is (`request.seed`: checked against the parameter's annotated
   class); or a class of the product (`WanPipeline.quantize`). `module.member` also resolves when the
   member is one of a class's in that module (the prose names an instance: `plan.mesh`).
-- A backticked path whose first folder is the repository's (`pipelines/wan/vae/model.py`, from
-  end_to_end/ `bench/presets.py`) must exist; a bare `name.py` must be a module of the product.
+- A backticked path whose first folder is the repository's (`pipelines/wan/vae/model.py`; from
+  end_to_end/ `bench/presets.py`; under pipelines/ `pipeline/run/ti2v.py`) must exist; a bare
+  `name.py` must be a module of the product.
 - Not checked: bare names (`decode`); another project's names (a first word in `FOREIGN`: `jax.`,
   diffusers' classes, checkpoint keys; a span right after "diffusers", "Wan", ...; a path from
-  `wan/`, Wan-Video's); file names (`config.json`); and an instance the prose names (`INSTANCES`:
-  `pipe.run`, `state.step`) when no module of that name resolves it.
+  `wan/` that pipelines/wan/ lacks, Wan-Video's); file names (`config.json`); and an instance the
+  prose names (`INSTANCES`: `pipe.run`, `state.step`) when no module of that name resolves it.
 """
 
 from __future__ import annotations
@@ -344,6 +345,7 @@ def test_positive_control_stale_names_are_reported():
           '`jax.no_such_name`, `config.json` and diffusers\' `WanPipeline.check_inputs` name something or are not\n'
           'ours."""\n'
           "# `pipeline.continued` moved; `pipeline.run.continued`, `call_options.CALL_DOCS`; `no_such_module.f`\n"
+          "# `pipeline/continued.py` moved; `pipeline/run/continued.py`; Wan-Video's `wan/modules/t5.py`\n"
           "def f(request: GenerationRequest):\n"
           '  """`request.seed`, `request.no_such_field`."""\n')
   where = home.relative_to(ROOT)
@@ -351,4 +353,5 @@ def test_positive_control_stale_names_are_reported():
       f"{where}:1 `{name}`" for name in (
           "pipelines.no_such_module", "wan.vae.no_such_name", "WanPipeline.no_such_method",
           "pipelines/wan/vae/no_such.py", "no_such_module.py")] + [
-      f"{where}:8 `request.no_such_field`", f"{where}:6 `pipeline.continued`", f"{where}:6 `no_such_module.f`"]
+      f"{where}:9 `request.no_such_field`", f"{where}:6 `pipeline.continued`", f"{where}:6 `no_such_module.f`",
+      f"{where}:7 `pipeline/continued.py`"]
