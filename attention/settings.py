@@ -4,7 +4,7 @@
 platform being a TPU generation where one has its own entry (`platform_key`),
 `resolve_backend` ("auto" -> "pallas" on TPU / GPU, "xla" elsewhere) and the implementation names
 ("auto" | "fixed_m" | "lse", DESIGN.md section 4). No compute, and no JAX until a default is asked
-for without naming the platform; re-exported by `attention.blockwise` and `attention`.
+for without naming the platform; the `attention` package names its public names.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # scoped VMEM); GPU the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry
 # is interpret mode (tests), small so that padding stays cheap.
 # TPU v5e and v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v5e:2x2 /
-# v6e:2x2`, then `--pick`; libtpu 0.0.42; end_to_end/README.md "Block sizes per TPU generation" has
-# the tables) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128]; U=2,R=2:
+# v6e:2x2`, then `--pick`; libtpu 0.0.42; docs/measurements/attention.md "Block sizes per TPU generation"
+# has the tables) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128]; U=2,R=2:
 # [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048 squared.
 # Fit: v5e refuses 2048 x 2048 (scoped VMEM 23.9-27.9 MiB > 16) and, at 14B, 2048 x 1024 (19.6);
 # 1024 x 1024 needs ~10.1 MiB there; v6e (32 MiB) refuses none. Padding: 2048-blocks pad 14B's

@@ -87,38 +87,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   from pipelines.parallel import planner
-  from pipelines.commands.presets import PRESETS
-  from pipelines.pipeline.checked.inputs import check_size, round_num_frames
-  from pipelines.pipeline.checked.model_facts import token_facts
-  from pipelines.wan.pretrained import TINY_TRANSFORMER
-  from pipelines.wan.transformer import param_counts, PRESETS as MODELS, quantized_counts
-  from pipelines.wan.vae import VAE_PRESETS
 
   try:
-    if args.topology and args.chip:
-      raise ValueError(f"--topology {args.topology} names the chip; drop --chip {args.chip}")
-    chip_name, devices = _topology(args.topology) if args.topology else (args.chip or "v6e", args.devices)
-    if chip_name not in planner.CHIPS:
-      raise ValueError(f"unknown chip {chip_name!r}; known: {', '.join(sorted(planner.CHIPS))}")
-    preset = PRESETS[args.preset]
-    height = preset.height if args.height is None else args.height
-    width = preset.width if args.width is None else args.width
-    check_size(height, width)
-    frames = round_num_frames(preset.frames if args.frames is None else args.frames)
-    if args.max_sequence_length < 1:
-      raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
-    experts = 2 if args.preset == "wan2.2-t2v-a14b" else 1
-    model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
-    # The VAE of each preset's folder: Wan 2.2's for TI2V-5B (16x spatial), Wan 2.1's for the others.
-    vae = VAE_PRESETS[{"tiny": "tiny", "wan2.2-ti2v-5b": "wan2.2"}.get(args.preset, "wan2.1")]
-    facts = token_facts(model, spatial_factor=vae.spatial_factor, temporal_factor=vae.temporal_factor,
-                        text_tokens=args.max_sequence_length)
-    windows = _windows(args, frames)
-    found = planner.candidates(model, facts, param_counts=param_counts(model), devices=devices, frames=frames,
-                               windows=None if windows is None else (windows.video_frames()[0], len(windows.starts)),
-                               height=height, width=width, cfg=preset.guidance[0] > 1, dtype=args.dtype,
-                               experts=experts, chip=planner.CHIPS[chip_name],
-                               quantized=quantized_counts(model) if args.quantize else (0, 0))
+    chip_name, devices, (height, width, frames), found = _candidates(args)
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"plan: error: {e}", file=sys.stderr)
@@ -133,6 +104,66 @@ def main(argv: list[str] | None = None) -> int:
       return 3
     memory_kind = "xla"
   best = planner.recommend(found)
+  _print_plan(args, found, best, chip, devices, (height, width, frames), memory_kind)
+  if args.json:
+    try:
+      f = open(args.json, "w", encoding="utf-8")
+    except OSError as e:
+      print(f"plan: error: --json {args.json!r}: {e}", file=sys.stderr)
+      return 2
+    with f:
+      json.dump({"preset": args.preset, "devices": devices, "chip": chip_name, "height": height,
+                 "width": width, "frames": frames, "dtype": args.dtype, "memory": memory_kind,
+                 "candidates": [c.to_dict() for c in found],
+                 "recommended": None if best is None else str(best.mesh),
+                 "recommended_shard_weights": None if best is None else best.mesh.shard_weights}, f, indent=2)
+  return 0 if best is not None else 1
+
+
+def _candidates(args: argparse.Namespace) -> tuple[str, int, tuple[int, int, int], list]:
+  """(the chip's name, the device count, (height, width, frames), every candidate mesh with the
+  planner's estimates) for the flags (ValueError names a bad one)."""
+  from pipelines.parallel import planner
+  from pipelines.commands.presets import PRESETS
+  from pipelines.pipeline.checked.inputs import check_size, round_num_frames
+  from pipelines.pipeline.checked.model_facts import token_facts
+  from pipelines.wan.pretrained import TINY_TRANSFORMER
+  from pipelines.wan.transformer import param_counts, PRESETS as MODELS, quantized_counts
+  from pipelines.wan.vae import VAE_PRESETS
+
+  if args.topology and args.chip:
+    raise ValueError(f"--topology {args.topology} names the chip; drop --chip {args.chip}")
+  chip_name, devices = _topology(args.topology) if args.topology else (args.chip or "v6e", args.devices)
+  if chip_name not in planner.CHIPS:
+    raise ValueError(f"unknown chip {chip_name!r}; known: {', '.join(sorted(planner.CHIPS))}")
+  preset = PRESETS[args.preset]
+  height = preset.height if args.height is None else args.height
+  width = preset.width if args.width is None else args.width
+  check_size(height, width)
+  frames = round_num_frames(preset.frames if args.frames is None else args.frames)
+  if args.max_sequence_length < 1:
+    raise ValueError(f"--max-sequence-length {args.max_sequence_length} must be >= 1")
+  experts = 2 if args.preset == "wan2.2-t2v-a14b" else 1
+  model = TINY_TRANSFORMER if args.preset == "tiny" else MODELS[args.preset]  # what WanPipeline.tiny() runs
+  # The VAE of each preset's folder: Wan 2.2's for TI2V-5B (16x spatial), Wan 2.1's for the others.
+  vae = VAE_PRESETS[{"tiny": "tiny", "wan2.2-ti2v-5b": "wan2.2"}.get(args.preset, "wan2.1")]
+  facts = token_facts(model, spatial_factor=vae.spatial_factor, temporal_factor=vae.temporal_factor,
+                      text_tokens=args.max_sequence_length)
+  windows = _windows(args, frames)
+  found = planner.candidates(model, facts, param_counts=param_counts(model), devices=devices, frames=frames,
+                             windows=None if windows is None else (windows.video_frames()[0], len(windows.starts)),
+                             height=height, width=width, cfg=preset.guidance[0] > 1, dtype=args.dtype,
+                             experts=experts, chip=planner.CHIPS[chip_name],
+                             quantized=quantized_counts(model) if args.quantize else (0, 0))
+  return chip_name, devices, (height, width, frames), found
+
+
+def _print_plan(args: argparse.Namespace, found: list, best, chip, devices: int, video: tuple[int, int, int],
+                memory_kind: str) -> None:
+  """The plan's header, one row per candidate (fitting ones first, fastest first), the pick."""
+  from pipelines.parallel import planner
+
+  height, width, frames = video
   print(f"{args.preset}, {frames} frames {width}x{height}"
         f"{'' if args.context_frames is None else f' in windows of {args.context_frames}'}, {args.dtype}"
         f"{', ' + args.quantize if args.quantize else ''}, {devices} x {chip.name} "
@@ -155,19 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     flag = " --shard-weights" if best.mesh.shard_weights else ""
     print(f"recommended: --mesh {best.mesh}{flag} (modelled {best.step_s_model:.2f} s/step, "
           f"{best.bytes_per_device / planner.GiB:.1f} GiB per device)")
-  if args.json:
-    try:
-      f = open(args.json, "w", encoding="utf-8")
-    except OSError as e:
-      print(f"plan: error: --json {args.json!r}: {e}", file=sys.stderr)
-      return 2
-    with f:
-      json.dump({"preset": args.preset, "devices": devices, "chip": chip_name, "height": height,
-                 "width": width, "frames": frames, "dtype": args.dtype, "memory": memory_kind,
-                 "candidates": [c.to_dict() for c in found],
-                 "recommended": None if best is None else str(best.mesh),
-                 "recommended_shard_weights": None if best is None else best.mesh.shard_weights}, f, indent=2)
-  return 0 if best is not None else 1
 
 
 def _compiled_memory(found, args, *, height: int, width: int, frames: int, chip):

@@ -1,9 +1,10 @@
 """Wan video diffusion in JAX, in layers that import only downward (DESIGN.md, Architecture):
 
   serve/     the `serve` command: an HTTP video service over one loaded pipeline
-  cli/       the `generate` command: flags, run records, output writing, exit codes
+  cli/       beside it, the `generate` command: flags, run records, outputs, exit codes (neither
+             imports the other)
   commands/  what every command line shares: presets, flag pieces (`UsageError`), --help, versions
-  pipeline/  one generation: the checked request, the compiled step, the denoising loop, `WanPipeline`
+  pipeline/  one generation: the four pipeline classes over `checked/`, `load/` and `run/`
   wan/       the model: transformer, VAE, UMT5, tokenizer, schedulers, step-cache and LoRA math, folders
   parallel/  where things run: the parallel plan, array and weight placement, processes, planner
   storage/   safetensors reading, atomic writes, video files

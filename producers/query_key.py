@@ -141,7 +141,7 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
   cannot take the pair rotation, so one fp32 [B, T, D] temporary remains (201 MB at T=32,760,
   D=1536, against 503 MB for the jitted reference; tests/producers/test_producers.py measures both).
   On TPU the output is laid out heads-major and the only relayout is of x in its own dtype (the
-  14B 720p step on v6e:2x4: norm/RoPE 26.1 -> 3.6 Mcycles a block, `end_to_end/README.md`).
+  14B 720p step on v6e:2x4: norm/RoPE 26.1 -> 3.6 Mcycles a block, docs/measurements/tpu-step.md).
   """
   batch, tokens, _, head_dim = _check_inputs(x, weight, cos, sin, num_heads)
   split = x.ndim == 4

@@ -135,7 +135,7 @@ def compile_local_kernels(device: Any, *, batch: int, heads: int, q_len: int, kv
   return rows
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.aot.collectives", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--mesh", default="U=2,R=2", help="Ulysses and ring degrees, e.g. U=2,R=4 (default U=2,R=2)")
@@ -154,6 +154,67 @@ def main(argv=None):
   ap.add_argument("--block-kv", type=int, default=None, help="BlockSizes.block_kv")
   ap.add_argument("--topology", help="TPU topology for AOT compile, e.g. v6e:2x2 (needs libtpu)")
   ap.add_argument("--json", help="write the report as JSON here")
+  return ap
+
+
+def _devices(topology: str | None) -> tuple[list, str, str]:
+  """(devices, target, platform): the TPU topology's devices compiled for ahead of time, or JAX's own."""
+  import jax
+
+  if not topology:
+    return jax.devices(), jax.default_backend(), jax.default_backend()
+  from jax.experimental import topologies
+  try:
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  except Exception as e:  # noqa: BLE001 - report why the optional TPU path is unavailable
+    raise SystemExit(f"cannot build TPU topology {topology!r} ({e}); install libtpu: "
+                     "pip install --no-deps --target DIR 'libtpu==0.0.42.*', add DIR to PYTHONPATH "
+                     "and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1") from e
+  return topo.devices, f"tpu AOT {topology}", "tpu"
+
+
+def _print_collectives(table: dict, minimum: dict | None) -> None:
+  print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
+  for op in _OPS:
+    row = f"{op:20s} {table[op]['count']:6d} {table[op]['bytes'] / 2**20:11.3f}"
+    if minimum:
+      row += f" {minimum[op]['count']:10d} {minimum[op]['bytes'] / 2**20:9.3f}"
+    print(row)
+
+
+def _analyses(compiled) -> dict:
+  """XLA's memory analysis, libtpu's estimated cycles and XLA's cost analysis of a compiled call,
+  each printed and returned where the backend gives it."""
+  report = {}
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    report["memory_analysis"] = {f: int(getattr(mem, f, 0)) for f in fields}
+    print("memory_analysis (per device): " + ", ".join(f"{f.replace('_size_in_bytes', '')}={v / 2**20:.1f} MiB"
+                                                       for f, v in report["memory_analysis"].items()))
+  cycles = estimated_cycles(compiled.as_text())
+  if cycles is not None:  # libtpu's model of the XLA work around the kernels (a kernel carries none)
+    report["estimated_cycles"] = cycles
+    print(f"estimated_cycles (libtpu's cost model, XLA ops only): {cycles / 1e6:.2f} M")
+  cost = compiled.cost_analysis()
+  if cost:
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    report["cost_analysis"] = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")}
+    print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
+  return report
+
+
+def _print_local_kernels(local: list[dict], kv_heads: int) -> None:
+  print(f"one device's block (q [B, T/R, N/U, H], k/v of one ring step; kv heads {kv_heads}), "
+        "compiled for one chip:")
+  for row in local:
+    print(f"  {row['name']:24s} " + (row["error"] if "error" in row else
+          f"compile {row['compile_s']:5.1f} s  code {row['code_mib']:6.2f} MiB  temp {row['temp_mib']:7.1f} MiB"
+          + (f"  {row['estimated_cycles'] / 1e6:6.2f} Mcycles" if row.get("estimated_cycles") else "")))
+
+
+def main(argv=None):
+  ap = _parser()
   args = ap.parse_args(argv)
   try:
     spec = MeshSpec.parse(args.mesh)
@@ -171,19 +232,7 @@ def main(argv=None):
   from attention import SEQUENCE_SPEC, BlockSizes, make_mesh, resolve_backend, usp_attention
   from attention.halo import halo_attention
 
-  if args.topology:
-    from jax.experimental import topologies
-    try:
-      topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
-    except Exception as e:  # noqa: BLE001 - report why the optional TPU path is unavailable
-      raise SystemExit(f"cannot build TPU topology {args.topology!r} ({e}); install libtpu: "
-                       "pip install --no-deps --target DIR 'libtpu==0.0.42.*', add DIR to PYTHONPATH "
-                       "and set JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1") from e
-    devices = topo.devices
-    target, platform = f"tpu AOT {args.topology}", "tpu"
-  else:
-    devices = jax.devices()
-    target = platform = jax.default_backend()
+  devices, target, platform = _devices(args.topology)
   kernel_backend = resolve_backend(args.backend, platform)
   mesh = make_mesh(ulysses=U, ring=R, devices=devices)
   K = args.kv_heads or args.heads
@@ -207,40 +256,13 @@ def main(argv=None):
   minimum = usp_minimum(args.batch, T_pad, args.heads, K, args.head_dim, U, R, dtype.itemsize) if args.kind == "usp" else None
   print(f"{args.kind} attention  target={target}  backend={kernel_backend}  mesh {MeshSpec(ulysses=U, ring=R)}  q [B,T,N,H]={q.shape} "
         f"kv heads={K} dtype={args.dtype}  blocks {sizes.block_q}x{sizes.block_kv}  compile {compile_s:.2f} s")
-  print(f"{'collective':20s} {'count':>6s} {'MiB/device':>11s}" + (f" {'min count':>10s} {'min MiB':>9s}" if minimum else ""))
-  for op in _OPS:
-    row = f"{op:20s} {table[op]['count']:6d} {table[op]['bytes'] / 2**20:11.3f}"
-    if minimum:
-      row += f" {minimum[op]['count']:10d} {minimum[op]['bytes'] / 2**20:9.3f}"
-    print(row)
+  _print_collectives(table, minimum)
   report = dict(kind=args.kind, target=target, backend=kernel_backend, blocks=[sizes.block_q, sizes.block_kv], mesh=dict(U=U, R=R), shape=list(q.shape), kv_heads=K,
-                dtype=args.dtype, compile_s=compile_s, collectives=table, minimum=minimum)
-  mem = compiled.memory_analysis()
-  if mem is not None:
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
-    report["memory_analysis"] = {f: int(getattr(mem, f, 0)) for f in fields}
-    print("memory_analysis (per device): " + ", ".join(f"{f.replace('_size_in_bytes', '')}={v / 2**20:.1f} MiB"
-                                                       for f, v in report["memory_analysis"].items()))
-  cycles = estimated_cycles(compiled.as_text())
-  if cycles is not None:  # libtpu's model of the XLA work around the kernels (a kernel carries none)
-    report["estimated_cycles"] = cycles
-    print(f"estimated_cycles (libtpu's cost model, XLA ops only): {cycles / 1e6:.2f} M")
-  cost = compiled.cost_analysis()
-  if cost:
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    report["cost_analysis"] = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed", "transcendentals")}
-    print("cost_analysis (per device): " + ", ".join(f"{k}={v:.3e}" for k, v in report["cost_analysis"].items()))
+                dtype=args.dtype, compile_s=compile_s, collectives=table, minimum=minimum, **_analyses(compiled))
   if args.topology and args.kind == "usp":
-    Kp = max(K, U)
-    local = compile_local_kernels(devices[0], batch=args.batch, heads=args.heads // U, q_len=T_pad // R,
-                                  kv_len=T_pad // R, head_dim=args.head_dim, dtype=args.dtype)
-    report["local_kernels"] = local
-    print(f"one device's block (q [B, T/R, N/U, H], k/v of one ring step; kv heads {Kp // U}), "
-          "compiled for one chip:")
-    for row in local:
-      print(f"  {row['name']:24s} " + (row["error"] if "error" in row else
-            f"compile {row['compile_s']:5.1f} s  code {row['code_mib']:6.2f} MiB  temp {row['temp_mib']:7.1f} MiB"
-            + (f"  {row['estimated_cycles'] / 1e6:6.2f} Mcycles" if row.get("estimated_cycles") else "")))
+    report["local_kernels"] = compile_local_kernels(devices[0], batch=args.batch, heads=args.heads // U, q_len=T_pad // R,
+                                                    kv_len=T_pad // R, head_dim=args.head_dim, dtype=args.dtype)
+    _print_local_kernels(report["local_kernels"], max(K, U) // U)
   if args.topology:
     print("note: TPU numbers come from an ahead-of-time compile on this machine, not a runtime measurement")
   elif target == "cpu" and dtype == jnp.bfloat16:

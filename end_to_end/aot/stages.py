@@ -101,7 +101,7 @@ def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list
 def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: str | None,
                 emit: Callable[[dict[str, Any]], None], compile_effort: float | None = None) -> list[dict[str, Any]]:
   """The VAE decoder's two programs for each distinct decode among `models`, one device and split,
-  compiled at `compile_effort` (None: the pipeline's, `vae_effort.decode_compile_effort`)."""
+  compiled at `compile_effort` (None: the pipeline's, `vae.decode_compile_effort`)."""
   import jax
 
   from end_to_end.aot.vae import compile_vae_decode

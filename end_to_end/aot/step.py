@@ -142,7 +142,7 @@ def _text_spec(config: Any, text_len: int, dtype: Any, spec: Any, mesh: Any, *, 
 
 
 def _condition_spec(config: Any, latent_shape: tuple[int, ...], dtype: Any, spec: Any, *, ti2v: bool) -> Any:
-  """The step's condition argument for one video (`pipeline.step.denoise_step`): None for
+  """The step's condition argument for one video (`pipeline.run.step.denoise_step`): None for
   text-to-video; VACE's context [1, Cv, F, Hl, Wl] and scales [V]; TI2V's first-frame latents
   [1, C, 1, Hl, Wl] (per-token timesteps); image-to-video's mask + condition latents
   [1, in - out channels, F, Hl, Wl] and (Wan 2.1 I2V) the CLIP states [1 or 2, J, I] (unused by
@@ -198,12 +198,56 @@ def compiled_analysis(compiled: Any) -> dict[str, Any]:
   return out
 
 
-def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width: int, frames: int,
-                         dtype: str, text_len: int, flow_shift: float, mesh_spec: Any = None,
-                         attention_backend: str = "auto", quantize: str | None = None, ti2v: bool = False,
-                         text_kv_once: bool = True, lower_only: bool = False,
-                         context: tuple[int, int] | None = None, breakdown: bool = False) -> dict[str, Any]:
-  """AOT-compiles `denoise_step` for the Wan transformer `preset` on `devices`.
+def compile_denoise_step(devices: list[Any], *, breakdown: bool = False, lower_only: bool = False,
+                         **options: Any) -> dict[str, Any]:
+  """AOT-compiles `denoise_step` for a Wan transformer on `devices`: `lower_denoise_step(devices,
+  **options)`, then XLA's compile and its analyses.
+
+  Args:
+    breakdown: also the step's modelled time by op class (`end_to_end.aot.breakdown.analyse`).
+    lower_only: trace and lower the step, no compile (checks that the arguments fit the step; the
+      report then has no compile time, collectives, memory or cost analysis).
+    options: `lower_denoise_step`'s keyword arguments (preset, video, dtype, mesh, ...).
+
+  Returns:
+    dict: `lower_denoise_step`'s report, plus compile_s (wall, lowering included), compile_cpu_s
+    (this process's CPU seconds: steadier than wall time on a shared host), `compiled_analysis`'s
+    memory_analysis (bytes per device), cost_analysis, collectives ({op: {count, bytes}}) and
+    estimated_cycles, and resident_bytes_per_device (what one device holds while a step runs).
+
+  Raises:
+    ValueError: a mesh that does not fit the devices or heads.
+  """
+  lowered, report = lower_denoise_step(devices, **options)
+  if lower_only:
+    return report
+  start, cpu_start = time.perf_counter(), time.process_time()
+  compiled = lowered.compile()
+  report.update(compile_s=report.pop("lower_s") + time.perf_counter() - start,
+                compile_cpu_s=report.pop("lower_cpu_s") + time.process_time() - cpu_start,
+                **compiled_analysis(compiled))
+  if breakdown:
+    from end_to_end.aot.breakdown import analyse
+    report["breakdown"] = analyse(compiled.as_text(), devices[0].device_kind, len(devices))
+  m = report.get("memory_analysis")
+  if m is not None:
+    # What one device holds while a step runs: the step's arguments (this expert's weights, the
+    # latents, solver state and text; those the step does not read too), its temporaries and
+    # outputs not aliased to donated inputs, plus the other expert's weights, which stay resident
+    # (same shardings) in a two-expert model.
+    arguments = max(m["argument_size_in_bytes"], report["arguments_bytes_per_device"])
+    report["resident_bytes_per_device"] = (arguments + m["temp_size_in_bytes"]
+                                           + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
+                                           + (report["experts"] - 1) * report["weights_bytes_per_device"])
+  return report
+
+
+def lower_denoise_step(devices: list[Any], *, preset: Any, height: int, width: int, frames: int, dtype: str,
+                       text_len: int, flow_shift: float, mesh_spec: Any = None, attention_backend: str = "auto",
+                       quantize: str | None = None, ti2v: bool = False, text_kv_once: bool = True,
+                       context: tuple[int, int] | None = None) -> tuple[Any, dict[str, Any]]:
+  """Lowers `denoise_step` for the Wan transformer `preset` on `devices`, its arguments abstract and
+  placed as the pipeline places them.
 
   The step's conditioning follows the preset: a 36-channel transformer (image-to-video) gets the
   mask and condition latents (`ImageConditioning`) and, with an image branch (Wan 2.1 I2V), the CLIP
@@ -221,72 +265,51 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
     ti2v: Wan 2.2 TI2V (`AotTarget.ti2v`).
     text_kv_once: the step receives the text (and image) K/V computed before the loop (the
       pipeline's default); False: the step computes them from the text and image states.
-    lower_only: trace and lower the step, no compile (checks that the arguments fit the step; the
-      report then has no compile time, collectives, memory or cost analysis).
     context: None (one clip of `frames`), or (context_frames, context_overlap) in video frames: the
       step runs the transformer on context windows of the video (`wan.conditioning.windows`), W of
       them at once on a mesh with a windows axis.
 
   Returns:
-    dict: model, mesh (`MeshSpec.describe()`), latent shape, tokens, text_bytes_per_device (the step's
-    text argument: the held K/V, or the text states), compile_s (wall, lowering included),
-    compile_cpu_s (this process's CPU seconds: steadier than wall time on a shared host),
-    memory_analysis (bytes per device),
-    cost_analysis, collectives ({op: {count, bytes}}).
-
-  Raises:
-    ValueError: a mesh that does not fit the devices or heads.
+    (the lowered step, its report: model, mesh (`MeshSpec.describe()`), latent shape, tokens,
+    text_bytes_per_device (the held K/V, or the text states), weights_bytes_per_device,
+    arguments_bytes_per_device, experts, lower_s and lower_cpu_s).
   """
-  import jax
-  import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import attention
-  from pipelines.wan import schedulers
-  from pipelines.wan.transformer import build_transformer, param_shapes, PRESETS
+  from pipelines.wan.transformer import PRESETS
 
   config = PRESETS[preset] if isinstance(preset, str) else preset
   preset = preset if isinstance(preset, str) else "custom"
-  if mesh_spec is None:
-    ulysses, ring = default_degrees(len(devices), config.num_attention_heads)
-    mesh_spec = attention.MeshSpec(ulysses=ulysses, ring=ring)
-  if mesh_spec.devices != len(devices):
-    raise ValueError(f"mesh {mesh_spec} needs {mesh_spec.devices} devices; the topology has {len(devices)}")
-  mesh_spec.check(num_heads=config.num_attention_heads, device_count=len(devices), cfg_active=True)
-  mesh = mesh_spec.build(devices)
-  replicated = NamedSharding(mesh, P())
-  model_dtype = jnp.dtype(dtype)
+  mesh_spec, mesh = _mesh(devices, config, mesh_spec)
+  graphdef, placed, latent_shape, args = _step_arguments(
+      config, mesh_spec, mesh, dtype=dtype, quantize=quantize, frames=frames, height=height, width=width,
+      text_len=text_len, flow_shift=flow_shift, ti2v=ti2v, text_kv_once=text_kv_once)
+  backend = attention.resolve_backend(attention_backend, devices[0].platform)
+  step, plan, windows = _jitted_step(mesh_spec, mesh, backend, context, frames)
+  start, cpu_start = time.perf_counter(), time.process_time()
+  lowered = step.lower(graphdef, *args, plan=plan)
+  # Every argument as the pipeline holds it: jit drops the arguments a step does not read (with the
+  # K/V held: every block's cross-attention to_k / to_v, and add_k_proj / add_v_proj and the image
+  # embedder of Wan 2.1 I2V; 3.9 + 3.9 GiB for the 14B I2V) from XLA's argument size, but the
+  # pipeline keeps those weights on the devices.
+  return lowered, dict(
+      model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
+      ti2v=ti2v, text_kv_once=text_kv_once, context_windows=None if windows is None else windows.describe(),
+      latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
+      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
+      text_bytes_per_device=_bytes_per_device(args[3]), weights_bytes_per_device=int(_bytes_per_device(placed)),
+      arguments_bytes_per_device=int(_bytes_per_device(args)), experts=EXPERTS.get(preset, 1),
+      lower_s=time.perf_counter() - start, lower_cpu_s=time.process_time() - cpu_start)
 
-  def zeros(tree):
-    return {k: zeros(v) if isinstance(v, dict) else jnp.zeros(v, jnp.float32) for k, v in tree.items()}
 
-  from pipelines.wan.transformer import quantize_transformer
+def _jitted_step(mesh_spec: Any, mesh: Any, backend: str, context: tuple[int, int] | None, frames: int):
+  """(the jitted `denoise_step` with CFG on, its `ParallelPlan`, the context windows or None)."""
+  import jax
 
-  abstract = nnx.eval_shape(lambda: quantize_transformer(
-      build_transformer(config, zeros(param_shapes(config)), model_dtype), quantize))
-  graphdef, state = nnx.split(abstract)
-
-  def spec(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-
-  spatial = 16 if ti2v else 8  # the Wan 2.2 VAE of TI2V-5B: 16x spatial
-  latent_shape = (1, config.out_channels, (frames - 1) // 4 + 1, height // spatial, width // spatial)
-  solver = schedulers.UniPCConfig(flow_shift=flow_shift).set_timesteps(50).init_state(latent_shape, jnp.float32)
-  from pipelines.wan.transformer import weight_shardings
-
-  placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
-                        weight_shardings(state, mesh, mesh_spec.shard_weights))
-  args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
-          jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
-          _text_spec(config, text_len, model_dtype, spec, mesh, once=text_kv_once),
-          spec(jax.ShapeDtypeStruct((), jnp.float32)), None,
-          _condition_spec(config, latent_shape, model_dtype, spec, ti2v=ti2v))
   from pipelines.parallel.plan import ParallelPlan
   from pipelines.pipeline.run.step import denoise_step
 
-  backend = attention.resolve_backend(attention_backend, devices[0].platform)
   # Built directly (not `ParallelPlan.build`): the topology's devices are not this host's.
   plan = ParallelPlan(spec=mesh_spec, mesh=mesh, attention_backend=backend)
   windows = None
@@ -295,42 +318,61 @@ def compile_denoise_step(devices: list[Any], *, preset: str, height: int, width:
     windows = context_windows(context[0], context[1], "pyramid", num_frames=frames)
   step = jax.jit(functools.partial(denoise_step, cfg=True, windows=windows), static_argnums=0,
                  static_argnames="plan", donate_argnums=(2, 3))
-  start, cpu_start = time.perf_counter(), time.process_time()
-  lowered = step.lower(graphdef, *args, plan=plan)
-  report: dict[str, Any] = dict(
-      model=preset, dtype=dtype, quantize=quantize, height=height, width=width, frames=frames, text_len=text_len,
-      ti2v=ti2v, text_kv_once=text_kv_once, context_windows=None if windows is None else windows.describe(),
-      latent_shape=list(latent_shape), tokens=int(np.prod(latent_shape[2:]) // int(np.prod(config.patch_size))),
-      mesh=mesh_spec.describe(), devices=len(devices), attention_backend=backend,
-      text_bytes_per_device=_bytes_per_device(args[3]))
-  weights = _bytes_per_device(placed)
-  # Every argument as the pipeline holds it: jit drops the arguments a step does not read (with the
-  # K/V held: every block's cross-attention to_k / to_v, and add_k_proj / add_v_proj and the image
-  # embedder of Wan 2.1 I2V; 3.9 + 3.9 GiB for the 14B I2V) from XLA's argument size, but the
-  # pipeline keeps those weights on the devices.
-  held_arguments = _bytes_per_device(args)
-  experts = EXPERTS.get(preset, 1)
-  report.update(weights_bytes_per_device=int(weights), arguments_bytes_per_device=int(held_arguments),
-                experts=experts)
-  if lower_only:
-    return report
-  compiled = lowered.compile()
-  report.update(compile_s=time.perf_counter() - start, compile_cpu_s=time.process_time() - cpu_start,
-                **compiled_analysis(compiled))
-  if breakdown:
-    from end_to_end.aot.breakdown import analyse
-    report["breakdown"] = analyse(compiled.as_text(), devices[0].device_kind, len(devices))
-  m = report.get("memory_analysis")
-  if m is not None:
-    # What one device holds while a step runs: the step's arguments (this expert's weights, the
-    # latents, solver state and text; those the step does not read too), its temporaries and
-    # outputs not aliased to donated inputs, plus the other expert's weights, which stay resident
-    # (same shardings) in a two-expert model.
-    arguments = max(m["argument_size_in_bytes"], int(held_arguments))
-    report["resident_bytes_per_device"] = (arguments + m["temp_size_in_bytes"]
-                                           + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
-                                           + (experts - 1) * int(weights))
-  return report
+  return step, plan, windows
+
+
+def _mesh(devices: list[Any], config: Any, mesh_spec: Any) -> tuple[Any, Any]:
+  """(the mesh spec, the mesh built on `devices`): `mesh_spec` checked against the devices and the
+  heads, or the default one (`default_degrees`)."""
+  import attention
+
+  if mesh_spec is None:
+    ulysses, ring = default_degrees(len(devices), config.num_attention_heads)
+    mesh_spec = attention.MeshSpec(ulysses=ulysses, ring=ring)
+  if mesh_spec.devices != len(devices):
+    raise ValueError(f"mesh {mesh_spec} needs {mesh_spec.devices} devices; the topology has {len(devices)}")
+  mesh_spec.check(num_heads=config.num_attention_heads, device_count=len(devices), cfg_active=True)
+  return mesh_spec, mesh_spec.build(devices)
+
+
+def _step_arguments(config: Any, mesh_spec: Any, mesh: Any, *, dtype: str, quantize: str | None, frames: int,
+                    height: int, width: int, text_len: int, flow_shift: float, ti2v: bool,
+                    text_kv_once: bool) -> tuple[Any, Any, tuple[int, ...], tuple]:
+  """(graphdef, the placed weights, the latent shape, the step's arguments after the graphdef): the
+  transformer's weights from `nnx.eval_shape` (quantized as `quantize` says), placed as
+  `weight_shardings` places them; latents, solver state and timestep replicated; the text and the
+  condition as the pipeline passes them (`_text_spec`, `_condition_spec`). Nothing is allocated."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from pipelines.wan import schedulers
+  from pipelines.wan.transformer import build_transformer, param_shapes, quantize_transformer, weight_shardings
+
+  replicated = NamedSharding(mesh, P())
+  model_dtype = jnp.dtype(dtype)
+
+  def zeros(tree):
+    return {k: zeros(v) if isinstance(v, dict) else jnp.zeros(v, jnp.float32) for k, v in tree.items()}
+
+  def spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+  abstract = nnx.eval_shape(lambda: quantize_transformer(
+      build_transformer(config, zeros(param_shapes(config)), model_dtype), quantize))
+  graphdef, state = nnx.split(abstract)
+  spatial = 16 if ti2v else 8  # the Wan 2.2 VAE of TI2V-5B: 16x spatial
+  latent_shape = (1, config.out_channels, (frames - 1) // 4 + 1, height // spatial, width // spatial)
+  solver = schedulers.UniPCConfig(flow_shift=flow_shift).set_timesteps(50).init_state(latent_shape, jnp.float32)
+  placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
+                        weight_shardings(state, mesh, mesh_spec.shard_weights))
+  args = (placed, spec(jax.ShapeDtypeStruct(latent_shape, jnp.float32)),
+          jax.tree.map(lambda x: spec(jnp.asarray(x)), solver),
+          _text_spec(config, text_len, model_dtype, spec, mesh, once=text_kv_once),
+          spec(jax.ShapeDtypeStruct((), jnp.float32)), None,
+          _condition_spec(config, latent_shape, model_dtype, spec, ti2v=ti2v))
+  return graphdef, placed, latent_shape, args
 
 
 def _bytes_per_device(tree: Any) -> int:

@@ -6,7 +6,7 @@ frames with the causal feature cache donated), or with `split` the programs of `
 (the latent rows split over every device of this process). A decode of F latent frames runs the
 first program once and the later one F - 1 times, so these two compiles are the whole decode stage.
 They compile at the optimization effort the pipeline uses on the devices' platform
-(`vae_effort.decode_compile_effort`: -0.5 on TPU), or at the one given. Weights, latents and cache are
+(`vae.decode_compile_effort`: -0.5 on TPU), or at the one given. Weights, latents and cache are
 `jax.ShapeDtypeStruct`s: nothing is allocated.
 
 Reported per program (XLA's numbers, per device): compile wall and CPU seconds, `memory_analysis()`,
@@ -54,14 +54,14 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     devices: the topology's devices (`step.topology_devices`) or local ones.
     height, width: the video's size in pixels (multiples of the VAE's spatial factor: 8 for
       "wan2.1", 16 for "wan2.2").
-    vae: a `vae_config.VAE_PRESETS` name: "wan2.1" (Wan 2.1 and 2.2 A14B), "wan2.2" (TI2V-5B),
+    vae: a `vae.VAE_PRESETS` name: "wan2.1" (Wan 2.1 and 2.2 A14B), "wan2.2" (TI2V-5B),
       "tiny" (tests).
     dtype: "bfloat16" or "float32", the VAE's weights and activations.
     split: False: one device (`decode`); True: the latent rows over every device of this process
       (`decode_parallel`; a TPU host of v6e:2x4 holds 4 of the 8 chips).
     programs: which of "first" and "later" to compile.
     compile_effort: XLA's optimization effort; None: the pipeline's on the devices' platform
-      (`vae_effort.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
+      (`vae.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,

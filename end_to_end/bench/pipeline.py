@@ -60,72 +60,84 @@ ROWS = ("load", "text_encode", "compile", "denoise_step_min", "denoise_step_medi
 def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.pipeline", description=__doc__,
                                formatter_class=HelpFormatter)
-  ap.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
-                  help="architecture and video size (table in end_to_end/README.md)")
-  ap.add_argument("--model", help="a diffusers Wan folder to load instead of the preset's random weights "
-                  "(the preset still gives the run settings)")
-  ap.add_argument("--height", type=int)
-  ap.add_argument("--width", type=int)
-  ap.add_argument("--frames", type=int,
-                  help="4k + 1; other counts become frames // 4 * 4 + 1 as in diffusers (16 -> 17)")
-  ap.add_argument("--steps", type=int)
-  ap.add_argument("--layers", type=int, help="override the transformer's number of blocks")
-  ap.add_argument("--dtype", choices=("float32", "bfloat16"))
-  ap.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"),
-                  help="the transformer's block Linear weights quantized (WanPipeline.quantize); with --aot "
-                       "the compiled step holds them in one byte a value")
-  ap.add_argument("--guidance", type=float)
-  ap.add_argument("--max-sequence-length", type=int)
-  ap.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
-  ap.add_argument("--negative-prompt", help="the negative prompt (default: the preset's, else 'blurry, low quality')")
-  ap.add_argument("--seed", type=int, help="weights and initial latents (default: the preset's, else 0)")
-  ap.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
-  ap.add_argument("--placement", default="auto", choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
-                  help="our memory plan's placement (WanPipeline.set_memory_placement); each run prints its plan "
-                       "and the device's peak memory")
-  ap.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
-  ap.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
-  ap.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
-  ap.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, "
-                  "removed); a folder already holding one (model_index.json) is reused as it is")
-  ap.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
-  ap.add_argument("--aot-models", default="1.3b,14b",
-                  help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
-                       "A14B, 720x1280, both experts resident), i2v-14b (Wan 2.1 I2V 14B, 720x1280, CLIP "
-                       "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps), vace-14b "
-                       "(Wan 2.1 VACE 14B, 720x1280: 8 VACE blocks over the 96-channel context)")
-  ap.add_argument("--aot-kv-in-step", action="store_true",
-                  help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
-                       "itself (CallOptions(text_kv_once=False)) instead of receiving them")
-  ap.add_argument("--stages", default="step",
-                  help="with --aot, the programs compiled, comma-separated: text (the UMT5-XXL encoder), step (the "
-                       "denoise step of each --aot-models), decode (the VAE decoder's first and later chunk programs, "
-                       "one device and split over the topology)")
-  ap.add_argument("--compile-cache", metavar="DIR",
-                  help="with --aot, JAX's persistent compilation cache in DIR; each row says whether its entry was "
-                       "found (a second process, same programs) or written")
-  ap.add_argument("--compile-effort", type=float, metavar="E",
-                  help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
-                       "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
-                       "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
-                       "vae_effort.decode_compile_effort)")
-  ap.add_argument("--aot-frames", type=int, help="with --aot: the video's frames instead of each target's (4k + 1)")
-  ap.add_argument("--aot-context", metavar="FRAMES,OVERLAP",
-                  help="with --aot: the step on context windows of FRAMES video frames overlapping by OVERLAP "
-                       "(e.g. 81,32 with --aot-frames 241; W in --aot-mesh runs W windows at once)")
-  ap.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
-  ap.add_argument("--shard-weights", action="store_true",
-                  help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
+  _add_run_flags(ap)
+  _add_aot_flags(ap)
   ap.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"),
                   help="attention kernels (auto: Pallas on TPU/GPU, so the Pallas kernels for --aot; XLA on CPU)")
-  ap.add_argument("--breakdown", action="store_true",
-                  help="with --aot and the step stage: where the step's modelled time goes, by op class (libtpu's "
-                       "estimated cycles, the Pallas kernels' grid model, the collectives' ICI model), each against "
-                       "the chip's roofline, and a modelled MFU (end_to_end/aot/breakdown.py)")
-  ap.add_argument("--aot-init-timeout", type=float, default=120.0,
-                  help="seconds allowed for libtpu to build the topology before giving up")
   ap.add_argument("--json", help="write the report here")
   return ap
+
+
+def _add_run_flags(ap: argparse.ArgumentParser) -> None:
+  """The timed run's flags, in their own --help group."""
+  g = ap.add_argument_group("the timed run (ours and, with --compare, diffusers')")
+  g.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
+                 help="architecture and video size (table in docs/measurements/pipeline.md)")
+  g.add_argument("--model", help="a diffusers Wan folder to load instead of the preset's random weights "
+                 "(the preset still gives the run settings)")
+  g.add_argument("--height", type=int)
+  g.add_argument("--width", type=int)
+  g.add_argument("--frames", type=int,
+                 help="4k + 1; other counts become frames // 4 * 4 + 1 as in diffusers (16 -> 17)")
+  g.add_argument("--steps", type=int)
+  g.add_argument("--layers", type=int, help="override the transformer's number of blocks")
+  g.add_argument("--dtype", choices=("float32", "bfloat16"))
+  g.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"),
+                 help="the transformer's block Linear weights quantized (WanPipeline.quantize); with --aot "
+                      "the compiled step holds them in one byte a value")
+  g.add_argument("--guidance", type=float)
+  g.add_argument("--max-sequence-length", type=int)
+  g.add_argument("--prompt", default="a red fox running through snow, cinematic", help="the prompt")
+  g.add_argument("--negative-prompt", help="the negative prompt (default: the preset's, else 'blurry, low quality')")
+  g.add_argument("--seed", type=int, help="weights and initial latents (default: the preset's, else 0)")
+  g.add_argument("--mesh", help="our (ring, ulysses) mesh, e.g. 'U=2,R=2' (default: one device)")
+  g.add_argument("--placement", default="auto", choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
+                 help="our memory plan's placement (WanPipeline.set_memory_placement); each run prints its plan "
+                      "and the device's peak memory")
+  g.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
+  g.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
+  g.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
+  g.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, "
+                 "removed); a folder already holding one (model_index.json) is reused as it is")
+
+
+def _add_aot_flags(ap: argparse.ArgumentParser) -> None:
+  """--aot and the flags of the TPU compile report, in their own --help group."""
+  g = ap.add_argument_group("a TPU compile report instead of a timed run (--aot)")
+  g.add_argument("--aot", metavar="TOPOLOGY", help="TPU AOT compile report, e.g. v6e:2x4 (no runtime benchmark)")
+  g.add_argument("--aot-models", default="1.3b,14b",
+                 help="which --aot targets, comma-separated: 1.3b (480x832), 14b (720x1280), a14b (Wan 2.2 "
+                      "A14B, 720x1280, both experts resident), i2v-14b (Wan 2.1 I2V 14B, 720x1280, CLIP "
+                      "image tokens), ti2v-5b (Wan 2.2 TI2V-5B, 704x1280 x 121 frames, per-token timesteps), vace-14b "
+                      "(Wan 2.1 VACE 14B, 720x1280: 8 VACE blocks over the 96-channel context)")
+  g.add_argument("--aot-kv-in-step", action="store_true",
+                 help="with --aot: compile the step that computes the text (and image) cross-attention K/V "
+                      "itself (CallOptions(text_kv_once=False)) instead of receiving them")
+  g.add_argument("--stages", default="step",
+                 help="with --aot, the programs compiled, comma-separated: text (the UMT5-XXL encoder), step (the "
+                      "denoise step of each --aot-models), decode (the VAE decoder's first and later chunk programs, "
+                      "one device and split over the topology)")
+  g.add_argument("--compile-cache", metavar="DIR",
+                 help="with --aot, JAX's persistent compilation cache in DIR; each row says whether its entry was "
+                      "found (a second process, same programs) or written")
+  g.add_argument("--compile-effort", type=float, metavar="E",
+                 help="with --aot, XLA's execution-time optimization effort in [-1, 1] for every compile "
+                      "(jax_exec_time_optimization_effort): below 0 trades the programs' speed for compile "
+                      "time. Default: the pipeline's (0, and -0.5 for the VAE decoder on TPU: "
+                      "vae.decode_compile_effort)")
+  g.add_argument("--aot-frames", type=int, help="with --aot: the video's frames instead of each target's (4k + 1)")
+  g.add_argument("--aot-context", metavar="FRAMES,OVERLAP",
+                 help="with --aot: the step on context windows of FRAMES video frames overlapping by OVERLAP "
+                      "(e.g. 81,32 with --aot-frames 241; W in --aot-mesh runs W windows at once)")
+  g.add_argument("--aot-mesh", help="mesh for --aot, e.g. 'U=4,R=2' (default: largest U dividing the heads)")
+  g.add_argument("--shard-weights", action="store_true",
+                 help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
+  g.add_argument("--breakdown", action="store_true",
+                 help="with --aot and the step stage: where the step's modelled time goes, by op class (libtpu's "
+                      "estimated cycles, the Pallas kernels' grid model, the collectives' ICI model), each against "
+                      "the chip's roofline, and a modelled MFU (end_to_end/aot/breakdown.py)")
+  g.add_argument("--aot-init-timeout", type=float, default=120.0,
+                 help="seconds allowed for libtpu to build the topology before giving up")
 
 
 def resolve_preset(args: argparse.Namespace, backend: str | None = None):
@@ -137,7 +149,7 @@ def resolve_preset(args: argparse.Namespace, backend: str | None = None):
   preset = PRESETS[args.preset]
   if args.compare and preset.boundary_ratio is not None:
     raise ValueError(f"--compare builds a one-transformer diffusers pipeline; --preset {args.preset} has two "
-                     "experts (run it without --compare)")
+                 "experts (run it without --compare)")
   if preset.reference and backend == "cpu":
     preset = reduced_for_cpu(preset)
   overrides = {k: getattr(args, a) for k, a in (
@@ -193,7 +205,7 @@ def print_table(report: dict[str, Any]) -> None:
     def value(side, i):
       return side["load_s"] if row == "load" else side["runs"][i][row]
     line = f"{row:20s}" + "".join(f" {_fmt(value(ours, i) if row != 'load' or i == 0 else None):>11s}"
-                                  for i in range(runs))
+                              for i in range(runs))
     if theirs:
       line += "".join(f" {_fmt(value(theirs, i) if row != 'load' or i == 0 else None):>15s}" for i in range(runs))
       ratio = report["ratios"].get(row)
@@ -240,8 +252,8 @@ def _set_compile_effort(effort: float) -> None:
   import jax
   if not hasattr(jax.config, "jax_exec_time_optimization_effort"):
     raise SystemExit(f"--compile-effort: JAX {jax.__version__} has no jax_exec_time_optimization_effort "
-                     "(removed in 0.11); run the compile report with the setup's JAX 0.10, or leave "
-                     "--compile-effort out")
+                 "(removed in 0.11); run the compile report with the setup's JAX 0.10, or leave "
+                 "--compile-effort out")
   jax.config.update("jax_exec_time_optimization_effort", effort)
 
 
@@ -270,7 +282,7 @@ def run_aot(args: argparse.Namespace) -> int:
     if args.json:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                       stages=stages, compile_effort=args.compile_effort, versions=_versions(), rows=rows),
+                   stages=stages, compile_effort=args.compile_effort, versions=_versions(), rows=rows),
                   f, indent=2)
 
   if "text" in stages:
@@ -288,32 +300,38 @@ def run_aot(args: argparse.Namespace) -> int:
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
-                           lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)),
-                           compile_effort=args.compile_effort)
+                       lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)),
+                       compile_effort=args.compile_effort)
   return 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """The flags' combinations, before JAX starts (ValueError names the flag)."""
+  if args.mesh:
+    MeshSpec.parse(args.mesh)
+  if args.aot_mesh:
+    MeshSpec.parse(args.aot_mesh)
+  if args.shard_weights and not args.aot_mesh:
+    raise ValueError("--shard-weights goes with --aot-mesh SPEC (the compiled configuration)")
+  if args.runs < 1:
+    raise ValueError(f"--runs {args.runs} must be >= 1")
+  if any(name not in aot_targets() for name in args.aot_models.split(",")):
+    raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
+  if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:  # nan too
+    raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
+  from end_to_end.aot.stages import parse_stages  # no JAX import
+  parse_stages(args.stages)
+  if args.breakdown and not (args.aot and "step" in parse_stages(args.stages)):
+    raise ValueError("--breakdown models the compiled denoise step: give --aot TOPOLOGY with the step stage")
+  if args.aot and (args.compare or args.model or args.mesh):
+    raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    devices = MeshSpec.parse(args.mesh).devices if args.mesh else 1
-    if args.aot_mesh:
-      MeshSpec.parse(args.aot_mesh)
-    if args.shard_weights and not args.aot_mesh:
-      raise ValueError("--shard-weights goes with --aot-mesh SPEC (the compiled configuration)")
-    if args.runs < 1:
-      raise ValueError(f"--runs {args.runs} must be >= 1")
-    if any(name not in aot_targets() for name in args.aot_models.split(",")):
-      raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
-    if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:  # nan too
-      raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
-    from end_to_end.aot.stages import parse_stages  # no JAX import
-    parse_stages(args.stages)
-    if args.breakdown and not (args.aot and "step" in parse_stages(args.stages)):
-      raise ValueError("--breakdown models the compiled denoise step: give --aot TOPOLOGY with the step stage")
-    if args.aot and (args.compare or args.model or args.mesh):
-      raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
+    check_args(args)
   except ValueError as e:
     parser.print_usage(sys.stderr)
     print(f"error: {e}", file=sys.stderr)
@@ -321,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.aot:
     return run_aot(args)
   if args.mesh:
-    request_cpu_devices(devices)
+    request_cpu_devices(MeshSpec.parse(args.mesh).devices)
   import jax
 
   try:
@@ -330,18 +348,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.print_usage(sys.stderr)
     print(f"error: {e}", file=sys.stderr)
     return 2
+  report = run_timed(args, preset)
+  print_table(report)
+  if args.compare:
+    a = report["agreement"]
+    print(f"same video? ours vs diffusers: PSNR {a['psnr_mean_db']:.1f} dB, max |latent diff| "
+          f"{a['max_abs_latent_diff']:.2e} (a check that both ran the same weights and settings)")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=2)
+  return 0
 
+
+def run_timed(args: argparse.Namespace, preset: Any) -> dict[str, Any]:
+  """The timed runs of `preset` (ours; with --compare diffusers' from the same saved folder, and
+  their agreement): the report `print_table` prints."""
+  import jax
   import numpy as np
 
-  from end_to_end.bench import presets as bench_presets, timed_runs
   from end_to_end.quality.video_metrics import max_abs_diff, psnr_per_frame
-  from pipelines.pipeline import WanPipeline
 
   torch_device = args.torch_device
   if args.compare and torch_device is None:
     import torch
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-
   seed = args.seed if args.seed is not None else (preset.seed or 0)
   negative = args.negative_prompt
   if negative is None:
@@ -350,6 +380,37 @@ def main(argv: list[str] | None = None) -> int:
               width=preset.width, frames=preset.frames, steps=preset.steps, guidance=preset.guidance,
               max_sequence_length=preset.max_sequence_length)
   latents = np.random.default_rng(seed).standard_normal(preset.latent_shape, np.float32)
+  comparable = _describe(args, preset, torch_device)
+  folder, temporary = _diffusers_folder(args, preset, seed)
+  report: dict[str, Any] = dict(
+      kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
+      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
+                    tokens=preset.tokens, transformer=preset.transformer.to_dict(),
+                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
+                    guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),
+      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions(), comparable=comparable)
+  try:
+    report["ours"], ours_frames, ours_latents = _run_ours(args, preset, folder, latents, call, seed)
+    if args.compare:
+      import torch
+      report["torch_threads"] = torch.get_num_threads()
+      report["diffusers"], frames, final = _run_diffusers(args, preset, folder, torch_device, latents, call)
+      report["ratios"] = ratios(report["ours"], report["diffusers"])
+      report["agreement"] = dict(psnr_mean_db=float(np.mean(psnr_per_frame(frames, ours_frames))),
+                                 max_abs_latent_diff=max_abs_diff(final, ours_latents))
+  finally:
+    if temporary:
+      shutil.rmtree(folder, ignore_errors=True)
+  return report
+
+
+def _describe(args: argparse.Namespace, preset: Any, torch_device: str | None) -> dict[str, Any] | None:
+  """Prints what runs (the preset, the backends); returns whether the run is comparable with the
+  published benchmark the preset reproduces (None: it reproduces none)."""
+  import jax
+
+  from end_to_end.bench import presets as bench_presets
+
   print(f"preset {args.preset}: {preset.description}")
   t = preset.transformer
   print(f"  transformer {t.num_layers} layers D={t.dim} N={t.num_attention_heads} ffn={t.ffn_dim}; text encoder "
@@ -367,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
           + ("yes (the warm run's total)" if comparable["comparable"] else "NO: " + "; ".join(comparable["reasons"])))
   print(f"  ours: JAX {jax.default_backend()} x{jax.device_count()}, mesh {args.mesh or 'none (one device)'}"
         + (f"; diffusers: torch {torch_device}" if args.compare else ""), flush=True)
+  return comparable
+
+
+def _diffusers_folder(args: argparse.Namespace, preset: Any, seed: int) -> tuple[str | None, bool]:
+  """(the diffusers folder both pipelines load, whether it is a temporary one to remove): --model,
+  or with --compare the preset's random weights saved (or a --folder already holding them)."""
+  from end_to_end.bench import presets as bench_presets
 
   folder, temporary = args.model, False
   if args.compare and folder is None:
@@ -380,59 +448,46 @@ def main(argv: list[str] | None = None) -> int:
       bench_presets.save_diffusers_pipeline(preset, folder, seed=seed)
       print(f"  saved diffusers random-weight pipeline to {folder} ({time.perf_counter() - start:.1f} s)",
             flush=True)
-  report: dict[str, Any] = dict(
-      kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
-                    tokens=preset.tokens, transformer=preset.transformer.to_dict(),
-                    text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
-                    guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),
-      backend=jax.default_backend(), device_count=jax.device_count(), versions=_versions(), comparable=comparable)
-  try:
-    start = time.perf_counter()
-    ours_pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
-                 else bench_presets.init_ours(preset, seed=seed))
-    if args.quantize:
-      ours_pipe.quantize(args.quantize)
-    ours_pipe.set_memory_placement(args.placement)
-    ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init",
-                runs=[])
-    for i in range(args.runs):
-      stages, ours_frames, ours_latents = timed_runs.run_ours(ours_pipe, latents=latents, mesh=args.mesh,
-                                                              attention_backend=args.attention_backend,
-                                                              guidance_2=preset.guidance_2, **call)
-      stages["peak_device_gib"] = _peak_device_gib()
-      ours["runs"].append(stages)
-      print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
-            f"process started {stages['peak_device_gib']} GiB", flush=True)
-    report["ours"] = ours
-    del ours_pipe
-    if args.compare:
-      import torch
-      report["torch_threads"] = torch.get_num_threads()
-      start = time.perf_counter()
-      pipe = timed_runs.load_diffusers(folder, dtype=preset.dtype, device=torch_device)
-      theirs = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained", device=torch_device, runs=[])
-      for i in range(args.runs):
-        stages, frames, final = timed_runs.run_diffusers(pipe, latents=latents, device=torch_device, **call)
-        theirs["runs"].append(stages)
-        print(f"  diffusers run {i + 1}: total {stages['total']:.2f} s", flush=True)
-      report["diffusers"] = theirs
-      report["ratios"] = ratios(ours, theirs)
-      report["agreement"] = dict(psnr_mean_db=float(np.mean(psnr_per_frame(frames, ours_frames))),
-                                 max_abs_latent_diff=max_abs_diff(final, ours_latents))
-  finally:
-    if temporary:
-      shutil.rmtree(folder, ignore_errors=True)
+  return folder, temporary
 
-  print_table(report)
-  if args.compare:
-    a = report["agreement"]
-    print(f"same video? ours vs diffusers: PSNR {a['psnr_mean_db']:.1f} dB, max |latent diff| "
-          f"{a['max_abs_latent_diff']:.2e} (a check that both ran the same weights and settings)")
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=2)
-  return 0
+
+def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents: Any, call: dict[str, Any],
+              seed: int) -> tuple[dict[str, Any], Any, Any]:
+  """(our load and `--runs` runs' stage times, the last run's frames, its final latents)."""
+  from end_to_end.bench import presets as bench_presets, timed_runs
+  from pipelines.pipeline import WanPipeline
+
+  start = time.perf_counter()
+  pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
+          else bench_presets.init_ours(preset, seed=seed))
+  if args.quantize:
+    pipe.quantize(args.quantize)
+  pipe.set_memory_placement(args.placement)
+  ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init", runs=[])
+  for i in range(args.runs):
+    stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh,
+                                                attention_backend=args.attention_backend,
+                                                guidance_2=preset.guidance_2, **call)
+    stages["peak_device_gib"] = _peak_device_gib()
+    ours["runs"].append(stages)
+    print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
+          f"process started {stages['peak_device_gib']} GiB", flush=True)
+  return ours, frames, final
+
+
+def _run_diffusers(args: argparse.Namespace, preset: Any, folder: str, torch_device: str, latents: Any,
+                   call: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+  """(diffusers' load and `--runs` runs' stage times, the last run's frames, its final latents)."""
+  from end_to_end.bench import timed_runs
+
+  start = time.perf_counter()
+  pipe = timed_runs.load_diffusers(folder, dtype=preset.dtype, device=torch_device)
+  theirs = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained", device=torch_device, runs=[])
+  for i in range(args.runs):
+    stages, frames, final = timed_runs.run_diffusers(pipe, latents=latents, device=torch_device, **call)
+    theirs["runs"].append(stages)
+    print(f"  diffusers run {i + 1}: total {stages['total']:.2f} s", flush=True)
+  return theirs, frames, final
 
 
 if __name__ == "__main__":

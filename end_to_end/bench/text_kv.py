@@ -14,7 +14,7 @@ bit-identical.
 
 `--image`: what holding the image tokens' K/V as well saves (Wan 2.1 I2V: `add_k_proj`,
 `norm_added_k`, `add_v_proj` of the 257 CLIP tokens in every block). The preset's transformer gets
-the image branch (36 input channels, CLIP width 1280) and the compiled step (`pipeline.step`, CFG
+the image branch (36 input channels, CLIP width 1280) and the compiled step (`pipeline.run.step`, CFG
 on, one video) runs with the text K/V held on both sides; one side also holds the image's (the
 pipeline's default), the other makes them from the CLIP states inside every step (what every step
 did before). Same report: median and fastest step, ratio, XLA's FLOPs, the precompute, equality.

@@ -125,13 +125,73 @@ def _pick_main(paths: list[str]) -> list[dict]:
   return tables
 
 
+def _compiled_rows(fn, pairs: list, shape: tuple[int, ...], dtype, device) -> list[dict]:
+  """Each pair's LSE and fixed-m programs compiled for `device` (a TPU topology's): compile time,
+  code and temp MiB, or the error (with the scoped VMEM asked, when Mosaic refused it); printed."""
+  import jax
+  from jax.sharding import SingleDeviceSharding
+
+  abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+  rows = []
+  for sizes in pairs:
+    row = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
+    for impl in ("lse", "fixed_m"):
+      start = time.perf_counter()
+      try:
+        compiled = fn(sizes, impl).lower(abstract, abstract, abstract).compile()
+      except Exception as e:  # noqa: BLE001 - a pair Mosaic refuses is a row of the table, not a crash
+        row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                         scoped_vmem_mib=_scoped_vmem_mib(str(e)))
+        continue
+      mem = compiled.memory_analysis()
+      row[impl] = dict(compile_s=time.perf_counter() - start,
+                       code_mib=mem.generated_code_size_in_bytes / 2**20,
+                       temp_mib=mem.temp_size_in_bytes / 2**20)
+    rows.append(row)
+    cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
+              if "error" not in r else "refused: scoped VMEM {:.2f} MiB > limit {:.2f} MiB".format(*r["scoped_vmem_mib"])
+              if r["scoped_vmem_mib"] else r["error"]) for r in (row["lse"], row["fixed_m"])]
+    print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
+  return rows
+
+
+def _timed_rows(fn, pairs: list, shape: tuple[int, ...], dtype, repeats: int, rank_by: str, default) -> list[dict]:
+  """Each pair's LSE and fixed-m calls timed on this device (median of `repeats`, round-robin after
+  a warm-up), sorted by `rank_by`'s time; printed with the current default marked."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(3))
+  fns = {(s, impl): fn(s, impl) for s in pairs for impl in ("lse", "fixed_m")}
+  times = {key: [] for key in fns}
+  for key, f in fns.items():
+    jax.block_until_ready(f(q, k, v))  # compile + warm up
+  for _ in range(repeats):
+    for key, f in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(f(q, k, v))
+      times[key].append(time.perf_counter() - start)
+  rows = [dict(block_q=s.block_q, block_kv=s.block_kv, lse=dict(median_s=statistics.median(times[(s, "lse")])),
+               fixed_m=dict(median_s=statistics.median(times[(s, "fixed_m")]))) for s in pairs]
+  rows.sort(key=lambda r: r[rank_by]["median_s"])
+  best = rows[0][rank_by]["median_s"]
+  print(f"{'block_q':>8s} {'block_kv':>8s} {'lse ms':>9s} {'fixed_m ms':>11s} {'x best':>7s}")
+  for r in rows:
+    mark = "  <- current default" if default and (r["block_q"], r["block_kv"]) == (default.block_q, default.block_kv) else ""
+    print(f"{r['block_q']:8d} {r['block_kv']:8d} {r['lse']['median_s'] * 1e3:9.2f} "
+          f"{r['fixed_m']['median_s'] * 1e3:11.2f} {r[rank_by]['median_s'] / best:7.2f}{mark}")
+  print(f"winner ({rank_by}): BlockSizes({rows[0]['block_q']}, {rows[0]['block_kv']})")
+  return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
   args = build_parser().parse_args(argv)
   if args.pick:
     return _pick_main(args.pick)
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   from attention import BlockSizes, local_attention, resolve_backend
 
@@ -161,54 +221,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return jax.jit(lambda q, k, v: local_attention(q, k, v, implementation=impl, block_sizes=sizes,
                                                    backend=backend))
 
-  rows = []
-  if args.topology:
-    from jax.sharding import SingleDeviceSharding
-
-    abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
-    for sizes in pairs:
-      row = dict(block_q=sizes.block_q, block_kv=sizes.block_kv)
-      for impl in ("lse", "fixed_m"):
-        start = time.perf_counter()
-        try:
-          compiled = fn(sizes, impl).lower(abstract, abstract, abstract).compile()
-        except Exception as e:  # noqa: BLE001 - a pair Mosaic refuses is a row of the table, not a crash
-          row[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}",
-                           scoped_vmem_mib=_scoped_vmem_mib(str(e)))
-          continue
-        mem = compiled.memory_analysis()
-        row[impl] = dict(compile_s=time.perf_counter() - start,
-                         code_mib=mem.generated_code_size_in_bytes / 2**20,
-                         temp_mib=mem.temp_size_in_bytes / 2**20)
-      rows.append(row)
-      cells = [(f"{r['compile_s']:6.1f} s {r['code_mib']:6.2f} MiB code {r['temp_mib']:8.1f} MiB temp"
-                if "error" not in r else "refused: scoped VMEM {:.2f} MiB > limit {:.2f} MiB".format(*r["scoped_vmem_mib"])
-                if r["scoped_vmem_mib"] else r["error"]) for r in (row["lse"], row["fixed_m"])]
-      print(f"  {sizes.block_q:5d} x {sizes.block_kv:<5d} lse: {cells[0]} | fixed_m: {cells[1]}", flush=True)
-  else:
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(3))
-    fns = {(s, impl): fn(s, impl) for s in pairs for impl in ("lse", "fixed_m")}
-    times = {key: [] for key in fns}
-    for key, f in fns.items():
-      jax.block_until_ready(f(q, k, v))  # compile + warm up
-    for _ in range(args.repeats):
-      for key, f in fns.items():
-        start = time.perf_counter()
-        jax.block_until_ready(f(q, k, v))
-        times[key].append(time.perf_counter() - start)
-    for s in pairs:
-      rows.append(dict(block_q=s.block_q, block_kv=s.block_kv,
-                       lse=dict(median_s=statistics.median(times[(s, "lse")])),
-                       fixed_m=dict(median_s=statistics.median(times[(s, "fixed_m")]))))
-    rows.sort(key=lambda r: r[args.rank_by]["median_s"])
-    best = rows[0][args.rank_by]["median_s"]
-    print(f"{'block_q':>8s} {'block_kv':>8s} {'lse ms':>9s} {'fixed_m ms':>11s} {'x best':>7s}")
-    for r in rows:
-      mark = "  <- current default" if default and (r["block_q"], r["block_kv"]) == (default.block_q, default.block_kv) else ""
-      print(f"{r['block_q']:8d} {r['block_kv']:8d} {r['lse']['median_s'] * 1e3:9.2f} "
-            f"{r['fixed_m']['median_s'] * 1e3:11.2f} {r[args.rank_by]['median_s'] / best:7.2f}{mark}")
-    print(f"winner ({args.rank_by}): BlockSizes({rows[0]['block_q']}, {rows[0]['block_kv']})")
+  rows = (_compiled_rows(fn, pairs, shape, dtype, device) if args.topology
+          else _timed_rows(fn, pairs, shape, dtype, args.repeats, args.rank_by, default))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(backend=backend, platform=platform, device_kind=device.device_kind, topology=args.topology, shape=shape, dtype=args.dtype,

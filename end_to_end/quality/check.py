@@ -352,15 +352,40 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, p)
 
 
+class _Runs:
+  """The tiny or folder pipeline of each (dtype, quantization), loaded once, and one call of it with
+  the check's settings."""
+
+  def __init__(self, args: argparse.Namespace):
+    self.args, self.pipes = args, {}
+    self.call = dict(height=args.height, width=args.width, num_frames=args.frames,
+                     num_inference_steps=args.steps, guidance_scale=args.guidance,
+                     max_sequence_length=args.max_sequence_length)
+
+  def pipeline(self, dtype: str, quantize: str | None = None):
+    from pipelines.pipeline.wan_pipeline import WanPipeline
+
+    model = self.args.model
+    if (dtype, quantize) not in self.pipes:
+      self.pipes[dtype, quantize] = (
+          WanPipeline.tiny(dtype, random=model == "tiny-random", quantize=quantize) if model in TINY_MODELS
+          else WanPipeline.from_pretrained(model, dtype=dtype, quantize=quantize))
+    return self.pipes[dtype, quantize]
+
+  def generate(self, dtype: str, mesh: str | None, implementation: str, latents: Any, quantize=None,
+               exchange="bf16"):
+    return self.pipeline(dtype, quantize).run(self.args.prompt, self.args.negative_prompt, latents=latents, mesh=mesh,
+                                              attention_implementation=implementation, progress=False,
+                                              attention_exchange=exchange, **self.call)
+
+
 def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   """Runs the reference and every candidate of plan `p`, prints and writes the report; returns the
   exit status (`main`)."""
   import jax
   import numpy as np
 
-  from end_to_end.quality.video_metrics import compare_videos, max_abs_diff
   from pipelines.pipeline.checked.inputs import round_num_frames
-  from pipelines.pipeline.wan_pipeline import WanPipeline
 
   try:
     p, note = fit_devices(p, args, jax.device_count(), jax.default_backend())
@@ -369,24 +394,12 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
     return 2
   if note is not None:
     print(f"note: {note}", file=sys.stderr)
-
   args.frames = round_num_frames(args.frames)  # once, with its warning, before the latents' shape
-  pipes: dict[tuple[str, str | None], WanPipeline] = {}
-
-  def pipeline(dtype: str, quantize: str | None = None) -> WanPipeline:
-    if (dtype, quantize) not in pipes:
-      pipes[dtype, quantize] = (
-          WanPipeline.tiny(dtype, random=args.model == "tiny-random", quantize=quantize) if args.model in TINY_MODELS
-          else WanPipeline.from_pretrained(args.model, dtype=dtype, quantize=quantize))
-    return pipes[dtype, quantize]
-
-  call = dict(height=args.height, width=args.width, num_frames=args.frames,
-              num_inference_steps=args.steps, guidance_scale=args.guidance,
-              max_sequence_length=args.max_sequence_length)
-  shape = pipeline("float32").latent_shape(1, args.height, args.width, args.frames)
+  runs = _Runs(args)
+  shape = runs.pipeline("float32").latent_shape(1, args.height, args.width, args.frames)
   # Every candidate's mesh and the call's sizes are checked before the (long) reference run.
   try:
-    heads = pipeline("float32").transformer_config.num_attention_heads
+    heads = runs.pipeline("float32").transformer_config.num_attention_heads
     for c in p["candidates"]:
       c["spec"].check(num_heads=heads, device_count=jax.device_count(), cfg_active=args.guidance > 1)
   except ValueError as e:
@@ -396,22 +409,56 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   def draw(seed: int) -> np.ndarray:  # the pipeline's own rule for video 0 of a seed
     return np.random.default_rng(seed).standard_normal(shape, np.float32)
 
-  def generate(dtype: str, mesh: str | None, implementation: str, latents: np.ndarray, quantize=None,
-               exchange="bf16"):
-    return pipeline(dtype, quantize).run(args.prompt, args.negative_prompt, latents=latents, mesh=mesh,
-                                         attention_implementation=implementation, progress=False,
-                                         attention_exchange=exchange, **call)
-
   print(f"backend {jax.default_backend()} x{jax.device_count()}; model {args.model!r}; "
         f"{args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance {args.guidance}, "
         f"L={args.max_sequence_length}; latents {shape} from seed {args.seed}")
   start = time.perf_counter()
-  ref = generate("float32", None, REFERENCE_ATTENTION, draw(args.seed))
+  ref = runs.generate("float32", None, REFERENCE_ATTENTION, draw(args.seed))
   print(f"reference: float32, one device, attention {REFERENCE_ATTENTION} forced "
         f"({time.perf_counter() - start:.1f} s)")
-
   candidate_seed = args.seed if args.candidate_seed is None else args.candidate_seed
-  candidate_latents = draw(candidate_seed)
+  rows, videos = _candidates(args, p, runs, ref, draw(candidate_seed), candidate_seed)
+  passed = all(r["passed"] for r in rows)
+  if p["plots"] is not None:
+    written = write_plots(p["plots"], ref.frames[0], videos, p)
+    print(f"plots: {', '.join(written)}")
+  print(f"{sum(r['passed'] for r in rows)}/{len(rows)} candidates pass "
+        f"({args.gate} over frames: PSNR >= {p['min_psnr']}, SSIM >= {p['min_ssim']}"
+        + (f", max latent diff {p['max_latent_diff']}" if p["max_latent_diff"] else "")
+        + f"; thresholds for {CONTENT[p['content']]}, --content {p['content']}"
+        + ("; --min-psnr/--min-ssim given" if args.min_psnr or args.min_ssim else "") + ")")
+  if args.json:
+    _write_report(args, p, ref, rows, latent_shape=shape, candidate_seed=candidate_seed, passed=passed)
+  return 0 if passed else 1
+
+
+def _write_report(args: argparse.Namespace, p: dict[str, Any], ref: Any, rows: list[dict], *,
+                  latent_shape: tuple[int, ...], candidate_seed: int, passed: bool) -> None:
+  """--json: the settings, the reference, the thresholds and every candidate's row."""
+  import jax
+
+  report = dict(
+      backend=jax.default_backend(), device_count=jax.device_count(), model=args.model,
+      settings=dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+                    width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
+                    max_sequence_length=args.max_sequence_length, seed=args.seed,
+                    candidate_seed=candidate_seed, latent_shape=list(latent_shape)),
+      reference=dict(dtype="float32", mesh=None, attention=REFERENCE_ATTENTION, timings=ref.timings),
+      thresholds=dict(content=p["content"], min_psnr=p["min_psnr"], min_ssim=p["min_ssim"],
+                      max_latent_diff=p["max_latent_diff"], gate=f"{args.gate} over frames"),
+      metric_notes=dict(psnr="dB, data range 1, identical frames capped at 200 dB",
+                        ssim="skimage structural_similarity, data_range=1.0, channel_axis=-1, 7x7 window"),
+      candidates=rows, passed=passed)
+  with open(args.json, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+
+
+def _candidates(args: argparse.Namespace, p: dict[str, Any], runs: _Runs, ref: Any, latents: Any,
+                seed: int) -> tuple[list[dict], list[tuple]]:
+  """Every candidate of plan `p` run from `latents` and judged against the reference `ref`, a table
+  row printed for each: (the report's rows, the (sheet name, frames, row) of each for the plots)."""
+  from end_to_end.quality.video_metrics import compare_videos, max_abs_diff
+
   # The quantize column only when asked for (any quantized or fp8-exchange candidate).
   quantized = any(c["quantize"] or c["exchange"] != "bf16" for c in p["candidates"])
   print(f"{'dtype':9s} {'quantize  ' if quantized else ''}{'mesh':8s} {'attention':9s} {'PSNR mean':>9s} {'PSNR min':>9s} "
@@ -419,14 +466,14 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
   rows, videos = [], []
   for index, c in enumerate(p["candidates"]):
     start = time.perf_counter()
-    out = generate(c["dtype"], c["mesh"], c["attention"], candidate_latents, c["quantize"], c["exchange"])
+    out = runs.generate(c["dtype"], c["mesh"], c["attention"], latents, c["quantize"], c["exchange"])
     seconds = time.perf_counter() - start
     metrics = compare_videos(ref.frames, out.frames)
     metrics["max_abs_latent_diff"] = max_abs_diff(ref.latents, out.latents)
     failures = judge(metrics, "bfloat16" if c["quantize"] or c["exchange"] != "bf16" else c["dtype"], p, args.gate)
     rows.append(dict(dtype=c["dtype"], quantize=c["quantize"], attention_exchange=c["exchange"],
                      mesh=c["spec"].describe(), attention=c["attention"],
-                     seed=candidate_seed, seconds=seconds, timings=out.timings, passed=not failures,
+                     seed=seed, seconds=seconds, timings=out.timings, passed=not failures,
                      failures=failures, **metrics))
     if p["plots"] is not None:
       videos.append((sheet_name(index, c), out.frames[0], rows[-1]))
@@ -440,32 +487,7 @@ def _run(args: argparse.Namespace, p: dict[str, Any]) -> int:
     if args.per_frame or len(p["candidates"]) == 1:
       print("  per-frame PSNR dB: " + " ".join(f"{v:.2f}" for v in metrics["psnr_per_frame"]))
       print("  per-frame SSIM:    " + " ".join(f"{v:.5f}" for v in metrics["ssim_per_frame"]))
-
-  passed = all(r["passed"] for r in rows)
-  if p["plots"] is not None:
-    written = write_plots(p["plots"], ref.frames[0], videos, p)
-    print(f"plots: {', '.join(written)}")
-  print(f"{sum(r['passed'] for r in rows)}/{len(rows)} candidates pass "
-        f"({args.gate} over frames: PSNR >= {p['min_psnr']}, SSIM >= {p['min_ssim']}"
-        + (f", max latent diff {p['max_latent_diff']}" if p["max_latent_diff"] else "")
-        + f"; thresholds for {CONTENT[p['content']]}, --content {p['content']}"
-        + ("; --min-psnr/--min-ssim given" if args.min_psnr or args.min_ssim else "") + ")")
-  if args.json:
-    report = dict(
-        backend=jax.default_backend(), device_count=jax.device_count(), model=args.model,
-        settings=dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
-                      width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                      max_sequence_length=args.max_sequence_length, seed=args.seed,
-                      candidate_seed=candidate_seed, latent_shape=list(shape)),
-        reference=dict(dtype="float32", mesh=None, attention=REFERENCE_ATTENTION, timings=ref.timings),
-        thresholds=dict(content=p["content"], min_psnr=p["min_psnr"], min_ssim=p["min_ssim"], max_latent_diff=p["max_latent_diff"],
-                        gate=f"{args.gate} over frames"),
-        metric_notes=dict(psnr="dB, data range 1, identical frames capped at 200 dB",
-                          ssim="skimage structural_similarity, data_range=1.0, channel_axis=-1, 7x7 window"),
-        candidates=rows, passed=passed)
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=2)
-  return 0 if passed else 1
+  return rows, videos
 
 
 if __name__ == "__main__":

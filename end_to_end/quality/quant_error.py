@@ -25,7 +25,7 @@ mode x {float32, bfloat16} with every layer quantized; each layer alone, float32
 error shows); with `--keep`, int8 and fp8 in bfloat16 with the named layers unquantized. For a
 bfloat16 row, `vs bf16` = 20 log10(e / e_bf16): measured to predict the mean
 end-to-end PSNR cost over seeds (int8: +2.2 dB predicted; over 8 seeds 2.3 dB below the mean of four
-resampled bf16 runs, end_to_end/README.md).
+resampled bf16 runs, docs/measurements/quantization.md).
 Uncorrelated errors add in power: e^2 (all layers) ~ sum of the layers' e^2.
 """
 

@@ -88,36 +88,77 @@ def in_run_speedup(seconds: list[float], skipped: list[int]) -> float | None:
   return len(seconds) * t_full / (len(full) * t_full + len(cached) * t_skip)
 
 
+def _model(args: argparse.Namespace) -> tuple[Any, str, tuple[int, int, int], int, int]:
+  """(the pipeline, its name, (width, height, frames), steps, text length): the bench preset's random
+  weights, the tiny model at its own calibration settings, or a folder at 256x256 x 17; a preset's
+  or a folder's steps and text length are 50 and 512."""
+  from end_to_end.bench import presets as bench_presets
+  from end_to_end.train import calibrate_cache
+  from pipelines.commands.presets import TINY_MODELS
+  from pipelines.pipeline import WanPipeline
+
+  if args.preset is not None:
+    preset = bench_presets.PRESETS[args.preset]
+    video = (preset.width, preset.height, preset.frames)
+    return bench_presets.init_ours(preset), f"preset {args.preset}", video, 50, 512
+  if args.model in TINY_MODELS:
+    own = calibrate_cache.model_settings(args.model)
+    return (WanPipeline.tiny(random=args.model == "tiny-random"), args.model,
+            (own["width"], own["height"], own["frames"]), own["steps"], own["max_sequence_length"])
+  pipe = WanPipeline.from_pretrained(args.model, dtype="bfloat16")
+  return pipe, pipe.name, (256, 256, 17), 50, 512
+
+
+def _calibrated(specs: list[str], pipe: Any, args: argparse.Namespace, width: int, height: int, frames: int,
+                mesh: str | None) -> list[str]:
+  """`specs` with every MagCache spec that names no ratios file reading this model's ratios,
+  measured now on the prompt (another seed) and written to a temporary file."""
+  from end_to_end.train import calibrate_cache
+
+  ratios = calibrate_cache.calibrate(pipe, [args.prompt], width=width, height=height, frames=frames,
+                                     steps=args.steps, guidance=args.guidance, shift=None,
+                                     seed=args.seed + 1000, max_sequence_length=args.max_sequence_length,
+                                     mesh=mesh)
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump({"ratios": ratios}, f)
+  return [s + f"@{f.name}" if s.startswith("mag:") and "@" not in s else s for s in specs]
+
+
+def _spec_row(pipe: Any, spec: str, kwargs: dict[str, Any], reference: Any, steps: int) -> dict[str, Any]:
+  """One step cache's run against the uncached `reference`: what it skipped, its speedup and the
+  video's distance (PSNR / SSIM, or the latents' without a decode); printed."""
+  import numpy as np
+
+  from end_to_end.quality import video_metrics
+
+  result, seconds = _timed_run(pipe, spec, kwargs)
+  record, ref_time = result.settings["step_cache"], reference.timings["denoise"]
+  row = {"spec": spec.split("@")[0], "skipped_steps": record["skipped_steps"],
+         "skipped_fraction": record["skipped_fraction"],
+         "skipped_block_fraction": record["skipped_block_fraction"],
+         "denoise_s": result.timings["denoise"], "speedup": ref_time / result.timings["denoise"],
+         "in_run_speedup": in_run_speedup(seconds, record["skipped_steps"]), "metrics": record["metrics"],
+         "max_abs_latent_diff": float(np.max(np.abs(result.latents - reference.latents)))}
+  if result.frames is not None:
+    metrics = video_metrics.compare_videos(reference.frames, result.frames)
+    row.update({k: metrics[k] for k in ("psnr_mean", "psnr_min", "ssim_mean", "ssim_min")})
+  quality = (f"PSNR mean {row['psnr_mean']:.1f} / min {row['psnr_min']:.1f} dB, SSIM mean "
+             f"{row['ssim_mean']:.4f} / min {row['ssim_min']:.4f}" if "psnr_mean" in row
+             else f"max |latent diff| {row['max_abs_latent_diff']:.3g}")
+  print(f"  {row['spec']:<20} skipped {len(row['skipped_steps']):>3}/{steps} steps "
+        f"({100 * row['skipped_fraction']:.0f} %; blocks {100 * row['skipped_block_fraction']:.0f} %), "
+        f"{quality}, denoise {row['denoise_s']:.2f} s ({row['speedup']:.2f}x; in-run estimate "
+        f"{'-' if row['in_run_speedup'] is None else format(row['in_run_speedup'], '.2f') + 'x'})")
+  return row
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   mesh_spec = MeshSpec.parse(args.mesh)
   request_cpu_devices(mesh_spec.devices)  # before JAX's backend starts
-  import numpy as np
-
-  from end_to_end.bench import presets as bench_presets
-  from end_to_end.quality import video_metrics
-  from end_to_end.train import calibrate_cache
   from pipelines.cli.flags import parse_size
-  from pipelines.commands.presets import TINY_MODELS
-  from pipelines.pipeline import WanPipeline
 
-  steps, text_length = 50, 512  # a preset's or a folder's, unless given
-
-  if args.preset is not None:
-    preset = bench_presets.PRESETS[args.preset]
-    pipe = bench_presets.init_ours(preset)
-    width, height, frames = preset.width, preset.height, preset.frames
-    name = f"preset {args.preset}"
-  elif args.model in TINY_MODELS:
-    pipe = WanPipeline.tiny(random=args.model == "tiny-random")
-    own = calibrate_cache.model_settings(args.model)
-    width, height, frames, steps, text_length = (own[k] for k in ("width", "height", "frames", "steps",
-                                                                   "max_sequence_length"))
-    name = args.model
-  else:
-    pipe = WanPipeline.from_pretrained(args.model, dtype="bfloat16")
-    width, height, frames = 256, 256, 17
-    name = pipe.name
+  pipe, name, (width, height, frames), steps, text_length = _model(args)
   if args.size:
     width, height = parse_size(args.size)
   frames = args.frames or frames
@@ -129,42 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                 max_sequence_length=args.max_sequence_length, mesh=mesh, progress=False,
                 decode=not args.no_decode)
   specs = args.spec or list(DEFAULT_SPECS)
-  ratios_file = None
   if args.calibrate:
-    ratios = calibrate_cache.calibrate(pipe, [args.prompt], width=width, height=height, frames=frames,
-                                       steps=args.steps, guidance=args.guidance, shift=None,
-                                       seed=args.seed + 1000, max_sequence_length=args.max_sequence_length,
-                                       mesh=mesh)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-      json.dump({"ratios": ratios}, f)
-      ratios_file = f.name
-    specs = [s + f"@{ratios_file}" if s.startswith("mag:") and "@" not in s else s for s in specs]
-
+    specs = _calibrated(specs, pipe, args, width, height, frames, mesh)
   reference, _ = _timed_run(pipe, None, kwargs)
   ref_time = reference.timings["denoise"]
   print(f"step_cache_report: {name}, {frames} x {height} x {width}, {args.steps} steps, guidance "
         f"{args.guidance}, mesh {args.mesh}; uncached denoise {ref_time:.2f} s", file=sys.stderr)
-  rows = []
-  for spec in specs:
-    result, seconds = _timed_run(pipe, spec, kwargs)
-    record = result.settings["step_cache"]
-    row = {"spec": spec.split("@")[0], "skipped_steps": record["skipped_steps"],
-           "skipped_fraction": record["skipped_fraction"],
-           "skipped_block_fraction": record["skipped_block_fraction"],
-           "denoise_s": result.timings["denoise"], "speedup": ref_time / result.timings["denoise"],
-           "in_run_speedup": in_run_speedup(seconds, record["skipped_steps"]), "metrics": record["metrics"],
-           "max_abs_latent_diff": float(np.max(np.abs(result.latents - reference.latents)))}
-    if result.frames is not None:
-      metrics = video_metrics.compare_videos(reference.frames, result.frames)
-      row.update({k: metrics[k] for k in ("psnr_mean", "psnr_min", "ssim_mean", "ssim_min")})
-    rows.append(row)
-    quality = (f"PSNR mean {row['psnr_mean']:.1f} / min {row['psnr_min']:.1f} dB, SSIM mean "
-               f"{row['ssim_mean']:.4f} / min {row['ssim_min']:.4f}" if "psnr_mean" in row
-               else f"max |latent diff| {row['max_abs_latent_diff']:.3g}")
-    print(f"  {row['spec']:<20} skipped {len(row['skipped_steps']):>3}/{args.steps} steps "
-          f"({100 * row['skipped_fraction']:.0f} %; blocks {100 * row['skipped_block_fraction']:.0f} %), "
-          f"{quality}, denoise {row['denoise_s']:.2f} s ({row['speedup']:.2f}x; in-run estimate "
-          f"{'-' if row['in_run_speedup'] is None else format(row['in_run_speedup'], '.2f') + 'x'})")
+  rows = [_spec_row(pipe, spec, kwargs, reference, args.steps) for spec in specs]
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump({"model": name, "size": f"{width}x{height}", "frames": frames, "steps": args.steps,

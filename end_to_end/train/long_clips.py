@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from end_to_end.train import synthetic_world as world, tiny
+from end_to_end.train import run_report, synthetic_world as world, tiny
 from end_to_end.train.stationary_vae import stationary_vae
 from pipelines.wan import vae as wan_vae
 
@@ -63,7 +63,7 @@ DECODED = ("decoder.", "post_quant_conv.")
 GIVEN_OVERLAP = 2
 # Guidance of the checks (17-frame samples, windows that continue): with these picture latents a colour lies on a ray
 # from the background's latents, and guidance much above 2 pushes it along to the next colour
-# (end_to_end/README, "Training the tiny models further").
+# (docs/measurements/training.md, "Training the tiny models further").
 CONTINUE_GUIDANCE = 2.0
 
 
@@ -300,47 +300,6 @@ def training_set(vae: wan_vae.WanVAE, rng: np.random.Generator, short: int, long
   return np.concatenate(latents), prompts, np.concatenate(counts)
 
 
-# --- checks ----------------------------------------------------------------------------------------
-
-def long_samples(folder: str, prompts: list[str], seeds=(0,), steps: int = 8, *, guidance_scale: float = 5.0,
-                 context_fuse: str = "pyramid") -> list[dict]:
-  """Each prompt at 65 frames in context windows of 17 overlapping by 8 (5 windows; `context_fuse`:
-  blended at every step, or "continue": one after another), the tiny preset's settings otherwise,
-  judged by `world.check_long`."""
-  from pipelines.pipeline import WanPipeline
-  pipe = WanPipeline.from_pretrained(folder)
-  out = []
-  for prompt in prompts:
-    for seed in seeds:
-      video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=LONG_FRAMES,
-                   num_inference_steps=steps, guidance_scale=guidance_scale, seed=seed, progress=False,
-                   context_frames=world.FRAMES, context_overlap=8, context_fuse=context_fuse)[0]
-      ok, seen = world.check_long(video, prompt)
-      out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": seen, "video": video})
-  return out
-
-
-def image_samples(folder: str, rng: np.random.Generator, count: int, steps: int = 8) -> list[dict]:
-  """TI2V: a rendered first frame of a drawn scene (a fast motion; its colour, shape and position
-  drawn) given to the folder's transformer as `expand_timesteps` does, 17 frames; the detector on
-  the video, and the first frame's mean absolute pixel error against the given one."""
-  from PIL import Image
-  from pipelines.pipeline import WanPipeline
-  pipe = WanPipeline.from_pretrained(folder)
-  pipe.expand_timesteps = True
-  out = []
-  for i in range(count):
-    scene = world.random_scene(rng)
-    first = world.render(scene, only=[0])[0]
-    image = Image.fromarray(np.round(first * 255).astype(np.uint8))
-    video = pipe(scene.prompt, image=image, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
-                 num_inference_steps=steps, guidance_scale=5.0, seed=i, progress=False)[0]
-    ok, seen = world.check(video, scene.prompt)
-    out.append({"prompt": scene.prompt, "ok": bool(ok), "seen": seen, "image": first,
-                "first_frame_error": float(np.abs(np.clip(video[0], 0, 1) - first).mean()), "video": video})
-  return out
-
-
 # --- the run ---------------------------------------------------------------------------------------
 
 def _texts(encoder) -> tuple[list[str], np.ndarray]:
@@ -355,18 +314,18 @@ def _report(out: str, report: dict) -> None:
 
 def _checks(folder: str, seed: int, report: dict, out: str, image: bool, continued: bool) -> None:
   """The detector on 17-frame samples (10 held-out prompts x 2 seeds, guidance `CONTINUE_GUIDANCE`:
-  the picture latents' (h) in end_to_end/README), 65-frame windowed samples
+  the picture latents' (h) in docs/measurements/training.md), 65-frame windowed samples
   (slow and still prompts; `continued`: windows that continue, at `CONTINUE_GUIDANCE`), and
   first-frame-given samples; long.png shows the long ones."""
   from pipelines.storage.contact_sheet import write_contact_sheet
   rng = np.random.default_rng(seed + 7)
   held_out = [str(p) for p in rng.choice(world.all_prompts(), 10, replace=False)]
-  short = tiny.sample_and_check(folder, held_out, guidance_scale=CONTINUE_GUIDANCE)
-  longs = long_samples(folder, ["a red square moving slowly right", "a green circle moving slowly left",
-                                "a blue triangle moving slowly down", "a yellow square moving slowly up",
-                                "a white circle moving slowly right", "a red triangle standing still"],
-                       **(dict(context_fuse="continue", guidance_scale=CONTINUE_GUIDANCE) if continued else {}))
-  images = image_samples(folder, np.random.default_rng(seed + 9), 10) if image else []
+  short = run_report.sample_and_check(folder, held_out, guidance_scale=CONTINUE_GUIDANCE)
+  slow = ["a red square moving slowly right", "a green circle moving slowly left", "a blue triangle moving slowly down",
+          "a yellow square moving slowly up", "a white circle moving slowly right", "a red triangle standing still"]
+  longs = run_report.long_samples(
+      folder, slow, **(dict(context_fuse="continue", guidance_scale=CONTINUE_GUIDANCE) if continued else {}))
+  images = run_report.image_samples(folder, np.random.default_rng(seed + 9), 10) if image else []
   for name, rows in (("short", short), ("long", longs), ("image", images)):
     report[name] = {"passed": sum(r["ok"] for r in rows), "of": len(rows),
                     "seen": [{k: v for k, v in r.items() if k not in ("video", "image")} for r in rows]}
@@ -423,9 +382,9 @@ def _dataset(vae: wan_vae.WanVAE, args, report: dict):
   return vae, np.asarray(wan_vae.normalize_latents(config, jnp.asarray(raw))), prompts, given
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
   from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
-  from pipelines.wan.transformer import load_transformer
+
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="output folder (model/, report.json, long.png, image.png)")
@@ -461,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--fresh-transformer", action="store_true",
                  help="train the transformer from a fresh initialisation (as end_to_end.train.tiny does) rather "
                       "than from the folder's")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  from pipelines.wan.transformer import load_transformer
+
+  args = build_parser().parse_args(argv)
   args.keep_encoder = args.keep_encoder or args.stationary_vae  # a stationary encoder by weights is exact
   t0 = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from end_to_end.train import synthetic_world as world
+from end_to_end.train import run_report, synthetic_world as world
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import UMT5_PRESETS, UMT5Config, UMT5Params, default_tokenizer, init_umt5_params
 from pipelines.parallel.plan import ParallelPlan
@@ -216,22 +216,6 @@ def encode_dataset(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int, ba
   return np.concatenate(latents), prompts
 
 
-def check_reconstructions(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int = 5) -> dict:
-  """Encodes and decodes `count` full-size clips (as the pipeline would); the detector's verdict on
-  each reconstruction for its prompt, and the mean absolute pixel error."""
-  ok, errors, seen = [], [], []
-  for _ in range(count):
-    scene = world.random_scene(rng)
-    clip = world.render(scene)
-    z = wan_vae.encode(vae, jnp.asarray(clip.transpose(3, 0, 1, 2)[None] * 2 - 1)).mean
-    video = np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))[0] * 0.5 + 0.5
-    verdict = world.check(video, scene.prompt)
-    ok.append(bool(verdict[0]))
-    seen.append(f"{scene.prompt}: {'ok' if verdict[0] else 'NO'}, {verdict[1]}")
-    errors.append(float(np.abs(np.clip(video, 0, 1) - clip).mean()))
-  return {"passed": int(sum(ok)), "of": count, "mean_abs_error": float(np.mean(errors)), "seen": seen}
-
-
 # --- text ------------------------------------------------------------------------------------------
 
 def text_encoder() -> tuple[UMT5Config, UMT5Params]:
@@ -293,6 +277,51 @@ def zero_residual_outputs(params):
   return jax.tree_util.tree_map_with_path(zero, params)
 
 
+@dataclasses.dataclass
+class WarmCosine:
+  """A learning rate by step: a linear warm-up over `warm` steps to `peak`, then a cosine to 5 % of
+  it at step `total` (set once the step time is measured; the peak until then)."""
+  peak: float
+  warm: int
+  total: int | None = None
+
+  def __call__(self, k: int) -> float:
+    if k < self.warm:
+      return self.peak * (k + 1) / self.warm
+    frac = min((k - self.warm) / max(self.total - self.warm, 1), 1.0) if self.total else 0.0
+    return self.peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def transformer_step(graphdef, opt, config: WanTransformerConfig, *, ema_decay: float, conditioned: bool,
+                     attention_implementation: str):
+  """The jitted flow-matching step `step(params, ema, state, x0, noise, sigma, text, given, rate) ->
+  (params, ema, state, loss)` of `opt` (its `inject_hyperparams` learning rate set to `rate`), the
+  EMA updated in the same program; `conditioned`: rows with `given` > 0 get clean first latent
+  frames (`given_first_frame`), the loss on the others."""
+  plan = ParallelPlan.single(attention_implementation)
+
+  def loss_fn(params, x0, noise, sigma, text, given):
+    xt, target = flow_pair(x0, noise, sigma)
+    if not conditioned:
+      pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
+      return jnp.mean(jnp.square(pred - target))
+    xt, timestep, weight = given_first_frame(x0, xt, sigma, given, config.patch_size)
+    pred = forward(nnx.merge(graphdef, params), xt, timestep, text, plan)
+    return jnp.sum(weight * jnp.square(pred - target)) / (jnp.sum(weight) * x0.shape[1] * x0[0, 0, 0].size)
+
+  @jax.jit
+  def step(params, ema, state, x0, noise, sigma, text, given, rate):
+    inject = state[1]
+    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
+    loss, grads = jax.value_and_grad(loss_fn)(params, x0, noise, sigma, text, given)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
+    return params, ema, state, loss
+
+  return step
+
+
 def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarray, *, seed: int,
                       seconds: float, batch: int = 32, lr: float = 1e-3, ema_decay: float = 0.995,
                       config: WanTransformerConfig = TINY_TRAINED_TRANSFORMER, model=None,
@@ -321,51 +350,21 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
   # The step count is fixed from a measured step time after a short warm-up, so the cosine
   # schedule ends when the time does; the learning rate is an argument of the step (host-side
   # schedule), so fixing the count needs no new trace.
-  total = None
-
-  def learning_rate(k: int) -> float:
-    if k < warm:
-      return lr * (k + 1) / warm
-    frac = min((k - warm) / max(total - warm, 1), 1.0) if total else 0.0
-    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-
+  learning_rate = WarmCosine(lr, warm)
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.01, b2=0.99))
-  state = opt.init(params)
-
-  plan = ParallelPlan.single(attention_implementation)
-
-  def loss_fn(params, x0, noise, sigma, text, given):
-    xt, target = flow_pair(x0, noise, sigma)
-    if not image_share and given_frames is None:
-      pred = forward(nnx.merge(graphdef, params), xt, sigma * 1000.0, text, plan)
-      return jnp.mean(jnp.square(pred - target))
-    xt, timestep, weight = given_first_frame(x0, xt, sigma, given, config.patch_size)
-    pred = forward(nnx.merge(graphdef, params), xt, timestep, text, plan)
-    return jnp.sum(weight * jnp.square(pred - target)) / (jnp.sum(weight) * x0.shape[1] * x0[0, 0, 0].size)
-
-  @jax.jit
-  def step(params, ema, state, x0, noise, sigma, text, given, rate):
-    inject = state[1]
-    state = (state[0], inject._replace(hyperparams={**inject.hyperparams, "learning_rate": rate}))
-    loss, grads = jax.value_and_grad(loss_fn)(params, x0, noise, sigma, text, given)
-    updates, state = opt.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
-    return params, ema, state, loss
-
-  rng = np.random.default_rng(seed + 1)
-  empty = len(texts) - 1
-  texts_dev = jnp.asarray(texts)
-  ema = params
+  state, ema = opt.init(params), params
+  step = transformer_step(graphdef, opt, config, ema_decay=ema_decay, attention_implementation=attention_implementation,
+                          conditioned=bool(image_share) or given_frames is not None)
+  rng, empty, texts_dev = np.random.default_rng(seed + 1), len(texts) - 1, jnp.asarray(texts)
   history, start, k = [], time.perf_counter(), 0
-  while total is None or k < total:
+  while learning_rate.total is None or k < learning_rate.total:
     if k == 10:
       after_compile = time.perf_counter()
-    if total is None and k == 40:  # steps 10-39 measured (not the compile): fix the schedule's length
+    if learning_rate.total is None and k == 40:  # steps 10-39 measured (not the compile): fix the length
       elapsed, per_step = time.perf_counter() - start, (time.perf_counter() - after_compile) / 30
-      total = max(int((seconds - elapsed) / per_step) + 40, warm + 1)
-      log(f"transformer: {per_step:.2f} s/step -> {total} steps")
+      learning_rate.total = max(int((seconds - elapsed) / per_step) + 40, warm + 1)
+      log(f"transformer: {per_step:.2f} s/step -> {learning_rate.total} steps")
     idx = rng.integers(0, len(latents), batch)
     rows = np.where(rng.random(batch) < CFG_DROPOUT, empty, text_ids[idx])
     sigma = training_sigmas(rng.random(batch).astype(np.float32))
@@ -395,96 +394,7 @@ def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
                        scheduler_config=SCHEDULER)
 
 
-def plot_losses(vae_history, transformer_history, path: str) -> None:
-  """loss.png: the two training curves (raw and a 50-step running mean), log scale."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for ax, history, title in ((axes[0], vae_history, "VAE (reconstruction MSE + latent L2)"),
-                             (axes[1], transformer_history, "transformer (flow-matching MSE)")):
-    if not history:  # the VAE came from an earlier run (--vae)
-      ax.set_title(f"{title}: not trained in this run")
-      continue
-    steps, losses = (np.asarray(v) for v in zip(*history))
-    ax.plot(steps, losses, alpha=0.3, lw=0.7, label="per step")
-    w = min(50, len(losses))
-    ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, "valid"), lw=1.5, label=f"mean of {w}")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def plot_samples(videos: list[np.ndarray], labels: list[str], path: str, frames=(0, 4, 8, 12, 16)) -> None:
-  """samples.png: one row per video (its label on the left), the given frames across."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(len(videos), len(frames), figsize=(1.6 * len(frames) + 2.2, 1.6 * len(videos)),
-                           squeeze=False)
-  for r, (video, label) in enumerate(zip(videos, labels)):
-    for c, f in enumerate(frames):
-      ax = axes[r, c]
-      ax.imshow(np.clip(video[min(f, len(video) - 1)], 0, 1))
-      ax.set_xticks([])
-      ax.set_yticks([])
-      if r == 0:
-        ax.set_title(f"frame {f}", fontsize=8)
-      if c == 0:
-        ax.set_ylabel(label, fontsize=7, rotation=0, ha="right", va="center")
-  fig.tight_layout()
-  fig.savefig(path, dpi=80)
-  plt.close(fig)
-
-
-def acceptance_prompts() -> list[str]:
-  """Every colour x motion, shapes in turn (25 prompts)."""
-  out = []
-  for i, (colour, motion) in enumerate((c, m) for c in world.COLOURS for m in world.MOTIONS):
-    out.append(world.prompt_for(colour, world.SHAPES[i % len(world.SHAPES)], motion))
-  return out
-
-
-def sample_and_check(folder: str, prompts: list[str], seeds=(0, 1), steps: int = 8,
-                     guidance_scale: float = 5.0) -> list[dict]:
-  """Loads `folder`, generates each prompt with each seed at the tiny settings (8 steps, 17 x 64 x
-  64, one device, the folder's default text length; guidance 5, what this command's models are
-  accepted at; `long_clips`' picture-latent models at 2) and runs the acceptance detector."""
-  from pipelines.pipeline import WanPipeline
-  pipe = WanPipeline.from_pretrained(folder)
-  out = []
-  for prompt in prompts:
-    for seed in seeds:
-      video = pipe(prompt, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
-                   num_inference_steps=steps, guidance_scale=guidance_scale, seed=seed, progress=False)[0]
-      ok, reason = world.check(video, prompt)
-      out.append({"prompt": prompt, "seed": seed, "ok": bool(ok), "seen": reason, "video": video})
-  return out
-
-
-def prompt_and_seed_distances(samples: list[dict]) -> dict:
-  """Mean absolute pixel difference between videos of the same prompt with different seeds, and
-  between videos of different prompts with the same seed (the issue's "prompts differ far more
-  than seeds")."""
-  by_seed: dict[int, list[np.ndarray]] = {}
-  by_prompt: dict[str, list[np.ndarray]] = {}
-  for s in samples:
-    by_seed.setdefault(s["seed"], []).append(s["video"])
-    by_prompt.setdefault(s["prompt"], []).append(s["video"])
-  seeds = [float(np.abs(v[i] - v[j]).mean()) for v in by_prompt.values()
-           for i in range(len(v)) for j in range(i + 1, len(v))]
-  prompts = [float(np.abs(v[i] - v[j]).mean()) for v in by_seed.values()
-             for i in range(len(v)) for j in range(i + 1, len(v))]
-  return {"different_seeds": float(np.mean(seeds)) if seeds else None,
-          "different_prompts": float(np.mean(prompts)) if prompts else None}
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="output folder (model/, loss.png, samples.png, report.json)")
@@ -497,7 +407,23 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--layers", type=int, default=TINY_TRAINED_TRANSFORMER.num_layers)
   p.add_argument("--vae", default=None, metavar="FOLDER",
                  help="skip step 1: the VAE of this model folder (an earlier run's DIR/model) is used as is")
-  args = p.parse_args(argv)
+  return p
+
+
+def normalised_dataset(vae: wan_vae.WanVAE, rng: np.random.Generator, count: int
+                       ) -> tuple[wan_vae.WanVAE, np.ndarray, list[str]]:
+  """(the VAE with the dataset's per-channel latent mean / std as its `latents_mean` /
+  `latents_std`, `count` clips' normalised latents, their prompts)."""
+  raw, prompts = encode_dataset(vae, rng, count)
+  mean = raw.mean(axis=(0, 2, 3, 4))
+  std = raw.std(axis=(0, 2, 3, 4)) + 1e-6
+  vae = wan_vae.WanVAE(dataclasses.replace(vae.config, latents_mean=tuple(map(float, mean)),
+                                           latents_std=tuple(map(float, std))), vae.params)
+  return vae, np.asarray(wan_vae.normalize_latents(vae.config, jnp.asarray(raw))), prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
   t0 = time.perf_counter()
   budget = args.minutes * 60
   os.makedirs(args.out, exist_ok=True)
@@ -514,23 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     vae, vae_history = wan_vae.load_vae(os.path.join(args.vae, "vae")), []
     report["vae_from"] = os.path.abspath(args.vae)
   report["times"]["vae"] = time.perf_counter() - t0
-  report["vae_reconstruction"] = check_reconstructions(vae, np.random.default_rng(args.seed + 3), count=10)
+  report["vae_reconstruction"] = run_report.check_reconstructions(vae, np.random.default_rng(args.seed + 3), count=10)
   log(f"VAE reconstructions pass the detector: {report['vae_reconstruction']}")
   with open(os.path.join(args.out, "report.json"), "w") as f:  # so far; rewritten at the end
     json.dump(report, f, indent=2)
 
   log(f"2/4 dataset: {args.clips} clips encoded")
   t = time.perf_counter()
-  raw, prompts = encode_dataset(vae, np.random.default_rng(args.seed + 2), args.clips)
-  mean = raw.mean(axis=(0, 2, 3, 4))
-  std = raw.std(axis=(0, 2, 3, 4)) + 1e-6
-  vae = wan_vae.WanVAE(dataclasses.replace(vae.config, latents_mean=tuple(map(float, mean)),
-                                           latents_std=tuple(map(float, std))), vae.params)
-  latents = np.asarray(wan_vae.normalize_latents(vae.config, jnp.asarray(raw)))
-  del raw
+  vae, latents, prompts = normalised_dataset(vae, np.random.default_rng(args.seed + 2), args.clips)
   report["times"]["dataset"] = time.perf_counter() - t
   log(f"dataset encoded in {report['times']['dataset']:.0f} s")
-
   grammar = world.all_prompts()
   encoder = text_encoder()
   texts = encode_texts(encoder, grammar + [""])
@@ -547,23 +466,28 @@ def main(argv: list[str] | None = None) -> int:
 
   log("4/4 save, sample, plot")
   folder = save_model(os.path.join(args.out, "model"), transformer, encoder, vae)
-  plot_losses(vae_history, transformer_history, os.path.join(args.out, "loss.png"))
-  samples = sample_and_check(folder, acceptance_prompts())
+  run_report.plot_losses(vae_history, transformer_history, os.path.join(args.out, "loss.png"))
+  _judge(folder, args.out, report, vae_history, transformer_history, t0)
+  return 0
+
+
+def _judge(folder: str, out: str, report: dict, vae_history: list, transformer_history: list, t0: float) -> None:
+  """Samples the saved model on the acceptance prompts, plots them and writes the final report."""
+  samples = run_report.sample_and_check(folder, run_report.acceptance_prompts())
   first = [s for s in samples if s["seed"] == samples[0]["seed"]]  # one row per prompt
-  plot_samples([s["video"] for s in first], [f"{'ok' if s['ok'] else 'NO'}  {s['prompt']}" for s in first],
-               os.path.join(args.out, "samples.png"))
+  run_report.plot_samples([s["video"] for s in first], [f"{'ok' if s['ok'] else 'NO'}  {s['prompt']}" for s in first],
+                          os.path.join(out, "samples.png"))
   report["times"]["total"] = time.perf_counter() - t0
   report["losses"] = {"vae_last100": float(np.mean([l for _, l in vae_history[-100:]])) if vae_history else None,
                       "transformer_last100": float(np.mean([l for _, l in transformer_history[-100:]])),
                       "vae_steps": len(vae_history), "transformer_steps": len(transformer_history)}
   report["samples"] = [{k: v for k, v in s.items() if k != "video"} for s in samples]
   report["accuracy"] = float(np.mean([s["ok"] for s in samples]))
-  report["distances"] = prompt_and_seed_distances(samples)
-  with open(os.path.join(args.out, "report.json"), "w") as f:
+  report["distances"] = run_report.prompt_and_seed_distances(samples)
+  with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
   log(f"done in {report['times']['total'] / 60:.1f} min: detector accuracy {report['accuracy']:.0%} "
       f"on {len(samples)} samples; {folder}")
-  return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ class Plan:
   overwrite: bool
   recorded: dict[str, Any] = dataclasses.field(default_factory=dict)  # the recorded flags, by dest (`records`)
   nan_guard: bool = True
-  decode_compile_effort: float | None = None  # None: the platform's (`vae_effort.decode_compile_effort`)
+  decode_compile_effort: float | None = None  # None: the platform's (`vae.decode_compile_effort`)
   loras: tuple[tuple[str, float, int], ...] = ()  # (path, scale, expert 0 or 1), in loading order
   processes: distributed.ProcessSpec | None = None  # None: a single-process run
   compile_cache: str | None = None  # the persistent compilation cache's directory; None: off

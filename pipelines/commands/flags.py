@@ -15,7 +15,7 @@ class UsageError(ValueError):
 
 
 def add_decode_effort_flag(p: argparse.ArgumentParser) -> None:
-  """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae_effort.check_compile_effort`)."""
+  """--decode-compile-effort E: `CallOptions.decode_compile_effort` (checked by `vae.check_compile_effort`)."""
   def effort(text: str) -> float:
     from pipelines.wan.vae import check_compile_effort
 

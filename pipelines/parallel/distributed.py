@@ -259,7 +259,7 @@ PROGRESS_BYTES = 2 << 30  # `put_host_leaves` shows a progress bar from this man
 
 def put_host_leaves(tree: Any, shardings: Any, *, progress: bool | None = None,
                     desc: str = "loading weights") -> Any:
-  """Places a tree of `checkpoint.HostLeaf`s (memory-mapped checkpoint views) on devices.
+  """Places a tree of `weights.HostLeaf`s (memory-mapped checkpoint views) on devices.
 
   Each leaf becomes a global array with its sharding through `jax.make_array_from_callback`:
   every device's part is read from the mapped file and converted (transpose, dtype) in one copy,
@@ -270,7 +270,7 @@ def put_host_leaves(tree: Any, shardings: Any, *, progress: bool | None = None,
   bytes of host copies in flight: host memory beyond the placed arrays stays within one tensor.
 
   Args:
-    tree: pytree whose leaves are `checkpoint.HostLeaf`.
+    tree: pytree whose leaves are `weights.HostLeaf`.
     shardings: the same structure, a `jax.sharding.Sharding` per leaf; or None: the default
       device, uncommitted (as `jnp.asarray` places: a later jit may move them to its devices).
     progress: a tqdm bar over bytes on the main process; None: only from `PROGRESS_BYTES` on.

@@ -20,7 +20,7 @@ when both do not fit (`experts_swapped`), and the decode runs in bands of latent
 
 Bytes: weights from the arrays themselves; the step's working memory from the planner's step model
 (`planner.candidates`: one block's activations plus the cross-attention K/V held); the decode's from
-the compiled decoder programs' memory analysis (`wan.vae.bands.decode_memory`); the encode's from
+the compiled decoder programs' memory analysis (`wan.vae.decode_memory`); the encode's from
 its activations. The device's memory is `memory_stats()["bytes_limit"] (None on a CPU: no limit,
 everything resident).
 """

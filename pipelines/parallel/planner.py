@@ -127,13 +127,13 @@ def candidates(config, token_facts: TokenFacts, *, param_counts: tuple[int, int]
   Args:
     config: the `WanTransformerConfig` (its shape fields: dim, heads, layers, ffn).
     token_facts: how its videos become tokens, and L (`TokenFacts`: VAE, patch, image and text tokens).
-    param_counts: (block, other) parameters of one transformer (`transformer_config.param_counts`).
+    param_counts: (block, other) parameters of one transformer (`transformer.param_counts`).
     devices, frames, height, width: devices in the mesh; the video's size.
     cfg: classifier-free guidance on (2 rows per step; CFG=2 meshes only then).
     dtype: the transformer's dtype.
     experts: transformers resident (2 for Wan 2.2 A14B).
     chip: the accelerator (`CHIPS`).
-    quantized: (one-byte block values, fp32 scales) of int8 / fp8 weights (`wan.quantization`).
+    quantized: (one-byte block values, fp32 scales) of int8 / fp8 weights (`wan.transformer.quantization`).
     windows: None (one clip of `frames`), or context windows as (a window's video frames, the
       windows' count n): each forward sees one window's tokens, and meshes with W in 2..n groups run
       ceil(n / W) rounds of W windows (their padding slots cost as windows), plus one all-reduce of

@@ -1,12 +1,12 @@
 """How a model turns a video into tokens: `TokenFacts`, the one owner of "video -> tokens" that the
-planner's estimates (`estimate`, `planner`) and the pipeline's shapes (`pipeline.model_facts`) read.
+planner's estimates (`estimate`, `planner`) and the pipeline's shapes (`pipeline.checked.model_facts`) read.
 
 A video of `frames` (4k + 1) x height x width becomes latents [C, F, Hl, Wl] with
 F = (frames - 1) // temporal_factor + 1, Hl = height // spatial_factor, Wl = width // spatial_factor
 (the VAE), then T = F/pt * Hl/ph * Wl/pw tokens (the transformer's patch embedding); every
 cross-attention reads L text tokens and P image tokens beside them (DESIGN.md section 1). This layer
 imports no model code: the numbers are read from the model's configs above it
-(`pipeline.model_facts.token_facts`).
+(`pipeline.checked.model_facts.ModelFacts.token_facts`).
 """
 
 from __future__ import annotations

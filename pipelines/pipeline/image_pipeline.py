@@ -80,7 +80,7 @@ class WanImageToVideoPipeline(WanPipeline):
     """The request's images encoded: the condition latents with their mask channels, one row per
     video, and (Wan 2.1) the CLIP image states in the model dtype.
 
-    A Wan 2.2 TI2V folder (`expand_timesteps`) conditions as `WanPipeline` does (`pipeline.ti2v`):
+    A Wan 2.2 TI2V folder (`expand_timesteps`) conditions as `WanPipeline` does (`pipeline.run.ti2v`):
     the first frame's latents and per-token timesteps, its image optional.
 
     Raises:

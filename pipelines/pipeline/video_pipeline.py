@@ -4,7 +4,7 @@ from a video instead of pure noise.
 Everything but the start is `WanPipeline`'s (the request, the runner, the compiled step, the loop,
 decoding): the request carries the video and `strength` (`video_inputs.VideoInputs`); its schedule
 is the tail of the `num_inference_steps` schedule from step N - int(N x strength) on, run by a fresh
-solver (`Schedule.tail`); the loop starts from the video encoded by the VAE and noised to that
+solver (`UniPCSchedule.tail`); the loop starts from the video encoded by the VAE and noised to that
 step's sigma (`WanPipeline.initial_latents`). `seed` keeps its meaning: the noise mixed in is the
 array that `seed` gives a text-to-video call of the same latent shape. Given `latents` (diffusers'
 meaning: the already noised start), the loop starts from them as they are, at the same step.

@@ -72,8 +72,8 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
   Attributes:
     transformer_config: config shared by both experts.
     boundary_ratio: None (one expert) or the Wan 2.2 switch ratio.
-    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`); image conditioning
-      through `pipeline.ti2v.ti2v_condition`.
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.conditioning.ti2v`); image conditioning
+      through `pipeline.run.ti2v.ti2v_condition`.
     scheduler_config: `UniPCConfig`, `FlowEulerConfig` or `DPMSolverConfig` (`schedulers.SchedulerConfig`).
     dtype: transformer / text encoder dtype; the VAE runs in `vae.dtype`.
     name: where the weights came from (folder path, "tiny" (the trained default) or "tiny-random").
@@ -143,7 +143,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       progress: progress bars while loading (None: for large folders only).
       quantize: None, "int8", "fp8" or "int8-w8a8": the transformers' block Linear weights
         quantized as they are loaded, from the checkpoint's values (`quantize` says what and how;
-        `transformer_loading.load_transformer`: one fp32 stacked kernel at a time on the devices);
+        `transformer.load_transformer`: one fp32 stacked kernel at a time on the devices);
         with `shard_weights` the 1-byte values and their scales are what is split and gathered.
       revision, token, cache_dir, local_files_only: a Hub id's, as huggingface_hub's (HF_TOKEN,
         HF_HUB_CACHE, HF_HUB_OFFLINE and HF_ENDPOINT apply).
@@ -171,7 +171,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
         `end_to_end.train.tiny`): the shapes world, e.g. "a red square moving right" at 64x64 x 17
         frames.
-        True: random weights from a fixed seed (`wan.tiny`): noise-like videos, every code path,
+        True: random weights from a fixed seed (`wan.pretrained.tiny`): noise-like videos, every code path,
         fastest compiles (what most tests use).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
       image: "tiny-i2v", `TINY_I2V_FOLDER` (a TI2V folder, `train.long_clips`): `pipe(prompt,
@@ -193,7 +193,7 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     return pipe
 
   def quantize(self, mode: str) -> None:
-    """Quantizes the transformer(s)' block Linear weights now, in place (`wan.quantization`: the
+    """Quantizes the transformer(s)' block Linear weights now, in place (`wan.transformer.quantization`: the
     modes, what keeps its dtype and why, the error bounds); the weights stay where they were placed
     (with sharded weights the 1-byte values and their fp32 scales are what is split).
 
@@ -249,8 +249,8 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     """The step's conditioning beyond the text (`step.denoise_step`'s `condition`): None for
     text-to-video; image-to-video pipelines encode the request's images (`stage(line)` announces
     the work). A Wan 2.2 TI2V model (`expand_timesteps`) always runs per-token timesteps, with the
-    request's first frame when it has one (`pipeline.ti2v.conditioning`), as does any model given
-    a window's first frames (`pipeline.continued`); a VACE model its VACE context, from the
+    request's first frame when it has one (`pipeline.run.ti2v.conditioning`), as does any model given
+    a window's first frames (`pipeline.run.continued`); a VACE model its VACE context, from the
     request's video, mask and reference images or none of them (`vace_inputs.conditioning`)."""
     if self.transformer_config.has_vace:
       return vace_conditioning(self.vae, request, stage)

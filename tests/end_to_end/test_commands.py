@@ -74,3 +74,26 @@ def test_end_to_end_is_organised_by_purpose():
   assert len(top) <= MAX_TOP_LEVEL_MODULES, (
       f"{len(top)} modules at end_to_end/'s top level ({top}); at most {MAX_TOP_LEVEL_MODULES}: put a new "
       f"tool in the folder of its purpose (aot/, bench/, quality/, serve/, train/)")
+
+
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+           "sixteen seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three twenty-four").split()
+
+
+def _counted(text: str) -> list[int]:
+  """Every count of commands the text gives in words ("Nineteen commands", "all nineteen")."""
+  words = "|".join(NUMBERS)
+  found = re.findall(rf"\b({words}) commands\b|\ball ({words})\b", text, flags=re.IGNORECASE)
+  return [NUMBERS.index((a or b).lower()) for a, b in found]
+
+
+def test_the_docs_count_the_commands():
+  """end_to_end/README.md (and docs/performance.md, which points at it) say how many commands there
+  are: a new or removed command updates the count."""
+  commands = len(end_to_end_commands())
+  for page in ("end_to_end/README.md", "docs/performance.md"):
+    with open(os.path.join(REPO_ROOT, page), encoding="utf-8") as f:
+      counts = _counted(f.read())
+    assert counts and set(counts) == {commands}, (page, counts, commands)
+  assert _counted("Eighteen commands that measure; all twelve") == [18, 12]  # the reader's control
+

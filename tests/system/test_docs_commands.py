@@ -1,5 +1,6 @@
 """Every shell command the user documentation shows is checked: the ```bash blocks of README.md and
-docs/*.md, one test per command, named by its file and line.
+docs/**/*.md (the measurement pages in docs/measurements/ too), one test per command, named by its
+file and line; a command inside a shell loop is checked as one.
 
 A command of this project (`.venv/bin/generate`, `.venv/bin/serve`, `python -m MODULE`,
 `.venv/bin/python -m MODULE`) must answer `--help` with exit status 0, and every flag it uses must
@@ -27,10 +28,13 @@ import pytest
 
 from tests.harness import REPO_ROOT, child_env
 
-DOCS = ["README.md", *sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))]
+DOCS = ["README.md", *sorted(os.path.relpath(p, REPO_ROOT)
+                             for p in glob.glob(os.path.join(REPO_ROOT, "docs", "**", "*.md"), recursive=True))]
+# Pages whose links are checked besides DOCS (they show no commands to run).
+LINKED = ["DESIGN.md", "end_to_end/README.md"]
 
 # Commands the docs show that this test does not check, each with the reason (as `canonical` writes
-# them: shlex-split, comments dropped, each word shlex-quoted).
+# them: split into words, comments dropped, each word shlex-quoted).
 NOT_RUN = {
     "bash end_to_end/tpu_recipe.sh": "needs a TPU machine (tests/tpu: collected and skipped here)",
     'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e \'.[test]\'':
@@ -46,10 +50,15 @@ NOT_RUN = {
     "curl -s localhost:8000/v1/videos/video_.../content -o square.mp4": "needs a running server and a job id",
     "curl -s -X POST localhost:8000/v1/videos/video_.../cancel": "needs a running server and a job id",
     "curl -s -X DELETE localhost:8000/v1/videos/video_...": "needs a running server and a job id",
+    "bash end_to_end/gpu_wheels.sh": "downloads wheels from a package index (docs/measurements/gpu.md)",
+    "bash end_to_end/gpu_recipe.sh": "needs a GPU machine (docs/measurements/gpu.md)",
 }
 
 _ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _SEPARATORS = {"&&", "||", ";", "|"}
+# Shell syntax around the commands of a loop: a segment led by one of these is not a command, and
+# `do` before a command is dropped (`for seed in 0 1; do python -m ... --seed $seed; done`).
+_SHELL_SYNTAX = {"for", "done", "set"}
 _PYTHONS = {"python", "python3", ".venv/bin/python", ".venv/bin/python3"}
 
 
@@ -64,7 +73,10 @@ class DocCommand:
 
   @property
   def tokens(self) -> list[str]:
-    return shlex.split(self.text, comments=True)
+    """The words of the command, comments dropped, `;`, `&&`, `||` and `|` words of their own."""
+    lexer = shlex.shlex(self.text, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    return list(lexer)
 
   @property
   def canonical(self) -> str:
@@ -127,13 +139,14 @@ def console_scripts() -> dict[str, str]:
 
 
 def segments(tokens: list[str]) -> list[list[str]]:
-  """The simple commands of a command line (split at &&, ||, ; and |), leading VAR=value dropped."""
+  """The simple commands of a command line (split at &&, ||, ; and |), leading VAR=value and `do`
+  dropped, a loop's own syntax (`for ... in ...`, `done`) left out."""
   parts, current = [], []
   for token in tokens + [";"]:
     if token in _SEPARATORS:
-      while current and _ENV_ASSIGNMENT.match(current[0]):
+      while current and (_ENV_ASSIGNMENT.match(current[0]) or current[0] == "do"):
         current.pop(0)
-      if current:
+      if current and current[0] not in _SHELL_SYNTAX:
         parts.append(current)
       current = []
     else:
@@ -168,8 +181,9 @@ def help_output(argv: tuple[str, ...]) -> tuple[int, str]:
 
 
 def flags(args: tuple[str, ...]) -> list[str]:
-  """The options of a command line: `--name` (of `--name=value` too) and `-x`; not `-1`."""
-  return [a.split("=", 1)[0] for a in args if re.match(r"--?[A-Za-z]", a)]
+  """The options of a command line: `--name` (of `--name=value` too) and `-x`, an optional one
+  written `[--name VALUE]` too; not `-1`."""
+  return [a.lstrip("[").rstrip("]").split("=", 1)[0] for a in args if re.match(r"--?[A-Za-z]", a.lstrip("["))]
 
 
 def problems(command: DocCommand) -> list[str]:
@@ -214,6 +228,9 @@ def test_the_checks_would_catch_a_bad_command():
   assert "not a command of this project" in problems(crafted("make video"))[0]
   assert problems(crafted(".venv/bin/python -m pytest -q tests/system/no_such_test.py")) == [
       "python -m pytest: no such file tests/system/no_such_test.py"]
+  # A command inside a loop is checked, an optional flag in brackets too; the loop's syntax is not.
+  looped = problems(crafted("for s in 0 1; do .venv/bin/generate --prompt x --seed $s [--no-such-flag N]; done"))
+  assert looped == ["generate has no flag --no-such-flag (not in its --help)"], looped
 
 
 def test_every_listed_command_is_still_in_the_docs():
@@ -272,10 +289,11 @@ def _anchors(path: str) -> set[str]:
 
 
 def test_docs_links_resolve():
-  """Every relative link and image of README.md and docs/*.md names a file that exists (and a
-  heading of it, after a #), so moving a page or a screenshot cannot leave a dead link."""
+  """Every relative link and image of README.md, docs/**/*.md, DESIGN.md and end_to_end/README.md
+  names a file that exists (and a heading of it, after a #), so moving a page or a screenshot
+  cannot leave a dead link."""
   dead = []
-  for path in DOCS:
+  for path in DOCS + LINKED:
     with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
       links = re.findall(r"\]\(([^)\s]+)\)", f.read())
     for link in links:

@@ -37,7 +37,7 @@ class ModelFacts:
     image_to_video: the model is conditioned on an image (its transformer's input is noise, mask
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
     expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
-      `expand_timesteps`; `wan.ti2v`).
+      `expand_timesteps`; `wan.conditioning.ti2v`).
   """
   name: str
   transformer: WanTransformerConfig

@@ -57,8 +57,8 @@ class GenerationRequest:
     decode: run the VAE (False: latents only).
     image: the image-to-video inputs (`image_inputs.ImageInputs`), None for text-to-video.
     first_frame_latents: float32 numpy [B', C, Fg, Hl, Wl], the normalised VAE latents of the first
-      Fg frames, given: a Wan 2.2 TI2V run's first frame (Fg = 1, set by `pipeline.ti2v.ti2v_condition`)
-      or a context window's overlap with the one before (`pipeline.continued`); or None.
+      Fg frames, given: a Wan 2.2 TI2V run's first frame (Fg = 1, set by `pipeline.run.ti2v.ti2v_condition`)
+      or a context window's overlap with the one before (`pipeline.run.continued`); or None.
     video: the video-to-video input and strength (`video_inputs.VideoInputs`), or None.
     vace: a VACE model's video, mask, reference images and scales (`vace_inputs.VACEInputs`), or
       None (not a VACE model). Its n reference images add n latent frames in front of the video's
@@ -236,7 +236,7 @@ class GenerationRequest:
             "lora_scale": self.lora_scale, **self._input_digests(), **self.plan.describe()}
 
   def identity(self, fingerprint: str, noise: np.ndarray) -> dict[str, Any]:
-    """What a denoising checkpoint must match to be resumed by this request (`pipeline.resume`):
+    """What a denoising checkpoint must match to be resumed by this request (`pipeline.run.resume`):
     everything that decides the video; not the mesh, the attention path or the decode (the same
     video either way); the fp8 attention exchange (a lossy one) when it is on."""
     return {

@@ -165,7 +165,7 @@ def load_image_processor(folder: str) -> Any:
 
 
 def tiny_random_parts(dtype: str) -> dict[str, Any]:
-  """The constructor's keyword arguments of the random-weight tiny model (`wan.tiny`)."""
+  """The constructor's keyword arguments of the random-weight tiny model (`wan.pretrained.tiny`)."""
   model_dtype = dtype_of(dtype)
   te_config = UMT5_PRESETS["tiny"]
   return dict(tokenizer=default_tokenizer(),

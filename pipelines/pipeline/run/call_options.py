@@ -94,7 +94,7 @@ CALL_DOCS = {
     "image, last_image, image_embeds": "image-to-video models only (`WanImageToVideoPipeline`): the first frame, the "
                                        "last frame (FLF2V, and Wan 2.2 I2V A14B), precomputed CLIP image states "
                                        "(`image_inputs.check_image_inputs`); a Wan 2.2 TI2V model takes an optional "
-                                       "`image` only (either class; `pipeline.ti2v`).",
+                                       "`image` only (either class; `pipeline.run.ti2v`).",
     "video, strength": "video-to-video (`WanVideoToVideoPipeline`, a text-to-video folder): the frames to start from "
                        "and the share of the schedule that runs, in (0, 1] (`video_inputs`; checked without a video "
                        "too). On a VACE model `video` is VACE's (`WanVACEPipeline`).",
@@ -114,7 +114,7 @@ CALL_DOCS = {
                                                      "at once on two device groups. `context_fuse` \"continue\" runs "
                                                      "the windows one after another instead, each a whole denoising "
                                                      "given the frames it shares with the one before "
-                                                     "(`pipeline.continued`; text-to-video and TI2V models, one "
+                                                     "(`pipeline.run.continued`; text-to-video and TI2V models, one "
                                                      "window at a time).",
 }
 
@@ -147,7 +147,7 @@ class CallOptions:
       before the loop (again only if a callback replaces the text states or the weights change);
       False computes them inside every step (the same video, bit for bit; for measurements).
     decode_compile_effort: XLA's optimization effort in [-1, 1] for the VAE decoder's programs;
-      None: the platform's (`vae_effort.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
+      None: the platform's (`vae.decode_compile_effort`: -0.5 on TPU, a ~4x faster compile for a
       decode ~9-19 % slower by libtpu's own estimate; JAX's own setting elsewhere). 0 suits a
       long-lived server whose compiles are paid once.
     decode_compile_ahead: compile the VAE decoder's programs in a background thread from the text

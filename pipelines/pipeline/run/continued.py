@@ -9,7 +9,7 @@ frame is (the transformer's input replaced there at every step, per-token timest
 tokens: `wan.conditioning.ti2v`; any Wan transformer takes per-token timesteps). The first window
 is the video's start: a TI2V request's image conditions it alone. The windows' latents make the
 video's, decoded once. The parallel blend (`wan.conditioning.windows.blend`) reconciles windows
-only through their overlaps' averaged predictions; a model trained to continue (end_to_end/README,
+only through their overlaps' averaged predictions; a model trained to continue (docs/measurements/training.md,
 "Training the tiny models further") carries a motion across every boundary this way.
 
 Glossary (DESIGN.md section 1): B' videos, C latent channels, F / Hl / Wl latent frames / height /

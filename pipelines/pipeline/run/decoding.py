@@ -36,7 +36,7 @@ def decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | None
   size whatever B, and only one video's activations are live. With a `mesh`, each video is decoded
   split along height over the mesh's devices (`vae.decode_parallel`; in a multi-process run, this
   process's devices), each time chunk copied to the host as it is done. `compile_effort`: XLA's
-  optimization effort for the decoder's programs (None: the platform's, `vae_effort.decode_compile_effort`).
+  optimization effort for the decoder's programs (None: the platform's, `vae.decode_compile_effort`).
   `band_rows`: on one device, decode in bands of that many latent rows (`vae.decode_banded`: the
   same video to fp32 rounding, in bounded memory; a memory plan's `decode_band_rows`); `streamed`:
   on one device, one program per decoder layer (`vae.decode_streamed`: the same video, less memory).

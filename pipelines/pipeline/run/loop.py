@@ -28,7 +28,7 @@ class LoopState:
     solver: the scheduler's state.
     text: [B' or 2 B', L, text_dim] text states in the model dtype.
     cache: the step-cache state or None.
-    condition: the step's conditioning beyond the text (`image_condition.ImageConditioning` for
+    condition: the step's conditioning beyond the text (`conditioning.ImageConditioning` for
       image-to-video), or None; replicated, read by every step.
     first_step: the step the loop starts at (> 0 when resuming).
     step: the step running or just run (-1 before the first).

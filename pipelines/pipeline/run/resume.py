@@ -188,7 +188,7 @@ def state_path(directory: str) -> str:
 
 def window_dir(directory: str, window: int) -> str:
   """The checkpoint folder of window `window` of a run whose context windows continue one another
-  (`pipeline.continued`): each window a run of its own, its checkpoint in DIR/window-K."""
+  (`pipeline.run.continued`): each window a run of its own, its checkpoint in DIR/window-K."""
   return os.path.join(directory, f"window-{window}")
 
 

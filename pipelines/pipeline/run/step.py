@@ -34,7 +34,7 @@ def denoise_step(graphdef: nnx.GraphDef, params: nnx.State, latents: jax.Array, 
       states [2B or B, L, text_dim] (cond rows first; K/V then made in the step).
     guidance: float32 [] scale of this step's expert.
     cache: None (no step cache: the plain transformer forward) or the step-cache state
-      (`step_cache.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
+      (`step_cache.forward.FirstBlockState` / `MagState`; donated). One skip decision covers the cond and
       uncond rows.
     condition: None (text-to-video) or a pytree whose `transformer_inputs(x, timestep, cfg=cfg)`
       gives the transformer's `StepInputs` (latents, timestep, image states, VACE context):

@@ -8,7 +8,7 @@ A TI2V folder (model_index.json `expand_timesteps: true`) loads as a `WanPipelin
 image it is text-to-video (every token at the step's timestep). With an image, diffusers'
 `WanImageToVideoPipeline` (`expand_timesteps=True`) encodes the first frame with the VAE and keeps
 it fixed: the first latent frame's tokens run at t = 0 and that frame of the transformer's input
-is the image's latents at every step (`wan.ti2v`). Here the image is the request's `image` (as for
+is the image's latents at every step (`wan.conditioning.ti2v`). Here the image is the request's `image` (as for
 image-to-video: `pipe(prompt, image=...)` on a `WanPipeline` or `WanImageToVideoPipeline` of the
 folder, `generate --image`), resized to the video and encoded by `conditioning`; or, already
 preprocessed, its latents set by `ti2v_condition`:
@@ -18,7 +18,7 @@ preprocessed, its latents set by `ti2v_condition`:
     frames = pipe.generate(request).frames
 
 `conditioning` (called by `WanPipeline.conditioning` once before the loop) makes the step's
-`condition`: `wan.ti2v.TI2VConditioning`, replicated, not donated.
+`condition`: `wan.conditioning.TI2VConditioning`, replicated, not donated.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def conditioning(vae: wan_vae.WanVAE, request: GenerationRequest, patch_size: tu
                  stage: Any) -> TI2VConditioning:
   """The step's condition of a TI2V model's request (or a context window's that continues the one
   before): the first Fg frames' latents float32 [B', C, Fg, Hl, Wl] from `request.first_frame_latents`, or `request.image` resized to the video, mapped to
-  [-1, 1] and encoded (`wan.ti2v.encode_image`; `stage(line)` announces it), or none (text-to-video:
+  [-1, 1] and encoded (`wan.conditioning.encode_image`; `stage(line)` announces it), or none (text-to-video:
   per-token timesteps all t)."""
   first = request.first_frame_latents
   if first is None and request.image is not None:
@@ -68,7 +68,7 @@ def ti2v_condition(vae: wan_vae.WanVAE, request: GenerationRequest, image: Any) 
   Raises:
     ValueError: a model without `expand_timesteps` (Wan 2.1 / 2.2 A14B image-to-video conditions
       through the transformer's channels and CLIP instead), a request with `image` already, an
-      image of another size or batch, or one `wan.ti2v.encode_image` refuses. All before the VAE
+      image of another size or batch, or one `wan.conditioning.encode_image` refuses. All before the VAE
       runs.
   """
   if not request.model.expand_timesteps:

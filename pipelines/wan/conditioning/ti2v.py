@@ -17,7 +17,7 @@ scheduler still steps the whole latents; the replacement is applied once more be
 The encoded image is `(vae.encode(image).mode() - latents_mean) / latents_std` (`encode_image`).
 
 `TI2VConditioning` carries this into the denoise step as its `condition` argument (the same place
-as image-to-video's `image_condition.ImageConditioning`): `transformer_inputs` gives the
+as image-to-video's `image.ImageConditioning`): `transformer_inputs` gives the
 transformer's input and per-token timesteps, `final_latents` the last replacement.
 """
 
@@ -48,7 +48,7 @@ def per_token_timesteps(t_B: jax.Array, latent_shape: tuple[int, ...], patch_siz
   Token (f, h, w) in row-major order (the transformer's token order) gets `mask[f, h * ph, w *
   pw] * t`, i.e. t everywhere (`given` 0: text-to-video), or 0 on the first `given` latent frames'
   (Hl / ph) (Wl / pw) tokens each (1: the image's). Built from an iota inside the jitted step: under
-  a mesh the transformer pins it to the tokens' sharding (`transformer.embed`), so no device holds
+  a mesh the transformer pins it to the tokens' sharding (`transformer.model.embed`), so no device holds
   another device's per-token embedding.
 
   Raises:

@@ -7,7 +7,7 @@ first window holds the first frame); the windows' noise predictions are blended 
 and the scheduler steps once on the whole latent video.
 
 Or, with `fuse` "continue", the windows run one after another, each given the frames it shares
-with the one before (`ContextWindows.continued`; `pipeline.continued` runs them).
+with the one before (`ContextWindows.continued`; `pipeline.run.continued` runs them).
 
 The blend is ComfyUI's `WanContextWindowsManual` with its defaults (comfy/context_windows.py:
 `create_weights_pyramid`, `combine_context_window_results`); the layout takes as many windows as

@@ -3,7 +3,7 @@
 A real Wan checkpoint ships its tokenizer (google/umt5-xxl SentencePiece, 256,384 ids) in
 `<pipeline>/tokenizer/`; it is loaded with transformers `AutoTokenizer`. The built-in tiny model
 (`umt5.UMT5_PRESETS["tiny"]`, 384 ids) pairs with `default_tokenizer()`, ByT5's byte tokenizer, which
-needs no files. Tokenisation follows `WanPipeline._get_t5_prompt_embeds`: pad to `max_length`,
+needs no files. Tokenisation follows diffusers' `WanPipeline._get_t5_prompt_embeds`: pad to `max_length`,
 truncate, add the EOS special token, return the attention mask.
 """
 

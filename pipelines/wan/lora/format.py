@@ -1,8 +1,8 @@
 """LoRA files: finding and reading them (safetensors only, a file or a folder holding one), with
 diffusers' peft `LoraConfig` JSON under the `lora_adapter_metadata` key and a digest of the bytes.
 
-The key layouts are `lora_convert`'s; what the keys mean for the transformer, and the fusing, are
-`lora`'s, which re-exports these names. Arrays are numpy on the host: nothing here touches a device.
+The key layouts are `convert`'s; what the keys mean for the transformer, and the fusing, are
+`fuse`'s (the `lora` package names all three's public names). Arrays are numpy on the host: nothing here touches a device.
 """
 
 from __future__ import annotations

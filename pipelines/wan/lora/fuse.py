@@ -3,8 +3,8 @@
 Glossary (DESIGN.md section 1): D model width, E ffn width, Z layers; a LoRA layer of rank r on a
 Linear with torch weight [O, I] holds lora_A (down) [r, I] and lora_B (up) [O, r].
 
-Formats read (safetensors only, a file or a folder holding one; `lora_format` reads them,
-`lora_convert` maps every key layout onto diffusers' module names):
+Formats read (safetensors only, a file or a folder holding one; `format` reads them,
+`convert` maps every key layout onto diffusers' module names):
 - diffusers / peft, what diffusers' `WanPipeline.save_lora_weights` writes:
   `transformer.blocks.{i}.attn1.to_q.lora_A.weight`, `...lora_B.weight`, optionally
   `...lora_B.bias` (peft `lora_bias`), with the peft `LoraConfig` (r, lora_alpha, rank_pattern,
@@ -30,7 +30,7 @@ computed in fp32 from the unfused base and rounded once to the parameter's dtype
 of every touched parameter is kept on the host, so `unfuse` restores it bit for bit in any dtype.
 Our kernels are [I, O] (torch's transposed) and the blocks are stacked on a leading Z axis, so the
 update of `blocks.{i}.attn1.to_q` goes to `blocks.attn1.to_q.kernel[i]` (the key -> parameter
-mapping is `transformer_loading.checkpoint_layout`, shared with the checkpoint loader).
+mapping is `transformer.checkpoint_layout`, shared with the checkpoint loader).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def linear_layers(config: WanTransformerConfig
                   ) -> dict[str, tuple[tuple[int, int], tuple[str, ...], int | None]]:
   """diffusers Linear module name -> ((O, I) torch weight shape, our kernel path, block index).
 
-  From `transformer_loading.checkpoint_layout` (the checkpoint loader's key mapping)."""
+  From `transformer.checkpoint_layout` (the checkpoint loader's key mapping)."""
   return {key.removesuffix(".weight"): (shape, path, layer)
           for key, shape, path, layer, kind in checkpoint_layout(config) if kind == "linear"}
 

@@ -31,7 +31,7 @@ class PipelineIndex:
     image_to_video: `_class_name` is WanImageToVideoPipeline and not a TI2V folder (the channel-
       conditioned models).
     image_encoder: `image_encoder/` and `image_processor/` are present and named (Wan 2.1 I2V / FLF2V).
-    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.ti2v`).
+    expand_timesteps: one timestep per token (Wan 2.2 TI2V-5B; `wan.conditioning.ti2v`).
   """
   folder: str
   transformer: WanTransformerConfig

@@ -8,7 +8,7 @@ Layout, as diffusers' `WanPipeline.save_pretrained` writes it (safetensors only)
   tokenizer/                                                       (the tokenizer's save_pretrained)
   scheduler/scheduler_config.json                                  (UniPCMultistepScheduler, flow)
 Weights go back to the checkpoint (PyTorch) layouts the loaders read: the key maps are the loaders'
-own (`transformer_loading.checkpoint_layout`, `umt5.checkpoint_shapes`, `vae_layers.to_jax_layout`),
+own (`transformer.checkpoint_layout`, `umt5.checkpoint_shapes`, `vae.to_jax_layout`),
 inverted here, so a folder written here loads with `WanPipeline.from_pretrained` bit for bit.
 """
 

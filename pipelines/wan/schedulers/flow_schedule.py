@@ -52,7 +52,7 @@ def check_multistep(num_train_timesteps: int, flow_shift: float, solver_order: i
 
 
 def check_tail_start(start: int, steps: int) -> None:
-  """A schedule's tail (`Schedule.tail`) starts at a step of it.
+  """A schedule's tail (`UniPCSchedule.tail`) starts at a step of it.
 
   Raises:
     ValueError: `start` outside [0, steps).

@@ -34,12 +34,12 @@ the same scalar; the skip is a `lax.cond` on that scalar, so every device takes 
 uncond alike). MagCache's decision uses only the carried accumulators and the step's ratio.
 
 The cache state (`FirstBlockState`, `MagState`) is a pytree of arrays carried through the jitted
-`pipelines.pipeline.denoise_step` and donated like the solver state: residuals [B, T, D] in the
+`pipelines.pipeline.run.step.denoise_step` and donated like the solver state: residuals [B, T, D] in the
 model dtype, sequence-sharded under a mesh; scalars replicated. The threshold and the MagCache
 settings are arrays in the state, so a new threshold does not recompile the step.
 
 The settings (`StepCacheSpec`, `parse_step_cache`, MagCache's ratios, `summary`) live in
-`step_cache_spec` and are re-exported here.
+`spec` (the `step_cache` package names them).
 """
 
 

@@ -4,7 +4,7 @@ Field names and meanings follow diffusers so that `WanTransformerConfig.from_dic
 reads a diffusers `transformer/config.json` unchanged: the text-to-video and image-to-video
 variants (Wan 2.1 T2V 1.3B / 14B, Wan 2.1 I2V 14B and FLF2V 14B with their CLIP image branch, Wan 2.2
 T2V / I2V A14B experts) and Wan 2.2 TI2V-5B (whose first-frame conditioning needs no transformer
-field; `wan.ti2v`).
+field; `wan.conditioning.ti2v`).
 
 Also the parameter tree a config implies (`param_shapes`, `param_counts`) and which parameters
 stay fp32 (`keeps_fp32`): pure functions of the config, no JAX.
@@ -209,7 +209,7 @@ PRESETS: dict[str, WanTransformerConfig] = {
                                              image_dim=1280, added_kv_proj_dim=5120, pos_embed_seq_len=514),
     "wan2.2-i2v-a14b": WanTransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36),
     # Wan 2.2 TI2V-5B (Wan2.2 wan/configs/wan_ti2v_5B.py: dim 3072, 24 heads, ffn 14336, 30 layers;
-    # 48 latent channels of the Wan 2.2 VAE). One expert, per-token timesteps (`wan.ti2v`).
+    # 48 latent channels of the Wan 2.2 VAE). One expert, per-token timesteps (`wan.conditioning.ti2v`).
     "wan2.2-ti2v-5b": WanTransformerConfig(num_attention_heads=24, in_channels=48, out_channels=48,
                                            ffn_dim=14336, num_layers=30),
     # VACE (diffusers' WanVACETransformer3DModel; Wan-AI/Wan2.1-VACE-*-diffusers transformer/config.json):

@@ -72,7 +72,7 @@ class Dense(nnx.Module):
     `__call__` (bitwise the same on XLA:CPU, tests/pipelines/wan/transformer/test_quantization.py).
     Why: XLA:TPU relaid a [B, T, D] projection out to [B, N, T, H] in two bf16 copies (1.9
     Mcycles each in the 14B 720p step on v6e:2x4); a dot with the heads axis major in its kernel
-    writes that layout itself (end_to_end/README.md).
+    writes that layout itself (docs/measurements/tpu-step.md).
     """
     kernel, bias = self.kernel.get_value(), self.bias[...].reshape(num_heads, -1)
     if isinstance(kernel, qwix.QArray):

@@ -27,9 +27,8 @@ sharded with the tokens). The blocks' weights are stacked on a leading Z axis an
 norm, projection, unpatchify), so a step cache (pipelines/wan/step_cache/forward.py) can run block 0 and
 blocks 1..Z-1 apart without a second copy of the block.
 
-The layers live in `transformer_layers`, the parameter tree and its fp32 policy in
-`transformer_config`, the weights' placement on a mesh in `weight_placement`; their public names
-are re-exported here.
+The layers live in `layers`, the parameter tree and its fp32 policy in `config`, the weights'
+placement on a mesh in `weight_placement`; the `transformer` package names their public names.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from pipelines.wan.transformer.vace import VaceBlock, check_control, hint_slots,
 class WanTransformer(nnx.Module):
   """diffusers `WanTransformer3DModel` (text- or image-to-video) as an NNX module; run it with `forward`.
 
-  Parameter tree (our layout; `transformer_loading` maps diffusers keys onto it):
+  Parameter tree (our layout; `loading` maps diffusers keys onto it):
     patch_embedding.{kernel [pt, ph, pw, C, D], bias [D]}
     condition_embedder.{time_embedder.linear_1 [freq_dim, D], time_embedder.linear_2 [D, D],
       time_proj [D, 6D], text_embedder.linear_1 [text_dim, D], text_embedder.linear_2 [D, D]}
@@ -374,7 +373,7 @@ def build_transformer(config: WanTransformerConfig, params: Mapping[str, Any],
     if value is None or tuple(value.shape) != tuple(shape):
       bad.append(f"{'.'.join(path)}: got {None if value is None else tuple(value.shape)}, want {shape}")
       return None
-    if isinstance(value, qwix.QArray):  # quantized at load (`transformer_loading`): kept as it is
+    if isinstance(value, qwix.QArray):  # quantized at load (`loading`): kept as it is
       return value
     return jnp.asarray(value, jnp.float32 if keeps_fp32(path) else dtype)
 

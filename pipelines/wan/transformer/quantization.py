@@ -38,7 +38,7 @@ scale float32 [Z, 1, O]), two pytree leaves that `weight_placement.weight_shardi
 any weight: with sharded weights both are split over the devices and the layer scan all-gathers
 the 1-byte values and the scales. A `Dense` with `int8_activations` set runs w8a8.
 
-Measured error (end_to_end/README.md "Quantized weights"; `python -m end_to_end.quality.quant_error`):
+Measured error (docs/measurements/quantization.md; `python -m end_to_end.quality.quant_error`):
 on the trained tiny default the int8 weight error moves the noise prediction about as much as all
 of bf16's rounding does (relative RMS 0.68 % vs 0.83 %), so a bf16 model with int8 weights costs
 ~2.3 dB of PSNR on average over seeds, fp8 ~6 dB (e4m3's 3 mantissa bits: 4.5x int8's weight error

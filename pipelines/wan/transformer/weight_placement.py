@@ -1,6 +1,6 @@
 """Where a Wan transformer's weights go on a mesh: replicated, or split for FSDP / ZeRO-3.
 
-The layer scan (`transformer.run_blocks`) all-gathers one layer of split block weights at a time
+The layer scan (`transformer.model.run_blocks`) all-gathers one layer of split block weights at a time
 (`SequenceLayout.gathered`) when the plan shards the weights (`ParallelPlan.shard_weights`).
 """
 

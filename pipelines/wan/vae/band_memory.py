@@ -4,7 +4,7 @@ XLA's memory analysis of its programs lowered on abstract inputs; and the band h
 A program's peak is its arguments + outputs + temporaries - the bytes outputs alias (the donated
 cache), as `jax.stages.Compiled.memory_analysis()` reports them for the default backend. Nothing is
 allocated, but every program is compiled, once per process (the peaks are cached): a second or two
-each on CPU for the tiny presets, seconds for the Wan 2.1 VAE at 720p, minutes on TPU (`vae_effort`).
+each on CPU for the tiny presets, seconds for the Wan 2.1 VAE at 720p, minutes on TPU (`effort`).
 
 Measured on CPU (XLA:CPU's analysis; a TPU's temporaries differ: 18.19 GB for the 720p later-chunk
 decode program there), Wan 2.1 VAE, B = 1, 720 x 1280 (Hl, Wl = 90, 160; radius 15), peak bytes:

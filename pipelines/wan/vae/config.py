@@ -4,8 +4,8 @@ the Wan 2.1 VAE (z_dim 16, 8x spatial) and the Wan 2.2 TI2V-5B VAE (z_dim 48, re
 
 Field names and defaults are diffusers'; `WanVAEConfig.from_diffusers` reads a released vae
 `config.json` unchanged. The config also names its layers (`encoder_layers`, `decoder_layers`,
-`quant_layers`: `vae_topology` descriptions) and their checkpoint shapes. No compute; re-exported
-by `vae`.
+`quant_layers`: `topology` descriptions) and their checkpoint shapes. No compute; the `vae`
+package names its public names.
 """
 
 from __future__ import annotations

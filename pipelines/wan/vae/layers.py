@@ -14,8 +14,8 @@ loop and sharing the same cache dict; its 2x2 patching happens outside the layer
 Parameters are one flat dict keyed by diffusers' state-dict names (`decoder.up_blocks.0.resnets.1.
 conv1.weight`), with values in JAX layout: conv kernels `[kt, kh, kw, I, O]` (2D convs get kt = 1),
 biases `[O]`, RMS-norm gammas `[C]`. `param_shapes` gives the checkpoint-layout shapes for the same
-keys and `to_jax_layout` converts one tensor (both, with the layer descriptions, in `vae_topology`,
-re-exported here).
+keys and `to_jax_layout` converts one tensor (both, with the layer descriptions, in `topology`;
+the `vae` package names `to_jax_layout`).
 
 Feature cache. diffusers runs the encoder and decoder one time chunk at a time and, for every causal
 conv with a temporal kernel of 3, keeps the last CACHE_T = 2 frames of that conv's *input*

@@ -2,8 +2,8 @@
 
 Numerical reference: diffusers `AutoencoderKLWan`: the Wan 2.1 VAE (`is_residual=False`, used by
 Wan 2.1 and Wan 2.2 A14B) and the Wan 2.2 VAE of TI2V-5B (`is_residual=True`, z_dim 48, 2x2
-patches: 16x spatial); the layers live in `vae_layers.py` (the Wan 2.2 shortcuts and patching in
-`vae_residual.py`), the config and presets in `vae_config.py` (re-exported here). Public layouts
+patches: 16x spatial); the layers live in `layers.py` (the Wan 2.2 shortcuts and patching in
+`residual.py`), the config and presets in `config.py` (the `vae` package names them all). Public layouts
 follow diffusers: latents `[B, C, F, Hl, Wl]`, video `[B, 3, frames, height, width]` in [-1, 1],
 with frames = 1 + 4(F - 1) and height, width = sHl, sWl (s = `config.spatial_factor`: 8 for Wan
 2.1, 16 for Wan 2.2) (`decode(..., video_layout="BFHWC")` returns the pipeline's
@@ -45,7 +45,7 @@ ENCODER_CHUNK = 4  # video frames per encoder chunk after the first frame (diffu
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WanVAE:
-  """Config (static) + parameters (diffusers key -> JAX-layout array, see `vae_layers`)."""
+  """Config (static) + parameters (diffusers key -> JAX-layout array, see `layers`)."""
   config: WanVAEConfig = dataclasses.field(metadata=dict(static=True))
   params: dict[str, jax.Array]
 
@@ -212,7 +212,7 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
       `config.spatial_factor`) or "BFHWC" (the pipeline's [B, frames, sHl, sWl, 3], the internal
       layout: no transpose).
     compile_effort: XLA's optimization effort in [-1, 1] for the chunk programs; None: the
-      platform's (`vae_effort.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
+      platform's (`effort.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
 
   Returns:
     The video, frames = 1 + 4(F - 1) (temporal factor 4), clamped to [-1, 1].
@@ -325,7 +325,7 @@ def decode_parallel(vae: WanVAE, latents: Any, mesh: Mesh, *, video_layout: str 
   Same math as `decode` (diffusers `AutoencoderKLWan.decode`), the same time chunks and causal
   cache, but each of the mesh's D devices (all axes flattened, `row_mesh`) holds a band of
   ceil(Hl / D) latent rows and the matching rows at every level up to the video, and keeps its own
-  part of the cache. Per chunk program the communication is (`vae_layers.RowShards`): for every
+  part of the cache. Per chunk program the communication is (`layers.RowShards`): for every
   3x3 spatial conv, two `ppermute`s of one row (the halo above and below); for the mid-block
   attention, D - 1 `ppermute`s of the band's keys and values (ring-style); no all-gather. A height
   that D does not divide is padded to D * ceil(Hl / D) latent rows, zeroed before every conv and
@@ -377,7 +377,7 @@ def lower_decode_programs(vae: WanVAE, *, batch: int, latent_height: int, latent
       the default device), so that compiling them compiles what that decode will call.
     split: the height split over every device of `devices`.
     compile_effort: XLA's optimization effort the programs compile at; None: the one `decode`
-      uses on the devices' platform (`vae_effort.decode_compile_effort`).
+      uses on the devices' platform (`effort.decode_compile_effort`).
 
   Returns:
     {"first": the lowered first-chunk program, "later": the lowered later-chunk program} (the

@@ -1,7 +1,7 @@
 """The original Wan VAE key names (Wan-Video's `Wan2.1_VAE.pth` / `Wan2.2_VAE.pth`, ComfyUI's
 `wan_2.1_vae.safetensors` / `wan2.2_vae.safetensors`) of every diffusers `AutoencoderKLWan` key.
 
-Wan's modules, as its `wan/modules/vae.py` (2.1) and `vae2_2.py` (2.2) build them:
+Wan's modules, as its `wan/modules/vae.py` (2.1) and `wan/modules/vae2_2.py` (2.2) build them:
 - top: `conv1` / `conv2` (diffusers' `quant_conv` / `post_quant_conv`);
 - encoder / decoder: `conv1` (`conv_in`), `middle.0 / .1 / .2` (`mid_block.resnets.0`,
   `.attentions.0`, `.resnets.1`), `head.0` (`norm_out`), `head.2` (`conv_out`);

@@ -2,9 +2,9 @@
 
 Source of the math: diffusers `models/autoencoders/autoencoder_kl_wan.py` (`AvgDown3D`, `DupUp3D`,
 `patchify`, `unpatchify`), there channels-first; here channels-last `[B, T, H, W, C]` (T frames,
-H x W pixels, C channels at that level, as in `vae_layers`), with the channel orders of diffusers'
+H x W pixels, C channels at that level, as in `layers`), with the channel orders of diffusers'
 views and permutes reproduced exactly (a checkpoint's channels mean the same here). All of them are
-local per pixel block, so under the decoder's height split (`vae_layers.RowShards`) each device
+local per pixel block, so under the decoder's height split (`layers.RowShards`) each device
 applies them to its own band.
 """
 

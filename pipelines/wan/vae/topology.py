@@ -5,7 +5,7 @@ The encoder and decoder are sequences of layer descriptions (`CausalConv`, `ResB
 a down/up block whose input also takes a parameter-free `Shortcut`) named by diffusers' state-dict
 prefixes; `param_shapes` gives
 the checkpoint-layout shape of every key they own and `to_jax_layout` converts one checkpoint
-tensor to the layout `vae_layers` computes with. No compute; re-exported by `vae_layers`.
+tensor to the layout `layers` computes with. No compute; the `vae` package names `to_jax_layout`.
 """
 
 from __future__ import annotations

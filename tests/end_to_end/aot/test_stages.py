@@ -1,6 +1,6 @@
 """The whole-pipeline AOT report's parts that run without libtpu: the stage list, the VAE decode
 programs (compiled here for CPU devices), the distinct-convolution count that a TPU compile pays
-for, and the compile-cache status. The TPU numbers themselves are in end_to_end/README.md."""
+for, and the compile-cache status. The TPU numbers themselves are in docs/measurements/tpu-stages.md."""
 
 import logging
 import warnings

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from end_to_end.train import long_clips, synthetic_world as world, tiny as train_tiny
+from end_to_end.train import long_clips, run_report, synthetic_world as world, tiny as train_tiny
 from pipelines.wan import vae as wan_vae
 from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER
 
@@ -216,7 +216,7 @@ def test_tiny_i2v_continues_the_given_first_frame():
   shape, size and position drawn) and its prompt: the video's first frame is that image (mean
   absolute error < 0.06) and the shape does what the prompt says (`world.check`), for most scenes.
   Control: each video's first frame is nearer its own image than the next scene's."""
-  samples = long_clips.image_samples(TINY_I2V_FOLDER, np.random.default_rng(21), 8)
+  samples = run_report.image_samples(TINY_I2V_FOLDER, np.random.default_rng(21), 8)
   errors = [s["first_frame_error"] for s in samples]
   assert max(errors) < 0.06, errors
   assert sum(s["ok"] for s in samples) >= 7, [(s["prompt"], s["seen"]) for s in samples]
@@ -264,9 +264,9 @@ def test_default_vae_round_trips_65_frame_clips_in_one_latent_space():
 def test_default_draws_a_long_video_in_context_windows():
   """The issue's acceptance: the default at 65 frames (4x its trained 17) in context windows of 17
   frames overlapping by 8 that continue one another (windows blended at every step did not agree
-  in this world: end_to_end/README), held-out slow and still prompts: the named colour in every 16
+  in this world: docs/measurements/training.md), held-out slow and still prompts: the named colour in every 16
   frames, exactly one shape in every frame, steady progress the named way with no jump between
   frames (`world.check_long`), for at least 5 of 6."""
-  samples = long_clips.long_samples(TINY_DEFAULT_FOLDER, list(HELD_OUT_LONG), seeds=(1,), context_fuse="continue",
+  samples = run_report.long_samples(TINY_DEFAULT_FOLDER, list(HELD_OUT_LONG), seeds=(1,), context_fuse="continue",
                                     guidance_scale=long_clips.CONTINUE_GUIDANCE)
   assert sum(s["ok"] for s in samples) >= 5, [(s["prompt"], s["seen"]) for s in samples]

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from end_to_end.train import tiny as train_tiny
+from end_to_end.train import run_report, tiny as train_tiny
 from pipelines.wan import schedulers, vae as wan_vae
 
 
@@ -63,7 +63,7 @@ def test_default_model_draws_what_the_prompt_says():
   (guidance,) = PRESETS["tiny"].guidance
   pipe = WanPipeline.tiny()
   assert pipe.max_sequence_length == train_tiny.MAX_SEQUENCE_LENGTH  # the text length it was trained with
-  prompts = train_tiny.acceptance_prompts()
+  prompts = run_report.acceptance_prompts()
   samples = []
   for seed in (0, 1000):  # video i uses seed + i
     videos = pipe(prompts, height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES,
@@ -73,7 +73,7 @@ def test_default_model_draws_what_the_prompt_says():
       samples.append({"prompt": prompt, "seed": seed + i, "base": seed, "ok": ok, "seen": seen, "video": video})
   wrong = [f"{s['prompt']} (seed {s['seed']}): {s['seen']}" for s in samples if not s["ok"]]
   assert len(wrong) <= 0.1 * len(samples), "\n".join(wrong)
-  distances = train_tiny.prompt_and_seed_distances([{**s, "seed": s["base"]} for s in samples])
+  distances = run_report.prompt_and_seed_distances([{**s, "seed": s["base"]} for s in samples])
   truth = _world_ratio(prompts)
   assert distances["different_prompts"] >= truth * distances["different_seeds"], (distances, truth)
 
@@ -92,7 +92,7 @@ def _world_ratio(prompts: list[str], draws: int = 5) -> float:
         colour, shape, motion = world.parse_prompt(prompt)
         scene = world.random_scene(np.random.default_rng(100_000 * draw + base + i), colour, shape, motion)
         samples.append({"prompt": prompt, "seed": base, "video": world.render(scene)})
-    d = train_tiny.prompt_and_seed_distances(samples)
+    d = run_report.prompt_and_seed_distances(samples)
     ratios.append(d["different_prompts"] / d["different_seeds"])
   return float(np.mean(ratios))
 

@@ -47,7 +47,7 @@ def test_planner_counts_the_vace_blocks():
   """A VACE 14B (8 VACE blocks on the 14B's 40) against the 14B itself, mesh by mesh: the 8 blocks'
   weights, FLOPs (48 / 40 of the 14B's), exchanges and text K/V, and the 8 hints held at once (one
   [rows/C, T/(R U), D] stream each); then the planner's pick for 720p x 81 on v6e fits with sharded
-  weights, as the step compiled for that topology does (end_to_end/README, TPU compile report)."""
+  weights, as the step compiled for that topology does (docs/measurements/tpu-step.md)."""
   from pipelines.parallel import estimate
 
   kwargs = dict(devices=8, frames=81, height=720, width=1280, chip=planner.CHIPS["v6e"])

@@ -2,7 +2,7 @@
 CFG-free steps (guidance 1: one transformer pass of B rows), the text's cross-attention K/V computed
 once per (prompt, expert) before the loop (`CompiledSteps.text_kv`); and the CFG mesh refused
 without guidance (same tiny pipeline). The distilled preset and the schedule flags of `generate`:
-tests/pipelines/cli/test_presets.py and test_run_plan.py.
+tests/pipelines/commands/test_presets.py and tests/pipelines/cli/test_run_plan.py.
 
 Text K/V once (`transformer.text_kv`, `Runner._text`): the same latents, bit for bit, as computing
 them inside every step (`CallOptions(text_kv_once=False)`), on one device and on a U=2,R=2 mesh,

@@ -1,5 +1,5 @@
 """The VAE decoder's XLA optimization effort as a generation sets it (`CallOptions.decode_compile_effort`,
-default: `vae_effort.decode_compile_effort` of the platform, -0.5 on TPU for a ~4x faster compile): the
+default: `vae.decode_compile_effort` of the platform, -0.5 on TPU for a ~4x faster compile): the
 option reaches the decoder's programs, leaves the video as it is, is recorded with the video, and a
 bad value fails at once."""
 
