@@ -10,7 +10,7 @@ producers/, pipelines/ and end_to_end/, and the Markdown pages (`DOCS`) outside 
   or `__all__`, a submodule) or a class's member (a method, a field, an attribute set on `self`),
   as far as these reach. Its first word is a module looked up under a prefix: none, the writing
   file's own packages (innermost first), `PREFIXES` (`wan.vae.model`, `pipeline.run.continued`,
-  `blockwise.attend`) or `COMPONENTS` (`umt5.encode`, `tiny.train_vae`); or an alias the writing
+  `blockwise.attend`) or `COMPONENTS` (`umt5.encode_text`, `tiny.train_vae`); or an alias the writing
   file imports (`fm.offsets_of_rows` after `from attention import fixed_m as fm`); or a parameter
   of the function whose docstring it is (`request.seed`: checked against the parameter's annotated
   class); or a class of the product (`WanPipeline.quantize`). `module.member` also resolves when the
@@ -34,10 +34,10 @@ import re
 import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCANNED = ("attention", "producers", "pipelines", "end_to_end")
+SCANNED = ("attention", "producers", "pipelines", "end_to_end", "lazy_facade.py")
 # Where a dotted name's first word is looked for, besides the writing file's own packages (and the
-# Wan components and the measuring tools' folders, `COMPONENTS`: `umt5.encode` is
-# `pipelines.wan.encoders.umt5.encode`, `tiny.train_vae` is `end_to_end.train.tiny.train_vae`).
+# Wan components and the measuring tools' folders, `COMPONENTS`: `umt5.encode_text` is
+# `pipelines.wan.encoders.umt5.encode_text`, `tiny.train_vae` is `end_to_end.train.tiny.train_vae`).
 PREFIXES = ("", "pipelines.", "pipelines.pipeline.", "pipelines.pipeline.checked.", "pipelines.pipeline.load.",
             "pipelines.pipeline.run.", "pipelines.wan.", "pipelines.commands.", "pipelines.parallel.",
             "pipelines.storage.", "attention.", "end_to_end.")
@@ -76,7 +76,7 @@ def _modules() -> dict[str, pathlib.Path]:
   """Dotted module name -> path, for every .py file under SCANNED."""
   out = {}
   for top in SCANNED:
-    for path in sorted((ROOT / top).rglob("*.py")):
+    for path in [ROOT / top] if top.endswith(".py") else sorted((ROOT / top).rglob("*.py")):
       parts = list(path.relative_to(ROOT).with_suffix("").parts)
       if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -341,7 +341,7 @@ def test_positive_control_stale_names_are_reported():
   home = ROOT / "pipelines/pipeline/run/decoding.py"
   text = ('"""See `pipelines.no_such_module` and `wan.vae.no_such_name`, `WanPipeline.no_such_method`,\n'
           '`pipelines/wan/vae/no_such.py` and `no_such_module.py`; but `pipelines.wan.vae.model`, `wan.vae`,\n'
-          '`vae.decode`, `continued.run_continued`, `WanPipeline.quantize`, `run/continued.py`, `umt5.encode`,\n'
+          '`vae.decode`, `continued.run_continued`, `WanPipeline.quantize`, `run/continued.py`, `umt5.encode_text`,\n'
           '`jax.no_such_name`, `config.json` and diffusers\' `WanPipeline.check_inputs` name something or are not\n'
           'ours."""\n'
           "# `pipeline.continued` moved; `pipeline.run.continued`, `call_options.CALL_DOCS`; `no_such_module.f`\n"

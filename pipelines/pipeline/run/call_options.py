@@ -154,7 +154,10 @@ class CallOptions:
       encoding on, while the text encoder, the step's compile and the denoising loop run
       (`ahead.CompileAhead`; the same programs, the same video), so that the decoder's compile
       leaves the path to the first video where the host is idle (TPU, GPU: the device computes).
-      False compiles them at the decode (e.g. to time the steps alone on a CPU).
+      False compiles them at the decode. None (the default): ahead on an accelerator, at the decode
+      on the CPU backend, where the host computes the video itself (a compile beside it only
+      competes for the same cores) and one compile at a time keeps XLA:CPU out of concurrent
+      compiles.
     on_stage: None or `on_stage(name)` as each stage starts, name a `timings` key: "text_encode",
       "condition", "compile", "denoise", "decode" (e.g. `compile_cache.CacheUse.mark`: which stage
       found its programs in the persistent compilation cache), called in the thread that does the
@@ -169,7 +172,7 @@ class CallOptions:
   hooks: tuple[StepHook, ...] = ()
   text_kv_once: bool = True
   decode_compile_effort: float | None = None
-  decode_compile_ahead: bool = True
+  decode_compile_ahead: bool | None = None
   on_stage: Callable[[str], None] | None = None
 
   def __post_init__(self):

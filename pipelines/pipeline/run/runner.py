@@ -337,7 +337,8 @@ class Runner:
     encoded, the step compiled and the loop run (`CallOptions.decode_compile_ahead`). None when not
     decoding, with the option off, or when the lowering fails (warned; the decode compiles them)."""
     r, o = self.request, self.options
-    if not (r.decode and o.decode_compile_ahead) or self.memory.decode_band_rows or self.memory.decode_streamed:
+    ahead = o.decode_compile_ahead if o.decode_compile_ahead is not None else jax.default_backend() != "cpu"
+    if not (r.decode and ahead) or self.memory.decode_band_rows or self.memory.decode_streamed:
       return None
     try:
       lowered = lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh,
