@@ -23,6 +23,7 @@ from pipelines.wan.pretrained import hub_id
 from pipelines.cli.plan import Plan
 
 RUN_RECORD = "generate.json"  # in a checkpoint folder: the recorded flags, for --resume
+RECORD_FORMAT = 2  # 2: flags by dest (`recorded_flags`); 1 (no "format" key): by flag name, before
 # Flags read from the record when not given, free to differ (where and how the video is written).
 _FREE = ("out", "fps")
 # Flags whose text has one canonical form (so "832*480" equals "832x480" and "5" equals "5.0").
@@ -116,6 +117,9 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
       record = json.load(f)
   except (OSError, ValueError) as e:
     raise UsageError(f"--resume: {path} is unreadable ({e})") from e
+  if record.get("format") != RECORD_FORMAT:
+    raise UsageError(f"--resume: {path} was written by an earlier version of generate, which named the flags "
+                     "otherwise; rerun that command without --resume to start over (or continue it with that version)")
   if "checkpoint_dir" in given and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
     raise UsageError("--resume DIR continues the checkpoint in DIR; drop --checkpoint-dir (or give the same folder)")
   if args.no_checkpoint:
@@ -148,7 +152,7 @@ def request_record(plan: Plan, request: Any) -> dict[str, Any]:
   the plan recorded it (`recorded_flags`), with the seed the run drew, the output's path and frame
   rate, and a Hub model's resolved commit."""
   return plan.recorded | {"seed": request.seed, "out": os.path.abspath(plan.out), "fps": plan.fps,
-                          "model_commit": plan.model_commit}
+                          "model_commit": plan.model_commit, "format": RECORD_FORMAT}
 
 
 def run_parameters(plan: Plan, request: Any) -> dict[str, Any]:
@@ -159,7 +163,7 @@ def run_parameters(plan: Plan, request: Any) -> dict[str, Any]:
 
   g1, g2 = request.guidance
   negatives = request.negative_prompts
-  return {k: v for k, v in request_record(plan, request).items() if k != "out"} | {
+  return {k: v for k, v in request_record(plan, request).items() if k not in ("out", "format")} | {
       "prompt": request.prompts[0], "negative_prompt": negatives[0] if negatives else plan.asked("negative_prompt"),
       "model": plan.model if plan.files is None else None, "preset": plan.preset,
       "size": f"{request.width}x{request.height}", "num_frames": request.num_frames,

@@ -38,7 +38,7 @@ def test_run_record_holds_the_flags_and_the_sidecar_the_request(tmp_path):
   record = records.request_record(checked.plan, checked.request)
   assert (record["num_inference_steps"], record["seed"], record["size"], record["num_frames"]) == (2, 0, "32x32", 5)
   assert record["model"] == "tiny-random" and record["guidance_scale"] is None and record["flow_shift"] is None
-  assert set(record) == {a.dest for a in records._recorded_actions()} | {"out", "fps", "model_commit"}
+  assert set(record) == {a.dest for a in records._recorded_actions()} | {"out", "fps", "model_commit", "format"}
   assert record["model_commit"] is None  # not a Hub model
   parameters = records.run_parameters(checked.plan, checked.request)
   assert parameters["guidance_scale"] == list(PRESETS["tiny"].guidance) == [2.0] and parameters["flow_shift"] == 3.0
@@ -146,6 +146,10 @@ def test_every_request_flag_is_recorded_and_read_back(tmp_path):
     warnings.simplefilter("ignore")
     identity = _identity(run_plan.check_plan(run_plan.plan_run(changed)))
   assert identity["prompts"] == ["a blue bird"] and identity["num_inference_steps"] == 4, identity
+  # A record of the earlier format (flags by name, no "format") is refused, not half read.
+  path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "format"}))
+  with pytest.raises(records.UsageError, match="written by an earlier version of generate"):
+    records.apply_resume(generate.build_parser().parse_args(["--resume", str(path.parent)]), {"resume"})
 
 
 def test_command_resumes_an_interrupted_run(tmp_path, monkeypatch, capsys):
@@ -209,7 +213,7 @@ def test_resume_refuses_changed_single_files(tmp_path, capsys):
   folder = tmp_path / "ckpt"
   folder.mkdir()
   (folder / resume.STATE_FILE).write_bytes(b"")
-  record = {"model": None, "transformer": str(tmp_path / "t"), "vae": str(tmp_path / "v"),
+  record = {"format": records.RECORD_FORMAT, "model": None, "transformer": str(tmp_path / "t"), "vae": str(tmp_path / "v"),
             "text_encoder": str(tmp_path / "te"), "tokenizer": str(tmp_path), "config": None,
             "model_files": model_files.describe(files, dict.fromkeys(("transformer", "vae", "text_encoder"), "wan"))}
   (folder / records.RUN_RECORD).write_text(json.dumps(record))
