@@ -83,8 +83,9 @@ def join(plan: Plan, facts: Any) -> None:
         f"{plan.processes.coordinator} (waiting up to {plan.processes.timeout_s} s)", file=sys.stderr)
   distributed.initialize(plan.processes)
   try:  # the same command on every process (only the id differs)
-    distributed.check_same_settings({k: v for k, v in dataclasses.asdict(plan).items()
-                                     if k not in ("processes", "compile_cache", "model_folder")})  # (per-host paths)
+    own = ("processes", "compile_cache", "model_folder", "request", "recorded")  # per-host paths; the flags below
+    distributed.check_same_settings({k: v for k, v in dataclasses.asdict(plan).items() if k not in own}
+                                    | plan.request)  # each request argument by name
   except ValueError as e:
     raise UsageError(str(e)) from e
 
