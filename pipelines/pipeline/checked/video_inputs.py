@@ -96,6 +96,17 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
   return _runs_a_step(VideoInputs(frames=frames, strength=float(strength)), steps)
 
 
+def video_length(video: Any, temporal_factor: int) -> int | None:
+  """The frames a call on `video` makes when num_frames is left out: the count of its first 4k + 1
+  frames, those the VAE encodes (1 for an empty video, which the checks refuse); None when `video`
+  has no length (the checks name it)."""
+  try:
+    count = len(video)
+  except TypeError:
+    return None
+  return max(count - 1, 0) // temporal_factor * temporal_factor + 1
+
+
 def _runs_a_step(inputs: VideoInputs, steps: int) -> VideoInputs:
   """`inputs` if its strength runs at least one of `steps` steps.
 

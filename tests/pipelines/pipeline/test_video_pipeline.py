@@ -143,3 +143,18 @@ def test_bad_arguments_are_refused_before_any_compute(ours, kwargs, match):
   with pytest.raises(ValueError, match=match):
     GenerationRequest.build(ours.facts, PROMPT, NEGATIVE, num_frames=args.pop("num_frames", 9),
                             video=_video(), **args)
+
+
+def test_run_and_check_inputs_take_the_videos_length_as_call_does(ours):
+  """run(video=...) and check_inputs(video=...) without num_frames: the video's first 4k + 1 frames (not
+  81, then refused), the video `__call__` makes (the control: __call__ took the video's length before too);
+  from latents alone, their frames."""
+  call = dict(CALL, num_inference_steps=2, strength=0.5)
+  with pytest.warns(UserWarning, match="the last 3 are not used"):
+    assert ours.check_inputs(PROMPT, video=_video(12), **call).num_frames == 9
+  latents = np.zeros((1, 16, 4, 4, 6), np.float32)
+  assert ours.check_inputs(PROMPT, latents=latents, **call).num_frames == 13
+  with pytest.warns(UserWarning, match="the last 3 are not used"):
+    result = ours.run(PROMPT, video=_video(12), seed=0, **call)
+  assert result.frames.shape == (1, 9, 32, 48, 3)
+  np.testing.assert_array_equal(result.frames, ours(_video(9), PROMPT, seed=0, **call))
