@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.pipeline.checked.image_inputs import digest, image_array, to_video_frame
-from pipelines.pipeline.checked.inputs import not_a
+from pipelines.pipeline.checked.inputs import is_real, not_a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,8 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
       frame, num_frames that differs from the video's, strength not a number in (0, 1], or one
       that runs no step.
   """
-  if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
-    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")  # used or not
+  if not is_real(strength) or not 0 < strength <= 1:  # a number out of range is not named by its type
+    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength, is_real(strength))}")
   if video is None and not from_latents:
     return None
   if not video_model:

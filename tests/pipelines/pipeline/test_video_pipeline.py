@@ -131,9 +131,10 @@ def test_a_strength_that_runs_no_step_is_refused_from_latents_too(ours):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(strength=0.0), r"strength=0.0 must be a number in \(0, 1\]"),
-    (dict(strength=1.5), r"strength=1.5 must be a number in \(0, 1\]"),
-    (dict(strength="high"), r"strength='high' must be a number"),
+    (dict(strength=0.0), r"strength=0.0 must be a number in \(0, 1\]$"),  # a float, out of range: no type named
+    (dict(strength=1.5), r"strength=1.5 must be a number in \(0, 1\]$"),
+    (dict(strength=np.float32("nan")), r"strength=np.float32\(nan\) must be a number in \(0, 1\]$"),
+    (dict(strength="high"), r"strength='high' must be a number in \(0, 1\], not a str$"),  # the control
     (dict(strength=0.1, num_inference_steps=4), r"runs no step .* raise strength to >= 0.25"),
     (dict(num_frames=17), r"num_frames=17 differs from the video's 9 frames"),
     (dict(step_cache="mag"), r"step_cache='mag' with a video"),
