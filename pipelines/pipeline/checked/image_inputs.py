@@ -150,7 +150,7 @@ def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_
   if image_embeds is not None:
     if image_dim is None:
       raise ValueError("image_embeds given, but this model has no image encoder branch (Wan 2.2 I2V "
-                       "A14B): leave it None")
+                       "A14B): leave it out")
     embeds = np.asarray(image_embeds, np.float32)
     frames = 2 if flf2v_positions else 1
     if embeds.ndim == 2 and frames == 1:

@@ -136,7 +136,7 @@ def seed_or_latents(seed: Any, latents: Any, shape: tuple[int, ...], what: str) 
     seed = tuple(check_int(f"seed[{i}]", s, minimum=0) for i, s in enumerate(seed))
     seeding.video_seeds(seed, shape[0])  # raises unless one per video
   elif seed is not None:
-    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
+    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or leave it out for a random one")
   if latents is not None:
     latents = noise_array(latents)
     if seed is not None:

@@ -108,7 +108,7 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
     (["--mesh", "U2"], "--mesh: mesh spec='U2' is malformed"),
     (["--devices", "4", "--mesh", "U=2,R=2"], "XLA_FLAGS already sets"),
     (["--guidance", "4.0,3.0"], "--guidance: guidance_scale_2=3.0 is only used by two-expert (Wan 2.2) "
-                                "pipelines; this one has one transformer"),
+                                "pipelines; this one has one transformer: give one guidance scale\n"),
     (["--guidance", "a,b,c"], "must be one number"),
     (["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
     (["--shift", "-1"], "--shift: flow_shift=-1.0 must be a finite number > 0 (Wan: 3.0 at 480p"),
@@ -127,7 +127,8 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
                               "<= 1 turns CFG off)"),
     (["--frames", "-5"], "--frames: num_frames=-5 must be a positive int (Wan uses 4k+1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
-    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or None"),
+    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or leave it out for "
+                       "a random one\n"),
     (["--max-sequence-length", "0"], "--max-sequence-length: max_sequence_length=0 must be a positive int"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
     (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
