@@ -103,14 +103,14 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
       ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):  # e.g. --out some_file/fox.mp4: fails for root too
       raise OutputError(f"the directory of output {path!r} cannot exist: {ancestor!r} is a file, not a "
-                        "directory; choose another --out")
+                        "directory; choose another path")
     raise OutputError(f"the directory of output {path!r} does not exist ({parent!r}); create it first")
   if not os.access(parent, os.W_OK | os.X_OK):
     raise OutputError(f"cannot write to {parent!r} (the directory of output {path!r}); choose a writable "
-                      "location with --out")
+                      "location")
   for target in (path, sidecar_path(path)) if sidecar else (path,):
     if os.path.lexists(target.rstrip(os.sep) or target) and not overwrite:
-      raise OutputError(f"{target!r} exists; pass --overwrite to replace it, or choose another --out")
+      raise OutputError(f"{target!r} exists; pass overwrite=True to replace it, or choose another path")
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:
@@ -440,7 +440,7 @@ def _replace(temp: str, path: str, overwrite: bool) -> None:
   os.chmod(temp, (0o777 if os.path.isdir(temp) else 0o666) & ~umask)  # mkstemp/mkdtemp give 0600/0700
   if os.path.lexists(path):
     if not overwrite:
-      raise OutputError(f"{path!r} appeared while generating; pass --overwrite to replace it")
+      raise OutputError(f"{path!r} appeared while generating; pass overwrite=True to replace it")
     if os.path.isdir(path) and not os.path.islink(path):
       # A directory cannot be renamed over a non-empty one: move the old one aside first.
       trash = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old.", dir=os.path.dirname(os.path.abspath(path)))

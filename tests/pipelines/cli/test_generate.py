@@ -70,16 +70,17 @@ def test_command_writes_a_decodable_video(tmp_path):
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert again.returncode == 0, again.stderr
   assert "Warning" not in again.stderr and ".py:" not in again.stderr, again.stderr  # no raw warnings
-  assert "generate: warning: num_frames=16: num_frames - 1 must be divisible by 4; rounding to 17" in again.stderr
-  assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=64 tokens" in again.stderr
+  assert ("generate: warning: --frames 16 is not 4k + 1 (the VAE's frame groups); rounding to 17 as diffusers does "
+          "(pass --frames 17 to silence this)") in again.stderr
+  assert "generate: warning: prompt(s) [0] are longer than --max-sequence-length 64 tokens" in again.stderr
   drawn = re.search(r"generate: random seed (\d+) \(pass --seed \1 to make this video again\)", again.stderr)
   assert drawn is not None, again.stderr
   sidecar = json.loads((tmp_path / "again.mp4.json").read_text())
   assert sidecar["seed"] == int(drawn.group(1)) and sidecar["seed_drawn"] is True
   assert f"seed {drawn.group(1)}," in again.stdout
   frames_warning, truncation = sidecar["warnings"]
-  assert frames_warning.startswith("num_frames=16: ") and "rounding to 17" in frames_warning
-  assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=64 tokens ([640] tokens) "
+  assert frames_warning.startswith("--frames 16 is not 4k + 1") and "rounding to 17" in frames_warning
+  assert truncation.startswith("prompt(s) [0] are longer than --max-sequence-length 64 tokens ([640] tokens) "
                                "and were truncated")
   warm = sidecar["compile_cache"]
   assert warm["hit"] and warm["hits"] >= 3, warm
@@ -143,6 +144,19 @@ def test_checks_before_compute(tmp_path, capsys, monkeypatch, extra, message):
   assert not os.path.exists(tmp_path / "x.mp4")
 
 
+def test_warnings_name_the_flags(tmp_path, capsys, monkeypatch):
+  """The request's warnings print in the command's words: 32 frames rounded, and 64x64 x 33 not
+  the tiny model's trained clip, advise --frames and --context-frames (the Python call's messages
+  name num_frames=33 and context_frames=17, tests/pipelines/pipeline/checked)."""
+  monkeypatch.setattr(generate, "run", lambda checked, seen: {})  # checked, not run
+  assert generate.main(BASE[:-4] + ["--size", "64x64", "--frames", "32", "--out", str(tmp_path / "a.mp4")]) == 0
+  err = capsys.readouterr().err
+  assert ("generate: warning: --frames 32 is not 4k + 1 (the VAE's frame groups); rounding to 33 as diffusers "
+          "does (pass --frames 33 to silence this)") in err, err
+  assert "use 64x64 x 17 frames (a longer video in context windows of that length: --context-frames 17)" in err, err
+  assert "num_frames" not in err and "context_frames" not in err, err
+
+
 def test_unwritable_output(tmp_path, capsys):
   a_file = tmp_path / "file"
   a_file.write_text("")
@@ -158,7 +172,9 @@ def test_unwritable_output(tmp_path, capsys):
 def test_existing_output_needs_overwrite(tmp_path, capsys):
   (tmp_path / "fox.mp4").write_bytes(b"old")
   assert generate.main(BASE + ["--out", str(tmp_path / "fox.mp4")]) == 2
-  assert "exists; pass --overwrite" in capsys.readouterr().err
+  err = capsys.readouterr().err  # the command's flags, not the Python argument (overwrite=True)
+  assert "generate: error: --out: '" in err and "fox.mp4' exists; pass --overwrite to replace it" in err, err
+  assert "overwrite=True" not in err, err
   assert (tmp_path / "fox.mp4").read_bytes() == b"old"
   (tmp_path / "other.gif.json").write_text("{}")  # the sidecar counts too
   assert generate.main(BASE + ["--out", str(tmp_path / "other.gif")]) == 2
