@@ -209,8 +209,9 @@ def _fit_size(frames: np.ndarray, path: str, odd_size: str) -> np.ndarray:
   return np.pad(frames, padding, mode="edge")[:, :new_height, :new_width]
 
 
-def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) -> str:
-  """Runs imageio-ffmpeg's ffmpeg; returns its stdout.
+def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None, *, text: bool = True) -> Any:
+  """Runs imageio-ffmpeg's ffmpeg as a plain fork + exec (no Python code runs in the child, so it is
+  safe in this multithreaded JAX process); returns its stdout, as str (or bytes without `text`).
 
   Raises:
     EncodeError: a nonzero exit status, with `what` ffmpeg did and the first lines of its stderr.
@@ -227,7 +228,7 @@ def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None)
     lines = done.stderr.decode(errors="replace").strip().splitlines()  # the cause comes first
     message = "\n".join(lines[:10] + (["..."] if len(lines) > 10 else [])) or "(no message)"
     raise EncodeError(f"ffmpeg {what} exited with status {done.returncode}: {message}")
-  return done.stdout.decode(errors="replace")
+  return done.stdout.decode(errors="replace") if text else done.stdout
 
 
 def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
