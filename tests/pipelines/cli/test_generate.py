@@ -144,6 +144,20 @@ def test_checks_before_compute(tmp_path, capsys, monkeypatch, extra, message):
   assert not os.path.exists(tmp_path / "x.mp4")
 
 
+def test_an_image_on_the_default_model_names_the_tiny_image_model(tmp_path, capsys, monkeypatch):
+  """--image on the default (text-to-video) model: refused before compute, naming the shipped
+  image-to-video model beside the Wan folders; --model tiny-i2v takes the same image (the control)."""
+  import PIL.Image
+
+  PIL.Image.new("RGB", (32, 32)).save(tmp_path / "first.png")
+  image = ["--image", str(tmp_path / "first.png"), "--out", str(tmp_path / "a.mp4")]
+  assert generate.main(BASE + image) == 2
+  err = capsys.readouterr().err
+  assert "image given, but this is a text-to-video model" in err and "(generate --model tiny-i2v)" in err, err
+  monkeypatch.setattr(generate, "run", lambda checked, seen: {})  # checked, not run
+  assert generate.main(BASE + image + ["--model", "tiny-i2v"]) == 0, capsys.readouterr().err
+
+
 def test_warnings_name_the_flags(tmp_path, capsys, monkeypatch):
   """The request's warnings print in the command's words: 32 frames rounded, and 64x64 x 33 not
   the tiny model's trained clip, advise --frames and --context-frames (the Python call's messages
