@@ -23,7 +23,6 @@ import torch  # noqa: E402
 from pipelines.pipeline.checked.request import GenerationRequest  # noqa: E402
 from pipelines.pipeline.vace_pipeline import WanVACEPipeline  # noqa: E402
 from pipelines.pipeline.wan_pipeline import WanPipeline  # noqa: E402
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER  # noqa: E402
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least  # noqa: E402
 from tests.pipelines.pipeline.test_video_pipeline import _video, psnr  # noqa: E402
 from tests.pipelines.pipeline.vace_folder import build_vace_folder  # noqa: E402
