@@ -1,7 +1,8 @@
 """The command line of `generate`: its flags (`build_parser`, in argument groups), the parsers of
 flag values (`parse_size`, `parse_guidance`, `parse_numbers`; `parse_lora_arg` and `UsageError` are
-both commands', `pipelines.commands.flags`) and `flag_error`. Imports no JAX; the values themselves
-are checked by `pipelines.pipeline.checked.request.GenerationRequest` (run_plan.py).
+both commands', `pipelines.commands.flags`), and the request's messages in the flags' words
+(`flag_error`, `in_flags`). Imports no JAX; the values themselves are checked by
+`pipelines.pipeline.checked.request.GenerationRequest` (run_plan.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,33 @@ def flag_error(error: ValueError) -> UsageError:
   if text.startswith(("mesh ", "the model")):
     return UsageError(f"--mesh: {text}")
   return UsageError(text)
+
+
+# An argument named in a message: `name=value` (a value up to a space, comma, semicolon or closing
+# parenthesis; a quoted one whole), or a bare name with an underscore (`context_frames`).
+_ARGUMENT = re.compile(r"\b([a-z]\w*)=('[^']*'|[^\s,;)]+)|\b([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\b(?![/=])")
+
+
+def in_flags(text: str) -> str:
+  """`text` with each argument it names written as the flag that gives it: "context_frames=17" ->
+  "--context-frames 17", "context_fuse='flat'" -> "--context-fuse flat", "overwrite=True" ->
+  "--overwrite", a bare "max_sequence_length" -> "--max-sequence-length". A name no flag gives
+  alone ("height": --size), a bare word without an underscore and an on/off value the flag does not
+  set are left as written. The pipeline and storage speak of Python arguments; the command prints
+  their warnings and output errors in its own words with this."""
+  actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+
+  def flag(match: re.Match) -> str:
+    name, value, bare = match.groups()
+    action = actions.get(name or bare)
+    if action is None or bare:
+      return match.group(0) if action is None else action.option_strings[0]
+    if action.nargs != 0:
+      return f"{action.option_strings[0]} {value.strip(chr(39))}"
+    if isinstance(action, argparse.BooleanOptionalAction) and value in ("True", "False"):
+      return action.option_strings[value == "False"]
+    return action.option_strings[0] if value == str(action.const) else match.group(0)
+  return _ARGUMENT.sub(flag, text)
 
 
 def build_parser(description: str | None = None, epilog: str | None = None) -> argparse.ArgumentParser:

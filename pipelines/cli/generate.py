@@ -72,7 +72,7 @@ import sys
 import time
 from typing import Any
 
-from pipelines.cli.flags import build_parser as _build_parser
+from pipelines.cli.flags import build_parser as _build_parser, in_flags
 from pipelines.cli.output import announce, mesh_text, sidecar, summary_line, timings, write_outputs
 from pipelines.cli.records import (apply_resume, given_flags, remove_checkpoint, resume_hint, tidy_checkpoint,
                                    write_run_record)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
   supervised = _supervise(args, argv)
   if supervised is not None:
     return supervised
-  with warnings_as_lines("generate") as seen:
+  with warnings_as_lines("generate", words=in_flags) as seen:
     return _main(args, seen, given_flags(argv))
 
 
@@ -246,7 +246,8 @@ def _main(args: argparse.Namespace, warnings_seen: list[str], given: set[str]) -
       return 2
     except (video_io.OutputError, weights.CheckpointError) as e:
       # loading; or the output appeared meanwhile
-      print(f"generate: error: {e}{hint()}", file=sys.stderr)
+      text = in_flags(str(e)) if isinstance(e, video_io.OutputError) else str(e)
+      print(f"generate: error: {text}{hint()}", file=sys.stderr)
       return 2
     except (NonFiniteLatentsError, video_io.EncodeError) as e:
       print(f"generate: error: {e}{hint()}", file=sys.stderr)

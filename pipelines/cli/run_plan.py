@@ -16,7 +16,7 @@ from typing import Any
 
 from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.cli import records
-from pipelines.cli.flags import flag_error, parse_guidance, parse_numbers, parse_size
+from pipelines.cli.flags import flag_error, in_flags, parse_guidance, parse_numbers, parse_size
 from pipelines.cli.plan import Plan
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.model_files import describe, single_files
@@ -340,7 +340,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
       video_io.check_fps(args.fps)
   except video_io.OutputError as e:
     raise UsageError(f"--fps: {e}") from e
-  video_io.check_output(args.out, overwrite=args.overwrite)
+  try:
+    video_io.check_output(args.out, overwrite=args.overwrite)
+  except video_io.OutputError as e:
+    raise video_io.OutputError(f"--out: {in_flags(str(e))}") from e
   sheet = contact_sheet.contact_sheet_path(args.out) if args.contact_sheet else None
   if sheet is not None and os.path.lexists(sheet) and not args.overwrite:
     raise video_io.OutputError(f"{sheet!r} exists; pass --overwrite to replace it, or choose another --out")

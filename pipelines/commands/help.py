@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+# The project's own code: its warnings name its arguments (`warnings_as_lines(words=...)`).
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -31,9 +35,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 @contextlib.contextmanager
-def warnings_as_lines(prog: str) -> Iterator[list[str]]:
+def warnings_as_lines(prog: str, words: Callable[[str], str] | None = None) -> Iterator[list[str]]:
   """Inside, each Python warning that would be shown prints as one line `PROG: warning: MESSAGE`
   on stderr (no file path, no source line); yields the list of those messages, in order.
+
+  Args:
+    words: rewrites the messages of this project's own warnings (raised from its `pipelines`
+      code), which name Python arguments, in the command's words (`generate`: `flags.in_flags`,
+      "context_frames=17" -> "--context-frames 17"); other libraries' warnings are shown as they are.
 
   Only how warnings are shown changes, not which are shown (the warnings filters are kept), and
   everything is restored on exit.
@@ -41,9 +50,12 @@ def warnings_as_lines(prog: str) -> Iterator[list[str]]:
   seen: list[str] = []
 
   def show(message, category, filename, lineno, file=None, line=None):
-    del category, filename, lineno, file, line
-    seen.append(str(message))
-    print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+    del category, lineno, file, line
+    text = str(message)
+    if words is not None and os.path.abspath(filename).startswith(_PROJECT):
+      text = words(text)
+    seen.append(text)
+    print(f"{prog}: warning: {text}", file=sys.stderr, flush=True)
 
   with warnings.catch_warnings():
     warnings.showwarning = show

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines.pipeline.checked.video_inputs import video_length
 from pipelines.pipeline.wan_pipeline import WanPipeline
 
 
@@ -40,23 +41,38 @@ class WanVACEPipeline(WanPipeline):
 
     Args:
       video: the frames to condition on (a list of PIL images or an array [F, H, W, 3], uint8 or float
-        in [0, 1]; F = 4k + 1), resized to height x width; None: none (zeros, every pixel generated).
+        in [0, 1]), resized to height x width; its first 4k + 1 frames are used (the VAE's groups of
+        4; the rest are dropped with a warning); None: none (zeros, every pixel generated).
       mask: which pixels to generate (white, 1) and which to keep from the video (black, 0): one image
         for every frame or one per frame, in the video's size; None: generate everything. Needs video.
       reference_images: an image or a list of images (subjects, styles) the video should show; each
         adds one latent frame in front of the video's, dropped before decoding.
       conditioning_scale: the VACE hints' weight, one number or one per VACE layer.
-      num_frames: the video's length (None: the video's, or 81 without a video).
+      num_frames: the video's length (None: the video's first 4k + 1 frames, or 81 without a video).
       the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
 
     Returns and Raises:
       as `WanPipeline.__call__`; also ValueError for bad VACE inputs (before any compute).
     """
-    if num_frames is None:
-      try:
-        num_frames = 81 if video is None else len(video)
-      except TypeError:
-        num_frames = 81  # not a sequence: the request's checks name it
     return super().__call__(prompt, negative_prompt, height, width, num_frames, num_inference_steps,
                             guidance_scale, seed, latents, max_sequence_length, mesh, video=video, mask=mask,
                             reference_images=reference_images, conditioning_scale=conditioning_scale, **kwargs)
+
+  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
+          num_frames: int | None = None, *args: Any, **kwargs: Any) -> Any:
+    """`WanPipeline.run` (`__call__` returning a `GenerationResult`); num_frames None: the video's
+    length, its first 4k + 1 frames (81 without a video)."""
+    return super().run(prompt, negative_prompt, height, width, self._frames(num_frames, kwargs.get("video")),
+                       *args, **kwargs)
+
+  def check_inputs(self, prompt: Any = None, negative_prompt: Any = None, **kwargs: Any) -> Any:
+    """`WanPipeline.check_inputs`; num_frames left out or None: the video's length, as `run`."""
+    kwargs["num_frames"] = self._frames(kwargs.get("num_frames"), kwargs.get("video"))
+    return super().check_inputs(prompt, negative_prompt, **kwargs)
+
+  def _frames(self, num_frames: Any, video: Any) -> Any:
+    """`num_frames`, or when None the video's first 4k + 1 frames (as video-to-video) or 81."""
+    if num_frames is not None:
+      return num_frames
+    length = None if video is None else video_length(video, self.facts.temporal_factor)
+    return 81 if length is None else length  # no length: the request's checks name the video

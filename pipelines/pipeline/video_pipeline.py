@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines.pipeline.checked.video_inputs import video_length
 from pipelines.pipeline.wan_pipeline import WanPipeline
 
 
@@ -50,16 +51,30 @@ class WanVideoToVideoPipeline(WanPipeline):
     if video is None and latents is None:
       raise ValueError("video is required: give the frames to start from (a list of PIL images or an array "
                        "[F, H, W, 3])")
-    frames = kwargs.pop("num_frames", None)
+    return super().__call__(prompt, negative_prompt, height, width, kwargs.pop("num_frames", None),
+                            num_inference_steps, guidance_scale, seed, latents, max_sequence_length, mesh,
+                            video=video, strength=strength, **kwargs)
+
+  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
+          num_frames: int | None = None, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
+          seed: Any = None, latents: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """`WanPipeline.run` (`__call__` returning a `GenerationResult`); num_frames None: the video's
+    length (its first 4k + 1 frames), or the latents' without a video."""
+    return super().run(prompt, negative_prompt, height, width, self._frames(num_frames, kwargs.get("video"), latents),
+                       num_inference_steps, guidance_scale, seed, latents, *args, **kwargs)
+
+  def check_inputs(self, prompt: Any = None, negative_prompt: Any = None, **kwargs: Any) -> Any:
+    """`WanPipeline.check_inputs`; num_frames left out or None: the video's length, as `run`."""
+    kwargs["num_frames"] = self._frames(kwargs.get("num_frames"), kwargs.get("video"), kwargs.get("latents"))
+    return super().check_inputs(prompt, negative_prompt, **kwargs)
+
+  def _frames(self, num_frames: Any, video: Any, latents: Any) -> Any:
+    """`num_frames`, or when None the video's first 4k + 1 frames, else the latents' frames, else 81
+    (the request's checks then name what is missing or wrong)."""
+    step = self.facts.temporal_factor
+    if num_frames is not None:
+      return num_frames
     if video is not None:
-      try:
-        count = len(video)
-      except TypeError:
-        count = 1  # not a sequence: the request's checks name it
-      step = self.facts.temporal_factor
-      frames = max(count - 1, 0) // step * step + 1 if frames is None else frames
-    elif frames is None:
-      frames = (latents.shape[2] - 1) * self.facts.temporal_factor + 1
-    return super().__call__(prompt, negative_prompt, height, width, frames, num_inference_steps,
-                            guidance_scale, seed, latents, max_sequence_length, mesh, video=video,
-                            strength=strength, **kwargs)
+      return video_length(video, step) or 1
+    shape = getattr(latents, "shape", ())
+    return (shape[2] - 1) * step + 1 if len(shape) == 5 else 81

@@ -104,7 +104,7 @@ def write_contact_sheet(rows: list[np.ndarray], path: str, *, labels: list[str] 
   if not path.lower().endswith(".png"):
     raise video_io.OutputError(f"a contact sheet is a PNG image; {path!r} does not end in .png")
   if os.path.lexists(path) and not overwrite:
-    raise video_io.OutputError(f"{path!r} exists; pass --overwrite to replace it")
+    raise video_io.OutputError(f"{path!r} exists; pass overwrite=True to replace it")
   image = contact_sheet(rows, labels=labels, max_columns=max_columns)
   with video_io.atomic_file(path, ".png", overwrite) as temp:
     iio.imwrite(temp, image, extension=".png")

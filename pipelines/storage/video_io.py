@@ -103,14 +103,14 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
       ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):  # e.g. --out some_file/fox.mp4: fails for root too
       raise OutputError(f"the directory of output {path!r} cannot exist: {ancestor!r} is a file, not a "
-                        "directory; choose another --out")
+                        "directory; choose another path")
     raise OutputError(f"the directory of output {path!r} does not exist ({parent!r}); create it first")
   if not os.access(parent, os.W_OK | os.X_OK):
     raise OutputError(f"cannot write to {parent!r} (the directory of output {path!r}); choose a writable "
-                      "location with --out")
+                      "location")
   for target in (path, sidecar_path(path)) if sidecar else (path,):
     if os.path.lexists(target.rstrip(os.sep) or target) and not overwrite:
-      raise OutputError(f"{target!r} exists; pass --overwrite to replace it, or choose another --out")
+      raise OutputError(f"{target!r} exists; pass overwrite=True to replace it, or choose another path")
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:
@@ -209,8 +209,9 @@ def _fit_size(frames: np.ndarray, path: str, odd_size: str) -> np.ndarray:
   return np.pad(frames, padding, mode="edge")[:, :new_height, :new_width]
 
 
-def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None) -> str:
-  """Runs imageio-ffmpeg's ffmpeg; returns its stdout.
+def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None, *, text: bool = True) -> Any:
+  """Runs imageio-ffmpeg's ffmpeg as a plain fork + exec (no Python code runs in the child, so it is
+  safe in this multithreaded JAX process); returns its stdout, as str (or bytes without `text`).
 
   Raises:
     EncodeError: a nonzero exit status, with `what` ffmpeg did and the first lines of its stderr.
@@ -227,7 +228,7 @@ def run_ffmpeg(arguments: list[str], what: str, stdin: memoryview | None = None)
     lines = done.stderr.decode(errors="replace").strip().splitlines()  # the cause comes first
     message = "\n".join(lines[:10] + (["..."] if len(lines) > 10 else [])) or "(no message)"
     raise EncodeError(f"ffmpeg {what} exited with status {done.returncode}: {message}")
-  return done.stdout.decode(errors="replace")
+  return done.stdout.decode(errors="replace") if text else done.stdout
 
 
 def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) -> tuple[int, int, int]:
@@ -440,7 +441,7 @@ def _replace(temp: str, path: str, overwrite: bool) -> None:
   os.chmod(temp, (0o777 if os.path.isdir(temp) else 0o666) & ~umask)  # mkstemp/mkdtemp give 0600/0700
   if os.path.lexists(path):
     if not overwrite:
-      raise OutputError(f"{path!r} appeared while generating; pass --overwrite to replace it")
+      raise OutputError(f"{path!r} appeared while generating; pass overwrite=True to replace it")
     if os.path.isdir(path) and not os.path.islink(path):
       # A directory cannot be renamed over a non-empty one: move the old one aside first.
       trash = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old.", dir=os.path.dirname(os.path.abspath(path)))

@@ -5,6 +5,7 @@ imageio-ffmpeg, GIF through Pillow, .npy as `video_io` writes it, or a folder of
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -19,7 +20,8 @@ def read_video(path: str, max_frames: int | None = None) -> np.ndarray:
   float32 [F, H, W, 3] in [0, 1] as `write_video` stores them (`VIDEO_INPUTS`); at most
   `max_frames` (the first ones).
 
-  mp4 and the other containers are decoded by imageio-ffmpeg's ffmpeg (every codec it has);
+  mp4 and the other containers are decoded by imageio-ffmpeg's ffmpeg (every codec it has; its
+  first video stream);
   a GIF's frames by Pillow (composited as displayed); a folder's image files in name order by
   `storage.images` (16-bit, alpha, EXIF as for --image).
 
@@ -49,15 +51,23 @@ def read_video(path: str, max_frames: int | None = None) -> np.ndarray:
 
 
 def _read_ffmpeg(path: str, max_frames: int | None) -> np.ndarray:
-  import imageio.v2 as imageio
+  """The first video stream decoded by imageio-ffmpeg's ffmpeg to RGB (as imageio's reader decodes
+  it), sent as PPM images on a pipe: each a "P6\\nW H\\n255\\n" header and H x W x 3 bytes. Spawned
+  by `video_io.run_ffmpeg`, not by imageio's reader: that one runs Python (os.setpgrp) in the
+  forked child, which in this multithreaded (JAX) process prints JAX's os.fork() deadlock warning."""
+  from pipelines.storage.video_io import run_ffmpeg
 
-  frames = []
-  with imageio.get_reader(path, "ffmpeg") as reader:
-    for frame in reader:
-      frames.append(np.asarray(frame)[..., :3])
-      if max_frames is not None and len(frames) >= max_frames:
-        break
-  return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
+  limit = [] if max_frames is None else ["-frames:v", str(max_frames)]
+  data = run_ffmpeg(["-i", path, "-map", "0:v:0", *limit, "-f", "image2pipe", "-c:v", "ppm", "-pix_fmt", "rgb24",
+                     "-"], f"decoding {path!r}", text=False)
+  found = re.match(rb"P6\s(\d+)\s(\d+)\s255\s", data)
+  if found is None:
+    return np.zeros((0, 0, 0, 3), np.uint8)
+  header, width, height = found.group(0), int(found.group(1)), int(found.group(2))
+  size = len(header) + height * width * 3  # one frame's bytes
+  if len(data) % size or any(data[i:i + len(header)] != header for i in range(0, len(data), size)):
+    raise RuntimeError(f"ffmpeg's frames of {path!r} change size mid-stream (the first is {width}x{height})")
+  return np.frombuffer(data, np.uint8).reshape(-1, size)[:, len(header):].reshape(-1, height, width, 3)
 
 
 def _read_gif(path: str, max_frames: int | None) -> np.ndarray:

@@ -186,7 +186,7 @@ API_CASES = [  # (id, call(pipes, folders, tmp_path), exception, message regex)
     ("output directory is a file", lambda p, f, t: video_io.check_output(_under_a_file(t), overwrite=False),
      video_io.OutputError, r"cannot exist: .*a_file' is a file, not a directory"),
     ("existing output", lambda p, f, t: video_io.write_video(np.zeros((1, 16, 16, 3)), _existing(t)),
-     video_io.OutputError, r"old.mp4' exists; pass --overwrite to replace it"),
+     video_io.OutputError, r"old.mp4' exists; pass overwrite=True to replace it"),
 ]
 
 

@@ -166,7 +166,7 @@ def test_quality_rounds_frames_as_the_pipeline_does(capsys):
           "--dtype", "float32", "--mesh", "U=1,R=1"]
   assert quality_check.main(argv) == 0
   out = capsys.readouterr()
-  assert "quality: warning: num_frames=4: num_frames - 1 must be divisible by 4; rounding to 5" in out.err
+  assert "quality: warning: num_frames=4 is not 4k + 1 (the VAE's frame groups); rounding to 5" in out.err
   assert "5 frames 32x32" in out.out
 
 

@@ -134,8 +134,9 @@ def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_
   if not image_model:
     if given:
       raise ValueError(f"{', '.join(given)} given, but this is a text-to-video model; image-to-video needs "
-                       "an image-to-video folder (WanImageToVideoPipeline: Wan 2.1 I2V / FLF2V, Wan 2.2 "
-                       "I2V A14B)")
+                       "an image-to-video model: a folder of Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B "
+                       "(WanImageToVideoPipeline) or Wan 2.2 TI2V-5B, or the tiny one shipped here, "
+                       "WanPipeline.tiny(image=True) (generate --model tiny-i2v)")
     return None
   if image is None:
     raise ValueError("image=None: this image-to-video model needs `image`, the video's first frame "
@@ -150,7 +151,7 @@ def check_image_inputs(image: Any, last_image: Any, image_embeds: Any, *, image_
   if image_embeds is not None:
     if image_dim is None:
       raise ValueError("image_embeds given, but this model has no image encoder branch (Wan 2.2 I2V "
-                       "A14B): leave it None")
+                       "A14B): leave it out")
     embeds = np.asarray(image_embeds, np.float32)
     frames = 2 if flf2v_positions else 1
     if embeds.ndim == 2 and frames == 1:

@@ -136,7 +136,7 @@ def seed_or_latents(seed: Any, latents: Any, shape: tuple[int, ...], what: str) 
     seed = tuple(check_int(f"seed[{i}]", s, minimum=0) for i, s in enumerate(seed))
     seeding.video_seeds(seed, shape[0])  # raises unless one per video
   elif seed is not None:
-    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or None for a random one")
+    seed = check_int("seed", seed, minimum=0, hint=" (video i uses seed + i); or leave it out for a random one")
   if latents is not None:
     latents = noise_array(latents)
     if seed is not None:
@@ -211,8 +211,8 @@ def round_num_frames(num_frames: int, temporal_factor: int = 4) -> int:
   check_int("num_frames", num_frames, hint=" (Wan uses 4k+1, e.g. 81)")
   if num_frames % temporal_factor != 1:
     rounded = max(num_frames // temporal_factor * temporal_factor + 1, 1)
-    warnings.warn(f"{num_frames=}: num_frames - 1 must be divisible by {temporal_factor}; rounding "
-                  f"to {rounded} as diffusers does (pass {rounded} to silence this)", stacklevel=2)
+    warnings.warn(f"{num_frames=} is not {temporal_factor}k + 1 (the VAE's frame groups); rounding to {rounded} "
+                  f"as diffusers does (pass num_frames={rounded} to silence this)", stacklevel=2)
     return rounded
   return int(num_frames)
 

@@ -78,9 +78,9 @@ class ModelFacts:
       return None
     h, w, f = self.trained_video
     return (f"the {self.name!r} model was trained at {w}x{h} x {f} frames only; {width}x{height} x {num_frames} "
-            f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} (generate's "
-            "defaults; longer videos in context windows of that length, context_frames), or a diffusers-format "
-            "Wan folder for other sizes")
+            f"frames gives a video unlike its training (blotches, no shape): use {w}x{h} x {f} frames (a longer "
+            f"video in context windows of that length: context_frames={f}), or a diffusers-format Wan folder for "
+            "other sizes")
 
   @property
   def max_side(self) -> int:

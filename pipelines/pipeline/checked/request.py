@@ -374,7 +374,7 @@ def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> 
   g2 = check_number("guidance_scale_2", guidance_scale_2, within=GUIDANCE_RANGE, hint=GUIDANCE_HINT)
   if model.boundary_ratio is None:
     raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
-                     "has one transformer: leave it None")
+                     "has one transformer: give one guidance scale")
   return g1, g2
 
 

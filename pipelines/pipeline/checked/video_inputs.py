@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.pipeline.checked.image_inputs import digest, image_array, to_video_frame
-from pipelines.pipeline.checked.inputs import not_a
+from pipelines.pipeline.checked.inputs import is_real, not_a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,8 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
       frame, num_frames that differs from the video's, strength not a number in (0, 1], or one
       that runs no step.
   """
-  if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating)) or not 0 < strength <= 1:
-    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength)}")  # used or not
+  if not is_real(strength) or not 0 < strength <= 1:  # a number out of range is not named by its type
+    raise ValueError(f"strength={strength!r} must be a number in (0, 1]{not_a(strength, is_real(strength))}")
   if video is None and not from_latents:
     return None
   if not video_model:
@@ -94,6 +94,17 @@ def check_video_inputs(video: Any, strength: Any, *, num_frames: Any, steps: int
     raise ValueError(f"num_frames={num_frames!r} differs from the video's {used} frames; leave num_frames "
                      "out (a video-to-video call takes its length from the video)")
   return _runs_a_step(VideoInputs(frames=frames, strength=float(strength)), steps)
+
+
+def video_length(video: Any, temporal_factor: int) -> int | None:
+  """The frames a call on `video` makes when num_frames is left out: the count of its first 4k + 1
+  frames, those the VAE encodes (1 for an empty video, which the checks refuse); None when `video`
+  has no length (the checks name it)."""
+  try:
+    count = len(video)
+  except TypeError:
+    return None
+  return max(count - 1, 0) // temporal_factor * temporal_factor + 1
 
 
 def _runs_a_step(inputs: VideoInputs, steps: int) -> VideoInputs:

@@ -124,11 +124,11 @@ def long_video_warning(model: ModelFacts, num_frames: int) -> str | None:
 
 def long_video_note(num_frames: int, trained_frames: int | None, *, temporal_factor: int = 4) -> str | None:
   """The warning for a video longer than the model's trained clip without context windows, naming
-  the flags that keep its length, or None."""
+  the arguments that keep its length (`generate` prints them as its flags), or None."""
   if trained_frames is None or num_frames <= trained_frames:
     return None
   overlap = default_overlap(trained_frames, temporal_factor)
   return (f"{num_frames} frames is longer than the model's trained {trained_frames}-frame clips: the video "
           f"degrades (and attention memory grows with the square of the frames); keep the length with context "
-          f"windows: context_frames={trained_frames}, context_overlap={overlap} (generate --context-frames "
-          f"{trained_frames} --context-overlap {overlap}; add W=2 to the mesh to run windows in parallel)")
+          f"windows: context_frames={trained_frames}, context_overlap={overlap} (and W=2 in the mesh to run the "
+          "windows in parallel)")

@@ -67,25 +67,52 @@ def convert(sources: Sources, destination: str) -> str:
   return destination
 
 
+# What the command takes, for its argument errors.
+TAKES = ("convert takes SOURCE DST (an official Wan folder: config.json beside .pth / .safetensors files) or "
+         "DST --transformer F --vae F --text-encoder F (single files), DST the new diffusers folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+  """The command; returns the exit status: 0 written, 1 a source that cannot be read or converted,
+  2 arguments it does not take (one `convert: error:` line each, as the unreadable sources')."""
   parser = argparse.ArgumentParser(prog="python -m pipelines.wan.pretrained.convert", description=__doc__.split("\n")[0])
   parser.add_argument("source", nargs="?", help="a folder in the official Wan layout")
   parser.add_argument("destination", help="the diffusers folder to write (must not exist)")
   for flag in ("--transformer", "--vae", "--text-encoder", "--tokenizer", "--config"):
     parser.add_argument(flag, help=f"single files instead of SOURCE: {flag[2:]} ({'folder' if flag in ('--tokenizer', '--config') else 'file'})")
   args = parser.parse_args(argv)
-  files = (args.transformer, args.vae, args.text_encoder)
-  if (args.source is None) == (None in files):
-    parser.error("pass SOURCE (an official folder) or --transformer, --vae and --text-encoder, not both")
-  sources = Sources.official(args.source) if args.source else Sources(
-      transformer=args.transformer, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer,
-      config=args.config)
+  refused = _refused(args)
+  if refused is not None:
+    print(f"convert: error: {refused}", file=sys.stderr)
+    return 2
   try:
+    sources = Sources.official(args.source) if args.source else Sources(
+        transformer=args.transformer, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer,
+        config=args.config)
     print(f"convert: wrote {convert(sources, args.destination)}")
   except (weights.CheckpointError, OSError) as e:
     print(f"convert: error: {e}", file=sys.stderr)
     return 1
   return 0
+
+
+def _refused(args: argparse.Namespace) -> str | None:
+  """What is wrong with the arguments, with what the command takes (`TAKES`); None when nothing."""
+  files = {"--transformer": args.transformer, "--vae": args.vae, "--text-encoder": args.text_encoder}
+  given = [flag for flag, value in files.items() if value is not None]
+  if args.source is not None and given:
+    return f"pass SOURCE {args.source!r} or {', '.join(given)}, not both: {TAKES}"
+  if args.source is None:
+    missing = [flag for flag in files if flag not in given]
+    if not given:
+      return f"only DST {args.destination!r} given: {TAKES}"
+    return f"{', '.join(missing)} missing beside {', '.join(given)}: {TAKES}" if missing else None
+  if os.path.isfile(os.path.join(args.source, "model_index.json")):
+    return (f"{args.source!r} is a diffusers-format folder already (it has model_index.json): load it as it is "
+            f"(generate --model FOLDER, WanPipeline.from_pretrained(FOLDER)); {TAKES}")
+  if not os.path.isfile(os.path.join(args.source, "config.json")):
+    return f"SOURCE {args.source!r} has no config.json, so it is not a folder in the official Wan layout: {TAKES}"
+  return None
 
 
 if __name__ == "__main__":

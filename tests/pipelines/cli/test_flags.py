@@ -28,6 +28,23 @@ def test_parse_size(text, expected):
   assert flags.parse_size(text) == expected
 
 
+@pytest.mark.parametrize("python,command", [
+    ("context windows: context_frames=81, context_overlap=20 (and W=2 in the mesh)",
+     "context windows: --context-frames 81, --context-overlap 20 (and W=2 in the mesh)"),
+    ("'x.mp4' exists; pass overwrite=True to replace it", "'x.mp4' exists; pass --overwrite to replace it"),
+    ("longer than max_sequence_length=64 tokens; raise max_sequence_length",
+     "longer than --max-sequence-length 64 tokens; raise --max-sequence-length"),
+    ("context_fuse='flat', nan_guard=False, vae_parallel=False",
+     "--context-fuse flat, --no-nan-guard, --no-vae-parallel"),
+    # left as written (the controls): a name that --size gives with another, an on/off value the flag
+    # does not set, a name no flag gives, a folder, a bare word without an underscore
+    ("height=64, overwrite=False, odd_size='pad', text_encoder/, the video and mask",
+     "height=64, overwrite=False, odd_size='pad', text_encoder/, the video and mask"),
+])
+def test_in_flags_names_the_flags_that_give_the_arguments(python, command):
+  assert flags.in_flags(python) == command
+
+
 # `GenerationRequest.build` arguments `generate` does not take, and why.
 NOT_TAKEN = {
     "latents", "prompt_embeds", "negative_prompt_embeds", "image_embeds",  # arrays: the Python call's

@@ -70,16 +70,17 @@ def test_command_writes_a_decodable_video(tmp_path):
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
   assert again.returncode == 0, again.stderr
   assert "Warning" not in again.stderr and ".py:" not in again.stderr, again.stderr  # no raw warnings
-  assert "generate: warning: num_frames=16: num_frames - 1 must be divisible by 4; rounding to 17" in again.stderr
-  assert "generate: warning: prompt(s) [0] are longer than max_sequence_length=64 tokens" in again.stderr
+  assert ("generate: warning: --frames 16 is not 4k + 1 (the VAE's frame groups); rounding to 17 as diffusers does "
+          "(pass --frames 17 to silence this)") in again.stderr
+  assert "generate: warning: prompt(s) [0] are longer than --max-sequence-length 64 tokens" in again.stderr
   drawn = re.search(r"generate: random seed (\d+) \(pass --seed \1 to make this video again\)", again.stderr)
   assert drawn is not None, again.stderr
   sidecar = json.loads((tmp_path / "again.mp4.json").read_text())
   assert sidecar["seed"] == int(drawn.group(1)) and sidecar["seed_drawn"] is True
   assert f"seed {drawn.group(1)}," in again.stdout
   frames_warning, truncation = sidecar["warnings"]
-  assert frames_warning.startswith("num_frames=16: ") and "rounding to 17" in frames_warning
-  assert truncation.startswith("prompt(s) [0] are longer than max_sequence_length=64 tokens ([640] tokens) "
+  assert frames_warning.startswith("--frames 16 is not 4k + 1") and "rounding to 17" in frames_warning
+  assert truncation.startswith("prompt(s) [0] are longer than --max-sequence-length 64 tokens ([640] tokens) "
                                "and were truncated")
   warm = sidecar["compile_cache"]
   assert warm["hit"] and warm["hits"] >= 3, warm
@@ -108,7 +109,7 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
     (["--mesh", "U2"], "--mesh: mesh spec='U2' is malformed"),
     (["--devices", "4", "--mesh", "U=2,R=2"], "XLA_FLAGS already sets"),
     (["--guidance", "4.0,3.0"], "--guidance: guidance_scale_2=3.0 is only used by two-expert (Wan 2.2) "
-                                "pipelines; this one has one transformer"),
+                                "pipelines; this one has one transformer: give one guidance scale\n"),
     (["--guidance", "a,b,c"], "must be one number"),
     (["--steps", "0"], "--steps: num_inference_steps=0 must be a positive int; e.g. 50"),
     (["--shift", "-1"], "--shift: flow_shift=-1.0 must be a finite number > 0 (Wan: 3.0 at 480p"),
@@ -127,7 +128,8 @@ BASE = ["--prompt", PROMPT, "--size", "32x32", "--frames", "5", "--steps", "1"]
                               "<= 1 turns CFG off)"),
     (["--frames", "-5"], "--frames: num_frames=-5 must be a positive int (Wan uses 4k+1"),
     (["--size", "0x32"], "width=0 must be a positive multiple of 16"),
-    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or None"),
+    (["--seed", "-2"], "--seed: seed=-2 must be a non-negative int (video i uses seed + i); or leave it out for "
+                       "a random one\n"),
     (["--max-sequence-length", "0"], "--max-sequence-length: max_sequence_length=0 must be a positive int"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
     (["--coordinator-timeout", "0"], "--coordinator-timeout 0 must be >= 1 (seconds)"),
@@ -140,6 +142,33 @@ def test_checks_before_compute(tmp_path, capsys, monkeypatch, extra, message):
   assert message in err, err
   assert compiles == []
   assert not os.path.exists(tmp_path / "x.mp4")
+
+
+def test_an_image_on_the_default_model_names_the_tiny_image_model(tmp_path, capsys, monkeypatch):
+  """--image on the default (text-to-video) model: refused before compute, naming the shipped
+  image-to-video model beside the Wan folders; --model tiny-i2v takes the same image (the control)."""
+  import PIL.Image
+
+  PIL.Image.new("RGB", (32, 32)).save(tmp_path / "first.png")
+  image = ["--image", str(tmp_path / "first.png"), "--out", str(tmp_path / "a.mp4")]
+  assert generate.main(BASE + image) == 2
+  err = capsys.readouterr().err
+  assert "image given, but this is a text-to-video model" in err and "(generate --model tiny-i2v)" in err, err
+  monkeypatch.setattr(generate, "run", lambda checked, seen: {})  # checked, not run
+  assert generate.main(BASE + image + ["--model", "tiny-i2v"]) == 0, capsys.readouterr().err
+
+
+def test_warnings_name_the_flags(tmp_path, capsys, monkeypatch):
+  """The request's warnings print in the command's words: 32 frames rounded, and 64x64 x 33 not
+  the tiny model's trained clip, advise --frames and --context-frames (the Python call's messages
+  name num_frames=33 and context_frames=17, tests/pipelines/pipeline/checked)."""
+  monkeypatch.setattr(generate, "run", lambda checked, seen: {})  # checked, not run
+  assert generate.main(BASE[:-4] + ["--size", "64x64", "--frames", "32", "--out", str(tmp_path / "a.mp4")]) == 0
+  err = capsys.readouterr().err
+  assert ("generate: warning: --frames 32 is not 4k + 1 (the VAE's frame groups); rounding to 33 as diffusers "
+          "does (pass --frames 33 to silence this)") in err, err
+  assert "use 64x64 x 17 frames (a longer video in context windows of that length: --context-frames 17)" in err, err
+  assert "num_frames" not in err and "context_frames" not in err, err
 
 
 def test_unwritable_output(tmp_path, capsys):
@@ -157,7 +186,9 @@ def test_unwritable_output(tmp_path, capsys):
 def test_existing_output_needs_overwrite(tmp_path, capsys):
   (tmp_path / "fox.mp4").write_bytes(b"old")
   assert generate.main(BASE + ["--out", str(tmp_path / "fox.mp4")]) == 2
-  assert "exists; pass --overwrite" in capsys.readouterr().err
+  err = capsys.readouterr().err  # the command's flags, not the Python argument (overwrite=True)
+  assert "generate: error: --out: '" in err and "fox.mp4' exists; pass --overwrite to replace it" in err, err
+  assert "overwrite=True" not in err, err
   assert (tmp_path / "fox.mp4").read_bytes() == b"old"
   (tmp_path / "other.gif.json").write_text("{}")  # the sidecar counts too
   assert generate.main(BASE + ["--out", str(tmp_path / "other.gif")]) == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines.cli import generate, run_plan
+from pipelines.cli.flags import in_flags
 from pipelines.commands.help import warnings_as_lines
 from tests.pipelines.cli.test_generate import BASE
 
@@ -16,11 +17,11 @@ from tests.pipelines.cli.test_generate import BASE
 def test_frames_round_as_diffusers_with_a_warning(tmp_path, capsys, given, rounded):
   """num_frames // 4 * 4 + 1 as diffusers: not always down (16 -> 17); the command's warning line."""
   args = generate.build_parser().parse_args(BASE[:-4] + ["--frames", str(given), "--out", str(tmp_path / "a.mp4")])
-  with warnings_as_lines("generate"):  # the request rounds (after JAX starts, before any weights)
-    request = run_plan.check_plan(run_plan.plan_run(args)).request
+  with warnings_as_lines("generate", words=in_flags):  # as main shows them; the request rounds (after JAX
+    request = run_plan.check_plan(run_plan.plan_run(args)).request  # starts, before any weights)
   assert request.num_frames == rounded
-  assert (f"generate: warning: num_frames={given}: num_frames - 1 must be divisible by 4; rounding to "
-          f"{rounded} as diffusers does") in capsys.readouterr().err
+  assert (f"generate: warning: --frames {given} is not 4k + 1 (the VAE's frame groups); rounding to "
+          f"{rounded} as diffusers does (pass --frames {rounded} to silence this)") in capsys.readouterr().err
 
 
 def test_gif_fps_warning_before_compute(tmp_path, capsys):

@@ -12,6 +12,8 @@ Controls: another mask, or no reference image, changes diffusers' own video by f
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,6 @@ import torch  # noqa: E402
 from pipelines.pipeline.checked.request import GenerationRequest  # noqa: E402
 from pipelines.pipeline.vace_pipeline import WanVACEPipeline  # noqa: E402
 from pipelines.pipeline.wan_pipeline import WanPipeline  # noqa: E402
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER  # noqa: E402
 from tests.numerics import FP32_VIDEO_PSNR_DB, assert_psnr_at_least  # noqa: E402
 from tests.pipelines.pipeline.test_video_pipeline import _video, psnr  # noqa: E402
 from tests.pipelines.pipeline.vace_folder import build_vace_folder  # noqa: E402
@@ -178,3 +179,26 @@ def test_one_mask_image_stands_for_every_frame(ours):
   refs = ours.check_inputs(PROMPT, reference_images=[_reference_image()] * 2, num_frames=9, **CALL)
   assert refs.latent_shape == (1, 16, 5, 4, 6)  # two reference latent frames in front
   assert refs.settings()["reference_images_sha256"][0] is not None
+
+
+@pytest.mark.parametrize("frames,used", [(9, 9), (12, 9), (16, 13), (14, 13)])
+def test_a_video_without_num_frames_gives_its_first_4k_plus_1_frames(ours, frames, used):
+  """num_frames left out: a video of 4k frames (12, 16) uses its first 4k + 1 (9, 13), as video-to-video
+  does, and is not refused for its length rounded up (13, 17); 9 and 14 (never rounded up) are the controls."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the dropped frames' warning
+    request = ours.check_inputs(PROMPT, video=_video(frames), **CALL)
+  assert request.num_frames == len(request.vace.video) == used
+
+
+def test_run_and_call_take_the_videos_length(ours):
+  """run(video=...) and __call__(video=...) without num_frames: the video's first 4k + 1 frames, the
+  same video as those frames given alone (the control: a 4k + 1 video, which ran before too)."""
+  call = dict(CALL, num_inference_steps=1)
+  with pytest.warns(UserWarning, match="video has 12 frames; the VAE encodes 4k"):
+    result = ours.run(PROMPT, video=_video(12), seed=0, **call)
+  assert result.frames.shape == (1, 9, 32, 48, 3)
+  np.testing.assert_array_equal(result.frames, ours(PROMPT, video=_video(9), seed=0, **call))
+  with pytest.warns(UserWarning, match="video has 16 frames"):
+    called = ours(PROMPT, video=_video(16), seed=0, **call)
+  np.testing.assert_array_equal(called, ours(PROMPT, video=_video(13), num_frames=13, seed=0, **call))

@@ -131,9 +131,10 @@ def test_a_strength_that_runs_no_step_is_refused_from_latents_too(ours):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(strength=0.0), r"strength=0.0 must be a number in \(0, 1\]"),
-    (dict(strength=1.5), r"strength=1.5 must be a number in \(0, 1\]"),
-    (dict(strength="high"), r"strength='high' must be a number"),
+    (dict(strength=0.0), r"strength=0.0 must be a number in \(0, 1\]$"),  # a float, out of range: no type named
+    (dict(strength=1.5), r"strength=1.5 must be a number in \(0, 1\]$"),
+    (dict(strength=np.float32("nan")), r"strength=np.float32\(nan\) must be a number in \(0, 1\]$"),
+    (dict(strength="high"), r"strength='high' must be a number in \(0, 1\], not a str$"),  # the control
     (dict(strength=0.1, num_inference_steps=4), r"runs no step .* raise strength to >= 0.25"),
     (dict(num_frames=17), r"num_frames=17 differs from the video's 9 frames"),
     (dict(step_cache="mag"), r"step_cache='mag' with a video"),
@@ -143,3 +144,18 @@ def test_bad_arguments_are_refused_before_any_compute(ours, kwargs, match):
   with pytest.raises(ValueError, match=match):
     GenerationRequest.build(ours.facts, PROMPT, NEGATIVE, num_frames=args.pop("num_frames", 9),
                             video=_video(), **args)
+
+
+def test_run_and_check_inputs_take_the_videos_length_as_call_does(ours):
+  """run(video=...) and check_inputs(video=...) without num_frames: the video's first 4k + 1 frames (not
+  81, then refused), the video `__call__` makes (the control: __call__ took the video's length before too);
+  from latents alone, their frames."""
+  call = dict(CALL, num_inference_steps=2, strength=0.5)
+  with pytest.warns(UserWarning, match="the last 3 are not used"):
+    assert ours.check_inputs(PROMPT, video=_video(12), **call).num_frames == 9
+  latents = np.zeros((1, 16, 4, 4, 6), np.float32)
+  assert ours.check_inputs(PROMPT, latents=latents, **call).num_frames == 13
+  with pytest.warns(UserWarning, match="the last 3 are not used"):
+    result = ours.run(PROMPT, video=_video(12), seed=0, **call)
+  assert result.frames.shape == (1, 9, 32, 48, 3)
+  np.testing.assert_array_equal(result.frames, ours(_video(9), PROMPT, seed=0, **call))

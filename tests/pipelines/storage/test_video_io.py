@@ -55,6 +55,28 @@ def test_contact_sheet_tiles_are_the_frames(tmp_path):
 FRAMES = np.random.default_rng(0).random((5, 16, 16, 3), dtype=np.float32)
 
 
+def test_an_existing_output_names_the_python_argument(tmp_path):
+  """A Python caller is told to pass overwrite=True (the command prints its own flags, --overwrite:
+  tests/pipelines/cli/test_generate.py); a directory that cannot exist names no flag either."""
+  (tmp_path / "old.mp4").write_bytes(b"old")
+  (tmp_path / "old.png").write_bytes(b"old")
+  writes = [lambda: video_io.write_video(FRAMES, str(tmp_path / "old.mp4")),
+            lambda: video_io.write_json({}, str(tmp_path / "old.mp4")),
+            lambda: contact_sheet.write_contact_sheet([FRAMES], str(tmp_path / "old.png")),
+            lambda: video_io.check_output(str(tmp_path / "old.mp4" / "x.mp4"), overwrite=False)]
+  for write in writes:
+    with pytest.raises(video_io.OutputError) as refused:
+      write()
+    assert "--" not in str(refused.value), refused.value
+  with pytest.raises(video_io.OutputError, match=r"old.mp4' exists; pass overwrite=True to replace it, or choose"):
+    video_io.write_video(FRAMES, str(tmp_path / "old.mp4"))
+  with pytest.raises(video_io.OutputError, match=r"late.json' appeared while generating; pass overwrite=True"):
+    with video_io.atomic_file(str(tmp_path / "late.json"), ".json", False):
+      (tmp_path / "late.json").write_text("{}")  # another writer, while this one ran
+  assert (tmp_path / "old.mp4").read_bytes() == b"old"
+
+
+
 @pytest.mark.parametrize("mode,message", [
     ("fail", "ffmpeg encoding the mp4 exited with status 3: fake encoder: refusing this input"),
     ("silent", "ffmpeg decoding the mp4 back exited with status"),

@@ -79,12 +79,13 @@ def test_vace_is_refused(facts):
     check_context_windows(17, 8, "pyramid", num_frames=65, model=facts, windows_degree=1, vace=True)
 
 
-def test_long_video_without_windows_warns_with_the_flags():
+def test_long_video_without_windows_warns_with_the_arguments():
   facts = ModelFacts.tiny_default("float32")
-  with pytest.warns(UserWarning, match=r"longer videos in context windows of that length, context_frames"):
+  with pytest.warns(UserWarning, match=r"a longer video in context windows of that length: context_frames=17\)"):
     GenerationRequest.build(facts, "x", height=64, width=64, num_frames=65)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # windows of the trained length: no warning
     GenerationRequest.build(facts, "x", height=64, width=64, num_frames=65, context_frames=17)
-  assert "context_frames=81, context_overlap=20" in long_video_note(241, 81)  # a Wan folder's 81-frame clips
+  note = long_video_note(241, 81)  # a Wan folder's 81-frame clips: the Python arguments, no flags
+  assert "context_frames=81, context_overlap=20 (and W=2 in the mesh" in note and "--" not in note
   assert long_video_note(81, 81) is None and long_video_note(241, None) is None

@@ -12,10 +12,23 @@ from pipelines.wan.transformer import wan_key
 from tests.pipelines.wan.pretrained import writers
 
 
-def test_source_or_files_not_both(tmp_path, capsys):
-  with pytest.raises(SystemExit):
-    convert.main([str(tmp_path / "dst")])
-  assert "pass SOURCE (an official folder) or --transformer, --vae and --text-encoder" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,why", [
+    (["{dst}"], "only DST '{dst}' given: convert takes SOURCE DST"),
+    (["{src}", "{dst}", "--transformer", "t.safetensors"], "pass SOURCE '{src}' or --transformer, not both: "),
+    (["{dst}", "--transformer", "t.safetensors"], "--vae, --text-encoder missing beside --transformer: "),
+    (["{tiny}", "{dst}"], "'{tiny}' is a diffusers-format folder already (it has model_index.json): load it as "
+                          "it is (generate --model FOLDER, WanPipeline.from_pretrained(FOLDER)); convert takes "),
+    (["{src}", "{dst}"], "SOURCE '{src}' has no config.json, so it is not a folder in the official Wan layout: "),
+], ids=["only-dst", "source-and-files", "files-missing", "a-diffusers-folder", "no-config-json"])
+def test_arguments_it_does_not_take_are_one_line_errors(tmp_path, capsys, argv, why):
+  """Each wrong set of arguments: exit 2 and one `convert: error:` line (no traceback) naming what is
+  wrong and what convert takes; nothing written. (The control, files that convert: below.)"""
+  names = {"dst": str(tmp_path / "dst"), "src": str(tmp_path), "tiny": TINY_DEFAULT_FOLDER}
+  assert convert.main([a.format(**names) for a in argv]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("convert: error: " + why.format(**names)) and err.count("\n") == 1, err
+  assert "DST --transformer F --vae F --text-encoder F (single files)" in err, err
+  assert not (tmp_path / "dst").exists()
 
 
 def test_missing_source_file_is_an_error(tmp_path, capsys):
