@@ -41,7 +41,7 @@ def warnings_as_lines(prog: str, words: Callable[[str], str] | None = None) -> I
 
   Args:
     words: rewrites the messages of this project's own warnings (raised from its `pipelines`
-      code), which name Python arguments, in the command's words (`generate`: `flags.in_flags`,
+      code), which name Python arguments, in the command's words (`generate`: `cli.flags.in_flags`,
       "context_frames=17" -> "--context-frames 17"); other libraries' warnings are shown as they are.
 
   Only how warnings are shown changes, not which are shown (the warnings filters are kept), and
