@@ -135,7 +135,7 @@ def on_stage(name):
     raise RuntimeError("failed at " + name)
 request = GenerationRequest.build(pipe.facts, "x", height=128, width=128, num_frames=17, num_inference_steps=1,
                                   seed=0, max_sequence_length=16)
-pipe.generate(request, CallOptions(progress=False, on_stage=on_stage))
+pipe.generate(request, CallOptions(progress=False, on_stage=on_stage, decode_compile_ahead=True))
 """
 
 
