@@ -70,11 +70,12 @@ def _asked_request(args: argparse.Namespace, preset_name: str | None, preset: Pr
   """`GenerationRequest.build`'s arguments as the flags ask them: each flag whose dest is an
   argument's name as given, and the flags that need parsing or fall back to the preset below.
   The mesh is the command's (`Plan.mesh`), resolved by `check_plan`."""
+  width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
+  steps, timesteps, sigmas = _schedule_flags(args, preset)  # (flag errors before JAX's modules import)
+  conditioning_scale = _conditioning_scale(args)
   from pipelines.pipeline.checked.request import GenerationRequest
 
   names = set(inspect.signature(GenerationRequest.build).parameters) - {"cls", "model", "mesh", "shard_weights"}
-  width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
-  steps, timesteps, sigmas = _schedule_flags(args, preset)
   return {name: value for name, value in vars(args).items() if name in names} | {
       "negative_prompt": args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt,
       "height": height, "width": width,
@@ -83,7 +84,7 @@ def _asked_request(args: argparse.Namespace, preset_name: str | None, preset: Pr
       "guidance_scale": guidance[0], "guidance_scale_2": guidance[1] if len(guidance) == 2 else None,
       "flow_shift": args.flow_shift if args.flow_shift is not None else (preset.shift if preset_name else None),
       "seed": None if args.seed == -1 else args.seed, "scheduler": args.scheduler or preset.scheduler,
-      "reference_images": tuple(args.reference_images), "conditioning_scale": _conditioning_scale(args)}
+      "reference_images": tuple(args.reference_images), "conditioning_scale": conditioning_scale}
 
 
 def _check_media(args: argparse.Namespace) -> int | None:
