@@ -125,8 +125,11 @@ def apply_resume(args: argparse.Namespace, given: set[str]) -> None:
   if args.no_checkpoint:
     raise UsageError("--resume continues a checkpointed run; drop --no-checkpoint")
   actions = _recorded_actions()
+  # A flag the saved run left to its default (None: the preset's or the model's) may be given now: the
+  # checkpoint's identity then decides (`resume.ResumeError` names what differs).
   differences = [f"{a.option_strings[0]}: saved {record.get(a.dest)!r}, given {_canonical(a, getattr(args, a.dest))!r}"
-                 for a in actions if a.dest in given and _canonical(a, getattr(args, a.dest)) != record.get(a.dest)]
+                 for a in actions if a.dest in given and record.get(a.dest) is not None
+                 and _canonical(a, getattr(args, a.dest)) != record.get(a.dest)]
   if differences:
     raise UsageError(f"--resume {args.resume}: these flags differ from the saved run (leave them out to "
                      "use the saved values): " + "; ".join(differences))

@@ -146,6 +146,15 @@ def test_every_request_flag_is_recorded_and_read_back(tmp_path):
     warnings.simplefilter("ignore")
     identity = _identity(run_plan.check_plan(run_plan.plan_run(changed)))
   assert identity["prompts"] == ["a blue bird"] and identity["num_inference_steps"] == 4, identity
+  # A flag the saved run left to its default may be given (the checkpoint's identity decides); one it
+  # gave must match.
+  argv = ["--resume", str(tmp_path / "ckpt-timesteps"), "--steps", "2"]
+  given = generate.build_parser().parse_args(argv)
+  records.apply_resume(given, records.given_flags(argv))
+  assert given.num_inference_steps == 2 and given.timesteps == "1000.0,500.0"
+  argv = ["--resume", str(tmp_path / "ckpt-timesteps"), "--timesteps", "1000,250"]
+  with pytest.raises(records.UsageError, match="--timesteps: saved '1000.0,500.0', given '1000.0,250.0'"):
+    records.apply_resume(generate.build_parser().parse_args(argv), records.given_flags(argv))
   # A record of the earlier format (flags by name, no "format") is refused, not half read.
   path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "format"}))
   with pytest.raises(records.UsageError, match="written by an earlier version of generate"):
