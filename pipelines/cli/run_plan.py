@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 import re
 import warnings
@@ -73,9 +72,9 @@ def _asked_request(args: argparse.Namespace, preset_name: str | None, preset: Pr
   width, height = parse_size(args.size) if args.size else (preset.width, preset.height)
   steps, timesteps, sigmas = _schedule_flags(args, preset)  # (flag errors before JAX's modules import)
   conditioning_scale = _conditioning_scale(args)
-  from pipelines.pipeline.checked.request import GenerationRequest
+  from pipelines.pipeline.run.call_options import build_defaults
 
-  names = set(inspect.signature(GenerationRequest.build).parameters) - {"cls", "model", "mesh", "shard_weights"}
+  names = set(build_defaults()) - {"mesh", "shard_weights"}
   return {name: value for name, value in vars(args).items() if name in names} | {
       "negative_prompt": args.negative_prompt if args.negative_prompt is not None else preset.negative_prompt,
       "height": height, "width": width,

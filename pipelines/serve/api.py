@@ -7,8 +7,6 @@ naming the field, before anything is stored or queued).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import re
 import reprlib
@@ -307,13 +305,12 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
       "output_format": body.output_format, "lora": sorted(body.lora)}
 
 
-@functools.cache
 def build_defaults() -> dict[str, Any]:
-  """`GenerationRequest.build`'s keyword arguments and their defaults (read from its signature)."""
-  from pipelines.pipeline.checked.request import GenerationRequest
+  """`GenerationRequest.build`'s keyword arguments and their defaults (`call_options.build_defaults`;
+  imported here on first use, so that this module loads without JAX's model code)."""
+  from pipelines.pipeline.run.call_options import build_defaults as defaults_of_build
 
-  parameters = inspect.signature(GenerationRequest.build).parameters.values()
-  return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+  return defaults_of_build()
 
 
 def request_fields() -> tuple[str, ...]:

@@ -6,6 +6,7 @@ of `WanPipeline.__call__` (`CALL_DOCS`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +19,20 @@ from pipelines.pipeline.run.resume import ResumeConfig
 
 # `GenerationRequest.build`'s keyword arguments: what decides the video and where it runs (read from
 # its signature: adding an argument there adds it to every call).
+
+
+@functools.cache
+def build_defaults() -> dict[str, Any]:
+  """`GenerationRequest.build`'s keyword arguments and their defaults, read from its signature (the
+  one list of a call's arguments: the command's flags, serve's fields and `REQUEST_ARGUMENTS` derive
+  from it)."""
+  parameters = inspect.signature(GenerationRequest.build).parameters.values()
+  return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
 # `video_to_video` is the pipeline class's kind (`WanPipeline.video_to_video`), not a call's.
-REQUEST_ARGUMENTS = tuple(name for name in inspect.signature(GenerationRequest.build).parameters
-                          if name not in ("cls", "model", "prompt", "negative_prompt", "video_to_video"))
+REQUEST_ARGUMENTS = tuple(name for name in build_defaults()
+                          if name not in ("prompt", "negative_prompt", "video_to_video"))
 # Accepted by `__call__` / `run` for one release; the objects that replace them:
 LEGACY_OPTIONS = {
     "progress": "pipe.set_progress_bar_config(disable=...)",
