@@ -27,6 +27,10 @@ SITE_INDEX="${TMPDIR:-/tmp}/wan_tpu_site2" # the local index's packages and thei
 LOG="${OUT:-.}/tpu_tests.log"
 mkdir -p "$SITE" "$SITE_INDEX" "$(dirname "$LOG")"
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# The index's transformers wants huggingface_hub < 2 while its newest hub is 2.x; installed one package
+# at a time (below), pip would pair them wrong (measured: transformers then refuses to import).
+CONSTRAINTS="${TMPDIR:-/tmp}/wan_tpu_constraints.txt"
+echo "huggingface_hub<2" > "$CONSTRAINTS"
 
 # The repository, then the machine's JAX (the site folder it lives in: the local index's flax pulls a
 # jax into $SITE_INDEX, which must not shadow it; measured), then what we install.
@@ -59,10 +63,10 @@ fi
 if [ -n "${todo// }" ] && [ -d "$INDEX_DIR" ]; then
   echo "from $INDEX_DIR: $todo"
   # shellcheck disable=SC2086  # one argument per package
-  if ! "$PYTHON" -m pip install --isolated -q --only-binary=:all: --no-cache-dir --index-url "file://$INDEX_DIR" \
+  if ! "$PYTHON" -m pip install --isolated -q --only-binary=:all: --no-cache-dir --index-url "file://$INDEX_DIR" -c "$CONSTRAINTS" \
        --target "$SITE_INDEX" $todo; then
     for package in $todo; do  # one at a time, so one package the index lacks does not stop the others
-      "$PYTHON" -m pip install --isolated -q --only-binary=:all: --no-cache-dir --index-url "file://$INDEX_DIR" \
+      "$PYTHON" -m pip install --isolated -q --only-binary=:all: --no-cache-dir --index-url "file://$INDEX_DIR" -c "$CONSTRAINTS" \
         --target "$SITE_INDEX" "$package" || echo "warning: $package is not in $INDEX_DIR"
     done
   fi

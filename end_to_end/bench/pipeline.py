@@ -95,6 +95,9 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                  help="our memory plan's placement (WanPipeline.set_memory_placement); each run prints its plan "
                       "and the device's peak memory")
   g.add_argument("--runs", type=int, default=2, help="calls per pipeline (1: cold only; 2: cold + warm)")
+  g.add_argument("--cold-steps", type=int,
+                 help="denoising steps of run 1 only (it compiles every program: the step count changes none), "
+                      "so a 50-step warm run needs no 50-step cold one before it (default: --steps)")
   g.add_argument("--compare", choices=("diffusers",), help="also run diffusers' WanPipeline with the same weights")
   g.add_argument("--torch-device", help="diffusers' device (default cuda when available, else cpu)")
   g.add_argument("--folder", help="where to save the random diffusers pipeline (default: a temp folder, "
@@ -315,6 +318,9 @@ def check_args(args: argparse.Namespace) -> None:
     raise ValueError("--shard-weights goes with --aot-mesh SPEC (the compiled configuration)")
   if args.runs < 1:
     raise ValueError(f"--runs {args.runs} must be >= 1")
+  if args.cold_steps is not None and (args.cold_steps < 1 or args.runs < 2):
+    raise ValueError(f"--cold-steps {args.cold_steps} must be >= 1 and goes with --runs 2 or more (the warm "
+                     "run keeps --steps)")
   if any(name not in aot_targets() for name in args.aot_models.split(",")):
     raise ValueError(f"--aot-models {args.aot_models!r}: comma-separated from {', '.join(aot_targets())}")
   if args.compile_effort is not None and not -1.0 <= args.compile_effort <= 1.0:  # nan too
@@ -384,7 +390,7 @@ def run_timed(args: argparse.Namespace, preset: Any) -> dict[str, Any]:
   folder, temporary = _diffusers_folder(args, preset, seed)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
+      settings=dict(call, cold_steps=args.cold_steps, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
                     tokens=preset.tokens, transformer=preset.transformer.to_dict(),
                     text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
                     guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),
@@ -451,6 +457,11 @@ def _diffusers_folder(args: argparse.Namespace, preset: Any, seed: int) -> tuple
   return folder, temporary
 
 
+def _run_call(args: argparse.Namespace, call: dict[str, Any], i: int) -> dict[str, Any]:
+  """Run `i`'s call: `call`, with --cold-steps steps for run 0 when given."""
+  return dict(call, steps=args.cold_steps) if i == 0 and args.cold_steps else call
+
+
 def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents: Any, call: dict[str, Any],
               seed: int) -> tuple[dict[str, Any], Any, Any]:
   """(our load and `--runs` runs' stage times, the last run's frames, its final latents)."""
@@ -467,7 +478,7 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
   for i in range(args.runs):
     stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh,
                                                 attention_backend=args.attention_backend,
-                                                guidance_2=preset.guidance_2, **call)
+                                                guidance_2=preset.guidance_2, **_run_call(args, call, i))
     stages["peak_device_gib"] = _peak_device_gib()
     ours["runs"].append(stages)
     print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
@@ -484,7 +495,8 @@ def _run_diffusers(args: argparse.Namespace, preset: Any, folder: str, torch_dev
   pipe = timed_runs.load_diffusers(folder, dtype=preset.dtype, device=torch_device)
   theirs = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained", device=torch_device, runs=[])
   for i in range(args.runs):
-    stages, frames, final = timed_runs.run_diffusers(pipe, latents=latents, device=torch_device, **call)
+    stages, frames, final = timed_runs.run_diffusers(pipe, latents=latents, device=torch_device,
+                                                     **_run_call(args, call, i))
     theirs["runs"].append(stages)
     print(f"  diffusers run {i + 1}: total {stages['total']:.2f} s", flush=True)
   return theirs, frames, final

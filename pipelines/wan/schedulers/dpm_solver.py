@@ -192,8 +192,9 @@ class DPMSolverSchedule:
     """Fresh solver state; `dtype` is the history's (x0, fp32 in Wan: the sample's dtype)."""
     shape = tuple(sample_shape)
     return DPMSolverState(
-        timesteps=jnp.asarray(self.timesteps.astype(np.int32)), sigmas=jnp.asarray(self.sigmas),
-        coefficients={k: jnp.asarray(v) for k, v in self.coefficients.items() if k != "orders"},
+        timesteps=flow_schedule.device_table(self.timesteps, np.int32),
+        sigmas=flow_schedule.device_table(self.sigmas),
+        coefficients={k: flow_schedule.device_table(v) for k, v in self.coefficients.items() if k != "orders"},
         step_index=jnp.zeros((), jnp.int32),
         model_outputs=jnp.zeros((max(self.config.solver_order, 1),) + shape, dtype))
 
@@ -204,7 +205,8 @@ class DPMSolverState:
   """Device-side DPM-Solver++ state (a pytree; every field an array).
 
   Attributes:
-    timesteps: int32 [N]; sigmas: float32 [N + 1]; coefficients: float32 [N] tables.
+    timesteps: int32 [N]; sigmas: float32 [N + 1]; coefficients: float32 [N] tables; each padded to
+      `flow_schedule.table_length` rows (`flow_schedule.device_table`; the first N or N + 1 used).
     step_index: int32 [], the next step to take.
     model_outputs: [P, *sample shape] x0 predictions, newest last (P = solver_order).
   """

@@ -97,14 +97,16 @@ class FlowEulerSchedule:
   def init_state(self, sample_shape: Sequence[int] = (), dtype: Any = jnp.float32) -> "FlowEulerState":
     """Fresh state (Euler keeps no history; the arguments exist to match `UniPCSchedule`)."""
     del sample_shape, dtype
-    return FlowEulerState(timesteps=jnp.asarray(self.timesteps), sigmas=jnp.asarray(self.sigmas),
+    return FlowEulerState(timesteps=flow_schedule.device_table(self.timesteps),
+                          sigmas=flow_schedule.device_table(self.sigmas),
                           step_index=jnp.zeros((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FlowEulerState:
-  """Device-side Euler state: timesteps float32 [N], sigmas float32 [N + 1], step_index int32 []."""
+  """Device-side Euler state: timesteps float32 [N], sigmas float32 [N + 1] (each padded to
+  `flow_schedule.table_length` rows by `flow_schedule.device_table`), step_index int32 []."""
   timesteps: jax.Array
   sigmas: jax.Array
   step_index: jax.Array

@@ -28,6 +28,27 @@ def scaled(c: jax.Array, x: jax.Array) -> jax.Array:
   return c.astype(x.dtype) * x
 
 
+def device_table(table: np.ndarray, dtype: Any = None) -> jax.Array:
+  """A per-step schedule table as the device state holds it: `table` [N, ...] padded along its first
+  axis to `table_length(N)` rows by repeating its last row (never read: a step reads rows up to its
+  own index, and a step count never reaches the padding).
+
+  Why: the jitted step takes the solver state as an argument, so the table's length is part of the
+  compiled program's signature; padded, every step count up to 64 (and each power of two beyond)
+  shares one program (a 4-step and a 50-step call compile the step once).
+  """
+  import jax.numpy as jnp
+
+  table = np.asarray(table if dtype is None else table.astype(dtype))
+  pad = table_length(table.shape[0]) - table.shape[0]
+  return jnp.asarray(np.concatenate([table, np.repeat(table[-1:], pad, axis=0)]) if pad else table)
+
+
+def table_length(n: int) -> int:
+  """The padded length of a schedule table of `n` rows: 64, or the next power of two above 64."""
+  return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
 def reject_settings(config: Mapping[str, Any], cls: str, expected: Mapping[str, Any]) -> None:
   """Raises ValueError naming every key of a diffusers config whose value this port does not implement."""
   bad = {k: config[k] for k, want in expected.items() if k in config and config[k] != want

@@ -262,9 +262,9 @@ class UniPCSchedule:
     """Fresh solver state; `dtype` is the history dtype (the x0 dtype: the sample's, fp32 in Wan)."""
     shape = tuple(sample_shape)
     return UniPCState(
-        timesteps=jnp.asarray(self.timesteps.astype(np.int32)),
-        sigmas=jnp.asarray(self.sigmas),
-        coefficients={k: jnp.asarray(v) for k, v in self.coefficients.items() if k != "orders"},
+        timesteps=flow_schedule.device_table(self.timesteps, np.int32),
+        sigmas=flow_schedule.device_table(self.sigmas),
+        coefficients={k: flow_schedule.device_table(v) for k, v in self.coefficients.items() if k != "orders"},
         step_index=jnp.zeros((), jnp.int32),
         model_outputs=jnp.zeros((self.config.solver_order,) + shape, dtype),
         last_sample=jnp.zeros(shape, dtype))
@@ -276,9 +276,11 @@ class UniPCState:
   """Device-side UniPC state (a pytree; every field is an array).
 
   Attributes:
-    timesteps: int32 [N] (the schedule's int64 timesteps; all < num_train_timesteps).
-    sigmas: float32 [N + 1].
-    coefficients: per-step tables, float32 [N] or [N, max(P - 1, 1)], P = solver_order.
+    timesteps: int32 [table_length(N)] (the schedule's int64 timesteps, all < num_train_timesteps;
+      every table padded by `flow_schedule.device_table`, so step counts share a compiled step).
+    sigmas: float32 [table_length(N + 1)] (N + 1 used).
+    coefficients: per-step tables, float32 [table_length(N)] or [table_length(N), max(P - 1, 1)],
+      P = solver_order (N rows used).
     step_index: int32 [], the next step to take.
     model_outputs: [P, *sample shape] converted model outputs (x0 predictions), newest last.
     last_sample: [*sample shape] the sample the last predictor started from.

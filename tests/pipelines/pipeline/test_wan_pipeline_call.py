@@ -264,6 +264,17 @@ def test_call_checks(ours, kwargs, match):
   assert ours.compiled_steps.traces == before  # failed before any compute
 
 
+def test_another_step_count_reuses_the_compiled_step(ours):
+  """A 1-step and a 3-step call run one compiled step program (the solver's tables are padded to
+  one length); the 3-step video differs (the count was taken)."""
+  call = dict(prompt="a fox", **COMMON, latents=LATENTS[:1], progress=False, output_type="np")
+  one = ours(**call, num_inference_steps=1)
+  before = ours.compiled_steps.traces
+  three = ours(**call, num_inference_steps=3)
+  assert ours.compiled_steps.traces == before
+  assert np.max(np.abs(np.asarray(one) - np.asarray(three))) > 1e-3
+
+
 def test_run_options_in_a_call_point_to_call_options(ours):
   """A `CallOptions` field passed to the diffusers-style call names the object that takes it (with
   the value given), before any compute; any other unknown name stays a plain TypeError."""

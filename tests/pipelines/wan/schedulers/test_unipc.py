@@ -255,3 +255,22 @@ def test_bad_arguments_raise():
   with pytest.raises(dataclasses.FrozenInstanceError):
     schedulers.UniPCConfig().flow_shift = 2.0  # type: ignore[misc]
 
+
+
+@pytest.mark.parametrize("config", [schedulers.UniPCConfig(flow_shift=3.0), schedulers.FlowEulerConfig(shift=3.0),
+                                    schedulers.DPMSolverConfig(flow_shift=3.0)],
+                         ids=lambda c: type(c).__name__)
+def test_step_counts_share_one_state_signature(config):
+  """The device state's tables are padded (`flow_schedule.device_table`), so a 2-step and a 50-step
+  call pass the jitted step the same shapes and share its compiled program; 65 steps need longer
+  tables (the positive control: the padding follows the step count), and the rows used are the
+  schedule's own."""
+  def signature(n):
+    return [(x.shape, x.dtype) for x in jax.tree.leaves(config.set_timesteps(n).init_state(SHAPE))]
+
+  assert signature(2) == signature(50)
+  assert signature(65) != signature(64)
+  schedule = config.set_timesteps(7)
+  state = schedule.init_state(SHAPE)
+  np.testing.assert_array_equal(np.asarray(state.sigmas)[:8], schedule.sigmas)
+  assert np.all(np.asarray(state.sigmas)[8:] == schedule.sigmas[-1])  # padding repeats the last row
