@@ -184,13 +184,6 @@ def _versions() -> dict[str, str]:
   return out
 
 
-def _peak_device_gib() -> float | None:
-  """The first device's peak bytes in use since the process started, GiB (None: not reported)."""
-  import jax
-  stats = jax.devices()[0].memory_stats() or {}
-  return None if "peak_bytes_in_use" not in stats else round(stats["peak_bytes_in_use"] / 2 ** 30, 2)
-
-
 def _fmt(v: float | None) -> str:
   return "-" if v is None else f"{v:.3f}"
 
@@ -479,7 +472,6 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
     stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh,
                                                 attention_backend=args.attention_backend,
                                                 guidance_2=preset.guidance_2, **_run_call(args, call, i))
-    stages["peak_device_gib"] = _peak_device_gib()
     ours["runs"].append(stages)
     print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
           f"process started {stages['peak_device_gib']} GiB", flush=True)

@@ -39,7 +39,8 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   `guidance_2` its `guidance_scale_2` (the low-noise expert's scale of a two-expert pipeline).
 
   Returns:
-    (stage seconds as in STAGES plus step_times and the call's memory plan line, frames float32
+    (stage seconds as in STAGES plus step_times, the call's memory plan line and the device's peak
+    GiB since the process started (`peak_device_gib`), frames float32
     [1, frames, H, W, 3], final latents float32 [1, C, F, Hl, Wl]).
   """
   step_times: list[float] = []
@@ -51,7 +52,15 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
   t = result.timings
   stages = _summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"])
   stages["memory_plan"] = result.settings.get("memory_plan")
+  stages["peak_device_gib"] = peak_device_gib()
   return stages, result.frames, result.latents
+
+
+def peak_device_gib() -> float | None:
+  """The first device's peak bytes in use since the process started, GiB (None: not reported)."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return None if "peak_bytes_in_use" not in stats else round(stats["peak_bytes_in_use"] / 2 ** 30, 2)
 
 
 def load_diffusers(folder: str, *, dtype: str, device: str):

@@ -167,12 +167,24 @@ def test_benchmark_tiny_compare_diffusers(tmp_path):
   check_psnr(report["agreement"]["psnr_mean_db"], FP32_VIDEO_PSNR_DB, "ours vs diffusers mean PSNR")
 
 
+def test_benchmark_cold_steps_compile_once(tmp_path):
+  """--cold-steps: run 1 takes 1 step and compiles every program; the warm run's 3 steps compile
+  nothing (the solver's tables have one padded length for both counts)."""
+  path = tmp_path / "bench.json"
+  assert bench_pipeline.main(["--preset", "tiny", "--steps", "3", "--cold-steps", "1", "--runs", "2",
+                              "--max-sequence-length", "32", "--json", str(path)]) == 0
+  cold, warm = json.loads(path.read_text())["ours"]["runs"]
+  assert (len(cold["step_times"]), len(warm["step_times"])) == (1, 3)
+  assert cold["compile"] > 0 and warm["compile"] < 0.05 * cold["compile"]
+
+
 def test_benchmark_usage_errors_exit_2(capsys):
   assert bench_pipeline.main(["--aot", "v6e:2x4", "--compare", "diffusers"]) == 2
   assert bench_pipeline.main(["--runs", "0"]) == 2
   assert bench_pipeline.main(["--mesh", "X=2"]) == 2
   assert bench_pipeline.main(["--aot", "v6e:2x4", "--aot-models", "7b"]) == 2
-  assert capsys.readouterr().err.count("error:") == 4
+  assert bench_pipeline.main(["--cold-steps", "1", "--runs", "1"]) == 2
+  assert capsys.readouterr().err.count("error:") == 5
 
 
 # --- AOT (the same code path on CPU devices: no libtpu needed) -----------------------------------

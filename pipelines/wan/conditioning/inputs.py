@@ -18,7 +18,7 @@ class StepInputs(NamedTuple):
   Attributes:
     latents: [B, C', F, Hl, Wl] in the model dtype (image-to-video: noise, mask and condition
       channels).
-    timestep: [B] or per token [B, T] (TI2V).
+    timestep: [B], or per token [B, T] (TI2V: a `transformer.timesteps.TokenTimesteps`).
     image: CLIP states [B, J, I] for a transformer with an image branch, else None.
     control: the VACE context [B, Cv, F, Hl, Wl] for a VACE transformer, else None.
     control_scale: float32 [V] the VACE blocks' scales, else None.

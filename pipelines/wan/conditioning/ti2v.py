@@ -31,6 +31,7 @@ import numpy as np
 
 from pipelines.wan import vae as wan_vae
 from pipelines.wan.conditioning.inputs import StepInputs
+from pipelines.wan.transformer import TokenTimesteps
 
 
 def first_frame_mask(latent_shape: tuple[int, ...], given: int) -> jax.Array:
@@ -42,14 +43,16 @@ def first_frame_mask(latent_shape: tuple[int, ...], given: int) -> jax.Array:
 
 
 def per_token_timesteps(t_B: jax.Array, latent_shape: tuple[int, ...], patch_size: tuple[int, int, int],
-                        given: int) -> jax.Array:
-  """diffusers' `expand_timesteps` timestep: [B] step timesteps -> float32 [B, T].
+                        given: int) -> TokenTimesteps:
+  """diffusers' `expand_timesteps` timestep: [B] step timesteps -> the per-token timesteps [B, T] as
+  `TokenTimesteps` (levels float32 [B, 2] = (0 t, 1 t), index int32 [B, T] = the mask).
 
   Token (f, h, w) in row-major order (the transformer's token order) gets `mask[f, h * ph, w *
   pw] * t`, i.e. t everywhere (`given` 0: text-to-video), or 0 on the first `given` latent frames'
-  (Hl / ph) (Wl / pw) tokens each (1: the image's). Built from an iota inside the jitted step: under
-  a mesh the transformer pins it to the tokens' sharding (`transformer.model.embed`), so no device holds
-  another device's per-token embedding.
+  (Hl / ph) (Wl / pw) tokens each (1: the image's): the mask is 0 or 1, so each token's value is
+  one of the two levels, computed by diffusers' own product (`.dense()` writes them out). The
+  index is built from an iota inside the jitted step; under a mesh the transformer pins it to the
+  tokens' sharding and embeds only the two levels (`transformer.model.embed`).
 
   Raises:
     ValueError: a latent grid the patch size does not divide.
@@ -59,7 +62,10 @@ def per_token_timesteps(t_B: jax.Array, latent_shape: tuple[int, ...], patch_siz
   if f % pt or h % ph or w % pw:
     raise ValueError(f"latent grid (F, Hl, Wl)={(f, h, w)} is not divisible by {patch_size=}")
   mask = first_frame_mask(latent_shape, given)[0, 0, ::pt, ::ph, ::pw].reshape(-1)  # [T]
-  return mask[None, :] * t_B.astype(jnp.float32)[:, None]
+  t = t_B.astype(jnp.float32)[:, None]
+  levels = jnp.asarray([0.0, 1.0], jnp.float32)[None, :] * t  # the mask's two values times t
+  index = jnp.broadcast_to(mask.astype(jnp.int32)[None, :], (t_B.shape[0], mask.shape[0]))
+  return TokenTimesteps(levels, index)
 
 
 def model_input(latents: jax.Array, condition: jax.Array | None) -> jax.Array:
@@ -99,7 +105,7 @@ class TI2VConditioning:
   first_frame_BCFHW: jax.Array | None = None
 
   def transformer_inputs(self, x_BCFHW: jax.Array, timestep_B: jax.Array, *, cfg: bool) -> StepInputs:
-    """The `StepInputs` (latents, per-token timestep float32 [B, T]) the transformer sees for the
+    """The `StepInputs` (latents, per-token timesteps [B, T] as `TokenTimesteps`) the transformer sees for the
     step's latents x (already doubled to [cond; uncond] under CFG): x with its first Fg frames
     replaced by the given latents (`model_input`), 0 on their tokens, t on the rest.
 

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from attention.mesh import CFG_AXIS, WINDOWS_AXIS
 from pipelines.wan.conditioning.inputs import StepInputs
+from pipelines.wan.transformer import TokenTimesteps
 
 BLENDS = ("pyramid", "flat")
 FUSES = (*BLENDS, "continue")
@@ -165,13 +166,21 @@ def window_inputs(inputs: StepInputs, starts_G: jax.Array, length: int, outer: i
   groups = starts_G.shape[0]
   frames = inputs.latents.shape[2]
   timestep = inputs.timestep
-  if timestep.ndim == 2:  # per token, frame-major [R', T]
-    per_frame = timestep.reshape(timestep.shape[0], frames, -1)
-    timestep = window_rows(per_frame, starts_G, length, outer, axis=1).reshape(-1, length * per_frame.shape[2])
+  if isinstance(timestep, TokenTimesteps):  # the levels per row, the index per token
+    timestep = TokenTimesteps(tile_rows(timestep.levels, groups, outer),
+                              _window_tokens(timestep.index, frames, starts_G, length, outer))
+  elif timestep.ndim == 2:  # per token
+    timestep = _window_tokens(timestep, frames, starts_G, length, outer)
   else:
     timestep = tile_rows(timestep, groups, outer)
   image = None if inputs.image is None else tile_rows(inputs.image, groups, outer)
   return StepInputs(window_rows(inputs.latents, starts_G, length, outer, axis=2), timestep, image)
+
+
+def _window_tokens(per_token: jax.Array, frames: int, starts_G: jax.Array, length: int, outer: int) -> jax.Array:
+  """A per-token array [R', T] (tokens frame-major) as a round's rows: each window's frames' tokens."""
+  per_frame = per_token.reshape(per_token.shape[0], frames, -1)
+  return window_rows(per_frame, starts_G, length, outer, axis=1).reshape(-1, length * per_frame.shape[2])
 
 
 def tile_text(text: Any, groups: int, outer: int) -> Any:

@@ -19,6 +19,7 @@ _HOMES = (
     ("pipelines.wan.transformer.quantization", ("QUANTIZATION_MODES", "QUANTIZED_LINEARS", "check_quantization",
                                                 "quantize_kernel", "quantize_transformer", "quantized_counts")),
     ("pipelines.wan.transformer.sequence_layout", ("SequenceLayout", "padded_tokens")),
+    ("pipelines.wan.transformer.timesteps", ("TokenTimesteps", "select_levels")),
     ("pipelines.wan.transformer.weight_placement", ("large_leaf_shardings", "weight_shardings")),
 )
 

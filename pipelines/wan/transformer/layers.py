@@ -26,6 +26,7 @@ import producers
 from pipelines.wan.transformer import quantization
 from pipelines.wan.transformer.sequence_layout import SequenceLayout
 from pipelines.wan.transformer.config import WanTransformerConfig
+from pipelines.wan.transformer.timesteps import select_levels
 
 
 def _silu(x: jax.Array) -> jax.Array:
@@ -283,19 +284,23 @@ class WanBlock(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
-               layout: SequenceLayout, image_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+               layout: SequenceLayout, image_kv: tuple[jax.Array, jax.Array] | None = None,
+               time_index: jax.Array | None = None) -> jax.Array:
     """One block.
 
     Args:
       x_BTD: [B, T, D] video tokens in the model dtype (sequence-sharded under a mesh).
       text_kv: this block's cross-attention keys and values of the text, [B, L, N, H] each
         (`cross_attention_kv`; replicated, computed once per prompt).
-      time_proj: [B, 1, 6, D] (per video) or [B, T, 6, D] (per token, Wan 2.2 TI2V; sharded like
-        the tokens) timestep projection in the model dtype.
+      time_proj: [B, 1, 6, D] (per video), [B, T, 6, D] (per token, Wan 2.2 TI2V; sharded like
+        the tokens) or [B, K, 6, D] (per level, with `time_index`) timestep projection in the
+        model dtype.
       rope: (cos, sin) float32 [T, H/2] at the tokens' global positions.
       image_kv: this block's cross-attention keys and values of the image, [B, P, N, H] each
         (`cross_attention_kv` of `add_k_proj`, `add_v_proj`, `norm_added_k` on the embedded CLIP
         states; replicated; Wan 2.1 I2V / FLF2V) or None.
+      time_index: int32 [B, T] each token's level of a per-level `time_proj` (sharded like the
+        tokens; `timesteps.TokenTimesteps`), or None.
 
     Returns:
       [B, T, D] in x's dtype.
@@ -304,7 +309,9 @@ class WanBlock(nnx.Module):
     b, t, d = x_BTD.shape
     head_dim = d // heads
     f32 = jnp.float32
-    mod = self.scale_shift_table[...][None, None] + time_proj.astype(f32)  # fp32 [B, 1 or T, 6, D]
+    mod = self.scale_shift_table[...][None, None] + time_proj.astype(f32)  # fp32 [B, 1 or T or K, 6, D]
+    if time_index is not None:
+      mod = select_levels(mod, time_index)  # [B, T, 6, D], fused into the ops that read it
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
 
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.

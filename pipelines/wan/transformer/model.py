@@ -48,6 +48,7 @@ import producers
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.transformer.cross_kv import TextKV, check_image_states, image_kv, text_kv
 from pipelines.wan.transformer.sequence_layout import SequenceLayout
+from pipelines.wan.transformer.timesteps import TokenTimesteps, select_levels
 from pipelines.wan.transformer.config import (WanTransformerConfig, keeps_fp32, param_shapes)
 from pipelines.wan.transformer.layers import (ConditionEmbedder, Dense, PatchEmbedding, WanBlock)
 from pipelines.wan.transformer.vace import VaceBlock, check_control, hint_slots, vace_hints
@@ -105,6 +106,8 @@ def _check_inputs(config: WanTransformerConfig, latents, timestep, text) -> None
   if timestep.shape not in ((batch,), (batch, tokens)):
     raise ValueError(f"timestep must be [B]=[{batch}] or per token [B, T]=[{batch}, {tokens}] (diffusers' "
                      f"Wan 2.2 TI2V `expand_timesteps`), got {timestep.shape=}")
+  if isinstance(timestep, TokenTimesteps) and (timestep.levels.ndim != 2 or timestep.levels.shape[0] != batch):
+    raise ValueError(f"TokenTimesteps.levels must be [B={batch}, K], got {timestep.levels.shape}")
   if isinstance(text, TextKV):
     heads = config.num_attention_heads
     want = (config.num_layers, batch, text.shape[2], heads, config.dim // heads)
@@ -131,16 +134,18 @@ class ForwardContext:
   Attributes:
     text_kv: every block's text keys and values, and the image's for a transformer with an image
       branch (`TextKV`, replicated).
-    time_proj: [B, 1, 6, D] (one timestep per video) or [B, T_padded, 6, D] (per token, sharded like
-      the tokens) timestep projection in the model dtype.
-    temb: [B, 1, D] or [B, T_padded, D] timestep embedding in the model dtype (the output norm's
-      modulation), laid out as `time_proj`.
+    time_proj: [B, 1, 6, D] (one timestep per video), [B, T_padded, 6, D] (per token, sharded like
+      the tokens) or [B, K, 6, D] (per level, with `time_index`) timestep projection in the model dtype.
+    temb: [B, 1, D], [B, T_padded, D] or [B, K, D] timestep embedding in the model dtype (the output
+      norm's modulation), laid out as `time_proj`.
     rope: (cos, sin) float32 [T, H/2] at the tokens' global positions (padded rows: cos 1, sin 0).
     layout: where the tokens live and how attention runs (`SequenceLayout` of the call's plan: mesh,
       valid and padded counts, attention settings).
     latent_shape: (B, C, F, Hl, Wl) of the input latents.
     hints_VBTD: a VACE transformer's scaled hints [V, B, T_padded, D] in the model dtype
       (`vace.vace_hints`, sequence-sharded), None without VACE.
+    time_index: int32 [B, T_padded] each token's level (sharded like the tokens) when the timestep
+      was a `TokenTimesteps`, else None.
   """
   text_kv: TextKV
   time_proj: jax.Array
@@ -149,6 +154,12 @@ class ForwardContext:
   layout: SequenceLayout
   latent_shape: tuple[int, ...]
   hints_VBTD: jax.Array | None = None
+  time_index: jax.Array | None = None
+
+  def per_token(self, values: jax.Array) -> jax.Array:
+    """A modulation [B, 1 or T_padded or K, ...] from `time_proj` / `temb` as the tokens read it:
+    with `time_index` each token's level selected (`timesteps.select_levels`), else as it is."""
+    return values if self.time_index is None else select_levels(values, self.time_index)
 
 
 def _check_image(config: WanTransformerConfig, image: jax.Array | None, text: Any, batch: int) -> None:
@@ -198,7 +209,7 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   x_BTD = layout.constrain(model.patch_embedding.project(patches))
   if layout.padding:
     x_BTD = layout.constrain(jnp.where((jnp.arange(layout.padded_tokens) < layout.tokens)[:, None], x_BTD, 0))
-  temb, time_proj = _time(model, layout, timestep, dtype)
+  temb, time_proj, time_index = _time(model, layout, timestep, dtype)
   kv, image = encoder_hidden_states, encoder_hidden_states_image
   if not isinstance(kv, TextKV):
     kv = text_kv(model, kv, plan, image)
@@ -208,16 +219,20 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
-                           layout=layout, latent_shape=tuple(latents.shape))
+                           layout=layout, latent_shape=tuple(latents.shape), time_index=time_index)
   if config.has_vace:
     hints = vace_hints(model, x_BTD, control_hidden_states, control_hidden_states_scale, context)
     context = dataclasses.replace(context, hints_VBTD=hints)
   return x_BTD, context
 
 
-def _time(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, dtype: Any
-          ) -> tuple[jax.Array, jax.Array]:
-  """(temb [B, 1 or T_padded, D], time_proj [B, 1 or T_padded, 6, D]) in the model `dtype`.
+def _time(model: WanTransformer, layout: SequenceLayout, timestep: Any, dtype: Any
+          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(temb [B, 1 or T_padded or K, D], time_proj [B, 1 or T_padded or K, 6, D]) in the model `dtype`,
+  and the tokens' level index int32 [B, T_padded] for a `TokenTimesteps` (else None).
+
+  A `TokenTimesteps` is embedded per level (replicated, [B, K]); its index is padded (padded rows
+  level 0) and pinned to the tokens' sharding.
 
   A per-token timestep [B, T] is padded to T_padded and pinned to the tokens' sharding before
   anything is computed from it, so every device embeds only its own tokens' timesteps: the
@@ -225,13 +240,18 @@ def _time(model: WanTransformer, layout: SequenceLayout, timestep: jax.Array, dt
   and nothing token-sized is gathered (tests/pipelines/wan/conditioning/test_ti2v.py reads the compiled step). Padded rows
   get timestep 0 (their tokens are dropped before unpatchify).
   """
+  embedder = model.condition_embedder
+  if isinstance(timestep, TokenTimesteps):
+    index = layout.constrain(jnp.pad(timestep.index.astype(jnp.int32), ((0, 0), (0, layout.padding))))
+    temb, time_proj = embedder(timestep.levels, dtype=dtype, freq_dim=model.config.freq_dim)
+    return layout.constrain_rows(temb), layout.constrain_rows(time_proj), index
   per_token = timestep.ndim == 2
   if per_token:
     timestep = layout.constrain(jnp.pad(timestep, ((0, 0), (0, layout.padding))))
-  temb, time_proj = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
+  temb, time_proj = embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
   if per_token:
-    return layout.constrain(temb), layout.constrain(time_proj)
-  return layout.constrain_rows(temb[:, None]), layout.constrain_rows(time_proj[:, None])
+    return layout.constrain(temb), layout.constrain(time_proj), None
+  return layout.constrain_rows(temb[:, None]), layout.constrain_rows(time_proj[:, None]), None
 
 
 def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext, start: int = 0,
@@ -266,7 +286,7 @@ def run_blocks(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext,
     block = context.layout.gathered(block)  # sharded weights: this layer's all-gather
     image_kv = None if image_k_BPNH is None else (image_k_BPNH, image_v_BPNH)
     x_BTD = block(x_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config,
-                  layout=context.layout, image_kv=image_kv)
+                  layout=context.layout, image_kv=image_kv, time_index=context.time_index)
     if slot is not None:  # VACE: after a vace layer's block, its hint (diffusers: x + hint * scale)
       hint_BTD = jax.lax.dynamic_index_in_dim(hints, jnp.maximum(slot, 0), keepdims=False)
       x_BTD = context.layout.constrain(jnp.where(slot >= 0, x_BTD + hint_BTD, x_BTD))
@@ -291,6 +311,7 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
   grid = (f // pt, h // ph, w // pw)
   # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
   mod = model.scale_shift_table[...][None, None] + context.temb[:, :, None].astype(jnp.float32)
+  mod = context.per_token(mod)
   shift, scale = mod[:, :, 0], mod[:, :, 1]  # fp32 [B, 1 or T_padded, D]
   x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
   x_BTP = model.proj_out(x_BTD)[:, : context.layout.tokens]  # P = pt * ph * pw * C_out
@@ -314,7 +335,9 @@ def forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array,
       `latents.to(transformer_dtype)`). F, Hl, Wl divisible by the patch size.
     timestep: [B] diffusion timesteps (0..1000, fractional allowed), or [B, T] one per token in
       (f, h, w) token order (diffusers' 2-D timestep of Wan 2.2 TI2V, `expand_timesteps`): the
-      time embedding and every AdaLN modulation are then per token, sharded with the tokens.
+      time embedding and every AdaLN modulation are then per token, sharded with the tokens; or
+      the same per-token timesteps as a `TokenTimesteps` (a few levels and each token's level:
+      the same values, embedded per level, modulations selected per token inside each block).
     encoder_hidden_states: [B, L, text_dim] text-encoder states (cast to the model dtype), or their
       `TextKV` from `text_kv` (computed once per prompt: the same result, none of the text work;
       with an image branch it may hold the image K/V too, then `encoder_hidden_states_image` is None).

@@ -106,7 +106,8 @@ def vace_hints(model: Any, x_BTD: jax.Array, control: jax.Array, scale: jax.Arra
   def body(c_BTD, layer):
     block, k_BLNH, v_BLNH, scale_i = layer
     block = layout.gathered(block)  # sharded weights: this layer's all-gather
-    c_BTD = block(c_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config, layout=layout)
+    c_BTD = block(c_BTD, (k_BLNH, v_BLNH), context.time_proj, context.rope, config=model.config, layout=layout,
+                  time_index=context.time_index)
     return c_BTD, layout.constrain(block.proj_out(c_BTD) * scale_i)
 
   _, hints_VBTD = jax.lax.scan(body, c_BTD, (model.vace_blocks, kv.vace_k_VBLNH, kv.vace_v_VBLNH, scale))

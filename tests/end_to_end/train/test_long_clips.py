@@ -148,7 +148,7 @@ def test_given_first_frame_rows_are_ti2v_sampling_inputs():
   from pipelines.wan.conditioning import TI2VConditioning  # sampling's inputs for the 2-frame row
   inputs = TI2VConditioning((1, 2, 2), x0[2:, :, :2]).transformer_inputs(xt[2:], 1000.0 * sigma[2:], cfg=False)
   np.testing.assert_array_equal(inputs.latents, out[2:])
-  np.testing.assert_allclose(inputs.timestep, timestep[2:], rtol=1e-6)
+  np.testing.assert_allclose(inputs.timestep.dense(), timestep[2:], rtol=1e-6)
 
 
 def _fake_encode(calls):

@@ -207,9 +207,9 @@ def test_per_token_timesteps_stay_sharded(pipe, monkeypatch):
   assert _token_sized(hlo, 18, (d,)) == []
 
   def built_whole(model, layout, timestep, dtype):  # the bug class: every device embeds every token
-    timestep = jnp.pad(timestep, ((0, 0), (0, layout.padding)))
+    timestep = jnp.pad(timestep.dense(), ((0, 0), (0, layout.padding)))
     out = model.condition_embedder(timestep, dtype=dtype, freq_dim=model.config.freq_dim)
-    return tuple(layout.constrain_rows(a) for a in out)
+    return (*(layout.constrain_rows(a) for a in out), None)
 
   monkeypatch.setattr(transformer_model, "_time", built_whole)
   # A new function: jit caches traces per function, so `step` would reuse the first trace.
@@ -276,7 +276,7 @@ def test_given_frames_widen_the_first_frame():
     np.testing.assert_array_equal(inputs.latents[:, :, :given], jnp.concatenate([condition.first_frame_BCFHW] * 2))
     np.testing.assert_array_equal(inputs.latents[:, :, given:], x[:, :, given:])
     tokens = 2 * 3  # (4 / 2) (6 / 2) per latent frame
-    np.testing.assert_array_equal(inputs.timestep, np.repeat([[0.0] * given * tokens + [700.0] * (4 - given) * tokens],
+    np.testing.assert_array_equal(inputs.timestep.dense(), np.repeat([[0.0] * given * tokens + [700.0] * (4 - given) * tokens],
                                                              2, axis=0))
     np.testing.assert_array_equal(condition.final_latents(x[:1])[:, :, :given], condition.first_frame_BCFHW)
   image = jnp.asarray(rng.standard_normal((2, 8, 1, 4, 6)), jnp.float32)
