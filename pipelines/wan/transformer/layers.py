@@ -310,9 +310,10 @@ class WanBlock(nnx.Module):
     head_dim = d // heads
     f32 = jnp.float32
     mod = self.scale_shift_table[...][None, None] + time_proj.astype(f32)  # fp32 [B, 1 or T or K, 6, D]
-    if time_index is not None:
-      mod = select_levels(mod, time_index)  # [B, T, 6, D], fused into the ops that read it
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (mod[:, :, i] for i in range(6))
+    parts = [mod[:, :, i] for i in range(6)]  # [B, 1 or T or K, D] each
+    if time_index is not None:  # each one selected apart: [B, T, D] beside the op that reads it
+      parts = [select_levels(part, time_index) for part in parts]
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = parts
 
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)

@@ -311,8 +311,7 @@ def unembed(model: WanTransformer, x_BTD: jax.Array, context: ForwardContext) ->
   grid = (f // pt, h // ph, w // pw)
   # Output norm (fp32 modulation from the fp32 table + temb), projection, unpatchify.
   mod = model.scale_shift_table[...][None, None] + context.temb[:, :, None].astype(jnp.float32)
-  mod = context.per_token(mod)
-  shift, scale = mod[:, :, 0], mod[:, :, 1]  # fp32 [B, 1 or T_padded, D]
+  shift, scale = context.per_token(mod[:, :, 0]), context.per_token(mod[:, :, 1])  # fp32 [B, 1 or T_padded, D]
   x_BTD = producers.layernorm_adaln(x_BTD, scale, shift, eps=config.eps)
   x_BTP = model.proj_out(x_BTD)[:, : context.layout.tokens]  # P = pt * ph * pw * C_out
   x = x_BTP.reshape(b, *grid, pt, ph, pw, config.out_channels)

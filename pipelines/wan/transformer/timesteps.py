@@ -10,7 +10,9 @@ temporaries were exactly these (2.1 GB of fp32 modulation, 1 GB of the projectio
 copy), and at 121 frames the step did not fit the chip. Held as levels, the embedding runs on
 [B, K] timesteps and every block selects each token's modulation from K rows inside the fusions
 that use it; the values are the ones the per-token form computes (each token's timestep is one of
-the levels, embedded by the same functions).
+the levels, embedded by the same functions). Each of the six is selected apart ([B, T, D] beside the
+op that reads it): selected together, XLA built the [B, T, 6, D] fp32 array once per block (2 GB at
+121 frames), and the step's temporaries were 5.84 GB instead of 3.39 GB.
 """
 
 from __future__ import annotations

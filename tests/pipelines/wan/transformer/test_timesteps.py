@@ -67,7 +67,7 @@ def test_levels_use_less_memory():
   (fp32 here) and the blocks' modulations from it; the levels form embeds K = 2 rows and selects
   inside the fusions, so its temporaries are smaller by at least one such projection (CPU backend;
   measured 5.5 MB less, the bound 1.2 MB). On a TPU v5e the 5B TI2V step at 704x1280x121 went from
-  17.05 GB of temporaries (not compiling for one chip) to 5.84 GB (docs/performance.md)."""
+  17.05 GB of temporaries (not compiling for one chip) to 3.39 GB (docs/performance.md)."""
   model = wan_transformer.init_transformer(CONFIG, seed=5)
   latents = jnp.zeros((2, 8, 6, 16, 32), jnp.float32)
   tokens = 6 * 8 * 16  # (F / 1) (Hl / 2) (Wl / 2)
