@@ -50,6 +50,7 @@ class PlacedWeights:
     self._text_host: UMT5Params | None = None  # numpy copies, taken when the weights first leave
     self._experts_host: list[nnx.State | None] = [None] * len(self._experts)
     self._experts_away: set[int] = set()  # experts whose device copy was dropped
+    self._vae_host: wan_vae.WanVAE | None = None  # the VAE's numpy copy while it is off the device
 
   @property
   def experts(self) -> list[nnx.State]:
@@ -147,6 +148,20 @@ class PlacedWeights:
       state = self._experts_host[i]
       self._experts[i] = _put(state, self._plan) if self._plan is not None else jax.device_put(state, jax.devices()[0])
       self._experts_away.discard(i)
+
+  def drop_vae(self) -> None:
+    """Frees the VAE's device memory (its host copy stays; `restore_vae` uploads it again)."""
+    if self._vae_host is not None:
+      return
+    host = _to_numpy(self.vae)
+    self._vae_placed = None  # the decode's copy too
+    _delete_device_copies(self.vae)
+    self.vae, self._vae_host = host, host
+
+  def restore_vae(self) -> None:
+    """Uploads the VAE dropped before to the default device (a no-op when it is there)."""
+    if self._vae_host is not None:
+      self.vae, self._vae_host = jax.device_put(self._vae_host, jax.devices()[0]), None
 
   def bytes_of(self) -> dict[str, Any]:
     """Bytes of the weights by component: "text_encoder", "experts" (a tuple), "vae"."""

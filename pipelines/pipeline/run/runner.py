@@ -122,12 +122,15 @@ class Runner:
                else "text encode: none (text states given)")
     text = jax.block_until_ready(self._encode_text())
     self.timings["text_encode"] = time.perf_counter() - start
+    self.pipe.weights.restore_vae()  # back after a call that stopped before its decode
     condition = self._condition()
     if self.restored is None:  # video-to-video: the encoded video, noised (a resumed run has its latents)
       state.latents = self._start_latents(noise, schedule.sigmas[0])
     state.latents, state.solver, state.text, state.condition = distributed.put_replicated(
         (state.latents, state.solver, text, condition), plan.replicated)
     state.cache = self._cache()
+    if not self.memory.vae_at_denoise:  # the inputs are encoded: the VAE leaves until the decode
+      self.pipe.weights.drop_vae()
     return state
 
   def _encode_text(self) -> Any:
@@ -370,6 +373,7 @@ class Runner:
       if not self.memory.transformer_at_decode:
         self._text_kv_of = None
         self.pipe.weights.drop_experts(range(len(self.pipe.weights.experts)))
+      self.pipe.weights.restore_vae()
       bands = self.memory.decode_band_rows
       self.stage(f"decode: {r.videos} video(s) of {r.num_frames} frames {r.width}x{r.height} (VAE"
                  + (f", in bands of {bands} latent rows)" if bands else ")"))

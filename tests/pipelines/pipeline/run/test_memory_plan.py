@@ -1,6 +1,7 @@
 """A call under each memory plan gives the same video: weights that leave the device between the
-stages (the text encoder, the transformer, one expert of two) come back unchanged, the encoder on the
-host CPU encodes the same text, and a decode in bands equals the whole-frame decode to fp32 rounding."""
+stages (the text encoder, the transformer, one expert of two, the VAE) come back unchanged, the encoder
+on the host CPU encodes the same text, and a decode in bands equals the whole-frame decode to fp32
+rounding."""
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ PLANS = {
     "encoder-on-host": MemoryPlan(placement="encoder-on-host", transformer_at_decode=False),
     "banded": MemoryPlan(placement="encoder-offloaded", decode_band_rows=3),
     "streamed": MemoryPlan(placement="encoder-offloaded", transformer_at_decode=False, decode_streamed=True),
+    "VAE away": MemoryPlan(placement="encoder-offloaded", vae_at_denoise=False, transformer_at_decode=False),
 }
 
 
@@ -148,3 +150,22 @@ def test_two_experts_one_at_a_time_give_the_resident_video(monkeypatch):
   assert all(isinstance(x, np.ndarray) for state in two.weights.experts for x in jax.tree.leaves(state))
   again = two.run(**call)  # both come back in turn
   np.testing.assert_array_equal(again.frames, resident.frames)
+
+
+def test_the_vae_is_off_the_device_during_the_loop(pipe, resident, monkeypatch):
+  """`vae_at_denoise=False`: at every step the VAE's weights are host copies (numpy), and it is back
+  on the device for the decode (the video equal); positive control: the resident plan keeps it."""
+  seen = []
+
+  def on_step_end(p, step, timestep, tensors):
+    seen.append(all(isinstance(x, np.ndarray) for x in _leaves(p.weights.vae)))
+    return tensors
+
+  for plan, away in ((MemoryPlan(vae_at_denoise=False), True), (MemoryPlan(), False)):
+    seen.clear()
+    _with_plan(monkeypatch, plan)
+    result = pipe.run(**CALL, callback_on_step_end=on_step_end)
+    assert seen == [away] * CALL["num_inference_steps"]
+    assert not any(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.vae))
+    np.testing.assert_array_equal(result.frames, resident.frames)
+
