@@ -309,11 +309,7 @@ class WanBlock(nnx.Module):
     b, t, d = x_BTD.shape
     head_dim = d // heads
     f32 = jnp.float32
-    mod = self.scale_shift_table[...][None, None] + time_proj.astype(f32)  # fp32 [B, 1 or T or K, 6, D]
-    parts = [mod[:, :, i] for i in range(6)]  # [B, 1 or T or K, D] each
-    if time_index is not None:  # each one selected apart: [B, T, D] beside the op that reads it
-      parts = [select_levels(part, time_index) for part in parts]
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = parts
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = self._modulations(time_proj, time_index)
 
     # 1. Self-attention: AdaLN, q/k RMSNorm across heads + RoPE, USP attention, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
@@ -343,3 +339,11 @@ class WanBlock(nnx.Module):
     f_BTD = self.ffn(h_BTD)
     x_BTD = (x_BTD.astype(f32) + f_BTD.astype(f32) * c_gate_msa).astype(dtype)
     return layout.constrain(x_BTD)
+
+  def _modulations(self, time_proj: jax.Array, time_index: jax.Array | None) -> list[jax.Array]:
+    """The six AdaLN modulations, fp32 [B, 1 or T, D] each (diffusers: `scale_shift_table +
+    temb.float()`, chunked): with `time_index` each token's level selected, each of the six apart,
+    so each is a [B, T, D] value beside the op that reads it (`timesteps` module doc)."""
+    mod = self.scale_shift_table[...][None, None] + time_proj.astype(jnp.float32)  # [B, 1 or T or K, 6, D]
+    parts = [mod[:, :, i] for i in range(6)]
+    return parts if time_index is None else [select_levels(part, time_index) for part in parts]
