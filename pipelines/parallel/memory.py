@@ -15,8 +15,9 @@ may force one):
 - "encoder-on-host": the text encoder runs on the host CPU and never takes device memory.
 Independently, the transformer leaves the device before the decode when it does not fit beside the
 decoder (`transformer_at_decode`), a model of two experts (Wan 2.2 A14B) holds one expert at a time
-when both do not fit (`experts_swapped`), the VAE leaves the device for the loop (`vae_at_denoise`)
-when the transformer and its step do not fit beside it, and the decode runs in bands of latent rows
+when both do not fit (`experts_swapped`), the VAE leaves the device for the text encode
+(`vae_at_encode`) and for the loop (`vae_at_denoise`) when the stage's weights and work do not fit
+beside it, and the decode runs in bands of latent rows
 (`decode_band_rows`, `wan.vae.bands`) when even the decoder alone does not fit.
 
 Bytes: weights from the arrays themselves; the step's working memory from the planner's step model
@@ -72,6 +73,8 @@ class MemoryPlan:
     transformer_at_encode: False when the transformer leaves the device for the encode.
     transformer_at_decode: False when the transformer leaves the device before the decode.
     experts_swapped: True when a two-expert model holds one expert on the device at a time.
+    vae_at_encode: False when the VAE leaves the device for the text encode (back for the encode of
+      the inputs or the loop).
     vae_at_denoise: False when the VAE leaves the device for the denoising loop (after any encode
       of the inputs; back for the decode).
     decode_streamed: True when the decode runs one program per layer (`wan.vae.streamed`).
@@ -84,6 +87,7 @@ class MemoryPlan:
   transformer_at_encode: bool = True
   transformer_at_decode: bool = True
   experts_swapped: bool = False
+  vae_at_encode: bool = True
   vae_at_denoise: bool = True
   decode_streamed: bool = False
   decode_band_rows: int | None = None
@@ -100,7 +104,7 @@ class MemoryPlan:
   def moves_weights(self) -> bool:
     """Some component leaves the device during a call."""
     return not (self.placement == "resident" and self.transformer_at_encode and self.transformer_at_decode
-                and not self.experts_swapped and self.vae_at_denoise)
+                and not self.experts_swapped and self.vae_at_encode and self.vae_at_denoise)
 
   def line(self) -> str:
     """The plan in one line (the CLI's stage line, the sidecar, serve's log)."""
@@ -109,6 +113,8 @@ class MemoryPlan:
       parts.append("transformer off the device for the encode")
     if self.experts_swapped:
       parts.append("one expert on the device at a time")
+    if not self.vae_at_encode:
+      parts.append("VAE off the device for the encode")
     if not self.vae_at_denoise:
       parts.append("VAE off the device for the denoise")
     if not self.transformer_at_decode:
@@ -183,8 +189,8 @@ def _stages(b: ComponentBytes, p: MemoryPlan) -> dict[str, int]:
   experts = max(b.experts) if p.experts_swapped else b.transformer
   decode = b.streamed_work if p.decode_streamed else (0 if b.decode_work is None else b.decode_work)
   return {
-      "text encode": text_weights + (b.transformer if p.transformer_at_encode else 0) + b.vae + (
-          b.text_work if p.placement != "encoder-on-host" else 0),
+      "text encode": text_weights + (b.transformer if p.transformer_at_encode else 0)
+                     + (b.vae if p.vae_at_encode else 0) + (b.text_work if p.placement != "encoder-on-host" else 0),
       "denoise": resident_text + experts + (b.vae if p.vae_at_denoise else 0) + b.step_work,
       "decode": resident_text + (b.transformer if p.transformer_at_decode else 0) + b.vae + decode,
   }
@@ -200,6 +206,8 @@ def _plan(b: ComponentBytes, budget: int, placement: str, band_rows_for: object)
   p = MemoryPlan(placement=placement, budget=budget)
   if _stages(b, p)["text encode"] > budget:
     p = dataclasses.replace(p, transformer_at_encode=False)
+  if _stages(b, p)["text encode"] > budget:
+    p = dataclasses.replace(p, vae_at_encode=False)
   if len(b.experts) > 1 and _stages(b, p)["denoise"] > budget:
     p = dataclasses.replace(p, experts_swapped=True)
   if _stages(b, p)["denoise"] > budget:

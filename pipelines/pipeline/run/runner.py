@@ -146,6 +146,8 @@ class Runner:
     if cache.missing(texts, r.max_sequence_length):
       if not memory.transformer_at_encode:
         weights.drop_experts(range(len(weights.experts)))
+      if not memory.vae_at_encode:  # back before the inputs' encode (`_initial_state`)
+        weights.drop_vae()
       weights.text_params_on("host" if memory.placement == "encoder-on-host" else "device")
       cache.fill(texts, r.max_sequence_length, self.pipe.encode_prompts)
       weights.drop_text()

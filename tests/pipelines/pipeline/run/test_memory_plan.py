@@ -19,7 +19,8 @@ PLANS = {
     "encoder-on-host": MemoryPlan(placement="encoder-on-host", transformer_at_decode=False),
     "banded": MemoryPlan(placement="encoder-offloaded", decode_band_rows=3),
     "streamed": MemoryPlan(placement="encoder-offloaded", transformer_at_decode=False, decode_streamed=True),
-    "VAE away": MemoryPlan(placement="encoder-offloaded", vae_at_denoise=False, transformer_at_decode=False),
+    "VAE away": MemoryPlan(placement="encoder-offloaded", vae_at_encode=False, vae_at_denoise=False,
+                           transformer_at_decode=False),
 }
 
 
@@ -169,3 +170,24 @@ def test_the_vae_is_off_the_device_during_the_loop(pipe, resident, monkeypatch):
     assert not any(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.vae))
     np.testing.assert_array_equal(result.frames, resident.frames)
 
+
+
+def test_the_vae_is_off_the_device_during_the_text_encode(pipe, monkeypatch):
+  """`vae_at_encode=False`: the encoder runs while the VAE's weights are host copies; positive
+  control: the encoder-offloaded plan without it keeps the VAE there. New prompts each time (the
+  text cache would skip the encode)."""
+  seen = []
+  encode = pipe.encode_prompts
+
+  def watched(*args, **kwargs):
+    seen.append(all(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.vae)))
+    return encode(*args, **kwargs)
+
+  monkeypatch.setattr(pipe, "encode_prompts", watched)
+  for i, (plan, away) in enumerate(((MemoryPlan(placement="encoder-offloaded", vae_at_encode=False), True),
+                                    (MemoryPlan(placement="encoder-offloaded"), False))):
+    seen.clear()
+    _with_plan(monkeypatch, plan)
+    pipe.run(**dict(CALL, prompt=f"a fox number {i} in the text encode test"))
+    assert seen and all(s == away for s in seen), seen
+    assert not any(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.vae))  # back after the call
