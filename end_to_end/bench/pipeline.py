@@ -383,7 +383,8 @@ def run_timed(args: argparse.Namespace, preset: Any) -> dict[str, Any]:
   folder, temporary = _diffusers_folder(args, preset, seed)
   report: dict[str, Any] = dict(
       kind="runtime", preset=args.preset, description=preset.description, model=args.model or "random",
-      settings=dict(call, cold_steps=args.cold_steps, dtype=preset.dtype, quantize=args.quantize, seed=seed, latent_shape=list(preset.latent_shape),
+      settings=dict(call, cold_steps=args.cold_steps, dtype=preset.dtype, quantize=args.quantize, seed=seed,
+                    latent_shape=list(preset.latent_shape),
                     tokens=preset.tokens, transformer=preset.transformer.to_dict(),
                     text_encoder=dataclasses.asdict(preset.text_encoder), mesh=args.mesh,
                     guidance_2=preset.guidance_2, boundary_ratio=preset.boundary_ratio),

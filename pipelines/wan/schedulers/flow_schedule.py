@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 F32 = np.float32
@@ -37,8 +38,6 @@ def device_table(table: np.ndarray, dtype: Any = None) -> jax.Array:
   compiled program's signature; padded, every step count up to 64 (and each power of two beyond)
   shares one program (a 4-step and a 50-step call compile the step once).
   """
-  import jax.numpy as jnp
-
   table = np.asarray(table if dtype is None else table.astype(dtype))
   pad = table_length(table.shape[0]) - table.shape[0]
   return jnp.asarray(np.concatenate([table, np.repeat(table[-1:], pad, axis=0)]) if pad else table)
