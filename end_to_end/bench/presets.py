@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 from pipelines.wan.pretrained import TINY_TRANSFORMER
@@ -171,7 +172,8 @@ PRESETS: dict[str, BenchPreset] = {
 
 
 def init_ours(preset: BenchPreset, seed: int = 0):
-  """Our `WanPipeline` with random weights (torch-default init, host-drawn), no files."""
+  """Our `WanPipeline` with random weights (torch-default init; drawn on the accelerator where there is
+  one), no files."""
   import jax
   import jax.numpy as jnp
 
@@ -182,13 +184,24 @@ def init_ours(preset: BenchPreset, seed: int = 0):
 
   dtype = jnp.dtype(preset.dtype)
   experts = 1 if preset.boundary_ratio is None else 2
-  text_params = (host_random_umt5(preset.text_encoder, seed, dtype) if preset.text_encoder.num_layers > 2
-                 else init_umt5_params(preset.text_encoder, seed, dtype=dtype))
+  clock = [time.perf_counter()]
+
+  def timed(name, value):  # each part's seconds printed: a slow load says where it goes
+    now = time.perf_counter()
+    print(f"  random init: {name} {now - clock[0]:.1f} s", flush=True)
+    clock[0] = now
+    return value
+
+  text_params = timed("text encoder", host_random_umt5(preset.text_encoder, seed, dtype)
+                      if preset.text_encoder.num_layers > 2 else init_umt5_params(preset.text_encoder, seed, dtype=dtype))
+  on_device = jax.default_backend() != "cpu"  # seconds there, where numpy takes a minute for 5 B values
+  transformers = timed("transformer", [init_transformer(preset.transformer, seed + i, dtype, on_device=on_device)
+                                       for i in range(experts)])
   return WanPipeline(
       tokenizer=default_tokenizer(), expand_timesteps=preset.expand_timesteps,
-      text_encoder=(preset.text_encoder, text_params),
-      transformers=[init_transformer(preset.transformer, seed + i, dtype) for i in range(experts)],
-      vae=vae.init_vae(preset.vae, jax.random.key(seed)), boundary_ratio=preset.boundary_ratio,
+      text_encoder=(preset.text_encoder, text_params), transformers=transformers,
+      vae=timed("VAE", jax.block_until_ready(vae.init_vae(preset.vae, jax.random.key(seed)))),
+      boundary_ratio=preset.boundary_ratio,
       scheduler_config=schedulers.UniPCConfig(flow_shift=preset.flow_shift), name="random init")
 
 
