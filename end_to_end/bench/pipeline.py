@@ -475,7 +475,7 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
                                                 guidance_2=preset.guidance_2, **_run_call(args, call, i))
     ours["runs"].append(stages)
     print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
-          f"process started {stages['peak_device_gib']} GiB", flush=True)
+          f"process started {stages['peak_device_gib']} GiB, host {timed_runs.peak_host_gib()} GiB", flush=True)
   return ours, frames, final
 
 

@@ -177,6 +177,7 @@ def init_ours(preset: BenchPreset, seed: int = 0):
   import jax
   import jax.numpy as jnp
 
+  from end_to_end.bench import timed_runs
   from pipelines.pipeline import WanPipeline
   from pipelines.wan import schedulers, vae
   from pipelines.wan.encoders import default_tokenizer, init_umt5_params
@@ -188,7 +189,7 @@ def init_ours(preset: BenchPreset, seed: int = 0):
 
   def timed(name, value):  # each part's seconds printed: a slow load says where it goes
     now = time.perf_counter()
-    print(f"  random init: {name} {now - clock[0]:.1f} s", flush=True)
+    print(f"  random init: {name} {now - clock[0]:.1f} s (host peak {timed_runs.peak_host_gib()} GiB)", flush=True)
     clock[0] = now
     return value
 

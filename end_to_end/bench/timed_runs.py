@@ -63,6 +63,13 @@ def peak_device_gib() -> float | None:
   return None if "peak_bytes_in_use" not in stats else round(stats["peak_bytes_in_use"] / 2 ** 30, 2)
 
 
+def peak_host_gib() -> float:
+  """This process's peak resident host memory since it started, GiB (the host keeps the weights
+  a memory plan moves off the device)."""
+  import resource
+  return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)  # Linux: KiB
+
+
 def load_diffusers(folder: str, *, dtype: str, device: str):
   """diffusers `WanPipeline.from_pretrained(folder)` in `dtype` with the VAE in float32 (as our
   pipeline and diffusers' Wan examples run it), moved to `device`, progress bar off."""

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelines.parallel import distributed
 from pipelines.pipeline.checked.request import GenerationRequest
-from pipelines.wan.encoders import UMT5Config, UMT5Params, encode_text, prompt_clean, tokenize
+from pipelines.wan.encoders import UMT5Config, UMT5Params, encode_text, encode_text_layerwise, prompt_clean, tokenize
 
 _encode_jit = jax.jit(encode_text, static_argnames="config")
 
@@ -49,7 +49,10 @@ def encode_prompts(tokenizer: Any, config: UMT5Config, params: UMT5Params, promp
     leaf = jax.tree.leaves(params)[0]
     device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else None
     ids, mask = jax.device_put((np.asarray(ids), np.asarray(mask)), device)
-  embeds = _encode_jit(params, ids, mask, config=config)
+  on_cpu = mesh is None and (device or jax.devices()[0]).platform == "cpu"
+  # on the CPU one layer at a time: XLA:CPU would hold every layer's fp32 conversion of bf16 weights at once
+  embeds = (encode_text_layerwise(params, ids, mask, config=config) if on_cpu
+            else _encode_jit(params, ids, mask, config=config))
   return _masked_text(embeds, mask).astype(dtype)
 
 

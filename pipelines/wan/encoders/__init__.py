@@ -14,7 +14,7 @@ _HOMES = (
                                           "folder_text_length", "load_tokenizer", "prompt_clean",
                                           "text_length", "tokenize")),
     ("pipelines.wan.encoders.umt5", ("UMT5_PRESETS", "UMT5Config", "UMT5Params", "abstract_umt5_params", "encode_text",
-                                     "init_umt5_params", "load_umt5", "official_keys", "umt5_from_state")),
+                                     "encode_text_layerwise", "init_umt5_params", "load_umt5", "official_keys", "umt5_from_state")),
 )
 
 __all__, __getattr__ = lazy_facade(__name__, _HOMES)

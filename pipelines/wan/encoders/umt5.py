@@ -174,24 +174,56 @@ def encode_text(params: UMT5Params, input_ids: jax.Array, attention_mask: jax.Ar
   Raises:
     ValueError: `input_ids` and `attention_mask` shapes differ or are not rank 2.
   """
+  x_BLD, bias_B1LS = _embed(params["embedding"], input_ids, attention_mask)
+
+  def body(x, lp):
+    return _layer_with_bias(x, lp, bias_B1LS, config), None
+
+  x_BLD, _ = jax.lax.scan(body, x_BLD, params["layers"])
+  return rms_norm(x_BLD, params["final_norm"], config.layer_norm_epsilon)
+
+
+def encode_text_layerwise(params: UMT5Params, input_ids: jax.Array, attention_mask: jax.Array, *,
+                          config: UMT5Config) -> jax.Array:
+  """`encode_text` (same arguments, result and errors; bit-identical) for weights on the host CPU
+  (numpy or the CPU backend's arrays), run as one compiled program per layer given only that
+  layer's weights (a view of the stack, no copy).
+
+  XLA:CPU has no bf16 matmul and converts bf16 weights to fp32; inside `encode_text`'s loop it
+  converts the whole stack of layers before the loop, twice the weights' bytes at once (+22.8 GB
+  for UMT5-XXL's 11.4 GB, by XLA:CPU's memory analysis). Here one layer is converted at a time.
+  """
+  x_BLD, bias_B1LS = _embed_jit(params["embedding"], input_ids, attention_mask)
+  for i in range(config.num_layers):
+    layer = _layer_jit(x_BLD, jax.tree.map(lambda w: np.asarray(w)[i], params["layers"]), bias_B1LS, config=config)
+    x_BLD = jax.block_until_ready(layer)  # one layer's converted weights alive at a time
+  return _final_norm_jit(x_BLD, params["final_norm"], eps=config.layer_norm_epsilon)
+
+
+def _embed(embedding_VD: jax.Array, input_ids: jax.Array, attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(the fp32 token embeddings [B, L, D], the additive key mask [B, 1, 1, L]); ValueError on bad shapes."""
   if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
     raise ValueError(f"input_ids and attention_mask must both be [B, L]; got {input_ids.shape=} "
                      f"{attention_mask.shape=}")
-  length = input_ids.shape[1]
-  buckets_LS = relative_position_buckets(length, length, config.relative_attention_num_buckets,
-                                         config.relative_attention_max_distance)
   # Additive key mask with the dtype minimum (as transformers' eager path): a row with every key
   # masked averages uniformly instead of producing NaN.
   key_bias_B11S = jnp.where(attention_mask[:, None, None, :] != 0, 0.0,
                             jnp.finfo(jnp.float32).min).astype(jnp.float32)
-  x_BLD = params["embedding"][input_ids].astype(jnp.float32)
+  return embedding_VD[input_ids].astype(jnp.float32), key_bias_B11S
 
-  def body(x, lp):
-    pos_NLS = jnp.transpose(lp["rel_bias"][buckets_LS], (2, 0, 1)).astype(jnp.float32)
-    return _layer(x, lp, pos_NLS[None] + key_bias_B11S, config), None
 
-  x_BLD, _ = jax.lax.scan(body, x_BLD, params["layers"])
-  return rms_norm(x_BLD, params["final_norm"], config.layer_norm_epsilon)
+def _layer_with_bias(x_BLD: jax.Array, lp: UMT5Params, key_bias_B11S: jax.Array, config: UMT5Config) -> jax.Array:
+  """`_layer` with this layer's relative position bias added to the key mask."""
+  length = x_BLD.shape[1]
+  buckets_LS = relative_position_buckets(length, length, config.relative_attention_num_buckets,
+                                         config.relative_attention_max_distance)
+  pos_NLS = jnp.transpose(lp["rel_bias"][buckets_LS], (2, 0, 1)).astype(jnp.float32)
+  return _layer(x_BLD, lp, pos_NLS[None] + key_bias_B11S, config)
+
+
+_embed_jit = jax.jit(_embed)
+_layer_jit = jax.jit(_layer_with_bias, static_argnames="config")
+_final_norm_jit = jax.jit(rms_norm, static_argnames="eps")
 
 
 # --- checkpoint layout -------------------------------------------------------------------------------

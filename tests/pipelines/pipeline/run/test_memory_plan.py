@@ -191,3 +191,27 @@ def test_the_vae_is_off_the_device_during_the_text_encode(pipe, monkeypatch):
     pipe.run(**dict(CALL, prompt=f"a fox number {i} in the text encode test"))
     assert seen and all(s == away for s in seen), seen
     assert not any(isinstance(x, np.ndarray) for x in _leaves(pipe.weights.vae))  # back after the call
+
+
+def test_the_host_encode_keeps_one_host_copy_of_the_encoder():
+  """encoder-on-host: the CPU backend's arrays become the host copy (numpy views share their memory),
+  not a second copy beside the numpy one (UMT5-XXL: 11.4 GB more); the values are the given ones and
+  a second encode moves nothing."""
+  import jax
+
+  from pipelines.pipeline.load.placement import PlacedWeights
+  from pipelines.wan.encoders import umt5
+
+  given = jax.device_get(umt5.init_umt5_params(umt5.UMT5_PRESETS["tiny"], 0))
+  expected = jax.tree.map(np.array, given)  # copies, to compare with after the move
+  weights = PlacedWeights([], given, vae=None)
+  del given
+  on_host = weights.text_params_on("host")
+  host_copy = weights._host_text()
+  for leaf, copy, want in zip(_leaves(on_host), _leaves(host_copy), _leaves(expected)):
+    assert isinstance(leaf, jax.Array) and leaf.devices() == {jax.devices("cpu")[0]}
+    assert copy is leaf  # one host copy
+    np.testing.assert_array_equal(np.asarray(leaf), want)
+  weights.drop_text()
+  assert all(a is b for a, b in zip(_leaves(weights.text_params), _leaves(on_host)))
+  assert weights.text_params_on("host") is weights.text_params  # nothing moves the second time

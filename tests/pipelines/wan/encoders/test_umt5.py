@@ -1,5 +1,6 @@
 """UMT5 encoder parity with transformers' UMT5EncoderModel, loader errors, tokenizer helpers."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -230,3 +231,38 @@ def test_tokenize_warns_when_it_truncates():
   with pytest.warns(UserWarning, match=r"prompt\(s\) \[1\] are longer than max_sequence_length=16"):
     ids, mask = tokenizer.tokenize(tokenizer.default_tokenizer(), ["short", "x" * 40], 16)
   assert ids.shape == (2, 16) and int(mask[1].sum()) == 16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layerwise_encode_is_the_scanned_one(reference, dtype):
+  """`encode_text_layerwise` (the host's encode, one layer's program at a time) gives `encode_text`'s
+  result bit for bit, and refuses the same bad shapes."""
+  _, folder = reference
+  config, params = umt5.load_umt5(folder, dtype=dtype)
+  ids, mask = (jnp.asarray(a, jnp.int32) for a in batch(160))
+  scanned = np.asarray(ENCODE(params, ids, mask, config=config).astype(jnp.float32))
+  layerwise = umt5.encode_text_layerwise(jax.device_get(params), ids, mask, config=config)
+  assert layerwise.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(layerwise.astype(jnp.float32)), scanned)
+  with pytest.raises(ValueError, match="input_ids and attention_mask"):
+    umt5.encode_text_layerwise(params, ids, mask[:, :5], config=config)
+
+
+def test_the_layerwise_programs_convert_one_layer_of_bf16_weights():
+  """What the layerwise encode is for: XLA:CPU's scanned encode converts every layer's bf16 weights
+  to fp32 before its loop (temporaries above 2x the bf16 stack's bytes: the positive control), while the
+  one-layer program's temporaries stay under one layer's fp32 copy plus the activations. Compiled
+  only (XLA's memory analysis), at UMT5-XXL's width with 4 layers and a small vocabulary."""
+  config = dataclasses.replace(umt5.UMT5_PRESETS["umt5-xxl"], num_layers=4, vocab_size=256)
+  params = umt5.abstract_umt5_params(config, dtype=jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+  # the bf16 stack (`wo` stays fp32, as in transformers: nothing to convert)
+  stack = sum(x.size * 2 for x in jax.tree.leaves(params["layers"]) if x.dtype == jnp.bfloat16)
+  scanned = ENCODE.lower(params, ids, ids, config=config).compile().memory_analysis().temp_size_in_bytes
+  assert scanned > 2 * stack
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params["layers"])
+  x = jax.ShapeDtypeStruct((2, 512, config.d_model), jnp.float32)
+  bias = jax.ShapeDtypeStruct((2, 1, 1, 512), jnp.float32)
+  layer = umt5._layer_jit.lower(x, one, bias, config=config).compile().memory_analysis().temp_size_in_bytes
+  activations = 4 * 2 * 512 * (2 * config.d_ff + 4 * config.d_model) + 4 * 2 * config.num_heads * 512 * 512
+  assert layer < 2 * stack / config.num_layers + activations
