@@ -82,6 +82,7 @@ class MemoryPlan:
     budget: the bytes the plan fits in (None: not limited, a CPU).
     peak: the modelled peak bytes of the plan (the largest stage).
     forced: True when the placement was asked for rather than chosen.
+    host: the host copies of the weights the plan moves (`host_copies`), bytes; None: not modelled.
   """
   placement: str = "resident"
   transformer_at_encode: bool = True
@@ -94,6 +95,7 @@ class MemoryPlan:
   budget: int | None = None
   peak: int | None = None
   forced: bool = False
+  host: int | None = None
 
   @property
   def text_on_device(self) -> bool:
@@ -127,6 +129,8 @@ class MemoryPlan:
       parts.append(f"modelled peak {_size(self.peak)} of {_size(self.budget)}" + (
           " (over by the step's modelled share, an upper bound: the step's compile decides)"
           if self.peak > self.budget else ""))
+    if self.host:
+      parts.append(f"host copies {_size(self.host)}")
     return "memory plan: " + ", ".join(parts)
 
   @classmethod
@@ -226,7 +230,18 @@ def _plan(b: ComponentBytes, budget: int, placement: str, band_rows_for: object)
       rows = None
     if rows is not None:
       p = dataclasses.replace(p, decode_band_rows=rows)
-  return dataclasses.replace(p, peak=_peak(b, p, budget))
+  p = dataclasses.replace(p, peak=_peak(b, p, budget))
+  return dataclasses.replace(p, host=host_copies(b, p))
+
+
+def host_copies(b: ComponentBytes, p: MemoryPlan) -> int:
+  """The host memory plan `p` holds for the weights it moves: a copy of each component that leaves
+  the device (kept, so that leaving is free), plus the encode's activations where the text encoder
+  runs on the host (one layer's weights converted at a time: `umt5.encode_text_layerwise`)."""
+  moved_experts = not (p.transformer_at_encode and p.transformer_at_decode) or p.experts_swapped
+  return ((b.text_encoder if p.placement != "resident" else 0) + (b.transformer if moved_experts else 0)
+          + (b.vae if not (p.vae_at_encode and p.vae_at_denoise) else 0)
+          + (b.text_work if p.placement == "encoder-on-host" else 0))
 
 
 def _peak(b: ComponentBytes, p: MemoryPlan, budget: int) -> int:
@@ -249,3 +264,14 @@ def device_budget(device: object = None) -> int | None:
     stats = None
   limit = (stats or {}).get("bytes_limit")
   return None if not limit else int(FIT_FRACTION * limit)
+
+
+def host_available() -> int | None:
+  """The host memory the kernel can give a process now without swapping (Linux's MemAvailable),
+  bytes; None where it is not reported."""
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024  # "kB" in the file: KiB
+  except (OSError, KeyError, ValueError):
+    return None

@@ -175,6 +175,13 @@ class PlacedWeights:
     if self._vae_host is not None:
       self.vae, self._vae_host = _upload(self._vae_host, jax.devices()[0]), None
 
+  def host_bytes(self) -> int:
+    """Bytes of the weights held on the host now (numpy arrays and the CPU backend's; each once)."""
+    trees = (self.text_params, self._text_host, self._experts, self._experts_host, self.vae, self._vae_host)
+    held = {id(x): x for x in jax.tree.leaves(trees) if isinstance(x, np.ndarray)
+            or (isinstance(x, jax.Array) and next(iter(x.devices())).platform == "cpu")}
+    return int(sum(x.nbytes for x in held.values()))
+
   def bytes_of(self) -> dict[str, Any]:
     """Bytes of the weights by component: "text_encoder", "experts" (a tuple), "vae"."""
     return {"text_encoder": _nbytes(self.text_params), "experts": tuple(_nbytes(s) for s in self._experts),

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from pipelines.parallel import planner
-from pipelines.parallel.memory import ComponentBytes, MemoryPlan, device_budget
+from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan, device_budget, host_available
 from pipelines.pipeline.run.decoding import band_rows_for, decode_work_bytes, streamed_work_bytes
 from pipelines.pipeline.checked.request import GenerationRequest
 
@@ -74,4 +74,17 @@ def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") 
                                                request.max_sequence_length),
                      step_work=step_work_bytes(request), decode_work=work, streamed_work=streamed)
   rows = None if work is None or decode_mesh is not None else band_rows_for(pipe.weights, latents_shape)
-  return MemoryPlan.choose(b, budget, placement=placement, band_rows_for=rows)
+  chosen = MemoryPlan.choose(b, budget, placement=placement, band_rows_for=rows)
+  _warn_if_host_short(chosen, pipe.weights.host_bytes(), host_available())
+  return chosen
+
+
+def _warn_if_host_short(plan: MemoryPlan, held: int, available: int | None) -> None:
+  """Warns when the host copies `plan` takes beyond those `held` already exceed the host memory
+  `available`: the process would be killed for lack of memory midway, with no error of its own."""
+  if not plan.host or available is None or plan.host - held <= available:
+    return
+  warnings.warn(f"{plan.line()}: its host copies need {(plan.host - held) / GiB:.1f} GiB more host memory, "
+                f"{available / GiB:.1f} GiB are available, so the process may be killed midway; free host "
+                "memory, or run a model whose weights move less (--quantize int8 halves the transformer's "
+                "copy; a larger accelerator keeps more of them resident)", stacklevel=3)

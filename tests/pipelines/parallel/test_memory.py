@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan
+from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan, host_available, host_copies
 
 # Wan 2.1 1.3B at 480p x 81 on one 16 GB chip, roughly: UMT5-XXL 12.5 GiB, transformer 2.6 GiB.
 BYTES = ComponentBytes(text_encoder=int(12.5 * GiB), experts=(int(2.6 * GiB),), vae=int(0.5 * GiB),
@@ -109,3 +109,23 @@ def test_the_vae_leaves_for_the_loop_when_the_step_does_not_fit_beside_it():
   heavy = dataclasses.replace(ti2v, experts=(int(15 * GiB),))  # the weights alone do not fit: refused
   with pytest.raises(ValueError, match=r"\(denoise\).*--quantize int8"):
     MemoryPlan.choose(heavy, int(14.5 * GiB))
+
+
+def test_the_host_copies_of_what_moves_are_counted():
+  """`MemoryPlan.host`: a copy of each component that leaves the device (TI2V-5B's plan: the encoder,
+  the transformer and the VAE, 24.5 GiB), the encode's activations too when the encoder runs on the
+  host; nothing for a resident plan, whose line does not mention the host."""
+  ti2v = ComponentBytes(text_encoder=int(12.5 * GiB), experts=(int(9.3 * GiB),), vae=int(2.7 * GiB),
+                        text_work=int(0.3 * GiB), step_work=3 * GiB, decode_work=int(5 * GiB))
+  plan = MemoryPlan.choose(ti2v, int(14.5 * GiB))
+  assert plan.host == ti2v.text_encoder + ti2v.transformer + ti2v.vae
+  assert "host copies 24.5 GiB" in plan.line()
+  on_host = MemoryPlan.choose(ti2v, int(14.5 * GiB), placement="encoder-on-host")
+  assert on_host.host == host_copies(ti2v, on_host) and on_host.host >= ti2v.text_encoder + ti2v.text_work
+  resident = MemoryPlan.choose(ti2v, 64 * GiB)
+  assert resident.placement == "resident" and resident.host == 0 and "host" not in resident.line()
+
+
+def test_host_available_reads_the_kernel():
+  available = host_available()
+  assert available is None or 0 < available < 2 ** 50

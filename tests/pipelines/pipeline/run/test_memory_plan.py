@@ -215,3 +215,34 @@ def test_the_host_encode_keeps_one_host_copy_of_the_encoder():
   weights.drop_text()
   assert all(a is b for a, b in zip(_leaves(weights.text_params), _leaves(on_host)))
   assert weights.text_params_on("host") is weights.text_params  # nothing moves the second time
+
+
+def test_a_plan_whose_host_copies_do_not_fit_the_host_warns():
+  """The host copies a plan takes beyond those held already, against the host's available memory:
+  a warning naming both (the alternative is the kernel killing the process midway, silently); none
+  when they fit (the positive control) or when nothing moves."""
+  import warnings
+
+  plan = MemoryPlan(placement="encoder-offloaded", host=30 * 2 ** 30)
+  with pytest.warns(UserWarning, match=r"need 20\.0 GiB more host memory, 8\.0 GiB are available"):
+    memory_plan._warn_if_host_short(plan, held=10 * 2 ** 30, available=8 * 2 ** 30)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    memory_plan._warn_if_host_short(plan, held=10 * 2 ** 30, available=21 * 2 ** 30)
+    memory_plan._warn_if_host_short(MemoryPlan(host=0), held=0, available=0)
+
+
+def test_host_bytes_counts_each_host_array_once():
+  """`PlacedWeights.host_bytes`: numpy and CPU-backend leaves, each once (the host copy and the
+  weights may be the same arrays)."""
+  import jax
+
+  from pipelines.pipeline.load.placement import PlacedWeights
+  from pipelines.wan.encoders import umt5
+
+  given = jax.device_get(umt5.init_umt5_params(umt5.UMT5_PRESETS["tiny"], 0))
+  size = sum(x.nbytes for x in _leaves(given))
+  weights = PlacedWeights([], given, vae=None)
+  assert weights.host_bytes() == size
+  weights.text_params_on("host")  # the CPU backend's arrays become the host copy: still one copy
+  assert weights.host_bytes() == size
