@@ -1,16 +1,20 @@
 """Times our blockwise attention (LSE and fixed-m) against the platform's best attention, in one run.
 
   python -m end_to_end.bench.attention [--seq 4096] [--heads 12] [--head-dim 128] [--backend auto] [--json PATH]
-  python -m end_to_end.bench.attention --seq 32760 --dtypes bfloat16          # on a GPU: vs cuDNN
+  python -m end_to_end.bench.attention --seq 32760 --dtypes bfloat16          # one 1.3B 480p call
+  LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=65536 python -m end_to_end.bench.attention --seq 32768 --dtypes bfloat16
 
-Prints, per dtype, the median wall time of each baseline and of `attention.local_attention` with
-implementation "lse" and "fixed_m" on `--backend` (auto: the Pallas kernels on TPU and GPU, the XLA
-loops on CPU), and the ratios baseline / ours and LSE / fixed-m. Baselines: XLA's dense
-`jax.nn.dot_product_attention` (skipped when its [B, N, T, S] logits would exceed --dense-limit-gb),
-on GPU also `implementation="cudnn"` (bf16/fp16), on TPU jax's Pallas flash-attention kernel.
-Times are medians over --repeats calls after one warm-up (compile excluded), taken round-robin so
-that load from other processes hits all of them alike. Ratios from the same run are what to compare
-across machines. The Pallas kernels on CPU run in interpret mode (slow; exact): not a speed number.
+Prints, per dtype, the median wall time, TFLOP/s (4 B N T^2 H) and fraction of the chip's bf16 peak
+(TPU v5e / v6e, H100 / H200) of each baseline and of `attention.local_attention` with implementation
+"lse" and "fixed_m" on `--backend` (auto: the Pallas kernels on TPU and GPU, the XLA loops on CPU),
+and the ratios baseline / ours. Baselines (`bench.attention_baselines`): XLA's dense attention
+(skipped when its logits would exceed --dense-limit-gb), cuDNN on a GPU, and on a TPU jax's Pallas
+flash attention and splash attention over a grid of block shapes (--splash-grid), padded to their
+blocks at any length; a baseline that does not compile (e.g. a scoped-VMEM overflow at large blocks:
+raise the limit with LIBTPU_INIT_ARGS as above) is reported and left out. Times are medians over
+--repeats calls after one warm-up (compile excluded), taken round-robin so that load from other
+processes hits all of them alike. Ratios from the same run are what to compare across machines. The
+Pallas kernels on CPU run in interpret mode (slow; exact): not a speed number.
 """
 
 from __future__ import annotations
@@ -25,48 +29,43 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import BlockSizes, local_attention, resolve_backend
+from end_to_end.bench.attention_baselines import baselines, parse_grid
 from pipelines.commands.help import HelpFormatter
+from pipelines.parallel.planner import chip_of
 
 
-def _time_interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
-  """Median seconds per call of each fn, timed round-robin so load spikes hit them all alike."""
-  for fn in fns.values():
-    jax.block_until_ready(fn(*args))  # compile + warm up
+def _time_interleaved(fns: dict, args, repeats: int) -> tuple[dict[str, float], dict[str, str]]:
+  """(median seconds per call of each fn that runs, {name: error} of those that fail to compile or
+  run), timed round-robin so that load spikes hit them all alike."""
+  failed = {}
+  for name, fn in list(fns.items()):
+    try:
+      jax.block_until_ready(fn(*args))  # compile + warm up
+    except Exception as e:  # noqa: BLE001 - a baseline that does not compile here is reported, not fatal
+      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+      del fns[name]
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times[name].append(time.perf_counter() - t0)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return {name: statistics.median(t) for name, t in times.items()}, failed
 
 
-def baselines(platform: str, dtype, shape, dense_limit_gb: float) -> dict:
-  """The platform's attention implementations to compare with, as jitted fns of (q, k, v) [B, T, N, H]."""
-  B, T, N, H = shape
-  fns = {}
-  if B * N * T * T * 4 <= dense_limit_gb * 1e9:
-    fns["xla_dense"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"))
-  if platform == "gpu" and dtype != jnp.float32:
-    fns["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
-  if platform == "tpu":
-    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
-
-    def flash(q, k, v):  # [B, N, T, H] layout, natural-log softmax with sm_scale
-      out = tpu_flash.flash_attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), sm_scale=H ** -0.5)
-      return out.transpose(0, 2, 1, 3)
-    fns["jax_tpu_flash"] = jax.jit(flash)
-  if not fns:
-    raise SystemExit(f"no baseline fits: dense logits of {B * N * T * T * 4 / 1e9:.1f} GB exceed "
-                     f"--dense-limit-gb {dense_limit_gb} and {platform} has no fused attention here")
-  return fns
+def _rate(seconds: float, flops: float, peak: float | None) -> str:
+  text = f"{seconds * 1e3:.2f} ms {flops / seconds / 1e12:.3g} TFLOP/s"
+  return text + (f" ({flops / seconds / peak:.0%} of peak)" if peak else "")
 
 
-def main(argv=None):
+OURS = ("lse", "fixed_m")
+
+
+def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.attention", description=__doc__,
                                formatter_class=HelpFormatter)
   ap.add_argument("--batch", type=int, default=1, help="B")
-  ap.add_argument("--seq", type=int, default=4096, help="T = S")
+  ap.add_argument("--seq", type=int, default=4096, help="T = S (any length: the Pallas baselines pad it)")
   ap.add_argument("--heads", type=int, default=12, help="N")
   ap.add_argument("--head-dim", type=int, default=128, help="H")
   ap.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
@@ -75,14 +74,66 @@ def main(argv=None):
   ap.add_argument("--block-kv", type=int, default=None, help="key rows per block (default: the backend's)")
   ap.add_argument("--dense-limit-gb", type=float, default=8.0,
                   help="skip XLA's dense attention when its fp32 logits would exceed this many GB")
+  ap.add_argument("--splash-grid", default="default",
+                  help="splash attention's block shapes on a TPU: 'default' (attention_baselines.SPLASH_GRID), "
+                       "'none', or QxKVxC,... (block_q x block_kv x block_kv_compute)")
+  ap.add_argument("--interpret", action="store_true",
+                  help="also run splash in Pallas' interpret mode off a TPU (exact and slow: for tests)")
   ap.add_argument("--dtypes", default="float32,bfloat16",
                   help="comma-separated, each float32 or bfloat16 (default both)")
   ap.add_argument("--repeats", type=int, default=5, help="timed calls of each (the median is reported)")
   ap.add_argument("--json", help="also write the results as JSON to this path")
+  return ap
+
+
+def run_dtype(args: argparse.Namespace, name: str, base: list[np.ndarray], sizes: BlockSizes, backend: str,
+              grid: tuple) -> dict:
+  """One dtype's row: every implementation timed in one run, with TFLOP/s, the fraction of the
+  chip's bf16 peak (None off the known chips and for float32), ratios and agreement."""
+  platform, dtype = jax.default_backend(), jnp.dtype(name)
+  shape = base[0].shape
+  q, k, v = (jnp.asarray(x, dtype) for x in base)
+  fns = baselines(platform, dtype, shape, args.dense_limit_gb, splash_grid=grid, interpret=args.interpret)
+  for impl in OURS:
+    fns[impl] = jax.jit(lambda q, k, v, impl=impl: local_attention(q, k, v, implementation=impl,
+                                                                   block_sizes=sizes, backend=backend))
+  t, failed = _time_interleaved(fns, (q, k, v), args.repeats)
+  outs = {key: np.asarray(f(q, k, v), np.float32) for key, f in fns.items()}
+  theirs = [key for key in t if key not in OURS]
+  reference = "xla_dense" if "xla_dense" in t else theirs[0] if theirs else "fixed_m"
+  best = min(theirs, key=t.get) if theirs else None
+  chip = chip_of(jax.devices()[0].device_kind)
+  peak = chip.peak_flops if chip is not None and dtype == jnp.bfloat16 else None
+  flops = 4.0 * shape[0] * shape[2] * shape[1] ** 2 * shape[3]
+  row = dict(dtype=name, backend=backend, seconds=t, failed=failed, flops=flops,
+             tflops={key: flops / sec / 1e12 for key, sec in t.items()},
+             peak_fraction={key: flops / sec / peak for key, sec in t.items()} if peak else None,
+             best_baseline=best, baseline_over_lse={key: t[key] / t["lse"] for key in theirs},
+             baseline_over_fixed_m={key: t[key] / t["fixed_m"] for key in theirs},
+             lse_over_fixed_m=t["lse"] / t["fixed_m"],
+             max_abs_vs={key: float(np.max(np.abs(outs[key] - outs[reference]))) for key in t}, reference=reference)
+  print(f"{name}:")
+  for key, sec in t.items():
+    print(f"  {key:26s} {_rate(sec, flops, peak)}" + ("  <- the best baseline" if key == best else ""))
+  for key, error in failed.items():
+    print(f"  {key:26s} failed: {error}")
+  if best is not None:
+    print(f"  {best}/fixed_m {row['baseline_over_fixed_m'][best]:.3f}  {best}/lse {row['baseline_over_lse'][best]:.3f}"
+          f"  lse/fixed_m {row['lse_over_fixed_m']:.3f}  (ratios > 1: ours faster)")
+  print("  max |out - " + reference + "|: " + "  ".join(f"{key} {e:.2e}" for key, e in row["max_abs_vs"].items()))
+  return row
+
+
+def main(argv=None):
+  ap = build_parser()
   args = ap.parse_args(argv)
   bad = [d for d in args.dtypes.split(",") if d not in ("float32", "bfloat16")]
   if bad:
     ap.error(f"--dtypes {bad} not understood; use float32 and/or bfloat16, comma-separated")
+  try:
+    grid = parse_grid(args.splash_grid)
+  except ValueError as e:
+    ap.error(str(e))
   backend = resolve_backend(args.backend)
   default = BlockSizes.get_default(backend)
   sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv)
@@ -92,31 +143,11 @@ def main(argv=None):
   platform = jax.default_backend()
   print(f"platform={platform} ({jax.devices()[0].device_kind}) devices={jax.device_count()} shape [B,T,N,H]={shape} "
         f"backend={backend} block_q={sizes.block_q} block_kv={sizes.block_kv}")
-  results = []
-  for name in args.dtypes.split(","):
-    dtype = jnp.dtype(name)
-    q, k, v = (jnp.asarray(x, dtype) for x in base)
-    fns = baselines(platform, dtype, shape, args.dense_limit_gb)
-    fns["lse"] = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="lse", block_sizes=sizes,
-                                                         backend=backend))
-    fns["fixed_m"] = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m",
-                                                             block_sizes=sizes, backend=backend))
-    t = _time_interleaved(fns, (q, k, v), args.repeats)
-    outs = {key: np.asarray(f(q, k, v), np.float32) for key, f in fns.items()}
-    reference = next(key for key in fns if key not in ("lse", "fixed_m"))
-    row = dict(dtype=name, backend=backend, seconds=t,
-               baseline_over_lse={key: t[key] / t["lse"] for key in fns if key not in ("lse", "fixed_m")},
-               lse_over_fixed_m=t["lse"] / t["fixed_m"],
-               max_abs_vs={key: float(np.max(np.abs(outs[key] - outs[reference]))) for key in fns},
-               reference=reference)
-    results.append(row)
-    print(f"{name}: " + "  ".join(f"{key} {sec * 1e3:.2f} ms" for key, sec in t.items()))
-    print("  " + "  ".join(f"{key}/lse {r:.2f}" for key, r in row["baseline_over_lse"].items())
-          + f"  lse/fixed_m {row['lse_over_fixed_m']:.2f}  (ratios > 1: ours faster)")
-    print("  max |out - " + reference + "|: " + "  ".join(f"{key} {e:.2e}" for key, e in row["max_abs_vs"].items()))
+  results = [run_dtype(args, name, base, sizes, backend, grid) for name in args.dtypes.split(",")]
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(platform=platform, backend=backend, shape=shape, block_sizes=[sizes.block_q, sizes.block_kv],
+      json.dump(dict(platform=platform, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
+                     backend=backend, shape=shape, block_sizes=[sizes.block_q, sizes.block_kv],
                      args=vars(args), results=results), f, indent=2)
   return results
 

@@ -180,9 +180,7 @@ def _pick(plan: Plan, request: Any) -> MeshSpec:
   from pipelines.parallel import planner
 
   kind = jax.devices()[0].device_kind.lower()
-  chip = next((planner.CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
-                                                       ("h200", ("h200",)), ("h100", ("h100",)))
-               if any(w in kind for w in words)), None)
+  chip = planner.chip_of(kind)
   modelled = chip or planner.Chip(kind or "device", float("inf"), 1e12, 1e10, "not modelled")
   from pipelines.wan.transformer import param_counts, quantized_counts
 

@@ -78,6 +78,14 @@ CHIPS = {
 }
 
 
+def chip_of(device_kind: str) -> Chip | None:
+  """The `CHIPS` entry of JAX's `Device.device_kind` (e.g. "TPU v5 lite" -> v5e), or None."""
+  kind = device_kind.lower()
+  return next((CHIPS[name] for name, words in (("v6e", ("v6",)), ("v5e", ("v5 lite", "v5e")),
+                                               ("h200", ("h200",)), ("h100", ("h100",)))
+               if any(w in kind for w in words)), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """One mesh and its modelled cost (module docstring).
