@@ -4,7 +4,7 @@
 - XLA's dense `jax.nn.dot_product_attention` (when its fp32 logits fit a limit); on a GPU also cuDNN.
 - On a TPU, jax's Pallas kernels: flash attention (`jax_tpu_flash`, its default 128 blocks) and
   splash attention (`splash_{block_q}x{block_kv}x{block_kv_compute}`: the kernel maxdiffusion runs for
-  Wan) at each block shape of a small grid, as maxdiffusion's `tile_size_grid_search.py` searches.
+  Wan) at each block shape of a small grid, as maxdiffusion's tile-size grid search does.
   Any length T: a Pallas baseline pads the sequence to a multiple of its blocks and masks the padded
   keys with segment ids (real tokens id 1, padded ones id 0: a padded query attends only to padded
   keys, so no row is empty), then drops the padded rows. With `interpret`, splash runs in Pallas'
