@@ -468,14 +468,14 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
   if args.quantize:
     pipe.quantize(args.quantize)
   pipe.set_memory_placement(args.placement)
-  ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init", runs=[])
+  ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init", runs=[],
+              step_flops=timed_runs.step_flops_of(preset))
   for i in range(args.runs):
-    stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh,
-                                                attention_backend=args.attention_backend,
-                                                guidance_2=preset.guidance_2, **_run_call(args, call, i))
+    stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh, guidance_2=preset.guidance_2,
+                                                attention_backend=args.attention_backend, **_run_call(args, call, i))
+    stages.update(timed_runs.step_rate(ours["step_flops"], stages.get("denoise_step_median"), args.mesh))
     ours["runs"].append(stages)
-    print(f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
-          f"process started {stages['peak_device_gib']} GiB, host {timed_runs.peak_host_gib()} GiB", flush=True)
+    print(timed_runs.run_line(i, stages, ours["step_flops"]), flush=True)
   return ours, frames, final
 
 

@@ -141,3 +141,41 @@ def run_diffusers(pipe, *, prompt: str, negative_prompt: str | None, latents: np
   step_times = [b - a for a, b in zip(ends, ends[1:])]
   return (_summary(marks["text_encode"], 0.0, step_times, marks["decode"], total),
           np.asarray(out.frames, np.float32), marks["latents"])
+
+
+def step_flops_of(preset: Any) -> float:
+  """Matmul FLOPs of one denoising step of `preset` (`parallel.estimate.step_flops`: both CFG rows;
+  it counts the text K/V projections, which the pipeline computes once per run, <1 % at real sizes)."""
+  from pipelines.parallel.estimate import step_flops
+
+  rows = 2 if preset.guidance > 1 else 1
+  return step_flops(preset.transformer, preset.tokens, preset.max_sequence_length, rows)
+
+
+def step_rate(flops: float, seconds: float | None, mesh: str | None) -> dict[str, float | None]:
+  """{"step_tflops_per_s": per device, "step_mfu": its fraction of the chip's bf16 peak (None off
+  the known chips, `planner.chip_of`)} of a step of `flops` taking `seconds` on `mesh`'s devices."""
+  import jax
+
+  from pipelines.parallel.planner import chip_of
+
+  if not seconds:
+    return {}
+  from attention.mesh import MeshSpec
+
+  devices = MeshSpec.parse(mesh).devices if mesh else 1
+  rate = flops / seconds / devices
+  chip = chip_of(jax.devices()[0].device_kind)
+  return {"step_tflops_per_s": rate / 1e12, "step_mfu": rate / chip.peak_flops if chip is not None else None}
+
+
+
+def run_line(i: int, stages: dict[str, Any], flops: float) -> str:
+  """Run `i`'s report: total, memory plan, device and host peaks, and the step's rate (`step_rate`)."""
+  line = (f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
+          f"process started {stages['peak_device_gib']} GiB, host {peak_host_gib()} GiB")
+  if not stages.get("step_tflops_per_s"):
+    return line
+  mfu = stages.get("step_mfu")
+  return line + (f"\n    step: {flops / 1e12:.1f} TFLOP (estimate.step_flops), {stages['step_tflops_per_s']:.1f} "
+                 f"TFLOP/s per device" + (f", MFU {mfu:.1%} of the chip's bf16 peak" if mfu else ""))

@@ -173,9 +173,13 @@ def test_benchmark_cold_steps_compile_once(tmp_path):
   path = tmp_path / "bench.json"
   assert bench_pipeline.main(["--preset", "tiny", "--steps", "3", "--cold-steps", "1", "--runs", "2",
                               "--max-sequence-length", "32", "--json", str(path)]) == 0
-  cold, warm = json.loads(path.read_text())["ours"]["runs"]
+  ours = json.loads(path.read_text())["ours"]
+  cold, warm = ours["runs"]
   assert (len(cold["step_times"]), len(warm["step_times"])) == (1, 3)
   assert cold["compile"] > 0 and warm["compile"] < 0.05 * cold["compile"]
+  # the step's rate: estimate.step_flops of the tiny preset over the warm run's median step (no chip: no MFU)
+  assert ours["step_flops"] > 0 and warm["step_mfu"] is None
+  assert warm["step_tflops_per_s"] * 1e12 == pytest.approx(ours["step_flops"] / warm["denoise_step_median"])
 
 
 def test_benchmark_usage_errors_exit_2(capsys):
