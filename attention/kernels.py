@@ -188,6 +188,33 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
                                                            G=G, bq=bq))
 
 
+TPU_DEFAULT_SCOPED_VMEM = 16 << 20  # XLA:TPU's scoped VMEM limit per kernel on v5e (v6e: 32 MiB)
+TPU_VMEM_LIMIT_CAP = 100 << 20  # of v5e's / v6e's 128 MiB of VMEM
+
+
+def tpu_vmem_bytes(bq: int, bk: int, G: int, H: int, itemsize: int) -> int:
+  """An upper bound of the TPU kernel's scoped VMEM, bytes: the fp32 logits and their probabilities
+  (6 B per [G bq, bk] entry), K and V tiles double-buffered, the q tile and o / carry blocks
+  double-buffered, the o / l / m scratch and the row positions. Above Mosaic's own figures for every
+  block pair it refused on v5e at G = 1, H = 128, bf16 (e.g. 4096 x 2048: 48.1 MiB LSE, bound 69.1;
+  tests/attention/test_kernels_vmem.py)."""
+  rows = G * bq
+  logits = 6 * rows * bk
+  kv_tiles = 2 * 2 * bk * H * itemsize
+  q_o_blocks = 2 * rows * H * itemsize + 2 * 2 * rows * H * 4  # q in; o out and the carry's o in (fp32)
+  scratch = rows * H * 4 + 2 * rows * LANES * 4 + bq * LANES * 4 + 2 * 2 * 2 * rows * 4  # o, l, m, positions; l/m blocks
+  return logits + kv_tiles + q_o_blocks + scratch + (1 << 20)
+
+
+def tpu_vmem_limit(bq: int, bk: int, G: int, H: int, itemsize: int) -> int | None:
+  """The kernel's own scoped VMEM limit (`CompilerParams.vmem_limit_bytes`): None (XLA's default)
+  while `tpu_vmem_bytes` fits the default, else that bound up to `TPU_VMEM_LIMIT_CAP`, so large
+  blocks compile without a process-wide `--xla_tpu_scoped_vmem_limit_kib` (checked ahead of time
+  for v5e with libtpu 0.0.42: 4096 x 2048 compiles with it, is refused without)."""
+  need = tpu_vmem_bytes(bq, bk, G, H, itemsize)
+  return None if need <= TPU_DEFAULT_SCOPED_VMEM else min(need, TPU_VMEM_LIMIT_CAP)
+
+
 def _start_kind(carry) -> str:
   """"carry" (a Carry to continue), "offsets" (a fixed-m Start) or "lse" (an LSE Start)."""
   if not isinstance(carry, Start):
@@ -247,7 +274,8 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
       out_shape=out_shape,
       input_output_aliases={7: 0, 8: 1, 9: 2} if start == "carry" and finish_to is None else {},
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=tpu_vmem_limit(bq, bk, G, H, q.dtype.itemsize)),
       interpret=interpret,
       name=f"attend_{mode}",
   )(*args)

@@ -90,7 +90,9 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # Code (LSE + fixed-m): 1024 x 1024 is 3.52-4.38 MiB (v5e) and 2.90-4.36 MiB (v6e), within 25% of
 # each shape's least (2.51-3.98 MiB; at most 1.19x); of the pairs that pass all three at every shape it has the
 # most work per grid step (half the steps of 512 x 1024, and twice its FLOPs per K/V byte read).
-# Not yet timed on a TPU: `bench.tune_blocks --backend pallas` there is the check.
+# Not yet timed on a TPU: `bench.tune_blocks --backend pallas` there is the check. (The VMEM refusals
+# above were at XLA's default limit; the kernel now sets its own where its blocks need more,
+# `kernels.tpu_vmem_limit`, and every pair up to 4096 x 2048 compiles for v5e.)
 DEFAULT_BLOCKS = {
     ("xla", "cpu"): BlockSizes(1024, 512),
     ("pallas", "cpu"): BlockSizes(128, 128),

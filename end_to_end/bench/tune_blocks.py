@@ -14,8 +14,9 @@ A winner becomes a default by editing DEFAULT_BLOCKS with the table's numbers in
 
 With `--topology` (TPU, compiled on this machine with libtpu; see end_to_end/aot/step.py) nothing runs:
 each pair is compiled for one chip and the table gives compile seconds, generated code and temp
-(HBM) memory per pair, and which pairs Mosaic refuses (e.g. a kernel whose scoped VMEM exceeds the chip's
-limit: 16 MiB on v5e, 32 MiB on v6e, with the MiB it asked for). That prunes the grid a TPU run then
+(HBM) memory per pair, and which pairs Mosaic refuses (e.g. a kernel whose scoped VMEM exceeds its
+limit, with the MiB it asked for; the kernel raises its own limit past XLA's default 16 MiB on v5e /
+32 MiB on v6e where its blocks need it, `attention.kernels.tpu_vmem_limit`). That prunes the grid a TPU run then
 times; `--pick` turns one chip's tables (one per attention shape) into its default (`pick_blocks`).
 
 The Pallas kernels on CPU run in interpret mode, whose speed says nothing about a TPU or GPU: that
