@@ -421,8 +421,9 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
   gains 1, biases 0; scale_shift_tables ~ N(0, 1) / sqrt(D) (diffusers' init). Drawn in fp32
   with numpy on the host (no per-parameter XLA compiles: those cost ~10 s for the tiny config on
   CPU) and cast as in `build_transformer`; with `on_device`, drawn by jax.random on the default
-  device instead (the same distributions, other values: seconds for 5 B values on an accelerator,
-  where numpy takes about a minute).
+  device instead, one leaf at a time, each cast there and copied to the host until the model is
+  built (the same distributions, other values: seconds for 5 B values on an accelerator, where
+  numpy takes about a minute; the device never holds more than the built model or one leaf's draw).
   """
   shapes = param_shapes(config)
   rng = np.random.default_rng(seed)
@@ -445,7 +446,11 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
 
   def draw_and_cast(path, shape):
     # Cast leaf by leaf so that at most one fp32 host copy is alive at a time (1.3B: 5 GB fp32).
-    return jnp.asarray(draw(path, shape), jnp.float32 if keeps_fp32(path) else dtype)
+    target = jnp.float32 if keeps_fp32(path) else dtype
+    value = draw(path, shape)
+    if isinstance(value, jax.Array):  # drawn on the device: cast there, kept on the host until built, so
+      return np.asarray(jax.device_get(value.astype(target)))  # the device holds one leaf's draw at a time
+    return jnp.asarray(value, target)
 
   params = _map_with_path(draw_and_cast, shapes)
   return build_transformer(config, params, dtype)

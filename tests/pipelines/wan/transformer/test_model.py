@@ -177,6 +177,25 @@ def test_init_transformer_runs_and_matches_shapes():
   assert bool(jnp.all(jnp.isfinite(out))) and float(jnp.std(out)) > 0
 
 
+def test_init_on_device_draws_the_same_distributions():
+  """`init_transformer(on_device=True)` (jax.random, for accelerators): the host init's layout and
+  dtypes, other values; uniform kernels within torch's bound 1/sqrt(fan_in) with its spread
+  (std bound/sqrt(3), to 5 %), gains 1, the modulation table N(0, 1)/sqrt(D)."""
+  config = WanTransformerConfig(**TORCH_CONFIGS["n2h12"], **COMMON)
+  host = init_transformer(config, seed=3, dtype=jnp.bfloat16)
+  device = init_transformer(config, seed=3, dtype=jnp.bfloat16, on_device=True)
+  for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  q = np.asarray(device.blocks.attn1.to_q.kernel, np.float32)
+  bound = 1 / math.sqrt(config.dim)
+  assert np.abs(q).max() <= bound * (1 + 2 ** -8)  # bf16 rounding of the bound
+  assert np.std(q) == pytest.approx(bound / math.sqrt(3), rel=0.05)
+  assert not np.array_equal(q, np.asarray(host.blocks.attn1.to_q.kernel, np.float32))  # other values
+  assert np.all(np.asarray(device.blocks.norm2.weight) == 1)
+  table = np.asarray(device.scale_shift_table)
+  assert np.std(table) == pytest.approx(1 / math.sqrt(config.dim), rel=0.25)
+
+
 def test_forward_takes_a_plan():
   """plan=None is `ParallelPlan.single()` (one device); anything but a plan is refused."""
   config = WanTransformerConfig(**TORCH_CONFIGS["n2h12"], **COMMON)
