@@ -207,7 +207,7 @@ def tpu_vmem_bytes(bq: int, bk: int, G: int, H: int, itemsize: int) -> int:
 
 
 def tpu_vmem_limit(bq: int, bk: int, G: int, H: int, itemsize: int) -> int | None:
-  """The kernel's own scoped VMEM limit (`CompilerParams.vmem_limit_bytes`): None (XLA's default)
+  """The kernel's own scoped VMEM limit (Pallas TPU compiler params' vmem_limit_bytes): None (XLA's default)
   while `tpu_vmem_bytes` fits the default, else that bound up to `TPU_VMEM_LIMIT_CAP`, so large
   blocks compile without a process-wide `--xla_tpu_scoped_vmem_limit_kib` (checked ahead of time
   for v5e with libtpu 0.0.42: 4096 x 2048 compiles with it, is refused without)."""
