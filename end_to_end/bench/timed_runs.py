@@ -157,17 +157,15 @@ def step_rate(flops: float, seconds: float | None, mesh: str | None) -> dict[str
   the known chips, `planner.chip_of`)} of a step of `flops` taking `seconds` on `mesh`'s devices."""
   import jax
 
+  from attention.mesh import MeshSpec
   from pipelines.parallel.planner import chip_of
 
   if not seconds:
     return {}
-  from attention.mesh import MeshSpec
-
   devices = MeshSpec.parse(mesh).devices if mesh else 1
   rate = flops / seconds / devices
   chip = chip_of(jax.devices()[0].device_kind)
   return {"step_tflops_per_s": rate / 1e12, "step_mfu": rate / chip.peak_flops if chip is not None else None}
-
 
 
 def run_line(i: int, stages: dict[str, Any], flops: float) -> str:

@@ -34,6 +34,7 @@ placement on a mesh in `weight_placement`; the `transformer` package names their
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -427,16 +428,17 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
   """
   shapes = param_shapes(config)
   rng = np.random.default_rng(seed)
-  keys = iter(jax.random.split(jax.random.key(seed), 4096))
+  key, leaf_index = (jax.random.key(seed) if on_device else None), itertools.count()
 
   def draw(path, shape):
     kind, scale = _init_rule(config, shapes, path)
     if kind in ("ones", "zeros"):
       return (np.ones if kind == "ones" else np.zeros)(shape, np.float32)
     if on_device:
+      leaf_key = jax.random.fold_in(key, next(leaf_index))
       if kind == "normal":
-        return jax.random.normal(next(keys), shape, jnp.float32) / scale
-      return jax.random.uniform(next(keys), shape, jnp.float32, -scale, scale)
+        return jax.random.normal(leaf_key, shape, jnp.float32) / scale
+      return jax.random.uniform(leaf_key, shape, jnp.float32, -scale, scale)
     if kind == "normal":
       return rng.standard_normal(shape, np.float32) / np.float32(scale)
     value = rng.random(shape, np.float32)
