@@ -80,24 +80,24 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # 512 x 1024 (VMEM per step ~ bq*bk*4 B of logits + double-buffered K/V tiles, inside v5e's 16 MiB
 # scoped VMEM); GPU the 128 x 128 tile of jax's Pallas GPU flash attention family; the CPU entry
 # is interpret mode (tests), small so that padding stays cheap.
-# TPU v5e and v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v5e:2x2 /
-# v6e:2x2`, then `--pick`; libtpu 0.0.42; docs/measurements/attention.md "Block sizes per TPU generation"
-# has the tables) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128]; U=2,R=2:
-# [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048 squared.
-# Fit: v5e refuses 2048 x 2048 (scoped VMEM 23.9-27.9 MiB > 16) and, at 14B, 2048 x 1024 (19.6);
-# 1024 x 1024 needs ~10.1 MiB there; v6e (32 MiB) refuses none. Padding: 2048-blocks pad 14B's
-# 37,800 tokens to 38,912 (+3.2% work per axis, +6.0% both) against 37,888 (+0.5%) for <= 1024.
-# Code (LSE + fixed-m): 1024 x 1024 is 3.52-4.38 MiB (v5e) and 2.90-4.36 MiB (v6e), within 25% of
-# each shape's least (2.51-3.98 MiB; at most 1.19x); of the pairs that pass all three at every shape it has the
-# most work per grid step (half the steps of 512 x 1024, and twice its FLOPs per K/V byte read).
-# Not yet timed on a TPU: `bench.tune_blocks --backend pallas` there is the check. (The VMEM refusals
-# above were at XLA's default limit; the kernel now sets its own where its blocks need more,
-# `kernels.tpu_vmem_limit`, and every pair up to 4096 x 2048 compiles for v5e.)
+# TPU v5e: 4096 x 1024, timed on the chip (`bench.tune_blocks --backend pallas`, JAX 0.10.2, bf16,
+# one chip, 2026-12-06; docs/measurements/attention.md "Block sizes per TPU generation"), fixed-m ms:
+#   [1, 32768, 12, 128] (1.3B 480p):  4096x2048 36.21, 4096x1024 36.61, 2048x1024 37.34, 1024x1024 38.56
+#   [1, 27280, 24, 128] (TI2V-5B 720p): 4096x1024 57.61, 2048x1024 58.55, 1024x1024 58.59, 4096x2048 59.00
+# 4096 x 1024 is within 1% of the best at both one-chip shapes (5% and 1.7% faster than 1024 x 1024);
+# its scoped VMEM (~30 MiB) is above XLA's 16 MiB default, raised by the kernel itself
+# (`kernels.tpu_vmem_limit`). Its 4096-row query blocks pad 14B's 37,800 per-device tokens (U=4,R=2)
+# to 40,960 (+8.4% against 37,888 for 1024): pass `BlockSizes` there until that shape is timed.
+# TPU v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v6e:2x2`, then
+# `--pick`; libtpu 0.0.42) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128];
+# U=2,R=2: [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048
+# squared: it compiles at every shape, pads 37,800 tokens by 0.5% (2048-blocks: 3.2% per axis), and
+# its code is within 1.19x of each shape's least, with the most work per grid step among those.
 DEFAULT_BLOCKS = {
     ("xla", "cpu"): BlockSizes(1024, 512),
     ("pallas", "cpu"): BlockSizes(128, 128),
     ("pallas", "tpu"): BlockSizes(512, 1024),
-    ("pallas", "tpu-v5e"): BlockSizes(1024, 1024),
+    ("pallas", "tpu-v5e"): BlockSizes(4096, 1024),
     ("pallas", "tpu-v6e"): BlockSizes(1024, 1024),
     ("pallas", "gpu"): BlockSizes(128, 128),
 }

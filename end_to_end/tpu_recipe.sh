@@ -14,7 +14,9 @@
 # Knobs: PYTHON (default python3), WHEELS (default .whl-tpu), LIMIT (seconds for pytest, default 580),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k attention"), COMMAND (run it instead of the tests, with
 # the same set-up, e.g. COMMAND="python3 -m end_to_end.bench.pipeline --preset wan2.1-1.3b --steps 50").
-# Exit status: pytest's (124 when LIMIT ran out).
+# HOST_LIMIT_GIB (unset: none) runs it under end_to_end/host_watchdog.sh, which kills it with its log
+# when the host's memory in use passes that many GiB (a lent machine's own out-of-memory kill loses it).
+# Exit status: pytest's (124 when LIMIT ran out, 137 when the watchdog killed it).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -81,10 +83,12 @@ import jax
 print(f"python {sys.version.split()[0]}; jax {jax.__version__} from {jax.__file__}; backend {jax.default_backend()}; "
       f"devices {[d.device_kind for d in jax.devices()]}")
 PY
+  watch=()
+  [ -n "${HOST_LIMIT_GIB:-}" ] && watch=(bash "$ROOT/end_to_end/host_watchdog.sh" "$HOST_LIMIT_GIB")
   if [ -n "${COMMAND:-}" ]; then  # another command with the same set-up, e.g. a benchmark
-    PYTHONUNBUFFERED=1 timeout "${LIMIT:-580}" bash -c "$COMMAND"
+    PYTHONUNBUFFERED=1 "${watch[@]}" timeout "${LIMIT:-580}" bash -c "$COMMAND"
   else
-    WAN_TEST_PLATFORM=tpu timeout "${LIMIT:-580}" "$PYTHON" -m pytest -q -p no:xdist -p no:cacheprovider \
+    WAN_TEST_PLATFORM=tpu "${watch[@]}" timeout "${LIMIT:-580}" "$PYTHON" -m pytest -q -p no:xdist -p no:cacheprovider \
       ${PYTEST_ARGS:-} tests/tpu
   fi
   status=$?

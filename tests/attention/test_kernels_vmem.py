@@ -27,7 +27,7 @@ def test_the_bound_covers_what_mosaic_asked_for(blocks):
 
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_the_default_blocks_keep_xla_s_default(itemsize):
-  """The v5e / v6e default 1024 x 1024 (bf16 and fp32 inputs) stays within XLA's default limit."""
+  """1024 x 1024 (v6e's default; bf16 and fp32 inputs) stays within XLA's default limit."""
   default = kernels.tpu_vmem_limit(1024, 1024, 1, 128, itemsize)
   assert default is None and kernels.tpu_vmem_limit(8192, 8192, 1, 128, 2) == kernels.TPU_VMEM_LIMIT_CAP
 

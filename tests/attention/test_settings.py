@@ -31,7 +31,7 @@ def test_backend_choice_and_errors():
   # Defaults follow the platform compiled for (a TPU mesh from a CPU host gets the TPU blocks).
   assert blockwise.check_block_sizes(None, "pallas", "tpu") == BlockSizes(512, 1024)
   # TPU v5e / v6e: their own entries (docs/measurements/attention.md, Block sizes per TPU generation).
-  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(1024, 1024)
+  assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v5 lite") == BlockSizes(4096, 1024)
   assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v6 lite") == BlockSizes(1024, 1024)
   assert blockwise.check_block_sizes(None, "pallas", "tpu", "TPU v4") == BlockSizes(512, 1024)
   assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)

@@ -34,6 +34,7 @@ placement on a mesh in `weight_placement`; the `transformer` package names their
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -422,9 +423,10 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
   gains 1, biases 0; scale_shift_tables ~ N(0, 1) / sqrt(D) (diffusers' init). Drawn in fp32
   with numpy on the host (no per-parameter XLA compiles: those cost ~10 s for the tiny config on
   CPU) and cast as in `build_transformer`; with `on_device`, drawn by jax.random on the default
-  device instead, one leaf at a time, each cast there and copied to the host until the model is
-  built (the same distributions, other values: seconds for 5 B values on an accelerator, where
-  numpy takes about a minute; the device never holds more than the built model or one leaf's draw).
+  device instead and cast there, the stacked [Z, ...] kernels one block's row at a time
+  (`_device_draw`), so the device holds the cast model and one row's fp32 draw and the host holds
+  nothing (the same distributions, other values: seconds for 5 B values on an accelerator, where
+  numpy takes about a minute).
   """
   shapes = param_shapes(config)
   rng = np.random.default_rng(seed)
@@ -435,10 +437,9 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
     if kind in ("ones", "zeros"):
       return (np.ones if kind == "ones" else np.zeros)(shape, np.float32)
     if on_device:
-      leaf_key = jax.random.fold_in(key, next(leaf_index))
-      if kind == "normal":
-        return jax.random.normal(leaf_key, shape, jnp.float32) / scale
-      return jax.random.uniform(leaf_key, shape, jnp.float32, -scale, scale)
+      target = jnp.float32 if keeps_fp32(path) else dtype
+      return _device_draw(jax.random.fold_in(key, next(leaf_index)), scale, kind=kind, shape=tuple(shape),
+                          dtype=jnp.dtype(target))
     if kind == "normal":
       return rng.standard_normal(shape, np.float32) / np.float32(scale)
     value = rng.random(shape, np.float32)
@@ -448,14 +449,27 @@ def init_transformer(config: WanTransformerConfig, seed: int = 0, dtype: jnp.dty
 
   def draw_and_cast(path, shape):
     # Cast leaf by leaf so that at most one fp32 host copy is alive at a time (1.3B: 5 GB fp32).
-    target = jnp.float32 if keeps_fp32(path) else dtype
-    value = draw(path, shape)
-    if isinstance(value, jax.Array):  # drawn on the device: cast there, kept on the host until built, so
-      return np.asarray(jax.device_get(value.astype(target)))  # the device holds one leaf's draw at a time
-    return jnp.asarray(value, target)
+    return jnp.asarray(draw(path, shape), jnp.float32 if keeps_fp32(path) else dtype)
 
   params = _map_with_path(draw_and_cast, shapes)
   return build_transformer(config, params, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "shape", "dtype"))
+def _device_draw(key: jax.Array, scale: float, *, kind: str, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+  """One parameter drawn by jax.random in fp32 and cast to `dtype` on the device: N(0, 1) / scale
+  ("normal") or U(-scale, scale) ("uniform"). A stacked kernel (3 or more axes, [Z, I, O] or
+  [Z, ...]) is drawn one row of its first axis at a time inside the program (`lax.map` writes each
+  cast row into the output), so its temporaries are one row's fp32 draw, not the whole leaf's
+  (TI2V-5B's FFN kernels: 5.3 GB in fp32 beside a 10 GB model on a 16 GB chip)."""
+  def one(k, row_shape):
+    if kind == "normal":
+      return (jax.random.normal(k, row_shape, jnp.float32) / scale).astype(dtype)
+    return jax.random.uniform(k, row_shape, jnp.float32, -scale, scale).astype(dtype)
+
+  if len(shape) < 3:
+    return one(key, shape)
+  return jax.lax.map(lambda i: one(jax.random.fold_in(key, i), shape[1:]), jnp.arange(shape[0]))
 
 
 def _init_rule(config: WanTransformerConfig, shapes: Mapping[str, Any], path: tuple[str, ...]) -> tuple[str, float]:

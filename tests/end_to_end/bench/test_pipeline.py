@@ -44,3 +44,31 @@ def test_step_rate_and_mfu_per_device(monkeypatch):
 def test_chip_of_device_kinds(kind, chip):
   from pipelines.parallel import planner
   assert planner.chip_of(kind) == (planner.CHIPS[chip] if chip else None)
+
+
+def test_host_random_umt5_has_the_encoder_s_tree_and_stds(monkeypatch):
+  """`presets.host_random_umt5`: numpy leaves with `init_umt5_params`' paths, shapes and dtypes (bf16,
+  `wo` fp32), each leaf's std that of transformers' init within sampling error (the tile repeated
+  to a leaf's size is 2**10 draws here), and the encoder runs on them."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  import numpy as np
+
+  from end_to_end.bench import presets
+  from pipelines.wan.encoders import UMT5Config, init_umt5_params
+  from pipelines.wan.encoders.umt5 import encode_text
+
+  monkeypatch.setattr(presets, "TILE", 2 ** 10)
+  config = dataclasses.replace(UMT5Config(), num_layers=3, vocab_size=3000)
+  ours = presets.host_random_umt5(config, 0, jnp.bfloat16)
+  ref = init_umt5_params(config, 0, dtype=jnp.bfloat16)
+  paths = lambda tree: [(jax.tree_util.keystr(p), x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+  assert paths(ours) == paths(ref)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(ref)):
+    assert isinstance(a, np.ndarray), path
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.std(a) == pytest.approx(np.std(b), rel=0.1, abs=1e-6), jax.tree_util.keystr(path)
+  ids = jnp.arange(12, dtype=jnp.int32)[None]
+  out = encode_text(ours, ids, jnp.ones_like(ids), config=config)
+  assert np.isfinite(np.asarray(out, np.float32)).all() and float(jnp.std(out.astype(jnp.float32))) > 0
