@@ -28,6 +28,8 @@ WHOLE = {
                                           "over the same local shapes; its docstring says so",
     ("attention/usp.py", "_usp_body"): "one linear schedule of numbered stages (reductions, all-to-all, ring loop, "
                                        "all-to-all back) over the same collectives; its docstring says so",
+    ("pipelines/pipeline/checked/request.py", "build"): "one linear sequence of checks over a call's arguments, "
+                                                         "one line per argument group, each check in its helper",
 }
 MUTATORS = {"append", "extend", "update", "clear", "pop", "popitem", "setdefault", "add", "remove",
             "insert", "discard"}

@@ -14,6 +14,7 @@ from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags
 from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS
+from pipelines.wan.pretrained import TINY_FOLDERS, GenerationDefaults
 from pipelines.commands import compile_cache
 from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
@@ -156,17 +157,18 @@ def _add_sampling_flags(g: argparse._ArgumentGroup) -> None:
   g.add_argument("--size", default=None,
                  help=f"WIDTHxHEIGHT in pixels, multiples of 16, e.g. 832x480 (Wan's 832*480 also accepted; "
                       f"default: the --preset's, {tiny.width}x{tiny.height} for tiny, {folder.width}x{folder.height} "
-                      "for a folder; with --image, the image's aspect ratio within that area)")
+                      "for a folder without its own generation_defaults.json; with --image, the image's aspect ratio within that area)")
   g.add_argument("--frames", dest="num_frames", type=int, default=None, metavar="FRAMES",
                  help="frames, 4k+1 (e.g. 81); other counts become frames // 4 * 4 + 1, as in diffusers "
                       f"(16 -> 17, 10 -> 9) (default: the --preset's, {tiny.frames} for tiny, {folder.frames} for a "
-                      "folder; with --video, its length)")
+                      "folder without its own generation_defaults.json; with --video, its length)")
   g.add_argument("--steps", dest="num_inference_steps", type=int, default=None, metavar="STEPS",
                  help=f"denoising steps, 1 to 1000 (default: the --preset's, {tiny.steps} for tiny, {folder.steps} "
-                      "for a folder)")
+                      "for a folder without its own generation_defaults.json)")
   g.add_argument("--guidance", dest="guidance_scale", default=None, metavar="GUIDANCE",
                  help="CFG scale in [0, 100], or 'HIGH,LOW' for the two Wan 2.2 experts; <= 1 turns CFG off "
-                      f"(default: the --preset's, {tiny.guidance[0]:g} for tiny, {folder.guidance[0]:g} for a folder)")
+                      f"(default: the --preset's, {tiny.guidance[0]:g} for tiny, a folder's own generation_defaults.json, "
+                      f"else {folder.guidance[0]:g})")
   g.add_argument("--shift", dest="flow_shift", type=float, default=None, metavar="SHIFT",
                  help="scheduler flow shift, in [0.01, 1000] (Wan: 3 at 480p, 5 at 720p; default: the --preset's, "
                       f"{tiny.shift:g} for tiny, the scheduler config's for a folder)")
@@ -205,6 +207,7 @@ def _add_conditioning_flags(g: argparse._ArgumentGroup) -> None:
 
 def _add_window_flags(g: argparse._ArgumentGroup) -> None:
   """A video longer than the model's trained clip, in context windows."""
+  tiny_fuse = GenerationDefaults.read(TINY_FOLDERS["tiny"]).context_fuse
   g.add_argument("--context-frames", type=int, default=None, metavar="L",
                  help="a video longer than the model's trained clip in overlapping context windows of L frames "
                       "(4k+1; Wan: 81, tiny: 17), blended at every step (see --context-fuse); W=2 in --mesh runs two "
@@ -212,10 +215,12 @@ def _add_window_flags(g: argparse._ArgumentGroup) -> None:
   g.add_argument("--context-overlap", type=int, default=None, metavar="O",
                  help="with --context-frames: frames neighbouring windows share at least, a multiple of 4 "
                       "below L (default: a quarter of L)")
-  g.add_argument("--context-fuse", choices=("pyramid", "flat", "continue"), default="pyramid",
+  g.add_argument("--context-fuse", choices=("pyramid", "flat", "continue"), default=None,
                  help="with --context-frames: the overlaps' blend weights at every step (pyramid, as ComfyUI; "
                       "flat), or continue: windows one after another, each given the frames it shares with the one "
-                      "before (a model trained to continue; not with W) (default: pyramid)")
+                      "before (a model trained to continue; not with W) (default: the model's, from its folder's "
+                      f"generation_defaults.json: {tiny_fuse} for tiny, pyramid for a folder "
+                      "without one, and pyramid wherever continue cannot run)")
 
 
 def _add_device_flags(g: argparse._ArgumentGroup) -> None:

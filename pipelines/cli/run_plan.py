@@ -19,7 +19,7 @@ from pipelines.cli.flags import flag_error, in_flags, parse_guidance, parse_numb
 from pipelines.cli.plan import Plan
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.model_files import describe, single_files
-from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of
+from pipelines.commands.presets import PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of, model_preset
 from pipelines.parallel import distributed
 from pipelines.parallel.mesh_rules import check_spec
 from pipelines.commands import compile_cache
@@ -199,10 +199,11 @@ def image_sized(plan: Plan, facts: Any) -> Plan:
 
 
 def model_fps(plan: Plan, facts: Any) -> Plan:
-  """Without --fps or --preset, the model's own frame rate (`presets.model_fps`: TI2V-5B 24)."""
+  """Without --fps or --preset, the model's own frame rate (its folder's generation_defaults.json,
+  else `presets.model_fps`: TI2V-5B 24)."""
   if plan.fps_given:
     return plan
-  fps = model_fps_of(facts.expand_timesteps)
+  fps = facts.defaults.fps or model_fps_of(facts.expand_timesteps)
   return dataclasses.replace(plan, fps=video_io.gif_fps(fps) if video_io.output_kind(plan.out) == "gif" else fps)
 
 
@@ -237,8 +238,9 @@ def _check_prompt(args: argparse.Namespace) -> None:
 
 
 def _preset(args: argparse.Namespace, model: str | None) -> tuple[str | None, Preset]:
-  """(--preset name or None, its values): 'tiny' for the tiny models, diffusers' defaults for a folder
-  or single files (model None).
+  """(--preset name or None, its values): 'tiny' for the tiny models; for a folder its own defaults
+  (`presets.model_preset`: its generation_defaults.json, else diffusers'); diffusers' for single
+  files (model None).
 
   Raises:
     UsageError: --model neither a tiny model nor a folder, or an unknown --preset.
@@ -257,7 +259,7 @@ def _preset(args: argparse.Namespace, model: str | None) -> tuple[str | None, Pr
     warnings.warn(f"--preset {preset_name} sets the size/steps of a real Wan checkpoint but --model is "
                   "the embedded tiny model; pass --model FOLDER for a real video",
                   stacklevel=3)
-  return preset_name, PRESETS[preset_name] if preset_name else FOLDER_DEFAULTS
+  return preset_name, PRESETS[preset_name] if preset_name else model_preset(model)
 
 
 def _mesh_flags(args: argparse.Namespace, *, cfg_active: bool) -> MeshSpec | None:

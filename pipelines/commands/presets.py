@@ -6,6 +6,9 @@ without --preset), the embedded model names and the default text length of a mod
 from __future__ import annotations
 
 import dataclasses
+import os
+
+from pipelines.wan.pretrained import TINY_FOLDERS, GenerationDefaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,19 @@ WAN_NEGATIVE_PROMPT = (
     "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
     "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 
+# A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
+FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
+
+
+def preset_of(defaults: GenerationDefaults, shift: float = 0.0) -> Preset:
+  """A model folder's own defaults (`generation_defaults.json`) as a `Preset` (shift 0: the scheduler
+  config's; fps: the folder's, else `FOLDER_DEFAULTS`')."""
+  guidance = (defaults.guidance_scale,) if defaults.guidance_scale_2 is None else (
+      defaults.guidance_scale, defaults.guidance_scale_2)
+  return Preset(defaults.width, defaults.height, defaults.num_frames, defaults.num_inference_steps, shift, guidance,
+                defaults.source, fps=FOLDER_DEFAULTS.fps if defaults.fps is None else defaults.fps)
+
+
 PRESETS: dict[str, Preset] = {
     # diffusers Wan docs / Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler config (flow_shift 3.0 at 480p).
     "wan2.1-t2v-1.3b": Preset(832, 480, 81, 50, 3.0, (5.0,), "diffusers WanPipeline docs (480p: shift 3.0)",
@@ -71,9 +87,10 @@ PRESETS: dict[str, Preset] = {
     # frame_num 121, sample_fps 24 (`fps`); its size list is 1280*704 / 704*1280.
     "wan2.2-ti2v-5b": Preset(1280, 704, 121, 50, 5.0, (5.0,), "Wan2.2 configs/wan_ti2v_5B.py",
                              WAN_NEGATIVE_PROMPT, fps=24.0),
-    # The embedded tiny models: the size and sampler settings the trained default was trained and
-    # accepted at (end_to_end/train/tiny.py); seconds on a laptop CPU.
-    "tiny": Preset(64, 64, 17, 8, 3.0, (2.0,), "this project (the trained tiny default)"),
+    # The embedded tiny models: the settings the trained default was trained and accepted at
+    # (end_to_end/train/tiny.py), read from its folder's generation_defaults.json; shift 3.0, its
+    # scheduler_config.json's. Seconds on a laptop CPU.
+    "tiny": preset_of(GenerationDefaults.read(TINY_FOLDERS["tiny"]), shift=3.0),
     # Image-to-video. Wan2.1 generate.py: i2v 40 steps, shift 3.0 at 832*480 and 5.0 otherwise,
     # guide scale 5.0; flf2v 50 steps, shift 16. Without --size the video takes the image's aspect
     # ratio within width x height's area (`size_for_image`, as Wan's image2video.py).
@@ -128,8 +145,20 @@ def size_for_image(image_height: int, image_width: int, area: int, multiple: int
   return max(width, multiple), max(height, multiple)
 
 
-# A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
-FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
+def model_preset(model: str | None) -> Preset:
+  """The sampling defaults of `model` (a `TINY_MODELS` name, a folder, or None: single files) when no
+  --preset is given: its folder's `generation_defaults.json` (the tiny models': `PRESETS["tiny"]`'s
+  numbers), else diffusers' (`FOLDER_DEFAULTS`; also for a Hub id before its download).
+
+  Raises:
+    ValueError: a folder's defaults file that is not valid (`GenerationDefaults.read`).
+  """
+  folder = TINY_FOLDERS.get(model, model) if model is not None else None
+  if folder is None or not os.path.isdir(folder):
+    return FOLDER_DEFAULTS
+  return preset_of(GenerationDefaults.read(folder))
+
+
 
 
 def model_fps(expand_timesteps: bool) -> float:

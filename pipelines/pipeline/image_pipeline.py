@@ -52,8 +52,8 @@ class WanImageToVideoPipeline(WanPipeline):
     self.image_encoder = image_encoder if branch else None
     self.image_processor = image_processor if branch else None
 
-  def __call__(self, image: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int = 480,
-               width: int = 832, num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+  def __call__(self, image: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int | None = None,
+               width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                seed: int | Sequence[int] | None = None, latents: Any = None, max_sequence_length: int | None = None,
                mesh: Any = None, *, last_image: Any = None, image_embeds: Any = None, **kwargs: Any) -> Any:
     """Generates videos from an image; diffusers `WanImageToVideoPipeline.__call__(...).frames`.

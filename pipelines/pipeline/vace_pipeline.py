@@ -33,9 +33,9 @@ class WanVACEPipeline(WanPipeline):
                        "with WanPipeline, or give a Wan VACE folder")
 
   def __call__(self, prompt: Any = None, negative_prompt: Any = None, video: Any = None, mask: Any = None,
-               reference_images: Any = None, conditioning_scale: float | Sequence[float] = 1.0, height: int = 480,
-               width: int = 832, num_frames: int | None = None, num_inference_steps: int = 50,
-               guidance_scale: float = 5.0, seed: int | Sequence[int] | None = None, latents: Any = None,
+               reference_images: Any = None, conditioning_scale: float | Sequence[float] = 1.0, height: int | None = None,
+               width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
+               guidance_scale: float | None = None, seed: int | Sequence[int] | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Any = None, **kwargs: Any) -> Any:
     """Generates videos; diffusers `WanVACEPipeline.__call__(...).frames`.
 
@@ -48,7 +48,8 @@ class WanVACEPipeline(WanPipeline):
       reference_images: an image or a list of images (subjects, styles) the video should show; each
         adds one latent frame in front of the video's, dropped before decoding.
       conditioning_scale: the VACE hints' weight, one number or one per VACE layer.
-      num_frames: the video's length (None: the video's first 4k + 1 frames, or 81 without a video).
+      num_frames: the video's length (None: the video's first 4k + 1 frames, or the model's default,
+        81 for a folder without `generation_defaults.json`, without a video).
       the rest: as `WanPipeline.__call__` (`call_options.CALL_DOCS`).
 
     Returns and Raises:
@@ -58,10 +59,10 @@ class WanVACEPipeline(WanPipeline):
                             guidance_scale, seed, latents, max_sequence_length, mesh, video=video, mask=mask,
                             reference_images=reference_images, conditioning_scale=conditioning_scale, **kwargs)
 
-  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
+  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int | None = None, width: int | None = None,
           num_frames: int | None = None, *args: Any, **kwargs: Any) -> Any:
     """`WanPipeline.run` (`__call__` returning a `GenerationResult`); num_frames None: the video's
-    length, its first 4k + 1 frames (81 without a video)."""
+    length, its first 4k + 1 frames (the model's default without a video)."""
     return super().run(prompt, negative_prompt, height, width, self._frames(num_frames, kwargs.get("video")),
                        *args, **kwargs)
 
@@ -71,8 +72,8 @@ class WanVACEPipeline(WanPipeline):
     return super().check_inputs(prompt, negative_prompt, **kwargs)
 
   def _frames(self, num_frames: Any, video: Any) -> Any:
-    """`num_frames`, or when None the video's first 4k + 1 frames (as video-to-video) or 81."""
+    """`num_frames`, or when None the video's first 4k + 1 frames (as video-to-video), or None (the
+    model's default; a video of no length is then named by the request's checks)."""
     if num_frames is not None:
       return num_frames
-    length = None if video is None else video_length(video, self.facts.temporal_factor)
-    return 81 if length is None else length  # no length: the request's checks name the video
+    return None if video is None else video_length(video, self.facts.temporal_factor)

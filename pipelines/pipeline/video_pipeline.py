@@ -27,8 +27,8 @@ class WanVideoToVideoPipeline(WanPipeline):
 
   video_to_video = True
 
-  def __call__(self, video: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int = 480,
-               width: int = 832, num_inference_steps: int = 50, guidance_scale: float = 5.0,
+  def __call__(self, video: Any = None, prompt: Any = None, negative_prompt: Any = None, height: int | None = None,
+               width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                strength: float = 0.8, seed: int | Sequence[int] | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Any = None, **kwargs: Any) -> Any:
     """Generates videos from a video; diffusers `WanVideoToVideoPipeline.__call__(...).frames`.
@@ -55,8 +55,8 @@ class WanVideoToVideoPipeline(WanPipeline):
                             num_inference_steps, guidance_scale, seed, latents, max_sequence_length, mesh,
                             video=video, strength=strength, **kwargs)
 
-  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
-          num_frames: int | None = None, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
+  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int | None = None, width: int | None = None,
+          num_frames: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
           seed: Any = None, latents: Any = None, *args: Any, **kwargs: Any) -> Any:
     """`WanPipeline.run` (`__call__` returning a `GenerationResult`); num_frames None: the video's
     length (its first 4k + 1 frames), or the latents' without a video."""
@@ -69,12 +69,12 @@ class WanVideoToVideoPipeline(WanPipeline):
     return super().check_inputs(prompt, negative_prompt, **kwargs)
 
   def _frames(self, num_frames: Any, video: Any, latents: Any) -> Any:
-    """`num_frames`, or when None the video's first 4k + 1 frames, else the latents' frames, else 81
-    (the request's checks then name what is missing or wrong)."""
+    """`num_frames`, or when None the video's first 4k + 1 frames, else the latents' frames, else None
+    (the model's default; the request's checks then name what is missing or wrong)."""
     step = self.facts.temporal_factor
     if num_frames is not None:
       return num_frames
     if video is not None:
       return video_length(video, step) or 1
     shape = getattr(latents, "shape", ())
-    return (shape[2] - 1) * step + 1 if len(shape) == 5 else 81
+    return (shape[2] - 1) * step + 1 if len(shape) == 5 else None

@@ -54,7 +54,8 @@ from pipelines.wan import conditioning as wan_conditioning, lora, step_cache as 
 from pipelines.wan.step_cache import warn_other_calibration
 from pipelines.wan.transformer import WanTransformer, check_quantization, quantize_transformer
 from pipelines.wan.encoders import UMT5Config, UMT5Params, text_length
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO
+from pipelines.wan.pretrained import (TINY_DEFAULT_FOLDER, TINY_I2V_FOLDER, TINY_TRAINED_NAMES, TINY_TRAINED_VIDEO,
+                                      GenerationDefaults)
 
 DTYPES = loading.DTYPES
 
@@ -87,16 +88,15 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
   def __init__(self, *, tokenizer: Any, text_encoder: tuple[UMT5Config, UMT5Params],
                transformers: Sequence[WanTransformer], vae: wan_vae.WanVAE,
                scheduler_config: Any, boundary_ratio: float | None = None, expand_timesteps: bool = False,
-               name: str = ""):
+               name: str = "", generation_defaults: GenerationDefaults | None = None):
     loading.check_parts(text_encoder[0], transformers, vae, boundary_ratio)
     self.transformer_config = transformers[0].config
     self.text_encoder_config = text_encoder[0]
     self.tokenizer = tokenizer
     self.max_sequence_length = text_length(getattr(tokenizer, "model_max_length", None))
-    self.scheduler_config = scheduler_config
-    self.boundary_ratio = boundary_ratio
-    self.expand_timesteps = bool(expand_timesteps)
-    self.name = name
+    self.scheduler_config, self.boundary_ratio = scheduler_config, boundary_ratio
+    self.expand_timesteps, self.name = bool(expand_timesteps), name
+    self.generation_defaults = GenerationDefaults() if generation_defaults is None else generation_defaults
     self.dtype = transformers[0].dtype
     split = [nnx.split(t) for t in transformers]
     self._graphdef = split[0][0]
@@ -168,11 +168,10 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
 
     Args:
       dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
-      random: False (default): the trained tiny model shipped in `TINY_DEFAULT_FOLDER` (written by
-        `end_to_end.train.tiny`): the shapes world, e.g. "a red square moving right" at 64x64 x 17
-        frames.
-        True: random weights from a fixed seed (`wan.pretrained.tiny`): noise-like videos, every code path,
-        fastest compiles (what most tests use).
+      random: False (default): the trained tiny model in `TINY_DEFAULT_FOLDER` (`end_to_end.train.tiny`):
+        the shapes world, e.g. "a red square moving right", at its folder's defaults (64x64 x 17
+        frames, `generation_defaults.json`). True: random weights from a fixed seed
+        (`wan.pretrained.tiny`): noise-like videos, every code path, fastest compiles (most tests).
       quantize: None, "int8", "fp8" or "int8-w8a8" (`quantize`).
       image: "tiny-i2v", `TINY_I2V_FOLDER` (a TI2V folder, `train.long_clips`): `pipe(prompt,
         image=first_frame)` continues the given frame; it also knows slow motions over 65 frames.
@@ -183,13 +182,13 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     if image and random:
       raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
                        "model (random=True) was not trained for it: pass one of them")
-    if not random:
-      pipe = cls.from_pretrained(TINY_I2V_FOLDER if image else TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
-      pipe.name = "tiny-i2v" if image else "tiny"
+    if random:
+      pipe = cls(**loading.tiny_random_parts(dtype))
+      if quantize is not None:
+        pipe.quantize(quantize)
       return pipe
-    pipe = cls(**loading.tiny_random_parts(dtype))
-    if quantize is not None:
-      pipe.quantize(quantize)
+    pipe = cls.from_pretrained(TINY_I2V_FOLDER if image else TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
+    pipe.name = "tiny-i2v" if image else "tiny"
     return pipe
 
   def quantize(self, mode: str) -> None:
@@ -291,14 +290,13 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
   @property
   def facts(self) -> ModelFacts:
     """What checking a call needs to know of this model (`model_facts.ModelFacts`)."""
-    return ModelFacts(name=self.name, transformer=self.transformer_config,
-                      spatial_factor=self.vae.config.spatial_factor,
-                      temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
-                      scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
-                      dtype=jnp.dtype(self.dtype).name,
-                      image_to_video=self.image_to_video and not self.expand_timesteps,
-                      trained_video=TINY_TRAINED_VIDEO if self.name in TINY_TRAINED_NAMES else None,
-                      quantize=self.quantization, expand_timesteps=self.expand_timesteps)
+    return ModelFacts(
+        name=self.name, transformer=self.transformer_config, spatial_factor=self.vae.config.spatial_factor,
+        temporal_factor=self.vae.config.temporal_factor, boundary_ratio=self.boundary_ratio,
+        scheduler=self.scheduler_config, max_sequence_length=self.max_sequence_length,
+        dtype=jnp.dtype(self.dtype).name, image_to_video=self.image_to_video and not self.expand_timesteps,
+        trained_video=TINY_TRAINED_VIDEO if self.name in TINY_TRAINED_NAMES else None,
+        quantize=self.quantization, expand_timesteps=self.expand_timesteps, defaults=self.generation_defaults)
 
   def latent_shape(self, batch: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
     """[B, C, F, Hl, Wl] for a video of `num_frames` (4k+1) x height x width."""
@@ -380,8 +378,9 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
     return request
 
   def __call__(self, prompt: str | Sequence[str] | None = None, negative_prompt: str | Sequence[str] | None = None,
-               height: int = 480, width: int = 832, num_frames: int = 81, num_inference_steps: int | None = None,
-               guidance_scale: float = 5.0, seed: int | Sequence[int] | None = None, latents: Any = None,
+               height: int | None = None, width: int | None = None, num_frames: int | None = None,
+               num_inference_steps: int | None = None, guidance_scale: float | None = None,
+               seed: int | Sequence[int] | None = None, latents: Any = None,
                max_sequence_length: int | None = None, mesh: Mesh | str | None = None, *,
                guidance_scale_2: float | None = None, flow_shift: float | None = None,
                num_videos_per_prompt: int = 1, prompt_embeds: Any = None, negative_prompt_embeds: Any = None,
@@ -419,8 +418,9 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       return result.latents
     return frames_to_pil(result.frames) if output_type == "pil" else result.frames
 
-  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int = 480, width: int = 832,
-          num_frames: int = 81, num_inference_steps: int | None = None, guidance_scale: float = 5.0,
+  def run(self, prompt: Any = None, negative_prompt: Any = None, height: int | None = None,
+          width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
+          guidance_scale: float | None = None,
           seed: int | Sequence[int] | None = None, latents: Any = None, max_sequence_length: int | None = None,
           mesh: Mesh | str | None = None, **kwargs: Any) -> GenerationResult:
     """`__call__` returning a `GenerationResult` (frames, latents, timings and the resolved settings);

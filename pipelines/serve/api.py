@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_MODELS
+from pipelines.commands.presets import PRESETS, TINY_MODELS, model_preset
 from pipelines.pipeline.checked.seed import random_seed
 
 JOB_ID = re.compile(r"video_[0-9a-f]{24}")
@@ -120,7 +120,8 @@ class VideoCreate(BaseModel):
   fps: Any = _typed("number", "frames per second (default: the model's, TI2V-5B 24, else 16)")
   num_frames: Any = _typed("integer", "frames, 4k + 1 (wins over seconds)")
   num_inference_steps: Any = _typed("integer", "denoising steps")
-  guidance_scale: Any = _typed("number", "classifier-free guidance scale (> 1: with guidance)")
+  guidance_scale: Any = _typed("number", "classifier-free guidance scale (> 1: with guidance; default: the "
+                               "model's)")
   flow_shift: Any = _typed("number", "the flow-matching schedule's shift (default: the model's)")
   seed: Any = _typed("integer", "random seed, 0 <= seed < 2**63 (default: drawn)")
   strength: Any = _typed("number", "with a video input_reference (video-to-video): the share of the steps that "
@@ -129,9 +130,9 @@ class VideoCreate(BaseModel):
                                "windows of this many frames, 4k + 1 (Wan: 81; default: one clip)")
   context_overlap: Any = _typed("integer", "with context_frames: frames neighbouring windows share at least, a "
                                 "multiple of 4 (default: a quarter of the window)")
-  context_fuse: Any = _typed("string", "with context_frames: \"pyramid\" (default) or \"flat\" blend weights at "
-                             "every step, or \"continue\": windows one after another, each given the frames it "
-                             "shares with the one before")
+  context_fuse: Any = _typed("string", "with context_frames: \"pyramid\" or \"flat\" blend weights at every "
+                             "step, or \"continue\": windows one after another, each given the frames it shares "
+                             "with the one before (default: the model's)")
   output_format: Literal["mp4", "gif", "npy"] = "mp4"
   lora: list[str] = Field(default_factory=list, description="names of the server's LoRAs (serve --lora NAME=PATH)")
   input_reference: Any = Field(None, description="an image file part (the first frame; a VACE model's reference image) "
@@ -213,8 +214,9 @@ class ModelList(BaseModel):
 
 
 def defaults(model: str) -> Any:
-  """The sampling defaults of the served model (`commands.presets`): the tiny preset, or diffusers'."""
-  return PRESETS["tiny"] if model in TINY_MODELS else FOLDER_DEFAULTS
+  """The sampling defaults of the served model (`commands.presets`): the tiny preset, or a folder's own
+  (`model_preset`: its generation_defaults.json, else diffusers')."""
+  return PRESETS["tiny"] if model in TINY_MODELS else model_preset(model)
 
 
 def _size(text: str | None, preset: Any) -> tuple[int, int]:

@@ -126,8 +126,9 @@ class Service:
     """
     if self.state == "failed":
       raise api.ApiError(503, f"the model failed to load: {self.error}", code="model_unavailable")
+    fps = self.facts.defaults.fps or model_fps(self.facts.expand_timesteps)  # the model's own, else its kind's
     params = api.job_params(body, model=self.facts.name, loras=self.config.lora_names,
-                            max_prompt_chars=self.config.max_prompt_chars, fps=model_fps(self.facts.expand_timesteps))
+                            max_prompt_chars=self.config.max_prompt_chars, fps=fps)
     if given is None:
       reference = references.from_body(body.input_reference, upload)
       given = None if reference is None else references.decode(reference, self.facts, api.MAX_FRAMES)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from typing import Any
 
 from pipelines.parallel.token_facts import TokenFacts
 from pipelines.wan import schedulers
+from pipelines.wan.pretrained import GenerationDefaults
 from pipelines.wan.transformer import WanTransformerConfig
 
 
@@ -38,6 +40,7 @@ class ModelFacts:
       and condition latents: in_channels = 2 C + temporal_factor); its requests need `image`.
     expand_timesteps: one timestep per token (a Wan 2.2 TI2V folder's model_index.json
       `expand_timesteps`; `wan.conditioning.ti2v`).
+    defaults: what a call leaves out (the folder's `generation_defaults.json`, else diffusers').
   """
   name: str
   transformer: WanTransformerConfig
@@ -51,6 +54,7 @@ class ModelFacts:
   quantize: str | None = None
   expand_timesteps: bool = False
   image_to_video: bool = False
+  defaults: GenerationDefaults = GenerationDefaults()
 
   def __post_init__(self):
     t = self.transformer
@@ -71,6 +75,29 @@ class ModelFacts:
     if self.trained_video is not None:
       return self.trained_video[2]
     return None if self.name == "tiny-random" else 121 if self.expand_timesteps else 81
+
+  def fill(self, height: Any, width: Any, num_frames: Any, num_inference_steps: Any, guidance_scale: Any,
+           guidance_scale_2: Any, *, custom_schedule: bool) -> tuple[Any, ...]:
+    """A call's (height, width, num_frames, num_inference_steps, guidance_scale, guidance_scale_2)
+    with each None taken from `defaults`: the steps only without a custom schedule (whose length is
+    the count), the second scale only with the first (one given scale guides both experts). The
+    context fuse's default is `window_inputs.check_context_windows`'."""
+    d = self.defaults
+    if guidance_scale is None:
+      guidance_scale = d.guidance_scale
+      if guidance_scale_2 is None and self.boundary_ratio is not None:
+        guidance_scale_2 = d.guidance_scale_2
+    if num_inference_steps is None and not custom_schedule:
+      num_inference_steps = d.num_inference_steps
+    return (d.height if height is None else height, d.width if width is None else width,
+            d.num_frames if num_frames is None else num_frames, num_inference_steps, guidance_scale,
+            guidance_scale_2)
+
+  def warn_outside_world(self, prompts: Any) -> None:
+    """Warns once for a call whose prompts the model's `GenerationDefaults.prompt_world` does not know."""
+    world = self.defaults.prompt_world
+    if world is not None and prompts and (note := world.outside(self.name, list(prompts))) is not None:
+      warnings.warn(note, stacklevel=4)
 
   def outside_training(self, height: int, width: int, num_frames: int) -> str | None:
     """The warning for a size a one-size model (`trained_video`) was not trained at, or None."""
@@ -146,7 +173,7 @@ class ModelFacts:
                boundary_ratio=index.boundary_ratio, scheduler=scheduler,
                max_sequence_length=encoders.folder_text_length(folder), dtype=dtype,
                image_to_video=index.image_to_video,
-               expand_timesteps=index.expand_timesteps)
+               expand_timesteps=index.expand_timesteps, defaults=GenerationDefaults.read(folder))
 
   @classmethod
   def of_model(cls, model: str, dtype: str) -> ModelFacts:

@@ -23,6 +23,7 @@ from pipelines.pipeline.checked import seed as seeding
 from pipelines.pipeline.checked.image_inputs import ImageInputs, check_image_inputs, digest
 from pipelines.pipeline.checked.vace_inputs import VACEInputs, check_vace_inputs
 from pipelines.pipeline.checked.video_inputs import VideoInputs, check_video_inputs
+from pipelines.pipeline.checked.schedule_inputs import check_schedule
 from pipelines.pipeline.checked.window_inputs import check_context_windows
 from pipelines.pipeline.checked.inputs import (check_flag, check_int, check_number, check_size, embeds_array,
                                                is_real, not_a, round_num_frames, seed_or_latents, texts)
@@ -96,8 +97,8 @@ class GenerationRequest:
   windows: Any = None
 
   @classmethod
-  def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = 480,
-            width: Any = 832, num_frames: Any = 81, num_inference_steps: Any = None, guidance_scale: Any = 5.0,
+  def build(cls, model: ModelFacts, prompt: Any = None, negative_prompt: Any = None, *, height: Any = None,
+            width: Any = None, num_frames: Any = None, num_inference_steps: Any = None, guidance_scale: Any = None,
             guidance_scale_2: Any = None, flow_shift: Any = None, seed: Any = None, latents: Any = None,
             max_sequence_length: Any = None, mesh: Any = None, prompt_embeds: Any = None,
             negative_prompt_embeds: Any = None, num_videos_per_prompt: Any = 1, attention_kwargs: Any = None,
@@ -107,27 +108,34 @@ class GenerationRequest:
             image_embeds: Any = None, timesteps: Any = None, sigmas: Any = None, scheduler: Any = None,
             video: Any = None, strength: Any = 0.8, mask: Any = None, reference_images: Any = None,
             conditioning_scale: Any = 1.0, context_frames: Any = None, context_overlap: Any = None,
-            context_fuse: Any = "pyramid", video_to_video: Any = False) -> GenerationRequest:
+            context_fuse: Any = None, video_to_video: Any = False) -> GenerationRequest:
     """Checks a call's arguments (`WanPipeline.__call__` documents each) against the model.
 
     Text inputs follow diffusers' `WanPipeline.check_inputs`: exactly one of `prompt` and
     `prompt_embeds`; at most one of `negative_prompt` and `negative_prompt_embeds`; a missing
     negative is encoded from `negative_prompt` (default "") with the prompts' batch size. Every
     argument is checked for type as well as value (a bool is not an int, a str not a number,
-    NaN/inf not a number either), whether or not the call would use it. `num_inference_steps`
-    None is 50, or the length of `timesteps` / `sigmas` (`schedulers.custom_sigmas`).
+    NaN/inf not a number either), whether or not the call would use it. A size, frame count, step
+    count, guidance or context fuse left None is the model's (`ModelFacts.fill`: its folder's
+    `generation_defaults.json`, else diffusers' 480 x 832, 81, 50, 5.0, "pyramid"); steps with
+    `timesteps` / `sigmas`, their length (`schedulers.custom_sigmas`). A prompt outside a small
+    model's world (`GenerationDefaults.prompt_world`) warns.
     `video_to_video` is the pipeline's kind (`WanPipeline.video_to_video`), not a call argument.
+    It stays one piece: a linear sequence of checks, one line per argument group, each in its helper.
 
     Raises:
       ValueError: every bad argument, each message naming the argument, its value and the fix.
     """
     _refuse_generator(generator)
+    height, width, num_frames, num_inference_steps, guidance_scale, guidance_scale_2 = model.fill(
+        height, width, num_frames, num_inference_steps, guidance_scale, guidance_scale_2,
+        custom_schedule=timesteps is not None or sigmas is not None)
     images = _image_inputs(model, image, last_image, image_embeds)
     prompts, negatives, embeds, negative_embeds, batch = _text_inputs(
         model, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
     per_prompt = check_int("num_videos_per_prompt", num_videos_per_prompt, hint=" (videos per prompt)")
     num_frames = _size_and_frames(model, height, width, num_frames, context_frames)
-    scheduler, steps = _schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
+    scheduler, steps = check_schedule(model, scheduler, flow_shift, num_inference_steps, timesteps, sigmas)
     from_latents = check_flag("video_to_video", video_to_video) and latents is not None
     vace, source = _video_inputs(model, video, strength, mask, reference_images, conditioning_scale,
                                  num_frames=num_frames, steps=steps, from_latents=from_latents)
@@ -148,6 +156,7 @@ class GenerationRequest:
                               attention_exchange=attention_exchange)
     windows = check_context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames, model=model,
                                     windows_degree=plan.windows, vace=vace is not None, video=source is not None)
+    model.warn_outside_world(prompts)  # once the request is valid
     return _check_schedule(cls(
         model=model, prompts=prompts, negative_prompts=negatives if cfg else None, prompt_embeds=embeds,
         negative_prompt_embeds=negative_embeds if cfg else None, num_videos_per_prompt=per_prompt,
@@ -278,10 +287,6 @@ class GenerationRequest:
     return first | ({} if self.image is None else self.image.digests()) | video | vace | windows
 
 
-# flow_shift's accepted range: beyond it float32 sigmas collapse (s = 1e7 puts every sigma within
-# 1e-7 of 1, s = 1e-30 every timestep at 0) and the solvers' tables turn singular (distinct sigmas
-# run out near s = 3e4 at 50 steps); its ends give finite tables on every solver up to 1000 steps.
-FLOW_SHIFT_RANGE = (0.01, 1000.0)
 # guidance_scale's: below 0 the mix steers away from the prompt; above 100 (ComfyUI's cap) the mixed
 # prediction is over 100x the model's own and the latents leave the range it was trained on (huge
 # scales overflow to inf); Wan uses 1 to 7.
@@ -376,40 +381,6 @@ def _guidance(model: ModelFacts, guidance_scale: Any, guidance_scale_2: Any) -> 
     raise ValueError(f"{guidance_scale_2=} is only used by two-expert (Wan 2.2) pipelines; this one "
                      "has one transformer: give one guidance scale")
   return g1, g2
-
-
-def _schedule(model: ModelFacts, scheduler: Any, flow_shift: Any, num_inference_steps: Any, timesteps: Any,
-              sigmas: Any) -> tuple[Any, int]:
-  """(scheduler config, steps): `_scheduler`, and the step count checked against a custom schedule."""
-  if num_inference_steps is not None:
-    num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
-  config = _scheduler(model, scheduler, flow_shift)
-  steps, _ = schedulers.custom_sigmas(num_inference_steps, sigmas, timesteps, config.num_train_timesteps)
-  if steps > config.num_train_timesteps:  # the tables are computed at build: O(steps) time and memory
-    raise ValueError(f"num_inference_steps={steps} must be at most {config.num_train_timesteps}, the scheduler's "
-                     "num_train_timesteps (more steps than trained noise levels sample no finer); Wan uses 40 to 50")
-  return config, steps
-
-
-def _scheduler(model: ModelFacts, scheduler: Any, flow_shift: Any) -> Any:
-  """The model's scheduler config, or the solver `scheduler` names ("unipc", "euler", "dpm++") or is
-  (a `schedulers.SchedulerConfig`), with `flow_shift` applied (None: the config's)."""
-  config = model.scheduler
-  if isinstance(scheduler, str):
-    config = schedulers.switch_solver(config, scheduler)
-  elif scheduler is not None:
-    if not isinstance(scheduler, schedulers.SchedulerConfig):
-      raise ValueError(f"scheduler={scheduler!r} must be None (the model's), one of "
-                       f"{', '.join(schedulers.SOLVERS)}, or a scheduler config (schedulers.UniPCConfig, ...)")
-    config = scheduler
-  if flow_shift is None:
-    return config
-  shift = check_number("flow_shift", flow_shift, positive=True, hint=" (Wan: 3.0 at 480p, 5.0 at 720p)")
-  if not FLOW_SHIFT_RANGE[0] <= shift <= FLOW_SHIFT_RANGE[1]:
-    raise ValueError(f"flow_shift={flow_shift!r} must be in [{FLOW_SHIFT_RANGE[0]:g}, {FLOW_SHIFT_RANGE[1]:g}]: "
-                     "beyond, every sigma of the schedule rounds to 1 (or to 0) and the steps collapse into one "
-                     "timestep (Wan uses 1 to 12: 3.0 at 480p, 5.0 at 720p)")
-  return schedulers.with_flow_shift(config, shift)
 
 
 def _check_schedule(request: GenerationRequest) -> GenerationRequest:

@@ -29,7 +29,9 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
   (`long_video_warning`).
 
   Args:
-    context_frames, context_overlap, context_fuse, num_frames: as `context_windows` takes them.
+    context_frames, context_overlap, context_fuse, num_frames: as `context_windows` takes them;
+      context_fuse None: the model's default (`GenerationDefaults.context_fuse`), or "pyramid" where
+      that is "continue" and the call cannot continue windows (a W axis, a video, VACE, an I2V model).
     model: the model's facts: its VAE's temporal factor (4), its trained clip.
     windows_degree: the mesh's W (windows run W at once); W > 1 needs windows.
     vace: whether the call is a VACE one (its reference frames are not placed per window yet).
@@ -38,6 +40,10 @@ def check_context_windows(context_frames: Any, context_overlap: Any, context_fus
   Raises:
     ValueError: each bad value, named with the fix, before anything loads or computes.
   """
+  if context_fuse is None:  # the model's (`ModelFacts.defaults`), pyramid where continuing cannot run
+    context_fuse = "pyramid" if context_frames is None else model.defaults.context_fuse
+    if context_fuse == "continue" and (windows_degree > 1 or video or vace or model.image_to_video):
+      context_fuse = "pyramid"
   windows = context_windows(context_frames, context_overlap, context_fuse, num_frames=num_frames,
                             temporal_factor=model.temporal_factor)
   if vace and windows is not None:

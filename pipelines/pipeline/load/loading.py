@@ -17,7 +17,8 @@ from pipelines.storage import weights
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import (UMT5_PRESETS, UMT5Config, abstract_umt5_params, default_tokenizer, init_umt5_params,
                                     load_clip_vision, load_tokenizer, load_umt5)
-from pipelines.wan.pretrained import (TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER, HubSnapshot, PipelineIndex,
+from pipelines.wan.pretrained import (TINY_SCHEDULER, TINY_SEED, TINY_TRANSFORMER, GenerationDefaults, HubSnapshot,
+                                      PipelineIndex,
                                       download_snapshot, hub_id)
 from pipelines.wan.transformer import init_transformer, large_leaf_shardings, load_transformer
 
@@ -102,6 +103,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   index.check_weights()  # a truncated last file fails now, not after loading the others
   scheduler_config = schedulers.scheduler_config_from_dict(weights.read_json(
       os.path.join(folder, "scheduler", "scheduler_config.json"), "the scheduler/ folder needs scheduler_config.json"))
+  defaults = GenerationDefaults.read(folder)  # a bad file refused before any weight loads
   names = index.experts
   if index.has_transformer_2 and index.boundary_ratio is None and names == ("transformer",):
     warnings.warn(f"{folder!r} has transformer_2/ but no boundary_ratio: diffusers never runs it; "
@@ -116,7 +118,7 @@ def folder_parts(folder: str, dtype: str, vae_dtype: str, mesh: Any, shard_weigh
   parts = dict(tokenizer=load_tokenizer(folder), text_encoder=text_encoder, transformers=experts,
                vae=wan_vae.load_vae(os.path.join(folder, "vae"), dtype=vae_dt, progress=progress),
                scheduler_config=scheduler_config, boundary_ratio=index.boundary_ratio,
-               expand_timesteps=index.expand_timesteps,
+               expand_timesteps=index.expand_timesteps, generation_defaults=defaults,
                name=os.path.abspath(folder) if name is None else name)
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)

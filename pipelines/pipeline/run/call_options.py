@@ -49,11 +49,12 @@ LEGACY_OPTIONS = {
 CALL_DOCS = {
     "prompt": "one prompt or a list (B prompts); None when `prompt_embeds` is given.",
     "negative_prompt": "str or list of B str; default \"\" (used only with guidance_scale > 1).",
-    "height, width": "multiples of 16.",
+    "height, width": "multiples of 16; None: the model's (its folder's `generation_defaults.json`, e.g. 64 x 64 for "
+                     "the tiny models; else diffusers' 480 x 832).",
     "num_frames": "4k + 1; other counts become num_frames // 4 * 4 + 1 (16 -> 17, 10 -> 9) with a warning, as "
-                  "diffusers does.",
-    "num_inference_steps": "scheduler steps, at most the scheduler's num_train_timesteps (1000); None: 50, or the "
-                           "length of `timesteps` / `sigmas`.",
+                  "diffusers does; None: the model's (else diffusers' 81).",
+    "num_inference_steps": "scheduler steps, at most the scheduler's num_train_timesteps (1000); None: the length "
+                           "of `timesteps` / `sigmas`, else the model's (else diffusers' 50).",
     "timesteps": "a custom schedule as N decreasing timesteps in (0, 1000] (lightx2v's `denoising_step_list`, e.g. "
                  "[1000, 750, 500, 250] for the 4-step distilled Wan): sigmas t / 1000, shifted by the scheduler, the "
                  "model fed each shifted sigma x 1000 (`wan.flow_schedule`).",
@@ -63,7 +64,7 @@ CALL_DOCS = {
                  "multistep, Wan's `--sample_solver dpm++`), keeping the flow shift; or a config "
                  "(`wan.schedulers.UniPCConfig`, `FlowEulerConfig`, `DPMSolverConfig`).",
     "guidance_scale": "CFG scale in [0, 100] (of `transformer`, the high-noise expert, for Wan 2.2); <= 1 turns the "
-                      "unconditional pass off.",
+                      "unconditional pass off; None: the model's (2 for the tiny models; else diffusers' 5.0).",
     "seed": "video i of the B x num_videos_per_prompt batch (prompt-major) uses numpy.random.default_rng(seed + i); a "
             "list of B' ints gives each video its own (video i uses seed[i]); None draws one (reported in "
             "`run(...).settings`).",
@@ -121,13 +122,15 @@ CALL_DOCS = {
                                                      "+ 1; Wan: 81), neighbouring windows sharing at least "
                                                      "`context_overlap` frames (a multiple of 4; default a quarter of "
                                                      "the window), their noise predictions blended with "
-                                                     "`context_fuse` \"pyramid\" (default) or \"flat\" weights "
+                                                     "`context_fuse` \"pyramid\" or \"flat\" weights "
                                                      "(`wan.conditioning.windows`). A mesh with W=2 runs two windows "
                                                      "at once on two device groups. `context_fuse` \"continue\" runs "
                                                      "the windows one after another instead, each a whole denoising "
                                                      "given the frames it shares with the one before "
                                                      "(`pipeline.run.continued`; text-to-video and TI2V models, one "
-                                                     "window at a time).",
+                                                     "window at a time). `context_fuse` None: the model's (the tiny "
+                                                     "models' \"continue\"; \"pyramid\" where it cannot continue, "
+                                                     "and for a folder without `generation_defaults.json`).",
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from pipelines.storage import weights
 from pipelines.wan.pretrained.folder import PIPELINE_CLASSES
+from pipelines.wan.pretrained import generation_defaults
 
 HUB_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?")
 # Components the folder loader always reads, and those it reads only when model_index.json names them.
@@ -87,10 +88,11 @@ def loaded_components(index: dict[str, Any]) -> list[str]:
 
 def allow_patterns(components: list[str]) -> list[str]:
   """huggingface_hub `allow_patterns` of exactly the files the pipeline reads from `components`:
-  model_index.json; each weight component's config.json and its safetensors, one file or shards,
+  model_index.json and the folder's own sampling defaults (`generation_defaults.FILE`, where it has
+  one); each weight component's config.json and its safetensors, one file or shards,
   with their index, under diffusers' or transformers' name (no variants such as
   `diffusion_pytorch_model.fp16.safetensors`); the small config folders whole."""
-  patterns = ["model_index.json"]
+  patterns = ["model_index.json", generation_defaults.FILE]
   for component in components:
     if component in CONFIG_ONLY:
       patterns.append(f"{component}/*")

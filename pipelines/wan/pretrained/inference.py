@@ -52,10 +52,10 @@ def _need(shapes: Shapes, key: str, where: str, what: str) -> tuple[int, ...]:
 
 
 def _shipped_folders() -> dict[str, str]:
-  """name -> the shipped tiny pipeline folders (`pretrained.tiny`; imported here: it imports JAX)."""
-  from pipelines.wan.pretrained import tiny
+  """name -> the shipped tiny pipeline folders (`pretrained.embedded`)."""
+  from pipelines.wan.pretrained import embedded
 
-  return {"tiny_default": tiny.TINY_DEFAULT_FOLDER, "tiny_i2v": tiny.TINY_I2V_FOLDER}
+  return {"tiny_default": embedded.TINY_DEFAULT_FOLDER, "tiny_i2v": embedded.TINY_I2V_FOLDER}
 
 
 def known_transformers() -> dict[str, WanTransformerConfig]:

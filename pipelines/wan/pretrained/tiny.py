@@ -1,4 +1,5 @@
-"""The embedded tiny models: the trained default's folder and the random-weight model's configs.
+"""The embedded tiny models: the random-weight model's configs and the trained ones' video size (their
+folders: `pretrained.embedded`).
 
 The random-weight tiny model (`WanPipeline.tiny(random=True)`) runs every code path with random
 weights from `TINY_SEED`: 8 heads so that every Ulysses degree in {1, 2, 4, 8} divides N; text_dim =
@@ -8,8 +9,6 @@ the tiny UMT5's d_model. The embedded default (`WanPipeline.tiny()`) is the trai
 """
 
 from __future__ import annotations
-
-import os
 
 from pipelines.wan import schedulers
 from pipelines.wan.transformer import WanTransformerConfig
@@ -25,5 +24,3 @@ TINY_TRAINED_VIDEO = (64, 64, 17)
 # (`TINY_I2V_FOLDER`: the default trained further by end_to_end/train/long_clips.py on slow motions
 # in 65-frame clips and with the first frame given, a TI2V folder: `expand_timesteps`, `image=`).
 TINY_TRAINED_NAMES = ("tiny", "tiny-i2v")
-TINY_DEFAULT_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_default")
-TINY_I2V_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_i2v")

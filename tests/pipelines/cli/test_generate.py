@@ -24,7 +24,7 @@ from tests.pipelines.storage.video_files import _decode_mp4, _fake_ffmpeg
 from pipelines.cli import generate
 
 ROOT = REPO_ROOT
-PROMPT = "a red fox running through snow"
+PROMPT = "a red square moving right"
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of a child process is safe

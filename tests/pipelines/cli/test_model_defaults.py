@@ -46,3 +46,34 @@ def test_ti2v_size_off_the_grid_names_its_factor(ti2v_folder, tmp_path, capsys):
   assert generate.main(argv) == 2
   err = capsys.readouterr().err
   assert "width=80 must be a positive multiple of 32 (VAE factor 16 x patch 2); use 64 or 96" in err, err
+
+
+def test_python_generate_and_serve_make_the_same_video_without_guidance(tmp_path):
+  """Nothing but a prompt and a seed: the Python call, `generate` and `serve` take the tiny model's
+  own defaults (its folder's generation_defaults.json: 64 x 64 x 17, 8 steps, guidance 2, where the
+  Python call used diffusers' 5 before) and ask for the same video; `generate`'s frames equal the
+  Python call's. Positive control: a guidance given to one route changes its request."""
+  import numpy as np
+
+  from pipelines.cli import run_plan
+  from pipelines.pipeline import WanPipeline
+  from pipelines.serve import api
+  from pipelines.serve.worker import batch_request
+
+  prompt, seed = "a green circle moving down", 3
+  pipe = WanPipeline.tiny()
+  python = pipe.check_inputs(prompt, seed=seed)
+  assert (python.height, python.width, python.num_frames, python.steps, python.guidance) == (64, 64, 17, 8, (2.0, 2.0))
+  out = tmp_path / "clip.npy"
+  argv = ["--prompt", prompt, "--seed", str(seed), "--out", str(out)]
+  command = run_plan.check_plan(run_plan.plan_run(generate.build_parser().parse_args(argv))).request
+  params = api.job_params(api.VideoCreate(prompt=prompt, seed=seed), model="tiny", loras=(), max_prompt_chars=10000)
+  served = batch_request(pipe.facts, [params], None)
+  assert command.settings() == python.settings()
+  assert served.settings() | {"seed": seed} == python.settings()  # the server seeds each video: [3]
+  np.testing.assert_array_equal(served.noise(), python.noise())
+  guided = api.job_params(api.VideoCreate(prompt=prompt, seed=seed, guidance_scale=5.0), model="tiny", loras=(),
+                          max_prompt_chars=10000)
+  assert batch_request(pipe.facts, [guided], None).settings()["guidance_scale"] != python.settings()["guidance_scale"]
+  assert generate.main(argv) == 0
+  np.testing.assert_array_equal(np.load(out), pipe(prompt, seed=seed)[0])

@@ -24,12 +24,12 @@ def facts():
 
 
 def test_frames_become_latent_frames(facts):
-  request = GenerationRequest.build(facts, "x", context_frames=17, context_overlap=8, **CALL)
+  request = GenerationRequest.build(facts, "a red square moving right", context_frames=17, context_overlap=8, **CALL)
   assert request.windows == ContextWindows(frames=17, length=5, overlap=2, fuse="pyramid")
   assert request.settings()["context_windows"] == {"latent_length": 5, "latent_overlap": 2, "fuse": "pyramid",
                                                    "starts": [0, 3, 6, 9, 12]}
   assert "context_windows" in request.identity("f", request.noise())
-  default = GenerationRequest.build(facts, "x", context_frames=17, context_fuse="flat", **CALL).windows
+  default = GenerationRequest.build(facts, "a red square moving right", context_frames=17, context_fuse="flat", **CALL).windows
   assert (default.overlap, default.fuse) == (1, "flat")  # a quarter of 17 frames: 4 frames, 1 latent frame
   assert check_context_windows(81, None, "pyramid", num_frames=241, model=facts, windows_degree=2,
                                vace=False) == ContextWindows(61, 21, 5)
@@ -53,12 +53,12 @@ def test_frames_become_latent_frames(facts):
 ])
 def test_bad_values_are_refused_before_anything_runs(facts, kwargs, match):
   with pytest.raises(ValueError, match=match):
-    GenerationRequest.build(facts, "x", **(CALL | kwargs))
+    GenerationRequest.build(facts, "a red square moving right", **(CALL | kwargs))
 
 
 def test_step_cache_composes_with_windows(facts):
   """A step cache with context windows is built (its residuals per window: `step_cache.cached_windows`)."""
-  request = GenerationRequest.build(facts, "x", context_frames=17, context_overlap=8, step_cache="first-block:0.1",
+  request = GenerationRequest.build(facts, "a red square moving right", context_frames=17, context_overlap=8, step_cache="first-block:0.1",
                                     **CALL)
   assert request.windows is not None and request.step_cache is not None
 
@@ -82,10 +82,10 @@ def test_vace_is_refused(facts):
 def test_long_video_without_windows_warns_with_the_arguments():
   facts = ModelFacts.tiny_default("float32")
   with pytest.warns(UserWarning, match=r"a longer video in context windows of that length: context_frames=17\)"):
-    GenerationRequest.build(facts, "x", height=64, width=64, num_frames=65)
+    GenerationRequest.build(facts, "a red square moving right", height=64, width=64, num_frames=65)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # windows of the trained length: no warning
-    GenerationRequest.build(facts, "x", height=64, width=64, num_frames=65, context_frames=17)
+    GenerationRequest.build(facts, "a red square moving right", height=64, width=64, num_frames=65, context_frames=17)
   note = long_video_note(241, 81)  # a Wan folder's 81-frame clips: the Python arguments, no flags
   assert "context_frames=81, context_overlap=20 (and W=2 in the mesh" in note and "--" not in note
   assert long_video_note(81, 81) is None and long_video_note(241, None) is None
