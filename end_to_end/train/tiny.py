@@ -50,6 +50,7 @@ from end_to_end.train import run_report, synthetic_world as world
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import UMT5_PRESETS, UMT5Config, UMT5Params, default_tokenizer, init_umt5_params
 from pipelines.parallel.plan import ParallelPlan
+from pipelines.wan.pretrained import GenerationDefaults, PromptWorld
 from pipelines.wan.transformer import forward, init_transformer, WanTransformerConfig
 
 # The trained tiny model's architecture. Patch (1, 2, 2) at 17 x 64 x 64 -> latents 5 x 8 x 8 -> 80
@@ -66,6 +67,15 @@ TINY_TRAINED_VAE = wan_vae.WanVAEConfig(base_dim=4, dim_mult=(1, 4, 8, 8), num_r
                                         latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)
 TEXT_SEED = 0  # the frozen text encoder: UMT5_PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
 SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
+# The written folder's generation_defaults.json (what the Python call, generate and serve run when a
+# request leaves a value out; `commands.presets.PRESETS["tiny"]` reads it back): the size trained
+# at, the acceptance's 8 steps and guidance 2, long videos in windows that continue, and the world's
+# prompts (one outside them warns).
+GENERATION_DEFAULTS = GenerationDefaults(
+    height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES, num_inference_steps=8, guidance_scale=2.0,
+    context_fuse="continue", fps=16.0, source="end_to_end/train/tiny.py GENERATION_DEFAULTS",
+    prompt_world=PromptWorld("a {colour} {shape} {motion}", (
+        ("colour", tuple(world.COLOURS)), ("shape", tuple(world.SHAPES)), ("motion", tuple(world.DIRECTIONS)))))
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
 # padding is attended to: at 512 tokens the ~30 real ones get a small share of each query's
@@ -384,14 +394,15 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 # --- outputs ---------------------------------------------------------------------------------------
 
 def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
-  """Writes the diffusers-format folder (`pipelines.wan.pretrained.saving.save_pipeline`); its tokenizer's
-  `model_max_length` is `MAX_SEQUENCE_LENGTH`, which `WanPipeline` and generate then use as the
-  default text length (`tokenizer.text_length`). Returns the folder."""
+  """Writes the diffusers-format folder (`pipelines.wan.pretrained.saving.save_pipeline`) with its
+  `GENERATION_DEFAULTS`; its tokenizer's `model_max_length` is `MAX_SEQUENCE_LENGTH`, which
+  `WanPipeline` and generate then use as the default text length (`tokenizer.text_length`). Returns
+  the folder."""
   from pipelines.wan.pretrained import save_pipeline
   tokenizer = default_tokenizer()
   tokenizer.model_max_length = MAX_SEQUENCE_LENGTH
   return save_pipeline(folder, transformer=transformer, text_encoder=encoder, vae=vae, tokenizer=tokenizer,
-                       scheduler_config=SCHEDULER)
+                       scheduler_config=SCHEDULER, generation_defaults=GENERATION_DEFAULTS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,6 +86,14 @@ class GenerationDefaults:
   prompt_world: PromptWorld | None = None
   source: str = "diffusers WanPipeline.__call__ defaults"
 
+  def to_dict(self) -> dict[str, Any]:
+    """The file's JSON object (`from_dict` reads it back equal)."""
+    data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompt_world"}
+    if self.prompt_world is not None:
+      data["prompt_world"] = {"template": self.prompt_world.template,
+                              **{slot: list(words) for slot, words in self.prompt_world.words}}
+    return data
+
   @classmethod
   def read(cls, folder: str) -> GenerationDefaults:
     """The folder's `FILE`, or diffusers' defaults where it has none.
@@ -126,7 +134,8 @@ class GenerationDefaults:
     if world is not None:
       if not isinstance(world, dict) or not isinstance(world.get("template"), str):
         raise ValueError(f"{where}: prompt_world must be an object with a \"template\" and a word list per slot")
-      values["prompt_world"] = PromptWorld(world["template"], tuple((k, tuple(map(str, v))) for k, v in world.items()
-                                                                    if k != "template"))
+      slots = re.findall(r"{(\w+)}", world["template"])  # word lists in the template's order
+      keys = sorted((k for k in world if k != "template"), key=lambda k: slots.index(k) if k in slots else len(slots))
+      values["prompt_world"] = PromptWorld(world["template"], tuple((k, tuple(map(str, world[k]))) for k in keys))
     source = values.pop("source", where)
     return cls(**values, source=source)

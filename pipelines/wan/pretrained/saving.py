@@ -25,6 +25,7 @@ from flax import nnx
 
 from pipelines.wan import schedulers, vae as wan_vae
 from pipelines.wan.encoders import umt5
+from pipelines.wan.pretrained.generation_defaults import FILE as generation_defaults_file, GenerationDefaults
 from pipelines.wan.transformer import checkpoint_layout, WanTransformer
 
 DIFFUSERS_VERSION = "0.33.0"
@@ -149,7 +150,8 @@ def write_configs(folder: str, *, transformer: Any, vae: Any, text_encoder: umt5
 
 def save_pipeline(folder: str, *, transformer: WanTransformer,
                   text_encoder: tuple[umt5.UMT5Config, umt5.UMT5Params], vae: wan_vae.WanVAE,
-                  tokenizer: Any, scheduler_config: schedulers.UniPCConfig) -> str:
+                  tokenizer: Any, scheduler_config: schedulers.UniPCConfig,
+                  generation_defaults: GenerationDefaults | None = None) -> str:
   """Writes a diffusers-format Wan 2.1 text-to-video folder (one expert), float32 safetensors.
 
   Args:
@@ -157,6 +159,8 @@ def save_pipeline(folder: str, *, transformer: WanTransformer,
     transformer, text_encoder, vae: the models (any dtype; written as float32).
     tokenizer: a transformers tokenizer (its `save_pretrained` writes tokenizer/).
     scheduler_config: the UniPC (flow) settings.
+    generation_defaults: the model's own sampling defaults, written as `generation_defaults.FILE`
+      (None: none written; the folder then keeps diffusers' defaults).
 
   Returns:
     `folder`.
@@ -170,4 +174,6 @@ def save_pipeline(folder: str, *, transformer: WanTransformer,
   _save_tensors(umt5_state_dict(te_config, te_params), os.path.join(folder, "text_encoder", "model.safetensors"))
   write_configs(folder, transformer=transformer.config, vae=vae.config, text_encoder=te_config, tokenizer=tokenizer,
                 scheduler_config=scheduler_config)
+  if generation_defaults is not None:
+    write_json(generation_defaults.to_dict(), os.path.join(folder, generation_defaults_file))
   return folder

@@ -102,3 +102,16 @@ def test_the_python_call_uses_the_folder_defaults_and_warns_outside_its_world(tm
   assert facts.defaults == GenerationDefaults()
   assert presets.model_preset(str(plain)) == presets.FOLDER_DEFAULTS
 
+
+
+def test_training_writes_the_shipped_files_and_they_read_back_equal(tmp_path):
+  """`end_to_end.train.tiny.GENERATION_DEFAULTS` is what both shipped folders hold (a retrain writes
+  it again through `save_pipeline`), and `to_dict` / `from_dict` round-trip it."""
+  from end_to_end.train import tiny
+  from pipelines.wan.pretrained.saving import write_json
+
+  for folder in TINY_FOLDERS.values():
+    assert GenerationDefaults.read(folder) == tiny.GENERATION_DEFAULTS
+  assert GenerationDefaults.from_dict(tiny.GENERATION_DEFAULTS.to_dict()) == tiny.GENERATION_DEFAULTS
+  write_json(tiny.GENERATION_DEFAULTS.to_dict(), str(tmp_path / FILE))
+  assert GenerationDefaults.read(str(tmp_path)) == tiny.GENERATION_DEFAULTS
