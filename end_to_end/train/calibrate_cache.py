@@ -95,7 +95,7 @@ def model_settings(model: str) -> dict[str, Any]:
   model (reads the tokenizer config of a folder at most)."""
   from pipelines.commands import presets
 
-  preset = presets.PRESETS["tiny"] if model in presets.TINY_MODELS else presets.FOLDER_DEFAULTS
+  preset = presets.PRESETS["tiny"] if model in presets.TINY_MODELS else presets.model_preset(model)
   return {"width": preset.width, "height": preset.height, "frames": preset.frames, "steps": preset.steps,
           "guidance": preset.guidance[0], "max_sequence_length": presets.default_text_length(model)}
 

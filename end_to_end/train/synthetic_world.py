@@ -37,7 +37,8 @@ SLOW_MOTIONS: dict[str, tuple[int, int]] = {
 DIRECTIONS = {**MOTIONS, **SLOW_MOTIONS}
 BACKGROUND = (0.06, 0.06, 0.08)
 
-# Defaults: the tiny model's generate preset (pipelines/cli/generate.py PRESETS["tiny"]).
+# Defaults: the tiny model's video size (its folder's generation_defaults.json, written from
+# end_to_end/train/tiny.py GENERATION_DEFAULTS).
 FRAMES, HEIGHT, WIDTH = 17, 64, 64
 
 # Rendering ranges, as fractions of the frame side: shape size, travel over the clip.

@@ -21,9 +21,8 @@ With the product's own model code (pipelines/wan/*):
    AdamW (optax), cosine learning rate, batch 32, the residual branches' output projections
    zero-initialised (`zero_residual_outputs`); an EMA of the weights is what is shipped.
 
-Writes into DIR: model/ (a diffusers-format folder, `WanPipeline.from_pretrained` loads it),
-loss.png (both loss curves), samples.png (frames of sampled videos, one row per prompt),
-report.json (settings, times, losses, and the acceptance detector's verdict on each sample).
+Writes into DIR: model/ (a diffusers-format folder with its `GENERATION_DEFAULTS`), loss.png (both loss curves),
+samples.png (sampled frames, a row per prompt), report.json (settings, times, losses, each sample's verdict).
 
 The time budget (--minutes, default 55) is split: VAE 25 % (--vae-fraction), dataset encoding as measured,
 transformer the rest minus a reserve for sampling. On a 2-core CPU the default finishes in about
@@ -58,24 +57,21 @@ from pipelines.wan.transformer import forward, init_transformer, WanTransformerC
 # tokens, and the VAE and the encoding cost 1/4).
 # 8 heads, so every Ulysses degree in {1, 2, 4, 8} divides N.
 TINY_TRAINED_TRANSFORMER = WanTransformerConfig(
-    patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=16, text_dim=32, ffn_dim=512,
-    num_layers=4)
-# Wan 2.1 VAE topology (4 levels: 8x spatial, 4x temporal), 4 channels at full resolution and 32
-# at 1/8 (measured on a fixed batch of crops, 100 steps: MSE 0.09 against 0.15-0.18 for 8 channels
-# at every level, at half the step time); latents_mean / latents_std are replaced by the measured statistics.
+    patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=16, text_dim=32, ffn_dim=512, num_layers=4)
+# Wan 2.1 VAE topology (4 levels: 8x spatial, 4x temporal), 4 channels at full resolution and 32 at 1/8 (measured on
+# a fixed batch of crops, 100 steps: MSE 0.09 against 0.15-0.18 for 8 channels at every level, at half the step
+# time); latents_mean / latents_std are replaced by the measured statistics.
 TINY_TRAINED_VAE = wan_vae.WanVAEConfig(base_dim=4, dim_mult=(1, 4, 8, 8), num_res_blocks=1,
                                         latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)
 TEXT_SEED = 0  # the frozen text encoder: UMT5_PRESETS["tiny"] at this seed (= pipeline.TINY_SEED)
 SCHEDULER = schedulers.UniPCConfig(flow_shift=3.0)
-# The written folder's generation_defaults.json (what the Python call, generate and serve run when a
-# request leaves a value out; `commands.presets.PRESETS["tiny"]` reads it back): the size trained
-# at, the acceptance's 8 steps and guidance 2, long videos in windows that continue, and the world's
-# prompts (one outside them warns).
+# The folder's generation_defaults.json (what a call leaves out): the size trained at, the acceptance's 8 steps and
+# guidance 2, windows that continue, the world's prompts (one outside them warns).
 GENERATION_DEFAULTS = GenerationDefaults(
     height=world.HEIGHT, width=world.WIDTH, num_frames=world.FRAMES, num_inference_steps=8, guidance_scale=2.0,
-    context_fuse="continue", fps=16.0, source="end_to_end/train/tiny.py GENERATION_DEFAULTS",
-    prompt_world=PromptWorld("a {colour} {shape} {motion}", (
-        ("colour", tuple(world.COLOURS)), ("shape", tuple(world.SHAPES)), ("motion", tuple(world.DIRECTIONS)))))
+    context_fuse="continue", fps=16.0, source="end_to_end/train/tiny.py GENERATION_DEFAULTS", prompt_world=PromptWorld(
+        "a {colour} {shape} {motion}", (("colour", tuple(world.COLOURS)), ("shape", world.SHAPES),
+                                        ("motion", tuple(world.DIRECTIONS)))))
 # Text tokens per prompt, in training and in generation (the tiny default's max_sequence_length):
 # the longest grammar prompt is 32 bytes + EOS. Wan's cross-attention has no mask, so the zero
 # padding is attended to: at 512 tokens the ~30 real ones get a small share of each query's
@@ -394,10 +390,9 @@ def train_transformer(latents: np.ndarray, text_ids: np.ndarray, texts: np.ndarr
 # --- outputs ---------------------------------------------------------------------------------------
 
 def save_model(folder: str, transformer, encoder, vae: wan_vae.WanVAE) -> str:
-  """Writes the diffusers-format folder (`pipelines.wan.pretrained.saving.save_pipeline`) with its
-  `GENERATION_DEFAULTS`; its tokenizer's `model_max_length` is `MAX_SEQUENCE_LENGTH`, which
-  `WanPipeline` and generate then use as the default text length (`tokenizer.text_length`). Returns
-  the folder."""
+  """Writes the diffusers-format folder (`pipelines.wan.pretrained.saving.save_pipeline`, with
+  `GENERATION_DEFAULTS`); its tokenizer's `model_max_length` is `MAX_SEQUENCE_LENGTH`, the default
+  text length (`tokenizer.text_length`). Returns the folder."""
   from pipelines.wan.pretrained import save_pipeline
   tokenizer = default_tokenizer()
   tokenizer.model_max_length = MAX_SEQUENCE_LENGTH

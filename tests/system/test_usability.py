@@ -77,7 +77,8 @@ def _option_blocks(help_text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("module,opening,shown", [
     ("pipelines.cli.generate", "Generate a video with a Wan model, on one device or sharded over a mesh.",
-     {"--model": "(default: tiny)", "--steps": "(default: the --preset's, 8 for tiny, 50 for a folder)",
+     {"--model": "(default: tiny)",
+      "--steps": "(default: the --preset's, 8 for tiny, 50 for a folder without its own generation_defaults.json)",
       "--lora-2": "(default: none)", "--seed": "(default: random"}),
     ("pipelines.serve.main", "Serve Wan videos over HTTP: a queue of generation jobs (OpenAI's Videos API) and a "
      "web page at /.", {"--port": "(default: 8000)", "--host": "(default: 127.0.0.1)", "--model": "(default: tiny)",

@@ -159,7 +159,7 @@ def save_pipeline(folder: str, *, transformer: WanTransformer,
     transformer, text_encoder, vae: the models (any dtype; written as float32).
     tokenizer: a transformers tokenizer (its `save_pretrained` writes tokenizer/).
     scheduler_config: the UniPC (flow) settings.
-    generation_defaults: the model's own sampling defaults, written as `generation_defaults.FILE`
+    generation_defaults: the model's own sampling defaults, written as generation_defaults.json
       (None: none written; the folder then keeps diffusers' defaults).
 
   Returns:
