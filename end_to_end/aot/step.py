@@ -72,7 +72,8 @@ class TopologyUnavailable(RuntimeError):
 
 
 def topology_devices(name: str, timeout_s: float | None = None) -> list[Any]:
-  """The devices of TPU topology `name` (e.g. "v6e:2x4") for AOT compilation.
+  """The devices of TPU topology `name` (e.g. "v6e:2x4", or "v5e:1x1" for one chip: a one-chip host,
+  where libtpu's default host bounds are 2x2) for AOT compilation.
 
   Sets `OFFLINE_ENV` (where not set) first; JAX must not have initialised a backend yet for
   JAX_PLATFORMS to apply. With `timeout_s`, a watchdog ends the process when libtpu blocks inside C
@@ -92,7 +93,9 @@ def topology_devices(name: str, timeout_s: float | None = None) -> list[Any]:
   if timeout_s is not None:
     faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.__stderr__)
   try:
-    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    one_chip = name.rpartition(":")[2] in ("1x1", "1x1x1")
+    options = {"chips_per_host_bounds": [1, 1, 1]} if one_chip else {}
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices)
   except Exception as e:  # noqa: BLE001 - the optional TPU path: say why it is unavailable, then stop
     raise TopologyUnavailable(
         f"cannot build TPU topology {name!r}: {e}. Install libtpu (pip install --no-deps --target DIR "

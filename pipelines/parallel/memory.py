@@ -49,6 +49,8 @@ class ComponentBytes:
       temporaries, its output chunk); None when unknown (then the decode is not planned).
     streamed_work: the same for the layer-streamed decode (`wan.vae.streamed`: one program per
       layer, the same video), or None when not analysed (the whole decode fits on its own).
+    step_measured: True when `step_work` holds XLA's analysis of the compiled step (a call of these
+      shapes ran before in this process), False when it is the planner's model (an upper bound).
   """
   text_encoder: int
   experts: tuple[int, ...]
@@ -57,6 +59,7 @@ class ComponentBytes:
   step_work: int
   decode_work: int | None
   streamed_work: int | None = None
+  step_measured: bool = False
 
   @property
   def transformer(self) -> int:
@@ -83,6 +86,7 @@ class MemoryPlan:
     peak: the modelled peak bytes of the plan (the largest stage).
     forced: True when the placement was asked for rather than chosen.
     host: the host copies of the weights the plan moves (`host_copies`), bytes; None: not modelled.
+    step_measured: the peak counts XLA's analysis of the compiled step (`ComponentBytes.step_measured`).
   """
   placement: str = "resident"
   transformer_at_encode: bool = True
@@ -96,6 +100,7 @@ class MemoryPlan:
   peak: int | None = None
   forced: bool = False
   host: int | None = None
+  step_measured: bool = False
 
   @property
   def text_on_device(self) -> bool:
@@ -126,9 +131,10 @@ class MemoryPlan:
     if self.decode_band_rows is not None:
       parts.append(f"decode in bands of {self.decode_band_rows} latent rows")
     if self.budget is not None and self.peak is not None:
-      parts.append(f"modelled peak {_size(self.peak)} of {_size(self.budget)}" + (
-          " (over by the step's modelled share, an upper bound: the step's compile decides)"
-          if self.peak > self.budget else ""))
+      over = "over by the step's modelled share, an upper bound: the step's compile decides"
+      parts.append(f"modelled peak {_size(self.peak)} of {_size(self.budget)}"
+                   + (" (the step's from its compiled program)" if self.step_measured else "")
+                   + (f" ({over})" if self.peak > self.budget and not self.step_measured else ""))
     if self.host:
       parts.append(f"host copies {_size(self.host)}")
     return "memory plan: " + ", ".join(parts)
@@ -230,7 +236,7 @@ def _plan(b: ComponentBytes, budget: int, placement: str, band_rows_for: object)
       rows = None
     if rows is not None:
       p = dataclasses.replace(p, decode_band_rows=rows)
-  p = dataclasses.replace(p, peak=_peak(b, p, budget))
+  p = dataclasses.replace(p, peak=_peak(b, p, budget), step_measured=b.step_measured)
   return dataclasses.replace(p, host=host_copies(b, p))
 
 

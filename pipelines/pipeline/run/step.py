@@ -221,6 +221,7 @@ class CompiledSteps:
     self.graphdef = graphdef
     self.traces = 0
     self._programs: dict[Any, Any] = {}
+    self._temp_bytes: dict[Any, int] = {}  # (plan, latents' shape) -> the largest compiled step's temporaries
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
           cache: Any, condition: Any = None, *, plan: ParallelPlan, cfg: bool,
@@ -236,8 +237,18 @@ class CompiledSteps:
       if on_compile is not None:
         on_compile()
       self.traces += 1
-      self._programs[key] = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg, windows=windows).compile()
+      program = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg, windows=windows).compile()
+      self._programs[key] = program
+      analysis = program.memory_analysis()
+      if analysis is not None:
+        shape_key = (plan, tuple(latents.shape))
+        self._temp_bytes[shape_key] = max(self._temp_bytes.get(shape_key, 0), int(analysis.temp_size_in_bytes))
     return self._programs[key]
+
+  def temp_bytes(self, plan: ParallelPlan, latent_shape: tuple[int, ...]) -> int | None:
+    """XLA's temporaries per device (`memory_analysis().temp_size_in_bytes`) of the largest step this
+    object compiled for `plan` and latents of `latent_shape`, or None when none is compiled yet."""
+    return self._temp_bytes.get((plan, tuple(latent_shape)))
 
   def text_kv(self, params: nnx.State, text: jax.Array, image: jax.Array | None = None, *,
               plan: ParallelPlan) -> TextKV:
@@ -251,3 +262,4 @@ class CompiledSteps:
   def clear(self) -> None:
     """Forgets every compiled program (the next call compiles again)."""
     self._programs.clear()
+    self._temp_bytes.clear()

@@ -75,7 +75,7 @@ def test_auto_on_a_small_device_moves_the_encoder(pipe, resident, monkeypatch):
   budget = max(text, transformer) + weights["vae"] + min(text, transformer) // 2  # each fits alone, not both
   monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: budget)
   monkeypatch.setattr(memory_plan, "decode_work_bytes", lambda weights, shape, mesh: 0)
-  monkeypatch.setattr(memory_plan, "step_work_bytes", lambda request: 0)
+  monkeypatch.setattr(memory_plan, "step_work_bytes", lambda request, temp_bytes=None: 0)
   monkeypatch.setattr(memory_plan, "text_work_bytes", lambda config, prompts, length: 0)
   result = pipe.run(**CALL)
   assert result.settings["memory_plan"].startswith("memory plan: encoder-offloaded, transformer off the device for "
@@ -246,3 +246,27 @@ def test_host_bytes_counts_each_host_array_once():
   assert weights.host_bytes() == size
   weights.text_params_on("host")  # the CPU backend's arrays become the host copy: still one copy
   assert weights.host_bytes() == size
+
+
+def test_a_second_call_plans_the_step_from_its_compiled_program(monkeypatch):
+  """The first call's step is the planner's model (an upper bound); once a call of these shapes has
+  compiled its step, the next call's plan counts XLA's temporaries of that program instead (its
+  line says so) and they are what `memory_analysis()` of the compiled step reports. Positive
+  control: another video size has no compiled step and stays modelled."""
+  from pipelines.parallel import memory
+
+  pipe = WanPipeline.tiny(random=True)
+  monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: 64 * 2 ** 30)
+  request = pipe.check_inputs(**{k: v for k, v in CALL.items() if k != "progress"})
+  first = memory_plan.plan_memory(pipe, request)
+  assert not first.step_measured and "compiled program" not in first.line()
+  pipe.run(**CALL)
+  measured = pipe.compiled_steps.temp_bytes(request.plan, request.latent_shape)
+  (program,) = pipe.compiled_steps.programs()
+  assert measured == program.memory_analysis().temp_size_in_bytes > 0
+  second = memory_plan.plan_memory(pipe, request)
+  assert second.step_measured and "the step's from its compiled program" in second.line()
+  assert memory_plan.step_work_bytes(request, measured) == memory_plan.step_work_bytes(request, 0) + measured
+  other = pipe.check_inputs(**{k: v for k, v in CALL.items() if k != "progress"} | {"height": 96})
+  assert not memory_plan.plan_memory(pipe, other).step_measured
+  assert memory.MemoryPlan().step_measured is False
