@@ -78,7 +78,9 @@ def test_command_writes_a_decodable_video(tmp_path):
   sidecar = json.loads((tmp_path / "again.mp4.json").read_text())
   assert sidecar["seed"] == int(drawn.group(1)) and sidecar["seed_drawn"] is True
   assert f"seed {drawn.group(1)}," in again.stdout
-  frames_warning, truncation = sidecar["warnings"]
+  frames_warning, world, truncation = sidecar["warnings"]  # a prompt this long is outside the tiny model's world
+  assert "generate: warning: prompt(s) ['a red fox running through snow" in again.stderr
+  assert "outside what the 'tiny' model was trained on" in world
   assert frames_warning.startswith("--frames 16 is not 4k + 1") and "rounding to 17" in frames_warning
   assert truncation.startswith("prompt(s) [0] are longer than --max-sequence-length 64 tokens ([640] tokens) "
                                "and were truncated")
