@@ -38,6 +38,7 @@ class Plan:
   quantize: str | None = None  # --quantize: the block weights as int8 / fp8 / int8-w8a8 (after LoRAs)
   placement: str = "auto"  # --placement: the memory plan's placement (`parallel.memory`)
   size_given: bool = True  # --size given; else an --image sets it (`presets.size_for_image`)
+  defaulted: tuple[str, ...] = ()  # request names no flag nor --preset gave: the model's (`run_plan.model_defaults`)
   fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)
   model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
   model_commit: str | None = None  # a Hub --model's resolved commit

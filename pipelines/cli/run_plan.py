@@ -61,7 +61,17 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, contact_sheet=args.contact_sheet, quantize=args.quantize,
               placement=args.placement, size_given=bool(args.size),
+              defaulted=() if preset_name is not None else _defaulted(args, video_frames),
               fps_given=args.fps is not None or preset_name is not None)
+
+
+def _defaulted(args: argparse.Namespace, video_frames: int | None) -> tuple[str, ...]:
+  """The request names that no flag gives (without --preset: the model's own defaults fill them)."""
+  first = lambda *values: next((v for v in values if v is not None), None)  # noqa: E731 (a 0 given is given)
+  given = {"height": args.size, "width": args.size, "num_frames": first(args.num_frames, video_frames),
+           "num_inference_steps": first(args.num_inference_steps, args.timesteps, args.sigmas),
+           "guidance_scale": args.guidance_scale}
+  return tuple(name for name, flag in given.items() if flag is None)
 
 
 def _asked_request(args: argparse.Namespace, preset_name: str | None, preset: Preset, guidance: tuple[float, ...],
@@ -182,6 +192,19 @@ def read_image(path: str | None) -> Any:
 # The request arguments a command gives as file paths, and how each is read.
 MEDIA_READERS = {"image": read_image, "last_image": read_image, "video": read_video, "mask": read_mask,
                  "reference_images": read_images}
+
+
+def model_defaults(plan: Plan, facts: Any) -> Plan:
+  """Without --preset, what no flag gave from the model's own defaults (`ModelFacts.defaults`: its
+  folder's generation_defaults.json, read here once a Hub model is downloaded; for a local folder
+  the same values `presets.model_preset` gave before)."""
+  d = facts.defaults
+  values = {"height": d.height, "width": d.width, "num_frames": d.num_frames,
+            "num_inference_steps": d.num_inference_steps, "guidance_scale": d.guidance_scale}
+  if not plan.defaulted:
+    return plan
+  extra = {"guidance_scale_2": d.guidance_scale_2} if "guidance_scale" in plan.defaulted else {}
+  return dataclasses.replace(plan, request=plan.request | {n: values[n] for n in plan.defaulted} | extra)
 
 
 def image_sized(plan: Plan, facts: Any) -> Plan:
@@ -411,7 +434,7 @@ def check_plan(plan: Plan) -> Checked:
   if plan.processes is not None:
     devices.join(plan, facts)
   devices.check_device_flag(plan)
-  plan = model_fps(image_sized(plan, facts), facts)
+  plan = model_fps(image_sized(model_defaults(plan, facts), facts), facts)
   request = build_request(plan, facts, devices.draw_seed(plan))
   mesh_auto = plan.mesh is None
   if mesh_auto:

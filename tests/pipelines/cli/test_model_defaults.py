@@ -77,3 +77,31 @@ def test_python_generate_and_serve_make_the_same_video_without_guidance(tmp_path
   assert batch_request(pipe.facts, [guided], None).settings()["guidance_scale"] != python.settings()["guidance_scale"]
   assert generate.main(argv) == 0
   np.testing.assert_array_equal(np.load(out), pipe(prompt, seed=seed)[0])
+
+
+def test_a_folder_s_defaults_reach_the_command_once_it_is_read(tmp_path, monkeypatch):
+  """A folder whose defaults are known only once it is read (a Hub id before its download: the
+  flags see diffusers' defaults) still runs at its generation_defaults.json for every value no flag
+  gave, as the Python call would; a value given by a flag (--guidance 4, --steps 0) stays as given
+  (the positive control), a bad one refused as before."""
+  import shutil
+
+  from pipelines.cli import run_plan
+  from pipelines.commands import presets
+  from pipelines.commands.flags import UsageError
+  from pipelines.wan.pretrained import TINY_FOLDERS
+  from pipelines.wan.pretrained.generation_defaults import FILE
+
+  folder = tmp_path / "mine"
+  shutil.copytree(TINY_FOLDERS["tiny"], folder)
+  mine = json.loads((folder / FILE).read_text()) | {"guidance_scale": 3.5, "num_inference_steps": 3, "height": 32}
+  (folder / FILE).write_text(json.dumps(mine))
+  monkeypatch.setattr(run_plan, "model_preset", lambda model: presets.FOLDER_DEFAULTS)  # not read before JAX
+  argv = ["--model", str(folder), "--prompt", "a red square moving up", "--seed", "1", "--out", str(tmp_path / "a.mp4")]
+  parse = generate.build_parser().parse_args
+  request = run_plan.check_plan(run_plan.plan_run(parse(argv))).request
+  assert (request.height, request.width, request.num_frames, request.steps, request.guidance) == (32, 64, 17, 3, (3.5, 3.5))
+  asked = run_plan.check_plan(run_plan.plan_run(parse(argv + ["--guidance", "4", "--size", "64x64"]))).request
+  assert (asked.height, asked.guidance, asked.steps) == (64, (4.0, 4.0), 3)
+  with pytest.raises(UsageError, match="num_inference_steps=0"):
+    run_plan.check_plan(run_plan.plan_run(parse(argv + ["--steps", "0"])))
