@@ -13,8 +13,7 @@ import re
 from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags
-from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS
-from pipelines.wan.pretrained import TINY_FOLDERS, GenerationDefaults
+from pipelines.commands.presets import FOLDER_DEFAULTS, PRESETS, TINY_DEFAULTS
 from pipelines.commands import compile_cache
 from pipelines.parallel import distributed, estimate
 from pipelines.storage import video_io
@@ -207,7 +206,6 @@ def _add_conditioning_flags(g: argparse._ArgumentGroup) -> None:
 
 def _add_window_flags(g: argparse._ArgumentGroup) -> None:
   """A video longer than the model's trained clip, in context windows."""
-  tiny_fuse = GenerationDefaults.read(TINY_FOLDERS["tiny"]).context_fuse
   g.add_argument("--context-frames", type=int, default=None, metavar="L",
                  help="a video longer than the model's trained clip in overlapping context windows of L frames "
                       "(4k+1; Wan: 81, tiny: 17), blended at every step (see --context-fuse); W=2 in --mesh runs two "
@@ -219,7 +217,7 @@ def _add_window_flags(g: argparse._ArgumentGroup) -> None:
                  help="with --context-frames: the overlaps' blend weights at every step (pyramid, as ComfyUI; "
                       "flat), or continue: windows one after another, each given the frames it shares with the one "
                       "before (a model trained to continue; not with W) (default: the model's, from its folder's "
-                      f"generation_defaults.json: {tiny_fuse} for tiny, pyramid for a folder "
+                      f"generation_defaults.json: {TINY_DEFAULTS.context_fuse} for tiny, pyramid for a folder "
                       "without one, and pyramid wherever continue cannot run)")
 
 

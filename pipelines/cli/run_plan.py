@@ -195,16 +195,16 @@ MEDIA_READERS = {"image": read_image, "last_image": read_image, "video": read_vi
 
 
 def model_defaults(plan: Plan, facts: Any) -> Plan:
-  """Without --preset, what no flag gave from the model's own defaults (`ModelFacts.defaults`: its
-  folder's generation_defaults.json, read here once a Hub model is downloaded; for a local folder
-  the same values `presets.model_preset` gave before)."""
-  d = facts.defaults
-  values = {"height": d.height, "width": d.width, "num_frames": d.num_frames,
-            "num_inference_steps": d.num_inference_steps, "guidance_scale": d.guidance_scale}
+  """Without --preset, what no flag gave from the model's own defaults (`ModelFacts.fill`, as the
+  Python call takes them: its folder's generation_defaults.json, read here once a Hub model is
+  downloaded; for a local folder the same values `presets.model_preset` gave before)."""
   if not plan.defaulted:
     return plan
-  extra = {"guidance_scale_2": d.guidance_scale_2} if "guidance_scale" in plan.defaulted else {}
-  return dataclasses.replace(plan, request=plan.request | {n: values[n] for n in plan.defaulted} | extra)
+  names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2")
+  unset = set(plan.defaulted) | ({"guidance_scale_2"} if "guidance_scale" in plan.defaulted else set())
+  filled = facts.fill(*(None if n in unset else plan.asked(n) for n in names),
+                      custom_schedule=plan.asked("timesteps") is not None or plan.asked("sigmas") is not None)
+  return dataclasses.replace(plan, request=plan.request | dict(zip(names, filled)))
 
 
 def image_sized(plan: Plan, facts: Any) -> Plan:

@@ -54,6 +54,8 @@ WAN_NEGATIVE_PROMPT = (
     "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
     "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 
+# The trained tiny default's own defaults (its folder's generation_defaults.json), read once.
+TINY_DEFAULTS = GenerationDefaults.read(TINY_FOLDERS["tiny"])
 # A folder without --preset: diffusers WanPipeline.__call__ defaults, shift from scheduler/.
 FOLDER_DEFAULTS = Preset(832, 480, 81, 50, 0.0, (5.0,), "diffusers WanPipeline.__call__ defaults")
 
@@ -90,7 +92,7 @@ PRESETS: dict[str, Preset] = {
     # The embedded tiny models: the settings the trained default was trained and accepted at
     # (end_to_end/train/tiny.py), read from its folder's generation_defaults.json; shift 3.0, its
     # scheduler_config.json's. Seconds on a laptop CPU.
-    "tiny": preset_of(GenerationDefaults.read(TINY_FOLDERS["tiny"]), shift=3.0),
+    "tiny": preset_of(TINY_DEFAULTS, shift=3.0),
     # Image-to-video. Wan2.1 generate.py: i2v 40 steps, shift 3.0 at 832*480 and 5.0 otherwise,
     # guide scale 5.0; flf2v 50 steps, shift 16. Without --size the video takes the image's aspect
     # ratio within width x height's area (`size_for_image`, as Wan's image2video.py).

@@ -14,8 +14,9 @@ from pipelines.wan import schedulers
 # run out near s = 3e4 at 50 steps); its ends give finite tables on every solver up to 1000 steps.
 FLOW_SHIFT_RANGE = (0.01, 1000.0)
 
+
 def check_schedule(model: ModelFacts, scheduler: Any, flow_shift: Any, num_inference_steps: Any, timesteps: Any,
-              sigmas: Any) -> tuple[Any, int]:
+                   sigmas: Any) -> tuple[Any, int]:
   """(scheduler config, steps): `scheduler_of`, and the step count checked against a custom schedule."""
   if num_inference_steps is not None:
     num_inference_steps = check_int("num_inference_steps", num_inference_steps, hint="; e.g. 50")
