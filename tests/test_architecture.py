@@ -361,7 +361,7 @@ def test_positive_control_the_checks_can_fail(tmp_path):
 
 # --- the Wan model's components (pipelines/wan/__init__.py) -------------------------------------------
 GROUND_FLOOR = ("transformer", "vae", "encoders", "schedulers")  # import no other component
-UPPER_FLOOR = ("conditioning", "step_cache", "lora", "pretrained")  # import only the ground floor
+UPPER_FLOOR = ("conditioning", "step_cache", "lora", "pretrained", "causal")  # import only the ground floor
 # Modules that load without JAX (the command line checks its flags with them before JAX starts).
 JAX_FREE = ("pipelines.wan.pretrained.folder", "pipelines.wan.pretrained.hub", "pipelines.wan.lora.convert", "pipelines.wan.lora.format",
             "pipelines.wan.step_cache.calibration", "pipelines.wan.step_cache.spec",

@@ -63,7 +63,7 @@ INSTANCES = frozenset({"pipe", "args", "r", "remix", "preset", "jobs", "cross_kv
 KEY_ENDINGS = frozenset({"weight", "bias", "alpha", "diff", "diff_b", "scale_shift_table", "modulation"})
 # A span right after another project's name (diffusers `pipelines/wan/pipeline_wan.py`).
 LIBRARY_BEFORE = re.compile(
-    r"\b(diffusers|transformers|torch|PyTorch|peft|ComfyUI|Wan-Video|Wan|MLPerf)(?:'s?)?\W{0,3}$")
+    r"\b(diffusers|transformers|torch|PyTorch|peft|ComfyUI|Wan-Video|Wan|MLPerf|Self-Forcing)(?:'s?)?\W{0,3}$")
 FILE_SUFFIXES = frozenset({"json", "py", "md", "png", "mp4", "safetensors", "txt", "yaml", "yml", "sh", "toml",
                            "pt", "bin", "npz", "jpg", "jpeg", "gif", "webm", "html", "csv", "log", "sqlite3",
                            "pth", "ckpt", "webp"})

@@ -234,9 +234,21 @@ def map_safetensors_file(path: str) -> MappedSafetensors:
   return MappedSafetensors(tensors=refs, metadata=metadata, buffer=buffer)
 
 
+# Where training checkpoints keep the weights to run, first found first: Lightning's `state_dict`,
+# and the generator of Self-Forcing / CausVid / Causal-Forcing (`generator_ema`, its EMA, as their
+# `inference.py --use_ema` reads it; else `generator`).
+TRAINING_WRAPPERS = ("state_dict", "generator_ema", "generator")
+
+
+def training_weights(state: dict) -> dict:
+  """The weights inside a training checkpoint's dict (`TRAINING_WRAPPERS`), else `state` itself."""
+  return next((state[key] for key in TRAINING_WRAPPERS if isinstance(state.get(key), dict)), state)
+
+
 def open_torch_file(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of a PyTorch `.pth` file (the official Wan release's VAE and T5) as numpy views of
-  the memory-mapped file: `torch.load(weights_only=True, mmap=True)` (weights only: no code runs).
+  """Every tensor of a PyTorch `.pth` / `.pt` file (the official Wan release's VAE and T5; a training
+  checkpoint's weights, `training_weights`) as numpy views of the memory-mapped file:
+  `torch.load(weights_only=True, mmap=True)` (weights only: no code runs).
 
   Raises:
     CheckpointError: torch is not installed (naming the fixes), or the file cannot be read.
@@ -253,7 +265,7 @@ def open_torch_file(path: str) -> dict[str, np.ndarray]:
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
   except Exception as e:  # noqa: BLE001 (torch raises many kinds for a bad file)
     raise CheckpointError(f"cannot read {path!r} (truncated or corrupt PyTorch file?): {e!r}; download it again") from e
-  state = state.get("state_dict", state) if isinstance(state, dict) else state
+  state = training_weights(state) if isinstance(state, dict) else state
   out = {}
   for key, tensor in state.items():
     if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes, viewed

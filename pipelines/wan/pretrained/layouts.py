@@ -3,7 +3,9 @@
 Single files (`read_component`), by their key names, as diffusers' `infer_diffusers_model_type`
 and ComfyUI's `model_detection` tell them apart:
 - transformer: original Wan / ComfyUI names (`blocks.N.self_attn.q.weight`, `head.modulation`),
-  with or without ComfyUI's `model.diffusion_model.` prefix (`original_names`), or diffusers';
+  with or without ComfyUI's `model.diffusion_model.` prefix (`original_names`), or diffusers'; a
+  causal generator's training checkpoint (Self-Forcing, CausVid: `generator_ema` / `generator`,
+  each key under `model.`; `weights.training_weights`);
 - VAE: original Wan names (`encoder.conv1`, `decoder.middle.0.residual.0.gamma`; Wan 2.1 and 2.2,
   `vae.original_names`) or diffusers';
 - text encoder: transformers' UMT5 names (`encoder.block.N.layer.0.SelfAttention.q.weight`, as
@@ -38,7 +40,8 @@ from pipelines.wan.pretrained import inference
 from pipelines.wan.transformer import original_names as transformer_names
 from pipelines.wan.vae import original_names as vae_names
 
-COMFY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# ComfyUI's prefixes, and the `model.` of the generators of Self-Forcing's `WanDiffusionWrapper` (CausVid's alike).
+COMFY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 DROPPED = ("scaled_fp8", ".scale_input", ".input_scale", "spiece_model")  # markers and unused activation scales
 # (a key that shows a model, what to call it) for files of other models.

@@ -285,7 +285,7 @@ class WanBlock(nnx.Module):
   def __call__(self, x_BTD: jax.Array, text_kv: tuple[jax.Array, jax.Array], time_proj: jax.Array,
                rope: tuple[jax.Array, jax.Array], *, config: WanTransformerConfig,
                layout: SequenceLayout, image_kv: tuple[jax.Array, jax.Array] | None = None,
-               time_index: jax.Array | None = None) -> jax.Array:
+               time_index: jax.Array | None = None, attend=None) -> jax.Array:
     """One block.
 
     Args:
@@ -301,6 +301,9 @@ class WanBlock(nnx.Module):
         states; replicated; Wan 2.1 I2V / FLF2V) or None.
       time_index: int32 [B, T] each token's level of a per-level `time_proj` (sharded like the
         tokens; `timesteps.TokenTimesteps`), or None.
+      attend: the self-attention, (q, k, v) [B, T, N, H] each -> [B, T, N, H] (q pre-scaled as
+        `SequenceLayout.self_attention` takes it); None for `layout.self_attention`. A causal
+        stream passes one that attends to its KV cache too (`pipelines.wan.causal`).
 
     Returns:
       [B, T, D] in x's dtype.
@@ -318,7 +321,7 @@ class WanBlock(nnx.Module):
                                     out_scale=head_dim ** -0.5 * math.log2(math.e))
     k_BTNH = producers.rmsnorm_rope(a.to_k.heads(h_BTD, heads), a.norm_k[...], *rope, num_heads=heads, eps=eps)
     v_BTNH = a.to_v.heads(h_BTD, heads)
-    o_BTD = layout.self_attention(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
+    o_BTD = (attend or layout.self_attention)(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
     x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
     x_BTD = layout.constrain(x_BTD)
 

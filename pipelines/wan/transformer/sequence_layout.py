@@ -104,16 +104,21 @@ class SequenceLayout:
     """int32 [B] valid key count when tokens were padded, else None."""
     return jnp.full((batch,), self.tokens, jnp.int32) if self.padding else None
 
-  def self_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """[B, T, N, H] x3 -> [B, T, N, H]: local attention, or USP over the mesh.
+  def self_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_valid_len: jax.Array | None = None
+                     ) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, N, H] (S == T but for a causal stream's cached keys) -> [B, T, N, H]:
+    local attention, or USP over the mesh.
 
     q arrives pre-scaled by H^-1/2 * log2(e) (applied by the q producer in fp32
-    before its one rounding), so the base-2 kernels use it as is.
+    before its one rounding), so the base-2 kernels use it as is. `kv_valid_len` (int32 [B]) masks
+    the keys at positions >= it; None for the layout's own (the padded tokens', if any).
     """
+    if kv_valid_len is None:
+      kv_valid_len = self.kv_valid_len(q.shape[0])
     if self.mesh is None:
-      return attention.local_attention(q, k, v, implementation=self.implementation, q_prescaled=True,
-                                       block_sizes=self.block_sizes, backend=self.backend)
-    return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=self.kv_valid_len(q.shape[0]),
+      return attention.local_attention(q, k, v, kv_valid_len=kv_valid_len, implementation=self.implementation,
+                                       q_prescaled=True, block_sizes=self.block_sizes, backend=self.backend)
+    return attention.usp_attention(q, k, v, mesh=self.mesh, kv_valid_len=kv_valid_len,
                                    implementation=self.implementation, q_prescaled=True,
                                    block_sizes=self.block_sizes, backend=self.backend, exchange=self.exchange)
 

@@ -27,6 +27,21 @@ def test_transformer_names_with_or_without_prefix(tmp_path, prefix):
   assert (got.layout, set(got.tensors), got.scales) == ("wan", set(state), {})
 
 
+def test_a_causal_generators_training_checkpoint_reads_its_ema_weights(tmp_path):
+  """Self-Forcing / CausVid save {"generator": ..., "generator_ema": ...} with each key under the
+  wrapper's `model.`: the EMA weights are read (positive control: the plain generator's differ)."""
+  torch = pytest.importorskip("torch")
+  state = writers.comfy_transformer(_transformer_state(), "model.")
+  ema = {k: torch.from_numpy(v + 1) for k, v in state.items()}
+  path = str(tmp_path / "self_forcing_dmd.pt")
+  torch.save({"generator": {k: torch.from_numpy(v) for k, v in state.items()}, "generator_ema": ema}, path)
+  got = layouts.read_component(path, "transformer")
+  assert got.layout == "wan" and set(got.tensors) == set(_transformer_state())
+  assert all(np.all(np.asarray(v) == 1) for v in got.tensors.values())
+  torch.save({"generator": {k: torch.from_numpy(v) for k, v in state.items()}}, path)
+  assert all(np.all(np.asarray(v) == 0) for v in layouts.read_component(path, "transformer").tensors.values())
+
+
 def test_vae_names_renamed_with_the_inferred_config(tmp_path):
   config = VAE_PRESETS["tiny"]
   state = {k: np.zeros(s, np.float32) for k, s in config.param_shapes().items()}
