@@ -246,6 +246,16 @@ def _write_mp4(frames: np.ndarray, path: str, fps: float, tags: dict[str, str]) 
              "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
              *_metadata_options(tags, folder), "-f", "mp4", path],
             "encoding the mp4", stdin=memoryview(to_uint8(frames).reshape(-1)))
+  return read_back_mp4(path)
+
+
+def read_back_mp4(path: str) -> tuple[int, int, int]:
+  """(frames, height, width) of an mp4 as ffmpeg decodes it (every frame, stopping at the first
+  decoding error).
+
+  Raises:
+    EncodeError: ffmpeg cannot read it at all.
+  """
   # framecrc: a "#dimensions 0: WxH" header, then one line per decoded frame.
   lines = run_ffmpeg(["-xerror", "-i", path, "-map", "0:v:0", "-f", "framecrc", "-"], "decoding the mp4 back")
   lines = lines.splitlines()

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.wan.vae import layers as L, residual as vae_residual
-from pipelines.wan.vae import model as vae_model
+from pipelines.wan.vae import encoding as vae_encoding, model as vae_model
 from pipelines.wan.vae.config import WanVAEConfig
 from pipelines.wan.vae.effort import check_compile_effort
 from pipelines.wan.vae.topology import (AttnBlock, CausalConv, Layer, NormSiLU, Resample, ResBlock,
@@ -352,7 +352,7 @@ def encode_banded(vae: vae_model.WanVAE, video: Any, *, band_rows: int,
   with its own cache, its kept rows going to the host ([B, F, Hl, Wl, C], latent resolution);
   then the rest of the encoder runs on whole frames, chunk by chunk.
   """
-  vae_model.check_video(vae.config, video)
+  vae_encoding.check_video(vae.config, video)
   cfg, s = vae.config, vae.config.spatial_factor
   x = np.asarray(jax.device_get(video)).astype(vae.dtype).transpose(0, 2, 3, 4, 1)  # [B, frames, H, W, 3]
   step = vae_model.ENCODER_CHUNK
@@ -369,4 +369,4 @@ def encode_banded(vae: vae_model.WanVAE, video: Any, *, band_rows: int,
                                                                  band.keep_stop - band.start]
   tail = chunk_programs(_encoder_tail, None)
   h = list(_run_chunks(tail, vae, (feats[:, i:i + 1] for i in range(len(times)))))
-  return vae_model.latent_distribution(np.concatenate(h, axis=1))
+  return vae_encoding.latent_distribution(np.concatenate(h, axis=1))

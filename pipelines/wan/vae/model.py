@@ -1,4 +1,4 @@
-"""Wan causal video VAE in JAX: config, loader, random init, chunked encode and decode.
+"""Wan causal video VAE in JAX: config, loader, random init, chunked decode (the encode: `encoding`).
 
 Numerical reference: diffusers `AutoencoderKLWan`: the Wan 2.1 VAE (`is_residual=False`, used by
 Wan 2.1 and Wan 2.2 A14B) and the Wan 2.2 VAE of TI2V-5B (`is_residual=True`, z_dim 48, 2x2
@@ -221,31 +221,50 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
     ValueError: latents not 5-D, wrong channel count, an empty axis, an unknown `video_layout`, or
       a `compile_effort` outside [-1, 1].
 
-  Time chunking: latent frame 0 goes through the first-chunk program (no cache; upsample3d's time
-  conv skipped, so it yields 1 frame), frames 1..F-1 each through the later-chunk program (4 frames),
-  carrying the cache. The two programs are compiled once per (config, B, Hl, Wl, dtype, effort).
-  Only one chunk's activations plus the cache are live at a time; the decoded frames accumulate. Call it
-  outside `jit`: under an outer trace the Python loop over frames would be unrolled.
+  Time chunking (`decode_continued`): latent frame 0 goes through the first-chunk program (no cache;
+  upsample3d's time conv skipped: 1 frame), frames 1..F-1 each through the later-chunk program (4
+  frames), carrying the cache; both compiled once per (config, B, Hl, Wl, dtype, effort). Only one
+  chunk's activations plus the cache are live at a time. Call it outside `jit` (the frame loop
+  would be unrolled).
 
   Memory (`band_memory.decode_step_memory_analysis`): weights and cache plus one chunk's temporaries
   (the new cache aliases the donated one). TPU v5e, JAX 0.10.2, libtpu 0.0.42.1 (2026-12-05), arguments /
   temporaries GiB: Wan 2.1 480p fp32 4.01 / 9.15, bf16 2.00 / 5.78, 720p bf16 4.23 / 9.50; the Wan 2.2
   VAE at 704x1280 needs 64.5 (fp32) / 32.2 (bf16) GiB of temporaries. `bands.decode_banded` bounds it.
   """
-  check_latents(vae.config, latents)
   if video_layout not in ("BCFHW", "BFHWC"):
     raise ValueError(f"unknown {video_layout=}; use 'BCFHW' (diffusers) or 'BFHWC' (pipeline)")
+  video_BFHWC, _ = decode_continued(vae, latents, compile_effort=compile_effort)
+  return video_BFHWC if video_layout == "BFHWC" else jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
+
+
+def decode_continued(vae: WanVAE, latents: jax.Array, cache: L.Cache | None = None, *,
+                     compile_effort: float | None = None) -> tuple[jax.Array, L.Cache]:
+  """`decode`'s time chunks carried on from an earlier call's causal cache, so a stream decodes its
+  latents chunk by chunk: the same frames as one `decode` of them all.
+
+  Args:
+    latents: [B, C, F, Hl, Wl] (denormalized, as `decode` takes them), the F latent frames after
+      those `cache` has seen.
+    cache: the cache an earlier call returned (donated: not usable after), or None from frame 0.
+
+  Returns:
+    (video [B, T, sHl, sWl, 3] in [-1, 1], T = 4F, or 1 + 4(F - 1) from frame 0; the cache after them).
+
+  Raises:
+    ValueError: as `decode`.
+  """
+  check_latents(vae.config, latents)
   programs = _chunk_programs(check_compile_effort(compile_effort, platform_of(vae.params)))
   z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
-  chunk, cache = programs.first(vae, z_BFHWC[:, :1])
-  chunks = [chunk]
-  for i in range(1, z_BFHWC.shape[1]):
-    chunk, cache = programs.later(vae, cache, z_BFHWC[:, i:i + 1])
+  chunks = []
+  for i in range(z_BFHWC.shape[1]):
+    if cache is None:
+      chunk, cache = programs.first(vae, z_BFHWC[:, i:i + 1])
+    else:
+      chunk, cache = programs.later(vae, cache, z_BFHWC[:, i:i + 1])
     chunks.append(chunk)
-  video_BFHWC = jnp.concatenate(chunks, axis=1)
-  if video_layout == "BFHWC":
-    return video_BFHWC
-  return jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
+  return jnp.concatenate(chunks, axis=1), cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,77 +443,3 @@ def abstract_vae(config: WanVAEConfig, dtype: jnp.dtype = jnp.float32) -> WanVAE
   """The model with `jax.ShapeDtypeStruct` parameters (JAX layout, `dtype`): for lowering only."""
   return WanVAE(config, {k: jax.ShapeDtypeStruct(to_jax_layout(k, np.empty(s, np.bool_)).shape, dtype)
                          for k, s in config.param_shapes().items()})
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Encode
-
-
-def encode_chunk(vae: WanVAE, cache: L.Cache | None, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
-  """One causal encoder chunk: video x [B, T, H, W, 3] in [-1, 1] (T = 1 on the first chunk, cache
-  None; then `ENCODER_CHUNK` frames) -> (mean and log-variance [B, 1, H/8, W/8, 2 z_dim], the
-  feature cache for the next chunk)."""
-  cfg = vae.config
-  x_BTHWC = vae_residual.patchify(x_BTHWC, cfg.patch)
-  h, cache = L.run_layers(vae.params, cfg.encoder_layers(), x_BTHWC, cache, first_chunk=cache is None)
-  h, _ = L.run_layers(vae.params, cfg.quant_layers()[:1], h, None, first_chunk=False)
-  return h, cache
-
-
-@jax.jit
-def _encode_first_chunk(vae: WanVAE, x_BTHWC: jax.Array) -> tuple[jax.Array, L.Cache]:
-  return encode_chunk(vae, None, x_BTHWC)
-
-
-_encode_next_chunk = jax.jit(encode_chunk, donate_argnums=1)
-
-
-def check_video(config: WanVAEConfig, video: Any) -> None:
-  """Raises `encode`'s ValueErrors for a video [B, 3, frames, height, width] the VAE cannot encode."""
-  if video.ndim != 5:
-    raise ValueError(f"video must be [B, 3, frames, height, width], got {video.shape=}")
-  B, C, frames, height, width = video.shape
-  if C != config.video_channels:
-    raise ValueError(f"video has {C=} channels but the VAE expects {config.video_channels}")
-  if B < 1 or frames < 1 or (frames - 1) % ENCODER_CHUNK:
-    raise ValueError(f"{frames=} must be 1 + {ENCODER_CHUNK}k (and {B=} >= 1)")
-  f = config.spatial_factor
-  if height < f or width < f or height % f or width % f:
-    raise ValueError(f"{height=} and {width=} must be positive multiples of {f}")
-
-
-def latent_distribution(h_BFHWC: Any) -> LatentDistribution:
-  """The encoder's output [B, F, Hl, Wl, 2C] (after quant_conv) -> mean and clamped logvar [B, C, F, Hl, Wl]."""
-  mean, logvar = jnp.split(jnp.transpose(jnp.asarray(h_BFHWC), (0, 4, 1, 2, 3)), 2, axis=1)
-  return LatentDistribution(mean, jnp.clip(logvar, *L.LOGVAR_RANGE))
-
-
-def encode(vae: WanVAE, video: jax.Array) -> LatentDistribution:
-  """Encodes a video into the latent Gaussian (diffusers `AutoencoderKLWan.encode(x).latent_dist`).
-
-  Args:
-    vae: the model; the video is cast to its dtype.
-    video: [B, 3, frames, height, width] in [-1, 1] (diffusers layout), frames = 1 + 4k, height and
-      width multiples of s = `config.spatial_factor` (8; 16 for the Wan 2.2 VAE).
-
-  Returns:
-    LatentDistribution(mean, logvar), each [B, C, 1 + (frames - 1) / 4, height / s, width / s]; the
-    latent is `mean` (diffusers' `.mode()`); apply `normalize_latents` for the diffusion model.
-
-  Raises:
-    ValueError: video not 5-D, wrong channel count, frames not 1 + 4k (diffusers would silently drop
-      the extra frames), or height/width not multiples of the spatial factor.
-
-  Time chunking as diffusers `_encode`: frame 0 alone, then chunks of 4 frames, each one latent frame
-  (temporal factor 4); the cache is carried as in `decode`.
-  """
-  check_video(vae.config, video)
-  frames = video.shape[2]
-  x_BFHWC = jnp.transpose(video.astype(vae.dtype), (0, 2, 3, 4, 1))
-  h, cache = _encode_first_chunk(vae, x_BFHWC[:, :1])
-  chunks = [h]
-  for start in range(1, frames, ENCODER_CHUNK):
-    h, cache = _encode_next_chunk(vae, cache, x_BFHWC[:, start:start + ENCODER_CHUNK])
-    chunks.append(h)
-  return latent_distribution(jnp.concatenate(chunks, axis=1))

@@ -191,3 +191,19 @@ def test_memory_analysis_of_chunk_step():
   assert stats.alias_size_in_bytes > 0
   assert stats.temp_size_in_bytes > 0
 
+
+
+def test_decoding_in_pieces_carries_the_cache_as_one_decode():
+  """A stream's decode: 3 latent frames, then 3 more with the returned cache, are the frames of one
+  decode of all 6 (the same programs on the same values: equal bit for bit); 1 + 4 * 2 frames,
+  then 4 * 3. Positive control: the second piece without the cache (from frame 0) differs."""
+  cfg = V.VAE_PRESETS["tiny"]
+  vae = V.init_vae(cfg, jax.random.key(0))
+  z = jax.random.normal(jax.random.key(1), (1, cfg.z_dim, 6, 4, 6))
+  whole = V.decode(vae, z, video_layout="BFHWC")
+  first, cache = V.decode_continued(vae, z[:, :, :3])
+  second, _ = V.decode_continued(vae, z[:, :, 3:], cache)
+  assert (first.shape[1], second.shape[1]) == (9, 12)
+  np.testing.assert_array_equal(np.concatenate([first, second], axis=1), np.asarray(whole))
+  fresh, _ = V.decode_continued(vae, z[:, :, 3:])
+  assert float(jnp.max(jnp.abs(fresh[:, 1:] - second[:, 4:]))) > 1e-3
