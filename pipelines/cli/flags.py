@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from pipelines.cli.streaming import add_stream_flags
 from pipelines.commands.flags import UsageError, add_decode_effort_flag
 from pipelines.commands.help import HelpFormatter
 from pipelines.commands.model_files import add_single_file_flags
@@ -88,6 +89,7 @@ def build_parser(description: str | None = None, epilog: str | None = None) -> a
   _add_sampling_flags(p.add_argument_group("sampling"))
   _add_conditioning_flags(p.add_argument_group("conditioning"))
   _add_window_flags(p.add_argument_group("long video"))
+  add_stream_flags(p.add_argument_group("streaming (a causal checkpoint, chunk by chunk)"))
   _add_device_flags(p.add_argument_group("where it runs"))
   _add_output_flags(p.add_argument_group("outputs"))
   _add_checkpoint_flags(p.add_argument_group("resumable denoising"))

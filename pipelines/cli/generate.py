@@ -78,6 +78,7 @@ from pipelines.cli.records import (apply_resume, given_flags, remove_checkpoint,
                                    write_run_record)
 from pipelines.cli.plan import Plan
 from pipelines.cli.run_plan import Checked, check_plan, plan_run
+from pipelines.cli.streaming import run_stream
 from pipelines.commands.help import warnings_as_lines
 from pipelines.commands.presets import TINY_MODELS
 from pipelines.parallel import distributed
@@ -125,6 +126,8 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
   weights = plan.dtype + (f", {plan.quantize} weights" if plan.quantize else "")
   print(f"generate: model {pipe.name} ({weights}), mesh {mesh_text(request)}: {checked.device_note}",
         file=sys.stderr)
+  if plan.stream is not None:
+    return run_stream(pipe, checked, load_s, warnings_seen)
   result = _generate(pipe, request, plan, cache)
   if not plan.writes:
     print(f"generate: process {jax.process_index()} done; process 0 writes {plan.out}", file=sys.stderr)

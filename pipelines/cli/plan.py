@@ -42,6 +42,7 @@ class Plan:
   fps_given: bool = True  # --fps or --preset given; else the model's (`presets.model_fps`)
   model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
   model_commit: str | None = None  # a Hub --model's resolved commit
+  stream: dict[str, Any] | None = None  # --stream's settings (`streaming.check_stream_flags`), None: one video
   files: Any = None  # --transformer / --vae / --text-encoder ...: a `wan.pretrained.Sources` (model None)
 
   def asked(self, name: str, default: Any = None) -> Any:

@@ -17,6 +17,7 @@ from attention.mesh_spec import DEVICE_FLAG as _DEVICE_FLAG, MeshSpec, request_c
 from pipelines.cli import records
 from pipelines.cli.flags import flag_error, in_flags, parse_guidance, parse_numbers, parse_size
 from pipelines.cli.plan import Plan
+from pipelines.cli.streaming import check_stream_flags
 from pipelines.commands.flags import UsageError, parse_lora_arg
 from pipelines.commands.model_files import describe, single_files
 from pipelines.commands.presets import PRESETS, TINY_MODELS, Preset, model_fps as model_fps_of, model_preset
@@ -38,6 +39,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
     UsageError / video_io.OutputError: each bad argument, with what to do instead.
   """
   _check_prompt(args)
+  stream = check_stream_flags(args)
   files = single_files(args)
   model = args.model if args.model is not None or files is not None else "tiny"
   preset_name, preset = _preset(args, model)
@@ -62,7 +64,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               resume=args.resume is not None, contact_sheet=args.contact_sheet, quantize=args.quantize,
               placement=args.placement, size_given=bool(args.size),
               defaulted=() if preset_name is not None else _defaulted(args, video_frames),
-              fps_given=args.fps is not None or preset_name is not None)
+              fps_given=args.fps is not None or preset_name is not None, stream=stream)
 
 
 def _defaulted(args: argparse.Namespace, video_frames: int | None) -> tuple[str, ...]:

@@ -84,12 +84,16 @@ class CausalStream:
     batch = text.k_ZBLNH.shape[1] if isinstance(text, TextKV) else text.shape[0]
     shape = (batch, config.in_channels, c, *latent_size)
     tokens_per_frame = check_chunk(self.model, shape, self.plan) // c
-    kv = text if isinstance(text, TextKV) else text_kv(self.model, jnp.asarray(text), self.plan)
-    cache = KVCache.empty(layers=config.num_layers, batch=batch, capacity=self.window.capacity(total),
-                          tokens_per_frame=tokens_per_frame, heads=config.num_attention_heads,
-                          head_dim=config.attention_head_dim, dtype=self.model.dtype)
+    kv = text if isinstance(text, TextKV) else _text_kv(graphdef, params, jnp.asarray(text), plan=self.plan)
+    cache = _empty_cache(layers=config.num_layers, batch=batch, capacity=self.window.capacity(total),
+                         tokens_per_frame=tokens_per_frame, heads=config.num_attention_heads,
+                         head_dim=config.attention_head_dim, dtype=jnp.dtype(self.model.dtype))
+    # Every array a step takes (and the cache it returns) lives where the plan keeps replicated
+    # arrays: the same placement from the first chunk on, so each step compiles once.
+    where = (self.plan or ParallelPlan.single()).replicated
+    kv, cache = jax.device_put((kv, cache), where)
     step = functools.partial(_chunk_step, graphdef, window=self.window, tokens_per_frame=tokens_per_frame,
-                             plan=self.plan)
+                             plan=self.plan, where=where)
     context_t = self.schedule.context_noise
     for i in range(given):
       _, cache = step(params, initial_latents[:, :, i * c:(i + 1) * c], context_t, 0.0, kv, cache, write=True)
@@ -121,14 +125,25 @@ def _chunk_step_body(graphdef, params, latents, timestep, sigma, kv, cache, *, w
   x0 = latents.astype(jnp.float32) - sigma * flow.astype(jnp.float32)
   if write:
     cache = write_chunk(cache, k, v, window, tokens_per_frame)
+  if plan is not None and plan.mesh is not None:
+    cache = jax.lax.with_sharding_constraint(cache, plan.replicated)
   return x0, cache
 
 
+def _text_kv_body(graphdef, params, text, *, plan):
+  return text_kv(nnx.merge(graphdef, params), text, plan)
+
+
+_text_kv = jax.jit(_text_kv_body, static_argnums=0, static_argnames=("plan",))
+
+
+_empty_cache = jax.jit(KVCache.empty, static_argnames=("layers", "batch", "capacity", "tokens_per_frame", "heads",
+                                                      "head_dim", "dtype"))
 _chunk_step_jit = jax.jit(_chunk_step_body, static_argnums=0,
                           static_argnames=("window", "tokens_per_frame", "plan", "write"))
 
 
 def _chunk_step(graphdef, params, latents, timestep, sigma, kv, cache, *, window: CacheWindow, tokens_per_frame: int,
-                plan: ParallelPlan | None, write: bool) -> tuple[jax.Array, KVCache]:
-  return _chunk_step_jit(graphdef, params, latents, np.float32(timestep), np.float32(sigma), kv, cache,
-                         window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write)
+                plan: ParallelPlan | None, where: jax.sharding.Sharding, write: bool) -> tuple[jax.Array, KVCache]:
+  return _chunk_step_jit(graphdef, params, jax.device_put(latents, where), np.float32(timestep), np.float32(sigma),
+                         kv, cache, window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write)
