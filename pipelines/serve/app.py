@@ -10,6 +10,8 @@ metrics, the web page, and the published schema.
   POST   /v1/videos/{id}/cancel     cancel a queued or running job -> the video object; 409 once it finished
   DELETE /v1/videos/{id}            forget a job and delete its files, whatever its status (a queued or running
                                     one never finishes) -> {id, object: "video.deleted", deleted: true, status}
+  GET    /v1/streams                ?prompt=...&size=WxH&num_frames=N&seed=S -> server-sent events carrying the
+                                    video as fragmented-MP4 segments while a causal stream makes it (`streams`)
   GET    /v1/models[/{id}]          the served model
   GET    /health                    200 once the model is loaded and warmed up, else 503 (no auth)
   GET    /metrics                   Prometheus text
@@ -34,12 +36,12 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.serve import api, forms, previews
+from pipelines.serve import api, forms, previews, streams
 from pipelines.serve.openapi import CONTENT_TYPES, create_body, errors, publish
 
 JOB_ID = api.JOB_ID
@@ -209,6 +211,20 @@ def _add_other_routes(app: FastAPI, service: Any, auth: Any) -> None:
       raise api.ApiError(404, f"no model {api.sendable(model_id)!r}; this server serves {service.facts.name!r}",
                          "model", code="not_found")
     return model_object()
+
+  @app.get("/v1/streams", dependencies=[auth], response_class=StreamingResponse,
+           responses={200: {"description": "server-sent events: start, segment..., done (streams.py)",
+                            "content": {"text/event-stream": {}}}, **errors(400, 401, 503)},
+           summary="Stream a video as it is made (fragmented MP4 in server-sent events)")
+  def stream(prompt: str, size: str | None = None, num_frames: int | None = None, seed: int | None = None,
+             window_frames: int | None = None) -> StreamingResponse:
+    session = streams.check_session(service.facts, prompt, size, num_frames, seed, window_frames)
+    if service.worker is None or not service.ready.is_set():
+      raise api.ApiError(503, f"the model is {service.state}; retry once GET /health answers 200", code="not_ready")
+    service.worker.streams.put(session)
+    service.worker.wake.set()
+    return StreamingResponse(streams.sse(session), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
   @app.get("/health", responses={503: {"description": "loading, warming up, or failed"}}, summary="Ready or not")
   def health() -> JSONResponse:

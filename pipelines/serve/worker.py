@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import shutil
 import threading
 import time
@@ -35,7 +36,7 @@ from pipelines.pipeline.run.call_options import CallOptions
 from pipelines.pipeline.run.loop import LoopState, StepHook
 from pipelines.pipeline.checked.request import GenerationRequest
 from pipelines.pipeline.run.resume import ResumeConfig, holds_checkpoint
-from pipelines.serve import api, events, multihost, previews, references
+from pipelines.serve import api, events, multihost, previews, references, streams
 from pipelines.serve.store import HIDDEN
 from pipelines.storage import video_io
 from pipelines.storage import video_tags
@@ -131,6 +132,7 @@ class Worker:
   active_loras: tuple[str, ...] = ()
   running: str | None = None
   channel: Any = None
+  streams: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # `streams.StreamSession`s to run
 
   def start(self) -> None:
     """Runs `loop` on a daemon thread."""
@@ -147,6 +149,9 @@ class Worker:
   def loop(self) -> None:
     """Runs batch after batch until stopped; waits for `wake` (or `poll_s`) when nothing is queued."""
     while not self.stopping.is_set():
+      if not self.streams.empty():  # a streamed video, between batches
+        streams.run_session(self.pipe, self.streams.get(), self.config.data_dir, self.pipe.facts.defaults.fps or 16.0)
+        continue
       picked = None if self.paused.is_set() else self.store.next_batch(self.config.max_batch)
       if picked is None:
         self.wake.wait(self.poll_s)

@@ -204,3 +204,29 @@ def test_cancel_buttons_cancel_a_queued_and_a_running_job(page, tmp_path):
   assert jobs[running]["status"] == "cancelled" and jobs[running]["step"] < 500, jobs
   assert not driver.find_elements("css selector", f"#job-{running} button")  # no Cancel left
   driver.save_screenshot(str(tmp_path / "cancelled.png"))
+
+
+LIVE_STATE = """
+const video = document.getElementById("live-video");
+return {chunks: parseInt(document.getElementById("live").dataset.chunks || "0", 10), readyState: video.readyState,
+        buffered: video.buffered.length ? video.buffered.end(0) : 0, error: video.error && video.error.message,
+        message: document.getElementById("message").textContent,
+        status: document.getElementById("live-status").textContent};
+"""
+
+
+def test_the_stream_button_plays_the_video_while_it_is_made(page):
+  """Stream (GET /v1/streams, 64x64, 50 chunks of 12 frames): the page's video has frames to show
+  (readyState >= 2, a buffered range) while chunks are still being made, and ends with every frame
+  (597 at 16 fps: 37.3 s buffered)."""
+  from selenium.webdriver.common.by import By
+
+  driver, _ = page
+  fill(driver, prompt="a red square moving right", size="64x64", num_frames=597, seed=2)
+  driver.find_element(By.ID, "stream").click()
+  early = until(lambda: (s := driver.execute_script(LIVE_STATE)) and (s["error"] or s["message"] or (
+      s["readyState"] >= 2 and s["buffered"] > 0 and s)), "the streamed video has a frame to show", 120)
+  assert early.get("chunks", 0) < 50 and not early.get("error") and not early.get("message"), early
+  done = until(lambda: "done" in (s := driver.execute_script(LIVE_STATE))["status"] and s,
+               "the stream ends", 300)
+  assert done["chunks"] == 50 and abs(done["buffered"] - 597 / FPS) < 0.2, done

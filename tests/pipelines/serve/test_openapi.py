@@ -34,7 +34,9 @@ def _app(tmp_path, **config):
 def test_schemathesis_finds_no_server_error_or_schema_violation(tmp_path):
   service, app = _app(tmp_path)
   schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-  operations = [result.ok() for result in schema.get_all_operations()]
+  # GET /v1/streams needs the worker thread this service has not started (it answers 503, a server
+  # error to schemathesis, or a valid query streams for minutes): its 400s are tested in test_streams.py.
+  operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.path != "/v1/streams"]
   assert len(operations) >= 12, [op.label for op in operations]
   try:
     for operation in operations:
