@@ -221,7 +221,8 @@ class CompiledSteps:
     self.graphdef = graphdef
     self.traces = 0
     self._programs: dict[Any, Any] = {}
-    self._temp_bytes: dict[Any, int] = {}  # (plan, latents' shape) -> the largest compiled step's temporaries
+    self._shapes: dict[Any, Any] = {}  # program key -> (plan, latents' shape)
+    self._temp_bytes: dict[Any, int | None] = {}  # program key -> its temporaries, once asked (`temp_bytes`)
 
   def get(self, params: nnx.State, latents: jax.Array, solver: Any, text: jax.Array, guidance: jax.Array,
           cache: Any, condition: Any = None, *, plan: ParallelPlan, cfg: bool,
@@ -239,16 +240,20 @@ class CompiledSteps:
       self.traces += 1
       program = _denoise_step_jit.lower(self.graphdef, *args, plan=plan, cfg=cfg, windows=windows).compile()
       self._programs[key] = program
-      analysis = program.memory_analysis()
-      if analysis is not None:
-        shape_key = (plan, tuple(latents.shape))
-        self._temp_bytes[shape_key] = max(self._temp_bytes.get(shape_key, 0), int(analysis.temp_size_in_bytes))
+      self._shapes[key] = (plan, tuple(latents.shape))
     return self._programs[key]
 
   def temp_bytes(self, plan: ParallelPlan, latent_shape: tuple[int, ...]) -> int | None:
     """XLA's temporaries per device (`memory_analysis().temp_size_in_bytes`) of the largest step this
-    object compiled for `plan` and latents of `latent_shape`, or None when none is compiled yet."""
-    return self._temp_bytes.get((plan, tuple(latent_shape)))
+    object compiled for `plan` and latents of `latent_shape`, or None when none is compiled yet.
+    Analysed when first asked (not at every compile), then kept."""
+    shape_key = (plan, tuple(latent_shape))
+    for key, program in self._programs.items():
+      if self._shapes.get(key) == shape_key and key not in self._temp_bytes:
+        analysis = program.memory_analysis()
+        self._temp_bytes[key] = None if analysis is None else int(analysis.temp_size_in_bytes)
+    found = [b for key, b in self._temp_bytes.items() if self._shapes.get(key) == shape_key and b is not None]
+    return max(found) if found else None
 
   def text_kv(self, params: nnx.State, text: jax.Array, image: jax.Array | None = None, *,
               plan: ParallelPlan) -> TextKV:
@@ -262,4 +267,5 @@ class CompiledSteps:
   def clear(self) -> None:
     """Forgets every compiled program (the next call compiles again)."""
     self._programs.clear()
+    self._shapes.clear()
     self._temp_bytes.clear()
