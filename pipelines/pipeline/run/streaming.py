@@ -82,6 +82,32 @@ def check_streamable(pipe: Any, height: int, width: int) -> tuple[int, int]:
   return height // factor, width // factor
 
 
+def check_cache_fits(model: Any, window: Any, *, batch: int, num_chunks: int, latent_size: tuple[int, int],
+                     budget: int | None = None) -> int:
+  """The KV cache's bytes (`wan.causal.cache_bytes`; replicated on every device of a mesh), after
+  checking it fits beside the transformer's weights in the device's memory (`budget`: default
+  `parallel.memory.device_budget()`, None on the CPU: no check).
+
+  Raises:
+    ValueError: cache and weights over the budget, naming the sizes and a window that fits.
+  """
+  from pipelines.parallel.memory import device_budget
+
+  per_frame = latent_size[0] * latent_size[1] // 4
+  frames = num_chunks * window.chunk_frames
+  need = wan_causal.cache_bytes(model, batch=batch, capacity_frames=window.capacity(frames), tokens_per_frame=per_frame)
+  budget = device_budget() if budget is None else budget
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  if budget is not None and need + weights > budget:
+    per_window_frame = wan_causal.cache_bytes(model, batch=batch, capacity_frames=1, tokens_per_frame=per_frame)
+    room = max((budget - weights) // per_window_frame, 0) + window.chunk_frames
+    raise ValueError(f"the stream's KV cache ({window.capacity(frames)} past latent frames, {need / 2**30:.2f} GiB) and "
+                     f"the transformer's weights ({weights / 2**30:.2f} GiB) need more than the device's "
+                     f"{budget / 2**30:.2f} GiB: stream with a window of at most {room} latent frames "
+                     "(--stream-window), or fewer frames")
+  return need
+
+
 def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: int, width: int, seed: int,
                  settings: StreamSettings = StreamSettings(), plan: ParallelPlan | None = None,
                  max_sequence_length: int | None = None) -> Iterator[StreamChunk]:
@@ -102,8 +128,9 @@ def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: 
     ValueError: as `check_streamable`, and `wan.causal.CausalStream.latents`'s, before any chunk.
   """
   latent_size = check_streamable(pipe, height, width)
-  text = pipe.encode_prompts(list(prompts), max_sequence_length or pipe.max_sequence_length)
   model = nnx.merge(pipe.compiled_steps.graphdef, pipe.weights.experts[0])
+  check_cache_fits(model, settings.window, batch=len(prompts), num_chunks=num_chunks, latent_size=latent_size)
+  text = pipe.encode_prompts(list(prompts), max_sequence_length or pipe.max_sequence_length)
   stream = wan_causal.CausalStream(model, settings.window, settings.schedule, plan)
   chunks = stream.latents(text, num_chunks=num_chunks, latent_size=latent_size, key=jax.random.key(seed))
   vae, cache = pipe.vae, None

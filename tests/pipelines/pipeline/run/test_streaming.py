@@ -39,3 +39,20 @@ def test_another_seed_gives_another_stream(pipe):
 def test_sizes_that_do_not_patch_are_refused(pipe):
   with pytest.raises(ValueError, match="multiples of 16"):
     check_streamable(pipe, 72, 64)
+
+
+def test_a_cache_over_the_device_memory_is_refused_naming_a_window(pipe):
+  """The cache of a long global-attention stream against a small budget: refused before any compute,
+  naming the sizes and a window that fits (which then passes the same check)."""
+  from flax import nnx
+
+  from pipelines.pipeline.run.streaming import check_cache_fits
+
+  model = nnx.merge(pipe.compiled_steps.graphdef, pipe.weights.experts[0])
+  weights = sum(x.nbytes for x in __import__("jax").tree.leaves(nnx.state(model)))
+  budget = weights + 100_000
+  with pytest.raises(ValueError, match=r"window of at most (\d+) latent frames") as refused:
+    check_cache_fits(model, CacheWindow(3, None, 0), batch=1, num_chunks=400, latent_size=(8, 8), budget=budget)
+  room = int(refused.value.args[0].split("window of at most ")[1].split(" ")[0])
+  assert check_cache_fits(model, CacheWindow(3, room, 0), batch=1, num_chunks=400, latent_size=(8, 8),
+                          budget=budget) <= budget - weights
