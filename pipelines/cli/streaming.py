@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from typing import Any
 
-from pipelines.commands.flags import UsageError
+from pipelines.commands.flags import UsageError, parse_prompts_at
 from pipelines.wan.causal import ChunkSchedule
 
 # Flags of the whole-video path that a stream does not use, by dest: (flag, why).
@@ -51,6 +52,8 @@ def add_stream_flags(g: argparse._ArgumentGroup) -> None:
                  help="first latent frames a window always keeps (the checkpoint's sink_size; default 0)")
   g.add_argument("--stream-steps", default="1000,750,500,250", metavar="T,T,...",
                  help="each chunk's denoising steps (default Self-Forcing's 1000,750,500,250)")
+  g.add_argument("--stream-prompt", action="append", default=[], metavar="CHUNK:PROMPT",
+                 help="from chunk CHUNK (1-based) on, this prompt (repeatable; the frames made stay in the cache)")
   g.add_argument("--stream-warp", action=argparse.BooleanOptionalAction, default=True,
                  help="the steps index the shifted training grid (Self-Forcing; --no-stream-warp for CausVid)")
 
@@ -64,7 +67,7 @@ def check_stream_flags(args: argparse.Namespace) -> dict[str, Any] | None:
       not .mp4, or settings that do not make a stream (each naming the fix).
   """
   defaults = {"stream_chunk": 3, "stream_window": None, "stream_sink": 0, "stream_steps": "1000,750,500,250",
-              "stream_warp": True}
+              "stream_warp": True, "stream_prompt": []}
   if not args.stream:
     given = [name for name, value in defaults.items() if getattr(args, name) != value]
     if given:
@@ -86,7 +89,8 @@ def check_stream_flags(args: argparse.Namespace) -> dict[str, Any] | None:
   except ValueError as e:
     raise UsageError(f"--stream-steps {args.stream_steps}: {e}") from e
   args.no_checkpoint = True
-  return {"chunk_frames": chunk, "window_frames": window, "sink_frames": sink,
+  return {"prompts_at": parse_prompts_at(args.stream_prompt), "chunk_frames": chunk, "window_frames": window,
+          "sink_frames": sink,
           "denoising_step_list": list(schedule.denoising_step_list),
           "warp_denoising_step": schedule.warp_denoising_step, "shift": schedule.shift}
 
@@ -111,6 +115,8 @@ def run_stream(pipe: Any, checked: Any, load_s: float, warnings_seen: list[str])
   chunks = settings.chunks_for(request.num_frames)
   frames = settings.frames_of(chunks, values["chunk_frames"])
   seed = request.seed if isinstance(request.seed, int) else request.seed[0]
+  for k in sorted(k for k in values["prompts_at"] if int(k) >= chunks):
+    warnings.warn(f"--stream-prompt {int(k) + 1}:...: the stream has {chunks} chunks; that prompt is not used")
   print(f"generate: streaming {chunks} chunks of {values['chunk_frames']} latent frames ({frames} frames) "
         f"into {plan.out}", file=sys.stderr)
   writer = StreamingMp4(plan.out, fps=plan.fps, height=request.height, width=request.width, overwrite=plan.overwrite)
@@ -119,7 +125,8 @@ def run_stream(pipe: Any, checked: Any, load_s: float, warnings_seen: list[str])
     for chunk in stream_video(pipe, request.prompts[:1], num_chunks=chunks, height=request.height,
                               width=request.width, seed=seed, settings=settings,
                               plan=request.plan if request.plan.mesh is not None else None,
-                              max_sequence_length=request.max_sequence_length):
+                              max_sequence_length=request.max_sequence_length,
+                              prompts_at={int(k): [p] for k, p in values["prompts_at"].items()}):
       writer.append(chunk.frames[0])
       made += chunk.frames.shape[1]
       times.append(round(chunk.seconds, 3))

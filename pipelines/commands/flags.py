@@ -50,3 +50,20 @@ def parse_lora_arg(text: str, flag: str = "--lora") -> tuple[str, float]:
     raise UsageError(f"{flag} {text!r}: {path!r} is not a file or folder; pass a LoRA .safetensors "
                      "file (or its folder), optionally with :SCALE")
   return path, scale
+
+
+def parse_prompts_at(values: list[str], flag: str = "--stream-prompt") -> dict[int, str]:
+  """A stream's later prompts, CHUNK:PROMPT values (generate's --stream-prompt, serve's prompt_at)
+  -> {0-based chunk: prompt}.
+
+  Raises:
+    UsageError: a value without a chunk number >= 2 (chunk 1's prompt is the prompt) or an empty prompt.
+  """
+  out = {}
+  for value in values:
+    head, _, prompt = value.partition(":")
+    if not head.strip().isdigit() or int(head) < 2 or not prompt.strip():
+      raise UsageError(f"{flag} {value!r}: give CHUNK:PROMPT with CHUNK >= 2 (chunk 1 takes the prompt), "
+                       f"e.g. {flag} '3:a blue circle moving up'")
+    out[int(head) - 1] = prompt.strip()
+  return out

@@ -217,8 +217,8 @@ def _add_other_routes(app: FastAPI, service: Any, auth: Any) -> None:
                             "content": {"text/event-stream": {}}}, **errors(400, 401, 503)},
            summary="Stream a video as it is made (fragmented MP4 in server-sent events)")
   def stream(prompt: str, size: str | None = None, num_frames: int | None = None, seed: int | None = None,
-             window_frames: int | None = None) -> StreamingResponse:
-    session = streams.check_session(service.facts, prompt, size, num_frames, seed, window_frames)
+             window_frames: int | None = None, prompt_at: list[str] = Query([])) -> StreamingResponse:
+    session = streams.check_session(service.facts, prompt, size, num_frames, seed, window_frames, prompt_at)
     if service.worker is None or not service.ready.is_set():
       raise api.ApiError(503, f"the model is {service.state}; retry once GET /health answers 200", code="not_ready")
     service.worker.streams.put(session)

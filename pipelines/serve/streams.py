@@ -1,4 +1,5 @@
-"""Streamed videos: `GET /v1/streams?prompt=...` answers with server-sent events that carry the video
+"""Streamed videos: `GET /v1/streams?prompt=...` (`&prompt_at=CHUNK:PROMPT`, repeatable: the prompt
+from that chunk on, an interactive stream) answers with server-sent events that carry the video
 as fragmented-MP4 segments while a causal stream makes it chunk by chunk (`generate --stream`'s
 run, `pipeline.run.streaming.stream_video`), so a client plays the first chunk while the next is made.
 
@@ -26,6 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pipelines.commands.flags import UsageError, parse_prompts_at
 from pipelines.pipeline.checked.seed import random_seed
 from pipelines.serve import api
 
@@ -42,13 +44,14 @@ class StreamSession:
   num_frames: int
   seed: int
   window_frames: int | None = None
+  prompts_at: dict[int, str] = dataclasses.field(default_factory=dict)  # {0-based chunk: prompt from then on}
   id: str = dataclasses.field(default_factory=lambda: "stream_" + secrets.token_hex(12))
   events: "queue.Queue[tuple[str, dict[str, Any]]]" = dataclasses.field(default_factory=queue.Queue)
   gone: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 def check_session(facts: Any, prompt: str, size: str | None, num_frames: int | None, seed: int | None,
-                  window_frames: int | None) -> StreamSession:
+                  window_frames: int | None, prompt_at: list[str] | None = None) -> StreamSession:
   """A session from the query's values, checked against the model (`facts`: a `ModelFacts`).
 
   Raises:
@@ -72,8 +75,12 @@ def check_session(facts: Any, prompt: str, size: str | None, num_frames: int | N
     raise api.ApiError(400, f"seed={seed} must be >= 0, or left out for a random one", "seed")
   if window_frames is not None and window_frames < 3:
     raise api.ApiError(400, f"window_frames={window_frames} must hold a chunk of 3 latent frames", "window_frames")
+  try:
+    later = parse_prompts_at(prompt_at or [], "prompt_at")
+  except UsageError as e:
+    raise api.ApiError(400, str(e), "prompt_at") from None
   return StreamSession(prompt.strip(), height, width, frames, random_seed() if seed is None else seed,
-                       window_frames)
+                       window_frames, later)
 
 
 def codec_mime(init: bytes) -> str:
@@ -102,7 +109,8 @@ def run_session(pipe: Any, session: StreamSession, data_dir: str, fps: float) ->
                    "height": session.height, "width": session.width}))
     sent, mime = 0, None
     for chunk in stream_video(pipe, [session.prompt], num_chunks=chunks, height=session.height,
-                              width=session.width, seed=session.seed, settings=settings):
+                              width=session.width, seed=session.seed, settings=settings,
+                              prompts_at={k: [p] for k, p in session.prompts_at.items()}):
       writer.append(chunk.frames[0])
       data = _bytes_from(writer.partial, sent)
       sent += len(data)

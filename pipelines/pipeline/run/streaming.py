@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -110,7 +110,8 @@ def check_cache_fits(model: Any, window: Any, *, batch: int, num_chunks: int, la
 
 def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: int, width: int, seed: int,
                  settings: StreamSettings = StreamSettings(), plan: ParallelPlan | None = None,
-                 max_sequence_length: int | None = None) -> Iterator[StreamChunk]:
+                 max_sequence_length: int | None = None,
+                 prompts_at: Mapping[int, Sequence[str]] | None = None) -> Iterator[StreamChunk]:
   """Yields each chunk of a causal video as it is made and decoded.
 
   Args:
@@ -123,6 +124,8 @@ def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: 
     settings: window and schedule (`StreamSettings`).
     plan: where the transformer runs (None: one device); the decode runs on one device.
     max_sequence_length: text tokens (None: the pipeline's).
+    prompts_at: {chunk k: prompts} the prompts from chunk k on (an interactive stream; the frames
+      made stay in the cache), or None.
 
   Raises:
     ValueError: as `check_streamable`, and `wan.causal.CausalStream.latents`'s, before any chunk.
@@ -130,9 +133,12 @@ def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: 
   latent_size = check_streamable(pipe, height, width)
   model = nnx.merge(pipe.compiled_steps.graphdef, pipe.weights.experts[0])
   check_cache_fits(model, settings.window, batch=len(prompts), num_chunks=num_chunks, latent_size=latent_size)
-  text = pipe.encode_prompts(list(prompts), max_sequence_length or pipe.max_sequence_length)
+  length = max_sequence_length or pipe.max_sequence_length
+  text = pipe.encode_prompts(list(prompts), length)
+  text_at = {k: pipe.encode_prompts(list(later), length) for k, later in (prompts_at or {}).items()}
   stream = wan_causal.CausalStream(model, settings.window, settings.schedule, plan)
-  chunks = stream.latents(text, num_chunks=num_chunks, latent_size=latent_size, key=jax.random.key(seed))
+  chunks = stream.latents(text, num_chunks=num_chunks, latent_size=latent_size, key=jax.random.key(seed),
+                          text_at=text_at)
   vae, cache = pipe.vae, None
   start = time.perf_counter()
   for index, latents in enumerate(chunks):

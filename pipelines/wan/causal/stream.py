@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -57,7 +57,8 @@ class CausalStream:
   plan: ParallelPlan | None = None
 
   def latents(self, text: Any, *, num_chunks: int, latent_size: tuple[int, int], key: jax.Array,
-              initial_latents: jax.Array | None = None) -> Iterator[jax.Array]:
+              initial_latents: jax.Array | None = None, text_at: Mapping[int, Any] | None = None
+              ) -> Iterator[jax.Array]:
     """Yields each chunk's clean latents float32 [B, C, c, Hl, Wl] as it is made.
 
     Args:
@@ -67,6 +68,9 @@ class CausalStream:
       key: the stream's noise key (`chunk_noise`).
       initial_latents: None, or [B, C, F0, Hl, Wl] latent frames to continue (F0 a multiple of c),
         which fill the cache first (they are not yielded).
+      text_at: {chunk k: text states or `TextKV`} the prompt from chunk k on (an interactive stream:
+        the cross-attention reads the new text, the cache keeps every frame made, as Self-Forcing's
+        demo switches prompts), or None.
 
     Raises:
       ValueError: a bad chunk count, initial latents of another size or a length not a multiple of
@@ -81,17 +85,17 @@ class CausalStream:
     total = (given + num_chunks) * c
     if total > MAX_FRAMES:
       raise ValueError(f"{total} latent frames are more than a stream's RoPE reaches ({MAX_FRAMES})")
-    batch = text.k_ZBLNH.shape[1] if isinstance(text, TextKV) else text.shape[0]
+    batch = _rows(text)
+    if any(_rows(later) != batch for later in (text_at or {}).values()):
+      raise ValueError(f"text_at's texts must have the stream's {batch} rows")
     shape = (batch, config.in_channels, c, *latent_size)
     tokens_per_frame = check_chunk(self.model, shape, self.plan) // c
-    kv = text if isinstance(text, TextKV) else _text_kv(graphdef, params, jnp.asarray(text), plan=self.plan)
+    where = (self.plan or ParallelPlan.single()).replicated
+    kv = self._kv(graphdef, params, text, where)
     cache = _empty_cache(layers=config.num_layers, batch=batch, capacity=self.window.capacity(total),
                          tokens_per_frame=tokens_per_frame, heads=config.num_attention_heads,
                          head_dim=config.attention_head_dim, dtype=jnp.dtype(self.model.dtype))
-    # Every array a step takes (and the cache it returns) lives where the plan keeps replicated
-    # arrays: the same placement from the first chunk on, so each step compiles once.
-    where = (self.plan or ParallelPlan.single()).replicated
-    kv, cache = jax.device_put((kv, cache), where)
+    cache = jax.device_put(cache, where)
     step = functools.partial(_chunk_step, graphdef, window=self.window, tokens_per_frame=tokens_per_frame,
                              plan=self.plan, where=where)
     context_t = self.schedule.context_noise
@@ -99,6 +103,8 @@ class CausalStream:
       _, cache = step(params, initial_latents[:, :, i * c:(i + 1) * c], context_t, 0.0, kv, cache, write=True)
     timesteps, sigmas = self.schedule.timesteps(), self.schedule.sigmas()
     for chunk in range(num_chunks):
+      if chunk in (text_at or {}):
+        kv = self._kv(graphdef, params, text_at[chunk], where)
       x = chunk_noise(key, chunk, 0, shape)
       for i, (t, sigma) in enumerate(zip(timesteps, sigmas)):
         x0, _ = step(params, x, float(t), float(sigma), kv, cache, write=False)
@@ -106,6 +112,13 @@ class CausalStream:
           x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * chunk_noise(key, chunk, i + 1, shape)
       _, cache = step(params, x0, context_t, 0.0, kv, cache, write=True)
       yield x0
+
+  def _kv(self, graphdef, params, text: Any, where: jax.sharding.Sharding) -> TextKV:
+    """The text's `TextKV`, where the steps read it. Every array a step takes (and the cache it
+    returns) lives where the plan keeps replicated arrays: one placement from the first chunk on,
+    so each step compiles once."""
+    kv = text if isinstance(text, TextKV) else _text_kv(graphdef, params, jnp.asarray(text), plan=self.plan)
+    return jax.device_put(kv, where)
 
   def _given_chunks(self, initial_latents: jax.Array | None, latent_size: tuple[int, int]) -> int:
     if initial_latents is None:
@@ -115,6 +128,10 @@ class CausalStream:
       raise ValueError(f"initial_latents must be [B, C, F0, {latent_size[0]}, {latent_size[1]}] with F0 a multiple "
                        f"of the chunk's {c} frames, got shape {shape}")
     return shape[2] // c
+
+
+def _rows(text: Any) -> int:
+  return text.k_ZBLNH.shape[1] if isinstance(text, TextKV) else text.shape[0]
 
 
 def _chunk_step_body(graphdef, params, latents, timestep, sigma, kv, cache, *, window, tokens_per_frame, plan, write):

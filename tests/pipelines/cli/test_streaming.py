@@ -16,7 +16,8 @@ from pipelines.wan.causal import CacheWindow
 from tests.harness import step_compiles
 
 PROMPT = "a red square moving right"
-STREAM = ["--prompt", PROMPT, "--stream", "--frames", "33", "--seed", "3", "--stream-window", "6"]
+STREAM = ["--prompt", PROMPT, "--stream", "--frames", "33", "--seed", "3", "--stream-window", "6",
+          "--stream-prompt", "3:a blue circle moving up"]
 
 
 def _pixels(path: str) -> np.ndarray:
@@ -29,9 +30,10 @@ def _pixels(path: str) -> np.ndarray:
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # fork + exec of ffmpeg is safe
 def test_the_file_plays_after_every_chunk_and_holds_the_stream(tmp_path, monkeypatch, capsys):
-  """Three chunks (33 frames): after each chunk the growing file decodes to every frame made but
-  the last; the final mp4 holds the stream's frames (those of `stream_video` with the same seed,
-  to H.264's rounding at crf 10); the sidecar says how it was made."""
+  """Three chunks (33 frames), the prompt changed at chunk 3: after each chunk the growing file
+  decodes to every frame made but the last; the final mp4 holds the stream's frames (those of
+  `stream_video` with the same seed and prompts, to H.264's rounding at crf 10); the sidecar says
+  how it was made."""
   played = []
   append = StreamingMp4.append
 
@@ -47,9 +49,11 @@ def test_the_file_plays_after_every_chunk_and_holds_the_stream(tmp_path, monkeyp
   record = json.load(open(out + ".json"))
   assert record["frames"] == 33 and record["stream"]["window_frames"] == 6 and len(record["chunk_seconds"]) == 3
   assert not os.path.exists(out.replace(".mp4", ".streaming.mp4"))
+  assert record["stream"]["prompts_at"] == {"2": "a blue circle moving up"}
   settings = StreamSettings(window=CacheWindow(3, 6, 0))
   expected = np.concatenate([c.frames[0] for c in stream_video(WanPipeline.tiny(), [PROMPT], num_chunks=3, height=64,
-                                                               width=64, seed=3, settings=settings)])
+                                                               width=64, seed=3, settings=settings,
+                                                               prompts_at={2: ["a blue circle moving up"]})])
   video = _pixels(out)
   assert video.shape == expected.shape
   assert float(np.mean(np.abs(video - expected))) < 0.02  # H.264 crf 10 on 64x64 frames
@@ -62,6 +66,8 @@ def test_the_file_plays_after_every_chunk_and_holds_the_stream(tmp_path, monkeyp
     (["--stream-window", "4", "--stream-sink", "2"], "a window at least the chunk plus the sink frames (5)"),
     (["--stream-steps", "250,500"], "--stream-steps 250,500: denoising_step_list=(250.0, 500.0) must be descending"),
     (["--out-gif"], "a stream writes an .mp4 as it is made"),
+    (["--stream-prompt", "1:a blue circle moving up"], "give CHUNK:PROMPT with CHUNK >= 2 (chunk 1 takes the prompt)"),
+    (["--stream-prompt", "a blue circle"], "give CHUNK:PROMPT with CHUNK >= 2"),
 ])
 def test_flags_a_stream_does_not_use_are_refused_before_compute(tmp_path, capsys, monkeypatch, extra, message):
   compiles = step_compiles(monkeypatch)

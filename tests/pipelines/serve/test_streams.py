@@ -55,7 +55,8 @@ def test_the_first_chunk_arrives_before_the_second_is_made(served, monkeypatch, 
 
   monkeypatch.setattr(streaming, "stream_video", gated)
   parts, names = [], []
-  with httpx.stream("GET", url + "/v1/streams", params={"prompt": PROMPT, "num_frames": 33, "seed": 1},
+  with httpx.stream("GET", url + "/v1/streams", params={"prompt": PROMPT, "num_frames": 33, "seed": 1,
+                                                       "prompt_at": "2:a blue circle moving up"},
                     timeout=300) as response:
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     for name, data in _events(response):
@@ -78,7 +79,8 @@ def test_the_first_chunk_arrives_before_the_second_is_made(served, monkeypatch, 
 
 @pytest.mark.parametrize("params, param", [({"prompt": " "}, "prompt"), ({"prompt": PROMPT, "size": "60x64"}, "size"),
                                            ({"prompt": PROMPT, "num_frames": 0}, "num_frames"),
-                                           ({"prompt": PROMPT, "window_frames": 2}, "window_frames")])
+                                           ({"prompt": PROMPT, "window_frames": 2}, "window_frames"),
+                                           ({"prompt": PROMPT, "prompt_at": "1:a blue circle"}, "prompt_at")])
 def test_bad_queries_are_refused_naming_the_parameter(served, params, param):
   _, url = served
   answer = httpx.get(url + "/v1/streams", params=params, timeout=60)

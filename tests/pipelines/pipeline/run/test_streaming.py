@@ -56,3 +56,14 @@ def test_a_cache_over_the_device_memory_is_refused_naming_a_window(pipe):
   room = int(refused.value.args[0].split("window of at most ")[1].split(" ")[0])
   assert check_cache_fits(model, CacheWindow(3, room, 0), batch=1, num_chunks=400, latent_size=(8, 8),
                           budget=budget) <= budget - weights
+
+
+def test_a_prompt_changed_at_a_chunk_changes_that_chunk_on(pipe):
+  """Interactive: "a blue circle ..." from chunk 1 on. Chunk 0 is the plain stream's, bit for bit
+  (the change is not seen before it); chunk 1 differs (positive control)."""
+  args = dict(num_chunks=2, height=64, width=64, seed=0, settings=StreamSettings(window=CacheWindow(3, 6, 0)))
+  plain = list(stream_video(pipe, ["a red square moving left"], **args))
+  switched = list(stream_video(pipe, ["a red square moving left"], prompts_at={1: ["a blue circle moving up"]},
+                               **args))
+  np.testing.assert_array_equal(switched[0].latents, plain[0].latents)
+  assert float(np.mean(np.abs(switched[1].latents - plain[1].latents))) > 1e-2
