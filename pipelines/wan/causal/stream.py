@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from attention.mesh import SEQUENCE_AXES, MeshSpec
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.causal.cache import CacheWindow, KVCache, write_chunk
 from pipelines.wan.causal.forward import MAX_FRAMES, check_chunk, chunk_forward
@@ -95,9 +97,10 @@ class CausalStream:
     cache = _empty_cache(layers=config.num_layers, batch=batch, capacity=self.window.capacity(total),
                          tokens_per_frame=tokens_per_frame, heads=config.num_attention_heads,
                          head_dim=config.attention_head_dim, dtype=jnp.dtype(self.model.dtype))
-    cache = jax.device_put(cache, where)
+    cache_where = cache_sharding(self.plan, cache.capacity_tokens)
+    cache = jax.device_put(cache, cache_where)
     step = functools.partial(_chunk_step, graphdef, window=self.window, tokens_per_frame=tokens_per_frame,
-                             plan=self.plan, where=where)
+                             plan=self.plan, where=where, cache_where=cache_where)
     context_t = self.schedule.context_noise
     for i in range(given):
       _, cache = step(params, initial_latents[:, :, i * c:(i + 1) * c], context_t, 0.0, kv, cache, write=True)
@@ -130,11 +133,23 @@ class CausalStream:
     return shape[2] // c
 
 
+def cache_sharding(plan: ParallelPlan | None, capacity_tokens: int) -> KVCache:
+  """Where a `KVCache` lives (a `KVCache` of shardings): on one device, that device; on a mesh its
+  tokens split over the ring x Ulysses devices, as USP splits a sequence (each device holds
+  1 / (U R) of the cache), or replicated when they do not divide evenly; `frames` replicated."""
+  plan = plan or ParallelPlan.single()
+  if plan.mesh is None or capacity_tokens % MeshSpec.of(plan.mesh).sequence_devices:
+    return KVCache(plan.replicated, plan.replicated, plan.replicated)
+  split = NamedSharding(plan.mesh, P(None, None, SEQUENCE_AXES))
+  return KVCache(split, split, plan.replicated)
+
+
 def _rows(text: Any) -> int:
   return text.k_ZBLNH.shape[1] if isinstance(text, TextKV) else text.shape[0]
 
 
-def _chunk_step_body(graphdef, params, latents, timestep, sigma, kv, cache, *, window, tokens_per_frame, plan, write):
+def _chunk_step_body(graphdef, params, latents, timestep, sigma, kv, cache, *, window, tokens_per_frame, plan, write,
+                     cache_where):
   """One forward of a chunk: (x0 float32 = latents - sigma * flow, the cache, written when `write`)."""
   model = nnx.merge(graphdef, params)
   batch = latents.shape[0]
@@ -143,7 +158,7 @@ def _chunk_step_body(graphdef, params, latents, timestep, sigma, kv, cache, *, w
   if write:
     cache = write_chunk(cache, k, v, window, tokens_per_frame)
   if plan is not None and plan.mesh is not None:
-    cache = jax.lax.with_sharding_constraint(cache, plan.replicated)
+    cache = jax.lax.with_sharding_constraint(cache, cache_where)
   return x0, cache
 
 
@@ -157,10 +172,12 @@ _text_kv = jax.jit(_text_kv_body, static_argnums=0, static_argnames=("plan",))
 _empty_cache = jax.jit(KVCache.empty, static_argnames=("layers", "batch", "capacity", "tokens_per_frame", "heads",
                                                       "head_dim", "dtype"))
 _chunk_step_jit = jax.jit(_chunk_step_body, static_argnums=0,
-                          static_argnames=("window", "tokens_per_frame", "plan", "write"))
+                          static_argnames=("window", "tokens_per_frame", "plan", "write", "cache_where"))
 
 
 def _chunk_step(graphdef, params, latents, timestep, sigma, kv, cache, *, window: CacheWindow, tokens_per_frame: int,
-                plan: ParallelPlan | None, where: jax.sharding.Sharding, write: bool) -> tuple[jax.Array, KVCache]:
+                plan: ParallelPlan | None, where: jax.sharding.Sharding, cache_where: KVCache,
+                write: bool) -> tuple[jax.Array, KVCache]:
   return _chunk_step_jit(graphdef, params, jax.device_put(latents, where), np.float32(timestep), np.float32(sigma),
-                         kv, cache, window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write)
+                         kv, cache, window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write,
+                         cache_where=cache_where)

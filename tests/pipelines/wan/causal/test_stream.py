@@ -131,3 +131,16 @@ def _random_state():
   from pipelines.wan.transformer import checkpoint_layout
   rng = np.random.default_rng(0)
   return {key: rng.standard_normal(shape).astype(np.float32) * 0.1 for key, shape, *_ in checkpoint_layout(CONFIG)}
+
+
+def test_the_cache_is_split_over_the_sequence_devices_as_usp_splits_tokens():
+  """On U=2,R=2 a cache of 96 tokens lives as 24 tokens a device (keys and values); one that does not
+  divide evenly is replicated; on one device it is that device's."""
+  from pipelines.wan.causal.stream import cache_sharding
+
+  plan = ParallelPlan.build("U=2,R=2", heads=2)
+  split = cache_sharding(plan, 96)
+  assert split.k_ZBSNH.shard_shape((2, 1, 96, 2, 16)) == (2, 1, 24, 2, 16) == split.v_ZBSNH.shard_shape(
+      (2, 1, 96, 2, 16))
+  assert cache_sharding(plan, 90).k_ZBSNH.is_fully_replicated
+  assert cache_sharding(None, 96).k_ZBSNH == ParallelPlan.single().replicated
