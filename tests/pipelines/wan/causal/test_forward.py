@@ -12,6 +12,8 @@ from pipelines.wan.causal import CacheWindow, KVCache, cache_bytes, chunk_forwar
 from pipelines.wan.transformer import WanTransformerConfig, forward, init_transformer
 from tests.numerics import EPS_F32, within
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 CONFIG = WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
                               text_dim=24, freq_dim=16, ffn_dim=64, num_layers=2)
 

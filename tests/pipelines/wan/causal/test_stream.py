@@ -18,6 +18,8 @@ from pipelines.wan.transformer import WanTransformerConfig, load_transformer_sta
 from tests.harness import child_env
 from tests.numerics import assert_psnr_at_least
 
+pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "reference", "self_forcing", "run.py")
 # CausalWanModel's arguments of the tiny model, and ours.
 TINY = dict(model_type="t2v", patch_size=[1, 2, 2], text_len=8, in_dim=4, dim=32, ffn_dim=64, freq_dim=16,
