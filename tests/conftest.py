@@ -111,3 +111,32 @@ def pytest_collection_finish(session):
   torch = sys.modules.get("torch")
   if torch is not None:
     torch.backends.mkldnn.enabled = False
+
+
+# XLA:CPU maps each compiled program's code into the process (about 6 memory-map regions a program,
+# measured with JAX 0.10.2), and JAX's caches keep every program a test module compiled. A worker
+# that runs ~1000 tests holds tens of thousands of regions; past the kernel's vm.max_map_count
+# (65,530 by default) LLVM's next code mapping fails and the worker dies with SIGSEGV inside a
+# compile (seen in CI, in whichever test compiled then). Past `MAX_MAP_REGIONS` the caches are
+# cleared between test modules (a module's own programs stay cached while it runs).
+MAX_MAP_REGIONS = 20_000
+
+
+def map_regions() -> int:
+  """Memory-map regions of this process (Linux: lines of /proc/self/maps; 0 elsewhere)."""
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:
+    return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test module: `jax.clear_caches()` once the process maps more than `MAX_MAP_REGIONS`."""
+  yield
+  if map_regions() > MAX_MAP_REGIONS:
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
