@@ -53,7 +53,8 @@ def add_stream_flags(g: argparse._ArgumentGroup) -> None:
   g.add_argument("--stream-steps", default="1000,750,500,250", metavar="T,T,...",
                  help="each chunk's denoising steps (default Self-Forcing's 1000,750,500,250)")
   g.add_argument("--stream-prompt", action="append", default=[], metavar="CHUNK:PROMPT",
-                 help="from chunk CHUNK (1-based) on, this prompt (repeatable; the frames made stay in the cache)")
+                 help="from chunk CHUNK (1-based) on, this prompt (repeatable; the frames made stay in the cache; "
+                      "default: --prompt throughout)")
   g.add_argument("--stream-warp", action=argparse.BooleanOptionalAction, default=True,
                  help="the steps index the shifted training grid (Self-Forcing; --no-stream-warp for CausVid)")
 
