@@ -105,7 +105,7 @@ def run_stream(pipe: Any, checked: Any, load_s: float, warnings_seen: list[str])
   """
   from pipelines.pipeline.run.streaming import StreamSettings, stream_video
   from pipelines.storage import video_io
-  from pipelines.storage.stream_mp4 import StreamingMp4
+  from pipelines.storage.stream_mp4 import StreamingMp4, count_fragments
   from pipelines.wan.causal import CacheWindow
 
   plan, request = checked.plan, checked.request
@@ -135,6 +135,8 @@ def run_stream(pipe: Any, checked: Any, load_s: float, warnings_seen: list[str])
             f"{writer.partial} plays {made - 1} frames", file=sys.stderr)
   except BaseException:
     writer.abort()
+    kept = count_fragments(writer.partial)  # one frame a fragment
+    print(f"generate: the stream stopped; {writer.partial} keeps the {kept} frames written so far", file=sys.stderr)
     raise
   read = writer.close()
   record = {"prompt": request.prompts[0], "model": pipe.name, "seed": seed, "size": [request.height, request.width],

@@ -82,3 +82,19 @@ def test_flags_a_stream_does_not_use_are_refused_before_compute(tmp_path, capsys
 def test_stream_flags_without_stream_are_refused(tmp_path, capsys):
   assert generate.main(["--prompt", PROMPT, "--stream-sink", "1", "--out", str(tmp_path / "x.mp4")]) == 2
   assert "--stream-sink sets up a stream; add --stream" in capsys.readouterr().err
+
+
+def test_an_interrupted_stream_says_what_it_leaves(tmp_path, monkeypatch, capsys):
+  """Ctrl-C after the first chunk: exit 130, the growing file keeps its frames and the message says so."""
+  append = StreamingMp4.append
+
+  def interrupted(self, frames):
+    append(self, frames)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(StreamingMp4, "append", interrupted)
+  out = str(tmp_path / "cut.mp4")
+  assert generate.main(["--prompt", PROMPT, "--stream", "--frames", "33", "--seed", "1", "--out", out]) == 130
+  err = capsys.readouterr().err
+  assert "cut.streaming.mp4 keeps the 8 frames written so far" in err, err
+  assert video_io.read_back_mp4(out.replace(".mp4", ".streaming.mp4"))[0] == 8 and not os.path.exists(out)
