@@ -101,7 +101,8 @@ def check_cache_fits(model: Any, window: Any, *, batch: int, num_chunks: int, la
   if budget is not None and need + weights > budget:
     per_window_frame = wan_causal.cache_bytes(model, batch=batch, capacity_frames=1, tokens_per_frame=per_frame)
     room = max((budget - weights) // per_window_frame, 0) + window.chunk_frames
-    raise ValueError(f"the stream's KV cache ({window.capacity(frames)} past latent frames, {need / 2**30:.2f} GiB) and "
+    raise ValueError(f"the stream's KV cache ({window.capacity(frames)} past latent frames, "
+                     f"{need / 2**30:.2f} GiB) and "
                      f"the transformer's weights ({weights / 2**30:.2f} GiB) need more than the device's "
                      f"{budget / 2**30:.2f} GiB: stream with a window of at most {room} latent frames "
                      "(--stream-window), or fewer frames")

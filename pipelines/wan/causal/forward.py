@@ -79,7 +79,8 @@ def chunk_forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array
   per_frame = (h // ph) * (w // pw)
   cos, sin = producers.wan_rope_table((MAX_FRAMES, h // ph, w // pw), model.config.attention_head_dim,
                                       start=cache.frames * per_frame, length=tokens)
-  context = dataclasses.replace(context, rope=(context.layout.constrain_table(cos), context.layout.constrain_table(sin)))
+  rope = (context.layout.constrain_table(cos), context.layout.constrain_table(sin))
+  context = dataclasses.replace(context, rope=rope)
   valid = jnp.full((latents.shape[0],), tokens, jnp.int32) + cache.valid_tokens(per_frame)
   x_BTD, k_ZBTNH, v_ZBTNH = _run_blocks(model, x_BTD, context, cache, valid)
   return wan_transformer.unembed(model, x_BTD, context), k_ZBTNH, v_ZBTNH
