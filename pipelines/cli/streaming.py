@@ -77,6 +77,9 @@ def check_stream_flags(args: argparse.Namespace) -> dict[str, Any] | None:
   for dest, (flag, why) in NOT_FOR_STREAMS.items():
     if getattr(args, dest, None) not in (None, False, []):
       raise UsageError(f"{flag} does not apply to --stream ({why}); leave it out")
+  if args.num_processes is not None or args.coordinator is not None:
+    raise UsageError("--stream runs in one process (its mp4 grows where it runs); leave out --num-processes and "
+                     "--coordinator (a mesh of this host's devices, --mesh U=..,R=.., works)")
   if not args.out.endswith(".mp4"):
     raise UsageError(f"--out {args.out}: a stream writes an .mp4 as it is made; use a .mp4 name")
   chunk, window, sink = args.stream_chunk, args.stream_window, args.stream_sink

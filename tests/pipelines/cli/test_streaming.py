@@ -68,6 +68,7 @@ def test_the_file_plays_after_every_chunk_and_holds_the_stream(tmp_path, monkeyp
     (["--out-gif"], "a stream writes an .mp4 as it is made"),
     (["--stream-prompt", "1:a blue circle moving up"], "give CHUNK:PROMPT with CHUNK >= 2 (chunk 1 takes the prompt)"),
     (["--stream-prompt", "a blue circle"], "give CHUNK:PROMPT with CHUNK >= 2"),
+    (["--num-processes", "2"], "--stream runs in one process"),
 ])
 def test_flags_a_stream_does_not_use_are_refused_before_compute(tmp_path, capsys, monkeypatch, extra, message):
   compiles = step_compiles(monkeypatch)
