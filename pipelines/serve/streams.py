@@ -107,39 +107,23 @@ def run_session(pipe: Any, session: StreamSession, data_dir: str, fps: float) ->
     writer = StreamingMp4(path, fps=fps, height=session.height, width=session.width)
     put(("start", {"id": session.id, "chunks": chunks, "frames": settings.frames_of(chunks, 3), "fps": fps,
                    "height": session.height, "width": session.width}))
-    sent, mime = 0, None
+    mime = None
     for chunk in stream_video(pipe, [session.prompt], num_chunks=chunks, height=session.height,
                               width=session.width, seed=session.seed, settings=settings,
                               prompts_at={k: [p] for k, p in session.prompts_at.items()}):
       writer.append(chunk.frames[0])
-      data = _bytes_from(writer.partial, sent)
-      sent += len(data)
+      data = writer.take_bytes()
       mime = mime or codec_mime(data)
       put(("segment", {"index": chunk.index, "frames": int(chunk.frames.shape[1]), "seconds": round(chunk.seconds, 3),
                        "mime": mime, "data": base64.b64encode(data).decode()}))
       if session.gone.is_set():
         raise ConnectionAbortedError("the client went away")
     frames = writer.close()[0]
-    put(("done", {"id": session.id, "frames": frames, "data": base64.b64encode(_bytes_from(path, sent)).decode()}))
+    put(("done", {"id": session.id, "frames": frames, "data": base64.b64encode(writer.take_bytes()).decode()}))
   except Exception as e:  # noqa: BLE001 -- the client hears of it; the worker goes on
     if writer is not None:
       writer.abort()
     put(("error", {"message": f"{type(e).__name__}: {e}"}))
-
-
-def _bytes_from(path: str, start: int) -> bytes:
-  """The file's bytes from `start` to the end of its last complete top-level box."""
-  with open(path, "rb") as f:
-    data = f.read()
-  end = start
-  while end + 8 <= len(data):
-    size = int.from_bytes(data[end:end + 4], "big")
-    if size == 1:
-      size = int.from_bytes(data[end + 8:end + 16], "big")
-    if size < 8 or end + size > len(data):
-      break
-    end += size
-  return data[start:end]
 
 
 def sse(session: StreamSession) -> Iterator[str]:

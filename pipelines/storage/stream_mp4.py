@@ -33,22 +33,30 @@ def streaming_path(path: str) -> str:
   return f"{stem}.streaming{suffix}"
 
 
-def count_fragments(path: str) -> int:
-  """Complete `moof` boxes at the top level of an MP4 file (0 for a missing or empty file)."""
+def complete_boxes(path: str, start: int = 0) -> tuple[bytes, list[bytes]]:
+  """(the bytes, the types) of the complete top-level boxes of an MP4 file from byte `start` (a box
+  boundary) on; a box still being written is left out. A missing file has none."""
   try:
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+      f.seek(start)
+      data = f.read()
   except FileNotFoundError:
-    return 0
-  count, at = 0, 0
+    return b"", []
+  kinds, at = [], 0
   while at + 8 <= len(data):
     size, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
     if size == 1 and at + 16 <= len(data):
       size = int.from_bytes(data[at + 8:at + 16], "big")
     if size < 8 or at + size > len(data):
       break
-    count += kind == b"moof"
+    kinds.append(kind)
     at += size
-  return count
+  return data[:at], kinds
+
+
+def count_fragments(path: str) -> int:
+  """Complete `moof` boxes at the top level of an MP4 file (0 for a missing or empty file)."""
+  return complete_boxes(path)[1].count(b"moof")
 
 
 class StreamingMp4:
@@ -73,6 +81,7 @@ class StreamingMp4:
       raise video_io.OutputError(f"an H.264 stream needs an even size, got {height}x{width}")
     self.path, self.partial, self.shape = path, streaming_path(path), (height, width)
     self.overwrite, self.frames = overwrite, 0
+    self._scanned, self._fragments, self._taken = 0, 0, 0  # bytes read for counting; moofs seen; bytes taken
     rate = fractions.Fraction(video_io.check_fps(fps)).limit_denominator(1_000_000)
     self._log = tempfile.TemporaryFile()
     import imageio_ffmpeg
@@ -101,12 +110,26 @@ class StreamingMp4:
       self._failed("stopped taking frames")
     self.frames += frames.shape[0]
     deadline = time.monotonic() + FRAGMENT_WAIT_S
-    while count_fragments(self.partial) < self.frames - 1:
+    while self._written_fragments() < self.frames - 1:
       if self._ffmpeg.poll() is not None:
         self._failed(f"exited with status {self._ffmpeg.returncode}")
       if time.monotonic() > deadline:
-        self._failed(f"wrote {count_fragments(self.partial)} of {self.frames - 1} frames in {FRAGMENT_WAIT_S:.0f} s")
+        self._failed(f"wrote {self._fragments} of {self.frames - 1} frames in {FRAGMENT_WAIT_S:.0f} s")
       time.sleep(0.01)
+
+  def _written_fragments(self) -> int:
+    """Fragments in the growing file, reading only the bytes after those already counted."""
+    data, kinds = complete_boxes(self.partial, self._scanned)
+    self._scanned += len(data)
+    self._fragments += kinds.count(b"moof")
+    return self._fragments
+
+  def take_bytes(self) -> bytes:
+    """The file's complete boxes written since the last call (from its start on the first; the final
+    name's once closed): consecutive results concatenated are the file, e.g. segments to send."""
+    data, _ = complete_boxes(self.partial if os.path.exists(self.partial) else self.path, self._taken)
+    self._taken += len(data)
+    return data
 
   def close(self) -> tuple[int, int, int]:
     """Ends the video, reads it back and renames it to `path`; returns (frames, height, width) read.

@@ -16,18 +16,22 @@ def _chunk(frames: int, seed: int) -> np.ndarray:
 def test_the_file_plays_after_every_chunk_and_is_renamed_whole(tmp_path):
   """Chunks of 9, 12, 12 frames: after each `append` ffmpeg decodes the growing file to every frame
   sent but the last (the muxer writes a frame with the next one's timestamp), at the size sent;
-  `close` leaves 33 frames under the final name and nothing under the streaming one."""
+  `close` leaves 33 frames under the final name and nothing under the streaming one; the bytes
+  taken after each chunk and after `close` are the file."""
   out = str(tmp_path / "stream.mp4")
   writer = StreamingMp4(out, fps=16, height=48, width=64)
-  sent = 0
+  sent, taken = 0, []
   for seed, frames in enumerate((9, 12, 12)):
     writer.append(_chunk(frames, seed))
+    taken.append(writer.take_bytes())
     sent += frames
     assert video_io.read_back_mp4(streaming_path(out)) == (sent - 1, 48, 64)
     assert count_fragments(streaming_path(out)) == sent - 1
     assert not os.path.exists(out)  # the final name only once whole
   assert writer.close() == (33, 48, 64)
   assert video_io.read_back_mp4(out) == (33, 48, 64) and not os.path.exists(streaming_path(out))
+  taken.append(writer.take_bytes())  # the last fragment, from the final name
+  assert all(taken) and b"".join(taken) == open(out, "rb").read()  # the pieces are the file, in order
 
 
 def test_existing_outputs_and_odd_sizes_are_refused_before_ffmpeg_starts(tmp_path):
