@@ -38,24 +38,30 @@ NOT_FOR_STREAMS = {
 }
 
 
+# The --stream-* flags' defaults (Self-Forcing's), by dest: what `add_stream_flags` sets and what
+# `check_stream_flags` compares with to find one given without --stream.
+STREAM_DEFAULTS = {"stream_chunk": 3, "stream_window": None, "stream_sink": 0, "stream_steps": "1000,750,500,250",
+                   "stream_prompt": [], "stream_warp": True}
+
+
 def add_stream_flags(g: argparse._ArgumentGroup) -> None:
   """The streaming group of `generate --help`."""
   g.add_argument("--stream", action="store_true",
                  help="make the video chunk by chunk with a causal checkpoint, writing OUT.streaming.mp4 as each "
                       "chunk is made (playable throughout; renamed to --out at the end)")
-  g.add_argument("--stream-chunk", type=int, default=3, metavar="FRAMES",
+  g.add_argument("--stream-chunk", type=int, default=STREAM_DEFAULTS["stream_chunk"], metavar="FRAMES",
                  help="latent frames per chunk (the checkpoint's num_frame_per_block; default 3)")
-  g.add_argument("--stream-window", type=int, default=None, metavar="FRAMES",
+  g.add_argument("--stream-window", type=int, default=STREAM_DEFAULTS["stream_window"], metavar="FRAMES",
                  help="latent frames a chunk attends to, itself included (the checkpoint's local_attn_size; "
                       "default: every frame made)")
-  g.add_argument("--stream-sink", type=int, default=0, metavar="FRAMES",
+  g.add_argument("--stream-sink", type=int, default=STREAM_DEFAULTS["stream_sink"], metavar="FRAMES",
                  help="first latent frames a window always keeps (the checkpoint's sink_size; default 0)")
-  g.add_argument("--stream-steps", default="1000,750,500,250", metavar="T,T,...",
+  g.add_argument("--stream-steps", default=STREAM_DEFAULTS["stream_steps"], metavar="T,T,...",
                  help="each chunk's denoising steps (default Self-Forcing's 1000,750,500,250)")
-  g.add_argument("--stream-prompt", action="append", default=[], metavar="CHUNK:PROMPT",
+  g.add_argument("--stream-prompt", action="append", default=[], metavar="CHUNK:PROMPT",  # a new list per parse
                  help="from chunk CHUNK (1-based) on, this prompt (repeatable; the frames made stay in the cache; "
                       "default: --prompt throughout)")
-  g.add_argument("--stream-warp", action=argparse.BooleanOptionalAction, default=True,
+  g.add_argument("--stream-warp", action=argparse.BooleanOptionalAction, default=STREAM_DEFAULTS["stream_warp"],
                  help="the steps index the shifted training grid (Self-Forcing; --no-stream-warp for CausVid)")
 
 
@@ -67,10 +73,8 @@ def check_stream_flags(args: argparse.Namespace) -> dict[str, Any] | None:
     UsageError: a --stream-* flag without --stream, a flag streams do not use, an output that is
       not .mp4, or settings that do not make a stream (each naming the fix).
   """
-  defaults = {"stream_chunk": 3, "stream_window": None, "stream_sink": 0, "stream_steps": "1000,750,500,250",
-              "stream_warp": True, "stream_prompt": []}
   if not args.stream:
-    given = [name for name, value in defaults.items() if getattr(args, name) != value]
+    given = [name for name, value in STREAM_DEFAULTS.items() if getattr(args, name) != value]
     if given:
       raise UsageError(f"--{given[0].replace('_', '-')} sets up a stream; add --stream")
     return None

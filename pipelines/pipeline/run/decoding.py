@@ -16,13 +16,13 @@ from pipelines.wan import vae as wan_vae
 
 
 @jax.jit
-def _to_unit_range(video: jax.Array) -> jax.Array:
+def to_unit_range(video: jax.Array) -> jax.Array:
   """[-1, 1] -> [0, 1] as diffusers' `VaeImageProcessor.denormalize`, in the video dtype, then fp32."""
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
 def _unit_range_host(video: np.ndarray) -> np.ndarray:
-  """`_to_unit_range` of a host video, the same operations in its dtype (float32 on return)."""
+  """`to_unit_range` of a host video, the same operations in its dtype (float32 on return)."""
   half = np.asarray(0.5, video.dtype)
   return np.clip(video * half + half, 0, 1).astype(np.float32)
 
@@ -63,10 +63,10 @@ def _decode_videos(weights: PlacedWeights, latents: np.ndarray, mesh: Mesh | Non
                                                              compile_effort=compile_effort)))
       continue
     if mesh is None:
-      videos.append(np.asarray(_to_unit_range(wan_vae.decode(vae, z, video_layout="BFHWC",
+      videos.append(np.asarray(to_unit_range(wan_vae.decode(vae, z, video_layout="BFHWC",
                                                              compile_effort=compile_effort))))
       continue
-    chunks = [np.asarray(_to_unit_range(c))[:, :, :height]
+    chunks = [np.asarray(to_unit_range(c))[:, :, :height]
               for c in wan_vae.decode_parallel_chunks(weights.vae_on(mesh), z, mesh, compile_effort=compile_effort)]
     videos.append(np.concatenate(chunks, axis=1))
   return np.concatenate(videos)

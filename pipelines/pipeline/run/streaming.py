@@ -15,11 +15,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from pipelines.parallel.plan import ParallelPlan
+from pipelines.pipeline.run.decoding import to_unit_range
 from pipelines.pipeline.run.precision import matmul_precision
 from pipelines.wan import causal as wan_causal, vae as wan_vae
 
@@ -146,7 +146,7 @@ def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: 
     with matmul_precision(vae.dtype):
       z = wan_vae.denormalize_latents(vae.config, latents.astype(vae.dtype))
       video, cache = wan_vae.decode_continued(vae, z, cache)
-      frames = np.asarray(jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32))
+      frames = np.asarray(to_unit_range(video))
     now = time.perf_counter()
     yield StreamChunk(index, np.asarray(latents), frames, now - start)
     start = now
