@@ -15,14 +15,12 @@ split evenly over U * R (no padded rows between the chunk's keys and the cache's
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-import producers
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.causal.cache import KVCache
 from pipelines.wan.transformer import SequenceLayout, WanTransformer, model as wan_transformer, padded_tokens
@@ -73,14 +71,9 @@ def chunk_forward(model: WanTransformer, latents: jax.Array, timestep: jax.Array
     ValueError: as `check_chunk`, or as `transformer.forward` for shapes that do not fit the model.
   """
   tokens = check_chunk(model, latents.shape, plan)
-  x_BTD, context = wan_transformer.embed(model, latents, timestep, text, plan)
-  _, _, f, h, w = latents.shape
-  _, ph, pw = model.config.patch_size
-  per_frame = (h // ph) * (w // pw)
-  cos, sin = producers.wan_rope_table((MAX_FRAMES, h // ph, w // pw), model.config.attention_head_dim,
-                                      start=cache.frames * per_frame, length=tokens)
-  rope = (context.layout.constrain_table(cos), context.layout.constrain_table(sin))
-  context = dataclasses.replace(context, rope=rope)
+  x_BTD, context = wan_transformer.embed(model, latents, timestep, text, plan, first_frame=cache.frames,
+                                         rope_frames=MAX_FRAMES)
+  per_frame = tokens // latents.shape[2]
   valid = jnp.full((latents.shape[0],), tokens, jnp.int32) + cache.valid_tokens(per_frame)
   x_BTD, k_ZBTNH, v_ZBTNH = _run_blocks(model, x_BTD, context, cache, valid)
   return wan_transformer.unembed(model, x_BTD, context), k_ZBTNH, v_ZBTNH

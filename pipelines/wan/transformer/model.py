@@ -179,13 +179,17 @@ def _check_image(config: WanTransformerConfig, image: jax.Array | None, text: An
 
 def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encoder_hidden_states: Any,
           plan: ParallelPlan | None = None, encoder_hidden_states_image: jax.Array | None = None, *,
-          control_hidden_states: jax.Array | None = None, control_hidden_states_scale: jax.Array | None = None
-          ) -> tuple[jax.Array, ForwardContext]:
+          control_hidden_states: jax.Array | None = None, control_hidden_states_scale: jax.Array | None = None,
+          first_frame: jax.Array | int = 0, rope_frames: int | None = None) -> tuple[jax.Array, ForwardContext]:
   """The part of `forward` before the blocks: patch embedding, time embedding, RoPE table, the
   text K/V (`text_kv`) unless given, the image K/V (I2V) unless the given `TextKV` holds them, and a
   VACE transformer's hints (`vace.vace_hints`).
 
-  Args: as `forward`.
+  Args: as `forward`, and for a chunk of a longer video (a causal stream, `pipelines.wan.causal`):
+    first_frame: the latents' first frame's position on RoPE's frame axis (an int or a traced int32
+      scalar; 0 for a whole video).
+    rope_frames: frames RoPE's frame axis covers (static; None: the latents' own), at least
+      first_frame + F.
 
   Returns:
     x_BTD: [B, T_padded, D] video tokens in the model dtype, T padded to a multiple of U * R with
@@ -218,7 +222,9 @@ def embed(model: WanTransformer, latents: jax.Array, timestep: jax.Array, encode
   elif image is not None:  # text K/V held, the image's made here
     kv = image_kv(model, kv, image, plan)
   # Padded rows get cos 1, sin 0 and zero tokens; padded keys are masked via kv_valid_len.
-  cos, sin = producers.wan_rope_table(grid, config.attention_head_dim, length=layout.padded_tokens)
+  rope_grid = grid if rope_frames is None else (rope_frames, *grid[1:])
+  cos, sin = producers.wan_rope_table(rope_grid, config.attention_head_dim, start=first_frame * grid[1] * grid[2],
+                                      length=layout.padded_tokens)
   rope = (layout.constrain_table(cos), layout.constrain_table(sin))
   context = ForwardContext(text_kv=kv, time_proj=time_proj, temb=temb, rope=rope,
                            layout=layout, latent_shape=tuple(latents.shape), time_index=time_index)
