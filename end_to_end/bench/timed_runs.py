@@ -44,11 +44,23 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
     [1, frames, H, W, 3], final latents float32 [1, C, F, Hl, Wl]).
   """
   step_times: list[float] = []
-  result = pipe.run(prompt, negative_prompt, height=height, width=width, num_frames=frames,
-                    num_inference_steps=steps, guidance_scale=guidance, latents=latents,
-                    max_sequence_length=max_sequence_length, mesh=mesh, progress=False,
-                    on_step=lambda k, seconds: step_times.append(seconds), attention_backend=attention_backend,
-                    **({} if guidance_2 is None else {"guidance_scale_2": guidance_2}))
+  start = time.perf_counter()
+
+  def on_stage(name: str) -> None:  # one flushed line per stage: a run stopped by a time limit shows where
+    print(f"    stage {name} starts at +{time.perf_counter() - start:.1f} s", flush=True)
+
+  def on_step(k: int, seconds: float) -> None:
+    step_times.append(seconds)
+    if k == 0 or (k + 1) % 10 == 0:
+      print(f"    step {k + 1}: {seconds:.2f} s (+{time.perf_counter() - start:.1f} s)", flush=True)
+
+  from pipelines.pipeline import CallOptions, GenerationRequest
+  request = GenerationRequest.build(
+      pipe.facts, prompt, negative_prompt, height=height, width=width, num_frames=frames,
+      num_inference_steps=steps, guidance_scale=guidance, latents=latents, max_sequence_length=max_sequence_length,
+      mesh=mesh, attention_backend=attention_backend, step_cache=pipe.step_cache,
+      **({} if guidance_2 is None else {"guidance_scale_2": guidance_2}))
+  result = pipe.generate(request, CallOptions(progress=False, on_step=on_step, on_stage=on_stage))
   t = result.timings
   stages = _summary(t["text_encode"], t["compile"], step_times, t["decode"], t["total"])
   stages["memory_plan"] = result.settings.get("memory_plan")

@@ -14,6 +14,8 @@ model code.
 from lazy_facade import lazy_facade
 
 _HOMES = (
+    ("pipelines.pipeline.checked.request", ("GenerationRequest",)),
+    ("pipelines.pipeline.run.call_options", ("CallOptions",)),
     ("pipelines.pipeline.run.hooks", ("NonFiniteLatentsError",)),
     ("pipelines.pipeline.image_pipeline", ("WanImageToVideoPipeline",)),
     ("pipelines.pipeline.load.loading", ("DTYPES",)),

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.wan.causal import CacheWindow, CausalStream, ChunkSchedule, chunk_noise
@@ -146,3 +147,28 @@ def test_the_cache_is_split_over_the_sequence_devices_as_usp_splits_tokens():
       (2, 1, 96, 2, 16))
   assert cache_sharding(plan, 90).k_ZBSNH.is_fully_replicated
   assert cache_sharding(None, 96).k_ZBSNH == ParallelPlan.single().replicated
+
+
+def test_the_device_holds_one_cache_a_step_returns_none_and_a_write_updates_it_in_place():
+  """A denoising step's outputs hold no cache (an output cache is a second copy: on a v5e at 480p 4.8
+  GiB more, out of memory) and the cache write gives its input cache's buffers to its output (donated:
+  the caller's old cache is consumed). Positive control: the write does return a cache, of the same bytes."""
+  from pipelines.wan.causal.cache import KVCache
+  from pipelines.wan.causal.stream import _chunk_step
+  from pipelines.wan.transformer import text_kv
+
+  model = load_transformer_state(CONFIG, _random_state(), "random")
+  window = CacheWindow(3, 9, 0)
+  cache = KVCache.empty(layers=2, batch=1, capacity=window.capacity(12), tokens_per_frame=16, heads=2, head_dim=16,
+                        dtype=jnp.float32)
+  cache_bytes = cache.k_ZBSNH.nbytes + cache.v_ZBSNH.nbytes
+  latents, kv = jnp.zeros((1, 4, 3, *LATENT)), text_kv(model, jnp.zeros((1, 8, 24)), None)
+  graphdef, params = nnx.split(model)
+  where = ParallelPlan.single().replicated
+  step = lambda write, c: _chunk_step(graphdef, params, latents, 500.0, 0.5, kv, c, window=window, tokens_per_frame=16,
+                                      plan=None, where=where, cache_where=None, write=write)
+  x0 = step(False, cache)
+  assert isinstance(x0, jax.Array) and x0.shape == latents.shape and not cache.k_ZBSNH.is_deleted()
+  x0, written = step(True, cache)
+  assert written.k_ZBSNH.nbytes + written.v_ZBSNH.nbytes == cache_bytes and int(written.frames) == 3
+  assert cache.k_ZBSNH.is_deleted() and cache.v_ZBSNH.is_deleted()
