@@ -51,7 +51,8 @@ def pallas_block(n: int, block: int) -> int:
   tie). A short query must not run mostly on padding: a causal chunk's 4,680 rows in the v5e
   default's 4,096-row blocks are 8,192 rows (43 % padding), in 1,024-row blocks 5,120 (9 %); a
   quarter-size query block costs 2-5 % per FLOP on a v5e (docs/measurements/attention.md: 1024 x
-  1024 against 4096 x 1024), so the bound is an eighth. A length the requested block already fits (32,760 in 4,096) is unchanged."""
+  1024 against 4096 x 1024), so the bound is an eighth. A length the requested block already fits
+  (32,760 in 4,096) is unchanged."""
   top = min(block, max(128, 1 << (n - 1).bit_length()))
   candidates = [top]
   while candidates[-1] % 256 == 0:

@@ -184,6 +184,7 @@ def _chunk_step(graphdef, params, latents, timestep, sigma, kv, cache, *, window
                 plan: ParallelPlan | None, where: jax.sharding.Sharding, cache_where: KVCache,
                 write: bool) -> jax.Array | tuple[jax.Array, KVCache]:
   """`_chunk_step_body` jitted; a write donates `cache` (the caller's cache is consumed)."""
-  return (_cache_write_jit if write else _chunk_step_jit)(graphdef, params, jax.device_put(latents, where), np.float32(timestep), np.float32(sigma),
-                         kv, cache, window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write,
-                         cache_where=cache_where)
+  jitted = _cache_write_jit if write else _chunk_step_jit
+  return jitted(graphdef, params, jax.device_put(latents, where), np.float32(timestep), np.float32(sigma),
+                kv, cache, window=window, tokens_per_frame=tokens_per_frame, plan=plan, write=write,
+                cache_where=cache_where)
