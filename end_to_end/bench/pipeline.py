@@ -28,11 +28,10 @@ steps, guidance, sequence length and the same explicit initial latents, in this 
 after the other; their videos are compared (PSNR) as a check that the settings match. diffusers
 runs on --torch-device (default: cuda when available, else cpu), ours on JAX's default backend.
 
-`--aot TOPOLOGY` (e.g. v6e:2x4, v5e:4x4; needs libtpu, see `end_to_end/aot/step.py`) compiles the
-denoise step of Wan 1.3B at 480p and Wan 14B at 720p (81 frames, bf16, CFG) for that TPU
-topology here and prints per-device memory and cost analysis, compile time and collectives. It is
-a compile-time report, not a runtime measurement. If the topology cannot be initialised within
---aot-init-timeout seconds, or at all, it says why and exits with status 3.
+`--aot TOPOLOGY` (e.g. v6e:2x4, v5e:4x4; needs libtpu, see `end_to_end/aot/step.py`) compiles the denoise
+step of Wan 1.3B at 480p and Wan 14B at 720p (81 frames, bf16, CFG) for that TPU topology here and prints
+per-device memory and cost analysis, compile time and collectives: a compile-time report, not a runtime
+measurement. A topology not initialised within --aot-init-timeout seconds, or at all: why, and status 3.
 Exit status: 0 on success, 2 on a usage error, 3 when the TPU topology is unavailable.
 """
 
@@ -82,6 +81,8 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
   g.add_argument("--steps", type=int)
   g.add_argument("--layers", type=int, help="override the transformer's number of blocks")
   g.add_argument("--dtype", choices=("float32", "bfloat16"))
+  g.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="ours: the VAE's dtype (float32: full fp32 products, several bf16 passes each on a TPU)")
   g.add_argument("--quantize", choices=("int8", "fp8", "int8-w8a8"),
                  help="the transformer's block Linear weights quantized (WanPipeline.quantize); with --aot "
                       "the compiled step holds them in one byte a value")
@@ -463,8 +464,8 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
   from pipelines.pipeline import WanPipeline
 
   start = time.perf_counter()
-  pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype) if folder
-          else bench_presets.init_ours(preset, seed=seed))
+  pipe = (WanPipeline.from_pretrained(folder, dtype=preset.dtype, vae_dtype=args.vae_dtype) if folder
+          else bench_presets.init_ours(preset, seed=seed, vae_dtype=args.vae_dtype))
   if args.quantize:
     pipe.quantize(args.quantize)
   pipe.set_memory_placement(args.placement)

@@ -171,9 +171,9 @@ PRESETS: dict[str, BenchPreset] = {
 }
 
 
-def init_ours(preset: BenchPreset, seed: int = 0):
+def init_ours(preset: BenchPreset, seed: int = 0, vae_dtype: str = "float32"):
   """Our `WanPipeline` with random weights (torch-default init; drawn on the accelerator where there is
-  one), no files."""
+  one), no files; the VAE in `vae_dtype` (float32 as every pipeline's default)."""
   import jax
   import jax.numpy as jnp
 
@@ -201,7 +201,8 @@ def init_ours(preset: BenchPreset, seed: int = 0):
   return WanPipeline(
       tokenizer=default_tokenizer(), expand_timesteps=preset.expand_timesteps,
       text_encoder=(preset.text_encoder, text_params), transformers=transformers,
-      vae=timed("VAE", jax.block_until_ready(vae.init_vae(preset.vae, jax.random.key(seed)))),
+      vae=timed("VAE", jax.block_until_ready(vae.init_vae(preset.vae, jax.random.key(seed),
+                                                          dtype=jnp.dtype(vae_dtype)))),
       boundary_ratio=preset.boundary_ratio,
       scheduler_config=schedulers.UniPCConfig(flow_shift=preset.flow_shift), name="random init")
 

@@ -82,7 +82,7 @@ NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve 
 
 def _counted(text: str) -> list[int]:
   """Every count of commands the text gives in words ("Nineteen commands", "all nineteen")."""
-  words = "|".join(NUMBERS)
+  words = "|".join(sorted(NUMBERS, key=len, reverse=True))  # "twenty-one" before "twenty"
   found = re.findall(rf"\b({words}) commands\b|\ball ({words})\b", text, flags=re.IGNORECASE)
   return [NUMBERS.index((a or b).lower()) for a, b in found]
 
@@ -96,4 +96,5 @@ def test_the_docs_count_the_commands():
       counts = _counted(f.read())
     assert counts and set(counts) == {commands}, (page, counts, commands)
   assert _counted("Eighteen commands that measure; all twelve") == [18, 12]  # the reader's control
+  assert _counted("Twenty-one commands; all twenty-one; all twenty") == [21, 21, 20]
 

@@ -72,3 +72,16 @@ def test_host_random_umt5_has_the_encoder_s_tree_and_stds(monkeypatch):
   ids = jnp.arange(12, dtype=jnp.int32)[None]
   out = encode_text(ours, ids, jnp.ones_like(ids), config=config)
   assert np.isfinite(np.asarray(out, np.float32)).all() and float(jnp.std(out.astype(jnp.float32))) > 0
+
+
+def test_vae_dtype_reaches_our_pipeline_s_vae():
+  """`--vae-dtype`: the random-init pipeline's VAE in that dtype (float32 by default, as every pipeline)."""
+  import jax.numpy as jnp
+
+  from end_to_end.bench import pipeline as bench, presets
+
+  assert bench.build_parser().parse_args([]).vae_dtype == "float32"
+  assert bench.build_parser().parse_args(["--vae-dtype", "bfloat16"]).vae_dtype == "bfloat16"
+  tiny = presets.PRESETS["tiny"]
+  assert jnp.dtype(presets.init_ours(tiny, vae_dtype="bfloat16").vae.dtype) == jnp.bfloat16
+  assert jnp.dtype(presets.init_ours(tiny).vae.dtype) == jnp.float32

@@ -1,0 +1,27 @@
+"""bench.decode: the decode alone, each run's compiles counted by JAX's own compile events."""
+
+import json
+
+import pytest
+
+
+def test_decode_bench_counts_the_first_runs_compiles_and_none_in_the_second(tmp_path, capsys):
+  from end_to_end.bench import decode
+
+  out = tmp_path / "decode.json"
+  assert decode.main(["--preset", "tiny", "--frames", "5", "--path", "whole", "--runs", "2", "--json", str(out)]) == 0
+  result = json.loads(out.read_text())
+  first, second = result["runs"]
+  assert first["compiles"] >= 1 and first["compile_seconds"] > 0  # positive control: the listener hears compiles
+  assert second["compiles"] == 0 and second["compile_seconds"] == 0
+  assert first["frames_out"] == second["frames_out"] == 5 and result["latents"] == [1, 16, 2, 6, 10]
+  assert "in 0 compiles" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--frames", "6"], "4k + 1"), (["--height", "50"], "multiples of 8"),
+                                           (["--runs", "0"], "--runs")])
+def test_decode_bench_refuses_bad_sizes_before_building_the_vae(argv, message, capsys):
+  from end_to_end.bench import decode
+
+  assert decode.main(["--preset", "tiny", *argv]) == 2
+  assert message in capsys.readouterr().err
