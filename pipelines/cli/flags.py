@@ -134,6 +134,9 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
                       "diffusers' defaults for a folder)")
   g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="transformer/text-encoder dtype (default: float32 for tiny, bfloat16 for a folder)")
+  g.add_argument("--vae-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="the VAE's dtype: float32 (default, as diffusers and Wan's own code) or bfloat16 (half "
+                      "the decode's memory; on a TPU one pass per product instead of fp32's several)")
   g.add_argument("--quantize", default=None, choices=("int8", "fp8", "int8-w8a8"),
                  help="the transformer's block Linear weights stored as int8 or fp8 (e4m3) with a scale per "
                       "output channel, dequantized in the matmul; int8-w8a8 also quantizes each matmul's "

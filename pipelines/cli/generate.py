@@ -152,16 +152,18 @@ def _load(plan: Plan, request: Any) -> Any:
   from pipelines.pipeline import WanImageToVideoPipeline, WanPipeline
 
   if plan.model in TINY_MODELS:
-    pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random", image=plan.model == "tiny-i2v")
+    pipe = WanPipeline.tiny(plan.dtype, random=plan.model == "tiny-random", image=plan.model == "tiny-i2v",
+                            vae_dtype=plan.vae_dtype)
   elif plan.files is not None:
     files = plan.files
     pipe = WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
-                                        dtype=plan.dtype, config=files.config, mesh=request.plan.mesh,
+                                        dtype=plan.dtype, vae_dtype=plan.vae_dtype, config=files.config,
+                                        mesh=request.plan.mesh,
                                         shard_weights=request.plan.shard_weights)
   else:
     cls = WanImageToVideoPipeline if request.model.image_to_video else WanPipeline
     model = plan.model if plan.model_commit is None else f"{hub_id(plan.model)[0]}@{plan.model_commit}"
-    pipe = cls.from_pretrained(model, dtype=plan.dtype, mesh=request.plan.mesh,
+    pipe = cls.from_pretrained(model, dtype=plan.dtype, vae_dtype=plan.vae_dtype, mesh=request.plan.mesh,
                                shard_weights=request.plan.shard_weights)  # a Hub model: the commit checked
   weights: dict[str, dict[str, float]] = {}  # adapter name -> {transformer: weight}
   for path, scale, expert in plan.loras:

@@ -43,6 +43,7 @@ class Plan:
   model_folder: str | None = None  # a Hub --model's snapshot folder (`check_plan` downloads it; per host)
   model_commit: str | None = None  # a Hub --model's resolved commit
   stream: dict[str, Any] | None = None  # --stream's settings (`streaming.check_stream_flags`), None: one video
+  vae_dtype: str = "float32"  # --vae-dtype: the VAE's weights and activations
   files: Any = None  # --transformer / --vae / --text-encoder ...: a `wan.pretrained.Sources` (model None)
 
   def asked(self, name: str, default: Any = None) -> Any:

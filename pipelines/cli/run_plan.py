@@ -62,7 +62,7 @@ def plan_run(args: argparse.Namespace) -> Plan:
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
               checkpoint_default=not args.no_checkpoint, keep_checkpoint=args.keep_checkpoint,
               resume=args.resume is not None, contact_sheet=args.contact_sheet, quantize=args.quantize,
-              placement=args.placement, size_given=bool(args.size),
+              placement=args.placement, size_given=bool(args.size), vae_dtype=args.vae_dtype,
               defaulted=() if preset_name is not None else _defaulted(args, video_frames),
               fps_given=args.fps is not None or preset_name is not None, stream=stream)
 

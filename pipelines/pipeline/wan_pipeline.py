@@ -5,13 +5,12 @@ height / width, L text tokens (`max_sequence_length`), N heads, U / R Ulysses / 
 
 What one call does, in diffusers' order (diffusers pipelines/wan/pipeline_wan.py, `__call__`):
 0. the arguments are checked into a `GenerationRequest` (pipeline/request.py; before any compute);
-1. prompts cleaned (`tokenizer.prompt_clean`), tokenised to L, UMT5-encoded; rows past each
-   prompt's true length zeroed (pipeline/text.py). Text states given as `prompt_embeds` /
-   `negative_prompt_embeds` are used as they are instead. Each prompt's rows are repeated
-   `num_videos_per_prompt` times;
-2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed
-   + i)`, pipeline/seed.py), so the same seed gives the same video on every mesh; diffusers' torch
-   `generator` has no counterpart: pass its noise as `latents` for exact parity;
+1. prompts cleaned (`tokenizer.prompt_clean`), tokenised to L, UMT5-encoded; rows past each prompt's
+   true length zeroed (pipeline/text.py). Text states given as `prompt_embeds` / `negative_prompt_embeds`
+   are used as they are instead. Each prompt's rows are repeated `num_videos_per_prompt` times;
+2. noise [B, C, F, Hl, Wl] float32 drawn on the host (video i from `numpy.random.default_rng(seed + i)`,
+   pipeline/seed.py): the same seed, the same video on every mesh; diffusers' torch `generator` has
+   no counterpart: pass its noise as `latents` for exact parity;
 3. the scheduler's timesteps on the host; for step k the expert is `transformer` while
    t_k >= boundary_ratio * num_train_timesteps, else `transformer_2` (Wan 2.2 A14B);
 4. the denoising loop (pipeline/loop.py) runs one compiled step per timestep (pipeline/step.py:
@@ -163,11 +162,11 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
 
   @classmethod
   def tiny(cls, dtype: str = "float32", *, random: bool = False, quantize: str | None = None,
-           image: bool = False) -> WanPipeline:
+           image: bool = False, vae_dtype: str = "float32") -> WanPipeline:
     """The embedded default (no download, no files outside the package).
 
     Args:
-      dtype: "float32" or "bfloat16" (transformer and text encoder; the VAE stays fp32).
+      dtype: "float32" or "bfloat16" (transformer and text encoder); vae_dtype: the VAE's, the same two.
       random: False (default): the trained tiny model in `TINY_DEFAULT_FOLDER` (`end_to_end.train.tiny`):
         the shapes world, e.g. "a red square moving right", at its folder's defaults (64x64 x 17
         frames, `generation_defaults.json`). True: random weights from a fixed seed
@@ -183,11 +182,12 @@ class WanPipeline(LoraLoaderMixin, single_file.SingleFileMixin):
       raise ValueError("image=True is the trained default run with a first frame (tiny-i2v); the random-weight "
                        "model (random=True) was not trained for it: pass one of them")
     if random:
-      pipe = cls(**loading.tiny_random_parts(dtype))
+      pipe = cls(**loading.tiny_random_parts(dtype, vae_dtype))
       if quantize is not None:
         pipe.quantize(quantize)
       return pipe
-    pipe = cls.from_pretrained(TINY_I2V_FOLDER if image else TINY_DEFAULT_FOLDER, dtype=dtype, quantize=quantize)
+    folder = TINY_I2V_FOLDER if image else TINY_DEFAULT_FOLDER
+    pipe = cls.from_pretrained(folder, dtype=dtype, vae_dtype=vae_dtype, quantize=quantize)
     pipe.name = "tiny-i2v" if image else "tiny"
     return pipe
 

@@ -80,13 +80,16 @@ def loader(config: ServeConfig) -> Any:
     if config.files is not None:
       files = config.files
       return WanPipeline.from_single_file(files.transformer, files.vae, files.text_encoder, files.tokenizer,
-                                          dtype=config.dtype, config=files.config, mesh=config.mesh)
+                                          dtype=config.dtype, vae_dtype=config.vae_dtype, config=files.config,
+                                          mesh=config.mesh)
     if config.model in TINY_MODELS:
-      return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random", image=config.model == "tiny-i2v")
+      return WanPipeline.tiny(config.dtype, random=config.model == "tiny-random", image=config.model == "tiny-i2v",
+                              vae_dtype=config.vae_dtype)
     if model_facts(config).image_to_video:  # its jobs bring their first frame (input_reference)
       from pipelines.pipeline.image_pipeline import WanImageToVideoPipeline
-      return WanImageToVideoPipeline.from_pretrained(config.model, dtype=config.dtype, mesh=config.mesh)
-    return WanPipeline.from_pretrained(config.model, dtype=config.dtype, mesh=config.mesh)
+      return WanImageToVideoPipeline.from_pretrained(config.model, dtype=config.dtype, vae_dtype=config.vae_dtype,
+                                                     mesh=config.mesh)
+    return WanPipeline.from_pretrained(config.model, dtype=config.dtype, vae_dtype=config.vae_dtype, mesh=config.mesh)
 
   return load
 

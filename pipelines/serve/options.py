@@ -89,6 +89,7 @@ class ServeConfig:
   api_key: str | None = None
   loras: tuple[tuple[str, str, float], ...] = ()
   dtype: str = "float32"
+  vae_dtype: str = "float32"  # the VAE's (generate --help: --vae-dtype)
   checkpoint_every: int = 1
   max_prompt_chars: int = 2000
   max_body_bytes: int = 64 * 1024
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:SCALE]",
                  help="a LoRA requests may name as NAME; repeatable (default: none)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the transformer's dtype")
+  p.add_argument("--vae-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="the VAE's dtype (generate --help: --vae-dtype)")
   p.add_argument("--placement", default="auto", choices=("auto", "resident", "encoder-offloaded", "encoder-on-host"),
                  help="where the weights live between and during jobs (generate --help: --placement); each job's "
                       "plan is in the log and its sidecar")
@@ -230,7 +233,7 @@ def parse(argv: list[str] | None = None) -> ServeConfig:
       loras=tuple(parse_lora(text) for text in args.lora), dtype=args.dtype, checkpoint_every=args.checkpoint_every,
       compile_cache=compile_cache.resolve_dir(args.compile_cache, args.no_compile_cache), processes=processes,
       decode_compile_effort=args.decode_compile_effort, max_upload_bytes=_megabytes(args.max_upload_mb),
-      docs=not args.no_docs, log_level=args.log_level, placement=args.placement)
+      docs=not args.no_docs, log_level=args.log_level, placement=args.placement, vae_dtype=args.vae_dtype)
 
 
 def _megabytes(value: float) -> int:

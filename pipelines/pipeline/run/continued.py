@@ -120,5 +120,5 @@ def _result(pipe: Any, request: GenerationRequest, options: CallOptions, latents
               "resumed_from_step": None if all(r is None for r in resumed) else resumed,
               "steps_run": sum(s["steps_run"] for s in runs), "windows_run": len(runs),
               "step_cache": None if request.step_cache is None else [s["step_cache"] for s in runs],
-              "decode_compile_effort": runs[0]["decode_compile_effort"]}
+              "decode_compile_effort": runs[0]["decode_compile_effort"], "vae_dtype": runs[0]["vae_dtype"]}
   return GenerationResult(frames=frames, latents=latents, timings=timings, settings=settings)

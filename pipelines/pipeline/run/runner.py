@@ -394,6 +394,7 @@ class Runner:
     return {**r.settings(), "experts_per_step": state.experts,
             "resumed_from_step": state.first_step if resume is not None and resume.resume else None,
             "steps_run": len(state.step_times), "step_cache": cache, "memory_plan": self.memory.line(),
+            "vae_dtype": jax.numpy.dtype(self.pipe.vae.dtype).name,
             "decode_compile_effort": effective_compile_effort(self.options.decode_compile_effort,
                                                                jax.default_backend())}
 

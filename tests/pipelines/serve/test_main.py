@@ -132,3 +132,20 @@ def test_single_files_refused_before_loading(single, capsys, monkeypatch):
                        "holds the transformer of a Wan pipeline, not the VAE")):
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_vae_dtype_flag_reaches_the_served_pipeline_s_vae():
+  """serve --vae-dtype bfloat16: the config carries it and the loader's VAE is bf16; the default is
+  float32 (control)."""
+  import jax.numpy as jnp
+
+  from pipelines.serve.main import loader
+  from pipelines.serve.options import ServeConfig
+
+  assert ServeConfig().vae_dtype == "float32"
+  pipe = loader(ServeConfig(model="tiny-random", vae_dtype="bfloat16"))()
+  assert jnp.dtype(pipe.vae.dtype) == jnp.bfloat16
+  assert jnp.dtype(loader(ServeConfig(model="tiny-random"))().vae.dtype) == jnp.float32
+  from pipelines.serve.options import parse
+
+  assert parse(["--vae-dtype", "bfloat16"]).vae_dtype == "bfloat16" and parse([]).vae_dtype == "float32"
