@@ -77,3 +77,35 @@ def test_cache_bytes_counts_keys_and_values_of_every_layer():
   model, _, _ = _setup()
   assert cache_bytes(model, batch=1, capacity_frames=6, tokens_per_frame=16) == _empty(model, 6).nbytes()
   assert cache_bytes(model, batch=1, capacity_frames=6, tokens_per_frame=16) == 2 * 2 * 96 * 2 * 16 * 4
+
+
+def test_empty_cache_slots_are_ignored_at_the_real_1_3b_480p_size():
+  """At Wan 2.1 1.3B's width and 480p token counts (one block): a chunk of 3 latent frames (4,680
+  queries) against a 21-frame window's cache (28,080 slots, 6 frames = 9,360 filled), the masked
+  slots cannot reach the output, whatever they hold: garbage 30x the keys' scale there gives the
+  same flow (the same ops on the same unmasked keys; only a masked key leaking, e.g. into a
+  softmax bound, could change it). Positive control: garbage in a filled frame's keys changes it."""
+  config = dataclasses.replace(WanTransformerConfig(), num_layers=1)  # heads 12 x 128, ffn 8960
+  model = init_transformer(config, seed=0)
+  rng = np.random.default_rng(0)
+  latents = jnp.asarray(rng.standard_normal((1, 16, 3, 60, 104)), jnp.float32)
+  text = jnp.asarray(rng.standard_normal((1, 64, config.text_dim)), jnp.float32)
+  per_frame, capacity, filled = 1560, 18, 6
+  shape = (1, 1, capacity * per_frame, 12, 128)
+  k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+  garbage_k, garbage_v = k.copy(), v.copy()
+  zeros_k, zeros_v = k.copy(), v.copy()
+  past = filled * per_frame
+  zeros_k[:, :, past:], zeros_v[:, :, past:] = 0, 0
+  garbage_k[:, :, past:] *= 30
+  garbage_v[:, :, past:] *= 30
+  run = jax.jit(chunk_forward)
+  timestep, frames = jnp.array([750.0]), jnp.asarray(filled, jnp.int32)
+  clean, _, _ = run(model, latents, timestep, text, KVCache(jnp.asarray(zeros_k), jnp.asarray(zeros_v), frames))
+  dirty, _, _ = run(model, latents, timestep, text, KVCache(jnp.asarray(garbage_k), jnp.asarray(garbage_v), frames))
+  scale = float(jnp.max(jnp.abs(clean)))
+  within(float(jnp.max(jnp.abs(dirty - clean))), 16 * EPS_F32 * scale, "masked garbage vs zeros")
+  # Positive control: the same garbage in the last filled frame's slots (unmasked) changes the flow.
+  garbage_k[:, :, past - per_frame:past] *= 30
+  counted, _, _ = run(model, latents, timestep, text, KVCache(jnp.asarray(garbage_k), jnp.asarray(garbage_v), frames))
+  assert float(jnp.max(jnp.abs(counted - dirty))) > 1e3 * EPS_F32 * scale
