@@ -359,7 +359,8 @@ def test_nan_guard_stops_at_the_first_bad_step(nan_pipe):
 
 
 def test_cli_nan_guard_writes_nothing(nan_pipe, tmp_path, capsys, monkeypatch):
-  monkeypatch.setattr(WanPipeline, "tiny", classmethod(lambda cls, dtype="float32", random=False, image=False: nan_pipe))
+  monkeypatch.setattr(WanPipeline, "tiny", classmethod(lambda cls, dtype="float32", random=False, image=False,
+                                                                   vae_dtype="float32": nan_pipe))
   monkeypatch.setattr(nan_pipe, "name", "tiny-random")  # the random tiny model's facts, NaN weights
   out = tmp_path / "fox.mp4"
   argv = ["--prompt", PROMPT, "--model", "tiny-random", "--size", "32x32", "--frames", "5", "--steps", "2",

@@ -87,7 +87,8 @@ def _resume_cases(tmp_path, vace_folder, flf2v_folder):
               "--frames", "9", "--steps", "3", "--guidance", "3.5", "--shift", "4", "--scheduler", "euler",
               "--seed", "5", "--max-sequence-length", "16", "--step-cache", "first-block:0.05",
               "--attention-exchange", "fp8", "--dtype", "float32"],
-      "timesteps": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--timesteps", "1000,500"],
+      "timesteps": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--timesteps", "1000,500",
+                    "--vae-dtype", "bfloat16"],
       "sigmas": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--sigmas", "1,0.5",
                  "--scheduler", "dpm++"],
       "v2v": ["--model", "tiny-random", "--prompt", "x", "--size", "32x32", "--video", f"{d}/clip.npy",
@@ -138,6 +139,7 @@ def test_every_request_flag_is_recorded_and_read_back(tmp_path):
       resumed = run_plan.check_plan(run_plan.plan_run(again))
     assert _identity(resumed) == _identity(first), name
     assert resumed.request.plan.attention_exchange == first.request.plan.attention_exchange, name
+    assert resumed.plan.vae_dtype == first.plan.vae_dtype, name
   path = tmp_path / "ckpt-t2v" / records.RUN_RECORD
   path.write_text(json.dumps(json.loads(path.read_text()) | {"prompt": "a blue bird", "num_inference_steps": 4}))
   changed = generate.build_parser().parse_args(["--resume", str(path.parent)])
