@@ -35,7 +35,8 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
              frames: int, steps: int, guidance: float, max_sequence_length: int,
              mesh: str | None, attention_backend: str = "auto",
              guidance_2: float | None = None) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-  """One `pipe.run` call (no progress output, as diffusers' side); `attention_backend` as `pipe.run`,
+  """One `pipe.generate` call (no progress bar, as diffusers' side; a flushed line as each stage starts
+  and at steps 1, 10, 20, ...: a run stopped by a time limit shows where); `attention_backend` as `pipe.run`,
   `guidance_2` its `guidance_scale_2` (the low-noise expert's scale of a two-expert pipeline).
 
   Returns:
@@ -43,10 +44,12 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
     GiB since the process started (`peak_device_gib`), frames float32
     [1, frames, H, W, 3], final latents float32 [1, C, F, Hl, Wl]).
   """
+  from pipelines.pipeline import CallOptions, GenerationRequest
+
   step_times: list[float] = []
   start = time.perf_counter()
 
-  def on_stage(name: str) -> None:  # one flushed line per stage: a run stopped by a time limit shows where
+  def on_stage(name: str) -> None:
     print(f"    stage {name} starts at +{time.perf_counter() - start:.1f} s", flush=True)
 
   def on_step(k: int, seconds: float) -> None:
@@ -54,7 +57,6 @@ def run_ours(pipe, *, prompt: str, negative_prompt: str | None, latents: np.ndar
     if k == 0 or (k + 1) % 10 == 0:
       print(f"    step {k + 1}: {seconds:.2f} s (+{time.perf_counter() - start:.1f} s)", flush=True)
 
-  from pipelines.pipeline import CallOptions, GenerationRequest
   request = GenerationRequest.build(
       pipe.facts, prompt, negative_prompt, height=height, width=width, num_frames=frames,
       num_inference_steps=steps, guidance_scale=guidance, latents=latents, max_sequence_length=max_sequence_length,
