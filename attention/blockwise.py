@@ -44,17 +44,22 @@ def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def capped_block(n: int, block: int) -> int:
+  """min(block, next power of two >= max(n, 128)): the requested Pallas `block` capped so that a
+  short length `n` is not padded past its own power of two."""
+  return min(block, max(128, 1 << (n - 1).bit_length()))
+
+
 def pallas_block(n: int, block: int) -> int:
   """The Pallas kernels' block for a length of `n` rows or keys, given the requested `block` (a
-  multiple of 128): min(block, next power of two >= max(n, 128)), halved (while it stays a multiple
+  multiple of 128): `capped_block`, halved (while it stays a multiple
   of 128) until it pads `n` by at most n / 8, else the candidate padding least (the larger on a
   tie). A short query must not run mostly on padding: a causal chunk's 4,680 rows in the v5e
   default's 4,096-row blocks are 8,192 rows (43 % padding), in 1,024-row blocks 5,120 (9 %); a
   quarter-size query block costs 2-5 % per FLOP on a v5e (docs/measurements/attention.md: 1024 x
   1024 against 4096 x 1024), so the bound is an eighth. A length the requested block already fits
   (32,760 in 4,096) is unchanged."""
-  top = min(block, max(128, 1 << (n - 1).bit_length()))
-  candidates = [top]
+  candidates = [capped_block(n, block)]
   while candidates[-1] % 256 == 0:
     candidates.append(candidates[-1] // 2)
   for c in candidates:

@@ -85,7 +85,6 @@ def latent_shape(preset: Any, frames: int, height: int, width: int) -> tuple[int
 
 def decode_once(vae: Any, z: Any, path: str, band_rows: int) -> Any:
   """One decode of VAE-space latents z [B, C, F, Hl, Wl] by `path`, the video on the host."""
-  import jax
   import numpy as np
 
   from pipelines.wan import vae as wan_vae
@@ -94,7 +93,7 @@ def decode_once(vae: Any, z: Any, path: str, band_rows: int) -> Any:
     return wan_vae.decode_streamed(vae, z, video_layout="BFHWC")
   if path == "bands":
     return wan_vae.decode_banded(vae, z, band_rows=band_rows, video_layout="BFHWC")
-  return np.asarray(jax.block_until_ready(wan_vae.decode(vae, z, video_layout="BFHWC")))
+  return np.asarray(wan_vae.decode(vae, z, video_layout="BFHWC"))  # the copy to the host waits for it
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -88,9 +88,11 @@ def eligible_pairs(table: dict) -> list[tuple[int, int]]:
   """The (block_q, block_kv) of one `--topology` table (a `--json` file's dict) that pass the pick's
   filters, in the table's order: (1) fit: Mosaic compiled both paths under the chip's scoped VMEM
   limit; (2) padding: the padded work T_pad * S_pad (T = S = the table's sequence, padded to the
-  pair's own blocks, capped as `BlockLayout` caps them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
+  pair's own blocks as `blockwise.capped_block` caps them, not halved as `BlockLayout` may halve
+  them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
   (3) code: the generated code of both paths together (the "auto" kernel holds both updates)
   within `CODE_TOLERANCE` of the least of the fitting pairs."""
+  from attention.blockwise import capped_block
   from attention.padding import round_up
 
   seq = table["shape"][1]
@@ -98,11 +100,8 @@ def eligible_pairs(table: dict) -> list[tuple[int, int]]:
          if all("error" not in r[path] for path in ("lse", "fixed_m"))}
   if not fit:
     return []
-  def padded(n: int, block: int) -> int:  # n in the pair's own blocks, capped at the length's power of two
-    # as `BlockLayout` caps them, not halved: a pair it would halve for this length pads as itself here
-    return round_up(n, min(block, max(128, 1 << (n - 1).bit_length())))
-
-  work = {key: padded(seq, key[0]) * padded(seq, key[1]) for key in fit}
+  padded = lambda block: round_up(seq, capped_block(seq, block))  # noqa: E731
+  work = {key: padded(key[0]) * padded(key[1]) for key in fit}
   code = {key: r["lse"]["code_mib"] + r["fixed_m"]["code_mib"] for key, r in fit.items()}
   return [key for key in fit if work[key] <= min(work.values()) * (1 + PADDING_TOLERANCE)
           and code[key] <= min(code.values()) * CODE_TOLERANCE]

@@ -173,7 +173,8 @@ def tiny_random_parts(dtype: str, vae_dtype: str = "float32") -> dict[str, Any]:
   return dict(tokenizer=default_tokenizer(),
               text_encoder=(te_config, init_umt5_params(te_config, TINY_SEED, dtype=model_dtype)),
               transformers=[init_transformer(TINY_TRANSFORMER, TINY_SEED, model_dtype)],
-              vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(TINY_SEED), dtype=dtype_of(vae_dtype)),
+              vae=wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(TINY_SEED),
+                                   dtype=dtype_of(vae_dtype)),
               scheduler_config=TINY_SCHEDULER, name="tiny-random")
 
 
