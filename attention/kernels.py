@@ -15,7 +15,8 @@ of one key set into the running (o, l, m) carry of every query block, with the s
 Masks are computed inside the kernel from positions and lengths, never read as dense arrays:
 the query and key global positions (int32 vectors, one entry per row/slot), the per-batch valid key
 count `kv_limit` (scalar-prefetched into SMEM on TPU), the static real slot count S (block padding)
-and the static window / causal flags. GQA on TPU: the G query heads of a kv head share one tile
+and the static window / causal flags (block padding alone: the TPU kernel masks only the key blocks
+past slot S, a branch on the block index, and skips the mask's work on the others). GQA on TPU: the G query heads of a kv head share one tile
 (G x bq rows against one K/V block), so K/V are read once per kv head; on GPU each query head is
 its own program (Triton cannot slice a tile) and the group's K/V reads meet in L2.
 
@@ -135,6 +136,26 @@ def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq):
     l_out[g:g + 1, :] = jnp.transpose(l_scr[g * bq:(g + 1) * bq, :])[:1, :]
 
 
+def _fixed_m_update(v, o_scr, l_scr, m_scr, prec, s):
+  """One key block into the VMEM carry with m pinned: p = 2^(s - m), l += sum p, o += p v."""
+  p = jnp.exp2(s - m_scr[:, :1])
+  l_scr[...] += jnp.sum(p, axis=1, keepdims=True)
+  o_scr[...] += jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+
+
+def _lse_update(v, o_scr, l_scr, m_scr, prec, s):
+  """One key block into the VMEM carry by the online softmax (module docstring)."""
+  m_prev = m_scr[...]
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
+  alpha = jnp.exp2(m_prev - m_safe)
+  p = jnp.exp2(s - m_safe[:, :1])
+  l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+  o_scr[...] = alpha[:, :1] * o_scr[...] + jax.lax.dot(
+      p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+  m_scr[...] = m_new
+
+
 def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
                 bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin):
   n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
@@ -151,38 +172,36 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
   q = q_ref[...].reshape(rows, H)
   k, v = k_ref[...], v_ref[...]
   prec = _precision(q.dtype)
-  s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
-  if logit_scale != 1.0:
-    s = s * logit_scale
-  if needs_mask:
-    slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    mask = _mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
-                 kv_padded=kv_padded, window=window, causal=causal)
-    s = jnp.where(mask[None], s.reshape(G, bq, bk), -jnp.inf).reshape(rows, bk)
 
-  def fixed_m_update():
-    p = jnp.exp2(s - m_scr[:, :1])
-    l_scr[...] += jnp.sum(p, axis=1, keepdims=True)
-    o_scr[...] += jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+  def scores(masked):
+    s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
+    if logit_scale != 1.0:
+      s = s * logit_scale
+    if masked:
+      slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+      mask = _mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
+                   kv_padded=kv_padded, window=window, causal=causal)
+      s = jnp.where(mask[None], s.reshape(G, bq, bk), -jnp.inf).reshape(rows, bk)
+    return s
 
-  def lse_update():
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
-    alpha = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, :1])
-    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-    o_scr[...] = alpha[:, :1] * o_scr[...] + jax.lax.dot(
-        p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-    m_scr[...] = m_new
+  fixed_m_update = functools.partial(_fixed_m_update, v, o_scr, l_scr, m_scr, prec)
+  lse_update = functools.partial(_lse_update, v, o_scr, l_scr, m_scr, prec)
 
-  if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
-    pl.when(flag_ref[0] != 0)(fixed_m_update)
-    pl.when(flag_ref[0] == 0)(lse_update)
-  elif mode == "fixed_m":
-    fixed_m_update()
+  def block(masked):
+    if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
+      pl.when(flag_ref[0] != 0)(lambda: fixed_m_update(scores(masked)))
+      pl.when(flag_ref[0] == 0)(lambda: lse_update(scores(masked)))
+    else:
+      (fixed_m_update if mode == "fixed_m" else lse_update)(scores(masked))
+
+  if needs_mask and not (use_limit or causal or window is not None):
+    # Only block padding to mask: it lies in the key blocks past slot S (the last one), so every
+    # other block skips the mask's iota, compares and selects over its [rows, bk] scores.
+    padded = (j + 1) * bk > S
+    pl.when(padded)(lambda: block(True))
+    pl.when(jnp.logical_not(padded))(lambda: block(False))
   else:
-    lse_update()
+    block(needs_mask)
 
   pl.when(j == pl.num_programs(3) - 1)(functools.partial(_tpu_store, outs, o_scr, l_scr, m_scr, finish=finish,
                                                            G=G, bq=bq))
