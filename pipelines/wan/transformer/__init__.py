@@ -17,7 +17,7 @@ _HOMES = (
     ("pipelines.wan.transformer.model", ("WanTransformer", "build_transformer", "count_params", "forward",
                                          "init_transformer")),
     ("pipelines.wan.transformer.quantization", ("QUANTIZATION_MODES", "QUANTIZED_LINEARS", "check_quantization",
-                                                "quantize_kernel", "quantize_transformer", "quantized_counts")),
+                                                "dense", "quantize_kernel", "quantize_transformer", "quantized_counts")),
     ("pipelines.wan.transformer.sequence_layout", ("SequenceLayout", "padded_tokens")),
     ("pipelines.wan.transformer.timesteps", ("TokenTimesteps", "select_levels")),
     ("pipelines.wan.transformer.weight_placement", ("large_leaf_shardings", "weight_shardings")),
