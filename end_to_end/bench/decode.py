@@ -1,6 +1,8 @@
 """The VAE decode alone, timed on the device at hand: a preset's VAE (random weights) on random latents
 of its video's shape, by one decode path, cold then warm, each run's seconds split into XLA's
-compiles (JAX's backend-compile events: how many, how long) and the rest, with the device's peak.
+compiles (JAX's backend-compile events: how many, how long) and the rest, with the device's peak,
+and the rest's rate: the decode's matmul FLOPs (`vae.decode_flops`) per second, and in bf16 the
+fraction of the chip's peak.
 
 A pipeline run reaches its decode only after the text encoder, the transformer and every step; this
 loads only the VAE (seconds), so a slow decode on a lent chip is measured and split in one short
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
   from end_to_end.bench.presets import PRESETS
   from end_to_end.bench.timed_runs import peak_device_gib
+  from pipelines.parallel.planner import chip_of
   from pipelines.pipeline.run.precision import matmul_precision
   from pipelines.wan import vae as wan_vae
 
@@ -115,18 +118,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   z = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(vae.dtype)
   print(f"{args.preset}'s VAE ({vae.dtype}), {frames}x{height}x{width} from latents {shape}, path {args.path}; "
         f"init {time.perf_counter() - start:.1f} s; {jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
+  flops = wan_vae.decode_flops((preset.vae.quant_layers()[1], *preset.vae.decoder_layers()), *shape[2:])
+  chip = chip_of(jax.devices()[0].device_kind)
+  peak = chip.peak_flops if chip is not None and args.vae_dtype == "bfloat16" else None
+  print(f"decode matmuls: {flops / 1e12:.3g} TFLOP (`vae.decode_flops`)", flush=True)
   result = dict(preset=args.preset, path=args.path, vae_dtype=args.vae_dtype, frames=frames, height=height, width=width,
-                latents=list(shape), device=jax.devices()[0].device_kind, jax=jax.__version__, runs=[])
+                latents=list(shape), device=jax.devices()[0].device_kind, jax=jax.__version__, flops=flops, runs=[])
   for i in range(args.runs):
     with CompileClock() as clock, matmul_precision(vae.dtype):  # as the pipeline's decode runs
       start = time.perf_counter()
       video = decode_once(vae, z, args.path, args.band_rows)
       seconds = time.perf_counter() - start
+    rate = flops / (seconds - clock.seconds) if seconds > clock.seconds else None
     row = dict(seconds=seconds, compiles=clock.count, compile_seconds=clock.seconds, peak_device_gib=peak_device_gib(),
-               frames_out=int(video.shape[1]))
+               frames_out=int(video.shape[1]), tflops_per_s=rate and rate / 1e12, mfu=rate and peak and rate / peak)
     result["runs"].append(row)
+    mfu = f", {row['mfu']:.0%} of the chip's bf16 peak" if row["mfu"] else ""
     print(f"run {i + 1}: {seconds:.2f} s, of which {clock.seconds:.2f} s in {clock.count} compiles; "
-          f"{row['frames_out']} frames; device peak {row['peak_device_gib']} GiB", flush=True)
+          f"{row['frames_out']} frames; {rate and rate / 1e12 or 0:.3g} TFLOP/s outside compiles{mfu}; "
+          f"device peak {row['peak_device_gib']} GiB", flush=True)
   return result
 
 

@@ -25,7 +25,7 @@ _HOMES = (
                                  "vae_from_state")),
     ("pipelines.wan.vae.streamed", ("decode_plan", "decode_streamed", "streamed_decode_memory", "streamed_memory")),
     ("pipelines.wan.vae.original_names", ("encoder_key", "original_keys")),
-    ("pipelines.wan.vae.topology", ("to_jax_layout",)),
+    ("pipelines.wan.vae.topology", ("decode_flops", "to_jax_layout")),
 )
 
 __all__, __getattr__ = lazy_facade(__name__, _HOMES)

@@ -187,6 +187,49 @@ def decoder_layers(
   return tuple(layers)
 
 
+def decode_flops(layers: Sequence[Layer], frames: int, height: int, width: int) -> float:
+  """Matmul FLOPs (2 per multiply-add) of decoding latents of `frames` x `height` x `width` through
+  `layers` (post_quant_conv and `decoder_layers`) as the chunked decode runs them: the first latent
+  frame alone (an upsample3d keeps its one frame), each later one doubled by every upsample3d.
+
+  Counts the convolutions as `layers` runs them (a k x k x k kernel: 2 k^3 I O per output pixel; an
+  upsampler's 3 x 3 on the doubled grid as four 2 x 2 phases on the input's, padded by one row and
+  column: 2 x 16 I O per input pixel, 4/9 of the 3 x 3's; its 3 x 1 x 1 time_conv, I -> 2 I, on
+  every frame but the first chunk's) and
+  the per-frame attention (q, k, v and output projections, q k^T and p v over H W pixels). Norms,
+  SiLU, sums and resizes are not matmuls (a few % of the FLOPs at Wan widths) and are left out.
+  `decode_flops` with `encoder_layers` is not the encode (its downsamplers shrink, not grow, frames).
+  """
+  total, f, h, w = 0.0, frames, height, width
+  for layer in layers:
+    match layer:
+      case ResidualGroup(_, body, _):
+        total += decode_flops(body, f, h, w)
+        for inner in body:  # the group's output size: its resampler's
+          if isinstance(inner, Resample):
+            f, h, w = _upsampled(inner, f, h, w)
+      case CausalConv(_, i, o, k):
+        total += 2.0 * k ** 3 * i * o * f * h * w
+      case ResBlock(_, i, o):
+        total += 2.0 * 27 * (i * o + o * o) * f * h * w + (2.0 * i * o * f * h * w if i != o else 0.0)
+      case AttnBlock(_, c):
+        n = h * w
+        total += f * (2.0 * n * c * 4 * c + 4.0 * n * n * c)
+      case Resample(_, mode, i, o) if mode.startswith("up"):
+        if mode == "upsample3d":
+          total += 2.0 * 3 * i * 2 * i * (f - 1) * h * w
+        f = _upsampled(layer, f, h, w)[0]
+        total += 2.0 * 16 * i * o * f * (h + 1) * (w + 1)  # `layers.upsample_conv`: 4 phases of 2 x 2
+        h, w = 2 * h, 2 * w
+      case Resample():
+        raise ValueError(f"decode_flops counts a decoder; {layer.name} is a {layer.mode}")
+  return total
+
+
+def _upsampled(layer: Resample, f: int, h: int, w: int) -> tuple[int, int, int]:
+  return (2 * f - 1 if layer.mode == "upsample3d" else f), 2 * h, 2 * w
+
+
 def param_shapes(layers: Sequence[Layer]) -> dict[str, tuple[int, ...]]:
   """Checkpoint-layout (PyTorch) shape of every parameter the layers use, keyed by diffusers name."""
   shapes: dict[str, tuple[int, ...]] = {}

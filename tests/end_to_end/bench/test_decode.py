@@ -16,6 +16,12 @@ def test_decode_bench_counts_the_first_runs_compiles_and_none_in_the_second(tmp_
   assert second["compiles"] == 0 and second["compile_seconds"] == 0
   assert first["frames_out"] == second["frames_out"] == 5 and result["latents"] == [1, 16, 2, 6, 10]
   assert "in 0 compiles" in capsys.readouterr().out
+  from end_to_end.bench.presets import PRESETS
+  from pipelines.wan import vae as wan_vae
+  config = PRESETS["tiny"].vae
+  assert result["flops"] == wan_vae.decode_flops((config.quant_layers()[1], *config.decoder_layers()), 2, 6, 10) > 0
+  assert second["tflops_per_s"] * 1e12 * second["seconds"] == pytest.approx(result["flops"])
+  assert second["mfu"] is None  # float32 on a CPU: no bf16 peak to compare with
 
 
 @pytest.mark.parametrize("argv, message", [(["--frames", "6"], "4k + 1"), (["--height", "50"], "multiples of 8"),
