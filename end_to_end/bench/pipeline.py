@@ -470,13 +470,13 @@ def _run_ours(args: argparse.Namespace, preset: Any, folder: str | None, latents
     pipe.quantize(args.quantize)
   pipe.set_memory_placement(args.placement)
   ours = dict(load_s=time.perf_counter() - start, load_kind="from_pretrained" if folder else "random init", runs=[],
-              step_flops=timed_runs.step_flops_of(preset))
+              **timed_runs.flops_of(preset))
   for i in range(args.runs):
     stages, frames, final = timed_runs.run_ours(pipe, latents=latents, mesh=args.mesh, guidance_2=preset.guidance_2,
                                                 attention_backend=args.attention_backend, **_run_call(args, call, i))
-    stages.update(timed_runs.step_rate(ours["step_flops"], stages.get("denoise_step_median"), args.mesh))
+    stages.update(timed_runs.stage_rates(ours, stages, args.mesh, args.vae_dtype))
     ours["runs"].append(stages)
-    print(timed_runs.run_line(i, stages, ours["step_flops"]), flush=True)
+    print(timed_runs.run_line(i, stages, ours), flush=True)
   return ours, frames, final
 
 

@@ -159,18 +159,22 @@ def run_diffusers(pipe, *, prompt: str, negative_prompt: str | None, latents: np
           np.asarray(out.frames, np.float32), marks["latents"])
 
 
-def step_flops_of(preset: Any) -> float:
-  """Matmul FLOPs of one denoising step of `preset` (`parallel.estimate.step_flops`: both CFG rows;
-  it counts the text K/V projections, which the pipeline computes once per run, <1 % at real sizes)."""
+def flops_of(preset: Any) -> dict[str, float]:
+  """{"step_flops": matmul FLOPs of one denoising step of `preset` (`parallel.estimate.step_flops`:
+  both CFG rows; it counts the text K/V projections, which the pipeline computes once per run, <1 %
+  at real sizes), "decode_flops": its video's decode (`vae.decode_flops`)}."""
   from pipelines.parallel.estimate import step_flops
+  from pipelines.wan import vae as wan_vae
 
   rows = 2 if preset.guidance > 1 else 1
-  return step_flops(preset.transformer, preset.tokens, preset.max_sequence_length, rows)
+  decoder = (preset.vae.quant_layers()[1], *preset.vae.decoder_layers())
+  return {"step_flops": step_flops(preset.transformer, preset.tokens, preset.max_sequence_length, rows),
+          "decode_flops": wan_vae.decode_flops(decoder, *preset.latent_shape[2:])}
 
 
-def step_rate(flops: float, seconds: float | None, mesh: str | None) -> dict[str, float | None]:
-  """{"step_tflops_per_s": per device, "step_mfu": its fraction of the chip's bf16 peak (None off
-  the known chips, `planner.chip_of`)} of a step of `flops` taking `seconds` on `mesh`'s devices."""
+def step_rate(flops: float, seconds: float | None, mesh: str | None, stage: str = "step") -> dict[str, float | None]:
+  """{"<stage>_tflops_per_s": per device, "<stage>_mfu": its fraction of the chip's bf16 peak (None off
+  the known chips, `planner.chip_of`)} of a stage of `flops` taking `seconds` on `mesh`'s devices."""
   import jax
 
   from attention.mesh import MeshSpec
@@ -181,15 +185,29 @@ def step_rate(flops: float, seconds: float | None, mesh: str | None) -> dict[str
   devices = MeshSpec.parse(mesh).devices if mesh else 1
   rate = flops / seconds / devices
   chip = chip_of(jax.devices()[0].device_kind)
-  return {"step_tflops_per_s": rate / 1e12, "step_mfu": rate / chip.peak_flops if chip is not None else None}
+  return {f"{stage}_tflops_per_s": rate / 1e12, f"{stage}_mfu": rate / chip.peak_flops if chip is not None else None}
 
 
-def run_line(i: int, stages: dict[str, Any], flops: float) -> str:
-  """Run `i`'s report: total, memory plan, device and host peaks, and the step's rate (`step_rate`)."""
+def stage_rates(ours: dict[str, Any], stages: dict[str, Any], mesh: str | None, vae_dtype: str) -> dict[str, Any]:
+  """The step's rate (`step_rate`) and, for a one-device run, the decode's (its MFU with a bf16 VAE
+  only: a float32 VAE's products take several bf16 passes on a TPU)."""
+  rates = step_rate(ours["step_flops"], stages.get("denoise_step_median"), mesh)
+  if mesh is None:
+    decode = step_rate(ours["decode_flops"], stages.get("decode"), None, "decode")
+    if decode and vae_dtype != "bfloat16":
+      decode["decode_mfu"] = None
+    rates.update(decode)
+  return rates
+
+
+def run_line(i: int, stages: dict[str, Any], ours: dict[str, Any]) -> str:
+  """Run `i`'s report: total, memory plan, device and host peaks, the step's and the decode's rates
+  (`stage_rates`)."""
   line = (f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
           f"process started {stages['peak_device_gib']} GiB, host {peak_host_gib()} GiB")
-  if not stages.get("step_tflops_per_s"):
-    return line
-  mfu = stages.get("step_mfu")
-  return line + (f"\n    step: {flops / 1e12:.1f} TFLOP (estimate.step_flops), {stages['step_tflops_per_s']:.1f} "
-                 f"TFLOP/s per device" + (f", MFU {mfu:.1%} of the chip's bf16 peak" if mfu else ""))
+  for stage, source in (("step", "estimate.step_flops"), ("decode", "vae.decode_flops")):
+    if stages.get(f"{stage}_tflops_per_s"):
+      mfu = stages.get(f"{stage}_mfu")
+      line += (f"\n    {stage}: {ours[stage + '_flops'] / 1e12:.1f} TFLOP ({source}), {stages[stage + '_tflops_per_s']:.1f} "
+               f"TFLOP/s per device" + (f", MFU {mfu:.1%} of the chip's bf16 peak" if mfu else ""))
+  return line

@@ -29,7 +29,7 @@ def test_step_rate_and_mfu_per_device(monkeypatch):
   from end_to_end.bench import presets, timed_runs
   from pipelines.parallel import planner
 
-  flops = timed_runs.step_flops_of(presets.PRESETS["wan2.1-1.3b"])
+  flops = timed_runs.flops_of(presets.PRESETS["wan2.1-1.3b"])["step_flops"]
   assert flops == pytest.approx(565.8e12, rel=1e-3)
   monkeypatch.setattr(planner, "chip_of", lambda kind: planner.CHIPS["v5e"])
   rate = timed_runs.step_rate(flops, 3.95, None)
@@ -37,6 +37,25 @@ def test_step_rate_and_mfu_per_device(monkeypatch):
   assert timed_runs.step_rate(flops, 3.95, "U=2,R=2")["step_tflops_per_s"] == pytest.approx(143.2 / 4, rel=1e-3)
   monkeypatch.setattr(planner, "chip_of", lambda kind: None)
   assert timed_runs.step_rate(flops, 3.95, None)["step_mfu"] is None and timed_runs.step_rate(flops, None, None) == {}
+
+
+def test_decode_rate_one_device_bf16_only(monkeypatch):
+  """The 480p decode measured on a v5e with a bf16 VAE (7.39 s, 262.8 TFLOP by `vae.decode_flops`):
+  35.6 TFLOP/s, 18 % of the chip's peak; a float32 VAE gets a rate but no MFU; on a mesh no decode
+  rate (the decode's split is not the step's); the run line names both stages."""
+  from end_to_end.bench import presets, timed_runs
+  from pipelines.parallel import planner
+
+  ours = timed_runs.flops_of(presets.PRESETS["wan2.1-1.3b"])
+  assert ours["decode_flops"] == pytest.approx(262.8e12, rel=1e-3)
+  monkeypatch.setattr(planner, "chip_of", lambda kind: planner.CHIPS["v5e"])
+  stages = dict(denoise_step_median=3.95, decode=7.39, total=210.0, memory_plan="plan: resident", peak_device_gib=9.0)
+  bf16 = timed_runs.stage_rates(ours, stages, None, "bfloat16")
+  assert bf16["decode_tflops_per_s"] == pytest.approx(35.56, rel=1e-3) and bf16["decode_mfu"] == pytest.approx(0.180, abs=1e-3)
+  assert timed_runs.stage_rates(ours, stages, None, "float32")["decode_mfu"] is None
+  assert "decode_tflops_per_s" not in timed_runs.stage_rates(ours, stages, "U=2,R=2", "bfloat16")
+  line = timed_runs.run_line(0, {**stages, **bf16}, ours)
+  assert "step: 566.0 TFLOP" in line and "decode: 262.8 TFLOP (vae.decode_flops), 35.6 TFLOP/s" in line
 
 
 @pytest.mark.parametrize("kind,chip", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("NVIDIA H100 80GB HBM3", "h100"),
