@@ -70,8 +70,82 @@ def load_tokenizer(folder: str) -> Any:
         f"{folder!r} has no tokenizer/ folder; a real Wan checkpoint needs its UMT5 tokenizer "
         "(download the pipeline's tokenizer/ next to text_encoder/). The ByT5 default_tokenizer() "
         "only fits the built-in tiny encoder.")
+  byte_tokenizer = ByteTokenizer.of_folder(path)
+  if byte_tokenizer is not None:
+    return byte_tokenizer
   import transformers
   return transformers.AutoTokenizer.from_pretrained(path)
+
+
+class ByteTokenizer:
+  """transformers' `ByT5Tokenizer` of a saved folder for `tokenize`'s two calls, without importing
+  transformers (that import is seconds of a tiny model's start, more than its whole warm run).
+
+  ByT5 (Xue et al. 2022; transformers `tokenization_byt5.py`): UTF-8 byte b is id b + 3, pad 0,
+  eos 1, unk 2; `add_special_tokens` appends eos; `truncation` keeps max_length - 1 ids before it;
+  `padding="max_length"` pads with 0 on the right, mask 0 there. A text holding one of the folder's
+  added tokens as a substring ("</s>", "<extra_id_0>", ...: transformers splits those out as single
+  ids) and any other call go to transformers' own tokenizer of the folder, so every call equals it
+  (tests compare both on the same calls).
+  """
+  OFFSET, PAD, EOS = 3, 0, 1
+
+  def __init__(self, folder: str, added: Sequence[str], model_max_length: Any) -> None:
+    self.folder, self.added, self.model_max_length = folder, tuple(added), model_max_length
+    self._reference: Any = None
+
+  @classmethod
+  def of_folder(cls, path: str) -> "ByteTokenizer | None":
+    """The tokenizer of `path` (a saved tokenizer folder) when its config names `ByT5Tokenizer`
+    with pad / eos / unk at 0 / 1 / 2, else None."""
+    import json
+    try:
+      with open(os.path.join(path, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    except (OSError, ValueError):
+      return None
+    decoder = config.get("added_tokens_decoder", {})
+    specials = {decoder.get(str(i), {}).get("content") for i in range(3)}
+    if config.get("tokenizer_class") != "ByT5Tokenizer" or specials != {"<pad>", "</s>", "<unk>"}:
+      return None
+    added = [t["content"] for t in decoder.values()] + list(config.get("extra_special_tokens", []))
+    return cls(path, added, config.get("model_max_length"))
+
+  def reference(self) -> Any:
+    """transformers' tokenizer of the folder (imported on first use)."""
+    if self._reference is None:
+      import transformers
+      self._reference = transformers.AutoTokenizer.from_pretrained(self.folder)
+      self._reference.model_max_length = self.model_max_length
+    return self._reference
+
+  def __call__(self, texts: Sequence[str], **kwargs: Any) -> dict[str, Any]:
+    fast = (set(kwargs) <= {"padding", "max_length", "truncation", "add_special_tokens", "return_attention_mask",
+                            "return_tensors"} and kwargs.get("add_special_tokens", True)
+            and not any(token in text for text in texts for token in self.added))
+    if kwargs.get("padding", False):
+      fast = fast and kwargs["padding"] == "max_length" and kwargs.get("truncation") is True and \
+          kwargs.get("return_tensors") == "np" and isinstance(kwargs.get("max_length"), int) and kwargs["max_length"] > 0
+    elif fast:
+      fast = not kwargs.get("truncation") and kwargs.get("return_tensors") is None
+    if not fast:
+      return self.reference()(list(texts), **kwargs)
+    ids = [[b + self.OFFSET for b in text.encode("utf-8")] for text in texts]
+    if not kwargs.get("padding", False):
+      return {"input_ids": [row + [self.EOS] for row in ids]}
+    length = kwargs["max_length"]
+    out = np.full((len(ids), length), self.PAD, np.int64)
+    mask = np.zeros((len(ids), length), np.int64)
+    for i, row in enumerate(ids):
+      row = row[:length - 1] + [self.EOS]
+      out[i, :len(row)], mask[i, :len(row)] = row, 1
+    return {"input_ids": out, "attention_mask": mask}
+
+  def save_pretrained(self, path: str) -> Any:
+    """transformers' `save_pretrained` of the folder's tokenizer (with this `model_max_length`)."""
+    reference = self.reference()
+    reference.model_max_length = self.model_max_length
+    return reference.save_pretrained(path)
 
 
 # Wan's prompt length in tokens (diffusers `WanPipeline.__call__(max_sequence_length=512)`).

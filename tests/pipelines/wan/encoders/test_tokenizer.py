@@ -10,6 +10,7 @@ The full-pipeline check against diffusers with these prompts is in tests/pipelin
 from __future__ import annotations
 
 import contextlib
+import os
 import html
 import re
 import warnings
@@ -136,3 +137,67 @@ def test_wan_presets_use_wans_default_negative_prompt():
     assert preset.negative_prompt == (WAN_NEGATIVE_PROMPT if name.startswith("wan2") and guided else ""), name
   args = flags.build_parser().parse_args(["--prompt", "a fox", "--preset", "wan2.1-t2v-1.3b", "--out", "/tmp/x.npy"])
   assert run_plan._preset(args, "tiny")[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None
+
+
+_BYTE_PROMPTS = ["a red square moving right", "", "  two  spaces ", "Ünïcödé ✓ 🎬 视频，全角！", "x" * 100,
+                 "a </s> inside", "<extra_id_3> first", "ends with <pad>", "<unk>"]
+
+
+def _tiny_tokenizer_folder():
+  from pipelines.wan.pretrained.embedded import TINY_DEFAULT_FOLDER
+  import os
+  return os.path.join(TINY_DEFAULT_FOLDER, "tokenizer")
+
+
+@pytest.mark.parametrize("max_length", [1, 5, 26, 64, 200])
+def test_byte_tokenizer_equals_transformers_byt5(max_length):
+  """The tiny models' tokenizer without transformers, against transformers' own ByT5Tokenizer of the
+  same folder on both calls `tokenize` makes: unicode, empty, truncated and padded prompts, and
+  prompts holding added tokens (those calls go to transformers itself)."""
+  import transformers
+
+  path = _tiny_tokenizer_folder()
+  ours = tokenizer.ByteTokenizer.of_folder(path)
+  assert isinstance(ours, tokenizer.ByteTokenizer) and isinstance(tokenizer.load_tokenizer(os.path.dirname(path)),
+                                                                   tokenizer.ByteTokenizer)
+  theirs = transformers.AutoTokenizer.from_pretrained(path)
+  assert type(theirs).__name__ == "ByT5Tokenizer"
+  kw = dict(padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+            return_attention_mask=True, return_tensors="np")
+  a, b = ours(_BYTE_PROMPTS, **kw), theirs(_BYTE_PROMPTS, **kw)
+  np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+  np.testing.assert_array_equal(a["attention_mask"], b["attention_mask"])
+  assert ours(_BYTE_PROMPTS, add_special_tokens=True)["input_ids"] == \
+      theirs(_BYTE_PROMPTS, add_special_tokens=True)["input_ids"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the truncation warning (tested elsewhere)
+    ids, mask = tokenizer.tokenize(ours, _BYTE_PROMPTS[:5], max_length)
+  assert ids.dtype == np.int32 and mask.shape == ids.shape == (5, max_length)
+
+
+def test_byte_tokenizer_fast_path_imports_no_transformers_and_saves_the_same_folder(tmp_path):
+  """Tokenising a plain prompt with the tiny folder's tokenizer leaves transformers unimported (a
+  fresh process); a prompt with an added token imports it (positive control: the check can see the
+  import); saving writes a folder transformers loads to the same ids."""
+  import subprocess
+  import sys
+
+  script = ("import sys; from pipelines.wan.encoders import tokenizer as t; "
+            f"tok = t.load_tokenizer({os.path.dirname(_tiny_tokenizer_folder())!r}); "
+            "t.tokenize(tok, [sys.argv[1]], 16); print('transformers' in sys.modules)")
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  runs = [subprocess.run([sys.executable, "-c", script, prompt], capture_output=True, text=True, env=env, check=True)
+          for prompt in ("a red square", "a </s> b")]
+  assert [r.stdout.strip() for r in runs] == ["False", "True"]
+  ours = tokenizer.ByteTokenizer.of_folder(_tiny_tokenizer_folder())
+  ours.save_pretrained(str(tmp_path))
+  import transformers
+  saved = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  assert saved.model_max_length == ours.model_max_length == 64
+  assert saved(["ab"])["input_ids"] == ours(["ab"], add_special_tokens=True)["input_ids"] == [[100, 101, 1]]
+
+
+def test_byte_tokenizer_only_for_byt5_folders(tmp_path):
+  (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "T5Tokenizer"}')
+  assert tokenizer.ByteTokenizer.of_folder(str(tmp_path)) is None
+  assert tokenizer.ByteTokenizer.of_folder(str(tmp_path / "missing")) is None
