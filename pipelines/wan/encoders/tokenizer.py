@@ -1,9 +1,10 @@
 """Prompt tokenisation for the UMT5 text encoder.
 
 A real Wan checkpoint ships its tokenizer (google/umt5-xxl SentencePiece, 256,384 ids) in
-`<pipeline>/tokenizer/`; it is loaded with transformers `AutoTokenizer`. The built-in tiny model
-(`umt5.UMT5_PRESETS["tiny"]`, 384 ids) pairs with `default_tokenizer()`, ByT5's byte tokenizer, which
-needs no files. Tokenisation follows diffusers' `WanPipeline._get_t5_prompt_embeds`: pad to `max_length`,
+`<pipeline>/tokenizer/`; it is loaded with transformers `AutoTokenizer`, a ByT5 folder (the
+embedded tiny models') with `ByteTokenizer`: the same ids without importing transformers. The
+built-in tiny model (`umt5.UMT5_PRESETS["tiny"]`, 384 ids) pairs with `default_tokenizer()`, ByT5's
+byte tokenizer, which needs no files. Tokenisation follows diffusers' `WanPipeline._get_t5_prompt_embeds`: pad to `max_length`,
 truncate, add the EOS special token, return the attention mask.
 """
 
