@@ -18,7 +18,7 @@ can use is bounded by what is not a matmul. Two measurements, each against its b
 
 Prints median milliseconds over --repeats calls after a warm-up (compile excluded), TOP/s, and the
 int8 / bf16 speed-up of each pair; --json writes the same. The attention rows also give the output
-error against fp32 attention on the same (dequantized) inputs.
+error against fp32 attention on the unquantized q and k (int8's: quantization and rounding).
 """
 
 from __future__ import annotations

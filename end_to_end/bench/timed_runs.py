@@ -189,8 +189,9 @@ def step_rate(flops: float, seconds: float | None, mesh: str | None, stage: str 
 
 
 def stage_rates(ours: dict[str, Any], stages: dict[str, Any], mesh: str | None, vae_dtype: str) -> dict[str, Any]:
-  """The step's rate (`step_rate`) and, for a one-device run, the decode's (its MFU with a bf16 VAE
-  only: a float32 VAE's products take several bf16 passes on a TPU)."""
+  """The step's rate (`step_rate`) and, for a one-device run, the decode's: the decode stage's
+  seconds, so with any compile it ran and the copy to the host (`bench.decode` separates them); its
+  MFU with a bf16 VAE only (a float32 VAE's products take several bf16 passes on a TPU)."""
   rates = step_rate(ours["step_flops"], stages.get("denoise_step_median"), mesh)
   if mesh is None:
     decode = step_rate(ours["decode_flops"], stages.get("decode"), None, "decode")
@@ -205,7 +206,8 @@ def run_line(i: int, stages: dict[str, Any], ours: dict[str, Any]) -> str:
   (`stage_rates`)."""
   line = (f"  ours run {i + 1}: total {stages['total']:.2f} s; {stages['memory_plan']}; device peak since the "
           f"process started {stages['peak_device_gib']} GiB, host {peak_host_gib()} GiB")
-  for stage, source in (("step", "estimate.step_flops"), ("decode", "vae.decode_flops")):
+  for stage, source in (("step", "estimate.step_flops"), ("decode", "vae.decode_flops; the stage's seconds, "
+                                                                     "compiles and host copy included")):
     if stages.get(f"{stage}_tflops_per_s"):
       mfu = stages.get(f"{stage}_mfu")
       line += (f"\n    {stage}: {ours[stage + '_flops'] / 1e12:.1f} TFLOP ({source}), {stages[stage + '_tflops_per_s']:.1f} "

@@ -55,7 +55,8 @@ class TokenizerNotFoundError(FileNotFoundError):
 
 
 def load_tokenizer(folder: str) -> Any:
-  """Loads `folder/tokenizer/` with `transformers.AutoTokenizer`.
+  """Loads `folder/tokenizer/` with `transformers.AutoTokenizer`, or as a `ByteTokenizer` when it is
+  a ByT5 folder (`ByteTokenizer.of_folder`: the same ids, transformers not imported).
 
   Args:
     folder: a diffusers pipeline folder (holding `text_encoder/`, `tokenizer/`, ...).
@@ -90,6 +91,7 @@ class ByteTokenizer:
   (tests compare both on the same calls).
   """
   OFFSET, PAD, EOS = 3, 0, 1
+  transformers_class = "ByT5Tokenizer"  # what a saved folder's model_index.json names
 
   def __init__(self, folder: str, added: Sequence[str], model_max_length: Any) -> None:
     self.folder, self.added, self.model_max_length = folder, tuple(added), model_max_length
@@ -106,8 +108,9 @@ class ByteTokenizer:
     except (OSError, ValueError):
       return None
     decoder = config.get("added_tokens_decoder", {})
-    specials = {decoder.get(str(i), {}).get("content") for i in range(3)}
-    if config.get("tokenizer_class") != "ByT5Tokenizer" or specials != {"<pad>", "</s>", "<unk>"}:
+    specials = [decoder.get(str(i), {}).get("content") for i in range(3)]
+    sides = {config.get("padding_side", "right"), config.get("truncation_side", "right")}
+    if config.get("tokenizer_class") != "ByT5Tokenizer" or specials != ["<pad>", "</s>", "<unk>"] or sides != {"right"}:
       return None
     added = [t["content"] for t in decoder.values()] + list(config.get("extra_special_tokens", []))
     return cls(path, added, config.get("model_max_length"))
@@ -117,13 +120,13 @@ class ByteTokenizer:
     if self._reference is None:
       import transformers
       self._reference = transformers.AutoTokenizer.from_pretrained(self.folder)
-      self._reference.model_max_length = self.model_max_length
     return self._reference
 
   def __call__(self, texts: Sequence[str], **kwargs: Any) -> dict[str, Any]:
     fast = (set(kwargs) <= {"padding", "max_length", "truncation", "add_special_tokens", "return_attention_mask",
                             "return_tensors"} and kwargs.get("add_special_tokens", True)
-            and not any(token in text for text in texts for token in self.added))
+            and kwargs.get("return_attention_mask", True) and not isinstance(texts, str)
+            and all(isinstance(text, str) and not any(token in text for token in self.added) for text in texts))
     if kwargs.get("padding", False):
       fast = fast and kwargs["padding"] == "max_length" and kwargs.get("truncation") is True and \
           kwargs.get("return_tensors") == "np" and isinstance(kwargs.get("max_length"), int) and kwargs["max_length"] > 0
@@ -133,7 +136,8 @@ class ByteTokenizer:
       return self.reference()(list(texts), **kwargs)
     ids = [[b + self.OFFSET for b in text.encode("utf-8")] for text in texts]
     if not kwargs.get("padding", False):
-      return {"input_ids": [row + [self.EOS] for row in ids]}
+      rows = [row + [self.EOS] for row in ids]
+      return {"input_ids": rows, "attention_mask": [[1] * len(row) for row in rows]}
     length = kwargs["max_length"]
     out = np.full((len(ids), length), self.PAD, np.int64)
     mask = np.zeros((len(ids), length), np.int64)
@@ -145,7 +149,8 @@ class ByteTokenizer:
   def save_pretrained(self, path: str) -> Any:
     """transformers' `save_pretrained` of the folder's tokenizer (with this `model_max_length`)."""
     reference = self.reference()
-    reference.model_max_length = self.model_max_length
+    if self.model_max_length is not None:  # as set on this object (training sets it)
+      reference.model_max_length = self.model_max_length
     return reference.save_pretrained(path)
 
 

@@ -142,7 +142,7 @@ def write_configs(folder: str, *, transformer: Any, vae: Any, text_encoder: umt5
   write_json({"_class_name": "WanPipeline", "_diffusers_version": DIFFUSERS_VERSION,
               "scheduler": ["diffusers", "UniPCMultistepScheduler"],
               "text_encoder": ["transformers", "UMT5EncoderModel"],
-              "tokenizer": ["transformers", type(tokenizer).__name__],
+              "tokenizer": ["transformers", getattr(tokenizer, "transformers_class", type(tokenizer).__name__)],
               "transformer": ["diffusers", "WanTransformer3DModel"], "transformer_2": [None, None],
               "vae": ["diffusers", "AutoencoderKLWan"], "boundary_ratio": None, "expand_timesteps": expand_timesteps},
              os.path.join(folder, "model_index.json"))

@@ -139,36 +139,39 @@ def test_wan_presets_use_wans_default_negative_prompt():
   assert run_plan._preset(args, "tiny")[1].negative_prompt == WAN_NEGATIVE_PROMPT and args.negative_prompt is None
 
 
-_BYTE_PROMPTS = ["a red square moving right", "", "  two  spaces ", "Ünïcödé ✓ 🎬 视频，全角！", "x" * 100,
-                 "a </s> inside", "<extra_id_3> first", "ends with <pad>", "<unk>"]
+_BYTE_PROMPTS = ["a red square moving right", "", "  two  spaces\t", "Ünïcödé ✓ 🎬 视频，全角！", "x" * 100,
+                 "</S> <extra_id_ <pad", "<"]
+_ADDED_PROMPTS = ["a </s> inside", "<extra_id_3> first", "ends with <pad>", "<unk>"]
 
 
 def _tiny_tokenizer_folder():
   from pipelines.wan.pretrained.embedded import TINY_DEFAULT_FOLDER
-  import os
   return os.path.join(TINY_DEFAULT_FOLDER, "tokenizer")
 
 
 @pytest.mark.parametrize("max_length", [1, 5, 26, 64, 200])
 def test_byte_tokenizer_equals_transformers_byt5(max_length):
   """The tiny models' tokenizer without transformers, against transformers' own ByT5Tokenizer of the
-  same folder on both calls `tokenize` makes: unicode, empty, truncated and padded prompts, and
-  prompts holding added tokens (those calls go to transformers itself)."""
+  same folder on both calls `tokenize` makes: unicode, empty, whitespace, truncated and padded
+  prompts and near-misses of added tokens on the fast path (it never builds transformers' tokenizer),
+  then prompts holding added tokens (those calls go to transformers itself)."""
   import transformers
 
   path = _tiny_tokenizer_folder()
   ours = tokenizer.ByteTokenizer.of_folder(path)
-  assert isinstance(ours, tokenizer.ByteTokenizer) and isinstance(tokenizer.load_tokenizer(os.path.dirname(path)),
-                                                                   tokenizer.ByteTokenizer)
+  assert isinstance(tokenizer.load_tokenizer(os.path.dirname(path)), tokenizer.ByteTokenizer)
   theirs = transformers.AutoTokenizer.from_pretrained(path)
   assert type(theirs).__name__ == "ByT5Tokenizer"
   kw = dict(padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
             return_attention_mask=True, return_tensors="np")
-  a, b = ours(_BYTE_PROMPTS, **kw), theirs(_BYTE_PROMPTS, **kw)
-  np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
-  np.testing.assert_array_equal(a["attention_mask"], b["attention_mask"])
-  assert ours(_BYTE_PROMPTS, add_special_tokens=True)["input_ids"] == \
-      theirs(_BYTE_PROMPTS, add_special_tokens=True)["input_ids"]
+  for prompts in (_BYTE_PROMPTS, _ADDED_PROMPTS):
+    a, b = ours(prompts, **kw), theirs(prompts, **kw)
+    np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    np.testing.assert_array_equal(a["attention_mask"], b["attention_mask"])
+    assert ours(prompts, add_special_tokens=True)["input_ids"] == theirs(prompts, add_special_tokens=True)["input_ids"]
+    if prompts is _BYTE_PROMPTS:
+      assert ours._reference is None  # the fast path answered both calls
+  assert ours._reference is not None  # positive control: added tokens went to transformers
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the truncation warning (tested elsewhere)
     ids, mask = tokenizer.tokenize(ours, _BYTE_PROMPTS[:5], max_length)
@@ -197,7 +200,17 @@ def test_byte_tokenizer_fast_path_imports_no_transformers_and_saves_the_same_fol
   assert saved(["ab"])["input_ids"] == ours(["ab"], add_special_tokens=True)["input_ids"] == [[100, 101, 1]]
 
 
-def test_byte_tokenizer_only_for_byt5_folders(tmp_path):
-  (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "T5Tokenizer"}')
-  assert tokenizer.ByteTokenizer.of_folder(str(tmp_path)) is None
+def test_byte_tokenizer_only_for_byt5_folders_it_matches(tmp_path):
+  """Another class, a missing folder, left padding or truncation, or specials in another order: None
+  (transformers loads those); the tiny folder's own config: a ByteTokenizer (positive control)."""
+  import json
+
+  config = json.loads(open(os.path.join(_tiny_tokenizer_folder(), "tokenizer_config.json")).read())
+  assert tokenizer.ByteTokenizer.of_folder(_tiny_tokenizer_folder()) is not None
+  swapped = dict(config["added_tokens_decoder"])
+  swapped["0"], swapped["1"] = swapped["1"], swapped["0"]
+  for change in ({"tokenizer_class": "T5Tokenizer"}, {"padding_side": "left"}, {"truncation_side": "left"},
+                 {"added_tokens_decoder": swapped}):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+    assert tokenizer.ByteTokenizer.of_folder(str(tmp_path)) is None, change
   assert tokenizer.ByteTokenizer.of_folder(str(tmp_path / "missing")) is None

@@ -1,6 +1,7 @@
 """`wan.pretrained.convert`: the command's argument rules (the round trip of a folder is in
 tests/pipelines/pipeline/load/test_single_file.py, where the videos are compared)."""
 
+import json
 import os
 
 import numpy as np
@@ -72,3 +73,5 @@ def test_shapes_of_no_known_config_are_refused(tmp_path, capsys):
   assert "pass the model's config: --config FOLDER (CLI)" in capsys.readouterr().err
   assert not os.listdir(tmp_path)
   assert convert.main([str(tmp_path / "dst"), *files, "--config", TINY_DEFAULT_FOLDER]) == 0
+  index = json.loads((tmp_path / "dst" / "model_index.json").read_text())
+  assert index["tokenizer"] == ["transformers", "ByT5Tokenizer"]  # a class diffusers can load, as the source's
