@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   import jax.numpy as jnp
 
   from end_to_end.bench.presets import PRESETS
-  from end_to_end.bench.timed_runs import peak_device_gib
-  from pipelines.parallel.planner import chip_of
+  from end_to_end.bench.timed_runs import decode_rate, peak_device_gib
   from pipelines.pipeline.run.precision import matmul_precision
   from pipelines.wan import vae as wan_vae
 
@@ -118,9 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   z = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(vae.dtype)
   print(f"{args.preset}'s VAE ({vae.dtype}), {frames}x{height}x{width} from latents {shape}, path {args.path}; "
         f"init {time.perf_counter() - start:.1f} s; {jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
-  flops = wan_vae.decode_flops((preset.vae.quant_layers()[1], *preset.vae.decoder_layers()), *shape[2:])
-  chip = chip_of(jax.devices()[0].device_kind)
-  peak = chip.peak_flops if chip is not None and args.vae_dtype == "bfloat16" else None
+  flops = wan_vae.decode_flops(preset.vae.decode_layers(), *shape[2:])
   print(f"decode matmuls: {flops / 1e12:.3g} TFLOP (`vae.decode_flops`)", flush=True)
   result = dict(preset=args.preset, path=args.path, vae_dtype=args.vae_dtype, frames=frames, height=height, width=width,
                 latents=list(shape), device=jax.devices()[0].device_kind, jax=jax.__version__, flops=flops, runs=[])
@@ -129,13 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       start = time.perf_counter()
       video = decode_once(vae, z, args.path, args.band_rows)
       seconds = time.perf_counter() - start
-    rate = flops / (seconds - clock.seconds) if seconds > clock.seconds else None
+    rate = decode_rate(flops, max(seconds - clock.seconds, 0.0), args.vae_dtype)
     row = dict(seconds=seconds, compiles=clock.count, compile_seconds=clock.seconds, peak_device_gib=peak_device_gib(),
-               frames_out=int(video.shape[1]), tflops_per_s=rate and rate / 1e12, mfu=rate and peak and rate / peak)
+               frames_out=int(video.shape[1]), tflops_per_s=rate.get("decode_tflops_per_s"), mfu=rate.get("decode_mfu"))
     result["runs"].append(row)
     mfu = f", {row['mfu']:.0%} of the chip's bf16 peak" if row["mfu"] else ""
     print(f"run {i + 1}: {seconds:.2f} s, of which {clock.seconds:.2f} s in {clock.count} compiles; "
-          f"{row['frames_out']} frames; {rate and rate / 1e12 or 0:.3g} TFLOP/s outside compiles{mfu}; "
+          f"{row['frames_out']} frames; {row['tflops_per_s'] or 0:.3g} TFLOP/s outside compiles{mfu}; "
           f"device peak {row['peak_device_gib']} GiB", flush=True)
   return result
 

@@ -167,9 +167,8 @@ def flops_of(preset: Any) -> dict[str, float]:
   from pipelines.wan import vae as wan_vae
 
   rows = 2 if preset.guidance > 1 else 1
-  decoder = (preset.vae.quant_layers()[1], *preset.vae.decoder_layers())
   return {"step_flops": step_flops(preset.transformer, preset.tokens, preset.max_sequence_length, rows),
-          "decode_flops": wan_vae.decode_flops(decoder, *preset.latent_shape[2:])}
+          "decode_flops": wan_vae.decode_flops(preset.vae.decode_layers(), *preset.latent_shape[2:])}
 
 
 def step_rate(flops: float, seconds: float | None, mesh: str | None, stage: str = "step") -> dict[str, float | None]:
@@ -190,15 +189,21 @@ def step_rate(flops: float, seconds: float | None, mesh: str | None, stage: str 
 
 def stage_rates(ours: dict[str, Any], stages: dict[str, Any], mesh: str | None, vae_dtype: str) -> dict[str, Any]:
   """The step's rate (`step_rate`) and, for a one-device run, the decode's: the decode stage's
-  seconds, so with any compile it ran and the copy to the host (`bench.decode` separates them); its
-  MFU with a bf16 VAE only (a float32 VAE's products take several bf16 passes on a TPU)."""
+  seconds, so with any compile it ran and the copy to the host (`bench.decode` separates them),
+  by `decode_rate`."""
   rates = step_rate(ours["step_flops"], stages.get("denoise_step_median"), mesh)
   if mesh is None:
-    decode = step_rate(ours["decode_flops"], stages.get("decode"), None, "decode")
-    if decode and vae_dtype != "bfloat16":
-      decode["decode_mfu"] = None
-    rates.update(decode)
+    rates.update(decode_rate(ours["decode_flops"], stages.get("decode"), vae_dtype))
   return rates
+
+
+def decode_rate(flops: float, seconds: float | None, vae_dtype: str) -> dict[str, float | None]:
+  """`step_rate` of a one-device decode ("decode_tflops_per_s", "decode_mfu"), the MFU None unless
+  the VAE is bf16 (a float32 VAE's products take several bf16 passes on a TPU)."""
+  rate = step_rate(flops, seconds, None, "decode")
+  if rate and vae_dtype != "bfloat16":
+    rate["decode_mfu"] = None
+  return rate
 
 
 def run_line(i: int, stages: dict[str, Any], ours: dict[str, Any]) -> str:

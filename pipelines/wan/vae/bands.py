@@ -72,7 +72,7 @@ def decoder_split(config: WanVAEConfig) -> tuple[tuple[Layer, ...], tuple[Layer,
   Raises:
     ValueError: no top-level attention block, or one nested in a group (no clean cut).
   """
-  layers = (config.quant_layers()[1], *config.decoder_layers())
+  layers = config.decode_layers()
   cut = max((i for i, x in enumerate(layers) if isinstance(x, AttnBlock)), default=None)
   if cut is None or _has_attention(layers[cut + 1:]):
     raise ValueError(f"the decoder of {config} has no top-level attention block after which every "

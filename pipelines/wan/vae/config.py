@@ -150,6 +150,10 @@ class WanVAEConfig:
     return (topology.CausalConv("quant_conv", 2 * self.z_dim, 2 * self.z_dim, 1),
             topology.CausalConv("post_quant_conv", self.z_dim, self.z_dim, 1))
 
+  def decode_layers(self) -> tuple[topology.Layer, ...]:
+    """What a latent chunk runs through to become video: `post_quant_conv`, then `decoder_layers`."""
+    return (self.quant_layers()[1], *self.decoder_layers())
+
   def param_shapes(self) -> dict[str, tuple[int, ...]]:
     """Checkpoint-layout shape of every `AutoencoderKLWan` state-dict key."""
     return topology.param_shapes((*self.encoder_layers(), *self.quant_layers(), *self.decoder_layers()))

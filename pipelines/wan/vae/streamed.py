@@ -131,7 +131,7 @@ def _layer_steps(layers: tuple[Layer, ...]) -> list[Step]:
 def decode_plan(config: WanVAEConfig) -> tuple[Step, ...]:
   """The programs of one streamed decoder chunk, in order: post_quant_conv, the decoder's layers
   (`ResidualGroup`s flattened, each followed by its shortcut), the output."""
-  return (*_layer_steps((config.quant_layers()[1], *config.decoder_layers())), OutputStep(config.patch))
+  return (*_layer_steps(config.decode_layers()), OutputStep(config.patch))
 
 
 def _localized(tree: dict[str, Any], name: str) -> dict[str, Any]:

@@ -189,7 +189,7 @@ def decoder_layers(
 
 def decode_flops(layers: Sequence[Layer], frames: int, height: int, width: int) -> float:
   """Matmul FLOPs (2 per multiply-add) of decoding latents of `frames` x `height` x `width` through
-  `layers` (post_quant_conv and `decoder_layers`) as the chunked decode runs them: the first latent
+  `layers` (`WanVAEConfig.decode_layers`) as the chunked decode runs them: the first latent
   frame alone (an upsample3d keeps its one frame), each later one doubled by every upsample3d.
 
   Counts the convolutions as `layers` runs them (a k x k x k kernel: 2 k^3 I O per output pixel; an
@@ -200,14 +200,17 @@ def decode_flops(layers: Sequence[Layer], frames: int, height: int, width: int) 
   SiLU, sums and resizes are not matmuls (a few % of the FLOPs at Wan widths) and are left out.
   `decode_flops` with `encoder_layers` is not the encode (its downsamplers shrink, not grow, frames).
   """
-  total, f, h, w = 0.0, frames, height, width
+  return _walk_flops(layers, frames, height, width)[0]
+
+
+def _walk_flops(layers: Sequence[Layer], f: int, h: int, w: int) -> tuple[float, int, int, int]:
+  """(`decode_flops` of `layers` on f x h x w, the f x h x w they output)."""
+  total = 0.0
   for layer in layers:
     match layer:
       case ResidualGroup(_, body, _):
-        total += decode_flops(body, f, h, w)
-        for inner in body:  # the group's output size: its resampler's
-          if isinstance(inner, Resample):
-            f, h, w = _upsampled(inner, f, h, w)
+        flops, f, h, w = _walk_flops(body, f, h, w)
+        total += flops
       case CausalConv(_, i, o, k):
         total += 2.0 * k ** 3 * i * o * f * h * w
       case ResBlock(_, i, o):
@@ -218,16 +221,12 @@ def decode_flops(layers: Sequence[Layer], frames: int, height: int, width: int) 
       case Resample(_, mode, i, o) if mode.startswith("up"):
         if mode == "upsample3d":
           total += 2.0 * 3 * i * 2 * i * (f - 1) * h * w
-        f = _upsampled(layer, f, h, w)[0]
+          f = 2 * f - 1
         total += 2.0 * 16 * i * o * f * (h + 1) * (w + 1)  # `layers.upsample_conv`: 4 phases of 2 x 2
         h, w = 2 * h, 2 * w
       case Resample():
         raise ValueError(f"decode_flops counts a decoder; {layer.name} is a {layer.mode}")
-  return total
-
-
-def _upsampled(layer: Resample, f: int, h: int, w: int) -> tuple[int, int, int]:
-  return (2 * f - 1 if layer.mode == "upsample3d" else f), 2 * h, 2 * w
+  return total, f, h, w
 
 
 def param_shapes(layers: Sequence[Layer]) -> dict[str, tuple[int, ...]]:

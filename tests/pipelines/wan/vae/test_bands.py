@@ -57,7 +57,7 @@ def test_splits_cut_at_the_mid_attention(preset):
   head, tail = V.decoder_split(cfg)
   assert head[0].name == "post_quant_conv" and head[-1] == AttnBlock("decoder.mid_block.attentions.0", head[-1].dim)
   assert isinstance(tail[0], ResBlock) and tail[0].name == "decoder.mid_block.resnets.1"
-  assert (*head, *tail) == (cfg.quant_layers()[1], *cfg.decoder_layers())
+  assert (*head, *tail) == cfg.decode_layers()
   head, tail = V.encoder_split(cfg)
   assert tail[0].name == "encoder.mid_block.attentions.0" and tail[-1].name == "quant_conv"
 

@@ -25,16 +25,16 @@ def test_decode_flops_against_the_compiled_decode(preset):
   vae = wan_vae.init_vae(config, jax.random.key(0))
   programs = wan_vae.lower_decode_programs(vae, batch=1, latent_height=H, latent_width=W, devices=None, split=False)
   compiled = _compiled_matmul_flops(programs["first"]) + (F - 1) * _compiled_matmul_flops(programs["later"])
-  model = wan_vae.decode_flops((config.quant_layers()[1], *config.decoder_layers()), F, H, W)
+  model = wan_vae.decode_flops(config.decode_layers(), F, H, W)
   border = ((3 * H - 2) / (3 * H)) ** 2
   assert model * border <= compiled <= model, (compiled / model, border)
-  one_less = wan_vae.decode_flops((config.quant_layers()[1], *config.decoder_layers()[:-1]), F, H, W)
+  one_less = wan_vae.decode_flops(config.decode_layers()[:-1], F, H, W)
   assert not one_less * border <= compiled <= one_less  # positive control: the output conv counts
 
 
 def test_decode_flops_at_real_sizes_and_refuses_an_encoder():
   wan21 = wan_vae.VAE_PRESETS["wan2.1"]
-  flops = wan_vae.decode_flops((wan21.quant_layers()[1], *wan21.decoder_layers()), 21, 60, 104)
+  flops = wan_vae.decode_flops(wan21.decode_layers(), 21, 60, 104)
   assert 2.5e14 < flops < 3.0e14  # 480 x 832 x 81: ~275 TFLOP (1.4 s at a v5e's 197 TFLOP/s)
   with pytest.raises(ValueError, match="counts a decoder"):
     wan_vae.decode_flops(wan21.encoder_layers(), 21, 60, 104)
