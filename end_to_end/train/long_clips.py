@@ -2,7 +2,7 @@
 transformer slow motion (what a 65-frame clip of the 64x64 world can show), optionally the first
 frame given (TI2V-style).
 
-    python -m end_to_end.train.long_clips --out DIR [--from FOLDER] [--minutes M]
+    python -m end_to_end.train.long_clips --out DIR [--from FOLDER] [--minutes M] [--batch B]
 
 The tiny default (`end_to_end.train.tiny`) was trained on 17-frame clips. Asked for 65 frames in
 context windows it fails, whatever the sampler does, because its VAE is not stationary in time:
@@ -93,6 +93,17 @@ def _phases_flag(text: str):
     return parse_phases(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+  """An int >= 1 for argparse (rows per step)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1, e.g. 32")
+  return value
 
 
 def _non_negative(text: str) -> float:
@@ -416,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "encoder (each latent frame a picture encoded alone, e.g. the shipped default's) rather than "
                       "those of the folder's own (default: the folder's own; its encoding for the transformer)")
   p.add_argument("--lr", type=float, default=3e-4, help="the transformer's peak learning rate")
+  p.add_argument("--batch", type=_positive_int, default=32,
+                 help="the transformer's rows per step (default: 32, the 2-core CPU runs'; on a TPU 128, docs/measurements/training.md)")
   p.add_argument("--image-share", type=float, default=0.3, help="rows given their first frame (TI2V)")
   p.add_argument("--fresh-transformer", action="store_true",
                  help="train the transformer from a fresh initialisation (as end_to_end.train.tiny does) rather "
@@ -442,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"transformer: {len(latents)} rows, {seconds:.0f} s")
     transformer, history = tiny.train_transformer(
         latents, np.asarray([grammar.index(q) for q in prompts]), texts, seed=args.seed, seconds=seconds,
-        lr=args.lr, warm=100 if transformer is None else 30, model=transformer, image_share=args.image_share,
+        lr=args.lr, batch=args.batch, warm=100 if transformer is None else 30, model=transformer, image_share=args.image_share,
         given_frames=given if args.given_overlap else None)
   if transformer is None:
     transformer = load_transformer(os.path.join(args.source, "transformer"))

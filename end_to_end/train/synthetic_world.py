@@ -256,6 +256,36 @@ def detect(video: np.ndarray, background: tuple[float, float, float] | None = No
   return Detection(colour, tuple(map(float, mean_rgb)), (float(d[0]), float(d[1])), coverage)
 
 
+def colour_by_frame(video: np.ndarray, background: tuple[float, float, float] | None = None) -> list[str | None]:
+  """The colour that dominates each frame's object: the grammar colour nearest the most of its
+  pixels (object pixels as `detect` finds them, the background the video's median unless given);
+  None for a frame without object pixels. A plurality of pixels, not the nearest colour to their
+  mean: the soft edges' blends with the background pull a small shape's mean off its colour.
+
+  Args:
+    video: float [frames, height, width, 3] in [0, 1].
+
+  Raises:
+    ValueError: a video that is not [frames, height, width, 3].
+  """
+  video = np.asarray(video, np.float32)
+  if video.ndim != 4 or video.shape[-1] != 3:
+    raise ValueError(f"video must be [frames, height, width, 3], got {video.shape}")
+  bg = (np.median(video.reshape(-1, 3), axis=0) if background is None
+        else np.asarray(background, np.float32))
+  names = list(COLOURS)
+  palette = np.asarray([COLOURS[n] for n in names], np.float32)
+  out: list[str | None] = []
+  for frame in video:
+    pixels = frame[np.abs(frame - bg).max(axis=-1) > DIFF_THRESHOLD]
+    if not len(pixels):
+      out.append(None)
+      continue
+    nearest = np.argmin(((pixels[:, None] - palette[None]) ** 2).sum(axis=-1), axis=1)
+    out.append(names[int(np.bincount(nearest, minlength=len(names)).argmax())])
+  return out
+
+
 def check(video: np.ndarray, prompt: str, background: tuple[float, float, float] | None = None
           ) -> tuple[bool, str]:
   """Does `video` show what `prompt` says? The acceptance rule: an object covering a plausible

@@ -123,6 +123,17 @@ def test_latent_noise_refuses_a_negative_or_non_number_before_anything_runs(caps
   assert not (tmp_path / "never-written").exists()
 
 
+def test_batch_refuses_a_non_positive_or_non_integer_before_anything_runs(capsys, tmp_path):
+  """`--batch` (the transformer's rows per step) is refused below 1 or when not a whole number,
+  naming the value, before the output folder is made; a valid one parses."""
+  for bad in ("0", "-4", "2.5", "many"):
+    with pytest.raises(SystemExit):
+      long_clips.main(["--out", str(tmp_path / "never-written"), "--batch", bad])
+    assert f"'{bad}' must be a whole number >= 1" in capsys.readouterr().err
+  assert not (tmp_path / "never-written").exists()
+  assert long_clips.build_parser().parse_args(["--out", "x", "--batch", "128"]).batch == 128
+
+
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
   """A row given 1 frame: its first latent frame is the clean one, its first frame's tokens (Hl Wl / 4
   with patch (1, 2, 2)) have timestep 0, the rest 1000 sigma (diffusers' expand_timesteps mask), and

@@ -79,6 +79,26 @@ def test_detector_negative_controls():
     world.detect(right[:1])
 
 
+def test_colour_by_frame_names_each_frames_colour_at_the_models_size():
+  """Every colour and shape rendered at the tiny models' 64x64 (soft edges, the smallest shapes):
+  every frame's dominant colour is the named one. Negative controls: a frame recoloured to the
+  neighbouring colour is named so, and only that frame; a frame without the shape is None."""
+  rng = np.random.default_rng(3)
+  for colour in world.COLOURS:
+    for shape in world.SHAPES:
+      clip = world.render(world.random_scene(rng, colour, shape, "moving left"))
+      assert world.colour_by_frame(clip) == [colour] * len(clip), (colour, shape)
+  clip = world.render(world.random_scene(rng, "green", "triangle", "moving down"))
+  bg = np.asarray(world.BACKGROUND, np.float32)
+  shape_px = np.abs(clip[5] - bg).max(axis=-1) > world.DIFF_THRESHOLD
+  clip[5][shape_px] = world.COLOURS["blue"]
+  clip[9] = bg
+  seen = world.colour_by_frame(clip)
+  assert seen[5] == "blue" and seen[9] is None and seen[:5] == ["green"] * 5 and seen[10:] == ["green"] * 7
+  with pytest.raises(ValueError, match=r"\[frames, height, width, 3\]"):
+    world.colour_by_frame(clip[0])
+
+
 # --- slow motions and the long-video rule (end_to_end.train.long_clips, issue: long videos) ----------
 
 def test_slow_scenes_stay_in_frame_over_65_frames_and_pass_both_rules():
