@@ -24,6 +24,8 @@ EXHAUSTIVE = frozenset({
     "test_quality_default_check_passes_on_the_default_model",
     "test_quality_tiny_2x2_fp32_and_bf16",
     "test_default_model_draws_what_the_prompt_says",
+    "test_default_model_draws_every_colour_and_shape_from_frame_0",  # the same 120 videos (one fixture)
+    "test_tiny_i2v_continues_a_first_frame_over_65_frames",  # the 17-frame case stays
     "test_vae_training_graph_is_the_pipelines_encode_and_decode",
     "test_default_model_is_the_same_video_in_diffusers",
     "test_errors_are_the_quantizations_and_add_in_power",
