@@ -178,3 +178,31 @@ def test_default_text_length_is_the_one_trained_with(tmp_path):
   pipe.tokenizer = tokenization.load_tokenizer(str(tmp_path))
   pipe.max_sequence_length = tokenization.text_length(pipe.tokenizer.model_max_length)
   assert pipe.check_inputs("a red square moving right", None, max_sequence_length=None, **kw).max_sequence_length == 64
+
+
+def test_the_usage_snippet_draws_a_green_circle_from_frame_0(tmp_path):
+  """docs/usage.md's Python example, run verbatim in a fresh process (its cache and video in a
+  temporary folder), draws what it asks for: a green circle, the named colour dominating every
+  frame from frame 0 (`world.colour_by_frame`), moving down (`world.check`). Control: the check
+  lines are reached (they print a marker the test looks for)."""
+  import os
+  import re
+  import subprocess
+  import sys
+
+  from tests.harness import REPO_ROOT
+
+  with open(os.path.join(REPO_ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+    blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+  (snippet,) = [b for b in blocks if 'pipe("a green circle moving down"' in b]
+  check = ("\nfrom end_to_end.train import synthetic_world as world\n"
+           "seen = world.colour_by_frame(frames[0])\n"
+           "assert seen == ['green'] * 17, seen\n"
+           "assert world.check(frames[0], 'a green circle moving down')[0]\n"
+           "print('CHECKED')\n")
+  env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": REPO_ROOT}
+  env.pop("XLA_FLAGS", None)  # the snippet sets its own
+  run = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 0 and "CHECKED" in run.stdout, run.stderr[-3000:]
+  assert (tmp_path / "circle.mp4").exists()
