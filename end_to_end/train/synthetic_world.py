@@ -214,6 +214,15 @@ class Detection:
   coverage: float
 
 
+def _object_pixels(video: np.ndarray, background: tuple[float, float, float] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """(the background RGB: `background`, else the per-channel median of the whole video; the object
+  mask [frames, height, width]: pixels whose max over RGB of |pixel - background| > DIFF_THRESHOLD)
+  of a float32 video [frames, height, width, 3]. The one rule every detector here uses."""
+  bg = np.median(video.reshape(-1, 3), axis=0) if background is None else np.asarray(background, np.float32)
+  return bg, np.abs(video - bg).max(axis=-1) > DIFF_THRESHOLD
+
+
 def detect(video: np.ndarray, background: tuple[float, float, float] | None = None) -> Detection:
   """The acceptance detector.
 
@@ -233,9 +242,7 @@ def detect(video: np.ndarray, background: tuple[float, float, float] | None = No
   if video.ndim != 4 or video.shape[-1] != 3 or video.shape[0] < 2:
     raise ValueError(f"video must be [frames >= 2, height, width, 3], got {video.shape}")
   frames, height, width, _ = video.shape
-  bg = (np.median(video.reshape(-1, 3), axis=0) if background is None
-        else np.asarray(background, np.float32))
-  mask = np.abs(video - bg).max(axis=-1) > DIFF_THRESHOLD  # [frames, height, width]
+  _, mask = _object_pixels(video, background)  # [frames, height, width]
   coverage = float(mask.mean())
   if not mask.any():
     return Detection(None, None, None, coverage)
@@ -271,13 +278,12 @@ def colour_by_frame(video: np.ndarray, background: tuple[float, float, float] | 
   video = np.asarray(video, np.float32)
   if video.ndim != 4 or video.shape[-1] != 3:
     raise ValueError(f"video must be [frames, height, width, 3], got {video.shape}")
-  bg = (np.median(video.reshape(-1, 3), axis=0) if background is None
-        else np.asarray(background, np.float32))
+  _, mask = _object_pixels(video, background)
   names = list(COLOURS)
   palette = np.asarray([COLOURS[n] for n in names], np.float32)
   out: list[str | None] = []
-  for frame in video:
-    pixels = frame[np.abs(frame - bg).max(axis=-1) > DIFF_THRESHOLD]
+  for frame, frame_mask in zip(video, mask):
+    pixels = frame[frame_mask]
     if not len(pixels):
       out.append(None)
       continue
@@ -352,8 +358,7 @@ def check_long(video: np.ndarray, prompt: str, colour_check: bool = True) -> tup
   if video.ndim != 4 or video.shape[0] < 2 * SEGMENT:
     raise ValueError(f"video must be [frames >= {2 * SEGMENT}, height, width, 3], got {video.shape}")
   frames, height, width, _ = video.shape
-  bg = np.median(video.reshape(-1, 3), axis=0)
-  mask = np.abs(video - bg).max(axis=-1) > DIFF_THRESHOLD
+  bg, mask = _object_pixels(video)
   parts = [object_parts(m) for m in mask]
   if any(p != 1 for p in parts):
     bad = [f for f, p in enumerate(parts) if p != 1]
