@@ -19,7 +19,8 @@ from pipelines.parallel.plan import ParallelPlan
 from pipelines.pipeline.load import loading
 from pipelines.wan import vae as wan_vae
 from pipelines.wan.encoders import umt5_from_state
-from pipelines.wan.pretrained import Sources, check_no_image_branch, folder_layout, read_sources
+from pipelines.wan.pretrained import (GenerationDefaults, Sources, check_no_image_branch, folder_layout,
+                                      read_sources)
 from pipelines.wan.transformer import check_quantization, large_leaf_shardings, load_transformer_state
 
 def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_weights: bool,
@@ -32,6 +33,9 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
     TokenizerNotFoundError: no tokenizer folder.
   """
   model_dtype, vae_dt = loading.dtype_of(dtype), loading.dtype_of(vae_dtype)
+  # The config folder's own sampling defaults, as from_pretrained of it would take them (a bad file
+  # refused before any weight loads); diffusers' where there is no config folder.
+  defaults = GenerationDefaults() if sources.config is None else GenerationDefaults.read(sources.config)
   read = read_sources(sources)
   config = read.transformer_config
   check_no_image_branch(read)
@@ -50,7 +54,7 @@ def source_parts(sources: Sources, dtype: str, vae_dtype: str, mesh: Any, shard_
                                scales=read.vae.scales)
   parts = dict(tokenizer=read.tokenizer, text_encoder=text_encoder, transformers=[expert], vae=vae,
                scheduler_config=read.scheduler_config, expand_timesteps=read.expand_timesteps,
-               name=os.path.abspath(sources.transformer))
+               generation_defaults=defaults, name=os.path.abspath(sources.transformer))
   if image_to_video:
     parts.update(image_encoder=None, image_processor=None)
   return parts, plan

@@ -6,7 +6,10 @@ The files are the tiny models written in those layouts by inverting the key maps
 transformer file to the folder's tensors shows the writer matches the real layout.
 """
 
+import dataclasses
+import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 
 from pipelines.pipeline import WanPipeline
 from pipelines.wan.encoders import TokenizerNotFoundError
-from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER
+from pipelines.wan.pretrained import TINY_DEFAULT_FOLDER, GenerationDefaults
 from tests import numerics
 from tests.pipelines.wan.pretrained import writers
 
@@ -41,8 +44,19 @@ def test_diffusers_reads_the_written_transformer_file(files):
 
 
 def test_single_files_give_the_folders_video(files):
+  """With `config=` the files make the folder's video and take the folder's own sampling defaults
+  (generation_defaults.json, written here with values no other source has)."""
+  own = GenerationDefaults(guidance_scale=3.5, num_inference_steps=3, height=48, width=32)
+  config = os.path.join(files["base"], "config_with_defaults")
+  shutil.copytree(files["folder"], config)
+  with open(os.path.join(config, "generation_defaults.json"), "w") as f:
+    json.dump({k: v for k, v in own.to_dict().items() if k != "source"}, f)
+  got = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
+                                     tokenizer=files["folder"], config=config).generation_defaults
+  assert dataclasses.replace(got, source=own.source) == own and config in got.source
   single = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
                                         tokenizer=files["folder"], config=files["folder"])
+  assert single.generation_defaults == WanPipeline.from_pretrained(files["folder"]).generation_defaults
   reference = WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL)
   video = single(PROMPT, **CALL)
   assert video.std() > 0.01 and np.array_equal(video, reference)
@@ -54,6 +68,7 @@ def test_single_files_without_config_give_the_folders_video(files):
   single = WanPipeline.from_single_file(files["transformer"], files["vae"], files["text_encoder"],
                                         tokenizer=files["folder"])
   assert single.transformer_config == files["pipe"].transformer_config
+  assert single.generation_defaults == GenerationDefaults()  # no folder: diffusers' defaults
   video = single(PROMPT, **CALL)
   assert video.std() > 0.01 and np.array_equal(video, WanPipeline.from_pretrained(files["folder"])(PROMPT, **CALL))
 
@@ -79,8 +94,9 @@ def _psnr(a, b) -> float:
 def test_scaled_fp8_file_loads_into_fp8_weights(tmp_path):
   """The trained default as a ComfyUI scaled-fp8 file: with quantize="fp8" the block kernels are
   placed as the file's e4m3 bytes (1 byte a value) and the video, at the model's own settings (its
-  folder's guidance 2), stays within 35 dB of fp32's (measured 46.9 dB; at guidance 5, where this
-  model swaps colours anyway, guidance amplifies the weights' rounding: 32.4 dB)."""
+  folder's guidance 2, which `config=` brings along), stays within 35 dB of fp32's (measured 46.9 dB;
+  at guidance 5, where this model swaps colours anyway, guidance amplifies the weights' rounding:
+  32.4 dB)."""
   default = WanPipeline.tiny()
   states = writers.pipeline_states(default)
   path = writers.write(writers.scaled_fp8(states["transformer"]), str(tmp_path / "fp8_scaled.safetensors"))
@@ -91,9 +107,8 @@ def test_scaled_fp8_file_loads_into_fp8_weights(tmp_path):
   kernel = fp8.weights.experts[0]["blocks"]["ffn"]["proj_in"]["kernel"].get_value()
   assert kernel.qvalue.dtype == jax.numpy.float8_e4m3fn and kernel.qvalue.nbytes == kernel.qvalue.size
   assert kernel.scale.shape == (default.transformer_config.num_layers, 1, default.transformer_config.ffn_dim)
-  call = dict(height=64, width=64, num_frames=17, num_inference_steps=8, seed=0, output_type="np",
-              guidance_scale=default.generation_defaults.guidance_scale)  # a single file carries no defaults
-  assert call["guidance_scale"] == 2.0
+  assert fp8.generation_defaults == default.generation_defaults and fp8.generation_defaults.guidance_scale == 2.0
+  call = dict(height=64, width=64, num_frames=17, num_inference_steps=8, seed=0, output_type="np")
   reference = default(PROMPT, **call)
   video = fp8(PROMPT, **call)
   dequantized = WanPipeline.from_single_file(path, vae, te, tokenizer=TINY_DEFAULT_FOLDER, config=TINY_DEFAULT_FOLDER)
