@@ -191,15 +191,16 @@ def stationary_latents(encode, x_BFHWC: np.ndarray) -> np.ndarray:
 
 def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2, lr: float = 1e-3,
               latent_noise: float = 0.1, phases=DECODER_PHASES, encoder: bool = True,
-              target: wan_vae.WanVAE | None = None):
+              target: wan_vae.WanVAE | None = None, object_weight: float = tiny.OBJECT_WEIGHT):
   """Makes the VAE time-stationary for about `seconds`: the encoder regressed onto
   `stationary_latents` of its starting self (the error in units of the folder's latents_std), the
   decoder taught to reconstruct each clip from those latents (+ `latent_noise`), with
-  `tiny.train_vae`'s weighted loss; each step's batch drawn from `phases` by their shares. With
-  `encoder` False the encoder stays as it is and the decoder learns from its latents (a VAE made
-  stationary before, whose latents a transformer has learned). With a `target` VAE, the latents
-  both learn from are `stationary_latents` of its encoder (exact targets: a transformer trained on
-  them, `--target-encoder`, stays valid however far the encoder gets).
+  `tiny.train_vae`'s weighted loss (`object_weight`: the shapes' pixels' extra weight); each step's
+  batch drawn from `phases` by their shares. With `encoder` False the encoder stays as it is and
+  the decoder learns from its latents (a VAE made stationary before, whose latents a transformer
+  has learned). With a `target` VAE, the latents both learn from are `stationary_latents` of its
+  encoder (exact targets: a transformer trained on them, `--target-encoder`, stays valid however
+  far the encoder gets).
   Returns (the VAE, [(step, encoder loss, decoder loss)])."""
   config = vae.config
   source = jax.jit(lambda x: encode_mean(vae, x))
@@ -216,7 +217,7 @@ def train_vae(vae: wan_vae.WanVAE, seconds: float, *, seed: int, batch: int = 2,
     fit = (jnp.mean(jnp.square((encode_mean(wan_vae.WanVAE(config, both), x) - z) / std)) if encoder
            else jnp.float32(0))
     y = decode_all(both, config, z + noise)
-    w = tiny.object_weights(x)
+    w = tiny.object_weights(x, object_weight)
     # Frame 0 is the decoder's own path (one latent frame -> one video frame): weighted up to as
     # many as the 4 frames of every later latent frame.
     w = w * jnp.where(jnp.arange(x.shape[1]) == 0, FIRST_FRAME_WEIGHT, 1.0)[None, :, None, None, None]
@@ -355,8 +356,10 @@ def _vae_stage(vae: wan_vae.WanVAE, args, report: dict) -> wan_vae.WanVAE:
   history = []
   if args.vae_fraction > 0:
     vae, history = train_vae(vae, min(args.vae_fraction, 1.0) * args.minutes * 60, seed=args.seed, lr=args.vae_lr,
+                             batch=args.vae_batch,
                              encoder=not args.keep_encoder, phases=args.vae_phases,
-                             latent_noise=args.latent_noise, target=_target_vae(args))
+                             latent_noise=args.latent_noise, target=_target_vae(args),
+                             object_weight=args.object_weight)
     report["vae_after"] = long_reconstruction(vae, np.random.default_rng(args.seed + 3))
     log(f"65-frame reconstruction after: {report['vae_after']['error_by_8_frames']}")
   report["losses"] = {"vae_steps": len(history),
@@ -411,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{','.join(f'{f}x{c}:{s}' for f, c, s in DECODER_PHASES)}; 64 is the whole frame)")
   p.add_argument("--latent-noise", type=_non_negative, default=0.1,
                  help="std of the Gaussian noise on the latents the decoder learns from, VAE units (default: 0.1)")
+  p.add_argument("--vae-batch", type=_positive_int, default=2, help="clips per VAE step (default: 2)")
+  p.add_argument("--object-weight", type=_non_negative, default=tiny.OBJECT_WEIGHT,
+                 help="the VAE loss's extra weight on the shapes' pixels (1 + W there, 1 on the background; "
+                      f"default: {tiny.OBJECT_WEIGHT:g})")
   p.add_argument("--keep-encoder", action="store_true",
                  help="train the decoder only, from the folder's encoder's latents (a VAE made stationary before)")
   p.add_argument("--stationary-vae", action="store_true",

@@ -156,13 +156,13 @@ def optimizer_step(opt, loss_fn, has_aux: bool = False):
   return step
 
 
-def object_weights(x_BFHWC: jax.Array) -> jax.Array:
-  """float32 [B, F, H, W, 1] reconstruction loss weights of a clip in [-1, 1]: 1 + OBJECT_WEIGHT
+def object_weights(x_BFHWC: jax.Array, weight: float = OBJECT_WEIGHT) -> jax.Array:
+  """float32 [B, F, H, W, 1] reconstruction loss weights of a clip in [-1, 1]: 1 + `weight`
   where a pixel differs from the world's background by > 0.2 in some channel, else 1. The shapes
   cover a few % of the pixels: weighting them up keeps their colour from losing to the
   background's share of a plain MSE."""
   background = jnp.asarray(world.BACKGROUND, jnp.float32) * 2 - 1
-  return 1 + OBJECT_WEIGHT * (jnp.max(jnp.abs(x_BFHWC - background), axis=-1, keepdims=True) > 0.2)
+  return 1 + weight * (jnp.max(jnp.abs(x_BFHWC - background), axis=-1, keepdims=True) > 0.2)
 
 
 def train_vae(seed: int, seconds: float, batch: int = 4, lr: float = 3e-3, latent_noise: float = 0.1,

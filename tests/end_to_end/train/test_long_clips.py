@@ -113,25 +113,61 @@ def test_vae_phases_parse_and_refuse_with_the_part_named(capsys, tmp_path):
   assert not (tmp_path / "never-written").exists()  # refused before anything ran
 
 
-def test_latent_noise_refuses_a_negative_or_non_number_before_anything_runs(capsys, tmp_path):
-  """`--latent-noise` (the decoder's latent noise std) is refused when below 0 or not a finite number,
-  naming the value, before the output folder is made."""
+@pytest.mark.parametrize("flag", ["--latent-noise", "--object-weight"])
+def test_latent_noise_refuses_a_negative_or_non_number_before_anything_runs(capsys, tmp_path, flag):
+  """`--latent-noise` (the decoder's latent noise std) and `--object-weight` (the shapes' extra loss
+  weight) are refused when below 0 or not a finite number, naming the value, before the output
+  folder is made."""
   for bad in ("-0.1", "nan", "inf", "lots"):
     with pytest.raises(SystemExit):
-      long_clips.main(["--out", str(tmp_path / "never-written"), "--latent-noise", bad])
+      long_clips.main(["--out", str(tmp_path / "never-written"), flag, bad])
     assert f"'{bad}' must be a finite number >= 0" in capsys.readouterr().err
   assert not (tmp_path / "never-written").exists()
 
 
-def test_batch_refuses_a_non_positive_or_non_integer_before_anything_runs(capsys, tmp_path):
-  """`--batch` (the transformer's rows per step) is refused below 1 or when not a whole number,
-  naming the value, before the output folder is made; a valid one parses."""
+@pytest.mark.parametrize("flag", ["--batch", "--vae-batch"])
+def test_batch_refuses_a_non_positive_or_non_integer_before_anything_runs(capsys, tmp_path, flag):
+  """`--batch` (the transformer's rows per step) and `--vae-batch` (the VAE's clips per step) are
+  refused below 1 or when not a whole number, naming the value, before the output folder is made;
+  a valid one parses."""
   for bad in ("0", "-4", "2.5", "many"):
     with pytest.raises(SystemExit):
-      long_clips.main(["--out", str(tmp_path / "never-written"), "--batch", bad])
+      long_clips.main(["--out", str(tmp_path / "never-written"), flag, bad])
     assert f"'{bad}' must be a whole number >= 1" in capsys.readouterr().err
   assert not (tmp_path / "never-written").exists()
-  assert long_clips.build_parser().parse_args(["--out", "x", "--batch", "128"]).batch == 128
+  assert getattr(long_clips.build_parser().parse_args(["--out", "x", flag, "128"]), flag[2:].replace("-", "_")) == 128
+
+
+def test_the_vae_flags_reach_its_training(monkeypatch, tmp_path):
+  """`--vae-batch`, `--object-weight` and the rest of the VAE's flags are what `train_vae` gets."""
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def fake_train(vae, seconds, **kwargs):
+    seen.update(kwargs, seconds=seconds)
+    raise Stop
+  monkeypatch.setattr(long_clips, "train_vae", fake_train)
+  monkeypatch.setattr(long_clips, "long_reconstruction", lambda *a, **k: {"error_by_8_frames": []})
+  with pytest.raises(Stop):
+    long_clips.main(["--out", str(tmp_path / "run"), "--vae-fraction", "1", "--minutes", "2", "--keep-encoder",
+                     "--vae-batch", "6", "--object-weight", "16", "--vae-lr", "2e-4", "--vae-phases", "17x64:1"])
+  assert seen["batch"] == 6 and seen["object_weight"] == 16.0 and seen["lr"] == 2e-4 and seen["seconds"] == 120
+  assert seen["encoder"] is False and seen["phases"] == ((17, 64, 1.0),)
+
+
+def test_the_object_weight_weighs_the_shapes_pixels():
+  """`object_weight` scales the shapes' share of the decoder's loss: the same batch (same seed) at
+  weight 0 (a plain MSE) and 16 gives different losses, and the weights are 1 + W on the shapes'
+  pixels, 1 elsewhere."""
+  vae = wan_vae.init_vae(wan_vae.VAE_PRESETS["tiny"], jax.random.key(6))
+  losses = [long_clips.train_vae(vae, 1e-3, seed=0, batch=1, phases=((5, 16, 1.0),), encoder=False,
+                                 object_weight=w)[1][0][2] for w in (0.0, 16.0)]
+  assert abs(losses[0] - losses[1]) > 1e-3 * losses[0], losses
+  clip = world.render(world.random_scene(np.random.default_rng(3)), frames=5)[None] * 2 - 1
+  w = np.asarray(train_tiny.object_weights(jnp.asarray(clip), 16.0))[..., 0]
+  assert set(np.unique(w)) == {1.0, 17.0} and 0 < (w == 17.0).mean() < 0.5
 
 
 def test_given_first_frame_rows_are_ti2v_sampling_inputs():
