@@ -1,0 +1,159 @@
+"""Where one Wan transformer block's time goes on the device at hand, measured: the whole block, its
+matmuls alone, its self-attention alone, and the rest (norms, modulation, RoPE, the activation,
+residual adds, the copies around the attention kernel), each with TFLOP/s and the chip's bf16 peak.
+
+  python -m end_to_end.bench.block                      # Wan 2.1 1.3B, 480p x 81, CFG (2 rows), bf16
+  python -m end_to_end.bench.block --preset wan2.1-t2v-14b --height 720 --width 1280 --layers 1,2
+
+The block's time is the difference of two whole forwards (`transformer.forward`, random weights, one
+device) with `--layers` blocks each, divided by the difference in blocks: embedding, head and
+unpatchify cancel. The matmuls are a chain of bf16 [rows x T, D] products of the block's weight
+shapes (self-attention q, k, v, o; cross-attention q, o; the FFN's two) plus the cross-attention's k
+and v of the text; the attention is `attention.local_attention` (fixed-m, the backend's default
+blocks) at [rows, T, N, H]. The rest is what the block takes beyond the two. Times are medians over
+--repeats calls after a warm-up (compile excluded). Numbers for one chip in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import local_attention
+from pipelines.commands.help import HelpFormatter
+from pipelines.parallel.plan import ParallelPlan
+from pipelines.parallel.planner import chip_of
+from pipelines.wan.transformer import PRESETS, forward, init_transformer
+
+
+def median_seconds(fn, *args, repeats: int = 5) -> float:
+  """Median wall seconds of `fn(*args)` over `repeats` calls after one warm-up call (the compile)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def block_seconds(config, latents: jax.Array, text: jax.Array, layers: tuple[int, int], dtype, repeats: int
+                  ) -> float:
+  """Seconds of one block: the difference of whole forwards with layers[1] and layers[0] blocks."""
+  plan = ParallelPlan.build(None, heads=config.num_attention_heads)
+  timestep = jnp.full((latents.shape[0],), 500.0, jnp.float32)
+  step = jax.jit(lambda model, x, t, c: forward(model, x, t, c, plan=plan))
+  seconds = []
+  for n in layers:
+    model = init_transformer(dataclasses.replace(config, num_layers=n), seed=0, dtype=dtype)
+    seconds.append(median_seconds(step, model, latents, timestep, text, repeats=repeats))
+    del model
+  return (seconds[1] - seconds[0]) / (layers[1] - layers[0])
+
+
+def matmul_chain(x: jax.Array, text: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
+  """The block's linear layers in sequence: x [M, D] through q, k, v, o, cross_q, cross_o and the
+  FFN ([M, D] out), text [Mt, D] through cross_k and cross_v ([Mt, D] out, their sum); `w` the
+  weights by name ([D, D], ffn_in [D, F], ffn_out [F, D]), all one dtype."""
+  h = x
+  for name in ("q", "k", "v", "o", "cross_q", "cross_o"):
+    h = (h @ w[name]).astype(x.dtype)
+  h = (jax.nn.gelu((h @ w["ffn_in"]).astype(x.dtype)) @ w["ffn_out"]).astype(x.dtype)
+  kv = (text @ w["cross_k"]).astype(x.dtype) + (text @ w["cross_v"]).astype(x.dtype)
+  return h, kv
+
+
+def matmul_flops(rows: int, tokens: int, text_len: int, D: int, F: int) -> float:
+  """`matmul_chain`'s FLOPs (2 M K N a product) for `rows` x `tokens` video and `text_len` text rows."""
+  return 2.0 * rows * (tokens * (6 * D * D + 2 * D * F) + text_len * 2 * D * D)
+
+
+def parts(config, rows: int, frames: int, height: int, width: int, text_len: int, dtype, layers: tuple[int, int],
+          repeats: int) -> dict:
+  """{name: seconds} of the block, its matmuls and its attention, with the FLOPs of each.
+
+  Raises: ValueError: a size that is not the VAE's (frames 4k + 1, height and width multiples of 16).
+  """
+  if (frames - 1) % 4 or height % 16 or width % 16:
+    raise ValueError(f"frames={frames}, height={height}, width={width}: frames must be 4k + 1 and height, "
+                     "width multiples of 16 (the VAE's 4x time and 8x space, the 2x2 patches)")
+  rng = np.random.default_rng(0)
+  latent_shape = (rows, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+  T = latent_shape[2] * (height // 16) * (width // 16)
+  D, F, N, H = config.dim, config.ffn_dim, config.num_attention_heads, config.attention_head_dim
+  latents = jnp.asarray(rng.standard_normal(latent_shape, np.float32))
+  text = jnp.asarray(rng.standard_normal((rows, text_len, config.text_dim), np.float32))
+  block = block_seconds(config, latents, text, layers, dtype, repeats)
+  shapes = dict(q=(D, D), k=(D, D), v=(D, D), o=(D, D), cross_q=(D, D), cross_o=(D, D), cross_k=(D, D),
+                cross_v=(D, D), ffn_in=(D, F), ffn_out=(F, D))
+  w = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0]), dtype) for n, s in shapes.items()}
+  x = jnp.asarray(rng.standard_normal((rows * T, D), np.float32), dtype)
+  text_d = jnp.asarray(rng.standard_normal((rows * text_len, D), np.float32), dtype)
+  matmuls = median_seconds(jax.jit(matmul_chain), x, text_d, w, repeats=repeats)
+  q, k, v = (jnp.asarray(rng.standard_normal((rows, T, N, H), np.float32), dtype) for _ in range(3))
+  attend = median_seconds(jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m")), q, k, v,
+                          repeats=repeats)
+  linear = matmul_flops(rows, T, text_len, D, F)
+  self_attention, cross_attention = 4.0 * rows * N * T * T * H, 4.0 * rows * N * T * text_len * H
+  return dict(tokens=T, block=block, matmuls=matmuls, attention=attend, rest=block - matmuls - attend,
+              flops=dict(block=linear + self_attention + cross_attention, matmuls=linear, attention=self_attention))
+
+
+def report(result: dict, peak: float | None) -> str:
+  """The parts as lines of ms, share of the block, TFLOP/s and fraction of `peak` (FLOP/s)."""
+  lines = []
+  for name in ("block", "matmuls", "attention", "rest"):
+    sec, flops = result[name], result["flops"].get(name)
+    line = f"  {name:10s} {sec * 1e3:9.2f} ms {sec / result['block']:6.1%} of the block"
+    if flops and sec > 0:
+      line += f"  {flops / sec / 1e12:7.1f} TFLOP/s" + (f" ({flops / sec / peak:.0%} of peak)" if peak else "")
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m end_to_end.bench.block", description=__doc__,
+                               formatter_class=HelpFormatter)
+  ap.add_argument("--preset", default="wan2.1-t2v-1.3b", choices=sorted(PRESETS))
+  ap.add_argument("--frames", type=int, default=81)
+  ap.add_argument("--height", type=int, default=480)
+  ap.add_argument("--width", type=int, default=832)
+  ap.add_argument("--rows", type=int, default=2, help="batch rows (2: one video with CFG)")
+  ap.add_argument("--text-len", type=int, default=512)
+  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  ap.add_argument("--layers", default="1,3", help="the two forwards' block counts, e.g. 1,3")
+  ap.add_argument("--repeats", type=int, default=5)
+  return ap
+
+
+def main(argv=None) -> dict:
+  ap = build_parser()
+  args = ap.parse_args(argv)
+  try:
+    layers = tuple(int(n) for n in args.layers.split(","))
+  except ValueError:
+    layers = ()
+  if len(layers) != 2 or not 1 <= layers[0] < layers[1]:
+    ap.error(f"--layers {args.layers!r}: give two block counts, the first >= 1 and below the second, e.g. 1,3")
+  config = PRESETS[args.preset]
+  device = jax.devices()[0]
+  try:
+    result = parts(config, args.rows, args.frames, args.height, args.width, args.text_len, jnp.dtype(args.dtype),
+                   layers, args.repeats)
+  except ValueError as e:
+    ap.error(str(e))
+  chip = chip_of(device.device_kind)
+  print(f"{args.preset} block, {args.rows} x {result['tokens']} tokens ({args.frames} x {args.height} x {args.width}),"
+        f" text {args.text_len}, {args.dtype}; {device.device_kind}, JAX {jax.__version__}")
+  print(report(result, chip.peak_flops if chip is not None and args.dtype == "bfloat16" else None))
+  return result
+
+
+if __name__ == "__main__":
+  main()

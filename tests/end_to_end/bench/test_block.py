@@ -1,0 +1,55 @@
+"""`end_to_end.bench.block`: one block's parts timed on CPU at tiny sizes (a smoke run; the numbers
+are the chip's), its FLOP model against XLA's own count, and bad sizes refused before anything runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from end_to_end.bench import block
+
+
+def test_the_parts_add_up_to_the_block(capsys):
+  result = block.main(["--preset", "tiny", "--frames", "5", "--height", "32", "--width", "32", "--text-len", "8",
+                       "--dtype", "float32", "--layers", "1,2", "--repeats", "1"])
+  assert result["tokens"] == 2 * 2 * 2  # 2 latent frames x (32 / 16)^2 patches
+  assert result["matmuls"] > 0 and result["attention"] > 0
+  assert result["rest"] == result["block"] - result["matmuls"] - result["attention"]
+  out = capsys.readouterr().out
+  assert all(name in out for name in ("block", "matmuls", "attention", "rest")) and "peak" not in out  # CPU: no peak
+
+
+def test_the_matmul_flops_are_xlas_count():
+  """`matmul_flops` against XLA's cost analysis of `matmul_chain` at the 1.3B widths (the GELU's few
+  elementwise FLOPs beside 1.3 GFLOP of products: well inside 1 %); a wrong count (the FFN once) is not."""
+  D, F, M, Mt = 1536, 8960, 16, 8
+  shapes = dict(q=(D, D), k=(D, D), v=(D, D), o=(D, D), cross_q=(D, D), cross_o=(D, D), cross_k=(D, D),
+                cross_v=(D, D), ffn_in=(D, F), ffn_out=(F, D))
+  w = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+  cost = jax.jit(block.matmul_chain).lower(jax.ShapeDtypeStruct((M, D), jnp.float32),
+                                           jax.ShapeDtypeStruct((Mt, D), jnp.float32), w).compile().cost_analysis()
+  counted = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  modelled = block.matmul_flops(1, M, Mt, D, F)
+  assert abs(counted - modelled) < 0.01 * modelled, (counted, modelled)
+  assert abs(counted - (modelled - 2.0 * M * D * F)) > 0.01 * modelled  # control
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--layers", "3,1"], "--layers '3,1': give two block counts"),
+    (["--layers", "two"], "--layers 'two': give two block counts"),
+    (["--frames", "6"], "frames=6, height=480, width=832: frames must be 4k + 1"),
+    (["--height", "100"], "frames=81, height=100, width=832"),
+])
+def test_bad_sizes_are_refused_naming_the_value(capsys, flags, message):
+  with pytest.raises(SystemExit):
+    block.main(["--preset", "tiny", *flags])
+  assert message in capsys.readouterr().err
+
+
+def test_median_seconds_is_the_median_of_the_calls():
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    return np.asarray(x)
+  assert block.median_seconds(fn, 1.0, repeats=3) >= 0 and len(calls) == 4  # one warm-up + 3 timed
