@@ -11,50 +11,31 @@ unpatchify cancel. The matmuls are a chain of bf16 [rows x T, D] products of the
 shapes (self-attention q, k, v, o; cross-attention q, o; the FFN's two) plus the cross-attention's k
 and v of the text; the attention is `attention.local_attention` (fixed-m, the backend's default
 blocks) at [rows, T, N, H]. The rest is what the block takes beyond the two. Times are medians over
---repeats calls after a warm-up (compile excluded). Numbers for one chip in docs/performance.md.
+--repeats calls after a warm-up (compile excluded), all four taken round-robin
+(`bench.int8.time_median`). Numbers for one chip in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attention import local_attention
+from end_to_end.bench.int8 import time_median
 from pipelines.commands.help import HelpFormatter
 from pipelines.parallel.plan import ParallelPlan
 from pipelines.parallel.planner import chip_of
 from pipelines.wan.transformer import PRESETS, forward, init_transformer
 
 
-def median_seconds(fn, *args, repeats: int = 5) -> float:
-  """Median wall seconds of `fn(*args)` over `repeats` calls after one warm-up call (the compile)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def block_seconds(config, latents: jax.Array, text: jax.Array, layers: tuple[int, int], dtype, repeats: int
-                  ) -> float:
-  """Seconds of one block: the difference of whole forwards with layers[1] and layers[0] blocks."""
-  plan = ParallelPlan.build(None, heads=config.num_attention_heads)
-  timestep = jnp.full((latents.shape[0],), 500.0, jnp.float32)
-  step = jax.jit(lambda model, x, t, c: forward(model, x, t, c, plan=plan))
-  seconds = []
-  for n in layers:
-    model = init_transformer(dataclasses.replace(config, num_layers=n), seed=0, dtype=dtype)
-    seconds.append(median_seconds(step, model, latents, timestep, text, repeats=repeats))
-    del model
-  return (seconds[1] - seconds[0]) / (layers[1] - layers[0])
+def weight_shapes(D: int, F: int) -> dict[str, tuple[int, int]]:
+  """The block's linear weights by name ([in, out]) for width D and FFN width F (`matmul_chain`)."""
+  return dict(q=(D, D), k=(D, D), v=(D, D), o=(D, D), cross_q=(D, D), cross_o=(D, D), cross_k=(D, D),
+              cross_v=(D, D), ffn_in=(D, F), ffn_out=(F, D))
 
 
 def matmul_chain(x: jax.Array, text: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
@@ -89,16 +70,22 @@ def parts(config, rows: int, frames: int, height: int, width: int, text_len: int
   D, F, N, H = config.dim, config.ffn_dim, config.num_attention_heads, config.attention_head_dim
   latents = jnp.asarray(rng.standard_normal(latent_shape, np.float32))
   text = jnp.asarray(rng.standard_normal((rows, text_len, config.text_dim), np.float32))
-  block = block_seconds(config, latents, text, layers, dtype, repeats)
-  shapes = dict(q=(D, D), k=(D, D), v=(D, D), o=(D, D), cross_q=(D, D), cross_o=(D, D), cross_k=(D, D),
-                cross_v=(D, D), ffn_in=(D, F), ffn_out=(F, D))
-  w = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0]), dtype) for n, s in shapes.items()}
+  plan = ParallelPlan.build(None, heads=config.num_attention_heads)
+  step = jax.jit(lambda model, x, t, c: forward(model, x, t, c, plan=plan))
+  timestep = jnp.full((rows,), 500.0, jnp.float32)
+  fns, args = {}, {}
+  for n in layers:  # whole forwards: the block is their difference
+    model = init_transformer(dataclasses.replace(config, num_layers=n), seed=0, dtype=dtype)
+    fns[n], args[n] = step, (model, latents, timestep, text)
+  w = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0]), dtype)
+       for n, s in weight_shapes(D, F).items()}
   x = jnp.asarray(rng.standard_normal((rows * T, D), np.float32), dtype)
   text_d = jnp.asarray(rng.standard_normal((rows * text_len, D), np.float32), dtype)
-  matmuls = median_seconds(jax.jit(matmul_chain), x, text_d, w, repeats=repeats)
-  q, k, v = (jnp.asarray(rng.standard_normal((rows, T, N, H), np.float32), dtype) for _ in range(3))
-  attend = median_seconds(jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m")), q, k, v,
-                          repeats=repeats)
+  fns["matmuls"], args["matmuls"] = jax.jit(matmul_chain), (x, text_d, w)
+  fns["attention"] = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m"))
+  args["attention"] = tuple(jnp.asarray(rng.standard_normal((rows, T, N, H), np.float32), dtype) for _ in range(3))
+  t = time_median(fns, args, repeats)  # round-robin: load from elsewhere hits every part alike
+  block, matmuls, attend = (t[layers[1]] - t[layers[0]]) / (layers[1] - layers[0]), t["matmuls"], t["attention"]
   linear = matmul_flops(rows, T, text_len, D, F)
   self_attention, cross_attention = 4.0 * rows * N * T * T * H, 4.0 * rows * N * T * text_len * H
   return dict(tokens=T, block=block, matmuls=matmuls, attention=attend, rest=block - matmuls - attend,

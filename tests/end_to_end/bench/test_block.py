@@ -3,7 +3,6 @@ are the chip's), its FLOP model against XLA's own count, and bad sizes refused b
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from end_to_end.bench import block
@@ -23,9 +22,7 @@ def test_the_matmul_flops_are_xlas_count():
   """`matmul_flops` against XLA's cost analysis of `matmul_chain` at the 1.3B widths (the GELU's few
   elementwise FLOPs beside 1.3 GFLOP of products: well inside 1 %); a wrong count (the FFN once) is not."""
   D, F, M, Mt = 1536, 8960, 16, 8
-  shapes = dict(q=(D, D), k=(D, D), v=(D, D), o=(D, D), cross_q=(D, D), cross_o=(D, D), cross_k=(D, D),
-                cross_v=(D, D), ffn_in=(D, F), ffn_out=(F, D))
-  w = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+  w = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in block.weight_shapes(D, F).items()}
   cost = jax.jit(block.matmul_chain).lower(jax.ShapeDtypeStruct((M, D), jnp.float32),
                                            jax.ShapeDtypeStruct((Mt, D), jnp.float32), w).compile().cost_analysis()
   counted = (cost[0] if isinstance(cost, list) else cost)["flops"]
@@ -44,12 +41,3 @@ def test_bad_sizes_are_refused_naming_the_value(capsys, flags, message):
   with pytest.raises(SystemExit):
     block.main(["--preset", "tiny", *flags])
   assert message in capsys.readouterr().err
-
-
-def test_median_seconds_is_the_median_of_the_calls():
-  calls = []
-
-  def fn(x):
-    calls.append(1)
-    return np.asarray(x)
-  assert block.median_seconds(fn, 1.0, repeats=3) >= 0 and len(calls) == 4  # one warm-up + 3 timed
