@@ -8,10 +8,13 @@
 Both use one carry layout (o, l, m) so a ring step can pick either at run time (`attend`'s mode
 "auto": a `lax.cond` for XLA, a branch inside the one kernel for Pallas). The logits
 reach the kernels multiplied by scale * log2(e) (folded into q once, or applied to the fp32 logits
-for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`BlockLayout`) pads T and S
-to block multiples, and `attend` masks the padded key slots itself. The settings (`BlockSizes`,
-backends, implementation names) live in `attention.settings`. Internal layout is heads-major:
-q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v [B, K, S, H].
+for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`block_layout.BlockLayout`)
+pads T and S to block multiples, and `attend` masks the padded key slots itself. The settings
+(`BlockSizes`, backends, implementation names) live in `attention.settings`. Internal layout is
+heads-major: q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v
+[B, K, S, H]; but for the Pallas kernels on one device (`attend_tokens`), which read the caller's
+token-major q [B, T, N, H], k/v [B, S, K, H] in place, unpadded, where a head is whole 128-lane
+column blocks (no layout copies around the kernel).
 
 Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
 """
@@ -31,133 +34,10 @@ from attention import heads
 from attention import kernels
 from attention.carry import Carry, Start, finish
 from attention.masks import key_mask, validate_qkv
-from attention.padding import pad_axis, round_up
-from attention.settings import IMPLEMENTATIONS, BlockSizes, resolve_backend
+from attention.block_layout import BlockLayout
+from attention.settings import IMPLEMENTATIONS, BlockSizes, matmul_precision, resolve_backend
 
 Mode = Literal["lse", "fixed_m", "auto"]
-# Position given to padded key slots: far from every real position, so every mask rejects it.
-PAD_POSITION = 1 << 30
-
-
-def _precision(dtype):
-  # fp32 inputs get true fp32 matmuls (GPUs would otherwise use TF32); bf16 uses the native path.
-  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def capped_block(n: int, block: int) -> int:
-  """min(block, next power of two >= max(n, 128)): the requested Pallas `block` capped so that a
-  short length `n` is not padded past its own power of two."""
-  return min(block, max(128, 1 << (n - 1).bit_length()))
-
-
-def pallas_block(n: int, block: int) -> int:
-  """The Pallas kernels' block for a length of `n` rows or keys, given the requested `block` (a
-  multiple of 128): `capped_block`, halved (while it stays a multiple
-  of 128) until it pads `n` by at most n / 8, else the candidate padding least (the larger on a
-  tie). A short query must not run mostly on padding: a causal chunk's 4,680 rows in the v5e
-  default's 4,096-row blocks are 8,192 rows (43 % padding), in 1,024-row blocks 5,120 (9 %); a
-  quarter-size query block costs 2-5 % per FLOP on a v5e (docs/measurements/attention.md: 1024 x
-  1024 against 4096 x 1024), so the bound is an eighth. A length the requested block already fits
-  (32,760 in 4,096) is unchanged."""
-  candidates = [capped_block(n, block)]
-  while candidates[-1] % 256 == 0:
-    candidates.append(candidates[-1] // 2)
-  for c in candidates:
-    if round_up(n, c) - n <= n // 8:
-      return c
-  return min(candidates, key=lambda c: (round_up(n, c), -c))
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockLayout:
-  """The one block set-up of an attention call: real lengths, block sizes and the padding.
-
-  Every blockwise path (`local_attention`, each device of `usp_attention`, the halo/all-gather
-  window paths) builds its layout here and hands it to `attend`, which masks the padded key slots
-  (slot index >= S) *by construction*, whatever the caller's other masks: a padded key can never
-  join a softmax. Padded query rows (index >= T) are computed on zero queries and dropped by
-  `unpad_rows`; they feed no statistic that a real row reads (their norm is 0, so the fixed-m
-  maxima ignore them).
-
-  Attributes:
-    T: real query rows; S: real key slots (a slot may still be masked by position, e.g. a
-      halo neighbour that does not exist, or a key beyond `kv_valid_len`).
-    block_q: query rows per block (<= T); block_kv: keys per block (<= S).
-  """
-
-  T: int
-  S: int
-  block_q: int
-  block_kv: int
-  backend: str = "xla"
-
-  @classmethod
-  def make(cls, T: int, S: int, block_sizes: "BlockSizes", backend: str = "xla") -> "BlockLayout":
-    """Blocks of min(block_q, T) x min(block_kv, S) (XLA) or, for the Pallas kernels, `pallas_block`
-    of each length: multiples of 128, powers of two when the given sizes are, and never padding a
-    length by more than an eighth where a halved block avoids it; T and S padded up to multiples
-    of them.
-
-    Raises:
-      ValueError: Pallas block sizes that are not multiples of 128.
-    """
-    if backend == "pallas":
-      if block_sizes.block_q % 128 or block_sizes.block_kv % 128:
-        raise ValueError(f"the Pallas attention kernels need block sizes that are multiples of 128, got {block_sizes}")
-      return cls(T, S, pallas_block(T, block_sizes.block_q), pallas_block(S, block_sizes.block_kv), "pallas")
-    if backend != "xla":
-      raise ValueError(f"BlockLayout backend must be 'xla' or 'pallas' (resolve 'auto' first), got {backend!r}")
-    return cls(T, S, min(block_sizes.block_q, T), min(block_sizes.block_kv, S))
-
-  @property
-  def T_pad(self) -> int:
-    return round_up(self.T, self.block_q)
-
-  @property
-  def S_pad(self) -> int:
-    return round_up(self.S, self.block_kv)
-
-  @property
-  def kv_padded(self) -> bool:
-    """Static: some key slots are block padding (so `attend` must mask)."""
-    return self.S_pad != self.S
-
-  def queries(self, q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
-    """Token-major q [B, T, N, H] -> the kernels' [B, K, G, T_pad, H] (query head n = k * G + g)."""
-    B, T, N, H = q_BTNH.shape
-    K = num_kv_heads
-    return self.pad_q(q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4))
-
-  def keys(self, x_BSKH: jax.Array) -> jax.Array:
-    """Token-major k or v [B, S, K, H] -> [B, K, S_pad, H]."""
-    return self.pad_kv(x_BSKH.transpose(0, 2, 1, 3))
-
-  def output(self, o_BKGTH: jax.Array) -> jax.Array:
-    """`finish`'s [B, K, G, T_pad, H] -> token-major [B, T, N, H] (padded rows dropped)."""
-    B, K, G, _, H = o_BKGTH.shape
-    return self.unpad_rows(o_BKGTH).transpose(0, 3, 1, 2, 4).reshape(B, self.T, K * G, H)
-
-  def pad_q(self, x_BKGTH: jax.Array) -> jax.Array:
-    """[B, K, G, T, H] (or a carry field [B, K, G, T]) zero-padded to T_pad rows."""
-    return pad_axis(x_BKGTH, 3, self.T_pad)
-
-  def pad_kv(self, x_BKSH: jax.Array) -> jax.Array:
-    """[B, K, S, H] zero-padded to S_pad slots (masked by `attend`)."""
-    return pad_axis(x_BKSH, 2, self.S_pad)
-
-  def q_positions(self, pos_T: jax.Array) -> jax.Array:
-    """int32 [T_pad]: the real rows' global positions, then PAD_POSITION."""
-    return pad_axis(pos_T.astype(jnp.int32), 0, self.T_pad, value=PAD_POSITION)
-
-  def kv_positions(self, pos_S: jax.Array) -> jax.Array:
-    """int32 [S_pad]: the real slots' global positions, then PAD_POSITION."""
-    return pad_axis(pos_S.astype(jnp.int32), 0, self.S_pad, value=PAD_POSITION)
-
-  def unpad_rows(self, x_BKGTH: jax.Array) -> jax.Array:
-    """Drops the padded query rows (axis 3)."""
-    return x_BKGTH[:, :, :, :self.T]
-
-
 def query_scaling(q: jax.Array, scale: float, q_prescaled: bool) -> tuple[jax.Array, float]:
   """How q meets the base-2 kernels with at most one rounding of q: returns (q_in, logit_scale).
 
@@ -180,7 +60,7 @@ def query_scaling(q: jax.Array, scale: float, q_prescaled: bool) -> tuple[jax.Ar
 
 def _block_update(carry: Carry, q, k, v, mask, mode: Mode, logit_scale: float) -> Carry:
   """One [T_blk, S_blk] block: q [B,K,G,Tb,H], k/v [B,K,Sb,H], mask None or bool [B|1, Tb, Sb]."""
-  prec = _precision(q.dtype)
+  prec = matmul_precision(q.dtype)
   s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32, precision=prec)
   if logit_scale != 1.0:
     s = s * logit_scale
@@ -343,26 +223,62 @@ def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout,
       finish_to=finish_to)
 
 
-def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
-                       finish_to):
-  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
-                       finish_to)
-  return out, (carry, q, k, v, q_pos, kv_pos, kv_limit, fixed)
+def _saving_inputs(primal):
+  """A Pallas call's custom-VJP forward: the call, its residuals the traced arguments (carry, q, k,
+  v, q_pos, kv_pos, kv_limit, fixed)."""
+  def fwd(*args):
+    return primal(*args), args[:8]
+  return fwd
 
 
-def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, finish_to, residuals, cotangent):
-  carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
-  xla = dataclasses.replace(layout, backend="xla")
+def _xla_vjp(update):
+  """A Pallas call's custom-VJP backward: the VJP of `update(kw, carry, q, k, v)`, the same call on
+  the XLA loops (a recompute of the forward in XLA, then its transpose), so gradients equal the
+  XLA path's."""
+  def bwd(mode, layout, window, causal, logit_scale, finish_to, residuals, cotangent):
+    carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
+    kw = dict(mode=mode, layout=dataclasses.replace(layout, backend="xla"), q_pos=q_pos, kv_pos=kv_pos,
+              kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed,
+              finish_to=finish_to)
+    _, pullback = jax.vjp(functools.partial(update, kw), carry, q, k, v)
+    return (*pullback(cotangent), None, None, None, None)
+  return bwd
 
-  def update(carry, q, k, v):
-    return attend(carry, q, k, v, mode=mode, layout=xla, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit,
-                  window=window, causal=causal, logit_scale=logit_scale, fixed=fixed, finish_to=finish_to)
 
-  _, pullback = jax.vjp(update, carry, q, k, v)
-  return (*pullback(cotangent), None, None, None, None)
+def _heads_update(kw, carry, q, k, v):
+  return attend(carry, q, k, v, **kw)
 
 
-_attend_pallas.defvjp(_attend_pallas_fwd, _attend_pallas_bwd)
+def _tokens_update(kw, start, q_BTNH, k_BSKH, v_BSKH):
+  xla = kw["layout"]
+  return xla.output(attend(start, xla.queries(q_BTNH, k_BSKH.shape[2]), xla.keys(k_BSKH), xla.keys(v_BSKH), **kw))
+
+
+_attend_pallas.defvjp(_saving_inputs(_attend_pallas), _xla_vjp(_heads_update))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def attend_tokens(start, q_BTNH, k_BSKH, v_BSKH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal,
+                  logit_scale, finish_to):
+  """`attend` from a `Start` to the finished output on token-major, unpadded operands: the Pallas
+  kernels' form for one device's whole attention (`kernels.attend_tokens_kernel`; where
+  `layout.token_major(H)`). Differentiable: the backward pass is the XLA loops' VJP on the
+  heads-major, padded operands (`attend`'s), so gradients equal the XLA path's.
+
+  Args:
+    start: a `carry.Start`; q_BTNH [B, T, N, H]; k_BSKH, v_BSKH [B, S, K, H]; q_pos, kv_pos:
+      `layout.q_positions` / `kv_positions`; kv_limit, fixed, mode, window, causal, logit_scale:
+      as `attend` (positional here: `jax.custom_vjp`); finish_to: the output dtype.
+
+  Returns:
+    [B, T, N, H] in `finish_to`.
+  """
+  return kernels.attend_tokens_kernel(
+      start, q_BTNH, k_BSKH, v_BSKH, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q, bk=layout.block_kv,
+      window=window, causal=causal, logit_scale=logit_scale, finish_to=finish_to, fixed=fixed)
+
+
+attend_tokens.defvjp(_saving_inputs(attend_tokens), _xla_vjp(_tokens_update))
 
 
 def local_attention(
@@ -440,39 +356,37 @@ def check_block_sizes(block_sizes: BlockSizes | None, backend: str, platform: st
                                              "q_prescaled", "backend"))
 def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementation, block_sizes,
                      q_prescaled, backend):
-  T, S, K = q.shape[1], k.shape[1], k.shape[2]
+  T, S, K, H = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
   q_in, logit_scale = query_scaling(q, scale, q_prescaled)
   layout = BlockLayout.make(T, S, block_sizes, backend)
-  q_BKGTH, k_BKSH, v_BKSH = layout.queries(q_in, K), layout.keys(k), layout.keys(v)
   kv_limit = None if kv_valid_len is None else jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   windowed = window is not None or causal
-  attend_kw = dict(layout=layout, q_pos=layout.q_positions(jnp.arange(T)),
-                   kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=kv_limit, window=window,
-                   causal=causal, logit_scale=logit_scale, finish_to=q.dtype)
+  q_pos, kv_pos = layout.q_positions(jnp.arange(T)), layout.kv_positions(jnp.arange(S))
+  if layout.token_major(H):  # the kernel reads q, k, v in place: no padding or transposing copies
+    def run(start, mode, fixed=None):
+      return attend_tokens(start, q_in, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal,
+                           logit_scale, q.dtype)
+  else:
+    operands = layout.queries(q_in, K), layout.keys(k), layout.keys(v)
 
-  def lse_path():
-    return attend(Start(), q_BKGTH, k_BKSH, v_BKSH, mode="lse", **attend_kw)
+    def run(start, mode, fixed=None):
+      return layout.output(attend(start, *operands, mode=mode, layout=layout, q_pos=q_pos, kv_pos=kv_pos,
+                                  kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale,
+                                  fixed=fixed, finish_to=q.dtype))
 
   def offsets(stats, c_max):
     return fm.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=windowed)
 
-  def fixed_m_path(stats, c_max):
-    return attend(Start(offsets(stats, c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="fixed_m", **attend_kw)
-
   # One key block (e.g. 512 text keys): LSE rescales nothing that fixed-m would save, so the Pallas
   # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
   if implementation == "lse" or (implementation == "auto" and backend == "pallas" and layout.S_pad == layout.block_kv):
-    out = lse_path()
-  else:
-    stats = fm.local_key_stats(k, v, kv_valid_len)
-    q_norm_max = fm.query_norm_max(q_in) * logit_scale  # [B, N], of q * scale * log2 e
-    gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count,
-                           windowed=windowed)
-    if implementation == "fixed_m":
-      out = jnp.where(gate.eligible, fixed_m_path(stats, gate.c_max), jnp.nan)
-    elif backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
-      out = attend(Start(offsets(stats, gate.c_max)), q_BKGTH, k_BKSH, v_BKSH, mode="auto", fixed=gate.eligible,
-                   **attend_kw)
-    else:
-      out = jax.lax.cond(gate.eligible, lambda: fixed_m_path(stats, gate.c_max), lse_path)
-  return layout.output(out)  # in q's dtype (finish_to)
+    return run(Start(), "lse")
+  stats = fm.local_key_stats(k, v, kv_valid_len)
+  q_norm_max = fm.query_norm_max(q_in) * logit_scale  # [B, N], of q * scale * log2 e
+  gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count, windowed=windowed)
+  if implementation == "fixed_m":
+    return jnp.where(gate.eligible, run(Start(offsets(stats, gate.c_max)), "fixed_m"), jnp.nan)
+  if backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
+    return run(Start(offsets(stats, gate.c_max)), "auto", gate.eligible)
+  return jax.lax.cond(gate.eligible, lambda: run(Start(offsets(stats, gate.c_max)), "fixed_m"),
+                      lambda: run(Start(), "lse"))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from attention.block_layout import PAD_POSITION, BlockLayout
 from attention import blockwise as bw
 from attention.carry import Start
 from attention.masks import validate_qkv
@@ -117,14 +118,14 @@ def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes, back
     # From chunk - h: its last n rows (keys just before mine).
     tail = jax.lax.ppermute(kv[:, :, Tl - n:], SEQUENCE_AXES, [(j, j + h) for j in range(D - h)])
     src = chunk - h
-    pos = jnp.where(src >= 0, src * Tl + Tl - n + jnp.arange(n), bw.PAD_POSITION)
+    pos = jnp.where(src >= 0, src * Tl + Tl - n + jnp.arange(n), PAD_POSITION)
     pieces.insert(0, tail)
     positions.insert(0, pos)
     if not causal:  # from chunk + h: its first n rows
       head = jax.lax.ppermute(kv[:, :, :n], SEQUENCE_AXES, [(j + h, j) for j in range(D - h)])
       src = chunk + h
       pieces.append(head)
-      positions.append(jnp.where(src < D, src * Tl + jnp.arange(n), bw.PAD_POSITION))
+      positions.append(jnp.where(src < D, src * Tl + jnp.arange(n), PAD_POSITION))
   kv = jnp.concatenate(pieces, axis=2)
   kv_pos = jnp.concatenate(positions).astype(jnp.int32)
   return _attend_positions(q, kv[0], kv[1], own_pos, kv_pos, limit, window=window, causal=causal,
@@ -134,7 +135,7 @@ def _halo_body(q, k, v, limit, *, U, R, window, causal, scale, block_sizes, back
 def _attend_positions(q, k, v, q_pos, kv_pos, limit, *, window, causal, scale, block_sizes, backend):
   """LSE attention of q [B, T, N, H] to k/v [B, S, K, H] at explicit global positions."""
   T, S, K = q.shape[1], k.shape[1], k.shape[2]
-  layout = bw.BlockLayout.make(T, S, block_sizes, backend)
+  layout = BlockLayout.make(T, S, block_sizes, backend)
   q_in, logit_scale = bw.query_scaling(q, scale, False)
   q_BKGTH = layout.queries(q_in, K)
   out = bw.attend(Start(), q_BKGTH, layout.keys(k), layout.keys(v), mode="lse", layout=layout,

@@ -23,9 +23,12 @@ its own program (Triton cannot slice a tile) and the group's K/V reads meet in L
 TPU (`_tpu_call`): grid (B, K, T_pad / bq, S_pad / bk), the key axis innermost and sequential
 ("arbitrary"); the carry lives in VMEM scratch across it, with the row statistics as columns
 [rows, 128] (the layout the VPU wants) and converted from/to the carry's [G, T] rows once per query
-block by a 2D transpose. GPU (`_gpu_call`): grid (B, K, G, T_pad / bq), one program per query head and
-block looping over the key blocks in registers (`lax.fori_loop`), as jax's Pallas GPU flash
-attention.
+block by a 2D transpose. Its operands are heads-major and padded to the blocks (`attend_kernel`:
+USP's ring steps, the halo paths), or token-major and unpadded (`attend_tokens_kernel`: one
+device's whole attention), read where the projections leave them, one head a 128-lane column
+block, over ceil-divided blocks. GPU (`kernels_gpu.gpu_call`): grid (B, K, G, T_pad / bq), one
+program per query head and block looping over the key blocks in registers (`lax.fori_loop`), as
+jax's Pallas GPU flash attention.
 The carry's two ends can live in the kernel: from a `carry.Start` the TPU kernel sets o = l = 0
 and m (-inf, or the fixed-m offsets of its own query tile) in VMEM on the first key block, and
 with `finish_to` it writes o / l in the output dtype on the last (`_tpu_init`, `_tpu_store`).
@@ -46,37 +49,14 @@ from jax.experimental import pallas as pl
 
 from attention import fixed_m as fm
 from attention import heads
+from attention import kernels_gpu
 from attention.carry import Carry, Start
+from attention.masks import kernel_mask
+from attention.padding import pad_axis
+from attention.settings import matmul_precision
 
 LANES = 128  # TPU vector lanes; the column layout of the per-row statistics
 _TRANS_B = (((1,), (1,)), ((), ()))  # q [rows, H] . k [bk, H]^T
-
-
-def _precision(dtype):
-  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def _mask(q_pos_col, kv_pos_row, slot_row, *, limit, S, kv_padded, window, causal):
-  """Bool [bq, bk] (or None): key visible to query, from positions (q_pos_col [bq, 1] and
-  kv_pos_row / slot_row [1, bk] int32; limit an int32 scalar or None)."""
-  mask = None
-
-  def both(a, b):
-    return b if a is None else a & b
-
-  if limit is not None:
-    mask = both(mask, kv_pos_row < limit)
-  if causal or window is not None:
-    diff = q_pos_col - kv_pos_row
-    if causal:
-      mask = both(mask, diff >= 0)
-    if window is not None:
-      mask = both(mask, jnp.abs(diff) <= window)
-  if kv_padded:
-    mask = both(mask, slot_row < S)
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, (q_pos_col.shape[0], kv_pos_row.shape[1]))
-  return mask
 
 
 # --- TPU (Mosaic) -----------------------------------------------------------------------------------
@@ -86,18 +66,28 @@ def _rows_to_columns(x_1R):
   return jnp.transpose(jnp.broadcast_to(x_1R, (LANES, x_1R.shape[1])))
 
 
-def _fresh_offsets(q_ref, stats_ref, *, rows, H, logit_scale, windowed, margin):
-  """fp32 [rows, LANES]: the fixed-m offsets of this query tile (`fm.offsets_of_rows`) from the
-  stats tile [8, H] (`fm.OffsetInputs.packed`), as columns."""
-  q = q_ref[...].reshape(rows, H).astype(jnp.float32)
+def _q_rows(q_ref, G: int, H: int, token_major: bool):
+  """The query tile as rows [G * bq, H] (head g's rows at g * bq): a heads-major block [G, bq, H]
+  reshaped, or a token-major block [bq, G * H] (head g its g-th column block) stacked by heads."""
+  if not token_major:
+    return q_ref[...].reshape(-1, H)
+  if G == 1:
+    return q_ref[...]
+  return jnp.concatenate([q_ref[:, g * H:(g + 1) * H] for g in range(G)], axis=0)
+
+
+def _fresh_offsets(q_rows, stats_ref, *, logit_scale, windowed, margin):
+  """fp32 [rows, LANES]: the fixed-m offsets of this query tile (`fm.offsets_of_rows`) of rows
+  q_rows [rows, H] from the stats tile [8, H] (`fm.OffsetInputs.packed`), as columns."""
+  q = q_rows.astype(jnp.float32)
   if logit_scale != 1.0:
     q = q * logit_scale
   st = stats_ref[...]
   b = fm.offsets_of_rows(q, st[0:1, :], st[1:2, 0:1], st[2:3, 0:1], windowed=windowed, margin=margin)
-  return jnp.broadcast_to(b, (rows, LANES))
+  return jnp.broadcast_to(b, (q.shape[0], LANES))
 
 
-def _tpu_init(ins, flag_ref, q_ref, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, start, mode, G, bq, needs_mask,
+def _tpu_init(ins, flag_ref, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, start, mode, G, bq, needs_mask,
               **offset_kw):
   """The first key block's set-up of the VMEM carry: read from the carry inputs (start "carry") or
   built here (o = l = 0, m = -inf or the fixed-m offsets: no zeros or offsets read from HBM)."""
@@ -114,20 +104,24 @@ def _tpu_init(ins, flag_ref, q_ref, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, st
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     if start == "offsets":
       def pin():
-        m_scr[...] = _fresh_offsets(q_ref, ins[0], rows=rows, H=H, **offset_kw)
+        m_scr[...] = _fresh_offsets(q_rows(), ins[0], **offset_kw)
       pl.when(flag_ref[0] != 0)(pin) if mode == "auto" else pin()
   if needs_mask:
     qp_scr[...] = _rows_to_columns(qpos_ref[...])
 
 
-def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq):
+def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq, token_major):
   """The last key block's output: the carry, or with `finish` o / l in the output's dtype
-  (`carry.finish`: no fp32 o, l, m in HBM)."""
+  (`carry.finish`: no fp32 o, l, m in HBM), as a heads-major [G, bq, H] block or a token-major
+  [bq, G * H] one."""
   H = o_scr.shape[1]
   if finish:
     l = l_scr[:, :1]
-    o = jnp.where(l > 0, o_scr[...] / jnp.where(l > 0, l, 1.0), 0.0)
-    outs[0][...] = o.astype(outs[0].dtype).reshape(G, bq, H)
+    o = jnp.where(l > 0, o_scr[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(outs[0].dtype)
+    if not token_major:
+      outs[0][...] = o.reshape(G, bq, H)
+    else:
+      outs[0][...] = o if G == 1 else jnp.concatenate([o[g * bq:(g + 1) * bq] for g in range(G)], axis=1)
     return
   o_out, l_out, m_out = outs
   o_out[...] = o_scr[...].reshape(G, bq, H)
@@ -157,21 +151,22 @@ def _lse_update(v, o_scr, l_scr, m_scr, prec, s):
 
 
 def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
-                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin):
+                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, token_major):
   n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
   n_out = 1 if finish else 3
   ins, outs, (o_scr, l_scr, m_scr, qp_scr) = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
   b, j = pl.program_id(0), pl.program_id(3)
-  H = q_ref.shape[-1]
+  H = o_scr.shape[1]
   rows = G * bq
+  q_rows = functools.partial(_q_rows, q_ref, G, H, token_major)
   needs_mask = use_limit or kv_padded or causal or window is not None
   pl.when(j == 0)(functools.partial(
-      _tpu_init, ins, flag_ref, q_ref, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, mode=mode, G=G, bq=bq,
+      _tpu_init, ins, flag_ref, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, mode=mode, G=G, bq=bq,
       needs_mask=needs_mask, logit_scale=logit_scale, windowed=windowed, margin=margin))
 
-  q = q_ref[...].reshape(rows, H)
-  k, v = k_ref[...], v_ref[...]
-  prec = _precision(q.dtype)
+  q = q_rows()
+  k = k_ref[...]
+  prec = matmul_precision(q.dtype)
 
   def scores(masked):
     s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
@@ -179,15 +174,23 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
       s = s * logit_scale
     if masked:
       slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-      mask = _mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
-                   kv_padded=kv_padded, window=window, causal=causal)
+      mask = kernel_mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
+                         kv_padded=kv_padded, window=window, causal=causal)
       s = jnp.where(mask[None], s.reshape(G, bq, bk), -jnp.inf).reshape(rows, bk)
     return s
 
-  fixed_m_update = functools.partial(_fixed_m_update, v, o_scr, l_scr, m_scr, prec)
-  lse_update = functools.partial(_lse_update, v, o_scr, l_scr, m_scr, prec)
+  def values(masked):
+    v = v_ref[...]
+    if masked and kv_padded and token_major:
+      # Unpadded K/V: the last block's slots >= S are read past the array's end (undefined, maybe
+      # NaN); their logits are masked above, and their values are zeroed so that 0 * NaN joins no sum.
+      slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+      v = jnp.where(slot < S, v, jnp.zeros_like(v))
+    return v
 
   def block(masked):
+    fixed_m_update = functools.partial(_fixed_m_update, values(masked), o_scr, l_scr, m_scr, prec)
+    lse_update = functools.partial(_lse_update, values(masked), o_scr, l_scr, m_scr, prec)
     if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
       pl.when(flag_ref[0] != 0)(lambda: fixed_m_update(scores(masked)))
       pl.when(flag_ref[0] == 0)(lambda: lse_update(scores(masked)))
@@ -204,7 +207,7 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
     block(needs_mask)
 
   pl.when(j == pl.num_programs(3) - 1)(functools.partial(_tpu_store, outs, o_scr, l_scr, m_scr, finish=finish,
-                                                           G=G, bq=bq))
+                                                           G=G, bq=bq, token_major=token_major))
 
 
 TPU_DEFAULT_SCOPED_VMEM = 16 << 20  # XLA:TPU's scoped VMEM limit per kernel on v5e (v6e: 32 MiB)
@@ -241,22 +244,24 @@ def _start_kind(carry) -> str:
   return "lse" if carry.offsets is None else "offsets"
 
 
-def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
-              window, causal, logit_scale, finish_to, interpret):
-  from jax.experimental.pallas import tpu as pltpu
-
+def _tpu_operands(q, k, v, *, bq, bk, token_major):
+  """What the TPU kernel reads: ((B, K, G, nq, nk, H), [q, k, v] arrays, their BlockSpecs, the
+  output's BlockSpec and shape). Heads-major: q [B, K, G, T_pad, H] (or `Heads`), k/v [B, K, S_pad,
+  H] (or `Heads`, or the packed K/V). Token-major: q [B, T, N, H], k/v [B, S, K, H] as their free
+  reshapes [B, L, heads * H], kv head h the column block h of k and v, its G query heads the
+  (G * H)-wide block h of q; the grid covers T and S with ceil-divided blocks (no padding copy)."""
+  sq = pl.squeezed
+  if token_major:
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    q_spec = pl.BlockSpec((sq, bq, G * H), lambda b, h, i, j, *_: (b, i, h))
+    kv_spec = pl.BlockSpec((sq, bk, H), lambda b, h, i, j, *_: (b, j, h))
+    arrays = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]
+    return (B, K, G, pl.cdiv(T, bq), pl.cdiv(S, bk), H), arrays, [q_spec, kv_spec, kv_spec], q_spec, (B, T, N * H)
   B, K, G, T, H = heads.update_dims(q, k, v)
   (q, q_off), (k, k_off) = heads.split(q), heads.split(k)
   (v, v_off) = (k, k_off + K) if v is None else heads.split(v)  # packed K/V: values K heads after keys
-  S_pad = k.shape[2]
-  nq, nk = T // bq, S_pad // bk
-  start = _start_kind(carry)
-  offsets = carry.offsets if start == "offsets" else None
-  sq = pl.squeezed
-  kernel = functools.partial(
-      _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
-      kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
-      windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin)
   q_spec = pl.BlockSpec((sq, sq, G, bq, H), lambda b, h, i, j, *_: (b, h, 0, i, 0))
   if q.ndim == 4:  # a heads-major buffer: the G query heads of kv head h are block h (+ offset)
     q_in_spec = pl.BlockSpec((sq, G, bq, H), lambda b, h, i, j, *_: (b, h + q_off // G, i, 0))
@@ -264,178 +269,79 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
     q_in_spec = q_spec
   k_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + k_off, j, 0))
   v_spec = pl.BlockSpec((sq, sq, bk, H), lambda b, h, i, j, *_: (b, h + v_off, j, 0))
+  dims = (B, K, G, T // bq, k.shape[2] // bk, H)
+  return dims, [q, k, v], [q_in_spec, k_spec, v_spec], q_spec, (B, K, G, T, H)
+
+
+def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
+              window, causal, logit_scale, finish_to, interpret, token_major=False):
+  from jax.experimental.pallas import tpu as pltpu
+
+  (B, K, G, nq, nk, H), qkv, qkv_specs, q_spec, o_shape = _tpu_operands(q, k, v, bq=bq, bk=bk,
+                                                                          token_major=token_major)
+  start = _start_kind(carry)
+  offsets = carry.offsets if start == "offsets" else None
+  sq = pl.squeezed
+  kernel = functools.partial(
+      _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
+      kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
+      windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin,
+      token_major=token_major)
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
-  in_specs = [q_in_spec, k_spec, v_spec, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
+  in_specs = [*qkv_specs, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
               pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j))]
-  args = [limit, flag, q, k, v, q_pos.reshape(1, T), kv_pos.reshape(1, S_pad)]
+  args = [limit, flag, *qkv, q_pos.reshape(1, nq * bq), kv_pos.reshape(1, nk * bk)]
   if start == "carry":
     in_specs += [q_spec, row_spec, row_spec]
     args += [carry.o, carry.l, carry.m]
   elif start == "offsets":
     in_specs.append(pl.BlockSpec((sq, sq, 8, H), lambda b, h, i, j, *_: (b, h, 0, 0)))
     args.append(offsets.packed())
-  o_shape = (B, K, G, T, H)
   if finish_to is not None:
     out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(o_shape, finish_to)]
   else:
     out_specs = [q_spec, row_spec, row_spec]
     out_shape = [jax.ShapeDtypeStruct(o_shape, jnp.float32), *[jax.ShapeDtypeStruct(o_shape[:4], jnp.float32)] * 2]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=(B, K, nq, nk),
-      in_specs=in_specs,
-      out_specs=out_specs,
+      num_scalar_prefetch=2, grid=(B, K, nq, nk), in_specs=in_specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((G * bq, H), jnp.float32), pltpu.VMEM((G * bq, LANES), jnp.float32),
                       pltpu.VMEM((G * bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.int32)])
-  return pl.pallas_call(
+  out = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
       out_shape=out_shape,
       input_output_aliases={7: 0, 8: 1, 9: 2} if start == "carry" and finish_to is None else {},
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=tpu_vmem_limit(bq, bk, G, H, q.dtype.itemsize)),
+          vmem_limit_bytes=tpu_vmem_limit(bq, bk, G, H, qkv[0].dtype.itemsize)),
       interpret=interpret,
       name=f"attend_{mode}",
   )(*args)
-
-
-# --- GPU (Triton) -----------------------------------------------------------------------------------
-
-def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lim_ref, *refs, mode, fresh, finish, bk, nk, H, S,
-                kv_padded, use_limit, window, causal, logit_scale):
-  from jax.experimental.pallas import triton as plgpu
-
-  n_in = 1 if fresh else 3  # fresh: m only (o = l = 0 here)
-  ins, outs = refs[:n_in], refs[n_in:]
-
-  Hp = q_ref.shape[-1]
-  head_ok = (jnp.arange(Hp) < H)[None, :]  # head dims that are not powers of two: masked loads
-  q = plgpu.load(q_ref, mask=head_ok, other=0.0)  # [bq, Hp]
-  prec = _precision(q.dtype)
-  limit = lim_ref[pl.program_id(0)] if use_limit else None
-  q_pos_col = qpos_ref[...][:, None]
-  needs_mask = use_limit or kv_padded or causal or window is not None
-
-  def body(j, carry):
-    o, l, m = carry
-    sl = pl.ds(j * bk, bk)
-    k = plgpu.load(k_ref.at[sl, :], mask=head_ok, other=0.0)
-    v = plgpu.load(v_ref.at[sl, :], mask=head_ok, other=0.0)
-    s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
-    if logit_scale != 1.0:
-      s = s * logit_scale
-    if needs_mask:
-      slot = (j * bk + jnp.arange(bk))[None, :]
-      mask = _mask(q_pos_col, kpos_ref[sl][None, :], slot, limit=limit, S=S, kv_padded=kv_padded,
-                   window=window, causal=causal)
-      s = jnp.where(mask, s, -jnp.inf)
-    if mode == "fixed_m":
-      p = jnp.exp2(s - m[:, None])
-      pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-      return o + pv, l + jnp.sum(p, axis=1), m
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-    return alpha[:, None] * o + pv, alpha * l + jnp.sum(p, axis=1), m_new
-
-  if fresh:
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(q.shape[:1], jnp.float32), ins[0][...])
-  else:
-    init = (plgpu.load(ins[0], mask=head_ok, other=0.0), ins[1][...], ins[2][...])
-  o, l, m = jax.lax.fori_loop(0, nk, body, init)
-  if finish:  # o / l in the output dtype (`carry.finish`)
-    o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    plgpu.store(outs[0], o.astype(outs[0].dtype), mask=head_ok)
-    return
-  plgpu.store(outs[0], o, mask=head_ok)
-  outs[1][...] = l
-  outs[2][...] = m
-
-
-GPU_SHARED_BYTES = 160 * 1024  # shared memory a Triton program may plan for: A100's 164 KiB less scratch
-
-
-def gpu_pipeline_stages(bk: int, Hp: int, itemsize: int) -> int:
-  """Software-pipeline depth of the GPU kernel's key loop: 2 (the next K and V tiles load while this
-  one computes) where two stages of the [bk, Hp] K and V tiles fit `GPU_SHARED_BYTES`, else 1. fp32
-  at bk = Hp = 128 needs 256 KiB for 2 stages, over even the H200's 227 KiB (measured: Triton's
-  "Shared memory size limit exceeded: requested 262656, available: 232448")."""
-  return 2 if 2 * (2 * bk * Hp * itemsize) <= GPU_SHARED_BYTES else 1
-
-
-def _gpu_compiler_params(H: int, bk: int, Hp: int, itemsize: int):
-  from jax.experimental.pallas import triton as plgpu
-
-  return plgpu.CompilerParams(num_warps=4 if H <= 64 else 8, num_stages=gpu_pipeline_stages(bk, Hp, itemsize))
-
-
-def _gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
-              window, causal, logit_scale, finish_to, interpret):
-  """One program per (batch, query head, query block); K/V of the head's kv head read through
-  L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles).
-  "auto": a `lax.cond` on the flag between the two single-mode kernels. A `Start` carry: o = l = 0
-  in the kernel, its m (-inf or the fixed-m offsets) formed by XLA."""
-
-  fresh = isinstance(carry, Start)
-  B, K, G, T, H = heads.update_dims(q, k, v)
-  if fresh:
-    q_BKGTH = heads.take(q).reshape(B, K, G, T, H)
-    carry = Carry(None, None, carry.materialise(q_BKGTH, logit_scale, None if mode != "auto" else flag[0] != 0).m)
-  if mode == "auto":
-    kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
-              logit_scale=logit_scale, finish_to=finish_to, interpret=interpret)
-    args = (carry, q, k, v, q_pos, kv_pos, limit, flag)
-    return jax.lax.cond(flag[0] != 0, lambda: tuple(_gpu_call(*args, mode="fixed_m", **kw)),
-                        lambda: tuple(_gpu_call(*args, mode="lse", **kw)))
-
-  (q, q_off), (k, k_off) = heads.split(q), heads.split(k)
-  (v, v_off) = (k, k_off + K) if v is None else heads.split(v)  # packed K/V: values K heads after keys
-  S_pad = k.shape[2]
-  Hp = pl.next_power_of_2(H)
-  Bp = pl.next_power_of_2(B)
-  limit = jnp.pad(limit, (0, Bp - B))
-  kernel = functools.partial(_gpu_kernel, mode=mode, fresh=carry.o is None, finish=finish_to is not None, bk=bk,
-                             nk=S_pad // bk, H=H, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
-                             causal=causal, logit_scale=logit_scale)
-  sq = pl.squeezed
-  q_spec = pl.BlockSpec((sq, sq, sq, bq, Hp), lambda b, h, g, i: (b, h, g, i, 0))
-  if q.ndim == 4:  # a heads-major buffer: query head h * G + g (+ offset)
-    q_in_spec = pl.BlockSpec((sq, sq, bq, Hp), lambda b, h, g, i: (b, q_off + h * G + g, i, 0))
-  else:
-    q_in_spec = q_spec
-  k_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + k_off, 0, 0))
-  v_spec = pl.BlockSpec((sq, sq, S_pad, Hp), lambda b, h, g, i: (b, h + v_off, 0, 0))
-  row_spec = pl.BlockSpec((sq, sq, sq, bq), lambda b, h, g, i: (b, h, g, i))
-  carry_in = [carry.m] if carry.o is None else [carry.o, carry.l, carry.m]
-  carry_specs = [row_spec] if carry.o is None else [q_spec, row_spec, row_spec]
-  o_shape = (B, K, G, T, H)
-  rows = jax.ShapeDtypeStruct(o_shape[:4], jnp.float32)
-  if finish_to is not None:
-    out_specs, out_shape, aliases = [q_spec], [jax.ShapeDtypeStruct(o_shape, finish_to)], {}
-  else:
-    out_specs, out_shape = [q_spec, row_spec, row_spec], [jax.ShapeDtypeStruct(o_shape, jnp.float32), rows, rows]
-    aliases = {6: 2} if carry.o is None else {6: 0, 7: 1, 8: 2}
-  return pl.pallas_call(
-      kernel,
-      grid=(B, K, G, T // bq),
-      in_specs=[q_in_spec, k_spec, v_spec, pl.BlockSpec((bq,), lambda b, h, g, i: (i,)),
-                pl.BlockSpec((S_pad,), lambda b, h, g, i: (0,)), pl.BlockSpec((Bp,), lambda b, h, g, i: (0,)),
-                *carry_specs],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_gpu_compiler_params(H, bk, Hp, k.dtype.itemsize),
-      interpret=interpret,
-      name=f"attend_{mode}",
-  )(q, k, v, q_pos, kv_pos, limit, *carry_in)
+  return [out[0].reshape(q.shape)] if token_major else out
 
 
 # --- dispatch -----------------------------------------------------------------------------------------
 
 KERNELS = ("tpu", "gpu")
+
+
+def _call_args(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal, logit_scale,
+               fixed, finish_to):
+  """The kernels' checked positional arguments (carry, q, k, v, q_pos, kv_pos, limit, flag) and
+  keywords, shared by `attend_kernel` and `attend_tokens_kernel`."""
+  if (mode == "auto") != (fixed is not None):
+    raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
+  if isinstance(carry, Start):
+    carry.check_mode(mode)
+  if bq % LANES or bk % LANES:
+    raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES}; got bq={bq}, bk={bk}")
+  use_limit = limit is not None
+  if limit is None:
+    limit = jnp.zeros((q.shape[0],), jnp.int32)
+  kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
+            causal=causal, logit_scale=logit_scale, finish_to=None if finish_to is None else jnp.dtype(finish_to))
+  flag = jnp.zeros((1,), jnp.int32) if fixed is None else jnp.asarray(fixed, jnp.int32).reshape(1)
+  return (carry, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32), flag), kw
 
 
 def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal,
@@ -474,27 +380,73 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
       mode (fixed-m and "auto" need them, LSE takes none).
   """
   T, S_pad = heads.update_dims(q, k, v)[3], k.shape[2]
-  if (mode == "auto") != (fixed is not None):
-    raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
-  if isinstance(carry, Start):
-    carry.check_mode(mode)
-  if T % bq or S_pad % bk or bq % LANES or bk % LANES:
-    raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} dividing the "
-                     f"padded lengths; got bq={bq}, bk={bk} for T_pad={T}, S_pad={S_pad}")
-  use_limit = limit is not None
-  if limit is None:
-    limit = jnp.zeros((q.shape[0],), jnp.int32)
-  kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
-            causal=causal, logit_scale=logit_scale, finish_to=None if finish_to is None else jnp.dtype(finish_to))
-  flag = jnp.zeros((1,), jnp.int32) if fixed is None else jnp.asarray(fixed, jnp.int32).reshape(1)
-  args = (carry, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32), flag)
+  if T % bq or S_pad % bk:
+    raise ValueError(f"Pallas attention needs block sizes dividing the padded lengths; got bq={bq}, bk={bk} "
+                     f"for T_pad={T}, S_pad={S_pad}")
+  args, kw = _call_args(carry, q, k, v, q_pos, kv_pos, limit, mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded,
+                        window=window, causal=causal, logit_scale=logit_scale, fixed=fixed, finish_to=finish_to)
   if kernel is not None:
-    out = {"tpu": _tpu_call, "gpu": _gpu_call}[kernel](*args, interpret=True, **kw)
+    out = {"tpu": _tpu_call, "gpu": kernels_gpu.gpu_call}[kernel](*args, interpret=True, **kw)
   else:
     out = jax.lax.platform_dependent(
         *args,
         tpu=lambda *a: tuple(_tpu_call(*a, interpret=False, **kw)),
-        cuda=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
-        rocm=lambda *a: tuple(_gpu_call(*a, interpret=False, **kw)),
+        cuda=lambda *a: tuple(kernels_gpu.gpu_call(*a, interpret=False, **kw)),
+        rocm=lambda *a: tuple(kernels_gpu.gpu_call(*a, interpret=False, **kw)),
         default=lambda *a: tuple(_tpu_call(*a, interpret=True, **kw)))
   return out[0] if finish_to is not None else Carry(*out)
+
+
+def _gpu_from_tokens(start, q, k, v, q_pos, kv_pos, limit, flag, **kw):
+  """The GPU kernel (heads-major blocks only) on token-major operands: transposed to heads-major
+  and zero-padded to the positions' lengths, its output transposed back."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  q5 = pad_axis(q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4), 3, q_pos.shape[0])
+  k4, v4 = (pad_axis(x.transpose(0, 2, 1, 3), 2, kv_pos.shape[0]) for x in (k, v))
+  o = kernels_gpu.gpu_call(start, q5, k4, v4, q_pos, kv_pos, limit, flag, **kw)[0]
+  return [o[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)]
+
+
+def attend_tokens_kernel(start, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, window, causal, logit_scale,
+                         finish_to, fixed=None, kernel: str | None = None):
+  """`attend_kernel` from a `Start` to the finished output, on token-major, unpadded operands.
+
+  The TPU kernel reads q, k and v where the projections leave them: [B, L, heads, H] as the free
+  reshape [B, L, heads * H], one head a column block (H % 128 == 0), over a grid of ceil(T / bq) x
+  ceil(S / bk) blocks: no padding, transposing or unpadding copy around it (on a v5e they were
+  18 ms of a 1.3B 480p block's 126, docs/performance.md). The last key block's slots >= S, read
+  past the keys' end, are masked and their values zeroed; the last query block's rows >= T are
+  computed on whatever lies there and never written. The GPU kernel gets heads-major copies.
+
+  Args:
+    start: a `carry.Start` (LSE, or fixed-m offsets; the only carry this form takes).
+    q: [B, T, N, H]; k, v: [B, S, K, H] (N % K == 0; same dtype).
+    q_pos: int32 [ceil(T / bq) * bq]; kv_pos: int32 [ceil(S / bk) * bk]: global positions, the
+      padded entries any value (`BlockLayout.q_positions` / `kv_positions`).
+    limit, mode, window, causal, logit_scale, fixed, kernel: as `attend_kernel`.
+    finish_to: the output dtype.
+
+  Returns:
+    [B, T, N, H] in `finish_to` (rows that saw no valid key give 0).
+
+  Raises:
+    ValueError: a carry that is not a Start; positions whose lengths are not T and S rounded up to
+      the blocks; as `attend_kernel`.
+  """
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  if not isinstance(start, Start):
+    raise ValueError(f"attend_tokens_kernel starts from a Start, got {type(start).__name__}")
+  if q_pos.shape != (-(-T // bq) * bq,) or kv_pos.shape != (-(-S // bk) * bk,):
+    raise ValueError(f"positions {q_pos.shape}, {kv_pos.shape} are not T={T}, S={S} rounded up to bq={bq}, bk={bk}")
+  args, kw = _call_args(start, q, k, v, q_pos, kv_pos, limit, mode=mode, bq=bq, bk=bk, S=S,
+                        kv_padded=kv_pos.shape[0] != S, window=window, causal=causal, logit_scale=logit_scale,
+                        fixed=fixed, finish_to=finish_to)
+  tpu = functools.partial(_tpu_call, token_major=True, **kw)
+  gpu = functools.partial(_gpu_from_tokens, **kw)
+  if kernel is not None:
+    return {"tpu": tpu, "gpu": gpu}[kernel](*args, interpret=True)[0]
+  return jax.lax.platform_dependent(
+      *args, tpu=lambda *a: tuple(tpu(*a, interpret=False)), cuda=lambda *a: tuple(gpu(*a, interpret=False)),
+      rocm=lambda *a: tuple(gpu(*a, interpret=False)), default=lambda *a: tuple(tpu(*a, interpret=True)))[0]

@@ -70,3 +70,26 @@ def key_mask(
   if window is not None:
     mask = mask & (jnp.abs(diff) <= window)[None]
   return mask
+
+
+def kernel_mask(q_pos_col, kv_pos_row, slot_row, *, limit, S, kv_padded, window, causal):
+  """Bool [bq, bk] (or None): key visible to query, from positions (q_pos_col [bq, 1] and
+  kv_pos_row / slot_row [1, bk] int32; limit an int32 scalar or None)."""
+  mask = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if limit is not None:
+    mask = both(mask, kv_pos_row < limit)
+  if causal or window is not None:
+    diff = q_pos_col - kv_pos_row
+    if causal:
+      mask = both(mask, diff >= 0)
+    if window is not None:
+      mask = both(mask, jnp.abs(diff) <= window)
+  if kv_padded:
+    mask = both(mask, slot_row < S)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (q_pos_col.shape[0], kv_pos_row.shape[1]))
+  return mask

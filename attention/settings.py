@@ -124,3 +124,13 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
     platform = jax.default_backend()
   return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
+
+
+def matmul_precision(dtype):
+  """The `jax.lax.Precision` of the attention matmuls (XLA loops and kernels) for inputs of `dtype`:
+  HIGHEST for fp32 (true fp32 matmuls: GPUs would otherwise use TF32, TPUs bf16 passes), DEFAULT
+  (the native path) for bf16 / fp16."""
+  import jax  # settings import no JAX until compute asks for it (module docstring)
+  import jax.numpy as jnp
+
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, PartitionSpec as P
 
+from attention.block_layout import PAD_POSITION, BlockLayout
 from attention import blockwise as bw
 from attention import fixed_m as fm
 from attention import fp8_exchange as fp8x
@@ -108,7 +109,7 @@ def _padded_source_lengths(Tl: int, Sl: int, U: int, block_sizes: BlockSizes, ba
   (one exchange). Static; a few hundred steps at most."""
   def smallest(L, *sides):  # block_q depends on T only and block_kv on S only, so test both on U * L
     while True:
-      layout = bw.BlockLayout.make(U * L, U * L, block_sizes, backend)
+      layout = BlockLayout.make(U * L, U * L, block_sizes, backend)
       if all((layout.T_pad if side == "q" else layout.S_pad) == U * L for side in sides):
         return L
       L += 1
@@ -270,7 +271,7 @@ def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scal
   # XLA (CPU) pads the gathered buffers at their end instead (a cheap copy there, and no q rows
   # beyond the next block multiple).
   Lq, Lk = _padded_source_lengths(Tl, Sl, U, block_sizes, backend) if backend == "pallas" else (Tl, Sl)
-  layout = bw.BlockLayout.make(U * Lq, U * Lk, block_sizes, backend)
+  layout = BlockLayout.make(U * Lq, U * Lk, block_sizes, backend)
   if fp8:  # Tl == Sl, U > 1: the same exchange with Q, V in e4m3 and K in bf16
     qg, kvbuf = fp8x.heads_to_sequence(qs, k, v, U, Lq)
   elif U > 1 and Tl == Sl:
@@ -292,8 +293,8 @@ def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scal
   def positions(src_chunk, L, real, size):  # global positions of the gathered slots, padded to size
     i = jnp.arange(L)
     pos = (src_chunk * U + jnp.arange(U)[:, None]) * real + i[None, :]
-    pos = jnp.where(i[None, :] < real, pos, bw.PAD_POSITION).reshape(U * L).astype(jnp.int32)
-    return pad_axis(pos, 0, size, value=bw.PAD_POSITION)
+    pos = jnp.where(i[None, :] < real, pos, PAD_POSITION).reshape(U * L).astype(jnp.int32)
+    return pad_axis(pos, 0, size, value=PAD_POSITION)
 
   def kv_positions(src):  # of the ring shard that came from ring rank src
     return positions(src, Lk, Sl, layout.S_pad)

@@ -88,11 +88,11 @@ def eligible_pairs(table: dict) -> list[tuple[int, int]]:
   """The (block_q, block_kv) of one `--topology` table (a `--json` file's dict) that pass the pick's
   filters, in the table's order: (1) fit: Mosaic compiled both paths under the chip's scoped VMEM
   limit; (2) padding: the padded work T_pad * S_pad (T = S = the table's sequence, padded to the
-  pair's own blocks as `blockwise.capped_block` caps them, not halved as `BlockLayout` may halve
+  pair's own blocks as `block_layout.capped_block` caps them, not halved as `BlockLayout` may halve
   them) within `PADDING_TOLERANCE` of the least of the fitting pairs;
   (3) code: the generated code of both paths together (the "auto" kernel holds both updates)
   within `CODE_TOLERANCE` of the least of the fitting pairs."""
-  from attention.blockwise import capped_block
+  from attention.block_layout import capped_block
   from attention.padding import round_up
 
   seq = table["shape"][1]

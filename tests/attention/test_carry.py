@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from attention import BlockSizes, merge_partials
-from attention import blockwise, fixed_m, kernels
+from attention import block_layout, blockwise, fixed_m, kernels
 from attention.carry import Start, carry_lse, finish, init_carry
 from tests.attention.test_blockwise import _err, _inputs, _scaled
 from tests.attention.test_kernels import _start_case
@@ -32,7 +32,7 @@ def test_merge_partials_equals_full_and_guards_empty():
 
   @functools.partial(jax.jit, static_argnums=(0, 1))
   def part(lo, hi):
-    layout = blockwise.BlockLayout.make(T, hi - lo, BlockSizes(16, 96))
+    layout = block_layout.BlockLayout.make(T, hi - lo, BlockSizes(16, 96))
     c = blockwise.attend(init_carry(qs), qs, ks[:, :, lo:hi], vs[:, :, lo:hi], mode="lse",
                          layout=layout, q_pos=jnp.arange(T), kv_pos=jnp.arange(lo, hi))
     return finish(c), carry_lse(c)

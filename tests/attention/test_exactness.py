@@ -28,7 +28,7 @@ import pytest
 
 from attention import (BlockSizes, attention_reference, cross_attention, local_attention, make_mesh,
                        usp_attention)
-from attention import blockwise
+from attention import block_layout, blockwise
 from attention.halo import all_gather_window_attention, halo_attention
 from tests.numerics import fp32_attention_tol, within
 
@@ -91,7 +91,7 @@ def _sample_rows(T, D, seed=0):
 def _check_large(T, U, R, implementation="auto"):
   q, k, v = _inputs(T, U, 16, seed=T, v_mean=1.0)  # N = U: as few heads as the mesh allows
   # The per-device layout really has block padding (the path under test).
-  layout = blockwise.BlockLayout.make(U * T // (U * R), U * T // (U * R), BlockSizes())
+  layout = block_layout.BlockLayout.make(U * T // (U * R), U * T // (U * R), BlockSizes())
   assert T % (U * R) == 0 and layout.kv_padded
   out = usp_attention(q, k, v, mesh=_mesh(U, R), implementation=implementation)
   rows = _sample_rows(T, U * R)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from attention import BlockSizes, attention_reference, fixed_m_gate, local_attention
-from attention import blockwise, fixed_m
+from attention import block_layout, blockwise, fixed_m
 from attention.carry import finish, init_carry
 from tests.attention.test_blockwise import _err, _inputs, _reference_f64, _scaled
 from tests.numerics import fp32_attention_tol as fp32_tol
@@ -105,7 +105,7 @@ def test_per_q_block_bound_is_exact():
   assert bool(jnp.all(b_blk >= b_row - 1e-4))  # a block bound is never below its rows' bound
   @jax.jit
   def fixed_m_with(b):
-    layout = blockwise.BlockLayout.make(T, S, BlockSizes(64, 300))
+    layout = block_layout.BlockLayout.make(T, S, BlockSizes(64, 300))
     carry = blockwise.attend(init_carry(qs, b), qs, ks, vs, mode="fixed_m", layout=layout,
                              q_pos=jnp.arange(T), kv_pos=jnp.arange(S))
     return finish(carry).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)

@@ -1,12 +1,11 @@
 """Operands read in place from one heads-major buffer (attention/heads.py): both Pallas kernels (in
 interpret mode) and the XLA loops give the bits they give for the same heads sliced into arrays."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention import blockwise, kernels
+from attention import block_layout, blockwise, kernels
 from attention.carry import Start
 from attention.heads import Heads, update_dims
 
@@ -30,7 +29,7 @@ def test_in_place_equals_sliced(K, G, kernel):
   pos = jnp.arange(T, dtype=jnp.int32)
   limit = jnp.asarray([200], jnp.int32)
   if kernel is None:  # the XLA loops slice the heads out
-    layout = blockwise.BlockLayout.make(T, T, blockwise.BlockSizes(block_q=128, block_kv=128))
+    layout = block_layout.BlockLayout.make(T, T, blockwise.BlockSizes(block_q=128, block_kv=128))
     call = lambda q, kv: blockwise.attend(Start(), q, kv, None, mode="lse", layout=layout, q_pos=pos, kv_pos=pos,
                                           kv_limit=limit, logit_scale=0.25, finish_to=jnp.float32)
   else:

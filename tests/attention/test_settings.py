@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from attention import BlockSizes, local_attention, make_mesh, resolve_backend, usp_attention
-from attention import blockwise
+from attention import block_layout, blockwise
 from attention.halo import halo_attention
 from tests.attention.test_blockwise import _inputs
 from tests.harness import REPO_ROOT
@@ -37,7 +37,7 @@ def test_backend_choice_and_errors():
   assert blockwise.check_block_sizes(None, "pallas", "cuda") == BlockSizes(128, 128)
   assert blockwise.check_block_sizes(None, "xla", "cpu") == BlockSizes(1024, 512)
   # Pallas blocks: powers of two >= 128, capped by the given sizes.
-  layout = blockwise.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
+  layout = block_layout.BlockLayout.make(1000, 7, BlockSizes(512, 1024), "pallas")
   assert (layout.block_q, layout.block_kv, layout.T_pad, layout.S_pad) == (512, 128, 1024, 128)
 
 
