@@ -1,10 +1,10 @@
 """The one block set-up of an attention call (`BlockLayout`): real lengths, block sizes, padding.
 
 Every blockwise path (`blockwise.local_attention`, each device of `usp_attention`, the halo and
-all-gather window paths) builds its layout here and hands it to `blockwise.attend` (heads-major,
-padded operands) or `blockwise.attend_tokens` (token-major, unpadded: the Pallas kernels' grid
-covers the lengths with ceil-divided blocks). The Pallas blocks are multiples of 128 chosen so that
-a short length is not run mostly on padding (`pallas_block`).
+all-gather window paths) builds its layout here and hands it to `blockwise.attend`: operands padded
+to the blocks, or for one whole attention (a `Start` to the finished output) not, which the Pallas
+kernels read as they are (their grid covers the lengths in ceil-divided blocks). The Pallas blocks
+are multiples of 128 chosen so that a short length is not run mostly on padding (`pallas_block`).
 
 Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
 """
@@ -16,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention import kernels
 from attention.padding import pad_axis, round_up
 from attention.settings import BlockSizes
 
@@ -102,23 +101,19 @@ class BlockLayout:
     """Static: some key slots are block padding (so `attend` must mask)."""
     return self.S_pad != self.S
 
-  def token_major(self, H: int) -> bool:
-    """Static: the call's kernel reads token-major q, k, v in place and unpadded (`attend_tokens`):
-    the Pallas backend, and heads of whole 128-lane column blocks (H % 128 == 0, every Wan model)."""
-    return self.backend == "pallas" and H % kernels.LANES == 0
-
   def queries(self, q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
-    """Token-major q [B, T, N, H] -> the kernels' [B, K, G, T_pad, H] (query head n = k * G + g)."""
+    """Token-major q [B, T, N, H] -> the kernels' [B, K, G, T, H] (query head n = k * G + g), not
+    padded: the Pallas kernels read it as it is, `attend` pads it for the XLA loops."""
     B, T, N, H = q_BTNH.shape
     K = num_kv_heads
-    return self.pad_q(q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4))
+    return q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
 
   def keys(self, x_BSKH: jax.Array) -> jax.Array:
-    """Token-major k or v [B, S, K, H] -> [B, K, S_pad, H]."""
-    return self.pad_kv(x_BSKH.transpose(0, 2, 1, 3))
+    """Token-major k or v [B, S, K, H] -> [B, K, S, H], not padded (as `queries`)."""
+    return x_BSKH.transpose(0, 2, 1, 3)
 
   def output(self, o_BKGTH: jax.Array) -> jax.Array:
-    """`finish`'s [B, K, G, T_pad, H] -> token-major [B, T, N, H] (padded rows dropped)."""
+    """`finish`'s [B, K, G, T or T_pad, H] -> token-major [B, T, N, H] (padded rows dropped)."""
     B, K, G, _, H = o_BKGTH.shape
     return self.unpad_rows(o_BKGTH).transpose(0, 3, 1, 2, 4).reshape(B, self.T, K * G, H)
 

@@ -12,9 +12,9 @@ for bf16 q: `query_scaling`) so the kernels use exp2. One block set-up (`block_l
 pads T and S to block multiples, and `attend` masks the padded key slots itself. The settings
 (`BlockSizes`, backends, implementation names) live in `attention.settings`. Internal layout is
 heads-major: q [B, K, G, T, H] (N = K * G, query head n = k * G + g reads kv head k), k/v
-[B, K, S, H]; but for the Pallas kernels on one device (`attend_tokens`), which read the caller's
-token-major q [B, T, N, H], k/v [B, S, K, H] in place, unpadded, where a head is whole 128-lane
-column blocks (no layout copies around the kernel).
+[B, K, S, H]. One whole attention (a `Start` to the finished output: one device's, the halo
+paths') hands `attend` its operands unpadded; the Pallas kernels read them as they are, with no
+pad or unpad copy around them, and the XLA loops pad them.
 
 Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N // K, H head dim.
 """
@@ -110,9 +110,11 @@ def attend(
   Args:
     carry: a `Carry` from `init_carry` or a previous `attend` (e.g. the previous ring step), T_pad
       rows; or a `Start` (an empty carry the Pallas kernel builds in VMEM, `attention.carry`).
-    q_BKGTH: queries, T_pad rows (`layout.pad_q`); q * logit_scale = q * scale * log2(e). Or
+    q_BKGTH: queries, T_pad rows (`layout.pad_q`), or T with a Start and `finish_to` (one whole
+      attention: unpadded, read as they are by the Pallas kernels); q * logit_scale = q * scale *
+      log2(e). Or
       `heads.Heads` of a heads-major buffer: its N = K * G query heads (USP's received buffer).
-    k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`). Slots >= layout.S are masked here,
+    k_BKSH, v_BKSH: keys/values, S_pad slots (`layout.pad_kv`), or S as q. Slots >= layout.S are masked here,
       always: callers cannot forget the block padding. v_BKSH None: k_BKSH is the packed K/V
       [B, 2K, S_pad, H] (keys, then values), read in place. Either may be `heads.Heads` too.
       The Pallas kernels read `Heads` in place; the XLA loops slice them out.
@@ -133,7 +135,7 @@ def attend(
 
   Returns:
     The updated Carry (`finish` turns it into the output), or with `finish_to` the output
-    [B, K, G, T_pad, H] in that dtype.
+    [B, K, G, T or T_pad (q's rows), H] in that dtype.
 
   Raises:
     ValueError: shapes that do not match the layout; `fixed` without mode "auto" or missing with it;
@@ -141,9 +143,12 @@ def attend(
   """
   B, K, G, T, H = heads.update_dims(q_BKGTH, k_BKSH, v_BKSH)
   S = k_BKSH.shape[2]
-  if T != layout.T_pad or S != layout.S_pad or q_pos.shape != (T,) or kv_pos.shape != (S,):
+  whole, q_rows = isinstance(carry, Start) and finish_to is not None, T  # a whole attention may be unpadded
+  rows_ok, slots_ok = T == layout.T_pad or (whole and T == layout.T), S == layout.S_pad or (whole and S == layout.S)
+  if not (rows_ok and slots_ok) or q_pos.shape != (layout.T_pad,) or kv_pos.shape != (layout.S_pad,):
     raise ValueError(f"q rows {T}, k slots {S}, q_pos {q_pos.shape}, kv_pos {kv_pos.shape} do not "
-                     f"match {layout} (T_pad={layout.T_pad}, S_pad={layout.S_pad}); pad with the layout")
+                     f"match {layout} (T_pad={layout.T_pad}, S_pad={layout.S_pad}); pad with the layout "
+                     "(unpadded operands only from a Start with finish_to)")
   bq, bk = layout.block_q, layout.block_kv
   if v_BKSH is None and k_BKSH.shape[1] != 2 * K:
     raise ValueError(f"packed K/V needs 2K = {2 * K} heads, got k {k_BKSH.shape}")
@@ -155,15 +160,18 @@ def attend(
     finish_to = None if finish_to is None else jnp.dtype(finish_to)
     return _attend_pallas(carry, q_BKGTH, k_BKSH, v_BKSH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window,
                           causal, logit_scale, finish_to)
-  # The XLA loops read arrays: operands given as `Heads` of one buffer are sliced out here.
-  q_BKGTH = heads.take(q_BKGTH).reshape(B, K, G, T, H)
-  k_BKSH, v_BKSH = heads.take(k_BKSH), None if v_BKSH is None else heads.take(v_BKSH)
+  # The XLA loops read arrays of whole blocks: `Heads` of one buffer are sliced out, unpadded
+  # operands padded (their output's padded rows dropped below).
+  q_BKGTH = layout.pad_q(heads.take(q_BKGTH).reshape(B, K, G, T, H))
+  k_BKSH = layout.pad_kv(heads.take(k_BKSH))
+  v_BKSH = None if v_BKSH is None else layout.pad_kv(heads.take(v_BKSH))
+  T, S = layout.T_pad, layout.S_pad
   if isinstance(carry, Start):
     carry = carry.materialise(q_BKGTH, logit_scale, fixed)
   if finish_to is not None:
     carry = attend(carry, q_BKGTH, k_BKSH, v_BKSH, mode=mode, layout=layout, q_pos=q_pos, kv_pos=kv_pos,
                    kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed)
-    return finish(carry).astype(finish_to)
+    return finish(carry).astype(finish_to)[:, :, :, :q_rows]
   if mode == "auto":
     kw = dict(layout=layout, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit, window=window, causal=causal,
               logit_scale=logit_scale)
@@ -249,36 +257,9 @@ def _heads_update(kw, carry, q, k, v):
   return attend(carry, q, k, v, **kw)
 
 
-def _tokens_update(kw, start, q_BTNH, k_BSKH, v_BSKH):
-  xla = kw["layout"]
-  return xla.output(attend(start, xla.queries(q_BTNH, k_BSKH.shape[2]), xla.keys(k_BSKH), xla.keys(v_BSKH), **kw))
-
-
 _attend_pallas.defvjp(_saving_inputs(_attend_pallas), _xla_vjp(_heads_update))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
-def attend_tokens(start, q_BTNH, k_BSKH, v_BSKH, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal,
-                  logit_scale, finish_to):
-  """`attend` from a `Start` to the finished output on token-major, unpadded operands: the Pallas
-  kernels' form for one device's whole attention (`kernels.attend_tokens_kernel`; where
-  `layout.token_major(H)`). Differentiable: the backward pass is the XLA loops' VJP on the
-  heads-major, padded operands (`attend`'s), so gradients equal the XLA path's.
-
-  Args:
-    start: a `carry.Start`; q_BTNH [B, T, N, H]; k_BSKH, v_BSKH [B, S, K, H]; q_pos, kv_pos:
-      `layout.q_positions` / `kv_positions`; kv_limit, fixed, mode, window, causal, logit_scale:
-      as `attend` (positional here: `jax.custom_vjp`); finish_to: the output dtype.
-
-  Returns:
-    [B, T, N, H] in `finish_to`.
-  """
-  return kernels.attend_tokens_kernel(
-      start, q_BTNH, k_BSKH, v_BSKH, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q, bk=layout.block_kv,
-      window=window, causal=causal, logit_scale=logit_scale, finish_to=finish_to, fixed=fixed)
-
-
-attend_tokens.defvjp(_saving_inputs(attend_tokens), _xla_vjp(_tokens_update))
 
 
 def local_attention(
@@ -356,23 +337,18 @@ def check_block_sizes(block_sizes: BlockSizes | None, backend: str, platform: st
                                              "q_prescaled", "backend"))
 def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementation, block_sizes,
                      q_prescaled, backend):
-  T, S, K, H = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
+  T, S, K = q.shape[1], k.shape[1], k.shape[2]
   q_in, logit_scale = query_scaling(q, scale, q_prescaled)
   layout = BlockLayout.make(T, S, block_sizes, backend)
   kv_limit = None if kv_valid_len is None else jnp.minimum(kv_valid_len.astype(jnp.int32), S)
   windowed = window is not None or causal
   q_pos, kv_pos = layout.q_positions(jnp.arange(T)), layout.kv_positions(jnp.arange(S))
-  if layout.token_major(H):  # the kernel reads q, k, v in place: no padding or transposing copies
-    def run(start, mode, fixed=None):
-      return attend_tokens(start, q_in, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal,
-                           logit_scale, q.dtype)
-  else:
-    operands = layout.queries(q_in, K), layout.keys(k), layout.keys(v)
+  operands = layout.queries(q_in, K), layout.keys(k), layout.keys(v)  # unpadded: the kernels read them as they are
 
-    def run(start, mode, fixed=None):
-      return layout.output(attend(start, *operands, mode=mode, layout=layout, q_pos=q_pos, kv_pos=kv_pos,
-                                  kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale,
-                                  fixed=fixed, finish_to=q.dtype))
+  def run(start, mode, fixed=None):
+    return layout.output(attend(start, *operands, mode=mode, layout=layout, q_pos=q_pos, kv_pos=kv_pos,
+                                kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale,
+                                fixed=fixed, finish_to=q.dtype))
 
   def offsets(stats, c_max):
     return fm.OffsetInputs(stats.k_mean, stats.k_centred_max, c_max, windowed=windowed)

@@ -1,6 +1,8 @@
 """The block set-up of an attention call (attention/block_layout.py): the Pallas blocks and the
-token-major form's eligibility. (Its padding and masking are checked through every path in
+unpadded operands and the output. (Its padding and masking are checked through every path in
 test_blockwise.py, test_kernels.py and test_exactness.py.)"""
+
+import numpy as np
 
 from attention import BlockSizes
 from attention.block_layout import BlockLayout, pallas_block
@@ -28,10 +30,16 @@ def test_pallas_blocks_do_not_run_a_short_query_mostly_on_padding():
   assert (layout.T_pad, layout.S_pad) == (5120, 32768)
 
 
-def test_token_major_only_for_the_kernels_and_whole_lane_heads():
-  """The kernels read token-major operands in place only where a head is whole 128-lane column
-  blocks (Mosaic's block shapes) and only on the Pallas backend (the XLA loops are heads-major)."""
-  pallas = BlockLayout.make(1000, 1000, BlockSizes(512, 512), "pallas")
-  assert pallas.token_major(128) and pallas.token_major(256)
-  assert not pallas.token_major(64) and not pallas.token_major(80)
-  assert not BlockLayout.make(1000, 1000, BlockSizes(512, 512), "xla").token_major(128)
+def test_operands_unpadded_and_the_output_unpadded_token_major():
+  """`queries` / `keys` only transpose to heads-major (the Pallas kernels read unpadded operands;
+  `blockwise.attend` pads them for the XLA loops), and `output` drops padded rows and transposes
+  back: a round trip of q gives q."""
+  B, T, N, K, H = 1, 200, 4, 2, 8
+  q = np.random.default_rng(0).normal(size=(B, T, N, H)).astype(np.float32)
+  layout = BlockLayout.make(T, 300, BlockSizes(128, 128), "pallas")
+  heads_major = layout.queries(q, K)
+  assert heads_major.shape == (B, K, N // K, T, H) and layout.keys(q[:, :, :K]).shape == (B, K, T, H)
+  assert np.array_equal(heads_major[0, 1, 0], q[0, :, 2])  # query head n = k * G + g
+  assert np.array_equal(layout.output(heads_major), q)
+  assert np.array_equal(layout.output(layout.pad_q(heads_major)), q)
+  assert layout.pad_q(heads_major).shape[3] == layout.T_pad == 256

@@ -181,13 +181,12 @@ def test_halo_kernel_matches_windowed_reference():
   within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "halo pallas")
 
 
-@pytest.mark.parametrize("impl,H", [(impl, 32) for impl in IMPLS] + [("auto", 128)])
-def test_kernel_path_is_differentiable(impl, H):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kernel_path_is_differentiable(impl):
   """jax.grad through the Pallas kernels (custom VJP: the XLA loops' transpose) equals the dense
-  reference's gradient within 1e-5 of its scale (fp32; the forward error is ~1e-6 relative). H = 128:
-  the token-major kernel (`blockwise.attend_tokens`), whose VJP transposes to the XLA loops' layout."""
-  q, k, v = _inputs(1, 150, 150, 4, 2, H, seed=5)
-  assert block_layout.BlockLayout.make(150, 150, SIZES, "pallas").token_major(H) == (H == 128)
+  reference's gradient within 1e-5 of its scale (fp32; the forward error is ~1e-6 relative). 150
+  tokens in 128-row blocks: the kernel reads them unpadded, the VJP's XLA loops pad them."""
+  q, k, v = _inputs(1, 150, 150, 4, 2, 32, seed=5)
   vl = jnp.asarray([120], jnp.int32)
 
   def loss(fn):
@@ -231,18 +230,18 @@ def test_tpu_kernel_masks_only_the_padded_key_block(mode):
   assert float(jnp.max(jnp.abs(leaked.o - got.o))) > 1.0
 
 
-def _token_case(mode, masks, seed):
-  """Token-major q [B, T, N, H], k/v [B, S, K, H] (GQA, G = 2; T = 200 and S = 300: a ragged last
-  block of each in 128-wide blocks), the Start of `mode` from the real key statistics, and the
-  masks: block padding alone, or a valid-key limit and a causal window."""
-  B, K, G, T, S, H = 2, 2, 2, 200, 300, 128
+def _unpadded_case(mode, masks, seed):
+  """Unpadded heads-major q [B, K, G, T, H], k/v [B, K, S, H] (GQA, G = 2; T = 200 and S = 300: a
+  ragged last block of each in 128-wide blocks), the Start of `mode` from the real key statistics,
+  and the masks: block padding alone, or a valid-key limit and a causal window."""
+  B, K, G, T, S, H = 2, 2, 2, 200, 300, 80
   rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.normal(size=(B, T, K * G, H)) * 0.2, jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
   layout = block_layout.BlockLayout.make(T, S, SIZES, "pallas")
   limit = jnp.asarray([250, 300], jnp.int32) if masks == "limit_window" else None
   windowed = masks == "limit_window"
-  stats = fixed_m.local_key_stats(k, v, limit)
+  stats = fixed_m.local_key_stats(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), limit)
   offsets = fixed_m.OffsetInputs(stats.k_mean, stats.k_centred_max,
                                  fixed_m.headroom_cap(stats.v_absmax, stats.valid_count), windowed=windowed)
   kw = dict(q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)), kv_limit=limit,
@@ -253,31 +252,39 @@ def _token_case(mode, masks, seed):
 @pytest.mark.parametrize("masks", ["padding", "limit_window"])
 @pytest.mark.parametrize("mode", ["lse", "fixed_m", "auto:fixed_m", "auto:lse"])
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
-def test_token_major_kernel_equals_heads_major_xla(kernel, mode, masks):
-  """`attend_tokens_kernel` (q, k, v read token-major and unpadded: the TPU kernel's ceil-divided
-  grid, the GPU kernel on heads-major copies) against the XLA loops on the padded heads-major
-  operands. Interpret mode reads NaN past an array's end, so the last key block's slots >= S hold
-  NaN keys and values here: an output without NaN shows they were masked and zeroed; the positive
-  control tells the TPU kernel there is no padding, and the NaN spoil the output."""
+def test_unpadded_kernel_equals_padded_xla(kernel, mode, masks):
+  """One whole attention on unpadded operands (the TPU kernel's ceil-divided grid; the GPU kernel
+  on padded copies) against the XLA loops on the padded operands. Interpret mode reads NaN past an
+  array's end, so the last key block's slots >= S hold NaN keys and values here: an output without
+  NaN shows they were masked and zeroed; the positive control tells the TPU kernel there is no
+  padding, and the NaN spoil the output."""
   flag = None
   if mode.startswith("auto:"):
     mode, flag = "auto", jnp.asarray(mode == "auto:fixed_m")
-  start, layout, (q, k, v), kw = _token_case(mode, masks, seed=11)
-  K = k.shape[2]
-  qp, kp, vp = layout.queries(q, K), layout.keys(k), layout.keys(v)
+  start, layout, (q, k, v), kw = _unpadded_case(mode, masks, seed=11)
+  qp, kp, vp = layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v)
   xla = dataclasses.replace(layout, backend="xla")
-  want = layout.output(finish(blockwise.attend(start.materialise(qp, kw["logit_scale"], flag), qp, kp, vp, mode=mode,
-                                               layout=xla, fixed=flag, **kw)))
-  got = kernels.attend_tokens_kernel(start, q, k, v, kw["q_pos"], kw["kv_pos"], kw["kv_limit"], mode=mode, bq=128,
-                                     bk=128, window=kw["window"], causal=kw["causal"], logit_scale=kw["logit_scale"],
-                                     finish_to=jnp.float32, fixed=flag, kernel=kernel)
+  want = finish(blockwise.attend(start.materialise(qp, kw["logit_scale"], flag), qp, kp, vp, mode=mode, layout=xla,
+                                 fixed=flag, **kw))[:, :, :, :layout.T]
+  call = functools.partial(kernels.attend_kernel, start, q, k, v, kw["q_pos"], kw["kv_pos"], kw["kv_limit"],
+                           mode=mode, bq=128, bk=128, S=layout.S, window=kw["window"], causal=kw["causal"],
+                           logit_scale=kw["logit_scale"], finish_to=jnp.float32, fixed=flag, kernel=kernel)
+  got = call(kv_padded=True)
   assert got.shape == q.shape and got.dtype == jnp.float32
-  # Same per-block arithmetic as the heads-major kernels: a few fp32 ulps of |o / l| <= max|v|.
+  # Same per-block arithmetic as on padded operands: a few fp32 ulps of |o / l| <= max|v|.
   within(float(jnp.max(jnp.abs(got - want))), 64 * 2.0**-24 * float(jnp.max(jnp.abs(want))), f"{kernel} {mode}")
   assert float(jnp.max(jnp.abs(got))) > 0.1  # not vacuous
   if kernel == "tpu" and masks == "padding" and flag is None:
-    args, kw2 = kernels._call_args(start, q, k, v, kw["q_pos"], kw["kv_pos"], None, mode=mode, bq=128, bk=128,
-                                   S=layout.S, kv_padded=False, window=None, causal=False,
-                                   logit_scale=kw["logit_scale"], fixed=None, finish_to=jnp.float32)
-    leaked = kernels._tpu_call(*args, interpret=True, token_major=True, **kw2)[0]
-    assert not bool(jnp.all(jnp.abs(leaked - got) < 0.1))  # NaN or rows zeroed by NaN sums
+    leaked = call(kv_padded=False)
+    assert not bool(jnp.all(jnp.abs(leaked - got) < 0.1))  # NaN, or rows zeroed by NaN sums
+
+
+def test_unpadded_operands_only_for_a_whole_attention():
+  """A carry to continue (a ring step) must come padded: unpadded rows are refused by name."""
+  start, layout, (q, k, v), kw = _unpadded_case("lse", "padding", seed=1)
+  carry = start.materialise(layout.pad_q(q), 1.0, None)
+  with pytest.raises(ValueError, match="unpadded operands"):
+    kernels.attend_kernel(carry, q, k, v, kw["q_pos"], kw["kv_pos"], None, mode="lse", bq=128, bk=128, S=layout.S,
+                          kv_padded=True, window=None, causal=False, logit_scale=1.0, kernel="tpu")
+  with pytest.raises(ValueError, match="unpadded operands only from a Start"):
+    blockwise.attend(carry, q, k, v, mode="lse", layout=layout, q_pos=kw["q_pos"], kv_pos=kw["kv_pos"])
