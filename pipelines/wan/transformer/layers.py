@@ -85,6 +85,19 @@ class Dense(nnx.Module):
     return _heads_major((y + bias.astype(jnp.float32)).astype(kernel.dtype))
 
 
+  def from_heads(self, x_BTNH: jax.Array) -> jax.Array:
+    """This Linear on an input split into heads: [B, T, N, H] -> [B, T, O] (I = N H), the values of
+    `self(x.reshape(B, T, I))`, contracting over (N, H) so that a heads-major x (the attention's
+    output on TPU) is read where it lies rather than relaid out to [B, T, I] first."""
+    kernel = self.kernel.get_value()
+    if isinstance(kernel, qwix.QArray):
+      return self(x_BTNH.reshape(*x_BTNH.shape[:-2], -1))
+    N, H = x_BTNH.shape[-2:]
+    y = jnp.einsum("...NH,NHO->...O", x_BTNH.astype(kernel.dtype), kernel.reshape(N, H, -1),
+                   preferred_element_type=jnp.float32)
+    return (y + self.bias[...].astype(jnp.float32)).astype(kernel.dtype)
+
+
 def _heads_major(x_BTNH: jax.Array) -> jax.Array:
   """[B, T, N, H] pinned to the [B, N, T, H] layout on TPU (whole (T, H) slabs per head: what
   `producers.rmsnorm_rope` and the USP exchange read); a no-op elsewhere."""
@@ -321,8 +334,8 @@ class WanBlock(nnx.Module):
                                     out_scale=head_dim ** -0.5 * math.log2(math.e))
     k_BTNH = producers.rmsnorm_rope(a.to_k.heads(h_BTD, heads), a.norm_k[...], *rope, num_heads=heads, eps=eps)
     v_BTNH = a.to_v.heads(h_BTD, heads)
-    o_BTD = (attend or layout.self_attention)(q_BTNH, k_BTNH, v_BTNH).reshape(b, t, d)
-    x_BTD = (x_BTD.astype(f32) + a.to_out(o_BTD).astype(f32) * gate_msa).astype(dtype)
+    o_BTNH = (attend or layout.self_attention)(q_BTNH, k_BTNH, v_BTNH)
+    x_BTD = (x_BTD.astype(f32) + a.to_out.from_heads(o_BTNH).astype(f32) * gate_msa).astype(dtype)
     x_BTD = layout.constrain(x_BTD)
 
     # 2. Cross-attention: affine LayerNorm (fp32), q RMSNorm (no RoPE) against the text K/V
@@ -330,12 +343,12 @@ class WanBlock(nnx.Module):
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
     q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], None, None, num_heads=heads, eps=eps)
-    o_BTD = layout.cross_attention(q_BTNH, *text_kv).reshape(b, t, d)
+    o_BTNH = layout.cross_attention(q_BTNH, *text_kv)
     if image_kv is not None:
       # diffusers `WanAttnProcessor` ("I2V task"): the same queries against the image's K/V (no
       # mask), added to the text term before `to_out`.
-      o_BTD = o_BTD + layout.cross_attention(q_BTNH, *image_kv).reshape(b, t, d)
-    x_BTD = layout.constrain(x_BTD + a.to_out(o_BTD))
+      o_BTNH = o_BTNH + layout.cross_attention(q_BTNH, *image_kv)
+    x_BTD = layout.constrain(x_BTD + a.to_out.from_heads(o_BTNH))
 
     # 3. Feed-forward: AdaLN, GELU-tanh MLP, gated residual.
     h_BTD = producers.layernorm_adaln(x_BTD, c_scale_msa, c_shift_msa, eps=eps)

@@ -108,6 +108,25 @@ def test_dense_heads_is_the_dense_split_into_heads(mode):
   np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
 
 
+@pytest.mark.parametrize("mode", (None, *quantization.QUANTIZATION_MODES))
+def test_dense_from_heads_is_the_dense_of_the_joined_heads(mode):
+  """`Dense.from_heads` (the kernel read as [N, H, O], contracting over the heads: what the block's
+  attention outputs run through `to_out`) gives `Dense.__call__`'s values on the heads joined into
+  [B, T, I], bitwise, for every weight kind; and another input changes them (positive control)."""
+  rng = np.random.default_rng(3)
+  kernel = jnp.asarray(rng.standard_normal((48, 64)) / 8, jnp.bfloat16)
+  layer = Dense(kernel, jnp.asarray(rng.standard_normal(64), jnp.bfloat16))
+  if mode is not None:
+    layer.kernel.set_value(quantization.quantize_kernel(kernel, mode))
+    layer.int8_activations = mode == "int8-w8a8"
+  x = jnp.asarray(rng.standard_normal((2, 7, 4, 12)), jnp.bfloat16)
+  want = np.asarray(jax.jit(lambda v: layer(v.reshape(2, 7, 48)))(x).astype(jnp.float32))
+  got = jax.jit(layer.from_heads)(x)
+  assert got.shape == (2, 7, 64) and got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+  assert not np.array_equal(np.asarray(jax.jit(layer.from_heads)(-x).astype(jnp.float32)), want)
+
+
 def test_w8a8_is_an_int8_dot_with_int32_sums():
   q = quantization.quantize_kernel(jnp.ones((64, 48)), "int8-w8a8")
   hlo = jax.jit(lambda x: quantization.dense(x, q, jnp.zeros(48), int8_activations=True)).lower(
