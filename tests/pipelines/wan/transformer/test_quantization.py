@@ -91,16 +91,22 @@ def test_dense_matches_reference(mode):
     assert np.max(np.abs(got - _dense_reference(x, q, bias, False))) > 100 * 68 * EPS32 * magnitude.max()
 
 
+def _bf16_dense(rng, inputs: int, outputs: int, mode: str | None) -> Dense:
+  """A random bf16 `Dense` [inputs, outputs], its kernel quantized by `mode` (None: bf16)."""
+  kernel = jnp.asarray(rng.standard_normal((inputs, outputs)) / 8, jnp.bfloat16)
+  layer = Dense(kernel, jnp.asarray(rng.standard_normal(outputs), jnp.bfloat16))
+  if mode is not None:
+    layer.kernel.set_value(quantization.quantize_kernel(kernel, mode))
+    layer.int8_activations = mode == "int8-w8a8"
+  return layer
+
+
 @pytest.mark.parametrize("mode", (None, *quantization.QUANTIZATION_MODES))
 def test_dense_heads_is_the_dense_split_into_heads(mode):
   """`Dense.heads` (the kernel read as [N, I, H] head kernels, what the block's q/k/v projections
   run) gives `Dense.__call__`'s values bitwise, reshaped to [B, T, N, H], for every weight kind."""
   rng = np.random.default_rng(2)
-  kernel = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.bfloat16)
-  layer = Dense(kernel, jnp.asarray(rng.standard_normal(48), jnp.bfloat16))
-  if mode is not None:
-    layer.kernel.set_value(quantization.quantize_kernel(kernel, mode))
-    layer.int8_activations = mode == "int8-w8a8"
+  layer = _bf16_dense(rng, 64, 48, mode)
   x = jnp.asarray(rng.standard_normal((2, 7, 64)), jnp.bfloat16)
   want = np.asarray(jax.jit(lambda v: layer(v))(x).astype(jnp.float32)).reshape(2, 7, 4, 12)
   got = jax.jit(lambda v: layer.heads(v, 4))(x)
@@ -114,11 +120,7 @@ def test_dense_from_heads_is_the_dense_of_the_joined_heads(mode):
   attention outputs run through `to_out`) gives `Dense.__call__`'s values on the heads joined into
   [B, T, I], bitwise, for every weight kind; and another input changes them (positive control)."""
   rng = np.random.default_rng(3)
-  kernel = jnp.asarray(rng.standard_normal((48, 64)) / 8, jnp.bfloat16)
-  layer = Dense(kernel, jnp.asarray(rng.standard_normal(64), jnp.bfloat16))
-  if mode is not None:
-    layer.kernel.set_value(quantization.quantize_kernel(kernel, mode))
-    layer.int8_activations = mode == "int8-w8a8"
+  layer = _bf16_dense(rng, 48, 64, mode)
   x = jnp.asarray(rng.standard_normal((2, 7, 4, 12)), jnp.bfloat16)
   want = np.asarray(jax.jit(lambda v: layer(v.reshape(2, 7, 48)))(x).astype(jnp.float32))
   got = jax.jit(layer.from_heads)(x)
