@@ -54,9 +54,11 @@ class BlockLayout:
   Every blockwise path (`local_attention`, each device of `usp_attention`, the halo/all-gather
   window paths) builds its layout here and hands it to `attend`, which masks the padded key slots
   (slot index >= S) *by construction*, whatever the caller's other masks: a padded key can never
-  join a softmax. Padded query rows (index >= T) are computed on zero queries and dropped by
-  `unpad_rows`; they feed no statistic that a real row reads (their norm is 0, so the fixed-m
-  maxima ignore them).
+  join a softmax. Padded query rows (index >= T) are computed on zero queries, or on whatever lies
+  past the array's end where a kernel reads the operands unpadded, and are dropped (`unpad_rows`,
+  or never written); they feed no statistic that a real row reads (the softmax is per row; zero
+  rows have norm 0, so the fixed-m maxima ignore them, and unpadded ones are not in the arrays
+  the maxima are taken over).
 
   Attributes:
     T: real query rows; S: real key slots (a slot may still be masked by position, e.g. a

@@ -170,16 +170,17 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
   def values(masked):
     v = v_ref[...]
     if masked and kv_padded:
-      # Unpadded K/V (`attend_unpadded_kernel`): the last block's slots >= S are read past the
-      # array's end (undefined, maybe NaN); their logits are masked above, and their values are
-      # zeroed so that 0 * NaN joins no sum (padded K/V hold zeros there: the same values).
+      # Unpadded K/V (one whole attention): the last block's slots >= S are read past the array's
+      # end (undefined, maybe NaN); their logits are masked above, and their values are zeroed so
+      # that 0 * NaN joins no sum (padded K/V hold zeros there: the same values).
       slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
       v = jnp.where(slot < S, v, jnp.zeros_like(v))
     return v
 
   def block(masked):
-    fixed_m_update = functools.partial(_fixed_m_update, values(masked), o_scr, l_scr, m_scr, prec)
-    lse_update = functools.partial(_lse_update, values(masked), o_scr, l_scr, m_scr, prec)
+    v = values(masked)
+    fixed_m_update = functools.partial(_fixed_m_update, v, o_scr, l_scr, m_scr, prec)
+    lse_update = functools.partial(_lse_update, v, o_scr, l_scr, m_scr, prec)
     if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
       pl.when(flag_ref[0] != 0)(lambda: fixed_m_update(scores(masked)))
       pl.when(flag_ref[0] == 0)(lambda: lse_update(scores(masked)))

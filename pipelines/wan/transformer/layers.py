@@ -87,11 +87,21 @@ class Dense(nnx.Module):
 
   def from_heads(self, x_BTNH: jax.Array) -> jax.Array:
     """This Linear on an input split into heads: [B, T, N, H] -> [B, T, O] (I = N H), the values of
-    `self(x.reshape(B, T, I))`, contracting over (N, H) so that a heads-major x (the attention's
-    output on TPU) is read where it lies rather than relaid out to [B, T, I] first."""
+    `self(x.reshape(B, T, I))`. On TPU it contracts over (N, H) (`contract_heads`), so a
+    heads-major x (the attention's output there) is read where it lies rather than relaid out to
+    [B, T, I] first (two 1.7-ms copies a 1.3B 480p block, modelled offline for v5e); elsewhere, and
+    for a quantized kernel, it is `self` of the joined heads (XLA:CPU would contract head by head
+    and sum, another rounding order)."""
+    joined = lambda x: self(x.reshape(*x.shape[:-2], -1))  # noqa: E731
+    if isinstance(self.kernel.get_value(), qwix.QArray):
+      return joined(x_BTNH)
+    return jax.lax.platform_dependent(x_BTNH, tpu=self.contract_heads, default=joined)
+
+  def contract_heads(self, x_BTNH: jax.Array) -> jax.Array:
+    """`from_heads` as one contraction over (N, H) with the kernel read as [N, H, O] (an unquantized
+    kernel): the same products, summed in the order the backend's dot takes, fp32, then the bias
+    and one rounding as `__call__`."""
     kernel = self.kernel.get_value()
-    if isinstance(kernel, qwix.QArray):
-      return self(x_BTNH.reshape(*x_BTNH.shape[:-2], -1))
     N, H = x_BTNH.shape[-2:]
     y = jnp.einsum("...NH,NHO->...O", x_BTNH.astype(kernel.dtype), kernel.reshape(N, H, -1),
                    preferred_element_type=jnp.float32)

@@ -116,9 +116,9 @@ def test_dense_heads_is_the_dense_split_into_heads(mode):
 
 @pytest.mark.parametrize("mode", (None, *quantization.QUANTIZATION_MODES))
 def test_dense_from_heads_is_the_dense_of_the_joined_heads(mode):
-  """`Dense.from_heads` (the kernel read as [N, H, O], contracting over the heads: what the block's
-  attention outputs run through `to_out`) gives `Dense.__call__`'s values on the heads joined into
-  [B, T, I], bitwise, for every weight kind; and another input changes them (positive control)."""
+  """`Dense.from_heads` (what the block's attention outputs run through `to_out`) gives
+  `Dense.__call__`'s values on the heads joined into [B, T, I], bitwise off TPU, for every weight
+  kind; and another input changes them (positive control)."""
   rng = np.random.default_rng(3)
   layer = _bf16_dense(rng, 48, 64, mode)
   x = jnp.asarray(rng.standard_normal((2, 7, 4, 12)), jnp.bfloat16)
@@ -127,6 +127,22 @@ def test_dense_from_heads_is_the_dense_of_the_joined_heads(mode):
   assert got.shape == (2, 7, 64) and got.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
   assert not np.array_equal(np.asarray(jax.jit(layer.from_heads)(-x).astype(jnp.float32)), want)
+
+
+def test_dense_contract_heads_is_the_dense_within_fp32_sums():
+  """`Dense.contract_heads` (the TPU's `from_heads`: one contraction over (N, H)) against float64
+  x W + b on fp32 weights: the same I = 48 products summed in another order, so within (I + 2)
+  fp32 ulps of the sums' magnitude, as `Dense.__call__` itself."""
+  rng = np.random.default_rng(4)
+  kernel, bias = rng.standard_normal((48, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+  layer = Dense(jnp.asarray(kernel), jnp.asarray(bias))
+  x = rng.standard_normal((2, 7, 4, 12)).astype(np.float32)
+  got = np.asarray(jax.jit(layer.contract_heads)(jnp.asarray(x)))
+  joined = x.reshape(2, 7, 48).astype(np.float64)
+  want = joined @ kernel + bias
+  magnitude = np.abs(joined) @ np.abs(kernel) + np.abs(bias)
+  assert got.shape == (2, 7, 64) and np.all(np.abs(got - want) <= (48 + 2) * EPS32 * magnitude)
+  assert np.max(np.abs(np.asarray(jax.jit(layer.contract_heads)(jnp.asarray(-x))) - want)) > 1.0
 
 
 def test_w8a8_is_an_int8_dot_with_int32_sums():
