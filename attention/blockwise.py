@@ -231,35 +231,26 @@ def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout,
       finish_to=finish_to)
 
 
-def _saving_inputs(primal):
-  """A Pallas call's custom-VJP forward: the call, its residuals the traced arguments (carry, q, k,
-  v, q_pos, kv_pos, kv_limit, fixed)."""
-  def fwd(*args):
-    return primal(*args), args[:8]
-  return fwd
+def _attend_pallas_fwd(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
+                       finish_to):
+  out = _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout, window, causal, logit_scale,
+                       finish_to)
+  return out, (carry, q, k, v, q_pos, kv_pos, kv_limit, fixed)
 
 
-def _xla_vjp(update):
-  """A Pallas call's custom-VJP backward: the VJP of `update(kw, carry, q, k, v)`, the same call on
-  the XLA loops (a recompute of the forward in XLA, then its transpose), so gradients equal the
-  XLA path's."""
-  def bwd(mode, layout, window, causal, logit_scale, finish_to, residuals, cotangent):
-    carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
-    kw = dict(mode=mode, layout=dataclasses.replace(layout, backend="xla"), q_pos=q_pos, kv_pos=kv_pos,
-              kv_limit=kv_limit, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed,
-              finish_to=finish_to)
-    _, pullback = jax.vjp(functools.partial(update, kw), carry, q, k, v)
-    return (*pullback(cotangent), None, None, None, None)
-  return bwd
+def _attend_pallas_bwd(mode, layout, window, causal, logit_scale, finish_to, residuals, cotangent):
+  carry, q, k, v, q_pos, kv_pos, kv_limit, fixed = residuals
+  xla = dataclasses.replace(layout, backend="xla")
+
+  def update(carry, q, k, v):
+    return attend(carry, q, k, v, mode=mode, layout=xla, q_pos=q_pos, kv_pos=kv_pos, kv_limit=kv_limit,
+                  window=window, causal=causal, logit_scale=logit_scale, fixed=fixed, finish_to=finish_to)
+
+  _, pullback = jax.vjp(update, carry, q, k, v)
+  return (*pullback(cotangent), None, None, None, None)
 
 
-def _heads_update(kw, carry, q, k, v):
-  return attend(carry, q, k, v, **kw)
-
-
-_attend_pallas.defvjp(_saving_inputs(_attend_pallas), _xla_vjp(_heads_update))
-
-
+_attend_pallas.defvjp(_attend_pallas_fwd, _attend_pallas_bwd)
 
 
 def local_attention(
