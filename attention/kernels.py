@@ -138,26 +138,37 @@ def _lse_update(v, o_scr, l_scr, m_scr, prec, s):
   m_scr[...] = m_new
 
 
+def _tpu_single(s, v, out_ref, *, G, bq, prec):
+  """The whole attention of a query tile over one key block (LSE from a Start, finished: text
+  cross-attention's 512 keys): m = rowmax s, p = 2^(s - m), o = p v / sum p, written in the output's
+  dtype. The values `_lse_update` from the empty carry and `_tpu_store` give (alpha = 0 there), with
+  no VMEM carry set up, rescaled or read back."""
+  m = jnp.max(s, axis=1, keepdims=True)
+  p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))  # rows with no visible key: l = o = 0
+  l = jnp.sum(p, axis=1, keepdims=True)
+  o = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  out_ref[...] = o.astype(out_ref.dtype).reshape(G, bq, o.shape[1])
+
+
+def single_block_path(start: str, mode: str, finish: bool, key_blocks: int) -> bool:
+  """Whether the TPU kernel takes `_tpu_single`: one key block, LSE from a Start, finished."""
+  return key_blocks == 1 and start == "lse" and mode == "lse" and finish
+
+
 def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
-                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin):
+                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, single):
   n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
   n_out = 1 if finish else 3
   ins, outs, (o_scr, l_scr, m_scr, qp_scr) = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
   b, j = pl.program_id(0), pl.program_id(3)
-  H = o_scr.shape[1]
-  rows = G * bq
+  rows, H = G * bq, o_scr.shape[1]
   q_rows = lambda: q_ref[...].reshape(rows, H)  # noqa: E731
   needs_mask = use_limit or kv_padded or causal or window is not None
-  pl.when(j == 0)(functools.partial(
-      _tpu_init, ins, flag_ref, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, mode=mode, G=G, bq=bq,
-      needs_mask=needs_mask, logit_scale=logit_scale, windowed=windowed, margin=margin))
-
-  q = q_rows()
-  k = k_ref[...]
-  prec = matmul_precision(q.dtype)
+  q, prec = q_rows(), matmul_precision(q_ref.dtype)
 
   def scores(masked):
-    s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
+    s = jax.lax.dot_general(q, k_ref[...], _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
     if logit_scale != 1.0:
       s = s * logit_scale
     if masked:
@@ -177,27 +188,43 @@ def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *ref
       v = jnp.where(slot < S, v, jnp.zeros_like(v))
     return v
 
-  def block(masked):
-    v = values(masked)
-    fixed_m_update = functools.partial(_fixed_m_update, v, o_scr, l_scr, m_scr, prec)
-    lse_update = functools.partial(_lse_update, v, o_scr, l_scr, m_scr, prec)
-    if mode == "auto":  # the mesh-uniform verdict, scalar-prefetched: a branch on a scalar per step
-      pl.when(flag_ref[0] != 0)(lambda: fixed_m_update(scores(masked)))
-      pl.when(flag_ref[0] == 0)(lambda: lse_update(scores(masked)))
-    else:
-      (fixed_m_update if mode == "fixed_m" else lse_update)(scores(masked))
-
-  if needs_mask and not (use_limit or causal or window is not None):
-    # Only block padding to mask: it lies in the key blocks past slot S (the last one), so every
-    # other block skips the mask's iota, compares and selects over its [rows, bk] scores.
-    padded = (j + 1) * bk > S
-    pl.when(padded)(lambda: block(True))
-    pl.when(jnp.logical_not(padded))(lambda: block(False))
-  else:
-    block(needs_mask)
-
+  if single:
+    if needs_mask:
+      qp_scr[...] = _rows_to_columns(qpos_ref[...])
+    _tpu_single(scores(needs_mask), values(needs_mask), outs[0], G=G, bq=bq, prec=prec)
+    return
+  pl.when(j == 0)(functools.partial(
+      _tpu_init, ins, flag_ref, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, mode=mode, G=G, bq=bq,
+      needs_mask=needs_mask, logit_scale=logit_scale, windowed=windowed, margin=margin))
+  _tpu_key_block(functools.partial(_tpu_update, scores, values, (o_scr, l_scr, m_scr), prec, mode, flag_ref), j,
+                 bk=bk, S=S, needs_mask=needs_mask, pad_only=not (use_limit or causal or window is not None))
   pl.when(j == pl.num_programs(3) - 1)(functools.partial(_tpu_store, outs, o_scr, l_scr, m_scr, finish=finish,
                                                            G=G, bq=bq))
+
+
+def _tpu_update(scores, values, carry_scr, prec, mode, flag_ref, masked):
+  """One key block into the VMEM carry, by `mode` ("auto": the mesh-uniform verdict, scalar-prefetched
+  into SMEM: a branch on a scalar per step)."""
+  v = values(masked)
+  fixed_m_update = functools.partial(_fixed_m_update, v, *carry_scr, prec)
+  lse_update = functools.partial(_lse_update, v, *carry_scr, prec)
+  if mode == "auto":
+    pl.when(flag_ref[0] != 0)(lambda: fixed_m_update(scores(masked)))
+    pl.when(flag_ref[0] == 0)(lambda: lse_update(scores(masked)))
+  else:
+    (fixed_m_update if mode == "fixed_m" else lse_update)(scores(masked))
+
+
+def _tpu_key_block(update, j, *, bk, S, needs_mask, pad_only):
+  """Runs `update(masked)` for key block j: with only block padding to mask (`pad_only`), it lies in
+  the key blocks past slot S (the last one), so every other block skips the mask's iota, compares
+  and selects over its [rows, bk] scores."""
+  if needs_mask and pad_only:
+    padded = (j + 1) * bk > S
+    pl.when(padded)(lambda: update(True))
+    pl.when(jnp.logical_not(padded))(lambda: update(False))
+  else:
+    update(needs_mask)
 
 
 TPU_DEFAULT_SCOPED_VMEM = 16 << 20  # XLA:TPU's scoped VMEM limit per kernel on v5e (v6e: 32 MiB)
@@ -264,7 +291,8 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
   kernel = functools.partial(
       _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
       kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
-      windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin)
+      windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin,
+      single=single_block_path(start, mode, finish_to is not None, nk))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
   in_specs = [*qkv_specs, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
               pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j))]

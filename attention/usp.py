@@ -352,13 +352,15 @@ def cross_attention(
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     backend: str = "auto",
+    q_prescaled: bool = False,
 ) -> jax.Array:
   """Attention of sequence-sharded queries to replicated keys (text cross-attention): no exchange.
 
   Args:
     q: [B, T, N, H], sharded (or to be sharded) `P(None, ("ring", "ulysses"))`.
     k, v: [B, L, K, H] text keys/values, replicated on every device.
-    mesh, kv_valid_len, implementation, scale, block_sizes, backend: as in `usp_attention`.
+    mesh, kv_valid_len, implementation, scale, block_sizes, backend, q_prescaled: as in
+      `usp_attention`.
 
   Returns:
     [B, T, N, H] in q's dtype, sharded like q. T is padded to a multiple of U * R if needed.
@@ -369,8 +371,9 @@ def cross_attention(
   device = mesh.devices.flat[0]
   platform = device.platform
   backend = resolve_backend(backend, platform)
-  local = functools.partial(bw.local_attention, implementation=implementation, scale=scale,
-                            block_sizes=bw.check_block_sizes(block_sizes, backend, platform, device.device_kind), backend=backend)
+  local = functools.partial(bw.local_attention, implementation=implementation, scale=scale, q_prescaled=q_prescaled,
+                            block_sizes=bw.check_block_sizes(block_sizes, backend, platform, device.device_kind),
+                            backend=backend)
   seq, rows = sequence_spec(mesh), P(batch_axis(mesh))  # text rows follow their batch rows
   if kv_valid_len is None:
     fn = lambda q, k, v: local(q, k, v)

@@ -12,7 +12,8 @@ own `RMSNorm`): x is upcast to fp32, normalised with fp32 statistics, multiplied
 fp32 and rounded ONCE to x.dtype. `apply_rotary_emb` then multiplies those x.dtype values by the
 fp32 tables (type promotion -> fp32) and writes into `torch.empty_like(x)`, the second rounding to
 x.dtype. For fp32 inputs both roundings are no-ops. `out_scale` (q * scale * log2(e) for the base-2
-kernels, DESIGN.md section 3) is applied to the fp32 rotation result before the final rounding.
+kernels, DESIGN.md section 3) is applied to the fp32 rotation result before the final rounding, or
+without a rotation (the cross-attention q) to the fp32 norm output before its one rounding.
 """
 
 from __future__ import annotations
@@ -153,16 +154,16 @@ def rmsnorm_rope(x: jax.Array, weight: jax.Array, cos: jax.Array | None, sin: ja
                                        default=lambda v: v)
   y = (x_heads.astype(jnp.float32) * (inv_rms if split else inv_rms[..., None])
        * weight.astype(jnp.float32).reshape(num_heads, head_dim))  # [B, T, N, H] fp32
+  if cos is None:
+    # No rotation: round(y * out_scale) once, not round(round(y) * out_scale): one rounding of q, as
+    # diffusers' q has (a second doubles q's error, `attention.blockwise.query_scaling`).
+    return (y if out_scale is None else y * out_scale).astype(x.dtype)
   if x.dtype != jnp.float32:
     # diffusers rounds the norm output to x.dtype before the rotation. Inside one jit XLA drops a
     # convert(convert(y, bf16), f32) pair (xla_allow_excess_precision, on by default), which moved
     # ~25% of bf16 outputs by 1 ulp against diffusers; reduce_precision is the rounding XLA keeps.
     info = jnp.finfo(x.dtype)
     y = jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-  if cos is None:
-    if out_scale is not None:
-      y = y * out_scale
-    return y.astype(x.dtype)
   out = _rotate(y, cos, sin, x.dtype)
   if out_scale is not None:
     out = out * out_scale

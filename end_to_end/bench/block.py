@@ -1,6 +1,7 @@
 """Where one Wan transformer block's time goes on the device at hand, measured: the whole block, its
-matmuls alone, its self-attention alone, and the rest (norms, modulation, RoPE, the activation,
-residual adds, the copies around the attention kernel), each with TFLOP/s and the chip's bf16 peak.
+matmuls alone, its self-attention and cross-attention alone, and the rest (norms, modulation, RoPE,
+the activation, residual adds, the copies around the attention kernels), each with TFLOP/s and the
+chip's bf16 peak.
 
   python -m end_to_end.bench.block                      # Wan 2.1 1.3B, 480p x 81, CFG (2 rows), bf16
   python -m end_to_end.bench.block --preset wan2.1-t2v-14b --height 720 --width 1280 --layers 1,2
@@ -9,9 +10,11 @@ The block's time is the difference of two whole forwards (`transformer.forward`,
 device) with `--layers` blocks each, divided by the difference in blocks: embedding, head and
 unpatchify cancel. The matmuls are a chain of bf16 [rows x T, D] products of the block's weight
 shapes (self-attention q, k, v, o; cross-attention q, o; the FFN's two) plus the cross-attention's k
-and v of the text; the attention is `attention.local_attention` (fixed-m, the backend's default
-blocks) at [rows, T, N, H]. The rest is what the block takes beyond the two. Times are medians over
---repeats calls after a warm-up (compile excluded), all four taken round-robin
+and v of the text; the attention is `attention.local_attention` as the block calls it (the plan's
+implementation, "auto": the fixed-m gate and one kernel; the backend's default blocks; q pre-scaled)
+at [rows, T, N, H], the cross-attention the same queries against [rows, text, N, H] text K/V
+(`attention_parts`). The rest is what the block takes beyond the three. Times are medians over
+--repeats calls after a warm-up (compile excluded), all five taken round-robin
 (`bench.int8.time_median`). Numbers for one chip in docs/performance.md.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,20 +86,36 @@ def parts(config, rows: int, frames: int, height: int, width: int, text_len: int
   x = jnp.asarray(rng.standard_normal((rows * T, D), np.float32), dtype)
   text_d = jnp.asarray(rng.standard_normal((rows * text_len, D), np.float32), dtype)
   fns["matmuls"], args["matmuls"] = jax.jit(matmul_chain), (x, text_d, w)
-  fns["attention"] = jax.jit(lambda q, k, v: local_attention(q, k, v, implementation="fixed_m"))
-  args["attention"] = tuple(jnp.asarray(rng.standard_normal((rows, T, N, H), np.float32), dtype) for _ in range(3))
+  attention_parts(fns, args, rng, (rows, T, N, H), text_len, dtype, plan.attention_implementation)
   t = time_median(fns, args, repeats)  # round-robin: load from elsewhere hits every part alike
-  block, matmuls, attend = (t[layers[1]] - t[layers[0]]) / (layers[1] - layers[0]), t["matmuls"], t["attention"]
+  block = (t[layers[1]] - t[layers[0]]) / (layers[1] - layers[0])
   linear = matmul_flops(rows, T, text_len, D, F)
   self_attention, cross_attention = 4.0 * rows * N * T * T * H, 4.0 * rows * N * T * text_len * H
-  return dict(tokens=T, block=block, matmuls=matmuls, attention=attend, rest=block - matmuls - attend,
-              flops=dict(block=linear + self_attention + cross_attention, matmuls=linear, attention=self_attention))
+  return dict(tokens=T, block=block, matmuls=t["matmuls"], attention=t["attention"], cross=t["cross"],
+              rest=block - t["matmuls"] - t["attention"] - t["cross"],
+              flops=dict(block=linear + self_attention + cross_attention, matmuls=linear, attention=self_attention,
+                         cross=cross_attention))
+
+
+def attention_parts(fns: dict, args: dict, rng, shape: tuple[int, int, int, int], text_len: int, dtype,
+                    implementation: str) -> None:
+  """Adds the block's self-attention ("attention", q, k, v [B, T, N, H]) and cross-attention
+  ("cross", the same q against [B, text_len, N, H] text K/V) to `fns` / `args`, as the block calls
+  them: `implementation` (the plan's; "auto" runs the fixed-m gate and one kernel branching on it),
+  the backend's default blocks, q pre-scaled by H^-1/2 log2(e) as its RMSNorm producer writes it
+  (unit-variance q / k, so the logits are unit-variance too and the gate passes, as in the model)."""
+  B, T, N, H = shape
+  draw = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s, np.float32) * scale, dtype)  # noqa: E731
+  q = draw(B, T, N, H, scale=H ** -0.5 * math.log2(math.e))
+  attend = lambda q, k, v: local_attention(q, k, v, implementation=implementation, q_prescaled=True)  # noqa: E731
+  fns["attention"], args["attention"] = jax.jit(attend), (q, draw(B, T, N, H), draw(B, T, N, H))
+  fns["cross"], args["cross"] = jax.jit(attend), (q, draw(B, text_len, N, H), draw(B, text_len, N, H))
 
 
 def report(result: dict, peak: float | None) -> str:
   """The parts as lines of ms, share of the block, TFLOP/s and fraction of `peak` (FLOP/s)."""
   lines = []
-  for name in ("block", "matmuls", "attention", "rest"):
+  for name in ("block", "matmuls", "attention", "cross", "rest"):
     sec, flops = result[name], result["flops"].get(name)
     line = f"  {name:10s} {sec * 1e3:9.2f} ms {sec / result['block']:6.1%} of the block"
     if flops and sec > 0:

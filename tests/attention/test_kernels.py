@@ -288,3 +288,26 @@ def test_unpadded_operands_only_for_a_whole_attention():
                           kv_padded=True, window=None, causal=False, logit_scale=1.0, kernel="tpu")
   with pytest.raises(ValueError, match="unpadded operands only from a Start"):
     blockwise.attend(carry, q, k, v, mode="lse", layout=layout, q_pos=kw["q_pos"], kv_pos=kw["kv_pos"])
+
+
+@pytest.mark.parametrize("masks", ["padding", "limit_window"])
+def test_single_key_block_path_equals_the_carry_path(monkeypatch, masks):
+  """One key block, LSE from a Start, finished (the text cross-attention): `_tpu_single` writes the
+  output without the VMEM carry, bitwise what the carry path gives (alpha = 0 on the first block), on
+  unpadded operands with NaN past the keys' end; the spy shows the path was taken, and with it
+  turned off the carry path ran instead."""
+  start, layout, (q, k, v), kw = _unpadded_case("lse", masks, seed=3)
+  one = block_layout.BlockLayout(layout.T, layout.S, 128, 384, "pallas")  # S = 300: one 384-key block
+  taken = []
+  real = kernels.single_block_path
+  monkeypatch.setattr(kernels, "single_block_path", lambda *a: taken.append(real(*a)) or taken[-1])
+  call = functools.partial(kernels.attend_kernel, start, q, k, v, one.q_positions(jnp.arange(layout.T)),
+                           one.kv_positions(jnp.arange(layout.S)), kw["kv_limit"], mode="lse", bq=128, bk=384,
+                           S=layout.S, kv_padded=True, window=kw["window"], causal=kw["causal"],
+                           logit_scale=kw["logit_scale"], finish_to=jnp.float32, kernel="tpu")
+  got = call()
+  assert taken == [True]
+  monkeypatch.setattr(kernels, "single_block_path", lambda *a: False)
+  carried = call()
+  assert not bool(jnp.any(jnp.isnan(got))) and float(jnp.max(jnp.abs(got))) > 0.1
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(carried))

@@ -221,6 +221,23 @@ def test_rmsnorm_without_rotation_is_plain_rmsnorm(dtype):
     producers.rmsnorm_rope(x, weight, jnp.ones((90, 8)), None, num_heads=4)
 
 
+def test_prescaled_query_without_rotation_is_rounded_once():
+  """The cross-attention q (no RoPE) with out_scale: round(norm * out_scale), one rounding to bf16
+  as diffusers' q has, not round(round(norm) * out_scale) (two, doubling q's error; the control:
+  the twice-rounded values differ from the output in many elements)."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((2, 90, 64)) * 3.0, jnp.bfloat16)
+  weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(64), jnp.bfloat16)
+  out = producers.rmsnorm_rope(x, weight, None, None, num_heads=4, out_scale=Q_SCALE)
+  xd, wd = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+  norm = (xd / np.sqrt(np.mean(xd**2, axis=-1, keepdims=True) + 1e-6) * wd).reshape(2, 90, 4, 16)
+  exact = norm * Q_SCALE
+  _assert_bf16_rounding_points(out, _round_to(exact, jnp.bfloat16), np.abs(exact), roundings=1, width=64,
+                               name="prescaled q")
+  twice = _round_to(_round_to(norm, jnp.bfloat16) * Q_SCALE, jnp.bfloat16)
+  assert np.mean(np.asarray(out, np.float64) != twice) > 0.05
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rotate", [True, False])
 def test_input_split_into_heads_gives_the_same_output(dtype, rotate):

@@ -332,8 +332,7 @@ class WanBlock(nnx.Module):
       [B, T, D] in x's dtype.
     """
     dtype, eps, heads = x_BTD.dtype, config.eps, config.num_attention_heads
-    b, t, d = x_BTD.shape
-    head_dim = d // heads
+    q_scale = (x_BTD.shape[-1] // heads) ** -0.5 * math.log2(math.e)  # the producers pre-scale q (base 2)
     f32 = jnp.float32
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = self._modulations(time_proj, time_index)
 
@@ -341,7 +340,7 @@ class WanBlock(nnx.Module):
     h_BTD = producers.layernorm_adaln(x_BTD, scale_msa, shift_msa, eps=eps)
     a = self.attn1
     q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], *rope, num_heads=heads, eps=eps,
-                                    out_scale=head_dim ** -0.5 * math.log2(math.e))
+                                    out_scale=q_scale)
     k_BTNH = producers.rmsnorm_rope(a.to_k.heads(h_BTD, heads), a.norm_k[...], *rope, num_heads=heads, eps=eps)
     v_BTNH = a.to_v.heads(h_BTD, heads)
     o_BTNH = (attend or layout.self_attention)(q_BTNH, k_BTNH, v_BTNH)
@@ -352,7 +351,8 @@ class WanBlock(nnx.Module):
     #    (replicated, computed before the loop), plain residual in the model dtype.
     h_BTD = x_BTD if self.norm2 is None else self.norm2(x_BTD, eps=eps)
     a = self.attn2
-    q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], None, None, num_heads=heads, eps=eps)
+    q_BTNH = producers.rmsnorm_rope(a.to_q.heads(h_BTD, heads), a.norm_q[...], None, None, num_heads=heads, eps=eps,
+                                    out_scale=q_scale)
     o_BTNH = layout.cross_attention(q_BTNH, *text_kv)
     if image_kv is not None:
       # diffusers `WanAttnProcessor` ("I2V task"): the same queries against the image's K/V (no

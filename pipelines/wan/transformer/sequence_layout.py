@@ -123,9 +123,11 @@ class SequenceLayout:
                                    block_sizes=self.block_sizes, backend=self.backend, exchange=self.exchange)
 
   def cross_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask."""
+    """q [B, T, N, H] (sequence-sharded), k/v [B, L, N, H] (replicated) -> [B, T, N, H], no mask.
+
+    q arrives pre-scaled by H^-1/2 * log2(e), as in `self_attention`."""
     if self.mesh is None:
-      return attention.local_attention(q, k, v, implementation=self.implementation,
+      return attention.local_attention(q, k, v, implementation=self.implementation, q_prescaled=True,
                                        block_sizes=self.block_sizes, backend=self.backend)
-    return attention.cross_attention(q, k, v, mesh=self.mesh, implementation=self.implementation,
+    return attention.cross_attention(q, k, v, mesh=self.mesh, implementation=self.implementation, q_prescaled=True,
                                      block_sizes=self.block_sizes, backend=self.backend)

@@ -1,10 +1,14 @@
 """`end_to_end.bench.block`: one block's parts timed on CPU at tiny sizes (a smoke run; the numbers
 are the chip's), its FLOP model against XLA's own count, and bad sizes refused before anything runs."""
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from attention import attention_reference
 from end_to_end.bench import block
 
 
@@ -12,10 +16,23 @@ def test_the_parts_add_up_to_the_block(capsys):
   result = block.main(["--preset", "tiny", "--frames", "5", "--height", "32", "--width", "32", "--text-len", "8",
                        "--dtype", "float32", "--layers", "1,2", "--repeats", "1"])
   assert result["tokens"] == 2 * 2 * 2  # 2 latent frames x (32 / 16)^2 patches
-  assert result["matmuls"] > 0 and result["attention"] > 0
-  assert result["rest"] == result["block"] - result["matmuls"] - result["attention"]
+  assert result["matmuls"] > 0 and result["attention"] > 0 and result["cross"] > 0
+  assert result["rest"] == result["block"] - result["matmuls"] - result["attention"] - result["cross"]
   out = capsys.readouterr().out
-  assert all(name in out for name in ("block", "matmuls", "attention", "rest")) and "peak" not in out  # CPU: no peak
+  assert all(name in out for name in ("block", "matmuls", "attention", "cross", "rest")) and "peak" not in out  # CPU
+
+
+def test_attention_parts_take_q_prescaled_as_the_block_writes_it():
+  """The self- and cross-attention parts read q as pre-scaled by H^-1/2 log2 e (base-2 logits q.k):
+  equal to the dense fp32 reference at scale ln 2 (fp32 blockwise against dense: a few ulps of |v|),
+  and not to the reference at the unscaled 1/sqrt(H) (a part that scaled q again)."""
+  fns, args = {}, {}
+  block.attention_parts(fns, args, np.random.default_rng(0), (1, 40, 2, 16), 8, jnp.float32, "auto")
+  for name in ("attention", "cross"):
+    got = fns[name](*args[name])
+    want = attention_reference(*args[name], scale=math.log(2.0))
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-5, name
+    assert float(jnp.max(jnp.abs(got - attention_reference(*args[name])))) > 1e-3, name  # control
 
 
 def test_the_matmul_flops_are_xlas_count():
