@@ -33,7 +33,9 @@ over the key blocks in registers (`lax.fori_loop`), as jax's Pallas GPU flash at
 unpadded operands padded.
 The carry's two ends can live in the kernel: from a `carry.Start` the TPU kernel sets o = l = 0
 and m (-inf, or the fixed-m offsets of its own query tile) in VMEM on the first key block, and
-with `finish_to` it writes o / l in the output dtype on the last (`_tpu_init`, `_tpu_store`).
+with `finish_to` it writes o / l in the output dtype on the last (`_tpu_init`, `_tpu_store`). With
+one key block, LSE, from a Start to the finished output (the text cross-attention), there is no
+carry at all: the tile's softmax and P V are computed and written at once (`_tpu_single`).
 On any other platform (CPU) the TPU kernel runs in Pallas interpret mode: slow, exact, and what the
 tests check against the float64 and dense references.
 
