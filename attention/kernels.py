@@ -104,14 +104,19 @@ def _tpu_init(ins, flag_ref, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, s
     qp_scr[...] = _rows_to_columns(qpos_ref[...])
 
 
+def _write_finished(out_ref, o, l, *, G, bq):
+  """Writes o / l (fp32 [rows, H] and [rows, 1]) in out_ref's dtype as [G, bq, H] (`carry.finish`:
+  rows that saw no valid key, l = 0, give 0)."""
+  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  out_ref[...] = o.astype(out_ref.dtype).reshape(G, bq, o.shape[1])
+
+
 def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq):
   """The last key block's output: the carry, or with `finish` o / l in the output's dtype
   (`carry.finish`: no fp32 o, l, m in HBM)."""
   H = o_scr.shape[1]
   if finish:
-    l = l_scr[:, :1]
-    o = jnp.where(l > 0, o_scr[...] / jnp.where(l > 0, l, 1.0), 0.0)
-    outs[0][...] = o.astype(outs[0].dtype).reshape(G, bq, H)
+    _write_finished(outs[0], o_scr[...], l_scr[:, :1], G=G, bq=bq)
     return
   o_out, l_out, m_out = outs
   o_out[...] = o_scr[...].reshape(G, bq, H)
@@ -149,13 +154,13 @@ def _tpu_single(s, v, out_ref, *, G, bq, prec):
   p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))  # rows with no visible key: l = o = 0
   l = jnp.sum(p, axis=1, keepdims=True)
   o = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-  out_ref[...] = o.astype(out_ref.dtype).reshape(G, bq, o.shape[1])
+  _write_finished(out_ref, o, l, G=G, bq=bq)
 
 
-def single_block_path(start: str, mode: str, finish: bool, key_blocks: int) -> bool:
-  """Whether the TPU kernel takes `_tpu_single`: one key block, LSE from a Start, finished."""
-  return key_blocks == 1 and start == "lse" and mode == "lse" and finish
+def single_block_path(start: str, finish: bool, key_blocks: int) -> bool:
+  """Whether the TPU kernel takes `_tpu_single`: one key block, from an LSE Start (`_start_kind`
+  "lse", which `Start.check_mode` admits only with mode "lse"), finished."""
+  return key_blocks == 1 and start == "lse" and finish
 
 
 def _tpu_kernel(lim_ref, flag_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
@@ -294,7 +299,7 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv
       _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
       kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
       windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin,
-      single=single_block_path(start, mode, finish_to is not None, nk))
+      single=single_block_path(start, finish_to is not None, nk))
   row_spec = pl.BlockSpec((sq, sq, G, bq), lambda b, h, i, j, *_: (b, h, 0, i))
   in_specs = [*qkv_specs, pl.BlockSpec((1, bq), lambda b, h, i, j, *_: (0, i)),
               pl.BlockSpec((1, bk), lambda b, h, i, j, *_: (0, j))]
