@@ -121,7 +121,7 @@ def attend(
     mode: "lse" or "fixed_m" (must match how the carry was initialised), or "auto": fixed-m where the
       bool scalar `fixed` is true, else LSE (the carry initialised accordingly, e.g. m = where(gate,
       b, -inf)). `fixed` must be the same on every device of a mesh (the fixed-m gate's verdict):
-      XLA runs a `lax.cond` between the two updates, Pallas one kernel branching on the flag.
+      a `lax.cond` between the two updates (XLA's loops, or the two single-mode Pallas kernels).
     layout: the call's `BlockLayout`.
     q_pos: int [T_pad] global query positions (`layout.q_positions`).
     kv_pos: int [S_pad] global key positions (`layout.kv_positions`); slots that hold no key
@@ -279,7 +279,7 @@ def local_attention(
     scale: logit scale, default 1 / sqrt(H).
     implementation: "lse" (online softmax), "fixed_m" (pinned max; when the gate rejects the
       input the output is all NaN, never a silently wrong number) or "auto" (the gate picks fixed-m
-      when eligible, else LSE: XLA by `lax.cond`, Pallas by one kernel branching on the verdict;
+      when eligible, else LSE, by a `lax.cond` between the two (XLA's loops or Pallas kernels);
       with the Pallas backend and a single key block, LSE alone, which then costs the same).
     block_sizes: `BlockSizes`, default `BlockSizes.get_default(backend)` (this process's device kind).
     q_prescaled: q is already multiplied by scale * log2(e) (e.g. by `producers.rmsnorm_rope`).
@@ -353,7 +353,7 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count, windowed=windowed)
   if implementation == "fixed_m":
     return jnp.where(gate.eligible, run(Start(offsets(stats, gate.c_max)), "fixed_m"), jnp.nan)
-  if backend == "pallas":  # one kernel branching on the verdict (as each USP ring step)
+  if backend == "pallas":  # the kernels' own cond on the verdict, from the fixed-m Start (as each USP ring step)
     return run(Start(offsets(stats, gate.c_max)), "auto", gate.eligible)
   return jax.lax.cond(gate.eligible, lambda: run(Start(offsets(stats, gate.c_max)), "fixed_m"),
                       lambda: run(Start(), "lse"))

@@ -91,25 +91,18 @@ def _gpu_compiler_params(H: int, bk: int, Hp: int, itemsize: int):
   return plgpu.CompilerParams(num_warps=4 if H <= 64 else 8, num_stages=gpu_pipeline_stages(bk, Hp, itemsize))
 
 
-def gpu_call(carry, q, k, v, q_pos, kv_pos, limit, flag, *, mode, bq, bk, S, kv_padded, use_limit,
+def gpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, use_limit,
               window, causal, logit_scale, finish_to, interpret):
   """One program per (batch, query head, query block); K/V of the head's kv head read through
   L2 by the G programs of a group (the FlashAttention GPU layout; Triton cannot slice tiles).
-  "auto": a `lax.cond` on the flag between the two single-mode kernels. A `Start` carry: o = l = 0
+  Mode "fixed_m" or "lse" (`kernels.attend_kernel` resolves "auto"). A `Start` carry: o = l = 0
   in the kernel, its m (-inf or the fixed-m offsets) formed by XLA."""
 
   fresh = isinstance(carry, Start)
   B, K, G, T, H = heads.update_dims(q, k, v)
   if fresh:
     q_BKGTH = heads.take(q).reshape(B, K, G, T, H)
-    carry = Carry(None, None, carry.materialise(q_BKGTH, logit_scale, None if mode != "auto" else flag[0] != 0).m)
-  if mode == "auto":
-    kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal,
-              logit_scale=logit_scale, finish_to=finish_to, interpret=interpret)
-    args = (carry, q, k, v, q_pos, kv_pos, limit, flag)
-    return jax.lax.cond(flag[0] != 0, lambda: tuple(gpu_call(*args, mode="fixed_m", **kw)),
-                        lambda: tuple(gpu_call(*args, mode="lse", **kw)))
-
+    carry = Carry(None, None, carry.materialise(q_BKGTH, logit_scale).m)
   (q, q_off), (k, k_off) = heads.split(q), heads.split(k)
   (v, v_off) = (k, k_off + K) if v is None else heads.split(v)  # packed K/V: values K heads after keys
   S_pad = k.shape[2]

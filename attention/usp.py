@@ -12,8 +12,8 @@ Ulysses: Jacobs et al. 2023; ring attention: Liu et al. 2023):
 3. ONE packed all-to-all over `ulysses` for q, k and v (split heads, gather the ring group's tokens);
 4. R ring steps over `ring`: the packed K/V buffer is `ppermute`d to the next rank before the block
    compute it overlaps, R - 1 permutes in all; a mesh-uniform branch picks the fixed-m or the
-   LSE block update inside each step, over one (o, l, m) carry (XLA: a `lax.cond`; Pallas: one
-   kernel branching on the scalar verdict);
+   LSE block update inside each step, over one (o, l, m) carry (a `lax.cond` between the two
+   updates: XLA's loops or the two single-mode Pallas kernels);
 5. ONE all-to-all back to [B, T/(UR), N, H].
 Per call: 2 all-to-alls, R - 1 collective-permutes, 1 all-gather (U R B K H) + 1 pmax of O(B N H).
 """
@@ -308,8 +308,8 @@ def _usp_body(q, k, v, limit, *, U, R, row_axes, num_heads, implementation, scal
                                        for x in (k_mean, kc_max, gate.c_max))))
 
   def block(carry, kv, src, last):  # kv: the packed [B, 2 hk, U * Lk, H], read in place
-    # "auto": the gate's verdict is mesh-uniform, so is the branch (XLA: a lax.cond per ring step;
-    # Pallas: one kernel branching on it). The last step returns the finished output in q's dtype.
+    # "auto": the gate's verdict is mesh-uniform, so is the branch (a lax.cond per ring step).
+    # The last step returns the finished output in q's dtype.
     return bw.attend(carry, q_BKGTH, kv, None, mode=implementation, layout=layout, q_pos=q_pos,
                      kv_pos=kv_positions(src), kv_limit=kv_limit, logit_scale=logit_scale,
                      fixed=fixed, finish_to=q.dtype if last else None)

@@ -11,11 +11,14 @@ device) with `--layers` blocks each, divided by the difference in blocks: embedd
 unpatchify cancel. The matmuls are a chain of bf16 [rows x T, D] products of the block's weight
 shapes (self-attention q, k, v, o; cross-attention q, o; the FFN's two) plus the cross-attention's k
 and v of the text; the attention is `attention.local_attention` as the block calls it (the plan's
-implementation, "auto": the fixed-m gate and one kernel; the backend's default blocks; q pre-scaled)
+implementation, "auto": the fixed-m gate and a cond between two kernels; the backend's default blocks;
+q pre-scaled)
 at [rows, T, N, H], the cross-attention the same queries against [rows, text, N, H] text K/V
 (`attention_parts`). The rest is what the block takes beyond the three. Times are medians over
---repeats calls after a warm-up (compile excluded), all five taken round-robin
-(`bench.int8.time_median`). Numbers for one chip in docs/performance.md.
+--repeats calls after a warm-up (compile excluded), taken round-robin
+(`bench.int8.time_median`) in two groups: the two forwards, then the matmuls and attentions, whose
+operands are made once the forwards' weights are freed (a 14B block at 720p fits a 16-GB chip so).
+Numbers for one chip in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -68,26 +71,16 @@ def parts(config, rows: int, frames: int, height: int, width: int, text_len: int
   if (frames - 1) % 4 or height % 16 or width % 16:
     raise ValueError(f"frames={frames}, height={height}, width={width}: frames must be 4k + 1 and height, "
                      "width multiples of 16 (the VAE's 4x time and 8x space, the 2x2 patches)")
-  rng = np.random.default_rng(0)
   latent_shape = (rows, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
   T = latent_shape[2] * (height // 16) * (width // 16)
   D, F, N, H = config.dim, config.ffn_dim, config.num_attention_heads, config.attention_head_dim
-  latents = jnp.asarray(rng.standard_normal(latent_shape, np.float32))
-  text = jnp.asarray(rng.standard_normal((rows, text_len, config.text_dim), np.float32))
   plan = ParallelPlan.build(None, heads=config.num_attention_heads)
-  step = jax.jit(lambda model, x, t, c: forward(model, x, t, c, plan=plan))
-  timestep = jnp.full((rows,), 500.0, jnp.float32)
-  fns, args = {}, {}
-  for n in layers:  # whole forwards: the block is their difference
-    model = init_transformer(dataclasses.replace(config, num_layers=n), seed=0, dtype=dtype)
-    fns[n], args[n] = step, (model, latents, timestep, text)
-  w = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0]), dtype)
-       for n, s in weight_shapes(D, F).items()}
-  x = jnp.asarray(rng.standard_normal((rows * T, D), np.float32), dtype)
-  text_d = jnp.asarray(rng.standard_normal((rows * text_len, D), np.float32), dtype)
-  fns["matmuls"], args["matmuls"] = jax.jit(matmul_chain), (x, text_d, w)
-  attention_parts(fns, args, rng, (rows, T, N, H), text_len, dtype, plan.attention_implementation)
-  t = time_median(fns, args, repeats)  # round-robin: load from elsewhere hits every part alike
+  rng = np.random.default_rng(0)
+  # Two groups, each timed round-robin, the second's arrays made after the first's are freed (a 14B
+  # block at 720p: the forwards' weights and the parts' operands together leave a 16-GB chip too
+  # little room for a forward's temp).
+  t = time_median(*forward_parts(config, plan, latent_shape, text_len, dtype, layers, rng), repeats)
+  t |= time_median(*kernel_parts(plan, rows, T, text_len, D, F, N, H, dtype, rng), repeats)
   block = (t[layers[1]] - t[layers[0]]) / (layers[1] - layers[0])
   linear = matmul_flops(rows, T, text_len, D, F)
   self_attention, cross_attention = 4.0 * rows * N * T * T * H, 4.0 * rows * N * T * text_len * H
@@ -97,11 +90,41 @@ def parts(config, rows: int, frames: int, height: int, width: int, text_len: int
                          cross=cross_attention))
 
 
+def forward_parts(config, plan, latent_shape, text_len: int, dtype, layers: tuple[int, int], rng) -> tuple[dict, dict]:
+  """The two whole forwards (`transformer.forward`, random weights) with `layers` blocks each, keyed
+  by their block counts: ({n: fn}, {n: args})."""
+  rows = latent_shape[0]
+  latents = jnp.asarray(rng.standard_normal(latent_shape, np.float32))
+  text = jnp.asarray(rng.standard_normal((rows, text_len, config.text_dim), np.float32))
+  step = jax.jit(lambda model, x, t, c: forward(model, x, t, c, plan=plan))
+  timestep = jnp.full((rows,), 500.0, jnp.float32)
+  fns, args = {}, {}
+  for n in layers:  # whole forwards: the block is their difference
+    fns[n] = step
+    args[n] = (init_transformer(dataclasses.replace(config, num_layers=n), seed=0, dtype=dtype), latents, timestep,
+               text)
+  return fns, args
+
+
+def kernel_parts(plan, rows: int, T: int, text_len: int, D: int, F: int, N: int, H: int, dtype,
+                 rng) -> tuple[dict, dict]:
+  """The block's matmuls ("matmuls", `matmul_chain` on [rows T, D]) and its two attentions
+  (`attention_parts`): ({name: fn}, {name: args})."""
+  fns, args = {}, {}
+  w = {n: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[0]), dtype)
+       for n, s in weight_shapes(D, F).items()}
+  x = jnp.asarray(rng.standard_normal((rows * T, D), np.float32), dtype)
+  text_d = jnp.asarray(rng.standard_normal((rows * text_len, D), np.float32), dtype)
+  fns["matmuls"], args["matmuls"] = jax.jit(matmul_chain), (x, text_d, w)
+  attention_parts(fns, args, rng, (rows, T, N, H), text_len, dtype, plan.attention_implementation)
+  return fns, args
+
+
 def attention_parts(fns: dict, args: dict, rng, shape: tuple[int, int, int, int], text_len: int, dtype,
                     implementation: str) -> None:
   """Adds the block's self-attention ("attention", q, k, v [B, T, N, H]) and cross-attention
   ("cross", the same q against [B, text_len, N, H] text K/V) to `fns` / `args`, as the block calls
-  them: `implementation` (the plan's; "auto" runs the fixed-m gate and one kernel branching on it),
+  them: `implementation` (the plan's; "auto" runs the fixed-m gate and a cond between the two kernels),
   the backend's default blocks, q pre-scaled by H^-1/2 log2(e) as its RMSNorm producer writes it
   (unit-variance q / k, so the logits are unit-variance too and the gate passes, as in the model)."""
   B, T, N, H = shape

@@ -39,7 +39,7 @@ def test_kernel_equals_xla_block_update(H, kernel, mode):
   """Both kernels against `blockwise.attend`'s XLA loops on one carry: GQA (G = 2), ragged valid
   lengths, block padding of T and S, a causal window, a carry that already holds a previous key set
   (a second ring step), head dims 64 / 80 / 128 (80: the GPU kernel's padded, masked loads).
-  "auto:X": the one-kernel auto mode with the runtime flag set to pick X, against the XLA X."""
+  "auto:X": the auto mode (a cond between the two kernels) with the flag set to pick X, against the XLA X."""
   flag = None
   if mode.startswith("auto:"):
     mode, flag = mode[5:], jnp.asarray(mode == "auto:fixed_m")
@@ -311,3 +311,33 @@ def test_single_key_block_path_equals_the_carry_path(monkeypatch, masks):
   carried = call()
   assert not bool(jnp.any(jnp.isnan(got))) and float(jnp.max(jnp.abs(got))) > 0.1
   np.testing.assert_array_equal(np.asarray(got), np.asarray(carried))
+
+
+def _kernel_names(jaxpr) -> list[str]:
+  """The names of the Pallas calls in a jaxpr, its sub-jaxprs' included, in order."""
+  names = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      names.append(str(eqn.params["name"]))
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      names += _kernel_names(sub)
+  return names
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_auto_mode_is_a_cond_between_the_single_mode_kernels(kernel):
+  """Mode "auto" runs one of two kernels chosen by a `lax.cond` on the verdict, each of one mode
+  (a kernel branching on it per key block ran at LSE's speed on a v5e, fixed-m path included;
+  attention/kernels.py): the program holds a cond whose branches are an LSE and a fixed-m kernel, and
+  no kernel of mode "auto". The numbers of both branches: `test_kernel_start_and_finish_equal_xla`."""
+  start, layout, q, k, v, kw = _start_case("fixed_m", jnp.asarray(True), seed=5)
+  fn = lambda flag: kernels.attend_kernel(  # noqa: E731
+      start, q, k, v, kw["q_pos"], kw["kv_pos"], kw["kv_limit"], mode="auto", bq=128, bk=128, S=layout.S,
+      kv_padded=True, window=kw["window"], causal=kw["causal"], logit_scale=kw["logit_scale"], fixed=flag,
+      finish_to=jnp.float32, kernel=kernel)
+  jaxpr = jax.make_jaxpr(fn)(jnp.asarray(True)).jaxpr
+  conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+  assert len(conds) == 1
+  branches = sorted(_kernel_names(b.jaxpr) for b in conds[0].params["branches"])
+  assert branches == [["attend_fixed_m"], ["attend_lse"]]
+  assert "attend_auto" not in _kernel_names(jaxpr)

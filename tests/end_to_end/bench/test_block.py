@@ -22,6 +22,25 @@ def test_the_parts_add_up_to_the_block(capsys):
   assert all(name in out for name in ("block", "matmuls", "attention", "cross", "rest")) and "peak" not in out  # CPU
 
 
+def test_the_parts_operands_are_made_after_the_forwards_are_freed(monkeypatch):
+  """The two timing groups never hold their arrays together (a 14B block at 720p on one 16-GB chip):
+  while the matmuls and attentions are timed, no forward argument lives (its latents), while the
+  forwards are, no part's operand (the [rows T, D] activations); each is alive in its own group."""
+  live_shapes = []
+  real = block.time_median
+
+  def spy(fns, args, repeats):
+    live_shapes.append({a.shape for a in jax.live_arrays()})
+    return real(fns, args, repeats)
+
+  monkeypatch.setattr(block, "time_median", spy)
+  config = block.PRESETS["tiny"]
+  block.parts(config, 2, 5, 32, 32, 8, jnp.float32, (1, 2), 1)
+  latents, x = (2, config.in_channels, 2, 4, 4), (2 * 8, config.dim)
+  assert latents in live_shapes[0] and x not in live_shapes[0]
+  assert x in live_shapes[1] and latents not in live_shapes[1]
+
+
 def test_attention_parts_take_q_prescaled_as_the_block_writes_it():
   """The self- and cross-attention parts read q as pre-scaled by H^-1/2 log2 e (base-2 logits q.k):
   equal to the dense fp32 reference at scale ln 2 (fp32 blockwise against dense: a few ulps of |v|),
