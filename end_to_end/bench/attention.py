@@ -11,7 +11,8 @@ and the ratios baseline / ours. Baselines (`bench.attention_baselines`): XLA's d
 (skipped when its logits would exceed --dense-limit-gb), cuDNN on a GPU, and on a TPU jax's Pallas
 flash attention and splash attention over a grid of block shapes (--splash-grid), padded to their
 blocks at any length; a baseline that does not compile (e.g. a scoped-VMEM overflow at large blocks:
-raise the limit with LIBTPU_INIT_ARGS as above) is reported and left out. Times are medians over
+raise the limit with LIBTPU_INIT_ARGS as above) is reported and left out; --baselines keeps some kinds
+only (e.g. `--baselines splash`, to fit a chip's timed call). Times are medians over
 --repeats calls after one warm-up (compile excluded), taken round-robin so that load from other
 processes hits all of them alike. Ratios from the same run are what to compare across machines. The
 Pallas kernels on CPU run in interpret mode (slow; exact): not a speed number.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import BlockSizes, local_attention, resolve_backend
-from end_to_end.bench.attention_baselines import baselines, parse_grid
+from end_to_end.bench.attention_baselines import baselines, parse_grid, parse_kinds
 from pipelines.commands.help import HelpFormatter
 from pipelines.parallel.planner import chip_of
 
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--splash-grid", default="default",
                   help="splash attention's block shapes on a TPU: 'default' (attention_baselines.SPLASH_GRID), "
                        "'none', or QxKVxC,... (block_q x block_kv x block_kv_compute)")
+  ap.add_argument("--baselines", default="all",
+                  help="which baselines to time: 'all' or some of dense, cudnn, flash, splash (e.g. 'splash': "
+                       "jax's 128-block flash alone takes ~0.4 s a call at 32,760 tokens on a v5e)")
   ap.add_argument("--interpret", action="store_true",
                   help="also run splash in Pallas' interpret mode off a TPU (exact and slow: for tests)")
   ap.add_argument("--dtypes", default="float32,bfloat16",
@@ -93,7 +97,8 @@ def run_dtype(args: argparse.Namespace, name: str, base: list[np.ndarray], sizes
   platform, dtype = jax.default_backend(), jnp.dtype(name)
   shape = base[0].shape
   q, k, v = (jnp.asarray(x, dtype) for x in base)
-  fns = baselines(platform, dtype, shape, args.dense_limit_gb, splash_grid=grid, interpret=args.interpret)
+  fns = baselines(platform, dtype, shape, args.dense_limit_gb, splash_grid=grid, interpret=args.interpret,
+                  kinds=args.baseline_kinds)
   for impl in OURS:
     fns[impl] = jax.jit(lambda q, k, v, impl=impl: local_attention(q, k, v, implementation=impl,
                                                                    block_sizes=sizes, backend=backend))
@@ -132,6 +137,7 @@ def main(argv=None):
     ap.error(f"--dtypes {bad} not understood; use float32 and/or bfloat16, comma-separated")
   try:
     grid = parse_grid(args.splash_grid)
+    args.baseline_kinds = parse_kinds(args.baselines)
   except ValueError as e:
     ap.error(str(e))
   backend = resolve_backend(args.backend)

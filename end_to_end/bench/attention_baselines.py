@@ -102,25 +102,43 @@ def tpu_flash(shape: tuple[int, int, int, int]) -> Callable:
   return jax.jit(fn)
 
 
-def baselines(platform: str, dtype, shape: tuple[int, int, int, int], dense_limit_gb: float, *,
-              splash_grid: tuple[tuple[int, int, int], ...] = SPLASH_GRID, interpret: bool = False) -> dict:
-  """name -> jitted fn of the implementations to compare with on `platform` (module docstring);
-  the Pallas TPU ones on a TPU, or splash in interpret mode anywhere with `interpret`.
+KINDS = ("dense", "cudnn", "flash", "splash")  # the baselines by kind, as `--baselines` names them
 
-  Raises: SystemExit: none fits (no dense within the limit and no fused attention on `platform`).
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+  """'all' or comma-separated `KINDS` (e.g. "splash": leave jax's slow 128-block flash out of a
+  chip's timed call). Raises ValueError naming an unknown kind."""
+  if text.strip().lower() == "all":
+    return KINDS
+  kinds = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+  unknown = [kind for kind in kinds if kind not in KINDS]
+  if unknown or not kinds:
+    raise ValueError(f"--baselines {text!r}: give 'all' or some of {', '.join(KINDS)}, comma-separated")
+  return kinds
+
+
+def baselines(platform: str, dtype, shape: tuple[int, int, int, int], dense_limit_gb: float, *,
+              splash_grid: tuple[tuple[int, int, int], ...] = SPLASH_GRID, interpret: bool = False,
+              kinds: tuple[str, ...] = KINDS) -> dict:
+  """name -> jitted fn of the implementations of `kinds` to compare with on `platform` (module
+  docstring); the Pallas TPU ones on a TPU, or splash in interpret mode anywhere with `interpret`.
+
+  Raises: SystemExit: none fits (no dense within the limit and no fused attention of `kinds` on
+  `platform`).
   """
   B, T, N, H = shape
   fns = {}
-  if B * N * T * T * 4 <= dense_limit_gb * 1e9:
+  if "dense" in kinds and B * N * T * T * 4 <= dense_limit_gb * 1e9:
     fns["xla_dense"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"))
-  if platform == "gpu" and dtype != jnp.float32:
+  if "cudnn" in kinds and platform == "gpu" and dtype != jnp.float32:
     fns["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
-  if platform == "tpu":
+  if "flash" in kinds and platform == "tpu":
     fns["jax_tpu_flash"] = tpu_flash(shape)
-  if platform == "tpu" or interpret:
+  if "splash" in kinds and (platform == "tpu" or interpret):
     for blocks in splash_grid:
       fns["splash_" + "x".join(map(str, blocks))] = splash(shape, blocks, interpret=interpret)
   if not fns:
-    raise SystemExit(f"no baseline fits: dense logits of {B * N * T * T * 4 / 1e9:.1f} GB exceed "
-                     f"--dense-limit-gb {dense_limit_gb} and {platform} has no fused attention here")
+    raise SystemExit(f"no baseline fits: dense logits of {B * N * T * T * 4 / 1e9:.1f} GB against "
+                     f"--dense-limit-gb {dense_limit_gb}, and no fused attention of --baselines {','.join(kinds)} "
+                     f"on {platform} here")
   return fns

@@ -53,6 +53,17 @@ def test_the_report_names_failures_rates_and_the_best_baseline(tmp_path):
   assert max(row["max_abs_vs"].values()) < T * EPS_F32 * 5
 
 
+def test_baselines_keeps_the_kinds_asked_for():
+  """`--baselines splash` times splash and ours only (no dense attention, which fits at this size
+  and is timed by default: the control above); an unknown kind is refused naming it."""
+  (row,) = bench.main(["--seq", str(T), "--heads", str(N), "--dtypes", "float32", "--interpret", "--repeats", "1",
+                       "--splash-grid", "128x128x128", "--baselines", "splash"])
+  assert set(row["seconds"]) == {"splash_128x128x128", "lse", "fixed_m"}
+  assert baselines.parse_kinds("all") == baselines.KINDS
+  with pytest.raises(ValueError, match="'splosh'"):
+    baselines.parse_kinds("splosh")
+
+
 @pytest.mark.parametrize("text,want", [("default", baselines.SPLASH_GRID), ("none", ()),
                                        ("4096x2048x256,1024X512x512", ((4096, 2048, 256), (1024, 512, 512)))])
 def test_splash_grid_parsing(text, want):
