@@ -5,9 +5,9 @@ The CPU suite checks the same kernels exactly in interpret mode (tests/attention
 this checks what Mosaic compiles of them: 32,760 tokens x 12 heads x 128 (Wan 2.1 1.3B, 480x832 x
 81 frames: 21 x 30 x 52 tokens, not a multiple of any block, so the tail block is masked) and 40
 heads x 128 (Wan 14B's heads) at 10,800 tokens (1280x720 x 9 frames), both paths (online-softmax
-LSE and fixed-m). The dense reference is computed for `ROWS` query rows spread over the sequence
-(first and last included) against every key: all 32,760 rows would be a 12 x 32,760^2 fp32 score
-matrix (51 GB) on the CPU.
+LSE and fixed-m) and "auto" (the cond between them). The dense reference is computed for `ROWS`
+query rows spread over the sequence (first and last included) against every key: all 32,760 rows
+would be a 12 x 32,760^2 fp32 score matrix (51 GB) on the CPU.
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def _dense_rows(q, k, v, rows: np.ndarray) -> jax.Array:
   return out
 
 
-@pytest.mark.parametrize("implementation", ["lse", "fixed_m"])
+@pytest.mark.parametrize("implementation", ["lse", "fixed_m", "auto"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_compiled_kernel_equals_dense_fp32(shape, implementation):
-  """Both paths, compiled by Mosaic (a `tpu_custom_call` in the program), within the bound below of
-  dense fp32 attention of the same bf16 inputs."""
+  """Both paths, and "auto" (the gate's `lax.cond` between the two kernels, as the model calls it),
+  compiled by Mosaic (a `tpu_custom_call` in the program), within the bound below of dense fp32
+  attention of the same bf16 inputs."""
   T, N = SHAPES[shape]
   q, k, v = _inputs(T, N, seed=T + N)
   call = jax.jit(functools.partial(local_attention, implementation=implementation, backend="pallas"))
