@@ -288,12 +288,16 @@ def summarise(ops: list[tuple[Op, int]], chip: Chip) -> dict[str, Any]:
 
 
 def analyse(hlo_text: str, device_kind: str, devices: int,
-            kernel_cost: Callable[[str], Any] | None = None) -> dict[str, Any]:
+            kernel_cost: Callable[[str], Any] | None = None, *, program: str = "step",
+            loop: bool = True) -> dict[str, Any]:
   """The breakdown of a compiled program for `device_kind` (a `CHIPS` key) on `devices` chips:
   per block of its block loop and per step (see the module docstring).
 
   Args:
     kernel_cost: body (base64) -> `kernel_model.KernelCost`; default: decode the Mosaic module.
+    program: what the program is, for the report ("step"; e.g. "decode later-chunk program").
+    loop: report the largest `while` as the block loop (the step's layer scan); False: the whole
+      program only (e.g. the VAE decoder's, which has no block loop), loops still counted by trips.
 
   Raises:
     ValueError: a device kind without a `CHIPS` entry, or text without an ENTRY computation.
@@ -307,11 +311,11 @@ def analyse(hlo_text: str, device_kind: str, devices: int,
     kernel_cost = functools.lru_cache(maxsize=None)(
         lambda body: kernel_model.kernel_cost(kernel_model.mosaic_text(body)))
   module = hlo_ops.parse_module(hlo_text)
-  loop = block_loop(module)
+  loop = block_loop(module) if loop else None
   step = walk(module, module.entry, chip, kernel_cost, devices)
   block = walk(module, loop[0], chip, kernel_cost, devices) if loop else []
-  largest = sorted(block or step, key=lambda pair: -pair[0].modelled)[:12]
-  return dict(chip=dataclasses.asdict(chip), devices=devices, blocks=loop[1] if loop else 0,
+  largest = sorted(block or step, key=lambda pair: -pair[0].modelled * pair[1])[:12]
+  return dict(chip=dataclasses.asdict(chip), devices=devices, program=program, blocks=loop[1] if loop else 0,
               block=summarise(block, chip), step=summarise(step, chip),
               largest=[dict(dataclasses.asdict(op), times=t) for op, t in largest])
 
@@ -333,7 +337,8 @@ def _table(summary: dict[str, Any], chip: dict[str, Any], title: str) -> list[st
 
 
 def format_breakdown(result: dict[str, Any]) -> str:
-  """The breakdown as text: the block's table, the step's, and the block's largest ops."""
+  """The breakdown as text: the block's table (where there is a block loop), the whole program's,
+  and the largest ops (the block's, or the program's: each op x the times it runs)."""
   chip = result["chip"]
   lines = [f"modelled time by op class on {chip['name']} ({chip['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
            f"{chip['hbm_bytes'] / 1e9:.0f} GB/s HBM, {chip['ici_bytes'] / 1e9:.0f} GB/s ICI, clock "
@@ -341,10 +346,10 @@ def format_breakdown(result: dict[str, Any]) -> str:
            "model, collectives: ICI model; roofline: max(FLOPs at MXU peak, bytes at HBM bandwidth)):"]
   if result["blocks"]:
     lines += _table(result["block"], chip, f"one block (x{result['blocks']})")
-  lines += _table(result["step"], chip, "whole step")
+  lines += _table(result["step"], chip, f"whole {result.get('program', 'step')}")
   lines.append("largest ops" + (" of one block" if result["blocks"] else "") + " (Mcycles modelled / roofline):")
   lines += [f"  {o['name']:34s} {o['cls']:18s} {o['modelled'] / 1e6:7.2f} / {o['roofline'] / 1e6:6.2f}  {o['note']}"
-            for o in result["largest"]]
+            + (f"  (x{o['times']} runs)" if o.get("times", 1) > 1 else "") for o in result["largest"]]
   return "\n".join(lines)
 
 

@@ -99,9 +99,11 @@ def text_rows(devices: list[Any], mesh_spec: Any, cache_dir: str | None) -> list
 
 
 def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: str | None,
-                emit: Callable[[dict[str, Any]], None], compile_effort: float | None = None) -> list[dict[str, Any]]:
+                emit: Callable[[dict[str, Any]], None], compile_effort: float | None = None,
+                breakdown: bool = False) -> list[dict[str, Any]]:
   """The VAE decoder's two programs for each distinct decode among `models`, one device and split,
-  compiled at `compile_effort` (None: the pipeline's, `vae.decode_compile_effort`)."""
+  compiled at `compile_effort` (None: the pipeline's, `vae.decode_compile_effort`); with `breakdown`,
+  each program's modelled time by op class (`compile_vae_decode`)."""
   import jax
 
   from end_to_end.aot.vae import compile_vae_decode
@@ -113,7 +115,7 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
       try:
         found, cache = with_cache_status(cache_dir, lambda: compile_vae_decode(
             devices, height=height, width=width, vae=vae, dtype=dtype, split=split,
-            compile_effort=compile_effort))
+            compile_effort=compile_effort, breakdown=breakdown))
       except Exception as e:  # noqa: BLE001 - e.g. out of HBM: report the row, go on
         found, cache = [dict(stage="decode", program="both", vae=vae, height=height, width=width, split=split,
                              devices=sum(d.process_index == jax.process_index() for d in devices) if split else 1,
@@ -126,12 +128,14 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
 
 
 def format_decode_row(r: dict[str, Any]) -> str:
-  """One line of the decode stage (per device: GiB, MiB; collectives count / MiB)."""
+  """One line of the decode stage (per device: GiB, MiB; collectives count / MiB), then its
+  `--breakdown` table where the row has one."""
   where = f"rows over {r['devices']}" if r["split"] else "one device"
   head = f"decode {r['vae']} {r['height']}x{r['width']} {where:14s} {r['program']:5s}"
   if "error" in r:
     return f"{head} failed: {r['error']}"
   mem = r.get("memory_analysis", {})
+  from end_to_end.aot.breakdown import format_breakdown
   from end_to_end.aot.collectives import summary
 
   cycles = f"{r['estimated_cycles'] / 1e6:.0f} M cycles estimated, " if "estimated_cycles" in r else ""
@@ -140,4 +144,11 @@ def format_decode_row(r: dict[str, Any]) -> str:
           f"{r['convolutions']} ({r['distinct_convolutions']} distinct), args "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:.2f} GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} "
           f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {summary(r['collectives'])}, "
-          f"{cycles}cache {r['cache']}")
+          f"{cycles}cache {r['cache']}") + (f"\n{format_breakdown(r['breakdown'])}" if "breakdown" in r else "")
+
+
+def print_breakdown(row: dict[str, Any]) -> None:
+  """A compiled program's modelled time by op class (`--breakdown`), where its row has one."""
+  if "breakdown" in row:
+    from end_to_end.aot.breakdown import format_breakdown
+    print(format_breakdown(row["breakdown"]), flush=True)

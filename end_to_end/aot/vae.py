@@ -47,7 +47,7 @@ def abstract_vae(config: Any, dtype: Any) -> Any:
 def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str = "wan2.1",
                        dtype: str = "bfloat16", split: bool = False,
                        programs: tuple[str, ...] = ("first", "later"),
-                       compile_effort: float | None = None) -> list[dict[str, Any]]:
+                       compile_effort: float | None = None, breakdown: bool = False) -> list[dict[str, Any]]:
   """AOT-compiles the VAE decoder's first-chunk and later-chunk programs (module docstring).
 
   Args:
@@ -62,12 +62,14 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
     programs: which of "first" and "later" to compile.
     compile_effort: XLA's optimization effort; None: the pipeline's on the devices' platform
       (`vae.decode_compile_effort`: -0.5 on TPU, JAX's own setting elsewhere).
+    breakdown: also each program's modelled time by op class (`end_to_end.aot.breakdown.analyse`,
+      the whole program: a decode has no block loop).
 
   Returns:
     One dict per program (program "first", "later"): stage "decode", vae, dtype, height, width, devices,
     split, compile_effort, convolutions and distinct_convolutions (lowered program), compile_s (wall),
     compile_cpu_s (this process's CPU seconds, steadier on a shared host), memory_analysis,
-    cost_analysis, collectives (`step.compiled_analysis`).
+    cost_analysis, collectives (`step.compiled_analysis`); with `breakdown`, breakdown.
 
   Raises:
     ValueError: an unknown vae or dtype, or a size that is not a multiple of the spatial factor.
@@ -75,7 +77,6 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
   import jax
   import jax.numpy as jnp
 
-  from end_to_end.aot.step import compiled_analysis
   from pipelines.wan import vae as V
   from pipelines.wan.vae import VAE_PRESETS, effective_compile_effort
 
@@ -92,15 +93,25 @@ def compile_vae_decode(devices: list[Any], *, height: int, width: int, vae: str 
                                              split=split, compile_effort=compile_effort)
   effort = effective_compile_effort(compile_effort, devices[0].platform)
   decoding = sum(d.process_index == jax.process_index() for d in devices)  # `row_mesh`: this process's
-  rows = []
-  for name, lowered in lowered_programs.items():
-    if name not in programs:
-      continue
-    convs, distinct = distinct_convolutions(lowered.as_text())
-    start, cpu_start = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
-    rows.append(dict(stage="decode", program=name, vae=vae, dtype=dtype, height=height, width=width,
-                     devices=decoding if split else 1, split=split, compile_effort=effort, convolutions=convs,
-                     distinct_convolutions=distinct, compile_s=time.perf_counter() - start,
-                     compile_cpu_s=time.process_time() - cpu_start, **compiled_analysis(compiled)))
-  return rows
+  meta = dict(stage="decode", vae=vae, dtype=dtype, height=height, width=width, devices=decoding if split else 1,
+              split=split, compile_effort=effort)
+  return [_program_row(name, lowered, meta, devices[0].device_kind, breakdown)
+          for name, lowered in lowered_programs.items() if name in programs]
+
+
+def _program_row(name: str, lowered: Any, meta: dict[str, Any], device_kind: str, breakdown: bool) -> dict[str, Any]:
+  """One decode program compiled: `meta`, its convolutions, compile times, XLA's analyses and, with
+  `breakdown`, its modelled time by op class (the whole program)."""
+  from end_to_end.aot.step import compiled_analysis
+
+  convs, distinct = distinct_convolutions(lowered.as_text())
+  start, cpu_start = time.perf_counter(), time.process_time()
+  compiled = lowered.compile()
+  row = dict(meta, program=name, convolutions=convs, distinct_convolutions=distinct,
+             compile_s=time.perf_counter() - start, compile_cpu_s=time.process_time() - cpu_start,
+             **compiled_analysis(compiled))
+  if breakdown:
+    from end_to_end.aot.breakdown import analyse
+    row["breakdown"] = analyse(compiled.as_text(), device_kind, meta["devices"],
+                               program=f"decode {name}-chunk program", loop=False)
+  return row

@@ -137,9 +137,9 @@ def _add_aot_flags(ap: argparse.ArgumentParser) -> None:
   g.add_argument("--shard-weights", action="store_true",
                  help="with --aot-mesh: the transformer's block weights sharded over the mesh (FSDP)")
   g.add_argument("--breakdown", action="store_true",
-                 help="with --aot and the step stage: where the step's modelled time goes, by op class (libtpu's "
-                      "estimated cycles, the Pallas kernels' grid model, the collectives' ICI model), each against "
-                      "the chip's roofline, and a modelled MFU (end_to_end/aot/breakdown.py)")
+                 help="with --aot and the step or decode stage: where each of those programs' modelled time goes, "
+                      "by op class (libtpu's estimated cycles, the Pallas kernels' grid model, the collectives' ICI "
+                      "model), each against the chip's roofline, and a modelled MFU (end_to_end/aot/breakdown.py)")
   g.add_argument("--aot-init-timeout", type=float, default=120.0,
                  help="seconds allowed for libtpu to build the topology before giving up")
 
@@ -291,15 +291,14 @@ def run_aot(args: argparse.Namespace) -> int:
     for name in models:
       row = _aot_step_row(args, devices, mesh, name)
       print(aot_step.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
-      if "breakdown" in row:
-        from end_to_end.aot.breakdown import format_breakdown
-        print(format_breakdown(row["breakdown"]), flush=True)
+      aot_stages.print_breakdown(row)
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
                        lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)),
-                       compile_effort=args.compile_effort)
+                       compile_effort=args.compile_effort, breakdown=args.breakdown)
   return 0
+
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -321,8 +320,9 @@ def check_args(args: argparse.Namespace) -> None:
     raise ValueError(f"--compile-effort {args.compile_effort} must be in [-1, 1]")
   from end_to_end.aot.stages import parse_stages  # no JAX import
   parse_stages(args.stages)
-  if args.breakdown and not (args.aot and "step" in parse_stages(args.stages)):
-    raise ValueError("--breakdown models the compiled denoise step: give --aot TOPOLOGY with the step stage")
+  if args.breakdown and not (args.aot and {"step", "decode"} & set(parse_stages(args.stages))):
+    raise ValueError("--breakdown models the compiled denoise step and decoder: give --aot TOPOLOGY with the "
+                     "step or decode stage")
   if args.aot and (args.compare or args.model or args.mesh):
     raise ValueError("--aot is a compile-only report; drop --compare, --model and --mesh")
 

@@ -5,6 +5,7 @@ the loop. No libtpu: the kernel's cost is given."""
 import pytest
 
 from end_to_end.aot import breakdown, kernel_model
+from end_to_end.aot import stages as aot_stages
 from end_to_end.bench import pipeline as bench_pipeline
 
 HLO = """HloModule jit_step
@@ -97,8 +98,23 @@ def test_the_step_is_the_block_times_its_trips_plus_the_rest_and_mfu_follows():
   assert "one block (x3)" in text and "modelled MFU" in text and "attend grid 2x3, MXU-bound" in text
 
 
-def test_an_unknown_chip_is_refused_and_breakdown_needs_the_step():
+def test_a_program_without_a_block_loop_is_reported_whole():
+  """`loop=False` (the VAE decoder's programs): no block table, the whole program with its loop's
+  ops counted by their trips (the same total as the step's), the largest ops weighed by their runs."""
+  whole = breakdown.analyse(HLO, "TPU v6 lite", devices=4, kernel_cost=lambda body: KERNEL,
+                            program="decode later-chunk program", loop=False)
+  assert whole["blocks"] == 0 and whole["step"]["total"] == _analyse()["step"]["total"]
+  text = breakdown.format_breakdown(whole)
+  assert "one block" not in text and "whole decode later-chunk program" in text
+  assert "(x3 runs)" in text  # the loop's ops, listed with their trips
+  row = dict(vae="wan2.1", height=480, width=832, split=False, devices=1, program="later", compile_s=1.0,
+             compile_cpu_s=1.0, convolutions=42, distinct_convolutions=10, collectives={}, cache="off")
+  assert "whole decode" not in aot_stages.format_decode_row(row)
+  assert aot_stages.format_decode_row(dict(row, breakdown=whole)).endswith(text)  # `--breakdown`'s table after the row
+
+
+def test_an_unknown_chip_is_refused_and_breakdown_needs_the_step_or_decode():
   with pytest.raises(ValueError, match="no roofline for device kind 'TPU v4'"):
     breakdown.analyse(HLO, "TPU v4", devices=4)
   assert bench_pipeline.main(["--breakdown"]) == 2
-  assert bench_pipeline.main(["--aot", "v6e:2x4", "--stages", "decode", "--breakdown"]) == 2
+  assert bench_pipeline.main(["--aot", "v6e:2x4", "--stages", "text", "--breakdown"]) == 2
