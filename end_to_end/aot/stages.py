@@ -128,14 +128,12 @@ def decode_rows(devices: list[Any], models: list[str], dtype: str, cache_dir: st
 
 
 def format_decode_row(r: dict[str, Any]) -> str:
-  """One line of the decode stage (per device: GiB, MiB; collectives count / MiB), then its
-  `--breakdown` table where the row has one."""
+  """One line of the decode stage (per device: GiB, MiB; collectives count / MiB)."""
   where = f"rows over {r['devices']}" if r["split"] else "one device"
   head = f"decode {r['vae']} {r['height']}x{r['width']} {where:14s} {r['program']:5s}"
   if "error" in r:
     return f"{head} failed: {r['error']}"
   mem = r.get("memory_analysis", {})
-  from end_to_end.aot.breakdown import format_breakdown
   from end_to_end.aot.collectives import summary
 
   cycles = f"{r['estimated_cycles'] / 1e6:.0f} M cycles estimated, " if "estimated_cycles" in r else ""
@@ -144,11 +142,13 @@ def format_decode_row(r: dict[str, Any]) -> str:
           f"{r['convolutions']} ({r['distinct_convolutions']} distinct), args "
           f"{mem.get('argument_size_in_bytes', 0) / 2**30:.2f} GiB, temp {mem.get('temp_size_in_bytes', 0) / 2**30:.2f} "
           f"GiB, code {mem.get('generated_code_size_in_bytes', 0) / 2**20:.1f} MiB, collectives {summary(r['collectives'])}, "
-          f"{cycles}cache {r['cache']}") + (f"\n{format_breakdown(r['breakdown'])}" if "breakdown" in r else "")
+          f"{cycles}cache {r['cache']}")
 
 
-def print_breakdown(row: dict[str, Any]) -> None:
-  """A compiled program's modelled time by op class (`--breakdown`), where its row has one."""
+def print_row(line: str, row: dict[str, Any]) -> None:
+  """Prints a compiled program's report `line`, then its modelled time by op class (`--breakdown`)
+  where its row has one (the step's and the decoder's programs)."""
+  print(line, flush=True)
   if "breakdown" in row:
     from end_to_end.aot.breakdown import format_breakdown
     print(format_breakdown(row["breakdown"]), flush=True)

@@ -11,11 +11,10 @@ device) with `--layers` blocks each, divided by the difference in blocks: embedd
 unpatchify cancel. The matmuls are a chain of bf16 [rows x T, D] products of the block's weight
 shapes (self-attention q, k, v, o; cross-attention q, o; the FFN's two) plus the cross-attention's k
 and v of the text; the attention is `attention.local_attention` as the block calls it (the plan's
-implementation, "auto": the fixed-m gate and a cond between two kernels; the backend's default blocks;
-q pre-scaled)
-at [rows, T, N, H], the cross-attention the same queries against [rows, text, N, H] text K/V
-(`attention_parts`). The rest is what the block takes beyond the three. Times are medians over
---repeats calls after a warm-up (compile excluded), taken round-robin
+implementation, "auto": the fixed-m gate and a cond between two kernels; the backend's default
+blocks; q pre-scaled) at [rows, T, N, H], the cross-attention the same queries against [rows, text,
+N, H] text K/V (`attention_parts`). The rest is what the block takes beyond the three. Times are
+medians over --repeats calls after a warm-up (compile excluded), taken round-robin
 (`bench.int8.time_median`) in two groups: the two forwards, then the matmuls and attentions, whose
 operands are made once the forwards' weights are freed (a 14B block at 720p fits a 16-GB chip so).
 Numbers for one chip in docs/performance.md.

@@ -290,12 +290,11 @@ def run_aot(args: argparse.Namespace) -> int:
     print(aot_step.format_header(args.aot), flush=True)
     for name in models:
       row = _aot_step_row(args, devices, mesh, name)
-      print(aot_step.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), flush=True)
-      aot_stages.print_breakdown(row)
+      aot_stages.print_row(aot_step.format_row(row) + (f"  cache {row['cache']}" if "cache" in row else ""), row)
       emit(row)
   if "decode" in stages:
     aot_stages.decode_rows(devices, models, args.dtype or "bfloat16", args.compile_cache,
-                       lambda row: (print(aot_stages.format_decode_row(row), flush=True), emit(row)),
+                       lambda row: (aot_stages.print_row(aot_stages.format_decode_row(row), row), emit(row)),
                        compile_effort=args.compile_effort, breakdown=args.breakdown)
   return 0
 

@@ -98,7 +98,7 @@ def test_the_step_is_the_block_times_its_trips_plus_the_rest_and_mfu_follows():
   assert "one block (x3)" in text and "modelled MFU" in text and "attend grid 2x3, MXU-bound" in text
 
 
-def test_a_program_without_a_block_loop_is_reported_whole():
+def test_a_program_without_a_block_loop_is_reported_whole(capsys):
   """`loop=False` (the VAE decoder's programs): no block table, the whole program with its loop's
   ops counted by their trips (the same total as the step's), the largest ops weighed by their runs."""
   whole = breakdown.analyse(HLO, "TPU v6 lite", devices=4, kernel_cost=lambda body: KERNEL,
@@ -109,8 +109,11 @@ def test_a_program_without_a_block_loop_is_reported_whole():
   assert "(x3 runs)" in text  # the loop's ops, listed with their trips
   row = dict(vae="wan2.1", height=480, width=832, split=False, devices=1, program="later", compile_s=1.0,
              compile_cpu_s=1.0, convolutions=42, distinct_convolutions=10, collectives={}, cache="off")
-  assert "whole decode" not in aot_stages.format_decode_row(row)
-  assert aot_stages.format_decode_row(dict(row, breakdown=whole)).endswith(text)  # `--breakdown`'s table after the row
+  line = aot_stages.format_decode_row(row)
+  aot_stages.print_row(line, row)
+  assert capsys.readouterr().out == f"{line}\n"  # no breakdown asked for
+  aot_stages.print_row(line, dict(row, breakdown=whole))
+  assert capsys.readouterr().out == f"{line}\n{text}\n"  # the table after the row
 
 
 def test_an_unknown_chip_is_refused_and_breakdown_needs_the_step_or_decode():
