@@ -12,6 +12,7 @@ Shapes: B batch, T query tokens, S key tokens, N query heads, K kv heads, G = N 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,8 @@ class BlockLayout:
     T: real query rows; S: real key slots (a slot may still be masked by position, e.g. a
       halo neighbour that does not exist, or a key beyond `kv_valid_len`).
     block_q: query rows per block (<= T); block_kv: keys per block (<= S).
+    block_kv_compute: keys per chunk of a TPU kernel's key block (a multiple of 128 dividing
+      block_kv; `BlockSizes.block_kv_compute`); None outside the Pallas backend or when not set.
   """
 
   T: int
@@ -71,21 +74,24 @@ class BlockLayout:
   block_q: int
   block_kv: int
   backend: str = "xla"
+  block_kv_compute: int | None = None
 
   @classmethod
   def make(cls, T: int, S: int, block_sizes: "BlockSizes", backend: str = "xla") -> "BlockLayout":
     """Blocks of min(block_q, T) x min(block_kv, S) (XLA) or, for the Pallas kernels, `pallas_block`
     of each length: multiples of 128, powers of two when the given sizes are, and never padding a
     length by more than an eighth where a halved block avoids it; T and S padded up to multiples
-    of them.
+    of them. The Pallas key chunk is gcd(block_kv, block_kv_compute) (it divides a shrunk block).
 
     Raises:
       ValueError: Pallas block sizes that are not multiples of 128.
     """
     if backend == "pallas":
-      if block_sizes.block_q % 128 or block_sizes.block_kv % 128:
+      if block_sizes.block_q % 128 or block_sizes.block_kv % 128 or (block_sizes.block_kv_compute or 128) % 128:
         raise ValueError(f"the Pallas attention kernels need block sizes that are multiples of 128, got {block_sizes}")
-      return cls(T, S, pallas_block(T, block_sizes.block_q), pallas_block(S, block_sizes.block_kv), "pallas")
+      bk = pallas_block(S, block_sizes.block_kv)
+      bkc = None if block_sizes.block_kv_compute is None else math.gcd(bk, block_sizes.block_kv_compute)
+      return cls(T, S, pallas_block(T, block_sizes.block_q), bk, "pallas", bkc)
     if backend != "xla":
       raise ValueError(f"BlockLayout backend must be 'xla' or 'pallas' (resolve 'auto' first), got {backend!r}")
     return cls(T, S, min(block_sizes.block_q, T), min(block_sizes.block_kv, S))

@@ -226,7 +226,8 @@ def _attend_pallas(carry, q, k, v, q_pos, kv_pos, kv_limit, fixed, mode, layout,
   """`attend` as one kernel call; differentiable: the backward pass is the XLA loops' VJP (a
   recompute of the forward in XLA, then its transpose), so gradients equal the XLA path's."""
   return kernels.attend_kernel(
-      carry, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q, bk=layout.block_kv, S=layout.S,
+      carry, q, k, v, q_pos, kv_pos, kv_limit, mode=mode, bq=layout.block_q, bk=layout.block_kv,
+      bkc=layout.block_kv_compute, S=layout.S,
       kv_padded=layout.kv_padded, window=window, causal=causal, logit_scale=logit_scale, fixed=fixed,
       finish_to=finish_to)
 

@@ -22,8 +22,11 @@ its own program (Triton cannot slice a tile) and the group's K/V reads meet in L
 
 TPU (`_tpu_call`): grid (B, K, ceil(T / bq), ceil(S / bk)), the key axis innermost and sequential
 ("arbitrary"); the carry lives in VMEM scratch across it, with the row statistics as columns
-[rows, 128] (the layout the VPU wants) and converted from/to the carry's [G, T] rows once per query
-block by a 2D transpose. Its operands are padded to the blocks (USP's ring steps, the halo paths)
+[rows, 128] (the layout the VPU wants; m repeated along the lanes, l as 128 lane partial sums added
+up on the last key block, so no cross-lane reduction per key block) and converted from/to the
+carry's [G, T] rows once per query block by a 2D transpose. A key block may be computed in chunks of
+bkc keys (`BlockSizes.block_kv_compute`, as splash attention's): logits, probabilities and P V per
+chunk, and in the key block that holds the padding only the chunks past slot S masked. Its operands are padded to the blocks (USP's ring steps, the halo paths)
 or, for one whole attention from a `Start` to the finished output (one device's), not: the last
 query block's rows past T are computed on whatever lies past the array's end and never written,
 and the last key block's slots past S are masked and their values zeroed, so no pad or unpad copy
@@ -88,9 +91,10 @@ def _tpu_init(ins, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, *, start, G, b
   if start == "carry":
     o_in, l_in, m_in = ins
     o_scr[...] = o_in[...].astype(jnp.float32).reshape(rows, H)
+    lane0 = jax.lax.broadcasted_iota(jnp.int32, (bq, LANES), 1) == 0
     for g in range(G):
       m_scr[g * bq:(g + 1) * bq, :] = _rows_to_columns(m_in[g:g + 1, :])
-      l_scr[g * bq:(g + 1) * bq, :] = _rows_to_columns(l_in[g:g + 1, :])
+      l_scr[g * bq:(g + 1) * bq, :] = jnp.where(lane0, _rows_to_columns(l_in[g:g + 1, :]), 0.0)
   else:
     o_scr[...] = jnp.zeros(o_scr.shape, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
@@ -113,33 +117,49 @@ def _tpu_store(outs, o_scr, l_scr, m_scr, *, finish, G, bq):
   (`carry.finish`: no fp32 o, l, m in HBM)."""
   H = o_scr.shape[1]
   if finish:
-    _write_finished(outs[0], o_scr[...], l_scr[:, :1], G=G, bq=bq)
+    _write_finished(outs[0], o_scr[...], jnp.sum(l_scr[...], axis=1, keepdims=True), G=G, bq=bq)
     return
   o_out, l_out, m_out = outs
   o_out[...] = o_scr[...].reshape(G, bq, H)
   for g in range(G):
     m_out[g:g + 1, :] = jnp.transpose(m_scr[g * bq:(g + 1) * bq, :])[:1, :]
-    l_out[g:g + 1, :] = jnp.transpose(l_scr[g * bq:(g + 1) * bq, :])[:1, :]
+    l_out[g:g + 1, :] = jnp.sum(jnp.transpose(l_scr[g * bq:(g + 1) * bq, :]), axis=0, keepdims=True)
 
 
-def _fixed_m_update(v, o_scr, l_scr, m_scr, prec, s):
-  """One key block into the VMEM carry with m pinned: p = 2^(s - m), l += sum p, o += p v."""
-  p = jnp.exp2(s - m_scr[:, :1])
-  l_scr[...] += jnp.sum(p, axis=1, keepdims=True)
-  o_scr[...] += jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+def _lane_sums(p):
+  """fp32 [rows, n] -> [rows, LANES]: the sums of p's 128-lane column groups (n a multiple of 128),
+  by VPU adds alone; the carry's l keeps these partial sums and adds its lanes up once, on the last
+  key block (`_tpu_store`), instead of a cross-lane reduction per key block."""
+  acc = p[:, :LANES]
+  for c in range(LANES, p.shape[1], LANES):
+    acc = acc + p[:, c:c + LANES]
+  return acc
 
 
-def _lse_update(v, o_scr, l_scr, m_scr, prec, s):
-  """One key block into the VMEM carry by the online softmax (module docstring)."""
-  m_prev = m_scr[...]
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
-  alpha = jnp.exp2(m_prev - m_safe)
-  p = jnp.exp2(s - m_safe[:, :1])
-  l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-  o_scr[...] = alpha[:, :1] * o_scr[...] + jax.lax.dot(
-      p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-  m_scr[...] = m_new
+def _fixed_m_update(chunks, o_scr, l_scr, m_scr, prec):
+  """One key block into the VMEM carry with m pinned, a chunk (s fp32 [rows, n], v [n, H]) at a
+  time: p = 2^(s - m), l += sum p (lane partials, `_lane_sums`), o += p v."""
+  m, l, o = m_scr[:, :1], l_scr[...], o_scr[...]
+  for s, v in chunks:
+    p = jnp.exp2(s - m)
+    l = l + _lane_sums(p)
+    o = o + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+  l_scr[...], o_scr[...] = l, o
+
+
+def _lse_update(chunks, o_scr, l_scr, m_scr, prec):
+  """One key block into the VMEM carry by the online softmax (module docstring), a chunk at a time
+  (as `_fixed_m_update`)."""
+  m, l, o = m_scr[...], l_scr[...], o_scr[...]
+  for s, v in chunks:
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay at l = o = 0
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, :1])
+    l = alpha * l + _lane_sums(p)
+    o = alpha[:, :1] * o + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    m = m_new
+  m_scr[...], l_scr[...], o_scr[...] = m, l, o
 
 
 def _tpu_single(s, v, out_ref, *, G, bq, prec):
@@ -149,7 +169,7 @@ def _tpu_single(s, v, out_ref, *, G, bq, prec):
   no VMEM carry set up, rescaled or read back."""
   m = jnp.max(s, axis=1, keepdims=True)
   p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))  # rows with no visible key: l = o = 0
-  l = jnp.sum(p, axis=1, keepdims=True)
+  l = jnp.sum(_lane_sums(p), axis=1, keepdims=True)  # the carry path's order of the sums
   o = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
   _write_finished(out_ref, o, l, G=G, bq=bq)
 
@@ -161,7 +181,7 @@ def single_block_path(start: str, finish: bool, key_blocks: int) -> bool:
 
 
 def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
-                bk, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, single):
+                bk, bkc, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, single):
   n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
   n_out = 1 if finish else 3
   ins, outs, (o_scr, l_scr, m_scr, qp_scr) = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
@@ -171,51 +191,59 @@ def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, s
   needs_mask = use_limit or kv_padded or causal or window is not None
   q, prec = q_rows(), matmul_precision(q_ref.dtype)
 
-  def scores(masked):
-    s = jax.lax.dot_general(q, k_ref[...], _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
+  def scores(masked, c, n):  # fp32 logits [rows, n] of the block's keys c .. c + n - 1
+    s = jax.lax.dot_general(q, k_ref[c:c + n, :], _TRANS_B, preferred_element_type=jnp.float32, precision=prec)
     if logit_scale != 1.0:
       s = s * logit_scale
     if masked:
-      slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-      mask = kernel_mask(qp_scr[:, :1], kpos_ref[...], slot, limit=lim_ref[b] if use_limit else None, S=S,
+      slot = j * bk + c + jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+      mask = kernel_mask(qp_scr[:, :1], kpos_ref[:, c:c + n], slot, limit=lim_ref[b] if use_limit else None, S=S,
                          kv_padded=kv_padded, window=window, causal=causal)
-      s = jnp.where(mask[None], s.reshape(G, bq, bk), -jnp.inf).reshape(rows, bk)
+      s = jnp.where(mask[None], s.reshape(G, bq, n), -jnp.inf).reshape(rows, n)
     return s
 
-  def values(masked):
-    v = v_ref[...]
+  def values(masked, c, n):
+    v = v_ref[c:c + n, :]
     if masked and kv_padded:
       # Unpadded K/V (one whole attention): the last block's slots >= S are read past the array's
       # end (undefined, maybe NaN); their logits are masked above, and their values are zeroed so
       # that 0 * NaN joins no sum (padded K/V hold zeros there: the same values).
-      slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+      slot = j * bk + c + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
       v = jnp.where(slot < S, v, jnp.zeros_like(v))
     return v
+
+  pad_only = not (use_limit or causal or window is not None)
+  last_start = (S - 1) // bk * bk  # the one key block with slots >= S (when any): the masked one if pad_only
+
+  def chunks(masked):  # the key block bkc keys at a time (static slices: the loop is unrolled); with
+    # pad_only, only the chunks that reach past slot S are masked
+    return ((scores(m, c, bkc), values(m, c, bkc)) for c in range(0, bk, bkc)
+            for m in [masked and (not pad_only or last_start + c + bkc > S)])
 
   if single:
     if needs_mask:
       qp_scr[...] = _rows_to_columns(qpos_ref[...])
-    _tpu_single(scores(needs_mask), values(needs_mask), outs[0], G=G, bq=bq, prec=prec)
+    _tpu_single(scores(needs_mask, 0, bk), values(needs_mask, 0, bk), outs[0], G=G, bq=bq, prec=prec)
     return
   pl.when(j == 0)(functools.partial(
       _tpu_init, ins, q_rows, qpos_ref, o_scr, l_scr, m_scr, qp_scr, start=start, G=G, bq=bq,
       needs_mask=needs_mask, logit_scale=logit_scale, windowed=windowed, margin=margin))
-  _tpu_key_block(functools.partial(_tpu_update, scores, values, (o_scr, l_scr, m_scr), prec, mode), j,
-                 bk=bk, S=S, needs_mask=needs_mask, pad_only=not (use_limit or causal or window is not None))
+  _tpu_key_block(functools.partial(_tpu_update, chunks, (o_scr, l_scr, m_scr), prec, mode), j,
+                 bk=bk, S=S, needs_mask=needs_mask, pad_only=pad_only)
   pl.when(j == pl.num_programs(3) - 1)(functools.partial(_tpu_store, outs, o_scr, l_scr, m_scr, finish=finish,
                                                            G=G, bq=bq))
 
 
-def _tpu_update(scores, values, carry_scr, prec, mode, masked):
-  """One key block into the VMEM carry, by `mode` ("fixed_m" or "lse")."""
+def _tpu_update(chunks, carry_scr, prec, mode, masked):
+  """One key block into the VMEM carry, by `mode` ("fixed_m" or "lse"), a chunk of keys at a time."""
   update = _fixed_m_update if mode == "fixed_m" else _lse_update
-  update(values(masked), *carry_scr, prec, scores(masked))
+  update(chunks(masked), *carry_scr, prec)
 
 
 def _tpu_key_block(update, j, *, bk, S, needs_mask, pad_only):
   """Runs `update(masked)` for key block j: with only block padding to mask (`pad_only`), it lies in
   the key blocks past slot S (the last one), so every other block skips the mask's iota, compares
-  and selects over its [rows, bk] scores."""
+  and selects over its [rows, bk] scores (and in the last one, the chunks before slot S do)."""
   if needs_mask and pad_only:
     padded = (j + 1) * bk > S
     pl.when(padded)(lambda: update(True))
@@ -277,7 +305,7 @@ def _tpu_operands(q, k, v, *, bq, bk):
   return dims, [q, k, v], [q_in_spec, k_spec, v_spec], q_spec, (B, K, G, T, H)
 
 
-def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, use_limit,
+def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, bkc, S, kv_padded, use_limit,
               window, causal, logit_scale, finish_to, interpret):
   from jax.experimental.pallas import tpu as pltpu
 
@@ -286,7 +314,7 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padde
   offsets = carry.offsets if start == "offsets" else None
   sq = pl.squeezed
   kernel = functools.partial(
-      _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, S=S,
+      _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, bkc=bkc, S=S,
       kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
       windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin,
       single=single_block_path(start, finish_to is not None, nk))
@@ -324,7 +352,7 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padde
 
 # --- dispatch -----------------------------------------------------------------------------------------
 
-def _gpu_padded(carry, q, k, v, q_pos, kv_pos, limit, **kw):
+def _gpu_padded(carry, q, k, v, q_pos, kv_pos, limit, *, bkc, **kw):  # noqa: ARG001 (a TPU-kernel chunk)
   """The GPU kernel, which reads whole K/V columns and query blocks: unpadded operands (from a Start,
   finished) zero-padded to the positions' lengths for it, its output's padded rows dropped."""
   T = heads.update_dims(q, k, v)[3]
@@ -338,22 +366,23 @@ def _gpu_padded(carry, q, k, v, q_pos, kv_pos, limit, **kw):
 KERNELS = ("tpu", "gpu")
 
 
-def _call_args(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal, logit_scale,
-               finish_to):
+def _call_args(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, bkc, S, kv_padded, window, causal,
+               logit_scale, finish_to):
   """The kernels' checked positional arguments (carry, q, k, v, q_pos, kv_pos, limit) and
-  keywords, for mode "fixed_m" or "lse"."""
-  if bq % LANES or bk % LANES:
-    raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES}; got bq={bq}, bk={bk}")
+  keywords, for mode "fixed_m" or "lse" (the GPU kernel takes no `bkc`)."""
+  if bq % LANES or bk % LANES or bkc % LANES or bk % bkc:
+    raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} and a key chunk that "
+                     f"divides the key block; got bq={bq}, bk={bk}, bkc={bkc}")
   use_limit = limit is not None
   if limit is None:
     limit = jnp.zeros((q.shape[0],), jnp.int32)
-  kw = dict(mode=mode, bq=bq, bk=bk, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
+  kw = dict(mode=mode, bq=bq, bk=bk, bkc=bkc, S=S, kv_padded=kv_padded, use_limit=use_limit, window=window,
             causal=causal, logit_scale=logit_scale, finish_to=None if finish_to is None else jnp.dtype(finish_to))
   return (carry, q, k, v, q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32), limit.astype(jnp.int32)), kw
 
 
 def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_padded, window, causal,
-                  logit_scale, fixed=None, finish_to=None, kernel: str | None = None):
+                  logit_scale, fixed=None, finish_to=None, kernel: str | None = None, bkc: int | None = None):
   """Runs the block update of `blockwise.attend` as one Pallas call.
 
   Args:
@@ -379,13 +408,16 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
       of the carry (the kernel writes it on its last key block: no fp32 o in HBM).
     kernel: None picks by the lowering platform (TPU kernel on TPU, GPU kernel on CUDA/ROCm, the
       TPU kernel in interpret mode elsewhere); "tpu" / "gpu" force one in interpret mode (tests).
+    bkc: keys per chunk of the TPU kernel's key block (None: bk, one chunk), a multiple of 128
+      that divides bk: each block's logits, probabilities and P V are computed bkc keys at a time
+      (`BlockSizes.block_kv_compute`). The GPU kernel ignores it.
 
   Returns:
     The new Carry (fp32, same shapes), or with `finish_to` the output [B, K, G, T, H] (q's rows)
     in that dtype (rows that saw no valid key give 0).
 
   Raises:
-    ValueError: block sizes that are not multiples of 128; positions that are not the operands'
+    ValueError: block sizes that are not multiples of 128, or bkc not dividing bk; positions that are not the operands'
       lengths rounded up to the blocks; unpadded operands without a Start and `finish_to`;
       `fixed` given without mode "auto" or missing with it; a Start whose offsets do not match the
       mode (fixed-m and "auto" need them, LSE takes none).
@@ -400,7 +432,7 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
     raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if isinstance(carry, Start):
     carry.check_mode(mode)
-  kw = dict(bq=bq, bk=bk, S=S, kv_padded=kv_padded, window=window, causal=causal, logit_scale=logit_scale,
+  kw = dict(bq=bq, bk=bk, bkc=bk if bkc is None else bkc, S=S, kv_padded=kv_padded, window=window, causal=causal, logit_scale=logit_scale,
             finish_to=finish_to, kernel=kernel)
   if mode == "auto":  # the verdict picks one of two single-mode kernel calls (module docstring)
     lse_start = Start() if isinstance(carry, Start) else carry

@@ -22,6 +22,10 @@ class BlockSizes:
     block_q: query rows per block (XLA: outer `lax.map`; Pallas: the grid's query axis). Bounds the
       live logits to [B, N, block_q, block_kv].
     block_kv: keys per block (XLA: inner `lax.scan`; Pallas: the key loop).
+    block_kv_compute: None (the whole block at once) or keys per chunk of the TPU kernel's key
+      block, a multiple of 128 dividing block_kv: each block's logits, probabilities and P V are
+      computed that many keys at a time (splash attention's `block_kv_compute`); XLA and the GPU
+      kernel ignore it.
   The Pallas kernels need multiples of 128 (TPU lanes) and, on GPU, powers of two.
   `get_default(backend, platform)` gives the measured (CPU / XLA) or seeded (Pallas) defaults,
   `DEFAULT_BLOCKS`; `python -m end_to_end.bench.tune_blocks` measures a grid and prints the winners.
@@ -29,12 +33,17 @@ class BlockSizes:
 
   block_q: int = 1024
   block_kv: int = 512
+  block_kv_compute: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv"):
+    for name in ("block_q", "block_kv", "block_kv_compute"):
       val = getattr(self, name)
+      if name == "block_kv_compute" and val is None:
+        continue
       if not isinstance(val, int) or val <= 0:
         raise ValueError(f"BlockSizes.{name} must be a positive int, got {name}={val!r}")
+    if self.block_kv_compute is not None and self.block_kv % self.block_kv_compute:
+      raise ValueError(f"BlockSizes.block_kv_compute={self.block_kv_compute} must divide block_kv={self.block_kv}")
 
   @classmethod
   def get_default(cls, backend: str = "xla", platform: str | None = None,

@@ -7,7 +7,8 @@
 Prints, per dtype, the median wall time, TFLOP/s (4 B N T^2 H) and fraction of the chip's bf16 peak
 (TPU v5e / v6e, H100 / H200) of each baseline and of `attention.local_attention` with implementation
 "lse" and "fixed_m" on `--backend` (auto: the Pallas kernels on TPU and GPU, the XLA loops on CPU),
-and the ratios baseline / ours. Baselines (`bench.attention_baselines`): XLA's dense attention
+and the ratios baseline / ours; fixed-m's gate (the key statistics and verdict before its kernel) is
+timed alone too, so fixed_m minus it is the kernel's own time. Baselines (`bench.attention_baselines`): XLA's dense attention
 (skipped when its logits would exceed --dense-limit-gb), cuDNN on a GPU, and on a TPU jax's Pallas
 flash attention and splash attention over a grid of block shapes (--splash-grid), padded to their
 blocks at any length; a baseline that does not compile (e.g. a scoped-VMEM overflow at large blocks:
@@ -21,7 +22,7 @@ Pallas kernels on CPU run in interpret mode (slow; exact): not a speed number.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import statistics
 import time
 
@@ -30,9 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import BlockSizes, local_attention, resolve_backend
+from attention import fixed_m as fm
 from end_to_end.bench.attention_baselines import baselines, parse_grid, parse_kinds
 from pipelines.commands.help import HelpFormatter
 from pipelines.parallel.planner import chip_of
+from pipelines.storage.video_io import write_json
 
 
 def _time_interleaved(fns: dict, args, repeats: int) -> tuple[dict[str, float], dict[str, str]]:
@@ -60,6 +63,14 @@ def _rate(seconds: float, flops: float, peak: float | None) -> str:
 
 
 OURS = ("lse", "fixed_m")
+GATE = "fixed_m_gate"  # the part of "fixed_m" before its kernel, timed alone
+
+
+def _gate(q, k, v):
+  """The fixed-m gate's statistics and verdict (`fixed_m.fixed_m_gate`), as `local_attention` runs them."""
+  stats = fm.local_key_stats(k, v)
+  q_norm_max = fm.query_norm_max(q) * (q.shape[-1] ** -0.5 * math.log2(math.e))
+  return fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count).eligible
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="our kernels: auto (Pallas on TPU/GPU, XLA on CPU), xla or pallas")
   ap.add_argument("--block-q", type=int, default=None, help="query rows per block (default: the backend's)")
   ap.add_argument("--block-kv", type=int, default=None, help="key rows per block (default: the backend's)")
+  ap.add_argument("--block-kv-compute", type=int, default=None,
+                  help="keys per chunk of the TPU kernel's key block (default: the backend's; BlockSizes.block_kv_compute)")
   ap.add_argument("--dense-limit-gb", type=float, default=8.0,
                   help="skip XLA's dense attention when its fp32 logits would exceed this many GB")
   ap.add_argument("--splash-grid", default="default",
@@ -102,15 +115,17 @@ def run_dtype(args: argparse.Namespace, name: str, base: list[np.ndarray], sizes
   for impl in OURS:
     fns[impl] = jax.jit(lambda q, k, v, impl=impl: local_attention(q, k, v, implementation=impl,
                                                                    block_sizes=sizes, backend=backend))
+  fns[GATE] = jax.jit(_gate)
   t, failed = _time_interleaved(fns, (q, k, v), args.repeats)
-  outs = {key: np.asarray(f(q, k, v), np.float32) for key, f in fns.items()}
+  gate = t.pop(GATE, None)
+  outs = {key: np.asarray(fns[key](q, k, v), np.float32) for key in t}
   theirs = [key for key in t if key not in OURS]
   reference = "xla_dense" if "xla_dense" in t else theirs[0] if theirs else "fixed_m"
   best = min(theirs, key=t.get) if theirs else None
   chip = chip_of(jax.devices()[0].device_kind)
   peak = chip.peak_flops if chip is not None and dtype == jnp.bfloat16 else None
   flops = 4.0 * shape[0] * shape[2] * shape[1] ** 2 * shape[3]
-  row = dict(dtype=name, backend=backend, seconds=t, failed=failed, flops=flops,
+  row = dict(dtype=name, backend=backend, seconds=t, gate_seconds=gate, failed=failed, flops=flops,
              tflops={key: flops / sec / 1e12 for key, sec in t.items()},
              peak_fraction={key: flops / sec / peak for key, sec in t.items()} if peak else None,
              best_baseline=best, baseline_over_lse={key: t[key] / t["lse"] for key in theirs},
@@ -120,6 +135,8 @@ def run_dtype(args: argparse.Namespace, name: str, base: list[np.ndarray], sizes
   print(f"{name}:")
   for key, sec in t.items():
     print(f"  {key:26s} {_rate(sec, flops, peak)}" + ("  <- the best baseline" if key == best else ""))
+  if gate is not None:
+    print(f"  {GATE:26s} {gate * 1e3:.2f} ms, part of fixed_m (its kernel alone: {_rate(t['fixed_m'] - gate, flops, peak)})")
   for key, error in failed.items():
     print(f"  {key:26s} failed: {error}")
   if best is not None:
@@ -142,19 +159,22 @@ def main(argv=None):
     ap.error(str(e))
   backend = resolve_backend(args.backend)
   default = BlockSizes.get_default(backend)
-  sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv)
+  try:
+    sizes = BlockSizes(args.block_q or default.block_q, args.block_kv or default.block_kv,
+                       args.block_kv_compute or default.block_kv_compute)
+  except ValueError as e:
+    ap.error(str(e))
   shape = (args.batch, args.seq, args.heads, args.head_dim)
   rng = np.random.default_rng(0)
   base = [rng.standard_normal(shape, np.float32) for _ in range(3)]
   platform = jax.default_backend()
   print(f"platform={platform} ({jax.devices()[0].device_kind}) devices={jax.device_count()} shape [B,T,N,H]={shape} "
-        f"backend={backend} block_q={sizes.block_q} block_kv={sizes.block_kv}")
+        f"backend={backend} block_q={sizes.block_q} block_kv={sizes.block_kv} block_kv_compute={sizes.block_kv_compute}")
   results = [run_dtype(args, name, base, sizes, backend, grid) for name in args.dtypes.split(",")]
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(platform=platform, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
-                     backend=backend, shape=shape, block_sizes=[sizes.block_q, sizes.block_kv],
-                     args=vars(args), results=results), f, indent=2)
+    write_json(dict(platform=platform, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
+                    backend=backend, shape=shape, block_sizes=[sizes.block_q, sizes.block_kv, sizes.block_kv_compute],
+                    args=vars(args), results=results), args.json, overwrite=True)
   return results
 
 

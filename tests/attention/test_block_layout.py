@@ -3,6 +3,7 @@ unpadded operands and the output. (Its padding and masking are checked through e
 test_blockwise.py, test_kernels.py and test_exactness.py.)"""
 
 import numpy as np
+import pytest
 
 from attention import BlockSizes
 from attention.block_layout import BlockLayout, pallas_block
@@ -28,6 +29,19 @@ def test_pallas_blocks_do_not_run_a_short_query_mostly_on_padding():
       assert round_up(n, b) - n <= n // 8 or all(round_up(n, c) >= round_up(n, b) for c in halved)
   layout = BlockLayout.make(4680, 32760, BlockSizes(4096, 1024), "pallas")
   assert (layout.T_pad, layout.S_pad) == (5120, 32768)
+
+
+def test_the_key_chunk_divides_the_pallas_key_block():
+  """`block_kv_compute` stays as asked when it divides the Pallas key block, follows a block that
+  `pallas_block` shrank below it (gcd), is None (one chunk) when not asked, and is refused when not
+  a multiple of 128 (the TPU lanes); XLA leaves it unset."""
+  assert BlockLayout.make(32760, 32760, BlockSizes(4096, 2048, 512), "pallas").block_kv_compute == 512
+  shrunk = BlockLayout.make(250, 250, BlockSizes(128, 1024, 512), "pallas")
+  assert (shrunk.block_kv, shrunk.block_kv_compute) == (256, 256)
+  assert BlockLayout.make(300, 300, BlockSizes(128, 1024), "pallas").block_kv_compute is None
+  assert BlockLayout.make(300, 300, BlockSizes(128, 1024, 512)).block_kv_compute is None
+  with pytest.raises(ValueError, match="multiples of 128"):
+    BlockLayout.make(300, 300, BlockSizes(128, 1024, 64), "pallas")
 
 
 def test_operands_unpadded_and_the_output_unpadded_token_major():

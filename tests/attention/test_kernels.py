@@ -202,16 +202,18 @@ def test_kernel_path_is_differentiable(impl):
 
 
 @pytest.mark.parametrize("mode", ["fixed_m", "lse"])
-def test_tpu_kernel_masks_only_the_padded_key_block(mode):
+@pytest.mark.parametrize("S,sizes", [(300, SIZES), (420, BlockSizes(128, 256, 128))])
+def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, sizes):
   """Block padding alone (no limit, window or causal mask): the TPU kernel masks only the key blocks
   past slot S. Against the XLA loops with garbage (30x the keys' scale) in the padded slots, over
-  three key blocks (two unmasked, one masked); the same garbage seen by a kernel told there is no
-  padding changes the output (positive control: the masked branch is what hides it)."""
-  B, K, G, T, S, H = 1, 2, 1, 200, 300, 128
+  three key blocks (two unmasked, one masked), or two 256-key blocks in 128-key chunks (the last
+  block's first chunk, all real keys, unmasked; its second masked); the same garbage seen by a
+  kernel told there is no padding changes the output (positive control: the mask is what hides it)."""
+  B, K, G, T, H = 1, 2, 1, 200, 128
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
-  layout = block_layout.BlockLayout.make(T, S, SIZES, "pallas")
+  layout = block_layout.BlockLayout.make(T, S, sizes, "pallas")
   qp = layout.pad_q(q)
   garbage = jnp.asarray(rng.normal(size=(B, K, layout.S_pad - S, H)) * 30, jnp.float32)
   kp, vp = (jnp.concatenate([x, garbage], axis=2) for x in (k, v))
@@ -221,7 +223,8 @@ def test_tpu_kernel_masks_only_the_padded_key_block(mode):
                           layout=dataclasses.replace(layout, backend="xla"), kv_limit=None, window=None,
                           causal=False, logit_scale=1.0, **kw)
   call = functools.partial(kernels.attend_kernel, init_carry(qp, m0), qp, kp, vp, kw["q_pos"], kw["kv_pos"], None,
-                           mode=mode, bq=128, bk=128, window=None, causal=False, logit_scale=1.0, kernel="tpu")
+                           mode=mode, bq=128, bk=layout.block_kv, bkc=layout.block_kv_compute, window=None,
+                           causal=False, logit_scale=1.0, kernel="tpu")
   got = call(S=S, kv_padded=True)
   for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
     scale = float(jnp.max(jnp.abs(b))) or 1.0
@@ -230,16 +233,16 @@ def test_tpu_kernel_masks_only_the_padded_key_block(mode):
   assert float(jnp.max(jnp.abs(leaked.o - got.o))) > 1.0
 
 
-def _unpadded_case(mode, masks, seed):
+def _unpadded_case(mode, masks, seed, S=300, sizes=SIZES):
   """Unpadded heads-major q [B, K, G, T, H], k/v [B, K, S, H] (GQA, G = 2; T = 200 and S = 300: a
   ragged last block of each in 128-wide blocks), the Start of `mode` from the real key statistics,
   and the masks: block padding alone, or a valid-key limit and a causal window."""
-  B, K, G, T, S, H = 2, 2, 2, 200, 300, 80
+  B, K, G, T, H = 2, 2, 2, 200, 80
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
-  layout = block_layout.BlockLayout.make(T, S, SIZES, "pallas")
-  limit = jnp.asarray([250, 300], jnp.int32) if masks == "limit_window" else None
+  layout = block_layout.BlockLayout.make(T, S, sizes, "pallas")
+  limit = jnp.asarray([S - 50, S], jnp.int32) if masks == "limit_window" else None
   windowed = masks == "limit_window"
   stats = fixed_m.local_key_stats(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), limit)
   offsets = fixed_m.OffsetInputs(stats.k_mean, stats.k_centred_max,
@@ -277,6 +280,47 @@ def test_unpadded_kernel_equals_padded_xla(kernel, mode, masks):
   if kernel == "tpu" and masks == "padding" and flag is None:
     leaked = call(kv_padded=False)
     assert not bool(jnp.all(jnp.abs(leaked - got) < 0.1))  # NaN, or rows zeroed by NaN sums
+
+
+@pytest.mark.parametrize("masks", ["padding", "limit_window"])
+@pytest.mark.parametrize("mode", ["lse", "fixed_m"])
+def test_key_chunks_equal_the_xla_loops(mode, masks):
+  """The TPU kernel's key blocks in chunks (bk = 256 in 128-key chunks, `BlockSizes.block_kv_compute`)
+  against the XLA loops at the same blocks: a whole attention on unpadded operands (NaN past the
+  keys' end, so an unmasked or unzeroed chunk would spoil the output) from a Start to the finished
+  output, and a carry continued and returned (a ring step: o, l, m)."""
+  start, layout, (q, k, v), kw = _unpadded_case(mode, masks, seed=5, S=500, sizes=BlockSizes(128, 256, 128))
+  assert (layout.block_kv, layout.block_kv_compute, layout.S_pad) == (256, 128, 512)
+  qp, kp, vp = layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v)
+  xla = dataclasses.replace(layout, backend="xla")
+  carry = start.materialise(qp, kw["logit_scale"])
+  want = blockwise.attend(carry, qp, kp, vp, mode=mode, layout=xla, **kw)
+  call = functools.partial(kernels.attend_kernel, q_pos=kw["q_pos"], kv_pos=kw["kv_pos"], limit=kw["kv_limit"],
+                           mode=mode, bq=128, bk=256, bkc=128, S=layout.S, kv_padded=True, window=kw["window"],
+                           causal=kw["causal"], logit_scale=kw["logit_scale"], kernel="tpu")
+  got = call(start, q, k, v, finish_to=jnp.float32)
+  ref = finish(want)[:, :, :, :layout.T]
+  within(float(jnp.max(jnp.abs(got - ref))), 64 * 2.0**-24 * float(jnp.max(jnp.abs(ref))), f"{mode} {masks} finished")
+  assert float(jnp.max(jnp.abs(got))) > 0.1  # not vacuous
+  stepped = call(carry, qp, kp, vp)
+  for name, a, b in zip("olm", (stepped.o, stepped.l, stepped.m), (want.o, want.l, want.m)):
+    scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
+    within(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0)))), 64 * 2.0**-24 * scale, f"{mode} {name}")
+    assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
+
+
+def test_local_attention_in_key_chunks_equals_the_reference():
+  """`BlockSizes.block_kv_compute` reaches the kernel from `local_attention` ("auto": the gate, then
+  the fixed-m kernel in 128-key chunks of 256-key blocks), against the dense reference; a chunk
+  that does not divide the key block is refused by name."""
+  q, k, v = _inputs(1, 300, 500, 4, 2, 64, seed=9)
+  ref = attention_reference(q, k, v)
+  out = local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(128, 256, 128))
+  within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "pallas chunks")
+  qb, kb = jnp.zeros((1, 1, 1, 128, 128)), jnp.zeros((1, 1, 256, 128))
+  with pytest.raises(ValueError, match="bkc=384"):
+    kernels.attend_kernel(Start(), qb, kb, kb, jnp.arange(128), jnp.arange(256), None, mode="lse", bq=128, bk=256,
+                          bkc=384, S=256, kv_padded=False, window=None, causal=False, logit_scale=1.0, kernel="tpu")
 
 
 def test_unpadded_operands_only_for_a_whole_attention():

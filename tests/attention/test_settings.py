@@ -13,7 +13,8 @@ from tests.harness import REPO_ROOT
 pytestmark = pytest.mark.numerics  # .ci/run: once more under XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
 
-@pytest.mark.parametrize("bad", [dict(block_q=0), dict(block_kv=-4), dict(block_q=1.5)])
+@pytest.mark.parametrize("bad", [dict(block_q=0), dict(block_kv=-4), dict(block_q=1.5), dict(block_kv_compute=0),
+                                 dict(block_kv=1024, block_kv_compute=384)])
 def test_bad_block_sizes_raise(bad):
   with pytest.raises(ValueError, match="BlockSizes"):
     BlockSizes(**bad)

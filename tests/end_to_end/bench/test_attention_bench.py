@@ -45,7 +45,7 @@ def test_the_report_names_failures_rates_and_the_best_baseline(tmp_path):
   rows = bench.main(["--seq", str(T), "--heads", str(N), "--dtypes", "float32", "--interpret", "--repeats", "1",
                      "--splash-grid", "128x128x128,256x128x64", "--json", str(tmp_path / "r.json")])
   (row,) = rows
-  assert set(row["seconds"]) == {"xla_dense", "splash_128x128x128", "lse", "fixed_m"}
+  assert set(row["seconds"]) == {"xla_dense", "splash_128x128x128", "lse", "fixed_m"} and row["gate_seconds"] > 0
   assert "multiple of 128" in row["failed"]["splash_256x128x64"]  # splash's own refusal, reported
   assert row["best_baseline"] in ("xla_dense", "splash_128x128x128")
   assert row["tflops"]["fixed_m"] == pytest.approx(row["flops"] / row["seconds"]["fixed_m"] / 1e12)
@@ -62,6 +62,18 @@ def test_baselines_keeps_the_kinds_asked_for():
   assert baselines.parse_kinds("all") == baselines.KINDS
   with pytest.raises(ValueError, match="'splosh'"):
     baselines.parse_kinds("splosh")
+
+
+def test_the_key_chunk_is_passed_and_checked(capsys):
+  """`--block-kv-compute` reaches the blocks ours runs with (printed in the header); one that does
+  not divide the key block is refused by name before any compute."""
+  bench.main(["--seq", str(T), "--heads", str(N), "--dtypes", "float32", "--interpret", "--repeats", "1",
+              "--baselines", "dense", "--backend", "pallas", "--block-q", "128", "--block-kv", "256",
+              "--block-kv-compute", "128"])
+  assert "block_kv=256 block_kv_compute=128" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    bench.main(["--seq", str(T), "--block-kv", "256", "--block-kv-compute", "384"])
+  assert "block_kv_compute=384 must divide block_kv=256" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,want", [("default", baselines.SPLASH_GRID), ("none", ()),
