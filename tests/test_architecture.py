@@ -300,6 +300,33 @@ def test_positive_control_seed_draws(tmp_path):
   assert _seed_draws(_modules("pipelines")[SEED_OWNER])  # the owner itself is seen drawing
 
 
+# Where json.dump may write a file itself: the atomic writer, a temporary file, a model folder saved
+# whole into a temporary directory first, and `plan`, which opens its --json before the search so a
+# bad path fails at once.
+JSON_WRITERS = {"pipelines/storage/video_io.py", "end_to_end/quality/step_cache.py",
+                "pipelines/wan/pretrained/saving.py", "end_to_end/plan.py"}
+
+
+def _json_dumps(path: pathlib.Path) -> list[str]:
+  """`json.dump(...)` calls (a file written in place) in `path`."""
+  return [f"{_where(path)}:{node.lineno} json.dump(...)" for node in ast.walk(ast.parse(path.read_text()))
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dump"
+          and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"]
+
+
+def test_reports_are_written_atomically():
+  """JSON reports and records go through `video_io.write_json` (temp file, then rename): a run
+  stopped mid-write leaves the old file or none, never half of one."""
+  bad = [line for path in _modules(*SIZED).values() if _where(path) not in JSON_WRITERS for line in _json_dumps(path)]
+  assert not bad, "write JSON with pipelines.storage.video_io.write_json:\n" + "\n".join(bad)
+
+
+def test_positive_control_json_dumps(tmp_path):
+  written = tmp_path / "bench.py"
+  written.write_text("import json\nwith open('r.json', 'w') as f:\n  json.dump({}, f)\ntext = json.dumps({})\n")
+  assert _json_dumps(written) == [f"{written}:3 json.dump(...)"]
+
+
 def _reexports(path: pathlib.Path) -> list[str]:
   """`from a import b  # noqa: F401` in a module that is not a package's `__init__`: names kept for
   others to import from here (a facade in disguise; STYLE.md, one address per name). A side-effect

@@ -29,13 +29,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 from end_to_end.aot import hlo_ops
+from pipelines.storage import video_io
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,5 +354,5 @@ def format_breakdown(result: dict[str, Any]) -> str:
 
 
 def write_json(result: dict[str, Any], path: str) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)
+  """Writes `result` to `path` atomically (`video_io.write_json`), replacing what is there."""
+  video_io.write_json(result, path, overwrite=True)

@@ -17,7 +17,6 @@ On CPU it asks for enough fake devices itself when JAX has not started yet.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 _OPS = ("all-to-all", "collective-permute", "all-reduce", "all-gather")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s8": 1, "u8": 1}
@@ -268,8 +268,7 @@ def main(argv=None):
   elif target == "cpu" and dtype == jnp.bfloat16:
     print("note: XLA:CPU converts bf16 collectives to f32, so bytes read 2x an accelerator's")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=2)
+    write_json(report, args.json, overwrite=True)
   return report
 
 

@@ -24,7 +24,6 @@ libtpu and its environment: `end_to_end/aot/step.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 from attention.mesh import MeshSpec
 from end_to_end.aot import step as aot_step  # no JAX import either
 from pipelines.commands.help import HelpFormatter  # no JAX import: the TPU environment is set first
+from pipelines.storage.video_io import write_json
 
 def _placed_inputs(devices: list[Any], config: Any, batch: int, text_len: int, dtype: str,
                    mesh_spec: MeshSpec | None, keep_wo_in_fp32: bool) -> tuple[Any, Any, str]:
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"AOT compile for TPU {args.topology} (compile-time analysis, NOT a runtime measurement):")
   print(format_row(report), flush=True)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=2)
+    write_json(report, args.json, overwrite=True)
   return 0
 
 

@@ -21,10 +21,11 @@ where a chunk's program does not fit), `bands` (`vae.decode_banded`, `--band-row
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from pipelines.storage.video_io import write_json
 
 PATHS = ("whole", "streamed", "bands")
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
@@ -148,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    write_json(result, args.json, overwrite=True)
   return 0
 
 

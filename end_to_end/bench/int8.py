@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 LANES = 128
 
@@ -224,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"matmul {shape} {name}: {row['seconds'] * 1e3:.2f} ms, {row['tops']:.1f} TOP/s, "
               f"{rows['bf16']['seconds'] / row['seconds']:.3f}x bf16", flush=True)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    write_json(result, args.json, overwrite=True)
   return 0
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import shutil
@@ -50,6 +49,7 @@ from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices  # before JAX's backend starts: fake devices can be requested
 from pipelines.commands.help import HelpFormatter  # no JAX import either
+from pipelines.storage.video_io import write_json  # nor this
 
 PRESET_NAMES = ("tiny", "1.3b-width", "wan2.1-1.3b", "wan2.1-1.3b-step", "wan2.1-14b", "wan2.2-ti2v-5b",
                 "mlperf-wan22-t2v")
@@ -277,10 +277,9 @@ def run_aot(args: argparse.Namespace) -> int:
   def emit(row: dict[str, Any]) -> None:  # after every program: a stopped run keeps the rows done so far
     rows.append(row)
     if args.json:
-      with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
-                   stages=stages, compile_effort=args.compile_effort, versions=_versions(), rows=rows),
-                  f, indent=2)
+      write_json(dict(kind="aot", topology=args.aot, note="compile-time analysis, not a runtime measurement",
+                      stages=stages, compile_effort=args.compile_effort, versions=_versions(), rows=rows),
+                 args.json, overwrite=True)
 
   if "text" in stages:
     for row in aot_stages.text_rows(devices, mesh, args.compile_cache):
@@ -354,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"same video? ours vs diffusers: PSNR {a['psnr_mean_db']:.1f} dB, max |latent diff| "
           f"{a['max_abs_latent_diff']:.2e} (a check that both ran the same weights and settings)")
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=2)
+    write_json(report, args.json, overwrite=True)
   return 0
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
+
+from pipelines.storage.video_io import write_json
 
 TOKENS_PER_LATENT = 4  # (patch 2 x 2) tokens per latent pixel are 1 / 4
 VIDEO_FPS = 16
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['cache_bytes_run'] / 2**20:.1f} MiB (one minute at {VIDEO_FPS} fps: "
         f"{result['cache_bytes_one_minute'] / 2**30:.2f} GiB)")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    write_json(result, args.json, overwrite=True)
 
 
 if __name__ == "__main__":

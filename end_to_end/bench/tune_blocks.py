@@ -34,6 +34,7 @@ import sys
 import time
 
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 
 def _pairs(text: str) -> list[int]:
@@ -226,9 +227,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   rows = (_compiled_rows(fn, pairs, shape, dtype, device) if args.topology
           else _timed_rows(fn, pairs, shape, dtype, args.repeats, args.rank_by, default))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(backend=backend, platform=platform, device_kind=device.device_kind, topology=args.topology, shape=shape, dtype=args.dtype,
-                     default=None if default is None else [default.block_q, default.block_kv], rows=rows), f, indent=2)
+    write_json(dict(backend=backend, platform=platform, device_kind=device.device_kind, topology=args.topology, shape=shape,
+                    dtype=args.dtype, default=None if default is None else [default.block_q, default.block_kv], rows=rows),
+               args.json, overwrite=True)
   return rows
 
 

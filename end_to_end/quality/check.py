@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -69,6 +68,7 @@ from typing import Any
 from attention.mesh import DEVICE_FLAG, MeshSpec, request_cpu_devices
 from pipelines.commands.help import HelpFormatter, warnings_as_lines
 from pipelines.commands.presets import TINY_MODELS, default_text_length
+from pipelines.storage.video_io import write_json
 
 DTYPES = ("float32", "bfloat16")
 MATRIX_MESHES = ("U=1,R=1", "U=2,R=2", "U=4,R=1", "U=1,R=4", "U=4,R=2")
@@ -449,8 +449,7 @@ def _write_report(args: argparse.Namespace, p: dict[str, Any], ref: Any, rows: l
       metric_notes=dict(psnr="dB, data range 1, identical frames capped at 200 dB",
                         ssim="skimage structural_similarity, data_range=1.0, channel_axis=-1, 7x7 window"),
       candidates=rows, passed=passed)
-  with open(args.json, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
+  write_json(report, args.json, overwrite=True)
 
 
 def _candidates(args: argparse.Namespace, p: dict[str, Any], runs: _Runs, ref: Any, latents: Any,

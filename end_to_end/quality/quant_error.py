@@ -32,13 +32,13 @@ Uncorrelated errors add in power: e^2 (all layers) ~ sum of the layers' e^2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 import numpy as np
 
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 SETTINGS = dict(prompt="a red square moving right", height=64, width=64, num_frames=17,
                 num_inference_steps=8, guidance_scale=5.0, max_sequence_length=64)
@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{row['dtype']:9s} {row['mode'] or 'none':10s} {row['layers']:16s} {row['rel_rms']:9.5f} "
           f"{20 * np.log10(row['rel_rms']):7.1f} {vs}")
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(seeds=seeds, steps=args.steps, rows=rows), f, indent=2)
+    write_json(dict(seeds=seeds, steps=args.steps, rows=rows), args.json, overwrite=True)
   return 0
 
 

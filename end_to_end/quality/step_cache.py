@@ -36,6 +36,7 @@ from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 DEFAULT_SPECS = ("first-block:0.09", "first-block:0.12", "first-block:0.2", "mag:0.005", "mag:0.01",
                  "mag:0.05")
@@ -178,10 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.guidance}, mesh {args.mesh}; uncached denoise {ref_time:.2f} s", file=sys.stderr)
   rows = [_spec_row(pipe, spec, kwargs, reference, args.steps) for spec in specs]
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"model": name, "size": f"{width}x{height}", "frames": frames, "steps": args.steps,
-                 "guidance": args.guidance, "seed": args.seed, "mesh": args.mesh,
-                 "uncached_denoise_s": ref_time, "rows": rows}, f, indent=1)
+    write_json({"model": name, "size": f"{width}x{height}", "frames": frames, "steps": args.steps,
+                "guidance": args.guidance, "seed": args.seed, "mesh": args.mesh,
+                "uncached_denoise_s": ref_time, "rows": rows}, args.json, overwrite=True)
   return 0
 
 

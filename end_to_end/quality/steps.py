@@ -17,11 +17,11 @@ prompts of its shapes world.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 LIGHTX2V_STEPS = (1000.0, 750.0, 500.0, 250.0)
 
@@ -117,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{row['psnr_mean']:5.1f} / min {row['psnr_min']:5.1f} dB, SSIM mean {row['ssim_mean']:.4f} / min "
           f"{row['ssim_min']:.4f}", flush=True)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"model": pipe.name, "settings": call, "prompts": prompts, "reference": ref_name, "rows": rows}, f,
-                indent=1)
+    write_json({"model": pipe.name, "settings": call, "prompts": prompts, "reference": ref_name, "rows": rows},
+               args.json, overwrite=True)
   if args.plot:
     write_plot(args.plot, rows, ref_name)
   return 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import warnings
 from typing import Any
 
 import numpy as np
+
+from pipelines.storage.video_io import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ("a red square moving right", "a blue circle moving up", "a green triangle moving left",
@@ -322,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"server ready (loaded, {len(shapes)} shapes x batch sizes 1..{args.max_batch} compiled) in {ready_s:.1f} s")
   summary = {**report(runs, wall), "ready_s": ready_s, "settings": vars(args)}
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(summary, f, indent=2)
+    write_json(summary, args.json, overwrite=True)
   return 1 if summary["failed"] else 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import socket
 import statistics
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from pipelines.storage.video_io import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ("a red square moving right", "a blue circle moving up", "a green triangle moving left",
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         process.terminate()
         process.wait(30)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"settings": vars(args), "results": results}, f, indent=2)
+    write_json({"settings": vars(args), "results": results}, args.json, overwrite=True)
   return 0
 
 

@@ -25,13 +25,13 @@ the model and settings they were measured with: the file records the model's nam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from attention.mesh import MeshSpec, request_cpu_devices
 from pipelines.commands.help import HelpFormatter
+from pipelines.storage.video_io import write_json
 
 DEFAULT_PROMPTS = ("a lighthouse on a cliff at dusk, waves crashing", "a bowl of ramen, steam rising, close-up")
 # The trained tiny default draws end_to_end.train.synthetic_world's shapes; calibrate on prompts it knows
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                       "max_sequence_length": text_length, "dtype": dtype, "mesh": args.mesh},
       "command": "python -m end_to_end.train.calibrate_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
   }
-  with open(args.out, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=1)
-    f.write("\n")
+  write_json(record, args.out, overwrite=True)
   print(f"calibrate_cache: wrote {len(ratios)} ratios to {args.out} (min {min(ratios):.4f}, "
         f"max {max(ratios):.4f})", file=sys.stderr)
   return 0

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -52,6 +51,7 @@ import optax
 from end_to_end.train import run_report, synthetic_world as world, tiny
 from end_to_end.train.stationary_vae import stationary_vae
 from pipelines.wan import vae as wan_vae
+from pipelines.storage.video_io import write_json
 
 LONG_FRAMES = 65
 # Decoder batches (frames, crop side, share of the steps), drawn at each step: 65-frame clips (the
@@ -320,8 +320,7 @@ def _texts(encoder) -> tuple[list[str], np.ndarray]:
 
 
 def _report(out: str, report: dict) -> None:
-  with open(os.path.join(out, "report.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  write_json(report, os.path.join(out, "report.json"), overwrite=True)
 
 
 def _checks(folder: str, seed: int, report: dict, out: str, image: bool, continued: bool) -> None:
