@@ -26,7 +26,8 @@ TPU (`_tpu_call`): grid (B, K, ceil(T / bq), ceil(S / bk)), the key axis innermo
 up on the last key block, so no cross-lane reduction per key block) and converted from/to the
 carry's [G, T] rows once per query block by a 2D transpose. A key block may be computed in chunks of
 bkc keys (`BlockSizes.block_kv_compute`, as splash attention's): logits, probabilities and P V per
-chunk, and in the key block that holds the padding only the chunks past slot S masked. Its operands are padded to the blocks (USP's ring steps, the halo paths)
+chunk, and in the key block that holds the padding only the chunks past slot S masked. Its operands
+are padded to the blocks (USP's ring steps, the halo paths)
 or, for one whole attention from a `Start` to the finished output (one device's), not: the last
 query block's rows past T are computed on whatever lies past the array's end and never written,
 and the last key block's slots past S are masked and their values zeroed, so no pad or unpad copy
@@ -181,7 +182,7 @@ def single_block_path(start: str, finish: bool, key_blocks: int) -> bool:
 
 
 def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, start, finish, G, bq,
-                bk, bkc, S, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, single):
+                bk, bkc, S, kv_slots, kv_padded, use_limit, window, causal, logit_scale, windowed, margin, single):
   n_in = {"carry": 3, "offsets": 1, "lse": 0}[start]
   n_out = 1 if finish else 3
   ins, outs, (o_scr, l_scr, m_scr, qp_scr) = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
@@ -213,12 +214,13 @@ def _tpu_kernel(lim_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs, mode, s
     return v
 
   pad_only = not (use_limit or causal or window is not None)
-  last_start = (S - 1) // bk * bk  # the one key block with slots >= S (when any): the masked one if pad_only
+  # With pad_only and at most one key block past slot S (the operands padded to the blocks, or not),
+  # the masked block is the one starting at last_start, and its chunks before slot S need no mask.
+  last_start = (S - 1) // bk * bk if kv_slots - S < bk else None
 
-  def chunks(masked):  # the key block bkc keys at a time (static slices: the loop is unrolled); with
-    # pad_only, only the chunks that reach past slot S are masked
+  def chunks(masked):  # the key block bkc keys at a time (static slices: the loop is unrolled)
     return ((scores(m, c, bkc), values(m, c, bkc)) for c in range(0, bk, bkc)
-            for m in [masked and (not pad_only or last_start + c + bkc > S)])
+            for m in [masked and (not pad_only or last_start is None or last_start + c + bkc > S)])
 
   if single:
     if needs_mask:
@@ -315,6 +317,7 @@ def _tpu_call(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, bkc, S, kv_
   sq = pl.squeezed
   kernel = functools.partial(
       _tpu_kernel, mode=mode, start=start, finish=finish_to is not None, G=G, bq=bq, bk=bk, bkc=bkc, S=S,
+      kv_slots=nk * bk,
       kv_padded=kv_padded, use_limit=use_limit, window=window, causal=causal, logit_scale=logit_scale,
       windowed=offsets is not None and offsets.windowed, margin=fm.DEFAULT_MARGIN if offsets is None else offsets.margin,
       single=single_block_path(start, finish_to is not None, nk))
@@ -432,8 +435,8 @@ def attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, S, kv_p
     raise ValueError(f"attend_kernel: mode {mode!r} {'needs' if mode == 'auto' else 'takes no'} `fixed` flag")
   if isinstance(carry, Start):
     carry.check_mode(mode)
-  kw = dict(bq=bq, bk=bk, bkc=bk if bkc is None else bkc, S=S, kv_padded=kv_padded, window=window, causal=causal, logit_scale=logit_scale,
-            finish_to=finish_to, kernel=kernel)
+  kw = dict(bq=bq, bk=bk, bkc=bk if bkc is None else bkc, S=S, kv_padded=kv_padded, window=window, causal=causal,
+            logit_scale=logit_scale, finish_to=finish_to, kernel=kernel)
   if mode == "auto":  # the verdict picks one of two single-mode kernel calls (module docstring)
     lse_start = Start() if isinstance(carry, Start) else carry
     return jax.lax.cond(fixed, lambda: attend_kernel(carry, q, k, v, q_pos, kv_pos, limit, mode="fixed_m", **kw),

@@ -202,12 +202,14 @@ def test_kernel_path_is_differentiable(impl):
 
 
 @pytest.mark.parametrize("mode", ["fixed_m", "lse"])
-@pytest.mark.parametrize("S,sizes", [(300, SIZES), (420, BlockSizes(128, 256, 128))])
-def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, sizes):
+@pytest.mark.parametrize("S,sizes,extra", [(300, SIZES, 0), (420, BlockSizes(128, 256, 128), 0),
+                                           (400, BlockSizes(128, 256, 128), 256)])
+def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, sizes, extra):
   """Block padding alone (no limit, window or causal mask): the TPU kernel masks only the key blocks
   past slot S. Against the XLA loops with garbage (30x the keys' scale) in the padded slots, over
   three key blocks (two unmasked, one masked), or two 256-key blocks in 128-key chunks (the last
-  block's first chunk, all real keys, unmasked; its second masked); the same garbage seen by a
+  block's first chunk, all real keys, unmasked; its second masked), or those and one more block of
+  garbage alone (`extra` slots: every chunk of both padded blocks masked); the same garbage seen by a
   kernel told there is no padding changes the output (positive control: the mask is what hides it)."""
   B, K, G, T, H = 1, 2, 1, 200, 128
   rng = np.random.default_rng(3)
@@ -215,21 +217,22 @@ def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, sizes):
   k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
   layout = block_layout.BlockLayout.make(T, S, sizes, "pallas")
   qp = layout.pad_q(q)
-  garbage = jnp.asarray(rng.normal(size=(B, K, layout.S_pad - S, H)) * 30, jnp.float32)
+  garbage = jnp.asarray(rng.normal(size=(B, K, layout.S_pad + extra - S, H)) * 30, jnp.float32)
   kp, vp = (jnp.concatenate([x, garbage], axis=2) for x in (k, v))
   kw = dict(q_pos=layout.q_positions(jnp.arange(T)), kv_pos=layout.kv_positions(jnp.arange(S)))
   m0 = jnp.full(qp.shape[:4], 3.0) if mode == "fixed_m" else None
   want = blockwise.attend(init_carry(qp, m0), layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v), mode=mode,
                           layout=dataclasses.replace(layout, backend="xla"), kv_limit=None, window=None,
                           causal=False, logit_scale=1.0, **kw)
-  call = functools.partial(kernels.attend_kernel, init_carry(qp, m0), qp, kp, vp, kw["q_pos"], kw["kv_pos"], None,
+  kv_pos = jnp.pad(kw["kv_pos"], (0, extra), constant_values=block_layout.PAD_POSITION)
+  call = functools.partial(kernels.attend_kernel, init_carry(qp, m0), qp, kp, vp, kw["q_pos"], kv_pos, None,
                            mode=mode, bq=128, bk=layout.block_kv, bkc=layout.block_kv_compute, window=None,
                            causal=False, logit_scale=1.0, kernel="tpu")
   got = call(S=S, kv_padded=True)
   for name, a, b in zip("olm", (got.o, got.l, got.m), (want.o, want.l, want.m)):
     scale = float(jnp.max(jnp.abs(b))) or 1.0
     within(float(jnp.max(jnp.abs(a - b))), 64 * 2.0**-24 * scale, f"{mode} {name}")
-  leaked = call(S=layout.S_pad, kv_padded=False)
+  leaked = call(S=layout.S_pad + extra, kv_padded=False)
   assert float(jnp.max(jnp.abs(leaked.o - got.o))) > 1.0
 
 
