@@ -97,6 +97,11 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # its scoped VMEM (~30 MiB) is above XLA's 16 MiB default, raised by the kernel itself
 # (`kernels.tpu_vmem_limit`). Its 4096-row query blocks pad 14B's 37,800 per-device tokens (U=4,R=2)
 # to 40,960 (+8.4% against 37,888 for 1024): pass `BlockSizes` there until that shape is timed.
+# With key chunks (`block_kv_compute`, timed 2026-12-07 at [1, 32768, 12, 128], fixed-m with its gate):
+# 4096 x 2048 in 512-key chunks 36.59 ms against 4096 x 1024's 37.43 (2.3 % faster, no padded key
+# block); at [2, 75600, 5, 128] 173.16 against 165.63 ms, before the padded block masked only its
+# chunks past S. The default keeps 4096 x 1024 until 4096 x 2048 x 512 is timed again where a key
+# block is padded (32,760 and 75,600 tokens; docs/performance.md).
 # TPU v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v6e:2x2`, then
 # `--pick`; libtpu 0.0.42) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128];
 # U=2,R=2: [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048

@@ -66,23 +66,25 @@ def _heads_first(x: jax.Array, padded: int) -> jax.Array:
 
 
 def splash(shape: tuple[int, int, int, int], blocks: tuple[int, int, int], *, interpret: bool = False) -> Callable:
-  """Splash attention (no mask beyond the padding) at `blocks` = (block_q, block_kv, block_kv_compute)."""
+  """Splash attention (no mask beyond the padding) at `blocks` = (block_q, block_kv, block_kv_compute),
+  the batch folded into its heads (one kernel over B x N heads: a `vmap` over the batch ran out of
+  scoped VMEM at batch 2 on a v5e, where the folded call runs)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  _, length, heads, head_dim = shape
+  batch, length, heads, head_dim = shape
   bq, bkv, bkc = blocks
   padded = padded_length(length, math.lcm(bq, bkv))
 
   def fn(q, k, v):  # the kernel is built when traced: blocks it refuses fail the first call, as a compile would
-    kernel = sk.make_splash_mha(mask=sm.MultiHeadMask([sm.FullMask((padded, padded))] * heads), head_shards=1,
-                                q_seq_shards=1, block_sizes=sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkc),
-                                interpret=interpret)
+    kernel = sk.make_splash_mha(mask=sm.MultiHeadMask([sm.FullMask((padded, padded))] * (batch * heads)),
+                                head_shards=1, q_seq_shards=1, interpret=interpret,
+                                block_sizes=sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkc))
     ids = segment_ids(length, padded)
     seg = sk.SegmentIds(ids, ids) if padded != length else None
-    q, k, v = (_heads_first(x, padded) for x in (q, k, v))
-    out = jax.vmap(lambda q, k, v: kernel(q * jnp.asarray(head_dim ** -0.5, q.dtype), k, v, segment_ids=seg))(q, k, v)
-    return out[:, :, :length].transpose(0, 2, 1, 3)
+    q, k, v = (_heads_first(x, padded).reshape(batch * heads, padded, head_dim) for x in (q, k, v))
+    out = kernel(q * jnp.asarray(head_dim ** -0.5, q.dtype), k, v, segment_ids=seg)
+    return out[:, :length].reshape(batch, heads, length, head_dim).transpose(0, 2, 1, 3)
   return jax.jit(fn)
 
 

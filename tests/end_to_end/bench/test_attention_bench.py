@@ -41,6 +41,17 @@ def test_padded_splash_is_dense_attention_and_the_mask_matters():
   assert np.max(np.abs(unmasked - out)) > 100 * bound
 
 
+def test_splash_folds_the_batch_into_its_heads():
+  """At batch 2 (the pipeline's CFG batch) splash runs one kernel over B x N heads: each batch
+  element's output is dense attention of its own q, k, v (not of the other element's)."""
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((2, T, N, H), np.float32) for _ in range(3))
+  out = np.asarray(baselines.splash((2, T, N, H), (128, 128, 128), interpret=True)(q, k, v))
+  want = _dense(q, k, v)
+  np.testing.assert_allclose(out, want, atol=T * EPS_F32 * 5, rtol=0)
+  assert np.max(np.abs(want[0] - want[1])) > 0.1  # the two elements differ: a mix-up would show
+
+
 def test_the_report_names_failures_rates_and_the_best_baseline(tmp_path):
   rows = bench.main(["--seq", str(T), "--heads", str(N), "--dtypes", "float32", "--interpret", "--repeats", "1",
                      "--splash-grid", "128x128x128,256x128x64", "--json", str(tmp_path / "r.json")])
