@@ -373,7 +373,7 @@ def _call_args(carry, q, k, v, q_pos, kv_pos, limit, *, mode, bq, bk, bkc, S, kv
                logit_scale, finish_to):
   """The kernels' checked positional arguments (carry, q, k, v, q_pos, kv_pos, limit) and
   keywords, for mode "fixed_m" or "lse" (the GPU kernel takes no `bkc`)."""
-  if bq % LANES or bk % LANES or bkc % LANES or bk % bkc:
+  if min(bq, bk, bkc) <= 0 or bq % LANES or bk % LANES or bkc % LANES or bk % bkc:
     raise ValueError(f"Pallas attention needs block sizes that are multiples of {LANES} and a key chunk that "
                      f"divides the key block; got bq={bq}, bk={bk}, bkc={bkc}")
   use_limit = limit is not None

@@ -202,20 +202,22 @@ def test_kernel_path_is_differentiable(impl):
 
 
 @pytest.mark.parametrize("mode", ["fixed_m", "lse"])
-@pytest.mark.parametrize("S,sizes,extra", [(300, SIZES, 0), (420, BlockSizes(128, 256, 128), 0),
-                                           (400, BlockSizes(128, 256, 128), 256)])
-def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, sizes, extra):
+@pytest.mark.parametrize("S,bk,bkc,extra", [(300, 128, None, 0), (420, 256, 128, 0), (400, 256, 128, 256),
+                                             (300, 512, 128, 0), (383, 256, 128, 0), (384, 256, 128, 0)])
+def test_tpu_kernel_masks_only_the_padded_key_block(mode, S, bk, bkc, extra):
   """Block padding alone (no limit, window or causal mask): the TPU kernel masks only the key blocks
   past slot S. Against the XLA loops with garbage (30x the keys' scale) in the padded slots, over
-  three key blocks (two unmasked, one masked), or two 256-key blocks in 128-key chunks (the last
-  block's first chunk, all real keys, unmasked; its second masked), or those and one more block of
-  garbage alone (`extra` slots: every chunk of both padded blocks masked); the same garbage seen by a
-  kernel told there is no padding changes the output (positive control: the mask is what hides it)."""
+  three key blocks (two unmasked, one masked), or key blocks in 128-key chunks: the last block's
+  chunks before slot S unmasked, the one holding it masked, and so the all-padding chunks after it
+  (S = 300 in a 512-key block), at S one short of a chunk's end (383) and at a chunk's end (384);
+  or one more block of garbage alone (`extra` slots: every chunk of both padded blocks masked). The
+  same garbage seen by a kernel told there is no padding changes the output (positive control:
+  the mask is what hides it)."""
   B, K, G, T, H = 1, 2, 1, 200, 128
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.normal(size=(B, K, G, T, H)) * 0.2, jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
-  layout = block_layout.BlockLayout.make(T, S, sizes, "pallas")
+  layout = block_layout.BlockLayout(T, S, 128, bk, "pallas", bkc)
   qp = layout.pad_q(q)
   garbage = jnp.asarray(rng.normal(size=(B, K, layout.S_pad + extra - S, H)) * 30, jnp.float32)
   kp, vp = (jnp.concatenate([x, garbage], axis=2) for x in (k, v))
@@ -291,13 +293,16 @@ def test_key_chunks_equal_the_xla_loops(mode, masks):
   """The TPU kernel's key blocks in chunks (bk = 256 in 128-key chunks, `BlockSizes.block_kv_compute`)
   against the XLA loops at the same blocks: a whole attention on unpadded operands (NaN past the
   keys' end, so an unmasked or unzeroed chunk would spoil the output) from a Start to the finished
-  output, and a carry continued and returned (a ring step: o, l, m)."""
+  output, and a carry that has seen one key set continued by another and returned (a ring step:
+  o, l, m; the padded keys reversed, so the padding and the masked positions move)."""
   start, layout, (q, k, v), kw = _unpadded_case(mode, masks, seed=5, S=500, sizes=BlockSizes(128, 256, 128))
   assert (layout.block_kv, layout.block_kv_compute, layout.S_pad) == (256, 128, 512)
   qp, kp, vp = layout.pad_q(q), layout.pad_kv(k), layout.pad_kv(v)
   xla = dataclasses.replace(layout, backend="xla")
-  carry = start.materialise(qp, kw["logit_scale"])
-  want = blockwise.attend(carry, qp, kp, vp, mode=mode, layout=xla, **kw)
+  fresh = start.materialise(qp, kw["logit_scale"])
+  want = blockwise.attend(fresh, qp, kp, vp, mode=mode, layout=xla, **kw)
+  carry = want  # a carry that has seen one key set (l > 0), continued by a second (a ring step)
+  want_2 = blockwise.attend(carry, qp, kp[..., ::-1, :], vp[..., ::-1, :], mode=mode, layout=xla, **kw)
   call = functools.partial(kernels.attend_kernel, q_pos=kw["q_pos"], kv_pos=kw["kv_pos"], limit=kw["kv_limit"],
                            mode=mode, bq=128, bk=256, bkc=128, S=layout.S, kv_padded=True, window=kw["window"],
                            causal=kw["causal"], logit_scale=kw["logit_scale"], kernel="tpu")
@@ -305,8 +310,8 @@ def test_key_chunks_equal_the_xla_loops(mode, masks):
   ref = finish(want)[:, :, :, :layout.T]
   within(float(jnp.max(jnp.abs(got - ref))), 64 * 2.0**-24 * float(jnp.max(jnp.abs(ref))), f"{mode} {masks} finished")
   assert float(jnp.max(jnp.abs(got))) > 0.1  # not vacuous
-  stepped = call(carry, qp, kp, vp)
-  for name, a, b in zip("olm", (stepped.o, stepped.l, stepped.m), (want.o, want.l, want.m)):
+  stepped = call(carry, qp, kp[..., ::-1, :], vp[..., ::-1, :])
+  for name, a, b in zip("olm", (stepped.o, stepped.l, stepped.m), (want_2.o, want_2.l, want_2.m)):
     scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))) or 1.0
     within(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0)))), 64 * 2.0**-24 * scale, f"{mode} {name}")
     assert bool(jnp.all(jnp.isfinite(a) == jnp.isfinite(b)))
@@ -321,9 +326,10 @@ def test_local_attention_in_key_chunks_equals_the_reference():
   out = local_attention(q, k, v, backend="pallas", block_sizes=BlockSizes(128, 256, 128))
   within(float(jnp.max(jnp.abs(out - ref))), fp32_tol(v), "pallas chunks")
   qb, kb = jnp.zeros((1, 1, 1, 128, 128)), jnp.zeros((1, 1, 256, 128))
-  with pytest.raises(ValueError, match="bkc=384"):
-    kernels.attend_kernel(Start(), qb, kb, kb, jnp.arange(128), jnp.arange(256), None, mode="lse", bq=128, bk=256,
-                          bkc=384, S=256, kv_padded=False, window=None, causal=False, logit_scale=1.0, kernel="tpu")
+  for bad in (384, 0, -128):  # 0 and -128 would run no chunk at all: a silent zero output
+    with pytest.raises(ValueError, match=f"bkc={bad}"):
+      kernels.attend_kernel(Start(), qb, kb, kb, jnp.arange(128), jnp.arange(256), None, mode="lse", bq=128, bk=256,
+                            bkc=bad, S=256, kv_padded=False, window=None, causal=False, logit_scale=1.0, kernel="tpu")
 
 
 def test_unpadded_operands_only_for_a_whole_attention():

@@ -81,10 +81,14 @@ def test_the_key_chunk_is_passed_and_checked(capsys):
   bench.main(["--seq", str(T), "--heads", str(N), "--dtypes", "float32", "--interpret", "--repeats", "1",
               "--baselines", "dense", "--backend", "pallas", "--block-q", "128", "--block-kv", "256",
               "--block-kv-compute", "128"])
-  assert "block_kv=256 block_kv_compute=128" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "block_kv=256 block_kv_compute=128" in out and "fixed_m_gate" in out
   with pytest.raises(SystemExit):
     bench.main(["--seq", str(T), "--block-kv", "256", "--block-kv-compute", "384"])
   assert "block_kv_compute=384 must divide block_kv=256" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # the Pallas kernels' own constraint, before any compute
+    bench.main(["--seq", str(T), "--backend", "pallas", "--block-kv", "256", "--block-kv-compute", "64"])
+  assert "multiples of 128" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,want", [("default", baselines.SPLASH_GRID), ("none", ()),
