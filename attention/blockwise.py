@@ -349,9 +349,7 @@ def _local_attention(q, k, v, kv_valid_len, *, window, causal, scale, implementa
   # "auto" runs the LSE kernel alone (no gate statistics, one kernel in the program).
   if implementation == "lse" or (implementation == "auto" and backend == "pallas" and layout.S_pad == layout.block_kv):
     return run(Start(), "lse")
-  stats = fm.local_key_stats(k, v, kv_valid_len)
-  q_norm_max = fm.query_norm_max(q_in) * logit_scale  # [B, N], of q * scale * log2 e
-  gate = fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count, windowed=windowed)
+  stats, gate = fm.local_gate(q_in, logit_scale, k, v, kv_valid_len, windowed=windowed)
   if implementation == "fixed_m":
     return jnp.where(gate.eligible, run(Start(offsets(stats, gate.c_max)), "fixed_m"), jnp.nan)
   if backend == "pallas":  # the kernels' own cond on the verdict, from the fixed-m Start (as each USP ring step)

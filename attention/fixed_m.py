@@ -166,6 +166,16 @@ def fixed_m_gate(
   return GateResult(eligible, v_ok, c_max)
 
 
+def local_gate(q_in_BTNH: jax.Array, logit_scale: float, k_BSKH: jax.Array, v_BSKH: jax.Array,
+               kv_valid_len: jax.Array | None = None, *, windowed: bool = False) -> tuple[KeyStats, GateResult]:
+  """One device's whole attention's key statistics and gate (`local_key_stats`, `fixed_m_gate`), for
+  q_in [B, T, N, H] with q_in * logit_scale = q * scale * log2 e (`blockwise.query_scaling`) and
+  k, v [B, S, K, H]."""
+  stats = local_key_stats(k_BSKH, v_BSKH, kv_valid_len)
+  q_norm_max = query_norm_max(q_in_BTNH) * logit_scale  # [B, N], of q * scale * log2 e
+  return stats, fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count, windowed=windowed)
+
+
 @dataclasses.dataclass(frozen=True)
 class OffsetInputs:
   """What the fixed-m row offsets need besides the queries, per batch element and kv head (fp32).

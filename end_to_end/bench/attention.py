@@ -22,7 +22,6 @@ Pallas kernels on CPU run in interpret mode (slow; exact): not a speed number.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -32,7 +31,7 @@ import numpy as np
 
 from attention import BlockSizes, local_attention, resolve_backend
 from attention import fixed_m as fm
-from attention.blockwise import check_block_sizes
+from attention.blockwise import check_block_sizes, query_scaling
 from end_to_end.bench.attention_baselines import baselines, parse_grid, parse_kinds
 from pipelines.commands.help import HelpFormatter
 from pipelines.parallel.planner import chip_of
@@ -68,10 +67,9 @@ GATE = "fixed_m_gate"  # the part of "fixed_m" before its kernel, timed alone
 
 
 def _gate(q, k, v):
-  """The fixed-m gate's statistics and verdict (`fixed_m.fixed_m_gate`), as `local_attention` runs them."""
-  stats = fm.local_key_stats(k, v)
-  q_norm_max = fm.query_norm_max(q) * (q.shape[-1] ** -0.5 * math.log2(math.e))
-  return fm.fixed_m_gate(q_norm_max, stats.k_centred_max, stats.v_absmax, stats.valid_count).eligible
+  """The fixed-m gate's statistics and verdict (`fixed_m.local_gate`), as `local_attention` runs them."""
+  q_in, logit_scale = query_scaling(q, q.shape[-1] ** -0.5, q_prescaled=False)
+  return fm.local_gate(q_in, logit_scale, k, v)[1].eligible
 
 
 def build_parser() -> argparse.ArgumentParser:
