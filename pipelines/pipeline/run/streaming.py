@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from pipelines.parallel.plan import ParallelPlan
-from pipelines.pipeline.run.decoding import to_unit_range
+from pipelines.pipeline.run.decoding import to_unit_range, vae_latents
 from pipelines.pipeline.run.precision import matmul_precision
 from pipelines.wan import causal as wan_causal, vae as wan_vae
 
@@ -144,7 +144,7 @@ def stream_video(pipe: Any, prompts: Sequence[str], *, num_chunks: int, height: 
   start = time.perf_counter()
   for index, latents in enumerate(chunks):
     with matmul_precision(vae.dtype):
-      z = wan_vae.denormalize_latents(vae.config, latents.astype(vae.dtype))
+      z = vae_latents(vae.config, latents, vae.dtype)
       video, cache = wan_vae.decode_continued(vae, z, cache)
       frames = np.asarray(to_unit_range(video))
     now = time.perf_counter()

@@ -67,6 +67,9 @@ def text_states(request: GenerationRequest, encode: Callable[[list[str], int], j
   r = request
   texts = (r.prompts or []) + (r.negative_prompts or [])
   encoded = encode(texts, r.max_sequence_length) if texts else None
+  n = r.num_videos_per_prompt
+  if n == 1 and r.prompt_embeds is None and r.negative_prompt_embeds is None and encoded is not None:
+    return encoded  # already cond rows then uncond rows: no slice and concatenate programs to look up
   parts, used = [], 0
   for given, names in ((r.prompt_embeds, r.prompts), (r.negative_prompt_embeds, r.negative_prompts)):
     if given is not None:
@@ -74,5 +77,4 @@ def text_states(request: GenerationRequest, encode: Callable[[list[str], int], j
     elif names is not None:
       parts.append(encoded[used:used + len(names)])
       used += len(names)
-  n = r.num_videos_per_prompt
   return jnp.concatenate([part if n == 1 else jnp.repeat(part, n, axis=0) for part in parts])

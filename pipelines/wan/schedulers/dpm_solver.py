@@ -195,8 +195,8 @@ class DPMSolverSchedule:
         timesteps=flow_schedule.device_table(self.timesteps, np.int32),
         sigmas=flow_schedule.device_table(self.sigmas),
         coefficients={k: flow_schedule.device_table(v) for k, v in self.coefficients.items() if k != "orders"},
-        step_index=jnp.zeros((), jnp.int32),
-        model_outputs=jnp.zeros((max(self.config.solver_order, 1),) + shape, dtype))
+        step_index=flow_schedule.device_zeros((), jnp.int32),
+        model_outputs=flow_schedule.device_zeros((max(self.config.solver_order, 1),) + shape, dtype))
 
 
 @jax.tree_util.register_dataclass

@@ -99,7 +99,7 @@ class FlowEulerSchedule:
     del sample_shape, dtype
     return FlowEulerState(timesteps=flow_schedule.device_table(self.timesteps),
                           sigmas=flow_schedule.device_table(self.sigmas),
-                          step_index=jnp.zeros((), jnp.int32))
+                          step_index=flow_schedule.device_zeros((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass

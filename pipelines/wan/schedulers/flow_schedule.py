@@ -40,7 +40,14 @@ def device_table(table: np.ndarray, dtype: Any = None) -> jax.Array:
   """
   table = np.asarray(table if dtype is None else table.astype(dtype))
   pad = table_length(table.shape[0]) - table.shape[0]
-  return jnp.asarray(np.concatenate([table, np.repeat(table[-1:], pad, axis=0)]) if pad else table)
+  return jax.device_put(np.concatenate([table, np.repeat(table[-1:], pad, axis=0)]) if pad else table)
+
+
+def device_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  """Zeros of a solver state on the default device, uncommitted as `jnp.zeros` makes them, by a
+  transfer: `jnp.zeros` (and `jnp.asarray` of a host array) is a compiled program of its own, which
+  a fresh process traces, lowers and looks up in the compile cache (tens of ms each on a TPU host)."""
+  return jax.device_put(np.zeros(shape, np.dtype(dtype)))
 
 
 def table_length(n: int) -> int:

@@ -265,9 +265,9 @@ class UniPCSchedule:
         timesteps=flow_schedule.device_table(self.timesteps, np.int32),
         sigmas=flow_schedule.device_table(self.sigmas),
         coefficients={k: flow_schedule.device_table(v) for k, v in self.coefficients.items() if k != "orders"},
-        step_index=jnp.zeros((), jnp.int32),
-        model_outputs=jnp.zeros((self.config.solver_order,) + shape, dtype),
-        last_sample=jnp.zeros(shape, dtype))
+        step_index=flow_schedule.device_zeros((), jnp.int32),
+        model_outputs=flow_schedule.device_zeros((self.config.solver_order,) + shape, dtype),
+        last_sample=flow_schedule.device_zeros(shape, dtype))
 
 
 @jax.tree_util.register_dataclass

@@ -238,6 +238,13 @@ def decode(vae: WanVAE, latents: jax.Array, *, video_layout: str = "BCFHW",
   return video_BFHWC if video_layout == "BFHWC" else jnp.transpose(video_BFHWC, (0, 4, 1, 2, 3))
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _frames_last(latents: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """[B, C, F, Hl, Wl] -> [B, F, Hl, Wl, C] in `dtype`: one program (eagerly, the cast and the
+  transpose are two, each traced, lowered and looked up in the compile cache by every process)."""
+  return jnp.transpose(latents.astype(dtype), (0, 2, 3, 4, 1))
+
+
 def decode_continued(vae: WanVAE, latents: jax.Array, cache: L.Cache | None = None, *,
                      compile_effort: float | None = None) -> tuple[jax.Array, L.Cache]:
   """`decode`'s time chunks carried on from an earlier call's causal cache, so a stream decodes its
@@ -256,7 +263,7 @@ def decode_continued(vae: WanVAE, latents: jax.Array, cache: L.Cache | None = No
   """
   check_latents(vae.config, latents)
   programs = _chunk_programs(check_compile_effort(compile_effort, platform_of(vae.params)))
-  z_BFHWC = jnp.transpose(latents.astype(vae.dtype), (0, 2, 3, 4, 1))
+  z_BFHWC = _frames_last(latents, vae.dtype)
   chunks = []
   for i in range(z_BFHWC.shape[1]):
     if cache is None:
