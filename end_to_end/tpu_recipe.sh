@@ -6,8 +6,8 @@
 # Run from the repository root:  bash end_to_end/tpu_recipe.sh
 # 1. Finds what `python3 -c "import X"` shows missing among the packages the project and tests/tpu
 #    import, and installs only those into /tmp: from the machine's own index (file:///opt/pypi/simple,
-#    when that folder exists) and from the wheels carried in .whl-tpu/ (qwix, ftfy, wcwidth, pytest
-#    and its small dependencies: `bash end_to_end/tpu_wheels.sh` on a machine with internet), never
+#    when that folder exists) and from the wheels carried in .whl-tpu/ (qwix, ftfy, wcwidth,
+#    imageio-ffmpeg, pytest and its small dependencies: `bash end_to_end/tpu_wheels.sh` on a machine with internet), never
 #    from the internet. The machine's own JAX stays first on the path (nothing installed shadows it).
 # 2. Runs `WAN_TEST_PLATFORM=tpu python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/tpu`: one
 #    process (only one may hold the chip), the TPU tests only, logged to ${OUT:-.}/tpu_tests.log.
@@ -41,7 +41,7 @@ JAX_SITE="$("$PYTHON" -c 'import jax, os; print(os.path.dirname(os.path.dirname(
 export PYTHONPATH="$ROOT:$JAX_SITE${PYTHONPATH:+:$PYTHONPATH}:$SITE:$SITE_INDEX"
 
 # module:package, what the project imports at run time (pyproject.toml) and what tests/tpu and pytest need.
-PAIRS="flax:flax einops:einops numpy:numpy PIL:pillow safetensors:safetensors imageio:imageio
+PAIRS="flax:flax einops:einops numpy:numpy PIL:pillow safetensors:safetensors imageio:imageio imageio_ffmpeg:imageio-ffmpeg
 skimage:scikit-image tqdm:tqdm transformers:transformers optax:optax matplotlib:matplotlib
 huggingface_hub:huggingface_hub filelock:filelock opt_einsum:opt_einsum absl:absl-py
 qwix:qwix ftfy:ftfy wcwidth:wcwidth pytest:pytest pluggy:pluggy iniconfig:iniconfig packaging:packaging pygments:pygments"

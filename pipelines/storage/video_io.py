@@ -92,10 +92,11 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
   """Fails before any compute if `path` (and, with `sidecar`, its sidecar) cannot be written.
 
   Raises:
-    OutputError: a bad suffix, a missing or unwritable directory, or an existing output or
-      sidecar without `overwrite`.
+    OutputError: a bad suffix, a missing or unwritable directory, an existing output or sidecar
+      without `overwrite`, or an mp4 without imageio-ffmpeg's ffmpeg (`check_mp4_encoder`).
   """
-  output_kind(path)
+  if output_kind(path) == "mp4":
+    check_mp4_encoder(path)
   parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep) or path))
   if not os.path.isdir(parent):
     ancestor = parent
@@ -111,6 +112,28 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
   for target in (path, sidecar_path(path)) if sidecar else (path,):
     if os.path.lexists(target.rstrip(os.sep) or target) and not overwrite:
       raise OutputError(f"{target!r} exists; pass overwrite=True to replace it, or choose another path")
+
+
+def check_mp4_encoder(path: str) -> None:
+  """Fails before any compute if the mp4 at `path` could not be encoded: imageio-ffmpeg does not
+  import (a machine with only the core packages, e.g. a TPU host's own index) or finds no ffmpeg
+  (`IMAGEIO_FFMPEG_EXE` naming a missing file). Found only at the write, the video would be lost.
+
+  Raises:
+    OutputError: naming the cause and the fixes (install imageio-ffmpeg, or another output kind).
+  """
+  fix = "pip install imageio-ffmpeg (it ships ffmpeg), or write .npy, .gif or a folder of PNG frames"
+  try:
+    import imageio_ffmpeg
+  except ImportError as e:
+    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg is not installed ({e}); {fix}") from None
+  try:
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+  except RuntimeError as e:
+    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg finds no ffmpeg ({e}); {fix}") from None
+  if shutil.which(exe) is None:  # IMAGEIO_FFMPEG_EXE is returned as given, unchecked
+    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg finds no ffmpeg ({exe!r} is not an "
+                      f"executable; check IMAGEIO_FFMPEG_EXE); {fix}")
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:

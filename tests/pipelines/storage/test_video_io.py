@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import warnings
 
 import numpy as np
@@ -75,6 +76,24 @@ def test_an_existing_output_names_the_python_argument(tmp_path):
       (tmp_path / "late.json").write_text("{}")  # another writer, while this one ran
   assert (tmp_path / "old.mp4").read_bytes() == b"old"
 
+
+
+def test_an_mp4_without_its_encoder_fails_before_any_compute(tmp_path, monkeypatch):
+  """A machine without imageio-ffmpeg (a TPU host's own package index lacks it) is told at the check,
+  not after the whole run; other kinds need no ffmpeg and still pass the same check (positive control)."""
+  video_io.check_output(str(tmp_path / "fox.mp4"), overwrite=False)  # here imageio-ffmpeg is installed
+  monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(tmp_path / "no-such-ffmpeg"))
+  with pytest.raises(video_io.OutputError, match=r"fox.mp4' is an mp4 but imageio-ffmpeg finds no ffmpeg .*"
+                                                 r"pip install imageio-ffmpeg"):
+    video_io.check_output(str(tmp_path / "fox.mp4"), overwrite=False)
+  monkeypatch.delenv("IMAGEIO_FFMPEG_EXE")
+  monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import raises ImportError
+  with pytest.raises(video_io.OutputError, match=r"fox.mp4' is an mp4 but imageio-ffmpeg is not installed .*"
+                                                 r"or write .npy, .gif or a folder of PNG frames"):
+    video_io.check_output(str(tmp_path / "fox.mp4"), overwrite=False)
+  for other in ("fox.npy", "fox.gif", "frames/"):
+    video_io.check_output(str(tmp_path / other), overwrite=False)
+  assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("mode,message", [
