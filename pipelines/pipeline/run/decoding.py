@@ -102,12 +102,19 @@ def lower_decoder(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: 
 
 
 
-def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: Mesh | None) -> int | None:
+def decode_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...], mesh: Mesh | None,
+                      decoder: dict[str, Any] | None = None) -> int | None:
   """Device bytes of one video's whole-frame decode beyond the VAE's weights (its feature cache, one
-  chunk's temporaries and output; `vae.decode_memory`, from the compiled programs' memory analysis),
-  for latents of `latents_shape` [B, C, F, Hl, Wl]; None for a decode split over a mesh (not planned)."""
+  chunk's temporaries and output, from the compiled programs' memory analysis), for latents of
+  `latents_shape` [B, C, F, Hl, Wl]; None for a decode split over a mesh (not planned).
+
+  `decoder`: the programs `lower_decoder` lowered for this decode, on the device planned for: their
+  analysis (`vae.program_peak`), so that one lowering and one compile serve the plan and the decode
+  (the compile-ahead then finds them compiled). None: `vae.decode_memory`'s own lowering."""
   if _split_mesh(mesh) is not None:
     return None
+  if decoder is not None:
+    return max(wan_vae.program_peak(program) for program in decoder.values()) - weights.bytes_of()["vae"]
   _, _, _, latent_height, latent_width = latents_shape
   return wan_vae.decode_memory(weights.vae, 1, latent_height, latent_width) - weights.bytes_of()["vae"]
 

@@ -17,6 +17,7 @@ from pipelines.parallel import planner
 from pipelines.parallel.memory import GiB, ComponentBytes, MemoryPlan, device_budget, host_available
 from pipelines.pipeline.run.decoding import band_rows_for, decode_work_bytes, streamed_work_bytes
 from pipelines.pipeline.checked.request import GenerationRequest
+from pipelines.wan import vae as wan_vae
 
 
 def text_work_bytes(config: Any, prompts: int, length: int) -> int:
@@ -50,11 +51,14 @@ def step_work_bytes(request: GenerationRequest, temp_bytes: int | None = None) -
   return int(activations + candidate.kv_bytes) + 4 * latent_bytes
 
 
-def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") -> MemoryPlan:
+def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto",
+                decoder: dict[str, Any] | None = None) -> MemoryPlan:
   """The call's `MemoryPlan`: `placement` ("auto" or one of `memory.PLACEMENTS`) on the first device
   of the request's mesh, for this request's sizes; the step's working memory from XLA's analysis of
   its compiled program where this pipeline compiled it before (a second call), else modelled. A run of several processes or with sharded weights
   is planned resident (its weights do not move), with a warning when another placement was asked.
+  `decoder`: the decode's programs as `decoding.lower_decoder` lowered them (the compile-ahead's), analysed
+  instead of a lowering of their own where the VAE is on the planned device's platform (`decode_work_bytes`).
 
   Raises:
     ValueError: an unknown placement; a model no plan fits (`MemoryPlan.choose`).
@@ -65,14 +69,17 @@ def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto") 
       warnings.warn(f"placement={placement!r}: weights move only in a one-process run with replicated "
                     "weights; this run keeps them resident", stacklevel=3)
     return MemoryPlan(placement="resident")
-  budget = device_budget(plan.mesh.devices.flat[0] if plan.mesh is not None else None)
+  device = plan.mesh.devices.flat[0] if plan.mesh is not None else jax.devices()[0]
+  budget = device_budget(device)
   if budget is None and placement == "auto":
     return MemoryPlan()
   weights = pipe.weights.bytes_of()
   latents_shape = request.latent_shape
   measured = pipe.compiled_steps.temp_bytes(plan, latents_shape)  # a call of these shapes compiled before
   decode_mesh = plan.decode_mesh
-  work = decode_work_bytes(pipe.weights, latents_shape, decode_mesh) if request.decode and budget else None
+  if decoder is not None and wan_vae.platform_of(pipe.weights.vae.params) != device.platform:
+    decoder = None  # lowered for the VAE where it is now (the host): not the planned device's programs
+  work = decode_work_bytes(pipe.weights, latents_shape, decode_mesh, decoder) if request.decode and budget else None
   streamed = (streamed_work_bytes(pipe.weights, latents_shape) if work is not None
               and weights["vae"] + work > budget else None)  # analysed only where the whole decode cannot fit
   b = ComponentBytes(text_encoder=weights["text_encoder"], experts=weights["experts"], vae=weights["vae"],

@@ -111,10 +111,11 @@ class Runner:
                       latents=noise, solver=schedule.init_state(noise.shape, jnp.float32), text=None)
     self._resume(state, noise)
     self.pipe.weights.place(plan)  # before text encoding: its weights may be sharded too
-    self.memory = plan_memory(self.pipe, r, self.pipe.memory_placement)
+    decoder = self._lower_decoder(noise.shape)  # lowered once: analysed by the plan, compiled ahead
+    self.memory = plan_memory(self.pipe, r, self.pipe.memory_placement, decoder)
     if self.memory.budget is not None or self.memory.forced:
       self.stage(self.memory.line())
-    self._decoder_ahead = self._compile_decoder_ahead(noise.shape)
+    self._decoder_ahead = self._compile_decoder_ahead(decoder)
     self._enter("text_encode")
     start = time.perf_counter()
     texts = (r.prompts or []) + (r.negative_prompts or [])
@@ -336,21 +337,27 @@ class Runner:
       hooks.append(loop_hooks.OnStep(o.on_step))
     return hooks + list(o.hooks)
 
-  def _compile_decoder_ahead(self, latents_shape: tuple[int, ...]) -> CompileAhead | None:
-    """The decoder's programs for latents of `latents_shape` [B, C, F, Hl, Wl]: lowered here (the
-    caller's thread-local JAX settings apply), compiled in a background thread while the text is
-    encoded, the step compiled and the loop run (`CallOptions.decode_compile_ahead`). None when not
-    decoding, with the option off, or when the lowering fails (warned; the decode compiles them)."""
+  def _lower_decoder(self, latents_shape: tuple[int, ...]) -> dict[str, Any] | None:
+    """The whole-frame decoder's programs for latents of `latents_shape` [B, C, F, Hl, Wl], lowered
+    here (the caller's thread-local JAX settings apply) to be compiled ahead
+    (`CallOptions.decode_compile_ahead`); None when not decoding, with the option off, or when the
+    lowering fails (warned; the decode compiles them)."""
     r, o = self.request, self.options
     ahead = o.decode_compile_ahead if o.decode_compile_ahead is not None else jax.default_backend() != "cpu"
-    if not (r.decode and ahead) or self.memory.decode_band_rows or self.memory.decode_streamed:
+    if not (r.decode and ahead):
       return None
     try:
-      lowered = lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh,
-                              compile_effort=o.decode_compile_effort)
+      return lower_decoder(self.pipe.weights, latents_shape, r.plan.decode_mesh, compile_effort=o.decode_compile_effort)
     except Exception as e:  # noqa: BLE001 -- the decode lowers them again and raises there
       warnings.warn(f"the VAE decoder's programs could not be lowered ahead ({type(e).__name__}: {e}); "
                     "they compile at the decode", RuntimeWarning, stacklevel=2)
+      return None
+
+  def _compile_decoder_ahead(self, lowered: dict[str, Any] | None) -> CompileAhead | None:
+    """`_lower_decoder`'s programs compiled in a background thread while the text is encoded, the
+    step compiled and the loop run (at once where the memory plan's analysis compiled them); None
+    without them or where the plan decodes otherwise (in bands, or streamed)."""
+    if lowered is None or self.memory.decode_band_rows or self.memory.decode_streamed:
       return None
     return CompileAhead(lambda: [program.compile() for program in lowered.values()],
                         on_start=lambda: self._enter("decode_compile_ahead"), name="decoder-compile")

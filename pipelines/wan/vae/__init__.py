@@ -9,7 +9,8 @@ imports none of its modules, and a JAX-free module among them loads without JAX.
 from lazy_facade import lazy_facade
 
 _HOMES = (
-    ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory", "decode_step_memory_analysis")),
+    ("pipelines.wan.vae.band_memory", ("choose_band_rows", "decode_memory", "decode_step_memory_analysis",
+                                       "program_peak")),
     ("pipelines.wan.vae.bands", ("band_plan", "decode_banded", "decoder_split", "encode_banded",
                                  "encoder_radius", "encoder_split", "lower_decode_band_programs",
                                  "tail_radius")),
@@ -21,7 +22,7 @@ _HOMES = (
     ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "abstract_vae", "check_latents", "decode", "decode_chunk",
                                  "decode_continued", "decode_parallel", "decode_parallel_chunks",
                                  "denormalize_latents", "init_vae", "load_vae",
-                                 "lower_decode_programs", "normalize_latents", "row_mesh", "row_split",
+                                 "lower_decode_programs", "normalize_latents", "platform_of", "row_mesh", "row_split",
                                  "vae_from_state")),
     ("pipelines.wan.vae.streamed", ("decode_plan", "decode_streamed", "streamed_decode_memory", "streamed_memory")),
     ("pipelines.wan.vae.original_names", ("encoder_key", "original_keys")),

@@ -85,6 +85,31 @@ def test_the_decode_runs_the_programs_compiled_ahead(mesh, effort, committed, co
   np.testing.assert_allclose(ahead.frames, at_decode.frames, rtol=0, atol=1e-5)  # another effort: rounding
 
 
+def test_the_memory_plan_analyses_the_programs_compiled_ahead(monkeypatch, compiles):
+  """Planned as on an accelerator (a device budget): the plan's decode analysis compiles the
+  decoder's two programs once, from the lowering the compile-ahead then finds compiled, instead of
+  lowering and compiling programs of its own (`vae.decode_memory`); without compile-ahead it still
+  does (positive control). Both analyses give the same bytes."""
+  from pipelines.pipeline.run import decoding, memory_plan
+  from pipelines.wan import vae as wan_vae
+
+  own = []
+  real = wan_vae.decode_memory
+  monkeypatch.setattr(wan_vae, "decode_memory", lambda *a, **k: own.append(a[1:]) or real(*a, **k))
+  monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: 64 * 2 ** 30)
+  pipe = WanPipeline.tiny(random=True)
+  ahead = _generate(pipe, None, True, -0.4375)
+  chunk = [(thread, p) for thread, p in compiles.seen if p in CHUNK_PROGRAMS]
+  assert own == [] and len(chunk) == 2 and {thread for thread, _ in chunk} == {"MainThread"}, compiles.seen
+  at_decode = _generate(pipe, None, False, -0.4375)
+  assert own == [(1, 6, 2)]  # B, Hl, Wl of 48 x 16
+  np.testing.assert_array_equal(ahead.frames, at_decode.frames)
+  shape = (1, 16, 3, 6, 2)
+  lowered = decoding.lower_decoder(pipe.weights, shape)
+  assert decoding.decode_work_bytes(pipe.weights, shape, None, lowered) == decoding.decode_work_bytes(
+      pipe.weights, shape, None) > 0
+
+
 def test_the_same_video_bit_for_bit(compiles):
   import jax
 

@@ -35,7 +35,7 @@ def resident(pipe):
 
 
 def _with_plan(monkeypatch, plan: MemoryPlan) -> None:
-  monkeypatch.setattr(runner, "plan_memory", lambda pipe, request, placement: plan)
+  monkeypatch.setattr(runner, "plan_memory", lambda pipe, request, placement, decoder=None: plan)
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -74,7 +74,7 @@ def test_auto_on_a_small_device_moves_the_encoder(pipe, resident, monkeypatch):
   text, transformer = weights["text_encoder"], weights["experts"][0]
   budget = max(text, transformer) + weights["vae"] + min(text, transformer) // 2  # each fits alone, not both
   monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: budget)
-  monkeypatch.setattr(memory_plan, "decode_work_bytes", lambda weights, shape, mesh: 0)
+  monkeypatch.setattr(memory_plan, "decode_work_bytes", lambda weights, shape, mesh, decoder=None: 0)
   monkeypatch.setattr(memory_plan, "step_work_bytes", lambda request, temp_bytes=None: 0)
   monkeypatch.setattr(memory_plan, "text_work_bytes", lambda config, prompts, length: 0)
   result = pipe.run(**CALL)
