@@ -3,7 +3,6 @@ the decoder's programs lowered as that decode calls them (to compile them ahead)
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -22,11 +21,17 @@ def to_unit_range(video: jax.Array) -> jax.Array:
   return jnp.clip(video * 0.5 + 0.5, 0, 1).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def vae_latents(config: wan_vae.WanVAEConfig, latents: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """Diffusion latents [B, C, F, Hl, Wl] -> the VAE's (`vae.denormalize_latents` of them cast to the
-  VAE's `dtype`, as WanPipeline does) in one program instead of five eager ones."""
-  return wan_vae.denormalize_latents(config, jnp.asarray(latents).astype(dtype))
+def vae_latents(config: wan_vae.WanVAEConfig, latents: Any, dtype: Any) -> np.ndarray:
+  """Diffusion latents [B, C, F, Hl, Wl] -> the VAE's, on the host in the VAE's `dtype`: WanPipeline's
+  `latents.to(vae.dtype) / (1 / std) + mean`, each operation rounded once as torch's CPU kernels
+  round it (numpy's IEEE division; XLA:CPU's vectorised one is off by 1 ulp for ~15 % of the
+  elements, and by more when fused), and no compiled program (`vae.denormalize_latents` eagerly is
+  five, each traced and looked up by every process)."""
+  x = np.asarray(latents).astype(dtype)
+  shape = (1, config.z_dim, 1, 1, 1)
+  mean = np.asarray(config.latents_mean, np.float32).reshape(shape).astype(dtype)
+  inv_std = (np.float32(1) / np.asarray(config.latents_std, np.float32)).reshape(shape).astype(dtype)
+  return x / inv_std + mean
 
 
 def _unit_range_host(video: np.ndarray) -> np.ndarray:
@@ -125,13 +130,14 @@ def streamed_work_bytes(weights: PlacedWeights, latents_shape: tuple[int, ...]) 
   return wan_vae.streamed_decode_memory(weights.vae, 1, latent_height, latent_width) - weights.bytes_of()["vae"]
 
 
-def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...]):
+def band_rows_for(weights: PlacedWeights, latents_shape: tuple[int, ...], work: int | None = None):
   """A function (bytes available to the decode beyond the VAE's weights) -> None when whole frames
   fit, else the latent rows of the bands that do (`vae.choose_band_rows`); it raises ValueError when
-  no band fits."""
+  no band fits. `work`: the whole-frame decode's `decode_work_bytes` where known (not analysed again)."""
   _, _, _, latent_height, latent_width = latents_shape
   vae_bytes = weights.bytes_of()["vae"]
   vae = weights.vae
+  whole = None if work is None else work + vae_bytes
   return lambda available: wan_vae.choose_band_rows(vae.config, 1, latent_height, latent_width,
-                                                    available + vae_bytes, dtype=vae.dtype)
+                                                    available + vae_bytes, dtype=vae.dtype, whole=whole)
 

@@ -87,7 +87,7 @@ def plan_memory(pipe: Any, request: GenerationRequest, placement: str = "auto",
                                                request.max_sequence_length),
                      step_work=step_work_bytes(request, measured), decode_work=work, streamed_work=streamed,
                      step_measured=measured is not None)
-  rows = None if work is None or decode_mesh is not None else band_rows_for(pipe.weights, latents_shape)
+  rows = None if work is None or decode_mesh is not None else band_rows_for(pipe.weights, latents_shape, work)
   chosen = MemoryPlan.choose(b, budget, placement=placement, band_rows_for=rows)
   _warn_if_host_short(chosen, pipe.weights.host_bytes(), host_available())
   return chosen

@@ -106,8 +106,10 @@ def decode_memory(vae_or_config: vae_model.WanVAE | WanVAEConfig, batch: int, la
 
 
 def choose_band_rows(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
-                     budget_bytes: int, dtype: jnp.dtype = jnp.float32) -> int | None:
+                     budget_bytes: int, dtype: jnp.dtype = jnp.float32, whole: int | None = None) -> int | None:
   """The band height for `decode_banded` whose decode fits `budget_bytes`, or None if `decode` fits.
+  `whole`: the whole-frame decode's peak where the caller has it (from the programs it compiled for
+  that decode), so that it is neither lowered nor compiled again here; None: `decode_memory`'s.
 
   Compiles `decode`'s programs and the banded head's (`decode_memory`'s analysis), not the tail's:
   the tail's peak for bands of h rows is ESTIMATED by scaling the whole-frame decode's peak, all but
@@ -119,7 +121,8 @@ def choose_band_rows(config: WanVAEConfig, batch: int, latent_height: int, laten
     ValueError: even 1-row bands do not fit (the numbers in the message), or a window of 1 + 2r
       rows already covers the frame (bands cannot save memory there).
   """
-  whole = decode_memory(config, batch, latent_height, latent_width, None, dtype)
+  if whole is None:
+    whole = decode_memory(config, batch, latent_height, latent_width, None, dtype)
   if whole <= budget_bytes:
     return None
   weights = sum(math.prod(s) for s in config.param_shapes().values()) * np.dtype(dtype).itemsize

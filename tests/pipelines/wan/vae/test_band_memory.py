@@ -23,6 +23,21 @@ def test_choose_band_rows_and_the_memory_it_promises():
     V.choose_band_rows(CFG, B, HL, WL, budget_bytes=1000)
 
 
+def test_a_known_whole_decode_is_not_analysed_again(monkeypatch):
+  """The memory plan passes the whole-frame peak of the programs it compiled for the decode: the band
+  choice then neither lowers nor compiles that decode again, and chooses as it would have."""
+  from pipelines.wan.vae import band_memory
+
+  whole = V.decode_memory(CFG, B, HL, WL)
+  budget = int(0.7 * whole)
+  expected = V.choose_band_rows(CFG, B, HL, WL, budget_bytes=budget)
+  monkeypatch.setattr(band_memory, "decode_memory", lambda *a, **k: pytest.fail(f"analysed again: {a} {k}"))
+  assert V.choose_band_rows(CFG, B, HL, WL, budget_bytes=budget, whole=whole) == expected is not None
+  assert V.choose_band_rows(CFG, B, HL, WL, budget_bytes=whole, whole=whole) is None
+  with pytest.raises(pytest.fail.Exception, match="analysed again"):  # positive control: without it
+    V.choose_band_rows(CFG, B, HL, WL, budget_bytes=budget)
+
+
 def test_a_program_too_large_to_compile_counts_what_the_error_reports():
   """XLA:TPU refuses at compile time a program larger than the chip; its peak is then the arguments
   plus the temporaries the error names (or more than any device holds), and other errors propagate."""
