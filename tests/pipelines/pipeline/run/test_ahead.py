@@ -110,6 +110,21 @@ def test_the_memory_plan_analyses_the_programs_compiled_ahead(monkeypatch, compi
       pipe.weights, shape, None) > 0
 
 
+def test_programs_lowered_for_another_platform_are_not_analysed(monkeypatch):
+  """Where the VAE is not on the planned device's platform (its weights moved to the host by an
+  earlier call), the compile-ahead's programs are not that device's: the plan analyses its own."""
+  from pipelines.pipeline.run import memory_plan
+  from pipelines.wan import vae as wan_vae
+
+  own = []
+  real = wan_vae.decode_memory
+  monkeypatch.setattr(wan_vae, "decode_memory", lambda *a, **k: own.append(a[1:]) or real(*a, **k))
+  monkeypatch.setattr(wan_vae, "platform_of", lambda tree: "elsewhere")
+  monkeypatch.setattr(memory_plan, "device_budget", lambda device=None: 64 * 2 ** 30)
+  _generate(WanPipeline.tiny(random=True), None, True, -0.4375)
+  assert own == [(1, 6, 2)]
+
+
 def test_the_same_video_bit_for_bit(compiles):
   import jax
 
