@@ -24,6 +24,7 @@ import numpy as np
 from pipelines.commands.flags import UsageError
 from pipelines.commands.model_files import read_facts
 from pipelines.commands.presets import TINY_MODELS
+from pipelines.commands.startup import import_flax_without_ipython
 from pipelines.serve import events
 from pipelines.serve.options import ServeConfig, parse
 from pipelines.storage.weights import CheckpointError
@@ -69,6 +70,7 @@ def model_facts(config: ServeConfig) -> Any:
 
 def loader(config: ServeConfig) -> Any:
   """A function that loads the pipeline of --model or of the single files (placed for --mesh)."""
+  import_flax_without_ipython()  # 1.6 s where IPython is installed (commands.startup)
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:
