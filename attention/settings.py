@@ -100,8 +100,9 @@ def platform_key(platform: str, device_kind: str | None = None) -> str:
 # With key chunks (`block_kv_compute`, timed 2026-12-07 at [1, 32768, 12, 128], fixed-m with its gate):
 # 4096 x 2048 in 512-key chunks 36.59 ms against 4096 x 1024's 37.43 (2.3 % faster, no padded key
 # block); at [2, 75600, 5, 128] 173.16 against 165.63 ms, before the padded block masked only its
-# chunks past S. The default keeps 4096 x 1024 until 4096 x 2048 x 512 is timed again where a key
-# block is padded (32,760 and 75,600 tokens; docs/performance.md).
+# chunks past S. Timed again 2026-12-08 at [2, 75600, 5, 128] (`bench.attention`, splash in the same
+# run): 4096 x 2048 x 512 173.23 ms, 2048 x 2048 x 512 158.93 (splash's best 170.57). The default keeps
+# 4096 x 1024 until 2048 x 2048 x 512 is timed against it at 32,760 too (docs/performance.md).
 # TPU v6e: 1024 x 1024, picked from compiles only (`bench.tune_blocks --topology v6e:2x2`, then
 # `--pick`; libtpu 0.0.42) at the per-device shapes of Wan 1.3B 480p (U=4: [2, 32760, 3, 128];
 # U=2,R=2: [2, 16380, 6, 128]) and 14B 720p (U=4,R=2: [2, 37800, 10, 128]), bf16, grid 256..2048
