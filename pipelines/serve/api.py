@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.commands.presets import PRESETS, TINY_MODELS, model_preset
 from pipelines.pipeline.checked.seed import random_seed
+from pipelines.storage import video_io
 
 JOB_ID = re.compile(r"video_[0-9a-f]{24}")
 FORMATS = ("mp4", "gif", "npy")
@@ -277,6 +278,16 @@ def _check_numbers(body: VideoCreate) -> None:
     raise ApiError(400, f"seed={seed} must be below 2**63", "seed")
 
 
+def _check_mp4_encoder() -> None:
+  """An mp4 is refused up front where it could not be encoded (`video_io.mp4_encoder_problem`), not
+  after its generation; gif and npy still work there."""
+  problem = video_io.mp4_encoder_problem()
+  if problem is not None:
+    raise ApiError(400, f"output_format='mp4' is not available on this server: {problem}; ask for "
+                   "output_format 'gif' or 'npy', or install imageio-ffmpeg where the server runs",
+                   "output_format")
+
+
 def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_prompt_chars: int,
                fps: float = 16.0) -> dict[str, Any]:
   """A request's values resolved (defaults filled, seed drawn when missing; `fps` when the body gives
@@ -290,6 +301,8 @@ def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_pro
     raise ApiError(400, f"model={body.model!r}: this server serves {model!r} only (GET /v1/models)", "model")
   body = body.model_copy(update={"fps": fps}) if body.fps is None else body
   _check_numbers(body)
+  if body.output_format == "mp4":
+    _check_mp4_encoder()
   unknown = [name for name in body.lora if name not in loras]
   if unknown or len(set(body.lora)) != len(body.lora):
     raise ApiError(400, f"lora={body.lora!r}: give each of the server's LoRAs at most once; it has "

@@ -114,26 +114,34 @@ def check_output(path: str, *, overwrite: bool, sidecar: bool = True) -> None:
       raise OutputError(f"{target!r} exists; pass overwrite=True to replace it, or choose another path")
 
 
+def mp4_encoder_problem() -> str | None:
+  """Why no mp4 could be encoded here, or None when one can: imageio-ffmpeg does not import (a machine
+  with only the core packages, e.g. a TPU host's own index) or finds no ffmpeg (`IMAGEIO_FFMPEG_EXE`
+  naming a missing file, which imageio-ffmpeg returns unchecked)."""
+  try:
+    import imageio_ffmpeg
+  except ImportError as e:
+    return f"imageio-ffmpeg is not installed ({e})"
+  try:
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+  except RuntimeError as e:
+    return f"imageio-ffmpeg finds no ffmpeg ({e})"
+  if shutil.which(exe) is None:
+    return f"imageio-ffmpeg finds no ffmpeg ({exe!r} is not an executable: check IMAGEIO_FFMPEG_EXE)"
+  return None
+
+
 def check_mp4_encoder(path: str) -> None:
-  """Fails before any compute if the mp4 at `path` could not be encoded: imageio-ffmpeg does not
-  import (a machine with only the core packages, e.g. a TPU host's own index) or finds no ffmpeg
-  (`IMAGEIO_FFMPEG_EXE` naming a missing file). Found only at the write, the video would be lost.
+  """Fails before any compute if the mp4 at `path` could not be encoded (`mp4_encoder_problem`).
+  Found only at the write, the video would be lost.
 
   Raises:
     OutputError: naming the cause and the fixes (install imageio-ffmpeg, or another output kind).
   """
-  fix = "pip install imageio-ffmpeg (it ships ffmpeg), or write .npy, .gif or a folder of PNG frames"
-  try:
-    import imageio_ffmpeg
-  except ImportError as e:
-    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg is not installed ({e}); {fix}") from None
-  try:
-    exe = imageio_ffmpeg.get_ffmpeg_exe()
-  except RuntimeError as e:
-    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg finds no ffmpeg ({e}); {fix}") from None
-  if shutil.which(exe) is None:  # IMAGEIO_FFMPEG_EXE is returned as given, unchecked
-    raise OutputError(f"output {path!r} is an mp4 but imageio-ffmpeg finds no ffmpeg ({exe!r} is not an "
-                      f"executable; check IMAGEIO_FFMPEG_EXE); {fix}")
+  problem = mp4_encoder_problem()
+  if problem is not None:
+    raise OutputError(f"output {path!r} is an mp4 but {problem}; pip install imageio-ffmpeg (it ships "
+                      "ffmpeg), or write .npy, .gif or a folder of PNG frames")
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:

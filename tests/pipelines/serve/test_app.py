@@ -250,3 +250,21 @@ def test_the_schema_pages_work_offline(unloaded, page):
     got = client.get(url)
     assert got.status_code == 200 and len(got.content) > 1000, (url, got.status_code)
   assert client.get("/openapi.json").json()["openapi"].startswith("3.")
+
+
+def test_an_mp4_is_refused_up_front_where_it_could_not_be_encoded(unloaded, tmp_path, monkeypatch):
+  """A server without ffmpeg (IMAGEIO_FFMPEG_EXE naming a missing file) answers an mp4 request with a
+  400 naming output_format, nothing queued, instead of failing the job after its generation; a gif
+  and an npy are still queued there, and an mp4 where ffmpeg exists (positive controls)."""
+  service, client = unloaded
+  assert client.post("/v1/videos", json={**SMALL, "prompt": "x", "output_format": "mp4"}).status_code == 200
+  monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(tmp_path / "no-such-ffmpeg"))
+  queued = service.store.counts()["queued"]
+  for body in ({**SMALL, "prompt": "x", "output_format": "mp4"}, {"prompt": "x"}):  # mp4 is the default
+    answer = client.post("/v1/videos", json=body)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == "output_format", answer.text
+    assert "imageio-ffmpeg finds no ffmpeg" in error["message"] and "'gif' or 'npy'" in error["message"]
+  assert service.store.counts()["queued"] == queued
+  for kind in ("gif", "npy"):
+    assert client.post("/v1/videos", json={**SMALL, "prompt": "x", "output_format": kind}).status_code == 200
