@@ -51,6 +51,7 @@ class PlacedWeights:
     self._experts_host: list[nnx.State | None] = [None] * len(self._experts)
     self._experts_away: set[int] = set()  # experts whose device copy was dropped
     self._vae_host: wan_vae.WanVAE | None = None  # the VAE's numpy copy while it is off the device
+    self._vae_where: list[Any] = []  # its leaves' placements then (`_placements`)
 
   @property
   def experts(self) -> list[nnx.State]:
@@ -162,18 +163,23 @@ class PlacedWeights:
       self._experts_away.discard(i)
 
   def drop_vae(self) -> None:
-    """Frees the VAE's device memory (its host copy stays; `restore_vae` uploads it again)."""
+    """Frees the VAE's device memory (its host copy stays, and each leaf's placement: `restore_vae`
+    uploads it again as it was)."""
     if self._vae_host is not None:
       return
     host = _to_numpy(self.vae)
+    self._vae_where = _placements(self.vae)
     self._vae_placed = None  # the decode's copy too
     _delete_device_copies(self.vae)
     self.vae, self._vae_host = host, host
 
   def restore_vae(self) -> None:
-    """Uploads the VAE dropped before to the default device (a no-op when it is there)."""
+    """Uploads the VAE dropped before as it was placed (a no-op when it is there): a leaf committed to
+    a device or sharding goes back there, an uncommitted one to the default device uncommitted, so
+    that the decoder's programs lowered before the drop (`decoding.lower_decoder`, compiled ahead) are
+    the ones the decode calls, not a second pair for committed arguments."""
     if self._vae_host is not None:
-      self.vae, self._vae_host = _upload(self._vae_host, jax.devices()[0]), None
+      self.vae, self._vae_host = _put_back(self._vae_host, self._vae_where), None
 
   def host_bytes(self) -> int:
     """Bytes of the weights held on the host now (numpy arrays and the CPU backend's; each once)."""
@@ -202,6 +208,20 @@ def _upload(tree: Any, where: Any) -> Any:
   if isinstance(where, (jax.Device, jax.sharding.Sharding)):
     return jax.tree.map(lambda x: jax.block_until_ready(jax.device_put(x, where)), tree)
   return jax.tree.map(lambda x, s: jax.block_until_ready(jax.device_put(x, s)), tree, where)
+
+
+def _placements(tree: Any) -> list[Any]:
+  """Each leaf's sharding where the array is committed to it, else None (uncommitted: JAX may move
+  it to a computation's devices), in `jax.tree.leaves` order."""
+  return [x.sharding if isinstance(x, jax.Array) and x.committed else None for x in jax.tree.leaves(tree)]
+
+
+def _put_back(tree: Any, placements: list[Any]) -> Any:
+  """`tree`'s leaves uploaded one at a time (as `_upload`) to `_placements`' shardings; None: the
+  default device, uncommitted (`jax.device_put` without a device)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [jax.block_until_ready(jax.device_put(x, where))
+                                      for x, where in zip(leaves, placements, strict=True)])
 
 
 def _nbytes(tree: Any) -> int:

@@ -110,6 +110,34 @@ def test_the_memory_plan_analyses_the_programs_compiled_ahead(monkeypatch, compi
       pipe.weights, shape, None) > 0
 
 
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_vae_off_the_device_for_the_loop_comes_back_as_lowered(monkeypatch, committed, compiles):
+  """A plan that takes the VAE off the device for the loop (`MemoryPlan.vae_at_denoise`) brings it
+  back as it was placed (uncommitted, or committed to its device), so the decode calls the programs
+  compiled ahead instead of compiling a pair for the returned VAE (it did: 4 compiles, measured);
+  the video is the one of a run that kept the VAE on the device."""
+  import dataclasses
+
+  import jax
+
+  from pipelines.pipeline.run import runner
+
+  pipe = WanPipeline.tiny(random=True)
+  if committed:
+    pipe.weights.vae = jax.device_put(pipe.weights.vae, jax.devices()[1])
+  kept = _generate(pipe, None, False, -0.53125)
+  real, drops = runner.plan_memory, []
+  monkeypatch.setattr(runner, "plan_memory", lambda *a, **k: dataclasses.replace(real(*a, **k), vae_at_denoise=False))
+  monkeypatch.setattr(type(pipe.weights), "drop_vae", lambda self, f=type(pipe.weights).drop_vae: drops.append(1) or f(self))
+  compiles.seen.clear()
+  dropped = _generate(pipe, None, True, -0.5625)
+  chunk = [(thread, p) for thread, p in compiles.seen if p in CHUNK_PROGRAMS]
+  assert drops == [1] and len(chunk) == 2 and {thread for thread, _ in chunk} == {"decoder-compile"}, compiles.seen
+  leaf = jax.tree.leaves(pipe.weights.vae)[0]
+  assert leaf.committed == committed and leaf.devices() == {jax.devices()[1 if committed else 0]}
+  np.testing.assert_allclose(dropped.frames, kept.frames, rtol=0, atol=1e-5)  # another effort: rounding
+
+
 def test_programs_lowered_for_another_platform_are_not_analysed(monkeypatch):
   """Where the VAE is not on the planned device's platform (its weights moved to the host by an
   earlier call), the compile-ahead's programs are not that device's: the plan analyses its own."""
