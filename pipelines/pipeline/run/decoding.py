@@ -23,15 +23,12 @@ def to_unit_range(video: jax.Array) -> jax.Array:
 
 def vae_latents(config: wan_vae.WanVAEConfig, latents: Any, dtype: Any) -> np.ndarray:
   """Diffusion latents [B, C, F, Hl, Wl] -> the VAE's, on the host in the VAE's `dtype`: WanPipeline's
-  `latents.to(vae.dtype) / (1 / std) + mean`, each operation rounded once as torch's CPU kernels
-  round it (numpy's IEEE division; XLA:CPU's vectorised one is off by 1 ulp for ~15 % of the
-  elements, and by more when fused), and no compiled program (`vae.denormalize_latents` eagerly is
-  five, each traced and looked up by every process)."""
-  x = np.asarray(latents).astype(dtype)
-  shape = (1, config.z_dim, 1, 1, 1)
-  mean = np.asarray(config.latents_mean, np.float32).reshape(shape).astype(dtype)
-  inv_std = (np.float32(1) / np.asarray(config.latents_std, np.float32)).reshape(shape).astype(dtype)
-  return x / inv_std + mean
+  `latents.to(vae.dtype) / latents_std + latents_mean` with its statistics (`vae.latent_stats`), each
+  operation rounded once as torch's CPU kernels round it (numpy's IEEE division; XLA:CPU's vectorised
+  one is off by 1 ulp for ~15 % of the elements, and by more when fused), and no compiled program
+  (`vae.denormalize_latents` eagerly is five, each traced and looked up by every process)."""
+  mean, inv_std = wan_vae.latent_stats(config, dtype)
+  return np.asarray(latents).astype(dtype) / inv_std + mean
 
 
 def _unit_range_host(video: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ _HOMES = (
     ("pipelines.wan.vae.encoding", ("check_video", "encode", "encode_chunk", "latent_distribution")),
     ("pipelines.wan.vae.model", ("ENCODER_CHUNK", "WanVAE", "abstract_vae", "check_latents", "decode", "decode_chunk",
                                  "decode_continued", "decode_parallel", "decode_parallel_chunks",
-                                 "denormalize_latents", "init_vae", "load_vae",
+                                 "denormalize_latents", "init_vae", "latent_stats", "load_vae",
                                  "lower_decode_programs", "normalize_latents", "platform_of", "row_mesh", "row_split",
                                  "vae_from_state")),
     ("pipelines.wan.vae.streamed", ("decode_plan", "decode_streamed", "streamed_decode_memory", "streamed_memory")),

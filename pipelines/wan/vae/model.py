@@ -127,26 +127,29 @@ def init_vae(config: WanVAEConfig, key: jax.Array, *, dtype: jnp.dtype = jnp.flo
 # Latent normalisation (as WanPipeline applies it)
 
 
-def _stats(config: WanVAEConfig, dtype) -> tuple[jax.Array, jax.Array]:
+def latent_stats(config: WanVAEConfig, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+  """(mean, 1 / std) of the config's latent statistics, each numpy [1, z_dim, 1, 1, 1] in `dtype`, formed
+  as diffusers' Wan pipelines form them: `torch.tensor(latents_std).view(...).to(dtype)`, then `1.0 /`
+  that in `dtype` (precedence: the cast comes first). A bf16 quotient is computed in fp32 and rounded
+  once, as torch does; numpy's IEEE division where XLA:CPU's vectorised one can be 1 ulp off. Taking
+  the reciprocal in fp32 before the cast instead differs in 6 of Wan 2.1's 16 bf16 channels."""
   shape = (1, config.z_dim, 1, 1, 1)
-  mean = jnp.asarray(config.latents_mean, jnp.float32).reshape(shape).astype(dtype)
-  inv_std = (1.0 / jnp.asarray(config.latents_std, jnp.float32)).reshape(shape).astype(dtype)
-  return mean, inv_std
+  mean = np.asarray(config.latents_mean, np.float32).reshape(shape).astype(dtype)
+  std = np.asarray(config.latents_std, np.float32).reshape(shape).astype(dtype)
+  return mean, (np.float32(1) / std.astype(np.float32)).astype(dtype)
 
 
 def denormalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
-  """Diffusion-space latents [B, C, F, Hl, Wl] -> VAE-space: `latents / (1 / std) + mean`.
-
-  Written as WanPipeline does (stats cast to the latents' dtype, divide by the reciprocal of std)
-  so the rounding follows diffusers; XLA:CPU's vectorised division can still differ by 1 ulp.
-  """
-  mean, inv_std = _stats(config, latents.dtype)
+  """Diffusion-space latents [B, C, F, Hl, Wl] -> VAE-space: `latents / (1 / std) + mean` in the latents'
+  dtype, as WanPipeline writes it (`latent_stats`)."""
+  mean, inv_std = latent_stats(config, latents.dtype)
   return latents / inv_std + mean
 
 
 def normalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
-  """VAE-space latents [B, C, F, Hl, Wl] -> diffusion space: `(latents - mean) * (1 / std)`."""
-  mean, inv_std = _stats(config, latents.dtype)
+  """VAE-space latents [B, C, F, Hl, Wl] -> diffusion space: `(latents - mean) * (1 / std)` in the
+  latents' dtype (`latent_stats`), as diffusers' Wan image-to-video pipelines write it."""
+  mean, inv_std = latent_stats(config, latents.dtype)
   return (latents - mean) * inv_std
 
 
