@@ -31,3 +31,21 @@ def test_decode_bench_refuses_bad_sizes_before_building_the_vae(argv, message, c
 
   assert decode.main(["--preset", "tiny", *argv]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_a_named_precision_is_the_one_the_decode_runs_under(tmp_path, monkeypatch):
+  """--precision high: the decode sees JAX's default matmul precision "high" (recorded by a stand-in
+  decode); auto: the pipeline's rule, "highest" for a float32 VAE (positive control)."""
+  import jax
+
+  from end_to_end.bench import decode
+
+  seen = []
+  real = decode.decode_once
+  monkeypatch.setattr(decode, "decode_once", lambda *a: seen.append(jax.config.jax_default_matmul_precision) or real(*a))
+  for precision in ("high", "auto"):
+    out = tmp_path / f"{precision}.json"
+    assert decode.main(["--preset", "tiny", "--frames", "1", "--path", "whole", "--runs", "1",
+                        "--precision", precision, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["precision"] == precision
+  assert seen == ["high", "highest"]
