@@ -283,9 +283,9 @@ def _check_mp4_encoder() -> None:
   after its generation; gif and npy still work there."""
   problem = video_io.mp4_encoder_problem()
   if problem is not None:
-    raise ApiError(400, f"output_format='mp4' is not available on this server: {problem}; ask for "
-                   "output_format 'gif' or 'npy', or install imageio-ffmpeg where the server runs",
-                   "output_format")
+    raise ApiError(400, f"output_format='mp4' (the default) is not available on this server: {problem}; "
+                   "ask for output_format 'gif' or 'npy', or install imageio-ffmpeg where the server runs",
+                   "output_format", code="unsupported")
 
 
 def job_params(body: VideoCreate, *, model: str, loras: tuple[str, ...], max_prompt_chars: int,

@@ -158,9 +158,10 @@ class Service:
 
     Raises:
       api.ApiError: 409 unless `row` is completed; 410 when its video is gone; 400 on a model that
-        cannot start from a video (image-to-video, TI2V) or as `submit`.
+        cannot start from a video (image-to-video, TI2V), for an mp4 where ffmpeg is missing, or as
+        `submit`.
     """
-    from pipelines.storage import video_reading
+    from pipelines.storage import video_io, video_reading
 
     video_id = row["id"]
     if row["status"] != "completed":
@@ -172,6 +173,10 @@ class Service:
     path = self.content_path(row)
     if path is None:
       raise api.ApiError(410, f"the file of video {video_id!r} is gone from the data folder", "video_id", code="gone")
+    problem = video_io.mp4_encoder_problem() if path.endswith(".mp4") else None
+    if problem is not None:  # reading it needs ffmpeg too (else a 500 from the reader's ImportError)
+      raise api.ApiError(400, f"video {video_id!r} is an mp4 and this server cannot read one: {problem}; install "
+                         "imageio-ffmpeg where the server runs", "video_id", code="unsupported")
     p = row["params"]
     kept = {name: p[name] for name in api.VideoCreate.model_fields if name in p and name not in REMIXED}
     body = api.VideoCreate(**kept, prompt=remix.prompt, size=f"{p['width']}x{p['height']}", strength=remix.strength)

@@ -30,6 +30,7 @@ from typing import Any
 from pipelines.commands.flags import UsageError, parse_prompts_at
 from pipelines.pipeline.checked.seed import random_seed
 from pipelines.serve import api
+from pipelines.storage import video_io
 
 EVENT_WAIT_S = 1.0  # the event reader's poll: how soon a gone client is noticed between chunks
 DEFAULT_FRAMES = 33  # 3 chunks of 3 latent frames
@@ -56,7 +57,8 @@ def check_session(facts: Any, prompt: str, size: str | None, num_frames: int | N
 
   Raises:
     api.ApiError: 400 naming the parameter (an empty prompt, a size that is not WxH in multiples of
-      16, a frame count or window out of range, a negative seed).
+      16, a frame count or window out of range, a negative seed), or "unsupported" where no mp4 can
+      be encoded (`video_io.mp4_encoder_problem`).
   """
   if not prompt or not prompt.strip():
     raise api.ApiError(400, "prompt must be a non-empty string", "prompt")
@@ -79,6 +81,11 @@ def check_session(facts: Any, prompt: str, size: str | None, num_frames: int | N
     later = parse_prompts_at(prompt_at or [], "prompt_at")
   except UsageError as e:
     raise api.ApiError(400, str(e), "prompt_at") from None
+  problem = video_io.mp4_encoder_problem()  # a stream is an mp4: refused before any event, not as one
+  if problem is not None:
+    raise api.ApiError(400, f"a stream is an mp4 and this server cannot encode one: {problem}; install "
+                       "imageio-ffmpeg where the server runs, or ask POST /v1/videos for a gif or npy",
+                       code="unsupported")
   return StreamSession(prompt.strip(), height, width, frames, random_seed() if seed is None else seed,
                        window_frames, later)
 

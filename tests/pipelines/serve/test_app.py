@@ -268,3 +268,25 @@ def test_an_mp4_is_refused_up_front_where_it_could_not_be_encoded(unloaded, tmp_
   assert service.store.counts()["queued"] == queued
   for kind in ("gif", "npy"):
     assert client.post("/v1/videos", json={**SMALL, "prompt": "x", "output_format": kind}).status_code == 200
+
+
+def test_a_remix_of_an_mp4_is_refused_where_it_could_not_be_read(unloaded, tmp_path, monkeypatch):
+  """Remixing a finished mp4 reads it with ffmpeg: where none is found, a 400 "unsupported" naming
+  video_id, not a 500 from the reader; with ffmpeg the remix goes on to read the file (positive
+  control: the stand-in file is no video, so the reader's own refusal comes next)."""
+  from pipelines.serve import api
+
+  service, _ = unloaded
+  clip = tmp_path / "video_done.mp4"
+  clip.write_bytes(b"not a video")
+  monkeypatch.setattr(service, "content_path", lambda row: str(clip))
+  row = {"id": "video_done", "status": "completed", "params": {"width": 32, "height": 32}}
+  monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(tmp_path / "no-such-ffmpeg"))
+  with pytest.raises(api.ApiError) as refused:
+    service.remix(row, api.VideoRemix(prompt="a blue circle"))
+  assert (refused.value.status, refused.value.param, refused.value.code) == (400, "video_id", "unsupported")
+  assert "no ffmpeg" in refused.value.message
+  monkeypatch.delenv("IMAGEIO_FFMPEG_EXE")
+  with pytest.raises(Exception) as read:
+    service.remix(row, api.VideoRemix(prompt="a blue circle"))
+  assert not (isinstance(read.value, api.ApiError) and read.value.code == "unsupported"), read.value

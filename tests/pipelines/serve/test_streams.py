@@ -85,3 +85,19 @@ def test_bad_queries_are_refused_naming_the_parameter(served, params, param):
   _, url = served
   answer = httpx.get(url + "/v1/streams", params=params, timeout=60)
   assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_a_stream_is_refused_up_front_where_no_mp4_can_be_encoded(served, monkeypatch, tmp_path):
+  """No ffmpeg (IMAGEIO_FFMPEG_EXE naming a missing file): a 400 "unsupported" before any event,
+  not a 200 whose only event is an error; the same query is fine again with ffmpeg back (positive
+  control: only the size of the answer is read)."""
+  _, url = served
+  monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(tmp_path / "no-such-ffmpeg"))
+  answer = httpx.get(url + "/v1/streams", params={"prompt": PROMPT, "num_frames": 0}, timeout=60)
+  assert answer.status_code == 400 and answer.json()["error"]["param"] == "num_frames"  # bad values first
+  answer = httpx.get(url + "/v1/streams", params={"prompt": PROMPT}, timeout=60)
+  error = answer.json()["error"]
+  assert answer.status_code == 400 and error["code"] == "unsupported" and "no ffmpeg" in error["message"], answer.text
+  monkeypatch.delenv("IMAGEIO_FFMPEG_EXE")
+  from pipelines.serve import streams
+  assert streams.check_session(served[0].facts, PROMPT, None, None, 1, None).prompt == PROMPT
