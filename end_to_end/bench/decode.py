@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     named = args.precision != "auto"
     precision = jax.default_matmul_precision(args.precision) if named else matmul_precision(vae.dtype)
     with CompileClock() as clock, precision:  # auto: as the pipeline's decode runs
+      result["matmul_precision"] = jax.config.jax_default_matmul_precision  # in effect (None: the backend's)
       start = time.perf_counter()
       video = decode_once(vae, z, args.path, args.band_rows)
       seconds = time.perf_counter() - start

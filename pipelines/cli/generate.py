@@ -150,7 +150,7 @@ def _run(checked: Checked, cache: compile_cache.CacheUse, warnings_seen: list[st
 def _load(plan: Plan, request: Any) -> Any:
   """The pipeline of --model or of the single files (weights straight onto the request's mesh), with the
   LoRAs fused."""
-  import_flax_without_ipython()  # 1.6 s on a TPU VM (commands.startup), before flax's first import
+  import_flax_without_ipython()  # ~1.3 s on a TPU VM (commands.startup), before flax's first import
   from pipelines.pipeline import WanImageToVideoPipeline, WanPipeline
 
   if plan.model in TINY_MODELS:

@@ -3,8 +3,10 @@
 flax.nnx (`flax/nnx/reprlib.py`, flax 0.12) decides at import whether its reprs are coloured and,
 for that, imports IPython to call `get_ipython()`. Where IPython is installed (Colab and Kaggle
 images, TPU VMs) that import alone took 1.6 s of the tiny default's warm `generate` on a TPU v5e
-host (cProfile, 2026-12-08; the run is ~6 s), for an answer known in advance: in a process that has
-not imported IPython no IPython shell runs, so `get_ipython()` is None.
+host under cProfile (2026-12-08; its load stage 2.5 -> 1.2 s without the profiler, of a ~6-s run),
+for an answer known in advance: in a process that has not imported IPython no IPython shell runs,
+so `get_ipython()` is None. One lasting effect: treescope, imported in that window, keeps
+"no IPython" for the process (its notebook display hooks), which a command never uses.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def model_facts(config: ServeConfig) -> Any:
 
 def loader(config: ServeConfig) -> Any:
   """A function that loads the pipeline of --model or of the single files (placed for --mesh)."""
-  import_flax_without_ipython()  # 1.6 s where IPython is installed (commands.startup)
+  import_flax_without_ipython()  # ~1.3 s where IPython is installed (commands.startup)
   from pipelines.pipeline.wan_pipeline import WanPipeline
 
   def load() -> Any:

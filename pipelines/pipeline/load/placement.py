@@ -43,7 +43,7 @@ class PlacedWeights:
     self.version = 0
     self.text_params = text_params
     self.text_mesh: Mesh | None = None
-    self.vae = vae
+    self._vae = vae
     self.placement: Any = "unplaced"
     self._plan: ParallelPlan | None = None  # the plan the weights were placed for
     self._vae_placed: tuple[Any, wan_vae.WanVAE] | None = None
@@ -52,6 +52,16 @@ class PlacedWeights:
     self._experts_away: set[int] = set()  # experts whose device copy was dropped
     self._vae_host: wan_vae.WanVAE | None = None  # the VAE's numpy copy while it is off the device
     self._vae_where: list[Any] = []  # its leaves' placements then (`_placements`)
+
+  @property
+  def vae(self) -> wan_vae.WanVAE:
+    return self._vae
+
+  @vae.setter
+  def vae(self, vae: wan_vae.WanVAE) -> None:
+    """A new VAE (or the same moved by the caller) replaces any dropped one: `restore_vae` must not
+    bring the old host copy back over it, nor `vae_on` serve the old one's replicas."""
+    self._vae, self._vae_host, self._vae_where, self._vae_placed = vae, None, [], None
 
   @property
   def experts(self) -> list[nnx.State]:
@@ -171,7 +181,7 @@ class PlacedWeights:
     self._vae_where = _placements(self.vae)
     self._vae_placed = None  # the decode's copy too
     _delete_device_copies(self.vae)
-    self.vae, self._vae_host = host, host
+    self._vae, self._vae_host = host, host
 
   def restore_vae(self) -> None:
     """Uploads the VAE dropped before as it was placed (a no-op when it is there): a leaf committed to
@@ -179,7 +189,7 @@ class PlacedWeights:
     that the decoder's programs lowered before the drop (`decoding.lower_decoder`, compiled ahead) are
     the ones the decode calls, not a second pair for committed arguments."""
     if self._vae_host is not None:
-      self.vae, self._vae_host = _put_back(self._vae_host, self._vae_where), None
+      self._vae, self._vae_host = _put_back(self._vae_host, self._vae_where), None
 
   def host_bytes(self) -> int:
     """Bytes of the weights held on the host now (numpy arrays and the CPU backend's; each once)."""

@@ -141,7 +141,9 @@ def latent_stats(config: WanVAEConfig, dtype: Any) -> tuple[np.ndarray, np.ndarr
 
 def denormalize_latents(config: WanVAEConfig, latents: jax.Array) -> jax.Array:
   """Diffusion-space latents [B, C, F, Hl, Wl] -> VAE-space: `latents / (1 / std) + mean` in the latents'
-  dtype, as WanPipeline writes it (`latent_stats`)."""
+  dtype, as WanPipeline writes it (`latent_stats`). Traced by XLA, the division can be 1 ulp off
+  torch's and a fused divide-add skips the intermediate rounding; `decoding.vae_latents` is the
+  host form that rounds as torch does."""
   mean, inv_std = latent_stats(config, latents.dtype)
   return latents / inv_std + mean
 

@@ -47,5 +47,6 @@ def test_a_named_precision_is_the_one_the_decode_runs_under(tmp_path, monkeypatc
     out = tmp_path / f"{precision}.json"
     assert decode.main(["--preset", "tiny", "--frames", "1", "--path", "whole", "--runs", "1",
                         "--precision", precision, "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["precision"] == precision
+    result = json.loads(out.read_text())
+    assert result["precision"] == precision and result["matmul_precision"] == seen[-1]
   assert seen == ["high", "highest"]
