@@ -19,7 +19,8 @@ So `generate` runs each process of a multi-process run as a child of a small sup
   coordination service's verdict, the supervisor prints one line naming the lost process and what
   to do, and exits with `EXIT_PEER_LOST` (3). Other exits pass through unchanged;
 - SIGINT / SIGTERM / SIGHUP sent to the supervisor are passed to the child (started in its own
-  session, so a Ctrl-C reaches it once), which stops as a single-process run does (exit 130); the
+  session, so a Ctrl-C reaches it once, and with SIGINT at its default even where the supervisor
+  inherited it ignored), which stops as a single-process run does (exit 130); the
   child gets SIGKILL if the supervisor itself dies (Linux parent-death signal).
 
 The child learns it is supervised from `ENV_SUPERVISED` and may leave a note for the supervisor in
@@ -175,6 +176,15 @@ def lost_peer_line(log_text: str, process_id: int, num_processes: int, heartbeat
   return f"generate: error: process {process_id}: {what}; {nothing}; {todo}"
 
 
+def _child_setup() -> None:
+  """In the child before exec: SIGINT at its default, so that the child's Python raises
+  KeyboardInterrupt on the SIGINT the supervisor forwards (a supervisor started with SIGINT
+  ignored, as `cmd &` in a non-interactive shell starts it, would pass SIG_IGN on: Python keeps an
+  ignored SIGINT ignored, and the child ran to its end); then `_die_with_parent`."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  _die_with_parent()
+
+
 def _die_with_parent() -> None:
   """In the child before exec: SIGKILL when the supervisor dies (Linux; elsewhere a no-op)."""
   try:
@@ -207,7 +217,7 @@ def run_supervised(argv: Sequence[str], *, process_id: int, num_processes: int,
   env = dict(os.environ, **{ENV_SUPERVISED: "1", ENV_STATUS: status_path})
   child = subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                           preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                           preexec_fn=_child_setup if os.name == "posix" else None)
   code = _wait_filtering(child, log_path)
   status = _read_status(status_path)
   log_text = ""

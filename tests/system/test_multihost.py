@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -55,10 +56,14 @@ def _env() -> dict[str, str]:
   return {k: v for k, v in child_env().items() if k not in drop}
 
 
-def _start(argv: list[str], log: str, cwd: str = ROOT) -> subprocess.Popen:
+def _start(argv: list[str], log: str, cwd: str = ROOT, *, sigint_ignored: bool = False) -> subprocess.Popen:
+  """`generate argv` with its output in `log`; `sigint_ignored`: started as `cmd &` in a
+  non-interactive shell starts it, with SIGINT ignored (inherited by its children)."""
+  ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
   with open(log, "w") as f:  # the child keeps its own descriptor
     return subprocess.Popen([sys.executable, "-m", "pipelines.cli.generate", *argv], cwd=cwd,
-                            env={**_env(), "PYTHONPATH": ROOT}, stdout=f, stderr=subprocess.STDOUT)
+                            env={**_env(), "PYTHONPATH": ROOT}, stdout=f, stderr=subprocess.STDOUT,
+                            preexec_fn=ignore)
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
@@ -274,7 +279,10 @@ def test_processes_with_other_settings_are_refused(tmp_path):
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_ctrl_c_of_one_process(tmp_path):
   """Ctrl-C (SIGINT) to process 1 only, mid-denoise: it stops at once with exit 130 and the resume
-  hint; process 0 stops within the heartbeat timeout + 10 s with exit 3 naming process 1."""
+  hint; process 0 stops within the heartbeat timeout + 10 s with exit 3 naming process 1. Both are
+  started with SIGINT ignored, as a background job (`cmd &`, e.g. a CI runner) is: the supervisor
+  forwards the SIGINT it is sent, and its child must act on it (it ignored it, and ran to its end,
+  before the supervisor reset SIGINT in the child)."""
   heartbeat = 5
   steps = 400
   args = list(ARGS)
@@ -287,7 +295,7 @@ def test_ctrl_c_of_one_process(tmp_path):
       procs.append(_start(args + ["--out", str(tmp_path / "out.npy"), "--coordinator", coordinator,
                                   "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout",
                                   str(heartbeat), "--coordinator-timeout", "60",
-                                  "--checkpoint-dir", str(tmp_path / "ckpt")], logs[i]))
+                                  "--checkpoint-dir", str(tmp_path / "ckpt")], logs[i], sigint_ignored=True))
     deadline = time.monotonic() + TIMEOUT_S
     while not re.search(rf" [1-9]\d*/{steps} \[", open(logs[0]).read()):
       assert time.monotonic() < deadline and procs[0].poll() is None, open(logs[0]).read()
